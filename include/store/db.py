@@ -1,0 +1,155 @@
+"""The `Store`: a connection source plus short transactions that run named queries.
+
+One `Store` per process. PostgreSQL connections come from a psycopg pool sized by
+`[store].pool_size`; SQLite and SQL Server keep one connection per thread. A transaction either
+commits as a whole or rolls back; nothing here retries, so callers see every failure.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from include.config import StoreConfig
+from include.store import queries
+from include.store.dialects import DIALECTS, Dialect
+
+
+@dataclass(frozen=True)
+class StagedTable:
+    """A staged table the row-lease primitives may touch (the whitelist for `{table}`)."""
+
+    name: str
+    stage: str
+    has_destination: bool
+
+    def template(self) -> dict[str, str]:
+        return {"table": self.name, "dest": "destination" if self.has_destination else "NULL"}
+
+
+INBOUND = StagedTable("stage_inbound", "inbound", False)
+ROUTED = StagedTable("stage_routed", "routed", True)
+OUTBOUND = StagedTable("stage_outbound", "outbound", True)
+STAGED_TABLES = (INBOUND, ROUTED, OUTBOUND)
+
+
+class Tx:
+    """One open transaction; methods run named queries and return dict rows."""
+
+    def __init__(self, store: Store, conn: Any) -> None:
+        self.store = store
+        self.conn = conn
+        self.dialect: Dialect = store.dialect
+
+    def sql(self, name: str, table: StagedTable | None = None) -> str:
+        return self.store.sql(name, table)
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None, *,
+            table: StagedTable | None = None) -> list[dict[str, Any]]:
+        cur = self.conn.cursor()
+        cur.execute(self.sql(name, table), dict(params or {}))
+        rows = cur.fetchall() if cur.description else []
+        return [dict(r) for r in rows]
+
+    def one(self, name: str, params: Mapping[str, Any] | None = None, *,
+            table: StagedTable | None = None) -> dict[str, Any] | None:
+        rows = self.all(name, params, table=table)
+        return rows[0] if rows else None
+
+    def execute(self, name: str, params: Mapping[str, Any] | None = None, *,
+                table: StagedTable | None = None) -> int:
+        cur = self.conn.cursor()
+        cur.execute(self.sql(name, table), dict(params or {}))
+        return cur.rowcount
+
+    def script(self, text: str) -> None:
+        cur = self.conn.cursor()
+        for statement in self.dialect.split_script(text):
+            cur.execute(statement)
+
+    def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
+                      from_status: str | None, epoch: int | None, node_id: str | None) -> None:
+        """Append one audit event per transitioned row (rows as returned by a transition query)."""
+        if not rows:
+            return
+        events = [{"stage": table.stage, "row_id": r["id"], "message_id": r["message_id"],
+                   "control_id": r.get("control_id"), "destination": r.get("destination"),
+                   "event": event, "from_status": from_status, "to_status": r["status"],
+                   "epoch": epoch, "node_id": node_id, "attempt": r.get("attempts"),
+                   "detail": r.get("detail")} for r in rows]
+        self.execute("record_events", {"events": json.dumps(events)})
+
+
+class Store:
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.dialect = DIALECTS[config.backend]
+        self._queries = queries.load(config.backend)
+        self._sql_cache: dict[tuple[str, str | None], str] = {}
+        self._local = threading.local()
+        self._pool: Any = None
+        if config.backend == "postgres":
+            from psycopg_pool import ConnectionPool
+            from psycopg.rows import dict_row
+
+            self._pool = ConnectionPool(
+                kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},
+                min_size=1, max_size=config.pool_size, open=True, name="stageline", timeout=30)
+
+    @property
+    def backend(self) -> str:
+        return self.config.backend
+
+    def sql(self, name: str, table: StagedTable | None = None) -> str:
+        key = (name, table.name if table else None)
+        text = self._sql_cache.get(key)
+        if text is None:
+            try:
+                raw = self._queries[name]
+            except KeyError:
+                raise KeyError(f"no query {name!r} for {self.backend}") from None
+            if "{" in raw:
+                raw = raw.format_map({**self.dialect.template, **(table.template() if table else {})})
+            text = self._sql_cache[key] = self.dialect.translate(raw)
+        return text
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        if self._pool is not None:
+            with self._pool.connection() as conn:
+                yield conn
+            return
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self.dialect.connect(self.config)
+        try:
+            yield conn
+        except BaseException:
+            # a broken connection is not reused
+            self._local.conn = None
+            try:
+                conn.close()
+            except Exception:
+                pass
+            raise
+
+    @contextmanager
+    def transaction(self, *, write: bool = True) -> Iterator[Tx]:
+        with self._connection() as conn:
+            self.dialect.begin(conn, write=write)
+            try:
+                yield Tx(self, conn)
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

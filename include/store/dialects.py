@@ -1,0 +1,129 @@
+"""What differs between SQLite, PostgreSQL and SQL Server besides the SQL text itself:
+how to connect, how a write transaction starts, how a script is split, how a list of ids is passed,
+and which driver errors mean "lost a race" (the elector's `conflict`)."""
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from include.config import StoreConfig
+from include.store.queries import to_pyformat
+
+NOW_MS_SQLITE = "(CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))"
+
+
+def _dict_row_sqlite(cursor: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
+    return {d[0]: v for d, v in zip(cursor.description, row)}
+
+
+def split_sqlite_script(script: str) -> list[str]:
+    statements, buf = [], ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            if buf.strip() and not all(l.strip().startswith("--") or not l.strip() for l in buf.splitlines()):
+                statements.append(buf.strip())
+            buf = ""
+    if buf.strip() and any(l.strip() and not l.strip().startswith("--") for l in buf.splitlines()):
+        statements.append(buf.strip())
+    return statements
+
+
+def split_tsql_batches(script: str) -> list[str]:
+    """T-SQL scripts are split on `GO` lines, as sqlcmd does."""
+    return [b.strip() for b in re.split(r"^\s*GO\s*$", script, flags=re.MULTILINE | re.IGNORECASE) if b.strip()]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    template: dict[str, str]
+    translate: Callable[[str], str]
+
+    def connect(self, cfg: StoreConfig) -> Any:
+        raise NotImplementedError
+
+    def begin(self, conn: Any, *, write: bool) -> None:
+        """Drivers here open transactions implicitly; SQLite needs an explicit one."""
+
+    def split_script(self, script: str) -> list[str]:
+        return [script]
+
+    def id_list(self, ids: list[int]) -> Any:
+        return json.dumps([int(i) for i in ids])
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return False
+
+
+class SqliteDialect(Dialect):
+    def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
+        Path(cfg.path).parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(cfg.path, isolation_level=None, timeout=cfg.busy_timeout_ms / 1000,
+                               check_same_thread=False)
+        conn.row_factory = _dict_row_sqlite
+        conn.execute(f"PRAGMA busy_timeout = {int(cfg.busy_timeout_ms)}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+
+    def begin(self, conn: sqlite3.Connection, *, write: bool) -> None:
+        conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    def split_script(self, script: str) -> list[str]:
+        return split_sqlite_script(script)
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
+class PostgresDialect(Dialect):
+    def connect(self, cfg: StoreConfig) -> Any:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        return psycopg.connect(**self.conninfo(cfg), row_factory=dict_row, autocommit=False)
+
+    def conninfo(self, cfg: StoreConfig) -> dict[str, Any]:
+        info: dict[str, Any] = {"host": cfg.server, "port": cfg.effective_port, "dbname": cfg.database,
+                                "user": cfg.username, "application_name": "stageline",
+                                "options": f"-c search_path={cfg.schema}", "connect_timeout": 10}
+        if cfg.password:
+            info["password"] = cfg.password
+        return info
+
+    def id_list(self, ids: list[int]) -> Any:
+        return [int(i) for i in ids]
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        import psycopg.errors as e
+
+        return isinstance(exc, (e.SerializationFailure, e.DeadlockDetected, e.LockNotAvailable))
+
+
+class SqlServerDialect(Dialect):
+    def connect(self, cfg: StoreConfig) -> Any:
+        import pymssql
+
+        return pymssql.connect(server=cfg.server, port=str(cfg.effective_port), user=cfg.username,
+                               password=cfg.password or "", database=cfg.database, as_dict=True,
+                               autocommit=False, login_timeout=10)
+
+    def split_script(self, script: str) -> list[str]:
+        return split_tsql_batches(script)
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        # 1205 deadlock victim, 1222 lock request timeout
+        return any(code in str(exc) for code in ("1205", "1222"))
+
+
+DIALECTS: dict[str, Dialect] = {
+    "sqlite": SqliteDialect("sqlite", {"now": NOW_MS_SQLITE}, lambda sql: sql),
+    "postgres": PostgresDialect("postgres", {}, to_pyformat),
+    "sqlserver": SqlServerDialect("sqlserver", {}, to_pyformat),
+}

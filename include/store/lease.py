@@ -1,0 +1,151 @@
+"""The self-fencing leader lease.
+
+State machine of one elector (one per node), stepped every `heartbeat_seconds`:
+
+    candidate ──step: lease free or expired──▶ leader (epoch = previous + 1)            "elected"
+    candidate ──step: someone else's live lease──▶ candidate                             "other_leader"
+    leader    ──step: renewed to DB_now + ttl──▶ leader (same epoch)                     "already_leader"
+    leader    ──step: lease now has another owner/epoch──▶ candidate                     "conflict"
+    leader    ──no successful renewal for fence_timeout (local monotonic clock)──▶ fenced → candidate
+    leader    ──release()──▶ candidate, lease expires at once so a standby acquires on its next step
+
+Every step is one short transaction that locks the lease row, so two electors never both win.
+Lease times are the database's clock; the node's wall clock is never consulted. The fence is
+measured from the *start* of the last successful renewal on the local monotonic clock, so it
+always trips before the lease can expire (fence_timeout < ttl) and a fenced leader is provably idle
+by the time a standby can acquire. Each acquisition bumps the epoch: the fencing token every staged
+write checks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable
+
+from include.store.db import Store
+
+
+class Outcome(str, Enum):
+    ELECTED = "elected"
+    ALREADY_LEADER = "already_leader"
+    OTHER_LEADER = "other_leader"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class ElectionResult:
+    outcome: Outcome
+    epoch: int | None
+    leader: str | None
+    expires_at: float | None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.outcome in (Outcome.ELECTED, Outcome.ALREADY_LEADER)
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """The lease row as any reader sees it (sensor, `/cluster/nodes`)."""
+
+    owner: str | None
+    epoch: int
+    expires_at: float | None
+    live: bool
+    db_now: float
+    recovered_epoch: int
+
+
+def read_lease(store: Store) -> LeaseState:
+    with store.transaction(write=False) as tx:
+        row = tx.one("lease_read")
+    return _state(row)
+
+
+def _state(row: dict[str, Any]) -> LeaseState:
+    return LeaseState(owner=row["owner"], epoch=int(row["epoch"]), expires_at=row["expires_at"],
+                      live=bool(row["live"]), db_now=float(row["db_now"]),
+                      recovered_epoch=int(row["recovered_epoch"]))
+
+
+def acquire_permanent(store: Store, *, node_id: str) -> int:
+    """Single-node mode: this process is leader for good; a new epoch fences the previous process."""
+    with store.transaction() as tx:
+        return int(tx.one("lease_acquire_permanent", {"owner": node_id})["epoch"])
+
+
+class LeaderElector:
+    def __init__(self, store: Store, *, node_id: str, ttl_seconds: float, fence_timeout_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not fence_timeout_seconds < ttl_seconds:
+            raise ValueError("fence_timeout_seconds must be < ttl_seconds")
+        self.store = store
+        self.node_id = node_id
+        self.ttl = float(ttl_seconds)
+        self.fence_timeout = float(fence_timeout_seconds)
+        self._clock = clock
+        self._epoch: int | None = None
+        self._renewed_at: float | None = None  # local monotonic time at the start of the last good renewal
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch held, or None; meaningful only while `is_leader`."""
+        return self._epoch if self.is_leader else None
+
+    @property
+    def fence_deadline(self) -> float | None:
+        """Local monotonic time at which this leader stops acting unless it renews first."""
+        if self._epoch is None or self._renewed_at is None:
+            return None
+        return self._renewed_at + self.fence_timeout
+
+    @property
+    def is_leader(self) -> bool:
+        deadline = self.fence_deadline
+        return deadline is not None and self._clock() < deadline
+
+    def step(self) -> ElectionResult:
+        """One elect-or-renew transaction. Database errors propagate; the fence keeps running."""
+        if self._epoch is not None and not self.is_leader:
+            self._drop()  # self-fenced: never renew a lease we already stopped acting on
+        started = self._clock()
+        params = {"owner": self.node_id, "ttl": self.ttl}
+        try:
+            with self.store.transaction() as tx:
+                cur = tx.one("lease_read_locked")
+                owner, epoch, live = cur["owner"], int(cur["epoch"]), bool(cur["live"])
+                if self._epoch is not None:
+                    if owner != self.node_id or epoch != self._epoch:
+                        self._drop()
+                        return ElectionResult(Outcome.CONFLICT, epoch, owner if live else None, cur["expires_at"])
+                    if live:
+                        row = tx.one("lease_renew", {**params, "epoch": epoch})
+                        self._renewed_at = started
+                        return ElectionResult(Outcome.ALREADY_LEADER, epoch, self.node_id, row["expires_at"])
+                    # our lease ran out and nobody took it: fall through and acquire a new epoch
+                elif live:
+                    return ElectionResult(Outcome.OTHER_LEADER, epoch, owner, cur["expires_at"])
+                row = tx.one("lease_acquire", {**params, "prev_epoch": epoch})
+                if row is None:
+                    self._drop()
+                    return ElectionResult(Outcome.CONFLICT, None, None, None)
+                self._epoch, self._renewed_at = int(row["epoch"]), started
+                return ElectionResult(Outcome.ELECTED, self._epoch, self.node_id, row["expires_at"])
+        except Exception as exc:
+            if self.store.dialect.is_conflict(exc):
+                return ElectionResult(Outcome.CONFLICT, None, None, None)
+            raise
+
+    def release(self) -> bool:
+        """Clean stop: expire our lease now so a standby acquires on its next step."""
+        epoch, self._epoch = self._epoch, None
+        self._renewed_at = None
+        if epoch is None:
+            return False
+        with self.store.transaction() as tx:
+            return tx.execute("lease_release", {"owner": self.node_id, "epoch": epoch}) == 1
+
+    def _drop(self) -> None:
+        self._epoch = None
+        self._renewed_at = None

@@ -1,0 +1,81 @@
+"""`stageline db migrate`: apply the versioned schema files and pin the store to its cluster.
+
+Each version applies in its own transaction under a migration lock, so two nodes migrating at once
+apply it exactly once. The first migrate writes the cluster identity (a random cluster id plus the
+configured `cluster_name`); afterwards a node configured for another cluster is refused, so two
+clusters can never share — and corrupt — one store by mistake.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from include.store import queries
+from include.store.db import Store
+
+
+class ClusterIdentityError(RuntimeError):
+    """The store belongs to a different cluster than this node's config names."""
+
+
+class SchemaError(RuntimeError):
+    """The store's schema is missing or newer than this code understands."""
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    applied: list[int]
+    version: int
+    cluster_id: str
+    cluster_name: str
+
+
+def latest_version(backend: str) -> int:
+    return len(queries.migrations(backend))
+
+
+def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
+    applied: list[int] = []
+    with store.transaction() as tx:
+        tx.execute("bootstrap")
+    for version, description, sql in queries.migrations(store.backend):
+        with store.transaction() as tx:
+            tx.one("migrate_lock")
+            current = tx.one("schema_version_current")["version"]
+            if current >= version:
+                continue
+            tx.script(sql)
+            tx.execute("schema_version_record", {"version": version, "description": description})
+            applied.append(version)
+    with store.transaction() as tx:
+        tx.one("migrate_lock")
+        tx.execute("identity_insert", {"cluster_id": str(uuid.uuid4()), "cluster_name": cluster_name})
+    identity = check_identity(store, cluster_name=cluster_name)
+    return MigrationReport(applied=applied, version=latest_version(store.backend),
+                           cluster_id=identity["cluster_id"], cluster_name=identity["cluster_name"])
+
+
+def check_identity(store: Store, *, cluster_name: str) -> dict:
+    """Refuse a store that is unmigrated, too new, or owned by another cluster."""
+    try:
+        with store.transaction(write=False) as tx:
+            version = tx.one("schema_version_current")["version"]
+            identity = tx.one("identity_get")
+    except Exception as exc:  # missing tables look different on every driver
+        raise SchemaError(f"the {store.backend} store has no Stageline schema yet; run `stageline db migrate` "
+                          f"({type(exc).__name__}: {exc})") from exc
+    expected = latest_version(store.backend)
+    if version < expected:
+        raise SchemaError(f"the store is at schema version {version}, this code needs {expected}; "
+                          "run `stageline db migrate`")
+    if version > expected:
+        raise SchemaError(f"the store is at schema version {version}, newer than this code ({expected}); "
+                          "upgrade Stageline on this node")
+    if identity is None:
+        raise SchemaError("the store has no cluster identity; run `stageline db migrate`")
+    if identity["cluster_name"] != cluster_name:
+        raise ClusterIdentityError(
+            f"this store belongs to cluster {identity['cluster_name']!r} (cluster id {identity['cluster_id']}), "
+            f"but this node's [cluster].cluster_name is {cluster_name!r}; refusing to start. Point [store] at "
+            "the right database or fix cluster_name.")
+    return identity

@@ -1,0 +1,109 @@
+"""Row-lease primitives the stage jobs use, each fenced by the leader epoch.
+
+A claim moves rows `pending|error → in_flight`, stamping the claimer, the epoch and a row lease
+(DB_now + `[store].lease_ttl_seconds`). Finishing or failing a claimed row only lands while that
+epoch is still the lease's current one and the row is still ours; otherwise nothing changes.
+Rows of a dead claimer come back two ways: at once on promotion (every row claimed under an older
+epoch, lease-blind, once per epoch) and by the recurring sweep of expired row leases.
+
+Each function takes an open `Tx` so a caller can compose it with its own writes (the Spark
+finalize moves landed rows and finishes the sources in one transaction). Claims are not audited
+row by row — the row itself carries owner, epoch and attempts, and the finishing event records
+them; every other transition appends to `message_events`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from include.store.db import STAGED_TABLES, StagedTable, Tx
+
+Row = dict[str, Any]
+FINAL_STATUSES = ("done", "dead", "unrouted")
+
+
+def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
+                lease_seconds: float | None = None) -> list[Row]:
+    """Claim up to `limit` due rows in id order, skipping rows another claimer holds."""
+    return tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                  "lease_seconds": _lease(tx, lease_seconds)}, table=table)
+
+
+def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
+                     lease_seconds: float | None = None) -> list[Row]:
+    """Claim the head of up to `limit` lanes (per-lane FIFO).
+
+    A lane's head is its oldest unfinished row. Expired in-flight rows are re-pended first in the
+    same transaction, so a crashed leader's stranded head is retried before anything newer in its
+    lane; a head that is in flight elsewhere or waiting out its backoff blocks only its own lane.
+    """
+    sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000)
+    return tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                       "lease_seconds": _lease(tx, lease_seconds)}, table=table)
+
+
+def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
+                 status: str = "done", error: str | None = None) -> list[int]:
+    """Mark claimed rows finished; returns the ids that landed (none under a stale epoch)."""
+    if status not in FINAL_STATUSES:
+        raise ValueError(f"finish status must be one of {FINAL_STATUSES}, got {status!r}")
+    if not ids:
+        return []
+    rows = tx.all("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
+                                   "status": status, "error": error}, table=table)
+    tx.record_events(rows, table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
+    return [r["id"] for r in rows]
+
+
+def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int, error: str,
+               max_attempts: int, backoff_seconds: float = 1.0, max_backoff_seconds: float = 300.0) -> list[Row]:
+    """Record a failed attempt: `error` with exponential backoff, or `dead` after `max_attempts`."""
+    if not ids:
+        return []
+    rows = tx.all("fail_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
+                                 "error": error, "max_attempts": int(max_attempts),
+                                 "backoff_seconds": float(backoff_seconds),
+                                 "max_backoff_seconds": float(max_backoff_seconds)}, table=table)
+    tx.record_events(rows, table=table, event="attempt_failed", from_status="in_flight", epoch=epoch, node_id=owner)
+    return rows
+
+
+def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000) -> int:
+    """Re-pend in-flight rows whose row lease expired (the recurring, lease-gated sweep)."""
+    rows = tx.all("sweep_expired", {"epoch": epoch, "limit": int(limit)}, table=table)
+    tx.record_events(rows, table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
+    return len(rows)
+
+
+def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
+    """Re-pend every row claimed under an older epoch, once per epoch.
+
+    Lease-blind by design: the previous leader has provably stopped (it fenced itself before its
+    lease expired), so its rows need not wait out their row leases. Returns the number recovered, or
+    None when this epoch already ran its recovery or is no longer current.
+    """
+    if tx.one("recovery_mark", {"epoch": epoch}) is None:
+        return None
+    total = 0
+    for table in STAGED_TABLES:
+        rows = tx.all("recover_stale_epoch", {"epoch": epoch}, table=table)
+        tx.record_events(rows, table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
+        total += len(rows)
+    return total
+
+
+def insert_inbound(tx: Tx, *, epoch: int, node_id: str, message_id: str, control_id: str | None,
+                   connection: str, payload: str, lane_key: str | None = None,
+                   charset: str | None = None) -> int | None:
+    """Stage one received message under `epoch`; None when the epoch is stale (nothing written)."""
+    row = tx.one("insert_inbound", {"epoch": epoch, "message_id": message_id, "control_id": control_id,
+                                    "connection": connection, "lane_key": lane_key, "charset": charset,
+                                    "payload": payload})
+    if row is None:
+        return None
+    tx.record_events([row], table=STAGED_TABLES[0], event="received", from_status=None, epoch=epoch,
+                     node_id=node_id)
+    return int(row["id"])
+
+
+def _lease(tx: Tx, lease_seconds: float | None) -> float:
+    return float(lease_seconds if lease_seconds is not None else tx.store.config.lease_ttl_seconds)

@@ -1,0 +1,171 @@
+-- Stageline named queries, PostgreSQL.
+-- Parameters are written :name (translated to the driver's style at load); {table} and {dest} are
+-- filled from the whitelisted staged-table catalogue, never from input. Times come from now().
+
+-- name: bootstrap
+CREATE TABLE IF NOT EXISTS schema_version (
+    version      integer PRIMARY KEY,
+    description  text        NOT NULL,
+    applied_at   timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: migrate_lock
+SELECT pg_advisory_xact_lock(726100101)
+
+-- name: schema_version_current
+SELECT coalesce(max(version), 0) AS version FROM schema_version
+
+-- name: schema_version_record
+INSERT INTO schema_version (version, description) VALUES (:version, :description)
+
+-- name: identity_get
+SELECT cluster_id, cluster_name, config_version FROM cluster_identity WHERE id = 1
+
+-- name: identity_insert
+INSERT INTO cluster_identity (id, cluster_id, cluster_name) VALUES (1, :cluster_id, :cluster_name)
+ON CONFLICT (id) DO NOTHING
+
+-- name: db_now
+SELECT extract(epoch FROM clock_timestamp())::float8 AS db_now
+
+-- name: lease_read
+SELECT owner, epoch, recovered_epoch,
+       extract(epoch FROM expires_at)::float8 AS expires_at,
+       (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live,
+       extract(epoch FROM now())::float8 AS db_now
+  FROM leader_lease WHERE id = 1
+
+-- name: lease_read_locked
+SELECT owner, epoch, recovered_epoch,
+       extract(epoch FROM expires_at)::float8 AS expires_at,
+       (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live,
+       extract(epoch FROM now())::float8 AS db_now
+  FROM leader_lease WHERE id = 1 FOR UPDATE
+
+-- name: lease_renew
+UPDATE leader_lease
+   SET renewed_at = now(), expires_at = now() + make_interval(secs => :ttl)
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch AND expires_at > now()
+RETURNING epoch, extract(epoch FROM expires_at)::float8 AS expires_at
+
+-- name: lease_acquire
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = now(), renewed_at = now(),
+       expires_at = now() + make_interval(secs => :ttl)
+ WHERE id = 1 AND epoch = :prev_epoch
+RETURNING epoch, extract(epoch FROM expires_at)::float8 AS expires_at
+
+-- name: lease_acquire_permanent
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = now(), renewed_at = now(), expires_at = NULL
+ WHERE id = 1
+RETURNING epoch, NULL::float8 AS expires_at
+
+-- name: lease_release
+UPDATE leader_lease SET expires_at = now()
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch AND (expires_at IS NULL OR expires_at > now())
+
+-- name: node_heartbeat
+INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash)
+VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash)
+ON CONFLICT (node_id) DO UPDATE
+   SET status = 'active', last_seen = now(), is_leader = EXCLUDED.is_leader,
+       config_hash = EXCLUDED.config_hash
+
+-- name: node_leave
+UPDATE nodes SET status = 'left', is_leader = false, last_seen = now() WHERE node_id = :node_id
+
+-- name: nodes_list
+SELECT node_id, host, pid, status, is_leader, config_hash,
+       extract(epoch FROM started_at)::float8 AS started_at,
+       extract(epoch FROM last_seen)::float8 AS last_seen,
+       (status = 'active' AND last_seen > now() - make_interval(secs => :node_timeout)) AS fresh
+  FROM nodes ORDER BY started_at, node_id
+
+-- name: claim_batch
+UPDATE {table}
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = now() + make_interval(secs => :lease_seconds),
+       attempts = attempts + 1, updated_at = now()
+ WHERE id IN (SELECT id FROM {table}
+               WHERE status IN ('pending', 'error')
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+               ORDER BY id LIMIT :limit
+               FOR UPDATE SKIP LOCKED)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
+
+-- name: claim_lane_heads
+UPDATE {table}
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = now() + make_interval(secs => :lease_seconds),
+       attempts = attempts + 1, updated_at = now()
+ WHERE id IN (SELECT h.id
+                FROM {table} h
+                JOIN (SELECT min(id) AS id FROM {table}
+                       WHERE status IN ('pending', 'error', 'in_flight')
+                       GROUP BY lane_key) heads ON heads.id = h.id
+               WHERE h.status IN ('pending', 'error')
+                 AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= now())
+               ORDER BY h.id LIMIT :limit)
+   AND status IN ('pending', 'error')
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
+
+-- name: finish_batch
+-- Fenced: the FOR SHARE lock on the lease row holds off any acquisition until this commits.
+UPDATE {table}
+   SET status = :status, lease_owner = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
+       last_error = :error, updated_at = now()
+ WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: fail_batch
+UPDATE {table}
+   SET status = CASE WHEN attempts >= :max_attempts THEN 'dead' ELSE 'error' END,
+       next_attempt_at = CASE WHEN attempts >= :max_attempts THEN NULL
+                              ELSE now() + make_interval(secs => least(:max_backoff_seconds,
+                                       :backoff_seconds * power(2, attempts - 1))) END,
+       lease_owner = NULL, lease_expires_at = NULL, last_error = :error, updated_at = now()
+ WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: sweep_expired
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
+       last_error = 'row lease of ' || lease_owner || ' (epoch ' || claim_epoch || ') expired'
+ WHERE id IN (SELECT id FROM {table}
+               WHERE status = 'in_flight' AND lease_expires_at <= now()
+               ORDER BY id LIMIT :limit
+               FOR UPDATE SKIP LOCKED)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: recovery_mark
+UPDATE leader_lease SET recovered_epoch = epoch
+ WHERE id = 1 AND epoch = :epoch AND recovered_epoch < :epoch
+RETURNING epoch
+
+-- name: recover_stale_epoch
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
+       last_error = 'recovered on promotion: claimed by ' || lease_owner || ' under epoch ' || claim_epoch
+ WHERE status = 'in_flight' AND claim_epoch < :epoch
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: insert_inbound
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
+ WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
+
+-- name: record_events
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
+       e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+  FROM json_to_recordset(CAST(:events AS json)) AS e(
+       stage text, row_id bigint, message_id text, control_id text, destination text, event text,
+       from_status text, to_status text, epoch bigint, node_id text, attempt integer, detail text)

@@ -1,0 +1,169 @@
+-- Stageline named queries, SQLite.
+-- Parameters are written :name; {table} and {dest} come from the staged-table catalogue and {now}
+-- is SQLite's clock in epoch milliseconds. Writers run inside BEGIN IMMEDIATE: SQLite has one
+-- writer at a time, so it needs no row locks or SKIP LOCKED.
+
+-- name: bootstrap
+CREATE TABLE IF NOT EXISTS schema_version (
+    version      INTEGER PRIMARY KEY,
+    description  TEXT    NOT NULL,
+    applied_at   INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))
+)
+
+-- name: migrate_lock
+SELECT 1
+
+-- name: schema_version_current
+SELECT coalesce(max(version), 0) AS version FROM schema_version
+
+-- name: schema_version_record
+INSERT INTO schema_version (version, description) VALUES (:version, :description)
+
+-- name: identity_get
+SELECT cluster_id, cluster_name, config_version FROM cluster_identity WHERE id = 1
+
+-- name: identity_insert
+INSERT OR IGNORE INTO cluster_identity (id, cluster_id, cluster_name) VALUES (1, :cluster_id, :cluster_name)
+
+-- name: db_now
+SELECT {now} / 1000.0 AS db_now
+
+-- name: lease_read
+SELECT owner, epoch, recovered_epoch, expires_at / 1000.0 AS expires_at,
+       (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > {now})) AS live,
+       {now} / 1000.0 AS db_now
+  FROM leader_lease WHERE id = 1
+
+-- name: lease_read_locked
+SELECT owner, epoch, recovered_epoch, expires_at / 1000.0 AS expires_at,
+       (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > {now})) AS live,
+       {now} / 1000.0 AS db_now
+  FROM leader_lease WHERE id = 1
+
+-- name: lease_renew
+UPDATE leader_lease
+   SET renewed_at = {now}, expires_at = {now} + CAST(:ttl * 1000 AS INTEGER)
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch AND expires_at > {now}
+RETURNING epoch, expires_at / 1000.0 AS expires_at
+
+-- name: lease_acquire
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = {now}, renewed_at = {now},
+       expires_at = {now} + CAST(:ttl * 1000 AS INTEGER)
+ WHERE id = 1 AND epoch = :prev_epoch
+RETURNING epoch, expires_at / 1000.0 AS expires_at
+
+-- name: lease_acquire_permanent
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = {now}, renewed_at = {now}, expires_at = NULL
+ WHERE id = 1
+RETURNING epoch, NULL AS expires_at
+
+-- name: lease_release
+UPDATE leader_lease SET expires_at = {now}
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch AND (expires_at IS NULL OR expires_at > {now})
+
+-- name: node_heartbeat
+INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash)
+VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash)
+ON CONFLICT (node_id) DO UPDATE
+   SET status = 'active', last_seen = {now}, is_leader = excluded.is_leader,
+       config_hash = excluded.config_hash
+
+-- name: node_leave
+UPDATE nodes SET status = 'left', is_leader = 0, last_seen = {now} WHERE node_id = :node_id
+
+-- name: nodes_list
+SELECT node_id, host, pid, status, is_leader, config_hash,
+       started_at / 1000.0 AS started_at, last_seen / 1000.0 AS last_seen,
+       (status = 'active' AND last_seen > {now} - CAST(:node_timeout * 1000 AS INTEGER)) AS fresh
+  FROM nodes ORDER BY started_at, node_id
+
+-- name: claim_batch
+UPDATE {table}
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = {now} + CAST(:lease_seconds * 1000 AS INTEGER),
+       attempts = attempts + 1, updated_at = {now}
+ WHERE id IN (SELECT id FROM {table}
+               WHERE status IN ('pending', 'error')
+                 AND (next_attempt_at IS NULL OR next_attempt_at <= {now})
+               ORDER BY id LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
+
+-- name: claim_lane_heads
+UPDATE {table}
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = {now} + CAST(:lease_seconds * 1000 AS INTEGER),
+       attempts = attempts + 1, updated_at = {now}
+ WHERE id IN (SELECT h.id
+                FROM {table} h
+                JOIN (SELECT min(id) AS id FROM {table}
+                       WHERE status IN ('pending', 'error', 'in_flight')
+                       GROUP BY lane_key) heads ON heads.id = h.id
+               WHERE h.status IN ('pending', 'error')
+                 AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= {now})
+               ORDER BY h.id LIMIT :limit)
+   AND status IN ('pending', 'error')
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
+
+-- name: finish_batch
+UPDATE {table}
+   SET status = :status, lease_owner = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
+       last_error = :error, updated_at = {now}
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: fail_batch
+UPDATE {table}
+   SET status = CASE WHEN attempts >= :max_attempts THEN 'dead' ELSE 'error' END,
+       next_attempt_at = CASE WHEN attempts >= :max_attempts THEN NULL
+                              ELSE {now} + CAST(1000 * min(:max_backoff_seconds,
+                                       :backoff_seconds * (1 << (attempts - 1))) AS INTEGER) END,
+       lease_owner = NULL, lease_expires_at = NULL, last_error = :error, updated_at = {now}
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: sweep_expired
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
+       last_error = 'row lease of ' || lease_owner || ' (epoch ' || claim_epoch || ') expired'
+ WHERE id IN (SELECT id FROM {table}
+               WHERE status = 'in_flight' AND lease_expires_at <= {now}
+               ORDER BY id LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: recovery_mark
+UPDATE leader_lease SET recovered_epoch = epoch
+ WHERE id = 1 AND epoch = :epoch AND recovered_epoch < :epoch
+RETURNING epoch
+
+-- name: recover_stale_epoch
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
+       last_error = 'recovered on promotion: claimed by ' || lease_owner || ' under epoch ' || claim_epoch
+ WHERE status = 'in_flight' AND claim_epoch < :epoch
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: insert_inbound
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
+ WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
+
+-- name: record_events
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+SELECT json_extract(e.value, '$.stage'), json_extract(e.value, '$.row_id'),
+       json_extract(e.value, '$.message_id'), json_extract(e.value, '$.control_id'),
+       json_extract(e.value, '$.destination'), json_extract(e.value, '$.event'),
+       json_extract(e.value, '$.from_status'), json_extract(e.value, '$.to_status'),
+       json_extract(e.value, '$.epoch'), json_extract(e.value, '$.node_id'),
+       json_extract(e.value, '$.attempt'), json_extract(e.value, '$.detail')
+  FROM json_each(:events) AS e

@@ -1,0 +1,265 @@
+"""Build HL7 v2 original-mode ACK messages (bytes) for inbound headers.
+
+The ACK reuses the inbound message's separators, version and charset so the sender's parser
+reads it the way it reads its own messages. Values echoed from the inbound MSH are raw
+(already escaped with the same separators); text we author (reasons, our own identity) is
+escaped here, so nothing we write can break the ACK's structure.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import StrEnum
+
+from listeners.hl7msg import HL7Header
+
+__all__ = [
+    "AckCode",
+    "AckDecision",
+    "DEFAULT_ENCODING_CHARACTERS",
+    "ERROR_TEXT",
+    "build_ack",
+    "build_fallback_ack",
+    "escape",
+    "new_control_id",
+]
+
+DEFAULT_FIELD_SEPARATOR = "|"
+DEFAULT_ENCODING_CHARACTERS = "^~\\&"
+MAX_REASON_CHARS = 200
+
+#: HL7 table 0357 (message error condition codes) used by Stageline.
+ERROR_TEXT: dict[str, str] = {
+    "100": "Segment sequence error",
+    "101": "Required field missing",
+    "102": "Data type error",
+    "103": "Table value not found",
+    "207": "Application internal error",
+}
+
+
+class AckCode(StrEnum):
+    """MSA-1 acknowledgment codes (original mode)."""
+
+    AA = "AA"
+    AE = "AE"
+    AR = "AR"
+
+
+@dataclass(frozen=True, slots=True)
+class AckDecision:
+    """What a message handler decided; only an explicit ``AA`` ever produces a positive ACK."""
+
+    code: AckCode
+    reason: str = ""
+    error_code: str = "207"
+
+    @classmethod
+    def accept(cls) -> AckDecision:
+        return cls(AckCode.AA)
+
+    @classmethod
+    def error(cls, reason: str, *, error_code: str = "207") -> AckDecision:
+        return cls(AckCode.AE, reason, error_code)
+
+    @classmethod
+    def reject(cls, reason: str, *, error_code: str = "207") -> AckDecision:
+        return cls(AckCode.AR, reason, error_code)
+
+
+def new_control_id() -> str:
+    """A fresh 20-character control id (fits MSH-10's length in every v2 version)."""
+    return uuid.uuid4().hex[:20]
+
+
+def escape(
+    text: str,
+    *,
+    field_separator: str = DEFAULT_FIELD_SEPARATOR,
+    encoding_characters: str = DEFAULT_ENCODING_CHARACTERS,
+) -> str:
+    """Escape free text for one HL7 field (section 2.7): separators become \\F\\ \\S\\ \\R\\ \\T\\
+    \\E\\ (\\P\\ for the v2.7 truncation character); control characters become \\Xhh\\."""
+    esc = encoding_characters[2]
+    table = {
+        field_separator: "F",
+        encoding_characters[0]: "S",
+        encoding_characters[1]: "R",
+        esc: "E",
+        encoding_characters[3]: "T",
+    }
+    if len(encoding_characters) > 4:
+        table[encoding_characters[4]] = "P"
+    out: list[str] = []
+    for ch in text:
+        code = table.get(ch)
+        if code is not None:
+            out.append(f"{esc}{code}{esc}")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"{esc}X{ord(ch):02X}{esc}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def build_ack(
+    header: HL7Header,
+    code: AckCode | str,
+    *,
+    reason: str = "",
+    error_code: str = "207",
+    sending_application: str | None = None,
+    sending_facility: str | None = None,
+    control_id: str | None = None,
+    now: datetime | None = None,
+) -> bytes:
+    """ACK for ``header``: sender and receiver swapped, MSA-2 = the inbound MSH-10.
+
+    :param code: AA, AE or AR; AE/AR add an ERR segment carrying ``reason``.
+    :param sending_application: our MSH-3 (plain text, escaped here); by default the inbound
+        MSH-5 is echoed, i.e. the application the sender addressed.
+    :param sending_facility: our MSH-4, same rule with the inbound MSH-6.
+    :param control_id: the ACK's own MSH-10; a fresh one by default.
+    :param now: the ACK's MSH-7; the current UTC time by default.
+    """
+    ack_code = AckCode(code)
+    fs = header.field_separator
+    enc = header.encoding_characters
+    plain = _escaper(fs, enc)
+    raw = _strip_controls
+    app = raw(header.receiving_application) if sending_application is None else plain(sending_application)
+    fac = raw(header.receiving_facility) if sending_facility is None else plain(sending_facility)
+    trigger = raw(header.trigger_event)
+    cs = enc[0]
+    message_type = f"ACK{cs}{trigger}{cs}ACK" if trigger else "ACK"
+    msh = [
+        "MSH",
+        enc,
+        app,
+        fac,
+        raw(header.sending_application),
+        raw(header.sending_facility),
+        _timestamp(now),
+        "",
+        message_type,
+        plain(control_id or new_control_id()),
+        raw(header.processing_id),
+        raw(header.version),
+    ]
+    if header.charset:
+        msh += ["", "", "", "", "", raw(header.charset)]
+    version = _version_tuple(header.version_id)
+    segments = [fs.join(msh), _msa(ack_code, raw(header.control_id), reason, version, plain, fs)]
+    if ack_code is not AckCode.AA:
+        segments.append(_err(error_code, reason, version, plain, fs, enc))
+    text = "".join(segment + "\r" for segment in segments)
+    # "replace" only matters for our own reason text: echoed values came from this charset.
+    return text.encode(header.encoding, errors="replace")
+
+
+def build_fallback_ack(
+    code: AckCode | str = AckCode.AR,
+    *,
+    reason: str = "",
+    error_code: str = "207",
+    sending_application: str = "",
+    sending_facility: str = "",
+    version: str = "2.5",
+    control_id: str | None = None,
+    now: datetime | None = None,
+) -> bytes:
+    """ACK for a message whose header could not be read at all: default separators, ASCII,
+    no receiver, empty MSA-2. Normally used with AR."""
+    ack_code = AckCode(code)
+    fs, enc = DEFAULT_FIELD_SEPARATOR, DEFAULT_ENCODING_CHARACTERS
+    plain = _escaper(fs, enc)
+    msh = [
+        "MSH",
+        enc,
+        plain(sending_application),
+        plain(sending_facility),
+        "",
+        "",
+        _timestamp(now),
+        "",
+        "ACK",
+        plain(control_id or new_control_id()),
+        "P",
+        plain(version),
+    ]
+    parsed = _version_tuple(version)
+    segments = [fs.join(msh), _msa(ack_code, "", reason, parsed, plain, fs)]
+    if ack_code is not AckCode.AA:
+        segments.append(_err(error_code, reason, parsed, plain, fs, enc))
+    text = "".join(segment + "\r" for segment in segments)
+    return text.encode("ascii", errors="replace")
+
+
+def _escaper(fs: str, enc: str) -> Callable[[str], str]:
+    def plain(text: str) -> str:
+        return escape(text, field_separator=fs, encoding_characters=enc)
+
+    return plain
+
+
+def _strip_controls(value: str) -> str:
+    """Echoed values cannot contain separators (they were split on them) but drop control
+    characters anyway: a stray VT/FS would corrupt the MLLP frame around the ACK."""
+    if not any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        return value
+    return "".join(ch for ch in value if ord(ch) >= 0x20 and ord(ch) != 0x7F)
+
+
+def _msa(
+    code: AckCode,
+    control_id: str,
+    reason: str,
+    version: tuple[int, ...],
+    plain: Callable[[str], str],
+    fs: str,
+) -> str:
+    fields = ["MSA", code.value, control_id]
+    # MSA-3 (text message) was withdrawn in v2.7 but older senders still display it.
+    if code is not AckCode.AA and reason and version < (2, 7):
+        fields.append(plain(reason[:MAX_REASON_CHARS]))
+    return fs.join(fields)
+
+
+def _err(
+    error_code: str,
+    reason: str,
+    version: tuple[int, ...],
+    plain: Callable[[str], str],
+    fs: str,
+    enc: str,
+) -> str:
+    code = plain(error_code)
+    code_text = plain(ERROR_TEXT.get(error_code, "Error"))
+    message = plain(reason[:MAX_REASON_CHARS])
+    if version and version < (2, 5):
+        # v2.1-2.4: ERR-1 (ELD) = segment^sequence^field^code&text&table
+        sub = enc[3]
+        text = message or code_text
+        return fs.join(["ERR", f"{enc[0] * 3}{code}{sub}{text}{sub}HL70357"])
+    # v2.5+: ERR-3 (HL7 error code, CWE), ERR-4 severity, ERR-8 user message
+    cs = enc[0]
+    return fs.join(["ERR", "", "", f"{code}{cs}{code_text}{cs}HL70357", "E", "", "", "", message])
+
+
+def _timestamp(now: datetime | None) -> str:
+    moment = now or datetime.now(timezone.utc)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.strftime("%Y%m%d%H%M%S%z")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for piece in version.strip().split("."):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)

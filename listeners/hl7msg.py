@@ -1,0 +1,307 @@
+"""Minimal HL7 v2 header (MSH) parsing straight from the bytes a listener received.
+
+The listener only needs the header: to validate the message enough to ACK it, to pick the
+charset for the ACK and to echo MSH-10 in MSA-2. Full parsing happens later, off the reactor.
+Field values are returned *raw* (still HL7-escaped) so an ACK built with the same separators
+echoes them byte-for-byte.
+"""
+
+from __future__ import annotations
+
+import codecs
+import string
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "HL7Header",
+    "HL7HeaderError",
+    "HeaderErrorReason",
+    "HL7_CHARSETS",
+    "charset_to_codec",
+    "parse_header",
+]
+
+#: HL7 table 0211 (character sets) -> Python codec. UTF-16/32 and bare "UNICODE" are not
+#: listed on purpose: they are not ASCII-compatible, so MLLP's 0x0B/0x1C framing bytes can
+#: occur inside characters and the message cannot be framed safely.
+HL7_CHARSETS: dict[str, str] = {
+    "ASCII": "ascii",
+    "ISO IR6": "ascii",
+    "8859/1": "iso8859_1",
+    "ISO IR100": "iso8859_1",
+    "8859/2": "iso8859_2",
+    "8859/3": "iso8859_3",
+    "8859/4": "iso8859_4",
+    "8859/5": "iso8859_5",
+    "8859/6": "iso8859_6",
+    "8859/7": "iso8859_7",
+    "8859/8": "iso8859_8",
+    "8859/9": "iso8859_9",
+    "8859/15": "iso8859_15",
+    "ISO IR87": "iso2022_jp",
+    "ISO IR159": "iso2022_jp_1",
+    "GB 18030-2000": "gb18030",
+    "KS X 1001": "euc_kr",
+    "BIG-5": "big5",
+    "UNICODE UTF-8": "utf_8",
+    # Not in table 0211 but sent by many real senders; harmless to accept.
+    "UTF-8": "utf_8",
+}
+
+# Separators must be printable ASCII punctuation: never alphanumeric, space or a control char.
+_SEPARATOR_BYTES = frozenset(string.punctuation.encode("ascii"))
+_LEADING_NOISE = b" \t\r\n"
+_UTF8_BOM = codecs.BOM_UTF8
+
+
+class HeaderErrorReason(StrEnum):
+    """Machine-readable reason a header was rejected (goes into logs, metrics and ERR)."""
+
+    NO_MSH = "no_msh"
+    MSH_NOT_FIRST = "msh_not_first"
+    BAD_FIELD_SEPARATOR = "bad_field_separator"
+    BAD_ENCODING_CHARACTERS = "bad_encoding_characters"
+    DUPLICATE_ENCODING_CHARACTERS = "duplicate_encoding_characters"
+    MISSING_CONTROL_ID = "missing_control_id"
+    UNKNOWN_CHARSET = "unknown_charset"
+    UNDECODABLE = "undecodable"
+
+
+class HL7HeaderError(ValueError):
+    """The bytes do not carry a usable MSH header; the message must be rejected (AR).
+
+    ``str(error)`` never contains message content, only the reason and a short detail, so it
+    is safe to log and to send back in an ERR segment.
+    """
+
+    def __init__(self, reason: HeaderErrorReason, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+
+
+@dataclass(frozen=True, slots=True)
+class HL7Header:
+    """The MSH fields a listener needs; values are raw (not unescaped) field text."""
+
+    field_separator: str
+    encoding_characters: str
+    sending_application: str
+    sending_facility: str
+    receiving_application: str
+    receiving_facility: str
+    message_type: str
+    control_id: str
+    processing_id: str
+    version: str
+    charset: str
+    encoding: str  # Python codec used to decode the message (and encode its ACK)
+
+    @property
+    def component_separator(self) -> str:
+        return self.encoding_characters[0]
+
+    @property
+    def repetition_separator(self) -> str:
+        return self.encoding_characters[1]
+
+    @property
+    def escape_character(self) -> str:
+        return self.encoding_characters[2]
+
+    @property
+    def subcomponent_separator(self) -> str:
+        return self.encoding_characters[3]
+
+    @property
+    def truncation_character(self) -> str | None:
+        """The v2.7+ truncation character, or None when MSH-2 has only four characters."""
+        return self.encoding_characters[4] if len(self.encoding_characters) > 4 else None
+
+    @property
+    def message_code(self) -> str:
+        """MSH-9.1, e.g. ``ADT``."""
+        return self.message_type.split(self.component_separator)[0]
+
+    @property
+    def trigger_event(self) -> str:
+        """MSH-9.2, e.g. ``A01``; empty when absent."""
+        parts = self.message_type.split(self.component_separator)
+        return parts[1] if len(parts) > 1 else ""
+
+    @property
+    def version_id(self) -> str:
+        """MSH-12.1, e.g. ``2.5.1``."""
+        return self.version.split(self.component_separator)[0].strip()
+
+
+def charset_to_codec(charset: str) -> str | None:
+    """Map an HL7 MSH-18 value to a Python codec name, or None if unknown/unsupported."""
+    return HL7_CHARSETS.get(" ".join(charset.split()).upper())
+
+
+def parse_header(
+    data: bytes,
+    *,
+    default_encoding: str = "utf_8",
+    strict_charset: bool = True,
+    complete: bool = True,
+) -> HL7Header:
+    """Parse the MSH segment of one message.
+
+    :param data: the message bytes as framed by MLLP.
+    :param default_encoding: codec used when MSH-18 is empty (and, with
+        ``strict_charset=False``, when MSH-18 is unknown).
+    :param strict_charset: reject an unknown MSH-18 instead of falling back to the default.
+    :param complete: True for a whole message: all of it is decoded so undecodable bytes
+        anywhere are caught now rather than in a later stage. False for the first bytes of an
+        oversize frame: only MSH is decoded, and a final field cut off by the truncation is
+        dropped rather than read as a value.
+    :raises HL7HeaderError: when no usable header can be read.
+    """
+    start = _find_msh(data)
+    fs_byte = _field_separator(data, start)
+    enc_chars = _encoding_characters(data, start, fs_byte)
+    fs = chr(fs_byte)
+    repetition = enc_chars[1]
+
+    seg_end = _segment_end(data, start)
+    truncated = seg_end < 0 and not complete
+    raw_seg = data[start:] if seg_end < 0 else data[start:seg_end]
+    if truncated:
+        # Only whole fields count: drop everything after the last field separator.
+        raw_seg = raw_seg[: raw_seg.rfind(fs_byte)]
+
+    # First guess of the charset from a byte-level split. For double-byte charsets a trail
+    # byte may equal a separator, so the guess is re-checked on the decoded text below.
+    raw_fields = raw_seg.split(bytes([fs_byte]))
+    guess = _raw_field(raw_fields, 18).decode("ascii", "replace")
+    encoding = _resolve_codec(guess, repetition, default_encoding, strict_charset)
+    body = data[start:] if complete else raw_seg
+    for _attempt in range(2):
+        text = _decode(body, encoding)
+        fields = _split_msh(text, fs)
+        charset = _field(fields, 18)
+        resolved = _resolve_codec(charset, repetition, default_encoding, strict_charset)
+        if codecs.lookup(resolved).name == codecs.lookup(encoding).name:
+            break
+        encoding = resolved
+    else:
+        raise HL7HeaderError(HeaderErrorReason.UNDECODABLE, "MSH-18 differs once decoded")
+
+    control_id = _field(fields, 10)
+    if not control_id.strip():
+        raise HL7HeaderError(HeaderErrorReason.MISSING_CONTROL_ID, "MSH-10 is empty")
+    return HL7Header(
+        field_separator=fs,
+        encoding_characters=enc_chars,
+        sending_application=_field(fields, 3),
+        sending_facility=_field(fields, 4),
+        receiving_application=_field(fields, 5),
+        receiving_facility=_field(fields, 6),
+        message_type=_field(fields, 9),
+        control_id=control_id,
+        processing_id=_field(fields, 11),
+        version=_field(fields, 12),
+        charset=charset,
+        encoding=codecs.lookup(encoding).name,
+    )
+
+
+def _find_msh(data: bytes) -> int:
+    start = 0
+    if data.startswith(_UTF8_BOM):
+        start = len(_UTF8_BOM)
+    while start < len(data) and data[start] in _LEADING_NOISE:
+        start += 1
+    if data.startswith(b"MSH", start):
+        return start
+    if b"\rMSH" in data or b"\nMSH" in data:
+        raise HL7HeaderError(HeaderErrorReason.MSH_NOT_FIRST, "MSH is not the first segment")
+    if start == len(data):
+        raise HL7HeaderError(HeaderErrorReason.NO_MSH, "empty message")
+    raise HL7HeaderError(HeaderErrorReason.NO_MSH, "no MSH segment")
+
+
+def _field_separator(data: bytes, start: int) -> int:
+    if len(data) <= start + 3:
+        raise HL7HeaderError(HeaderErrorReason.BAD_FIELD_SEPARATOR, "MSH-1 missing")
+    fs = data[start + 3]
+    if fs not in _SEPARATOR_BYTES:
+        raise HL7HeaderError(
+            HeaderErrorReason.BAD_FIELD_SEPARATOR, "MSH-1 must be ASCII punctuation"
+        )
+    return fs
+
+
+def _encoding_characters(data: bytes, start: int, fs: int) -> str:
+    end = start + 4
+    limit = min(len(data), start + 10)  # never scan far: MSH-2 is at most 5 characters
+    while end < limit and data[end] != fs and data[end] not in b"\r\n":
+        end += 1
+    enc = data[start + 4 : end]
+    overlong = end == limit and end < len(data) and data[end] not in (fs, 0x0D, 0x0A)
+    if len(enc) not in (4, 5) or overlong:
+        raise HL7HeaderError(
+            HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be 4 or 5 characters"
+        )
+    if any(b not in _SEPARATOR_BYTES for b in enc):
+        raise HL7HeaderError(
+            HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be ASCII punctuation"
+        )
+    if len(set(enc) | {fs}) != len(enc) + 1:
+        raise HL7HeaderError(
+            HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS,
+            "MSH-1/MSH-2 characters must be distinct",
+        )
+    return enc.decode("ascii")
+
+
+def _segment_end(data: bytes, start: int) -> int:
+    cr = data.find(b"\r", start)
+    lf = data.find(b"\n", start)
+    if cr < 0:
+        return lf
+    return cr if lf < 0 else min(cr, lf)
+
+
+def _raw_field(raw_fields: list[bytes], n: int) -> bytes:
+    # raw_fields[0] is "MSH"; MSH-1 is the separator itself, so MSH-n is raw_fields[n - 1].
+    return raw_fields[n - 1] if len(raw_fields) >= n else b""
+
+
+def _split_msh(text: str, fs: str) -> list[str]:
+    cr = text.find("\r")
+    lf = text.find("\n")
+    ends = [i for i in (cr, lf) if i >= 0]
+    segment = text[: min(ends)] if ends else text
+    return segment.split(fs)
+
+
+def _field(fields: list[str], n: int) -> str:
+    return fields[n - 1] if len(fields) >= n else ""
+
+
+def _resolve_codec(charset: str, repetition: str, default: str, strict: bool) -> str:
+    first = charset.split(repetition)[0].strip()
+    if not first:
+        return default
+    codec = charset_to_codec(first)
+    if codec is not None:
+        return codec
+    if strict:
+        # Only a short, sanitised charset name goes into the detail, never message text.
+        shown = "".join(c for c in first[:24] if c.isprintable())
+        raise HL7HeaderError(HeaderErrorReason.UNKNOWN_CHARSET, f"MSH-18 {shown!r} unsupported")
+    return default
+
+
+def _decode(data: bytes, encoding: str) -> str:
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise HL7HeaderError(
+            HeaderErrorReason.UNDECODABLE,
+            f"byte offset {exc.start} is not valid {codecs.lookup(encoding).name}",
+        ) from None

@@ -1,0 +1,225 @@
+"""Extract HL7 v2 values from raw message strings with native Spark SQL functions.
+
+Stage jobs route and transform on header and patient fields. Parsing every message into a
+Python object (or calling a Python UDF per row) would move each payload through a Python
+worker; everything here is built from Spark's own ``split`` / ``filter`` / ``try_element_at``,
+so it runs inside the JVM (classic or Spark Connect) and is safe under ANSI mode.
+
+Path grammar (indices are 1-based, as in the HL7 standard)::
+
+    path         := segment [ "[" occurrence "]" ] "-" field [ "[" repetition "]" ]
+                    [ "." component [ "." subcomponent ] ]
+    segment      := uppercase letter, then two uppercase letters or digits  (MSH, PID, PV1, ZPD)
+    occurrence, field, repetition, component, subcomponent := integer >= 1
+
+    MSH-9.1     component 1 of field 9 of the first MSH
+    PV1-2       field 2 of PV1 (first repetition, components left intact)
+    PID-3[2].1  component 1 of the second repetition of PID-3
+    PID-3.1.2   subcomponent 2 of component 1 of PID-3
+    OBX[2]-5    field 5 of the second OBX segment
+
+Semantics:
+
+* Separators come from each message's own header: the field separator is the character after
+  ``MSH``; MSH-2 gives component, repetition, escape and subcomponent separators, in that
+  order. A separator MSH-2 omits is simply never split on.
+* MSH-1 is the field separator and MSH-2 the encoding characters, so for MSH the field number
+  is the HL7 one (MSH-3 is the sending application), not the position after splitting.
+  MSH-1 and MSH-2 take no repetition or component index.
+* Segments end with CR; LF and CRLF are tolerated. The message must start with ``MSH``
+  (leading CR/LF are ignored); otherwise every path yields NULL.
+* Without a repetition index the first repetition is used. A path that stops at the field or
+  component level returns that element's raw text, inner separators included
+  (``MSH-9`` -> ``ADT^A01^ADT_A01``). python-hl7 and HAPI's Terser instead descend to the
+  first leaf (``ADT``); spell out ``.1`` for that.
+* A missing segment, field, repetition, component or subcomponent and an empty value are
+  both NULL, never ``""``: HL7 treats an empty field as "not present", and one NULL rule
+  keeps ``exists`` and ``eq`` conditions simple. HL7's explicit null ``""`` (two double
+  quotes) is returned verbatim.
+* Escape sequences (``\\F\\``, ``\\S\\``, ...) are text, never split on, and are returned
+  as-is unless ``unescape=True`` decodes the separator escapes of the selected value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+
+__all__ = ["FieldPath", "FieldPathError", "field", "parse_path"]
+
+_PATH_RE = re.compile(
+    r"""
+    (?P<segment>[A-Z][A-Z0-9]{2})
+    (?:\[(?P<occurrence>[0-9]+)\])?
+    -(?P<field>[0-9]+)
+    (?:\[(?P<repetition>[0-9]+)\])?
+    (?:\.(?P<component>[0-9]+)(?:\.(?P<subcomponent>[0-9]+))?)?
+    """,
+    re.VERBOSE,
+)
+_GRAMMAR_HINT = "expected SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT, e.g. 'PID-3[2].1'"
+
+# Segment terminators: CR per the standard, LF and CRLF tolerated.
+_SEGMENT_SPLIT = r"\r\n?|\n"
+# Header: optional leading line breaks, "MSH", the field separator, MSH-2 up to the next field
+# separator (or end of line). Group 1 = field separator, group 2 = encoding characters.
+_HEADER_RE = r"^[\r\n]*MSH([^\r\n])([^\r\n]*?)(?:\1|[\r\n]|$)"
+# A regex no string matches: splitting on it returns the input unchanged.
+_NEVER_MATCHES = "(?!)"
+
+
+class FieldPathError(ValueError):
+    """An HL7 field path that does not follow the grammar in this module's docstring."""
+
+
+@dataclass(frozen=True)
+class FieldPath:
+    """A parsed HL7 path; ``None`` means "not addressed" (repetition defaults to the first)."""
+
+    segment: str
+    field: int
+    occurrence: int = 1
+    repetition: int | None = None
+    component: int | None = None
+    subcomponent: int | None = None
+
+    def __str__(self) -> str:
+        out = self.segment
+        if self.occurrence != 1:
+            out += f"[{self.occurrence}]"
+        out += f"-{self.field}"
+        if self.repetition is not None:
+            out += f"[{self.repetition}]"
+        if self.component is not None:
+            out += f".{self.component}"
+        if self.subcomponent is not None:
+            out += f".{self.subcomponent}"
+        return out
+
+
+def parse_path(path: str) -> FieldPath:
+    """Parse ``path`` so config errors surface at load time, not as NULL columns at run time."""
+    if not isinstance(path, str):
+        raise FieldPathError(f"HL7 field path must be a string, got {type(path).__name__}")
+    match = _PATH_RE.fullmatch(path)
+    if match is None:
+        raise FieldPathError(f"invalid HL7 field path {path!r}: {_diagnose(path)}")
+    parts = {k: (int(v) if v is not None and k != "segment" else v) for k, v in match.groupdict().items()}
+    for name in ("occurrence", "field", "repetition", "component", "subcomponent"):
+        if parts[name] == 0:
+            raise FieldPathError(f"invalid HL7 field path {path!r}: {name} index 0, indices are 1-based")
+    parsed = FieldPath(
+        segment=parts["segment"],
+        field=parts["field"],
+        occurrence=parts["occurrence"] or 1,
+        repetition=parts["repetition"],
+        component=parts["component"],
+        subcomponent=parts["subcomponent"],
+    )
+    if parsed.segment == "MSH" and parsed.field in (1, 2) and (
+        parsed.repetition is not None or parsed.component is not None
+    ):
+        raise FieldPathError(
+            f"invalid HL7 field path {path!r}: MSH-1 (field separator) and MSH-2 (encoding "
+            "characters) have no repetitions or components"
+        )
+    return parsed
+
+
+def _diagnose(path: str) -> str:
+    """Name the most likely mistake in a path the grammar rejected."""
+    if not path:
+        return "empty path"
+    if path != path.strip():
+        return "surrounding whitespace"
+    head = re.match(r"[A-Za-z0-9]*", path).group(0)
+    if len(head) < 3 or not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2}", head[:3]):
+        return f"segment id must be 3 characters (a letter, then letters or digits); {_GRAMMAR_HINT}"
+    if head[:3] != head[:3].upper():
+        return f"segment id must be upper case ({head[:3].upper()!r}); {_GRAMMAR_HINT}"
+    if len(head) > 3 or path[3:4] not in ("-", "["):
+        return f"segment id must be followed by '-' and a field number; {_GRAMMAR_HINT}"
+    return _GRAMMAR_HINT
+
+
+def field(message_col: Column | str, path: str | FieldPath, *, unescape: bool = False) -> Column:
+    """Return a string Column with the value at ``path`` in each raw HL7 message (NULL if absent).
+
+    :param message_col: column (or column name) holding the raw message text.
+    :param path: an HL7 path, see the module docstring; parsed eagerly so bad paths fail here.
+    :param unescape: decode ``\\F\\ \\S\\ \\T\\ \\R\\ \\E\\`` in the selected value; other
+        escapes (``\\H\\``, ``\\Xhh\\``, ...) are kept verbatim. Only meaningful on leaves:
+        a decoded ``^`` is indistinguishable from a component separator.
+    """
+    fp = path if isinstance(path, FieldPath) else parse_path(path)
+    msg = F.col(message_col) if isinstance(message_col, str) else message_col
+
+    fs = F.regexp_extract(msg, _HEADER_RE, 1)
+    encoding = F.regexp_extract(msg, _HEADER_RE, 2)
+    cs, rs, esc, ss = (F.substring(encoding, i, 1) for i in (1, 2, 3, 4))
+
+    segments = F.split(msg, _SEGMENT_SPLIT)
+    name = F.lit(fp.segment)
+    matching = F.filter(segments, lambda s: (s == name) | s.startswith(F.concat(name, fs)))
+    segment = F.try_element_at(matching, F.lit(fp.occurrence))
+
+    if fp.segment == "MSH" and fp.field == 1:
+        value = F.substring(segment, 4, 1)
+    else:
+        # After splitting, element 1 is the segment id; for MSH element 2 is already MSH-2.
+        position = fp.field if fp.segment == "MSH" else fp.field + 1
+        value = F.try_element_at(_split(segment, fs), F.lit(position))
+        if not (fp.segment == "MSH" and fp.field == 2):
+            value = F.try_element_at(_split(value, rs), F.lit(fp.repetition or 1))
+            if fp.component is not None:
+                value = F.try_element_at(_split(value, cs), F.lit(fp.component))
+                if fp.subcomponent is not None:
+                    value = F.try_element_at(_split(value, ss), F.lit(fp.subcomponent))
+    if unescape:
+        value = _unescape(value, fs=fs, cs=cs, rs=rs, esc=esc, ss=ss)
+    # No header means no separators to trust: NULL rather than a guess.
+    return F.when(fs != "", F.nullif(value, F.lit("")))
+
+
+def _separator_regex(sep: Column) -> Column:
+    """Turn a one-character separator into a regex matching exactly it.
+
+    ASCII punctuation gets a backslash (a literal in Java regex, and the form Java's
+    ``String.split`` fast path recognises); anything else is quoted; a missing separator
+    becomes a regex that never matches, so nothing is split.
+    """
+    return (
+        F.when(sep.isNull() | (sep == ""), F.lit(_NEVER_MATCHES))
+        .when(sep.rlike(r"^[!-/:-@\[-`{-~]$"), F.concat(F.lit("\\"), sep))
+        .otherwise(F.concat(F.lit(r"\Q"), sep, F.lit(r"\E")))
+    )
+
+
+def _split(value: Column, sep: Column) -> Column:
+    """Split on a per-row separator character, keeping empty trailing elements."""
+    return F.split(value, _separator_regex(sep), -1)
+
+
+def _unescape(value: Column, *, fs: Column, cs: Column, rs: Column, esc: Column, ss: Column) -> Column:
+    """Decode separator escapes in one left-to-right pass.
+
+    Splitting on the escape character puts literal text at even positions and escape codes at
+    odd ones, so ``\\E\\F\\`` decodes to ``\\F`` rather than being mangled by chained replaces.
+    An unterminated escape (the last odd element) is kept verbatim.
+    """
+    parts = _split(value, esc)
+    decoded = F.transform(
+        parts,
+        lambda x, i: F.when(i % 2 == 0, x)
+        .when(i == F.size(parts) - 1, F.concat(esc, x))
+        .when(x == "F", fs)
+        .when(x == "S", cs)
+        .when(x == "R", rs)
+        .when(x == "T", ss)
+        .when(x == "E", esc)
+        .otherwise(F.concat(esc, x, esc)),
+    )
+    return F.array_join(decoded, "")
