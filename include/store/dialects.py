@@ -92,7 +92,10 @@ class PostgresDialect(Dialect):
     def conninfo(self, cfg: StoreConfig) -> dict[str, Any]:
         info: dict[str, Any] = {"host": cfg.server, "port": cfg.effective_port, "dbname": cfg.database,
                                 "user": cfg.username, "application_name": "stageline",
-                                "options": f"-c search_path={cfg.schema}", "connect_timeout": 10}
+                                "options": f"-c search_path={cfg.schema}", "connect_timeout": 10,
+                                # notice a silently dead server within ~15 s instead of hanging
+                                "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                                "keepalives_count": 3}
         if cfg.password:
             info["password"] = cfg.password
         return info

@@ -51,6 +51,7 @@ class LeaseState:
 
     owner: str | None
     epoch: int
+    acquired_at: float | None
     expires_at: float | None
     live: bool
     db_now: float
@@ -64,7 +65,8 @@ def read_lease(store: Store) -> LeaseState:
 
 
 def _state(row: dict[str, Any]) -> LeaseState:
-    return LeaseState(owner=row["owner"], epoch=int(row["epoch"]), expires_at=row["expires_at"],
+    return LeaseState(owner=row["owner"], epoch=int(row["epoch"]), acquired_at=row["acquired_at"],
+                      expires_at=row["expires_at"],
                       live=bool(row["live"]), db_now=float(row["db_now"]),
                       recovered_epoch=int(row["recovered_epoch"]))
 
@@ -113,6 +115,7 @@ class LeaderElector:
         params = {"owner": self.node_id, "ttl": self.ttl}
         try:
             with self.store.transaction() as tx:
+                tx.one("step_timeout", {"ms": int(self.fence_timeout * 1000)})
                 cur = tx.one("lease_read_locked")
                 owner, epoch, live = cur["owner"], int(cur["epoch"]), bool(cur["live"])
                 if self._epoch is not None:

@@ -24,8 +24,8 @@ FINAL_STATUSES = ("done", "dead", "unrouted")
 def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
                 lease_seconds: float | None = None) -> list[Row]:
     """Claim up to `limit` due rows in id order, skipping rows another claimer holds."""
-    return tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                  "lease_seconds": _lease(tx, lease_seconds)}, table=table)
+    return _by_id(tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                         "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
 
 def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
@@ -37,8 +37,8 @@ def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limi
     lane; a head that is in flight elsewhere or waiting out its backoff blocks only its own lane.
     """
     sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000)
-    return tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                       "lease_seconds": _lease(tx, lease_seconds)}, table=table)
+    return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                              "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
 
 def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
@@ -51,7 +51,7 @@ def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoc
     rows = tx.all("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
                                    "status": status, "error": error}, table=table)
     tx.record_events(rows, table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
-    return [r["id"] for r in rows]
+    return [r["id"] for r in _by_id(rows)]
 
 
 def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int, error: str,
@@ -64,7 +64,7 @@ def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch:
                                  "backoff_seconds": float(backoff_seconds),
                                  "max_backoff_seconds": float(max_backoff_seconds)}, table=table)
     tx.record_events(rows, table=table, event="attempt_failed", from_status="in_flight", epoch=epoch, node_id=owner)
-    return rows
+    return _by_id(rows)
 
 
 def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000) -> int:
@@ -107,3 +107,8 @@ def insert_inbound(tx: Tx, *, epoch: int, node_id: str, message_id: str, control
 
 def _lease(tx: Tx, lease_seconds: float | None) -> float:
     return float(lease_seconds if lease_seconds is not None else tx.store.config.lease_ttl_seconds)
+
+
+def _by_id(rows: list[Row]) -> list[Row]:
+    """RETURNING/OUTPUT order is unspecified; callers get id (arrival) order."""
+    return sorted(rows, key=lambda r: r["id"])

@@ -28,8 +28,13 @@ ON CONFLICT (id) DO NOTHING
 -- name: db_now
 SELECT extract(epoch FROM clock_timestamp())::float8 AS db_now
 
+-- name: step_timeout
+-- Bounds one elector step: a renewal slower than the fence window is worthless.
+SELECT set_config('statement_timeout', CAST(:ms AS text), true) AS timeout
+
 -- name: lease_read
 SELECT owner, epoch, recovered_epoch,
+       extract(epoch FROM acquired_at)::float8 AS acquired_at,
        extract(epoch FROM expires_at)::float8 AS expires_at,
        (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live,
        extract(epoch FROM now())::float8 AS db_now
@@ -37,6 +42,7 @@ SELECT owner, epoch, recovered_epoch,
 
 -- name: lease_read_locked
 SELECT owner, epoch, recovered_epoch,
+       extract(epoch FROM acquired_at)::float8 AS acquired_at,
        extract(epoch FROM expires_at)::float8 AS expires_at,
        (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live,
        extract(epoch FROM now())::float8 AS db_now

@@ -28,14 +28,20 @@ INSERT OR IGNORE INTO cluster_identity (id, cluster_id, cluster_name) VALUES (1,
 -- name: db_now
 SELECT {now} / 1000.0 AS db_now
 
+-- name: step_timeout
+-- SQLite bounds waits with busy_timeout, set per connection.
+SELECT :ms AS timeout
+
 -- name: lease_read
 SELECT owner, epoch, recovered_epoch, expires_at / 1000.0 AS expires_at,
+       acquired_at / 1000.0 AS acquired_at,
        (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > {now})) AS live,
        {now} / 1000.0 AS db_now
   FROM leader_lease WHERE id = 1
 
 -- name: lease_read_locked
 SELECT owner, epoch, recovered_epoch, expires_at / 1000.0 AS expires_at,
+       acquired_at / 1000.0 AS acquired_at,
        (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > {now})) AS live,
        {now} / 1000.0 AS db_now
   FROM leader_lease WHERE id = 1

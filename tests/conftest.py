@@ -1,0 +1,71 @@
+"""Session fixtures: a throwaway PostgreSQL cluster (started and removed by the test run) and
+fresh migrated stores on PostgreSQL and SQLite for each test."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Iterator
+
+import pytest
+
+from include.config import StoreConfig
+from include.store import Store
+from include.store.migrate import migrate
+from include.testing.postgres_server import PostgresServer
+
+CLUSTER = "test-cluster"
+TEMPLATE_DB = "stageline_template"
+_db_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    server = PostgresServer(settings={"fsync": "off"}).start()
+    try:
+        server.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+        store = Store(pg_config(server, TEMPLATE_DB))
+        try:
+            migrate(store, cluster_name=CLUSTER)
+        finally:
+            store.close()
+        yield server
+    finally:
+        server.stop()
+
+
+def pg_config(server: PostgresServer, database: str, **overrides) -> StoreConfig:
+    return StoreConfig(backend="postgres", server=server.host, port=server.port, database=database,
+                       username=server.user, pool_size=8, **overrides)
+
+
+@pytest.fixture
+def pg_config_fresh(pg_server: PostgresServer) -> Iterator[StoreConfig]:
+    """A new migrated database (copied from the template) for this test alone."""
+    name = f"t{next(_db_numbers)}"
+    pg_server.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
+    yield pg_config(pg_server, name)
+    pg_server.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def sqlite_config_fresh(tmp_path) -> StoreConfig:
+    config = StoreConfig(backend="sqlite", path=str(tmp_path / "stageline.db"))
+    store = Store(config)
+    try:
+        migrate(store, cluster_name=CLUSTER)
+    finally:
+        store.close()
+    return config
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_config(request) -> StoreConfig:
+    return request.getfixturevalue(f"{request.param}_config_fresh" if request.param == "sqlite"
+                                   else "pg_config_fresh")
+
+
+@pytest.fixture
+def store(store_config: StoreConfig) -> Iterator[Store]:
+    s = Store(store_config)
+    yield s
+    s.close()

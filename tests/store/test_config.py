@@ -1,0 +1,78 @@
+"""Config load enforces the cluster's safety rules with errors that name the setting and the rule."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from include.config import ConfigError, load, parse
+
+CLUSTER_PG = {"store": {"backend": "postgres", "server": "db", "pool_size": 3},
+              "cluster": {"enabled": True, "heartbeat_seconds": 2, "leader_fence_timeout_seconds": 4,
+                          "leader_lease_ttl_seconds": 6, "node_timeout_seconds": 5}}
+
+
+def with_(section: str, **values):
+    return {**CLUSTER_PG, section: {**CLUSTER_PG[section], **values}}
+
+
+def test_embedded_default_is_single_node_sqlite():
+    cfg = parse({})
+    assert (cfg.store.backend, cfg.cluster.enabled, cfg.store.pool_size) == ("sqlite", False, 5)
+
+
+def test_valid_cluster_config_loads_and_derives_host_pid_hex_node_id():
+    cfg = parse(CLUSTER_PG)
+    assert re.fullmatch(r"[^:]+:\d+:[0-9a-f]{8}", cfg.cluster.node_id)
+    assert cfg.cluster.leader_lease_ttl_seconds == 6.0
+
+
+def test_pinned_node_id_is_kept():
+    assert parse(with_("cluster", node_id="node-a")).cluster.node_id == "node-a"
+
+
+@pytest.mark.parametrize("raw, words", [
+    (with_("cluster", leader_fence_timeout_seconds=6), ["heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds"]),
+    (with_("cluster", heartbeat_seconds=4), ["heartbeat_seconds < leader_fence_timeout_seconds"]),
+    (with_("cluster", node_timeout_seconds=2), ["node_timeout_seconds", "heartbeat_seconds"]),
+    (with_("store", backend="sqlite"), ["[cluster].enabled", "postgres", "sqlserver"]),
+    (with_("store", pool_size=1), ["[store].pool_size", ">= 2"]),
+    (with_("store", backend="mysql"), ["[store].backend", "sqlite, postgres, sqlserver"]),
+    (with_("store", colour="blue"), ["[store] unknown setting", "colour"]),
+    (with_("cluster", leader_ttl=5), ["[cluster] unknown setting", "leader_ttl"]),
+    ({"stores": {}}, ["unknown section", "stores"]),
+    (with_("store", password="secret"), ["unknown setting", "password"]),
+    (with_("store", pool_size="3"), ["[store].pool_size must be int"]),
+    (with_("cluster", enabled="yes"), ["[cluster].enabled must be bool"]),
+    (with_("cluster", cluster_name=" "), ["cluster_name"]),
+    (with_("store", schema="x; drop"), ["[store].schema"]),
+])
+def test_rule_violations_are_refused_naming_the_setting(raw, words):
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_password_comes_only_from_the_environment():
+    cfg = parse(CLUSTER_PG, env={"STAGELINE_STORE_PASSWORD": "s3cret"})
+    assert cfg.store.password == "s3cret"
+    assert "s3cret" not in repr(cfg)
+
+
+def test_file_load_resolves_sqlite_path_beside_the_file(tmp_path):
+    path = tmp_path / "conf" / "stageline.toml"
+    path.parent.mkdir()
+    path.write_text('[store]\nbackend = "sqlite"\npath = "data/s.db"\n[cluster]\ncluster_name = "lab"\n')
+    cfg = load(path)
+    assert cfg.store.path == str(tmp_path / "conf" / "data" / "s.db")
+    assert cfg.cluster.cluster_name == "lab"
+
+
+def test_bad_toml_and_missing_file_are_clear_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[store\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.toml")

@@ -1,0 +1,211 @@
+"""Row-lease primitives: concurrent claims, per-lane FIFO with stranded-head reclaim, fenced finish,
+on-promotion recovery once per epoch, the expired-lease sweep, retries and dead letters."""
+from __future__ import annotations
+
+import multiprocessing
+from collections import Counter
+
+import pytest
+
+from include.store import INBOUND, OUTBOUND, Store
+from include.store import rowlease as rl
+from include.store.lease import LeaderElector, acquire_permanent
+from include.testing.postgres_server import wait_for
+from tests.store.workers import claim_until_empty
+
+
+def seed_inbound(store: Store, n: int, *, lanes: int = 100) -> None:
+    with store.transaction() as tx:
+        tx.conn.cursor().execute(
+            f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {int(n)}) "
+            "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, payload) "
+            f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT), 'MSH|^~\\&|A|B|C|D' FROM g")
+
+
+def rows(store: Store, sql: str) -> list[dict]:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute(sql)
+        return [dict(r) for r in cur.fetchall()]
+
+
+def take_lease(store: Store, node: str = "a") -> LeaderElector:
+    e = LeaderElector(store, node_id=node, ttl_seconds=600, fence_timeout_seconds=300)
+    assert e.step().is_leader
+    return e
+
+
+def test_four_concurrent_claimers_claim_nothing_twice_and_lose_nothing(store, store_config):
+    n = 100_000 if store.backend == "postgres" else 20_000
+    seed_inbound(store, n)
+    epoch = take_lease(store).epoch
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=claim_until_empty, args=(store_config, f"w{i}", epoch, 500, start, results))
+             for i in range(4)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert [err for _, _, err in outcomes if err] == []
+    everything = [i for _, ids, _ in outcomes for i in ids]
+    assert len(everything) == n and len(set(everything)) == n
+    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [{"status": "done", "n": n}]
+    events = rows(store, "SELECT count(*) AS n, count(DISTINCT row_id) AS d FROM message_events WHERE event = 'done'")
+    assert events == [{"n": n, "d": n}]
+    print(f"{store.backend}: claims per worker {sorted(len(ids) for _, ids, _ in outcomes)}")
+
+
+def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
+    epoch = take_lease(store).epoch
+    with store.transaction() as tx:
+        ids = {k: rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
+                                    payload="MSH|", lane_key=k[0]) for k in ("a1", "b1", "a2", "b2", "a3")}
+    with store.transaction() as tx:
+        first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)]
+    assert first == [ids["a1"], ids["b1"]]
+    with store.transaction() as tx:  # heads in flight block their lanes
+        assert rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10) == []
+        rl.finish_batch(tx, INBOUND, [ids["a1"]], owner="a", epoch=epoch)
+    with store.transaction() as tx:
+        assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)] == [ids["a2"]]
+
+
+def test_a_failing_head_blocks_only_its_own_lane_and_dead_letters_after_the_limit(store):
+    epoch = take_lease(store).epoch
+    with store.transaction() as tx:
+        a1, a2, b1 = (rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=m, control_id=m, connection="c",
+                                        payload="MSH|", lane_key=m[0]) for m in ("a1", "a2", "b1"))
+    for attempt in (1, 2):
+        with store.transaction() as tx:
+            heads = {r["id"]: r for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)}
+            assert a1 in heads and heads[a1]["attempts"] == attempt
+            failed = rl.fail_batch(tx, INBOUND, [a1], owner="a", epoch=epoch, error="NAK AE from ehr",
+                                   max_attempts=2, backoff_seconds=0.0)
+            assert failed[0]["status"] == ("error" if attempt == 1 else "dead")
+            if b1 in heads:
+                rl.finish_batch(tx, INBOUND, [b1], owner="a", epoch=epoch)
+    with store.transaction() as tx:  # dead is terminal: the lane moves on
+        assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)] == [a2]
+    history = rows(store, f"SELECT event, to_status, attempt, detail FROM message_events WHERE row_id = {a1} "
+                          "AND event <> 'received' ORDER BY id")
+    assert history == [{"event": "attempt_failed", "to_status": "error", "attempt": 1, "detail": "NAK AE from ehr"},
+                       {"event": "attempt_failed", "to_status": "dead", "attempt": 2, "detail": "NAK AE from ehr"}]
+
+
+def test_backoff_holds_a_failed_head_until_next_attempt_at(store):
+    epoch = take_lease(store).epoch
+    with store.transaction() as tx:
+        a1 = rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id="a1", control_id="1", connection="c",
+                               payload="MSH|", lane_key="a")
+        rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=1)
+        rl.fail_batch(tx, INBOUND, [a1], owner="a", epoch=epoch, error="timeout", max_attempts=5, backoff_seconds=0.3)
+    with store.transaction() as tx:
+        assert rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=1) == []
+        assert rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=1) == []
+
+    def retried():
+        with store.transaction() as tx:
+            return rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=1)
+
+    assert wait_for(retried, timeout=5, what="backoff to pass")[0]["attempts"] == 2
+
+
+def test_stranded_head_is_reclaimed_before_anything_newer_in_its_lane(store):
+    old = LeaderElector(store, node_id="old", ttl_seconds=0.4, fence_timeout_seconds=0.2)
+    epoch1 = old.step().epoch
+    with store.transaction() as tx:
+        h1, h2 = (rl.insert_inbound(tx, epoch=epoch1, node_id="old", message_id=m, control_id=m, connection="c",
+                                    payload="MSH|", lane_key="pid-1") for m in ("h1", "h2"))
+        assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="old", epoch=epoch1,
+                                                     limit=5, lease_seconds=0.2)] == [h1]
+    # the old leader dies; its lease and the row lease age out; a new leader claims the lane
+    new = LeaderElector(store, node_id="new", ttl_seconds=600, fence_timeout_seconds=300)
+    wait_for(lambda: new.step().is_leader, timeout=5, what="takeover")
+
+    def claim():
+        with store.transaction() as tx:
+            return rl.claim_lane_heads(tx, INBOUND, owner="new", epoch=new.epoch, limit=5)
+
+    heads = wait_for(claim, timeout=5, what="stranded head reclaimed")
+    assert [(r["id"], r["attempts"]) for r in heads] == [(h1, 2)]
+    assert rows(store, f"SELECT status FROM stage_inbound WHERE id = {h2}") == [{"status": "pending"}]
+    ev = rows(store, f"SELECT event, node_id, detail FROM message_events WHERE row_id = {h1} AND event = 'lease_expired'")
+    assert len(ev) == 1 and ev[0]["node_id"] == "new" and "old" in ev[0]["detail"]
+
+
+def test_finish_under_a_stale_epoch_changes_nothing(store):
+    a = LeaderElector(store, node_id="a", ttl_seconds=600, fence_timeout_seconds=300)
+    e1 = a.step().epoch
+    seed_inbound(store, 10)
+    with store.transaction() as tx:
+        ids = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=10)]
+    a.release()
+    b = LeaderElector(store, node_id="b", ttl_seconds=600, fence_timeout_seconds=300)
+    assert b.step().epoch == e1 + 1
+    before = rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id")
+    events_before = rows(store, "SELECT count(*) AS n FROM message_events")
+    with store.transaction() as tx:
+        assert rl.finish_batch(tx, INBOUND, ids, owner="a", epoch=e1) == []
+        assert rl.fail_batch(tx, INBOUND, ids, owner="a", epoch=e1, error="x", max_attempts=1) == []
+        assert rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=10) == []
+        assert rl.insert_inbound(tx, epoch=e1, node_id="a", message_id="late", control_id="late",
+                                 connection="c", payload="MSH|") is None
+        assert rl.sweep_expired(tx, INBOUND, owner="a", epoch=e1) == 0
+    assert rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id") == before
+    assert rows(store, "SELECT count(*) AS n FROM message_events") == events_before
+
+
+def test_recovery_on_promotion_repends_older_epochs_once_and_spares_current_claims(store):
+    a = LeaderElector(store, node_id="a", ttl_seconds=600, fence_timeout_seconds=300)
+    e1 = a.step().epoch
+    seed_inbound(store, 30)
+    with store.transaction() as tx:
+        stale = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=10)]
+    a.release()
+    b = LeaderElector(store, node_id="b", ttl_seconds=600, fence_timeout_seconds=300)
+    e2 = b.step().epoch
+    with store.transaction() as tx:
+        mine = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="b", epoch=e2, limit=5)]
+    with store.transaction() as tx:
+        assert rl.recover_on_promotion(tx, owner="b", epoch=e2) == 10  # lease-blind: row leases still live
+    with store.transaction() as tx:
+        assert rl.recover_on_promotion(tx, owner="b", epoch=e2) is None  # once per epoch
+        assert rl.recover_on_promotion(tx, owner="a", epoch=e1) is None  # a stale epoch cannot run it
+    got = rows(store, "SELECT id, status FROM stage_inbound WHERE status <> 'pending' ORDER BY id")
+    assert got == [{"id": i, "status": "in_flight"} for i in sorted(mine)]
+    ev = rows(store, "SELECT row_id, epoch, node_id FROM message_events WHERE event = 'recovered' ORDER BY row_id")
+    assert ev == [{"row_id": i, "epoch": e2, "node_id": "b"} for i in sorted(stale)]
+
+
+def test_sweep_repends_only_expired_row_leases(store):
+    epoch = take_lease(store).epoch
+    seed_inbound(store, 6)
+    with store.transaction() as tx:
+        short = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=3, lease_seconds=0.1)]
+        long = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=3, lease_seconds=600)]
+
+    def swept():
+        with store.transaction() as tx:
+            return rl.sweep_expired(tx, INBOUND, owner="a", epoch=epoch)
+
+    assert wait_for(swept, timeout=5, what="row leases to expire") == 3
+    got = rows(store, "SELECT id, status FROM stage_inbound ORDER BY id")
+    assert got == [{"id": i, "status": "pending"} for i in short] + [{"id": i, "status": "in_flight"} for i in long]
+
+
+def test_single_node_restart_recovers_the_previous_process_claims(store):
+    e1 = acquire_permanent(store, node_id="solo:1:aa")
+    seed_inbound(store, 4)
+    with store.transaction() as tx:
+        rl.claim_batch(tx, INBOUND, owner="solo:1:aa", epoch=e1, limit=4)
+    e2 = acquire_permanent(store, node_id="solo:2:bb")
+    with store.transaction() as tx:
+        assert rl.recover_on_promotion(tx, owner="solo:2:bb", epoch=e2) == 4
+    assert Counter(r["status"] for r in rows(store, "SELECT status FROM stage_inbound")) == {"pending": 4}
+
+
+def test_finish_rejects_a_non_final_status(store):
+    with store.transaction() as tx, pytest.raises(ValueError, match="finish status"):
+        rl.finish_batch(tx, INBOUND, [1], owner="a", epoch=1, status="pending")
