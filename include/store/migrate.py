@@ -37,6 +37,7 @@ def latest_version(backend: str) -> int:
 def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
     applied: list[int] = []
     with store.transaction() as tx:
+        tx.one("migrate_lock")  # CREATE TABLE IF NOT EXISTS alone races on PostgreSQL
         tx.execute("bootstrap")
     for version, description, sql in queries.migrations(store.backend):
         with store.transaction() as tx:
