@@ -42,6 +42,7 @@ class Tx:
         self.store = store
         self.conn = conn
         self.dialect: Dialect = store.dialect
+        self._fenced = False
 
     def sql(self, name: str, table: StagedTable | None = None) -> str:
         return self.store.sql(name, table)
@@ -68,6 +69,12 @@ class Tx:
         cur = self.conn.cursor()
         for statement in self.dialect.split_script(text):
             cur.execute(statement)
+
+    def fence(self) -> None:
+        """Join the epoch fence (once per transaction) before any epoch-conditional write."""
+        if not self._fenced:
+            self.execute("fence_shared")
+            self._fenced = True
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
                       from_status: str | None, epoch: int | None, node_id: str | None) -> None:

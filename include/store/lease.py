@@ -129,6 +129,7 @@ class LeaderElector:
                     # our lease ran out and nobody took it: fall through and acquire a new epoch
                 elif live:
                     return ElectionResult(Outcome.OTHER_LEADER, epoch, owner, cur["expires_at"])
+                tx.execute("fence_exclusive")  # waits out writers that checked the old epoch
                 row = tx.one("lease_acquire", {**params, "prev_epoch": epoch})
                 if row is None:
                     self._drop()

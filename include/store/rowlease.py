@@ -24,6 +24,7 @@ FINAL_STATUSES = ("done", "dead", "unrouted")
 def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
                 lease_seconds: float | None = None) -> list[Row]:
     """Claim up to `limit` due rows in id order, skipping rows another claimer holds."""
+    tx.fence()
     return _by_id(tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
                                          "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
@@ -37,6 +38,7 @@ def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limi
     lane; a head that is in flight elsewhere or waiting out its backoff blocks only its own lane.
     """
     sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000)
+    tx.fence()
     return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
                                               "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
@@ -48,6 +50,7 @@ def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoc
         raise ValueError(f"finish status must be one of {FINAL_STATUSES}, got {status!r}")
     if not ids:
         return []
+    tx.fence()
     rows = tx.all("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
                                    "status": status, "error": error}, table=table)
     tx.record_events(rows, table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
@@ -59,6 +62,7 @@ def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch:
     """Record a failed attempt: `error` with exponential backoff, or `dead` after `max_attempts`."""
     if not ids:
         return []
+    tx.fence()
     rows = tx.all("fail_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
                                  "error": error, "max_attempts": int(max_attempts),
                                  "backoff_seconds": float(backoff_seconds),
@@ -69,6 +73,7 @@ def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch:
 
 def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000) -> int:
     """Re-pend in-flight rows whose row lease expired (the recurring, lease-gated sweep)."""
+    tx.fence()
     rows = tx.all("sweep_expired", {"epoch": epoch, "limit": int(limit)}, table=table)
     tx.record_events(rows, table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
     return len(rows)
@@ -81,6 +86,7 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     lease expired), so its rows need not wait out their row leases. Returns the number recovered, or
     None when this epoch already ran its recovery or is no longer current.
     """
+    tx.fence()
     if tx.one("recovery_mark", {"epoch": epoch}) is None:
         return None
     total = 0
@@ -95,6 +101,7 @@ def insert_inbound(tx: Tx, *, epoch: int, node_id: str, message_id: str, control
                    connection: str, payload: str, lane_key: str | None = None,
                    charset: str | None = None) -> int | None:
     """Stage one received message under `epoch`; None when the epoch is stale (nothing written)."""
+    tx.fence()
     row = tx.one("insert_inbound", {"epoch": epoch, "message_id": message_id, "control_id": control_id,
                                     "connection": connection, "lane_key": lane_key, "charset": charset,
                                     "payload": payload})

@@ -124,9 +124,9 @@ def test_leader_with_a_hung_database_fences_before_its_lease_can_expire(store, s
     observer = Store(store_config)
     lease = read_lease(observer)  # plain read: not blocked by the row lock
     observer.close()
+    t.join(5)  # the step gives up on its own (statement timeout = fence timeout)
     blocker.rollback()
     blocker.close()
-    t.join(5)
     print(f"self-fenced {fenced_after:.3f}s after the last renewal (fence timeout 1.0s, TTL 2.0s)")
     assert 1.0 <= fenced_after < 1.1
     assert lease.live and lease.owner == "a" and lease.expires_at - lease.db_now > 0.5
@@ -170,3 +170,30 @@ def test_single_node_leader_is_permanent_and_each_start_bumps_the_epoch(store):
     lease = read_lease(store)
     assert second == first + 1
     assert lease.live and lease.expires_at is None and lease.owner == "solo:2:bb"
+
+
+def test_an_acquisition_waits_for_a_write_that_already_passed_the_epoch_check(store):
+    from include.store import INBOUND
+    from include.store import rowlease as rl
+
+    a = elector(store, "a", ttl=600.0, fence=300.0)
+    e1 = a.step().epoch
+    with store.transaction() as tx:
+        rl.insert_inbound(tx, epoch=e1, node_id="a", message_id="m1", control_id="1", connection="c", payload="MSH|")
+        ids = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=1)]
+    a.release()
+    finishing = store.transaction()
+    tx = finishing.__enter__()
+    assert rl.finish_batch(tx, INBOUND, ids, owner="a", epoch=e1) == ids  # passed the check, not committed
+    b_result = []
+    t = threading.Thread(target=lambda: b_result.append(elector(store, "b", ttl=600.0, fence=300.0).step()))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and b_result == []  # the new epoch cannot commit under an open fenced write
+    finishing.__exit__(None, None, None)
+    t.join(10)
+    assert (b_result[0].outcome, b_result[0].epoch) == (Outcome.ELECTED, e1 + 1)
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute("SELECT status FROM stage_inbound")
+        assert [dict(r)["status"] for r in cur.fetchall()] == ["done"]

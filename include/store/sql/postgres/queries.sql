@@ -32,6 +32,15 @@ SELECT extract(epoch FROM clock_timestamp())::float8 AS db_now
 -- Bounds one elector step: a renewal slower than the fence window is worthless.
 SELECT set_config('statement_timeout', CAST(:ms AS text), true) AS timeout
 
+-- name: fence_shared
+-- Held by every fenced write transaction; an acquisition takes it exclusively before bumping the
+-- epoch, so a write that saw epoch E commits before E+1 can. Advisory locks live in memory: no
+-- tuple writes on the lease row (a FOR SHARE there costs a MultiXact per concurrent writer).
+SELECT pg_advisory_xact_lock_shared(726100102)
+
+-- name: fence_exclusive
+SELECT pg_advisory_xact_lock(726100102)
+
 -- name: lease_read
 SELECT owner, epoch, recovered_epoch,
        extract(epoch FROM acquired_at)::float8 AS acquired_at,
@@ -119,12 +128,11 @@ UPDATE {table}
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 
 -- name: finish_batch
--- Fenced: the FOR SHARE lock on the lease row holds off any acquisition until this commits.
 UPDATE {table}
    SET status = :status, lease_owner = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
        last_error = :error, updated_at = now()
  WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
 -- name: fail_batch
@@ -135,7 +143,7 @@ UPDATE {table}
                                        :backoff_seconds * power(2, attempts - 1))) END,
        lease_owner = NULL, lease_expires_at = NULL, last_error = :error, updated_at = now()
  WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
 -- name: sweep_expired
@@ -146,7 +154,7 @@ UPDATE {table}
                WHERE status = 'in_flight' AND lease_expires_at <= now()
                ORDER BY id LIMIT :limit
                FOR UPDATE SKIP LOCKED)
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
 -- name: recovery_mark
@@ -164,7 +172,7 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 -- name: insert_inbound
 INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
 SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
- WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch FOR SHARE)
+ WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
 
 -- name: record_events

@@ -32,6 +32,13 @@ SELECT {now} / 1000.0 AS db_now
 -- SQLite bounds waits with busy_timeout, set per connection.
 SELECT :ms AS timeout
 
+-- name: fence_shared
+-- BEGIN IMMEDIATE already serializes every writer.
+SELECT 1
+
+-- name: fence_exclusive
+SELECT 1
+
 -- name: lease_read
 SELECT owner, epoch, recovered_epoch, expires_at / 1000.0 AS expires_at,
        acquired_at / 1000.0 AS acquired_at,

@@ -1,0 +1,288 @@
+-- Stageline named queries, SQL Server (T-SQL, SQL Server 2016 or later).
+-- Parameters are written :name (translated to pymssql's %(name)s at load; pymssql substitutes them
+-- client-side as literals); {table} and {dest} are filled from the whitelisted staged-table catalogue,
+-- never from input. Times come from SYSUTCDATETIME() and leave as epoch-second floats.
+-- Not executed here (no SQL Server available): parsed by sqlglot in tests/store/test_tsql.py.
+--
+-- Rules this file keeps (see docs/sqlserver.md):
+--   * no literal percent sign anywhere: to_pyformat doubles it and pymssql never undoubles it;
+--   * never write a minus sign directly before a parameter: pymssql inlines the value, and a negative
+--     one would turn the pair into a line comment;
+--   * every result column is named (pymssql's as_dict refuses unnamed columns);
+--   * OUTPUT can only name inserted./deleted. columns or tables of the FROM clause, so the
+--     destination (a column, or NULL for stage_inbound) comes from CROSS APPLY (SELECT {dest} ...) d;
+--   * the epoch check (EXISTS ... leader_lease ... epoch = :epoch) is a plain read: as on PostgreSQL
+--     the fence is the fence_shared / fence_exclusive lock pair the callers take (Tx.fence()).
+
+-- name: bootstrap
+-- migrate() takes migrate_lock first, so two nodes never both see the table missing.
+IF OBJECT_ID(N'schema_version', N'U') IS NULL
+    CREATE TABLE schema_version (
+        version      int           NOT NULL PRIMARY KEY,
+        description  nvarchar(400) NOT NULL,
+        applied_at   datetime2(3)  NOT NULL DEFAULT SYSUTCDATETIME()
+    );
+
+-- name: migrate_lock
+-- pg_advisory_xact_lock: an application lock owned by the transaction, released at commit/rollback.
+-- sp_getapplock reports failure only in its return code (and a deadlock does not roll anything
+-- back), so a failure is raised here; the message names the equivalent engine error so that
+-- SqlServerDialect.is_conflict recognises a timeout (1222) or a deadlock (1205).
+DECLARE @r int;
+EXEC @r = sp_getapplock @Resource = N'stageline:migrate', @LockMode = N'Exclusive', @LockOwner = N'Transaction';
+DECLARE @failed nvarchar(200) = CASE @r
+    WHEN -1 THEN N'stageline:migrate lock not granted: lock request time out (as error 1222)'
+    WHEN -3 THEN N'stageline:migrate lock not granted: deadlock victim (as error 1205)'
+    ELSE CONCAT(N'stageline:migrate lock not granted: sp_getapplock returned ', @r) END;
+IF @r < 0 THROW 51000, @failed, 1;
+SELECT @r AS locked;
+
+-- name: schema_version_current
+SELECT COALESCE(MAX(version), 0) AS version FROM schema_version
+
+-- name: schema_version_record
+INSERT INTO schema_version (version, description) VALUES (:version, :description)
+
+-- name: identity_get
+SELECT cluster_id, cluster_name, config_version FROM cluster_identity WHERE id = 1
+
+-- name: identity_insert
+-- ON CONFLICT DO NOTHING: the key-range lock (UPDLOCK, HOLDLOCK) makes check-then-insert atomic.
+INSERT INTO cluster_identity (id, cluster_id, cluster_name)
+SELECT 1, :cluster_id, :cluster_name
+ WHERE NOT EXISTS (SELECT 1 FROM cluster_identity WITH (UPDLOCK, HOLDLOCK) WHERE id = 1)
+
+-- name: db_now
+SELECT CAST(DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME()) / 1000.0 AS float) AS db_now
+
+-- name: step_timeout
+-- Bounds the elector step's lock waits (lease row, fence lock) like PostgreSQL's transaction-local
+-- statement_timeout. LOCK_TIMEOUT is a session setting: it outlives this transaction on the
+-- connection (see docs/sqlserver.md). It takes a literal, which pymssql's inlining provides.
+SET LOCK_TIMEOUT :ms;
+SELECT @@LOCK_TIMEOUT AS timeout;
+
+-- name: fence_shared
+-- Held by every fenced write transaction; an acquisition takes it exclusively before bumping the
+-- epoch, so a write that saw epoch E commits before E+1 can. Application locks live in the lock
+-- manager only and, unlike a shared lock on the lease row, do not hold up the leader's renewals.
+DECLARE @r int;
+EXEC @r = sp_getapplock @Resource = N'stageline:fence', @LockMode = N'Shared', @LockOwner = N'Transaction';
+DECLARE @failed nvarchar(200) = CASE @r
+    WHEN -1 THEN N'stageline:fence lock not granted: lock request time out (as error 1222)'
+    WHEN -3 THEN N'stageline:fence lock not granted: deadlock victim (as error 1205)'
+    ELSE CONCAT(N'stageline:fence lock not granted: sp_getapplock returned ', @r) END;
+IF @r < 0 THROW 51000, @failed, 1;
+SELECT @r AS locked;
+
+-- name: fence_exclusive
+DECLARE @r int;
+EXEC @r = sp_getapplock @Resource = N'stageline:fence', @LockMode = N'Exclusive', @LockOwner = N'Transaction';
+DECLARE @failed nvarchar(200) = CASE @r
+    WHEN -1 THEN N'stageline:fence lock not granted: lock request time out (as error 1222)'
+    WHEN -3 THEN N'stageline:fence lock not granted: deadlock victim (as error 1205)'
+    ELSE CONCAT(N'stageline:fence lock not granted: sp_getapplock returned ', @r) END;
+IF @r < 0 THROW 51000, @failed, 1;
+SELECT @r AS locked;
+
+-- name: lease_read
+SELECT owner, epoch, recovered_epoch,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', acquired_at) / 1000.0 AS float) AS acquired_at,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', expires_at) / 1000.0 AS float) AS expires_at,
+       CAST(CASE WHEN owner IS NOT NULL AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+                 THEN 1 ELSE 0 END AS bit) AS live,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME()) / 1000.0 AS float) AS db_now
+  FROM leader_lease WHERE id = 1
+
+-- name: lease_read_locked
+-- FOR UPDATE: an update lock (UPDLOCK) held to commit (HOLDLOCK) on the one row (ROWLOCK); a second
+-- elector waits here, while plain readers of the lease row are not blocked until the update.
+SELECT owner, epoch, recovered_epoch,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', acquired_at) / 1000.0 AS float) AS acquired_at,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', expires_at) / 1000.0 AS float) AS expires_at,
+       CAST(CASE WHEN owner IS NOT NULL AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+                 THEN 1 ELSE 0 END AS bit) AS live,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME()) / 1000.0 AS float) AS db_now
+  FROM leader_lease WITH (UPDLOCK, HOLDLOCK, ROWLOCK) WHERE id = 1
+
+-- name: lease_renew
+UPDATE leader_lease
+   SET renewed_at = SYSUTCDATETIME(),
+       expires_at = DATEADD(millisecond, CAST(:ttl * 1000 AS int), SYSUTCDATETIME())
+OUTPUT inserted.epoch,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', inserted.expires_at) / 1000.0 AS float) AS expires_at
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch AND expires_at > SYSUTCDATETIME()
+
+-- name: lease_acquire
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = SYSUTCDATETIME(), renewed_at = SYSUTCDATETIME(),
+       expires_at = DATEADD(millisecond, CAST(:ttl * 1000 AS int), SYSUTCDATETIME())
+OUTPUT inserted.epoch,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', inserted.expires_at) / 1000.0 AS float) AS expires_at
+ WHERE id = 1 AND epoch = :prev_epoch
+
+-- name: lease_acquire_permanent
+UPDATE leader_lease
+   SET owner = :owner, epoch = epoch + 1, acquired_at = SYSUTCDATETIME(), renewed_at = SYSUTCDATETIME(),
+       expires_at = NULL
+OUTPUT inserted.epoch, CAST(NULL AS float) AS expires_at
+ WHERE id = 1
+
+-- name: lease_release
+UPDATE leader_lease SET expires_at = SYSUTCDATETIME()
+ WHERE id = 1 AND owner = :owner AND epoch = :epoch
+   AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+
+-- name: node_heartbeat
+-- Upsert; HOLDLOCK keeps the key range locked so two heartbeats of one new node cannot both insert.
+MERGE INTO nodes WITH (HOLDLOCK) AS n
+USING (SELECT :node_id AS node_id, :host AS host, :pid AS pid, :is_leader AS is_leader,
+              :config_hash AS config_hash) AS s
+   ON n.node_id = s.node_id
+ WHEN MATCHED THEN
+      UPDATE SET status = 'active', last_seen = SYSUTCDATETIME(), is_leader = s.is_leader,
+                 config_hash = s.config_hash
+ WHEN NOT MATCHED THEN
+      INSERT (node_id, host, pid, status, is_leader, config_hash)
+      VALUES (s.node_id, s.host, s.pid, 'active', s.is_leader, s.config_hash);
+
+-- name: node_leave
+UPDATE nodes SET status = 'left', is_leader = 0, last_seen = SYSUTCDATETIME() WHERE node_id = :node_id
+
+-- name: nodes_list
+SELECT node_id, host, pid, status, is_leader, config_hash,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', started_at) / 1000.0 AS float) AS started_at,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', last_seen) / 1000.0 AS float) AS last_seen,
+       CAST(CASE WHEN status = 'active'
+                  AND last_seen > DATEADD(millisecond, CAST(-1000 * :node_timeout AS int), SYSUTCDATETIME())
+                 THEN 1 ELSE 0 END AS bit) AS fresh
+  FROM nodes ORDER BY nodes.started_at, nodes.node_id
+
+-- name: claim_batch
+-- FOR UPDATE SKIP LOCKED: UPDLOCK holds the picked rows to commit, READPAST skips rows another
+-- claimer holds, ROWLOCK keeps both at row granularity.
+UPDATE t
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
+       attempts = t.attempts + 1, updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key, inserted.attempts,
+       d.destination
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.id IN (SELECT TOP (:limit) id FROM {table} WITH (UPDLOCK, READPAST, ROWLOCK)
+                 WHERE status IN ('pending', 'error')
+                   AND (next_attempt_at IS NULL OR next_attempt_at <= SYSUTCDATETIME())
+                 ORDER BY id)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: claim_lane_heads
+-- No READPAST in the head computation: skipping a locked head would make the next row of its lane
+-- look like the head and break per-lane FIFO. As in PostgreSQL the outer status check, evaluated
+-- under the update lock, is what stops two claimers from taking the same head.
+UPDATE t
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
+       attempts = t.attempts + 1, updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key, inserted.attempts,
+       d.destination
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.id IN (SELECT TOP (:limit) h.id
+                  FROM {table} AS h
+                  JOIN (SELECT MIN(id) AS id FROM {table}
+                         WHERE status IN ('pending', 'error', 'in_flight')
+                         GROUP BY lane_key) AS heads ON heads.id = h.id
+                 WHERE h.status IN ('pending', 'error')
+                   AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= SYSUTCDATETIME())
+                 ORDER BY h.id)
+   AND t.status IN ('pending', 'error')
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: finish_batch
+UPDATE t
+   SET status = :status, lease_owner = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
+       last_error = :error, updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       d.destination, inserted.last_error AS detail
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+   AND t.status = 'in_flight' AND t.lease_owner = :owner AND t.claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: fail_batch
+-- least(a, b) is a CASE (LEAST needs SQL Server 2022); the exponent is capped at 60 so POWER cannot
+-- overflow a float for absurd attempt counts (2^60 seconds is far beyond any max_backoff_seconds).
+UPDATE t
+   SET status = CASE WHEN t.attempts >= :max_attempts THEN 'dead' ELSE 'error' END,
+       next_attempt_at = CASE WHEN t.attempts >= :max_attempts THEN NULL
+                              ELSE DATEADD(millisecond, CAST(1000 * b.backoff AS int), SYSUTCDATETIME()) END,
+       lease_owner = NULL, lease_expires_at = NULL, last_error = :error, updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       d.destination, inserted.last_error AS detail
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ CROSS APPLY (SELECT :backoff_seconds * POWER(CAST(2 AS float),
+                     CASE WHEN t.attempts > 61 THEN 60 ELSE t.attempts - 1 END) AS uncapped) AS r
+ CROSS APPLY (SELECT CASE WHEN r.uncapped < :max_backoff_seconds THEN r.uncapped
+                          ELSE :max_backoff_seconds END AS backoff) AS b
+ WHERE t.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+   AND t.status = 'in_flight' AND t.lease_owner = :owner AND t.claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: sweep_expired
+UPDATE t
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
+       last_error = N'row lease of ' + t.lease_owner + N' (epoch '
+                    + CAST(t.claim_epoch AS nvarchar(20)) + N') expired'
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       d.destination, inserted.last_error AS detail
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.id IN (SELECT TOP (:limit) id FROM {table} WITH (UPDLOCK, READPAST, ROWLOCK)
+                 WHERE status = 'in_flight' AND lease_expires_at <= SYSUTCDATETIME()
+                 ORDER BY id)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: recovery_mark
+UPDATE leader_lease SET recovered_epoch = epoch
+OUTPUT inserted.epoch
+ WHERE id = 1 AND epoch = :epoch AND recovered_epoch < :epoch
+
+-- name: recover_stale_epoch
+-- Lease-blind and lock-waiting (no READPAST): every row of an older epoch must come back.
+UPDATE t
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
+       last_error = N'recovered on promotion: claimed by ' + t.lease_owner + N' under epoch '
+                    + CAST(t.claim_epoch AS nvarchar(20))
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       d.destination, inserted.last_error AS detail
+  FROM {table} AS t
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.status = 'in_flight' AND t.claim_epoch < :epoch
+
+-- name: insert_inbound
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       NULL AS destination, NULL AS detail
+SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
+ WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: record_events
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
+       e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+  FROM OPENJSON(:events) WITH (
+       stage        nvarchar(16)  '$.stage',
+       row_id       bigint        '$.row_id',
+       message_id   nvarchar(450) '$.message_id',
+       control_id   nvarchar(200) '$.control_id',
+       destination  nvarchar(200) '$.destination',
+       event        nvarchar(40)  '$.event',
+       from_status  nvarchar(16)  '$.from_status',
+       to_status    nvarchar(16)  '$.to_status',
+       epoch        bigint        '$.epoch',
+       node_id      nvarchar(400) '$.node_id',
+       attempt      int           '$.attempt',
+       detail       nvarchar(max) '$.detail') AS e
