@@ -57,6 +57,10 @@ class AckDecision:
     reason: str = ""
     error_code: str = "207"
 
+    def __post_init__(self) -> None:
+        # Coerce "AA" -> AckCode.AA and refuse anything else early, in the handler's frame.
+        object.__setattr__(self, "code", AckCode(self.code))
+
     @classmethod
     def accept(cls) -> AckDecision:
         return cls(AckCode.AA)
@@ -130,8 +134,12 @@ def build_ack(
     enc = header.encoding_characters
     plain = _escaper(fs, enc)
     raw = _strip_controls
-    app = raw(header.receiving_application) if sending_application is None else plain(sending_application)
-    fac = raw(header.receiving_facility) if sending_facility is None else plain(sending_facility)
+    app = raw(header.receiving_application)
+    if sending_application is not None:
+        app = plain(sending_application)
+    fac = raw(header.receiving_facility)
+    if sending_facility is not None:
+        fac = plain(sending_facility)
     trigger = raw(header.trigger_event)
     cs = enc[0]
     message_type = f"ACK{cs}{trigger}{cs}ACK" if trigger else "ACK"
@@ -142,7 +150,7 @@ def build_ack(
         fac,
         raw(header.sending_application),
         raw(header.sending_facility),
-        _timestamp(now),
+        _timestamp(now, utc_offset="+" not in fs + enc),
         "",
         message_type,
         plain(control_id or new_control_id()),
@@ -249,11 +257,14 @@ def _err(
     return fs.join(["ERR", "", "", f"{code}{cs}{code_text}{cs}HL70357", "E", "", "", "", message])
 
 
-def _timestamp(now: datetime | None) -> str:
+def _timestamp(now: datetime | None, *, utc_offset: bool = True) -> str:
+    """MSH-7 in UTC. The "+0000" offset is left out when "+" is one of the message's
+    separators: it would split the field."""
     moment = now or datetime.now(timezone.utc)
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
-    return moment.strftime("%Y%m%d%H%M%S%z")
+    moment = moment.astimezone(timezone.utc)
+    return moment.strftime("%Y%m%d%H%M%S" + ("+0000" if utc_offset else ""))
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

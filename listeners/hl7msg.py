@@ -173,10 +173,12 @@ def parse_header(
         # Only whole fields count: drop everything after the last field separator.
         raw_seg = raw_seg[: raw_seg.rfind(fs_byte)]
 
-    # First guess of the charset from a byte-level split. For double-byte charsets a trail
-    # byte may equal a separator, so the guess is re-checked on the decoded text below.
+    # First guess of the charset from a byte-level split. In double-byte charsets (Big5,
+    # GB 18030, JIS) a trail byte may equal the field separator, which only ever adds fields,
+    # so MSH-18 is the first known charset name from byte-field 18 on. The guess is
+    # re-checked on the decoded text below.
     raw_fields = raw_seg.split(bytes([fs_byte]))
-    guess = _raw_field(raw_fields, 18).decode("ascii", "replace")
+    guess = _charset_guess(raw_fields)
     encoding = _resolve_codec(guess, repetition, default_encoding, strict_charset)
     body = data[start:] if complete else raw_seg
     for _attempt in range(2):
@@ -266,9 +268,13 @@ def _segment_end(data: bytes, start: int) -> int:
     return cr if lf < 0 else min(cr, lf)
 
 
-def _raw_field(raw_fields: list[bytes], n: int) -> bytes:
+def _charset_guess(raw_fields: list[bytes]) -> str:
     # raw_fields[0] is "MSH"; MSH-1 is the separator itself, so MSH-n is raw_fields[n - 1].
-    return raw_fields[n - 1] if len(raw_fields) >= n else b""
+    candidates = [f.decode("ascii", "replace") for f in raw_fields[17:]]
+    for candidate in candidates:
+        if candidate.strip() and charset_to_codec(candidate.strip()) is not None:
+            return candidate
+    return candidates[0] if candidates else ""
 
 
 def _split_msh(text: str, fs: str) -> list[str]:
@@ -284,6 +290,11 @@ def _field(fields: list[str], n: int) -> str:
 
 
 def _resolve_codec(charset: str, repetition: str, default: str, strict: bool) -> str:
+    # The whole value first: a charset name such as "8859/1" may itself contain a character
+    # the sender uses as a separator. Otherwise the first repetition is the message charset.
+    codec = charset_to_codec(charset)
+    if codec is not None:
+        return codec
     first = charset.split(repetition)[0].strip()
     if not first:
         return default

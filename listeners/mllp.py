@@ -296,6 +296,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         self._registered = False
         self._paused = False
         self._peer: IAddress | None = None
+        self._peer_text = "?"
 
     @property
     def in_flight(self) -> int:
@@ -306,9 +307,13 @@ class MLLPProtocol(Protocol, TimeoutMixin):
 
     def connectionMade(self) -> None:
         self._peer = self.transport.getPeer()
+        self._peer_text = _describe(self._peer)
         self._connected = True
         if self.factory is not None and not self.factory.register(self):
-            _log.warn("refusing MLLP connection from {peer}: max_connections reached", peer=self._peer)
+            _log.warn(
+                "refusing MLLP connection from {peer}: max_connections reached",
+                peer=self._peer_text,
+            )
             self.transport.loseConnection()
             return
         self._registered = self.factory is not None
@@ -324,7 +329,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         if self._slots:
             _log.info(
                 "MLLP connection from {peer} lost with {count} unacknowledged message(s)",
-                peer=self._peer,
+                peer=self._peer_text,
                 count=len(self._slots),
             )
         self._slots.clear()
@@ -339,7 +344,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             # The sender is idle because it is waiting on us; handler_timeout bounds that.
             self.setTimeout(self.timeOut)
             return
-        _log.info("closing idle MLLP connection from {peer}", peer=self._peer)
+        _log.info("closing idle MLLP connection from {peer}", peer=self._peer_text)
         self._accepting = False
         self.transport.loseConnection()
 
@@ -363,7 +368,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             _log.warn(
                 "skipped {size} byte(s) from {peer}: {reason}",
                 size=event.size,
-                peer=self._peer,
+                peer=self._peer_text,
                 reason=event.reason.value,
             )
 
@@ -378,13 +383,13 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             _log.warn(
                 "rejecting {size}-byte message from {peer}: {reason}",
                 size=len(payload),
-                peer=self._peer,
+                peer=self._peer_text,
                 reason=exc.reason.value,
             )
             self._enqueue(_Slot("", ack=self._fallback_ack(str(exc))))
             self._flush()
             return
-        slot = _Slot(header.control_id)
+        slot = _Slot(_safe(header.control_id))
         self._enqueue(slot)
         assert self._peer is not None
         d = maybeDeferred(self._handler, payload, self._peer)
@@ -415,7 +420,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
                 " ({reason}); closing connection",
                 size=event.size,
                 limit=limit,
-                peer=self._peer,
+                peer=self._peer_text,
                 reason=exc.reason.value,
             )
             self._accepting = False  # answer what came before, then close
@@ -424,13 +429,13 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             return
         _log.warn(
             "rejecting oversize message {control_id} ({size} bytes > {limit}) from {peer}",
-            control_id=header.control_id,
+            control_id=_safe(header.control_id),
             size=event.size,
             limit=limit,
-            peer=self._peer,
+            peer=self._peer_text,
         )
         decision = AckDecision.reject(f"message too large: {event.size} bytes, limit {limit}")
-        self._enqueue(_Slot(header.control_id, ack=self._ack(header, decision)))
+        self._enqueue(_Slot(_safe(header.control_id), ack=self._ack(header, decision)))
         self._flush()
 
     # -- handler outcome ------------------------------------------------------------------
@@ -445,15 +450,15 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             _log.error(
                 "handler returned {type} instead of AckDecision for {control_id}",
                 type=type(result).__name__,
-                control_id=header.control_id,
+                control_id=_safe(header.control_id),
             )
             decision = AckDecision.error("message not accepted; resend later")
         slot.ack = self._ack(header, decision)
         _log.debug(
             "{code} for {control_id} from {peer}",
             code=decision.code.value,
-            control_id=header.control_id,
-            peer=self._peer,
+            control_id=_safe(header.control_id),
+            peer=self._peer_text,
         )
         self._flush()
 
@@ -464,21 +469,23 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         # Only the exception type: its text may quote stored values (PHI).
         _log.error(
             "handler failed for {control_id} from {peer}: {error}; answering AE",
-            control_id=header.control_id,
-            peer=self._peer,
+            control_id=_safe(header.control_id),
+            peer=self._peer_text,
             error=failure.type.__name__ if failure.type else "unknown",
         )
         slot.ack = self._ack(header, AckDecision.error("message not stored; resend later"))
         self._flush()
 
-    def _handler_timed_out(self, slot: _Slot, header: HL7Header, d: Deferred[AckDecision]) -> None:
+    def _handler_timed_out(
+        self, slot: _Slot, header: HL7Header, d: Deferred[AckDecision]
+    ) -> None:
         slot.timer = None
         if slot.ready:
             return
         _log.error(
             "handler timed out for {control_id} from {peer}; answering AE",
-            control_id=header.control_id,
-            peer=self._peer,
+            control_id=_safe(header.control_id),
+            peer=self._peer_text,
         )
         slot.ack = self._ack(header, AckDecision.error("message not stored in time; resend later"))
         self._flush()
@@ -508,7 +515,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             )
         except Exception as exc:  # never let an ACK bug leave a slot unanswered
             _log.critical("cannot build ACK for {control_id}: {error}",
-                          control_id=header.control_id, error=type(exc).__name__)
+                          control_id=_safe(header.control_id), error=type(exc).__name__)
             code = AckCode.AE if decision.code is AckCode.AA else decision.code
             return self._fallback_ack("internal error", code=code)
 
@@ -540,9 +547,21 @@ class MLLPProtocol(Protocol, TimeoutMixin):
                 return
             assert slot.ack is not None
             self.transport.write(frame(slot.ack))
+            if not self._slots:
+                self.resetTimeout()  # from now on we are the ones waiting: idle starts here
         if self._paused and self._connected and len(self._slots) < self._config.max_in_flight:
             self._paused = False
             cast("ITCPTransport", self.transport).resumeProducing()
+
+
+def _describe(peer: IAddress) -> str:
+    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+    return f"{host}:{port}" if host is not None else str(peer)
+
+
+def _safe(control_id: str) -> str:
+    """A control id fit for a log line: bounded, no control characters."""
+    return "".join(ch if ch.isprintable() else "?" for ch in control_id[:64])
 
 
 def _cancel(slot: _Slot) -> None:
