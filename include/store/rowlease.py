@@ -13,9 +13,10 @@ them; every other transition appends to `message_events`.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from include.store.db import STAGED_TABLES, StagedTable, Tx
+from include.store.db import INBOUND, STAGED_TABLES, StagedTable, Tx
 
 Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")
@@ -97,19 +98,32 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     return total
 
 
+def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> dict[str, int] | None:
+    """Stage received messages under `epoch` in one statement (the listener's group commit).
+
+    `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload.
+    Returns {message_id: row id} for the rows written (a message_id already staged is skipped,
+    which makes re-reading a file after a crash harmless), or None when `epoch` is no longer
+    current — then nothing is written.
+    """
+    tx.fence()
+    if tx.one("epoch_current", {"epoch": epoch}) is None:
+        return None
+    if not messages:
+        return {}
+    rows = tx.all("stage_inbound", {"messages": json.dumps(messages)})
+    tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
+    return {r["message_id"]: int(r["id"]) for r in rows}
+
+
 def insert_inbound(tx: Tx, *, epoch: int, node_id: str, message_id: str, control_id: str | None,
                    connection: str, payload: str, lane_key: str | None = None,
                    charset: str | None = None) -> int | None:
-    """Stage one received message under `epoch`; None when the epoch is stale (nothing written)."""
-    tx.fence()
-    row = tx.one("insert_inbound", {"epoch": epoch, "message_id": message_id, "control_id": control_id,
-                                    "connection": connection, "lane_key": lane_key, "charset": charset,
-                                    "payload": payload})
-    if row is None:
-        return None
-    tx.record_events([row], table=STAGED_TABLES[0], event="received", from_status=None, epoch=epoch,
-                     node_id=node_id)
-    return int(row["id"])
+    """Stage one message; its row id, or None when the epoch is stale (nothing written)."""
+    staged = stage_inbound(tx, [{"message_id": message_id, "control_id": control_id, "connection": connection,
+                                 "lane_key": lane_key, "charset": charset, "payload": payload}],
+                           epoch=epoch, node_id=node_id)
+    return None if staged is None else staged.get(message_id)
 
 
 def _lease(tx: Tx, lease_seconds: float | None) -> float:

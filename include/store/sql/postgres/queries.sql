@@ -169,10 +169,16 @@ UPDATE {table}
  WHERE status = 'in_flight' AND claim_epoch < :epoch
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
--- name: insert_inbound
+-- name: epoch_current
+SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
+
+-- name: stage_inbound
+-- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
 INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
-SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
- WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
+  FROM json_to_recordset(CAST(:messages AS json)) AS m(
+       message_id text, control_id text, connection text, lane_key text, charset text, payload text)
+ON CONFLICT (message_id) DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
 
 -- name: record_events

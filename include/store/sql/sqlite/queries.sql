@@ -164,10 +164,17 @@ UPDATE {table}
  WHERE status = 'in_flight' AND claim_epoch < :epoch
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
--- name: insert_inbound
+-- name: epoch_current
+SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
+
+-- name: stage_inbound
+-- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
 INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
-SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
- WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
+       json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
+       json_extract(m.value, '$.charset'), json_extract(m.value, '$.payload')
+  FROM json_each(:messages) AS m WHERE true
+ON CONFLICT (message_id) DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
 
 -- name: record_events

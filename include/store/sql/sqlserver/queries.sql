@@ -66,6 +66,8 @@ SELECT @@LOCK_TIMEOUT AS timeout;
 -- Held by every fenced write transaction; an acquisition takes it exclusively before bumping the
 -- epoch, so a write that saw epoch E commits before E+1 can. Application locks live in the lock
 -- manager only and, unlike a shared lock on the lease row, do not hold up the leader's renewals.
+-- Both fence queries return no rows (callers use Tx.execute): an unread result set would make
+-- pymssql cancel it with an attention before the next statement.
 DECLARE @r int;
 EXEC @r = sp_getapplock @Resource = N'stageline:fence', @LockMode = N'Shared', @LockOwner = N'Transaction';
 DECLARE @failed nvarchar(200) = CASE @r
@@ -73,7 +75,6 @@ DECLARE @failed nvarchar(200) = CASE @r
     WHEN -3 THEN N'stageline:fence lock not granted: deadlock victim (as error 1205)'
     ELSE CONCAT(N'stageline:fence lock not granted: sp_getapplock returned ', @r) END;
 IF @r < 0 THROW 51000, @failed, 1;
-SELECT @r AS locked;
 
 -- name: fence_exclusive
 DECLARE @r int;
@@ -83,7 +84,6 @@ DECLARE @failed nvarchar(200) = CASE @r
     WHEN -3 THEN N'stageline:fence lock not granted: deadlock victim (as error 1205)'
     ELSE CONCAT(N'stageline:fence lock not granted: sp_getapplock returned ', @r) END;
 IF @r < 0 THROW 51000, @failed, 1;
-SELECT @r AS locked;
 
 -- name: lease_read
 SELECT owner, epoch, recovered_epoch,
@@ -135,10 +135,11 @@ UPDATE leader_lease SET expires_at = SYSUTCDATETIME()
 
 -- name: node_heartbeat
 -- Upsert; HOLDLOCK keeps the key range locked so two heartbeats of one new node cannot both insert.
+-- The explicit COLLATE spares the comparison a collation conflict with the derived column.
 MERGE INTO nodes WITH (HOLDLOCK) AS n
 USING (SELECT :node_id AS node_id, :host AS host, :pid AS pid, :is_leader AS is_leader,
               :config_hash AS config_hash) AS s
-   ON n.node_id = s.node_id
+   ON n.node_id = s.node_id COLLATE Latin1_General_100_BIN2
  WHEN MATCHED THEN
       UPDATE SET status = 'active', last_seen = SYSUTCDATETIME(), is_leader = s.is_leader,
                  config_hash = s.config_hash
@@ -261,12 +262,32 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts,
  CROSS APPLY (SELECT {dest} AS destination) AS d
  WHERE t.status = 'in_flight' AND t.claim_epoch < :epoch
 
--- name: insert_inbound
+-- name: epoch_current
+SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
+
+-- name: stage_inbound
+-- A file re-read after a crash carries the same message_id. ON CONFLICT (message_id) DO NOTHING:
+-- NOT EXISTS under a key-range lock (UPDLOCK, HOLDLOCK) skips an id already staged and makes a
+-- concurrent insert of the same id wait, then skip; ROW_NUMBER keeps the first of duplicates within
+-- the batch. OPENJSON's columns have the database collation, so comparisons name the column's.
 INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        NULL AS destination, NULL AS detail
-SELECT :message_id, :control_id, :connection, :lane_key, :charset, :payload
- WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
+  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.payload,
+               ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
+                                  ORDER BY CAST(j.[key] AS int)) AS nth
+          FROM OPENJSON(:messages) AS j
+         CROSS APPLY OPENJSON(j.value) WITH (
+               message_id  nvarchar(450) '$.message_id',
+               control_id  nvarchar(200) '$.control_id',
+               connection  nvarchar(200) '$.connection',
+               lane_key    nvarchar(200) '$.lane_key',
+               charset     nvarchar(64)  '$.charset',
+               payload     nvarchar(max) '$.payload') AS v) AS m
+ WHERE m.nth = 1
+   AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WITH (UPDLOCK, HOLDLOCK)
+                    WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
 
 -- name: record_events
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,

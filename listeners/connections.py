@@ -1,0 +1,153 @@
+"""The config dir's inbound connections (`<config>/connections.toml`): what `listenerd` binds.
+
+Each `[[inbound]]` table is one connection. Every node must run the same config dir; its hash is
+published in `nodes.config_hash` so a node that differs from the leader is reported loudly.
+See docs/listenerd.md for the format with a complete example.
+"""
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+KINDS = ("mllp", "tcp", "file", "http")
+TCP_FRAMINGS = ("newline", "length")
+
+
+class ConnectionConfigError(ValueError):
+    """The config dir is wrong; the message names the connection and the setting."""
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: str = ""
+    key: str = ""
+    ca: str = ""                     # client CAs; with require_client_cert this is mTLS
+    require_client_cert: bool = False
+
+
+@dataclass(frozen=True)
+class InboundConfig:
+    name: str
+    kind: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    directory: str = ""              # file: polled directory
+    archive: str = ""                # file: where ingested files go (default <directory>/archive)
+    pattern: str = "*"               # file: glob of files to ingest
+    poll_seconds: float = 1.0        # file
+    framing: str = "newline"         # tcp: newline | length (4-byte big-endian length prefix)
+    lane_key: str = ""               # HL7 path (e.g. "PID-3.1") giving the row's lane; empty = none
+    charset: str = "utf-8"           # used when a message does not declare MSH-18
+    max_message_bytes: int = 4 * 1024 * 1024
+    idle_timeout_seconds: float = 300.0
+    max_connections: int = 64
+    allow_insecure_bind: bool = False
+    tls: TLSConfig | None = None
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host in ("localhost", ""):
+            return self.host == "localhost"
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+@dataclass(frozen=True)
+class ListenerConfig:
+    inbound: tuple[InboundConfig, ...] = ()
+    config_hash: str = ""
+    directory: Path | None = None
+    api: dict[str, Any] = field(default_factory=dict)  # the [api] table, read by the control plane
+
+    def by_name(self, name: str) -> InboundConfig | None:
+        return next((c for c in self.inbound if c.name == name), None)
+
+
+def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
+    name = raw.get("name")
+    where = f"[[inbound]] #{index + 1}" + (f" ({name!r})" if name else "")
+    if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise ConnectionConfigError(f"{where}: name must be a non-empty identifier (letters, digits, - and _)")
+    known = {f.name: f for f in fields(InboundConfig)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConnectionConfigError(f"{where}: unknown setting(s): {', '.join(unknown)}")
+    values = dict(raw)
+    if "tls" in values:
+        tls = values["tls"]
+        if not isinstance(tls, dict) or set(tls) - {f.name for f in fields(TLSConfig)}:
+            raise ConnectionConfigError(f"{where}: tls must be a table with cert, key, ca, require_client_cert")
+        tls = {k: (str((base / v).resolve()) if k in ("cert", "key", "ca") and v else v) for k, v in tls.items()}
+        values["tls"] = TLSConfig(**tls)
+    for key in ("directory", "archive"):
+        if values.get(key):
+            values[key] = str((base / values[key]).resolve())
+    for key in ("poll_seconds", "idle_timeout_seconds"):
+        if isinstance(values.get(key), int):
+            values[key] = float(values[key])
+    try:
+        conn = InboundConfig(**values)
+    except TypeError as exc:
+        raise ConnectionConfigError(f"{where}: {exc}") from exc
+    if conn.kind not in KINDS:
+        raise ConnectionConfigError(f"{where}: kind must be one of {', '.join(KINDS)}, got {conn.kind!r}")
+    if conn.kind in ("mllp", "tcp", "http") and not (0 <= conn.port <= 65535):
+        raise ConnectionConfigError(f"{where}: port must be 0..65535")
+    if conn.kind == "tcp" and conn.framing not in TCP_FRAMINGS:
+        raise ConnectionConfigError(f"{where}: framing must be newline or length, got {conn.framing!r}")
+    if conn.kind == "file" and not conn.directory:
+        raise ConnectionConfigError(f"{where}: a file connection needs directory")
+    if conn.kind == "file" and not conn.archive:
+        conn = InboundConfig(**{**conn.__dict__, "archive": str(Path(conn.directory) / "archive")})
+    if conn.max_message_bytes < 64:
+        raise ConnectionConfigError(f"{where}: max_message_bytes must be >= 64")
+    if conn.tls and conn.tls.require_client_cert and not conn.tls.ca:
+        raise ConnectionConfigError(f"{where}: tls.require_client_cert needs tls.ca (the client CA bundle)")
+    if conn.tls and not (conn.tls.cert and conn.tls.key):
+        raise ConnectionConfigError(f"{where}: tls needs cert and key")
+    check_bind(conn.host, tls=conn.tls is not None, allow_insecure=conn.allow_insecure_bind,
+               what=f"{where} ({conn.kind} on {conn.host}:{conn.port})", network=conn.kind != "file")
+    return conn
+
+
+def check_bind(host: str, *, tls: bool, allow_insecure: bool, what: str, network: bool = True) -> None:
+    """Transport security fails closed: a non-loopback bind needs TLS unless explicitly allowed."""
+    if not network or tls or allow_insecure:
+        return
+    loopback = host == "localhost"
+    if not loopback:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+    if not loopback:
+        raise ConnectionConfigError(
+            f"{what}: refusing a non-loopback bind without TLS; configure tls, or set "
+            "allow_insecure_bind = true if the network is otherwise protected")
+
+
+def load_config_dir(directory: str | Path) -> ListenerConfig:
+    """Read `<directory>/connections.toml`; a missing file means no inbound connections."""
+    directory = Path(directory).resolve()
+    path = directory / "connections.toml"
+    text = path.read_bytes() if path.exists() else b""
+    try:
+        raw = tomllib.loads(text.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConnectionConfigError(f"{path}: not valid TOML: {exc}") from exc
+    unknown = sorted(set(raw) - {"inbound", "api"})
+    if unknown:
+        raise ConnectionConfigError(f"{path}: unknown section(s): {', '.join(unknown)} (known: inbound, api)")
+    inbound = tuple(_inbound(c, i, directory) for i, c in enumerate(raw.get("inbound", [])))
+    names = [c.name for c in inbound]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConnectionConfigError(f"{path}: duplicate connection name(s): {', '.join(dupes)}")
+    digest = hashlib.sha256(text).hexdigest()[:16]
+    return ListenerConfig(inbound=inbound, config_hash=digest, directory=directory, api=raw.get("api", {}))

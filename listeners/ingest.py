@@ -1,0 +1,138 @@
+"""Group commit: every received message is staged in a short transaction shared with whatever else
+arrived meanwhile, and its Deferred fires only after that transaction committed.
+
+One writer thread drains the queue: while one transaction commits, newer messages queue up and go
+into the next one, so batches grow with load and a lone message is never held back. A single
+writer also keeps row ids in arrival order, which per-lane FIFO relies on. The reactor thread only
+enqueues and fires Deferreds; no SQL ever runs on it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+from include.store import Store
+from include.store.rowlease import stage_inbound
+from listeners.metrics import Metrics
+
+_log = Logger(namespace="stageline.ingest")
+
+
+class IngestRejected(Exception):
+    """The message was not staged (no lease, stale epoch, store failure); never ACK it positively."""
+
+
+class NotLeader(IngestRejected):
+    pass
+
+
+class StoreUnavailable(IngestRejected):
+    pass
+
+
+@dataclass(frozen=True)
+class Inbound:
+    connection: str
+    payload: str
+    control_id: str | None = None
+    lane_key: str | None = None
+    charset: str | None = None
+    message_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+_STOP = object()
+
+
+class IngestWriter:
+    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
+                 reactor, max_batch: int = 2000) -> None:
+        self.store = store
+        self.node_id = node_id
+        self._epoch = epoch
+        self.metrics = metrics
+        self._reactor = reactor
+        self.max_batch = max_batch
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, item: Inbound) -> Deferred:
+        """Queue one message; the Deferred fires with its message_id after commit, or fails with
+        an `IngestRejected` subclass."""
+        d: Deferred = Deferred()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put((item, d))
+        return d
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (off the reactor) until every submitted message has been committed or rejected."""
+        return self._idle.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is _STOP:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stop = True
+                    break
+                batch.append(nxt)
+            outcome = self._commit([item for item, _ in batch])
+            self._reactor.callFromThread(self._fire, batch, outcome)
+            if stop:
+                return
+
+    def _commit(self, items: list[Inbound]) -> dict[str, int] | IngestRejected:
+        epoch = self._epoch()
+        if epoch is None:
+            return NotLeader("this node does not hold the leader lease")
+        started = time.perf_counter()
+        try:
+            with self.store.transaction() as tx:
+                staged = stage_inbound(tx, [asdict(i) for i in items], epoch=epoch, node_id=self.node_id)
+        except Exception as exc:  # the store said no: every message in the batch gets a negative ACK
+            self.metrics.store_errors.labels("stage_inbound").inc()
+            _log.warn("group commit of {n} message(s) failed: {err}", n=len(items), err=type(exc).__name__)
+            return StoreUnavailable(f"store unavailable: {type(exc).__name__}")
+        if staged is None:
+            return NotLeader(f"epoch {epoch} is no longer current")
+        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        self.metrics.commit_batch.observe(len(items))
+        return staged
+
+    def _fire(self, batch: list, outcome: dict[str, int] | IngestRejected) -> None:
+        for item, d in batch:
+            if isinstance(outcome, IngestRejected):
+                d.errback(outcome)
+            else:
+                d.callback(item.message_id)  # a duplicate message_id was staged before: also durable
+        with self._lock:
+            self._pending -= len(batch)
+            if self._pending == 0:
+                self._idle.set()

@@ -1,0 +1,35 @@
+"""Prometheus metrics of one `listenerd` (its own registry, served on `/metrics`)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.received = Counter("stageline_messages_received_total", "Messages received, per inbound connection",
+                                ["connection"], registry=r)
+        self.acks = Counter("stageline_acks_total", "Acknowledgements sent, per connection and code (AA/AE/AR)",
+                            ["connection", "code"], registry=r)
+        self.commit_seconds = Histogram(
+            "stageline_commit_seconds", "Group-commit transaction latency",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
+        self.commit_batch = Histogram("stageline_commit_batch_messages", "Messages per group commit",
+                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
+        self.leader = Gauge("stageline_leader", "1 while this node holds a live, unfenced lease", registry=r)
+        self.epoch = Gauge("stageline_epoch", "Leader epoch held by this node (0 when not leader)", registry=r)
+        self.bound = Gauge("stageline_listeners_bound", "Inbound connections currently bound", registry=r)
+        self.connections = Gauge("stageline_open_connections", "Open inbound connections", ["connection"],
+                                 registry=r)
+        self.config_mismatch = Gauge("stageline_config_mismatch",
+                                     "1 when this node's config hash differs from the leader's", registry=r)
+        self.config_version = Gauge("stageline_config_version", "Shared config version loaded", registry=r)
+        self.elections = Counter("stageline_election_outcomes_total", "Lease elector step outcomes",
+                                 ["outcome"], registry=r)
+        self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
+                                    ["operation"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
