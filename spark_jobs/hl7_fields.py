@@ -43,12 +43,21 @@ Semantics:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
-__all__ = ["FieldPath", "FieldPathError", "field", "parse_path"]
+__all__ = [
+    "FieldPath",
+    "FieldPathError",
+    "extract",
+    "field",
+    "parse_message",
+    "parse_path",
+    "with_message",
+]
 
 _PATH_RE = re.compile(
     r"""
@@ -69,6 +78,8 @@ _SEGMENT_SPLIT = r"\r\n?|\n"
 _HEADER_RE = r"^[\r\n]*MSH([^\r\n])([^\r\n]*?)(?:\1|[\r\n]|$)"
 # A regex no string matches: splitting on it returns the input unchanged.
 _NEVER_MATCHES = "(?!)"
+# MSH-2 order: component, repetition, escape, subcomponent.
+_ENCODING_ORDER = ("cs", "rs", "esc", "ss")
 
 
 class FieldPathError(ValueError):
@@ -145,6 +156,68 @@ def _diagnose(path: str) -> str:
     return _GRAMMAR_HINT
 
 
+def parse_message(message_col: Column | str) -> Column:
+    """Split a raw message once into its separators and segments, for several extractions.
+
+    Returns ``struct<fs, cs, rs, esc, ss, fs_re, cs_re, rs_re, esc_re, ss_re: string,
+    segments: array<string>>``; a separator MSH-2 omits is ``""`` and its ``*_re`` never
+    matches. Use through :func:`with_message` so the work is done once per row.
+    """
+    msg = F.col(message_col) if isinstance(message_col, str) else message_col
+    header = F.struct(
+        F.regexp_extract(msg, _HEADER_RE, 1).alias("fs"),
+        F.regexp_extract(msg, _HEADER_RE, 2).alias("enc"),
+    )
+
+    def build(h: Column) -> Column:
+        seps = {"fs": h["fs"]}
+        seps.update((name, F.substring(h["enc"], i, 1)) for i, name in enumerate(_ENCODING_ORDER, start=1))
+        return F.struct(
+            *(sep.alias(name) for name, sep in seps.items()),
+            *(_separator_regex(sep).alias(f"{name}_re") for name, sep in seps.items()),
+            F.split(msg, _SEGMENT_SPLIT).alias("segments"),
+        )
+
+    return _let(header, build)
+
+
+def with_message(message_col: Column | str, body: Callable[[Column], Column]) -> Column:
+    """Parse each message once and build ``body(parsed)`` from it (any number of :func:`extract`).
+
+    Spark has no LET: a parsed struct referenced by ten extractions would otherwise be
+    recomputed (or inlined by the optimizer) ten times, each splitting the whole message.
+    """
+    return _let(parse_message(message_col), body)
+
+
+def extract(parsed: Column, path: str | FieldPath, *, unescape: bool = False) -> Column:
+    """Like :func:`field`, over a :func:`parse_message` struct (e.g. inside :func:`with_message`)."""
+    fp = path if isinstance(path, FieldPath) else parse_path(path)
+    name = F.lit(fp.segment)
+    # A segment is its id alone or its id followed by the field separator ("OBX|..."), not "OBXZ".
+    matching = F.filter(
+        parsed["segments"], lambda s: (s == name) | s.startswith(F.concat(name, parsed["fs"]))
+    )
+    segment = F.try_element_at(matching, F.lit(fp.occurrence))
+
+    if fp.segment == "MSH" and fp.field == 1:
+        value = F.substring(segment, 4, 1)
+    else:
+        # After splitting, element 1 is the segment id; for MSH element 2 is already MSH-2.
+        position = fp.field if fp.segment == "MSH" else fp.field + 1
+        value = F.try_element_at(F.split(segment, parsed["fs_re"], -1), F.lit(position))
+        if not (fp.segment == "MSH" and fp.field == 2):
+            value = F.try_element_at(F.split(value, parsed["rs_re"], -1), F.lit(fp.repetition or 1))
+            if fp.component is not None:
+                value = F.try_element_at(F.split(value, parsed["cs_re"], -1), F.lit(fp.component))
+                if fp.subcomponent is not None:
+                    value = F.try_element_at(F.split(value, parsed["ss_re"], -1), F.lit(fp.subcomponent))
+    if unescape:
+        value = _unescape(value, parsed)
+    # No header means no separators to trust: NULL rather than a guess. Empty -> NULL.
+    return F.when(parsed["fs"] != "", _let(value, lambda v: F.when(v != "", v)))
+
+
 def field(message_col: Column | str, path: str | FieldPath, *, unescape: bool = False) -> Column:
     """Return a string Column with the value at ``path`` in each raw HL7 message (NULL if absent).
 
@@ -153,73 +226,47 @@ def field(message_col: Column | str, path: str | FieldPath, *, unescape: bool = 
     :param unescape: decode ``\\F\\ \\S\\ \\T\\ \\R\\ \\E\\`` in the selected value; other
         escapes (``\\H\\``, ``\\Xhh\\``, ...) are kept verbatim. Only meaningful on leaves:
         a decoded ``^`` is indistinguishable from a component separator.
+
+    For several fields of one message prefer ``with_message(col, lambda m: ... extract(m, p) ...)``,
+    which splits the message once.
     """
     fp = path if isinstance(path, FieldPath) else parse_path(path)
-    msg = F.col(message_col) if isinstance(message_col, str) else message_col
+    return with_message(message_col, lambda m: extract(m, fp, unescape=unescape))
 
-    fs = F.regexp_extract(msg, _HEADER_RE, 1)
-    encoding = F.regexp_extract(msg, _HEADER_RE, 2)
-    cs, rs, esc, ss = (F.substring(encoding, i, 1) for i in (1, 2, 3, 4))
 
-    segments = F.split(msg, _SEGMENT_SPLIT)
-    name = F.lit(fp.segment)
-    matching = F.filter(segments, lambda s: (s == name) | s.startswith(F.concat(name, fs)))
-    segment = F.try_element_at(matching, F.lit(fp.occurrence))
-
-    if fp.segment == "MSH" and fp.field == 1:
-        value = F.substring(segment, 4, 1)
-    else:
-        # After splitting, element 1 is the segment id; for MSH element 2 is already MSH-2.
-        position = fp.field if fp.segment == "MSH" else fp.field + 1
-        value = F.try_element_at(_split(segment, fs), F.lit(position))
-        if not (fp.segment == "MSH" and fp.field == 2):
-            value = F.try_element_at(_split(value, rs), F.lit(fp.repetition or 1))
-            if fp.component is not None:
-                value = F.try_element_at(_split(value, cs), F.lit(fp.component))
-                if fp.subcomponent is not None:
-                    value = F.try_element_at(_split(value, ss), F.lit(fp.subcomponent))
-    if unescape:
-        value = _unescape(value, fs=fs, cs=cs, rs=rs, esc=esc, ss=ss)
-    # No header means no separators to trust: NULL rather than a guess.
-    return F.when(fs != "", F.nullif(value, F.lit("")))
+def _let(value: Column, body: Callable[[Column], Column]) -> Column:
+    """Evaluate ``value`` once per row and hand it to ``body`` as a lambda variable."""
+    return F.try_element_at(F.transform(F.array(value), body), F.lit(1))
 
 
 def _separator_regex(sep: Column) -> Column:
     """Turn a one-character separator into a regex matching exactly it.
 
-    ASCII punctuation gets a backslash (a literal in Java regex, and the form Java's
-    ``String.split`` fast path recognises); anything else is quoted; a missing separator
-    becomes a regex that never matches, so nothing is split.
+    ``\\Q..\\E`` quotes any character (even ``\\``), so a sender's odd separator can neither
+    break nor crash the split; a missing separator becomes a regex that never matches.
     """
-    return (
-        F.when(sep.isNull() | (sep == ""), F.lit(_NEVER_MATCHES))
-        .when(sep.rlike(r"^[!-/:-@\[-`{-~]$"), F.concat(F.lit("\\"), sep))
-        .otherwise(F.concat(F.lit(r"\Q"), sep, F.lit(r"\E")))
-    )
+    return F.when(sep != "", F.concat(F.lit(r"\Q"), sep, F.lit(r"\E"))).otherwise(F.lit(_NEVER_MATCHES))
 
 
-def _split(value: Column, sep: Column) -> Column:
-    """Split on a per-row separator character, keeping empty trailing elements."""
-    return F.split(value, _separator_regex(sep), -1)
-
-
-def _unescape(value: Column, *, fs: Column, cs: Column, rs: Column, esc: Column, ss: Column) -> Column:
+def _unescape(value: Column, parsed: Column) -> Column:
     """Decode separator escapes in one left-to-right pass.
 
     Splitting on the escape character puts literal text at even positions and escape codes at
-    odd ones, so ``\\E\\F\\`` decodes to ``\\F`` rather than being mangled by chained replaces.
-    An unterminated escape (the last odd element) is kept verbatim.
+    odd ones, so ``\\E\\F\\E\\`` decodes to the literal ``\\F\\``, where chained replaces would
+    first turn its middle ``\\F\\`` into a field separator.
+    An unterminated escape (the last odd element) and unknown codes are kept verbatim.
     """
-    parts = _split(value, esc)
-    decoded = F.transform(
-        parts,
-        lambda x, i: F.when(i % 2 == 0, x)
-        .when(i == F.size(parts) - 1, F.concat(esc, x))
-        .when(x == "F", fs)
-        .when(x == "S", cs)
-        .when(x == "R", rs)
-        .when(x == "T", ss)
-        .when(x == "E", esc)
-        .otherwise(F.concat(esc, x, esc)),
-    )
-    return F.array_join(decoded, "")
+    esc = parsed["esc"]
+    codes = {"F": parsed["fs"], "S": parsed["cs"], "R": parsed["rs"], "T": parsed["ss"], "E": esc}
+
+    def decode(parts: Column) -> Column:
+        def piece(x: Column, i: Column) -> Column:
+            out = F.when(i % 2 == 0, x).when(i == F.size(parts) - 1, F.concat(esc, x))
+            for code, sep in codes.items():
+                # An escape for a separator this message does not define stays verbatim.
+                out = out.when((x == code) & (sep != ""), sep)
+            return out.otherwise(F.concat(esc, x, esc))
+
+        return F.array_join(F.transform(parts, piece), "")
+
+    return _let(F.split(value, parsed["esc_re"], -1), decode)

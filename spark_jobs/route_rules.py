@@ -12,7 +12,8 @@ Conditions: a leaf ``{"field": <HL7 path>, "op": ..., "value": ...}`` or ``{"all
 * ``eq``: value is a string, compared exactly.
 * ``in``: value is a non-empty list of strings.
 * ``regex``: value is a Java regex, searched anywhere in the value (anchor with ``^``/``$``).
-  Config load checks it with Python's ``re``, so use the syntax both engines share.
+  Config load checks it with Python's ``re`` and rejects Python-only syntax (``(?P<n>..)``,
+  ``(?#..)``, ``(?(..)``); use the syntax both engines share.
 * ``exists``: no value; true when the field is present and non-empty.
 
 Field values come from :func:`spark_jobs.hl7_fields.field` (missing and empty are NULL). A leaf
@@ -27,14 +28,14 @@ in its ``when`` the problem is.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from spark_jobs.hl7_fields import FieldPath, FieldPathError, field, parse_path
+from spark_jobs.hl7_fields import FieldPath, FieldPathError, extract, parse_path, with_message
 
 __all__ = [
     "PENDING",
@@ -57,6 +58,8 @@ OPS = ("eq", "in", "regex", "exists")
 
 _ROUTE_KEYS = frozenset({"name", "destinations", "when"})
 _LEAF_KEYS = frozenset({"field", "op", "value"})
+# Python-only regex syntax that would pass re.compile but make Java's Pattern throw mid-job.
+_PYTHON_ONLY_REGEX = re.compile(r"\(\?P|\(\?#|\(\?\(")
 
 
 class RouteConfigError(ValueError):
@@ -119,7 +122,7 @@ def parse_condition(cond: Any, *, route_name: str = "<unnamed>", where: str = "w
     if "field" in keys or "op" in keys:
         unknown = keys - _LEAF_KEYS
         if unknown:
-            raise fail(f"unknown key(s) {sorted(unknown)} in field condition (allowed: field, op, value)")
+            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in field condition (allowed: field, op, value)")
         return _parse_leaf(cond, fail)
     if len(keys) != 1 or not keys <= {"all", "any", "not"}:
         raise fail(
@@ -139,7 +142,7 @@ def parse_condition(cond: Any, *, route_name: str = "<unnamed>", where: str = "w
     return AllOf(members) if kind == "all" else AnyOf(members)
 
 
-def _parse_leaf(cond: Mapping[str, Any], fail: Any) -> Leaf:
+def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], RouteConfigError]) -> Leaf:
     """Validate a ``{"field", "op", "value"}`` leaf."""
     if "field" not in cond:
         raise fail("field condition needs 'field'")
@@ -166,6 +169,8 @@ def _parse_leaf(cond: Mapping[str, Any], fail: Any) -> Leaf:
                 re.compile(value)
             except re.error as exc:
                 raise fail(f"bad regex {value!r}: {exc}") from None
+            if _PYTHON_ONLY_REGEX.search(value):
+                raise fail(f"bad regex {value!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
         return Leaf(path, op, value)
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not value:
         raise fail("op 'in' needs a non-empty list of strings")
@@ -192,7 +197,8 @@ def parse_routes(routes: Any) -> list[Route]:
         unknown = set(spec) - _ROUTE_KEYS
         if unknown:
             raise RouteConfigError(
-                f"route {name!r}: unknown key(s) {sorted(map(str, unknown))} (allowed: name, destinations, when)"
+                f"route {name!r}: unknown key(s) {sorted(map(str, unknown))} "
+                "(allowed: name, destinations, when)"
             )
         dests = spec.get("destinations")
         if (
@@ -201,7 +207,9 @@ def parse_routes(routes: Any) -> list[Route]:
             or not dests
             or not all(isinstance(d, str) and d.strip() for d in dests)
         ):
-            raise RouteConfigError(f"route {name!r}: 'destinations' must be a non-empty list of non-empty strings")
+            raise RouteConfigError(
+                f"route {name!r}: 'destinations' must be a non-empty list of non-empty strings"
+            )
         when = parse_condition(spec["when"], route_name=name) if "when" in spec else None
         parsed.append(Route(name=name, destinations=tuple(dict.fromkeys(dests)), when=when))
     return parsed
@@ -214,13 +222,14 @@ def compile_condition(
     message: Column | str = "payload",
 ) -> Column:
     """Compile a condition into a boolean Column over the raw message column; never NULL."""
-    return _compile(parse_condition(cond, route_name=route_name), F.col(message) if isinstance(message, str) else message)
+    parsed = parse_condition(cond, route_name=route_name)
+    return with_message(message, lambda m: _compile(parsed, m))
 
 
 def _compile(cond: Condition, message: Column) -> Column:
-    """Build the Column for a validated condition tree."""
+    """Build the Column for a validated condition over a ``parse_message`` struct."""
     if isinstance(cond, Leaf):
-        value = field(message, cond.path)
+        value = extract(message, cond.path)
         if cond.op == "eq":
             test = value == F.lit(cond.value)
         elif cond.op == "in":
@@ -260,13 +269,18 @@ def route(
     )
 
 
-def _match_routes(messages: DataFrame, routes: Sequence[Route], *, id_col: str, payload_col: str) -> DataFrame:
-    """One boolean column per route (``_m0``, ``_m1``, ...), evaluated once per message."""
-    payload = F.col(payload_col)
-    flags = [
-        (F.lit(True) if r.when is None else _compile(r.when, payload)).alias(f"_m{i}") for i, r in enumerate(routes)
-    ]
-    return messages.select(F.col(id_col).alias("source_id"), *flags)
+def _match_routes(
+    messages: DataFrame, routes: Sequence[Route], *, id_col: str, payload_col: str
+) -> DataFrame:
+    """Keep ``source_id`` and ``_matches`` (one boolean per route) from one parse of each message."""
+    if not routes:
+        matches = F.array().cast("array<boolean>")
+    else:
+        matches = with_message(
+            payload_col,
+            lambda m: F.array(*(F.lit(True) if r.when is None else _compile(r.when, m) for r in routes)),
+        )
+    return messages.select(F.col(id_col).alias("source_id"), matches.alias("_matches"))
 
 
 def _fan_out(flagged: DataFrame, routes: Sequence[Route]) -> DataFrame:
@@ -275,6 +289,9 @@ def _fan_out(flagged: DataFrame, routes: Sequence[Route]) -> DataFrame:
     For each distinct destination the route name is a CASE over the routes that target it, in
     config order, so the first matching route wins and a destination appears at most once.
     """
+    def matched(i: int) -> Column:
+        return F.try_element_at("_matches", F.lit(i + 1))
+
     by_destination: dict[str, list[int]] = {}
     for i, r in enumerate(routes):
         for dest in r.destinations:
@@ -285,9 +302,9 @@ def _fan_out(flagged: DataFrame, routes: Sequence[Route]) -> DataFrame:
     else:
         entries = []
         for dest, indices in by_destination.items():
-            name = F.when(F.col(f"_m{indices[0]}"), F.lit(routes[indices[0]].name))
+            name = F.when(matched(indices[0]), F.lit(routes[indices[0]].name))
             for i in indices[1:]:
-                name = name.when(F.col(f"_m{i}"), F.lit(routes[i].name))
+                name = name.when(matched(i), F.lit(routes[i].name))
             entries.append(F.struct(F.lit(dest).alias("destination"), name.alias("route_name")))
         hits = F.filter(F.array(*entries), lambda h: h["route_name"].isNotNull())
     # explode_outer turns "no destination matched" into exactly one row of NULLs.
