@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
+from include.hl7path import FieldPath, FieldPathError, parse_path
+
 __all__ = [
     "FieldPath",
     "FieldPathError",
@@ -59,18 +61,6 @@ __all__ = [
     "with_message",
 ]
 
-_PATH_RE = re.compile(
-    r"""
-    (?P<segment>[A-Z][A-Z0-9]{2})
-    (?:\[(?P<occurrence>[0-9]+)\])?
-    -(?P<field>[0-9]+)
-    (?:\[(?P<repetition>[0-9]+)\])?
-    (?:\.(?P<component>[0-9]+)(?:\.(?P<subcomponent>[0-9]+))?)?
-    """,
-    re.VERBOSE,
-)
-_GRAMMAR_HINT = "expected SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT, e.g. 'PID-3[2].1'"
-
 # Segment terminators: CR per the standard, LF and CRLF tolerated.
 _SEGMENT_SPLIT = r"\r\n?|\n"
 # Header: optional leading line breaks, "MSH", the field separator, MSH-2 up to the next field
@@ -80,80 +70,6 @@ _HEADER_RE = r"^[\r\n]*MSH([^\r\n])([^\r\n]*?)(?:\1|[\r\n]|$)"
 _NEVER_MATCHES = "(?!)"
 # MSH-2 order: component, repetition, escape, subcomponent.
 _ENCODING_ORDER = ("cs", "rs", "esc", "ss")
-
-
-class FieldPathError(ValueError):
-    """An HL7 field path that does not follow the grammar in this module's docstring."""
-
-
-@dataclass(frozen=True)
-class FieldPath:
-    """A parsed HL7 path; ``None`` means "not addressed" (repetition defaults to the first)."""
-
-    segment: str
-    field: int
-    occurrence: int = 1
-    repetition: int | None = None
-    component: int | None = None
-    subcomponent: int | None = None
-
-    def __str__(self) -> str:
-        out = self.segment
-        if self.occurrence != 1:
-            out += f"[{self.occurrence}]"
-        out += f"-{self.field}"
-        if self.repetition is not None:
-            out += f"[{self.repetition}]"
-        if self.component is not None:
-            out += f".{self.component}"
-        if self.subcomponent is not None:
-            out += f".{self.subcomponent}"
-        return out
-
-
-def parse_path(path: str) -> FieldPath:
-    """Parse ``path`` so config errors surface at load time, not as NULL columns at run time."""
-    if not isinstance(path, str):
-        raise FieldPathError(f"HL7 field path must be a string, got {type(path).__name__}")
-    match = _PATH_RE.fullmatch(path)
-    if match is None:
-        raise FieldPathError(f"invalid HL7 field path {path!r}: {_diagnose(path)}")
-    parts = {k: (int(v) if v is not None and k != "segment" else v) for k, v in match.groupdict().items()}
-    for name in ("occurrence", "field", "repetition", "component", "subcomponent"):
-        if parts[name] == 0:
-            raise FieldPathError(f"invalid HL7 field path {path!r}: {name} index 0, indices are 1-based")
-    parsed = FieldPath(
-        segment=parts["segment"],
-        field=parts["field"],
-        occurrence=parts["occurrence"] or 1,
-        repetition=parts["repetition"],
-        component=parts["component"],
-        subcomponent=parts["subcomponent"],
-    )
-    if parsed.segment == "MSH" and parsed.field in (1, 2) and (
-        parsed.repetition is not None or parsed.component is not None
-    ):
-        raise FieldPathError(
-            f"invalid HL7 field path {path!r}: MSH-1 (field separator) and MSH-2 (encoding "
-            "characters) have no repetitions or components"
-        )
-    return parsed
-
-
-def _diagnose(path: str) -> str:
-    """Name the most likely mistake in a path the grammar rejected."""
-    if not path:
-        return "empty path"
-    if path != path.strip():
-        return "surrounding whitespace"
-    head = re.match(r"[A-Za-z0-9]*", path).group(0)
-    if len(head) < 3 or not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2}", head[:3]):
-        return f"segment id must be 3 characters (a letter, then letters or digits); {_GRAMMAR_HINT}"
-    if head[:3] != head[:3].upper():
-        return f"segment id must be upper case ({head[:3].upper()!r}); {_GRAMMAR_HINT}"
-    if len(head) > 3 or path[3:4] not in ("-", "["):
-        return f"segment id must be followed by '-' and a field number; {_GRAMMAR_HINT}"
-    return _GRAMMAR_HINT
 
 
 def parse_message(message_col: Column | str) -> Column:

@@ -117,12 +117,17 @@ class SqlServerDialect(Dialect):
                                password=cfg.password or "", database=cfg.database, as_dict=True,
                                autocommit=False, login_timeout=10)
 
+    def begin(self, conn: Any, *, write: bool) -> None:
+        # pymssql opens transactions itself; LOCK_TIMEOUT is per session, so undo an elector's bound
+        conn.cursor().execute("SET LOCK_TIMEOUT -1")
+
     def split_script(self, script: str) -> list[str]:
         return split_tsql_batches(script)
 
     def is_conflict(self, exc: BaseException) -> bool:
-        # 1205 deadlock victim, 1222 lock request timeout
-        return any(code in str(exc) for code in ("1205", "1222"))
+        # 1205 deadlock victim, 1222 lock request timeout; THROWn lock failures carry the number too
+        number = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+        return number in (1205, 1222) or any(f"as error {n}" in str(exc) for n in (1205, 1222))
 
 
 DIALECTS: dict[str, Dialect] = {

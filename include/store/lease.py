@@ -124,8 +124,10 @@ class LeaderElector:
                         return ElectionResult(Outcome.CONFLICT, epoch, owner if live else None, cur["expires_at"])
                     if live:
                         row = tx.one("lease_renew", {**params, "epoch": epoch})
-                        self._renewed_at = started
-                        return ElectionResult(Outcome.ALREADY_LEADER, epoch, self.node_id, row["expires_at"])
+                        if row is not None:
+                            self._renewed_at = started
+                            return ElectionResult(Outcome.ALREADY_LEADER, epoch, self.node_id, row["expires_at"])
+                        # expired between the read and the renewal (a per-statement clock): acquire anew
                     # our lease ran out and nobody took it: fall through and acquire a new epoch
                 elif live:
                     return ElectionResult(Outcome.OTHER_LEADER, epoch, owner, cur["expires_at"])

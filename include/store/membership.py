@@ -48,12 +48,14 @@ def cluster_nodes(store: Store, *, node_timeout_seconds: float) -> dict[str, Any
         rows = tx.all("nodes_list", {"node_timeout": float(node_timeout_seconds)})
     lease = read_lease(store)
     candidates = [r for r in rows if r["is_leader"] and r["fresh"]]
-    leader = max(candidates, key=lambda r: r["last_seen"])["node_id"] if candidates else None
+    owner = lease.owner if lease.live else None
+    # freshest flag wins; the lease owner wins a tie (the lease is the authority)
+    leader = max(candidates, key=lambda r: (r["last_seen"], r["node_id"] == owner))["node_id"] if candidates else None
     nodes = [{"node_id": r["node_id"], "host": r["host"], "pid": int(r["pid"]), "status": r["status"],
               "started_at": r["started_at"], "last_seen": r["last_seen"],
               "is_leader": r["node_id"] == leader} for r in rows]
     return {"nodes": nodes, "leader_node_id": leader,
-            "lease_owner": lease.owner if lease.live else None,
+            "lease_owner": owner,
             "lease_expires_at": lease.expires_at if lease.live else None}
 
 

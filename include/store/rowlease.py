@@ -87,9 +87,10 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     lease expired), so its rows need not wait out their row leases. Returns the number recovered, or
     None when this epoch already ran its recovery or is no longer current.
     """
-    tx.fence()
+    # Lease row first, then the fence: the same order as an acquisition, so the two cannot deadlock.
     if tx.one("recovery_mark", {"epoch": epoch}) is None:
         return None
+    tx.fence()
     total = 0
     for table in STAGED_TABLES:
         rows = tx.all("recover_stale_epoch", {"epoch": epoch}, table=table)

@@ -268,3 +268,18 @@ def test_leaf_values_match_python_hl7(spark: SparkSession) -> None:
         [(i, *(reference(CORPUS[i], leaf) for leaf in CROSS_CHECK_LEAVES)) for i in ids],
     )
     assertDataFrameEqual(actual, expected)
+
+
+def test_the_python_extractor_agrees_with_the_spark_one_on_every_sample(spark: SparkSession) -> None:
+    """include.hl7path.value (listener lane keys) and field() (Spark stages) are one semantics."""
+    from include.hl7path import value
+
+    paths = ["MSH-1", "MSH-2", "MSH-9", "MSH-9.1", "MSH-9.2", "MSH-10", "MSH-12", "PID-3", "PID-3.1",
+             "PID-3[2].1", "PID-3[2].4.2", "PID-5.1", "PID-6", "PV1-2", "PV1-10", "OBX[2]-5", "OBX[3]-5",
+             "ZPI-2.2", "NTE-3", "EVN-1", "PID-99"]
+    df = messages(spark, *CORPUS)
+    spark_rows = df.select("id", *[field("payload", p).alias(p) for p in paths]).orderBy("id").collect()
+    payloads = {r["id"]: r["payload"] for r in df.collect()}
+    for row in spark_rows:
+        expected = {p: row[p] for p in paths}
+        assert {p: value(payloads[row["id"]], p) for p in paths} == expected, row["id"]

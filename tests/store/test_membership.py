@@ -33,7 +33,13 @@ def test_a_stale_leader_flag_is_never_reported_and_the_freshest_flag_wins(store)
     wait_for(lambda: cluster_nodes(store, node_timeout_seconds=0.2)["leader_node_id"] is None, timeout=5,
              what="old leader flag to go stale")
     heartbeat(store, old, is_leader=True)
-    heartbeat(store, new, is_leader=True)  # failover window: two flags set, the fresher one wins
+    before = cluster_nodes(store, node_timeout_seconds=30)["nodes"][0]["last_seen"]
+
+    def new_beats_later():  # failover window: two flags set, the fresher one wins
+        heartbeat(store, new, is_leader=True)
+        return {n["node_id"]: n["last_seen"] for n in cluster_nodes(store, node_timeout_seconds=30)["nodes"]}[new.node_id] > before
+
+    wait_for(new_beats_later, timeout=5, what="a strictly later heartbeat")
     doc = cluster_nodes(store, node_timeout_seconds=30)
     assert doc["leader_node_id"] == new.node_id
     assert [n["node_id"] for n in doc["nodes"] if n["is_leader"]] == [new.node_id]
