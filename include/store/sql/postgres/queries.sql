@@ -189,3 +189,10 @@ SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
   FROM json_to_recordset(CAST(:events AS json)) AS e(
        stage text, row_id bigint, message_id text, control_id text, destination text, event text,
        from_status text, to_status text, epoch bigint, node_id text, attempt integer, detail text)
+
+-- name: config_bump
+UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
+RETURNING config_version
+
+-- name: leader_config_hash
+SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHERE l.id = 1

@@ -187,3 +187,10 @@ SELECT json_extract(e.value, '$.stage'), json_extract(e.value, '$.row_id'),
        json_extract(e.value, '$.epoch'), json_extract(e.value, '$.node_id'),
        json_extract(e.value, '$.attempt'), json_extract(e.value, '$.detail')
   FROM json_each(:events) AS e
+
+-- name: config_bump
+UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
+RETURNING config_version
+
+-- name: leader_config_hash
+SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHERE l.id = 1

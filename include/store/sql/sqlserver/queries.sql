@@ -307,3 +307,11 @@ SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
        node_id      nvarchar(400) '$.node_id',
        attempt      int           '$.attempt',
        detail       nvarchar(max) '$.detail') AS e
+
+-- name: config_bump
+UPDATE cluster_identity SET config_version = config_version + 1
+OUTPUT inserted.config_version
+WHERE id = 1
+
+-- name: leader_config_hash
+SELECT n.config_hash FROM leader_lease AS l JOIN nodes AS n ON n.node_id = l.owner WHERE l.id = 1

@@ -1,0 +1,131 @@
+"""Run real `listenerd` processes for tests and benchmarks: write their config, start them, wait
+for their API, stop them by PID."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from include.config import StoreConfig
+from include.testing.postgres_server import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def store_toml(store: StoreConfig) -> str:
+    if store.backend == "sqlite":
+        return f'[store]\nbackend = "sqlite"\npath = "{store.path}"\nbusy_timeout_ms = {store.busy_timeout_ms}\n'
+    return (f'[store]\nbackend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
+            f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n')
+
+
+@dataclass
+class Daemon:
+    """One listenerd process with its own config dir and API port."""
+
+    workdir: Path
+    store: StoreConfig
+    node_id: str
+    cluster: dict | None = None          # [cluster] overrides; None = single node
+    inbound: list[dict] = field(default_factory=list)
+    api_port: int = field(default_factory=free_port)
+    token: str = "test-viewer-token"
+    proc: subprocess.Popen | None = None
+    config_dir: Path | None = None       # share another daemon's config dir (identical config)
+
+    def write_config(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cluster = {"enabled": False, "cluster_name": "test-cluster", "node_id": self.node_id, **(self.cluster or {})}
+        lines = [store_toml(self.store), "[cluster]"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in cluster.items()]
+        (self.workdir / "stageline.toml").write_text("\n".join(lines) + "\n")
+        if self.config_dir is not None:
+            return
+        conf = self.workdir / "config"
+        conf.mkdir(exist_ok=True)
+        out = ['[api]\nhost = "127.0.0.1"\n',
+               '[[api.tokens]]\nrole = "VIEWER"\ntoken_env = "STAGELINE_TEST_TOKEN"\n']
+        for conn in self.inbound:
+            out.append("[[inbound]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in conn.items()))
+        (conf / "connections.toml").write_text("\n".join(out))
+
+    def start(self, *, wait: bool = True) -> Daemon:
+        self.write_config()
+        env = {**os.environ, "STAGELINE_TEST_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        self.log = open(self.workdir / "listenerd.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "listeners.daemon", "--service-config", str(self.workdir / "stageline.toml"),
+             "--config", str(self.config_dir or self.workdir / "config"), "--api-port", str(self.api_port)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            wait_for(lambda: self.proc.poll() is not None or self.health(), timeout=30, what=f"{self.node_id} API")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"listenerd exited with {self.proc.returncode}:\n{self.output()}")
+        return self
+
+    def get(self, path: str, *, token: str | None = "default") -> tuple[int, bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.api_port}{path}")
+        if token:
+            req.add_header("Authorization", f"Bearer {self.token if token == 'default' else token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def health(self) -> bool:
+        try:
+            return self.get("/health", token=None)[0] == 200
+        except OSError:
+            return False
+
+    def status(self) -> dict:
+        return json.loads(self.get("/cluster/status")[1])
+
+    def signal(self, sig: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, *, timeout: float = 20) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc:
+            self.proc.wait(10)
+
+    def output(self) -> str:
+        return (self.workdir / "listenerd.log").read_text(errors="replace")
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(port: int, *, open_: bool, timeout: float) -> float:
+    """Seconds until the port is (or is no longer) accepting connections."""
+    start = time.monotonic()
+    wait_for(lambda: port_open(port) == open_, timeout=timeout, interval=0.02,
+             what=f"port {port} {'open' if open_ else 'closed'}")
+    return time.monotonic() - start
