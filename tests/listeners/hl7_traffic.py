@@ -10,7 +10,7 @@ from hl7.client import MLLPClient
 
 def adt(control_id: str, *, patient: str = "P1", charset: str = "", version: str = "2.5.1",
         segment_end: str = "\r", name: str = "DOE^JANE") -> str:
-    msh18 = f"|||||{charset}" if charset else ""
+    msh18 = f"||||||{charset}" if charset else ""
     return segment_end.join([
         f"MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{control_id}|P|{version}{msh18}",
         "EVN|A01|20261122101500",

@@ -86,14 +86,14 @@ def test_python_hl7_clients_get_AA_only_for_staged_messages(daemon, store_config
 
 def test_mllp_send_command_line_client(daemon, store_config, tmp_path):
     batch = tmp_path / "three.hl7"
-    batch.write_text("".join(adt(f"CLI{i}").replace("\r", "\n") + "\n" for i in range(3)))
+    batch.write_text("".join(adt(f"CLI{i}").replace("\r", "\r\n") for i in range(3)))
     mllp_send = Path(sys.executable).parent / "mllp_send"
     out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--quiet",
-                          "127.0.0.1"], capture_output=True, text=True, timeout=60)
+                          "--loose", "127.0.0.1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "127.0.0.1"],
+    out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--loose", "127.0.0.1"],
                          capture_output=True, text=True, timeout=60)
-    acks = [ack_fields(a) for a in out.stdout.replace("\n", "\r").split("MSH|")[1:] if a.strip() and (a := "MSH|" + a)]
+    acks = [ack_fields("MSH|" + part) for part in out.stdout.replace("\n", "\r").split("MSH|")[1:]]
     assert [code for code, _ in acks] == ["AA"] * 3
     assert [r["control_id"] for r in staged(store_config, "control_id LIKE 'CLI%'")] == ["CLI0", "CLI1", "CLI2"] * 2
 
