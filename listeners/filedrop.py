@@ -1,0 +1,314 @@
+"""File drop inbound: poll a directory, stage each finished file as one message, then archive it.
+
+The directory is a shared resource, so the daemon runs this only on the leader: ``start()`` when
+the lease is won, ``stop()`` when it is lost (``stop`` waits for the file in hand).
+
+Rules, in order of a poll:
+
+* **Stability.** A file is taken only when its size and mtime are unchanged across two
+  consecutive polls (and once more when it is opened), so a file still being written is left
+  alone; a new file therefore waits at least ``poll_seconds``. This needs no clock agreement with
+  the writer (mtimes on network shares come from other hosts' clocks). Writers should still write
+  under a name ``pattern`` does not match and rename when done; the rule is the safety net.
+* **Order.** Stable files go oldest mtime first (then by name), one at a time. A failed submit
+  stops the poll, so later files never overtake an earlier one; all are retried next poll.
+* **Exactly one row per file.** The message_id is sha256(connection NUL file name NUL content),
+  first 32 hex digits, and the file moves to ``archive`` (``os.replace``; a clashing name gets a
+  ``.N`` suffix before its extension) only after the commit. A crash between commit and move
+  re-reads the file next time: same message_id, ``stage_inbound`` skips it, then it is moved.
+  The same content dropped again under the same name is therefore treated as a duplicate.
+* **Rejects.** Over ``max_message_bytes`` or not decodable (``charset``, or MSH-18 for HL7):
+  moved to ``<archive>/rejected/`` with a ``<name>.reason`` text file beside it; nothing staged.
+* The whole file is one message, HL7 batch files (FHS/BHS) included; splitting batches is
+  left to a later stage.
+
+All file-system work (scan, read and hash, moves) runs off the reactor thread.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+from twisted.internet.defer import Deferred, inlineCallbacks, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from listeners.connections import InboundConfig
+from listeners.tcp import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+
+if TYPE_CHECKING:
+    from listeners.metrics import Metrics
+
+__all__ = ["FileDrop", "RunBlocking", "file_message_id"]
+
+_log = Logger(namespace="stageline.filedrop")
+
+RunBlocking = Callable[..., Deferred]
+"""``run_blocking(f, *args) -> Deferred`` runs ``f(*args)`` off the reactor thread."""
+
+
+def file_message_id(connection: str, file_name: str, content: bytes) -> str:
+    """The deterministic message_id that makes re-reading a file after a crash harmless."""
+    digest = hashlib.sha256()
+    digest.update(connection.encode())
+    digest.update(b"\0")
+    digest.update(file_name.encode("utf-8", "surrogateescape"))
+    digest.update(b"\0")
+    digest.update(content)
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    data: bytes
+    message_id: str
+
+
+class _Changed(Exception):
+    """The file changed between the stability check and the read: wait for it to settle."""
+
+
+class FileDrop:
+    """Polls one ``kind = "file"`` connection's directory while started."""
+
+    def __init__(self, ingest: IngestSink, config: InboundConfig, *, lane_of: LaneOf | None = None,
+                 metrics: Metrics | None = None, reactor: IReactorTime | None = None,
+                 run_blocking: RunBlocking | None = None) -> None:
+        """``reactor`` schedules the polls; ``run_blocking`` defaults to its thread pool."""
+        if not config.directory:
+            raise ValueError(f"{config.name}: a file connection needs directory")
+        codec_name(config.charset)
+        self.directory = Path(config.directory)
+        self.archive = Path(config.archive) if config.archive else self.directory / "archive"
+        if self.archive.resolve() == self.directory.resolve():
+            raise ValueError(f"{config.name}: archive must differ from directory")
+        if reactor is None:
+            from twisted.internet import reactor as global_reactor
+
+            reactor = cast(IReactorTime, global_reactor)
+        if run_blocking is None:
+            run_blocking = partial(deferToThreadPool, reactor, reactor.getThreadPool())  # type: ignore[attr-defined]
+        self.ingest = ingest
+        self.config = config
+        self.lane_of = lane_of
+        self.metrics = metrics
+        self._clock = reactor
+        self._run = run_blocking
+        self._running = False
+        self._call: IDelayedCall | None = None
+        self._polling: Deferred | None = None
+        self._stop_waiters: list[Deferred[None]] = []
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._scan_error: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        """Begin polling (the daemon calls this on the leader only)."""
+        if self._running:
+            return
+        self._running = True
+        self._seen = {}  # stability is re-proven after every (re)start
+        if self._polling is None:  # else the poll still running from before stop() reschedules
+            self._schedule(0)
+
+    def stop(self) -> Deferred[None]:
+        """Stop polling; fires once the file in hand (if any) has been dealt with."""
+        self._running = False
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+        if self._polling is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._stop_waiters.append(d)
+        return d
+
+    def _schedule(self, delay: float) -> None:
+        self._call = self._clock.callLater(delay, self._tick)
+
+    def _tick(self) -> None:
+        self._call = None
+        self._polling = self.poll()
+        self._polling.addErrback(self._poll_crashed).addBoth(self._poll_done)
+
+    def _poll_crashed(self, failure: Failure) -> None:
+        _log.critical("file drop poll of {connection} crashed: {error}", connection=self.config.name,
+                      error=failure.type.__name__ if failure.type else "unknown")
+
+    def _poll_done(self, _: object) -> None:
+        self._polling = None
+        waiters, self._stop_waiters = self._stop_waiters, []
+        for d in waiters:
+            d.callback(None)
+        if self._running:
+            self._schedule(self.config.poll_seconds)
+
+    @inlineCallbacks
+    def poll(self) -> Any:
+        """One pass over the directory; returns how many files were staged and archived."""
+        try:
+            listing: list[_Entry] = yield self._run(_scan, self.directory, self.config.pattern)
+        except OSError as exc:
+            reason = f"{type(exc).__name__} (errno {exc.errno})"
+            if reason != self._scan_error:
+                _log.warn("cannot scan {directory} for {connection}: {reason}",
+                          directory=str(self.directory), connection=self.config.name, reason=reason)
+            self._scan_error = reason
+            return 0
+        self._scan_error = None
+        ready = [e for e in listing if self._seen.get(e.name) == (e.size, e.mtime_ns)]
+        self._seen = {e.name: (e.size, e.mtime_ns) for e in listing}
+        ready.sort(key=lambda e: (e.mtime_ns, e.name))
+        archived = 0
+        for entry in ready:
+            if not self._running:
+                break
+            outcome = yield self._take(entry)
+            if outcome is None:
+                break  # not stored: keep the order, retry everything next poll
+            archived += outcome
+        return archived
+
+    @inlineCallbacks
+    def _take(self, entry: _Entry) -> Any:
+        """Stage and archive one stable file: 1 archived, 0 skipped or rejected, None stop here."""
+        name, limit = entry.name, self.config.max_message_bytes
+        path = self.directory / name
+        if entry.size > limit:
+            yield self._reject(path, f"message too large: {entry.size} bytes, limit {limit}")
+            return 0
+        try:
+            read: _Read = yield self._run(_read, path, entry, self.config.name)
+        except FileNotFoundError:
+            self._seen.pop(name, None)
+            return 0
+        except _Changed:
+            self._seen.pop(name, None)
+            return 0
+        except OSError as exc:
+            _log.error("cannot read {file} for {connection}: {error}", file=name,
+                       connection=self.config.name, error=type(exc).__name__)
+            return None
+        self._count_received()
+        try:
+            item = build_inbound(read.data, connection=self.config.name, charset=self.config.charset,
+                                 lane_of=self.lane_of, message_id=read.message_id)
+        except PayloadRejected as exc:
+            yield self._reject(path, str(exc))
+            return 0
+        try:
+            yield self.ingest.submit(item)
+        except Exception:
+            reason, code = rejection_reason(Failure())
+            self._count_ack(code)
+            _log.warn("file {file} on {connection} not stored ({reason}); left in place",
+                      file=name, connection=self.config.name, reason=reason)
+            return None
+        self._count_ack("AA")
+        try:
+            target = yield self._run(_move_into, path, self.archive)
+        except OSError as exc:
+            # Committed but not moved: the next poll re-reads it, stage_inbound skips it, moves it.
+            _log.error("staged {file} on {connection} but cannot archive it: {error}", file=name,
+                       connection=self.config.name, error=type(exc).__name__)
+            return None
+        self._seen.pop(name, None)
+        _log.info("staged {file} on {connection} as {message_id}; archived as {target}", file=name,
+                  connection=self.config.name, message_id=read.message_id, target=Path(target).name)
+        return 1
+
+    @inlineCallbacks
+    def _reject(self, path: Path, reason: str) -> Any:
+        self._count_ack("AR")
+        try:
+            target = yield self._run(_reject_into, path, self.archive / "rejected", reason,
+                                     self.config.name)
+        except OSError as exc:
+            _log.error("cannot move rejected {file} on {connection}: {error}", file=path.name,
+                       connection=self.config.name, error=type(exc).__name__)
+            return
+        self._seen.pop(path.name, None)
+        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=path.name,
+                  connection=self.config.name, reason=reason, target=str(target))
+
+    def _count_received(self) -> None:
+        if self.metrics is not None:
+            self.metrics.received.labels(self.config.name).inc()
+
+    def _count_ack(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.acks.labels(self.config.name, code).inc()
+
+
+# -- blocking helpers: run in a worker thread --------------------------------------------------
+
+def _scan(directory: Path, pattern: str) -> list[_Entry]:
+    entries = []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if not fnmatch.fnmatchcase(entry.name, pattern):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            entries.append(_Entry(entry.name, st.st_size, st.st_mtime_ns))
+    return entries
+
+
+def _read(path: Path, entry: _Entry, connection: str) -> _Read:
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if (st.st_size, st.st_mtime_ns) != (entry.size, entry.mtime_ns):
+            raise _Changed(path.name)
+        data = f.read(entry.size + 1)
+    if len(data) != entry.size:
+        raise _Changed(path.name)
+    return _Read(data, file_message_id(connection, path.name, data))
+
+
+def _free_name(directory: Path, name: str, *, also: str = "") -> Path:
+    """``name``, or ``stem.N.ext`` for the first N not taken (nor ``<candidate><also>``)."""
+    stem, dot, ext = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
+    candidate, n = directory / name, 0
+    while candidate.exists() or (also and Path(f"{candidate}{also}").exists()):
+        n += 1
+        candidate = directory / (f"{stem}.{n}.{ext}" if dot else f"{name}.{n}")
+    return candidate
+
+
+def _move_into(path: Path, directory: Path) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    target = _free_name(directory, path.name)
+    os.replace(path, target)
+    return str(target)
+
+
+def _reject_into(path: Path, directory: Path, reason: str, connection: str) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    target = _free_name(directory, path.name, also=".reason")
+    os.replace(path, target)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    Path(f"{target}.reason").write_text(
+        f"{reason}\nconnection: {connection}\nfile: {path.name}\nrejected_at: {stamp}\n", encoding="utf-8")
+    return str(target)

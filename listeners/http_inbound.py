@@ -1,0 +1,253 @@
+"""HTTP inbound: ``POST /messages/{connection}`` with one message as the body, answered after commit.
+
+Answers (always a small JSON object, never message content):
+
+====  =================================================================================
+202   ``{"message_id": ...}`` — the row is committed
+400   empty body, undecodable body, unknown charset
+404   no http connection of that name
+405   any method but POST (``Allow: POST``)
+413   body over the connection's ``max_message_bytes``
+415   a Content-Type other than text/*, application/hl7-v2 (+er7), or none
+500   an unexpected failure (not stored)
+503   ingest refused it: not the leader, or the store is unavailable (not stored)
+====  =================================================================================
+
+The body is never buffered beyond the limit and never spilled to a temp file (PHI): a
+Content-Length over the limit is answered with 413 as soon as the headers are in, without reading
+the body, and the connection is closed; a chunked body is cut off the same way once it passes the
+limit. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
+payload declaring a known MSH-18 is decoded with that (see :func:`listeners.tcp.build_inbound`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from io import BytesIO
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.defer import maybeDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from listeners.connections import InboundConfig
+from listeners.ingest import IngestRejected
+from listeners.tcp import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+
+if TYPE_CHECKING:
+    from listeners.metrics import Metrics
+
+__all__ = ["InboundResource", "make_inbound_site"]
+
+_log = Logger(namespace="stageline.http")
+
+PREFIX = b"/messages/"
+HL7_MEDIA_TYPES = frozenset({"application/hl7-v2", "application/hl7-v2+er7", "x-application/hl7-v2+er7"})
+
+
+class InboundResource(Resource):
+    """Serves every configured http connection under ``/messages/{name}``."""
+
+    isLeaf = True
+
+    def __init__(self, ingest: IngestSink, connections: Iterable[InboundConfig], *,
+                 lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
+                 metrics: Metrics | None = None) -> None:
+        super().__init__()
+        self.ingest = ingest
+        self.connections: dict[str, InboundConfig] = {}
+        for conn in connections:
+            if conn.kind != "http":
+                raise ValueError(f"{conn.name}: not an http connection (kind {conn.kind!r})")
+            codec_name(conn.charset)
+            self.connections[conn.name] = conn
+        self._lane_of = lane_of
+        self.metrics = metrics
+
+    def connection_for(self, path: bytes) -> InboundConfig | None:
+        """The connection a request path names, or None (404)."""
+        path = path.split(b"?", 1)[0]
+        if not path.startswith(PREFIX):
+            return None
+        name = path[len(PREFIX):]
+        if name.endswith(b"/"):
+            name = name[:-1]
+        return self.connections.get(name.decode("ascii", "replace"))
+
+    def lane_of(self, name: str) -> LaneOf | None:
+        if isinstance(self._lane_of, Mapping):
+            return self._lane_of.get(name)
+        return self._lane_of
+
+    def render(self, request: Request) -> bytes | int:
+        conn = self.connection_for(request.path)
+        if conn is None:
+            return _json(request, 404, {"error": "unknown connection"})
+        if request.method != b"POST":
+            request.setHeader(b"allow", b"POST")
+            return _json(request, 405, {"error": "method not allowed; use POST"})
+        self._count(conn, received=True)
+        media, charset = _content_type(request.getHeader(b"content-type"))
+        if media and not (media.startswith("text/") or media in HL7_MEDIA_TYPES):
+            return self._refuse(request, conn, 415, "unsupported content type; use text/plain or application/hl7-v2")
+        try:
+            codec = codec_name(charset or conn.charset)
+        except ValueError as exc:
+            return self._refuse(request, conn, 400, str(exc))
+        assert request.content is not None
+        body = request.content.read(conn.max_message_bytes + 1)
+        if len(body) > conn.max_message_bytes:
+            return self._refuse(request, conn, 413, _too_large(len(body), conn.max_message_bytes))
+        if not body:
+            return self._refuse(request, conn, 400, "empty message")
+        try:
+            item = build_inbound(body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name))
+        except PayloadRejected as exc:
+            return self._refuse(request, conn, 400, str(exc))
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        d = maybeDeferred(self.ingest.submit, item)
+        d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone),
+                       errbackArgs=(request, conn, gone))
+        d.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
+        return NOT_DONE_YET
+
+    def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
+        self._count(conn, code="AA")
+        if not gone:
+            _finish(request, 202, {"message_id": str(message_id)})
+
+    def _failed(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
+        reason, code = rejection_reason(failure)
+        self._count(conn, code=code)
+        # Only the exception type: its text may quote stored values.
+        _log.warn("POST to {name} from {peer} not stored: {error}", name=conn.name, peer=_peer(request),
+                  error=failure.type.__name__ if failure.type else "unknown")
+        if not gone:
+            _finish(request, 503 if failure.check(IngestRejected) else 500, {"error": reason})
+
+    def _refuse(self, request: Request, conn: InboundConfig, status: int, reason: str) -> bytes:
+        _log.warn("refusing POST to {name} from {peer}: {status} {reason}", name=conn.name,
+                  peer=_peer(request), status=status, reason=reason)
+        self._count(conn, code="AR")
+        return _json(request, status, {"error": reason})
+
+    def _count(self, conn: InboundConfig, *, received: bool = False, code: str = "") -> None:
+        if self.metrics is None:
+            return
+        if received:
+            self.metrics.received.labels(conn.name).inc()
+        if code:
+            self.metrics.acks.labels(conn.name, code).inc()
+
+
+class _InboundRequest(Request):
+    """Keeps the body in memory up to the connection's limit and refuses more without reading it."""
+
+    _refused = False
+    _conn: InboundConfig | None = None
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        self.content = BytesIO()  # never a temp file: bodies are PHI and are bounded below
+        site = self.channel.site
+        # The request line is only the channel's until the body is in; an unknown name
+        # (conn None) gets its body discarded unread and a 404 once it is done.
+        conn = site.inbound.connection_for(getattr(self.channel, "_path", b""))
+        self._conn = conn
+        if conn is not None and length is not None and length > conn.max_message_bytes:
+            self._refuse_early(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        if self._conn is None:
+            return
+        if self._received > self._conn.max_message_bytes:
+            self.content = BytesIO()
+            self._refuse_early(self._received)
+            return
+        self.content.write(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def _refuse_early(self, size: int) -> None:
+        """Answer 413 straight away and close: the rest of the body is never read."""
+        self._refused = True
+        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
+        conn = self._conn
+        assert conn is not None
+        reason = _too_large(size, conn.max_message_bytes)
+        _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name,
+                  peer=_peer(self), reason=reason)
+        self.channel.site.inbound._count(conn, received=True, code="AR")
+        body = json.dumps({"error": reason}).encode()
+        self.channel.transport.write(
+            b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        self.channel.loseConnection()
+
+
+class _InboundSite(Site):
+    def __init__(self, inbound: InboundResource, **kwargs: Any) -> None:
+        super().__init__(inbound, requestFactory=_InboundRequest, parsePOSTFormSubmission=False, **kwargs)
+        self.inbound = inbound
+
+
+def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], *,
+              lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
+              metrics: Metrics | None = None, reactor: IReactorTime | None = None) -> Site:
+    """A Site serving ``POST /messages/{name}`` for the given http connections.
+
+    ``lane_of`` is one callable for all, or one per connection name. The idle timeout is the
+    shortest ``idle_timeout_seconds`` among them.
+    """
+    connections = list(connections)
+    resource = InboundResource(ingest, connections, lane_of=lane_of, metrics=metrics)
+    timeouts = [c.idle_timeout_seconds for c in connections if c.idle_timeout_seconds]
+    site = _InboundSite(resource, reactor=reactor, **({"timeout": min(timeouts)} if timeouts else {}))
+    site.displayTracebacks = False
+    site.noisy = False
+    return site
+
+
+def _content_type(value: bytes | None) -> tuple[str, str]:
+    """(media type, charset) of a Content-Type header; both lower-cased, empty when absent."""
+    if not value:
+        return "", ""
+    media, *params = value.decode("latin-1").split(";")
+    charset = ""
+    for param in params:
+        key, _, val = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = val.strip().strip('"').strip()
+    return media.strip().lower(), charset
+
+
+def _too_large(size: int, limit: int) -> str:
+    return f"message too large: {size} bytes, limit {limit}"
+
+
+def _json(request: Request, status: int, payload: dict[str, str]) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(payload).encode()
+
+
+def _finish(request: Request, status: int, payload: dict[str, str]) -> None:
+    body = _json(request, status, payload)
+    request.setHeader(b"content-length", b"%d" % len(body))
+    request.write(body)
+    request.finish()
+
+
+def _peer(request: Request) -> str:
+    peer = request.getClientAddress()
+    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+    return f"{host}:{port}" if host is not None else str(peer)

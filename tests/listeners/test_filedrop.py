@@ -1,0 +1,340 @@
+"""File drop listener: unit tests on a MemoryReactorClock with synchronous file work and a
+hand-fired fake ingest, and tests against the real store with file work in a real thread pool."""
+from __future__ import annotations
+
+import os
+import sqlite3
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
+from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.threadpool import ThreadPool
+from twisted.trial import unittest as trial
+
+from include.config import StoreConfig
+from include.store import Store
+from include.store.lease import acquire_permanent
+from listeners.connections import InboundConfig
+from listeners.filedrop import FileDrop, file_message_id
+from listeners.ingest import Inbound, IngestWriter, NotLeader
+from listeners.metrics import Metrics
+
+
+def adt(control_id: str) -> bytes:
+    return f"MSH|^~\\&|SEND|FAC|RECV|RFAC|20240101||ADT^A01|{control_id}|P|2.5\rPID|1||123||DOE^JANE\r".encode()
+
+
+class FakeIngest:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Inbound, Deferred[str]]] = []
+
+    def submit(self, item: Inbound) -> Deferred[str]:
+        d: Deferred[str] = Deferred()
+        self.calls.append((item, d))
+        return d
+
+    def fire(self, index: int) -> None:
+        item, d = self.calls[index]
+        d.callback(item.message_id)
+
+
+class AutoIngest(FakeIngest):
+    """Commits at once."""
+
+    def submit(self, item: Inbound) -> Deferred[str]:
+        d = super().submit(item)
+        d.callback(item.message_id)
+        return d
+
+
+def sync(f: Any, *args: Any) -> Deferred:
+    return maybeDeferred(f, *args)
+
+
+def config(tmp_path: Path, **overrides: Any) -> InboundConfig:
+    values: dict[str, Any] = {"name": "drop", "kind": "file", "directory": str(tmp_path / "in"),
+                              "archive": str(tmp_path / "archive"), "pattern": "*.hl7",
+                              "poll_seconds": 5.0, "max_message_bytes": 256}
+    values.update(overrides)
+    (tmp_path / "in").mkdir(exist_ok=True)
+    return InboundConfig(**values)
+
+
+def drop(tmp_path: Path, name: str, data: bytes, *, mtime: int | None = None) -> Path:
+    path = tmp_path / "in" / name
+    path.write_bytes(data)
+    if mtime is not None:
+        os.utime(path, ns=(mtime, mtime))
+    return path
+
+
+class Harness:
+    def __init__(self, tmp_path: Path, ingest: FakeIngest | None = None, **overrides: Any) -> None:
+        self.clock = MemoryReactorClock()
+        self.ingest = ingest or FakeIngest()
+        lane_of = overrides.pop("lane_of", None)
+        self.listener = FileDrop(self.ingest, config(tmp_path, **overrides), lane_of=lane_of,
+                                         reactor=self.clock, run_blocking=sync)
+
+    def start(self) -> None:
+        self.listener.start()
+        self.clock.advance(0)  # first poll: files are seen, none is stable yet
+
+    def next_poll(self) -> None:
+        self.clock.advance(self.listener.config.poll_seconds)
+
+
+def listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+# -- stability and order -----------------------------------------------------------------------
+
+def test_a_new_file_is_taken_only_once_it_is_unchanged_across_two_polls(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"))
+    h.start()
+    assert h.ingest.calls == []
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["A"]
+    assert listing(tmp_path / "in") == [] and listing(tmp_path / "archive") == ["a.hl7"]
+
+
+def test_a_file_still_being_written_is_not_taken_early(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    path = drop(tmp_path, "a.hl7", adt("A")[:20])
+    h.start()
+    with open(path, "ab") as f:
+        f.write(adt("A")[20:40])
+    h.next_poll()
+    assert h.ingest.calls == []
+    with open(path, "ab") as f:
+        f.write(adt("A")[40:])
+    h.next_poll()
+    assert h.ingest.calls == []
+    h.next_poll()
+    [(item, _)] = h.ingest.calls
+    assert item.payload == adt("A").decode()
+
+
+def test_files_go_oldest_mtime_first_and_only_matching_regular_files(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
+    drop(tmp_path, "c.hl7", adt("C"), mtime=3_000_000_000_000_000_000)
+    drop(tmp_path, "a.hl7", adt("A"), mtime=4_000_000_000_000_000_000)
+    drop(tmp_path, "ignored.tmp", adt("X"))
+    (tmp_path / "in" / "dir.hl7").mkdir()
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["B", "C", "A"]
+    assert listing(tmp_path / "in") == ["dir.hl7", "ignored.tmp"]
+
+
+def test_nothing_is_polled_before_start_or_after_stop(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"))
+    for _ in range(3):
+        h.next_poll()
+    assert h.ingest.calls == [] and not h.clock.getDelayedCalls()
+    h.start()
+    done = h.listener.stop()
+    assert done.called
+    for _ in range(3):
+        h.next_poll()
+    assert h.ingest.calls == [] and not h.clock.getDelayedCalls()
+
+
+# -- commit, then move -------------------------------------------------------------------------
+
+def test_file_is_archived_only_after_the_commit_fires(tmp_path: Path) -> None:
+    h = Harness(tmp_path, lane_of=lambda text: "L-" + text[:3])
+    drop(tmp_path, "a.hl7", adt("A"))
+    h.start()
+    h.next_poll()
+    [(item, _)] = h.ingest.calls
+    assert (item.connection, item.control_id, item.lane_key) == ("drop", "A", "L-MSH")
+    assert item.message_id == file_message_id("drop", "a.hl7", adt("A"))
+    assert listing(tmp_path / "in") == ["a.hl7"]
+    h.ingest.fire(0)
+    assert listing(tmp_path / "in") == [] and listing(tmp_path / "archive") == ["a.hl7"]
+
+
+def test_failed_submit_leaves_the_file_and_stops_the_poll_then_retries(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    drop(tmp_path, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    assert len(h.ingest.calls) == 1
+    h.ingest.calls[0][1].errback(NotLeader("no lease"))
+    assert len(h.ingest.calls) == 1  # b.hl7 must not overtake a.hl7
+    assert listing(tmp_path / "in") == ["a.hl7", "b.hl7"]
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["A", "A"]
+    assert h.ingest.calls[1][0].message_id == h.ingest.calls[0][0].message_id
+    h.ingest.fire(1)
+    h.ingest.fire(2)
+    assert listing(tmp_path / "archive") == ["a.hl7", "b.hl7"]
+
+
+def test_stop_waits_for_the_file_in_hand_and_takes_no_further_file(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    drop(tmp_path, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    stopped = h.listener.stop()
+    assert not stopped.called
+    h.ingest.fire(0)
+    assert stopped.called
+    assert len(h.ingest.calls) == 1 and listing(tmp_path / "in") == ["b.hl7"]
+    assert not h.clock.getDelayedCalls()
+
+
+def test_a_restart_while_a_file_is_in_hand_does_not_start_a_second_poll(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    drop(tmp_path, "a.hl7", adt("A"))
+    h.start()
+    h.next_poll()
+    stopped = h.listener.stop()
+    h.listener.start()
+    assert not h.clock.getDelayedCalls()  # the running poll reschedules when it ends
+    h.ingest.fire(0)
+    assert stopped.called and len(h.clock.getDelayedCalls()) == 1
+
+
+def test_a_name_clash_in_the_archive_gets_a_suffix(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "a.hl7").write_bytes(b"older")
+    (tmp_path / "archive" / "a.1.hl7").write_bytes(b"older")
+    drop(tmp_path, "a.hl7", adt("A"))
+    h.start()
+    h.next_poll()
+    assert listing(tmp_path / "archive") == ["a.1.hl7", "a.2.hl7", "a.hl7"]
+    assert (tmp_path / "archive" / "a.2.hl7").read_bytes() == adt("A")
+
+
+def test_message_id_depends_on_connection_name_and_content() -> None:
+    base = file_message_id("drop", "a.hl7", b"x")
+    assert len(base) == 32 and base == file_message_id("drop", "a.hl7", b"x")
+    assert len({base, file_message_id("drop2", "a.hl7", b"x"), file_message_id("drop", "b.hl7", b"x"),
+                file_message_id("drop", "a.hl7", b"y")}) == 4
+
+
+# -- rejects -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data, reason", [
+    (b"x" * 300, "message too large: 300 bytes, limit 256"),
+    (b"\xff\xfe\x00junk", "undecodable: byte offset 0 is not valid utf-8"),
+    (b"", "empty message"),
+])
+def test_unstageable_files_go_to_rejected_with_a_reason(tmp_path: Path, data: bytes, reason: str) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "bad.hl7", data)
+    drop(tmp_path, "good.hl7", adt("G"))
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["G"]
+    rejected = tmp_path / "archive" / "rejected"
+    assert listing(rejected) == ["bad.hl7", "bad.hl7.reason"]
+    assert (rejected / "bad.hl7").read_bytes() == data
+    text = (rejected / "bad.hl7.reason").read_text()
+    assert text.startswith(reason + "\n") and "connection: drop" in text
+
+
+def test_the_archive_must_not_be_the_polled_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="archive"):
+        FileDrop(FakeIngest(), config(tmp_path, archive=str(tmp_path / "in")),
+                         reactor=MemoryReactorClock(), run_blocking=sync)
+
+
+def test_a_missing_directory_is_reported_and_polling_goes_on(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest(), directory=str(tmp_path / "missing"))
+    h.start()
+    h.next_poll()
+    assert h.listener.running and h.clock.getDelayedCalls()
+
+
+# -- against the real store --------------------------------------------------------------------
+
+def rows(path: str) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT message_id, control_id, connection, payload FROM stage_inbound "
+                          "ORDER BY id").fetchall()
+
+
+class FileDropStoreTests(trial.TestCase):
+    """The real IngestWriter and SQLite store; file work in a real thread pool."""
+
+    @pytest.fixture(autouse=True)
+    def _fixtures(self, sqlite_config_fresh: StoreConfig, tmp_path: Path) -> None:
+        self.store_config = sqlite_config_fresh
+        self.tmp = tmp_path
+
+    def _listener(self, *, leader: bool = True) -> tuple[FileDrop, IngestWriter]:
+        store = Store(self.store_config)
+        self.addCleanup(store.close)
+        epoch = acquire_permanent(store, node_id="n") if leader else None
+        writer = IngestWriter(store, node_id="n", epoch=lambda: epoch, metrics=Metrics(), reactor=reactor)
+        writer.start()
+        self.addCleanup(writer.stop)
+        pool = ThreadPool(minthreads=0, maxthreads=2, name="filedrop-test")
+        pool.start()
+        self.addCleanup(pool.stop)
+        listener = FileDrop(writer, config(self.tmp), reactor=MemoryReactorClock(),
+                                    run_blocking=partial(deferToThreadPool, reactor, pool))
+        listener.start()  # the fake clock never fires: the test drives each poll itself
+        self.addCleanup(listener.stop)
+        return listener, writer
+
+    @inlineCallbacks
+    def test_files_become_rows_and_are_archived(self) -> Any:
+        listener, _ = self._listener()
+        drop(self.tmp, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
+        drop(self.tmp, "b.hl7", b"plain text file", mtime=2_000_000_000_000_000_000)
+        assert (yield listener.poll()) == 0
+        assert (yield listener.poll()) == 2
+        assert rows(self.store_config.path) == [
+            (file_message_id("drop", "a.hl7", adt("A")), "A", "drop", adt("A").decode()),
+            (file_message_id("drop", "b.hl7", b"plain text file"), None, "drop", "plain text file"),
+        ]
+        assert listing(self.tmp / "in") == [] and listing(self.tmp / "archive") == ["a.hl7", "b.hl7"]
+
+    @inlineCallbacks
+    def test_a_file_committed_but_not_moved_before_a_crash_is_staged_once_and_archived(self) -> Any:
+        listener, writer = self._listener()
+        drop(self.tmp, "a.hl7", adt("A"))
+        message_id = file_message_id("drop", "a.hl7", adt("A"))
+        # The previous run committed the file, then crashed before moving it.
+        yield writer.submit(Inbound(connection="drop", payload=adt("A").decode(), control_id="A",
+                                    message_id=message_id))
+        yield listener.poll()
+        assert (yield listener.poll()) == 1
+        assert [r[0] for r in rows(self.store_config.path)] == [message_id]
+        assert listing(self.tmp / "in") == [] and listing(self.tmp / "archive") == ["a.hl7"]
+
+    @inlineCallbacks
+    def test_a_failing_ingest_leaves_the_file_in_place(self) -> Any:
+        listener, _ = self._listener(leader=False)
+        drop(self.tmp, "a.hl7", adt("A"))
+        yield listener.poll()
+        assert (yield listener.poll()) == 0
+        assert rows(self.store_config.path) == []
+        assert listing(self.tmp / "in") == ["a.hl7"] and listing(self.tmp / "archive") == []
+
+    @inlineCallbacks
+    def test_rejected_files_stage_nothing(self) -> Any:
+        listener, _ = self._listener()
+        drop(self.tmp, "big.hl7", b"x" * 1000)
+        drop(self.tmp, "bin.hl7", b"\xc3\x28 not utf-8")
+        yield listener.poll()
+        yield listener.poll()
+        assert rows(self.store_config.path) == []
+        assert listing(self.tmp / "archive" / "rejected") == ["big.hl7", "big.hl7.reason", "bin.hl7",
+                                                              "bin.hl7.reason"]
