@@ -36,6 +36,9 @@ def build(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # The group-commit thread waits on the database many times a second; with the default 5 ms
+    # GIL switch interval each wake-up can queue behind a busy reactor thread for that long.
+    sys.setswitchinterval(0.0005)
     observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
                                     [LogLevelFilterPredicate(LogLevel.levelWithName(args.log_level))])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)

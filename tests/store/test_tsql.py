@@ -146,7 +146,9 @@ def test_every_dialect_defines_the_same_queries() -> None:
 @pytest.mark.parametrize("name", sorted(PG))
 def test_queries_take_the_same_parameters_in_every_dialect(name: str) -> None:
     by_dialect = {dialect: params_of(queries.load(dialect)[name]) for dialect in DIALECT_NAMES}
-    assert by_dialect["sqlserver"] == by_dialect["postgres"] == by_dialect["sqlite"]
+    # PostgreSQL writes stage_inbound's audit events in the same statement, so it alone needs node_id
+    extra = {"stage_inbound": {"node_id"}}.get(name, set())
+    assert by_dialect["sqlserver"] | extra == by_dialect["postgres"] == by_dialect["sqlite"] | extra
 
 
 @pytest.mark.parametrize("name", sorted(PG))

@@ -173,13 +173,22 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 
 -- name: stage_inbound
--- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
-SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
-  FROM json_to_recordset(CAST(:messages AS json)) AS m(
-       message_id text, control_id text, connection text, lane_key text, charset text, payload text)
-ON CONFLICT (message_id) DO NOTHING
-RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
+-- One statement, one round trip: the epoch check, the insert and the 'received' events. A file
+-- re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
+WITH ins AS (
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
+      FROM json_to_recordset(CAST(:messages AS json)) AS m(
+           message_id text, control_id text, connection text, lane_key text, charset text, payload text)
+     WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING id, message_id, control_id, attempts, status),
+ev AS (
+    INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt)
+    SELECT 'inbound', id, message_id, control_id, 'received', status, :epoch, :node_id, attempts FROM ins)
+SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
+       true AS events_recorded
+  FROM ins
 
 -- name: record_events
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,

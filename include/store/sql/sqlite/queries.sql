@@ -173,9 +173,11 @@ INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset
 SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
        json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
        json_extract(m.value, '$.charset'), json_extract(m.value, '$.payload')
-  FROM json_each(:messages) AS m WHERE true
+  FROM json_each(:messages) AS m
+ WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (message_id) DO NOTHING
-RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail
+RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
+          0 AS events_recorded
 
 -- name: record_events
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,

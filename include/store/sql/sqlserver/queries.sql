@@ -272,7 +272,7 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- the batch. OPENJSON's columns have the database collation, so comparisons name the column's.
 INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
-       NULL AS destination, NULL AS detail
+       NULL AS destination, NULL AS detail, CAST(0 AS bit) AS events_recorded
 SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
   FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.payload,
                ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
@@ -288,6 +288,7 @@ SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payloa
  WHERE m.nth = 1
    AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WITH (UPDLOCK, HOLDLOCK)
                     WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: record_events
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
