@@ -4,7 +4,6 @@ each configured connection when it becomes leader and the returned `stop(drop_co
 it stops being leader (or shuts down)."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from twisted.internet import defer
@@ -81,12 +80,11 @@ def bind(node: ListenerNode, conn: InboundConfig) -> Stop:
 
 def start_api(node: ListenerNode) -> list[Any]:
     """The control plane, on every node, leader or not."""
-    from listeners.api import ApiAuth, ApiSettings, make_api
+    from listeners.api import make_api
     from listeners.tls import listen
 
-    settings = ApiSettings.from_config(node.listeners.api, node.listeners.directory)
-    auth = ApiAuth.from_config(node.listeners.api, os.environ)
-    port = listen(node.reactor, settings.host, node.api_port or settings.port, make_api(node.state, auth),
+    settings = node.api_settings
+    port = listen(node.reactor, settings.host, node.api_port or settings.port, make_api(node.state, node.api_auth),
                   settings.tls)
     node.api_port = port.getHost().port
     return [port]

@@ -13,6 +13,7 @@ database unbinds at its fence timeout even while a renewal hangs. Single node: a
 """
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Callable
 
@@ -66,6 +67,11 @@ class ListenerNode(service.MultiService):
         self.config = config
         self.config_dir = config_dir
         self.listeners: ListenerConfig = load_config_dir(config_dir)
+        from listeners.api import ApiAuth, ApiSettings
+
+        # refuse a bad [api] (plaintext token, insecure bind, unreadable cert) before doing anything
+        self.api_settings = ApiSettings.from_config(self.listeners.api, self.listeners.directory)
+        self.api_auth = ApiAuth.from_config(self.listeners.api, os.environ)
         self.identity = NodeIdentity.of(config.cluster.node_id)
         self.metrics = Metrics()
         self.supervise_seconds = supervise_seconds

@@ -18,6 +18,13 @@ from include.testing.postgres_server import free_port, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def toml_value(value: object) -> str:
+    """TOML for the simple values test configs use (inline tables for dicts)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
 def store_toml(store: StoreConfig) -> str:
     if store.backend == "sqlite":
         return f'[store]\nbackend = "sqlite"\npath = "{store.path}"\nbusy_timeout_ms = {store.busy_timeout_ms}\n'
@@ -43,7 +50,7 @@ class Daemon:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cluster = {"enabled": False, "cluster_name": "test-cluster", "node_id": self.node_id, **(self.cluster or {})}
         lines = [store_toml(self.store), "[cluster]"]
-        lines += [f"{k} = {json.dumps(v)}" for k, v in cluster.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in cluster.items()]
         (self.workdir / "stageline.toml").write_text("\n".join(lines) + "\n")
         if self.config_dir is not None:
             return
@@ -52,7 +59,7 @@ class Daemon:
         out = ['[api]\nhost = "127.0.0.1"\n',
                '[[api.tokens]]\nrole = "VIEWER"\ntoken_env = "STAGELINE_TEST_TOKEN"\n']
         for conn in self.inbound:
-            out.append("[[inbound]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in conn.items()))
+            out.append("[[inbound]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in conn.items()))
         (conf / "connections.toml").write_text("\n".join(out))
 
     def start(self, *, wait: bool = True) -> Daemon:

@@ -119,3 +119,33 @@ def test_a_partitioned_leader_fences_itself_before_the_standby_takes_over(pair):
     proxy.restore()
     wait_for(lambda: a.status()["role"] == "standby" and b.status()["role"] == "primary", timeout=30,
              what="healed cluster")
+
+
+def test_sighup_reload_bumps_the_shared_config_version_and_every_node_converges(pair):
+    a, b, port, _, _ = pair
+    extra = free_port()
+    conf = a.workdir / "config" / "connections.toml"
+    conf.write_text(conf.read_text() + f'\n[[inbound]]\nname = "orders-in"\nkind = "mllp"\nhost = "127.0.0.1"\nport = {extra}\n')
+    a.signal(signal.SIGHUP)
+    wait_for(lambda: a.status()["config_version"] == 1 and b.status()["config_version"] == 1, timeout=10,
+             what="both nodes on config version 1")
+    wait_for(lambda: port_open(extra), timeout=10, what="the leader to bind the new connection")
+    assert b"stageline_listeners_bound 0.0" in b.get("/metrics")[1]  # the standby still binds nothing
+    assert "reloading the config dir" in b.output()
+
+
+def test_a_node_running_a_different_config_is_reported_loudly(pair, tmp_path):
+    import json
+
+    a, b, port, _, store_config = pair
+    c = Daemon(tmp_path / "c", store_config, node_id="node-c:3:cc", cluster=CLUSTER,
+               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 5}])
+    c.start()
+    try:
+        wait_for(lambda: b"stageline_config_mismatch 1.0" in c.get("/metrics")[1], timeout=10, what="mismatch metric")
+        assert "CONFIG MISMATCH" in c.output()
+        nodes = json.loads(a.get("/cluster/nodes")[1])
+        assert nodes["config_mismatch"] == ["node-c:3:cc"]
+        assert b"stageline_config_mismatch 0.0" in b.get("/metrics")[1]
+    finally:
+        c.stop()

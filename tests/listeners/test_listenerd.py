@@ -228,3 +228,61 @@ def test_sigterm_finishes_in_flight_work_releases_the_lease_and_exits_0(daemon, 
     assert (node["status"], bool(node["is_leader"])) == ("left", False)
     assert bool(lease["live"]) is (store_config.backend == "sqlite")  # single node: permanent lease
     assert "listenerd node-a:1:aa stopped" in daemon.output()
+
+
+@pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
+def test_a_non_loopback_bind_without_tls_refuses_to_start(tmp_path, store_config):
+    d = Daemon(tmp_path / "node", store_config, node_id="n:1:a",
+               inbound=[{"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": free_port()}])
+    d.start(wait=False)
+    assert d.proc.wait(30) == 2
+    assert "refusing a non-loopback bind without TLS" in d.output()
+    d.stop()
+
+
+@pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
+def test_mllp_over_mutual_tls_accepts_only_clients_with_a_trusted_certificate(tmp_path, store_config):
+    import ssl
+
+    from tests.listeners.test_tls import make_pki
+
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    port = free_port()
+    d = Daemon(tmp_path / "node", store_config, node_id="n:1:a", inbound=[
+        {"name": "secure-in", "kind": "mllp", "host": "127.0.0.1", "port": port,
+         "tls": {"cert": str(pki.server_cert), "key": str(pki.server_key), "ca": str(pki.ca),
+                 "require_client_cert": True}}]).start()
+    try:
+        wait_for(lambda: port_open(port), timeout=15, what="bind")
+
+        def send(client_cert: Path | None) -> list[bytes]:
+            ctx = ssl.create_default_context(cafile=str(pki.ca))
+            if client_cert:
+                ctx.load_cert_chain(str(client_cert))
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+                    s.sendall(mllp(adt("TLS1")))
+                    data = b""
+                    while FS + CR not in data:
+                        chunk = s.recv(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+            return [f.lstrip(VT) for f in data.split(FS + CR) if f]
+
+        assert [ack_fields(a) for a in send(pki.client)] == [("AA", "TLS1")]
+        for bad in (None, pki.rogue_client):
+            with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+                if send(bad) == []:
+                    raise ConnectionError("closed without an ACK")
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as plain:  # plaintext MLLP to a TLS port
+            plain.sendall(mllp(adt("PLAIN1")))
+            try:
+                reply = plain.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                reply = b""
+            assert b"MSA" not in reply
+        assert [r["control_id"] for r in staged(store_config)] == ["TLS1"]
+    finally:
+        d.stop()
