@@ -8,6 +8,9 @@ escaped here, so nothing we write can break the ACK's structure.
 
 from __future__ import annotations
 
+import re
+import time
+
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +90,9 @@ def escape(
 ) -> str:
     """Escape free text for one HL7 field (section 2.7): separators become \\F\\ \\S\\ \\R\\ \\T\\
     \\E\\ (\\P\\ for the v2.7 truncation character); control characters become \\Xhh\\."""
+    specials = field_separator + encoding_characters
+    if not _CONTROLS.search(text) and not any(ch in text for ch in specials):
+        return text  # the common case: nothing to escape
     esc = encoding_characters[2]
     table = {
         field_separator: "F",
@@ -213,12 +219,13 @@ def _escaper(fs: str, enc: str) -> Callable[[str], str]:
     return plain
 
 
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _strip_controls(value: str) -> str:
     """Echoed values cannot contain separators (they were split on them) but drop control
     characters anyway: a stray VT/FS would corrupt the MLLP frame around the ACK."""
-    if not any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
-        return value
-    return "".join(ch for ch in value if ord(ch) >= 0x20 and ord(ch) != 0x7F)
+    return _CONTROLS.sub("", value)
 
 
 def _msa(
@@ -260,11 +267,24 @@ def _err(
 def _timestamp(now: datetime | None, *, utc_offset: bool = True) -> str:
     """MSH-7 in UTC. The "+0000" offset is left out when "+" is one of the message's
     separators: it would split the field."""
-    moment = now or datetime.now(timezone.utc)
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y%m%d%H%M%S" + ("+0000" if utc_offset else ""))
+    if now is None:
+        stamp = _now_stamp()
+    else:
+        moment = now if now.tzinfo is not None else now.replace(tzinfo=timezone.utc)
+        stamp = moment.astimezone(timezone.utc).strftime("%Y%m%d%H%M%S")
+    return stamp + ("+0000" if utc_offset else "")
+
+
+_stamp_cache: tuple[int, str] = (0, "")
+
+
+def _now_stamp() -> str:
+    """The current second, formatted once per second (an ACK per message would strftime each)."""
+    global _stamp_cache
+    second = int(time.time())
+    if _stamp_cache[0] != second:
+        _stamp_cache = (second, datetime.fromtimestamp(second, timezone.utc).strftime("%Y%m%d%H%M%S"))
+    return _stamp_cache[1]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

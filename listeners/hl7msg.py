@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import codecs
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
@@ -97,6 +97,7 @@ class HL7Header:
     version: str
     charset: str
     encoding: str  # Python codec used to decode the message (and encode its ACK)
+    text: str | None = field(default=None, repr=False, compare=False)  # the decoded message (complete parses)
 
     @property
     def component_separator(self) -> str:
@@ -208,6 +209,7 @@ def parse_header(
         version=_field(fields, 12),
         charset=charset,
         encoding=codecs.lookup(encoding).name,
+        text=text if complete else None,
     )
 
 

@@ -114,7 +114,7 @@ class IngestWriter:
             return NotLeader("this node does not hold the leader lease")
         started = time.perf_counter()
         try:
-            with self.store.transaction() as tx:
+            with self.store.single_statement() as tx:
                 staged = stage_inbound(tx, [asdict(i) for i in items], epoch=epoch, node_id=self.node_id)
         except Exception as exc:  # the store said no: every message in the batch gets a negative ACK
             self.metrics.store_errors.labels("stage_inbound").inc()

@@ -239,7 +239,8 @@ class MLLPDecoder:
         self._oversize = False
 
 
-Handler = Callable[[bytes, IAddress], "Deferred[AckDecision]"]
+# handler(message, peer, header): the header is the protocol's own parse (with the decoded text)
+Handler = Callable[[bytes, IAddress, HL7Header], "Deferred[AckDecision]"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +393,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         slot = _Slot(_safe(header.control_id))
         self._enqueue(slot)
         assert self._peer is not None
-        d = maybeDeferred(self._handler, payload, self._peer)
+        d = maybeDeferred(self._handler, payload, self._peer, header)
         if self._config.handler_timeout_seconds is not None and not d.called:
             slot.timer = self._clock.callLater(
                 self._config.handler_timeout_seconds, self._handler_timed_out, slot, header, d

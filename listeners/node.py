@@ -32,7 +32,7 @@ from include.store.membership import NodeIdentity, cluster_nodes, heartbeat, lea
 from include.store.migrate import check_identity
 from listeners.connections import InboundConfig, ListenerConfig, load_config_dir
 from listeners.hl7ack import AckDecision
-from listeners.hl7msg import parse_header
+from listeners.hl7msg import HL7Header
 from listeners.ingest import Inbound, IngestRejected, IngestWriter
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
@@ -243,11 +243,9 @@ class ListenerNode(service.MultiService):
         metrics, received = self.metrics, self.metrics.received.labels(conn.name)
         aa, ae = metrics.acks.labels(conn.name, "AA"), metrics.acks.labels(conn.name, "AE")
 
-        def handle(message: bytes, peer: Any) -> Deferred:
+        def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred:
             received.inc()
-            header = parse_header(message, default_encoding=_codec(conn.charset))
-            text = message.decode(header.encoding)
-            d = self.submit(conn, text, control_id=header.control_id, charset=header.charset)
+            d = self.submit(conn, header.text, control_id=header.control_id, charset=header.charset)
 
             def ok(_: str) -> AckDecision:
                 aa.inc()

@@ -153,6 +153,21 @@ class Store:
                 raise
             conn.commit()
 
+    @contextmanager
+    def single_statement(self) -> Iterator[Tx]:
+        """For work that is one atomic statement on this dialect (PostgreSQL's staging CTE):
+        autocommit saves the BEGIN and COMMIT round trips. Elsewhere an ordinary transaction."""
+        if not self.dialect.atomic_staging:
+            with self.transaction() as tx:
+                yield tx
+            return
+        with self._connection() as conn:
+            conn.autocommit = True
+            try:
+                yield Tx(self, conn)
+            finally:
+                conn.autocommit = False
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()

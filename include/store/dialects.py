@@ -43,6 +43,7 @@ class Dialect:
     name: str
     template: dict[str, str]
     translate: Callable[[str], str]
+    atomic_staging: bool = False  # stage_inbound is one self-contained statement (events included)
 
     def connect(self, cfg: StoreConfig) -> Any:
         raise NotImplementedError
@@ -132,6 +133,6 @@ class SqlServerDialect(Dialect):
 
 DIALECTS: dict[str, Dialect] = {
     "sqlite": SqliteDialect("sqlite", {"now": NOW_MS_SQLITE}, lambda sql: sql),
-    "postgres": PostgresDialect("postgres", {}, to_pyformat),
+    "postgres": PostgresDialect("postgres", {}, to_pyformat, atomic_staging=True),
     "sqlserver": SqlServerDialect("sqlserver", {}, to_pyformat),
 }

@@ -182,7 +182,7 @@ def test_protocol_answers_every_complete_frame_and_never_crashes(
 ) -> None:
     stream, chunks = case
     factory = MLLPFactory(
-        lambda message, peer: succeed(AckDecision.accept()),
+        lambda message, peer, header: succeed(AckDecision.accept()),
         config=MLLPConfig(max_message_bytes=MAX, prefix_bytes=PREFIX),
         clock=MemoryReactorClock(),
     )

@@ -49,7 +49,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[bytes, IAddress, Deferred[AckDecision]]] = []
 
-    def __call__(self, message: bytes, peer: IAddress) -> Deferred[AckDecision]:
+    def __call__(self, message: bytes, peer: IAddress, header: object = None) -> Deferred[AckDecision]:
         d: Deferred[AckDecision] = Deferred()
         self.calls.append((message, peer, d))
         return d
@@ -189,11 +189,11 @@ def test_handler_errback_yields_ae_and_the_connection_stays_usable(
 @pytest.mark.parametrize(
     "handler",
     [
-        pytest.param(lambda m, p: fail(ValueError("boom")), id="failed-deferred"),
-        pytest.param(lambda m, p: 1 / 0, id="raises-synchronously"),
-        pytest.param(lambda m, p: succeed(True), id="returns-true"),
-        pytest.param(lambda m, p: succeed(None), id="returns-none"),
-        pytest.param(lambda m, p: succeed("AA"), id="returns-string-AA"),
+        pytest.param(lambda m, p, h: fail(ValueError("boom")), id="failed-deferred"),
+        pytest.param(lambda m, p, h: 1 / 0, id="raises-synchronously"),
+        pytest.param(lambda m, p, h: succeed(True), id="returns-true"),
+        pytest.param(lambda m, p, h: succeed(None), id="returns-none"),
+        pytest.param(lambda m, p, h: succeed("AA"), id="returns-string-AA"),
     ],
 )
 def test_anything_but_an_explicit_aa_decision_is_never_acked_aa(handler: object) -> None:
@@ -216,7 +216,7 @@ def test_handler_reject_and_error_decisions_are_passed_on_with_reason() -> None:
 
 
 def test_synchronous_handler_is_acked_immediately() -> None:
-    proto, transport = connect(make_factory(lambda m, p: succeed(AckDecision.accept())))
+    proto, transport = connect(make_factory(lambda m, p, h: succeed(AckDecision.accept())))
     proto.dataReceived(frame(adt("C1")) + frame(adt("C2")))
     assert [msa(a) for a in acks(transport)] == [("AA", "C1"), ("AA", "C2")]
 
