@@ -23,24 +23,11 @@ from listeners.connections import InboundConfig
 from listeners.filedrop import FileDrop, file_message_id
 from listeners.ingest import Inbound, IngestWriter, NotLeader
 from listeners.metrics import Metrics
+from tests.listeners.fakes import FakeIngest
 
 
 def adt(control_id: str) -> bytes:
     return f"MSH|^~\\&|SEND|FAC|RECV|RFAC|20240101||ADT^A01|{control_id}|P|2.5\rPID|1||123||DOE^JANE\r".encode()
-
-
-class FakeIngest:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Inbound, Deferred[str]]] = []
-
-    def submit(self, item: Inbound) -> Deferred[str]:
-        d: Deferred[str] = Deferred()
-        self.calls.append((item, d))
-        return d
-
-    def fire(self, index: int) -> None:
-        item, d = self.calls[index]
-        d.callback(item.message_id)
 
 
 class AutoIngest(FakeIngest):

@@ -26,6 +26,7 @@ from listeners.connections import InboundConfig
 from listeners.http_inbound import make_inbound_site
 from listeners.ingest import Inbound, IngestWriter, NotLeader, StoreUnavailable
 from listeners.metrics import Metrics
+from tests.listeners.fakes import FakeIngest
 
 PEER = IPv4Address("TCP", "127.0.0.1", 50000)
 HOST = IPv4Address("TCP", "127.0.0.1", 8080)
@@ -33,20 +34,6 @@ HOST = IPv4Address("TCP", "127.0.0.1", 8080)
 
 def adt(control_id: str, *, pid: str = "DOE^JANE") -> str:
     return f"MSH|^~\\&|SEND|FAC|RECV|RFAC|20240101||ADT^A01|{control_id}|P|2.5\rPID|1||123||{pid}\r"
-
-
-class FakeIngest:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Inbound, Deferred[str]]] = []
-
-    def submit(self, item: Inbound) -> Deferred[str]:
-        d: Deferred[str] = Deferred()
-        self.calls.append((item, d))
-        return d
-
-    def fire(self, index: int) -> None:
-        item, d = self.calls[index]
-        d.callback(item.message_id)
 
 
 def conn(name: str = "web", **overrides: Any) -> InboundConfig:

@@ -35,6 +35,7 @@ from listeners.tcp import (
     TCPProtocol,
     build_inbound,
 )
+from tests.listeners.fakes import FakeIngest
 
 PEER = IPv4Address("TCP", "10.1.2.3", 40123)
 
@@ -48,25 +49,6 @@ def adt(control_id: str, *, pid: str = "DOE^JANE", charset: str = "") -> bytes:
 
 def lp(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
-
-
-class FakeIngest:
-    """Records submissions; the test fires each Deferred by hand, in any order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Inbound, Deferred[str]]] = []
-
-    def submit(self, item: Inbound) -> Deferred[str]:
-        d: Deferred[str] = Deferred()
-        self.calls.append((item, d))
-        return d
-
-    def fire(self, index: int) -> None:
-        item, d = self.calls[index]
-        d.callback(item.message_id)
-
-    def fail(self, index: int, exc: Exception) -> None:
-        self.calls[index][1].errback(exc)
 
 
 def config(**overrides: Any) -> InboundConfig:
