@@ -61,7 +61,8 @@ def test_concurrent_migrations_apply_each_version_once(pg_server):
         for t in threads:
             t.join()
         assert errors == []
-        assert sorted(len(r.applied) for r in reports) == [0, 0, 0, 1]
+        # each version applied by exactly one of the four (different versions may go to different ones)
+        assert sorted(v for r in reports for v in r.applied) == list(range(1, latest_version("postgres") + 1))
         assert len({r.cluster_id for r in reports}) == 1
         for s in stores:
             s.close()

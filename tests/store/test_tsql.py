@@ -51,6 +51,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "is_leader": True, "config_hash": None, "node_timeout": 30.0, "limit": 100, "lease_seconds": 60.0,
     "ids": json.dumps([3, 5, 8]), "status": "done", "error": "HTTP 503 from 'lab'",
     "max_attempts": 5, "backoff_seconds": 1.5, "max_backoff_seconds": 300.0,
+    "run_id": "route:node-a:123:ab12cd34:2024-01-01T12:00:00",
     "message_id": "m-42", "control_id": "MSG00042", "connection": "mllp-lab", "lane_key": None,
     "charset": "UTF-8", "payload": "MSH|^~\\&|LAB|ACME|||20240101120000||ORU^R01|MSG00042|P|2.5\r",
     "messages": json.dumps([{"message_id": "m-42", "control_id": "MSG00042", "connection": "mllp-lab",
@@ -218,9 +219,8 @@ UNBOUNDED_TEXT = {"payload", "last_error", "detail"}
 
 
 def tsql_batches() -> list[str]:
-    [(version, _, script)] = queries.migrations("sqlserver")
-    assert version == 1
-    return split_tsql_batches(script)
+    """Every batch of every migration, in version order."""
+    return [batch for _, _, script in queries.migrations("sqlserver") for batch in split_tsql_batches(script)]
 
 
 def tsql_schema_statements() -> list[exp.Expression]:
@@ -228,8 +228,8 @@ def tsql_schema_statements() -> list[exp.Expression]:
 
 
 def pg_schema_statements() -> list[exp.Expression]:
-    [(_, _, script)] = queries.migrations("postgres")
-    return [s for s in sqlglot.parse(script, read="postgres", error_level=sqlglot.ErrorLevel.RAISE)
+    return [s for _, _, script in queries.migrations("postgres")
+            for s in sqlglot.parse(script, read="postgres", error_level=sqlglot.ErrorLevel.RAISE)
             if s is not None]
 
 
@@ -296,14 +296,20 @@ def pg_schema() -> dict[str, Any]:
     return schema_of(pg_schema_statements())
 
 
-PG_TABLES = sorted(re.findall(r"^CREATE TABLE (\w+)", queries.migrations("postgres")[0][2], re.MULTILINE))
+PG_TABLES = sorted(t for _, _, script in queries.migrations("postgres")
+                   for t in re.findall(r"^CREATE TABLE (\w+)", script, re.MULTILINE))
+
+
+def test_every_dialect_has_the_same_migration_versions() -> None:
+    versions = {d: [(v, desc) for v, desc, _ in queries.migrations(d)] for d in DIALECT_NAMES}
+    assert versions["sqlserver"] == versions["postgres"] == versions["sqlite"]
 
 
 def test_migration_batches_parse_and_none_is_only_comments() -> None:
     for batch in tsql_batches():
         code = [line for line in batch.splitlines() if line.strip() and not line.strip().startswith("--")]
         assert code, f"a batch of nothing but comments:\n{batch}"
-        parse_tsql(batch, name="0001_initial")
+        parse_tsql(batch, name="migration")
 
 
 def test_migration_creates_the_same_tables_and_columns_as_postgres() -> None:

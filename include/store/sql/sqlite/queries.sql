@@ -196,3 +196,82 @@ RETURNING config_version
 
 -- name: leader_config_hash
 SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHERE l.id = 1
+
+-- name: purge_finished
+-- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
+-- epoch only (retention is leader work like any other). The status list repeats the partial
+-- index's predicate exactly (SQLite uses a partial index only then): `done`/`dead` for
+-- stage_routed/stage_outbound; stage_inbound also has `unrouted` rows: purge_finished_inbound.
+DELETE FROM {table}
+ WHERE id IN (SELECT id FROM {table}
+               WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+               LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: purge_finished_inbound
+DELETE FROM stage_inbound
+ WHERE id IN (SELECT id FROM stage_inbound
+               WHERE status IN ('done', 'dead', 'unrouted') AND updated_at < {now} - :ms
+               LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: purge_events
+-- Retention of the audit trail: up to :limit events older than :ms milliseconds.
+DELETE FROM message_events
+ WHERE id IN (SELECT id FROM message_events WHERE at < {now} - :ms LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
+-- with route_read_claimed (its parameters inlined as literals: a JDBC `query` takes none), appends
+-- its results to landing_routed, and one transaction finalizes with the queries below.
+
+-- name: route_read_claimed
+-- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
+-- happened before, in one statement outside Spark.
+SELECT id, payload, message_id, control_id, lane_key
+  FROM stage_inbound
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: route_pending_ids
+SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
+
+-- name: route_unrouted_ids
+SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'unrouted'
+
+-- name: route_finalize_insert
+-- :ids are the sources this transaction has just finished, so nothing lands for a source whose
+-- claim was lost. ON CONFLICT makes a repeat a no-op, also for duplicate landing rows (a retried
+-- Spark task); ORDER BY keeps arrival order in the ids. The WHERE clause also settles SQLite's
+-- INSERT … SELECT … ON CONFLICT parsing ambiguity.
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
+SELECT l.source_id, l.message_id, l.control_id, l.destination, l.route_name, l.lane_key, l.payload
+  FROM landing_routed l
+ WHERE l.run_id = :run_id AND l.status = 'pending'
+   AND l.source_id IN (SELECT value FROM json_each(:ids))
+ ORDER BY l.source_id, l.destination
+ON CONFLICT (source_id, destination) DO NOTHING
+RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: landing_routed_delete
+DELETE FROM landing_routed WHERE run_id = :run_id
+
+-- name: landing_routed_delete_sources
+-- Leftovers of earlier runs that died between landing and finalize, for sources now finished.
+DELETE FROM landing_routed WHERE source_id IN (SELECT value FROM json_each(:ids))
+
+-- name: deliver_read_claimed
+-- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
+-- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
+-- subquery), the caller orders by id.
+SELECT id, destination, lane_key, payload, content_type, idempotency_key, attempts, message_id, control_id
+  FROM stage_outbound
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: work_pending
+-- What a waiting stage run polls: the current epoch (has leadership moved?) and whether any row
+-- is due to be claimed (pending, or failed and past its backoff).
+SELECT l.epoch,
+       EXISTS (SELECT 1 FROM {table}
+                WHERE status IN ('pending', 'error')
+                  AND (next_attempt_at IS NULL OR next_attempt_at <= {now})) AS due
+  FROM leader_lease l WHERE l.id = 1

@@ -316,3 +316,92 @@ WHERE id = 1
 
 -- name: leader_config_hash
 SELECT n.config_hash FROM leader_lease AS l JOIN nodes AS n ON n.node_id = l.owner WHERE l.id = 1
+
+-- name: purge_finished
+-- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
+-- epoch only (retention is leader work like any other). `done`/`dead` matches the filtered index
+-- of stage_routed/stage_outbound; stage_inbound also has `unrouted` rows: purge_finished_inbound.
+-- The age is applied in whole seconds: DATEADD takes an int, and milliseconds overflow it after
+-- 24 days. READPAST skips rows a finalize holds instead of queueing behind it.
+DELETE FROM {table}
+ WHERE id IN (SELECT TOP (:limit) id FROM {table} WITH (READPAST, ROWLOCK)
+               WHERE status IN ('done', 'dead')
+                 AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: purge_finished_inbound
+DELETE FROM stage_inbound
+ WHERE id IN (SELECT TOP (:limit) id FROM stage_inbound WITH (READPAST, ROWLOCK)
+               WHERE status IN ('done', 'dead', 'unrouted')
+                 AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: purge_events
+-- Retention of the audit trail: up to :limit events older than :ms milliseconds (whole seconds).
+DELETE FROM message_events
+ WHERE id IN (SELECT TOP (:limit) id FROM message_events WITH (READPAST, ROWLOCK)
+               WHERE at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
+-- with route_read_claimed (its parameters inlined as literals: a JDBC `query` takes none), appends
+-- its results to landing_routed, and one fenced transaction finalizes with the queries below.
+
+-- name: route_read_claimed
+-- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
+-- happened before, in one statement outside Spark.
+SELECT id, payload, message_id, control_id, lane_key
+  FROM stage_inbound
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: route_pending_ids
+SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
+
+-- name: route_unrouted_ids
+SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'unrouted'
+
+-- name: route_finalize_insert
+-- :ids are the sources this transaction has just finished (their rows are locked by that update),
+-- so nothing lands for a source whose claim was lost. ON CONFLICT (source_id, destination) DO
+-- NOTHING: NOT EXISTS under a key-range lock (UPDLOCK, HOLDLOCK), and ROW_NUMBER keeps one of
+-- duplicate landing rows (a retried Spark task). INSERT … SELECT … ORDER BY assigns the identity
+-- values in that order, keeping arrival order in the ids.
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       inserted.destination, NULL AS detail
+SELECT l.source_id, l.message_id, l.control_id, l.destination, l.route_name, l.lane_key, l.payload
+  FROM (SELECT source_id, message_id, control_id, destination, route_name, lane_key, payload,
+               ROW_NUMBER() OVER (PARTITION BY source_id, destination ORDER BY source_id) AS nth
+          FROM landing_routed
+         WHERE run_id = :run_id AND status = 'pending'
+           AND source_id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))) AS l
+ WHERE l.nth = 1
+   AND NOT EXISTS (SELECT 1 FROM stage_routed AS r WITH (UPDLOCK, HOLDLOCK)
+                    WHERE r.source_id = l.source_id AND r.destination = l.destination)
+ ORDER BY l.source_id, l.destination
+
+-- name: landing_routed_delete
+DELETE FROM landing_routed WHERE run_id = :run_id
+
+-- name: landing_routed_delete_sources
+-- Leftovers of earlier runs that died between landing and finalize, for sources now finished.
+DELETE FROM landing_routed WHERE source_id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+
+-- name: deliver_read_claimed
+-- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
+-- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
+-- subquery), the caller orders by id.
+SELECT id, destination, lane_key, payload, content_type, idempotency_key, attempts, message_id, control_id
+  FROM stage_outbound
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: work_pending
+-- What a waiting stage run polls: the current epoch (has leadership moved?) and whether any row
+-- is due to be claimed (pending, or failed and past its backoff). READPAST: a row being claimed
+-- right now is not work for this poll, and a read-committed reader would otherwise wait for it.
+SELECT l.epoch,
+       CAST(CASE WHEN EXISTS (SELECT 1 FROM {table} WITH (READPAST)
+                               WHERE status IN ('pending', 'error')
+                                 AND (next_attempt_at IS NULL OR next_attempt_at <= SYSUTCDATETIME()))
+                 THEN 1 ELSE 0 END AS bit) AS due
+  FROM leader_lease AS l WHERE l.id = 1

@@ -1,0 +1,235 @@
+"""Spark sessions for the stage jobs: classic `local[*]` or a client of a long-lived Spark Connect server.
+
+A classic session starts a JVM per job (7–9 s here); a warm Spark Connect server takes that cost
+once, and each job pays only the client's connect and its own work. JDBC drivers come from
+Debian's packages (`/usr/share/java`), never from Maven: the hosts have no route to Maven Central.
+With Spark Connect the *server* loads the drivers, so they are given to `start_connect_server`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterable, Mapping
+from urllib.parse import quote
+
+# Spark's Python workers (UDFs, mapInPandas) must run this interpreter — the project's venv with
+# pandas and pyarrow — not whatever `python3` comes first on PATH.
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+from pyspark.sql import SparkSession
+
+from include.config import StoreConfig
+
+# Debian: libpostgresql-jdbc-java, libxerial-sqlite-jdbc-java, libjtds-java.
+DRIVER_JARS: dict[str, str] = {
+    "postgres": "/usr/share/java/postgresql.jar",
+    "sqlite": "/usr/share/java/sqlite-jdbc.jar",
+    "sqlserver": "/usr/share/java/jtds.jar",
+}
+# Named explicitly: jars added at runtime are not visible to java.sql.DriverManager's own lookup.
+DRIVER_CLASSES: dict[str, str] = {
+    "postgres": "org.postgresql.Driver",
+    "sqlite": "org.sqlite.JDBC",
+    "sqlserver": "net.sourceforge.jtds.jdbc.Driver",
+}
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+DEFAULT_CONNECT_PORT = 15002
+# Settings that suit micro-batches of thousands of rows: no UI, few shuffle partitions, UTC.
+SMALL_BATCH_CONF: dict[str, str] = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.sql.session.timeZone": "UTC",
+}
+
+
+def spark_home() -> Path:
+    """The pyspark package directory: it carries `bin/spark-submit` and the jars (a full SPARK_HOME)."""
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def driver_jars(backends: Iterable[str] | None = None) -> list[str]:
+    """The Debian JDBC driver jars that are installed, for `backends` (default: all three)."""
+    wanted = DRIVER_JARS if backends is None else {b: DRIVER_JARS[b] for b in backends}
+    return [path for path in wanted.values() if Path(path).exists()]
+
+
+def jdbc_options(config: StoreConfig) -> dict[str, str]:
+    """`url`, `driver` and credentials for Spark's JDBC source/sink, built from the store config.
+
+    SQLite: xerial reads pragmas from the URL; busy_timeout makes Spark's connections wait out the
+    store's short write transactions instead of failing with SQLITE_BUSY (WAL is already on, a
+    property of the file). PostgreSQL: the store's schema as currentSchema, and batched INSERTs
+    rewritten into multi-row ones. SQL Server: jTDS (Debian packages no Microsoft driver); Spark
+    has no dialect for `jdbc:jtds:` URLs and uses its generic one (double-quoted identifiers).
+    """
+    backend = config.backend
+    options = {"driver": DRIVER_CLASSES[backend]}
+    if backend == "sqlite":
+        path = Path(config.path).resolve()
+        options["url"] = f"jdbc:sqlite:{path}?busy_timeout={int(config.busy_timeout_ms)}"
+        return options
+    host, port, database = config.server, config.effective_port, config.database
+    if backend == "postgres":
+        options["url"] = (f"jdbc:postgresql://{host}:{port}/{quote(database)}"
+                          f"?currentSchema={quote(config.schema)}&reWriteBatchedInserts=true"
+                          "&ApplicationName=stageline-spark")
+    elif backend == "sqlserver":
+        options["url"] = f"jdbc:jtds:sqlserver://{host}:{port}/{database};appName=stageline-spark"
+    else:
+        raise ValueError(f"no JDBC mapping for backend {backend!r}")
+    options["user"] = config.username
+    if config.password:
+        options["password"] = config.password
+    return options
+
+
+def spark_session(*, master: str | None = None, remote: str | None = None, app_name: str = "stageline",
+                  jars: Iterable[str] | None = None, conf: Mapping[str, str] | None = None) -> SparkSession:
+    """A Spark Connect client when `remote` ("sc://host:port") is given, else a classic session.
+
+    Classic sessions get the JDBC driver jars through `spark.jars` (only when this call starts the
+    JVM: getOrCreate returns a running session as it is); a Connect client cannot add them (the
+    server's classpath is fixed at its start — see `start_connect_server`). `conf` is applied on
+    top of SMALL_BATCH_CONF; for Connect only runtime SQL settings take effect. Creating a Connect
+    session switches pyspark's functions to Connect for the whole process, so never mix the two
+    kinds in one process.
+    """
+    if master is not None and remote is not None:
+        raise ValueError("give master or remote, not both")
+    settings = {**SMALL_BATCH_CONF, **(conf or {})}
+    if remote is not None:
+        session = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        for key, value in settings.items():
+            if key.startswith("spark.sql."):
+                session.conf.set(key, value)
+        return session
+    builder = SparkSession.builder.master(master or "local[*]").appName(app_name)
+    jar_list = list(jars) if jars is not None else driver_jars()
+    if jar_list:
+        builder = builder.config("spark.jars", ",".join(jar_list))
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+@dataclass
+class ConnectServer:
+    """A Spark Connect server this process started; stop it with `stop_connect_server`."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    host: str
+    log_path: Path
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"sc://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.PathLike[str],
+                         jars: Iterable[str] | None = None, master: str = "local[*]", host: str = "127.0.0.1",
+                         conf: Mapping[str, str] | None = None, driver_memory: str | None = None,
+                         timeout: float = 90.0) -> ConnectServer:
+    """Start a Spark Connect server in the foreground of a child process and wait until it listens.
+
+    Runs what Spark's `sbin/start-connect-server.sh` runs — `spark-submit --class
+    SparkConnectServer` (the pip package ships no such script) — but as our own child rather
+    than via spark-daemon.sh, so the handle owns exactly that PID. It binds `host` (loopback by
+    default); the JDBC driver jars go on the server's classpath with `--jars`.
+    """
+    home = spark_home()
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"spark-connect-{port}.log"
+    jar_list = list(jars) if jars is not None else driver_jars()
+    settings = {**SMALL_BATCH_CONF, "spark.connect.grpc.binding.port": str(port),
+                "spark.connect.grpc.binding.address": host, "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1", **(conf or {})}
+    command = [str(home / "bin" / "spark-submit"), "--class", CONNECT_SERVER_CLASS,
+               "--name", "Spark Connect server", "--master", master]
+    if jar_list:
+        command += ["--jars", ",".join(jar_list)]
+    if driver_memory:
+        command += ["--driver-memory", driver_memory]
+    for key, value in settings.items():
+        command += ["--conf", f"{key}={value}"]
+    env = {**os.environ, "SPARK_HOME": str(home)}
+    log = open(log_path, "ab")
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # its own group: signals to us do not reach it
+    server = ConnectServer(process=process, port=port, host=host, log_path=log_path, _log=log)
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            _close(server)
+            raise RuntimeError(f"Spark Connect server exited with {process.returncode} before listening; "
+                               f"log {log_path}:\n{_tail(log_path)}")
+        if _listening(host, port):
+            return server
+        if time.monotonic() > deadline:
+            stop_connect_server(server)
+            raise TimeoutError(f"Spark Connect server did not listen on {host}:{port} within {timeout:.0f} s; "
+                               f"log {log_path}:\n{_tail(log_path)}")
+        time.sleep(0.2)
+
+
+def stop_connect_server(server: ConnectServer, *, timeout: float = 30.0) -> int | None:
+    """Stop a server we started: SIGTERM (the JVM shuts Spark down), SIGKILL after `timeout`.
+
+    The signal goes to the server's own process group (the server leads it; it was started in a
+    new session), so anything it spawned goes too. Signals are sent only while the server has not
+    been reaped, when its group id cannot belong to anybody else. Returns the exit code.
+    """
+    process = server.process
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait(timeout=timeout)
+    _close(server)
+    return process.returncode
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _close(server: ConnectServer) -> None:
+    if server._log is not None:
+        server._log.close()
+        server._log = None
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,85 @@
+"""A small supervisor for the embedded single-node stack: start named processes in order, wait for
+each to be ready, show progress, and stop everything (in reverse order, by PID) on Ctrl-C, SIGTERM
+or when any process dies."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool] = lambda: True
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout: float = 120.0
+    popen: subprocess.Popen | None = None
+
+
+class Stack:
+    def __init__(self, log_dir: Path, *, cwd: Path, echo: Callable[[str], None] = print) -> None:
+        self.log_dir = log_dir
+        self.cwd = cwd
+        self.echo = echo
+        self.procs: list[Proc] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, proc: Proc) -> None:
+        log = open(self.log_dir / f"{proc.name}.log", "ab")
+        self.echo(f"  starting {proc.name:<16} (log: {self.log_dir / (proc.name + '.log')})")
+        proc.popen = subprocess.Popen(proc.argv, cwd=self.cwd, env={**os.environ, **proc.env}, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        started = time.monotonic()
+        while not proc.ready():
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; see its log")
+            if time.monotonic() - started > proc.ready_timeout:
+                raise RuntimeError(f"{proc.name} not ready after {proc.ready_timeout:.0f}s; see its log")
+            time.sleep(0.25)
+        self.echo(f"  {proc.name:<25} ready in {time.monotonic() - started:.1f}s")
+
+    def wait(self) -> int:
+        """Block until Ctrl-C/SIGTERM or until a process exits; then stop everything."""
+        stop = {"why": ""}
+
+        def on_signal(signum: int, _frame: object) -> None:
+            stop["why"] = signal.Signals(signum).name
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stop["why"]:
+            for p in self.procs:
+                if p.popen and p.popen.poll() is not None:
+                    stop["why"] = f"{p.name} exited with {p.popen.returncode}"
+                    break
+            time.sleep(0.5)
+        self.echo(f"\nstopping ({stop['why']}) ...")
+        self.stop()
+        return 0 if stop["why"] in ("SIGINT", "SIGTERM") else 1
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for p in reversed(self.procs):
+            if p.popen is None or p.popen.poll() is not None:
+                continue
+            try:
+                os.killpg(p.popen.pid, signal.SIGTERM)  # its own session: children (e.g. gunicorn workers) too
+            except ProcessLookupError:
+                continue
+            try:
+                p.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(5)
+            self.echo(f"  stopped {p.name}")
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,106 @@
+"""The store side of the Spark stage jobs: the fenced finalize, and queries Spark runs itself.
+
+A stage job claims in plain SQL, lets Spark read the claimed rows and append its results to a
+landing table keyed by the run, then calls a finalize here in ONE short transaction: join the
+epoch fence, check the epoch, finish the sources, move their landed rows to the next stage, record
+the audit events and clear the landing rows. Either all of it commits or none of it does, so a
+stale leader's job lands nothing (invariant 3) and a re-run lands no duplicates (invariant 5).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from include.store import queries
+from include.store.db import INBOUND, ROUTED, Store, Tx
+from include.store.rowlease import finish_batch
+
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+class StaleEpoch(RuntimeError):
+    """The job's epoch is no longer the lease's: its results must not land."""
+
+
+@dataclass(frozen=True)
+class RouteOutcome:
+    """What one route run changed; ids in ascending order.
+
+    `not_finished`: claimed sources this run could not finish — its row lease was lost to the sweep
+    (another run owns them now) or Spark landed nothing for them. They stay as they are and come
+    back through the sweep; none of their landed rows moved.
+    """
+
+    run_id: str
+    claimed: tuple[int, ...] = ()
+    routed: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    unrouted: tuple[int, ...] = ()
+    not_finished: tuple[int, ...] = ()
+
+
+def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
+    """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
+
+    Raises StaleEpoch when `epoch` is no longer current; the caller's transaction then rolls
+    back and nothing lands. Sources are finished first, so only sources this transaction really
+    finished (their rows now locked by it) get routed rows: a source whose claim was lost lands
+    nothing even if Spark landed rows for it.
+    """
+    tx.fence()
+    if tx.one("epoch_current", {"epoch": epoch}) is None:
+        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
+    claimed = {int(i) for i in claimed_ids}
+    params = {"run_id": run_id}
+    unrouted_ids = claimed & {int(r["source_id"]) for r in tx.all("route_unrouted_ids", params)}
+    pending_ids = claimed & {int(r["source_id"]) for r in tx.all("route_pending_ids", params)}
+    pending_ids -= unrouted_ids  # route() never emits both for one source; never mark one twice
+    done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
+    unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
+    rows = tx.all("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}) if done else []
+    rows.sort(key=lambda r: r["id"])
+    tx.record_events(rows, table=ROUTED, event="routed", from_status=None, epoch=epoch, node_id=owner)
+    tx.execute("landing_routed_delete", params)
+    finished = sorted({*done, *unrouted})
+    if finished:  # leftovers of earlier runs that died after landing these same sources
+        tx.execute("landing_routed_delete_sources", {"ids": tx.dialect.id_list(finished)})
+    return RouteOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), routed=tuple(int(r["id"]) for r in rows),
+                        done=tuple(done), unrouted=tuple(unrouted),
+                        not_finished=tuple(sorted(claimed - set(finished))))
+
+
+def discard_landing(store: Store, *, run_id: str) -> int:
+    """Delete one run's landing rows (its own transaction): cleanup after a failed or fenced run."""
+    with store.transaction() as tx:
+        return tx.execute("landing_routed_delete", {"run_id": run_id})
+
+
+def inline_query(store: Store, name: str, params: Mapping[str, Any]) -> str:
+    """A named query with its parameters written in as SQL literals, for Spark's JDBC `query`.
+
+    Spark sends a JDBC `query` as text (twice: a schema probe, then the read) and has no bind
+    parameters, so values are rendered here: integers as digits, strings quoted with '' doubled
+    (N'…' on SQL Server), None as NULL. Anything else is refused rather than guessed.
+    """
+    raw = queries.load(store.backend)[name]
+    if "{" in raw:
+        raw = raw.format_map(store.dialect.template)
+
+    def literal(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key not in params:
+            raise KeyError(f"query {name!r} needs parameter {key!r}")
+        value = params[key]
+        if value is None:
+            return "NULL"
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(int(value))
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise ValueError(f"parameter {key!r} contains a NUL character")
+            quoted = "'" + value.replace("'", "''") + "'"
+            return "N" + quoted if store.backend == "sqlserver" else quoted
+        raise TypeError(f"parameter {key!r}: cannot inline a {type(value).__name__} as a SQL literal")
+
+    return _PARAM.sub(literal, raw)

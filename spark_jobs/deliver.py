@@ -1,0 +1,354 @@
+"""The deliver stage: stage_outbound lane heads → destinations, per-lane FIFO, at-least-once.
+
+One round:
+
+    claim     `claim_lane_heads` in one SQL transaction outside Spark: at most ONE row per lane
+              (its oldest unfinished row), stranded heads of a dead leader re-pended first
+    extract   the claimed rows (`read_claimed` — today a plain SELECT + `createDataFrame`; the
+              JDBC read the route stage uses can replace it without touching anything else)
+    deliver   `spark_deliver`: repartition by lane, `mapInPandas` → `deliver_lanes` → `send()`;
+              an outcomes frame (id, destination, ok, retryable, detail) is collected
+    finalize  `finalize_deliveries`, ONE fenced transaction: ok → done; retryable → error with the
+              destination's backoff, or dead after its `max_attempts`; permanent → dead at once
+
+`run()` repeats rounds until no lane head is due or its time budget is spent, so one job run
+drains a backlog lane by lane, each lane in id order. Because only heads are claimed, the next
+message of a lane is claimed only after its head is finished, and a failing head (backing off,
+then dead) blocks its own lane and nothing else (DESIGN invariant 6).
+
+At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
+lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent again. Every
+send carries the row's idempotency key (see `spark_jobs.destinations`). Under a stale epoch the
+finalize raises `StaleEpoch` and lands nothing.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from include.store import OUTBOUND, Store
+from include.store.rowlease import claim_lane_heads, fail_batch, finish_batch
+from include.store.stages import StaleEpoch
+from spark_jobs.destinations import DEFAULT_CONTENT_TYPE, Destination, parse_destinations, send
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLAIMED_COLUMNS",
+    "CLAIMED_SCHEMA",
+    "OUTCOME_SCHEMA",
+    "StaleEpoch",
+    "Summary",
+    "claim",
+    "deliver_lanes",
+    "deliver_row",
+    "fetch_claimed",
+    "finalize_deliveries",
+    "read_claimed",
+    "run",
+    "spark_deliver",
+]
+
+CLAIMED_COLUMNS = ("id", "destination", "lane_key", "payload", "content_type", "idempotency_key", "attempts",
+                   "message_id", "control_id")
+CLAIMED_SCHEMA = ("id BIGINT, destination STRING, lane_key STRING, payload STRING, content_type STRING, "
+                  "idempotency_key STRING, attempts INT, message_id STRING, control_id STRING")
+OUTCOME_COLUMNS = ("id", "destination", "ok", "retryable", "detail")
+OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, detail STRING"
+# A row whose destination is not configured (removed, renamed) waits for the config to be fixed:
+# retried with the default backoff, never dead-lettered for it.
+UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
+UNCONFIGURED_BACKOFF = (5.0, 300.0)
+NO_OUTCOME = "no delivery outcome came back from Spark"
+
+Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What one finalize (or a whole run, summed) changed; ids ascending.
+
+    `retrying`: failed attempts now `error`, due again after their backoff. `dead`: given up
+    (permanent failure, or `max_attempts` reached). `not_finished`: outcomes that did not land
+    because the row was no longer this claimer's (its row lease was swept, another claimer has it).
+    """
+
+    rounds: int = 0
+    claimed: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    retrying: tuple[int, ...] = ()
+    dead: tuple[int, ...] = ()
+    not_finished: tuple[int, ...] = ()
+
+    def __add__(self, other: Summary) -> Summary:
+        merged: dict[str, Any] = {"rounds": self.rounds + other.rounds}
+        for f in fields(self):
+            if f.name != "rounds":
+                merged[f.name] = tuple(sorted({*getattr(self, f.name), *getattr(other, f.name)}))
+        return Summary(**merged)
+
+
+# ---------------------------------------------------------------------------------------------
+# deliver (pure Python: runs inside Spark's Python workers, and in unit tests without Spark)
+
+
+def deliver_row(row: Mapping[str, Any], destinations: Mapping[str, Destination]) -> dict[str, Any]:
+    """Send one claimed row; its outcome `{id, destination, ok, retryable, detail}`."""
+    name = row["destination"]
+    dest = destinations.get(name)
+    if dest is None:
+        return _outcome(row, ok=False, retryable=True, detail=f"destination {name!r} is not configured")
+    result = send(dest, payload=row["payload"], content_type=row.get("content_type") or DEFAULT_CONTENT_TYPE,
+                  idempotency_key=row["idempotency_key"])
+    return _outcome(row, ok=result.ok, retryable=result.retryable, detail=result.detail)
+
+
+def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations, *,
+                  concurrency: int = 1) -> Iterator[dict[str, Any]]:
+    """Send claimed rows lane by lane; yield one outcome per row.
+
+    Claims hand over lane heads (one row per lane), so lanes are independent and may be sent
+    concurrently (`concurrency` threads: sends are I/O-bound). Should a lane ever bring several
+    rows, they go in id order and, after a failure, the rest of that lane is not attempted
+    (retryable outcome) — a later message must never overtake a failed earlier one.
+    """
+    dests = _parsed(destinations)
+    lanes: dict[Any, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        lanes.setdefault(row.get("lane_key"), []).append(row)
+    ordered = [sorted(lane, key=lambda r: int(r["id"])) for lane in lanes.values()]
+
+    def one_lane(lane: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for row in lane:
+            if out and not out[-1]["ok"]:
+                out.append(_outcome(row, ok=False, retryable=True,
+                                    detail=f"not attempted: message {out[-1]['id']} earlier in the lane failed"))
+            else:
+                out.append(deliver_row(row, dests))
+        return out
+
+    if concurrency <= 1 or len(ordered) <= 1:
+        for lane in ordered:
+            yield from one_lane(lane)
+        return
+    with ThreadPoolExecutor(max_workers=min(concurrency, len(ordered)), thread_name_prefix="deliver") as pool:
+        for outcomes in pool.map(one_lane, ordered):
+            yield from outcomes
+
+
+def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions: int | None = None,
+                  concurrency: int = 1) -> DataFrame:
+    """Deliver a frame of claimed rows (CLAIMED_COLUMNS) in Spark; returns the outcomes frame.
+
+    Repartitioned by lane so lanes spread over the executors (each partition sends its lanes one
+    after another, or `concurrency` at a time). Destinations are validated here, on the driver,
+    and travel to the workers as plain frozen dataclasses.
+    """
+    dests = _parsed(destinations)
+
+    def deliver_batches(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+        import pandas as pd
+
+        for batch in batches:
+            records = [_plain(r) for r in batch.to_dict("records")]
+            outcomes = list(deliver_lanes(records, dests, concurrency=concurrency))
+            if outcomes:
+                yield pd.DataFrame(outcomes, columns=list(OUTCOME_COLUMNS)).astype(
+                    {"id": "int64", "ok": "bool", "retryable": "bool"})
+
+    spread = claimed.repartition(partitions, "lane_key") if partitions else claimed.repartition("lane_key")
+    return spread.sortWithinPartitions("lane_key", "id").mapInPandas(deliver_batches, schema=OUTCOME_SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# store side: claim, read, finalize
+
+
+def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None) -> list[int]:
+    """Claim the heads of up to `max_lanes` lanes in their own transaction; their ids."""
+    with store.transaction() as tx:
+        rows = claim_lane_heads(tx, OUTBOUND, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds)
+    return [int(r["id"]) for r in rows]
+
+
+def fetch_claimed(store: Store, *, owner: str, epoch: int, ids: Iterable[int]) -> list[dict[str, Any]]:
+    """The claimed rows still ours, in id order (plain SQL, read-only)."""
+    wanted = {int(i) for i in ids}
+    with store.transaction(write=False) as tx:
+        found = tx.all("deliver_read_claimed", {"owner": owner, "epoch": int(epoch)})
+    return sorted(({c: r[c] for c in CLAIMED_COLUMNS} for r in found if int(r["id"]) in wanted),
+                  key=lambda r: int(r["id"]))
+
+
+def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, ids: Iterable[int]) -> DataFrame:
+    """SEAM: the claimed rows as a Spark frame with CLAIMED_SCHEMA.
+
+    Today: `fetch_claimed` in the driver and `createDataFrame` (one claim is at most `max_lanes`
+    rows). To move to a JDBC read, run the same named query `deliver_read_claimed` through
+    `include.store.stages.inline_query` + `spark.read.format("jdbc")` with
+    `customSchema=CLAIMED_SCHEMA` — it is bounded by owner + epoch, needs no id list, and is
+    read-only (Spark's schema probe may run it twice).
+    """
+    rows = fetch_claimed(store, owner=owner, epoch=epoch, ids=ids)
+    return spark.createDataFrame([tuple(r[c] for c in CLAIMED_COLUMNS) for r in rows], CLAIMED_SCHEMA)
+
+
+def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
+                        destinations: Destinations) -> Summary:
+    """Land one round's outcomes in ONE fenced transaction; StaleEpoch (nothing lands) if deposed.
+
+    ok → `done`. Retryable → `fail_batch` with the destination's max_attempts and backoff (`dead`
+    once attempts reach max_attempts). Permanent → `fail_batch` with max_attempts=0, i.e. `dead`
+    now. Failures are grouped by (destination, detail) so an outage costs one statement per
+    destination, not one per row; the detail becomes `last_error` and the audit event's detail.
+    """
+    dests = _parsed(destinations)
+    by_id: dict[int, dict[str, Any]] = {}
+    for raw in outcomes:
+        o = _as_dict(raw)
+        i = int(o["id"])
+        if i not in by_id or (o["ok"] and not by_id[i]["ok"]):  # a Spark task retry: any success counts
+            by_id[i] = o
+    ok_ids = sorted(i for i, o in by_id.items() if o["ok"])
+    groups: dict[tuple[str, bool, str], list[int]] = {}
+    for i, o in sorted(by_id.items()):
+        if not o["ok"]:
+            groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
+    with store.transaction() as tx:
+        tx.fence()
+        if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
+            raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
+        done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
+        failed: list[dict[str, Any]] = []
+        for (name, retryable, detail), ids in groups.items():
+            dest = dests.get(name)
+            if not retryable:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}",
+                                     max_attempts=0)
+            elif dest is None:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
+                                     max_attempts=UNCONFIGURED_MAX_ATTEMPTS, backoff_seconds=UNCONFIGURED_BACKOFF[0],
+                                     max_backoff_seconds=UNCONFIGURED_BACKOFF[1])
+            else:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
+                                     max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
+                                     max_backoff_seconds=dest.max_backoff_seconds)
+    landed = set(done) | {int(r["id"]) for r in failed}
+    return Summary(
+        claimed=tuple(sorted(by_id)),
+        done=tuple(sorted(done)),
+        retrying=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "error")),
+        dead=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "dead")),
+        not_finished=tuple(sorted(set(by_id) - landed)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the job
+
+
+def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
+        max_lanes: int = 1000, time_budget_seconds: float = 240.0, lease_seconds: float | None = None,
+        partitions: int | None = None, concurrency: int = 1,
+        clock: Callable[[], float] = time.monotonic) -> Summary:
+    """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
+
+    Destinations are validated before anything is claimed. `spark=None` sends in this process
+    (single node, tests); otherwise through `spark_deliver`. `lease_seconds` (default the store's
+    row-lease TTL) must outlast one round — about max_lanes × timeout / partitions in the worst case
+    — or the sweep may hand a head to another claimer while it is being sent (a duplicate, not a
+    loss). If delivery itself fails (Spark error), the claimed heads are failed as retryable so
+    their lanes do not wait out the row lease, and the error propagates. `owner` must be unique
+    per run.
+    """
+    dests = _parsed(destinations)
+    deadline = clock() + time_budget_seconds
+    total = Summary()
+    while True:
+        ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds)
+        if not ids:
+            break
+        try:
+            outcomes = _deliver_round(store, spark, dests, owner=owner, epoch=epoch, ids=ids,
+                                      partitions=partitions, concurrency=concurrency)
+        except BaseException as exc:
+            _fail_quietly(store, ids, owner=owner, epoch=epoch, dests=dests,
+                          detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400])
+            raise
+        summary = finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
+        total = total + Summary(rounds=1) + summary
+        log.info("deliver %s round %d: claimed %d, done %d, retrying %d, dead %d, not finished %d", owner,
+                 total.rounds, len(ids), len(summary.done), len(summary.retrying), len(summary.dead),
+                 len(summary.not_finished))
+        if clock() >= deadline:
+            break
+    return total
+
+
+def _deliver_round(store: Store, spark: SparkSession | None, dests: Mapping[str, Destination], *, owner: str,
+                   epoch: int, ids: list[int], partitions: int | None, concurrency: int) -> list[dict[str, Any]]:
+    """Outcomes for every claimed id; an id with no outcome (row vanished, Spark lost it) is retryable."""
+    if spark is None:
+        rows = fetch_claimed(store, owner=owner, epoch=epoch, ids=ids)
+        outcomes = list(deliver_lanes(rows, dests, concurrency=concurrency))
+    else:
+        frame = read_claimed(store, spark, owner=owner, epoch=epoch, ids=ids)
+        outcomes = [r.asDict() for r in spark_deliver(frame, dests, partitions=partitions,
+                                                      concurrency=concurrency).collect()]
+    seen = {int(o["id"]) for o in outcomes}
+    outcomes += [{"id": i, "destination": None, "ok": False, "retryable": True, "detail": NO_OUTCOME}
+                 for i in ids if i not in seen]
+    return outcomes
+
+
+def _fail_quietly(store: Store, ids: list[int], *, owner: str, epoch: int, dests: Mapping[str, Destination],
+                  detail: str) -> None:
+    """Best effort after a failed round: the original error matters more; the sweep is the backstop."""
+    try:
+        with store.transaction() as tx:
+            heads = tx.all("deliver_read_claimed", {"owner": owner, "epoch": int(epoch)})
+        wanted = set(ids)
+        outcomes = [{"id": int(r["id"]), "destination": r["destination"], "ok": False, "retryable": True,
+                     "detail": detail} for r in heads if int(r["id"]) in wanted]
+        finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
+    except Exception:  # noqa: BLE001
+        log.warning("deliver %s: could not release %d claimed heads; the sweep will", owner, len(ids), exc_info=True)
+
+
+def _parsed(destinations: Destinations) -> dict[str, Destination]:
+    if isinstance(destinations, Mapping) and all(isinstance(d, Destination) for d in destinations.values()):
+        return dict(destinations)
+    return parse_destinations(destinations)
+
+
+def _outcome(row: Mapping[str, Any], *, ok: bool, retryable: bool, detail: str) -> dict[str, Any]:
+    return {"id": int(row["id"]), "destination": row.get("destination"), "ok": bool(ok),
+            "retryable": bool(retryable) and not ok, "detail": detail}
+
+
+def _as_dict(outcome: Any) -> dict[str, Any]:
+    return outcome.asDict() if hasattr(outcome, "asDict") else dict(outcome)
+
+
+def _plain(record: Mapping[str, Any]) -> dict[str, Any]:
+    """pandas hands numpy scalars and NaN/NA for nulls; the senders want Python types and None."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if type(value).__name__ == "NAType":
+            value = None
+        elif hasattr(value, "item") and not isinstance(value, (str, bytes)):
+            value = value.item()
+        if isinstance(value, float) and math.isnan(value):
+            value = None
+        out[key] = value
+    return out

@@ -1,0 +1,140 @@
+"""The route stage: stage_inbound → stage_routed, one claimed batch per run.
+
+    claim     one SQL statement outside Spark (ids only; never inside a Spark read, whose schema
+              probe would run it twice)
+    extract   Spark JDBC read of exactly the rows this run claimed (owner + epoch + in_flight)
+    transform pure: route() fans each message out to its destinations, the inbound columns ride
+              along, every row is tagged with the run id
+    land      Spark JDBC append into landing_routed (scratch, keyed by run)
+    finalize  one short fenced transaction (include.store.stages.finalize_route): epoch check,
+              sources finished, landed rows moved to stage_routed, audit events, landing cleared
+
+Idempotent: stage_routed has UNIQUE (source_id, destination) and the finalize only moves rows for
+sources it finishes itself, so a re-run after a crash between land and finalize lands no duplicates.
+A run killed before its finalize leaves its sources in_flight; the sweep (row lease expired) or the
+next leader's recovery re-pends them, and the next finalize of those sources removes the dead run's
+landing rows. The transform and deliver stages copy this shape.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from include.spark import jdbc_options
+from include.store import INBOUND, Store
+from include.store.rowlease import claim_batch
+from include.store.stages import RouteOutcome, StaleEpoch, discard_landing, finalize_route, inline_query
+from spark_jobs.route_rules import Route, parse_routes, route
+
+log = logging.getLogger(__name__)
+
+LANDING_TABLE = "landing_routed"
+LANDING_COLUMNS = ("run_id", "source_id", "destination", "route_name", "lane_key", "status", "payload",
+                   "message_id", "control_id")
+# Spark would map SQLite's INTEGER to a 32-bit int; the ids are 64-bit everywhere.
+CLAIMED_SCHEMA = "id BIGINT, payload STRING, message_id STRING, control_id STRING, lane_key STRING"
+WRITE_BATCH_ROWS = 2_000
+
+
+def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
+          lease_seconds: float | None = None) -> list[int]:
+    """Claim up to `batch_size` due inbound rows for `owner` in their own transaction; their ids."""
+    with store.transaction() as tx:
+        rows = claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
+    return [int(r["id"]) for r in rows]
+
+
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
+    """The rows `owner` claimed under `epoch`: id, payload, message_id, control_id, lane_key.
+
+    Bounded by owner (unique per run) and epoch rather than an id list, so the query text stays
+    small whatever the batch size. One JDBC partition: a batch is thousands of rows, not millions.
+    """
+    query = inline_query(store, "route_read_claimed", {"owner": owner, "epoch": int(epoch)})
+    return (spark.read.format("jdbc").options(**jdbc_options(store.config))
+            .option("query", query).option("customSchema", CLAIMED_SCHEMA).option("fetchsize", "1000")
+            .load())
+
+
+def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
+    """Route claimed messages and shape the landing rows (pure; no I/O).
+
+    The inbound columns ride through route() inside its id column (a struct) instead of being
+    joined back: route() passes the id column through untouched, so the plan stays one narrow
+    pass over one read — no second JDBC scan, no shuffle, no cache. The lane is the inbound lane.
+    """
+    carried = claimed.select(F.struct(*claimed.columns).alias("_src"), F.col("payload"))
+    routed = carried.transform(route, routes, id_col="_src")
+    src = F.col("source_id")
+    return routed.select(
+        F.lit(run_id).alias("run_id"),
+        src["id"].alias("source_id"),
+        "destination",
+        "route_name",
+        src["lane_key"].alias("lane_key"),
+        "status",
+        src["payload"].alias("payload"),
+        src["message_id"].alias("message_id"),
+        src["control_id"].alias("control_id"),
+    )
+
+
+def land(store: Store, landing: DataFrame, *, batch_rows: int = WRITE_BATCH_ROWS) -> None:
+    """Append the landing rows over JDBC (the table exists: Spark cannot create one on SQLite).
+
+    SQLite admits one writer at a time, so it gets one writing connection; a server database
+    gets one per partition. Each partition is written in its own transaction.
+    """
+    writer = (landing.select(*LANDING_COLUMNS).write.format("jdbc").options(**jdbc_options(store.config))
+              .option("dbtable", LANDING_TABLE).option("batchsize", str(batch_rows)).mode("append"))
+    if store.backend == "sqlite":
+        writer = writer.option("numPartitions", "1")
+    writer.save()
+
+
+def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
+    """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
+    try:
+        with store.transaction() as tx:
+            return finalize_route(tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
+    except StaleEpoch:
+        discard_landing(store, run_id=run_id)
+        raise
+
+
+def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owner: str, epoch: int,
+        run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None) -> RouteOutcome:
+    """One route run: claim → extract → transform → land → finalize.
+
+    Routes are validated before anything is claimed, so a bad config claims nothing. With nothing
+    to claim Spark is not touched. If Spark or the database fails after the claim (StaleEpoch
+    included), this run's landing rows are dropped and the error propagates; the claimed rows stay
+    in_flight until the sweep or the next leader's recovery re-pends them (at-least-once).
+    `owner` must be unique per run: the Spark read selects the rows by it.
+    """
+    parsed = parse_routes(routes)
+    claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
+    if not claimed_ids:
+        return RouteOutcome(run_id=run_id)
+    try:
+        landing = extract(store, spark, owner=owner, epoch=epoch).transform(transform, parsed, run_id=run_id)
+        land(store, landing)
+        outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
+    except BaseException:
+        _discard_quietly(store, run_id)
+        raise
+    log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
+             len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),
+             len(outcome.not_finished))
+    return outcome
+
+
+def _discard_quietly(store: Store, run_id: str) -> None:
+    """Best effort: the original error matters more, and the next finalize of these sources cleans up."""
+    try:
+        discard_landing(store, run_id=run_id)
+    except Exception:
+        log.warning("route run %s: could not drop its landing rows", run_id, exc_info=True)

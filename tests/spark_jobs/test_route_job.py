@@ -1,0 +1,356 @@
+"""The route stage end to end on real SQLite and PostgreSQL: claim → Spark read → route → land →
+fenced finalize; fan-out, unrouted messages, audit events, a stale epoch, a crash between landing
+and finalize, a lost claim, and one run through a Spark Connect server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import LongType, StringType, StructField, StructType
+from pyspark.testing import assertDataFrameEqual
+
+from include.config import StoreConfig
+from include.spark import jdbc_options
+from include.store import INBOUND, Store, rowlease
+from include.store.lease import acquire_permanent
+from include.store.stages import RouteOutcome, StaleEpoch
+from include.testing.postgres_server import free_port
+from spark_jobs import route_job
+from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "node-a"
+ROUTES: list[dict[str, Any]] = [
+    {"name": "adt", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
+    {"name": "results", "destinations": ["ehr", "lab"],
+     "when": {"field": "MSH-9.1", "op": "in", "value": ["ORU", "ORM"]}},
+    {"name": "inpatient", "destinations": ["bedboard", "archive"],
+     "when": {"field": "PV1-2", "op": "eq", "value": "I"}},
+]
+
+
+def siu(patient_class: str) -> str:
+    return ("MSH|^~\\&|SCHED|HOSP|EHR|CITY|20240107090000||SIU^S12|MSG00007|P|2.5\r"
+            "PID|1||888^^^HOSP^MR||DOE^JANE\r"
+            f"PV1|1|{patient_class}\r")
+
+
+# (payload, {destination: route_name}); an empty map is an unrouted message.
+TEMPLATES: list[tuple[str, dict[str, str]]] = [
+    (ADT_A01, {"ehr": "adt", "archive": "adt", "bedboard": "inpatient"}),  # PV1-2 I: three destinations
+    (ORU_R01, {"ehr": "results", "lab": "results"}),
+    (ORM_O01, {"ehr": "results", "lab": "results"}),                       # LF segment endings
+    (CUSTOM_HASH, {"ehr": "adt", "archive": "adt"}),                       # '#'/'*' separators
+    (siu("I"), {"bedboard": "inpatient", "archive": "inpatient"}),         # archive named by the route that reached it
+    (siu("O"), {}),                                                        # HL7, but no route matches
+    (NOT_HL7, {}),
+]
+N_MESSAGES = 30
+
+
+def message(n: int) -> dict[str, Any]:
+    payload, _ = TEMPLATES[n % len(TEMPLATES)]
+    return {"message_id": f"m{n:03d}", "control_id": f"CTL{n:03d}", "connection": "mllp-in",
+            "lane_key": None if n % 5 == 0 else f"PAT{n % 4}", "charset": None, "payload": payload}
+
+
+def expected_routes(n: int) -> dict[str, str]:
+    return TEMPLATES[n % len(TEMPLATES)][1]
+
+
+def stage_messages(store: Store, epoch: int, numbers: range = range(N_MESSAGES)) -> dict[int, int]:
+    """{message number: stage_inbound id}."""
+    with store.transaction() as tx:
+        staged = rowlease.stage_inbound(tx, [message(n) for n in numbers], epoch=epoch, node_id=NODE)
+    assert staged is not None
+    return {n: staged[f"m{n:03d}"] for n in numbers}
+
+
+def rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute(sql)
+        return [dict(r) for r in cur.fetchall()]
+
+
+def routed_triples(store: Store) -> list[tuple[int, str, str]]:
+    return [(r["source_id"], r["destination"], r["route_name"]) for r in
+            rows(store, "SELECT source_id, destination, route_name FROM stage_routed ORDER BY source_id, destination")]
+
+
+def expected_triples(ids: dict[int, int]) -> list[tuple[int, str, str]]:
+    return sorted((ids[n], dest, name) for n in ids for dest, name in expected_routes(n).items())
+
+
+def inbound_status(store: Store) -> dict[int, str]:
+    return {r["id"]: r["status"] for r in rows(store, "SELECT id, status FROM stage_inbound")}
+
+
+def ids_by_number(store: Store) -> dict[int, int]:
+    """{message number: stage_inbound id} for everything staged."""
+    return {int(r["message_id"][1:]): r["id"] for r in rows(store, "SELECT id, message_id FROM stage_inbound")}
+
+
+def landing_count(store: Store) -> int:
+    return rows(store, "SELECT count(*) AS n FROM landing_routed")[0]["n"]
+
+
+ROUTED_SCHEMA = StructType([
+    StructField("source_id", LongType()), StructField("message_id", StringType()),
+    StructField("control_id", StringType()), StructField("destination", StringType()),
+    StructField("route_name", StringType()), StructField("lane_key", StringType()),
+    StructField("status", StringType()), StructField("payload", StringType()),
+])
+
+
+def read_routed(spark: SparkSession, store: Store) -> DataFrame:
+    """stage_routed as Spark sees it through the same JDBC path the job uses."""
+    return (spark.read.format("jdbc").options(**jdbc_options(store.config))
+            .option("query", "SELECT source_id, message_id, control_id, destination, route_name, lane_key, "
+                             "status, payload FROM stage_routed")
+            .option("customSchema", ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in ROUTED_SCHEMA))
+            .load())
+
+
+def expected_routed(spark: SparkSession, ids: dict[int, int]) -> DataFrame:
+    data = [(ids[n], f"m{n:03d}", f"CTL{n:03d}", dest, name, message(n)["lane_key"], "pending", message(n)["payload"])
+            for n in ids for dest, name in expected_routes(n).items()]
+    return spark.createDataFrame(data, ROUTED_SCHEMA)
+
+
+def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> RouteOutcome:
+    return route_job.run(store, spark, routes=ROUTES, owner=f"{NODE}/{run}", epoch=epoch, run_id=run, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_transform_fans_out_and_carries_the_inbound_columns(spark: SparkSession) -> None:
+    schema = "id BIGINT, payload STRING, message_id STRING, control_id STRING, lane_key STRING"
+    claimed = spark.createDataFrame([(1, ADT_A01, "m1", "C1", "P1"), (2, NOT_HL7, "m2", None, None),
+                                     (3, ORU_R01, "m3", "C3", "P3")], schema)
+    actual = route_job.transform(claimed, ROUTES, run_id="r1")
+    expected = spark.createDataFrame([
+        ("r1", 1, "ehr", "adt", "P1", "pending", ADT_A01, "m1", "C1"),
+        ("r1", 1, "archive", "adt", "P1", "pending", ADT_A01, "m1", "C1"),
+        ("r1", 1, "bedboard", "inpatient", "P1", "pending", ADT_A01, "m1", "C1"),
+        ("r1", 2, None, None, None, "unrouted", NOT_HL7, "m2", None),
+        ("r1", 3, "ehr", "results", "P3", "pending", ORU_R01, "m3", "C3"),
+        ("r1", 3, "lab", "results", "P3", "pending", ORU_R01, "m3", "C3"),
+    ], "run_id STRING, source_id BIGINT, destination STRING, route_name STRING, lane_key STRING, status STRING, "
+       "payload STRING, message_id STRING, control_id STRING")
+    assertDataFrameEqual(actual, expected)
+
+
+def test_a_run_routes_every_claimed_message_fans_out_and_keeps_unrouted_visible(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+
+    outcome = run_once(store, spark, epoch, "run-1")
+
+    unrouted = sorted(ids[n] for n in ids if not expected_routes(n))
+    assert outcome.claimed == tuple(sorted(ids.values()))
+    assert outcome.unrouted == tuple(unrouted)
+    assert outcome.done == tuple(sorted(set(ids.values()) - set(unrouted)))
+    assert outcome.not_finished == ()
+    assert routed_triples(store) == expected_triples(ids)
+    assertDataFrameEqual(read_routed(spark, store), expected_routed(spark, ids))
+    assert inbound_status(store) == {i: "done" if expected_routes(n) else "unrouted" for n, i in ids.items()}
+    # routed rows are new work for the next stage, in arrival order, each with its audit event
+    routed = rows(store, "SELECT id, source_id, status, attempts, lease_owner FROM stage_routed ORDER BY id")
+    assert [r["id"] for r in routed] == sorted(outcome.routed)
+    assert [r["source_id"] for r in routed] == sorted(r["source_id"] for r in routed)
+    assert {(r["status"], r["attempts"], r["lease_owner"]) for r in routed} == {("pending", 0, None)}
+    events = rows(store, "SELECT stage, row_id, event, from_status, to_status, epoch, node_id FROM message_events "
+                         "WHERE event <> 'received' ORDER BY id")
+    expected_events = (
+        [("inbound", i, "done", "in_flight", "done") for i in outcome.done]
+        + [("inbound", i, "unrouted", "in_flight", "unrouted") for i in outcome.unrouted]
+        + [("routed", i, "routed", None, "pending") for i in outcome.routed])
+    assert sorted((e["stage"], e["row_id"], e["event"], e["from_status"], e["to_status"]) for e in events) == \
+        sorted(expected_events, key=lambda e: (e[0], e[1], e[2]))
+    assert {(e["epoch"], e["node_id"]) for e in events} == {(epoch, f"{NODE}/run-1")}
+    assert landing_count(store) == 0
+
+    # a second run finds nothing to claim and changes nothing
+    assert run_once(store, spark, epoch, "run-2") == RouteOutcome(run_id="run-2")
+    assert routed_triples(store) == expected_triples(ids)
+
+
+def test_batches_are_claimed_in_arrival_order_and_the_rest_wait(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    first = run_once(store, spark, epoch, "run-1", batch_size=12)
+    assert first.claimed == tuple(sorted(ids.values())[:12])
+    second = run_once(store, spark, epoch, "run-2", batch_size=100)
+    assert second.claimed == tuple(sorted(ids.values())[12:])
+    assert routed_triples(store) == expected_triples(ids)
+    assert set(inbound_status(store).values()) == {"done", "unrouted"}
+
+
+def test_a_finalize_under_a_stale_epoch_lands_nothing_and_leaves_sources_in_flight(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    owner = f"{NODE}/run-1"
+    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
+    route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
+                   .transform(route_job.transform, ROUTES, run_id="run-1"))
+    assert landing_count(store) > 0
+
+    newer = acquire_permanent(store, node_id="node-b")  # another leader took over meanwhile
+    with pytest.raises(StaleEpoch):
+        route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+
+    assert newer == epoch + 1
+    assert routed_triples(store) == []
+    assert landing_count(store) == 0
+    assert rows(store, "SELECT DISTINCT status, lease_owner, claim_epoch FROM stage_inbound") == \
+        [{"status": "in_flight", "lease_owner": owner, "claim_epoch": epoch}]
+    assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event <> 'received'") == [{"n": 0}]
+    assert sorted(claimed) == sorted(ids.values())
+
+
+def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_duplicates(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    owner = f"{NODE}/run-1"
+    route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
+    landed = route_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+        route_job.transform, ROUTES, run_id="run-1")
+    route_job.land(store, landed)
+    route_job.land(store, landed)  # and a retried Spark task landed everything twice
+    # ... the process dies here. The restarted node takes a new epoch and recovers the stranded rows.
+    restarted = acquire_permanent(store, node_id=NODE)
+    with store.transaction() as tx:
+        assert rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted) == N_MESSAGES
+
+    outcome = run_once(store, spark, restarted, "run-2")
+
+    assert outcome.not_finished == ()
+    assert routed_triples(store) == expected_triples(ids)
+    assert landing_count(store) == 0  # the dead run's leftovers went with the sources they belonged to
+    assert set(inbound_status(store).values()) == {"done", "unrouted"}
+    assert rows(store, "SELECT count(*) AS n, count(DISTINCT row_id) AS d FROM message_events WHERE event = 'routed'") \
+        == [{"n": len(outcome.routed), "d": len(expected_triples(ids))}]
+
+
+def test_landing_twice_in_one_run_still_routes_each_destination_once(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch, range(7))
+    owner = f"{NODE}/run-1"
+    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
+    landed = route_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+        route_job.transform, ROUTES, run_id="run-1")
+    route_job.land(store, landed)
+    route_job.land(store, landed)
+    outcome = route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+    assert routed_triples(store) == expected_triples(ids)
+    assert len(outcome.routed) == len(expected_triples(ids))
+    assert landing_count(store) == 0
+
+
+def test_a_lost_claim_lands_nothing_and_its_sources_are_routed_by_the_next_run(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    owner = f"{NODE}/slow"
+    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100, lease_seconds=0.0)
+    route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
+                   .transform(route_job.transform, ROUTES, run_id="slow"))
+    with store.transaction() as tx:  # the slow run's row leases ran out: the sweep re-pends its rows
+        assert rowlease.sweep_expired(tx, INBOUND, owner=NODE, epoch=epoch) == N_MESSAGES
+
+    late = route_job.finalize(store, run_id="slow", owner=owner, epoch=epoch, claimed_ids=claimed)
+
+    assert late == RouteOutcome(run_id="slow", claimed=tuple(sorted(claimed)), not_finished=tuple(sorted(claimed)))
+    assert routed_triples(store) == []
+    assert landing_count(store) == 0
+    assert set(inbound_status(store).values()) == {"pending"}
+    run_once(store, spark, epoch, "next")
+    assert routed_triples(store) == expected_triples(ids)
+
+
+def test_a_bad_route_config_claims_nothing(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    stage_messages(store, epoch, range(3))
+    with pytest.raises(ValueError, match="destinations"):
+        route_job.run(store, spark, routes=[{"name": "x", "destinations": []}], owner="o", epoch=epoch, run_id="r")
+    assert set(inbound_status(store).values()) == {"pending"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Spark Connect: once, on SQLite. The client runs in a child process: creating a Connect session
+# switches pyspark's functions to Connect for the whole process (SPARK_CONNECT_MODE_ENABLED), which
+# would break the classic session the other tests share.
+
+CONNECT_CHILD = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    from include.config import StoreConfig
+    from include.spark import spark_session
+    from include.store import Store
+    from spark_jobs import route_job
+    from tests.spark_jobs.test_route_job import ROUTES, stage_messages, N_MESSAGES
+    url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    store = Store(StoreConfig(backend="sqlite", path=path))
+    t1 = time.perf_counter()
+    spark = spark_session(remote=url)
+    first = route_job.run(store, spark, routes=ROUTES, owner="connect/run-1", epoch=epoch, run_id="run-1")
+    t2 = time.perf_counter()
+    overhead = []
+    for _ in range(3):  # a job's fixed cost on a warm server: new client session, one tiny query
+        spark.stop()
+        start = time.perf_counter()
+        spark = spark_session(remote=url)
+        spark.range(1).collect()
+        overhead.append(time.perf_counter() - start)
+    stage_messages(store, epoch, range(N_MESSAGES, 2 * N_MESSAGES))
+    start = time.perf_counter()
+    second = route_job.run(store, spark, routes=ROUTES, owner="connect/run-2", epoch=epoch, run_id="run-2")
+    t3 = time.perf_counter() - start
+    spark.stop()
+    print(json.dumps({"first": len(first.routed), "second": len(second.routed), "imports": t1 - t0,
+                      "first_job": t2 - t1, "overhead": overhead, "second_job": t3}))
+""")
+
+
+def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    from include.spark import start_connect_server, stop_connect_server
+
+    store = Store(sqlite_config_fresh)
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    started = time.perf_counter()
+    server = start_connect_server(  # a short-lived server: C1-only JIT and serial GC start faster
+        free_port(), log_dir=tmp_path, master="local[2]",
+        conf={"spark.sql.shuffle.partitions": "1",
+              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+    try:
+        startup = time.perf_counter() - started
+        child = subprocess.run([sys.executable, "-c", CONNECT_CHILD, server.url, sqlite_config_fresh.path,
+                                str(epoch)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert child.returncode == 0, child.stderr[-4000:]
+        figures = json.loads(child.stdout.strip().splitlines()[-1])
+    finally:
+        stop_connect_server(server)
+    assert server.process.poll() is not None
+    everything = ids_by_number(store)
+    more = {n: i for n, i in everything.items() if n not in ids}
+    assert len(more) == N_MESSAGES
+    assert routed_triples(store) == expected_triples(everything)
+    assert (figures["first"], figures["second"]) == (len(expected_triples(ids)), len(expected_triples(more)))
+    assert landing_count(store) == 0
+    store.close()
+    print(f"\nSpark Connect: server start {startup:.1f} s; client imports {figures['imports']:.1f} s; "
+          f"first job {figures['first_job']:.2f} s; per-job overhead on a warm server "
+          f"{', '.join(f'{x:.2f}' for x in figures['overhead'])} s; a 30-message route job {figures['second_job']:.2f} s")
