@@ -101,13 +101,38 @@ def cluster_nodes_cmd(service_config: str | None) -> None:
 
 
 @cli.command("up")
+@click.option("--no-stack", is_flag=True, help="Only migrate the store and show the cluster (no processes).")
 @click.pass_obj
-def up(service_config: str | None) -> None:
-    """Bring up Stageline on this node's config (today: migrate the store, show the cluster)."""
+def up(service_config: str | None, no_stack: bool) -> None:
+    """Run Stageline on this node's config: the store, Spark Connect, Airflow and listenerd."""
     ctx = click.get_current_context()
     ctx.invoke(db_migrate)
     ctx.invoke(cluster_status_cmd)
-    ctx.invoke(cluster_nodes_cmd)
+    if no_stack:
+        return
+    from pathlib import Path
+
+    from include.embedded import up as run_stack
+
+    cfg = _load(service_config)
+    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), echo=click.echo))
+
+
+@cli.group()
+def demo() -> None:
+    """Sample traffic for a first look."""
+
+
+@demo.command("send")
+@click.option("--host", default="127.0.0.1")
+@click.option("--port", default=2575, show_default=True)
+@click.option("--count", default=5, show_default=True, help="messages of each kind")
+def demo_send(host: str, port: int, count: int) -> None:
+    """Send sample ADT, ORU and ORM messages over MLLP and show each ACK."""
+    from include.demo import send_samples
+
+    for control_id, kind, code in send_samples(host, port, count=count):
+        click.echo(f"{control_id:<14} {kind:<8} {code}")
 
 
 def main() -> None:

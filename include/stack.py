@@ -66,18 +66,30 @@ class Stack:
         return 0 if stop["why"] in ("SIGINT", "SIGTERM") else 1
 
     def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM each process with all its descendants (collected first: task runners and Spark
+        workers may have left the process group), SIGKILL whatever is left after `timeout`."""
+        import psutil
+
         for p in reversed(self.procs):
             if p.popen is None or p.popen.poll() is not None:
                 continue
             try:
-                os.killpg(p.popen.pid, signal.SIGTERM)  # its own session: children (e.g. gunicorn workers) too
-            except ProcessLookupError:
+                tree = [psutil.Process(p.popen.pid)]
+                tree += tree[0].children(recursive=True)
+            except psutil.NoSuchProcess:
                 continue
-            try:
-                p.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait(5)
+            for proc in tree:
+                try:
+                    proc.terminate()
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(tree, timeout=timeout)
+            for proc in alive:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            p.popen.wait(5)
             self.echo(f"  stopped {p.name}")
 
 

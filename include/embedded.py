@@ -1,0 +1,116 @@
+"""`stageline up`: the whole single-node stack on the embedded defaults, one command.
+
+SQLite store → Spark Connect on local[*] → Airflow (scheduler, dag-processor, api-server, triggerer
+as separate processes on a SQLite metadata DB, DAGs unpaused) → listenerd with `config/`. Progress
+is shown while starting; Ctrl-C stops everything in reverse order. State lives under `var/`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from include.config import ServiceConfig
+from include.stack import Proc, Stack, python_module
+from include.testing.listenerd import port_open
+
+ROOT = Path(__file__).resolve().parents[1]
+AIRFLOW_PORT = 8080
+SPARK_CONNECT_PORT = 15002
+
+
+def _secret(path: Path) -> str:
+    """A random secret generated once and kept, so restarts keep logins and tokens."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(24))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
+    home = var / "airflow"
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{AIRFLOW_PORT}/execution/",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(AIRFLOW_PORT),
+        "AIRFLOW__API__SECRET_KEY": _secret(home / ".api_secret"),
+        "AIRFLOW__API_AUTH__JWT_SECRET": _secret(home / ".jwt_secret"),
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")]),
+        "STAGELINE_CONFIG": str(service_config),
+        "STAGELINE_ROUTES": str(ROOT / "config" / "routes.toml"),
+        "STAGELINE_SPARK_REMOTE": f"sc://127.0.0.1:{SPARK_CONNECT_PORT}",
+    }
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _airflow(*args: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "airflow"), *args]
+
+
+VAR_ENV = "STAGELINE_VAR"
+"""Where the stack keeps its state and logs (default `var/` in the checkout)."""
+
+
+def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
+    var = Path(os.environ.get(VAR_ENV) or ROOT / "var").resolve()
+    env = airflow_env(var, service_config)
+    home = Path(env["AIRFLOW_HOME"])
+    password = _secret(home / ".admin_password")
+    (home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps({"admin": password}))
+    token = os.environ.get("STAGELINE_API_TOKEN") or _secret(var / ".api_token")
+    stack = Stack(var / "log", cwd=ROOT, echo=echo)
+    try:
+        echo("migrating Airflow's metadata DB (first run: about a minute) ...")
+        subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from include.spark import start_connect_server, stop_connect_server
+
+        echo(f"  starting spark-connect     (log: {var / 'log' / 'spark-connect'})")
+        spark = start_connect_server(SPARK_CONNECT_PORT, log_dir=var / "log" / "spark-connect")
+        stack.procs.append(Proc("spark-connect", [], popen=spark.process))
+        echo("  spark-connect             ready")
+        for name, argv in (("airflow-api-server", _airflow("api-server")),
+                           ("airflow-scheduler", _airflow("scheduler")),
+                           ("airflow-dag-processor", _airflow("dag-processor")),
+                           ("airflow-triggerer", _airflow("triggerer"))):
+            ready = (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health")) \
+                if name == "airflow-api-server" else (lambda: True)
+            stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
+        api_port = 8470
+        stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
+                                                    "--config", str(ROOT / "config")),
+                         env={"STAGELINE_API_TOKEN": token}, ready=lambda: port_open(api_port)))
+    except BaseException as exc:
+        echo(f"\nstartup failed: {exc}")
+        stack.stop()
+        return 1
+    echo(f"""
+Stageline is up (single node, SQLite store at {cfg.store.path}).
+  MLLP inbound        127.0.0.1:2575      try: uv run stageline demo send
+  Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
+  listenerd API       http://127.0.0.1:{api_port}/cluster/status   (Authorization: Bearer {token})
+  Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
+  logs                {var / 'log'}
+Ctrl-C stops everything.""")
+    return stack.wait()
