@@ -285,10 +285,12 @@ SELECT id, destination, lane_key, payload, content_type, idempotency_key, attemp
  WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
 
 -- name: work_pending
--- What a waiting stage run polls: the current epoch (has leadership moved?) and whether any row
--- is due to be claimed (pending, or failed and past its backoff). One probe of the claimable
--- partial index; SKIP LOCKED-free and read-only, so it never waits on a claimer.
+-- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
+-- live (has the leader died?) and whether any row is due to be claimed (pending, or failed and
+-- past its backoff). One probe of the claimable partial index; a plain read (MVCC), so it never
+-- waits on a claimer.
 SELECT l.epoch,
+       (l.owner IS NOT NULL AND (l.expires_at IS NULL OR l.expires_at > now())) AS live,
        EXISTS (SELECT 1 FROM {table}
                 WHERE status IN ('pending', 'error')
                   AND (next_attempt_at IS NULL OR next_attempt_at <= now())) AS due

@@ -268,9 +268,11 @@ SELECT id, destination, lane_key, payload, content_type, idempotency_key, attemp
  WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
 
 -- name: work_pending
--- What a waiting stage run polls: the current epoch (has leadership moved?) and whether any row
--- is due to be claimed (pending, or failed and past its backoff).
+-- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
+-- live (has the leader died?) and whether any row is due to be claimed (pending, or failed and
+-- past its backoff).
 SELECT l.epoch,
+       (l.owner IS NOT NULL AND (l.expires_at IS NULL OR l.expires_at > {now})) AS live,
        EXISTS (SELECT 1 FROM {table}
                 WHERE status IN ('pending', 'error')
                   AND (next_attempt_at IS NULL OR next_attempt_at <= {now})) AS due

@@ -396,10 +396,13 @@ SELECT id, destination, lane_key, payload, content_type, idempotency_key, attemp
  WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
 
 -- name: work_pending
--- What a waiting stage run polls: the current epoch (has leadership moved?) and whether any row
--- is due to be claimed (pending, or failed and past its backoff). READPAST: a row being claimed
--- right now is not work for this poll, and a read-committed reader would otherwise wait for it.
+-- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
+-- live (has the leader died?) and whether any row is due to be claimed (pending, or failed and
+-- past its backoff). READPAST: a row being claimed right now is not work for this poll, and a
+-- read-committed reader would otherwise wait for it.
 SELECT l.epoch,
+       CAST(CASE WHEN l.owner IS NOT NULL AND (l.expires_at IS NULL OR l.expires_at > SYSUTCDATETIME())
+                 THEN 1 ELSE 0 END AS bit) AS live,
        CAST(CASE WHEN EXISTS (SELECT 1 FROM {table} WITH (READPAST)
                                WHERE status IN ('pending', 'error')
                                  AND (next_attempt_at IS NULL OR next_attempt_at <= SYSUTCDATETIME()))

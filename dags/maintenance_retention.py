@@ -1,0 +1,67 @@
+"""
+### maintenance_retention — keep the staged tables and Airflow's own metadata small
+
+1. **leader_check** — proceed only under a live leader lease (always, on a single node).
+2. **recover** — on-promotion recovery for the epoch, in case this is the epoch's first run.
+3. **purge** — delete *finished* rows (`done`, `dead`, `unrouted`) whose last change is older
+   than their stage's retention, and audit events older than theirs; bounded batches, fenced by
+   the epoch. Unfinished rows are never purged, however old.
+4. **clean_airflow_metadata** — `airflow db clean` of `dag_run` / `task_instance` / `xcom` for the
+   frequent DAGs (a stage run every 30 s is ~2,900 runs a day); Airflow keeps each DAG's latest
+   scheduled run. The worker needs `$STAGELINE_AIRFLOW_DB_CONN` when its metadata DB URL comes
+   from `AIRFLOW__DATABASE__SQL_ALCHEMY_CONN` (see docs/pipeline.md).
+"""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from airflow.providers.standard.operators.bash import BashOperator
+from airflow.sdk import dag, task
+from stageline_airflow.sensors import LeaderCheckSensor
+
+from include import pipeline
+
+RETENTION = {
+    "inbound": timedelta(days=7),
+    "routed": timedelta(days=7),
+    "outbound": timedelta(days=7),
+    "events": timedelta(days=30),
+}
+FREQUENT_DAGS = ("stage_route", "maintenance_reclaim")
+AIRFLOW_METADATA_KEEP = timedelta(hours=24)
+
+
+@dag(
+    schedule=timedelta(minutes=30),
+    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+    catchup=False,
+    max_active_runs=1,
+    dagrun_timeout=timedelta(minutes=25),
+    tags=["stageline", "maintenance"],
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=1),
+                  "execution_timeout": timedelta(minutes=20)},
+    doc_md=__doc__,
+)
+def maintenance_retention() -> None:
+    leader = LeaderCheckSensor(task_id="leader_check")
+
+    @task
+    def recover(leader: dict) -> int | None:
+        """On-promotion recovery, once per epoch."""
+        return pipeline.recover_step(leader)
+
+    @task
+    def purge(leader: dict) -> dict[str, int]:
+        """Delete finished rows and events past their retention."""
+        return pipeline.retention_step(leader, RETENTION)
+
+    clean_metadata = BashOperator(
+        task_id="clean_airflow_metadata",
+        bash_command=pipeline.metadata_clean_command(dag_ids=FREQUENT_DAGS, keep=AIRFLOW_METADATA_KEEP),
+    )
+
+    recover(leader.output) >> purge(leader.output)
+    leader >> clean_metadata
+
+
+maintenance_retention()

@@ -1,0 +1,151 @@
+"""What the stage DAGs' tasks do, one function per task, so the DAG files stay configuration.
+
+Every function takes the leader check's XCom (`{"epoch": int, "owner": str | None}`) and works
+under that epoch. The service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`)
+when a task *runs*: nothing here touches a file, a database or Spark when a DAG file is parsed,
+and Spark and the route job are imported only inside `run_route_stage`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shlex
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from include import leadership
+
+log = logging.getLogger(__name__)
+
+ROUTES_ENV = "STAGELINE_ROUTES"
+"""Route specs (TOML, `[[route]]` tables); default `routes.toml` beside the service config."""
+AIRFLOW_DB_CONN_ENV = "STAGELINE_AIRFLOW_DB_CONN"
+"""Airflow metadata DB URL for the metadata clean task (see `metadata_clean_command`)."""
+METADATA_TABLES = ("dag_run", "task_instance", "xcom")
+SPARK_REMOTE_ENV = "STAGELINE_SPARK_REMOTE"
+"""`sc://host:port` of the Spark Connect server the stage jobs use."""
+SPARK_MASTER_ENV = "STAGELINE_SPARK_MASTER"
+"""Classic Spark master when no Connect server is configured (default `local[*]`)."""
+ROUTE_BATCH_SIZE = 10_000
+
+Leader = Mapping[str, Any]
+
+
+def recover_step(leader: Leader) -> int | None:
+    """On-promotion recovery for the run's epoch (a no-op after the epoch's first run)."""
+    return leadership.recover(None, int(leader["epoch"]), leader.get("owner"))
+
+
+def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
+    """Re-pend rows whose row lease expired, every staged table."""
+    return leadership.reclaim(None, int(leader["epoch"]), leader.get("owner"), limit=limit)
+
+
+def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
+    """Delete finished rows and audit events older than their retention."""
+    return leadership.retention(None, int(leader["epoch"]),
+                                {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
+
+
+def claim_owner(dag_id: str, run_id: str) -> str:
+    """The row-lease owner a stage run claims as: names the run in `lease_owner` and the audit trail."""
+    return f"airflow:{dag_id}:{run_id}"
+
+
+def routes_path() -> Path:
+    configured = os.environ.get(ROUTES_ENV)
+    if configured:
+        return Path(configured)
+    return leadership.config_path().resolve().parent / "routes.toml"
+
+
+def load_routes(path: Path | None = None) -> list[dict[str, Any]]:
+    """The route specs (`[[route]]` tables), validated before any Spark session starts."""
+    from spark_jobs.route_rules import parse_routes
+
+    path = path or routes_path()
+    raw = tomllib.loads(path.read_text()).get("route", [])
+    parse_routes(raw)  # the job parses again; failing here claims nothing and starts no JVM
+    return raw
+
+
+def spark_for_stage() -> Any:
+    """A Spark Connect client when `$STAGELINE_SPARK_REMOTE` is set (the default deployment: no JVM
+    start per run), else a classic session on `$STAGELINE_SPARK_MASTER` (default `local[*]`)."""
+    from include.spark import spark_session
+
+    remote = os.environ.get(SPARK_REMOTE_ENV) or None
+    master = None if remote else os.environ.get(SPARK_MASTER_ENV) or None
+    return spark_session(remote=remote, master=master, app_name="stageline-route")
+
+
+def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try_number: int = 1,
+                    batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
+    """Run the route job once under `epoch`: claim inbound rows, route them, finalize fenced.
+
+    Each task attempt claims as its own owner and lands under its own job run id (a retry must not
+    read the rows a failed attempt still holds). Returns counts, not ids, for the XCom; a stale
+    epoch (leadership moved mid-run) is reported, not raised: nothing landed, and retrying under
+    the same epoch could only fail again — the next run works under the new leader's epoch.
+    """
+    from include.store.stages import StaleEpoch
+    from spark_jobs import route_job
+
+    routes = load_routes()
+    job_run_id = f"{run_id}#{try_number}"
+    with leadership.open_store(None) as (_, store):
+        spark = spark_for_stage()
+        try:
+            outcome = route_job.run(store, spark, routes=routes, owner=claim_owner(dag_id, job_run_id),
+                                    epoch=epoch, run_id=job_run_id, batch_size=batch_size)
+        except StaleEpoch:
+            log.warning("route run %s: epoch %s is no longer current; nothing landed", job_run_id, epoch)
+            return {"run_id": job_run_id, "epoch": epoch, "stale_epoch": True}
+    return {"epoch": epoch, "stale_epoch": False, **_summary(outcome)}
+
+
+def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,
+                           tables: Sequence[str] = METADATA_TABLES, batch_size: int = 10_000) -> str:
+    """A bash script that runs `airflow db clean` for the frequent stage DAGs' old runs.
+
+    Rows older than `keep` before the run's `run_after` go (deleting a dag_run cascades to its task
+    instances and their XComs); Airflow always keeps each DAG's latest scheduled run. Airflow 3
+    blocks the metadata DB inside task processes by overwriting `AIRFLOW__DATABASE__SQL_ALCHEMY_CONN`
+    with `airflow-db-not-allowed:///`, and that value is inherited by child processes; the script
+    therefore takes the URL from `$STAGELINE_AIRFLOW_DB_CONN` when set, else drops the blocked value
+    so `airflow.cfg` or `..._CONN_CMD` / `..._CONN_SECRET` apply (the single-node SQLite default).
+    """
+    seconds = int(keep.total_seconds())
+    if seconds <= 0:
+        raise ValueError("keep must be positive")
+    args = ["airflow", "db", "clean", "--clean-before-timestamp", "__BEFORE__",
+            "--tables", ",".join(tables), "--dag-ids", ",".join(dag_ids),
+            "--batch-size", str(int(batch_size)), "--skip-archive", "--yes"]
+    command = shlex.join(args).replace(
+        "__BEFORE__", f"'{{{{ (dag_run.run_after - macros.timedelta(seconds={seconds})).isoformat() }}}}'")
+    blocked = "airflow-db-not-allowed:///"
+    return "\n".join([
+        "set -eu",
+        # the project's own `airflow` when the worker's PATH lacks the venv (not run under `uv run`)
+        f'export PATH="$PATH:{Path(sys.executable).parent}"',
+        f'if [ -n "${{{AIRFLOW_DB_CONN_ENV}:-}}" ]; then',
+        f'  export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW_DB_CONN_ENV}"',
+        f'elif [ "${{AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
+        "  unset AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+        "fi",
+        f'if [ "${{AIRFLOW__CORE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
+        "  unset AIRFLOW__CORE__SQL_ALCHEMY_CONN",
+        "fi",
+        command,
+    ])
+
+
+def _summary(outcome: Any) -> dict[str, Any]:
+    """An outcome dataclass as XCom-sized plain data: id tuples become counts."""
+    fields = dataclasses.asdict(outcome) if dataclasses.is_dataclass(outcome) else dict(outcome)
+    return {k: len(v) if isinstance(v, (tuple, list)) else v for k, v in fields.items()}

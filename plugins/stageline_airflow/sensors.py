@@ -1,0 +1,113 @@
+"""The stage DAGs' sensors: `LeaderCheckSensor` (first task of every DAG) and `WorkPendingSensor`.
+
+`LeaderCheckSensor` gates every run on the leader lease (invariant 4, leader-gated work).
+
+It asks the store who leads (`include.leadership.check_leadership`, on the database clock):
+
+- a live leader (or a single-node store, which always leads) → done; the epoch and the leader's
+  node id go to XCom (`{"epoch": int, "owner": str | None}`) and every later task of the run
+  works under that epoch, so its writes are fenced like the leader's own;
+- no live leader → poke again every `poke_interval` until `timeout`, then **skip** (`soft_fail`):
+  the whole run ends skipped, not failed — a standby cluster is a normal state, not an error.
+
+Why a bounded wait and not an immediate skip: a failover completes within about one lease TTL,
+and a few pokes let a run that started in the gap still do its work instead of leaving it to the
+next run. Why bounded: the run holds a worker slot while it waits (poke mode; reschedule mode
+would cost a scheduler round trip per poke), and with `max_active_runs=1` it holds back the next
+run. The defaults (poke every 2 s, give up after 10 s) fit a DAG on a minutes interval; the
+continuous `stage_route` waits up to a minute, because a skipped continuous run is replaced at
+once and a short wait would only churn runs (docs/pipeline.md).
+
+Errors are not leaderlessness: an unreachable store, a missing schema or a store of another
+cluster fail the sensor (and Airflow's retries apply), so a misconfiguration is seen, not skipped.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
+from airflow.sdk.exceptions import AirflowSkipException
+
+from include.leadership import check_leadership, open_store, stage_table, work_pending
+from include.store import Store
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+DEFAULT_POKE_INTERVAL = timedelta(seconds=2)
+DEFAULT_TIMEOUT = timedelta(seconds=10)
+
+
+class LeaderCheckSensor(BaseSensorOperator):
+    """Proceed only under a live leader lease; push its epoch to XCom, else end the run skipped.
+
+    :param config_path: the service config (`stageline.toml`); default `$STAGELINE_CONFIG`, then
+        `./stageline.toml`, resolved when the task runs, never at parse time.
+    :param poke_interval: time between lease reads while no leader is live.
+    :param timeout: how long to wait for a live leader before the run is skipped (0: one read).
+    """
+
+    template_fields = ("config_path",)
+    ui_color = "#fde9c4"
+
+    def __init__(self, *, config_path: str | None = None,
+                 poke_interval: timedelta | float = DEFAULT_POKE_INTERVAL,
+                 timeout: timedelta | float = DEFAULT_TIMEOUT, soft_fail: bool = True,
+                 mode: str = "poke", **kwargs: Any) -> None:
+        super().__init__(poke_interval=poke_interval, timeout=timeout, soft_fail=soft_fail, mode=mode,
+                         **kwargs)
+        self.config_path = config_path
+
+    def poke(self, context: Context) -> PokeReturnValue:
+        check = check_leadership(self.config_path)
+        self.log.info("leader check: %s", check.reason)
+        return PokeReturnValue(is_done=check.proceed, xcom_value=check.as_xcom() if check.proceed else None)
+
+
+class WorkPendingSensor(BaseSensorOperator):
+    """Hold a continuous stage run until its stage has due rows, so runs do not spin empty.
+
+    Polls `include.leadership.work_pending` on one store kept open for the whole wait: done as
+    soon as a row is due; **skipped** when the wait times out (an idle period: the next run starts
+    at once and waits again), when the leader's epoch changed, or — in a cluster — when its lease
+    lapsed (the next run re-checks who leads).
+
+    :param stage: the staged table whose due rows are this DAG's work (`inbound` for routing).
+    :param leader: the leader check's XCom (`leader_check.output`).
+    :param config_path: as for `LeaderCheckSensor`.
+    """
+
+    template_fields = ("leader", "config_path")
+    ui_color = "#e4f0e8"
+
+    def __init__(self, *, stage: str, leader: Any, config_path: str | None = None,
+                 poke_interval: timedelta | float = timedelta(seconds=1),
+                 timeout: timedelta | float = timedelta(minutes=5), soft_fail: bool = True,
+                 mode: str = "poke", **kwargs: Any) -> None:
+        super().__init__(poke_interval=poke_interval, timeout=timeout, soft_fail=soft_fail, mode=mode,
+                         **kwargs)
+        stage_table(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
+        self.stage = stage
+        self.leader = leader
+        self.config_path = config_path
+        self._store: Store | None = None
+        self._clustered = True
+
+    def execute(self, context: Context) -> Any:
+        with open_store(self.config_path) as (config, store):
+            self._store, self._clustered = store, config.cluster.enabled
+            try:
+                return super().execute(context)
+            finally:
+                self._store = None
+
+    def poke(self, context: Context) -> bool:
+        if self._store is None:
+            raise RuntimeError("poke() outside execute()")
+        epoch = int(self.leader["epoch"])
+        due = work_pending(self._store, epoch, self.stage, require_live=self._clustered)
+        if due is None:
+            raise AirflowSkipException(f"the lease of epoch {epoch} is no longer current or live: "
+                                       "the next run checks who leads")
+        return due

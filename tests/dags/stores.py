@@ -1,0 +1,63 @@
+"""Helpers shared by the DAG tests: a service config file for a test store, seeding and ageing rows.
+
+Setup SQL is inline here on purpose: it builds test states (aged rows, seeded messages) that no
+product code ever writes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from include.config import StoreConfig
+from include.store import Store
+
+CLUSTER = "test-cluster"  # the name tests/conftest.py migrates every store with
+
+
+def write_service_config(directory: Path, store: StoreConfig, *, cluster: bool,
+                         cluster_name: str = CLUSTER) -> Path:
+    """A `stageline.toml` for `store`; the clustered one uses the store's default lease timings."""
+    if store.backend == "sqlite":
+        store_section = f'backend = "sqlite"\npath = "{store.path}"\n'
+    else:
+        store_section = (f'backend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
+                         f'database = "{store.database}"\nusername = "{store.username}"\n')
+    path = directory / "stageline.toml"
+    path.write_text(f"[store]\n{store_section}\n[cluster]\nenabled = {'true' if cluster else 'false'}\n"
+                    f'cluster_name = "{cluster_name}"\n')
+    return path
+
+
+def seed_inbound(store: Store, n: int, *, prefix: str = "m") -> list[int]:
+    """Stage `n` pending inbound messages; their ids in arrival order."""
+    with store.transaction() as tx:
+        cur = tx.conn.cursor()
+        for i in range(n):
+            cur.execute(tx.dialect.translate(
+                "INSERT INTO stage_inbound (message_id, control_id, connection, payload) "
+                "VALUES (:m, :c, 'mllp-in', 'MSH|^~\\&|A|B|C|D')"), {"m": f"{prefix}{i}", "c": f"c{i}"})
+    return [r["id"] for r in rows(store, f"SELECT id FROM stage_inbound WHERE message_id LIKE '{prefix}%' ORDER BY id")]
+
+
+def rows(store: Store, sql: str) -> list[dict]:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute(sql)
+        return [dict(r) for r in cur.fetchall()]
+
+
+def execute(store: Store, sql: str) -> None:
+    with store.transaction() as tx:
+        tx.conn.cursor().execute(sql)
+
+
+def age(store: Store, table: str, column: str, where: str, seconds: float) -> None:
+    """Move `column` of the matching rows `seconds` into the past (the DB clock's units)."""
+    if store.backend == "sqlite":
+        execute(store, f"UPDATE {table} SET {column} = {column} - {int(seconds * 1000)} WHERE {where}")
+    else:
+        execute(store, f"UPDATE {table} SET {column} = {column} - make_interval(secs => {float(seconds)}) "
+                       f"WHERE {where}")
+
+
+def status_of(store: Store, table: str = "stage_inbound") -> dict[int, str]:
+    return {r["id"]: r["status"] for r in rows(store, f"SELECT id, status FROM {table} ORDER BY id")}
