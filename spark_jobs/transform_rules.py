@@ -93,11 +93,12 @@ Validation happens in plain Python (:func:`parse_transforms`) before any Column 
 error names the destination, the rule index and the problem.
 
 Cost: everything runs in the JVM (no Python UDF), but Spark interprets higher-order functions
-rather than generating code for them. Measured on local Spark, 2 cores, 100k seven-segment
-messages: ~30-40k rows/s parsed and rewritten with no rules, ~11-15k rows/s with six rules,
-~6-10k rows/s to JSON (a VARIANT per value). Building the Columns costs ~0.1-0.3 s per rule in classic
-mode (one JVM call per expression node) and almost nothing over Spark Connect. Lambdas nest one
-level per path level at most, because Spark's analyzer slows down steeply with lambda depth.
+rather than generating code for them. Measured on local Spark (2 cores, 100k seven-segment
+messages, noisy VM, so +-30%): ~50k rows/s parsed and re-rendered with no rules, ~12k rows/s with
+six rules, ~6.5k rows/s to JSON (a VARIANT per value). Each rule index is its own projection
+(see :func:`transform`); within one, lambdas nest at most one level per path level, because
+Spark's analyzer slows down steeply with lambda depth. Building the Columns costs ~0.1-0.3 s per
+rule in classic mode (one JVM call per expression node) and little over Spark Connect.
 Constants of letters, digits and spaces skip escaping (no message could use those as separators).
 """
 
@@ -160,16 +161,18 @@ _RULE_KEYS: dict[str, frozenset[str]] = {
 # A batch splits into units before each MSH and each envelope segment: segment ids are exactly
 # three characters, so a segment starting "MSH" is an MSH whatever its field separator.
 _UNIT_STARTS = ("MSH", *_ENVELOPE_SEGMENTS)
-_ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+# MSH-2 order: component, repetition, escape, subcomponent.
 _ENCODING_ORDER = ("cs", "rs", "esc", "ss")
 # HL7 escape code per separator (\F\ field, \S\ component, \R\ repetition, \T\ subcomponent).
 _ESCAPE_CODES = (("fs", "F"), ("cs", "S"), ("rs", "R"), ("ss", "T"))
-_REST = 1 << 30
+# Separators that a bare backslash would not quote in a Java regex.
+_ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+_NEVER_MATCHES = "(?!)"  # a regex nothing matches: the split regex of an undeclared separator
+# HL7 separators are never letters, digits or space, so such text needs no escaping.
+_PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
+_REST = 1 << 30  # "to the end" length for substring
 # Scratch column holding the parsed payload between the projections of transform().
 _UNITS = "_transform_units"
-_NEVER_MATCHES = "(?!)"
-# HL7 separators are never alphanumeric or space, so such text needs no escaping.
-_PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")  # "to the end" length for substring
 
 
 class TransformConfigError(ValueError):
