@@ -28,7 +28,8 @@ from hl7.mllp import open_hl7_connection
 from include.config import StoreConfig
 from include.store import Store
 from include.store.migrate import migrate
-from include.testing.listenerd import Daemon, port_open
+from include.stack import port_open
+from include.testing.listenerd import Daemon
 from include.testing.postgres_server import PostgresServer, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

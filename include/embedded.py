@@ -15,8 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from include.config import ServiceConfig
-from include.stack import Proc, Stack, python_module
-from include.testing.listenerd import port_open
+from include.stack import Proc, Stack, port_open, python_module
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_PORT = 8080

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +92,15 @@ class Stack:
                     pass
             p.popen.wait(5)
             self.echo(f"  stopped {p.name}")
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on `port` (a readiness check)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -44,14 +44,14 @@ def bind_mllp(node: ListenerNode, conn: InboundConfig) -> Stop:
 def bind_tcp(node: ListenerNode, conn: InboundConfig) -> Stop:
     from listeners.tcp import TCPFactory
 
-    factory = TCPFactory(node.ingest_for(conn), conn, lane_of=node.lane_of(conn), clock=node.reactor)
+    factory = TCPFactory(node.ingest, conn, lane_of=node.lane_of(conn), clock=node.reactor)
     return _socket_stop(node, conn, _listen(node, conn, factory), factory)
 
 
 def bind_http(node: ListenerNode, conn: InboundConfig) -> Stop:
     from listeners.http_inbound import make_inbound_site
 
-    site = make_inbound_site(node.ingest_for(conn), [conn], lane_of=node.lane_of(conn))
+    site = make_inbound_site(node.ingest, [conn], lane_of=node.lane_of(conn))
     port = _listen(node, conn, site)
 
     def stop(drop_connections: bool) -> Deferred | None:
@@ -64,7 +64,7 @@ def bind_http(node: ListenerNode, conn: InboundConfig) -> Stop:
 def bind_file(node: ListenerNode, conn: InboundConfig) -> Stop:
     from listeners.filedrop import FileDrop
 
-    drop = FileDrop(node.ingest_for(conn), conn, lane_of=node.lane_of(conn), reactor=node.reactor)
+    drop = FileDrop(node.ingest, conn, lane_of=node.lane_of(conn), reactor=node.reactor)
     drop.start()
     return lambda drop_connections: drop.stop()
 

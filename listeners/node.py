@@ -243,9 +243,12 @@ class ListenerNode(service.MultiService):
         metrics, received = self.metrics, self.metrics.received.labels(conn.name)
         aa, ae = metrics.acks.labels(conn.name, "AA"), metrics.acks.labels(conn.name, "AE")
 
+        lane_of = self.lane_of(conn)
+
         def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred:
             received.inc()
-            d = self.submit(conn, header.text, control_id=header.control_id, charset=header.charset)
+            d = self.ingest.submit(Inbound(connection=conn.name, payload=header.text, control_id=header.control_id,
+                                           lane_key=lane_of(header.text), charset=header.charset))
 
             def ok(_: str) -> AckDecision:
                 aa.inc()
@@ -263,16 +266,6 @@ class ListenerNode(service.MultiService):
     def lane_of(self, conn: InboundConfig) -> Callable[[str], str | None]:
         path = conn.lane_key
         return (lambda text: hl7_value(text, path)) if path else (lambda text: None)
-
-    def ingest_for(self, conn: InboundConfig) -> IngestWriter:
-        return self.ingest
-
-    def submit(self, conn: InboundConfig, text: str, *, control_id: str | None = None,
-               charset: str | None = None, message_id: str | None = None) -> Deferred:
-        lane = self.lane_of(conn)(text)
-        item = Inbound(connection=conn.name, payload=text, control_id=control_id, lane_key=lane, charset=charset,
-                       **({"message_id": message_id} if message_id else {}))
-        return self.ingest.submit(item)
 
     def mllp_factory(self, conn: InboundConfig) -> MLLPFactory:
         return MLLPFactory(self.mllp_handler(conn), clock=self.reactor, config=MLLPConfig(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from include.config import StoreConfig
+from include.stack import port_open
 from include.testing.postgres_server import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,16 +119,6 @@ class Daemon:
 
     def output(self) -> str:
         return (self.workdir / "listenerd.log").read_text(errors="replace")
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def wait_port(port: int, *, open_: bool, timeout: float) -> float:

@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from include.store import Store
-from include.testing.listenerd import Daemon, port_open
+from include.stack import port_open
+from include.testing.listenerd import Daemon
 from include.testing.postgres_server import free_port, wait_for
 from include.testing.tcpproxy import TcpProxy
 from tests.listeners.hl7_traffic import Sender

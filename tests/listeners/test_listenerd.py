@@ -18,7 +18,8 @@ from hl7.mllp import open_hl7_connection
 
 from include.config import StoreConfig
 from include.store import Store
-from include.testing.listenerd import Daemon, port_open
+from include.stack import port_open
+from include.testing.listenerd import Daemon
 from include.testing.postgres_server import free_port, wait_for
 from tests.listeners.hl7_traffic import ack_fields, adt
 
