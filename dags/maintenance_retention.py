@@ -27,7 +27,7 @@ RETENTION = {
     "outbound": timedelta(days=7),
     "events": timedelta(days=30),
 }
-FREQUENT_DAGS = ("stage_route", "maintenance_reclaim")
+FREQUENT_DAGS = ("stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim")
 AIRFLOW_METADATA_KEEP = timedelta(hours=24)
 
 

@@ -8,7 +8,7 @@
 3. **wait_for_work** — hold the run until `stage_inbound` has a due row (polled every second);
    an idle five minutes, or a change of leader, ends the run *skipped*.
 4. **route** — the PySpark route job (`spark_jobs/route_job.py`): claim due inbound rows in one
-   SQL statement, route them with the configured rules (`$STAGELINE_ROUTES`), land one routed row
+   SQL statement, route them with the configured rules (`routes.toml` in `$STAGELINE_PIPELINE_DIR`), land one routed row
    per destination, finalize fenced by the epoch.
 
 Scheduled `@continuous` (one run at a time, the next starts when one ends): a message waits

@@ -50,7 +50,7 @@ def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")]),
         "STAGELINE_CONFIG": str(service_config),
-        "STAGELINE_ROUTES": str(ROOT / "config" / "routes.toml"),
+        "STAGELINE_PIPELINE_DIR": str(ROOT / "config"),
         "STAGELINE_SPARK_REMOTE": f"sc://127.0.0.1:{SPARK_CONNECT_PORT}",
     }
 

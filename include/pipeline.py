@@ -2,8 +2,9 @@
 
 Every function takes the leader check's XCom (`{"epoch": int, "owner": str | None}`) and works
 under that epoch. The service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`)
-when a task *runs*: nothing here touches a file, a database or Spark when a DAG file is parsed,
-and Spark and the route job are imported only inside `run_route_stage`.
+and the pipeline config from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task
+*runs*: nothing here touches a file, a database or Spark when a DAG file is parsed, and Spark and
+the stage jobs are imported only inside the `run_*_stage` functions.
 """
 from __future__ import annotations
 
@@ -12,18 +13,15 @@ import logging
 import os
 import shlex
 import sys
-import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from include import leadership
+from include import leadership, stage_config
 
 log = logging.getLogger(__name__)
 
-ROUTES_ENV = "STAGELINE_ROUTES"
-"""Route specs (TOML, `[[route]]` tables); default `routes.toml` beside the service config."""
 AIRFLOW_DB_CONN_ENV = "STAGELINE_AIRFLOW_DB_CONN"
 """Airflow metadata DB URL for the metadata clean task (see `metadata_clean_command`)."""
 METADATA_TABLES = ("dag_run", "task_instance", "xcom")
@@ -31,7 +29,12 @@ SPARK_REMOTE_ENV = "STAGELINE_SPARK_REMOTE"
 """`sc://host:port` of the Spark Connect server the stage jobs use."""
 SPARK_MASTER_ENV = "STAGELINE_SPARK_MASTER"
 """Classic Spark master when no Connect server is configured (default `local[*]`)."""
+DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
+"""Set (non-empty) to send deliveries from the task process instead of Spark workers."""
 ROUTE_BATCH_SIZE = 10_000
+TRANSFORM_BATCH_SIZE = 10_000
+DELIVER_MAX_LANES = 1_000
+DELIVER_TIME_BUDGET_SECONDS = 120.0
 
 Leader = Mapping[str, Any]
 
@@ -57,31 +60,14 @@ def claim_owner(dag_id: str, run_id: str) -> str:
     return f"airflow:{dag_id}:{run_id}"
 
 
-def routes_path() -> Path:
-    configured = os.environ.get(ROUTES_ENV)
-    if configured:
-        return Path(configured)
-    return leadership.config_path().resolve().parent / "routes.toml"
-
-
-def load_routes(path: Path | None = None) -> list[dict[str, Any]]:
-    """The route specs (`[[route]]` tables), validated before any Spark session starts."""
-    from spark_jobs.route_rules import parse_routes
-
-    path = path or routes_path()
-    raw = tomllib.loads(path.read_text()).get("route", [])
-    parse_routes(raw)  # the job parses again; failing here claims nothing and starts no JVM
-    return raw
-
-
-def spark_for_stage() -> Any:
+def spark_for_stage(stage: str = "route") -> Any:
     """A Spark Connect client when `$STAGELINE_SPARK_REMOTE` is set (the default deployment: no JVM
     start per run), else a classic session on `$STAGELINE_SPARK_MASTER` (default `local[*]`)."""
     from include.spark import spark_session
 
     remote = os.environ.get(SPARK_REMOTE_ENV) or None
     master = None if remote else os.environ.get(SPARK_MASTER_ENV) or None
-    return spark_session(remote=remote, master=master, app_name="stageline-route")
+    return spark_session(remote=remote, master=master, app_name=f"stageline-{stage}")
 
 
 def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try_number: int = 1,
@@ -93,20 +79,57 @@ def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try
     epoch (leadership moved mid-run) is reported, not raised: nothing landed, and retrying under
     the same epoch could only fail again — the next run works under the new leader's epoch.
     """
-    from include.store.stages import StaleEpoch
     from spark_jobs import route_job
 
-    routes = load_routes()
+    config = stage_config.load()
+    return _run_stage("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id: route_job.run(
+        store, spark_for_stage("route"), routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id,
+        batch_size=batch_size))
+
+
+def run_transform_stage(epoch: int, run_id: str, *, dag_id: str = "stage_transform", try_number: int = 1,
+                        batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
+    """Run the transform job once under `epoch`: routed rows → outbound rows (same contract as route)."""
+    from spark_jobs import transform_job
+
+    config = stage_config.load()
+    return _run_stage("transform", dag_id, run_id, try_number, epoch,
+                      lambda store, owner, job_run_id: transform_job.run(
+                          store, spark_for_stage("transform"), specs=config.transforms,
+                          destinations=config.destinations, owner=owner, epoch=epoch, run_id=job_run_id,
+                          batch_size=batch_size))
+
+
+def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver", try_number: int = 1,
+                      max_lanes: int = DELIVER_MAX_LANES,
+                      time_budget_seconds: float = DELIVER_TIME_BUDGET_SECONDS) -> dict[str, Any]:
+    """Deliver lane heads under `epoch` until none is due or the time budget is spent.
+
+    Sends run in Spark (lanes spread over partitions) unless `$STAGELINE_DELIVER_IN_PROCESS` is
+    set, which sends from the task process itself (no Spark; for a tiny single node).
+    """
+    from spark_jobs import deliver
+
+    config = stage_config.load()
+    in_process = bool(os.environ.get(DELIVER_IN_PROCESS_ENV))
+    return _run_stage("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
+        store, None if in_process else spark_for_stage("deliver"), destinations=config.destinations, owner=owner,
+        epoch=epoch, max_lanes=max_lanes, time_budget_seconds=time_budget_seconds))
+
+
+def _run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
+               job: Callable[[Any, str, str], Any]) -> dict[str, Any]:
+    """Open the store, run `job(store, owner, job_run_id)`, summarise; a stale epoch is reported."""
+    from include.store.stages import StaleEpoch
+
     job_run_id = f"{run_id}#{try_number}"
     with leadership.open_store(None) as (_, store):
-        spark = spark_for_stage()
         try:
-            outcome = route_job.run(store, spark, routes=routes, owner=claim_owner(dag_id, job_run_id),
-                                    epoch=epoch, run_id=job_run_id, batch_size=batch_size)
+            outcome = job(store, claim_owner(dag_id, job_run_id), job_run_id)
         except StaleEpoch:
-            log.warning("route run %s: epoch %s is no longer current; nothing landed", job_run_id, epoch)
+            log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
             return {"run_id": job_run_id, "epoch": epoch, "stale_epoch": True}
-    return {"epoch": epoch, "stale_epoch": False, **_summary(outcome)}
+    return {"run_id": job_run_id, "epoch": epoch, "stale_epoch": False, **_summary(outcome)}
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

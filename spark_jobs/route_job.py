@@ -1,7 +1,7 @@
 """The route stage: stage_inbound → stage_routed, one claimed batch per run.
 
-    claim     one SQL statement outside Spark (ids only; never inside a Spark read, whose schema
-              probe would run it twice)
+    claim     one SQL statement outside Spark, in lane order (ids only; never inside a Spark read,
+              whose schema probe would run it twice)
     extract   Spark JDBC read of exactly the rows this run claimed (owner + epoch + in_flight)
     transform pure: route() fans each message out to its destinations, the inbound columns ride
               along, every row is tagged with the run id
@@ -23,10 +23,9 @@ from typing import Any, Mapping, Sequence
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from include.spark import jdbc_options
 from include.store import INBOUND, Store
-from include.store.rowlease import claim_batch
-from include.store.stages import RouteOutcome, StaleEpoch, discard_landing, finalize_route, inline_query
+from include.store.stages import RouteOutcome, StaleEpoch, discard_landing, finalize_route
+from spark_jobs import stage_io
 from spark_jobs.route_rules import Route, parse_routes, route
 
 log = logging.getLogger(__name__)
@@ -36,27 +35,17 @@ LANDING_COLUMNS = ("run_id", "source_id", "destination", "route_name", "lane_key
                    "message_id", "control_id")
 # Spark would map SQLite's INTEGER to a 32-bit int; the ids are 64-bit everywhere.
 CLAIMED_SCHEMA = "id BIGINT, payload STRING, message_id STRING, control_id STRING, lane_key STRING"
-WRITE_BATCH_ROWS = 2_000
 
 
 def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
           lease_seconds: float | None = None) -> list[int]:
-    """Claim up to `batch_size` due inbound rows for `owner` in their own transaction; their ids."""
-    with store.transaction() as tx:
-        rows = claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
-    return [int(r["id"]) for r in rows]
+    """Claim up to `batch_size` due inbound rows for `owner`, in lane order; their ids."""
+    return stage_io.claim(store, INBOUND, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
 def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
-    """The rows `owner` claimed under `epoch`: id, payload, message_id, control_id, lane_key.
-
-    Bounded by owner (unique per run) and epoch rather than an id list, so the query text stays
-    small whatever the batch size. One JDBC partition: a batch is thousands of rows, not millions.
-    """
-    query = inline_query(store, "route_read_claimed", {"owner": owner, "epoch": int(epoch)})
-    return (spark.read.format("jdbc").options(**jdbc_options(store.config))
-            .option("query", query).option("customSchema", CLAIMED_SCHEMA).option("fetchsize", "1000")
-            .load())
+    """The rows `owner` claimed under `epoch`: id, payload, message_id, control_id, lane_key."""
+    return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch)
 
 
 def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
@@ -82,17 +71,9 @@ def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *
     )
 
 
-def land(store: Store, landing: DataFrame, *, batch_rows: int = WRITE_BATCH_ROWS) -> None:
-    """Append the landing rows over JDBC (the table exists: Spark cannot create one on SQLite).
-
-    SQLite admits one writer at a time, so it gets one writing connection; a server database
-    gets one per partition. Each partition is written in its own transaction.
-    """
-    writer = (landing.select(*LANDING_COLUMNS).write.format("jdbc").options(**jdbc_options(store.config))
-              .option("dbtable", LANDING_TABLE).option("batchsize", str(batch_rows)).mode("append"))
-    if store.backend == "sqlite":
-        writer = writer.option("numPartitions", "1")
-    writer.save()
+def land(store: Store, landing: DataFrame) -> None:
+    """Append the landing rows over JDBC."""
+    stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS)
 
 
 def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
@@ -124,17 +105,9 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
         land(store, landing)
         outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
     except BaseException:
-        _discard_quietly(store, run_id)
+        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
         raise
     log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),
              len(outcome.not_finished))
     return outcome
-
-
-def _discard_quietly(store: Store, run_id: str) -> None:
-    """Best effort: the original error matters more, and the next finalize of these sources cleans up."""
-    try:
-        discard_landing(store, run_id=run_id)
-    except Exception:
-        log.warning("route run %s: could not drop its landing rows", run_id, exc_info=True)

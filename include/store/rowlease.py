@@ -20,6 +20,9 @@ from include.store.db import INBOUND, STAGED_TABLES, StagedTable, Tx
 
 Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")
+SWEEP_MAX_ATTEMPTS = 10
+"""Claims after which the sweep dead-letters an expired row instead of re-pending it."""
+UNLIMITED_ATTEMPTS = 2**31 - 1
 
 
 def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
@@ -30,6 +33,19 @@ def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: in
                                          "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
 
+def claim_in_lane_order(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
+                        lease_seconds: float | None = None) -> list[Row]:
+    """Like claim_batch, but a row waits while an earlier row of its lane is in flight or backing off.
+
+    For the stages that feed lanes (route, transform): a batch stranded by a dead job holds its
+    lanes until it is re-pended, so the next stage's rows — and finally the deliveries — keep lane
+    order across crashes and failover (DESIGN invariant 6). Rows with a NULL lane never wait.
+    """
+    tx.fence()
+    return _by_id(tx.all("claim_in_lane_order", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                                 "lease_seconds": _lease(tx, lease_seconds)}, table=table))
+
+
 def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
                      lease_seconds: float | None = None) -> list[Row]:
     """Claim the head of up to `limit` lanes (per-lane FIFO).
@@ -38,7 +54,7 @@ def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limi
     same transaction, so a crashed leader's stranded head is retried before anything newer in its
     lane; a head that is in flight elsewhere or waiting out its backoff blocks only its own lane.
     """
-    sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000)
+    sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000, max_attempts=UNLIMITED_ATTEMPTS)
     tx.fence()
     return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
                                               "lease_seconds": _lease(tx, lease_seconds)}, table=table))
@@ -72,10 +88,16 @@ def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch:
     return _by_id(rows)
 
 
-def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000) -> int:
-    """Re-pend in-flight rows whose row lease expired (the recurring, lease-gated sweep)."""
+def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000,
+                  max_attempts: int = SWEEP_MAX_ATTEMPTS) -> int:
+    """Re-pend in-flight rows whose row lease expired (the recurring, lease-gated sweep).
+
+    A row that has already been claimed `max_attempts` times goes to `dead` instead: a batch that
+    kills every job that claims it (a poison message) must not be retried forever.
+    """
     tx.fence()
-    rows = tx.all("sweep_expired", {"epoch": epoch, "limit": int(limit)}, table=table)
+    rows = tx.all("sweep_expired", {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
+                  table=table)
     tx.record_events(rows, table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
     return len(rows)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from include.store import queries
-from include.store.db import INBOUND, ROUTED, Store, Tx
+from include.store.db import INBOUND, OUTBOUND, ROUTED, Store, Tx
 from include.store.rowlease import finish_batch
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
@@ -70,10 +70,63 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
                         not_finished=tuple(sorted(claimed - set(finished))))
 
 
-def discard_landing(store: Store, *, run_id: str) -> int:
+@dataclass(frozen=True)
+class TransformOutcome:
+    """What one transform run changed; ids in ascending order.
+
+    `done`: routed rows finished, with one outbound row each (`outbound`). `failed`: routed rows
+    whose message could not be transformed (not HL7): dead-lettered with the reason.
+    `not_finished`: claimed rows this run could not finish (row lease lost, or nothing landed).
+    """
+
+    run_id: str
+    claimed: tuple[int, ...] = ()
+    outbound: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    not_finished: tuple[int, ...] = ()
+
+
+UNTRANSFORMABLE = "cannot transform: the payload is not an HL7 v2 message (no MSH, FHS or BHS header)"
+
+
+def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int,
+                       claimed_ids: list[int]) -> TransformOutcome:
+    """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
+
+    Same contract as finalize_route: StaleEpoch rolls everything back; only rows this transaction
+    finished get outbound rows. A landed NULL payload (the rules could not read the message)
+    dead-letters its routed row instead of delivering it untransformed.
+    """
+    tx.fence()
+    if tx.one("epoch_current", {"epoch": epoch}) is None:
+        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
+    claimed = {int(i) for i in claimed_ids}
+    params = {"run_id": run_id}
+    landed = {int(r["routed_id"]): bool(r["ok"]) for r in tx.all("transform_landed", params)}
+    ok_ids = sorted(i for i in claimed if landed.get(i) is True)
+    bad_ids = sorted(i for i in claimed if landed.get(i) is False)
+    done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
+    failed = finish_batch(tx, ROUTED, bad_ids, owner=owner, epoch=epoch, status="dead", error=UNTRANSFORMABLE)
+    rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}) if done else []
+    rows.sort(key=lambda r: r["id"])
+    tx.record_events(rows, table=OUTBOUND, event="transformed", from_status=None, epoch=epoch, node_id=owner)
+    tx.execute("landing_outbound_delete", params)
+    finished = sorted({*done, *failed})
+    if finished:
+        tx.execute("landing_outbound_delete_sources", {"ids": tx.dialect.id_list(finished)})
+    return TransformOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), outbound=tuple(int(r["id"]) for r in rows),
+                            done=tuple(done), failed=tuple(failed),
+                            not_finished=tuple(sorted(claimed - set(finished))))
+
+
+LANDING_DELETES = {"landing_routed": "landing_routed_delete", "landing_outbound": "landing_outbound_delete"}
+
+
+def discard_landing(store: Store, *, run_id: str, table: str = "landing_routed") -> int:
     """Delete one run's landing rows (its own transaction): cleanup after a failed or fenced run."""
     with store.transaction() as tx:
-        return tx.execute("landing_routed_delete", {"run_id": run_id})
+        return tx.execute(LANDING_DELETES[table], {"run_id": run_id})
 
 
 def inline_query(store: Store, name: str, params: Mapping[str, Any]) -> str:

@@ -67,7 +67,8 @@ def test_every_dag_file_imports_without_errors(dag_bag):
 
 
 def test_the_expected_dags_exist(dag_bag):
-    assert {"stage_route", "maintenance_reclaim", "maintenance_retention"} <= set(dag_bag.dag_ids)
+    assert {"stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim",
+            "maintenance_retention"} <= set(dag_bag.dag_ids)
 
 
 @pytest.mark.parametrize("file_name", DAG_FILES)

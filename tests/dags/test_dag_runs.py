@@ -204,6 +204,17 @@ name = "adt"
 destinations = ["ehr", "archive"]
 when = { field = "MSH-9.1", op = "eq", value = "ADT" }
 """
+DESTINATIONS_TOML = """
+[[destination]]
+name = "ehr"
+kind = "file"
+directory = "out/ehr"
+
+[[destination]]
+name = "archive"
+kind = "file"
+directory = "out/archive"
+"""
 RUN_STAGE_ROUTE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -227,9 +238,9 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
              "charset": None, "payload": ADT},
             {"message_id": "oru-1", "control_id": "MSG2", "connection": "mllp-in", "lane_key": None,
              "charset": None, "payload": ORU}], epoch=epoch, node_id="solo:1:aa")
-    routes = tmp_path / "routes.toml"
-    routes.write_text(ROUTES_TOML)
-    env = {**os.environ, "STAGELINE_ROUTES": str(routes), "STAGELINE_SPARK_MASTER": "local[1]"}
+    (tmp_path / "routes.toml").write_text(ROUTES_TOML)
+    (tmp_path / "destinations.toml").write_text(DESTINATIONS_TOML)
+    env = {**os.environ, "STAGELINE_PIPELINE_DIR": str(tmp_path), "STAGELINE_SPARK_MASTER": "local[1]"}
     env.pop("STAGELINE_SPARK_REMOTE", None)
 
     started = time.perf_counter()

@@ -209,3 +209,49 @@ def test_single_node_restart_recovers_the_previous_process_claims(store):
 def test_finish_rejects_a_non_final_status(store):
     with store.transaction() as tx, pytest.raises(ValueError, match="finish status"):
         rl.finish_batch(tx, INBOUND, [1], owner="a", epoch=1, status="pending")
+
+
+def test_claim_in_lane_order_holds_a_lane_behind_its_stranded_row_and_lets_other_lanes_pass(store):
+    epoch = take_lease(store).epoch
+    seed_inbound(store, 9, lanes=3)  # ids 1..9, lane = id % 3
+    with store.transaction() as tx:
+        stranded = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="dead", epoch=epoch, limit=1)]
+        # the claimer died; its row stays in_flight until the sweep. The next claim:
+        nxt = rl.claim_in_lane_order(tx, INBOUND, owner="next", epoch=epoch, limit=100)
+    lanes = {r["id"]: r["lane_key"] for r in rows(store, "SELECT id, lane_key FROM stage_inbound")}
+    [dead_lane] = {lanes[i] for i in stranded}
+    assert [r["id"] for r in nxt] == sorted(i for i, lane in lanes.items() if lane != dead_lane)
+    assert rows(store, f"SELECT count(*) AS n FROM stage_inbound WHERE lane_key = '{dead_lane}' AND status = 'pending'") \
+        == [{"n": 2}]
+
+
+def test_claim_in_lane_order_holds_a_lane_behind_a_row_backing_off(store):
+    epoch = take_lease(store).epoch
+    seed_inbound(store, 4, lanes=2)
+    with store.transaction() as tx:
+        [first] = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=1)]
+        rl.fail_batch(tx, INBOUND, [first], owner="a", epoch=epoch, error="boom", max_attempts=5,
+                      backoff_seconds=600)
+        got = rl.claim_in_lane_order(tx, INBOUND, owner="b", epoch=epoch, limit=100)
+    lane = rows(store, f"SELECT lane_key FROM stage_inbound WHERE id = {first}")[0]["lane_key"]
+    assert {r["lane_key"] for r in got} == {"0", "1"} - {lane}
+    assert len(got) == 2
+
+
+def test_the_sweep_dead_letters_a_row_whose_claimers_keep_dying(store):
+    epoch = take_lease(store).epoch
+    seed_inbound(store, 2)
+
+    def claim_and_die() -> None:
+        with store.transaction() as tx:
+            rl.claim_batch(tx, INBOUND, owner="doomed", epoch=epoch, limit=1, lease_seconds=0.0)
+        with store.transaction() as tx:
+            assert rl.sweep_expired(tx, INBOUND, owner="a", epoch=epoch, max_attempts=3) == 1
+
+    for _ in range(3):
+        claim_and_die()
+    got = rows(store, "SELECT id, status, attempts, last_error FROM stage_inbound ORDER BY id")
+    assert [(r["status"], r["attempts"]) for r in got] == [("dead", 3), ("pending", 0)]
+    assert "expired after 3 attempts" in got[0]["last_error"]
+    events = rows(store, "SELECT to_status FROM message_events WHERE event = 'lease_expired' ORDER BY id")
+    assert [e["to_status"] for e in events] == ["pending", "pending", "dead"]

@@ -104,6 +104,25 @@ UPDATE {table}
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 
+-- name: claim_in_lane_order
+-- claim_batch for the stages that feed lanes (route, transform): a row is skipped while an earlier
+-- row of its lane is still open and not claimable now (in_flight, or backing off), so a stranded
+-- row is finished before anything newer in its lane moves on. NULL lanes are never held back.
+UPDATE {table}
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = {now} + CAST(:lease_seconds * 1000 AS INTEGER),
+       attempts = attempts + 1, updated_at = {now}
+ WHERE id IN (SELECT t.id FROM {table} t
+               WHERE t.status IN ('pending', 'error')
+                 AND (t.next_attempt_at IS NULL OR t.next_attempt_at <= {now})
+                 AND NOT EXISTS (SELECT 1 FROM {table} e
+                                  WHERE e.lane_key = t.lane_key AND e.id < t.id
+                                    AND (e.status = 'in_flight'
+                                         OR (e.status = 'error' AND e.next_attempt_at > {now})))
+               ORDER BY t.id LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
+
 -- name: claim_lane_heads
 UPDATE {table}
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
@@ -143,9 +162,12 @@ UPDATE {table}
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
 -- name: sweep_expired
+-- A row whose claimers keep dying (a poison batch) is dead-lettered once it has used :max_attempts.
 UPDATE {table}
-   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
+   SET status = CASE WHEN attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
        last_error = 'row lease of ' || lease_owner || ' (epoch ' || claim_epoch || ') expired'
+                    || CASE WHEN attempts >= :max_attempts THEN ' after ' || attempts || ' attempts' ELSE '' END
  WHERE id IN (SELECT id FROM {table}
                WHERE status = 'in_flight' AND lease_expires_at <= {now}
                ORDER BY id LIMIT :limit)
@@ -277,3 +299,55 @@ SELECT l.epoch,
                 WHERE status IN ('pending', 'error')
                   AND (next_attempt_at IS NULL OR next_attempt_at <= {now})) AS due
   FROM leader_lease l WHERE l.id = 1
+
+-- name: transform_read_claimed
+-- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
+SELECT id, source_id, destination, payload, message_id, control_id
+  FROM stage_routed
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: transform_landed
+-- One line per routed row this run landed; ok = 0 when the message could not be transformed.
+SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
+  FROM landing_outbound WHERE run_id = :run_id GROUP BY routed_id
+
+-- name: transform_finalize_insert
+-- :ids are the routed rows this transaction has just finished. The idempotency key is the inbound
+-- message id and the destination: stable across re-runs and re-deliveries. ON CONFLICT makes a
+-- repeat a no-op (GROUP BY keeps one of duplicate landing rows); ORDER BY keeps the routed (arrival)
+-- order in the outbound ids, which is lane order. The WHERE clause settles SQLite's
+-- INSERT … SELECT … ON CONFLICT parsing ambiguity.
+INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
+                            lane_key, payload)
+SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
+       l.message_id || '-' || l.destination, l.lane_key, l.payload
+  FROM landing_outbound l
+ WHERE l.run_id = :run_id AND l.payload IS NOT NULL
+   AND l.routed_id IN (SELECT value FROM json_each(:ids))
+ GROUP BY l.routed_id
+ ORDER BY l.routed_id
+ON CONFLICT DO NOTHING
+RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: landing_outbound_delete
+DELETE FROM landing_outbound WHERE run_id = :run_id
+
+-- name: landing_outbound_delete_sources
+-- Leftovers of earlier runs that died between landing and finalize, for routed rows now finished.
+DELETE FROM landing_outbound WHERE routed_id IN (SELECT value FROM json_each(:ids))
+
+-- name: lookup_entries_all
+SELECT table_name, code, value FROM lookup_entries ORDER BY table_name, code
+
+-- name: lookup_tables
+SELECT table_name, count(*) AS entries, max(updated_at) / 1000.0 AS updated_at
+  FROM lookup_entries GROUP BY table_name ORDER BY table_name
+
+-- name: lookup_delete_table
+DELETE FROM lookup_entries WHERE table_name = :table_name
+
+-- name: lookup_insert
+-- :entries is a JSON array of {"code", "value"} objects: one statement per table, however large.
+INSERT INTO lookup_entries (table_name, code, value)
+SELECT :table_name, json_extract(e.value, '$.code'), json_extract(e.value, '$.value')
+  FROM json_each(:entries) AS e

@@ -176,6 +176,28 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                  ORDER BY id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
+-- name: claim_in_lane_order
+-- claim_batch for the stages that feed lanes (route, transform): a row is skipped while an earlier
+-- row of its lane is still open and not claimable now (in_flight, or backing off), so a stranded
+-- row is finished before anything newer in its lane moves on. NULL lanes are never held back.
+UPDATE t
+   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
+       lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
+       attempts = t.attempts + 1, updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key, inserted.attempts,
+       d.destination
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.id IN (SELECT TOP (:limit) c.id FROM {table} AS c WITH (UPDLOCK, READPAST, ROWLOCK)
+                 WHERE c.status IN ('pending', 'error')
+                   AND (c.next_attempt_at IS NULL OR c.next_attempt_at <= SYSUTCDATETIME())
+                   AND NOT EXISTS (SELECT 1 FROM {table} AS e
+                                    WHERE e.lane_key = c.lane_key AND e.id < c.id
+                                      AND (e.status = 'in_flight'
+                                           OR (e.status = 'error' AND e.next_attempt_at > SYSUTCDATETIME())))
+                 ORDER BY c.id)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
 -- name: claim_lane_heads
 -- No READPAST in the head computation: skipping a locked head would make the next row of its lane
 -- look like the head and break per-lane FIFO. As in PostgreSQL the outer status check, evaluated
@@ -232,10 +254,14 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts,
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: sweep_expired
+-- A row whose claimers keep dying (a poison batch) is dead-lettered once it has used :max_attempts.
 UPDATE t
-   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
+   SET status = CASE WHEN t.attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
        last_error = N'row lease of ' + t.lease_owner + N' (epoch '
                     + CAST(t.claim_epoch AS nvarchar(20)) + N') expired'
+                    + CASE WHEN t.attempts >= :max_attempts
+                           THEN N' after ' + CAST(t.attempts AS nvarchar(20)) + N' attempts' ELSE N'' END
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        d.destination, inserted.last_error AS detail
   FROM {table} AS t WITH (ROWLOCK)
@@ -408,3 +434,60 @@ SELECT l.epoch,
                                  AND (next_attempt_at IS NULL OR next_attempt_at <= SYSUTCDATETIME()))
                  THEN 1 ELSE 0 END AS bit) AS due
   FROM leader_lease AS l WHERE l.id = 1
+
+-- name: transform_read_claimed
+-- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
+SELECT id, source_id, destination, payload, message_id, control_id
+  FROM stage_routed
+ WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+
+-- name: transform_landed
+-- One line per routed row this run landed; ok = 0 when the message could not be transformed.
+SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
+  FROM landing_outbound WHERE run_id = :run_id GROUP BY routed_id
+
+-- name: transform_finalize_insert
+-- :ids are the routed rows this transaction has just finished. The idempotency key is the inbound
+-- message id and the destination. ON CONFLICT DO NOTHING: NOT EXISTS under a key-range lock, and
+-- ROW_NUMBER keeps one of duplicate landing rows; ORDER BY assigns the identity values in routed
+-- (arrival) order, which is lane order.
+INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
+                            lane_key, payload)
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       inserted.destination, NULL AS detail
+SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
+       l.message_id + N'-' + l.destination, l.lane_key, l.payload
+  FROM (SELECT routed_id, source_id, message_id, control_id, destination, content_type, lane_key, payload,
+               ROW_NUMBER() OVER (PARTITION BY routed_id ORDER BY routed_id) AS nth
+          FROM landing_outbound
+         WHERE run_id = :run_id AND payload IS NOT NULL
+           AND routed_id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))) AS l
+ WHERE l.nth = 1
+   AND NOT EXISTS (SELECT 1 FROM stage_outbound AS o WITH (UPDLOCK, HOLDLOCK)
+                    WHERE (o.source_id = l.source_id AND o.destination = l.destination)
+                       OR o.idempotency_key = l.message_id + N'-' + l.destination)
+ ORDER BY l.routed_id
+
+-- name: landing_outbound_delete
+DELETE FROM landing_outbound WHERE run_id = :run_id
+
+-- name: landing_outbound_delete_sources
+-- Leftovers of earlier runs that died between landing and finalize, for routed rows now finished.
+DELETE FROM landing_outbound WHERE routed_id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+
+-- name: lookup_entries_all
+SELECT table_name, code, value FROM lookup_entries ORDER BY table_name, code
+
+-- name: lookup_tables
+SELECT table_name, COUNT(*) AS entries,
+       CAST(DATEDIFF_BIG(millisecond, '1970-01-01', MAX(updated_at)) AS float) / 1000.0 AS updated_at
+  FROM lookup_entries GROUP BY table_name ORDER BY table_name
+
+-- name: lookup_delete_table
+DELETE FROM lookup_entries WHERE table_name = :table_name
+
+-- name: lookup_insert
+-- :entries is a JSON array of {"code", "value"} objects: one statement per table, however large.
+INSERT INTO lookup_entries (table_name, code, value)
+SELECT :table_name, e.code, e.value
+  FROM OPENJSON(:entries) WITH (code nvarchar(200) '$.code', value nvarchar(1000) '$.value') AS e

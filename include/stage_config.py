@@ -1,0 +1,106 @@
+"""The pipeline's config: routes, destinations and transforms, one TOML file each in one directory.
+
+    <dir>/routes.toml         [[route]]        which inbound messages go where (spark_jobs/route_rules.py)
+    <dir>/destinations.toml   [[destination]]  where and how to deliver, lane rule, retries
+                                               (spark_jobs/destinations.py)
+    <dir>/transforms.toml     [[transform]]    per-destination rewrite rules (spark_jobs/transform_rules.py)
+
+The directory is `$STAGELINE_PIPELINE_DIR`, default `config/` beside the service config — the same
+directory `listenerd --config` reads its inbound connections from, so one directory describes a
+node. A missing file means none of that kind. Everything is validated together when a stage task
+starts, before it claims anything: a route or transform naming a destination that is not configured
+is an error (its messages could only ever wait), as is any bad rule. A file destination's relative
+`directory` is taken relative to the pipeline directory. Lookup tables live in the store
+(`stageline lookups`) and are checked by the transform run itself.
+
+Plain Python: imports no Spark, so DAG files and the CLI can use it.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from include import leadership
+
+PIPELINE_DIR_ENV = "STAGELINE_PIPELINE_DIR"
+FILES = {"route": "routes.toml", "destination": "destinations.toml", "transform": "transforms.toml"}
+
+
+class PipelineConfigError(ValueError):
+    """The pipeline config cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    directory: Path
+    routes: list[dict[str, Any]]
+    destinations: dict[str, Any]  # name -> spark_jobs.destinations.Destination
+    transforms: list[Any]  # spark_jobs.transform_rules.Transform, lookups not yet checked
+
+
+def pipeline_dir() -> Path:
+    configured = os.environ.get(PIPELINE_DIR_ENV)
+    if configured:
+        return Path(configured).resolve()
+    return leadership.config_path().resolve().parent / "config"
+
+
+def load(directory: Path | None = None) -> PipelineConfig:
+    """Read and cross-check the three files; raises PipelineConfigError."""
+    from spark_jobs.destinations import DestinationConfigError, parse_destinations
+    from spark_jobs.route_rules import RouteConfigError, parse_routes
+    from spark_jobs.transform_rules import TransformConfigError, parse_transforms
+
+    base = (directory or pipeline_dir()).resolve()
+    if not base.is_dir():
+        raise PipelineConfigError(f"pipeline config directory {base} does not exist (set ${PIPELINE_DIR_ENV})")
+    raw = {kind: _tables(base / name, kind) for kind, name in FILES.items()}
+    try:
+        routes = raw["route"]
+        parse_routes(routes)
+    except RouteConfigError as exc:
+        raise PipelineConfigError(f"{base / FILES['route']}: {exc}") from None
+    try:
+        destinations = parse_destinations([_resolved(spec, base) for spec in raw["destination"]])
+    except DestinationConfigError as exc:
+        raise PipelineConfigError(f"{base / FILES['destination']}: {exc}") from None
+    try:
+        transforms = parse_transforms(raw["transform"])
+    except TransformConfigError as exc:
+        raise PipelineConfigError(f"{base / FILES['transform']}: {exc}") from None
+    for spec in routes:
+        missing = [d for d in spec.get("destinations", []) if d not in destinations]
+        if missing:
+            raise PipelineConfigError(f"{base / FILES['route']}: route {spec.get('name')!r} sends to "
+                                      f"{missing}, not configured in {FILES['destination']}")
+    for t in transforms:
+        if t.destination not in destinations:
+            raise PipelineConfigError(f"{base / FILES['transform']}: transform for {t.destination!r}, not "
+                                      f"configured in {FILES['destination']}")
+    return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
+
+
+def _tables(path: Path, kind: str) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineConfigError(f"{path}: {exc}") from None
+    unknown = set(data) - {kind}
+    if unknown:
+        raise PipelineConfigError(f"{path}: unexpected top-level key(s) {sorted(unknown)}; expected [[{kind}]] tables")
+    tables = data.get(kind, [])
+    if not isinstance(tables, list):
+        raise PipelineConfigError(f"{path}: '{kind}' must be an array of tables ([[{kind}]])")
+    return tables
+
+
+def _resolved(spec: Any, base: Path) -> Any:
+    if isinstance(spec, dict) and spec.get("kind") == "file" and isinstance(spec.get("directory"), str) \
+            and not os.path.isabs(spec["directory"]):
+        return {**spec, "directory": str((base / spec["directory"]).resolve())}
+    return spec

@@ -1,0 +1,83 @@
+"""Lookup tables held in the store: the code tables transform `map` rules translate through.
+
+One row per (table, code) in `lookup_entries`. A table is replaced whole in one transaction, so a
+transform run reads either the old table or the new one, never half of each. Every transform
+run reads all tables once (code tables are small: see `spark_jobs.transform_rules`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from include.store.db import Tx
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,199}")
+MAX_CODE_CHARS = 200
+MAX_VALUE_CHARS = 1000
+
+
+class LookupTableError(ValueError):
+    """A lookup table that cannot be stored as given; the message says which entry and why."""
+
+
+def read_all(tx: Tx) -> dict[str, dict[str, str]]:
+    """Every lookup table: `{table: {code: value}}`."""
+    tables: dict[str, dict[str, str]] = {}
+    for row in tx.all("lookup_entries_all"):
+        tables.setdefault(row["table_name"], {})[row["code"]] = row["value"]
+    return tables
+
+
+def list_tables(tx: Tx) -> list[dict[str, object]]:
+    """Name, entry count and last change (epoch seconds) of each table."""
+    return [dict(r) for r in tx.all("lookup_tables")]
+
+
+def replace_table(tx: Tx, name: str, entries: Mapping[str, str]) -> int:
+    """Replace table `name` with `entries` in the caller's transaction; the number stored."""
+    _check(name, entries)
+    tx.execute("lookup_delete_table", {"table_name": name})
+    if entries:
+        rows = [{"code": code, "value": value} for code, value in entries.items()]
+        tx.execute("lookup_insert", {"table_name": name, "entries": json.dumps(rows)})
+    return len(entries)
+
+
+def delete_table(tx: Tx, name: str) -> int:
+    return tx.execute("lookup_delete_table", {"table_name": name})
+
+
+def read_csv(source: Path | str | Iterable[str]) -> dict[str, str]:
+    """`code,value` rows (a header line `code,value` is required, so a column swap cannot go unseen)."""
+    text = Path(source).read_text(encoding="utf-8") if isinstance(source, (str, Path)) else "".join(source)
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if header is None or [h.strip().lower() for h in header] != ["code", "value"]:
+        raise LookupTableError(f"the first line must be the header 'code,value', got {header!r}")
+    entries: dict[str, str] = {}
+    for line, row in enumerate(reader, start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) != 2:
+            raise LookupTableError(f"line {line}: expected 2 columns (code,value), got {len(row)}")
+        code, value = row
+        if code in entries:
+            raise LookupTableError(f"line {line}: code {code!r} appears twice")
+        entries[code] = value
+    return entries
+
+
+def _check(name: str, entries: Mapping[str, str]) -> None:
+    if not NAME.fullmatch(name):
+        raise LookupTableError(f"table name {name!r}: letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
+    for code, value in entries.items():
+        if not isinstance(code, str) or not isinstance(value, str):
+            raise LookupTableError(f"table {name!r}: codes and values must be strings ({code!r})")
+        if not code or len(code) > MAX_CODE_CHARS:
+            raise LookupTableError(f"table {name!r}: code {code[:40]!r} must be 1–{MAX_CODE_CHARS} characters")
+        if len(value) > MAX_VALUE_CHARS:
+            raise LookupTableError(f"table {name!r}: value of {code!r} is longer than {MAX_VALUE_CHARS} characters")

@@ -1,0 +1,30 @@
+-- Stageline store, SQLite, version 3: the transform stage's landing area and the lookup tables.
+--
+-- landing_outbound: Spark's JDBC writer appends one transform run's results here (keyed by run_id;
+-- it cannot create tables on SQLite); the fenced finalize moves them into stage_outbound and deletes
+-- them. payload NULL means the message could not be transformed: the finalize dead-letters its
+-- routed row instead.
+-- lookup_entries: the code tables `map` rules translate through, one row per (table, code),
+-- managed with `stageline lookups` and read by each transform run.
+
+CREATE TABLE landing_outbound (
+    run_id           TEXT    NOT NULL,
+    source_id        INTEGER NOT NULL,
+    routed_id        INTEGER NOT NULL,
+    destination      TEXT    NOT NULL,
+    content_type     TEXT    NOT NULL,
+    lane_key         TEXT    NOT NULL,
+    payload          TEXT,
+    message_id       TEXT    NOT NULL,
+    control_id       TEXT
+);
+CREATE INDEX landing_outbound_run    ON landing_outbound (run_id);
+CREATE INDEX landing_outbound_routed ON landing_outbound (routed_id);
+
+CREATE TABLE lookup_entries (
+    table_name  TEXT NOT NULL,
+    code        TEXT NOT NULL,
+    value       TEXT NOT NULL,
+    updated_at  INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)),
+    UNIQUE (table_name, code)
+);

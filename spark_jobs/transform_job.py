@@ -1,0 +1,128 @@
+"""The transform stage: stage_routed → stage_outbound, one claimed batch per run.
+
+    claim     routed rows in lane order, one SQL statement outside Spark (`stage_io.claim`)
+    extract   Spark JDBC read of exactly the rows this run claimed
+    transform pure: `outbound_rows()` — each row's outbound lane key from its destination's lane
+              rule (read from the message as routed), then the destination's transform rules
+              (`spark_jobs.transform_rules`), tagged with the run id
+    land      Spark JDBC append into landing_outbound
+    finalize  one fenced transaction (`include.store.stages.finalize_transform`): epoch check,
+              routed rows finished, landed rows moved to stage_outbound with their idempotency
+              keys, audit events, landing cleared; a message the rules cannot read (NULL payload)
+              dead-letters its routed row
+
+The lookup tables `map` rules use are read from the store once per run, before the claim, so a
+rule naming a missing table claims nothing. Idempotent and crash-safe like the route stage:
+stage_outbound is UNIQUE (source_id, destination) and the finalize moves only rows it finished.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from include.store import ROUTED, Store
+from include.store import lookups as lookup_tables
+from include.store.stages import StaleEpoch, TransformOutcome, finalize_transform
+from spark_jobs import stage_io
+from spark_jobs.destinations import Destination
+from spark_jobs.hl7_fields import field
+from spark_jobs.transform_rules import Transform, parse_transforms, transform
+
+log = logging.getLogger(__name__)
+
+LANDING_TABLE = "landing_outbound"
+LANDING_COLUMNS = ("run_id", "source_id", "routed_id", "destination", "content_type", "lane_key", "payload",
+                   "message_id", "control_id")
+CLAIMED_SCHEMA = ("id BIGINT, source_id BIGINT, destination STRING, payload STRING, message_id STRING, "
+                  "control_id STRING")
+
+
+def lane_key(destination: Column, payload: Column, destinations: Mapping[str, Destination]) -> Column:
+    """The outbound lane key, the Spark twin of `spark_jobs.destinations.lane_key`.
+
+    `<name>` for a destination-wide lane (and for a destination not configured), `<name>|<value>`
+    for an HL7-path lane, the value read raw from the message as routed (before any rule runs).
+    """
+    key: Column | None = None
+    for name, dest in sorted(destinations.items()):
+        if dest.lane == "destination":
+            continue
+        value = F.concat(F.lit(f"{name}|"), F.coalesce(field(payload, dest.lane), F.lit("")))
+        cond = destination == F.lit(name)
+        key = F.when(cond, value) if key is None else key.when(cond, value)
+    return destination if key is None else key.otherwise(destination)
+
+
+def outbound_rows(claimed: DataFrame, specs: Sequence[Mapping[str, Any] | Transform],
+                  lookups: Mapping[str, Mapping[str, str]], destinations: Mapping[str, Destination], *,
+                  run_id: str) -> DataFrame:
+    """Claimed routed rows → landing rows (pure; no I/O). NULL payload = could not be transformed."""
+    laned = claimed.withColumn("lane_key", lane_key(F.col("destination"), F.col("payload"), destinations))
+    rewritten = laned.transform(transform, specs, lookups,
+                                carry=("source_id", "message_id", "control_id", "lane_key"))
+    return rewritten.select(
+        F.lit(run_id).alias("run_id"),
+        "source_id",
+        F.col("id").alias("routed_id"),
+        "destination",
+        "content_type",
+        "lane_key",
+        "payload",
+        "message_id",
+        "control_id",
+    )
+
+
+def claim(store: Store, *, owner: str, epoch: int, batch_size: int, lease_seconds: float | None = None) -> list[int]:
+    return stage_io.claim(store, ROUTED, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
+
+
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
+    return stage_io.read_claimed(store, spark, "transform_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch)
+
+
+def read_lookups(store: Store) -> dict[str, dict[str, str]]:
+    with store.transaction(write=False) as tx:
+        return lookup_tables.read_all(tx)
+
+
+def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> TransformOutcome:
+    """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
+    try:
+        with store.transaction() as tx:
+            return finalize_transform(tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
+    except StaleEpoch:
+        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
+        raise
+
+
+def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] | Transform],
+        destinations: Mapping[str, Destination], owner: str, epoch: int, run_id: str,
+        batch_size: int = 10_000, lease_seconds: float | None = None) -> TransformOutcome:
+    """One transform run: lookups → claim → extract → transform → land → finalize.
+
+    Specs are validated against the store's lookup tables before anything is claimed. With nothing
+    to claim Spark is not touched. On any failure after the claim this run's landing rows are
+    dropped and the error propagates; the claimed rows stay in_flight (holding their lanes) until
+    the sweep or the next leader's recovery re-pends them. `owner` must be unique per run.
+    """
+    lookups = read_lookups(store)
+    parsed = parse_transforms(list(specs), lookups=lookups)
+    claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
+    if not claimed_ids:
+        return TransformOutcome(run_id=run_id)
+    try:
+        landing = extract(store, spark, owner=owner, epoch=epoch).transform(
+            outbound_rows, parsed, lookups, destinations, run_id=run_id)
+        stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS)
+        outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
+    except BaseException:
+        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
+        raise
+    log.info("transform run %s: claimed %d, outbound %d, failed %d, not finished %d", run_id,
+             len(outcome.claimed), len(outcome.outbound), len(outcome.failed), len(outcome.not_finished))
+    return outcome

@@ -1,0 +1,201 @@
+"""The transform stage on real SQLite and PostgreSQL: claim routed rows in lane order → Spark read →
+lane keys + transform rules (lookup tables from the store) → land → fenced finalize into
+stage_outbound; dead letter for messages the rules cannot read, a stale epoch, a crash between
+landing and finalize, and a config naming a missing lookup table."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.testing import assertDataFrameEqual
+
+from include.store import ROUTED, Store, lookups, rowlease
+from include.store.lease import acquire_permanent
+from include.store.stages import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
+from spark_jobs import transform_job
+from spark_jobs.destinations import parse_destinations
+from spark_jobs.transform_rules import TransformConfigError
+from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
+
+NODE = "node-a"
+DESTINATIONS = parse_destinations([
+    {"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": 2576, "lane": "PID-3.1"},
+    {"name": "archive", "kind": "file", "directory": "/tmp/stageline-archive"},
+    {"name": "api", "kind": "http", "url": "http://127.0.0.1:9/hl7", "lane": "MSH-4"},
+])
+SPECS: list[dict[str, Any]] = [
+    {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "CORE"},
+                                     {"map": "PV1-2", "table": "patient_class"},
+                                     {"drop_segment": "ZPI"}]},
+    {"destination": "api", "output": "json", "rules": [{"clear": "PID-5"}]},
+]
+PATIENT_CLASS = {"I": "IN", "O": "OUT"}
+
+ADT_FOR_EHR = (ADT_A01.replace("|EHR|CITY|", "|CORE|CITY|", 1).replace("PV1|1|I|", "PV1|1|IN|")
+               .replace("ZPI|1|loyalty^GOLD\r", ""))
+ORM_FOR_EHR = ORM_O01.replace("|RIS|HOSP|", "|CORE|HOSP|", 1).replace("PV1|1|O", "PV1|1|OUT").replace("\n", "\r")
+
+
+def insert_routed(store: Store, routed: list[tuple[int, str, str, str]]) -> dict[tuple[int, str], int]:
+    """(source_id, message_id, destination, payload) rows → {(source_id, destination): routed id}."""
+    mark = "%s" if store.backend == "postgres" else "?"
+    with store.transaction() as tx:
+        cur = tx.conn.cursor()
+        for source_id, message_id, destination, payload in routed:
+            cur.execute("INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, "
+                        f"lane_key, payload) VALUES ({', '.join([mark] * 7)})",
+                        (source_id, message_id, f"CTL-{message_id}", destination, "r", f"lane-{source_id}", payload))
+    got = rows(store, "SELECT id, source_id, destination FROM stage_routed")
+    return {(r["source_id"], r["destination"]): r["id"] for r in got}
+
+
+def rows(store: Store, sql: str) -> list[dict[str, Any]]:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute(sql)
+        return [dict(r) for r in cur.fetchall()]
+
+
+def outbound(store: Store) -> list[dict[str, Any]]:
+    return rows(store, "SELECT source_id, message_id, destination, content_type, idempotency_key, lane_key, "
+                       "payload, status FROM stage_outbound ORDER BY id")
+
+
+def load_lookups(store: Store) -> None:
+    with store.transaction() as tx:
+        lookups.replace_table(tx, "patient_class", PATIENT_CLASS)
+
+
+def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> TransformOutcome:
+    return transform_job.run(store, spark, specs=SPECS, destinations=DESTINATIONS, owner=f"{NODE}/{run}",
+                             epoch=epoch, run_id=run, **kwargs)
+
+
+ROUTED_ROWS = [
+    (1, "m1", "ehr", ADT_A01),
+    (1, "m1", "archive", ADT_A01),
+    (2, "m2", "ehr", ORM_O01),
+    (3, "m3", "ehr", NOT_HL7),        # has a transform: cannot be read → dead letter
+    (3, "m3", "archive", NOT_HL7),    # no transform: delivered byte for byte
+    (4, "m4", "api", ORU_R01),
+    (5, "m5", "unknown", ORU_R01),    # a destination no longer configured: its own lane, unchanged
+]
+
+
+def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: SparkSession) -> None:
+    claimed = spark.createDataFrame(
+        [(10 + i, s, d, p, m, f"C{i}") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], transform_job.CLAIMED_SCHEMA)
+    got = claimed.transform(transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS,
+                            run_id="r1")
+    hl7, js = "application/hl7-v2", "application/json"
+    expected = [
+        ("r1", 1, 10, "ehr", hl7, "ehr|PATID1234", ADT_FOR_EHR, "m1", "C0"),
+        ("r1", 1, 11, "archive", hl7, "archive", ADT_A01, "m1", "C1"),
+        ("r1", 2, 12, "ehr", hl7, "ehr|777", ORM_FOR_EHR, "m2", "C2"),
+        ("r1", 3, 13, "ehr", hl7, "ehr|", None, "m3", "C3"),
+        ("r1", 3, 14, "archive", hl7, "archive", NOT_HL7, "m3", "C4"),
+        ("r1", 5, 16, "unknown", hl7, "unknown", ORU_R01, "m5", "C6"),
+    ]
+    assertDataFrameEqual(got.filter("destination <> 'api'"), spark.createDataFrame(expected, got.schema))
+    [api] = got.filter("destination = 'api'").collect()
+    assert (api.content_type, api.lane_key) == (js, "api|LABFAC")
+    assert api.payload.startswith('{"segments":[{"segment":"MSH"') and "PATIENT" not in api.payload
+
+
+def test_a_run_moves_routed_rows_to_outbound_in_order_and_dead_letters_unreadable_messages(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    load_lookups(store)
+    ids = insert_routed(store, ROUTED_ROWS)
+
+    outcome = run_once(store, spark, epoch, "run-1")
+
+    assert outcome.claimed == tuple(sorted(ids.values()))
+    assert outcome.failed == (ids[(3, "ehr")],)
+    assert outcome.not_finished == ()
+    got = outbound(store)
+    assert [(r["source_id"], r["destination"]) for r in got] == \
+        [(s, d) for s, _, d, _ in ROUTED_ROWS if (s, d) != (3, "ehr")]  # routed order kept
+    by_key = {(r["source_id"], r["destination"]): r for r in got}
+    assert by_key[(1, "ehr")] == {
+        "source_id": 1, "message_id": "m1", "destination": "ehr", "content_type": "application/hl7-v2",
+        "idempotency_key": "m1-ehr", "lane_key": "ehr|PATID1234", "payload": ADT_FOR_EHR, "status": "pending"}
+    assert by_key[(3, "archive")]["payload"] == NOT_HL7
+    assert by_key[(4, "api")]["content_type"] == "application/json"
+    routed = {r["id"]: (r["status"], r["last_error"]) for r in rows(store, "SELECT id, status, last_error FROM stage_routed")}
+    assert routed == {i: ("dead", UNTRANSFORMABLE) if key == (3, "ehr") else ("done", None) for key, i in ids.items()}
+    events = rows(store, "SELECT stage, event, to_status, count(*) AS n FROM message_events "
+                         "GROUP BY stage, event, to_status ORDER BY stage, event")
+    assert events == [
+        {"stage": "outbound", "event": "transformed", "to_status": "pending", "n": 6},
+        {"stage": "routed", "event": "dead", "to_status": "dead", "n": 1},
+        {"stage": "routed", "event": "done", "to_status": "done", "n": 6},
+    ]
+    assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
+
+
+def test_a_finalize_under_a_stale_epoch_lands_nothing(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    load_lookups(store)
+    insert_routed(store, ROUTED_ROWS[:3])
+    owner = f"{NODE}/run-1"
+    claimed = transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
+    landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
+    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
+    acquire_permanent(store, node_id="node-b")
+
+    with pytest.raises(StaleEpoch):
+        transform_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+
+    assert outbound(store) == []
+    assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
+    assert rows(store, "SELECT DISTINCT status FROM stage_routed") == [{"status": "in_flight"}]
+
+
+def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_duplicates(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    load_lookups(store)
+    ids = insert_routed(store, ROUTED_ROWS)
+    owner = f"{NODE}/run-1"
+    transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
+    landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
+    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
+    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
+    restarted = acquire_permanent(store, node_id=NODE)  # the process died; a new epoch recovers
+    with store.transaction() as tx:
+        assert rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted) == len(ids)
+
+    outcome = run_once(store, spark, restarted, "run-2")
+
+    assert outcome.not_finished == ()
+    assert len(outbound(store)) == len(ROUTED_ROWS) - 1
+    assert len({r["idempotency_key"] for r in outbound(store)}) == len(ROUTED_ROWS) - 1
+    assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
+
+
+def test_a_rule_naming_a_missing_lookup_table_claims_nothing(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    insert_routed(store, ROUTED_ROWS[:2])
+    with pytest.raises(TransformConfigError, match="unknown lookup table 'patient_class'"):
+        run_once(store, spark, epoch, "run-1")
+    assert rows(store, "SELECT DISTINCT status FROM stage_routed") == [{"status": "pending"}]
+
+
+def test_a_stranded_routed_row_holds_its_lane_until_it_is_recovered(store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    load_lookups(store)
+    ids = insert_routed(store, [(1, "m1", "ehr", ADT_A01), (1, "m1b", "archive", ADT_A01),
+                                (2, "m2", "ehr", ORM_O01)])
+    with store.transaction() as tx:  # a job claimed the first row and died
+        rowlease.claim_batch(tx, ROUTED, owner="dead", epoch=epoch, limit=1)
+    first = run_once(store, spark, epoch, "run-1")
+    assert first.claimed == (ids[(2, "ehr")],)  # lanes are per source (lane-1 / lane-2 in insert_routed)
+    restarted = acquire_permanent(store, node_id=NODE)
+    with store.transaction() as tx:
+        rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted)
+    second = run_once(store, spark, restarted, "run-2")
+    assert second.claimed == (ids[(1, "ehr")], ids[(1, "archive")])
