@@ -16,6 +16,8 @@ from typing import Any
 
 PASSWORD_ENV = "STAGELINE_STORE_PASSWORD"
 CONFIG_ENV = "STAGELINE_CONFIG"
+VAR_ENV = "STAGELINE_VAR"
+"""Where a node keeps its local state, logs and the demo's outputs (default `var/` in the checkout)."""
 BACKENDS = ("sqlite", "postgres", "sqlserver")
 DEFAULT_PORTS = {"postgres": 5432, "sqlserver": 1433}
 
@@ -60,6 +62,10 @@ class ServiceConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: Path | None = None
+
+
+def var_dir() -> Path:
+    return Path(os.environ.get(VAR_ENV) or Path(__file__).resolve().parents[1] / "var").resolve()
 
 
 def derive_node_id() -> str:

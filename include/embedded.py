@@ -1,8 +1,11 @@
 """`stageline up`: the whole single-node stack on the embedded defaults, one command.
 
-SQLite store → Spark Connect on local[*] → Airflow (scheduler, dag-processor, api-server, triggerer
-as separate processes on a SQLite metadata DB, DAGs unpaused) → listenerd with `config/`. Progress
-is shown while starting; Ctrl-C stops everything in reverse order. State lives under `var/`.
+SQLite store (migrated by the CLI first; `config/lookups/*.csv` imported as lookup tables) → Spark
+Connect on local[*] → Airflow (scheduler, dag-processor, api-server, triggerer as separate processes
+on a SQLite metadata DB, DAGs unpaused) → the demo MLLP receiver standing in for the EHR
+(`stageline demo receive`, writing `var/out/ehr/received.hl7`) → listenerd with `config/`.
+Progress is shown while starting; Ctrl-C stops everything in reverse order. State and the demo's
+deliveries live under `var/` (`$STAGELINE_VAR`).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from include.config import ServiceConfig
+from include import demo
+from include.config import VAR_ENV, ServiceConfig, var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +54,8 @@ def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")]),
         "STAGELINE_CONFIG": str(service_config),
-        "STAGELINE_PIPELINE_DIR": str(ROOT / "config"),
+        "STAGELINE_PIPELINE_DIR": str(demo.PIPELINE_DIR),
+        VAR_ENV: str(var),
         "STAGELINE_SPARK_REMOTE": f"sc://127.0.0.1:{SPARK_CONNECT_PORT}",
     }
 
@@ -67,12 +72,31 @@ def _airflow(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "airflow"), *args]
 
 
-VAR_ENV = "STAGELINE_VAR"
-"""Where the stack keeps its state and logs (default `var/` in the checkout)."""
+def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo) -> list[tuple[str, str]]:
+    """Import `config/lookups/*.csv` into the (migrated) store, check the pipeline config, create
+    the file destinations' directories under `var` (a file destination never creates its own);
+    returns where each destination's deliveries land."""
+    from include.cli import import_lookup_dir
+    from include.store import Store
+
+    lookups = demo.PIPELINE_DIR / "lookups"
+    if lookups.is_dir() and any(lookups.glob("*.csv")):
+        store = Store(cfg.store)
+        try:
+            imported = import_lookup_dir(store, lookups)
+        finally:
+            store.close()
+        echo(f"lookup tables from {lookups}: " + ", ".join(f"{name} ({count})" for name, count in imported))
+    from include import stage_config
+
+    for dest in stage_config.load(demo.PIPELINE_DIR).destinations.values():
+        if dest.kind == "file" and Path(dest.directory).is_relative_to(var):
+            Path(dest.directory).mkdir(parents=True, exist_ok=True)
+    return demo.delivery_locations(var)
 
 
 def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
-    var = Path(os.environ.get(VAR_ENV) or ROOT / "var").resolve()
+    var = var_dir()
     env = airflow_env(var, service_config)
     home = Path(env["AIRFLOW_HOME"])
     password = _secret(home / ".admin_password")
@@ -80,6 +104,9 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
     token = os.environ.get("STAGELINE_API_TOKEN") or _secret(var / ".api_token")
     stack = Stack(var / "log", cwd=ROOT, echo=echo)
     try:
+        deliveries = _prepare_pipeline(cfg, var, echo)
+        if port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST):
+            raise RuntimeError(f"port {demo.RECEIVER_PORT} (the demo receiver's) is already in use")
         echo("migrating Airflow's metadata DB (first run: about a minute) ...")
         subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -96,6 +123,9 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
             ready = (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health")) \
                 if name == "airflow-api-server" else (lambda: True)
             stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
+        stack.start(Proc("demo-receiver", python_module(
+            "include.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
+            "--out", str(demo.receiver_dir(var))), ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
         api_port = 8470
         stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
                                                     "--config", str(ROOT / "config")),
@@ -104,12 +134,14 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
         echo(f"\nstartup failed: {exc}")
         stack.stop()
         return 1
+    delivered = "\n                      ".join(f"{name:<8} → {place}" for name, place in deliveries)
     echo(f"""
 Stageline is up (single node, SQLite store at {cfg.store.path}).
   MLLP inbound        127.0.0.1:2575      try: uv run stageline demo send
   Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
   listenerd API       http://127.0.0.1:{api_port}/cluster/status   (Authorization: Bearer {token})
   Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
+  deliveries          {delivered}
   logs                {var / 'log'}
 Ctrl-C stops everything.""")
     return stack.wait()

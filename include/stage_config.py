@@ -9,8 +9,9 @@ The directory is `$STAGELINE_PIPELINE_DIR`, default `config/` beside the service
 directory `listenerd --config` reads its inbound connections from, so one directory describes a
 node. A missing file means none of that kind. Everything is validated together when a stage task
 starts, before it claims anything: a route or transform naming a destination that is not configured
-is an error (its messages could only ever wait), as is any bad rule. A file destination's relative
-`directory` is taken relative to the pipeline directory. Lookup tables live in the store
+is an error (its messages could only ever wait), as is any bad rule. A file destination's
+`directory` may use `$STAGELINE_VAR` (the node's var dir, default `var/` in the checkout); a relative
+one is taken relative to the pipeline directory. Lookup tables live in the store
 (`stageline lookups`) and are checked by the transform run itself.
 
 Plain Python: imports no Spark, so DAG files and the CLI can use it.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from include import leadership
+from include.config import VAR_ENV, var_dir
 
 PIPELINE_DIR_ENV = "STAGELINE_PIPELINE_DIR"
 FILES = {"route": "routes.toml", "destination": "destinations.toml", "transform": "transforms.toml"}
@@ -100,7 +102,11 @@ def _tables(path: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def _resolved(spec: Any, base: Path) -> Any:
-    if isinstance(spec, dict) and spec.get("kind") == "file" and isinstance(spec.get("directory"), str) \
-            and not os.path.isabs(spec["directory"]):
-        return {**spec, "directory": str((base / spec["directory"]).resolve())}
-    return spec
+    if not (isinstance(spec, dict) and spec.get("kind") == "file" and isinstance(spec.get("directory"), str)):
+        return spec
+    directory = spec["directory"].replace(f"${{{VAR_ENV}}}", f"${VAR_ENV}")
+    directory = directory.replace(f"${VAR_ENV}", str(var_dir()))
+    if "$" in directory:
+        raise PipelineConfigError(f"{base / FILES['destination']}: destination {spec.get('name')!r}: only "
+                                  f"${VAR_ENV} may be used in 'directory', got {spec['directory']!r}")
+    return {**spec, "directory": str((base / directory).resolve())}
