@@ -1,0 +1,245 @@
+"""Stage throughput on a warm Spark Connect server: a backlog through route, transform and delivery
+to files, beside the plain-Python peer (python-hl7, same rules) in the same invocation.
+
+    store     a throwaway PostgreSQL cluster (fsync and synchronous_commit on) or a SQLite file
+    backlog   `bench/hl7_corpus.py` messages staged in stage_inbound (lane = PID-3.1)
+    Spark     one Spark Connect server on local[*], started here and warmed by one small run
+    route     route_job's phases, batch after batch until the backlog is empty
+    transform transform_job's phases, likewise (config/transforms.toml-like rules, lookup table)
+    deliver   deliver.run to file destinations (atomic write + fsync per message)
+    peer      bench/peers/python_pipeline.run over the same payloads and the same configs
+    overhead  one route run of a single message on the warm server (the per-micro-batch floor)
+
+Figures are messages/s (a message is one inbound row; fan-out makes ~1.6 routed rows each) and
+seconds per phase. Latency under the real scheduler: bench/latency.py.
+
+    uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.hl7_corpus import messages as corpus  # noqa: E402
+from bench.peers import python_pipeline  # noqa: E402
+from include.config import StoreConfig  # noqa: E402
+from include.spark import spark_session, start_connect_server, stop_connect_server  # noqa: E402
+from include.store import Store, lookups, rowlease  # noqa: E402
+from include.store.lease import acquire_permanent  # noqa: E402
+from include.store.migrate import migrate  # noqa: E402
+from include.testing.postgres_server import PostgresServer, free_port  # noqa: E402
+from spark_jobs import deliver, route_job, stage_io, transform_job  # noqa: E402
+from spark_jobs.destinations import parse_destinations  # noqa: E402
+
+ROUTES: list[dict[str, Any]] = [
+    {"name": "adt-to-ehr", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
+    {"name": "results", "destinations": ["lab", "archive"],
+     "when": {"any": [{"field": "MSH-9.1", "op": "eq", "value": "ORU"},
+                      {"field": "MSH-9.1", "op": "eq", "value": "ORM"}]}},
+    {"name": "inpatients", "destinations": ["bedboard"],
+     "when": {"all": [{"field": "PV1-2", "op": "eq", "value": "I"}, {"not": {"field": "PID-8", "op": "eq", "value": "U"}}]}},
+]
+SPECS: list[dict[str, Any]] = [
+    {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "EHR"}, {"set": "MSH-6", "value": "MAIN"},
+                                     {"map": "PV1-2", "table": "patient_class"}, {"drop_segment": "ZPI"}]},
+    {"destination": "lab", "rules": [{"set": "MSH-5", "value": "LIS"}, {"clear": "PID-19"},
+                                     {"set": "OBX-11", "value": "F", "each": True}]},
+    {"destination": "bedboard", "output": "json", "rules": [{"copy": "PID-3.1", "to": "PID-2"}]},
+]
+LOOKUPS = {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"}}
+
+
+def destinations(out: Path) -> dict[str, Any]:
+    specs = [{"name": name, "kind": "file", "directory": str(out / name),
+              **({"lane": "PID-3.1"} if name != "archive" else {})} for name in ("ehr", "lab", "bedboard", "archive")]
+    for s in specs:
+        Path(s["directory"]).mkdir(parents=True, exist_ok=True)
+    return parse_destinations(specs)
+
+
+def stage_backlog(store: Store, payloads: list[str], epoch: int) -> None:
+    from include.hl7path import value
+
+    for start in range(0, len(payloads), 5000):
+        chunk = payloads[start:start + 5000]
+        with store.transaction() as tx:
+            rowlease.stage_inbound(tx, [
+                {"message_id": f"b{start + i}", "control_id": value(p, "MSH-10"), "connection": "bench",
+                 "lane_key": value(p, "PID-3.1"), "charset": None, "payload": p} for i, p in enumerate(chunk)],
+                epoch=epoch, node_id="bench")
+
+
+class Phases:
+    """Seconds per phase, summed over batches."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.batches = 0
+
+    def time(self, name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[name] += time.perf_counter() - started
+
+    def line(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+
+
+def drain_route(store: Store, spark: Any, epoch: int, batch: int, phases: Phases) -> int:
+    done = 0
+    while True:
+        run = f"route-{phases.batches}"
+        owner = f"bench/{run}"
+        ids = phases.time("claim", lambda: route_job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
+        if not ids:
+            return done
+        phases.time("spark", lambda: route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
+                                                    .transform(route_job.transform, ROUTES, run_id=run)))
+        out = phases.time("finalize", lambda: route_job.finalize(store, run_id=run, owner=owner, epoch=epoch,
+                                                                 claimed_ids=ids))
+        assert not out.not_finished, out.not_finished[:5]
+        done += len(ids)
+        phases.batches += 1
+
+
+def drain_transform(store: Store, spark: Any, epoch: int, batch: int, dests: dict[str, Any], phases: Phases) -> int:
+    done = 0
+    while True:
+        run = f"transform-{phases.batches}"
+        owner = f"bench/{run}"
+        ids = phases.time("claim", lambda: transform_job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
+        if not ids:
+            return done
+        phases.time("spark", lambda: stage_io.land(
+            store, transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+                transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run),
+            transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS))
+        out = phases.time("finalize", lambda: transform_job.finalize(store, run_id=run, owner=owner, epoch=epoch,
+                                                                     claimed_ids=ids))
+        assert not out.not_finished, out.not_finished[:5]
+        done += len(ids)
+        phases.batches += 1
+
+
+def count(store: Store, sql: str) -> int:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute(sql)
+        return int(next(iter(dict(cur.fetchone()).values())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--batch", type=int, default=20_000, help="rows claimed per route/transform run")
+    parser.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
+    parser.add_argument("--deliver", type=int, default=20_000,
+                        help="outbound rows to deliver to files (0: skip; delivery is per-lane heads)")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
+    server = None
+    if args.backend == "postgres":
+        server = PostgresServer().start()
+        server.execute("CREATE DATABASE bench")
+        cfg = StoreConfig(backend="postgres", server=server.host, port=server.port, database="bench",
+                          username=server.user, pool_size=8)
+    else:
+        cfg = StoreConfig(backend="sqlite", path=str(work / "bench.db"))
+    connect = None
+    try:
+        store = Store(cfg)
+        migrate(store, cluster_name="bench")
+        epoch = acquire_permanent(store, node_id="bench")
+        with store.transaction() as tx:
+            for name, table in LOOKUPS.items():
+                lookups.replace_table(tx, name, table)
+        payloads = corpus(args.messages, seed=1)
+        started = time.perf_counter()
+        stage_backlog(store, payloads, epoch)
+        print(f"staged {len(payloads):,} messages on {args.backend} in {time.perf_counter() - started:.1f} s")
+
+        port = free_port()
+        started = time.perf_counter()
+        connect = start_connect_server(port, log_dir=work / "log")
+        spark = spark_session(remote=f"sc://127.0.0.1:{port}")
+        print(f"Spark Connect server up in {time.perf_counter() - started:.1f} s")
+        dests = destinations(work / "out")
+
+        # warm-up and per-micro-batch overhead: single-message route runs on the warm server
+        extra = corpus(3, seed=99)
+        overheads = []
+        for i, p in enumerate(extra):
+            with store.transaction() as tx:
+                rowlease.stage_inbound(tx, [{"message_id": f"o{i}", "control_id": f"O{i}", "connection": "bench",
+                                             "lane_key": "warm", "charset": None, "payload": p}],
+                                       epoch=epoch, node_id="bench")
+            t = time.perf_counter()
+            route_job.run(store, spark, routes=ROUTES, owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}",
+                          batch_size=1)
+            overheads.append(time.perf_counter() - t)
+        route_job.run(store, spark, routes=ROUTES, owner="bench/warm-rest", epoch=epoch, run_id="warm-rest",
+                      batch_size=args.batch)  # anything left from the warm-up
+        n_in = count(store, "SELECT count(*) FROM stage_inbound WHERE status = 'pending'")
+
+        phases = Phases()
+        started = time.perf_counter()
+        routed_msgs = drain_route(store, spark, epoch, args.batch, phases)
+        route_s = time.perf_counter() - started
+        n_routed = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'pending'")
+        print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows in {route_s:.1f} s = "
+              f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})")
+
+        tphases = Phases()
+        started = time.perf_counter()
+        transformed = drain_transform(store, spark, epoch, args.batch, dests, tphases)
+        transform_s = time.perf_counter() - started
+        print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
+              f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")
+
+        deliver_line = "deliver:   skipped"
+        if args.deliver:
+            started = time.perf_counter()
+            summary = deliver.run(store, spark, destinations=dests, owner="bench/deliver", epoch=epoch,
+                                  max_lanes=5000, time_budget_seconds=60.0)
+            deliver_s = time.perf_counter() - started
+            deliver_line = (f"deliver:   {len(summary.done):,} rows to files in {deliver_s:.1f} s = "
+                            f"{len(summary.done) / deliver_s:,.0f} rows/s ({summary.rounds} rounds of lane heads, "
+                            f"{len(summary.retrying) + len(summary.dead)} failed)")
+        print(deliver_line)
+
+        started = time.perf_counter()
+        peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)
+        peer_s = time.perf_counter() - started
+        peer_rate = len(payloads) / peer_s
+        print(f"peer:      python-hl7 route + transform of {len(payloads):,} messages in {peer_s:.1f} s = "
+              f"{peer_rate:,.0f} msg/s ({peer_counts})")
+
+        both = routed_msgs / (route_s + transform_s)
+        print("\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7 loop) |\n|---|---|---|")
+        print(f"| route | {routed_msgs / route_s:,.0f} msg/s | |")
+        print(f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s) | |")
+        print(f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer) | {peer_rate:,.0f} msg/s |")
+        print(f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
+              f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | |")
+        store.close()
+    finally:
+        if connect is not None:
+            stop_connect_server(connect)
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
