@@ -3,11 +3,13 @@
     claim     one SQL statement outside Spark, in lane order (ids only; never inside a Spark read,
               whose schema probe would run it twice)
     extract   Spark JDBC read of exactly the rows this run claimed (owner + epoch + in_flight)
-    transform pure: route() fans each message out to its destinations, the inbound columns ride
-              along, every row is tagged with the run id
+    transform pure: route() fans each message out to its destinations, every row tagged with the
+              run id — the decision only (source, destination, route, status)
     land      Spark JDBC append into landing_routed (scratch, keyed by run)
     finalize  one short fenced transaction (include.store.stages.finalize_route): epoch check,
-              sources finished, landed rows moved to stage_routed, audit events, landing cleared
+              sources finished, routed rows built from the landed decisions joined with their
+              inbound rows (payload, ids, lane: no body goes through Spark's writer), audit
+              events, landing cleared
 
 Idempotent: stage_routed has UNIQUE (source_id, destination) and the finalize only moves rows for
 sources it finishes itself, so a re-run after a crash between land and finalize lands no duplicates.
@@ -31,10 +33,9 @@ from spark_jobs.route_rules import Route, parse_routes, route
 log = logging.getLogger(__name__)
 
 LANDING_TABLE = "landing_routed"
-LANDING_COLUMNS = ("run_id", "source_id", "destination", "route_name", "lane_key", "status", "payload",
-                   "message_id", "control_id")
+LANDING_COLUMNS = ("run_id", "source_id", "destination", "route_name", "status")
 # Spark would map SQLite's INTEGER to a 32-bit int; the ids are 64-bit everywhere.
-CLAIMED_SCHEMA = "id BIGINT, payload STRING, message_id STRING, control_id STRING, lane_key STRING"
+CLAIMED_SCHEMA = "id BIGINT, payload STRING"
 
 
 def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
@@ -44,31 +45,14 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
 
 
 def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
-    """The rows `owner` claimed under `epoch`: id, payload, message_id, control_id, lane_key."""
+    """The rows `owner` claimed under `epoch`: id, payload."""
     return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch)
 
 
 def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
-    """Route claimed messages and shape the landing rows (pure; no I/O).
-
-    The inbound columns ride through route() inside its id column (a struct) instead of being
-    joined back: route() passes the id column through untouched, so the plan stays one narrow
-    pass over one read — no second JDBC scan, no shuffle, no cache. The lane is the inbound lane.
-    """
-    carried = claimed.select(F.struct(*claimed.columns).alias("_src"), F.col("payload"))
-    routed = carried.transform(route, routes, id_col="_src")
-    src = F.col("source_id")
-    return routed.select(
-        F.lit(run_id).alias("run_id"),
-        src["id"].alias("source_id"),
-        "destination",
-        "route_name",
-        src["lane_key"].alias("lane_key"),
-        "status",
-        src["payload"].alias("payload"),
-        src["message_id"].alias("message_id"),
-        src["control_id"].alias("control_id"),
-    )
+    """Route claimed messages into landing rows: run_id, source_id, destination, route_name, status (pure)."""
+    routed = claimed.transform(route, routes, id_col="id")
+    return routed.select(F.lit(run_id).alias("run_id"), "source_id", "destination", "route_name", "status")
 
 
 def land(store: Store, landing: DataFrame) -> None:

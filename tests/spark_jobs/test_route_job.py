@@ -132,20 +132,17 @@ def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: 
 # ---------------------------------------------------------------------------------------------
 
 
-def test_transform_fans_out_and_carries_the_inbound_columns(spark: SparkSession) -> None:
-    schema = "id BIGINT, payload STRING, message_id STRING, control_id STRING, lane_key STRING"
-    claimed = spark.createDataFrame([(1, ADT_A01, "m1", "C1", "P1"), (2, NOT_HL7, "m2", None, None),
-                                     (3, ORU_R01, "m3", "C3", "P3")], schema)
+def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: SparkSession) -> None:
+    claimed = spark.createDataFrame([(1, ADT_A01), (2, NOT_HL7), (3, ORU_R01)], route_job.CLAIMED_SCHEMA)
     actual = route_job.transform(claimed, ROUTES, run_id="r1")
     expected = spark.createDataFrame([
-        ("r1", 1, "ehr", "adt", "P1", "pending", ADT_A01, "m1", "C1"),
-        ("r1", 1, "archive", "adt", "P1", "pending", ADT_A01, "m1", "C1"),
-        ("r1", 1, "bedboard", "inpatient", "P1", "pending", ADT_A01, "m1", "C1"),
-        ("r1", 2, None, None, None, "unrouted", NOT_HL7, "m2", None),
-        ("r1", 3, "ehr", "results", "P3", "pending", ORU_R01, "m3", "C3"),
-        ("r1", 3, "lab", "results", "P3", "pending", ORU_R01, "m3", "C3"),
-    ], "run_id STRING, source_id BIGINT, destination STRING, route_name STRING, lane_key STRING, status STRING, "
-       "payload STRING, message_id STRING, control_id STRING")
+        ("r1", 1, "ehr", "adt", "pending"),
+        ("r1", 1, "archive", "adt", "pending"),
+        ("r1", 1, "bedboard", "inpatient", "pending"),
+        ("r1", 2, None, None, "unrouted"),
+        ("r1", 3, "ehr", "results", "pending"),
+        ("r1", 3, "lab", "results", "pending"),
+    ], "run_id STRING, source_id BIGINT, destination STRING, route_name STRING, status STRING")
     assertDataFrameEqual(actual, expected)
 
 

@@ -282,6 +282,10 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
             }
         elif isinstance(statement, exp.Insert):
             rows.append(statement.sql())
+        elif isinstance(statement, exp.Drop) and statement.args["kind"] == "TABLE":
+            [dropped] = [t.name for t in statement.args["tables"]]  # a later migration redoes a table
+            tables.pop(dropped), table_uniques.pop(dropped)
+            indexes = {k: v for k, v in indexes.items() if v["table"] != dropped}
         else:
             raise AssertionError(f"unexpected statement in a migration: {statement.sql()}")
     return {"tables": tables, "table_uniques": table_uniques, "indexes": indexes, "rows": rows}

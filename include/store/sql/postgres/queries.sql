@@ -271,7 +271,7 @@ DELETE FROM message_events
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark.
-SELECT id, payload, message_id, control_id, lane_key
+SELECT id, payload
   FROM stage_inbound
  WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
 
@@ -286,8 +286,8 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- so nothing lands for a source whose claim was lost. ON CONFLICT makes a repeat a no-op, also
 -- for duplicate landing rows (a retried Spark task); ORDER BY keeps arrival order in the ids.
 INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
-SELECT l.source_id, l.message_id, l.control_id, l.destination, l.route_name, l.lane_key, l.payload
-  FROM landing_routed l
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key, i.payload
+  FROM landing_routed l JOIN stage_inbound i ON i.id = l.source_id
  WHERE l.run_id = :run_id AND l.status = 'pending' AND l.source_id = ANY(:ids)
  ORDER BY l.source_id, l.destination
 ON CONFLICT (source_id, destination) DO NOTHING

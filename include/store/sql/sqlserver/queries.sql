@@ -376,7 +376,7 @@ DELETE FROM message_events
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark.
-SELECT id, payload, message_id, control_id, lane_key
+SELECT id, payload
   FROM stage_inbound
  WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
 
@@ -395,12 +395,13 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        inserted.destination, NULL AS detail
-SELECT l.source_id, l.message_id, l.control_id, l.destination, l.route_name, l.lane_key, l.payload
-  FROM (SELECT source_id, message_id, control_id, destination, route_name, lane_key, payload,
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key, i.payload
+  FROM (SELECT source_id, destination, route_name,
                ROW_NUMBER() OVER (PARTITION BY source_id, destination ORDER BY source_id) AS nth
           FROM landing_routed
          WHERE run_id = :run_id AND status = 'pending'
            AND source_id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))) AS l
+  JOIN stage_inbound AS i ON i.id = l.source_id
  WHERE l.nth = 1
    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r WITH (UPDLOCK, HOLDLOCK)
                     WHERE r.source_id = l.source_id AND r.destination = l.destination)

@@ -1,10 +1,24 @@
--- Stageline store, PostgreSQL, version 3: the transform stage's landing area and the lookup tables.
+-- Stageline store, PostgreSQL, version 3: the transform stage's landing area, the lookup tables, a slimmer route landing.
 --
 -- landing_outbound: Spark's JDBC writer appends one transform run's results here (keyed by run_id);
 -- the fenced finalize moves them into stage_outbound and deletes them. payload NULL means the
 -- message could not be transformed: the finalize dead-letters its routed row instead.
 -- lookup_entries: the code tables `map` rules translate through, one row per (table, code),
 -- managed with `stageline lookups` and read by each transform run.
+
+-- landing_routed, redone: the route stage lands only its decision (source, destination, route,
+-- status); the finalize takes payload, ids and lane from the inbound row itself, so no message body
+-- travels through Spark's JDBC writer twice. Scratch data: dropping it loses nothing durable.
+DROP TABLE landing_routed;
+CREATE TABLE landing_routed (
+    run_id       text   NOT NULL,
+    source_id    bigint NOT NULL,
+    destination  text,
+    route_name   text,
+    status       text   NOT NULL
+);
+CREATE INDEX landing_routed_run    ON landing_routed (run_id);
+CREATE INDEX landing_routed_source ON landing_routed (source_id);
 
 CREATE TABLE landing_outbound (
     run_id           text   NOT NULL,

@@ -6,6 +6,25 @@
 -- message could not be transformed: the finalize dead-letters its routed row instead. Sizes and
 -- collations as in stage_outbound (version 1), so the finalize compares without conversion.
 -- lookup_entries: the code tables `map` rules translate through, one row per (table, code).
+-- landing_routed, redone: the route stage lands only its decision (source, destination, route,
+-- status); the finalize takes payload, ids and lane from the inbound row itself, so no message body
+-- travels through Spark's JDBC writer twice. Scratch data: dropping it loses nothing durable.
+DROP TABLE landing_routed;
+GO
+
+CREATE TABLE landing_routed (
+    run_id       nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
+    source_id    bigint        NOT NULL,
+    destination  nvarchar(200) COLLATE Latin1_General_100_BIN2 NULL,
+    route_name   nvarchar(200) NULL,
+    status       nvarchar(16)  NOT NULL
+);
+GO
+
+CREATE INDEX landing_routed_run    ON landing_routed (run_id);
+CREATE INDEX landing_routed_source ON landing_routed (source_id);
+GO
+
 CREATE TABLE landing_outbound (
     run_id        nvarchar(200) COLLATE Latin1_General_100_BIN2 NOT NULL,
     source_id     bigint        NOT NULL,
