@@ -1,13 +1,17 @@
-"""`stageline` command line: store migration and cluster views."""
+"""`stageline` command line: store migration, cluster views, lookup tables and the demo."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from include import config as cfgmod
 from include.store import Store
+from include.store import lookups as lookup_tables
 from include.store.lease import read_lease
 from include.store.membership import NodeIdentity, cluster_nodes, cluster_status, single_node_nodes
 from include.store.migrate import ClusterIdentityError, SchemaError, check_identity, migrate
@@ -31,6 +35,13 @@ def _open_checked(cfg: cfgmod.ServiceConfig) -> tuple[Store, dict]:
 
 def _emit(doc: dict) -> None:
     click.echo(json.dumps(doc, indent=2))
+
+
+class InputError(click.ClickException):
+    """Bad input on the command line (a CSV file, a table name): "Error: ..." on stderr like every
+    other failure here, but exit code 2, like click's own usage errors."""
+
+    exit_code = 2
 
 
 @click.group()
@@ -100,6 +111,137 @@ def cluster_nodes_cmd(service_config: str | None) -> None:
         store.close()
 
 
+@cli.group()
+def lookups() -> None:
+    """Lookup tables in the store: the code tables transform `map` rules translate through.
+
+    A table is a CSV file with the header line `code,value`; importing replaces the whole table
+    in one transaction, so a transform run sees either the old table or the new one.
+    """
+
+
+def read_lookup_csv(name: str, path: Path) -> dict[str, str]:
+    """Check the table name and read `path` (`code,value` rows); LookupTableError names the file."""
+    if not lookup_tables.NAME.fullmatch(name):
+        raise lookup_tables.LookupTableError(
+            f"{path}: table name {name!r}: use letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
+    try:
+        entries = lookup_tables.read_csv(path)
+    except lookup_tables.LookupTableError as exc:
+        raise lookup_tables.LookupTableError(f"{path}: {exc}") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise lookup_tables.LookupTableError(f"{path}: cannot read it as UTF-8 CSV: {exc}") from None
+    if not entries:
+        raise lookup_tables.LookupTableError(f"{path}: no entries after the header line (to remove table "
+                                             f"{name!r}, use `stageline lookups delete {name}`)")
+    return entries
+
+
+def import_lookup_dir(store: Store, directory: Path) -> list[tuple[str, int]]:
+    """Import every `directory/*.csv` as the table named by its file stem, all in one transaction
+    (every file is read and checked first: one bad file imports nothing). Tables without a file
+    are left alone. Returns (table, entries) per file; raises LookupTableError."""
+    tables = {path.stem: read_lookup_csv(path.stem, path) for path in sorted(directory.glob("*.csv"))}
+    with store.transaction() as tx:
+        return [(name, lookup_tables.replace_table(tx, name, entries)) for name, entries in tables.items()]
+
+
+def _lookups_store(service_config: str | None) -> Store:
+    store, _ = _open_checked(_load(service_config))
+    return store
+
+
+@lookups.command("import")
+@click.argument("name")
+@click.argument("csv_file", metavar="FILE.csv",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.pass_obj
+def lookups_import(service_config: str | None, name: str, csv_file: Path) -> None:
+    """Replace lookup table NAME with the `code,value` rows of FILE.csv."""
+    try:
+        entries = read_lookup_csv(name, csv_file)
+    except lookup_tables.LookupTableError as exc:
+        raise InputError(str(exc)) from None
+    store = _lookups_store(service_config)
+    try:
+        with store.transaction() as tx:
+            count = lookup_tables.replace_table(tx, name, entries)
+    except lookup_tables.LookupTableError as exc:
+        raise InputError(f"{csv_file}: {exc}") from None
+    finally:
+        store.close()
+    click.echo(f"lookup table {name!r}: {count} entries imported from {csv_file} (whole table replaced)")
+
+
+@lookups.command("list")
+@click.pass_obj
+def lookups_list(service_config: str | None) -> None:
+    """Every table: name, entry count, last change (epoch seconds)."""
+    store = _lookups_store(service_config)
+    try:
+        with store.transaction(write=False) as tx:
+            rows = lookup_tables.list_tables(tx)
+    finally:
+        store.close()
+    _emit({"tables": [{"name": r["table_name"], "entries": int(r["entries"]), "updated_at": float(r["updated_at"])}
+                      for r in rows]})
+
+
+@lookups.command("show")
+@click.argument("name")
+@click.pass_obj
+def lookups_show(service_config: str | None, name: str) -> None:
+    """Table NAME as CSV (`code,value`, the format `import` reads) on stdout."""
+    store = _lookups_store(service_config)
+    try:
+        with store.transaction(write=False) as tx:
+            entries = lookup_tables.read_all(tx).get(name)
+    finally:
+        store.close()
+    if entries is None:
+        raise InputError(f"no lookup table {name!r} (see `stageline lookups list`)")
+    text = io.StringIO()
+    out = csv.writer(text, lineterminator="\n")
+    out.writerow(["code", "value"])
+    out.writerows(sorted(entries.items()))
+    click.echo(text.getvalue(), nl=False)
+
+
+@lookups.command("delete")
+@click.argument("name")
+@click.pass_obj
+def lookups_delete(service_config: str | None, name: str) -> None:
+    """Delete table NAME (a `map` rule naming it then fails its transform runs)."""
+    store = _lookups_store(service_config)
+    try:
+        with store.transaction() as tx:
+            count = lookup_tables.delete_table(tx, name)
+    finally:
+        store.close()
+    if not count:
+        raise InputError(f"no lookup table {name!r} (see `stageline lookups list`)")
+    click.echo(f"lookup table {name!r} deleted ({count} entries)")
+
+
+@lookups.command("sync")
+@click.argument("directory", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.pass_obj
+def lookups_sync(service_config: str | None, directory: Path) -> None:
+    """Import every DIR/*.csv as the table named by its file stem (patient_class.csv → patient_class),
+    all in one transaction. Tables without a file in DIR are left as they are."""
+    if not any(directory.glob("*.csv")):
+        raise InputError(f"no *.csv files in {directory}")
+    store = _lookups_store(service_config)
+    try:
+        imported = import_lookup_dir(store, directory)
+    except lookup_tables.LookupTableError as exc:
+        raise InputError(str(exc)) from None
+    finally:
+        store.close()
+    for name, count in imported:
+        click.echo(f"lookup table {name!r}: {count} entries imported from {directory / (name + '.csv')}")
+
+
 @cli.command("up")
 @click.option("--no-stack", is_flag=True, help="Only migrate the store and show the cluster (no processes).")
 @click.pass_obj
@@ -110,8 +252,6 @@ def up(service_config: str | None, no_stack: bool) -> None:
     ctx.invoke(cluster_status_cmd)
     if no_stack:
         return
-    from pathlib import Path
-
     from include.embedded import up as run_stack
 
     cfg = _load(service_config)
@@ -120,7 +260,7 @@ def up(service_config: str | None, no_stack: bool) -> None:
 
 @cli.group()
 def demo() -> None:
-    """Sample traffic for a first look."""
+    """Sample traffic, and a demo receiver for the deliveries, for a first look."""
 
 
 @demo.command("send")
@@ -133,6 +273,39 @@ def demo_send(host: str, port: int, count: int) -> None:
 
     for control_id, kind, code in send_samples(host, port, count=count):
         click.echo(f"{control_id:<14} {kind:<8} {code}")
+    click.echo(_deliveries_hint())
+
+
+def _deliveries_hint() -> str:
+    """Where `stageline up`'s deliveries land, in one line."""
+    from include.config import var_dir
+    from include.demo import delivery_locations
+    from include.embedded import AIRFLOW_PORT
+    from include.stage_config import PipelineConfigError
+
+    try:
+        where = ", ".join(f"{name} → {place}" for name, place in delivery_locations(var_dir()))
+    except PipelineConfigError as exc:
+        where = f"see config/destinations.toml ({exc})"
+    return (f"deliveries (within about a minute): {where}; the stage runs are in the Airflow UI "
+            f"http://127.0.0.1:{AIRFLOW_PORT}")
+
+
+@demo.command("receive")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=2576, show_default=True, help="0: any free port (printed at start)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="directory for received.hl7 (created if missing)")
+def demo_receive(host: str, port: int, out_dir: Path) -> None:
+    """A demo MLLP receiver (the EHR of the example config): ACKs every message with AA and
+    appends it to OUT/received.hl7 — one segment per line, a blank line after each message, a
+    re-delivered MSH-10 is ACKed but not written twice. Runs until Ctrl-C / SIGTERM."""
+    from include.demo import run_receiver
+
+    try:
+        run_receiver(host, port, out_dir, echo=click.echo)
+    except OSError as exc:
+        raise click.ClickException(f"demo receiver on {host}:{port}: {exc}") from exc
 
 
 def main() -> None:

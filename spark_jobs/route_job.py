@@ -44,9 +44,10 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
     return stage_io.claim(store, INBOUND, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, claimed: int | None = None) -> DataFrame:
     """The rows `owner` claimed under `epoch`: id, payload."""
-    return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch)
+    return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
+                                 claimed=claimed)
 
 
 def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
@@ -55,9 +56,9 @@ def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *
     return routed.select(F.lit(run_id).alias("run_id"), "source_id", "destination", "route_name", "status")
 
 
-def land(store: Store, landing: DataFrame) -> None:
-    """Append the landing rows over JDBC."""
-    stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS)
+def land(store: Store, landing: DataFrame, *, small: bool = False) -> None:
+    """Append the landing rows (over JDBC, or inserted here for a small batch)."""
+    stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
 
 
 def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
@@ -85,8 +86,10 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
     if not claimed_ids:
         return RouteOutcome(run_id=run_id)
     try:
-        landing = extract(store, spark, owner=owner, epoch=epoch).transform(transform, parsed, run_id=run_id)
-        land(store, landing)
+        small = len(claimed_ids) <= stage_io.SMALL_BATCH_ROWS
+        landing = extract(store, spark, owner=owner, epoch=epoch, claimed=len(claimed_ids)).transform(
+            transform, parsed, run_id=run_id)
+        land(store, landing, small=small)
         outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
     except BaseException:
         stage_io.discard_quietly(store, run_id, LANDING_TABLE)

@@ -8,9 +8,17 @@
     land     Spark JDBC append into the stage's landing table (it exists up front: Spark cannot
              create tables on SQLite); each partition in its own transaction
     discard  drop a failed run's landing rows, best effort
+
+Small batches (at most SMALL_BATCH_ROWS claimed rows — the steady trickle of a live feed) take a
+shorter path with the same result: the claimed rows are read with the store's own connection and
+handed to Spark as a local frame, and the landing rows are collected and inserted in one
+statement. That saves the two JDBC round trips Spark makes per read (schema probe + read) and the
+separate Spark job of a JDBC write: about a second per run on a warm Connect server. The
+transform itself always runs in Spark.
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 
@@ -24,6 +32,7 @@ from include.store.stages import discard_landing, inline_query
 log = logging.getLogger(__name__)
 
 WRITE_BATCH_ROWS = 2_000
+SMALL_BATCH_ROWS = 1_000
 
 
 def claim(store: Store, table: StagedTable, *, owner: str, epoch: int, batch_size: int,
@@ -35,12 +44,18 @@ def claim(store: Store, table: StagedTable, *, owner: str, epoch: int, batch_siz
 
 
 def read_claimed(store: Store, spark: SparkSession, query_name: str, schema: str, *, owner: str,
-                 epoch: int) -> DataFrame:
+                 epoch: int, claimed: int | None = None) -> DataFrame:
     """The rows `owner` claimed under `epoch`, via the read-only named query `query_name`.
 
     `schema` is a Spark customSchema: Spark would map SQLite's INTEGER to a 32-bit int, and the
-    ids are 64-bit everywhere.
+    ids are 64-bit everywhere. With `claimed` (the claim's row count) at most SMALL_BATCH_ROWS
+    the rows are read here and sent to Spark as a local frame.
     """
+    if claimed is not None and claimed <= SMALL_BATCH_ROWS:
+        columns = [c.strip().split()[0] for c in schema.split(",")]
+        with store.transaction(write=False) as tx:
+            found = tx.all(query_name, {"owner": owner, "epoch": int(epoch)})
+        return spark.createDataFrame([tuple(r[c] for c in columns) for r in found], schema)
     query = inline_query(store, query_name, {"owner": owner, "epoch": int(epoch)})
     return (spark.read.format("jdbc").options(**jdbc_options(store.config))
             .option("query", query).option("customSchema", schema).option("fetchsize", "1000")
@@ -48,12 +63,18 @@ def read_claimed(store: Store, spark: SparkSession, query_name: str, schema: str
 
 
 def land(store: Store, frame: DataFrame, table: str, columns: Sequence[str], *,
-         batch_rows: int = WRITE_BATCH_ROWS) -> None:
-    """Append `frame` to landing table `table` over JDBC.
+         batch_rows: int = WRITE_BATCH_ROWS, small: bool = False) -> None:
+    """Append `frame` to landing table `table` over JDBC, or (`small`) collect it and insert it here.
 
     SQLite admits one writer at a time, so it gets one writing connection; a server database gets
     one per partition.
     """
+    if small:
+        landed = [dict(zip(columns, r)) for r in frame.select(*columns).collect()]
+        if landed:
+            with store.transaction() as tx:
+                tx.execute(f"{table}_insert", {"rows": json.dumps(landed)})
+        return
     writer = (frame.select(*columns).write.format("jdbc").options(**jdbc_options(store.config))
               .option("dbtable", table).option("batchsize", str(batch_rows)).mode("append"))
     if store.backend == "sqlite":

@@ -81,8 +81,9 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int, lease_second
     return stage_io.claim(store, ROUTED, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int) -> DataFrame:
-    return stage_io.read_claimed(store, spark, "transform_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch)
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, claimed: int | None = None) -> DataFrame:
+    return stage_io.read_claimed(store, spark, "transform_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
+                                 claimed=claimed)
 
 
 def read_lookups(store: Store) -> dict[str, dict[str, str]]:
@@ -116,9 +117,10 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
     if not claimed_ids:
         return TransformOutcome(run_id=run_id)
     try:
-        landing = extract(store, spark, owner=owner, epoch=epoch).transform(
+        small = len(claimed_ids) <= stage_io.SMALL_BATCH_ROWS
+        landing = extract(store, spark, owner=owner, epoch=epoch, claimed=len(claimed_ids)).transform(
             outbound_rows, parsed, lookups, destinations, run_id=run_id)
-        stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS)
+        stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
         outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
     except BaseException:
         stage_io.discard_quietly(store, run_id, LANDING_TABLE)

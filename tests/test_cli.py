@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from include.store import Store
+import hl7
+from hl7.client import MLLPClient
+
+from include.config import StoreConfig
+from include.demo import read_received
+from include.store import Store, lookups
 from include.store.lease import LeaderElector
 from include.store.membership import NodeIdentity, heartbeat
-from tests.conftest import pg_config
+from tests.conftest import CLUSTER, pg_config
 
 STAGELINE = [sys.executable, "-m", "include.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +67,135 @@ def test_a_bad_config_and_a_foreign_store_fail_with_a_clear_message(tmp_path):
     run(one, "db", "migrate")
     err = run(two, "cluster", "status", ok=False).stderr
     assert "belongs to cluster 'one'" in err and "'two'" in err
+
+
+def service_toml(tmp_path: Path, c: StoreConfig) -> Path:
+    """A stageline.toml for a fresh store of the fixtures (migrated for cluster 'test-cluster')."""
+    cfg = tmp_path / "stageline.toml"
+    if c.backend == "sqlite":
+        store = f'[store]\npath = "{c.path}"\n'
+    else:
+        store = (f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
+                 f'database = "{c.database}"\nusername = "{c.username}"\n')
+    cfg.write_text(store + f'[cluster]\ncluster_name = "{CLUSTER}"\n')
+    return cfg
+
+
+def stored_tables(c: StoreConfig) -> dict[str, dict[str, str]]:
+    store = Store(c)
+    try:
+        with store.transaction(write=False) as tx:
+            return lookups.read_all(tx)
+    finally:
+        store.close()
+
+
+def test_lookups_import_list_show_sync_and_delete(tmp_path, store_config):
+    cfg = service_toml(tmp_path, store_config)
+    example = ROOT / "config" / "lookups" / "patient_class.csv"
+    assert "3 entries imported" in run(cfg, "lookups", "import", "patient_class", str(example)).stdout
+    assert stored_tables(store_config) == {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"}}
+    listed = json.loads(run(cfg, "lookups", "list").stdout)["tables"]
+    assert [(t["name"], t["entries"]) for t in listed] == [("patient_class", 3)]
+    assert abs(listed[0]["updated_at"] - time.time()) < 120
+    assert run(cfg, "lookups", "show", "patient_class").stdout == "code,value\nE,EMER\nI,IN\nO,OUT\n"
+
+    # a re-import replaces the whole table; quoting and non-ASCII survive show → import
+    tricky = tmp_path / "tricky.csv"
+    tricky.write_text('Code , VALUE\nI,"inpatient, ward"\nä,"say ""hi"""\nZ,\n', encoding="utf-8")
+    assert "3 entries imported" in run(cfg, "lookups", "import", "patient_class", str(tricky)).stdout
+    expected = {"I": "inpatient, ward", "ä": 'say "hi"', "Z": ""}
+    assert stored_tables(store_config) == {"patient_class": expected}
+    shown = tmp_path / "shown.csv"
+    shown.write_text(run(cfg, "lookups", "show", "patient_class").stdout, encoding="utf-8")
+    run(cfg, "lookups", "import", "copy", str(shown))
+    assert stored_tables(store_config) == {"patient_class": expected, "copy": expected}
+
+    # sync: every DIR/*.csv under its file stem; other tables are left alone
+    sync_dir = tmp_path / "lookups"
+    sync_dir.mkdir()
+    (sync_dir / "patient_class.csv").write_text(example.read_text())
+    (sync_dir / "sex.csv").write_text("code,value\nF,female\nM,male\n")
+    (sync_dir / "notes.txt").write_text("not a table")
+    out = run(cfg, "lookups", "sync", str(sync_dir)).stdout
+    assert "'patient_class': 3 entries" in out and "'sex': 2 entries" in out
+    assert stored_tables(store_config) == {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"},
+                                           "sex": {"F": "female", "M": "male"}, "copy": expected}
+    assert [t["name"] for t in json.loads(run(cfg, "lookups", "list").stdout)["tables"]] == \
+        ["copy", "patient_class", "sex"]
+
+    assert "deleted (3 entries)" in run(cfg, "lookups", "delete", "copy").stdout
+    assert set(stored_tables(store_config)) == {"patient_class", "sex"}
+
+
+def test_lookups_bad_input_exits_2_with_a_clear_message_and_changes_nothing(tmp_path, store_config):
+    cfg = service_toml(tmp_path, store_config)
+    run(cfg, "lookups", "import", "patient_class", str(ROOT / "config" / "lookups" / "patient_class.csv"))
+    before = stored_tables(store_config)
+
+    def fails(*args: str) -> str:
+        proc = run(cfg, *args, ok=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stdout == ""
+        return proc.stderr
+
+    def csv_file(name: str, text: str | bytes) -> str:
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return str(path)
+
+    swapped = csv_file("swapped.csv", "value,code\nIN,I\n")
+    assert "header 'code,value'" in fails("lookups", "import", "patient_class", swapped)
+    duplicate = csv_file("dup.csv", "code,value\nI,IN\nI,X\n")
+    assert "appears twice" in fails("lookups", "import", "patient_class", duplicate)
+    assert "line 3: expected 2 columns" in fails("lookups", "import", "patient_class",
+                                                 csv_file("cols.csv", "code,value\nI,IN\nO,OUT,extra\n"))
+    assert "UTF-8" in fails("lookups", "import", "patient_class", csv_file("latin1.csv", b"code,value\nI,\xe9\n"))
+    assert "no entries" in fails("lookups", "import", "patient_class", csv_file("empty.csv", "code,value\n"))
+    assert "must be 1" in fails("lookups", "import", "patient_class", csv_file("nocode.csv", "code,value\n,IN\n"))
+    assert "table name '1st class'" in fails("lookups", "import", "1st class", csv_file("ok.csv", "code,value\nI,IN\n"))
+    assert "does not exist" in fails("lookups", "import", "patient_class", str(tmp_path / "missing.csv"))
+    assert "no lookup table 'nope'" in fails("lookups", "show", "nope")
+    assert "no lookup table 'nope'" in fails("lookups", "delete", "nope")
+    assert "does not exist" in fails("lookups", "sync", str(tmp_path / "no-such-dir"))
+    (tmp_path / "empty").mkdir()
+    assert "no *.csv files" in fails("lookups", "sync", str(tmp_path / "empty"))
+    # one bad file in a sync directory imports nothing, not even the good files
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a_good.csv").write_text("code,value\nX,Y\n")
+    (mixed / "patient_class.csv").write_text("code,value\nI,IN\n")
+    (mixed / "z_bad.csv").write_text("code;value\nI;IN\n")
+    assert "z_bad.csv" in fails("lookups", "sync", str(mixed))
+    assert stored_tables(store_config) == before
+
+
+def test_lookups_refuse_a_store_that_is_not_migrated(tmp_path):
+    cfg = tmp_path / "stageline.toml"
+    cfg.write_text('[store]\npath = "s.db"\n')
+    assert "stageline db migrate" in run(cfg, "lookups", "list", ok=False).stderr
+
+
+def test_demo_receiver_acks_with_aa_and_appends_each_message_once(tmp_path):
+    out = tmp_path / "ehr"
+    receiver = subprocess.Popen([*STAGELINE, "demo", "receive", "--port", "0", "--out", str(out)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = receiver.stdout.readline()
+        port = int(re.search(r"127\.0\.0\.1:(\d+)", first).group(1))
+        template = ("MSH|^~\\&|DEMOADT|DEMOHOSP|EHR|MAIN|20250101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+                    "PID|1||DP0^^^DEMOHOSP^MR||TEST^PATIENT\rPV1|1|IN\r")
+        acks = []
+        with MLLPClient("127.0.0.1", port) as client:
+            for cid in ("C1", "C2", "C1"):  # C1 again: a re-delivery
+                acks.append(hl7.parse(client.send_message(template.format(cid=cid)).decode().strip("\x0b\x1c\r\n")))
+        assert [(str(a.segment("MSA")[1]), str(a.segment("MSA")[2])) for a in acks] == \
+            [("AA", "C1"), ("AA", "C2"), ("AA", "C1")]
+        text = (out / "received.hl7").read_text()
+        assert text.startswith("MSH|^~\\&|DEMOADT|DEMOHOSP|EHR|MAIN|") and "\r" not in text
+        assert read_received(out / "received.hl7") == [template.format(cid="C1"), template.format(cid="C2")]
+    finally:
+        receiver.terminate()
+        code = receiver.wait(10)
+        log = receiver.stdout.read()
+    assert code == 0 and "already received" in log and "demo receiver stopped" in log, log

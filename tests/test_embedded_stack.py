@@ -1,6 +1,7 @@
-"""The README's first command: `stageline up` brings the whole single-node stack up, a demo message
-sent over MLLP is routed by the real Airflow scheduler running the Spark route job, and Ctrl-C
-stops every process it started."""
+"""The README's first command: `stageline up` brings the whole single-node stack up, demo messages
+sent over MLLP are routed, transformed and delivered by the real Airflow scheduler running the Spark
+stage jobs — to both destinations of `config/`: the file archive and the demo MLLP receiver standing
+in for the EHR — and Ctrl-C stops every process it started."""
 from __future__ import annotations
 
 import os
@@ -11,37 +12,106 @@ import sys
 import time
 from pathlib import Path
 
+import hl7
 import psutil
 
+from include.demo import read_received
 from include.testing.postgres_server import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
+COUNT = 4  # of each kind, per batch: 4 ADT (to ehr + archive; patients DP0, DP1, DP2, DP0), 4 ORU + 4 ORM
+# (to archive). Two batches: the first right after startup (cold), the second once it is delivered.
 
 
 def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
     (tmp_path / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
-    env = {**os.environ, "STAGELINE_VAR": str(tmp_path / "var")}
+    var = tmp_path / "var"
+    env = {**os.environ, "STAGELINE_VAR": str(var)}
     out = open(tmp_path / "up.log", "w+")
     stageline = Path(sys.executable).parent / "stageline"
     up = subprocess.Popen([str(stageline), "--service-config", str(tmp_path / "stageline.toml"), "up"], cwd=ROOT,
                           env=env, stdout=out, stderr=subprocess.STDOUT)
     started: list[psutil.Process] = []
+    received_file = var / "out" / "ehr" / "received.hl7"
+    archive = var / "out" / "archive"
     try:
         wait_for(lambda: up.poll() is not None or "Stageline is up" in (tmp_path / "up.log").read_text(),
                  timeout=400, interval=1, what="the stack")
         assert up.poll() is None, (tmp_path / "up.log").read_text()
         started = psutil.Process(up.pid).children(recursive=True)
-        sent = subprocess.run([str(stageline), "demo", "send", "--count", "1"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60)
-        assert sent.returncode == 0 and sent.stdout.count(" AA") == 3, sent.stdout + sent.stderr
+        banner = (tmp_path / "up.log").read_text().split("Stageline is up")[1]
+        assert str(received_file) in banner and f"{archive}/" in banner, banner
         db = tmp_path / "var" / "stageline.db"
 
-        def routed() -> list[tuple[str, int]]:
+        def query(sql: str) -> list[tuple]:
             with sqlite3.connect(db) as conn:
-                return conn.execute("SELECT destination, count(*) FROM stage_routed GROUP BY 1 ORDER BY 1").fetchall()
+                return conn.execute(sql).fetchall()
 
-        assert wait_for(lambda: routed() == [("archive", 3), ("ehr", 1)], timeout=240, interval=2,
-                        what="the scheduler to route the demo messages")
+        def routed() -> list[tuple[str, int]]:
+            return query("SELECT destination, count(*) FROM stage_routed GROUP BY 1 ORDER BY 1")
+
+        sent_order: list[str] = []
+        sent_adt: list[str] = []
+        timings: list[str] = []
+        for batch, label in enumerate(("cold: right after `stageline up`", "warm"), start=1):
+            sent = subprocess.run([str(stageline), "demo", "send", "--count", str(COUNT)], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=60)
+            assert sent.returncode == 0 and sent.stdout.count(" AA") == 3 * COUNT, sent.stdout + sent.stderr
+            hint = sent.stdout.splitlines()[-1]
+            assert str(received_file) in hint and f"{archive}/" in hint and "Airflow UI" in hint, hint
+            sent_order += [line.split()[0] for line in sent.stdout.splitlines()[:3 * COUNT]]
+            sent_adt += [line.split()[0] for line in sent.stdout.splitlines() if " ADT^A01 " in line]
+
+            assert wait_for(lambda: routed() == [("archive", 3 * COUNT * batch), ("ehr", COUNT * batch)],
+                            timeout=240, interval=2, what="the scheduler to route the demo messages")
+
+            def delivered() -> bool:
+                dead = query("SELECT control_id, destination, last_error FROM stage_outbound WHERE status = 'dead'")
+                assert not dead, f"dead-lettered deliveries: {dead}"
+                return query("SELECT status, count(*) FROM stage_outbound GROUP BY 1") == [("done", 4 * COUNT * batch)]
+
+            try:
+                wait_for(delivered, timeout=300, interval=0.5, what="the scheduler to transform and deliver them")
+            except TimeoutError:
+                rows = query("SELECT control_id, destination, status, attempts, last_error FROM stage_outbound")
+                raise AssertionError(f"stage_outbound: {rows}; stage_routed: "
+                                     f"{query('SELECT status, count(*) FROM stage_routed GROUP BY 1')}") from None
+            # from the last message staged (its ACK follows the commit) to each stage's last write
+            last_sent, last_routed, last_landed = (
+                query(f"SELECT max(created_at) / 1000.0 FROM {table}")[0][0]
+                for table in ("stage_inbound", "stage_routed", "stage_outbound"))
+            last_written = max(p.stat().st_mtime for p in [received_file, *archive.iterdir()])
+            timings.append(f"batch {batch} ({label}): last send → routed {last_routed - last_sent:.1f} s, "
+                           f"→ transformed {last_landed - last_sent:.1f} s, → last delivery written "
+                           f"{last_written - last_sent:.1f} s")
+
+        inbound = dict(query("SELECT message_id, payload FROM stage_inbound"))
+        outbound = query("SELECT message_id, control_id, destination FROM stage_outbound")
+        # the archive: one file per message, named by the idempotency key, holding the message as received
+        to_archive = {message_id: control_id for message_id, control_id, dest in outbound if dest == "archive"}
+        assert sorted(to_archive.values()) == sorted(sent_order)
+        assert sorted(p.name for p in archive.iterdir()) == sorted(f"{m}-archive.hl7" for m in to_archive)
+        for message_id in to_archive:
+            assert (archive / f"{message_id}-archive.hl7").read_bytes().decode() == inbound[message_id]
+        # the EHR (the demo receiver): every ADT arrived, transformed (transforms.toml, the patient_class lookup table),
+        # and each patient's messages in the order they were sent
+        by_control = {control_id: inbound[message_id] for message_id, control_id, dest in outbound if dest == "ehr"}
+        received = [hl7.parse(m) for m in read_received(received_file)]
+        received_ids = [str(m.segment("MSH")[10]) for m in received]
+        assert sorted(received_ids) == sorted(sent_adt) == sorted(by_control), (received_ids, sent_adt)
+        for message, control_id in zip(received, received_ids):
+            assert (str(message.segment("MSH")[5]), str(message.segment("MSH")[6])) == ("EHR", "MAIN")
+            assert str(message.segment("PV1")[2]) == "IN"
+            original = by_control[control_id]
+            assert "\rPV1|1|I|" in original and "|STAGELINE|HOSP|" in original
+            expected = original.replace("|STAGELINE|HOSP|", "|EHR|MAIN|", 1).replace("\rPV1|1|I|", "\rPV1|1|IN|")
+            assert str(message).rstrip("\r") == expected.rstrip("\r")
+        patient = {cid: m.extract_field("PID", 1, 3, 1, 1) for m, cid in zip(received, received_ids)}
+        assert sorted(set(patient.values())) == ["DP0", "DP1", "DP2"]
+        for pid in set(patient.values()):
+            assert [c for c in received_ids if patient[c] == pid] == [c for c in sent_adt if patient[c] == pid]
+
+        print(f"\n{3 * COUNT} demo messages ({4 * COUNT} deliveries) per batch:\n  " + "\n  ".join(timings))
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(120)
@@ -50,3 +120,4 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
     time.sleep(1)
     leftovers = [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert leftovers == [], f"processes left running: {leftovers}"
+    assert "stopped demo-receiver" in (tmp_path / "up.log").read_text()

@@ -56,6 +56,8 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "charset": "UTF-8", "payload": "MSH|^~\\&|LAB|ACME|||20240101120000||ORU^R01|MSG00042|P|2.5\r",
     "messages": json.dumps([{"message_id": "m-42", "control_id": "MSG00042", "connection": "mllp-lab",
                              "lane_key": "PID-7", "charset": None, "payload": "MSH|^~\\&|O'Neil\r"}] * 2),
+    "rows": json.dumps([{"run_id": "r1", "source_id": 1, "destination": "ehr", "route_name": "adt",
+                         "status": "pending"}]),
     "table_name": "patient_class", "entries": json.dumps([{"code": "I", "value": "IN"}]),
     "events": json.dumps([{"stage": "inbound", "row_id": 1, "message_id": "m-42", "control_id": None,
                            "destination": None, "event": "received", "from_status": None,

@@ -114,7 +114,8 @@ RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 -- claim_batch for the stages that feed lanes (route, transform): a row is skipped while an earlier
 -- row of its lane is still open and not claimable now (in_flight under a dead or running claimer,
 -- or backing off), so a stranded row is finished before anything newer in its lane moves on and
--- the next stage's ids keep lane order. Rows without a lane (NULL) are never held back.
+-- the next stage's ids keep lane order. Rows without a lane (NULL) are never held back. The
+-- held_lane partial index keeps the check a probe of the few held rows, not of every open one.
 UPDATE {table}
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = now() + make_interval(secs => :lease_seconds),
@@ -123,9 +124,8 @@ UPDATE {table}
                WHERE t.status IN ('pending', 'error')
                  AND (t.next_attempt_at IS NULL OR t.next_attempt_at <= now())
                  AND NOT EXISTS (SELECT 1 FROM {table} e
-                                  WHERE e.lane_key = t.lane_key AND e.id < t.id
-                                    AND (e.status = 'in_flight'
-                                         OR (e.status = 'error' AND e.next_attempt_at > now())))
+                                  WHERE e.status IN ('in_flight', 'error') AND e.lane_key = t.lane_key
+                                    AND e.id < t.id AND (e.status = 'in_flight' OR e.next_attempt_at > now()))
                ORDER BY t.id LIMIT :limit
                FOR UPDATE SKIP LOCKED)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -368,3 +368,20 @@ DELETE FROM lookup_entries WHERE table_name = :table_name
 INSERT INTO lookup_entries (table_name, code, value)
 SELECT :table_name, e.code, e.value
   FROM json_to_recordset(CAST(:entries AS json)) AS e(code text, value text)
+
+-- name: landing_routed_insert
+-- The small-batch path: a run of a few rows lands them in one statement instead of a Spark JDBC
+-- write (a Spark job of its own). :rows is a JSON array of landing rows.
+INSERT INTO landing_routed (run_id, source_id, destination, route_name, status)
+SELECT r.run_id, r.source_id, r.destination, r.route_name, r.status
+  FROM json_to_recordset(CAST(:rows AS json)) AS r(
+       run_id text, source_id bigint, destination text, route_name text, status text)
+
+-- name: landing_outbound_insert
+INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, payload,
+                              message_id, control_id)
+SELECT r.run_id, r.source_id, r.routed_id, r.destination, r.content_type, r.lane_key, r.payload,
+       r.message_id, r.control_id
+  FROM json_to_recordset(CAST(:rows AS json)) AS r(
+       run_id text, source_id bigint, routed_id bigint, destination text, content_type text, lane_key text,
+       payload text, message_id text, control_id text)

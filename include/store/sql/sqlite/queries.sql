@@ -116,9 +116,8 @@ UPDATE {table}
                WHERE t.status IN ('pending', 'error')
                  AND (t.next_attempt_at IS NULL OR t.next_attempt_at <= {now})
                  AND NOT EXISTS (SELECT 1 FROM {table} e
-                                  WHERE e.lane_key = t.lane_key AND e.id < t.id
-                                    AND (e.status = 'in_flight'
-                                         OR (e.status = 'error' AND e.next_attempt_at > {now})))
+                                  WHERE e.status IN ('in_flight', 'error') AND e.lane_key = t.lane_key
+                                    AND e.id < t.id AND (e.status = 'in_flight' OR e.next_attempt_at > {now}))
                ORDER BY t.id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
@@ -351,3 +350,22 @@ DELETE FROM lookup_entries WHERE table_name = :table_name
 INSERT INTO lookup_entries (table_name, code, value)
 SELECT :table_name, json_extract(e.value, '$.code'), json_extract(e.value, '$.value')
   FROM json_each(:entries) AS e
+
+-- name: landing_routed_insert
+-- The small-batch path: a run of a few rows lands them in one statement instead of a Spark JDBC
+-- write (a Spark job of its own). :rows is a JSON array of landing rows.
+INSERT INTO landing_routed (run_id, source_id, destination, route_name, status)
+SELECT json_extract(r.value, '$.run_id'), json_extract(r.value, '$.source_id'),
+       json_extract(r.value, '$.destination'), json_extract(r.value, '$.route_name'),
+       json_extract(r.value, '$.status')
+  FROM json_each(:rows) AS r
+
+-- name: landing_outbound_insert
+INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, payload,
+                              message_id, control_id)
+SELECT json_extract(r.value, '$.run_id'), json_extract(r.value, '$.source_id'),
+       json_extract(r.value, '$.routed_id'), json_extract(r.value, '$.destination'),
+       json_extract(r.value, '$.content_type'), json_extract(r.value, '$.lane_key'),
+       json_extract(r.value, '$.payload'), json_extract(r.value, '$.message_id'),
+       json_extract(r.value, '$.control_id')
+  FROM json_each(:rows) AS r

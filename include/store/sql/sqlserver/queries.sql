@@ -192,9 +192,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                  WHERE c.status IN ('pending', 'error')
                    AND (c.next_attempt_at IS NULL OR c.next_attempt_at <= SYSUTCDATETIME())
                    AND NOT EXISTS (SELECT 1 FROM {table} AS e
-                                    WHERE e.lane_key = c.lane_key AND e.id < c.id
-                                      AND (e.status = 'in_flight'
-                                           OR (e.status = 'error' AND e.next_attempt_at > SYSUTCDATETIME())))
+                                    WHERE e.status IN ('in_flight', 'error') AND e.lane_key = c.lane_key
+                                      AND e.id < c.id AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))
                  ORDER BY c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
@@ -492,3 +491,31 @@ DELETE FROM lookup_entries WHERE table_name = :table_name
 INSERT INTO lookup_entries (table_name, code, value)
 SELECT :table_name, e.code, e.value
   FROM OPENJSON(:entries) WITH (code nvarchar(200) '$.code', value nvarchar(1000) '$.value') AS e
+
+-- name: landing_routed_insert
+-- The small-batch path: a run of a few rows lands them in one statement instead of a Spark JDBC
+-- write (a Spark job of its own). :rows is a JSON array of landing rows.
+INSERT INTO landing_routed (run_id, source_id, destination, route_name, status)
+SELECT r.run_id, r.source_id, r.destination, r.route_name, r.status
+  FROM OPENJSON(:rows) WITH (
+       run_id       nvarchar(200) '$.run_id',
+       source_id    bigint        '$.source_id',
+       destination  nvarchar(200) '$.destination',
+       route_name   nvarchar(200) '$.route_name',
+       status       nvarchar(16)  '$.status') AS r
+
+-- name: landing_outbound_insert
+INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, payload,
+                              message_id, control_id)
+SELECT r.run_id, r.source_id, r.routed_id, r.destination, r.content_type, r.lane_key, r.payload,
+       r.message_id, r.control_id
+  FROM OPENJSON(:rows) WITH (
+       run_id        nvarchar(200) '$.run_id',
+       source_id     bigint        '$.source_id',
+       routed_id     bigint        '$.routed_id',
+       destination   nvarchar(200) '$.destination',
+       content_type  nvarchar(200) '$.content_type',
+       lane_key      nvarchar(200) '$.lane_key',
+       payload       nvarchar(max) '$.payload',
+       message_id    nvarchar(450) '$.message_id',
+       control_id    nvarchar(200) '$.control_id') AS r
