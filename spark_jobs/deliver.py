@@ -2,19 +2,24 @@
 
 One round:
 
-    claim     `claim_lane_heads` in one SQL transaction outside Spark: at most ONE row per lane
-              (its oldest unfinished row), stranded heads of a dead leader re-pended first
-    extract   the claimed rows (`read_claimed` — today a plain SELECT + `createDataFrame`; the
-              JDBC read the route stage uses can replace it without touching anything else)
+    claim     `claim_lane_heads` in one SQL transaction outside Spark: the first `per_lane` rows
+              of each due lane (a prefix, cut before anything held), stranded heads of a dead
+              leader re-pended first
+    extract   the claimed rows (`read_claimed`: a local frame for a small claim, a Spark JDBC read
+              for a large one — `spark_jobs.stage_io`)
     deliver   `spark_deliver`: repartition by lane, `mapInPandas` → `deliver_lanes` → `send()`;
               an outcomes frame (id, destination, ok, retryable, detail) is collected
     finalize  `finalize_deliveries`, ONE fenced transaction: ok → done; retryable → error with the
-              destination's backoff, or dead after its `max_attempts`; permanent → dead at once
+              destination's backoff, or dead after its `max_attempts`; permanent → dead at once;
+              not attempted (an earlier row of its lane failed this round) → pending again, the
+              attempt not counted
 
 `run()` repeats rounds until no lane head is due or its time budget is spent, so one job run
-drains a backlog lane by lane, each lane in id order. Because only heads are claimed, the next
-message of a lane is claimed only after its head is finished, and a failing head (backing off,
-then dead) blocks its own lane and nothing else (DESIGN invariant 6).
+drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
+after another and the first failure stops the lane, so a later message never overtakes a failed
+earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else (DESIGN
+invariant 6). `per_lane` > 1 lets a busy lane — e.g. one lane per destination — move many
+messages per round instead of one.
 
 At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
 lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent again. Every
@@ -32,7 +37,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from include.store import OUTBOUND, Store
-from include.store.rowlease import claim_lane_heads, fail_batch, finish_batch
+from include.store.rowlease import claim_lane_heads, fail_batch, finish_batch, release_batch
 from include.store.stages import StaleEpoch
 from spark_jobs.destinations import DEFAULT_CONTENT_TYPE, Destination, parse_destinations, send
 
@@ -69,6 +74,8 @@ OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, 
 UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
 UNCONFIGURED_BACKOFF = (5.0, 300.0)
 NO_OUTCOME = "no delivery outcome came back from Spark"
+NOT_ATTEMPTED = "not attempted"
+DEFAULT_PER_LANE = 50
 
 Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
 
@@ -78,13 +85,15 @@ class Summary:
     """What one finalize (or a whole run, summed) changed; ids ascending.
 
     `retrying`: failed attempts now `error`, due again after their backoff. `dead`: given up
-    (permanent failure, or `max_attempts` reached). `not_finished`: outcomes that did not land
+    (permanent failure, or `max_attempts` reached). `released`: claimed but not tried because an
+    earlier row of the lane failed; pending again. `not_finished`: outcomes that did not land
     because the row was no longer this claimer's (its row lease was swept, another claimer has it).
     """
 
     rounds: int = 0
     claimed: tuple[int, ...] = ()
     done: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
     retrying: tuple[int, ...] = ()
     dead: tuple[int, ...] = ()
     not_finished: tuple[int, ...] = ()
@@ -132,7 +141,7 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
         for row in lane:
             if out and not out[-1]["ok"]:
                 out.append(_outcome(row, ok=False, retryable=True,
-                                    detail=f"not attempted: message {out[-1]['id']} earlier in the lane failed"))
+                                    detail=f"{NOT_ATTEMPTED}: message {out[-1]['id']} earlier in the lane failed"))
             else:
                 out.append(deliver_row(row, dests))
         return out
@@ -159,12 +168,13 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
     def deliver_batches(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
         import pandas as pd
 
-        for batch in batches:
-            records = [_plain(r) for r in batch.to_dict("records")]
-            outcomes = list(deliver_lanes(records, dests, concurrency=concurrency))
-            if outcomes:
-                yield pd.DataFrame(outcomes, columns=list(OUTCOME_COLUMNS)).astype(
-                    {"id": "int64", "ok": "bool", "retryable": "bool"})
+        # The whole partition at once: Arrow may split one lane's rows over two batches, and a lane
+        # must stop at its first failure across all of them.
+        records = [_plain(r) for batch in batches for r in batch.to_dict("records")]
+        outcomes = list(deliver_lanes(records, dests, concurrency=concurrency))
+        if outcomes:
+            yield pd.DataFrame(outcomes, columns=list(OUTCOME_COLUMNS)).astype(
+                {"id": "int64", "ok": "bool", "retryable": "bool"})
 
     spread = claimed.repartition(partitions, "lane_key") if partitions else claimed.repartition("lane_key")
     return spread.sortWithinPartitions("lane_key", "id").mapInPandas(deliver_batches, schema=OUTCOME_SCHEMA)
@@ -174,10 +184,12 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
 # store side: claim, read, finalize
 
 
-def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None) -> list[int]:
-    """Claim the heads of up to `max_lanes` lanes in their own transaction; their ids."""
+def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None,
+          per_lane: int = 1) -> list[int]:
+    """Claim the first `per_lane` rows of up to `max_lanes` lanes in their own transaction; their ids."""
     with store.transaction() as tx:
-        rows = claim_lane_heads(tx, OUTBOUND, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds)
+        rows = claim_lane_heads(tx, OUTBOUND, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds,
+                                per_lane=per_lane)
     return [int(r["id"]) for r in rows]
 
 
@@ -191,16 +203,13 @@ def fetch_claimed(store: Store, *, owner: str, epoch: int, ids: Iterable[int]) -
 
 
 def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, ids: Iterable[int]) -> DataFrame:
-    """SEAM: the claimed rows as a Spark frame with CLAIMED_SCHEMA.
+    """The claimed rows as a Spark frame with CLAIMED_SCHEMA: read here and handed over as a local
+    frame for a small claim, a Spark JDBC read of `deliver_read_claimed` (bounded by owner + epoch)
+    for a large one."""
+    from spark_jobs import stage_io
 
-    Today: `fetch_claimed` in the driver and `createDataFrame` (one claim is at most `max_lanes`
-    rows). To move to a JDBC read, run the same named query `deliver_read_claimed` through
-    `include.store.stages.inline_query` + `spark.read.format("jdbc")` with
-    `customSchema=CLAIMED_SCHEMA` — it is bounded by owner + epoch, needs no id list, and is
-    read-only (Spark's schema probe may run it twice).
-    """
-    rows = fetch_claimed(store, owner=owner, epoch=epoch, ids=ids)
-    return spark.createDataFrame([tuple(r[c] for c in CLAIMED_COLUMNS) for r in rows], CLAIMED_SCHEMA)
+    return stage_io.read_claimed(store, spark, "deliver_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
+                                 claimed=len(list(ids)))
 
 
 def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
@@ -220,15 +229,17 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
         if i not in by_id or (o["ok"] and not by_id[i]["ok"]):  # a Spark task retry: any success counts
             by_id[i] = o
     ok_ids = sorted(i for i, o in by_id.items() if o["ok"])
+    untried = sorted(i for i, o in by_id.items() if not o["ok"] and (o.get("detail") or "").startswith(NOT_ATTEMPTED))
     groups: dict[tuple[str, bool, str], list[int]] = {}
     for i, o in sorted(by_id.items()):
-        if not o["ok"]:
+        if not o["ok"] and i not in untried:
             groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
     with store.transaction() as tx:
         tx.fence()
         if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
             raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
         done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
+        released = release_batch(tx, OUTBOUND, untried, owner=owner, epoch=epoch)
         failed: list[dict[str, Any]] = []
         for (name, retryable, detail), ids in groups.items():
             dest = dests.get(name)
@@ -243,10 +254,11 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
                 failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
                                      max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
                                      max_backoff_seconds=dest.max_backoff_seconds)
-    landed = set(done) | {int(r["id"]) for r in failed}
+    landed = set(done) | set(released) | {int(r["id"]) for r in failed}
     return Summary(
         claimed=tuple(sorted(by_id)),
         done=tuple(sorted(done)),
+        released=tuple(released),
         retrying=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "error")),
         dead=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "dead")),
         not_finished=tuple(sorted(set(by_id) - landed)),
@@ -258,8 +270,8 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
 
 
 def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
-        max_lanes: int = 1000, time_budget_seconds: float = 240.0, lease_seconds: float | None = None,
-        partitions: int | None = None, concurrency: int = 1,
+        max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, time_budget_seconds: float = 240.0,
+        lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
         clock: Callable[[], float] = time.monotonic) -> Summary:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
 
@@ -275,7 +287,8 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     deadline = clock() + time_budget_seconds
     total = Summary()
     while True:
-        ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds)
+        ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds,
+                    per_lane=per_lane)
         if not ids:
             break
         try:

@@ -47,17 +47,29 @@ def claim_in_lane_order(tx: Tx, table: StagedTable, *, owner: str, epoch: int, l
 
 
 def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
-                     lease_seconds: float | None = None) -> list[Row]:
-    """Claim the head of up to `limit` lanes (per-lane FIFO).
+                     lease_seconds: float | None = None, per_lane: int = 1) -> list[Row]:
+    """Claim the head — or the first `per_lane` rows — of up to `limit` lanes (per-lane FIFO).
 
-    A lane's head is its oldest unfinished row. Expired in-flight rows are re-pended first in the
-    same transaction, so a crashed leader's stranded head is retried before anything newer in its
-    lane; a head that is in flight elsewhere or waiting out its backoff blocks only its own lane.
+    A lane's head is its oldest unfinished row; a lane is cut before its first row in flight
+    elsewhere or waiting out its backoff, so such a row blocks only its own lane. Expired in-flight
+    rows are re-pended first in the same transaction, so a crashed leader's stranded head is
+    retried before anything newer in its lane. The caller must send a lane's rows in id order and
+    stop at the first failure (`release_batch` the rest).
     """
     sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000, max_attempts=UNLIMITED_ATTEMPTS)
     tx.fence()
     return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
+                                              "per_lane": int(per_lane),
                                               "lease_seconds": _lease(tx, lease_seconds)}, table=table))
+
+
+def release_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int) -> list[int]:
+    """Hand claimed rows back as pending without counting the attempt (never tried); ids released."""
+    if not ids:
+        return []
+    tx.fence()
+    rows = tx.all("release_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch}, table=table)
+    return sorted(int(r["id"]) for r in rows)
 
 
 def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int,

@@ -138,14 +138,17 @@ def test_a_lane_with_several_rows_stops_at_its_first_failure(http_receiver, conc
 # --- the store and real receivers -------------------------------------------------------------
 
 
-def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(store, spark, mllp_receiver) -> None:
+@pytest.mark.parametrize("per_lane", [1, 50])
+def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(store, spark, mllp_receiver,
+                                                                           per_lane: int) -> None:
     receiver = mllp_receiver()
     config = mllp_config(receiver)
     ids = insert_outbound(store, backlog(parse_destinations(config)))
     epoch = acquire_permanent(store, node_id=NODE)
-    summary = run(store, spark, epoch, config)
+    summary = run(store, spark, epoch, config, per_lane=per_lane)
     assert arrivals_by_lane(receiver) == {p: [f"{p}-{i}" for i in range(PER_LANE)] for p in PATIENTS}
-    assert summary == Summary(rounds=PER_LANE, claimed=tuple(sorted(ids)), done=tuple(sorted(ids)))
+    rounds = PER_LANE if per_lane == 1 else 1  # heads only: one message per lane per round
+    assert summary == Summary(rounds=rounds, claimed=tuple(sorted(ids)), done=tuple(sorted(ids)))
     assert set(statuses(store).values()) == {"done"}
     assert rows(store, "SELECT event, count(*) AS n FROM message_events GROUP BY event") == [
         {"event": "done", "n": len(ids)}]
@@ -172,6 +175,11 @@ def test_a_failing_head_blocks_only_its_lane_and_goes_dead_after_max_attempts(st
                        "detail": "ehr: AE for P2-0: test"} for n, to in [(1, "error"), (2, "error"), (3, "dead")]]
     assert rows(store, "SELECT attempts, last_error FROM stage_outbound WHERE id = :id", {"id": head}) == [
         {"attempts": 3, "last_error": "ehr: AE for P2-0: test"}]
+    # the rest of P2's lane was claimed with its head each round but never tried: not counted
+    assert rows(store, "SELECT DISTINCT attempts FROM stage_outbound WHERE control_id LIKE 'P2-%' AND id <> :id",
+                {"id": head}) == [{"attempts": 1}]
+    p2_rest = {r["id"] for r in rows(store, "SELECT id FROM stage_outbound WHERE control_id LIKE 'P2-%'")} - {head}
+    assert set(summary.released) == p2_rest
 
 
 def test_a_head_backing_off_holds_its_lane_while_the_other_lanes_drain(store, mllp_receiver) -> None:
@@ -277,7 +285,7 @@ def test_run_stops_when_its_time_budget_is_spent(store, outbox) -> None:
                              "idempotency_key": f"k{i}", "lane_key": "archive", "payload": "x"} for i in range(3)])
     ticks = iter(range(100))
     summary = run(store, None, acquire_permanent(store, node_id=NODE), config, time_budget_seconds=0.5,
-                  clock=lambda: float(next(ticks)))
+                  clock=lambda: float(next(ticks)), per_lane=1)
     assert summary.rounds == 1 and len(summary.done) == 1
     assert sorted(statuses(store).values()) == ["done", "pending", "pending"]
 

@@ -58,7 +58,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
                              "lane_key": "PID-7", "charset": None, "payload": "MSH|^~\\&|O'Neil\r"}] * 2),
     "rows": json.dumps([{"run_id": "r1", "source_id": 1, "destination": "ehr", "route_name": "adt",
                          "status": "pending"}]),
-    "table_name": "patient_class", "entries": json.dumps([{"code": "I", "value": "IN"}]),
+    "per_lane": 20, "table_name": "patient_class", "entries": json.dumps([{"code": "I", "value": "IN"}]),
     "events": json.dumps([{"stage": "inbound", "row_id": 1, "message_id": "m-42", "control_id": None,
                            "destination": None, "event": "received", "from_status": None,
                            "to_status": "pending", "epoch": 7, "node_id": "node-a", "attempt": 0,

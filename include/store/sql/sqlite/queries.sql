@@ -123,18 +123,27 @@ UPDATE {table}
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 
 -- name: claim_lane_heads
+-- Per-lane FIFO: the first :per_lane open rows of up to :limit lanes (lanes ordered by their oldest
+-- open row), each lane cut before its first row that is in flight or backing off — so a lane whose
+-- head is held gives nothing, and one claim never leaves a gap in a lane. Lanes, not rows, are
+-- limited, so two concurrent claimers see whole prefixes: whatever one took, the other's outer
+-- status check (evaluated under the row lock) skips. NULL lane keys form one lane.
 UPDATE {table}
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = {now} + CAST(:lease_seconds * 1000 AS INTEGER),
        attempts = attempts + 1, updated_at = {now}
- WHERE id IN (SELECT h.id
-                FROM {table} h
-                JOIN (SELECT min(id) AS id FROM {table}
-                       WHERE status IN ('pending', 'error', 'in_flight')
-                       GROUP BY lane_key) heads ON heads.id = h.id
-               WHERE h.status IN ('pending', 'error')
-                 AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= {now})
-               ORDER BY h.id LIMIT :limit)
+ WHERE id IN (SELECT x.id
+                FROM (SELECT r.id, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
+                        FROM (SELECT o.id, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
+                                FROM (SELECT id, lane_key, ROW_NUMBER() OVER (PARTITION BY lane_key ORDER BY id) AS rn
+                                        FROM {table} WHERE status IN ('pending', 'error', 'in_flight')) AS o
+                               WHERE o.rn <= :per_lane
+                                 AND NOT EXISTS (SELECT 1 FROM {table} AS e
+                                                  WHERE e.status IN ('in_flight', 'error')
+                                                    AND (e.lane_key = o.lane_key OR (e.lane_key IS NULL AND o.lane_key IS NULL))
+                                                    AND e.id <= o.id
+                                                    AND (e.status = 'in_flight' OR e.next_attempt_at > {now}))) AS r) AS x
+               WHERE x.lane_no <= :limit)
    AND status IN ('pending', 'error')
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
@@ -369,3 +378,13 @@ SELECT json_extract(r.value, '$.run_id'), json_extract(r.value, '$.source_id'),
        json_extract(r.value, '$.payload'), json_extract(r.value, '$.message_id'),
        json_extract(r.value, '$.control_id')
   FROM json_each(:rows) AS r
+
+-- name: release_batch
+-- Hand claimed rows back untouched (claimed but never attempted: an earlier row of their lane
+-- failed first): pending again, the claim's attempt not counted.
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, attempts = attempts - 1, updated_at = {now}
+ WHERE id IN (SELECT value FROM json_each(:ids)) AND status = 'in_flight' AND lease_owner = :owner
+   AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id

@@ -198,9 +198,13 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: claim_lane_heads
--- No READPAST in the head computation: skipping a locked head would make the next row of its lane
--- look like the head and break per-lane FIFO. As in PostgreSQL the outer status check, evaluated
--- under the update lock, is what stops two claimers from taking the same head.
+-- Per-lane FIFO: the first :per_lane open rows of up to :limit lanes (lanes ordered by their oldest
+-- open row), each lane cut before its first row that is in flight or backing off — so a lane whose
+-- head is held gives nothing, and one claim never leaves a gap in a lane. Lanes, not rows, are
+-- limited, so two concurrent claimers see whole prefixes: whatever one took, the other's outer
+-- status check (evaluated under the row lock) skips. NULL lane keys form one lane.
+-- No READPAST here: skipping a locked row would make the next row of its lane look claimable and
+-- break per-lane FIFO.
 UPDATE t
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
@@ -209,14 +213,18 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
        d.destination
   FROM {table} AS t WITH (ROWLOCK)
  CROSS APPLY (SELECT {dest} AS destination) AS d
- WHERE t.id IN (SELECT TOP (:limit) h.id
-                  FROM {table} AS h
-                  JOIN (SELECT MIN(id) AS id FROM {table}
-                         WHERE status IN ('pending', 'error', 'in_flight')
-                         GROUP BY lane_key) AS heads ON heads.id = h.id
-                 WHERE h.status IN ('pending', 'error')
-                   AND (h.next_attempt_at IS NULL OR h.next_attempt_at <= SYSUTCDATETIME())
-                 ORDER BY h.id)
+ WHERE t.id IN (SELECT x.id
+                FROM (SELECT r.id, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
+                        FROM (SELECT o.id, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
+                                FROM (SELECT id, lane_key, ROW_NUMBER() OVER (PARTITION BY lane_key ORDER BY id) AS rn
+                                        FROM {table} WHERE status IN ('pending', 'error', 'in_flight')) AS o
+                               WHERE o.rn <= :per_lane
+                                 AND NOT EXISTS (SELECT 1 FROM {table} AS e
+                                                  WHERE e.status IN ('in_flight', 'error')
+                                                    AND (e.lane_key = o.lane_key OR (e.lane_key IS NULL AND o.lane_key IS NULL))
+                                                    AND e.id <= o.id
+                                                    AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))) AS r) AS x
+               WHERE x.lane_no <= :limit)
    AND t.status IN ('pending', 'error')
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
@@ -519,3 +527,14 @@ SELECT r.run_id, r.source_id, r.routed_id, r.destination, r.content_type, r.lane
        payload       nvarchar(max) '$.payload',
        message_id    nvarchar(450) '$.message_id',
        control_id    nvarchar(200) '$.control_id') AS r
+
+-- name: release_batch
+-- Hand claimed rows back untouched (claimed but never attempted: an earlier row of their lane
+-- failed first): pending again, the claim's attempt not counted.
+UPDATE {table}
+   SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, attempts = attempts - 1,
+       updated_at = SYSUTCDATETIME()
+OUTPUT inserted.id
+ WHERE id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids)) AND status = 'in_flight'
+   AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
