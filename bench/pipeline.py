@@ -13,7 +13,7 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
 Figures are messages/s (a message is one inbound row; fan-out makes ~1.6 routed rows each) and
 seconds per phase. Latency under the real scheduler: bench/latency.py.
 
-    uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres]
+    uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres] [--deliver-seconds 120]
 """
 from __future__ import annotations
 
@@ -144,8 +144,8 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=20_000, help="rows claimed per route/transform run")
     parser.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
-    parser.add_argument("--deliver", type=int, default=20_000,
-                        help="outbound rows to deliver to files (0: skip; delivery is per-lane heads)")
+    parser.add_argument("--deliver-seconds", type=float, default=120.0,
+                        help="time budget for delivering the outbound rows to files (0: skip)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -165,10 +165,6 @@ def main() -> None:
         with store.transaction() as tx:
             for name, table in LOOKUPS.items():
                 lookups.replace_table(tx, name, table)
-        payloads = corpus(args.messages, seed=1)
-        started = time.perf_counter()
-        stage_backlog(store, payloads, epoch)
-        print(f"staged {len(payloads):,} messages on {args.backend} in {time.perf_counter() - started:.1f} s")
 
         port = free_port()
         started = time.perf_counter()
@@ -189,9 +185,14 @@ def main() -> None:
             route_job.run(store, spark, routes=ROUTES, owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}",
                           batch_size=1)
             overheads.append(time.perf_counter() - t)
-        route_job.run(store, spark, routes=ROUTES, owner="bench/warm-rest", epoch=epoch, run_id="warm-rest",
-                      batch_size=args.batch)  # anything left from the warm-up
-        n_in = count(store, "SELECT count(*) FROM stage_inbound WHERE status = 'pending'")
+        transform_job.run(store, spark, specs=SPECS, destinations=dests, owner="bench/warm-t", epoch=epoch,
+                          run_id="warm-t")
+        deliver.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
+
+        payloads = corpus(args.messages, seed=1)
+        started = time.perf_counter()
+        stage_backlog(store, payloads, epoch)
+        print(f"staged {len(payloads):,} messages on {args.backend} in {time.perf_counter() - started:.1f} s")
 
         phases = Phases()
         started = time.perf_counter()
@@ -209,10 +210,10 @@ def main() -> None:
               f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")
 
         deliver_line = "deliver:   skipped"
-        if args.deliver:
+        if args.deliver_seconds:
             started = time.perf_counter()
             summary = deliver.run(store, spark, destinations=dests, owner="bench/deliver", epoch=epoch,
-                                  max_lanes=5000, time_budget_seconds=60.0)
+                                  max_lanes=5000, time_budget_seconds=args.deliver_seconds)
             deliver_s = time.perf_counter() - started
             deliver_line = (f"deliver:   {len(summary.done):,} rows to files in {deliver_s:.1f} s = "
                             f"{len(summary.done) / deliver_s:,.0f} rows/s ({summary.rounds} rounds of lane heads, "

@@ -18,7 +18,7 @@ One round:
 drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
 after another and the first failure stops the lane, so a later message never overtakes a failed
 earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else (DESIGN
-invariant 6). `per_lane` > 1 lets a busy lane — e.g. one lane per destination — move many
+invariant 6). `per_lane` > 1 (default 500) lets a busy lane — e.g. one lane per destination — move many
 messages per round instead of one.
 
 At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
@@ -75,7 +75,7 @@ UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
 UNCONFIGURED_BACKOFF = (5.0, 300.0)
 NO_OUTCOME = "no delivery outcome came back from Spark"
 NOT_ATTEMPTED = "not attempted"
-DEFAULT_PER_LANE = 50
+DEFAULT_PER_LANE = 500
 
 Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
 

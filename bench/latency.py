@@ -1,0 +1,129 @@
+"""Inbound → delivered latency under the real Airflow scheduler, at a steady rate.
+
+Starts the README's stack (`stageline up`: SQLite store, Spark Connect, Airflow scheduler /
+dag-processor / api-server / triggerer, listenerd, the demo MLLP receiver) in a temporary var dir,
+warms it with a few messages, then sends `bench/hl7_corpus.py` messages over MLLP at `--rate`
+messages/s for `--seconds` (python-hl7's client, one connection, each message ACKed before the
+next). Routes and destinations are `config/`: ADT to the demo EHR receiver (MLLP, lane per
+patient) and the file archive, ORU/ORM to the archive.
+
+Latency per delivery, on the database clock: `stage_inbound.created_at` (the commit before the
+ACK) → `stage_outbound.updated_at` of its `done` row. Also per stage: → routed, → transformed.
+
+    uv run python bench/latency.py [--rate 200] [--seconds 60]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hl7.client import MLLPClient  # noqa: E402
+
+from bench.hl7_corpus import messages as corpus  # noqa: E402
+from include.testing.postgres_server import wait_for  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=200.0, help="messages per second")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--drain-timeout", type=float, default=600.0)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="stageline-latency-"))
+    (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
+    var = work / "var"
+    env = {**os.environ, "STAGELINE_VAR": str(var)}
+    log = open(work / "up.log", "w+")
+    stageline = Path(sys.executable).parent / "stageline"
+    up = subprocess.Popen([str(stageline), "--service-config", str(work / "stageline.toml"), "up"], cwd=ROOT,
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+    db = var / "stageline.db"
+
+    def query(sql: str) -> list[tuple]:
+        with sqlite3.connect(db, timeout=30) as conn:
+            return conn.execute(sql).fetchall()
+
+    def outstanding() -> int:
+        return query("SELECT (SELECT count(*) FROM stage_inbound WHERE status NOT IN ('done', 'unrouted', 'dead'))"
+                     " + (SELECT count(*) FROM stage_routed WHERE status NOT IN ('done', 'dead'))"
+                     " + (SELECT count(*) FROM stage_outbound WHERE status NOT IN ('done', 'dead'))")[0][0]
+
+    try:
+        started = time.perf_counter()
+        wait_for(lambda: up.poll() is not None or "Stageline is up" in (work / "up.log").read_text(),
+                 timeout=600, interval=1, what="the stack")
+        if up.poll() is not None:
+            raise SystemExit((work / "up.log").read_text())
+        print(f"stack up in {time.perf_counter() - started:.0f} s (logs: {var / 'log'})", flush=True)
+
+        total = int(args.rate * args.seconds)
+        payloads = corpus(total + 20, seed=7)
+        with MLLPClient("127.0.0.1", 2575) as client:
+            for p in payloads[:20]:  # warm-up: every DAG runs its Spark job once
+                client.send_message(p)
+        wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] == 20 and outstanding() == 0,
+                 timeout=args.drain_timeout, interval=1, what="the warm-up messages to be delivered")
+        [[since]] = query("SELECT max(id) FROM stage_inbound")
+        print(f"warm; sending {total:,} messages at {args.rate:.0f}/s", flush=True)
+
+        t0 = time.perf_counter()
+        with MLLPClient("127.0.0.1", 2575) as client:
+            for i, p in enumerate(payloads[20:]):
+                delay = t0 + i / args.rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                client.send_message(p)
+        send_s = time.perf_counter() - t0
+        print(f"sent in {send_s:.1f} s ({total / send_s:.0f} msg/s achieved); draining", flush=True)
+        wait_for(lambda: outstanding() == 0, timeout=args.drain_timeout, interval=1, what="the backlog to drain")
+        drained_s = time.perf_counter() - t0
+
+        rows = query(f"""SELECT o.destination, i.created_at, r.created_at, o.created_at, o.updated_at, o.status
+                           FROM stage_outbound o JOIN stage_routed r ON r.source_id = o.source_id
+                                                                   AND r.destination = o.destination
+                                                 JOIN stage_inbound i ON i.id = o.source_id
+                          WHERE i.id > {since}""")
+        dead = [r for r in rows if r[5] != "done"]
+        lat = [(r[4] - r[1]) / 1000 for r in rows if r[5] == "done"]
+        to_routed = [(r[2] - r[1]) / 1000 for r in rows]
+        to_outbound = [(r[3] - r[1]) / 1000 for r in rows]
+        runs = query("SELECT count(*) FROM message_events WHERE event = 'routed'")
+        print(f"\n{len(rows):,} deliveries of {total:,} messages ({len(dead)} not done); all delivered "
+              f"{drained_s:.0f} s after the first send; {runs[0][0]:,} routed events")
+        print("| inbound committed → | p50 | p99 | max |\n|---|---|---|---|")
+        for name, values in (("routed", to_routed), ("transformed (outbound row)", to_outbound),
+                             ("delivered", lat)):
+            print(f"| {name} | {statistics.median(values):.1f} s | {percentile(values, 0.99):.1f} s | "
+                  f"{max(values):.1f} s |")
+        for dest in sorted({r[0] for r in rows}):
+            d = [(r[4] - r[1]) / 1000 for r in rows if r[0] == dest and r[5] == "done"]
+            print(f"  {dest}: delivered p50 {statistics.median(d):.1f} s, p99 {percentile(d, 0.99):.1f} s "
+                  f"({len(d):,} deliveries)")
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(180)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        log.close()
+
+
+if __name__ == "__main__":
+    main()
