@@ -9,10 +9,12 @@ the stage jobs are imported only inside the `run_*_stage` functions.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +36,13 @@ DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
 ROUTE_BATCH_SIZE = 10_000
 TRANSFORM_BATCH_SIZE = 10_000
 DELIVER_MAX_LANES = 1_000
-DELIVER_TIME_BUDGET_SECONDS = 120.0
+DELIVER_ROUND_BUDGET_SECONDS = 60.0
+STAGE_TIME_BUDGET_SECONDS = 240.0
+"""How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
+DEFAULT_LINGER_SECONDS = 30.0
+LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
+"""Seconds a stage task waits for more work after its last batch before its run ends."""
+POLL_SECONDS = 0.5
 
 Leader = Mapping[str, Any]
 
@@ -72,38 +80,36 @@ def spark_for_stage(stage: str = "route") -> Any:
 
 def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try_number: int = 1,
                     batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
-    """Run the route job once under `epoch`: claim inbound rows, route them, finalize fenced.
+    """Route micro-batches under `epoch` (see `_micro_batches`): claim inbound rows, route, finalize fenced.
 
-    Each task attempt claims as its own owner and lands under its own job run id (a retry must not
-    read the rows a failed attempt still holds). Returns counts, not ids, for the XCom; a stale
-    epoch (leadership moved mid-run) is reported, not raised: nothing landed, and retrying under
-    the same epoch could only fail again — the next run works under the new leader's epoch.
+    Returns counts, not ids, for the XCom; a stale epoch (leadership moved mid-run) is reported,
+    not raised: nothing landed, and retrying under the same epoch could only fail again — the next
+    run works under the new leader's epoch.
     """
     from spark_jobs import route_job
 
     config = stage_config.load()
-    return _run_stage("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id: route_job.run(
-        store, spark_for_stage("route"), routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id,
-        batch_size=batch_size))
+    spark = spark_for_stage("route")
+    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id: route_job.run(
+        store, spark, routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
 
 
 def run_transform_stage(epoch: int, run_id: str, *, dag_id: str = "stage_transform", try_number: int = 1,
                         batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
-    """Run the transform job once under `epoch`: routed rows → outbound rows (same contract as route)."""
+    """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
     from spark_jobs import transform_job
 
     config = stage_config.load()
-    return _run_stage("transform", dag_id, run_id, try_number, epoch,
-                      lambda store, owner, job_run_id: transform_job.run(
-                          store, spark_for_stage("transform"), specs=config.transforms,
-                          destinations=config.destinations, owner=owner, epoch=epoch, run_id=job_run_id,
-                          batch_size=batch_size))
+    spark = spark_for_stage("transform")
+    return _micro_batches("transform", dag_id, run_id, try_number, epoch,
+                          lambda store, owner, job_run_id: transform_job.run(
+                              store, spark, specs=config.transforms, destinations=config.destinations,
+                              owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
 
 
 def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver", try_number: int = 1,
-                      max_lanes: int = DELIVER_MAX_LANES,
-                      time_budget_seconds: float = DELIVER_TIME_BUDGET_SECONDS) -> dict[str, Any]:
-    """Deliver lane heads under `epoch` until none is due or the time budget is spent.
+                      max_lanes: int = DELIVER_MAX_LANES) -> dict[str, Any]:
+    """Deliver rounds of lane prefixes under `epoch` (see `_micro_batches`).
 
     Sends run in Spark (lanes spread over partitions) unless `$STAGELINE_DELIVER_IN_PROCESS` is
     set, which sends from the task process itself (no Spark; for a tiny single node).
@@ -111,25 +117,60 @@ def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver",
     from spark_jobs import deliver
 
     config = stage_config.load()
-    in_process = bool(os.environ.get(DELIVER_IN_PROCESS_ENV))
-    return _run_stage("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
-        store, None if in_process else spark_for_stage("deliver"), destinations=config.destinations, owner=owner,
-        epoch=epoch, max_lanes=max_lanes, time_budget_seconds=time_budget_seconds))
+    spark = None if os.environ.get(DELIVER_IN_PROCESS_ENV) else spark_for_stage("deliver")
+    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
+        store, spark, destinations=config.destinations, owner=owner, epoch=epoch, max_lanes=max_lanes,
+        time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS))
 
 
-def _run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
-               job: Callable[[Any, str, str], Any]) -> dict[str, Any]:
-    """Open the store, run `job(store, owner, job_run_id)`, summarise; a stale epoch is reported."""
+def linger_seconds() -> float:
+    return float(os.environ.get(LINGER_ENV) or DEFAULT_LINGER_SECONDS)
+
+
+def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
+                   job: Callable[[Any, str, str], Any], *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """Run `job(store, owner, job_run_id)` — one micro-batch — again and again in this one task.
+
+    A DAG run costs seconds of scheduling and task starts before its job even begins; a stage
+    under steady traffic would pay that for every batch. So a stage task keeps claiming: the next
+    batch as soon as one finalizes, polling every POLL_SECONDS while idle, until nothing came for
+    `$STAGELINE_STAGE_LINGER_SECONDS` (default 30) or STAGE_TIME_BUDGET_SECONDS is spent; then the
+    run ends and the continuous schedule starts the next one (with a fresh leader check). Each
+    batch claims as its own owner (`<run>#<try>.<n>`): a retry or a later batch never reads rows an
+    earlier one still holds. Every claim and finalize is fenced by `epoch`: after a change of
+    leader the claims find nothing and the loop ends idle, or a finalize raises StaleEpoch, which
+    ends it at once. Counts are summed over batches for the XCom.
+    """
     from include.store.stages import StaleEpoch
 
-    job_run_id = f"{run_id}#{try_number}"
+    linger = linger_seconds()
+    started = clock()
+    idle_since: float | None = None
+    totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "stale_epoch": False, "batches": 0}
     with leadership.open_store(None) as (_, store):
-        try:
-            outcome = job(store, claim_owner(dag_id, job_run_id), job_run_id)
-        except StaleEpoch:
-            log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
-            return {"run_id": job_run_id, "epoch": epoch, "stale_epoch": True}
-    return {"run_id": job_run_id, "epoch": epoch, "stale_epoch": False, **_summary(outcome)}
+        for n in itertools.count():
+            job_run_id = f"{run_id}#{try_number}.{n}"
+            try:
+                outcome = job(store, claim_owner(dag_id, job_run_id), job_run_id)
+            except StaleEpoch:
+                log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
+                return {**totals, "stale_epoch": True}
+            counts = _summary(outcome)
+            if counts.get("claimed"):
+                totals["batches"] += 1
+                for key, value in counts.items():
+                    if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
+                        totals[key] = totals.get(key, 0) + value
+                idle_since = None
+            elif idle_since is None:
+                idle_since = clock()
+            now = clock()
+            if now - started >= STAGE_TIME_BUDGET_SECONDS or (idle_since is not None and now - idle_since >= linger):
+                return totals
+            if idle_since is not None:
+                sleep(POLL_SECONDS)
+    raise AssertionError("unreachable")
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

@@ -37,6 +37,8 @@ os.environ.update({
     "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
     "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
     "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+    # A stage task ends as soon as its work is done (no lingering for more): dag.test() runs one at a time.
+    "STAGELINE_STAGE_LINGER_SECONDS": "0",
 })
 # Under Airflow the plugins folder is put on sys.path by airflow.settings; DagBag imports and the
 # tests' own imports must not depend on that having happened first.

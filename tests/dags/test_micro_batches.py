@@ -1,0 +1,99 @@
+"""The stage task's micro-batch loop (include.pipeline._micro_batches), on a fake clock: it keeps
+claiming while work comes, lingers while idle, stops at its budget, and ends at once on a stale
+epoch. The jobs it runs are tested on real stores elsewhere; here they are stand-ins."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from include import leadership, pipeline
+from include.store.stages import StaleEpoch
+
+
+@dataclass(frozen=True)
+class Outcome:
+    claimed: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(autouse=True)
+def no_store(monkeypatch):
+    @contextmanager
+    def fake_open_store(_path):
+        yield None, "store"
+    monkeypatch.setattr(leadership, "open_store", fake_open_store)
+
+
+def loop(job, clock: Clock, monkeypatch, linger: float = 3.0):
+    monkeypatch.setenv(pipeline.LINGER_ENV, str(linger))
+    return pipeline._micro_batches("route", "stage_route", "run1", 1, 7, job, clock=clock, sleep=clock.sleep)
+
+
+def test_it_keeps_claiming_while_work_comes_and_stops_after_lingering_idle(monkeypatch):
+    clock, owners = Clock(), []
+    arrivals = {0.0: 3, 1.0: 2, 2.5: 4}  # batches of work, at these times
+
+    def job(store, owner, job_run_id):
+        owners.append(owner)
+        clock.now += 0.5  # a batch takes half a second
+        due = [t for t in arrivals if t <= clock.now]
+        if not due:
+            return Outcome()
+        n = arrivals.pop(due[0])
+        return Outcome(claimed=tuple(range(n)), done=tuple(range(n)))
+
+    result = loop(job, clock, monkeypatch)
+    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": False, "batches": 3, "claimed": 9, "done": 9}
+    assert len(set(owners)) == len(owners)  # each batch claims as its own owner
+    assert owners[0] == "airflow:stage_route:run1#1.0" and owners[1] == "airflow:stage_route:run1#1.1"
+    assert 3.0 <= clock.now - 3.0 <= 4.0  # ended one linger after the last batch (at ~3.0 s)
+
+
+def test_it_stops_at_its_time_budget_under_steady_work(monkeypatch):
+    clock = Clock()
+
+    def job(store, owner, job_run_id):
+        clock.now += 10.0
+        return Outcome(claimed=(1,), done=(1,))
+
+    result = loop(job, clock, monkeypatch)
+    assert clock.now == pipeline.STAGE_TIME_BUDGET_SECONDS
+    assert result["batches"] == pipeline.STAGE_TIME_BUDGET_SECONDS / 10
+
+
+def test_a_stale_epoch_ends_the_run_at_once(monkeypatch):
+    clock, calls = Clock(), []
+
+    def job(store, owner, job_run_id):
+        calls.append(owner)
+        if len(calls) == 2:
+            raise StaleEpoch("moved")
+        return Outcome(claimed=(1, 2), done=(1, 2))
+
+    result = loop(job, clock, monkeypatch)
+    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": True, "batches": 1, "claimed": 2, "done": 2}
+    assert len(calls) == 2
+
+
+def test_with_no_linger_an_idle_run_ends_after_one_empty_claim(monkeypatch):
+    clock, calls = Clock(), []
+
+    def job(store, owner, job_run_id):
+        calls.append(owner)
+        return Outcome()
+
+    assert loop(job, clock, monkeypatch, linger=0)["batches"] == 0
+    assert len(calls) == 1
