@@ -3,14 +3,14 @@
 Starts the README's stack (`stageline up`: SQLite store, Spark Connect, Airflow scheduler /
 dag-processor / api-server / triggerer, listenerd, the demo MLLP receiver) in a temporary var dir,
 warms it with a few messages, then sends `bench/hl7_corpus.py` messages over MLLP at `--rate`
-messages/s for `--seconds` (python-hl7's client, one connection, each message ACKed before the
-next). Routes and destinations are `config/`: ADT to the demo EHR receiver (MLLP, lane per
+messages/s for `--seconds` (python-hl7's client on `--connections` connections, each paced at its
+share of the rate, each message ACKed before that connection's next). Routes and destinations are `config/`: ADT to the demo EHR receiver (MLLP, lane per
 patient) and the file archive, ORU/ORM to the archive.
 
 Latency per delivery, on the database clock: `stage_inbound.created_at` (the commit before the
 ACK) → `stage_outbound.updated_at` of its `done` row. Also per stage: → routed, → transformed.
 
-    uv run python bench/latency.py [--rate 200] [--seconds 60]
+    uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4]
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=200.0, help="messages per second")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--drain-timeout", type=float, default=600.0)
     args = parser.parse_args()
 
@@ -84,12 +86,22 @@ def main() -> None:
         print(f"warm; sending {total:,} messages at {args.rate:.0f}/s", flush=True)
 
         t0 = time.perf_counter()
-        with MLLPClient("127.0.0.1", 2575) as client:
-            for i, p in enumerate(payloads[20:]):
-                delay = t0 + i / args.rate - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                client.send_message(p)
+
+        def sender(k: int) -> None:
+            mine = payloads[20:][k::args.connections]
+            rate = args.rate / args.connections
+            with MLLPClient("127.0.0.1", 2575) as client:
+                for i, p in enumerate(mine):
+                    delay = t0 + i / rate - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    client.send_message(p)
+
+        threads = [threading.Thread(target=sender, args=(k,)) for k in range(args.connections)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         send_s = time.perf_counter() - t0
         print(f"sent in {send_s:.1f} s ({total / send_s:.0f} msg/s achieved); draining", flush=True)
         wait_for(lambda: outstanding() == 0, timeout=args.drain_timeout, interval=1, what="the backlog to drain")

@@ -36,6 +36,8 @@ DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
 ROUTE_BATCH_SIZE = 10_000
 TRANSFORM_BATCH_SIZE = 10_000
 DELIVER_MAX_LANES = 1_000
+DELIVER_CONCURRENCY = 4
+"""Lanes sent at once by each Spark partition (threads: sends wait on the network and on fsync)."""
 DELIVER_ROUND_BUDGET_SECONDS = 60.0
 STAGE_TIME_BUDGET_SECONDS = 240.0
 """How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
@@ -120,7 +122,7 @@ def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver",
     spark = None if os.environ.get(DELIVER_IN_PROCESS_ENV) else spark_for_stage("deliver")
     return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
         store, spark, destinations=config.destinations, owner=owner, epoch=epoch, max_lanes=max_lanes,
-        time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS))
+        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS))
 
 
 def linger_seconds() -> float:
