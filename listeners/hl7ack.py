@@ -183,10 +183,12 @@ def build_fallback_ack(
     sending_facility: str = "",
     version: str = "2.5",
     control_id: str | None = None,
+    acked_control_id: str = "",
     now: datetime | None = None,
 ) -> bytes:
-    """ACK for a message whose header could not be read at all: default separators, ASCII,
-    no receiver, empty MSA-2. Normally used with AR."""
+    """ACK for a message whose header could not be read: default separators, ASCII, no receiver,
+    MSA-2 = `acked_control_id` (the message's MSH-10 when it was readable, else empty). Normally
+    used with AR."""
     ack_code = AckCode(code)
     fs, enc = DEFAULT_FIELD_SEPARATOR, DEFAULT_ENCODING_CHARACTERS
     plain = _escaper(fs, enc)
@@ -205,7 +207,7 @@ def build_fallback_ack(
         plain(version),
     ]
     parsed = _version_tuple(version)
-    segments = [fs.join(msh), _msa(ack_code, "", reason, parsed, plain, fs)]
+    segments = [fs.join(msh), _msa(ack_code, plain(acked_control_id), reason, parsed, plain, fs)]
     if ack_code is not AckCode.AA:
         segments.append(_err(error_code, reason, parsed, plain, fs, enc))
     text = "".join(segment + "\r" for segment in segments)

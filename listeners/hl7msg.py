@@ -75,9 +75,12 @@ class HL7HeaderError(ValueError):
     is safe to log and to send back in an ERR segment.
     """
 
-    def __init__(self, reason: HeaderErrorReason, detail: str = "") -> None:
+    def __init__(self, reason: HeaderErrorReason, detail: str = "", *, control_id: str = "") -> None:
         self.reason = reason
         self.detail = detail
+        # MSH-10 when it could still be read (plain ASCII) although the header as a whole could
+        # not: the reject then names the message, so the sender can correlate it.
+        self.control_id = control_id
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
 
@@ -179,19 +182,23 @@ def parse_header(
     # so MSH-18 is the first known charset name from byte-field 18 on. The guess is
     # re-checked on the decoded text below.
     raw_fields = raw_seg.split(bytes([fs_byte]))
-    guess = _charset_guess(raw_fields)
-    encoding = _resolve_codec(guess, repetition, default_encoding, strict_charset)
-    body = data[start:] if complete else raw_seg
-    for _attempt in range(2):
-        text = _decode(body, encoding)
-        fields = _split_msh(text, fs)
-        charset = _field(fields, 18)
-        resolved = _resolve_codec(charset, repetition, default_encoding, strict_charset)
-        if codecs.lookup(resolved).name == codecs.lookup(encoding).name:
-            break
-        encoding = resolved
-    else:
-        raise HL7HeaderError(HeaderErrorReason.UNDECODABLE, "MSH-18 differs once decoded")
+    try:
+        guess = _charset_guess(raw_fields)
+        encoding = _resolve_codec(guess, repetition, default_encoding, strict_charset)
+        body = data[start:] if complete else raw_seg
+        for _attempt in range(2):
+            text = _decode(body, encoding)
+            fields = _split_msh(text, fs)
+            charset = _field(fields, 18)
+            resolved = _resolve_codec(charset, repetition, default_encoding, strict_charset)
+            if codecs.lookup(resolved).name == codecs.lookup(encoding).name:
+                break
+            encoding = resolved
+        else:
+            raise HL7HeaderError(HeaderErrorReason.UNDECODABLE, "MSH-18 differs once decoded")
+    except HL7HeaderError as exc:
+        exc.control_id = _ascii_control_id(raw_fields)
+        raise
 
     control_id = _field(fields, 10)
     if not control_id.strip():
@@ -211,6 +218,16 @@ def parse_header(
         encoding=codecs.lookup(encoding).name,
         text=text if complete else None,
     )
+
+
+def _ascii_control_id(raw_fields: list[bytes]) -> str:
+    """MSH-10 from the byte-level split, if it is printable ASCII (then no charset can change it)."""
+    if len(raw_fields) <= 9:
+        return ""
+    raw = raw_fields[9]
+    if not raw or not all(0x20 <= b < 0x7F for b in raw) or len(raw) > 199:
+        return ""
+    return raw.decode("ascii").strip()
 
 
 def _find_msh(data: bytes) -> int:

@@ -387,7 +387,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
                 peer=self._peer_text,
                 reason=exc.reason.value,
             )
-            self._enqueue(_Slot("", ack=self._fallback_ack(str(exc))))
+            self._enqueue(_Slot(_safe(exc.control_id), ack=self._fallback_ack(str(exc), acked=exc.control_id)))
             self._flush()
             return
         slot = _Slot(_safe(header.control_id))
@@ -520,10 +520,11 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             code = AckCode.AE if decision.code is AckCode.AA else decision.code
             return self._fallback_ack("internal error", code=code)
 
-    def _fallback_ack(self, reason: str, *, code: AckCode = AckCode.AR) -> bytes:
+    def _fallback_ack(self, reason: str, *, code: AckCode = AckCode.AR, acked: str = "") -> bytes:
         return build_fallback_ack(
             code,
             reason=reason,
+            acked_control_id=acked,
             sending_application=self._config.sending_application or "",
             sending_facility=self._config.sending_facility or "",
             version=self._config.fallback_version,

@@ -166,6 +166,17 @@ def test_undecodable_bytes_for_the_declared_charset_are_rejected() -> None:
     assert reason_of(ascii_) is HeaderErrorReason.UNDECODABLE
 
 
+def test_a_rejected_header_still_names_an_ascii_msh10_but_never_a_non_ascii_one() -> None:
+    def error(data: bytes) -> HL7HeaderError:
+        with pytest.raises(HL7HeaderError) as caught:
+            parse_header(data)
+        return caught.value
+
+    assert error(b"MSH|^~\\&|A|B|C|D|||ADT^A01|CTRL-7|P|2.5||||||KLINGON\r").control_id == "CTRL-7"
+    assert error(b"MSH|^~\\&|A|B|C|D|||ADT^A01|C\xfc1|P|2.5||||||UNICODE UTF-8\r").control_id == ""
+    assert error(b"PID|1\r").control_id == ""  # no header at all
+
+
 def test_latin1_message_decodes_with_its_declared_charset() -> None:
     data = "MSH|^~\\&|APP|Zürich|R|F|||ADT^A01|C1|P|2.5|||||CHE|8859/1\rPID|1||||Müller\r"
     h = parse_header(data.encode("latin-1"))

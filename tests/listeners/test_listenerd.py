@@ -143,8 +143,9 @@ BAD_INPUT = [
     ("duplicate encoding characters", mllp(adt("E1").replace("^~\\&", "^^\\&", 1)), [("AR", "")]),
     ("alphanumeric field separator", mllp(adt("E2").replace("MSH|", "MSHA", 1)), [("AR", "")]),
     ("missing MSH-10", mllp(adt("").replace("|P|2.5.1", "|P|2.5.1", 1)), [("AR", "")]),
-    ("unknown charset in MSH-18", mllp(adt("C1", charset="KLINGON")), [("AR", "")]),
-    ("bytes invalid in the declared charset", mllp(adt("C2", charset="UNICODE UTF-8").encode().replace(b"DOE", b"D\xffE")), [("AR", "")]),
+    # a header that cannot be decoded, but whose MSH-10 is plain ASCII: the reject names the message
+    ("unknown charset in MSH-18", mllp(adt("C1", charset="KLINGON")), [("AR", "C1")]),
+    ("bytes invalid in the declared charset", mllp(adt("C2", charset="UNICODE UTF-8").encode().replace(b"DOE", b"D\xffE")), [("AR", "C2")]),
     ("garbage before a frame", b"hello\x00\xff" + mllp(adt("G1")), [("AA", "G1")]),
     ("frame split byte by byte", [bytes([b]) for b in mllp(adt("S1"))], [("AA", "S1")]),
     ("two frames in one write", mllp(adt("T1")) + mllp(adt("T2")), [("AA", "T1"), ("AA", "T2")]),
