@@ -52,13 +52,7 @@ def bind_http(node: ListenerNode, conn: InboundConfig) -> Stop:
     from listeners.http_inbound import make_inbound_site
 
     site = make_inbound_site(node.ingest, [conn], lane_of=node.lane_of(conn))
-    port = _listen(node, conn, site)
-
-    def stop(drop_connections: bool) -> Deferred | None:
-        node.bound_ports.pop(conn.name, None)
-        return defer.maybeDeferred(port.stopListening)
-
-    return stop
+    return _socket_stop(node, conn, _listen(node, conn, site), site)
 
 
 def bind_file(node: ListenerNode, conn: InboundConfig) -> Stop:

@@ -22,6 +22,7 @@ payload declaring a known MSH-18 is decoded with that (see :func:`listeners.tcp.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable, Mapping
 from io import BytesIO
 from typing import TYPE_CHECKING, Any
@@ -198,6 +199,22 @@ class _InboundSite(Site):
     def __init__(self, inbound: InboundResource, **kwargs: Any) -> None:
         super().__init__(inbound, requestFactory=_InboundRequest, parsePOSTFormSubmission=False, **kwargs)
         self.inbound = inbound
+        self._channels: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def buildProtocol(self, addr: Any) -> Any:
+        channel = super().buildProtocol(addr)
+        if channel is not None:
+            self._channels.add(channel)
+        return channel
+
+    def disconnect_all(self) -> None:
+        """Drop every open connection (keep-alive ones included): a node that lost leadership must
+        not keep taking messages on connections it accepted while it was leader."""
+        for channel in list(self._channels):
+            # Site builds a proxy (_GenericHTTPChannelProtocol); the transport is on the channel in it.
+            transport = getattr(getattr(channel, "_channel", channel), "transport", None)
+            if transport is not None and not getattr(transport, "disconnected", False):
+                transport.abortConnection()
 
 
 def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], *,

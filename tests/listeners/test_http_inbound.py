@@ -104,6 +104,18 @@ def test_202_with_message_id_only_after_the_commit_fires(open_: Any) -> None:
     assert headers["content-type"] == "application/json"
 
 
+def test_disconnect_all_drops_keep_alive_connections_too(open_: Any) -> None:
+    """On losing leadership the node drops HTTP connections, idle keep-alive ones included."""
+    ingest = FakeIngest()
+    site = site_for(ingest)
+    idle = open_(site).request(adt("K1").encode())
+    ingest.fire(0)  # answered; the connection stays open for the next request (keep-alive)
+    assert idle.response()[0] == 202 and not idle.transport.disconnecting
+    waiting = open_(site).request(adt("K2").encode())  # a request still awaiting its commit
+    site.disconnect_all()
+    assert idle.transport.disconnected and waiting.transport.disconnected
+
+
 @pytest.mark.parametrize("exc, status, error", [
     (NotLeader("no lease"), 503, "not leader, resend later"),
     (StoreUnavailable("down"), 503, "store unavailable, resend later"),
