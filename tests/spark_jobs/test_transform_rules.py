@@ -554,3 +554,25 @@ def test_a_long_rule_chain_stays_plannable(spark: SparkSession) -> None:
     actual = transform(routed(spark, [(1, "ehr", ADT_A01)]), [{"destination": "ehr", "rules": rules}])
     zpi = "ZPI|1|loyalty^GOLD~^^&x|" + "|".join(str(i) for i in range(3, 18))
     assertDataFrameEqual(actual, expected(spark, [(1, "ehr", HL7, ADT_A01.replace("ZPI|1|loyalty^GOLD", zpi))]))
+
+
+# --- a message declared in a non-UTF-8 charset --------------------------------------------------
+
+LATIN1_ADT = (  # received as ISO 8859-1 bytes (MSH-18 "8859/1"); listenerd staged it decoded
+    "MSH|^~\\&|PAS|HÔPITAL|EHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1\r"
+    "PID|1||77^^^H^MR||MÜLLER^ÅSA||19700101|F\r"
+    "PV1|1|I\r"
+)
+
+
+def test_a_latin1_message_keeps_its_charset_and_accented_text_through_the_rules(spark: SparkSession) -> None:
+    rules = [{"set": "MSH-5", "value": "ÉHR"}, {"map": "PV1-2", "table": "patient_class"},
+             {"copy": "PID-5.1", "to": "PID-9"}]
+    actual = transform(routed(spark, [(1, "ehr", LATIN1_ADT)]), [{"destination": "ehr", "rules": rules}], LOOKUPS)
+    text = hl7_text(
+        "MSH|^~\\&|PAS|HÔPITAL|ÉHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1",
+        "PID|1||77^^^H^MR||MÜLLER^ÅSA||19700101|F|MÜLLER",
+        "PV1|1|INPATIENT",
+    )
+    assertDataFrameEqual(actual, expected(spark, [(1, "ehr", HL7, text)]))
+    text.encode("latin-1")  # still representable in its declared charset for delivery
