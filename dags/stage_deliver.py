@@ -13,6 +13,9 @@
    letter after the destination's `max_attempts`. A failing head holds only its own lane. Rounds
    repeat until nothing is due or two minutes are spent.
 
+The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
+connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+
 Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
 from __future__ import annotations
@@ -47,10 +50,10 @@ def stage_deliver() -> None:
     wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage="outbound", leader=leader.output,
                                       timeout=timedelta(minutes=5))
 
-    @task
-    def deliver(leader: dict, ti=None) -> dict:
+    @task.pyspark(conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
+    def deliver(leader: dict, spark=None, ti=None) -> dict:
         """Deliver lane heads under the leader's epoch."""
-        return pipeline.run_deliver_stage(int(leader["epoch"]), ti.run_id, dag_id=ti.dag_id,
+        return pipeline.run_deliver_stage(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id,
                                           try_number=ti.try_number)
 
     recover(leader.output) >> wait_for_work >> deliver(leader.output)

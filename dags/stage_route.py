@@ -11,6 +11,9 @@
    SQL statement, route them with the configured rules (`routes.toml` in `$STAGELINE_PIPELINE_DIR`), land one routed row
    per destination, finalize fenced by the epoch.
 
+The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
+connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+
 Scheduled `@continuous` (one run at a time, the next starts when one ends): a message waits
 about 1 s plus one task start (~1 s) before the route job starts, where a 30 s interval
 schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pipeline.md.
@@ -47,10 +50,10 @@ def stage_route() -> None:
     wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage="inbound", leader=leader.output,
                                       timeout=timedelta(minutes=5))
 
-    @task
-    def route(leader: dict, ti=None) -> dict:
+    @task.pyspark(conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
+    def route(leader: dict, spark=None, ti=None) -> dict:
         """Run the route job under the leader's epoch."""
-        return pipeline.run_route_stage(int(leader["epoch"]), ti.run_id, dag_id=ti.dag_id,
+        return pipeline.run_route_stage(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id,
                                         try_number=ti.try_number)
 
     recover(leader.output) >> wait_for_work >> route(leader.output)

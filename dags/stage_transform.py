@@ -11,6 +11,9 @@
    store), compute its outbound lane (`destinations.toml`), land, finalize fenced by the epoch.
    A message the rules cannot read is dead-lettered with the reason, never delivered unchanged.
 
+The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
+connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+
 Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
 from __future__ import annotations
@@ -45,10 +48,10 @@ def stage_transform() -> None:
     wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage="routed", leader=leader.output,
                                       timeout=timedelta(minutes=5))
 
-    @task
-    def transform(leader: dict, ti=None) -> dict:
+    @task.pyspark(conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
+    def transform(leader: dict, spark=None, ti=None) -> dict:
         """Run the transform job under the leader's epoch."""
-        return pipeline.run_transform_stage(int(leader["epoch"]), ti.run_id, dag_id=ti.dag_id,
+        return pipeline.run_transform_stage(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id,
                                             try_number=ti.try_number)
 
     recover(leader.output) >> wait_for_work >> transform(leader.output)

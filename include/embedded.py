@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from include import demo
+from include import pipeline
 from include.config import VAR_ENV, ServiceConfig, var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
@@ -56,7 +57,7 @@ def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
         "STAGELINE_CONFIG": str(service_config),
         "STAGELINE_PIPELINE_DIR": str(demo.PIPELINE_DIR),
         VAR_ENV: str(var),
-        "STAGELINE_SPARK_REMOTE": f"sc://127.0.0.1:{SPARK_CONNECT_PORT}",
+        "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.spark_connect_connection("127.0.0.1", SPARK_CONNECT_PORT),
     }
 
 

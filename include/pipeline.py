@@ -4,12 +4,14 @@ Every function takes the leader check's XCom (`{"epoch": int, "owner": str | Non
 under that epoch. The service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`)
 and the pipeline config from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task
 *runs*: nothing here touches a file, a database or Spark when a DAG file is parsed, and Spark and
-the stage jobs are imported only inside the `run_*_stage` functions.
+the stage jobs are imported only inside the `run_*_stage` functions. Their Spark session comes from
+the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_CONN_ID`).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import shlex
@@ -27,10 +29,13 @@ log = logging.getLogger(__name__)
 AIRFLOW_DB_CONN_ENV = "STAGELINE_AIRFLOW_DB_CONN"
 """Airflow metadata DB URL for the metadata clean task (see `metadata_clean_command`)."""
 METADATA_TABLES = ("dag_run", "task_instance", "xcom")
-SPARK_REMOTE_ENV = "STAGELINE_SPARK_REMOTE"
-"""`sc://host:port` of the Spark Connect server the stage jobs use."""
-SPARK_MASTER_ENV = "STAGELINE_SPARK_MASTER"
-"""Classic Spark master when no Connect server is configured (default `local[*]`)."""
+SPARK_CONN_ID = "stageline_spark"
+"""The Airflow connection the stage tasks' Spark sessions come from (`@task.pyspark`, Spark
+provider): type `spark_connect` for a long-lived Spark Connect server (the default deployment: no
+JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task;
+see `classic_spark_connection`). Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`."""
+SPARK_TASK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.sql.session.timeZone": "UTC"}
+"""Session settings of every stage task: runtime SQL settings only, so they apply to Connect too."""
 DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
 """Set (non-empty) to send deliveries from the task process instead of Spark workers."""
 ROUTE_BATCH_SIZE = 10_000
@@ -70,17 +75,25 @@ def claim_owner(dag_id: str, run_id: str) -> str:
     return f"airflow:{dag_id}:{run_id}"
 
 
-def spark_for_stage(stage: str = "route") -> Any:
-    """A Spark Connect client when `$STAGELINE_SPARK_REMOTE` is set (the default deployment: no JVM
-    start per run), else a classic session on `$STAGELINE_SPARK_MASTER` (default `local[*]`)."""
-    from include.spark import spark_session
-
-    remote = os.environ.get(SPARK_REMOTE_ENV) or None
-    master = None if remote else os.environ.get(SPARK_MASTER_ENV) or None
-    return spark_session(remote=remote, master=master, app_name=f"stageline-{stage}")
+def spark_connect_connection(host: str, port: int) -> str:
+    """`AIRFLOW_CONN_STAGELINE_SPARK` for a Spark Connect server (its JDBC jars are on the server)."""
+    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
 
 
-def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try_number: int = 1,
+def classic_spark_connection(master: str = "local[*]") -> str:
+    """`AIRFLOW_CONN_STAGELINE_SPARK` for a classic session per task on `master`.
+
+    The connection's extras become the session's Spark conf (Spark provider): the Debian JDBC
+    driver jars, this venv's Python for the workers, no UI.
+    """
+    from include.spark import DRIVER_JARS
+
+    return json.dumps({"conn_type": "spark", "host": master, "extra": {
+        "spark.jars": ",".join(DRIVER_JARS.values()), "spark.pyspark.python": sys.executable,
+        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}})
+
+
+def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
                     batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
     """Route micro-batches under `epoch` (see `_micro_batches`): claim inbound rows, route, finalize fenced.
 
@@ -91,25 +104,23 @@ def run_route_stage(epoch: int, run_id: str, *, dag_id: str = "stage_route", try
     from spark_jobs import route_job
 
     config = stage_config.load()
-    spark = spark_for_stage("route")
     return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id: route_job.run(
         store, spark, routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
 
 
-def run_transform_stage(epoch: int, run_id: str, *, dag_id: str = "stage_transform", try_number: int = 1,
-                        batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
+def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
+                        try_number: int = 1, batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
     """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
     from spark_jobs import transform_job
 
     config = stage_config.load()
-    spark = spark_for_stage("transform")
     return _micro_batches("transform", dag_id, run_id, try_number, epoch,
                           lambda store, owner, job_run_id: transform_job.run(
                               store, spark, specs=config.transforms, destinations=config.destinations,
                               owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
 
 
-def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver", try_number: int = 1,
+def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_deliver", try_number: int = 1,
                       max_lanes: int = DELIVER_MAX_LANES) -> dict[str, Any]:
     """Deliver rounds of lane prefixes under `epoch` (see `_micro_batches`).
 
@@ -119,7 +130,8 @@ def run_deliver_stage(epoch: int, run_id: str, *, dag_id: str = "stage_deliver",
     from spark_jobs import deliver
 
     config = stage_config.load()
-    spark = None if os.environ.get(DELIVER_IN_PROCESS_ENV) else spark_for_stage("deliver")
+    if os.environ.get(DELIVER_IN_PROCESS_ENV):
+        spark = None
     return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
         store, spark, destinations=config.destinations, owner=owner, epoch=epoch, max_lanes=max_lanes,
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS))

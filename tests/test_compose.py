@@ -12,6 +12,8 @@ script followed by the migrate job's own command against a throwaway PostgreSQL 
 """
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import secrets
@@ -291,13 +293,15 @@ def test_airflow_services_are_configured_alike_for_the_stage_tasks(services):
         assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
         assert host_path(services[name], env["AIRFLOW__CORE__DAGS_FOLDER"]) == ROOT / "dags", name
         assert host_path(services[name], env["AIRFLOW__CORE__PLUGINS_FOLDER"]) == ROOT / "plugins", name
-        assert env[pipeline.SPARK_REMOTE_ENV] == f"sc://spark-connect:{spark_port}", name
+        spark_conn = json.loads(env["AIRFLOW_CONN_" + pipeline.SPARK_CONN_ID.upper()])
+        assert spark_conn == {"conn_type": "spark_connect", "host": "spark-connect", "port": int(spark_port)}, name
         assert host_path(services[name], env[stage_config.PIPELINE_DIR_ENV]) == DEPLOY / "config", name
         assert cfgmod.VAR_ENV in env, name
         assert env[pipeline.AIRFLOW_DB_CONN_ENV] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"].startswith("http://airflow-api-server:"), name
     for key in ("AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
-                cfgmod.CONFIG_ENV, stage_config.PIPELINE_DIR_ENV, cfgmod.VAR_ENV, pipeline.SPARK_REMOTE_ENV):
+                cfgmod.CONFIG_ENV, stage_config.PIPELINE_DIR_ENV, cfgmod.VAR_ENV,
+                "AIRFLOW_CONN_" + pipeline.SPARK_CONN_ID.upper()):
         values = {env[key] for env in envs.values()}
         assert len(values) == 1, f"{key} differs between Airflow components: {values}"
     assert all(referenced_vars(env["AIRFLOW__API_AUTH__JWT_SECRET"]) for env in envs.values()), "JWT secret is a literal"

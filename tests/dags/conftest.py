@@ -68,3 +68,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if DAG_TEST_SECONDS:
         runs = ", ".join(f"{dag_id} {seconds:.2f}" for dag_id, seconds in DAG_TEST_SECONDS)
         terminalreporter.write_line(f"dag.test() seconds per run, in order: {runs}")
+
+
+@pytest.fixture
+def without_spark_sessions(monkeypatch) -> None:
+    """`@task.pyspark` tasks run with `spark=None` instead of starting a session: for in-process
+    `dag.test()` runs whose stage job is replaced (a Spark session, classic or Connect, must not
+    start inside the test process; the real sessions run in subprocesses)."""
+    from airflow.providers.apache.spark.operators.spark_pyspark import PySparkOperator
+    from airflow.providers.common.compat.standard.operators import PythonOperator
+
+    def no_session(self):
+        self.op_kwargs = {**self.op_kwargs, "spark": None}
+        return PythonOperator.execute_callable(self)
+
+    monkeypatch.setattr(PySparkOperator, "execute_callable", no_session)

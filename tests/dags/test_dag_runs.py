@@ -158,13 +158,14 @@ def test_a_store_without_schema_fails_the_run_instead_of_skipping_it(airflow_db,
     assert dr.state == "failed"
 
 
-def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlite_service, monkeypatch):
+def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlite_service, monkeypatch,
+                                                                           without_spark_sessions):
     store = sqlite_service
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     seed_inbound(store, 2)
     calls = []
 
-    def fake_route_stage(epoch: int, run_id: str, *, dag_id: str, try_number: int) -> dict:
+    def fake_route_stage(epoch: int, run_id: str, *, spark: object, dag_id: str, try_number: int) -> dict:
         calls.append((epoch, run_id, dag_id, try_number))
         return {"claimed": 2, "routed": 2}
 
@@ -178,7 +179,8 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlit
     assert xcom(dr, "route") == {"claimed": 2, "routed": 2}
 
 
-def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch):
+def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch,
+                                                                 without_spark_sessions):
     acquire_permanent(sqlite_service, node_id="solo:1:aa")
     monkeypatch.setattr(pipeline, "run_route_stage", _refuse_route)
     dag = load_dag("stage_route")
@@ -240,8 +242,8 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
              "charset": None, "payload": ORU}], epoch=epoch, node_id="solo:1:aa")
     (tmp_path / "routes.toml").write_text(ROUTES_TOML)
     (tmp_path / "destinations.toml").write_text(DESTINATIONS_TOML)
-    env = {**os.environ, "STAGELINE_PIPELINE_DIR": str(tmp_path), "STAGELINE_SPARK_MASTER": "local[1]"}
-    env.pop("STAGELINE_SPARK_REMOTE", None)
+    env = {**os.environ, "STAGELINE_PIPELINE_DIR": str(tmp_path),
+           "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.classic_spark_connection("local[1]")}
 
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", RUN_STAGE_ROUTE, str(PLUGINS), str(DAGS)], env=env,

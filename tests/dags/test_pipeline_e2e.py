@@ -22,6 +22,7 @@ import hl7
 import pytest
 from hl7.client import MLLPClient
 
+from include import pipeline
 from include.config import StoreConfig
 from include.stack import port_open
 from include.store import Store, lookups, rowlease
@@ -128,8 +129,7 @@ rules = [{ set = "MSH-5", value = "LIS" }]
 
 def run_dags(service_config: Path, pipeline_dir: Path, *dag_ids: str, **popen: Any) -> subprocess.Popen:
     env = {**os.environ, "STAGELINE_CONFIG": str(service_config), "STAGELINE_PIPELINE_DIR": str(pipeline_dir),
-           "STAGELINE_SPARK_MASTER": "local[2]"}
-    env.pop("STAGELINE_SPARK_REMOTE", None)
+           "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.classic_spark_connection("local[2]")}
     return subprocess.Popen([sys.executable, "-c", RUN_DAGS, str(PLUGINS), str(DAGS), *dag_ids], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
