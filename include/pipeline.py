@@ -50,6 +50,9 @@ DEFAULT_LINGER_SECONDS = 30.0
 LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
 """Seconds a stage task waits for more work after its last batch before its run ends."""
 POLL_SECONDS = 0.5
+MAX_CONSECUTIVE_FAILURES = 3
+"""Batches in a row that may fail (their rows handed back) before the stage task itself fails."""
+FAILURE_PAUSE_SECONDS = 2.0
 
 Leader = Mapping[str, Any]
 
@@ -154,13 +157,16 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
     batch claims as its own owner (`<run>#<try>.<n>`): a retry or a later batch never reads rows an
     earlier one still holds. Every claim and finalize is fenced by `epoch`: after a change of
     leader the claims find nothing and the loop ends idle, or a finalize raises StaleEpoch, which
-    ends it at once. Counts are summed over batches for the XCom.
+    ends it at once. A failed batch (its rows already handed back by the job) is retried after a
+    pause; MAX_CONSECUTIVE_FAILURES in a row fail the task (Airflow's retry takes over). Counts are
+    summed over batches for the XCom.
     """
     from include.store.stages import StaleEpoch
 
     linger = linger_seconds()
     started = clock()
     idle_since: float | None = None
+    failures = 0
     totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "stale_epoch": False, "batches": 0}
     with leadership.open_store(None) as (_, store):
         for n in itertools.count():
@@ -170,6 +176,16 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
             except StaleEpoch:
                 log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
                 return {**totals, "stale_epoch": True}
+            except Exception:
+                failures += 1
+                if failures > MAX_CONSECUTIVE_FAILURES:
+                    raise
+                # The job handed its claimed rows back; a busy SQLite file or a Connect hiccup is
+                # usually gone a moment later, cheaper to retry here than as a new task attempt.
+                log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures, exc_info=True)
+                sleep(FAILURE_PAUSE_SECONDS)
+                continue
+            failures = 0
             counts = _summary(outcome)
             if counts.get("claimed"):
                 totals["batches"] += 1

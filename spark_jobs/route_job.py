@@ -76,9 +76,11 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
     """One route run: claim → extract → transform → land → finalize.
 
     Routes are validated before anything is claimed, so a bad config claims nothing. With nothing
-    to claim Spark is not touched. If Spark or the database fails after the claim (StaleEpoch
-    included), this run's landing rows are dropped and the error propagates; the claimed rows stay
-    in_flight until the sweep or the next leader's recovery re-pends them (at-least-once).
+    to claim Spark is not touched. If Spark or the database fails after the claim, this run's
+    landing rows are dropped, the claimed rows are handed back at once (`stage_io.release_quietly`:
+    due again, the error recorded) and the error propagates; if even that fails — or the process
+    dies — they stay in_flight until the sweep or the next leader's recovery re-pends them. Under
+    a stale epoch nothing is handed back (the new leader's recovery does it).
     `owner` must be unique per run: the Spark read selects the rows by it.
     """
     parsed = parse_routes(routes)
@@ -91,8 +93,10 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
             transform, parsed, run_id=run_id)
         land(store, landing, small=small)
         outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except BaseException:
+    except BaseException as exc:
         stage_io.discard_quietly(store, run_id, LANDING_TABLE)
+        if not isinstance(exc, StaleEpoch):
+            stage_io.release_quietly(store, INBOUND, claimed_ids, owner=owner, epoch=epoch, error=exc)
         raise
     log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),

@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from include.spark import jdbc_options
 from include.store import Store, StagedTable
-from include.store.rowlease import claim_in_lane_order
+from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_in_lane_order, fail_batch
 from include.store.stages import discard_landing, inline_query
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,21 @@ def land(store: Store, frame: DataFrame, table: str, columns: Sequence[str], *,
     if store.backend == "sqlite":
         writer = writer.option("numPartitions", "1")
     writer.save()
+
+
+def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
+                    error: BaseException) -> None:
+    """After a failed run, hand its claimed rows back at once (best effort) instead of leaving them
+    in flight — holding their lanes — until the sweep: due again now, the failure in `last_error`
+    and an `attempt_failed` event; after SWEEP_MAX_ATTEMPTS claims `dead`, as the sweep would.
+    Fenced like every write: under a stale epoch it changes nothing."""
+    detail = f"stage run failed: {type(error).__name__}: {error}"[:400]
+    try:
+        with store.transaction() as tx:
+            fail_batch(tx, table, ids, owner=owner, epoch=epoch, error=detail, max_attempts=SWEEP_MAX_ATTEMPTS,
+                       backoff_seconds=0.0, max_backoff_seconds=0.0)
+    except Exception:
+        log.warning("could not hand back %d claimed rows of %s; the sweep will", len(ids), table.name, exc_info=True)
 
 
 def discard_quietly(store: Store, run_id: str, table: str) -> None:

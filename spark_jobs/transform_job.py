@@ -107,9 +107,10 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
     """One transform run: lookups → claim → extract → transform → land → finalize.
 
     Specs are validated against the store's lookup tables before anything is claimed. With nothing
-    to claim Spark is not touched. On any failure after the claim this run's landing rows are
-    dropped and the error propagates; the claimed rows stay in_flight (holding their lanes) until
-    the sweep or the next leader's recovery re-pends them. `owner` must be unique per run.
+    to claim Spark is not touched. On a failure after the claim this run's landing rows are
+    dropped, the claimed rows are handed back at once (`stage_io.release_quietly`) and the error
+    propagates; if that fails too, or the process dies, they stay in_flight (holding their lanes)
+    until the sweep or the next leader's recovery re-pends them. `owner` must be unique per run.
     """
     lookups = read_lookups(store)
     parsed = parse_transforms(list(specs), lookups=lookups)
@@ -122,8 +123,10 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
             outbound_rows, parsed, lookups, destinations, run_id=run_id)
         stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
         outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except BaseException:
+    except BaseException as exc:
         stage_io.discard_quietly(store, run_id, LANDING_TABLE)
+        if not isinstance(exc, StaleEpoch):
+            stage_io.release_quietly(store, ROUTED, claimed_ids, owner=owner, epoch=epoch, error=exc)
         raise
     log.info("transform run %s: claimed %d, outbound %d, failed %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.outbound), len(outcome.failed), len(outcome.not_finished))

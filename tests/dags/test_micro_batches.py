@@ -97,3 +97,22 @@ def test_with_no_linger_an_idle_run_ends_after_one_empty_claim(monkeypatch):
 
     assert loop(job, clock, monkeypatch, linger=0)["batches"] == 0
     assert len(calls) == 1
+
+
+def test_a_failing_batch_is_retried_in_the_loop_and_too_many_in_a_row_fail_the_task(monkeypatch):
+    clock, calls = Clock(), []
+
+    def flaky(store, owner, job_run_id):
+        calls.append(owner)
+        if len(calls) in (1, 2):
+            raise RuntimeError("database is locked")
+        return Outcome(claimed=(1,), done=(1,)) if len(calls) == 3 else Outcome()
+
+    assert loop(flaky, clock, monkeypatch, linger=0)["claimed"] == 1
+    assert len(calls) == 4
+
+    def broken(store, owner, job_run_id):
+        raise RuntimeError("spark is down")
+
+    with pytest.raises(RuntimeError, match="spark is down"):
+        loop(broken, Clock(), monkeypatch)

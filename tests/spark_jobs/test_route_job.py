@@ -351,3 +351,29 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
     print(f"\nSpark Connect: server start {startup:.1f} s; client imports {figures['imports']:.1f} s; "
           f"first job {figures['first_job']:.2f} s; per-job overhead on a warm server "
           f"{', '.join(f'{x:.2f}' for x in figures['overhead'])} s; a 30-message route job {figures['second_job']:.2f} s")
+
+
+class _SparkDown:
+    """A Spark session whose every use fails, as a lost Connect server would."""
+
+    @property
+    def read(self) -> Any:
+        raise RuntimeError("spark is down")
+
+    def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Spark's name
+        raise RuntimeError("spark is down")
+
+
+def test_a_failed_run_hands_its_claimed_rows_back_at_once_and_the_next_run_routes_them(
+        store: Store, spark: SparkSession) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch, range(5))
+    with pytest.raises(RuntimeError, match="spark is down"):
+        run_once(store, _SparkDown(), epoch, "run-1")  # type: ignore[arg-type]
+    got = rows(store, "SELECT status, lease_owner, attempts, last_error FROM stage_inbound ORDER BY id")
+    assert got == [{"status": "error", "lease_owner": None, "attempts": 1,
+                    "last_error": "stage run failed: RuntimeError: spark is down"}] * 5
+    assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'attempt_failed'") == [{"n": 5}]
+    outcome = run_once(store, spark, epoch, "run-2")  # due again at once, no waiting for the sweep
+    assert outcome.claimed == tuple(sorted(ids.values()))
+    assert routed_triples(store) == expected_triples(ids)
