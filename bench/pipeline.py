@@ -96,37 +96,22 @@ class Phases:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
 
 
-def drain_route(store: Store, spark: Any, epoch: int, batch: int, phases: Phases) -> int:
+def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job: Any,
+          transform: Callable[[Any, str], Any]) -> int:
+    """Run `job` (route_job or transform_job) batch after batch until nothing is claimed, timing
+    its real steps; `transform(claimed_frame, run_id)` is the job's pure transform."""
     done = 0
     while True:
-        run = f"route-{phases.batches}"
+        run = f"{job.__name__.rsplit('.', 1)[-1]}-{phases.batches}"
         owner = f"bench/{run}"
-        ids = phases.time("claim", lambda: route_job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
+        ids = phases.time("claim", lambda: job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
         if not ids:
             return done
-        phases.time("spark", lambda: route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
-                                                    .transform(route_job.transform, ROUTES, run_id=run)))
-        out = phases.time("finalize", lambda: route_job.finalize(store, run_id=run, owner=owner, epoch=epoch,
-                                                                 claimed_ids=ids))
-        assert not out.not_finished, out.not_finished[:5]
-        done += len(ids)
-        phases.batches += 1
-
-
-def drain_transform(store: Store, spark: Any, epoch: int, batch: int, dests: dict[str, Any], phases: Phases) -> int:
-    done = 0
-    while True:
-        run = f"transform-{phases.batches}"
-        owner = f"bench/{run}"
-        ids = phases.time("claim", lambda: transform_job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
-        if not ids:
-            return done
-        phases.time("spark", lambda: stage_io.land(
-            store, transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
-                transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run),
-            transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS))
-        out = phases.time("finalize", lambda: transform_job.finalize(store, run_id=run, owner=owner, epoch=epoch,
-                                                                     claimed_ids=ids))
+        small = stage_io.is_small(ids)
+        phases.time("spark", lambda: job.land(store, transform(
+            job.extract(store, spark, owner=owner, epoch=epoch, small=small), run), small=small))
+        out = phases.time("finalize", lambda: job.finalize(store, run_id=run, owner=owner, epoch=epoch,
+                                                           claimed_ids=ids))
         assert not out.not_finished, out.not_finished[:5]
         done += len(ids)
         phases.batches += 1
@@ -196,7 +181,8 @@ def main() -> None:
 
         phases = Phases()
         started = time.perf_counter()
-        routed_msgs = drain_route(store, spark, epoch, args.batch, phases)
+        routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
+                            lambda frame, run: frame.transform(route_job.transform, ROUTES, run_id=run))
         route_s = time.perf_counter() - started
         n_routed = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'pending'")
         print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows in {route_s:.1f} s = "
@@ -204,7 +190,9 @@ def main() -> None:
 
         tphases = Phases()
         started = time.perf_counter()
-        transformed = drain_transform(store, spark, epoch, args.batch, dests, tphases)
+        transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
+                            lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
+                                                               run_id=run))
         transform_s = time.perf_counter() - started
         print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
               f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")

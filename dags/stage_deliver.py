@@ -20,43 +20,8 @@ Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
-
-from airflow.sdk import dag, task
-from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
+from stageline_airflow.stage_dag import stage_dag
 
 from include import pipeline
 
-
-@dag(
-    schedule="@continuous",
-    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
-    catchup=False,
-    max_active_runs=1,
-    dagrun_timeout=timedelta(minutes=20),
-    tags=["stageline", "stage"],
-    default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
-                  "execution_timeout": timedelta(minutes=8)},
-    doc_md=__doc__,
-)
-def stage_deliver() -> None:
-    leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1))
-
-    @task
-    def recover(leader: dict) -> int | None:
-        """On-promotion recovery, once per epoch."""
-        return pipeline.recover_step(leader)
-
-    wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage="outbound", leader=leader.output,
-                                      timeout=timedelta(minutes=5))
-
-    @task.pyspark(conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
-    def deliver(leader: dict, spark=None, ti=None) -> dict:
-        """Deliver lane heads under the leader's epoch."""
-        return pipeline.run_deliver_stage(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id,
-                                          try_number=ti.try_number)
-
-    recover(leader.output) >> wait_for_work >> deliver(leader.output)
-
-
-stage_deliver()
+dag = stage_dag("stage_deliver", waits_for="outbound", job_id="deliver", job=pipeline.run_deliver_stage, doc_md=__doc__)

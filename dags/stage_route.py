@@ -20,43 +20,8 @@ schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pip
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
-
-from airflow.sdk import dag, task
-from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
+from stageline_airflow.stage_dag import stage_dag
 
 from include import pipeline
 
-
-@dag(
-    schedule="@continuous",
-    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
-    catchup=False,
-    max_active_runs=1,
-    dagrun_timeout=timedelta(minutes=20),
-    tags=["stageline", "stage"],
-    default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
-                  "execution_timeout": timedelta(minutes=8)},
-    doc_md=__doc__,
-)
-def stage_route() -> None:
-    leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1))
-
-    @task
-    def recover(leader: dict) -> int | None:
-        """On-promotion recovery, once per epoch."""
-        return pipeline.recover_step(leader)
-
-    wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage="inbound", leader=leader.output,
-                                      timeout=timedelta(minutes=5))
-
-    @task.pyspark(conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
-    def route(leader: dict, spark=None, ti=None) -> dict:
-        """Run the route job under the leader's epoch."""
-        return pipeline.run_route_stage(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id,
-                                        try_number=ti.try_number)
-
-    recover(leader.output) >> wait_for_work >> route(leader.output)
-
-
-stage_route()
+dag = stage_dag("stage_route", waits_for="inbound", job_id="route", job=pipeline.run_route_stage, doc_md=__doc__)

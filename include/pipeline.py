@@ -10,7 +10,6 @@ the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -117,10 +116,16 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     from spark_jobs import transform_job
 
     config = stage_config.load()
-    return _micro_batches("transform", dag_id, run_id, try_number, epoch,
-                          lambda store, owner, job_run_id: transform_job.run(
-                              store, spark, specs=config.transforms, destinations=config.destinations,
-                              owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
+    read: list[dict[str, dict[str, str]]] = []  # the lookup tables, read by the task's first batch
+
+    def batch(store: Any, owner: str, job_run_id: str) -> Any:
+        if not read:  # once per task, not per micro-batch or idle poll: a changed table applies from the next run
+            read.append(transform_job.read_lookups(store))
+        return transform_job.run(store, spark, specs=config.transforms, destinations=config.destinations,
+                                 owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size,
+                                 lookups=read[0])
+
+    return _micro_batches("transform", dag_id, run_id, try_number, epoch, batch)
 
 
 def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_deliver", try_number: int = 1,
@@ -169,7 +174,9 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
     failures = 0
     totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "stale_epoch": False, "batches": 0}
     with leadership.open_store(None) as (_, store):
-        for n in itertools.count():
+        n = -1
+        while True:
+            n += 1
             job_run_id = f"{run_id}#{try_number}.{n}"
             try:
                 outcome = job(store, claim_owner(dag_id, job_run_id), job_run_id)
@@ -200,7 +207,6 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
                 return totals
             if idle_since is not None:
                 sleep(POLL_SECONDS)
-    raise AssertionError("unreachable")
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

@@ -209,7 +209,7 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
     from spark_jobs import stage_io
 
     return stage_io.read_claimed(store, spark, "deliver_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 claimed=len(list(ids)))
+                                 small=stage_io.is_small(list(ids)))
 
 
 def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,

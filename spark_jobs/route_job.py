@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from include.store import INBOUND, Store
-from include.store.stages import RouteOutcome, StaleEpoch, discard_landing, finalize_route
+from include.store.stages import RouteOutcome, finalize_route
 from spark_jobs import stage_io
 from spark_jobs.route_rules import Route, parse_routes, route
 
@@ -44,10 +44,10 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
     return stage_io.claim(store, INBOUND, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, claimed: int | None = None) -> DataFrame:
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False) -> DataFrame:
     """The rows `owner` claimed under `epoch`: id, payload."""
     return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 claimed=claimed)
+                                 small=small)
 
 
 def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
@@ -63,12 +63,8 @@ def land(store: Store, landing: DataFrame, *, small: bool = False) -> None:
 
 def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
     """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
-    try:
-        with store.transaction() as tx:
-            return finalize_route(tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except StaleEpoch:
-        discard_landing(store, run_id=run_id)
-        raise
+    return stage_io.finalize_fenced(store, run_id=run_id, landing_table=LANDING_TABLE, step=lambda tx: finalize_route(
+        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
 
 
 def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owner: str, epoch: int,
@@ -76,28 +72,19 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
     """One route run: claim → extract → transform → land → finalize.
 
     Routes are validated before anything is claimed, so a bad config claims nothing. With nothing
-    to claim Spark is not touched. If Spark or the database fails after the claim, this run's
-    landing rows are dropped, the claimed rows are handed back at once (`stage_io.release_quietly`:
-    due again, the error recorded) and the error propagates; if even that fails — or the process
-    dies — they stay in_flight until the sweep or the next leader's recovery re-pends them. Under
-    a stale epoch nothing is handed back (the new leader's recovery does it).
+    to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
     `owner` must be unique per run: the Spark read selects the rows by it.
     """
     parsed = parse_routes(routes)
     claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
         return RouteOutcome(run_id=run_id)
-    try:
-        small = len(claimed_ids) <= stage_io.SMALL_BATCH_ROWS
-        landing = extract(store, spark, owner=owner, epoch=epoch, claimed=len(claimed_ids)).transform(
-            transform, parsed, run_id=run_id)
-        land(store, landing, small=small)
-        outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except BaseException as exc:
-        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
-        if not isinstance(exc, StaleEpoch):
-            stage_io.release_quietly(store, INBOUND, claimed_ids, owner=owner, epoch=epoch, error=exc)
-        raise
+    outcome = stage_io.land_and_finalize(
+        store, INBOUND, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
+        landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
+        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
+            transform, parsed, run_id=run_id),
+        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
     log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),
              len(outcome.not_finished))

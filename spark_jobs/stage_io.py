@@ -1,6 +1,6 @@
 """The store side every Spark stage job shares: claim, read the claimed rows, land, clean up.
 
-    claim    one SQL statement outside Spark, in lane order (`claim_in_lane_order`): never inside a
+    claim    one SQL statement outside Spark, in lane order (`rowlease.claim_batch`): never inside a
              Spark read, whose schema probe would run it twice
     read     Spark JDBC read of exactly the rows the run claimed, bounded by owner + epoch (a named,
              read-only query with its parameters inlined), one partition: a batch is thousands
@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from pyspark.sql import DataFrame, SparkSession
 
 from include.spark import jdbc_options
-from include.store import Store, StagedTable
-from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_in_lane_order, fail_batch
-from include.store.stages import discard_landing, inline_query
+from include.store import Store, StagedTable, Tx
+from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_batch, fail_batch
+from include.store.stages import StaleEpoch, discard_landing, inline_query
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 WRITE_BATCH_ROWS = 2_000
 SMALL_BATCH_ROWS = 1_000
 
@@ -39,19 +41,23 @@ def claim(store: Store, table: StagedTable, *, owner: str, epoch: int, batch_siz
           lease_seconds: float | None = None) -> list[int]:
     """Claim up to `batch_size` due rows of `table` for `owner`, in lane order; their ids."""
     with store.transaction() as tx:
-        rows = claim_in_lane_order(tx, table, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
+        rows = claim_batch(tx, table, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
     return [int(r["id"]) for r in rows]
 
 
+def is_small(claimed_ids: Sequence[int]) -> bool:
+    """Whether a claim takes the small-batch path (module docstring)."""
+    return len(claimed_ids) <= SMALL_BATCH_ROWS
+
+
 def read_claimed(store: Store, spark: SparkSession, query_name: str, schema: str, *, owner: str,
-                 epoch: int, claimed: int | None = None) -> DataFrame:
+                 epoch: int, small: bool = False) -> DataFrame:
     """The rows `owner` claimed under `epoch`, via the read-only named query `query_name`.
 
     `schema` is a Spark customSchema: Spark would map SQLite's INTEGER to a 32-bit int, and the
-    ids are 64-bit everywhere. With `claimed` (the claim's row count) at most SMALL_BATCH_ROWS
-    the rows are read here and sent to Spark as a local frame.
+    ids are 64-bit everywhere. `small`: the rows are read here and sent to Spark as a local frame.
     """
-    if claimed is not None and claimed <= SMALL_BATCH_ROWS:
+    if small:
         columns = [c.strip().split()[0] for c in schema.split(",")]
         with store.transaction(write=False) as tx:
             found = tx.all(query_name, {"owner": owner, "epoch": int(epoch)})
@@ -80,6 +86,41 @@ def land(store: Store, frame: DataFrame, table: str, columns: Sequence[str], *,
     if store.backend == "sqlite":
         writer = writer.option("numPartitions", "1")
     writer.save()
+
+
+def finalize_fenced(store: Store, *, run_id: str, landing_table: str, step: Callable[[Tx], T]) -> T:
+    """Run a stage's fenced finalize `step` in one transaction; under a stale epoch drop the run's
+    landing rows (nothing of it may land) and re-raise."""
+    try:
+        with store.transaction() as tx:
+            return step(tx)
+    except StaleEpoch:
+        discard_landing(store, run_id=run_id, table=landing_table)
+        raise
+
+
+def land_and_finalize(store: Store, table: StagedTable, *, claimed_ids: list[int], owner: str, epoch: int,
+                      run_id: str, landing_table: str, columns: Sequence[str],
+                      build: Callable[[bool], DataFrame], finalize: Callable[[], T]) -> T:
+    """The part of a stage run after its claim: `build(small)` the landing frame (read + pure
+    transform), land it, `finalize()` (one fenced transaction).
+
+    On a failure the run's landing rows are dropped and its claimed rows handed back at once
+    (`release_quietly`); if that fails too, or the process dies, they stay in_flight (holding their
+    lanes) until the sweep or the next leader's recovery re-pends them. A StaleEpoch propagates
+    untouched: the finalize already dropped the landing rows, and the claim belongs to the new
+    leader's recovery.
+    """
+    small = is_small(claimed_ids)
+    try:
+        land(store, build(small), landing_table, columns, small=small)
+        return finalize()
+    except StaleEpoch:
+        raise
+    except BaseException as exc:
+        discard_quietly(store, run_id, landing_table)
+        release_quietly(store, table, claimed_ids, owner=owner, epoch=epoch, error=exc)
+        raise
 
 
 def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: str, epoch: int,

@@ -26,7 +26,7 @@ from pyspark.sql import functions as F
 
 from include.store import ROUTED, Store
 from include.store import lookups as lookup_tables
-from include.store.stages import StaleEpoch, TransformOutcome, finalize_transform
+from include.store.stages import TransformOutcome, finalize_transform
 from spark_jobs import stage_io
 from spark_jobs.destinations import Destination
 from spark_jobs.hl7_fields import field
@@ -81,9 +81,13 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int, lease_second
     return stage_io.claim(store, ROUTED, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, claimed: int | None = None) -> DataFrame:
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False) -> DataFrame:
     return stage_io.read_claimed(store, spark, "transform_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 claimed=claimed)
+                                 small=small)
+
+
+def land(store: Store, landing: DataFrame, *, small: bool = False) -> None:
+    stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
 
 
 def read_lookups(store: Store) -> dict[str, dict[str, str]]:
@@ -93,41 +97,32 @@ def read_lookups(store: Store) -> dict[str, dict[str, str]]:
 
 def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> TransformOutcome:
     """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
-    try:
-        with store.transaction() as tx:
-            return finalize_transform(tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except StaleEpoch:
-        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
-        raise
+    return stage_io.finalize_fenced(store, run_id=run_id, landing_table=LANDING_TABLE, step=lambda tx: finalize_transform(
+        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
 
 
 def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] | Transform],
         destinations: Mapping[str, Destination], owner: str, epoch: int, run_id: str,
-        batch_size: int = 10_000, lease_seconds: float | None = None) -> TransformOutcome:
+        batch_size: int = 10_000, lease_seconds: float | None = None,
+        lookups: Mapping[str, Mapping[str, str]] | None = None) -> TransformOutcome:
     """One transform run: lookups → claim → extract → transform → land → finalize.
 
-    Specs are validated against the store's lookup tables before anything is claimed. With nothing
-    to claim Spark is not touched. On a failure after the claim this run's landing rows are
-    dropped, the claimed rows are handed back at once (`stage_io.release_quietly`) and the error
-    propagates; if that fails too, or the process dies, they stay in_flight (holding their lanes)
-    until the sweep or the next leader's recovery re-pends them. `owner` must be unique per run.
+    Specs are validated against the lookup tables — `lookups`, or the store's read now — before
+    anything is claimed. With nothing
+    to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
+    `owner` must be unique per run.
     """
-    lookups = read_lookups(store)
+    lookups = read_lookups(store) if lookups is None else lookups
     parsed = parse_transforms(list(specs), lookups=lookups)
     claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
         return TransformOutcome(run_id=run_id)
-    try:
-        small = len(claimed_ids) <= stage_io.SMALL_BATCH_ROWS
-        landing = extract(store, spark, owner=owner, epoch=epoch, claimed=len(claimed_ids)).transform(
-            outbound_rows, parsed, lookups, destinations, run_id=run_id)
-        stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
-        outcome = finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
-    except BaseException as exc:
-        stage_io.discard_quietly(store, run_id, LANDING_TABLE)
-        if not isinstance(exc, StaleEpoch):
-            stage_io.release_quietly(store, ROUTED, claimed_ids, owner=owner, epoch=epoch, error=exc)
-        raise
+    outcome = stage_io.land_and_finalize(
+        store, ROUTED, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
+        landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
+        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
+            outbound_rows, parsed, lookups, destinations, run_id=run_id),
+        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
     log.info("transform run %s: claimed %d, outbound %d, failed %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.outbound), len(outcome.failed), len(outcome.not_finished))
     return outcome

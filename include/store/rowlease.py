@@ -27,23 +27,18 @@ UNLIMITED_ATTEMPTS = 2**31 - 1
 
 def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
                 lease_seconds: float | None = None) -> list[Row]:
-    """Claim up to `limit` due rows in id order, skipping rows another claimer holds."""
+    """Claim up to `limit` due rows in id order, skipping rows another claimer holds — and rows
+    whose lane has an earlier row in flight or backing off.
+
+    So a batch stranded by a dead job holds its lanes until it is re-pended, and the next stage's
+    rows (and finally the deliveries) keep lane order across crashes and failover (DESIGN
+    invariant 6). Rows with a NULL lane never wait. Lane order holds for one claimer per stage at a
+    time (each stage DAG runs one run at a time); concurrent claimers are safe — nothing is claimed
+    twice — but may interleave a lane's rows.
+    """
     tx.fence()
     return _by_id(tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
                                          "lease_seconds": _lease(tx, lease_seconds)}, table=table))
-
-
-def claim_in_lane_order(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
-                        lease_seconds: float | None = None) -> list[Row]:
-    """Like claim_batch, but a row waits while an earlier row of its lane is in flight or backing off.
-
-    For the stages that feed lanes (route, transform): a batch stranded by a dead job holds its
-    lanes until it is re-pended, so the next stage's rows — and finally the deliveries — keep lane
-    order across crashes and failover (DESIGN invariant 6). Rows with a NULL lane never wait.
-    """
-    tx.fence()
-    return _by_id(tx.all("claim_in_lane_order", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                                 "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
 
 def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,

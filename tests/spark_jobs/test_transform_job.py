@@ -143,7 +143,7 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing(store: Store, spark: Spark
     claimed = transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
     landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
         transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
-    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
+    transform_job.land(store, landing)
     acquire_permanent(store, node_id="node-b")
 
     with pytest.raises(StaleEpoch):
@@ -163,8 +163,8 @@ def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_du
     transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
     landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
         transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
-    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
-    transform_job.stage_io.land(store, landing, transform_job.LANDING_TABLE, transform_job.LANDING_COLUMNS)
+    transform_job.land(store, landing)
+    transform_job.land(store, landing)
     restarted = acquire_permanent(store, node_id=NODE)  # the process died; a new epoch recovers
     with store.transaction() as tx:
         assert rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted) == len(ids)

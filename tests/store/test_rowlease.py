@@ -211,13 +211,13 @@ def test_finish_rejects_a_non_final_status(store):
         rl.finish_batch(tx, INBOUND, [1], owner="a", epoch=1, status="pending")
 
 
-def test_claim_in_lane_order_holds_a_lane_behind_its_stranded_row_and_lets_other_lanes_pass(store):
+def test_a_claim_holds_a_lane_behind_its_stranded_row_and_lets_other_lanes_pass(store):
     epoch = take_lease(store).epoch
     seed_inbound(store, 9, lanes=3)  # ids 1..9, lane = id % 3
     with store.transaction() as tx:
         stranded = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="dead", epoch=epoch, limit=1)]
         # the claimer died; its row stays in_flight until the sweep. The next claim:
-        nxt = rl.claim_in_lane_order(tx, INBOUND, owner="next", epoch=epoch, limit=100)
+        nxt = rl.claim_batch(tx, INBOUND, owner="next", epoch=epoch, limit=100)
     lanes = {r["id"]: r["lane_key"] for r in rows(store, "SELECT id, lane_key FROM stage_inbound")}
     [dead_lane] = {lanes[i] for i in stranded}
     assert [r["id"] for r in nxt] == sorted(i for i, lane in lanes.items() if lane != dead_lane)
@@ -225,14 +225,14 @@ def test_claim_in_lane_order_holds_a_lane_behind_its_stranded_row_and_lets_other
         == [{"n": 2}]
 
 
-def test_claim_in_lane_order_holds_a_lane_behind_a_row_backing_off(store):
+def test_a_claim_holds_a_lane_behind_a_row_backing_off(store):
     epoch = take_lease(store).epoch
     seed_inbound(store, 4, lanes=2)
     with store.transaction() as tx:
         [first] = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=1)]
         rl.fail_batch(tx, INBOUND, [first], owner="a", epoch=epoch, error="boom", max_attempts=5,
                       backoff_seconds=600)
-        got = rl.claim_in_lane_order(tx, INBOUND, owner="b", epoch=epoch, limit=100)
+        got = rl.claim_batch(tx, INBOUND, owner="b", epoch=epoch, limit=100)
     lane = rows(store, f"SELECT lane_key FROM stage_inbound WHERE id = {first}")[0]["lane_key"]
     assert {r["lane_key"] for r in got} == {"0", "1"} - {lane}
     assert len(got) == 2

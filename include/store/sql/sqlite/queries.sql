@@ -93,19 +93,7 @@ SELECT node_id, host, pid, status, is_leader, config_hash,
   FROM nodes ORDER BY started_at, node_id
 
 -- name: claim_batch
-UPDATE {table}
-   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
-       lease_expires_at = {now} + CAST(:lease_seconds * 1000 AS INTEGER),
-       attempts = attempts + 1, updated_at = {now}
- WHERE id IN (SELECT id FROM {table}
-               WHERE status IN ('pending', 'error')
-                 AND (next_attempt_at IS NULL OR next_attempt_at <= {now})
-               ORDER BY id LIMIT :limit)
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
-RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
-
--- name: claim_in_lane_order
--- claim_batch for the stages that feed lanes (route, transform): a row is skipped while an earlier
+-- Up to :limit due rows in id order, in lane order: a row is skipped while an earlier
 -- row of its lane is still open and not claimable now (in_flight, or backing off), so a stranded
 -- row is finished before anything newer in its lane moves on. NULL lanes are never held back.
 UPDATE {table}
@@ -115,9 +103,9 @@ UPDATE {table}
  WHERE id IN (SELECT t.id FROM {table} t
                WHERE t.status IN ('pending', 'error')
                  AND (t.next_attempt_at IS NULL OR t.next_attempt_at <= {now})
-                 AND NOT EXISTS (SELECT 1 FROM {table} e
+                 AND (t.lane_key IS NULL OR NOT EXISTS (SELECT 1 FROM {table} e
                                   WHERE e.status IN ('in_flight', 'error') AND e.lane_key = t.lane_key
-                                    AND e.id < t.id AND (e.status = 'in_flight' OR e.next_attempt_at > {now}))
+                                    AND e.id < t.id AND (e.status = 'in_flight' OR e.next_attempt_at > {now})))
                ORDER BY t.id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination

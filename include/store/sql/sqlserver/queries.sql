@@ -162,22 +162,7 @@ SELECT node_id, host, pid, status, is_leader, config_hash,
 -- name: claim_batch
 -- FOR UPDATE SKIP LOCKED: UPDLOCK holds the picked rows to commit, READPAST skips rows another
 -- claimer holds, ROWLOCK keeps both at row granularity.
-UPDATE t
-   SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
-       lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
-       attempts = t.attempts + 1, updated_at = SYSUTCDATETIME()
-OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key, inserted.attempts,
-       d.destination
-  FROM {table} AS t WITH (ROWLOCK)
- CROSS APPLY (SELECT {dest} AS destination) AS d
- WHERE t.id IN (SELECT TOP (:limit) id FROM {table} WITH (UPDLOCK, READPAST, ROWLOCK)
-                 WHERE status IN ('pending', 'error')
-                   AND (next_attempt_at IS NULL OR next_attempt_at <= SYSUTCDATETIME())
-                 ORDER BY id)
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
-
--- name: claim_in_lane_order
--- claim_batch for the stages that feed lanes (route, transform): a row is skipped while an earlier
+-- Up to :limit due rows in id order, in lane order: a row is skipped while an earlier
 -- row of its lane is still open and not claimable now (in_flight, or backing off), so a stranded
 -- row is finished before anything newer in its lane moves on. NULL lanes are never held back.
 UPDATE t
@@ -191,9 +176,9 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
  WHERE t.id IN (SELECT TOP (:limit) c.id FROM {table} AS c WITH (UPDLOCK, READPAST, ROWLOCK)
                  WHERE c.status IN ('pending', 'error')
                    AND (c.next_attempt_at IS NULL OR c.next_attempt_at <= SYSUTCDATETIME())
-                   AND NOT EXISTS (SELECT 1 FROM {table} AS e
+                   AND (c.lane_key IS NULL OR NOT EXISTS (SELECT 1 FROM {table} AS e
                                     WHERE e.status IN ('in_flight', 'error') AND e.lane_key = c.lane_key
-                                      AND e.id < c.id AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))
+                                      AND e.id < c.id AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME())))
                  ORDER BY c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 

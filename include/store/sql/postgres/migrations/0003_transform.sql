@@ -42,7 +42,7 @@ CREATE TABLE lookup_entries (
     UNIQUE (table_name, code)
 );
 
--- Held lanes: rows in flight or backing off, by lane — what claim_in_lane_order probes for every
+-- Held lanes: rows in flight or backing off, by lane — what claim_batch probes for every
 -- candidate row. Small (only the rows being worked on), unlike the open_lane index.
 CREATE INDEX stage_inbound_held_lane  ON stage_inbound (lane_key, id)  WHERE status IN ('in_flight', 'error');
 CREATE INDEX stage_routed_held_lane   ON stage_routed (lane_key, id)   WHERE status IN ('in_flight', 'error');

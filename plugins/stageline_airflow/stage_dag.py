@@ -1,0 +1,56 @@
+"""The one shape every stage DAG has, so `dags/stage_*.py` are a docstring and one call.
+
+    leader_check → recover → wait_for_work (the stage's input table) → <job> (@task.pyspark)
+
+Scheduled `@continuous`, one run at a time: a run waits for work, then its job task runs
+micro-batches until it has been idle a while (`include.pipeline._micro_batches`); the next run
+starts about a second after one ends. Why this schedule: docs/pipeline.md. The job's Spark session
+comes from the Spark provider on the `stageline_spark` connection (`pipeline.SPARK_CONN_ID`).
+Nothing here reads a connection, file or database when a DAG file is parsed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from airflow.sdk import DAG, task
+from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
+
+from include import pipeline
+
+
+def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
+    """Build a stage DAG whose job task `job_id` calls `job(epoch, run_id, spark=…, dag_id=…, try_number=…)`.
+
+    :param waits_for: the stage (staged table) whose due rows are this DAG's work.
+    """
+    with DAG(
+        dag_id,
+        schedule="@continuous",
+        start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+        catchup=False,
+        max_active_runs=1,
+        dagrun_timeout=timedelta(minutes=20),
+        tags=["stageline", "stage"],
+        default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
+                      "execution_timeout": timedelta(minutes=8)},
+        doc_md=doc_md,
+    ) as built:
+        leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1))
+
+        @task
+        def recover(leader: dict) -> int | None:
+            """On-promotion recovery, once per epoch."""
+            return pipeline.recover_step(leader)
+
+        wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
+                                          timeout=timedelta(minutes=5))
+
+        @task.pyspark(task_id=job_id, conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
+        def run_job(leader: dict, spark=None, ti=None) -> dict:
+            """Run the stage job under the leader's epoch."""
+            return job(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id, try_number=ti.try_number)
+
+        recover(leader.output) >> wait_for_work >> run_job(leader.output)
+    return built
