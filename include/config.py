@@ -37,7 +37,7 @@ class StoreConfig:
     username: str = "stageline"
     password: str | None = field(default=None, repr=False)
     pool_size: int = 5
-    lease_ttl_seconds: float = 60.0
+    lease_ttl_seconds: float = 15.0
     busy_timeout_ms: int = 10_000
 
     @property

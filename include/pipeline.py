@@ -9,6 +9,7 @@ the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -16,12 +17,15 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from include import leadership, stage_config
+from include.claim_keeper import ClaimKeeper
+from include.config import ServiceConfig
+from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     from spark_jobs import route_job
 
     config = stage_config.load()
-    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id: route_job.run(
+    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id, _stop: route_job.run(
         store, spark, routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
 
 
@@ -118,7 +122,7 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     config = stage_config.load()
     read: list[dict[str, dict[str, str]]] = []  # the lookup tables, read by the task's first batch
 
-    def batch(store: Any, owner: str, job_run_id: str) -> Any:
+    def batch(store: Any, owner: str, job_run_id: str, _stop: Callable[[], bool]) -> Any:
         if not read:  # once per task, not per micro-batch or idle poll: a changed table applies from the next run
             read.append(transform_job.read_lookups(store))
         return transform_job.run(store, spark, specs=config.transforms, destinations=config.destinations,
@@ -140,19 +144,39 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id: deliver.run(
+    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id, stop: deliver.run(
         store, spark, destinations=config.destinations, owner=owner, epoch=epoch, max_lanes=max_lanes,
-        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS))
+        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=stop))
+
+
+@contextlib.contextmanager
+def stage_session(spark: Any) -> Iterator[None]:
+    """Around a stage job: a Spark Connect client fails within seconds when its server is gone
+    (instead of retrying for minutes), and is closed without waiting on a dead server at exit."""
+    if spark is None:
+        yield
+        return
+    from include.spark import bound_connect_retries, close_session
+
+    bound_connect_retries(spark)
+    try:
+        yield
+    finally:
+        close_session(spark)
 
 
 def linger_seconds() -> float:
     return float(os.environ.get(LINGER_ENV) or DEFAULT_LINGER_SECONDS)
 
 
+STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
+"""The staged table each stage claims from."""
+
+
 def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
-                   job: Callable[[Any, str, str], Any], *, clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
-    """Run `job(store, owner, job_run_id)` — one micro-batch — again and again in this one task.
+                   job: Callable[[Any, str, str, Callable[[], bool]], Any], *, clock: Callable[[], float] = time.monotonic,
+                   keeper: Callable[[ServiceConfig, Any], Any] | None = None) -> dict[str, Any]:
+    """Run `job(store, owner, job_run_id, stop)` — one micro-batch — again and again in this one task.
 
     A DAG run costs seconds of scheduling and task starts before its job even begins; a stage
     under steady traffic would pay that for every batch. So a stage task keeps claiming: the next
@@ -160,11 +184,17 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
     `$STAGELINE_STAGE_LINGER_SECONDS` (default 30) or STAGE_TIME_BUDGET_SECONDS is spent; then the
     run ends and the continuous schedule starts the next one (with a fresh leader check). Each
     batch claims as its own owner (`<run>#<try>.<n>`): a retry or a later batch never reads rows an
-    earlier one still holds. Every claim and finalize is fenced by `epoch`: after a change of
-    leader the claims find nothing and the loop ends idle, or a finalize raises StaleEpoch, which
-    ends it at once. A failed batch (its rows already handed back by the job) is retried after a
-    pause; MAX_CONSECUTIVE_FAILURES in a row fail the task (Airflow's retry takes over). Counts are
-    summed over batches for the XCom.
+    earlier one still holds.
+
+    Failover (invariants 5 and 8): the task first re-pends the rows still held by earlier tasks of
+    its DAG — Airflow starts a stage task only after the previous one ended, so a killed task's
+    claim comes back now, not a row lease later. Then a `ClaimKeeper` runs beside the loop: it
+    renews the claim in flight and, once the epoch moves on or the lease lapses, stops the task
+    between batches or while idle, so the next run starts under the new leader within a heartbeat.
+    A finalize that meets a stale epoch (StaleEpoch) ends it too. A failed batch (its rows already
+    handed back by the job) is retried after a pause; MAX_CONSECUTIVE_FAILURES in a row, or a lost
+    Spark Connect session, fail the task (Airflow's retry starts a fresh one). Counts are summed
+    over batches for the XCom.
     """
     from include.store.stages import StaleEpoch
 
@@ -173,40 +203,63 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
     idle_since: float | None = None
     failures = 0
     totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "stale_epoch": False, "batches": 0}
-    with leadership.open_store(None) as (_, store):
-        n = -1
-        while True:
-            n += 1
-            job_run_id = f"{run_id}#{try_number}.{n}"
-            try:
-                outcome = job(store, claim_owner(dag_id, job_run_id), job_run_id)
-            except StaleEpoch:
-                log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
-                return {**totals, "stale_epoch": True}
-            except Exception:
-                failures += 1
-                if failures > MAX_CONSECUTIVE_FAILURES:
-                    raise
-                # The job handed its claimed rows back; a busy SQLite file or a Connect hiccup is
-                # usually gone a moment later, cheaper to retry here than as a new task attempt.
-                log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures, exc_info=True)
-                sleep(FAILURE_PAUSE_SECONDS)
-                continue
-            failures = 0
-            counts = _summary(outcome)
-            if counts.get("claimed"):
-                totals["batches"] += 1
-                for key, value in counts.items():
-                    if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
-                        totals[key] = totals.get(key, 0) + value
-                idle_since = None
-            elif idle_since is None:
-                idle_since = clock()
-            now = clock()
-            if now - started >= STAGE_TIME_BUDGET_SECONDS or (idle_since is not None and now - idle_since >= linger):
-                return totals
-            if idle_since is not None:
-                sleep(POLL_SECONDS)
+    with leadership.open_store(None) as (config, store):
+        with (keeper or claim_keeper)(config, store, stage=stage, epoch=epoch) as watch:
+            # Airflow runs one task of a stage DAG at a time (max_active_runs=1, one job task per
+            # run, a retry only after the failed try ended): claims of earlier tasks are abandoned.
+            watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
+                                    keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
+            n = -1
+            while True:
+                if watch.stopped.is_set():
+                    return {**totals, "stale_epoch": True, "stopped": watch.reason}
+                n += 1
+                job_run_id = f"{run_id}#{try_number}.{n}"
+                watch.owner = claim_owner(dag_id, job_run_id)
+                try:
+                    outcome = job(store, watch.owner, job_run_id, watch.stopped.is_set)
+                except StaleEpoch:
+                    log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
+                    return {**totals, "stale_epoch": True, "stopped": f"epoch {epoch} is no longer current"}
+                except Exception as exc:
+                    from include.spark import session_lost
+
+                    failures += 1
+                    if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
+                        raise
+                    # The job handed its claimed rows back; a busy SQLite file or a database
+                    # restart is usually gone a moment later, cheaper to retry here than as a new try.
+                    log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
+                                exc_info=True)
+                    watch.wait(FAILURE_PAUSE_SECONDS)
+                    continue
+                finally:
+                    watch.owner = None
+                failures = 0
+                counts = _summary(outcome)
+                if counts.get("claimed"):
+                    totals["batches"] += 1
+                    for key, value in counts.items():
+                        if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
+                            totals[key] = totals.get(key, 0) + value
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = clock()
+                now = clock()
+                if now - started >= STAGE_TIME_BUDGET_SECONDS or (idle_since is not None and now - idle_since >= linger):
+                    return totals
+                if idle_since is not None:
+                    watch.wait(POLL_SECONDS)
+
+
+def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -> ClaimKeeper:
+    """The watch beside a stage task (`include.claim_keeper`), timed by the service config."""
+    table = STAGE_TABLES[stage]
+    return ClaimKeeper(store, table, epoch=epoch, clustered=config.cluster.enabled,
+                       check_seconds=config.cluster.heartbeat_seconds, lease_seconds=config.store.lease_ttl_seconds,
+                       reclaim_seconds=config.cluster.reclaim_interval_seconds,
+                       max_attempts=rowlease.UNLIMITED_ATTEMPTS if table is OUTBOUND
+                       else rowlease.SWEEP_MAX_ATTEMPTS)
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

@@ -233,3 +233,78 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+CONNECT_RETRY_SECONDS = 5.0
+"""How long a Connect client keeps retrying an unreachable server before the call fails."""
+
+
+def bound_connect_retries(spark: SparkSession, *, seconds: float = CONNECT_RETRY_SECONDS) -> None:
+    """Give a Spark Connect client a retry budget of seconds, not pyspark's default of 10 minutes.
+
+    A stage task whose server was killed or restarted then fails fast — its rows handed back, its
+    session replaced by Airflow's retry — instead of hanging in the client's backoff. Classic
+    sessions are left as they are.
+    """
+    client = getattr(spark, "client", None)
+    if client is None or not hasattr(client, "set_retry_policies"):
+        return
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    initial_ms, multiplier = 100, 2.0
+    retries, waited = 0, 0.0
+    while waited < seconds * 1000:
+        waited += initial_ms * multiplier**retries
+        retries += 1
+    others = [p for p in client.get_retry_policies() if not isinstance(p, DefaultPolicy)]
+    client.set_retry_policies([DefaultPolicy(max_retries=retries, initial_backoff=initial_ms,
+                                             backoff_multiplier=multiplier, max_backoff=int(seconds * 1000),
+                                             jitter=50, min_jitter_threshold=0)] + others)
+
+
+def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
+    """Close a Spark Connect client without ever hanging on a server that has gone away.
+
+    pyspark's own exit hook (and `SparkSession.stop()`) talk to the server with retries; with the
+    server gone the process would wait in them at exit. Here the session is released in a
+    background thread for at most `timeout` seconds, then the channel is closed locally, which
+    also turns the exit hook into a no-op. Classic sessions are left to their owner.
+    """
+    client = getattr(spark, "client", None)
+    if client is None or getattr(client, "is_closed", True):
+        return
+    import threading
+
+    releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release", daemon=True)
+    releaser.start()
+    releaser.join(timeout)
+    try:
+        client._channel.close()
+    finally:
+        client._closed = True
+
+
+def _release_quietly(client: object) -> None:
+    try:
+        client.release_session()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - best effort: the server may be gone
+        pass
+
+
+def session_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the Spark Connect session is gone (server killed, restarted or out of
+    reach): retrying on the same session cannot help, a new task with a new session can."""
+    for e in _chain(exc):
+        name = type(e).__name__
+        if name in ("RetriesExceeded", "SparkConnectGrpcException") or "SESSION_NOT_FOUND" in str(e) \
+                or "SESSION_CHANGED" in str(e) or "Session not found" in str(e):
+            return True
+    return False
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen

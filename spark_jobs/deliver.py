@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from include.store import OUTBOUND, Store
 from include.store.rowlease import claim_lane_heads, fail_batch, finish_batch, release_batch
+from include.store.retry import with_retries
 from include.store.stages import StaleEpoch
 from spark_jobs.destinations import DEFAULT_CONTENT_TYPE, Destination, parse_destinations, send
 
@@ -272,7 +273,7 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
 def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
         max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, time_budget_seconds: float = 240.0,
         lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
-        clock: Callable[[], float] = time.monotonic) -> Summary:
+        clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> Summary:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
 
     Destinations are validated before anything is claimed. `spark=None` sends in this process
@@ -281,12 +282,12 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     — or the sweep may hand a head to another claimer while it is being sent (a duplicate, not a
     loss). If delivery itself fails (Spark error), the claimed heads are failed as retryable so
     their lanes do not wait out the row lease, and the error propagates. `owner` must be unique
-    per run.
+    per run. `stop()` is asked before every round: true once the task must end (leadership moved).
     """
     dests = _parsed(destinations)
     deadline = clock() + time_budget_seconds
     total = Summary()
-    while True:
+    while not stop():
         ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds,
                     per_lane=per_lane)
         if not ids:
@@ -326,16 +327,18 @@ def _deliver_round(store: Store, spark: SparkSession | None, dests: Mapping[str,
 
 def _fail_quietly(store: Store, ids: list[int], *, owner: str, epoch: int, dests: Mapping[str, Destination],
                   detail: str) -> None:
-    """Best effort after a failed round: the original error matters more; the sweep is the backstop."""
-    try:
+    """After a failed round, fail its claimed heads as retryable so their lanes move on; retried
+    while the database is briefly gone (`with_retries`), never raising: the original error matters
+    more."""
+    def hand_back() -> None:
         with store.transaction() as tx:
             heads = tx.all("deliver_read_claimed", {"owner": owner, "epoch": int(epoch)})
         wanted = set(ids)
         outcomes = [{"id": int(r["id"]), "destination": r["destination"], "ok": False, "retryable": True,
                      "detail": detail} for r in heads if int(r["id"]) in wanted]
         finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
-    except Exception:  # noqa: BLE001
-        log.warning("deliver %s: could not release %d claimed heads; the sweep will", owner, len(ids), exc_info=True)
+
+    with_retries(hand_back, what=f"deliver {owner}: hand back {len(ids)} claimed heads", give_up_on=(StaleEpoch,))
 
 
 def _parsed(destinations: Destinations) -> dict[str, Destination]:

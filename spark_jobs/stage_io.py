@@ -27,6 +27,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from include.spark import jdbc_options
 from include.store import Store, StagedTable, Tx
+from include.store.retry import with_retries
 from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_batch, fail_batch
 from include.store.stages import StaleEpoch, discard_landing, inline_query
 
@@ -106,8 +107,9 @@ def land_and_finalize(store: Store, table: StagedTable, *, claimed_ids: list[int
     transform), land it, `finalize()` (one fenced transaction).
 
     On a failure the run's landing rows are dropped and its claimed rows handed back at once
-    (`release_quietly`); if that fails too, or the process dies, they stay in_flight (holding their
-    lanes) until the sweep or the next leader's recovery re-pends them. A StaleEpoch propagates
+    (`release_quietly`, retried while the database is briefly gone); if the process dies they stay
+    in_flight until the next task of the stage DAG recovers them (`ClaimKeeper.recover_abandoned`)
+    or, unrenewed, their short row lease expires. A StaleEpoch propagates
     untouched: the finalize already dropped the landing rows, and the claim belongs to the new
     leader's recovery.
     """
@@ -128,14 +130,16 @@ def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: 
     """After a failed run, hand its claimed rows back at once (best effort) instead of leaving them
     in flight — holding their lanes — until the sweep: due again now, the failure in `last_error`
     and an `attempt_failed` event; after SWEEP_MAX_ATTEMPTS claims `dead`, as the sweep would.
-    Fenced like every write: under a stale epoch it changes nothing."""
+    A database that is briefly gone (a restart) is waited for (`with_retries`). Fenced like every
+    write: under a stale epoch it changes nothing."""
     detail = f"stage run failed: {type(error).__name__}: {error}"[:400]
-    try:
+
+    def hand_back() -> None:
         with store.transaction() as tx:
             fail_batch(tx, table, ids, owner=owner, epoch=epoch, error=detail, max_attempts=SWEEP_MAX_ATTEMPTS,
                        backoff_seconds=0.0, max_backoff_seconds=0.0)
-    except Exception:
-        log.warning("could not hand back %d claimed rows of %s; the sweep will", len(ids), table.name, exc_info=True)
+
+    with_retries(hand_back, what=f"hand back {len(ids)} claimed rows of {table.name}")
 
 
 def discard_quietly(store: Store, run_id: str, table: str) -> None:

@@ -109,6 +109,35 @@ def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: 
     return len(rows)
 
 
+def renew_claims(tx: Tx, table: StagedTable, *, owner: str, epoch: int,
+                 lease_seconds: float | None = None) -> int:
+    """Extend the row lease of every row `owner` holds under `epoch`; how many were renewed.
+
+    A live claimer calls this well within its lease, so its rows never expire under a long batch
+    and the lease itself can be short: a claimer that dies stops renewing, and its rows are due
+    again one short lease later. Fenced: under a stale epoch nothing is renewed.
+    """
+    tx.fence()
+    return tx.execute("renew_claims", {"owner": owner, "epoch": epoch, "lease_seconds": _lease(tx, lease_seconds)},
+                      table=table)
+
+
+def recover_abandoned(tx: Tx, table: StagedTable, *, prefix: str, keep: str, epoch: int, owner: str,
+                      max_attempts: int = SWEEP_MAX_ATTEMPTS) -> int:
+    """Re-pend, lease-blind, the rows claimed by owners starting with `prefix` except those
+    starting with `keep` (the caller's own); how many.
+
+    Owner-scoped recovery for claimers known to have ended: a stage task passes its DAG's owner
+    prefix and its own, because Airflow starts a stage task only after the previous one ended.
+    Fenced; a row already claimed `max_attempts` times goes to `dead`, as with the sweep.
+    """
+    tx.fence()
+    rows = tx.all("recover_abandoned", {"prefix": prefix, "keep": keep, "epoch": epoch,
+                                        "max_attempts": int(max_attempts)}, table=table)
+    tx.record_events(rows, table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
+    return len(rows)
+
+
 def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     """Re-pend every row claimed under an older epoch, once per epoch.
 

@@ -20,6 +20,14 @@ from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 from include import pipeline
 
 
+LEADER_POKE_INTERVAL = timedelta(seconds=0.5)
+"""A run that starts during a failover proceeds within half a second of the new leader's lease."""
+JOB_RETRIES = 3
+JOB_RETRY_DELAY = timedelta(seconds=1)
+"""A killed job task (or a lost Spark session) is retried at once: its claim is recovered when the
+retry starts (`pipeline.recover_abandoned_claims`), so the sooner the retry, the shorter the stall."""
+
+
 def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
     """Build a stage DAG whose job task `job_id` calls `job(epoch, run_id, spark=…, dag_id=…, try_number=…)`.
 
@@ -37,7 +45,8 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
                       "execution_timeout": timedelta(minutes=8)},
         doc_md=doc_md,
     ) as built:
-        leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1))
+        leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1),
+                                   poke_interval=LEADER_POKE_INTERVAL)
 
         @task
         def recover(leader: dict) -> int | None:
@@ -47,10 +56,12 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
                                           timeout=timedelta(minutes=5))
 
-        @task.pyspark(task_id=job_id, conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF)
+        @task.pyspark(task_id=job_id, conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF,
+                      retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
         def run_job(leader: dict, spark=None, ti=None) -> dict:
             """Run the stage job under the leader's epoch."""
-            return job(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id, try_number=ti.try_number)
+            with pipeline.stage_session(spark):
+                return job(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id, try_number=ti.try_number)
 
         recover(leader.output) >> wait_for_work >> run_job(leader.output)
     return built

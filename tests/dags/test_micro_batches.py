@@ -3,6 +3,7 @@ claiming while work comes, lingers while idle, stops at its budget, and ends at 
 epoch. The jobs it runs are tested on real stores elsewhere; here they are stand-ins."""
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,9 +38,53 @@ def no_store(monkeypatch):
     monkeypatch.setattr(leadership, "open_store", fake_open_store)
 
 
-def loop(job, clock: Clock, monkeypatch, linger: float = 3.0):
+class FakeKeeper:
+    """The ClaimKeeper's surface on the fake clock: `stop_at` is when leadership moves."""
+
+    def __init__(self, clock: Clock, stop_at: float | None = None) -> None:
+        self.clock, self.stop_at = clock, stop_at
+        self.owner: str | None = None
+        self.owners_seen: list[str | None] = []
+        self.recovered: list[tuple[str, str]] = []
+        self.reason: str | None = None
+        self.stopped = threading.Event()
+
+    def __call__(self, config, store, *, stage, epoch):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def recover_abandoned(self, *, prefix: str, keep: str) -> int:
+        self.recovered.append((prefix, keep))
+        return 0
+
+    def _tick(self) -> None:
+        if self.stop_at is not None and self.clock.now >= self.stop_at:
+            self.reason = "epoch 7 is no longer current (now 8)"
+            self.stopped.set()
+
+    def wait(self, seconds: float) -> bool:
+        self._tick()
+        if not self.stopped.is_set():
+            self.clock.now += seconds
+            self._tick()
+        return self.stopped.is_set()
+
+
+def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper | None = None):
     monkeypatch.setenv(pipeline.LINGER_ENV, str(linger))
-    return pipeline._micro_batches("route", "stage_route", "run1", 1, 7, job, clock=clock, sleep=clock.sleep)
+    keeper = keeper or FakeKeeper(clock)
+
+    def with_owner_check(store, owner, job_run_id, stop):
+        assert keeper.owner == owner  # the keeper renews the claim in flight
+        return job(store, owner, job_run_id)
+
+    return pipeline._micro_batches("route", "stage_route", "run1", 1, 7, with_owner_check, clock=clock,
+                                   keeper=keeper)
 
 
 def test_it_keeps_claiming_while_work_comes_and_stops_after_lingering_idle(monkeypatch):
@@ -84,7 +129,8 @@ def test_a_stale_epoch_ends_the_run_at_once(monkeypatch):
         return Outcome(claimed=(1, 2), done=(1, 2))
 
     result = loop(job, clock, monkeypatch)
-    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": True, "batches": 1, "claimed": 2, "done": 2}
+    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": True, "batches": 1, "claimed": 2, "done": 2,
+                      "stopped": "epoch 7 is no longer current"}
     assert len(calls) == 2
 
 
@@ -116,3 +162,36 @@ def test_a_failing_batch_is_retried_in_the_loop_and_too_many_in_a_row_fail_the_t
 
     with pytest.raises(RuntimeError, match="spark is down"):
         loop(broken, Clock(), monkeypatch)
+
+
+def test_a_leadership_change_seen_while_idle_ends_the_run_within_a_poll_not_a_linger(monkeypatch):
+    clock, calls = Clock(), []
+    keeper = FakeKeeper(clock, stop_at=1.2)
+
+    def job(store, owner, job_run_id):
+        calls.append(clock.now)
+        return Outcome()
+
+    result = loop(job, clock, monkeypatch, linger=30.0, keeper=keeper)
+    assert result["stale_epoch"] is True and result["stopped"] == "epoch 7 is no longer current (now 8)"
+    assert clock.now <= 1.2 + pipeline.POLL_SECONDS  # not the 30 s linger
+    assert calls and max(calls) < 1.2  # no claim after the change was seen
+
+
+def test_a_leadership_change_seen_during_a_batch_ends_the_run_before_the_next_claim(monkeypatch):
+    clock, calls = Clock(), []
+    keeper = FakeKeeper(clock)
+
+    def job(store, owner, job_run_id):
+        calls.append(owner)
+        keeper.stopped.set()  # seen by the keeper while this batch runs
+        return Outcome(claimed=(1, 2), done=(1, 2))
+
+    result = loop(job, clock, monkeypatch, keeper=keeper)
+    assert len(calls) == 1 and result["stale_epoch"] is True and result["claimed"] == 2
+
+
+def test_the_task_first_recovers_claims_its_dag_left_behind_but_never_its_own(monkeypatch):
+    clock, keeper = Clock(), FakeKeeper(Clock())
+    loop(lambda *a: Outcome(), clock, monkeypatch, linger=0, keeper=keeper)
+    assert keeper.recovered == [("airflow:stage_route:", "airflow:stage_route:run1#1.")]

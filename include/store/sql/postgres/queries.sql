@@ -390,3 +390,31 @@ UPDATE {table}
  WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
+
+-- name: renew_claims
+-- A live stage task keeps its claim: the rows it holds get a fresh row lease, so only a claimer
+-- that stopped renewing (its process died) lets its rows expire.
+UPDATE {table}
+   SET lease_expires_at = now() + make_interval(secs => :lease_seconds)
+ WHERE status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: recover_abandoned
+-- Owner-scoped recovery: re-pend the rows held by earlier tasks of one stage DAG (owners starting
+-- with :prefix), except the asking task's own (owners starting with :keep). Airflow starts a task
+-- of a stage DAG only after the previous one ended (one run at a time, a retry after the try
+-- failed), so those claimers are dead. Poison rows are dead-lettered as the sweep does.
+UPDATE {table}
+   SET status = CASE WHEN attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = now(),
+       last_error = 'recovered: its claimer ' || lease_owner || ' (epoch ' || claim_epoch || ') has ended'
+                    || CASE WHEN attempts >= :max_attempts THEN ' after ' || attempts || ' attempts' ELSE '' END
+ WHERE status = 'in_flight' AND left(lease_owner, length(:prefix)) = :prefix
+   AND left(lease_owner, length(:keep)) <> :keep
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
+
+-- name: lease_watch
+-- What a running stage task checks every heartbeat: has the epoch moved on, has the lease lapsed.
+SELECT epoch, (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live
+  FROM leader_lease WHERE id = 1

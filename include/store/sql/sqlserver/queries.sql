@@ -523,3 +523,37 @@ OUTPUT inserted.id
  WHERE id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids)) AND status = 'in_flight'
    AND lease_owner = :owner AND claim_epoch = :epoch
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: renew_claims
+-- A live stage task keeps its claim: the rows it holds get a fresh row lease, so only a claimer
+-- that stopped renewing (its process died) lets its rows expire.
+UPDATE {table}
+   SET lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME())
+ WHERE status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: recover_abandoned
+-- Owner-scoped recovery: re-pend the rows held by earlier tasks of one stage DAG (owners starting
+-- with :prefix), except the asking task's own (owners starting with :keep). Airflow starts a task
+-- of a stage DAG only after the previous one ended (one run at a time, a retry after the try
+-- failed), so those claimers are dead. Poison rows are dead-lettered as the sweep does.
+UPDATE t
+   SET status = CASE WHEN t.attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
+       lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
+       last_error = N'recovered: its claimer ' + t.lease_owner + N' (epoch '
+                    + CAST(t.claim_epoch AS nvarchar(20)) + N') has ended'
+                    + CASE WHEN t.attempts >= :max_attempts
+                           THEN N' after ' + CAST(t.attempts AS nvarchar(20)) + N' attempts' ELSE N'' END
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       d.destination, inserted.last_error AS detail
+  FROM {table} AS t WITH (ROWLOCK)
+ CROSS APPLY (SELECT {dest} AS destination) AS d
+ WHERE t.status = 'in_flight' AND LEFT(t.lease_owner, LEN(:prefix)) = :prefix
+   AND LEFT(t.lease_owner, LEN(:keep)) <> :keep
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: lease_watch
+-- What a running stage task checks every heartbeat: has the epoch moved on, has the lease lapsed.
+SELECT epoch, CAST(CASE WHEN owner IS NOT NULL AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
+                        THEN 1 ELSE 0 END AS bit) AS live
+  FROM leader_lease WHERE id = 1

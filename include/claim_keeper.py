@@ -1,0 +1,137 @@
+"""The watch a stage task keeps beside its micro-batches (DESIGN invariants 5 and 8).
+
+A stage task runs batch after batch under one epoch. One daemon thread beside it, on its own
+store connection:
+
+- **follows leadership** — every `check_seconds` (at most a second, at most the cluster
+  heartbeat) it reads the lease. Once the epoch has moved on, or in a cluster the lease has
+  lapsed, it sets `stopped`; the micro-batch loop looks between batches and while idle and ends
+  the task at once, so the next run starts under the new leader within about a heartbeat instead
+  of after the idle linger.
+- **keeps the claim alive** — every `renew_seconds` (a third of the row lease) it renews the row
+  leases of the batch in flight (`owner`). So the row lease can be short: a live batch never
+  loses its rows however long it runs, while a dead one (its process killed) stops renewing and
+  its rows are due again one short lease later.
+- **sweeps** — every `reclaim_seconds` (`[cluster].reclaim_interval_seconds`) it re-pends its
+  stage's rows whose row lease expired (claimers that died without anyone noticing).
+
+A failed read or write is logged and tried again next tick: the batches' own fenced writes are
+what keeps the data safe; the watch only makes recovery prompt.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from include.store import StagedTable, Store
+from include.store.rowlease import recover_abandoned, renew_claims, sweep_expired
+
+log = logging.getLogger(__name__)
+
+MAX_CHECK_SECONDS = 1.0
+
+
+class ClaimKeeper:
+    """Watch the lease and keep `owner`'s claim alive while a stage task runs (module docstring).
+
+    :param table: the staged table the task claims from (its rows are renewed and swept).
+    :param clustered: a lapsed lease also stops the task (a single node's lease never lapses).
+    :param max_attempts: claims after which a swept or recovered row is dead-lettered instead.
+    """
+
+    def __init__(self, store: Store, table: StagedTable, *, epoch: int, clustered: bool,
+                 check_seconds: float, lease_seconds: float, reclaim_seconds: float,
+                 max_attempts: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.table = table
+        self.epoch = epoch
+        self.clustered = clustered
+        self.check_seconds = min(check_seconds, MAX_CHECK_SECONDS)
+        self.lease_seconds = lease_seconds
+        self.renew_seconds = lease_seconds / 3
+        self.reclaim_seconds = reclaim_seconds
+        self.max_attempts = max_attempts
+        self.owner: str | None = None
+        """The claim in flight (set by the loop before each batch, None while idle)."""
+        self.stopped = threading.Event()
+        self.reason: str | None = None
+        self._clock = clock
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"stageline-keeper-{table.stage}", daemon=True)
+
+    def __enter__(self) -> ClaimKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self._thread.join(timeout=10)
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`; True (at once) when the task must stop."""
+        return self.stopped.wait(seconds)
+
+    def check(self) -> bool:
+        """Read the lease once; True (and `stopped` set) when the task must stop."""
+        with self.store.transaction(write=False) as tx:
+            row = tx.one("lease_watch")
+        if row is None:
+            return self._stop("the lease row is gone")
+        if int(row["epoch"]) != self.epoch:
+            return self._stop(f"epoch {self.epoch} is no longer current (now {row['epoch']})")
+        if self.clustered and not row["live"]:
+            return self._stop(f"the lease of epoch {self.epoch} has lapsed: no live leader")
+        return False
+
+    def recover_abandoned(self, *, prefix: str, keep: str) -> int:
+        """Re-pend at once the rows held by ended claimers: owners starting with `prefix` but not
+        `keep` (`rowlease.recover_abandoned`); how many."""
+        with self.store.transaction() as tx:
+            recovered = recover_abandoned(tx, self.table, prefix=prefix, keep=keep, epoch=self.epoch,
+                                          owner=keep.rstrip("."), max_attempts=self.max_attempts)
+        if recovered:
+            log.info("re-pended %d %s row(s) held by claimers that have ended (%s…)", recovered,
+                     self.table.stage, prefix)
+        return recovered
+
+    def renew(self) -> int:
+        """Renew the row leases of the claim in flight; how many rows."""
+        owner = self.owner
+        if owner is None:
+            return 0
+        with self.store.transaction() as tx:
+            return renew_claims(tx, self.table, owner=owner, epoch=self.epoch, lease_seconds=self.lease_seconds)
+
+    def sweep(self) -> int:
+        """Re-pend this stage's rows whose row lease expired; how many."""
+        with self.store.transaction() as tx:
+            swept = sweep_expired(tx, self.table, owner=f"keeper:{self.table.stage}", epoch=self.epoch,
+                                  max_attempts=self.max_attempts)
+        if swept:
+            log.info("re-pended %d %s row(s) whose row lease expired", swept, self.table.stage)
+        return swept
+
+    def _stop(self, reason: str) -> bool:
+        if not self.stopped.is_set():
+            self.reason = reason
+            log.warning("stage task stops: %s", reason)
+            self.stopped.set()
+        return True
+
+    def _run(self) -> None:
+        now = self._clock()
+        due = {"check": now, "renew": now + self.renew_seconds, "sweep": now}
+        steps = {"check": (self.check, self.check_seconds), "renew": (self.renew, self.renew_seconds),
+                 "sweep": (self.sweep, self.reclaim_seconds)}
+        while not self._closing.is_set() and not self.stopped.is_set():
+            now = self._clock()
+            for name, (step, every) in steps.items():
+                if now >= due[name]:
+                    due[name] = now + every
+                    try:
+                        step()
+                    except Exception as exc:  # noqa: BLE001 - the next tick tries again
+                        log.warning("stage keeper: %s failed: %s: %s", name, type(exc).__name__, exc)
+            self._closing.wait(max(0.0, min(due.values()) - self._clock()))
