@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.peers import python_pipeline  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
-from include.spark import spark_session, start_connect_server, stop_connect_server  # noqa: E402
+from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
@@ -143,6 +143,7 @@ def main() -> None:
     else:
         cfg = StoreConfig(backend="sqlite", path=str(work / "bench.db"))
     connect = None
+    spark = None
     try:
         store = Store(cfg)
         migrate(store, cluster_name="bench")
@@ -224,6 +225,7 @@ def main() -> None:
               f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | |")
         store.close()
     finally:
+        close_session(spark)  # before the server stops: pyspark's exit hook would wait on it for minutes
         if connect is not None:
             stop_connect_server(connect)
         if server is not None:

@@ -69,6 +69,10 @@ class ClaimKeeper:
         self._closing.set()
         self._thread.join(timeout=10)
 
+    def stopping(self) -> bool:
+        """Whether the task must not start another batch under this epoch."""
+        return self.stopped.is_set()
+
     def wait(self, seconds: float) -> bool:
         """Sleep up to `seconds`; True (at once) when the task must stop."""
         return self.stopped.wait(seconds)

@@ -116,10 +116,15 @@ def recover(path: str | os.PathLike[str] | None, epoch: int, owner: str | None) 
     epoch pays one read-only query) or the epoch is no longer current.
     """
     with open_store(path) as (_, store):
-        if read_lease(store).recovered_epoch >= epoch:
-            return None
-        with store.transaction() as tx:
-            recovered = rowlease.recover_on_promotion(tx, owner=owner or "airflow", epoch=epoch)
+        return recover_with(store, epoch, owner)
+
+
+def recover_with(store: Store, epoch: int, owner: str | None) -> int | None:
+    """`recover` on an open store (a stage task that follows a new leader runs it itself)."""
+    if read_lease(store).recovered_epoch >= epoch:
+        return None
+    with store.transaction() as tx:
+        recovered = rowlease.recover_on_promotion(tx, owner=owner or "airflow", epoch=epoch)
     if recovered is not None:
         log.info("recovery for epoch %s re-pended %s row(s) claimed under older epochs", epoch, recovered)
     return recovered

@@ -10,21 +10,20 @@ the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import shlex
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from include import leadership, stage_config
+from include import leadership, stage_config, stage_loop
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
+from include.stage_loop import Batch
 from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 
 log = logging.getLogger(__name__)
@@ -47,15 +46,6 @@ DELIVER_MAX_LANES = 1_000
 DELIVER_CONCURRENCY = 4
 """Lanes sent at once by each Spark partition (threads: sends wait on the network and on fsync)."""
 DELIVER_ROUND_BUDGET_SECONDS = 60.0
-STAGE_TIME_BUDGET_SECONDS = 240.0
-"""How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
-DEFAULT_LINGER_SECONDS = 30.0
-LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
-"""Seconds a stage task waits for more work after its last batch before its run ends."""
-POLL_SECONDS = 0.5
-MAX_CONSECUTIVE_FAILURES = 3
-"""Batches in a row that may fail (their rows handed back) before the stage task itself fails."""
-FAILURE_PAUSE_SECONDS = 2.0
 
 Leader = Mapping[str, Any]
 
@@ -74,11 +64,6 @@ def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int 
     """Delete finished rows and audit events older than their retention."""
     return leadership.retention(None, int(leader["epoch"]),
                                 {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
-
-
-def claim_owner(dag_id: str, run_id: str) -> str:
-    """The row-lease owner a stage run claims as: names the run in `lease_owner` and the audit trail."""
-    return f"airflow:{dag_id}:{run_id}"
 
 
 def spark_connect_connection(host: str, port: int) -> str:
@@ -101,17 +86,17 @@ def classic_spark_connection(master: str = "local[*]") -> str:
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
                     batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
-    """Route micro-batches under `epoch` (see `_micro_batches`): claim inbound rows, route, finalize fenced.
+    """Route micro-batches from `epoch` on (`include.stage_loop`): claim inbound rows, route, finalize fenced.
 
-    Returns counts, not ids, for the XCom; a stale epoch (leadership moved mid-run) is reported,
-    not raised: nothing landed, and retrying under the same epoch could only fail again — the next
-    run works under the new leader's epoch.
+    Returns counts, not ids, for the XCom. A change of leader is followed, not raised: the batch
+    under the old epoch lands nothing and the task carries on under the new leader's epoch (or
+    ends, reporting it, when no leader is live in time).
     """
     from spark_jobs import route_job
 
     config = stage_config.load()
-    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda store, owner, job_run_id, _stop: route_job.run(
-        store, spark, routes=config.routes, owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size))
+    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda b: route_job.run(
+        b.store, spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size))
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
@@ -122,11 +107,11 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     config = stage_config.load()
     read: list[dict[str, dict[str, str]]] = []  # the lookup tables, read by the task's first batch
 
-    def batch(store: Any, owner: str, job_run_id: str, _stop: Callable[[], bool]) -> Any:
+    def batch(b: Batch) -> Any:
         if not read:  # once per task, not per micro-batch or idle poll: a changed table applies from the next run
-            read.append(transform_job.read_lookups(store))
-        return transform_job.run(store, spark, specs=config.transforms, destinations=config.destinations,
-                                 owner=owner, epoch=epoch, run_id=job_run_id, batch_size=batch_size,
+            read.append(transform_job.read_lookups(b.store))
+        return transform_job.run(b.store, spark, specs=config.transforms, destinations=config.destinations,
+                                 owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
                                  lookups=read[0])
 
     return _micro_batches("transform", dag_id, run_id, try_number, epoch, batch)
@@ -144,9 +129,9 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda store, owner, _job_run_id, stop: deliver.run(
-        store, spark, destinations=config.destinations, owner=owner, epoch=epoch, max_lanes=max_lanes,
-        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=stop))
+    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda b: deliver.run(
+        b.store, spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
+        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop))
 
 
 @contextlib.contextmanager
@@ -165,91 +150,16 @@ def stage_session(spark: Any) -> Iterator[None]:
         close_session(spark)
 
 
-def linger_seconds() -> float:
-    return float(os.environ.get(LINGER_ENV) or DEFAULT_LINGER_SECONDS)
-
-
 STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 """The staged table each stage claims from."""
 
 
-def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
-                   job: Callable[[Any, str, str, Callable[[], bool]], Any], *, clock: Callable[[], float] = time.monotonic,
-                   keeper: Callable[[ServiceConfig, Any], Any] | None = None) -> dict[str, Any]:
-    """Run `job(store, owner, job_run_id, stop)` — one micro-batch — again and again in this one task.
-
-    A DAG run costs seconds of scheduling and task starts before its job even begins; a stage
-    under steady traffic would pay that for every batch. So a stage task keeps claiming: the next
-    batch as soon as one finalizes, polling every POLL_SECONDS while idle, until nothing came for
-    `$STAGELINE_STAGE_LINGER_SECONDS` (default 30) or STAGE_TIME_BUDGET_SECONDS is spent; then the
-    run ends and the continuous schedule starts the next one (with a fresh leader check). Each
-    batch claims as its own owner (`<run>#<try>.<n>`): a retry or a later batch never reads rows an
-    earlier one still holds.
-
-    Failover (invariants 5 and 8): the task first re-pends the rows still held by earlier tasks of
-    its DAG — Airflow starts a stage task only after the previous one ended, so a killed task's
-    claim comes back now, not a row lease later. Then a `ClaimKeeper` runs beside the loop: it
-    renews the claim in flight and, once the epoch moves on or the lease lapses, stops the task
-    between batches or while idle, so the next run starts under the new leader within a heartbeat.
-    A finalize that meets a stale epoch (StaleEpoch) ends it too. A failed batch (its rows already
-    handed back by the job) is retried after a pause; MAX_CONSECUTIVE_FAILURES in a row, or a lost
-    Spark Connect session, fail the task (Airflow's retry starts a fresh one). Counts are summed
-    over batches for the XCom.
-    """
-    from include.store.stages import StaleEpoch
-
-    linger = linger_seconds()
-    started = clock()
-    idle_since: float | None = None
-    failures = 0
-    totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "stale_epoch": False, "batches": 0}
-    with leadership.open_store(None) as (config, store):
-        with (keeper or claim_keeper)(config, store, stage=stage, epoch=epoch) as watch:
-            # Airflow runs one task of a stage DAG at a time (max_active_runs=1, one job task per
-            # run, a retry only after the failed try ended): claims of earlier tasks are abandoned.
-            watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
-                                    keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
-            n = -1
-            while True:
-                if watch.stopped.is_set():
-                    return {**totals, "stale_epoch": True, "stopped": watch.reason}
-                n += 1
-                job_run_id = f"{run_id}#{try_number}.{n}"
-                watch.owner = claim_owner(dag_id, job_run_id)
-                try:
-                    outcome = job(store, watch.owner, job_run_id, watch.stopped.is_set)
-                except StaleEpoch:
-                    log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
-                    return {**totals, "stale_epoch": True, "stopped": f"epoch {epoch} is no longer current"}
-                except Exception as exc:
-                    from include.spark import session_lost
-
-                    failures += 1
-                    if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
-                        raise
-                    # The job handed its claimed rows back; a busy SQLite file or a database
-                    # restart is usually gone a moment later, cheaper to retry here than as a new try.
-                    log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
-                                exc_info=True)
-                    watch.wait(FAILURE_PAUSE_SECONDS)
-                    continue
-                finally:
-                    watch.owner = None
-                failures = 0
-                counts = _summary(outcome)
-                if counts.get("claimed"):
-                    totals["batches"] += 1
-                    for key, value in counts.items():
-                        if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
-                            totals[key] = totals.get(key, 0) + value
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = clock()
-                now = clock()
-                if now - started >= STAGE_TIME_BUDGET_SECONDS or (idle_since is not None and now - idle_since >= linger):
-                    return totals
-                if idle_since is not None:
-                    watch.wait(POLL_SECONDS)
+def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: stage_loop.Job,
+                   **kwargs: Any) -> dict[str, Any]:
+    """The stage task's loop (`include.stage_loop.run_stage`) with the real `ClaimKeeper`."""
+    return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
+                                keeper=lambda config, store, term_epoch: claim_keeper(
+                                    config, store, stage=stage, epoch=term_epoch), **kwargs)
 
 
 def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -> ClaimKeeper:
@@ -296,9 +206,3 @@ def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,
         "fi",
         command,
     ])
-
-
-def _summary(outcome: Any) -> dict[str, Any]:
-    """An outcome dataclass as XCom-sized plain data: id tuples become counts."""
-    fields = dataclasses.asdict(outcome) if dataclasses.is_dataclass(outcome) else dict(outcome)
-    return {k: len(v) if isinstance(v, (tuple, list)) else v for k, v in fields.items()}

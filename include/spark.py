@@ -15,7 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterable, Mapping
+from typing import IO, Any, Iterable, Mapping
 from urllib.parse import quote
 
 # Spark's Python workers (UDFs, mapInPandas) must run this interpreter — the project's venv with
@@ -235,7 +235,7 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-CONNECT_RETRY_SECONDS = 5.0
+CONNECT_RETRY_SECONDS = 3.0
 """How long a Connect client keeps retrying an unreachable server before the call fails."""
 
 
@@ -246,8 +246,8 @@ def bound_connect_retries(spark: SparkSession, *, seconds: float = CONNECT_RETRY
     session replaced by Airflow's retry — instead of hanging in the client's backoff. Classic
     sessions are left as they are.
     """
-    client = getattr(spark, "client", None)
-    if client is None or not hasattr(client, "set_retry_policies"):
+    client = _connect_client(spark)
+    if client is None:
         return
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
@@ -270,8 +270,8 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
     background thread for at most `timeout` seconds, then the channel is closed locally, which
     also turns the exit hook into a no-op. Classic sessions are left to their owner.
     """
-    client = getattr(spark, "client", None)
-    if client is None or getattr(client, "is_closed", True):
+    client = _connect_client(spark)
+    if client is None or client.is_closed:
         return
     import threading
 
@@ -282,6 +282,16 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
         client._channel.close()
     finally:
         client._closed = True
+
+
+def _connect_client(spark: SparkSession | None) -> Any:
+    """The Spark Connect client of `spark`, or None for a classic session (or none at all)."""
+    if spark is None:
+        return None
+    try:
+        return spark.client
+    except Exception:  # noqa: BLE001 - classic sessions raise ONLY_SUPPORTED_WITH_SPARK_CONNECT
+        return None
 
 
 def _release_quietly(client: object) -> None:

@@ -3,7 +3,7 @@
     leader_check → recover → wait_for_work (the stage's input table) → <job> (@task.pyspark)
 
 Scheduled `@continuous`, one run at a time: a run waits for work, then its job task runs
-micro-batches until it has been idle a while (`include.pipeline._micro_batches`); the next run
+micro-batches until it has been idle a while, following leadership (`include.stage_loop`); the next run
 starts about a second after one ends. Why this schedule: docs/pipeline.md. The job's Spark session
 comes from the Spark provider on the `stageline_spark` connection (`pipeline.SPARK_CONN_ID`).
 Nothing here reads a connection, file or database when a DAG file is parsed.

@@ -1,6 +1,7 @@
-"""The stage task's micro-batch loop (include.pipeline._micro_batches), on a fake clock: it keeps
-claiming while work comes, lingers while idle, stops at its budget, and ends at once on a stale
-epoch. The jobs it runs are tested on real stores elsewhere; here they are stand-ins."""
+"""The stage task's micro-batch loop (include.stage_loop.run_stage), on a fake clock: it keeps
+claiming while work comes, lingers while idle, stops at its budget, stops claiming under an epoch
+the moment leadership moves and follows the new leader (or ends when none is live). The jobs it
+runs and the real ClaimKeeper are tested on real stores elsewhere; here they are stand-ins."""
 from __future__ import annotations
 
 import threading
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from include import leadership, pipeline
+from include import leadership, stage_loop
 from include.store.stages import StaleEpoch
 
 
@@ -48,9 +49,16 @@ class FakeKeeper:
         self.recovered: list[tuple[str, str]] = []
         self.reason: str | None = None
         self.stopped = threading.Event()
+        self.terms: list[int] = []
 
-    def __call__(self, config, store, *, stage, epoch):
+    def __call__(self, config, store, epoch):
+        self.terms.append(epoch)
+        self.stopped.clear()
         return self
+
+    def stopping(self) -> bool:
+        self._tick()
+        return self.stopped.is_set()
 
     def __enter__(self):
         return self
@@ -63,7 +71,7 @@ class FakeKeeper:
         return 0
 
     def _tick(self) -> None:
-        if self.stop_at is not None and self.clock.now >= self.stop_at:
+        if self.stop_at is not None and self.clock.now >= self.stop_at and len(self.terms) == 1:
             self.reason = "epoch 7 is no longer current (now 8)"
             self.stopped.set()
 
@@ -75,16 +83,26 @@ class FakeKeeper:
         return self.stopped.is_set()
 
 
-def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper | None = None):
-    monkeypatch.setenv(pipeline.LINGER_ENV, str(linger))
+def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper | None = None,
+         next_leader: int | None = None):
+    """Run the loop from epoch 7; when it stops, `next_leader` is the epoch the follow step finds."""
+    monkeypatch.setenv(stage_loop.LINGER_ENV, str(linger))
     keeper = keeper or FakeKeeper(clock)
+    epochs: list[int] = []
 
-    def with_owner_check(store, owner, job_run_id, stop):
-        assert keeper.owner == owner  # the keeper renews the claim in flight
-        return job(store, owner, job_run_id)
+    def with_owner_check(batch: stage_loop.Batch):
+        assert keeper.owner == batch.owner  # the keeper renews the claim in flight
+        epochs.append(batch.epoch)
+        return job(batch.store, batch.owner, batch.run_id)
 
-    return pipeline._micro_batches("route", "stage_route", "run1", 1, 7, with_owner_check, clock=clock,
-                                   keeper=keeper)
+    def follow(config, store, epoch, watch):
+        assert watch.stopping() or watch.reason
+        return next_leader
+
+    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, with_owner_check, clock=clock,
+                                  keeper=keeper, follow=follow)
+    result["_batch_epochs"] = epochs
+    return result
 
 
 def test_it_keeps_claiming_while_work_comes_and_stops_after_lingering_idle(monkeypatch):
@@ -101,7 +119,8 @@ def test_it_keeps_claiming_while_work_comes_and_stops_after_lingering_idle(monke
         return Outcome(claimed=tuple(range(n)), done=tuple(range(n)))
 
     result = loop(job, clock, monkeypatch)
-    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": False, "batches": 3, "claimed": 9, "done": 9}
+    assert result == {"run_id": "run1#1", "epoch": 7, "epochs": [7], "stale_epoch": False, "batches": 3,
+                      "claimed": 9, "done": 9, "_batch_epochs": [7] * len(owners)}
     assert len(set(owners)) == len(owners)  # each batch claims as its own owner
     assert owners[0] == "airflow:stage_route:run1#1.0" and owners[1] == "airflow:stage_route:run1#1.1"
     assert 3.0 <= clock.now - 3.0 <= 4.0  # ended one linger after the last batch (at ~3.0 s)
@@ -115,11 +134,11 @@ def test_it_stops_at_its_time_budget_under_steady_work(monkeypatch):
         return Outcome(claimed=(1,), done=(1,))
 
     result = loop(job, clock, monkeypatch)
-    assert clock.now == pipeline.STAGE_TIME_BUDGET_SECONDS
-    assert result["batches"] == pipeline.STAGE_TIME_BUDGET_SECONDS / 10
+    assert clock.now == stage_loop.STAGE_TIME_BUDGET_SECONDS
+    assert result["batches"] == stage_loop.STAGE_TIME_BUDGET_SECONDS / 10
 
 
-def test_a_stale_epoch_ends_the_run_at_once(monkeypatch):
+def test_a_stale_epoch_with_no_live_leader_to_follow_ends_the_run_at_once(monkeypatch):
     clock, calls = Clock(), []
 
     def job(store, owner, job_run_id):
@@ -129,8 +148,8 @@ def test_a_stale_epoch_ends_the_run_at_once(monkeypatch):
         return Outcome(claimed=(1, 2), done=(1, 2))
 
     result = loop(job, clock, monkeypatch)
-    assert result == {"run_id": "run1#1", "epoch": 7, "stale_epoch": True, "batches": 1, "claimed": 2, "done": 2,
-                      "stopped": "epoch 7 is no longer current"}
+    assert result == {"run_id": "run1#1", "epoch": 7, "epochs": [7], "stale_epoch": True, "batches": 1,
+                      "claimed": 2, "done": 2, "stopped": "epoch 7 is no longer current", "_batch_epochs": [7, 7]}
     assert len(calls) == 2
 
 
@@ -174,7 +193,7 @@ def test_a_leadership_change_seen_while_idle_ends_the_run_within_a_poll_not_a_li
 
     result = loop(job, clock, monkeypatch, linger=30.0, keeper=keeper)
     assert result["stale_epoch"] is True and result["stopped"] == "epoch 7 is no longer current (now 8)"
-    assert clock.now <= 1.2 + pipeline.POLL_SECONDS  # not the 30 s linger
+    assert clock.now <= 1.2 + stage_loop.POLL_SECONDS  # not the 30 s linger
     assert calls and max(calls) < 1.2  # no claim after the change was seen
 
 
@@ -195,3 +214,19 @@ def test_the_task_first_recovers_claims_its_dag_left_behind_but_never_its_own(mo
     clock, keeper = Clock(), FakeKeeper(Clock())
     loop(lambda *a: Outcome(), clock, monkeypatch, linger=0, keeper=keeper)
     assert keeper.recovered == [("airflow:stage_route:", "airflow:stage_route:run1#1.")]
+
+
+def test_after_a_leadership_change_the_task_carries_on_under_the_new_epoch_with_a_fresh_watch(monkeypatch):
+    clock, seen = Clock(), []
+    keeper = FakeKeeper(clock, stop_at=1.0)
+
+    def job(store, owner, job_run_id):
+        seen.append(owner)
+        clock.now += 0.5
+        return Outcome(claimed=(1,), done=(1,)) if len(seen) < 6 else Outcome()
+
+    result = loop(job, clock, monkeypatch, linger=0, keeper=keeper, next_leader=8)
+    assert keeper.terms == [7, 8] and result["epochs"] == [7, 8]
+    assert result["_batch_epochs"][:2] == [7, 7] and set(result["_batch_epochs"][2:]) == {8}
+    assert len(keeper.recovered) == 2  # each term re-checks for abandoned claims
+    assert result["stale_epoch"] is False and result["batches"] == 5

@@ -280,3 +280,37 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     assert rows(store, "SELECT count(*) AS n FROM landing_routed") == [{"n": 0}]
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'lease_expired'") == [{"n": n}]
     store.close()
+
+
+def test_a_killed_route_jobs_claim_comes_back_when_the_next_task_starts_not_a_row_lease_later(
+        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    service = tmp_path / "stageline.toml"
+    service.write_text(store_toml(store_config) + "lease_ttl_seconds = 600\n"  # no lease expires in this test
+                       '[cluster]\nenabled = false\ncluster_name = "test-cluster"\n')
+    pipeline = tmp_path / "config"
+    pipeline.mkdir()
+    pipeline_config(pipeline, ehr=9, lab=9, archive=tmp_path / "archive")
+    store = Store(store_config)
+    epoch = acquire_permanent(store, node_id="solo:1:kill")
+    n = 2000
+    with store.transaction() as tx:
+        rowlease.stage_inbound(tx, [
+            {"message_id": f"m{i}", "control_id": f"C{i}", "connection": "mllp-in",
+             "lane_key": PATIENTS[i % 4], "charset": None, "payload": adt(i, PATIENTS[i % 4])}
+            for i in range(n)], epoch=epoch, node_id="solo:1:kill")
+    proc = run_dags(service, pipeline, "stage_route", start_new_session=True)
+    try:
+        wait_for(lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] > 0,
+                 timeout=120, what="the route job to claim its batch")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    assert rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] == n
+
+    results = dag_results(run_dags(service, pipeline, "stage_route"))  # the next run: no sweep, no wait
+    assert results[0]["states"]["route"] == "success"
+    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [{"status": "done", "n": n}]
+    assert rows(store, "SELECT count(*) AS n, count(DISTINCT source_id) AS s FROM stage_routed") == [{"n": 2 * n, "s": n}]
+    assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'recovered'") == [{"n": n}]
+    assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'lease_expired'") == [{"n": 0}]
+    store.close()

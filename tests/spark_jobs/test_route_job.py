@@ -353,6 +353,75 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
           f"{', '.join(f'{x:.2f}' for x in figures['overhead'])} s; a 30-message route job {figures['second_job']:.2f} s")
 
 
+KILLED_SERVER_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from include import pipeline
+    from include.config import StoreConfig
+    from include.spark import spark_session
+    from include.store import Store
+    from spark_jobs import route_job
+    from tests.spark_jobs.test_route_job import ROUTES
+    url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    store = Store(StoreConfig(backend="sqlite", path=path))
+    spark = spark_session(remote=url)
+    with pipeline.stage_session(spark):
+        spark.range(1).collect()
+        print("ready", flush=True)
+        sys.stdin.readline()  # the parent kills the server, then answers
+        started = time.monotonic()
+        try:
+            route_job.run(store, spark, routes=ROUTES, owner="connect/killed", epoch=epoch, run_id="killed")
+            error = None
+        except Exception as exc:
+            error = type(exc).__name__
+    print(json.dumps({"error": error, "failed_after": time.monotonic() - started}), flush=True)
+""")
+
+
+def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_back_and_exits(
+        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    import os
+    import signal
+
+    from include.spark import start_connect_server, stop_connect_server
+
+    store = Store(sqlite_config_fresh)
+    epoch = acquire_permanent(store, node_id=NODE)
+    stage_messages(store, epoch, range(5))
+    server = start_connect_server(
+        free_port(), log_dir=tmp_path, master="local[1]",
+        conf={"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SERVER_CHILD, server.url, sqlite_config_fresh.path,
+                              str(epoch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=REPO)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+        killed = time.monotonic()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=60)
+        exited_after = time.monotonic() - killed
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        stop_connect_server(server)
+    assert child.returncode == 0, err[-4000:]
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["error"] is not None
+    assert figures["failed_after"] < 15, figures  # pyspark's own retries would take minutes
+    assert exited_after < 25, f"the client process took {exited_after:.1f} s to exit after its server died"
+    got = rows(store, "SELECT status, lease_owner, last_error FROM stage_inbound ORDER BY id")
+    assert [(r["status"], r["lease_owner"]) for r in got] == [("error", None)] * 5  # handed back, due now
+    assert all(r["last_error"].startswith("stage run failed:") for r in got)
+    store.close()
+    print(f"\nSpark Connect server killed: the job failed after {figures['failed_after']:.1f} s, "
+          f"the client exited {exited_after:.1f} s after the kill")
+
+
 class _SparkDown:
     """A Spark session whose every use fails, as a lost Connect server would."""
 

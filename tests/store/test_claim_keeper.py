@@ -96,3 +96,29 @@ def test_a_lapsed_lease_stops_a_clustered_task_but_not_a_single_node_one(store):
     with keeper(store, e.epoch) as clustered, keeper(store, e.epoch, clustered=False) as single:
         assert clustered.wait(3.0) and "lapsed" in (clustered.reason or "")
         assert not single.stopped.is_set()
+
+
+def test_following_a_new_leader_runs_its_recovery_once_and_returns_its_epoch(store):
+    from dataclasses import replace
+
+    from include.config import ClusterConfig, ServiceConfig
+    from include.stage_loop import follow_leader
+
+    config = ServiceConfig(store=store.config, cluster=replace(ClusterConfig(), enabled=True, leader_lease_ttl_seconds=1.0,
+                                                               leader_fence_timeout_seconds=0.6, heartbeat_seconds=0.2))
+    first = leader(store, "a", ttl=1.0, fence=0.6)
+    old = first.epoch
+    stage(store, old, 3, lanes=False)
+    claim(store, "airflow:stage_route:r1#1.0", old, lease=600)
+    first.release()
+    ticks = iter(range(0, 1000, 3))  # each read of the clock: 3 s later
+    with keeper(store, old) as watch:
+        assert watch.wait(2.0)
+        # no live leader: it asks until the follow window (2 lease TTLs, at least 5 s) has passed
+        assert follow_leader(config, store, old, watch, clock=lambda: float(next(ticks))) is None
+    assert statuses(store) == {"in_flight": 3}  # nobody recovers without a leader
+    leader(store, "b")
+    with keeper(store, old) as watch:
+        new = follow_leader(config, store, old, watch)
+    assert new == old + 1
+    assert statuses(store) == {"pending": 3}  # the old leader's claim is due under the new epoch at once

@@ -1,0 +1,204 @@
+"""How a stage task runs: micro-batch after micro-batch, following leadership (invariants 5 and 8).
+
+A DAG run costs seconds of scheduling and task starts (~5 s measured: run start, leader check,
+recovery, sensor, task start, Spark session) before its job begins. A stage under steady traffic
+would pay that per batch, and a failover would pay it again before delivery resumed. So one stage
+task keeps going:
+
+    recover   re-pend the claims earlier tasks of this DAG left behind (they have ended: Airflow
+              runs one task of a stage DAG at a time, and retries only after a try ended)
+    loop      claim → job → finalize, the next batch as soon as one finalizes, a poll every
+              POLL_SECONDS while idle; a `ClaimKeeper` beside it renews the claim in flight and
+              watches the lease
+    follow    the keeper sees the epoch move on or the lease lapse (within a heartbeat): no batch
+              starts under the old epoch. The task waits up to FOLLOW_SECONDS for a live leader —
+              the same check the DAG's leader_check makes — runs that epoch's on-promotion
+              recovery (once per epoch, as the DAG's recover task does) and carries on under it.
+              No live leader in time: the run ends and the next run's leader check waits.
+    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 30), or the time budget
+              is spent: the run ends and the continuous schedule starts the next one
+
+Why follow inside the task rather than end and let the next run start: the guarantee is the same —
+every claim and finalize is fenced by the epoch the lease named when it was read, exactly as with
+a new run's leader check — but delivery resumes about a heartbeat after the new leader is elected
+instead of ~5 s of Airflow scheduling later (docs/pipeline.md, "Failover").
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Protocol
+
+from include import leadership
+from include.config import ServiceConfig
+from include.store.lease import read_lease
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LINGER_SECONDS = 30.0
+LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
+"""Seconds a stage task waits for more work after its last batch before its run ends."""
+STAGE_TIME_BUDGET_SECONDS = 240.0
+"""How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
+POLL_SECONDS = 0.5
+MAX_CONSECUTIVE_FAILURES = 3
+"""Batches in a row that may fail (their rows handed back) before the stage task itself fails."""
+FAILURE_PAUSE_SECONDS = 2.0
+MIN_FOLLOW_SECONDS = 5.0
+
+
+@dataclass
+class Batch:
+    """What one micro-batch works with: its store, claim owner, run id and epoch, and `stop()`,
+    true once the task must not start anything new (leadership moved)."""
+
+    store: Any
+    owner: str
+    run_id: str
+    epoch: int
+    stop: Callable[[], bool] = field(default=lambda: False)
+
+
+Job = Callable[[Batch], Any]
+
+
+class Watch(Protocol):
+    """What the loop needs of a `ClaimKeeper` (tests give it a fake one)."""
+
+    owner: str | None
+    reason: str | None
+
+    def stopping(self) -> bool: ...
+    def wait(self, seconds: float) -> bool: ...
+    def recover_abandoned(self, *, prefix: str, keep: str) -> int: ...
+
+
+Keeper = Callable[[ServiceConfig, Any, int], ContextManager[Watch]]
+"""(config, store, epoch) → the watch for one term (one epoch) of the task."""
+
+
+def claim_owner(dag_id: str, run_id: str) -> str:
+    """The row-lease owner a stage run claims as: names the run in `lease_owner` and the audit trail."""
+    return f"airflow:{dag_id}:{run_id}"
+
+
+def linger_seconds() -> float:
+    return float(os.environ.get(LINGER_ENV) or DEFAULT_LINGER_SECONDS)
+
+
+def follow_seconds(config: ServiceConfig) -> float:
+    """How long a task whose leader went away waits for the next one: two lease TTLs (a crashed
+    leader's lease must expire before a standby acquires), at least MIN_FOLLOW_SECONDS."""
+    return max(MIN_FOLLOW_SECONDS, 2 * config.cluster.leader_lease_ttl_seconds)
+
+
+def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *, keeper: Keeper,
+              clock: Callable[[], float] = time.monotonic,
+              follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None) -> dict[str, Any]:
+    """Run `job(batch)` again and again in this one task, following leadership (module docstring).
+
+    Each batch claims as its own owner (`<run>#<try>.<n>`), so a retry or a later batch never
+    reads rows an earlier one still holds. A finalize that meets a stale epoch (StaleEpoch) is
+    handled like the keeper's signal. A failed batch (its rows already handed back by the job) is
+    retried after a pause; MAX_CONSECUTIVE_FAILURES in a row, or a lost Spark Connect session,
+    fail the task (Airflow's retry starts a fresh one). Returns counts summed over batches (the
+    XCom), the epochs worked under, and why the task stopped early if it did.
+    """
+    from include.store.stages import StaleEpoch
+
+    follow = follow or follow_leader
+    linger = linger_seconds()
+    started = clock()
+    failures = 0
+    n = -1
+    totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "epochs": [epoch],
+                              "stale_epoch": False, "batches": 0}
+    with leadership.open_store(None) as (config, store):
+        while True:  # one term per epoch
+            idle_since: float | None = None
+            with keeper(config, store, epoch) as watch:
+                watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
+                                        keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
+                while not watch.stopping():
+                    n += 1
+                    job_run_id = f"{run_id}#{try_number}.{n}"
+                    watch.owner = claim_owner(dag_id, job_run_id)
+                    try:
+                        outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping))
+                    except StaleEpoch:
+                        log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
+                                    epoch)
+                        watch.reason = watch.reason or f"epoch {epoch} is no longer current"
+                        break
+                    except Exception as exc:
+                        from include.spark import session_lost
+
+                        failures += 1
+                        if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
+                            raise
+                        # The job handed its claimed rows back; a busy SQLite file or a database
+                        # restart is usually gone a moment later: cheaper to retry here than as a new try.
+                        log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
+                                    exc_info=True)
+                        watch.wait(FAILURE_PAUSE_SECONDS)
+                        continue
+                    finally:
+                        watch.owner = None
+                    failures = 0
+                    counts = _summary(outcome)
+                    if counts.get("claimed"):
+                        totals["batches"] += 1
+                        for key, value in counts.items():
+                            if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
+                                totals[key] = totals.get(key, 0) + value
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = clock()
+                    now = clock()
+                    if now - started >= STAGE_TIME_BUDGET_SECONDS or (
+                            idle_since is not None and now - idle_since >= linger):
+                        return totals
+                    if idle_since is not None:
+                        watch.wait(POLL_SECONDS)
+                reason = watch.reason or "leadership moved"
+                new_epoch = follow(config, store, epoch, watch)
+            if new_epoch is None:
+                return {**totals, "stale_epoch": True, "stopped": reason}
+            log.warning("%s: %s; carrying on under epoch %s", stage, reason, new_epoch)
+            epoch = new_epoch
+            totals["epochs"].append(epoch)
+
+
+def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *,
+                  clock: Callable[[], float] = time.monotonic) -> int | None:
+    """Wait for a live leader after `epoch` stopped being usable; the epoch to carry on under, or
+    None (no live leader within `follow_seconds`: the run ends, the next run's leader check waits).
+
+    A new epoch gets its on-promotion recovery here (once per epoch, whoever comes first: the
+    listener, a DAG's recover task or a stage task), so the old leader's claims are due before the
+    first claim under it. The same epoch live again (a late renewal) is simply resumed.
+    """
+    deadline = clock() + follow_seconds(config)
+    while True:
+        try:
+            lease = read_lease(store)
+            if lease.live or not config.cluster.enabled:
+                if lease.epoch != epoch:
+                    leadership.recover_with(store, lease.epoch, lease.owner)
+                return lease.epoch
+        except Exception as exc:  # noqa: BLE001 - the database may be restarting; keep asking until the deadline
+            log.info("waiting for a live leader: %s: %s", type(exc).__name__, exc)
+        if clock() >= deadline:
+            return None
+        time.sleep(POLL_SECONDS)
+
+
+def _summary(outcome: Any) -> dict[str, Any]:
+    """An outcome dataclass as XCom-sized plain data: id tuples become counts."""
+    import dataclasses
+
+    fields_ = dataclasses.asdict(outcome) if dataclasses.is_dataclass(outcome) else dict(outcome)
+    return {k: len(v) if isinstance(v, (tuple, list)) else v for k, v in fields_.items()}
