@@ -23,7 +23,7 @@ from typing import Any
 from include import leadership, stage_config, stage_loop
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
-from include.stage_loop import Batch
+from include.stage_loop import Batch, claim_owner
 from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,25 @@ Leader = Mapping[str, Any]
 def recover_step(leader: Leader) -> int | None:
     """On-promotion recovery for the run's epoch (a no-op after the epoch's first run)."""
     return leadership.recover(None, int(leader["epoch"]), leader.get("owner"))
+
+
+def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: str) -> dict[str, int | None]:
+    """A stage run's recovery before it waits for work: the epoch's on-promotion recovery, then the
+    claims earlier runs of this DAG left behind (a killed task's rows: in flight, so not yet work
+    its `wait_for_work` would see). Safe because the previous run of the DAG has ended
+    (`max_active_runs=1`); this run has claimed nothing yet."""
+    epoch = int(leader["epoch"])
+    promoted = recover_step(leader)
+    table = leadership.stage_table(waits_for)
+    with leadership.open_store(None) as (_, store):
+        with store.transaction() as tx:
+            abandoned = rowlease.recover_abandoned(
+                tx, table, prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#"), epoch=epoch,
+                owner=claim_owner(dag_id, run_id),
+                max_attempts=rowlease.UNLIMITED_ATTEMPTS if table is OUTBOUND else rowlease.SWEEP_MAX_ATTEMPTS)
+    if abandoned:
+        log.info("%s: re-pended %d row(s) still claimed by earlier runs of this DAG", dag_id, abandoned)
+    return {"promotion": promoted, "abandoned": abandoned}
 
 
 def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:

@@ -49,9 +49,9 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
                                    poke_interval=LEADER_POKE_INTERVAL)
 
         @task
-        def recover(leader: dict) -> int | None:
-            """On-promotion recovery, once per epoch."""
-            return pipeline.recover_step(leader)
+        def recover(leader: dict, ti=None) -> dict:
+            """On-promotion recovery (once per epoch) and the claims earlier runs of this DAG left."""
+            return pipeline.recover_stage_step(leader, waits_for=waits_for, dag_id=ti.dag_id, run_id=ti.run_id)
 
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
                                           timeout=timedelta(minutes=5))
