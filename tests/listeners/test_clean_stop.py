@@ -1,0 +1,86 @@
+"""A clean stop loses and duplicates nothing (DESIGN invariant 2): SIGTERM to the leader while a
+careful sender streams over several connections and resends anything not AA'd. The leader stops
+reading first, commits and ACKs what it already read, closes, then expires its lease at once, so
+the standby takes over within a heartbeat although the lease TTL is far longer."""
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from include.store import Store
+from include.stack import port_open
+from include.testing.listenerd import Daemon
+from include.testing.postgres_server import free_port, wait_for
+from tests.listeners.hl7_traffic import ResendingSender
+
+HEARTBEAT, FENCE, TTL = 0.5, 1.5, 10.0  # a long TTL: a prompt takeover can only come from the release
+CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
+           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
+
+
+@pytest.fixture
+def pair(tmp_path, pg_config_fresh):
+    port = free_port()
+    a = Daemon(tmp_path / "a", pg_config_fresh, node_id="node-a:1:aa", cluster=CLUSTER,
+               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    wait_for(lambda: a.status()["is_leader"] and port_open(port), timeout=15, what="node A to lead")
+    b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
+               config_dir=a.workdir / "config").start()
+    wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
+    yield a, b, port, pg_config_fresh
+    for d in (a, b):
+        d.stop()
+
+
+def db_now(store: Store):
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute("SELECT clock_timestamp() AS now")
+        return cur.fetchone()["now"]
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_once(pair, round_):
+    a, b, port, store_config = pair
+    store = Store(store_config)
+    try:
+        sender = ResendingSender(port, prefix="S", connections=6, window=8).start()
+        wait_for(lambda: len(sender.acked) >= 300, timeout=20, interval=0.02, what="traffic through node A")
+        signalled_at = db_now(store)
+        t0 = time.monotonic()
+        a.signal(signal.SIGTERM)
+        assert a.proc.wait(20) == 0
+        exited = time.monotonic() - t0
+        wait_for(lambda: b.status()["is_leader"] and port_open(port), timeout=TTL, interval=0.02, what="takeover")
+        took_over = time.monotonic() - t0
+        acked_before = len(sender.acked)
+        wait_for(lambda: len(sender.acked) >= acked_before + 300, timeout=20, interval=0.02,
+                 what="traffic through node B")
+        assert sender.finish() == []  # every message the sender made was AA'd in the end
+
+        with store.transaction(write=False) as tx:
+            cur = tx.conn.cursor()
+            cur.execute("SELECT control_id FROM stage_inbound")
+            counts = Counter(r["control_id"] for r in cur.fetchall())
+            cur.execute("SELECT control_id, node_id, at FROM message_events WHERE event = 'received'")
+            events = cur.fetchall()
+            lease = tx.one("lease_read")
+        by_a = {e["control_id"] for e in events if e["node_id"] == "node-a:1:aa"}
+        after_signal = {e["control_id"] for e in events if e["node_id"] == "node-a:1:aa" and e["at"] > signalled_at}
+        duplicates = {cid: n for cid, n in counts.items() if n > 1}
+        resent = sum(n - 1 for n in sender.sends.values())
+        print(f"SIGTERM round {round_}: {len(counts)} staged ({len(by_a)} by A, {len(after_signal)} by A after "
+              f"the signal), resent {resent}, duplicates {len(duplicates)}; A exited {exited:.2f}s, "
+              f"B leads {took_over:.2f}s after the signal (TTL {TTL}s)")
+        assert duplicates == {}
+        assert set(counts) == set(sender.acked) == sender.made  # every AA'd message staged, nothing else
+        assert set(sender.acked.values()) == {1}
+        assert after_signal <= set(sender.acked)  # staged after the stop began: its ACK was delivered
+        assert took_over < HEARTBEAT + 2.0 < TTL  # the lease was expired at once, not aged out
+        assert lease["owner"] == "node-b:2:bb"
+        assert "listenerd node-a:1:aa stopped" in a.output()
+    finally:
+        store.close()
