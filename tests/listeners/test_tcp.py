@@ -490,3 +490,19 @@ class TCPLoopbackTests(trial.TestCase):
         assert (yield client.wait_for(1)) == ["NAK not leader, resend later"]
         assert rows(self.store_config.path) == []
         yield self._close(client, factory)
+
+
+def test_a_clean_stop_reads_nothing_more_but_still_answers_what_was_read() -> None:
+    ingest = FakeIngest()
+    factory = make_factory(ingest)
+    proto, transport = connect(factory)
+    proto.dataReceived(b"a\n")
+    factory.stop_reading()
+    assert transport.producerState == "paused"
+    proto.dataReceived(b"b\n")
+    assert len(ingest.calls) == 1
+    ingest.fire(0)
+    assert lines(transport) == [f"ACK {ingest.calls[0][0].message_id}"]
+    assert transport.producerState == "paused"
+    factory.close_all()
+    assert transport.disconnecting
