@@ -8,6 +8,7 @@ validation cannot foresee), which the group commit isolates by splitting the bat
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import hl7
@@ -107,3 +108,76 @@ def test_one_sender_of_bad_messages_harms_none_of_eight_good_senders(daemon, sto
         assert daemon.proc.poll() is None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
+def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_config):
+    """The same message with a NUL byte, over MLLP, TCP, HTTP and file drop: each transport refuses
+    it with the same reason and stages nothing; the same message without the NUL is staged by each."""
+    import socket
+    import urllib.request
+
+    ports = {kind: free_port() for kind in ("mllp", "tcp", "http")}
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", inbound=[
+        {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"]},
+        {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"]},
+        {"name": "in-http", "kind": "http", "port": ports["http"]},
+        {"name": "in-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1}]).start()
+    try:
+        for port in ports.values():
+            wait_for(lambda: port_open(port), timeout=15, what="bind")
+        bad, good = (adt(f"{kind}-X", name=name).encode() for kind, name in (("BAD", "DOE\x00JANE"), ("OK", "DOE")))
+        offset = bad.index(b"\x00")
+        reason = f"message contains NUL characters (character offset {offset})"
+
+        def over_mllp(data: bytes) -> str:
+            with socket.create_connection(("127.0.0.1", ports["mllp"]), timeout=10) as s:
+                s.sendall(b"\x0b" + data + b"\x1c\r")
+                reply = b""
+                while b"\x1c\r" not in reply:
+                    reply += s.recv(65536)
+            msa = hl7.parse(reply.strip(b"\x0b\x1c\r").decode()).segment("MSA")
+            return f"{msa[1]} {msa[3]}" if str(msa[1]) != "AA" else "AA"
+
+        def over_tcp(data: bytes) -> str:
+            with socket.create_connection(("127.0.0.1", ports["tcp"]), timeout=10) as s:
+                s.sendall(data + b"\n")
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    reply += s.recv(65536)
+            return "ACK" if reply.startswith(b"ACK ") else reply.decode().strip()
+
+        def over_http(data: bytes) -> str:
+            req = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/messages/in-http", data=data,
+                                         headers={"Content-Type": "application/hl7-v2"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return str(resp.status)
+            except urllib.error.HTTPError as err:
+                return f"{err.code} {json.loads(err.read())['error']}"
+
+        def over_file(data: bytes, name: str) -> str:
+            (drop / name).write_bytes(data)
+            rejected = drop / "archive" / "rejected" / f"{name}.reason"
+            wait_for(lambda: not (drop / name).exists(), timeout=10, interval=0.02, what="file taken")
+            return rejected.read_text().splitlines()[0] if rejected.exists() else "archived"
+
+        assert over_mllp(bad) == f"AR {reason}"
+        assert over_tcp(bad) == f"NAK {reason}"
+        assert over_http(bad) == f"400 {reason}"
+        assert over_file(bad, "bad.hl7") == reason
+        assert (over_mllp(good), over_tcp(good), over_http(good), over_file(good, "good.hl7")) == (
+            "AA", "ACK", "202", "archived")
+        rows = Store(store_config)
+        try:
+            with rows.transaction(write=False) as tx:
+                cur = tx.conn.cursor()
+                cur.execute("SELECT connection, control_id FROM stage_inbound ORDER BY id")
+                staged = [(r["connection"], r["control_id"]) for r in cur.fetchall()]
+        finally:
+            rows.close()
+        assert staged == [("in-mllp", "OK-X"), ("in-tcp", "OK-X"), ("in-http", "OK-X"), ("in-file", "OK-X")]
+    finally:
+        assert d.stop() == 0
