@@ -216,11 +216,8 @@ class _InboundSite(Site):
     def disconnect_all(self) -> None:
         """Drop every open connection (keep-alive ones included): a node that lost leadership must
         not keep taking messages on connections it accepted while it was leader."""
-        for channel in list(self._channels):
-            # Site builds a proxy (_GenericHTTPChannelProtocol); the transport is on the channel in it.
-            transport = getattr(getattr(channel, "_channel", channel), "transport", None)
-            if transport is not None and not getattr(transport, "disconnected", False):
-                transport.abortConnection()
+        for transport in self._transports():
+            transport.abortConnection()
 
     def stop_reading(self) -> None:
         """A clean stop, first step: new requests (keep-alive ones included) get 503, nothing is
@@ -239,6 +236,7 @@ class _InboundSite(Site):
     def _transports(self) -> list[Any]:
         found = []
         for channel in list(self._channels):
+            # Site builds a proxy (_GenericHTTPChannelProtocol); the transport is on the channel in it.
             transport = getattr(getattr(channel, "_channel", channel), "transport", None)
             if transport is not None and not getattr(transport, "disconnected", False):
                 found.append(transport)

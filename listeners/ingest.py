@@ -151,7 +151,7 @@ class IngestWriter:
                     # Only the error class: the driver's text may quote the refused value (PHI).
                     outcomes[lo] = RowRefused(f"refused by the store ({type(exc).__name__}); not stored")
                     _log.warn("store refused message {control_id} on {connection}: {err}",
-                              control_id=items[lo].control_id or "-", connection=items[lo].connection,
+                              control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
                               err=type(exc).__name__)
                 else:
                     mid = (lo + hi) // 2
