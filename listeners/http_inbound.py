@@ -36,8 +36,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners.connections import InboundConfig
-from listeners.ingest import IngestRejected, RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.ingest import IngestRejected, RowRefused
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -225,9 +226,9 @@ class _InboundSite(Site):
         self.inbound.draining = True
 
     def close_all(self) -> None:
-        """A clean stop, last step: close every connection once its pending writes are flushed."""
+        """A clean stop, last step: close every connection without losing the answers written."""
         for transport in self._transports():
-            transport.loseConnection()
+            close_after_answers(transport, self.reactor)
 
     @property
     def active_connections(self) -> int:

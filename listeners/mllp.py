@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import ITCPTransport
@@ -632,6 +633,6 @@ class MLLPFactory(ServerFactory):
             proto.stop_reading()
 
     def close_all(self) -> None:
-        """A clean stop, last step: close every connection once its pending writes are flushed."""
+        """A clean stop, last step: close every connection without losing the answers written."""
         for proto in list(self._connections):
-            proto.transport.loseConnection()
+            close_after_answers(proto.transport, self.clock)

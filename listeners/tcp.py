@@ -31,6 +31,7 @@ from twisted.python.failure import Failure
 
 from listeners.connections import TCP_FRAMINGS, InboundConfig
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import ITCPTransport
@@ -409,9 +410,9 @@ class TCPFactory(ServerFactory):
             proto.stop_reading()
 
     def close_all(self) -> None:
-        """A clean stop, last step: close every connection once its pending writes are flushed."""
+        """A clean stop, last step: close every connection without losing the answers written."""
         for proto in list(self._connections):
-            proto.transport.loseConnection()
+            close_after_answers(proto.transport, self.clock)
 
     def count_received(self) -> None:
         if self.metrics is not None:

@@ -50,7 +50,7 @@ class Sender(threading.Thread):
                 code, msa2 = ack_fields(client.send_message(adt(control_id)))
                 (self.acked if code == "AA" and msa2 == control_id else self.nacked).append(control_id)
                 n += 1  # a NAKed message is not retried under the same id; it simply was not accepted
-            except OSError:
+            except (OSError, hl7.exceptions.ParseException):  # the latter: closed before the ACK (empty reply)
                 self.failures += 1
                 if client is not None:
                     try:

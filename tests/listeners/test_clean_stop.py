@@ -5,6 +5,7 @@ the standby takes over within a heartbeat although the lease TTL is far longer."
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections import Counter
 
@@ -49,11 +50,14 @@ def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_o
     try:
         sender = ResendingSender(port, prefix="S", connections=6, window=8).start()
         wait_for(lambda: len(sender.acked) >= 300, timeout=20, interval=0.02, what="traffic through node A")
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)  # a sender that never reads
         signalled_at = db_now(store)
         t0 = time.monotonic()
         a.signal(signal.SIGTERM)
         assert a.proc.wait(20) == 0
         exited = time.monotonic() - t0
+        assert idle.recv(1) == b""  # the idle connection got an orderly close (FIN), not a reset
+        idle.close()
         wait_for(lambda: b.status()["is_leader"] and port_open(port), timeout=TTL, interval=0.02, what="takeover")
         took_over = time.monotonic() - t0
         acked_before = len(sender.acked)
@@ -79,6 +83,7 @@ def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_o
         assert set(counts) == set(sender.acked) == sender.made  # every AA'd message staged, nothing else
         assert set(sender.acked.values()) == {1}
         assert after_signal <= set(sender.acked)  # staged after the stop began: its ACK was delivered
+        assert exited < 1.5  # an idle connection does not hold the stop for the linger bound (2 s)
         assert took_over < HEARTBEAT + 2.0 < TTL  # the lease was expired at once, not aged out
         assert lease["owner"] == "node-b:2:bb"
         assert "listenerd node-a:1:aa stopped" in a.output()
