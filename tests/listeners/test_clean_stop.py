@@ -89,3 +89,51 @@ def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_o
         assert "listenerd node-a:1:aa stopped" in a.output()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
+def test_idle_plain_tls_tcp_and_http_connections_do_not_hold_up_a_clean_stop(tmp_path, store_config):
+    """Senders that keep a connection open and never read do not delay the stop (nor the lease
+    release behind it): each gets an orderly close at once."""
+    import http.client
+    import ssl
+
+    from tests.listeners.test_tls import make_pki
+
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    ports = {kind: free_port() for kind in ("mllp", "tls", "tcp", "http")}
+    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", inbound=[
+        {"name": "plain", "kind": "mllp", "port": ports["mllp"]},
+        {"name": "secure", "kind": "mllp", "port": ports["tls"],
+         "tls": {"cert": str(pki.server_cert), "key": str(pki.server_key), "ca": str(pki.ca),
+                 "require_client_cert": True}},
+        {"name": "raw", "kind": "tcp", "port": ports["tcp"]},
+        {"name": "web", "kind": "http", "port": ports["http"]}]).start()
+    try:
+        for port in ports.values():
+            wait_for(lambda: port_open(port), timeout=15, what="bind")
+        plain = socket.create_connection(("127.0.0.1", ports["mllp"]), timeout=10)
+        raw = socket.create_connection(("127.0.0.1", ports["tcp"]), timeout=10)
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        ctx.load_cert_chain(str(pki.client))
+        secure = ctx.wrap_socket(socket.create_connection(("127.0.0.1", ports["tls"]), timeout=10),
+                                 server_hostname="localhost")
+        web = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=10)
+        web.request("POST", "/messages/web", body=b"hello", headers={"Content-Type": "text/plain"})
+        assert web.getresponse().status == 202  # answered; the keep-alive connection stays open
+        t0 = time.monotonic()
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(20) == 0
+        took = time.monotonic() - t0
+        print(f"clean stop with 4 idle connections (plain, TLS, TCP, HTTP keep-alive): {took:.2f}s")
+        assert took < 1.5  # not the 2 s linger bound, nor the 10 s drain bound
+        assert plain.recv(1) == b"" and raw.recv(1) == b""  # orderly closes (FIN), not resets
+        try:
+            assert secure.recv(1) == b""  # close_notify
+        except (ssl.SSLError, ConnectionResetError):
+            pass  # the server did not wait for a close_notify this idle client never sends
+        for c in (plain, raw, secure, web):
+            c.close()
+    finally:
+        d.stop()
