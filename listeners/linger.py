@@ -37,7 +37,7 @@ def close_after_answers(transport: Any, clock: IReactorTime, *, linger_seconds: 
     sock = _socket_of(transport)
 
     def check() -> None:
-        if not transport.connected:
+        if not getattr(sock, "connected", False) or getattr(sock, "disconnected", False):
             return
         sent = _flushed(sock) if tls else getattr(sock, "_writeDisconnected", False)
         if clock.seconds() >= deadline or (sent and _unacknowledged(sock) == 0):
