@@ -1,6 +1,7 @@
 """Synthetic HL7 traffic and a reconnecting sender for listenerd tests (no PHI)."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -112,8 +113,6 @@ class ResendingSender:
         return self.unacked()
 
     def _run(self, conn: int) -> None:
-        import socket
-
         pending: list[str] = []  # to (re)send, in order
         n = 0
         while not self._quit.is_set():
