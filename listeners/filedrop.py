@@ -17,7 +17,8 @@ Rules, in order of a poll:
   ``.N`` suffix before its extension) only after the commit. A crash between commit and move
   re-reads the file next time: same message_id, ``stage_inbound`` skips it, then it is moved.
   The same content dropped again under the same name is therefore treated as a duplicate.
-* **Rejects.** Over ``max_message_bytes`` or not decodable (``charset``, or MSH-18 for HL7):
+* **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.inbound.build_inbound`
+  (undecodable in ``charset`` or MSH-18, NUL characters, ...) or refused by the store itself:
   moved to ``<archive>/rejected/`` with a ``<name>.reason`` text file beside it; nothing staged.
 * The whole file is one message, HL7 batch files (FHS/BHS) included; splitting batches is
   left to a later stage.
@@ -42,7 +43,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners.connections import InboundConfig
-from listeners.tcp import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.ingest import RowRefused
+from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -217,7 +219,11 @@ class FileDrop:
         try:
             yield self.ingest.submit(item)
         except Exception:
-            reason, code = rejection_reason(Failure())
+            failure = Failure()
+            reason, code = rejection_reason(failure)
+            if failure.check(RowRefused):  # the store refuses this file for good: set it aside
+                yield self._reject(path, reason)
+                return 0
             self._count_ack(code)
             _log.warn("file {file} on {connection} not stored ({reason}); left in place",
                       file=name, connection=self.config.name, reason=reason)

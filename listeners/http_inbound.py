@@ -4,20 +4,21 @@ Answers (always a small JSON object, never message content):
 
 ====  =================================================================================
 202   ``{"message_id": ...}`` — the row is committed
-400   empty body, undecodable body, unknown charset
+400   empty body, undecodable body, unknown charset, text no store can hold (NUL), or the store
+      refused this very message (not stored; resending it unchanged will not help)
 404   no http connection of that name
 405   any method but POST (``Allow: POST``)
 413   body over the connection's ``max_message_bytes``
 415   a Content-Type other than text/*, application/hl7-v2 (+er7), or none
 500   an unexpected failure (not stored)
-503   ingest refused it: not the leader, or the store is unavailable (not stored)
+503   ingest refused it: not the leader, the store is unavailable, or the node is stopping (not stored)
 ====  =================================================================================
 
 The body is never buffered beyond the limit and never spilled to a temp file (PHI): a
 Content-Length over the limit is answered with 413 as soon as the headers are in, without reading
 the body, and the connection is closed; a chunked body is cut off the same way once it passes the
 limit. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
-payload declaring a known MSH-18 is decoded with that (see :func:`listeners.tcp.build_inbound`).
+payload declaring a known MSH-18 is decoded with that (see :func:`listeners.inbound.build_inbound`).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners.connections import InboundConfig
-from listeners.ingest import IngestRejected
-from listeners.tcp import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.ingest import IngestRejected, RowRefused
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -67,6 +69,7 @@ class InboundResource(Resource):
             self.connections[conn.name] = conn
         self._lane_of = lane_of
         self.metrics = metrics
+        self.draining = False  # a clean stop: take nothing new, answer what was taken
 
     def connection_for(self, path: bytes) -> InboundConfig | None:
         """The connection a request path names, or None (404)."""
@@ -91,6 +94,8 @@ class InboundResource(Resource):
             request.setHeader(b"allow", b"POST")
             return _json(request, 405, {"error": "method not allowed; use POST"})
         self._count(conn, received=True)
+        if self.draining:
+            return self._refuse(request, conn, 503, "shutting down, resend later", code="AE")
         media, charset = _content_type(request.getHeader(b"content-type"))
         if media and not (media.startswith("text/") or media in HL7_MEDIA_TYPES):
             return self._refuse(request, conn, 415, "unsupported content type; use text/plain or application/hl7-v2")
@@ -128,12 +133,14 @@ class InboundResource(Resource):
         _log.warn("POST to {name} from {peer} not stored: {error}", name=conn.name, peer=_peer(request),
                   error=failure.type.__name__ if failure.type else "unknown")
         if not gone:
-            _finish(request, 503 if failure.check(IngestRejected) else 500, {"error": reason})
+            status = 400 if failure.check(RowRefused) else 503 if failure.check(IngestRejected) else 500
+            _finish(request, status, {"error": reason})
 
-    def _refuse(self, request: Request, conn: InboundConfig, status: int, reason: str) -> bytes:
+    def _refuse(self, request: Request, conn: InboundConfig, status: int, reason: str, *,
+                code: str = "AR") -> bytes:
         _log.warn("refusing POST to {name} from {peer}: {status} {reason}", name=conn.name,
                   peer=_peer(request), status=status, reason=reason)
-        self._count(conn, code="AR")
+        self._count(conn, code=code)
         return _json(request, status, {"error": reason})
 
     def _count(self, conn: InboundConfig, *, received: bool = False, code: str = "") -> None:
@@ -210,11 +217,31 @@ class _InboundSite(Site):
     def disconnect_all(self) -> None:
         """Drop every open connection (keep-alive ones included): a node that lost leadership must
         not keep taking messages on connections it accepted while it was leader."""
+        for transport in self._transports():
+            transport.abortConnection()
+
+    def stop_reading(self) -> None:
+        """A clean stop, first step: new requests (keep-alive ones included) get 503, nothing is
+        staged; requests already handed over are still answered."""
+        self.inbound.draining = True
+
+    def close_all(self) -> None:
+        """A clean stop, last step: close every connection without losing the answers written."""
+        for transport in self._transports():
+            close_after_answers(transport, self.reactor)
+
+    @property
+    def active_connections(self) -> int:
+        return len(self._transports())
+
+    def _transports(self) -> list[Any]:
+        found = []
         for channel in list(self._channels):
             # Site builds a proxy (_GenericHTTPChannelProtocol); the transport is on the channel in it.
             transport = getattr(getattr(channel, "_channel", channel), "transport", None)
             if transport is not None and not getattr(transport, "disconnected", False):
-                transport.abortConnection()
+                found.append(transport)
+        return found
 
 
 def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], *,

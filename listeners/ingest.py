@@ -5,6 +5,13 @@ One writer thread drains the queue: while one transaction commits, newer message
 into the next one, so batches grow with load and a lone message is never held back. A single
 writer also keeps row ids in arrival order, which per-lane FIFO relies on. The reactor thread only
 enqueues and fires Deferreds; no SQL ever runs on it.
+
+One refused row fails alone (DESIGN invariant 9): when the store refuses a batch for its data
+(`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
+recommitted, left first (ids stay in arrival order), until every refused row stands alone; those
+fail with `RowRefused`, the rest commit. k refused rows in n cost about 2k·log2(n) statements,
+never more than 2n-1. A connection-level failure (database down) or a stale epoch is not split:
+it fails the rest of the batch at once, as retrying pieces against a dead store only adds delay.
 """
 from __future__ import annotations
 
@@ -35,6 +42,10 @@ class NotLeader(IngestRejected):
 
 class StoreUnavailable(IngestRejected):
     pass
+
+
+class RowRefused(IngestRejected):
+    """The store refused this very row (its data), not the batch; ``str()`` is safe to send back."""
 
 
 @dataclass(frozen=True)
@@ -103,32 +114,63 @@ class IngestWriter:
                     stop = True
                     break
                 batch.append(nxt)
-            outcome = self._commit([item for item, _ in batch])
-            self._reactor.callFromThread(self._fire, batch, outcome)
+            outcomes = self._commit([item for item, _ in batch])
+            self._reactor.callFromThread(self._fire, batch, outcomes)
             if stop:
                 return
 
-    def _commit(self, items: list[Inbound]) -> dict[str, int] | IngestRejected:
+    def _commit(self, items: list[Inbound]) -> list[IngestRejected | None]:
+        """Stage `items`; one outcome per item: None = committed, else why not."""
         epoch = self._epoch()
         if epoch is None:
-            return NotLeader("this node does not hold the leader lease")
+            return [NotLeader("this node does not hold the leader lease")] * len(items)
         started = time.perf_counter()
-        try:
-            with self.store.single_statement() as tx:
-                staged = stage_inbound(tx, [asdict(i) for i in items], epoch=epoch, node_id=self.node_id)
-        except Exception as exc:  # the store said no: every message in the batch gets a negative ACK
-            self.metrics.store_errors.labels("stage_inbound").inc()
-            _log.warn("group commit of {n} message(s) failed: {err}", n=len(items), err=type(exc).__name__)
-            return StoreUnavailable(f"store unavailable: {type(exc).__name__}")
-        if staged is None:
-            return NotLeader(f"epoch {epoch} is no longer current")
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
-        self.metrics.commit_batch.observe(len(items))
-        return staged
+        outcomes: list[IngestRejected | None] = [None] * len(items)
+        halt: IngestRejected | None = None  # once set, the rest of the batch fails with it
+        statements, refused = 0, 0
+        ranges = [(0, len(items))]  # a stack, left half on top: commits go in arrival order
+        while ranges:
+            lo, hi = ranges.pop()
+            if halt is not None:
+                outcomes[lo:hi] = [halt] * (hi - lo)
+                continue
+            statements += 1
+            try:
+                with self.store.single_statement() as tx:
+                    staged = stage_inbound(tx, [asdict(i) for i in items[lo:hi]], epoch=epoch,
+                                           node_id=self.node_id)
+            except Exception as exc:
+                if not self.store.dialect.is_refusal(exc):
+                    self.metrics.store_errors.labels("stage_inbound").inc()
+                    _log.warn("group commit of {n} message(s) failed: {err}", n=hi - lo, err=type(exc).__name__)
+                    halt = StoreUnavailable(f"store unavailable: {type(exc).__name__}")
+                    outcomes[lo:hi] = [halt] * (hi - lo)
+                elif hi - lo == 1:
+                    refused += 1
+                    self.metrics.store_errors.labels("stage_inbound_refused").inc()
+                    # Only the error class: the driver's text may quote the refused value (PHI).
+                    outcomes[lo] = RowRefused(f"refused by the store ({type(exc).__name__}); not stored")
+                    _log.warn("store refused message {control_id} on {connection}: {err}",
+                              control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
+                              err=type(exc).__name__)
+                else:
+                    mid = (lo + hi) // 2
+                    ranges += [(mid, hi), (lo, mid)]
+                continue
+            if staged is None:
+                halt = NotLeader(f"epoch {epoch} is no longer current")
+                outcomes[lo:hi] = [halt] * (hi - lo)
+        if refused:
+            _log.info("group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
+                      n=len(items), refused=refused, statements=statements)
+        if any(outcome is None for outcome in outcomes):
+            self.metrics.commit_seconds.observe(time.perf_counter() - started)
+            self.metrics.commit_batch.observe(len(items))
+        return outcomes
 
-    def _fire(self, batch: list, outcome: dict[str, int] | IngestRejected) -> None:
-        for item, d in batch:
-            if isinstance(outcome, IngestRejected):
+    def _fire(self, batch: list, outcomes: list[IngestRejected | None]) -> None:
+        for (item, d), outcome in zip(batch, outcomes):
+            if outcome is not None:
                 d.errback(outcome)
             else:
                 d.callback(item.message_id)  # a duplicate message_id was staged before: also durable

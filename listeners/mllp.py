@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import ITCPTransport
@@ -296,6 +297,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         self._connected = False
         self._registered = False
         self._paused = False
+        self._draining = False  # a clean stop: read nothing more, still answer what was read
         self._peer: IAddress | None = None
         self._peer_text = "?"
 
@@ -339,6 +341,14 @@ class MLLPProtocol(Protocol, TimeoutMixin):
         if self._registered and self.factory is not None:
             self.factory.unregister(self)
             self._registered = False
+
+    def stop_reading(self) -> None:
+        """A clean stop: read nothing more from this peer; what was read is still answered."""
+        self._draining = True
+        self._accepting = False
+        if self._connected and not self._paused:
+            self._paused = True
+            cast("ITCPTransport", self.transport).pauseProducing()
 
     def timeoutConnection(self) -> None:
         if self._slots:
@@ -551,7 +561,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             self.transport.write(frame(slot.ack))
             if not self._slots:
                 self.resetTimeout()  # from now on we are the ones waiting: idle starts here
-        if self._paused and self._connected and len(self._slots) < self._config.max_in_flight:
+        if self._paused and self._connected and not self._draining and len(self._slots) < self._config.max_in_flight:
             self._paused = False
             cast("ITCPTransport", self.transport).resumeProducing()
 
@@ -616,3 +626,13 @@ class MLLPFactory(ServerFactory):
         Unanswered messages get no ACK; senders resend (at-least-once)."""
         for proto in list(self._connections):
             proto.transport.abortConnection()
+
+    def stop_reading(self) -> None:
+        """A clean stop, first step: every open connection stops reading (answers still go out)."""
+        for proto in list(self._connections):
+            proto.stop_reading()
+
+    def close_all(self) -> None:
+        """A clean stop, last step: close every connection without losing the answers written."""
+        for proto in list(self._connections):
+            close_after_answers(proto.transport, self.clock)

@@ -31,9 +31,11 @@ from include.store.lease import LeaderElector, Outcome, acquire_permanent
 from include.store.membership import NodeIdentity, cluster_nodes, heartbeat, leave, single_node_nodes
 from include.store.migrate import check_identity
 from listeners.connections import InboundConfig, ListenerConfig, load_config_dir
-from listeners.hl7ack import AckDecision
+from listeners.graph import Bound
+from listeners.hl7ack import AckCode, AckDecision
 from listeners.hl7msg import HL7Header
-from listeners.ingest import Inbound, IngestRejected, IngestWriter
+from listeners.inbound import PayloadRejected, build_inbound, rejection_reason
+from listeners.ingest import IngestWriter
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
 from listeners.state import NodeState
@@ -78,7 +80,7 @@ class ListenerNode(service.MultiService):
         self.drain_seconds = drain_seconds
         self.config_version = 0
         self.leader_config_hash: str | None = None
-        self._bound: list[Callable[[], Deferred | None]] = []  # how to take each bound piece down
+        self._bound: list[Bound] = []  # how to take each bound piece down
         self._graph_up = False
         self._binding: Deferred | None = None
         self._stopping = False
@@ -119,13 +121,27 @@ class ListenerNode(service.MultiService):
 
     @inlineCallbacks
     def stopService(self):
-        """SIGTERM: stop accepting, finish commits and ACKs in flight, release the lease, leave."""
+        """SIGTERM, in this order, so a clean stop loses and duplicates nothing (DESIGN invariant 2):
+        stop taking input (stop listening, stop reading open connections, stop file polling and
+        HTTP intake); finish every queued commit, each firing its ACK onto its connection; close
+        the connections once those ACKs are flushed; only then expire the lease and leave."""
         self._stopping = True
-        yield self._unbind(drop_connections=False)
+        bound, self._bound = self._bound, []
+        self._graph_up = False
+        for piece in bound:
+            yield defer.maybeDeferred(piece.stop_intake)
         if self.ingest is not None:
-            yield threads.deferToThread(self.ingest.drain, self.drain_seconds)
-            yield _later(self.reactor, 0.05)  # let the last ACK writes reach the sockets
-        yield self._drop_connections()
+            drained = yield threads.deferToThread(self.ingest.drain, self.drain_seconds)
+            if not drained:
+                _log.error("commits still pending after {s}s; their senders get no ACK and resend",
+                           s=self.drain_seconds)
+        for piece in bound:
+            piece.close(False)
+        closed = yield _until(self.reactor, lambda: sum(p.open_connections() for p in bound) == 0,
+                              timeout=self.drain_seconds)
+        if not closed:
+            for piece in bound:
+                piece.close(True)
         yield super().stopService()
         if self.ingest is not None:
             yield threads.deferToThread(self.ingest.stop)
@@ -202,7 +218,7 @@ class ListenerNode(service.MultiService):
             self._binding = defer.maybeDeferred(self._bind)
         elif not leader and self._graph_up:
             _log.warn("not the leader any more: unbinding inbound connections")
-            self._binding = self._unbind(drop_connections=True)
+            self._binding = self._unbind()
         else:
             return None
         self._binding.addErrback(lambda f: _log.failure("listener graph change failed", f))
@@ -226,40 +242,42 @@ class ListenerNode(service.MultiService):
         _log.info("leader: bound {n} inbound connection(s)", n=len(self._bound))
 
     @inlineCallbacks
-    def _unbind(self, *, drop_connections: bool):
-        stops, self._bound = self._bound, []
+    def _unbind(self):
+        """Leadership lost (or a changed config): stop listening and drop open connections at once;
+        unanswered messages get no ACK and their senders resend (at-least-once)."""
+        bound, self._bound = self._bound, []
         self._graph_up = False
-        self._stopped = stops
-        for stop in stops:
-            yield defer.maybeDeferred(stop, drop_connections)
-
-    @inlineCallbacks
-    def _drop_connections(self):
-        for stop in getattr(self, "_stopped", []):
-            yield defer.maybeDeferred(stop, True)
+        for piece in bound:
+            yield defer.maybeDeferred(piece.stop_intake)
+            piece.close(True)
 
     # -- handlers used by the listener graph -------------------------------------------------
-    def mllp_handler(self, conn: InboundConfig) -> Callable[[bytes, Any], Deferred]:
+    def mllp_handler(self, conn: InboundConfig) -> Callable[[bytes, Any, HL7Header], Deferred]:
         metrics, received = self.metrics, self.metrics.received.labels(conn.name)
-        aa, ae = metrics.acks.labels(conn.name, "AA"), metrics.acks.labels(conn.name, "AE")
-
+        aa = metrics.acks.labels(conn.name, "AA")
         lane_of = self.lane_of(conn)
 
         def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred:
             received.inc()
-            d = self.ingest.submit(Inbound(connection=conn.name, payload=header.text, control_id=header.control_id,
-                                           lane_key=lane_of(header.text), charset=header.charset))
+            try:
+                item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of,
+                                     header=header)
+            except PayloadRejected as exc:
+                _log.warn("rejecting message {control_id} on {connection}: {reason}",
+                          control_id=header.control_id[:64], connection=conn.name, reason=str(exc))
+                metrics.acks.labels(conn.name, "AR").inc()
+                return defer.succeed(AckDecision.reject(str(exc)))
 
             def ok(_: str) -> AckDecision:
                 aa.inc()
                 return AckDecision.accept()
 
             def failed(f) -> AckDecision:
-                ae.inc()
-                reason = str(f.value) if f.check(IngestRejected) else "internal error"
-                return AckDecision.error(reason)
+                reason, code = rejection_reason(f)
+                metrics.acks.labels(conn.name, code).inc()
+                return AckDecision(AckCode(code), reason)
 
-            return d.addCallbacks(ok, failed)
+            return self.ingest.submit(item).addCallbacks(ok, failed)
 
         return handle
 
@@ -316,7 +334,7 @@ class ListenerNode(service.MultiService):
             _log.info("config reloaded (version {v}, hash {h}, {c})", v=new_version, h=new.config_hash,
                       c="changed" if changed else "unchanged")
             if changed and self._graph_up and self._binding is None:
-                self._binding = self._unbind(drop_connections=True)
+                self._binding = self._unbind()
                 yield self._binding
                 self._binding = None  # the supervisor rebinds with the new config on its next tick
 
@@ -333,7 +351,18 @@ def _codec(charset: str) -> str:
     return charset.replace("-", "_").lower()
 
 
-def _later(reactor: Any, seconds: float) -> Deferred:
+def _until(reactor: Any, condition: Callable[[], bool], *, timeout: float, interval: float = 0.01) -> Deferred:
+    """Fires True once `condition()` holds (checked every `interval` on the reactor), False at `timeout`."""
     d: Deferred = Deferred()
-    reactor.callLater(seconds, d.callback, None)
+    deadline = reactor.seconds() + timeout
+
+    def check() -> None:
+        if condition():
+            d.callback(True)
+        elif reactor.seconds() >= deadline:
+            d.callback(False)
+        else:
+            reactor.callLater(interval, check)
+
+    check()
     return d

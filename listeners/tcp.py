@@ -12,21 +12,17 @@ Replies go out in arrival order, whatever order the commits finish in. A message
 ``max_message_bytes`` is answered with a NAK and the connection is closed: with newline framing
 the rest of the line is discarded first (memory stays bounded), with length framing the declared
 length alone decides and the body is never read. Undecodable bytes get a NAK and nothing is
-staged. The protocol only frames and hands over: decoding and staging live in
-:func:`build_inbound` and the ``ingest`` object.
-
-The module also holds the small pieces the other non-MLLP listeners (file drop, HTTP) share:
-:class:`IngestSink`, :data:`LaneOf`, :class:`PayloadRejected` and :func:`build_inbound`.
+staged. The protocol only frames and hands over: decoding and validation live in
+:func:`listeners.inbound.build_inbound` (shared by every transport), staging in the ``ingest`` object.
 """
 from __future__ import annotations
 
-import codecs
 import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol as TypingProtocol, cast
+from typing import TYPE_CHECKING, cast
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
@@ -34,8 +30,8 @@ from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
 from listeners.connections import TCP_FRAMINGS, InboundConfig
-from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.ingest import Inbound, IngestRejected, NotLeader, StoreUnavailable
+from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import ITCPTransport
@@ -45,102 +41,18 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
     "Frame",
-    "IngestSink",
-    "LaneOf",
     "LengthDecoder",
     "NewlineDecoder",
     "Oversize",
-    "PayloadRejected",
     "TCPFactory",
     "TCPProtocol",
     "TCPEvent",
-    "build_inbound",
-    "codec_name",
     "encode_reply",
-    "rejection_reason",
 ]
 
 _log = Logger(namespace="stageline.tcp")
 
 DEFAULT_MAX_IN_FLIGHT = 64
-MAX_KEY_CHARS = 199  # control_id / lane_key columns are nvarchar(200) on SQL Server
-
-
-# -- shared by the non-MLLP listeners --------------------------------------------------------
-
-class IngestSink(TypingProtocol):
-    """What a listener needs from `IngestWriter`: a Deferred that fires after the commit."""
-
-    def submit(self, item: Inbound) -> Deferred[str]: ...
-
-
-LaneOf = Callable[[str], "str | None"]
-"""Gives a decoded payload's lane key (None: no lane). Must not raise; if it does, the message
-is refused (not staged) rather than staged in the wrong lane."""
-
-
-class PayloadRejected(ValueError):
-    """The bytes cannot be staged; ``str()`` is safe to log and to send back (no content)."""
-
-
-def codec_name(charset: str) -> str:
-    """The canonical Python codec for a configured or declared charset; ValueError if unknown."""
-    try:
-        return codecs.lookup(charset).name
-    except LookupError:
-        raise ValueError(f"unknown charset {charset[:40]!r}") from None
-
-
-def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None,
-                  message_id: str | None = None) -> Inbound:
-    """Decode one received message into an `Inbound`.
-
-    An HL7 v2 payload (one whose MSH parses) is decoded with its MSH-18 charset when it declares
-    a known one, else with ``charset``, and gives control_id = MSH-10; any other payload is
-    decoded with ``charset`` and has no control id. Text the store cannot hold (NUL characters,
-    which PostgreSQL refuses and which would fail the whole group commit) is refused here.
-    """
-    codec = codec_name(charset)
-    control_id: str | None = None
-    try:
-        header = parse_header(data, default_encoding=codec, strict_charset=False)
-    except HL7HeaderError:
-        pass  # not HL7 (allowed on tcp/file/http), or unreadable MSH: treat as opaque text
-    else:
-        codec = header.encoding
-        control_id = header.control_id if len(header.control_id) <= MAX_KEY_CHARS else None
-    try:
-        text = data.decode("utf-8-sig" if codec == "utf-8" else codec)
-    except UnicodeDecodeError as exc:
-        raise PayloadRejected(f"undecodable: byte offset {exc.start} is not valid {codec}") from None
-    if not text:
-        raise PayloadRejected("empty message")
-    if "\x00" in text:
-        raise PayloadRejected("message contains NUL characters")
-    lane_key: str | None = None
-    if lane_of is not None:
-        try:
-            lane_key = lane_of(text)
-        except Exception as exc:
-            _log.error("lane_of failed for a message on {connection}: {error}",
-                       connection=connection, error=type(exc).__name__)
-            raise PayloadRejected("internal error: lane key not computable") from None
-        if lane_key is not None and len(lane_key) > MAX_KEY_CHARS:
-            raise PayloadRejected(f"lane key longer than {MAX_KEY_CHARS} characters")
-    extra = {"message_id": message_id} if message_id is not None else {}
-    return Inbound(connection=connection, payload=text, control_id=control_id, lane_key=lane_key,
-                   charset=codec, **extra)
-
-
-def rejection_reason(failure: Failure) -> tuple[str, str]:
-    """(reason text safe to send back, ACK code for metrics) for a failed submit."""
-    if failure.check(NotLeader):
-        return "not leader, resend later", "AE"
-    if failure.check(StoreUnavailable):
-        return "store unavailable, resend later", "AE"
-    if failure.check(IngestRejected):
-        return "not stored, resend later", "AE"
-    return "internal error, resend later", "AE"
 
 
 # -- framing ---------------------------------------------------------------------------------
@@ -281,6 +193,7 @@ class TCPProtocol(Protocol, TimeoutMixin):
         self._connected = False
         self._registered = False
         self._paused = False
+        self._draining = False  # a clean stop: read nothing more, still answer what was read
         self._peer = "?"
 
     @property
@@ -314,6 +227,14 @@ class TCPProtocol(Protocol, TimeoutMixin):
         if self._registered:
             self.factory.unregister(self)
             self._registered = False
+
+    def stop_reading(self) -> None:
+        """A clean stop: read nothing more from this peer; what was read is still answered."""
+        self._draining = True
+        self._accepting = False
+        if self._connected and not self._paused:
+            self._paused = True
+            cast("ITCPTransport", self.transport).pauseProducing()
 
     def timeoutConnection(self) -> None:
         if self._slots:  # the sender waits on us; reply_timeout bounds that
@@ -418,7 +339,7 @@ class TCPProtocol(Protocol, TimeoutMixin):
                 return
             if not self._slots:
                 self.resetTimeout()  # from now on the sender is the one we wait for
-        if self._paused and self._connected and len(self._slots) < self.factory.max_in_flight:
+        if self._paused and self._connected and not self._draining and len(self._slots) < self.factory.max_in_flight:
             self._paused = False
             cast("ITCPTransport", self.transport).resumeProducing()
 
@@ -482,6 +403,16 @@ class TCPFactory(ServerFactory):
         Unanswered messages get no reply; senders resend (at-least-once)."""
         for proto in list(self._connections):
             proto.transport.abortConnection()
+
+    def stop_reading(self) -> None:
+        """A clean stop, first step: every open connection stops reading (answers still go out)."""
+        for proto in list(self._connections):
+            proto.stop_reading()
+
+    def close_all(self) -> None:
+        """A clean stop, last step: close every connection without losing the answers written."""
+        for proto in list(self._connections):
+            close_after_answers(proto.transport, self.clock)
 
     def count_received(self) -> None:
         if self.metrics is not None:

@@ -1,6 +1,7 @@
 """What differs between SQLite, PostgreSQL and SQL Server besides the SQL text itself:
 how to connect, how a write transaction starts, how a script is split, how a list of ids is passed,
-and which driver errors mean "lost a race" (the elector's `conflict`)."""
+which driver errors mean "lost a race" (the elector's `conflict`), and which mean "the statement's
+data was refused" (a value or constraint: retrying the same rows fails again, other rows may pass)."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,11 @@ class Dialect:
     def is_conflict(self, exc: BaseException) -> bool:
         return False
 
+    def is_refusal(self, exc: BaseException) -> bool:
+        """The statement failed on its data (DB-API DataError or IntegrityError), not on the
+        connection or the server: the group commit then isolates the offending rows."""
+        return False
+
 
 class SqliteDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
@@ -81,6 +87,9 @@ class SqliteDialect(Dialect):
 
     def is_conflict(self, exc: BaseException) -> bool:
         return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+    def is_refusal(self, exc: BaseException) -> bool:
+        return isinstance(exc, (sqlite3.DataError, sqlite3.IntegrityError))
 
 
 class PostgresDialect(Dialect):
@@ -109,6 +118,12 @@ class PostgresDialect(Dialect):
 
         return isinstance(exc, (e.SerializationFailure, e.DeadlockDetected, e.LockNotAvailable))
 
+    def is_refusal(self, exc: BaseException) -> bool:
+        import psycopg
+
+        # SQLSTATE classes 22 (data exception) and 23 (integrity constraint violation)
+        return isinstance(exc, (psycopg.DataError, psycopg.IntegrityError))
+
 
 class SqlServerDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> Any:
@@ -129,6 +144,15 @@ class SqlServerDialect(Dialect):
         # 1205 deadlock victim, 1222 lock request timeout; THROWn lock failures carry the number too
         number = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
         return number in (1205, 1222) or any(f"as error {n}" in str(exc) for n in (1205, 1222))
+
+    def is_refusal(self, exc: BaseException) -> bool:
+        import pymssql
+
+        # pymssql reports most server errors as OperationalError: also go by the error number
+        # (245 conversion, 515 NULL, 547 constraint, 2601/2627 unique, 2628/8152 truncation)
+        number = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+        return isinstance(exc, (pymssql.DataError, pymssql.IntegrityError)) or number in (
+            245, 515, 547, 2601, 2627, 2628, 8152)
 
 
 DIALECTS: dict[str, Dialect] = {

@@ -21,7 +21,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import InboundConfig
 from listeners.filedrop import FileDrop, file_message_id
-from listeners.ingest import Inbound, IngestWriter, NotLeader
+from listeners.ingest import Inbound, IngestWriter, NotLeader, RowRefused
 from listeners.metrics import Metrics
 from tests.listeners.fakes import FakeIngest
 
@@ -167,6 +167,21 @@ def test_failed_submit_leaves_the_file_and_stops_the_poll_then_retries(tmp_path:
     h.ingest.fire(1)
     h.ingest.fire(2)
     assert listing(tmp_path / "archive") == ["a.hl7", "b.hl7"]
+
+
+def test_a_file_the_store_refuses_goes_to_rejected_and_the_next_file_follows(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    drop(tmp_path, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    h.ingest.calls[0][1].errback(RowRefused("refused by the store (CheckViolation); not stored"))
+    assert [item.control_id for item, _ in h.ingest.calls] == ["A", "B"]  # a refused file blocks nothing
+    h.ingest.fire(1)
+    rejected = tmp_path / "archive" / "rejected"
+    assert listing(rejected) == ["a.hl7", "a.hl7.reason"]
+    assert (rejected / "a.hl7.reason").read_text().startswith("refused by the store (CheckViolation)")
+    assert listing(tmp_path / "archive") == ["b.hl7", "rejected"]
 
 
 def test_stop_waits_for_the_file_in_hand_and_takes_no_further_file(tmp_path: Path) -> None:

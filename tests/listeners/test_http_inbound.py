@@ -24,7 +24,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import InboundConfig
 from listeners.http_inbound import make_inbound_site
-from listeners.ingest import Inbound, IngestWriter, NotLeader, StoreUnavailable
+from listeners.ingest import Inbound, IngestWriter, NotLeader, RowRefused, StoreUnavailable
 from listeners.metrics import Metrics
 from tests.listeners.fakes import FakeIngest
 
@@ -116,9 +116,25 @@ def test_disconnect_all_drops_keep_alive_connections_too(open_: Any) -> None:
     assert idle.transport.disconnected and waiting.transport.disconnected
 
 
+def test_a_clean_stop_answers_what_was_taken_and_refuses_new_requests(open_: Any) -> None:
+    ingest = FakeIngest()
+    site = site_for(ingest)
+    taken = open_(site).request(adt("D1").encode())
+    site.stop_reading()
+    late = open_(site).request(adt("D2").encode())
+    assert late.response()[0::2] == (503, {"error": "shutting down, resend later"})
+    assert len(ingest.calls) == 1  # D2 was not staged
+    ingest.fire(0)
+    assert taken.response()[0] == 202
+    site.close_all()
+    assert taken.transport.disconnecting and late.transport.disconnecting
+
+
 @pytest.mark.parametrize("exc, status, error", [
     (NotLeader("no lease"), 503, "not leader, resend later"),
     (StoreUnavailable("down"), 503, "store unavailable, resend later"),
+    (RowRefused("refused by the store (CheckViolation); not stored"), 400,
+     "refused by the store (CheckViolation); not stored"),
     (RuntimeError("PHI in here"), 500, "internal error, resend later"),
 ])
 def test_ingest_failure_answers_with_a_reason_and_no_content(open_: Any, exc: Exception, status: int,

@@ -453,3 +453,20 @@ def test_logs_never_contain_message_bodies(logs: list[LogEvent]) -> None:
     for event in logs:
         assert secret not in formatEvent(event)
         assert all(secret not in repr(v) for k, v in event.items() if k != "log_source")
+
+
+def test_a_clean_stop_reads_nothing_more_but_still_acks_what_was_read() -> None:
+    handler = Recorder()
+    factory = make_factory(handler, max_in_flight=2)
+    proto, transport = connect(factory)
+    proto.dataReceived(frame(adt("C1")) + frame(adt("C2")))
+    assert transport.producerState == "paused"  # max_in_flight
+    factory.stop_reading()
+    proto.dataReceived(frame(adt("C3")))  # already in flight on the wire: neither handled nor answered
+    assert len(handler.calls) == 2
+    handler.fire(0)
+    handler.fire(1)
+    assert [msa(a) for a in acks(transport)] == [("AA", "C1"), ("AA", "C2")]
+    assert transport.producerState == "paused"  # answering does not resume reading while stopping
+    factory.close_all()
+    assert transport.disconnecting

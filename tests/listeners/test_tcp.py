@@ -30,10 +30,8 @@ from listeners.tcp import (
     LengthDecoder,
     NewlineDecoder,
     Oversize,
-    PayloadRejected,
     TCPFactory,
     TCPProtocol,
-    build_inbound,
 )
 from tests.listeners.fakes import FakeIngest
 
@@ -139,43 +137,6 @@ def test_length_decoder_stops_at_a_declared_length_over_the_limit() -> None:
     assert dec.feed(struct.pack(">I", 65) + b"z" * 10) == [Oversize(65)]
     assert dec.feed(lp(b"later")) == []
     assert dec.buffered_bytes == 0
-
-
-# -- build_inbound -----------------------------------------------------------------------------
-
-def test_hl7_payload_gives_control_id_and_lane() -> None:
-    item = build_inbound(adt("C9"), connection="c", charset="utf-8", lane_of=lambda text: text[-3:])
-    assert (item.control_id, item.lane_key, item.charset, item.connection) == ("C9", "ANE", "utf-8", "c")
-    assert item.payload == adt("C9").decode()
-
-
-def test_non_hl7_payload_is_allowed_without_control_id() -> None:
-    item = build_inbound(b'{"a": 1}', connection="c", charset="utf-8")
-    assert (item.payload, item.control_id, item.lane_key) == ('{"a": 1}', None, None)
-
-
-def test_msh18_charset_wins_over_the_connection_charset() -> None:
-    data = adt("C1", pid="MÜLLER^JÖRG", charset="8859/1")
-    item = build_inbound(data, connection="c", charset="utf-8")
-    assert "MÜLLER" in item.payload and item.charset == "iso8859-1"
-
-
-@pytest.mark.parametrize("data, reason", [
-    (b"\xff\xfe bad", "undecodable"),
-    (b"a\x00b", "NUL"),
-])
-def test_unstageable_bytes_are_rejected_with_a_safe_reason(data: bytes, reason: str) -> None:
-    with pytest.raises(PayloadRejected, match=reason) as info:
-        build_inbound(data, connection="c", charset="utf-8")
-    assert "bad" not in str(info.value)
-
-
-def test_failing_lane_of_refuses_the_message() -> None:
-    def lane_of(text: str) -> str | None:
-        raise KeyError(text)
-
-    with pytest.raises(PayloadRejected, match="lane"):
-        build_inbound(adt("C1"), connection="c", charset="utf-8", lane_of=lane_of)
 
 
 # -- protocol: newline framing -----------------------------------------------------------------
@@ -529,3 +490,19 @@ class TCPLoopbackTests(trial.TestCase):
         assert (yield client.wait_for(1)) == ["NAK not leader, resend later"]
         assert rows(self.store_config.path) == []
         yield self._close(client, factory)
+
+
+def test_a_clean_stop_reads_nothing_more_but_still_answers_what_was_read() -> None:
+    ingest = FakeIngest()
+    factory = make_factory(ingest)
+    proto, transport = connect(factory)
+    proto.dataReceived(b"a\n")
+    factory.stop_reading()
+    assert transport.producerState == "paused"
+    proto.dataReceived(b"b\n")
+    assert len(ingest.calls) == 1
+    ingest.fire(0)
+    assert lines(transport) == [f"ACK {ingest.calls[0][0].message_id}"]
+    assert transport.producerState == "paused"
+    factory.close_all()
+    assert transport.disconnecting
