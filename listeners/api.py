@@ -45,14 +45,8 @@ class ApiConfigError(ConnectionConfigError):
 
 
 class Permission(StrEnum):
-    """What a request may do. Only MONITORING_READ guards anything yet; the rest name what is coming."""
-    MONITORING_READ = "monitoring:read"        # health, cluster posture, metrics: no PHI
-    CONFIG_READ = "config:read"                # the loaded config dir (no secrets)
-    MESSAGE_READ = "message:read"              # message bodies and audit trail: PHI
-    MESSAGE_REPLAY = "message:replay"          # re-pend, resend, release from dead letter
-    CONNECTION_CONTROL = "connection:control"  # pause / resume one inbound connection
-    CONFIG_RELOAD = "config:reload"            # bump the shared config version
-    CLUSTER_ADMIN = "cluster:admin"            # step down, expire the lease
+    """What a request may do; one member per permission an endpoint checks."""
+    MONITORING_READ = "monitoring:read"  # cluster posture, nodes, metrics: no PHI
 
 
 class Role(StrEnum):
@@ -61,13 +55,10 @@ class Role(StrEnum):
     ADMIN = "admin"
 
 
-_VIEWER = frozenset({Permission.MONITORING_READ, Permission.CONFIG_READ})
-_OPERATOR = _VIEWER | {Permission.MESSAGE_READ, Permission.MESSAGE_REPLAY, Permission.CONNECTION_CONTROL}
-ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType({
-    Role.VIEWER: _VIEWER,
-    Role.OPERATOR: _OPERATOR,
-    Role.ADMIN: frozenset(Permission),
-})
+# Monitoring is all an endpoint guards today, and every role may read it. Roles stay in the token
+# config (checked at load) so a later permission can go to some roles and not others.
+ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType(
+    {role: frozenset({Permission.MONITORING_READ}) for role in Role})
 
 
 @dataclass(frozen=True)

@@ -48,15 +48,6 @@ class InboundConfig:
     allow_insecure_bind: bool = False
     tls: TLSConfig | None = None
 
-    @property
-    def is_loopback(self) -> bool:
-        if self.host in ("localhost", ""):
-            return self.host == "localhost"
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
 
 @dataclass(frozen=True)
 class ListenerConfig:
@@ -64,9 +55,6 @@ class ListenerConfig:
     config_hash: str = ""
     directory: Path | None = None
     api: dict[str, Any] = field(default_factory=dict)  # the [api] table, read by the control plane
-
-    def by_name(self, name: str) -> InboundConfig | None:
-        return next((c for c in self.inbound if c.name == name), None)
 
 
 def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
