@@ -120,32 +120,6 @@ def lookups() -> None:
     """
 
 
-def read_lookup_csv(name: str, path: Path) -> dict[str, str]:
-    """Check the table name and read `path` (`code,value` rows); LookupTableError names the file."""
-    if not lookup_tables.NAME.fullmatch(name):
-        raise lookup_tables.LookupTableError(
-            f"{path}: table name {name!r}: use letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
-    try:
-        entries = lookup_tables.read_csv(path)
-    except lookup_tables.LookupTableError as exc:
-        raise lookup_tables.LookupTableError(f"{path}: {exc}") from None
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise lookup_tables.LookupTableError(f"{path}: cannot read it as UTF-8 CSV: {exc}") from None
-    if not entries:
-        raise lookup_tables.LookupTableError(f"{path}: no entries after the header line (to remove table "
-                                             f"{name!r}, use `stageline lookups delete {name}`)")
-    return entries
-
-
-def import_lookup_dir(store: Store, directory: Path) -> list[tuple[str, int]]:
-    """Import every `directory/*.csv` as the table named by its file stem, all in one transaction
-    (every file is read and checked first: one bad file imports nothing). Tables without a file
-    are left alone. Returns (table, entries) per file; raises LookupTableError."""
-    tables = {path.stem: read_lookup_csv(path.stem, path) for path in sorted(directory.glob("*.csv"))}
-    with store.transaction() as tx:
-        return [(name, lookup_tables.replace_table(tx, name, entries)) for name, entries in tables.items()]
-
-
 def _lookups_store(service_config: str | None) -> Store:
     store, _ = _open_checked(_load(service_config))
     return store
@@ -159,7 +133,7 @@ def _lookups_store(service_config: str | None) -> Store:
 def lookups_import(service_config: str | None, name: str, csv_file: Path) -> None:
     """Replace lookup table NAME with the `code,value` rows of FILE.csv."""
     try:
-        entries = read_lookup_csv(name, csv_file)
+        entries = lookup_tables.read_table_file(name, csv_file)
     except lookup_tables.LookupTableError as exc:
         raise InputError(str(exc)) from None
     store = _lookups_store(service_config)
@@ -233,7 +207,7 @@ def lookups_sync(service_config: str | None, directory: Path) -> None:
         raise InputError(f"no *.csv files in {directory}")
     store = _lookups_store(service_config)
     try:
-        imported = import_lookup_dir(store, directory)
+        imported = lookup_tables.import_dir(store, directory)
     except lookup_tables.LookupTableError as exc:
         raise InputError(str(exc)) from None
     finally:

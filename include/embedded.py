@@ -77,14 +77,14 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo) -> list[tuple[str, st
     """Import `config/lookups/*.csv` into the (migrated) store, check the pipeline config, create
     the file destinations' directories under `var` (a file destination never creates its own);
     returns where each destination's deliveries land."""
-    from include.cli import import_lookup_dir
     from include.store import Store
+    from include.store import lookups as lookup_tables
 
     lookups = demo.PIPELINE_DIR / "lookups"
     if lookups.is_dir() and any(lookups.glob("*.csv")):
         store = Store(cfg.store)
         try:
-            imported = import_lookup_dir(store, lookups)
+            imported = lookup_tables.import_dir(store, lookups)
         finally:
             store.close()
         echo(f"lookup tables from {lookups}: " + ", ".join(f"{name} ({count})" for name, count in imported))

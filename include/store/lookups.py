@@ -1,8 +1,9 @@
 """Lookup tables held in the store: the code tables transform `map` rules translate through.
 
 One row per (table, code) in `lookup_entries`. A table is replaced whole in one transaction, so a
-transform run reads either the old table or the new one, never half of each. Every transform
-run reads all tables once (code tables are small: see `spark_jobs.transform_rules`).
+transform run reads either the old table or the new one, never half of each. Tables come from
+`code,value` CSV files (`read_table_file`, `import_dir`: the CLI's `lookups import|sync` and the
+embedded stack's start-up).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from include.store.db import Tx
+from include.store.db import Store, Tx
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,199}")
 MAX_CODE_CHARS = 200
@@ -69,6 +70,32 @@ def read_csv(source: Path | str | Iterable[str]) -> dict[str, str]:
             raise LookupTableError(f"line {line}: code {code!r} appears twice")
         entries[code] = value
     return entries
+
+
+def read_table_file(name: str, path: Path) -> dict[str, str]:
+    """Check the table name and read `path` (`code,value` rows); LookupTableError names the file."""
+    if not NAME.fullmatch(name):
+        raise LookupTableError(
+            f"{path}: table name {name!r}: use letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
+    try:
+        entries = read_csv(path)
+    except LookupTableError as exc:
+        raise LookupTableError(f"{path}: {exc}") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise LookupTableError(f"{path}: cannot read it as UTF-8 CSV: {exc}") from None
+    if not entries:
+        raise LookupTableError(f"{path}: no entries after the header line (to remove table "
+                               f"{name!r}, use `stageline lookups delete {name}`)")
+    return entries
+
+
+def import_dir(store: Store, directory: Path) -> list[tuple[str, int]]:
+    """Import every `directory/*.csv` as the table named by its file stem, all in one transaction
+    (every file is read and checked first: one bad file imports nothing). Tables without a file
+    are left alone. Returns (table, entries) per file; raises LookupTableError."""
+    tables = {path.stem: read_table_file(path.stem, path) for path in sorted(directory.glob("*.csv"))}
+    with store.transaction() as tx:
+        return [(name, replace_table(tx, name, entries)) for name, entries in tables.items()]
 
 
 def _check(name: str, entries: Mapping[str, str]) -> None:
