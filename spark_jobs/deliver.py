@@ -9,17 +9,17 @@ One round:
               for a large one — `spark_jobs.stage_io`)
     deliver   `spark_deliver`: repartition by lane, `mapInPandas` → `deliver_lanes` → `send()`;
               an outcomes frame (id, destination, ok, retryable, detail) is collected
-    finalize  `finalize_deliveries`, ONE fenced transaction: ok → done; retryable → error with the
-              destination's backoff, or dead after its `max_attempts`; permanent → dead at once;
-              not attempted (an earlier row of its lane failed this round) → pending again, the
-              attempt not counted
+    finalize  `include.store.stages.finalize_deliveries`, ONE fenced transaction: ok → done;
+              retryable → error with the destination's backoff, or dead after its
+              `max_attempts`; permanent → dead at once; not attempted (an earlier row of its lane
+              failed this round) → pending again, the attempt not counted
 
 `run()` repeats rounds until no lane head is due or its time budget is spent, so one job run
 drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
 after another and the first failure stops the lane, so a later message never overtakes a failed
-earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else (DESIGN
-invariant 6). `per_lane` > 1 (default 500) lets a busy lane — e.g. one lane per destination — move many
-messages per round instead of one.
+earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else
+(invariant 6, docs/invariants.md). `per_lane` > 1 (default 500) lets a busy lane — e.g. one lane
+per destination — move many messages per round instead of one.
 
 At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
 lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent again. Every
@@ -33,13 +33,12 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from include.store import OUTBOUND, Store
-from include.store.rowlease import claim_lane_heads, fail_batch, finish_batch, release_batch
 from include.store.retry import with_retries
-from include.store.stages import StaleEpoch
+from include.store.rowlease import claim_lane_heads
+from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from spark_jobs.destinations import DEFAULT_CONTENT_TYPE, Destination, parse_destinations, send
 
 if TYPE_CHECKING:
@@ -52,13 +51,12 @@ __all__ = [
     "CLAIMED_COLUMNS",
     "CLAIMED_SCHEMA",
     "OUTCOME_SCHEMA",
+    "DeliverOutcome",
     "StaleEpoch",
-    "Summary",
     "claim",
     "deliver_lanes",
     "deliver_row",
     "fetch_claimed",
-    "finalize_deliveries",
     "read_claimed",
     "run",
     "spark_deliver",
@@ -70,41 +68,10 @@ CLAIMED_SCHEMA = ("id BIGINT, destination STRING, lane_key STRING, payload STRIN
                   "idempotency_key STRING, attempts INT, message_id STRING, control_id STRING")
 OUTCOME_COLUMNS = ("id", "destination", "ok", "retryable", "detail")
 OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, detail STRING"
-# A row whose destination is not configured (removed, renamed) waits for the config to be fixed:
-# retried with the default backoff, never dead-lettered for it.
-UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
-UNCONFIGURED_BACKOFF = (5.0, 300.0)
 NO_OUTCOME = "no delivery outcome came back from Spark"
-NOT_ATTEMPTED = "not attempted"
 DEFAULT_PER_LANE = 500
 
 Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What one finalize (or a whole run, summed) changed; ids ascending.
-
-    `retrying`: failed attempts now `error`, due again after their backoff. `dead`: given up
-    (permanent failure, or `max_attempts` reached). `released`: claimed but not tried because an
-    earlier row of the lane failed; pending again. `not_finished`: outcomes that did not land
-    because the row was no longer this claimer's (its row lease was swept, another claimer has it).
-    """
-
-    rounds: int = 0
-    claimed: tuple[int, ...] = ()
-    done: tuple[int, ...] = ()
-    released: tuple[int, ...] = ()
-    retrying: tuple[int, ...] = ()
-    dead: tuple[int, ...] = ()
-    not_finished: tuple[int, ...] = ()
-
-    def __add__(self, other: Summary) -> Summary:
-        merged: dict[str, Any] = {"rounds": self.rounds + other.rounds}
-        for f in fields(self):
-            if f.name != "rounds":
-                merged[f.name] = tuple(sorted({*getattr(self, f.name), *getattr(other, f.name)}))
-        return Summary(**merged)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,10 +93,11 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
                   concurrency: int = 1) -> Iterator[dict[str, Any]]:
     """Send claimed rows lane by lane; yield one outcome per row.
 
-    Claims hand over lane heads (one row per lane), so lanes are independent and may be sent
-    concurrently (`concurrency` threads: sends are I/O-bound). Should a lane ever bring several
-    rows, they go in id order and, after a failure, the rest of that lane is not attempted
-    (retryable outcome) — a later message must never overtake a failed earlier one.
+    A claim hands over a prefix of each due lane (up to `per_lane` rows), so lanes are independent
+    and may be sent concurrently (`concurrency` threads: sends are I/O-bound). A lane's rows go in
+    id order and, after a failure, the rest of that lane is not attempted (an outcome whose detail
+    starts with NOT_ATTEMPTED; the finalize re-pends it) — a later message never overtakes a
+    failed earlier one.
     """
     dests = _parsed(destinations)
     lanes: dict[Any, list[Mapping[str, Any]]] = {}
@@ -182,7 +150,7 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
 
 
 # ---------------------------------------------------------------------------------------------
-# store side: claim, read, finalize
+# store side: claim and read (the finalize is `include.store.stages.finalize_deliveries`)
 
 
 def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None,
@@ -213,59 +181,6 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
                                  small=stage_io.is_small(list(ids)))
 
 
-def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
-                        destinations: Destinations) -> Summary:
-    """Land one round's outcomes in ONE fenced transaction; StaleEpoch (nothing lands) if deposed.
-
-    ok → `done`. Retryable → `fail_batch` with the destination's max_attempts and backoff (`dead`
-    once attempts reach max_attempts). Permanent → `fail_batch` with max_attempts=0, i.e. `dead`
-    now. Failures are grouped by (destination, detail) so an outage costs one statement per
-    destination, not one per row; the detail becomes `last_error` and the audit event's detail.
-    """
-    dests = _parsed(destinations)
-    by_id: dict[int, dict[str, Any]] = {}
-    for raw in outcomes:
-        o = _as_dict(raw)
-        i = int(o["id"])
-        if i not in by_id or (o["ok"] and not by_id[i]["ok"]):  # a Spark task retry: any success counts
-            by_id[i] = o
-    ok_ids = sorted(i for i, o in by_id.items() if o["ok"])
-    untried = sorted(i for i, o in by_id.items() if not o["ok"] and (o.get("detail") or "").startswith(NOT_ATTEMPTED))
-    groups: dict[tuple[str, bool, str], list[int]] = {}
-    for i, o in sorted(by_id.items()):
-        if not o["ok"] and i not in untried:
-            groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
-    with store.transaction() as tx:
-        tx.fence()
-        if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
-            raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
-        done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
-        released = release_batch(tx, OUTBOUND, untried, owner=owner, epoch=epoch)
-        failed: list[dict[str, Any]] = []
-        for (name, retryable, detail), ids in groups.items():
-            dest = dests.get(name)
-            if not retryable:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}",
-                                     max_attempts=0)
-            elif dest is None:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=UNCONFIGURED_MAX_ATTEMPTS, backoff_seconds=UNCONFIGURED_BACKOFF[0],
-                                     max_backoff_seconds=UNCONFIGURED_BACKOFF[1])
-            else:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
-                                     max_backoff_seconds=dest.max_backoff_seconds)
-    landed = set(done) | set(released) | {int(r["id"]) for r in failed}
-    return Summary(
-        claimed=tuple(sorted(by_id)),
-        done=tuple(sorted(done)),
-        released=tuple(released),
-        retrying=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "error")),
-        dead=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "dead")),
-        not_finished=tuple(sorted(set(by_id) - landed)),
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # the job
 
@@ -273,7 +188,7 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
 def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
         max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, time_budget_seconds: float = 240.0,
         lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
-        clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> Summary:
+        clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> DeliverOutcome:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
 
     Destinations are validated before anything is claimed. `spark=None` sends in this process
@@ -286,7 +201,7 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     """
     dests = _parsed(destinations)
     deadline = clock() + time_budget_seconds
-    total = Summary()
+    total = DeliverOutcome()
     while not stop():
         ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds,
                     per_lane=per_lane)
@@ -300,7 +215,7 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
                           detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400])
             raise
         summary = finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
-        total = total + Summary(rounds=1) + summary
+        total = total + DeliverOutcome(rounds=1) + summary
         log.info("deliver %s round %d: claimed %d, done %d, retrying %d, dead %d, not finished %d", owner,
                  total.rounds, len(ids), len(summary.done), len(summary.retrying), len(summary.dead),
                  len(summary.not_finished))
@@ -350,10 +265,6 @@ def _parsed(destinations: Destinations) -> dict[str, Destination]:
 def _outcome(row: Mapping[str, Any], *, ok: bool, retryable: bool, detail: str) -> dict[str, Any]:
     return {"id": int(row["id"]), "destination": row.get("destination"), "ok": bool(ok),
             "retryable": bool(retryable) and not ok, "detail": detail}
-
-
-def _as_dict(outcome: Any) -> dict[str, Any]:
-    return outcome.asDict() if hasattr(outcome, "asDict") else dict(outcome)
 
 
 def _plain(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,20 +1,23 @@
-"""The store side of the Spark stage jobs: the fenced finalize, and queries Spark runs itself.
+"""The store side of the Spark stage jobs: the fenced finalizes, and queries Spark runs itself.
 
 A stage job claims in plain SQL, lets Spark read the claimed rows and append its results to a
 landing table keyed by the run, then calls a finalize here in ONE short transaction: join the
 epoch fence, check the epoch, finish the sources, move their landed rows to the next stage, record
 the audit events and clear the landing rows. Either all of it commits or none of it does, so a
 stale leader's job lands nothing (invariant 3) and a re-run lands no duplicates (invariant 5).
+The deliver stage lands no rows: its finalize turns one round's send outcomes into row states
+(`finalize_deliveries`). Invariants: docs/invariants.md.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 from include.store import queries
 from include.store.db import INBOUND, OUTBOUND, ROUTED, Store, Tx
-from include.store.rowlease import finish_batch
+from include.store.rowlease import fail_batch, finish_batch, release_batch
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -118,6 +121,108 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int,
     return TransformOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), outbound=tuple(int(r["id"]) for r in rows),
                             done=tuple(done), failed=tuple(failed),
                             not_finished=tuple(sorted(claimed - set(finished))))
+
+
+NOT_ATTEMPTED = "not attempted"
+"""How a deliver outcome's detail starts when its row was not sent (an earlier row of its lane failed)."""
+# A row whose destination is not configured (removed, renamed) waits for the config to be fixed:
+# retried with the default backoff, never dead-lettered for it.
+UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
+UNCONFIGURED_BACKOFF = (5.0, 300.0)
+
+
+class RetryPolicy(Protocol):
+    """A destination's retry settings, all the deliver finalize needs of it
+    (`spark_jobs.destinations.Destination` is one; the store does not import the senders)."""
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    @property
+    def backoff_seconds(self) -> float: ...
+
+    @property
+    def max_backoff_seconds(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class DeliverOutcome:
+    """What one deliver finalize (or a whole run, summed with `+`) changed; ids ascending.
+
+    `retrying`: failed attempts now `error`, due again after their backoff. `dead`: given up
+    (permanent failure, or `max_attempts` reached). `released`: claimed but not tried because an
+    earlier row of the lane failed; pending again. `not_finished`: outcomes that did not land
+    because the row was no longer this claimer's (its row lease was swept, another claimer has it).
+    """
+
+    rounds: int = 0
+    claimed: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
+    retrying: tuple[int, ...] = ()
+    dead: tuple[int, ...] = ()
+    not_finished: tuple[int, ...] = ()
+
+    def __add__(self, other: DeliverOutcome) -> DeliverOutcome:
+        merged: dict[str, Any] = {"rounds": self.rounds + other.rounds}
+        for f in fields(self):
+            if f.name != "rounds":
+                merged[f.name] = tuple(sorted({*getattr(self, f.name), *getattr(other, f.name)}))
+        return DeliverOutcome(**merged)
+
+
+def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
+                        destinations: Mapping[str, RetryPolicy]) -> DeliverOutcome:
+    """Land one deliver round's outcomes in ONE fenced transaction; StaleEpoch (nothing lands) if deposed.
+
+    An outcome is a mapping (or a Spark Row) with id, destination, ok, retryable, detail. ok →
+    `done`. Not attempted (detail starts with NOT_ATTEMPTED) → pending again, the attempt not
+    counted. Retryable → `fail_batch` with the destination's max_attempts and backoff (`dead` once
+    attempts reach max_attempts; an unconfigured destination waits, never dies for it). Permanent →
+    `dead` now. Failures are grouped by (destination, detail) so an outage costs one statement per
+    destination, not one per row; the detail becomes `last_error` and the audit event's detail.
+    """
+    by_id: dict[int, dict[str, Any]] = {}
+    for raw in outcomes:
+        o = raw.asDict() if hasattr(raw, "asDict") else dict(raw)
+        i = int(o["id"])
+        if i not in by_id or (o["ok"] and not by_id[i]["ok"]):  # a Spark task retry: any success counts
+            by_id[i] = o
+    ok_ids = sorted(i for i, o in by_id.items() if o["ok"])
+    untried = sorted(i for i, o in by_id.items() if not o["ok"] and (o.get("detail") or "").startswith(NOT_ATTEMPTED))
+    groups: dict[tuple[str, bool, str], list[int]] = {}
+    for i, o in sorted(by_id.items()):
+        if not o["ok"] and i not in untried:
+            groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
+    with store.transaction() as tx:
+        tx.fence()
+        if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
+            raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
+        done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
+        released = release_batch(tx, OUTBOUND, untried, owner=owner, epoch=epoch)
+        failed: list[dict[str, Any]] = []
+        for (name, retryable, detail), ids in groups.items():
+            dest = destinations.get(name)
+            if not retryable:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}",
+                                     max_attempts=0)
+            elif dest is None:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
+                                     max_attempts=UNCONFIGURED_MAX_ATTEMPTS, backoff_seconds=UNCONFIGURED_BACKOFF[0],
+                                     max_backoff_seconds=UNCONFIGURED_BACKOFF[1])
+            else:
+                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
+                                     max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
+                                     max_backoff_seconds=dest.max_backoff_seconds)
+    landed = set(done) | set(released) | {int(r["id"]) for r in failed}
+    return DeliverOutcome(
+        claimed=tuple(sorted(by_id)),
+        done=tuple(sorted(done)),
+        released=tuple(released),
+        retrying=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "error")),
+        dead=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "dead")),
+        not_finished=tuple(sorted(set(by_id) - landed)),
+    )
 
 
 LANDING_DELETES = {"landing_routed": "landing_routed_delete", "landing_outbound": "landing_outbound_delete"}

@@ -15,8 +15,8 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
+from include.store.stages import DeliverOutcome, StaleEpoch, finalize_deliveries
 from spark_jobs import deliver
-from spark_jobs.deliver import StaleEpoch, Summary
 from spark_jobs.destinations import lane_key, parse_destinations
 from tests.spark_jobs.test_destinations import (  # noqa: F401 — fixtures and the real receivers
     HttpReceiver,
@@ -100,7 +100,7 @@ def statuses(store: Store) -> dict[str, str]:
     return {r["control_id"]: r["status"] for r in rows(store, "SELECT control_id, status FROM stage_outbound")}
 
 
-def run(store: Store, spark: SparkSession | None, epoch: int, config: Any, **kwargs: Any) -> Summary:
+def run(store: Store, spark: SparkSession | None, epoch: int, config: Any, **kwargs: Any) -> DeliverOutcome:
     return deliver.run(store, spark, destinations=config, owner=f"{NODE}/deliver", epoch=epoch, **kwargs)
 
 
@@ -148,7 +148,7 @@ def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(store
     summary = run(store, spark, epoch, config, per_lane=per_lane)
     assert arrivals_by_lane(receiver) == {p: [f"{p}-{i}" for i in range(PER_LANE)] for p in PATIENTS}
     rounds = PER_LANE if per_lane == 1 else 1  # heads only: one message per lane per round
-    assert summary == Summary(rounds=rounds, claimed=tuple(sorted(ids)), done=tuple(sorted(ids)))
+    assert summary == DeliverOutcome(rounds=rounds, claimed=tuple(sorted(ids)), done=tuple(sorted(ids)))
     assert set(statuses(store).values()) == {"done"}
     assert rows(store, "SELECT event, count(*) AS n FROM message_events GROUP BY event") == [
         {"event": "done", "n": len(ids)}]
@@ -241,10 +241,10 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_the_next_leader_redeli
     assert [o["ok"] for o in outcomes] == [True]
     new = acquire_permanent(store, node_id="new")
     with pytest.raises(StaleEpoch):
-        deliver.finalize_deliveries(store, outcomes, owner="old/run", epoch=old, destinations=config)
+        finalize_deliveries(store, outcomes, owner="old/run", epoch=old, destinations=parse_destinations(config))
     assert rows(store, "SELECT status, claim_epoch FROM stage_outbound") == [{"status": "in_flight", "claim_epoch": old}]
     assert rows(store, "SELECT count(*) AS n FROM message_events") == [{"n": 0}]
-    assert run(store, None, old, config) == Summary()  # a deposed leader claims nothing either
+    assert run(store, None, old, config) == DeliverOutcome()  # a deposed leader claims nothing either
     with store.transaction() as tx:
         assert recover_on_promotion(tx, owner="new", epoch=new) == 1
     assert run(store, None, new, config).done == (head,)
