@@ -1,4 +1,4 @@
-"""The watch a stage task keeps beside its micro-batches (DESIGN invariants 5 and 8).
+"""The watch a stage task keeps beside its micro-batches (invariants 5 and 8).
 
 A stage task runs batch after batch under one epoch. One daemon thread beside it, on its own
 store connection:
@@ -16,7 +16,7 @@ store connection:
   stage's rows whose row lease expired (claimers that died without anyone noticing).
 
 A failed read or write is logged and tried again next tick: the batches' own fenced writes are
-what keeps the data safe; the watch only makes recovery prompt.
+what keeps the data safe; the watch only makes recovery prompt. Invariants: docs/invariants.md.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ task keeps going:
 Why follow inside the task rather than end and let the next run start: the guarantee is the same —
 every claim and finalize is fenced by the epoch the lease named when it was read, exactly as with
 a new run's leader check — but delivery resumes about a heartbeat after the new leader is elected
-instead of ~5 s of Airflow scheduling later (docs/pipeline.md, "Failover").
+instead of ~5 s of Airflow scheduling later (docs/pipeline.md, "Failover"). The invariants are
+numbered as in docs/invariants.md.
 """
 from __future__ import annotations
 

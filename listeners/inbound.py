@@ -5,7 +5,7 @@ connection's charset), refuse what no store can hold, compute the lane key, buil
 row. A refusal is a :class:`PayloadRejected` whose text is safe to log and to send back; the
 transport answers it with its "rejected" answer (MLLP ``AR``, TCP ``NAK``, HTTP 400, file moved to
 ``rejected/``) for that message alone. :func:`rejection_reason` maps a failed commit to the answer
-the same way for all of them (DESIGN invariant 9).
+the same way for all of them (invariant 9, docs/invariants.md).
 """
 from __future__ import annotations
 

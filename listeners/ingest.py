@@ -6,12 +6,12 @@ into the next one, so batches grow with load and a lone message is never held ba
 writer also keeps row ids in arrival order, which per-lane FIFO relies on. The reactor thread only
 enqueues and fires Deferreds; no SQL ever runs on it.
 
-One refused row fails alone (DESIGN invariant 9): when the store refuses a batch for its data
-(`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
+One refused row fails alone (invariant 9, docs/invariants.md): when the store refuses a batch for
+its data (`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
 recommitted, left first (ids stay in arrival order), until every refused row stands alone; those
-fail with `RowRefused`, the rest commit. k refused rows in n cost about 2k·log2(n) statements,
-never more than 2n-1. A connection-level failure (database down) or a stale epoch is not split:
-it fails the rest of the batch at once, as retrying pieces against a dead store only adds delay.
+fail with `RowRefused`, the rest commit. k refused rows in n cost about 2k·log2(n) statements, never
+more than 2n-1. A connection-level failure (database down) or a stale epoch is not split: it fails
+the rest of the batch at once, as retrying pieces against a dead store only adds delay.
 """
 from __future__ import annotations
 

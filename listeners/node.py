@@ -121,10 +121,11 @@ class ListenerNode(service.MultiService):
 
     @inlineCallbacks
     def stopService(self):
-        """SIGTERM, in this order, so a clean stop loses and duplicates nothing (DESIGN invariant 2):
-        stop taking input (stop listening, stop reading open connections, stop file polling and
-        HTTP intake); finish every queued commit, each firing its ACK onto its connection; close
-        the connections once those ACKs are flushed; only then expire the lease and leave."""
+        """SIGTERM, in this order, so a clean stop loses and duplicates nothing (invariant 2 in
+        docs/invariants.md): stop taking input (stop listening, stop reading open connections,
+        stop file polling and HTTP intake); finish every queued commit, each firing its ACK onto
+        its connection; close the connections once those ACKs are flushed; only then expire the
+        lease and leave."""
         self._stopping = True
         bound, self._bound = self._bound, []
         self._graph_up = False

@@ -14,7 +14,7 @@ inside a Spark task would fail the task, and Spark's task retry would re-send th
 partition. `retryable=False` means retrying the same bytes cannot help; the deliver stage then
 moves the row straight to `dead` (reason in `last_error` and the audit trail).
 
-Idempotency (a re-delivery can always happen: at-least-once, DESIGN invariant 5):
+Idempotency (a re-delivery can always happen: at-least-once, invariant 5 in docs/invariants.md):
 
 * MLLP has no header for a key. The message goes out unchanged, so its MSH-10 is the same on
   every attempt; receivers de-duplicate on MSH-10 (HL7's own rule), and the idempotency key is

@@ -11,8 +11,9 @@
               keys, audit events, landing cleared; a message the rules cannot read (NULL payload)
               dead-letters its routed row
 
-The lookup tables `map` rules use are read from the store once per run, before the claim, so a
-rule naming a missing table claims nothing. Idempotent and crash-safe like the route stage:
+The lookup tables `map` rules use come in as `run(lookups=...)` — a stage task reads them once, at
+its first micro-batch (`include.pipeline`) — or are read from the store when not given. Specs are
+checked against them before the claim, so a rule naming a missing table claims nothing. Idempotent and crash-safe like the route stage:
 stage_outbound is UNIQUE (source_id, destination) and the finalize moves only rows it finished.
 """
 from __future__ import annotations

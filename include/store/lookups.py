@@ -1,9 +1,9 @@
 """Lookup tables held in the store: the code tables transform `map` rules translate through.
 
 One row per (table, code) in `lookup_entries`. A table is replaced whole in one transaction, so a
-transform run reads either the old table or the new one, never half of each. Tables come from
-`code,value` CSV files (`read_table_file`, `import_dir`: the CLI's `lookups import|sync` and the
-embedded stack's start-up).
+reader sees either the old table or the new one, never half of each; a stage task reads them all
+once, at its first micro-batch (code tables are small). Tables come from `code,value` CSV files
+(`read_table_file`, `import_dir`: the CLI's `lookups import|sync`, the embedded stack's start-up).
 """
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: in
     whose lane has an earlier row in flight or backing off.
 
     So a batch stranded by a dead job holds its lanes until it is re-pended, and the next stage's
-    rows (and finally the deliveries) keep lane order across crashes and failover (DESIGN
-    invariant 6). Rows with a NULL lane never wait. Lane order holds for one claimer per stage at a
-    time (each stage DAG runs one run at a time); concurrent claimers are safe — nothing is claimed
-    twice — but may interleave a lane's rows.
+    rows (and finally the deliveries) keep lane order across crashes and failover (invariant 6,
+    docs/invariants.md). Rows with a NULL lane never wait. Lane order holds for one claimer per
+    stage at a time (each stage DAG runs one run at a time); concurrent claimers are safe — nothing
+    is claimed twice — but may interleave a lane's rows.
     """
     tx.fence()
     return _by_id(tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),

@@ -1,6 +1,7 @@
-"""One bad message harms no one else (DESIGN invariant 9), against a running listenerd: eight
-python-hl7 clients send good messages while a ninth sends messages the store cannot take. Every
-good message is answered AA and staged once; each bad one alone is refused (AR) with its reason.
+"""One bad message harms no one else (invariant 9, docs/invariants.md), against a running listenerd:
+eight python-hl7 clients send good messages while a ninth sends messages the store cannot take.
+Every good message is answered AA and staged once; each bad one alone is refused (AR) with its
+reason.
 
 Two kinds of bad input: NUL bytes (refused by the shared inbound validation before any commit)
 and a payload the store itself refuses (a CHECK constraint / trigger added for the test: what

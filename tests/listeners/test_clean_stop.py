@@ -1,7 +1,7 @@
-"""A clean stop loses and duplicates nothing (DESIGN invariant 2): SIGTERM to the leader while a
-careful sender streams over several connections and resends anything not AA'd. The leader stops
-reading first, commits and ACKs what it already read, closes, then expires its lease at once, so
-the standby takes over within a heartbeat although the lease TTL is far longer."""
+"""A clean stop loses and duplicates nothing (invariant 2, docs/invariants.md): SIGTERM to the
+leader while a careful sender streams over several connections and resends anything not AA'd. The
+leader stops reading first, commits and ACKs what it already read, closes, then expires its lease at
+once, so the standby takes over within a heartbeat although the lease TTL is far longer."""
 from __future__ import annotations
 
 import signal

@@ -1,7 +1,7 @@
-"""Group commit isolation (DESIGN invariant 9): a batch the store refuses for some rows' data is
-split until only those rows fail; the rest commit, in arrival order. A store that is down is not
-split. Real SQLite and PostgreSQL stores; a refusing CHECK/trigger stands in for any data the
-store turns down."""
+"""Group commit isolation (invariant 9, docs/invariants.md): a batch the store refuses for some
+rows' data is split until only those rows fail; the rest commit, in arrival order. A store that is
+down is not split. Real SQLite and PostgreSQL stores; a refusing CHECK/trigger stands in for any
+data the store turns down."""
 from __future__ import annotations
 
 from contextlib import contextmanager
