@@ -124,7 +124,7 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int,
 
 
 NOT_ATTEMPTED = "not attempted"
-"""How a deliver outcome's detail starts when its row was not sent (an earlier row of its lane failed)."""
+"""How a deliver outcome's detail starts when its row was not sent: an earlier row of its lane failed."""
 # A row whose destination is not configured (removed, renamed) waits for the config to be fixed:
 # retried with the default backoff, never dead-lettered for it.
 UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
