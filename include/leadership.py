@@ -1,4 +1,4 @@
-"""Leader gating and housekeeping for the stage DAGs (invariants 4 and 5), in plain Python.
+"""Leader gating and housekeeping for the stage DAGs (invariants 4 and 5, docs/invariants.md), in plain Python.
 
 Airflow is not a cluster node: it holds no lease of its own. Every stage DAG run first asks the
 store who leads (`check_leadership`, on the database clock) and then does its work under *that*

@@ -1,6 +1,6 @@
 """The stage DAGs' sensors: `LeaderCheckSensor` (first task of every DAG) and `WorkPendingSensor`.
 
-`LeaderCheckSensor` gates every run on the leader lease (invariant 4, leader-gated work).
+`LeaderCheckSensor` gates every run on the leader lease (invariant 4 in docs/invariants.md, leader-gated work).
 
 It asks the store who leads (`include.leadership.check_leadership`, on the database clock):
 
@@ -15,8 +15,8 @@ and a few pokes let a run that started in the gap still do its work instead of l
 next run. Why bounded: the run holds a worker slot while it waits (poke mode; reschedule mode
 would cost a scheduler round trip per poke), and with `max_active_runs=1` it holds back the next
 run. The defaults (poke every 2 s, give up after 10 s) fit a DAG on a minutes interval; the
-continuous `stage_route` waits up to a minute, because a skipped continuous run is replaced at
-once and a short wait would only churn runs (docs/pipeline.md).
+continuous stage DAGs poke every 0.5 s and wait up to a minute, because a skipped continuous run
+is replaced at once and a short wait would only churn runs (docs/pipeline.md).
 
 Errors are not leaderlessness: an unreachable store, a missing schema or a store of another
 cluster fail the sensor (and Airflow's retries apply), so a misconfiguration is seen, not skipped.
