@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from include.hl7path import FieldPathError, parse_path
+
 KINDS = ("mllp", "tcp", "file", "http")
 TCP_FRAMINGS = ("newline", "length")
 
@@ -93,6 +95,12 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
         raise ConnectionConfigError(f"{where}: a file connection needs directory")
     if conn.kind == "file" and not conn.archive:
         conn = InboundConfig(**{**conn.__dict__, "archive": str(Path(conn.directory) / "archive")})
+    if conn.lane_key:
+        try:
+            parse_path(conn.lane_key)
+        except FieldPathError as exc:  # refused here, like a destination's lane, not as NULL lanes later
+            raise ConnectionConfigError(f"{where}: lane_key must be an HL7 field path such as 'PID-3.1': "
+                                        f"{exc}") from None
     if conn.max_message_bytes < 64:
         raise ConnectionConfigError(f"{where}: max_message_bytes must be >= 64")
     if conn.tls and conn.tls.require_client_cert and not conn.tls.ca:

@@ -17,6 +17,8 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from include.hl7path import parse_path
+from include.hl7path import value as hl7_value
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 from listeners.ingest import Inbound, IngestRejected, NotLeader, RowRefused, StoreUnavailable
 
@@ -27,6 +29,7 @@ __all__ = [
     "PayloadRejected",
     "build_inbound",
     "codec_name",
+    "lane_rule",
     "rejection_reason",
     "unstorable",
 ]
@@ -48,6 +51,14 @@ class IngestSink(TypingProtocol):
 LaneOf = Callable[[str], "str | None"]
 """Gives a decoded payload's lane key (None: no lane). Must not raise; if it does, the message
 is refused (not staged) rather than staged in the wrong lane."""
+
+
+def lane_rule(lane_key: str) -> LaneOf | None:
+    """A connection's `lane_key` as a `LaneOf`, parsed once (config load already checked it)."""
+    if not lane_key:
+        return None
+    path = parse_path(lane_key)
+    return lambda text: hl7_value(text, path)
 
 
 class PayloadRejected(ValueError):

@@ -1,0 +1,31 @@
+"""Loading `connections.toml`: a bad setting is refused at load, naming the connection and the setting."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from listeners.connections import ConnectionConfigError, load_config_dir
+from listeners.inbound import lane_rule
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "connections.toml").write_text(body)
+    return tmp_path
+
+
+@pytest.mark.parametrize("lane_key", ["PID3.1", "pid-3", "PID-0", "PID-3.1 ", 7])
+def test_a_lane_key_that_is_no_hl7_field_path_refuses_the_config_naming_connection_and_setting(
+        tmp_path: Path, lane_key: object) -> None:
+    value = f'"{lane_key}"' if isinstance(lane_key, str) else str(lane_key)
+    with pytest.raises(ConnectionConfigError) as info:
+        load_config_dir(write(tmp_path, f'[[inbound]]\nname = "adt-in"\nkind = "mllp"\nlane_key = {value}\n'))
+    assert "adt-in" in str(info.value) and "lane_key" in str(info.value)
+
+
+def test_a_valid_lane_key_loads_and_gives_the_lane_of_each_message(tmp_path: Path) -> None:
+    config = load_config_dir(write(tmp_path, '[[inbound]]\nname = "adt-in"\nkind = "tcp"\nlane_key = "PID-3.1"\n'))
+    lane_of = lane_rule(config.inbound[0].lane_key)
+    assert lane_of is not None
+    assert lane_of("MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C1|P|2.5\rPID|1||123^^^H||DOE") == "123"
+    assert lane_rule("") is None
