@@ -39,6 +39,7 @@ from listeners.connections import InboundConfig
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.ingest import IngestRejected, RowRefused
 from listeners.linger import close_after_answers
+from listeners.stream import describe_peer
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -292,6 +293,4 @@ def _finish(request: Request, status: int, payload: dict[str, str]) -> None:
 
 
 def _peer(request: Request) -> str:
-    peer = request.getClientAddress()
-    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-    return f"{host}:{port}" if host is not None else str(peer)
+    return describe_peer(request.getClientAddress())

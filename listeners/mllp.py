@@ -20,25 +20,19 @@ Decoder choices (the MLLP spec leaves these open; they follow common practice, e
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
-from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
-from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.linger import close_after_answers
-
-if TYPE_CHECKING:
-    from twisted.internet.interfaces import ITCPTransport
+from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
 
 __all__ = [
     "END_BLOCK",
@@ -265,121 +259,40 @@ class MLLPConfig:
     fallback_version: str = "2.5"
 
 
-@dataclass(slots=True, eq=False)
-class _Slot:
-    """One received frame awaiting its turn to be answered."""
-
-    control_id: str
-    ack: bytes | None = None
-    close: bool = False
-    timer: IDelayedCall | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.ack is not None or self.close
-
-
-class MLLPProtocol(Protocol, TimeoutMixin):
+class MLLPProtocol(OrderedReplyProtocol):
     """One MLLP connection: decode frames, call the handler, write ACKs in arrival order."""
 
+    kind = "MLLP"
     factory: MLLPFactory | None = None
 
     def __init__(self, handler: Handler, *, config: MLLPConfig, clock: IReactorTime) -> None:
+        super().__init__(clock=clock, idle_timeout_seconds=config.idle_timeout_seconds,
+                         max_in_flight=config.max_in_flight)
         self._handler = handler
         self._config = config
-        self._clock = clock
-        self.callLater = clock.callLater  # TimeoutMixin schedules through this
         self._decoder = MLLPDecoder(
             max_message_bytes=config.max_message_bytes, prefix_bytes=config.prefix_bytes
         )
-        self._slots: deque[_Slot] = deque()
-        self._accepting = False  # False before connectionMade, after a close decision, or lost
-        self._connected = False
-        self._registered = False
-        self._paused = False
-        self._draining = False  # a clean stop: read nothing more, still answer what was read
-        self._peer: IAddress | None = None
-        self._peer_text = "?"
-
-    @property
-    def in_flight(self) -> int:
-        """Frames received whose ACK has not been written yet."""
-        return len(self._slots)
-
-    # -- connection lifecycle -------------------------------------------------------------
-
-    def connectionMade(self) -> None:
-        self._peer = self.transport.getPeer()
-        self._peer_text = _describe(self._peer)
-        self._connected = True
-        if self.factory is not None and not self.factory.register(self):
-            _log.warn(
-                "refusing MLLP connection from {peer}: max_connections reached",
-                peer=self._peer_text,
-            )
-            self.transport.loseConnection()
-            return
-        self._registered = self.factory is not None
-        self._accepting = True
-        self.setTimeout(self._config.idle_timeout_seconds)
-
-    def connectionLost(self, reason: Failure | None = None) -> None:
-        self._accepting = False
-        self._connected = False
-        self.setTimeout(None)
-        for slot in self._slots:
-            _cancel(slot)
-        if self._slots:
-            _log.info(
-                "MLLP connection from {peer} lost with {count} unacknowledged message(s)",
-                peer=self._peer_text,
-                count=len(self._slots),
-            )
-        self._slots.clear()
-        for event in self._decoder.close():
-            self._on_event(event)
-        if self._registered and self.factory is not None:
-            self.factory.unregister(self)
-            self._registered = False
-
-    def stop_reading(self) -> None:
-        """A clean stop: read nothing more from this peer; what was read is still answered."""
-        self._draining = True
-        self._accepting = False
-        if self._connected and not self._paused:
-            self._paused = True
-            cast("ITCPTransport", self.transport).pauseProducing()
-
-    def timeoutConnection(self) -> None:
-        if self._slots:
-            # The sender is idle because it is waiting on us; handler_timeout bounds that.
-            self.setTimeout(self.timeOut)
-            return
-        _log.info("closing idle MLLP connection from {peer}", peer=self._peer_text)
-        self._accepting = False
-        self.transport.loseConnection()
 
     # -- inbound --------------------------------------------------------------------------
 
-    def dataReceived(self, data: bytes) -> None:
-        if not self._accepting:
-            return
-        self.resetTimeout()
-        for event in self._decoder.feed(data):
-            if not self._accepting:
-                break
-            self._on_event(event)
+    def decode(self, data: bytes) -> list[MLLPEvent]:
+        return self._decoder.feed(data)
 
-    def _on_event(self, event: MLLPEvent) -> None:
+    def end_of_stream(self) -> None:
+        for event in self._decoder.close():
+            self.on_event(event)
+
+    def on_event(self, event: object) -> None:
         if isinstance(event, Message):
             self._on_message(event.payload)
         elif isinstance(event, Oversize):
             self._on_oversize(event)
-        else:
+        elif isinstance(event, Garbage):
             _log.warn(
                 "skipped {size} byte(s) from {peer}: {reason}",
                 size=event.size,
-                peer=self._peer_text,
+                peer=self.peer_text,
                 reason=event.reason.value,
             )
 
@@ -394,20 +307,19 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             _log.warn(
                 "rejecting {size}-byte message from {peer}: {reason}",
                 size=len(payload),
-                peer=self._peer_text,
+                peer=self.peer_text,
                 reason=exc.reason.value,
             )
-            self._enqueue(_Slot(_safe(exc.control_id), ack=self._fallback_ack(str(exc), acked=exc.control_id)))
-            self._flush()
+            slot = Slot(safe_id(exc.control_id))
+            self.enqueue(slot)
+            self.answer(slot, frame(self._fallback_ack(str(exc), acked=exc.control_id)))
             return
-        slot = _Slot(_safe(header.control_id))
-        self._enqueue(slot)
-        assert self._peer is not None
-        d = maybeDeferred(self._handler, payload, self._peer, header)
-        if self._config.handler_timeout_seconds is not None and not d.called:
-            slot.timer = self._clock.callLater(
-                self._config.handler_timeout_seconds, self._handler_timed_out, slot, header, d
-            )
+        slot = Slot(safe_id(header.control_id))
+        self.enqueue(slot)
+        assert self.peer is not None
+        d = maybeDeferred(self._handler, payload, self.peer, header)
+        self.await_answer(d, slot, self._config.handler_timeout_seconds,
+                          lambda: self._handler_timed_out(slot, header))
         d.addCallbacks(
             self._handler_done,
             self._handler_failed,
@@ -431,88 +343,77 @@ class MLLPProtocol(Protocol, TimeoutMixin):
                 " ({reason}); closing connection",
                 size=event.size,
                 limit=limit,
-                peer=self._peer_text,
+                peer=self.peer_text,
                 reason=exc.reason.value,
             )
-            self._accepting = False  # answer what came before, then close
-            self._enqueue(_Slot("", close=True))
-            self._flush()
+            self.stop_accepting()  # answer what came before, then close
+            self.enqueue(Slot(close=True))
+            self.flush()
             return
         _log.warn(
             "rejecting oversize message {control_id} ({size} bytes > {limit}) from {peer}",
-            control_id=_safe(header.control_id),
+            control_id=safe_id(header.control_id),
             size=event.size,
             limit=limit,
-            peer=self._peer_text,
+            peer=self.peer_text,
         )
         decision = AckDecision.reject(f"message too large: {event.size} bytes, limit {limit}")
-        self._enqueue(_Slot(_safe(header.control_id), ack=self._ack(header, decision)))
-        self._flush()
+        slot = Slot(safe_id(header.control_id))
+        self.enqueue(slot)
+        self.answer(slot, frame(self._ack(header, decision)))
 
     # -- handler outcome ------------------------------------------------------------------
 
-    def _handler_done(self, result: object, slot: _Slot, header: HL7Header) -> None:
+    def _handler_done(self, result: object, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
             return  # already answered (handler timeout)
-        _cancel(slot)
         if isinstance(result, AckDecision):
             decision = result
         else:
             _log.error(
                 "handler returned {type} instead of AckDecision for {control_id}",
                 type=type(result).__name__,
-                control_id=_safe(header.control_id),
+                control_id=slot.label,
             )
             decision = AckDecision.error("message not accepted; resend later")
-        slot.ack = self._ack(header, decision)
         _log.debug(
             "{code} for {control_id} from {peer}",
             code=decision.code.value,
-            control_id=_safe(header.control_id),
-            peer=self._peer_text,
+            control_id=slot.label,
+            peer=self.peer_text,
         )
-        self._flush()
+        self.answer(slot, frame(self._ack(header, decision)))
 
-    def _handler_failed(self, failure: Failure, slot: _Slot, header: HL7Header) -> None:
+    def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
             return  # already answered (handler timeout); swallows the CancelledError
-        _cancel(slot)
         # Only the exception type: its text may quote stored values (PHI).
         _log.error(
             "handler failed for {control_id} from {peer}: {error}; answering AE",
-            control_id=_safe(header.control_id),
-            peer=self._peer_text,
+            control_id=slot.label,
+            peer=self.peer_text,
             error=failure.type.__name__ if failure.type else "unknown",
         )
-        slot.ack = self._ack(header, AckDecision.error("message not stored; resend later"))
-        self._flush()
+        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored; resend later"))))
 
-    def _handler_timed_out(
-        self, slot: _Slot, header: HL7Header, d: Deferred[AckDecision]
-    ) -> None:
-        slot.timer = None
-        if slot.ready:
-            return
+    def _handler_timed_out(self, slot: Slot, header: HL7Header) -> None:
         _log.error(
             "handler timed out for {control_id} from {peer}; answering AE",
-            control_id=_safe(header.control_id),
-            peer=self._peer_text,
+            control_id=slot.label,
+            peer=self.peer_text,
         )
-        slot.ack = self._ack(header, AckDecision.error("message not stored in time; resend later"))
-        self._flush()
-        d.cancel()
+        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored in time; resend later"))))
 
-    def _internal_error(self, failure: Failure, slot: _Slot) -> None:
+    def _internal_error(self, failure: Failure, slot: Slot) -> None:
         _log.critical(
             "internal error answering {control_id}: {error}",
-            control_id=slot.control_id,
+            control_id=slot.label,
             error=failure.type.__name__ if failure.type else "unknown",
         )
         if not slot.ready:
-            slot.ack = self._fallback_ack("internal error", code=AckCode.AE)
-            self._flush()
+            self.answer(slot, frame(self._fallback_ack("internal error", code=AckCode.AE)))
 
-    # -- outbound -------------------------------------------------------------------------
+    # -- ACKs -----------------------------------------------------------------------------
 
     def _ack(self, header: HL7Header, decision: AckDecision) -> bytes:
         try:
@@ -526,7 +427,7 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             )
         except Exception as exc:  # never let an ACK bug leave a slot unanswered
             _log.critical("cannot build ACK for {control_id}: {error}",
-                          control_id=_safe(header.control_id), error=type(exc).__name__)
+                          control_id=safe_id(header.control_id), error=type(exc).__name__)
             code = AckCode.AE if decision.code is AckCode.AA else decision.code
             return self._fallback_ack("internal error", code=code)
 
@@ -540,50 +441,9 @@ class MLLPProtocol(Protocol, TimeoutMixin):
             version=self._config.fallback_version,
         )
 
-    def _enqueue(self, slot: _Slot) -> None:
-        self._slots.append(slot)
-        if not self._paused and len(self._slots) >= self._config.max_in_flight:
-            self._paused = True
-            cast("ITCPTransport", self.transport).pauseProducing()
 
-    def _flush(self) -> None:
-        """Write every ACK at the head of the queue that is ready; stop at the first that is not."""
-        while self._slots and self._slots[0].ready:
-            slot = self._slots.popleft()
-            if not self._connected:
-                continue
-            if slot.close:
-                self._accepting = False
-                self._connected = False
-                self.transport.loseConnection()
-                return
-            assert slot.ack is not None
-            self.transport.write(frame(slot.ack))
-            if not self._slots:
-                self.resetTimeout()  # from now on we are the ones waiting: idle starts here
-        if self._paused and self._connected and not self._draining and len(self._slots) < self._config.max_in_flight:
-            self._paused = False
-            cast("ITCPTransport", self.transport).resumeProducing()
-
-
-def _describe(peer: IAddress) -> str:
-    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
-    return f"{host}:{port}" if host is not None else str(peer)
-
-
-def _safe(control_id: str) -> str:
-    """A control id fit for a log line: bounded, no control characters."""
-    return "".join(ch if ch.isprintable() else "?" for ch in control_id[:64])
-
-
-def _cancel(slot: _Slot) -> None:
-    if slot.timer is not None and slot.timer.active():
-        slot.timer.cancel()
-    slot.timer = None
-
-
-class MLLPFactory(ServerFactory):
-    """Builds :class:`MLLPProtocol` instances and enforces ``max_connections``."""
+class MLLPFactory(StreamFactory):
+    """Builds :class:`MLLPProtocol` instances; the registry enforces ``max_connections``."""
 
     def __init__(
         self,
@@ -592,6 +452,7 @@ class MLLPFactory(ServerFactory):
         config: MLLPConfig | None = None,
         clock: IReactorTime | None = None,
     ) -> None:
+        super().__init__()
         if clock is None:
             from twisted.internet import reactor
 
@@ -599,40 +460,9 @@ class MLLPFactory(ServerFactory):
         self.handler = handler
         self.config = config or MLLPConfig()
         self.clock = clock
-        self._connections: set[MLLPProtocol] = set()
-
-    @property
-    def active_connections(self) -> int:
-        return len(self._connections)
+        self.max_connections = self.config.max_connections
 
     def buildProtocol(self, addr: IAddress) -> MLLPProtocol:
         proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock)
         proto.factory = self
         return proto
-
-    def register(self, proto: MLLPProtocol) -> bool:
-        """Admit a new connection unless the limit is reached (the caller then closes it)."""
-        if len(self._connections) >= self.config.max_connections:
-            return False
-        self._connections.add(proto)
-        return True
-
-    def unregister(self, proto: MLLPProtocol) -> None:
-        self._connections.discard(proto)
-
-    def disconnect_all(self) -> None:
-        """Drop every connection at once, e.g. when this node loses the leader lease.
-
-        Unanswered messages get no ACK; senders resend (at-least-once)."""
-        for proto in list(self._connections):
-            proto.transport.abortConnection()
-
-    def stop_reading(self) -> None:
-        """A clean stop, first step: every open connection stops reading (answers still go out)."""
-        for proto in list(self._connections):
-            proto.stop_reading()
-
-    def close_all(self) -> None:
-        """A clean stop, last step: close every connection without losing the answers written."""
-        for proto in list(self._connections):
-            close_after_answers(proto.transport, self.clock)

@@ -1,0 +1,279 @@
+"""What the stream transports (MLLP, raw TCP) share: answers in arrival order, and the registry of
+open connections through which the node takes them down.
+
+Commits finish in any order, but a sender matches answers to messages by position, so each message
+takes a `Slot` when it arrives and `flush` writes the ready slots at the head of the queue, stopping
+at the first that is still waiting. Reading pauses while `max_in_flight` answers are owed (memory
+stays bounded) and resumes as they go out. A message whose commit does not fire within the reply
+timeout gets the transport's "not stored, resend" answer; the late outcome is then ignored.
+
+`StreamFactory` is the connection registry: it admits connections up to `max_connections` and takes
+them all down in the two steps of a clean stop (`stop_reading`, then `close_all` after the answers)
+or at once (`disconnect_all`, on losing the lease). The HTTP site offers the same three calls.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol as TypingProtocol, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol, ServerFactory
+from twisted.logger import Logger
+from twisted.protocols.policies import TimeoutMixin
+from twisted.python.failure import Failure
+
+from listeners.linger import close_after_answers
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import ITCPTransport
+
+__all__ = ["Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer", "safe_id"]
+
+_log = Logger(namespace="stageline.stream")
+
+
+class Intake(TypingProtocol):
+    """How the node takes an inbound listener's open connections down (stream factories, HTTP site)."""
+
+    @property
+    def active_connections(self) -> int: ...
+
+    def stop_reading(self) -> None: ...
+
+    def close_all(self) -> None: ...
+
+    def disconnect_all(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One received message awaiting its turn to be answered."""
+
+    label: str = ""  # what log lines call it (a control id), never content
+    reply: bytes | None = None  # the framed answer, once known
+    close: bool = False  # close the connection after this slot (after its reply, if any)
+    timer: IDelayedCall | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.reply is not None or self.close
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+
+
+def describe_peer(peer: IAddress | Any) -> str:
+    """``host:port`` for a log line."""
+    host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+    return f"{host}:{port}" if host is not None else str(peer)
+
+
+def safe_id(control_id: str) -> str:
+    """A control id fit for a log line: bounded, no control characters."""
+    return "".join(ch if ch.isprintable() else "?" for ch in control_id[:64])
+
+
+class StreamFactory(ServerFactory):
+    """The registry of one listener's open connections; subclasses build the protocol."""
+
+    max_connections: int = 64
+    clock: IReactorTime
+
+    def __init__(self) -> None:
+        self._connections: set[OrderedReplyProtocol] = set()
+
+    @property
+    def active_connections(self) -> int:
+        return len(self._connections)
+
+    def register(self, proto: OrderedReplyProtocol) -> bool:
+        """Admit a new connection unless the limit is reached (the caller then closes it)."""
+        if len(self._connections) >= self.max_connections:
+            return False
+        self._connections.add(proto)
+        self.connections_changed(len(self._connections))
+        return True
+
+    def unregister(self, proto: OrderedReplyProtocol) -> None:
+        self._connections.discard(proto)
+        self.connections_changed(len(self._connections))
+
+    def connections_changed(self, count: int) -> None:
+        """Hook for a gauge."""
+
+    def disconnect_all(self) -> None:
+        """Drop every connection at once, e.g. when this node loses the leader lease.
+
+        Unanswered messages get no answer; senders resend (at-least-once)."""
+        for proto in list(self._connections):
+            proto.transport.abortConnection()
+
+    def stop_reading(self) -> None:
+        """A clean stop, first step: every open connection stops reading (answers still go out)."""
+        for proto in list(self._connections):
+            proto.stop_reading()
+
+    def close_all(self) -> None:
+        """A clean stop, last step: close every connection without losing the answers written."""
+        for proto in list(self._connections):
+            close_after_answers(proto.transport, self.clock)
+
+
+class OrderedReplyProtocol(Protocol, TimeoutMixin):
+    """One stream connection: decode, hand each message over, answer in arrival order.
+
+    Subclasses give `decode` (bytes to events, pure) and `on_event` (hand over, `enqueue` a slot,
+    `flush` when its answer is known); `end_of_stream` sees the decoder's last events."""
+
+    kind: ClassVar[str] = "stream"  # for log lines
+    factory: StreamFactory | None = None
+
+    def __init__(self, *, clock: IReactorTime, idle_timeout_seconds: float | None, max_in_flight: int) -> None:
+        self._clock = clock
+        self.callLater = clock.callLater  # TimeoutMixin schedules through this
+        self._idle_timeout = idle_timeout_seconds
+        self._max_in_flight = max_in_flight
+        self._slots: deque[Slot] = deque()
+        self._accepting = False  # False before connectionMade, after a close decision, or lost
+        self._connected = False
+        self._registered = False
+        self._paused = False
+        self._draining = False  # a clean stop: read nothing more, still answer what was read
+        self.peer: IAddress | None = None
+        self.peer_text = "?"
+
+    @property
+    def in_flight(self) -> int:
+        """Messages received whose answer has not been written yet."""
+        return len(self._slots)
+
+    def where(self) -> str:
+        """The connection as log lines name it."""
+        return f"from {self.peer_text}"
+
+    # -- to implement ---------------------------------------------------------------------
+
+    def decode(self, data: bytes) -> Iterable[object]:
+        raise NotImplementedError
+
+    def on_event(self, event: object) -> None:
+        raise NotImplementedError
+
+    def end_of_stream(self) -> None:
+        """The connection is gone; the decoder may hold a last event."""
+
+    # -- connection lifecycle -------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self.peer = self.transport.getPeer()
+        self.peer_text = describe_peer(self.peer)
+        self._connected = True
+        if self.factory is not None and not self.factory.register(self):
+            _log.warn("refusing {kind} connection {where}: max_connections reached", kind=self.kind,
+                      where=self.where())
+            self._connected = False
+            self.transport.loseConnection()
+            return
+        self._registered = self.factory is not None
+        self._accepting = True
+        self.setTimeout(self._idle_timeout)
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self._accepting = False
+        self._connected = False
+        self.setTimeout(None)
+        for slot in self._slots:
+            slot.cancel_timer()
+        if self._slots:
+            _log.info("{kind} connection {where} lost with {count} unanswered message(s)", kind=self.kind,
+                      where=self.where(), count=len(self._slots))
+        self._slots.clear()
+        self.end_of_stream()
+        if self._registered and self.factory is not None:
+            self.factory.unregister(self)
+            self._registered = False
+
+    def stop_reading(self) -> None:
+        """A clean stop: read nothing more from this peer; what was read is still answered."""
+        self._draining = True
+        self._accepting = False
+        if self._connected and not self._paused:
+            self._paused = True
+            cast("ITCPTransport", self.transport).pauseProducing()
+
+    def timeoutConnection(self) -> None:
+        if self._slots:  # the sender is idle because it waits on us; the reply timeout bounds that
+            self.setTimeout(self.timeOut)
+            return
+        _log.info("closing idle {kind} connection {where}", kind=self.kind, where=self.where())
+        self._accepting = False
+        self.transport.loseConnection()
+
+    def stop_accepting(self) -> None:
+        """Read no more messages from this connection (answers still go out)."""
+        self._accepting = False
+
+    # -- inbound --------------------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._accepting:
+            return
+        self.resetTimeout()
+        for event in self.decode(data):
+            if not self._accepting:
+                break
+            self.on_event(event)
+
+    def await_answer(self, d: Deferred[Any], slot: Slot, timeout: float | None,
+                     on_timeout: Callable[[], None]) -> None:
+        """Bound the wait for a handed-over message's outcome: `on_timeout` answers it at `timeout`."""
+        if timeout is not None and not d.called:
+            slot.timer = self._clock.callLater(timeout, self._timed_out, slot, d, on_timeout)
+
+    def _timed_out(self, slot: Slot, d: Deferred[Any], on_timeout: Callable[[], None]) -> None:
+        slot.timer = None
+        if slot.ready:
+            return
+        on_timeout()
+        d.cancel()
+
+    # -- outbound -------------------------------------------------------------------------
+
+    def enqueue(self, slot: Slot) -> None:
+        self._slots.append(slot)
+        if not self._paused and len(self._slots) >= self._max_in_flight:
+            self._paused = True
+            cast("ITCPTransport", self.transport).pauseProducing()
+
+    def answer(self, slot: Slot, reply: bytes) -> bool:
+        """Give ``slot`` its reply and write what is ready; False if it was already answered."""
+        if slot.ready:
+            return False
+        slot.cancel_timer()
+        slot.reply = reply
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write every answer at the head of the queue that is ready; stop at the first that is not."""
+        while self._slots and self._slots[0].ready:
+            slot = self._slots.popleft()
+            if not self._connected:
+                continue
+            if slot.reply is not None:
+                self.transport.write(slot.reply)
+            if slot.close:
+                self._accepting = False
+                self._connected = False
+                self.transport.loseConnection()
+                return
+            if not self._slots:
+                self.resetTimeout()  # from now on the sender is the one we wait for: idle starts here
+        if self._paused and self._connected and not self._draining and len(self._slots) < self._max_in_flight:
+            self._paused = False
+            cast("ITCPTransport", self.transport).resumeProducing()
