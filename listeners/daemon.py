@@ -1,49 +1,68 @@
 """`listenerd --service-config stageline.toml --config ./config`: run one node until SIGTERM.
 
+The one entry point: `makeService` builds the node's service tree (`listeners.node`), for the
+`listenerd` command (`main`, below) and for `twistd -n stageline-listenerd` alike (the plugin in
+`twisted/plugins/stageline_listenerd.py` points here).
+
 Exit codes: 0 after a clean stop, 2 for a configuration error, 1 when the node cannot start
 (store unreachable, foreign cluster, unmigrated store).
 """
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Any
 
-from twisted.logger import Logger, LogLevel, LogLevelFilterPredicate, FilteringLogObserver, globalLogBeginner
+from twisted.logger import FilteringLogObserver, Logger, LogLevel, LogLevelFilterPredicate, globalLogBeginner
 from twisted.logger import textFileLogObserver
+from twisted.python import usage
 
 from include import config as cfgmod
 from listeners.connections import ConnectionConfigError
+from listeners.node import ListenerNode
+
+__all__ = ["Options", "main", "makeService"]
 
 _log = Logger(namespace="stageline.listenerd")
 
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="listenerd", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--service-config", default=None, help="stageline.toml ([store], [cluster])")
-    ap.add_argument("--config", default="config", help="config dir holding connections.toml")
-    ap.add_argument("--api-port", type=int, default=None,
-                    help="override [api].port (several nodes on one host sharing one config dir)")
-    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
-    return ap.parse_args(argv)
+LOG_LEVELS = ("debug", "info", "warn", "error")
 
 
-def build(args: argparse.Namespace):
-    from listeners.node import ListenerNode
+class Options(usage.Options):
+    synopsis = "--service-config stageline.toml --config ./config [--api-port N] [--log-level info]"
+    optParameters = [
+        ["service-config", None, None, "stageline.toml ([store], [cluster])"],
+        ["config", None, "config", "config dir holding connections.toml"],
+        ["api-port", None, None, "override [api].port (several nodes on one host sharing one config dir)", int],
+        ["log-level", None, "info", f"one of {', '.join(LOG_LEVELS)} (the listenerd command only)"],
+    ]
 
-    return ListenerNode(cfgmod.load(args.service_config), args.config, api_port=args.api_port)
+    def postOptions(self) -> None:
+        if self["log-level"] not in LOG_LEVELS:
+            raise usage.UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+
+
+def makeService(options: Options | dict[str, Any]) -> ListenerNode:
+    """The node's service tree; raises `ConfigError`/`ConnectionConfigError` for a bad config."""
+    node = ListenerNode(cfgmod.load(options["service-config"]), options["config"], api_port=options["api-port"])
+    node.install_signal_handlers()
+    return node
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    options = Options()
+    try:
+        options.parseOptions(sys.argv[1:] if argv is None else argv)
+    except usage.UsageError as exc:
+        print(f"{options}\nlistenerd: {exc}", file=sys.stderr)
+        sys.exit(2)
     # The group-commit thread waits on the database many times a second; with the default 5 ms
     # GIL switch interval each wake-up can queue behind a busy reactor thread for that long.
     sys.setswitchinterval(0.0005)
     observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
-                                    [LogLevelFilterPredicate(LogLevel.levelWithName(args.log_level))])
+                                    [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     try:
-        node = build(args)
+        node = makeService(options)
     except (cfgmod.ConfigError, ConnectionConfigError) as exc:
         print(f"listenerd: configuration error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -62,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
             return
         reactor.addSystemEventTrigger("before", "shutdown", node.stopService)
 
-    node.install_signal_handlers()
     reactor.callWhenRunning(start)
     reactor.run()
     sys.exit(status["code"])

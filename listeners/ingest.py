@@ -20,9 +20,11 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.application.service import Service
+from twisted.internet import threads
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from include.store import Store
@@ -178,3 +180,42 @@ class IngestWriter:
             self._pending -= len(batch)
             if self._pending == 0:
                 self._idle.set()
+
+
+class IngestService(Service):
+    """The group-commit writer for the node's lifetime. It stops after the listeners (their last
+    commits drained through `drain`) and before the lease is released."""
+
+    def __init__(self, store: Callable[[], Store | None], *, node_id: str, epoch: Callable[[], int | None],
+                 metrics: Metrics, reactor: Any) -> None:
+        self.setName("ingest")
+        self._store = store
+        self._node_id = node_id
+        self._epoch = epoch
+        self._metrics = metrics
+        self._reactor = reactor
+        self.writer: IngestWriter | None = None
+
+    def startService(self) -> None:
+        store = self._store()
+        assert store is not None, "the store service starts first"
+        self.writer = IngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
+                                   reactor=self._reactor)
+        self.writer.start()
+        super().startService()
+
+    def submit(self, item: Inbound) -> Deferred:
+        """`IngestWriter.submit`; only the leader's listeners call it, and only while this runs."""
+        assert self.writer is not None
+        return self.writer.submit(item)
+
+    def drain(self, seconds: float) -> Deferred:
+        """Fires True once every submitted message is committed or rejected, False at `seconds`."""
+        if self.writer is None:
+            return succeed(True)
+        return threads.deferToThread(self.writer.drain, seconds)
+
+    def stopService(self) -> Deferred:
+        super().stopService()
+        writer, self.writer = self.writer, None
+        return threads.deferToThread(writer.stop) if writer is not None else succeed(None)

@@ -1,0 +1,191 @@
+"""The node's place in the cluster, as services that run on every node, leader or not: the store,
+the lease and the membership heartbeat.
+
+    StoreService      opened and checked (this cluster's, migrated) at start; closed last
+    LeaseService      the elector (single node: a permanent lease taken at start); stopping it
+                      releases the lease at once and marks the node `left`
+    HeartbeatService  every heartbeat_seconds, off the reactor thread: elector step → membership
+                      upsert → shared config version and the leader's config hash;
+                      on "elected": on-promotion recovery (once per epoch)
+
+The lease state machine itself is `include.store.lease.LeaderElector` (invariant 2,
+docs/invariants.md); these services only give it a lifetime and a clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from twisted.application.internet import TimerService
+from twisted.application.service import Service
+from twisted.internet import defer, threads
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from include.config import ClusterConfig, StoreConfig
+from include.store import Store, rowlease
+from include.store.lease import ElectionResult, LeaderElector, Outcome, acquire_permanent
+from include.store.membership import NodeIdentity, heartbeat, leave
+from include.store.migrate import check_identity
+from listeners.metrics import Metrics
+
+__all__ = ["Beat", "HeartbeatService", "LeaseService", "PermanentLease", "StoreService"]
+
+_log = Logger(namespace="stageline.node")
+
+
+class StoreService(Service):
+    """The shared store for the node's lifetime; `store` is None until started."""
+
+    def __init__(self, config: StoreConfig, *, cluster_name: str) -> None:
+        self.setName("store")
+        self._config = config
+        self._cluster_name = cluster_name
+        self.store: Store | None = None
+        self.identity: dict[str, Any] = {}
+
+    def startService(self) -> None:
+        """Blocking, once, before anything else runs: a node that cannot reach its store does not start."""
+        self.store = Store(self._config)
+        self.identity = check_identity(self.store, cluster_name=self._cluster_name)
+        super().startService()
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        store, self.store = self.store, None
+        return threads.deferToThread(store.close) if store is not None else defer.succeed(None)
+
+
+class PermanentLease:
+    """Single-node leadership: taken once at start (bumping the epoch), never lost."""
+
+    def __init__(self, store: Store, node_id: str) -> None:
+        self.epoch: int | None = acquire_permanent(store, node_id=node_id)
+        self.is_leader = True
+
+    def step(self) -> None:
+        return None
+
+    def release(self) -> bool:
+        return False
+
+
+class LeaseService(Service):
+    """Who leads: the self-fencing elector in a cluster, a permanent lease on a single node."""
+
+    def __init__(self, stores: StoreService, node: NodeIdentity, cluster: ClusterConfig) -> None:
+        self.setName("lease")
+        self._stores = stores
+        self._node = node
+        self._cluster = cluster
+        self.elector: LeaderElector | PermanentLease | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        """The elector's self-fencing view: false once renewals stopped for the fence timeout."""
+        return bool(self.elector is not None and self.elector.is_leader)
+
+    @property
+    def epoch(self) -> int | None:
+        return self.elector.epoch if self.elector is not None else None
+
+    def startService(self) -> None:
+        store = self._stores.store
+        assert store is not None, "the store service starts first"
+        if self._cluster.enabled:
+            self.elector = LeaderElector(store, node_id=self._node.node_id,
+                                         ttl_seconds=self._cluster.leader_lease_ttl_seconds,
+                                         fence_timeout_seconds=self._cluster.leader_fence_timeout_seconds)
+        else:
+            self.elector = PermanentLease(store, self._node.node_id)
+        super().startService()
+
+    def step(self) -> ElectionResult | None:
+        """One election step (blocking: run it off the reactor thread)."""
+        assert self.elector is not None
+        return self.elector.step()
+
+    def stopService(self) -> Deferred[None]:
+        """Leave last: release the lease at once (the standby takes over on its next heartbeat,
+        whatever the TTL) and mark this node `left`."""
+        super().stopService()
+        return threads.deferToThread(self._leave_blocking)
+
+    def _leave_blocking(self) -> None:
+        store = self._stores.store
+        if store is None or self.elector is None:
+            return
+        try:
+            self.elector.release()
+            leave(store, self._node.node_id)
+        except Exception as exc:
+            _log.warn("clean leave failed ({err}); the lease will age out", err=type(exc).__name__)
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What one heartbeat learned."""
+
+    result: ElectionResult | None
+    config_version: int
+    leader_config_hash: str | None
+
+
+class HeartbeatService(TimerService):
+    """Steps the elector and upserts this node's membership row every heartbeat_seconds."""
+
+    def __init__(self, stores: StoreService, lease: LeaseService, node: NodeIdentity, *, seconds: float,
+                 metrics: Metrics, config_hash: Callable[[], str], on_beat: Callable[[Beat], None],
+                 config_version: Callable[[], int], reactor: Any = None) -> None:
+        super().__init__(seconds, self._beat)
+        self.setName("heartbeat")
+        if reactor is not None:
+            self.clock = reactor
+        self._stores = stores
+        self._lease = lease
+        self._node = node
+        self._metrics = metrics
+        self._config_hash = config_hash
+        self._on_beat = on_beat
+        self._config_version = config_version
+
+    def _beat(self) -> Deferred[None]:
+        d = threads.deferToThread(self._beat_blocking)
+        d.addCallbacks(self._after_beat, self._beat_failed)
+        return d
+
+    def _beat_blocking(self) -> Beat:
+        store = self._stores.store
+        assert store is not None
+        result = self._lease.step()
+        heartbeat(store, self._node, is_leader=self._lease.is_leader, config_hash=self._config_hash())
+        with store.transaction(write=False) as tx:
+            version = int(tx.one("identity_get")["config_version"])
+            row = tx.one("leader_config_hash")
+        if result is not None and result.outcome is Outcome.ELECTED:
+            with store.transaction() as tx:
+                recovered = rowlease.recover_on_promotion(tx, owner=self._node.node_id, epoch=result.epoch)
+            _log.info("elected leader, epoch {epoch}; recovered {n} in-flight row(s) of older epochs",
+                      epoch=result.epoch, n=recovered or 0)
+        return Beat(result, version, row["config_hash"] if row else None)
+
+    def _after_beat(self, beat: Beat) -> None:
+        result = beat.result
+        if result is not None:
+            self._metrics.elections.labels(result.outcome.value).inc()
+            if result.outcome is Outcome.CONFLICT:
+                _log.warn("lost the leader lease (now {leader}, epoch {epoch})", leader=result.leader,
+                          epoch=result.epoch)
+        self.publish()
+        self._on_beat(beat)
+
+    def _beat_failed(self, failure: Failure) -> None:
+        self._metrics.store_errors.labels("heartbeat").inc()
+        _log.warn("heartbeat failed: {err}; leader fence continues to run", err=failure.type.__name__)
+        self.publish()
+
+    def publish(self) -> None:
+        self._metrics.leader.set(1 if self._lease.is_leader else 0)
+        self._metrics.epoch.set(self._lease.epoch or 0)
+        self._metrics.config_version.set(self._config_version())

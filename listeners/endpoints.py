@@ -1,0 +1,201 @@
+"""The node's listening services: one `InboundService` per configured inbound connection (bound
+only on the leader, see `listeners.gate`) and the `ListeningService` that serves the control plane.
+
+Taking an inbound service down has two steps so a clean stop loses and duplicates nothing:
+`stop_intake` (stop listening and polling, stop reading open connections) before the last commits
+are drained, and `close` after their answers are written — or at once (`abort`) when the lease is
+lost. `stopService` alone does both at once. The services only wire a transport to its listener:
+framing and answering live in the transport modules, validation in `listeners.inbound`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory
+from twisted.logger import Logger
+
+from listeners.connections import InboundConfig, TLSConfig
+from listeners.hl7ack import AckCode, AckDecision
+from listeners.hl7msg import HL7Header
+from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, lane_rule, rejection_reason
+from listeners.metrics import Metrics
+from listeners.stream import Intake
+from listeners.tls import listen
+
+__all__ = ["Wiring", "InboundService", "ListeningService", "inbound_service", "mllp_handler"]
+
+_log = Logger(namespace="stageline.endpoints")
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What every inbound service is wired to: the group-commit writer, the metrics, the reactor,
+    and where bound ports are published (useful with port 0)."""
+
+    ingest: IngestSink
+    metrics: Metrics
+    reactor: Any
+    bound_ports: dict[str, int]
+
+
+class ListeningService(Service):
+    """A listening port (TLS when configured) for as long as the service runs."""
+
+    def __init__(self, name: str, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
+                 reactor: Any, on_bound: Callable[[int], None] | None = None) -> None:
+        self.setName(name)
+        self.host, self.port, self.factory, self.tls = host, port, factory, tls
+        self._reactor = reactor
+        self._on_bound = on_bound
+        self.listening: IListeningPort | None = None
+
+    def startService(self) -> None:
+        self.listening = listen(self._reactor, self.host, self.port, self.factory, self.tls)
+        super().startService()
+        if self._on_bound is not None:
+            self._on_bound(self.listening.getHost().port)
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        port, self.listening = self.listening, None
+        if port is None or not port.connected:
+            return defer.succeed(None)
+        return defer.maybeDeferred(port.stopListening)
+
+
+class InboundService(Service):
+    """One inbound connection while bound: a listening port and its open connections, or a polled
+    directory. A bind that fails is logged and leaves the others bound (`bound` stays False)."""
+
+    def __init__(self, conn: InboundConfig, wiring: Wiring, *, intake: Intake | None = None,
+                 start: Callable[[], None] | None = None, stop: Callable[[], Deferred[None]] | None = None) -> None:
+        self.setName(conn.name)
+        self.conn = conn
+        self._wiring = wiring
+        self._intake = intake  # a socket listener's open connections
+        self._start_polling = start  # a polled directory instead
+        self._stop_polling = stop
+        self._port: IListeningPort | None = None
+        self.bound = False
+
+    def startService(self) -> None:
+        super().startService()
+        conn = self.conn
+        try:
+            if self._intake is not None:
+                self._port = listen(self._wiring.reactor, conn.host, conn.port, self._intake, conn.tls)
+                self._wiring.bound_ports[conn.name] = self._port.getHost().port
+            elif self._start_polling is not None:
+                self._start_polling()
+            self.bound = True
+        except Exception as exc:
+            _log.error("cannot bind inbound {name} ({kind} {host}:{port}): {err}", name=conn.name,
+                       kind=conn.kind, host=conn.host, port=conn.port, err=exc)
+
+    def stop_intake(self) -> Deferred[None]:
+        """Take nothing new; fires once nothing more is read (a file drop: the file in hand is done)."""
+        if not self.bound:
+            return defer.succeed(None)
+        self.bound = False
+        if self._intake is None:
+            return self._stop_polling() if self._stop_polling is not None else defer.succeed(None)
+        self._wiring.bound_ports.pop(self.conn.name, None)
+        port, self._port = self._port, None
+        d = defer.maybeDeferred(port.stopListening) if port is not None and port.connected else defer.succeed(None)
+        self._intake.stop_reading()
+        return d
+
+    def close(self, abort: bool) -> None:
+        """Close open connections: abort at once, or flush the answers written first."""
+        if self._intake is None:
+            return
+        if abort:
+            self._intake.disconnect_all()
+        else:
+            self._intake.close_all()
+
+    def open_connections(self) -> int:
+        return self._intake.active_connections if self._intake is not None else 0
+
+    @defer.inlineCallbacks
+    def stopService(self) -> Any:
+        """On its own (not through the gate's ordered stop): stop intake, drop what is open."""
+        super().stopService()
+        if self.bound:
+            yield self.stop_intake()
+            self.close(True)
+
+
+def mllp_handler(conn: InboundConfig, wiring: Wiring,
+                 lane_of: LaneOf | None) -> Callable[[bytes, Any, HL7Header], Deferred[AckDecision]]:
+    """MLLP's handover: validate like every transport, submit, map the commit outcome to an ACK decision."""
+    metrics = wiring.metrics
+    received, aa = metrics.received.labels(conn.name), metrics.acks.labels(conn.name, "AA")
+
+    def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
+        received.inc()
+        try:
+            item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of,
+                                 header=header)
+        except PayloadRejected as exc:
+            _log.warn("rejecting message {control_id} on {connection}: {reason}",
+                      control_id=header.control_id[:64], connection=conn.name, reason=str(exc))
+            metrics.acks.labels(conn.name, "AR").inc()
+            return defer.succeed(AckDecision.reject(str(exc)))
+
+        def ok(_: str) -> AckDecision:
+            aa.inc()
+            return AckDecision.accept()
+
+        def failed(f: Any) -> AckDecision:
+            reason, code = rejection_reason(f)
+            metrics.acks.labels(conn.name, code).inc()
+            return AckDecision(AckCode(code), reason)
+
+        return wiring.ingest.submit(item).addCallbacks(ok, failed)
+
+    return handle
+
+
+def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    from listeners.mllp import MLLPConfig, MLLPFactory
+
+    factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
+        max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
+        max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()))
+    return InboundService(conn, wiring, intake=factory)
+
+
+def _tcp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    from listeners.tcp import TCPFactory
+
+    factory = TCPFactory(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, clock=wiring.reactor)
+    return InboundService(conn, wiring, intake=factory)
+
+
+def _http(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    from listeners.http_inbound import make_inbound_site
+
+    site = make_inbound_site(wiring.ingest, [conn], lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
+    return InboundService(conn, wiring, intake=site)  # type: ignore[arg-type]
+
+
+def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    from listeners.filedrop import FileDrop
+
+    drop = FileDrop(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
+    return InboundService(conn, wiring, start=drop.start, stop=drop.stop)
+
+
+_KINDS: dict[str, Callable[[InboundConfig, Wiring, LaneOf | None], InboundService]] = {
+    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file,
+}
+
+
+def inbound_service(conn: InboundConfig, wiring: Wiring) -> InboundService:
+    """The (not yet started) service for one configured inbound connection."""
+    return _KINDS[conn.kind](conn, wiring, lane_rule(conn.lane_key))
