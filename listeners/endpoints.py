@@ -19,11 +19,15 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
 from listeners.connections import InboundConfig, TLSConfig
+from listeners.filedrop import FileDrop
 from listeners.hl7ack import AckCode, AckDecision
 from listeners.hl7msg import HL7Header
+from listeners.http_inbound import make_inbound_site
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, lane_rule, rejection_reason
 from listeners.metrics import Metrics
+from listeners.mllp import MLLPConfig, MLLPFactory
 from listeners.stream import Intake
+from listeners.tcp import TCPFactory
 from listeners.tls import listen
 
 __all__ = ["Wiring", "InboundService", "ListeningService", "inbound_service", "mllp_handler"]
@@ -162,8 +166,6 @@ def mllp_handler(conn: InboundConfig, wiring: Wiring,
 
 
 def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    from listeners.mllp import MLLPConfig, MLLPFactory
-
     factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
         max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
         max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()))
@@ -171,22 +173,16 @@ def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
 
 
 def _tcp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    from listeners.tcp import TCPFactory
-
     factory = TCPFactory(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, clock=wiring.reactor)
     return InboundService(conn, wiring, intake=factory)
 
 
 def _http(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    from listeners.http_inbound import make_inbound_site
-
     site = make_inbound_site(wiring.ingest, [conn], lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
-    return InboundService(conn, wiring, intake=site)  # type: ignore[arg-type]
+    return InboundService(conn, wiring, intake=site)  # type: ignore[arg-type]  # _InboundSite is an Intake
 
 
 def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    from listeners.filedrop import FileDrop
-
     drop = FileDrop(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
     return InboundService(conn, wiring, start=drop.start, stop=drop.stop)
 
