@@ -36,7 +36,8 @@ class LeaderGate(MultiService):
 
     def __init__(self, *, is_leader: Callable[[], bool], connections: Callable[[], Iterable[InboundConfig]],
                  build: Callable[[InboundConfig], InboundService], drain: Callable[[float], Deferred[bool]],
-                 reactor: Any, supervise_seconds: float = 0.1, drain_seconds: float = 10.0, on_change: Callable[[int], None] = lambda bound: None) -> None:
+                 reactor: Any, supervise_seconds: float = 0.1, drain_seconds: float = 10.0,
+                 on_change: Callable[[int], None] = lambda bound: None) -> None:
         """:param connections: the inbound connections of the config in force.
         :param build: a fresh (unstarted) endpoint service for one of them.
         :param drain: fires True once every queued commit is done (False at the timeout).
