@@ -43,7 +43,8 @@ def service_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_the_entry_point_builds_the_tree_in_start_order_without_touching_the_store(tmp_path: Path, sighup: None) -> None:
+def test_the_entry_point_builds_the_tree_in_start_order_without_touching_the_store(tmp_path: Path,
+                                                                                   sighup: None) -> None:
     options = daemon.Options()
     options.parseOptions(["--service-config", str(service_config(tmp_path)), "--config", str(tmp_path / "config"),
                           "--api-port", "0"])
