@@ -2,7 +2,8 @@
 
 The protocol only frames and hands over: every complete message goes to an asynchronous
 ``handler(message, peer) -> Deferred[AckDecision]`` (which stores it durably) and the ACK is
-written when that Deferred fires — in arrival order, and positive only if the handler said AA.
+written when that Deferred fires — in arrival order (the queue of :mod:`listeners.stream`, shared
+with raw TCP), and positive only if the handler said AA.
 
 Decoder choices (the MLLP spec leaves these open; they follow common practice, e.g. HAPI):
 

@@ -8,7 +8,8 @@ Framing (``InboundConfig.framing``):
 * ``length`` — a 4-byte big-endian length, then that many bytes. Replies carry the same prefix
   around ``ACK <message_id>`` / ``NAK <reason>``.
 
-Replies go out in arrival order, whatever order the commits finish in. A message over
+Replies go out in arrival order, whatever order the commits finish in (the queue, timeouts and
+connection registry are :mod:`listeners.stream`'s, shared with MLLP). A message over
 ``max_message_bytes`` is answered with a NAK and the connection is closed: with newline framing
 the rest of the line is discarded first (memory stays bounded), with length framing the declared
 length alone decides and the body is never read. Undecodable bytes get a NAK and nothing is
