@@ -22,17 +22,16 @@ import hl7
 import hl7.mllp
 import pytest
 
-from spark_jobs.destinations import (
-    DeliveryResult,
+from include.destinations_config import (
     DestinationConfigError,
     FileDestination,
     HttpDestination,
     MllpDestination,
-    close_connections,
     lane_key,
     parse_destinations,
-    send,
 )
+from spark_jobs.senders import close_connections, send
+from spark_jobs.senders.common import DeliveryResult
 from tests.listeners.test_tls import make_pki
 
 # An MLLP receiver's answer to one message: an ACK text to send back, None to stay silent, or

@@ -10,8 +10,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
-from spark_jobs.hl7_fields import parse_path
-from spark_jobs.route_rules import Leaf, Route, RouteConfigError, compile_condition, parse_routes, route
+from include.hl7path import parse_path
+from include.routes_config import Leaf, Route, RouteConfigError, parse_routes
+from spark_jobs.route_rules import compile_condition, route
 from tests.spark_jobs.hl7_samples import messages
 
 ROUTED = StructType(

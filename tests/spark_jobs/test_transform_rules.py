@@ -13,7 +13,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
 from include.hl7path import parse_path
-from spark_jobs.transform_rules import (
+from include.transforms_config import (
     ClearField,
     CopyField,
     DropSegment,
@@ -23,8 +23,8 @@ from spark_jobs.transform_rules import (
     Transform,
     TransformConfigError,
     parse_transforms,
-    transform,
 )
+from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import (
     ADT_A01,
     CUSTOM_HASH,
