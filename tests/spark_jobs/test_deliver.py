@@ -18,7 +18,7 @@ from include.store.rowlease import recover_on_promotion
 from include.store.stages import DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.destinations_config import lane_key, parse_destinations
 from spark_jobs import deliver
-from tests.spark_jobs.test_destinations import (  # noqa: F401 — fixtures and the real receivers
+from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers
     HttpReceiver,
     MllpReceiver,
     _no_cached_connections,

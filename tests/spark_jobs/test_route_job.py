@@ -278,14 +278,6 @@ def test_a_lost_claim_lands_nothing_and_its_sources_are_routed_by_the_next_run(
     assert routed_triples(store) == expected_triples(ids)
 
 
-def test_a_bad_route_config_claims_nothing(store: Store, spark: SparkSession) -> None:
-    epoch = acquire_permanent(store, node_id=NODE)
-    stage_messages(store, epoch, range(3))
-    with pytest.raises(ValueError, match="destinations"):
-        route_job.run(store, spark, routes=[{"name": "x", "destinations": []}], owner="o", epoch=epoch, run_id="r")
-    assert set(inbound_status(store).values()) == {"pending"}
-
-
 # ---------------------------------------------------------------------------------------------
 # Spark Connect: once, on SQLite. The client runs in a child process: creating a Connect session
 # switches pyspark's functions to Connect for the whole process (SPARK_CONNECT_MODE_ENABLED), which
