@@ -14,7 +14,7 @@ A transform spec per destination is plain data, as loaded from TOML/JSON config:
      ]}
 
 Rules run in order, each on the result of the previous one. Paths follow the grammar of
-:mod:`spark_jobs.hl7_fields` (``SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT``), with
+:mod:`include.hl7path` (``SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT``), with
 one difference for writes and reads done by rules: **a path without a repetition index is the
 whole field, all repetitions** (``clear PID-3`` clears every identifier; ``copy PID-3`` copies
 them all). ``PID-3[2]`` is one repetition; a component without a repetition index is in the first.
