@@ -37,8 +37,9 @@ from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
 from include.testing.postgres_server import PostgresServer, free_port  # noqa: E402
+from include.destinations_config import parse_destinations  # noqa: E402
+from include.routes_config import parse_routes  # noqa: E402
 from spark_jobs import deliver, route_job, stage_io, transform_job  # noqa: E402
-from spark_jobs.destinations import parse_destinations  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [
     {"name": "adt-to-ehr", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
@@ -168,7 +169,7 @@ def main() -> None:
                                              "lane_key": "warm", "charset": None, "payload": p}],
                                        epoch=epoch, node_id="bench")
             t = time.perf_counter()
-            route_job.run(store, spark, routes=ROUTES, owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}",
+            route_job.run(store, spark, routes=parse_routes(ROUTES), owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}",
                           batch_size=1)
             overheads.append(time.perf_counter() - t)
         transform_job.run(store, spark, specs=SPECS, destinations=dests, owner="bench/warm-t", epoch=epoch,
@@ -183,7 +184,7 @@ def main() -> None:
         phases = Phases()
         started = time.perf_counter()
         routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
-                            lambda frame, run: frame.transform(route_job.transform, ROUTES, run_id=run))
+                            lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run))
         route_s = time.perf_counter() - started
         n_routed = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'pending'")
         print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows in {route_s:.1f} s = "

@@ -1,20 +1,22 @@
 """The pipeline's config: routes, destinations and transforms, one TOML file each in one directory.
 
-    <dir>/routes.toml         [[route]]        which inbound messages go where (spark_jobs/route_rules.py)
+    <dir>/routes.toml         [[route]]        which inbound messages go where (include/routes_config.py)
     <dir>/destinations.toml   [[destination]]  where and how to deliver, lane rule, retries
-                                               (spark_jobs/destinations.py)
-    <dir>/transforms.toml     [[transform]]    per-destination rewrite rules (spark_jobs/transform_rules.py)
+                                               (include/destinations_config.py)
+    <dir>/transforms.toml     [[transform]]    per-destination rewrite rules (include/transforms_config.py)
 
 The directory is `$STAGELINE_PIPELINE_DIR`, default `config/` beside the service config — the same
 directory `listenerd --config` reads its inbound connections from, so one directory describes a
 node. A missing file means none of that kind. Everything is validated together when a stage task
-starts, before it claims anything: a route or transform naming a destination that is not configured
+starts, before it claims anything — once per task, so its micro-batches get parsed routes,
+destinations and transforms: a route or transform naming a destination that is not configured
 is an error (its messages could only ever wait), as is any bad rule. A file destination's
 `directory` may use `$STAGELINE_VAR` (the node's var dir, default `var/` in the checkout); a relative
 one is taken relative to the pipeline directory. Lookup tables live in the store
 (`stageline lookups`) and are checked by the transform run itself.
 
-Plain Python: imports no Spark, so DAG files and the CLI can use it.
+Plain Python: imports no Spark (the parsers are plain modules under `include/`), so DAG files and
+the CLI can use it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from typing import Any
 
 from include import leadership
 from include.config import VAR_ENV, var_dir
+from include.destinations_config import Destination, DestinationConfigError, parse_destinations
+from include.routes_config import Route, RouteConfigError, parse_routes
+from include.transforms_config import Transform, TransformConfigError, parse_transforms
 
 PIPELINE_DIR_ENV = "STAGELINE_PIPELINE_DIR"
 FILES = {"route": "routes.toml", "destination": "destinations.toml", "transform": "transforms.toml"}
@@ -37,10 +42,12 @@ class PipelineConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PipelineConfig:
+    """The three files, parsed and cross-checked; transforms' lookup tables are checked by the run."""
+
     directory: Path
-    routes: list[dict[str, Any]]
-    destinations: dict[str, Any]  # name -> spark_jobs.destinations.Destination
-    transforms: list[Any]  # spark_jobs.transform_rules.Transform, lookups not yet checked
+    routes: list[Route]
+    destinations: dict[str, Destination]
+    transforms: list[Transform]
 
 
 def pipeline_dir() -> Path:
@@ -52,17 +59,12 @@ def pipeline_dir() -> Path:
 
 def load(directory: Path | None = None) -> PipelineConfig:
     """Read and cross-check the three files; raises PipelineConfigError."""
-    from spark_jobs.destinations import DestinationConfigError, parse_destinations
-    from spark_jobs.route_rules import RouteConfigError, parse_routes
-    from spark_jobs.transform_rules import TransformConfigError, parse_transforms
-
     base = (directory or pipeline_dir()).resolve()
     if not base.is_dir():
         raise PipelineConfigError(f"pipeline config directory {base} does not exist (set ${PIPELINE_DIR_ENV})")
     raw = {kind: _tables(base / name, kind) for kind, name in FILES.items()}
     try:
-        routes = raw["route"]
-        parse_routes(routes)
+        routes = parse_routes(raw["route"])
     except RouteConfigError as exc:
         raise PipelineConfigError(f"{base / FILES['route']}: {exc}") from None
     try:
@@ -73,10 +75,10 @@ def load(directory: Path | None = None) -> PipelineConfig:
         transforms = parse_transforms(raw["transform"])
     except TransformConfigError as exc:
         raise PipelineConfigError(f"{base / FILES['transform']}: {exc}") from None
-    for spec in routes:
-        missing = [d for d in spec.get("destinations", []) if d not in destinations]
+    for route in routes:
+        missing = [d for d in route.destinations if d not in destinations]
         if missing:
-            raise PipelineConfigError(f"{base / FILES['route']}: route {spec.get('name')!r} sends to "
+            raise PipelineConfigError(f"{base / FILES['route']}: route {route.name!r} sends to "
                                       f"{missing}, not configured in {FILES['destination']}")
     for t in transforms:
         if t.destination not in destinations:

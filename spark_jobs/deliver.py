@@ -23,7 +23,7 @@ per destination — move many messages per round instead of one.
 
 At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
 lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent again. Every
-send carries the row's idempotency key (see `spark_jobs.destinations`). Under a stale epoch the
+send carries the row's idempotency key (see `spark_jobs.senders`). Under a stale epoch the
 finalize raises `StaleEpoch` and lands nothing.
 """
 from __future__ import annotations
@@ -35,11 +35,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from include.destinations_config import Destination, parse_destinations
 from include.store import OUTBOUND, Store
 from include.store.retry import with_retries
 from include.store.rowlease import claim_lane_heads
 from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
-from spark_jobs.destinations import DEFAULT_CONTENT_TYPE, Destination, parse_destinations, send
+from spark_jobs.senders import send
+from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE
 
 if TYPE_CHECKING:
     import pandas as pd

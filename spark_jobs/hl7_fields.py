@@ -54,8 +54,10 @@ from include.hl7path import FieldPath, FieldPathError, parse_path
 __all__ = [
     "FieldPath",
     "FieldPathError",
+    "decode_escapes",
     "extract",
     "field",
+    "let",
     "parse_message",
     "parse_path",
     "with_message",
@@ -94,7 +96,7 @@ def parse_message(message_col: Column | str) -> Column:
             F.split(msg, _SEGMENT_SPLIT).alias("segments"),
         )
 
-    return _let(header, build)
+    return let(header, build)
 
 
 def with_message(message_col: Column | str, body: Callable[[Column], Column]) -> Column:
@@ -103,7 +105,7 @@ def with_message(message_col: Column | str, body: Callable[[Column], Column]) ->
     Spark has no LET: a parsed struct referenced by ten extractions would otherwise be
     recomputed (or inlined by the optimizer) ten times, each splitting the whole message.
     """
-    return _let(parse_message(message_col), body)
+    return let(parse_message(message_col), body)
 
 
 def extract(parsed: Column, path: str | FieldPath, *, unescape: bool = False) -> Column:
@@ -129,9 +131,9 @@ def extract(parsed: Column, path: str | FieldPath, *, unescape: bool = False) ->
                 if fp.subcomponent is not None:
                     value = F.try_element_at(F.split(value, parsed["ss_re"], -1), F.lit(fp.subcomponent))
     if unescape:
-        value = _unescape(value, parsed)
+        value = decode_escapes(value, parsed)
     # No header means no separators to trust: NULL rather than a guess. Empty -> NULL.
-    return F.when(parsed["fs"] != "", _let(value, lambda v: F.when(v != "", v)))
+    return F.when(parsed["fs"] != "", let(value, lambda v: F.when(v != "", v)))
 
 
 def field(message_col: Column | str, path: str | FieldPath, *, unescape: bool = False) -> Column:
@@ -150,8 +152,9 @@ def field(message_col: Column | str, path: str | FieldPath, *, unescape: bool = 
     return with_message(message_col, lambda m: extract(m, fp, unescape=unescape))
 
 
-def _let(value: Column, body: Callable[[Column], Column]) -> Column:
-    """Evaluate ``value`` once per row and hand it to ``body`` as a lambda variable."""
+def let(value: Column, body: Callable[[Column], Column]) -> Column:
+    """Evaluate ``value`` once per row and hand it to ``body`` as a lambda variable (Spark has no
+    LET; the transform engine and the JSON renderer bind their intermediate values with it too)."""
     return F.try_element_at(F.transform(F.array(value), body), F.lit(1))
 
 
@@ -164,8 +167,9 @@ def _separator_regex(sep: Column) -> Column:
     return F.when(sep != "", F.concat(F.lit(r"\Q"), sep, F.lit(r"\E"))).otherwise(F.lit(_NEVER_MATCHES))
 
 
-def _unescape(value: Column, parsed: Column) -> Column:
-    """Decode separator escapes in one left-to-right pass.
+def decode_escapes(value: Column, parsed: Column) -> Column:
+    """Decode the separator escapes of ``value`` (``parsed``: any struct with ``fs cs rs ss esc esc_re``)
+    in one left-to-right pass; public because the JSON renderer decodes its leaves the same way.
 
     Splitting on the escape character puts literal text at even positions and escape codes at
     odd ones, so ``\\E\\F\\E\\`` decodes to the literal ``\\F\\``, where chained replaces would
@@ -185,4 +189,4 @@ def _unescape(value: Column, parsed: Column) -> Column:
 
         return F.array_join(F.transform(parts, piece), "")
 
-    return _let(F.split(value, parsed["esc_re"], -1), decode)
+    return let(F.split(value, parsed["esc_re"], -1), decode)

@@ -20,15 +20,16 @@ landing rows. The transform and deliver stages copy this shape.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from include.routes_config import Route
 from include.store import INBOUND, Store
 from include.store.stages import RouteOutcome, finalize_route
 from spark_jobs import stage_io
-from spark_jobs.route_rules import Route, parse_routes, route
+from spark_jobs.route_rules import route
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small:
                                  small=small)
 
 
-def transform(claimed: DataFrame, routes: Sequence[Mapping[str, Any] | Route], *, run_id: str) -> DataFrame:
+def transform(claimed: DataFrame, routes: Sequence[Route], *, run_id: str) -> DataFrame:
     """Route claimed messages into landing rows: run_id, source_id, destination, route_name, status (pure)."""
     routed = claimed.transform(route, routes, id_col="id")
     return routed.select(F.lit(run_id).alias("run_id"), "source_id", "destination", "route_name", "status")
@@ -67,15 +68,15 @@ def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: 
         tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
 
 
-def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owner: str, epoch: int,
+def run(store: Store, spark: SparkSession, *, routes: Sequence[Route], owner: str, epoch: int,
         run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None) -> RouteOutcome:
     """One route run: claim → extract → transform → land → finalize.
 
-    Routes are validated before anything is claimed, so a bad config claims nothing. With nothing
-    to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
+    `routes` are already validated (`include.routes_config.parse_routes`, which the stage task's
+    `stage_config.load()` runs once), so a bad config never gets this far and claims nothing. With
+    nothing to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
     `owner` must be unique per run: the Spark read selects the rows by it.
     """
-    parsed = parse_routes(routes)
     claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
         return RouteOutcome(run_id=run_id)
@@ -83,7 +84,7 @@ def run(store: Store, spark: SparkSession, *, routes: list[dict[str, Any]], owne
         store, INBOUND, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
         build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
-            transform, parsed, run_id=run_id),
+            transform, routes, run_id=run_id),
         finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
     log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),

@@ -4,7 +4,7 @@
     extract   Spark JDBC read of exactly the rows this run claimed
     transform pure: `outbound_rows()` — each row's outbound lane key from its destination's lane
               rule (read from the message as routed), then the destination's transform rules
-              (`spark_jobs.transform_rules`), tagged with the run id
+              (`spark_jobs.transform_rules`, config in `include.transforms_config`), tagged with the run id
     land      Spark JDBC append into landing_outbound
     finalize  one fenced transaction (`include.store.stages.finalize_transform`): epoch check,
               routed rows finished, landed rows moved to stage_outbound with their idempotency
@@ -25,13 +25,14 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from include.destinations_config import Destination
 from include.store import ROUTED, Store
 from include.store import lookups as lookup_tables
 from include.store.stages import TransformOutcome, finalize_transform
+from include.transforms_config import Transform, parse_transforms
 from spark_jobs import stage_io
-from spark_jobs.destinations import Destination
 from spark_jobs.hl7_fields import field
-from spark_jobs.transform_rules import Transform, parse_transforms, transform
+from spark_jobs.transform_rules import transform
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ CLAIMED_SCHEMA = ("id BIGINT, source_id BIGINT, destination STRING, payload STRI
 
 
 def lane_key(destination: Column, payload: Column, destinations: Mapping[str, Destination]) -> Column:
-    """The outbound lane key, the Spark twin of `spark_jobs.destinations.lane_key`.
+    """The outbound lane key, the Spark twin of `include.destinations_config.lane_key`.
 
     `<name>` for a destination-wide lane (and for a destination not configured), `<name>|<value>`
     for an HL7-path lane, the value read raw from the message as routed (before any rule runs).

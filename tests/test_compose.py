@@ -316,8 +316,8 @@ def cluster_pipeline(services, monkeypatch):
 
 
 def test_pipeline_config_of_the_cluster_loads_and_cross_checks(cluster_pipeline):
-    assert [r["name"] for r in cluster_pipeline.routes] == ["adt-to-archive", "results-to-archive"]
-    routed_to = {d for r in cluster_pipeline.routes for d in r["destinations"]}
+    assert [r.name for r in cluster_pipeline.routes] == ["adt-to-archive", "results-to-archive"]
+    routed_to = {d for r in cluster_pipeline.routes for d in r.destinations}
     assert routed_to == set(cluster_pipeline.destinations) == {"archive"}
 
 

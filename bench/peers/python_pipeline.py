@@ -4,8 +4,8 @@ What a small integration engine without Spark would do: one loop, ``hl7.parse`` 
 route conditions evaluated on the parsed tree and the transform rules applied to python-hl7's
 object model (``Message`` / ``Segment`` / ``Field`` / ``Repetition`` / ``Component``), rendered
 back with ``str(message)``. It applies the *same* configs as the Spark stage code —
-``spark_jobs.route_rules.parse_routes`` and ``spark_jobs.transform_rules.parse_transforms``
-validate them (plain Python, no session) — and aims at byte-identical output, so the benchmark
+``include.routes_config.parse_routes`` and ``include.transforms_config.parse_transforms``
+validate them (plain Python, no Spark) — and aims at byte-identical output, so the benchmark
 compares equal work. Semantics are the Spark modules' docstrings; in brief:
 
 * routing reads ``hl7_fields`` values (first repetition by default, missing/empty -> no value,
@@ -53,8 +53,8 @@ from typing import Any, Union
 import hl7
 
 from include.hl7path import FieldPath
-from spark_jobs.route_rules import PENDING, UNROUTED, AllOf, AnyOf, Condition, Leaf, Not, Route, parse_routes
-from spark_jobs.transform_rules import (
+from include.routes_config import PENDING, UNROUTED, AllOf, AnyOf, Condition, Leaf, Not, Route, parse_routes
+from include.transforms_config import (
     HL7_CONTENT_TYPE,
     ClearField,
     CopyField,

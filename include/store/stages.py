@@ -133,7 +133,7 @@ UNCONFIGURED_BACKOFF = (5.0, 300.0)
 
 class RetryPolicy(Protocol):
     """A destination's retry settings, all the deliver finalize needs of it
-    (`spark_jobs.destinations.Destination` is one; the store does not import the senders)."""
+    (`include.destinations_config.Destination` is one; the store does not import the senders)."""
 
     @property
     def max_attempts(self) -> int: ...

@@ -31,7 +31,7 @@ from include.testing.listenerd import Daemon, store_toml
 from include.testing.postgres_server import free_port, wait_for
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
 from tests.dags.stores import rows
-from tests.spark_jobs.test_destinations import MllpReceiver, raw_ack
+from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
 
 RUN_DAGS = """
 import json, sys, time

@@ -16,9 +16,9 @@ from include.store.lease import acquire_permanent
 from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
 from include.store.stages import DeliverOutcome, StaleEpoch, finalize_deliveries
+from include.destinations_config import lane_key, parse_destinations
 from spark_jobs import deliver
-from spark_jobs.destinations import lane_key, parse_destinations
-from tests.spark_jobs.test_destinations import (  # noqa: F401 — fixtures and the real receivers
+from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers
     HttpReceiver,
     MllpReceiver,
     _no_cached_connections,

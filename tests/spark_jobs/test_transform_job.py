@@ -13,9 +13,9 @@ from pyspark.testing import assertDataFrameEqual
 from include.store import ROUTED, Store, lookups, rowlease
 from include.store.lease import acquire_permanent
 from include.store.stages import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
+from include.destinations_config import parse_destinations
+from include.transforms_config import TransformConfigError
 from spark_jobs import transform_job
-from spark_jobs.destinations import parse_destinations
-from spark_jobs.transform_rules import TransformConfigError
 from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
 
 NODE = "node-a"

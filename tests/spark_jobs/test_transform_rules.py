@@ -1,4 +1,4 @@
-"""transform(): per-destination rewrite rules and JSON output; validation of transform specs."""
+"""transform(): per-destination rewrite rules and JSON output (validation: tests/config/test_transforms_config.py)."""
 
 from __future__ import annotations
 
@@ -7,24 +7,12 @@ import re
 from typing import Any
 
 import hl7
-import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
-from include.hl7path import parse_path
-from spark_jobs.transform_rules import (
-    ClearField,
-    CopyField,
-    DropSegment,
-    MapField,
-    RenameSegment,
-    SetField,
-    Transform,
-    TransformConfigError,
-    parse_transforms,
-    transform,
-)
+from include.transforms_config import parse_transforms
+from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import (
     ADT_A01,
     CUSTOM_HASH,
@@ -96,96 +84,6 @@ def payloads(df: DataFrame) -> dict[tuple[int, str], str | None]:
 def as_json(obj: Any) -> str:
     """The exact text Spark's to_json writes: compact, key order kept, non-ASCII as is."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-# --- validation (no Spark) ------------------------------------------------------------------
-
-
-def test_parse_transforms_reads_every_rule_kind() -> None:
-    specs = [
-        {
-            "destination": "ehr",
-            "rules": [
-                {"set": "MSH-5", "value": "EHR"},
-                {"copy": "PID-3.1", "to": "PID-2"},
-                {"clear": "PID-19"},
-                {"map": "PV1-2", "table": "patient_class"},
-                {"map": "PV1-4", "table": "patient_class", "default": "clear"},
-                {"map": "OBX-8", "table": "flags", "default": "U", "each": True},
-                {"drop_segment": "ZPI"},
-                {"rename_segment": "ZPD", "to": "ZPX"},
-            ],
-        },
-        {"destination": "lake", "output": "json"},
-    ]
-    lookups = {"patient_class": {"I": "IN"}, "flags": {}}
-    assert parse_transforms(specs, lookups=lookups) == [
-        Transform(
-            "ehr",
-            "hl7",
-            (
-                SetField(parse_path("MSH-5"), "EHR"),
-                CopyField(parse_path("PID-3.1"), parse_path("PID-2")),
-                ClearField(parse_path("PID-19")),
-                MapField(parse_path("PV1-2"), "patient_class", None),
-                MapField(parse_path("PV1-4"), "patient_class", ""),
-                MapField(parse_path("OBX-8"), "flags", "U", each=True),
-                DropSegment("ZPI"),
-                RenameSegment("ZPD", "ZPX"),
-            ),
-        ),
-        Transform("lake", "json", ()),
-    ]
-    assert parse_transforms(specs)[1].content_type == JSON
-
-
-def spec(*rules: Any, **extra: Any) -> list[dict[str, Any]]:
-    return [{"destination": "ehr", "rules": list(rules), **extra}]
-
-
-@pytest.mark.parametrize(
-    ("specs", "problem"),
-    [
-        ({"destination": "ehr"}, "transforms must be a list"),
-        ([{"rules": []}], "transform #0: 'destination' must be a non-empty string"),
-        (spec(flavour="x"), "transform 'ehr': unknown key(s) ['flavour']"),
-        (spec(output="xml"), "transform 'ehr': 'output' must be one of hl7, json"),
-        ([{"destination": "ehr", "rules": "set"}], "'rules' must be a list"),
-        (spec() + spec(), "transform 'ehr': duplicate destination"),
-        (spec({"replace": "PID-3"}), "transform 'ehr': rule #0: expected exactly one operation"),
-        (spec({"set": "PID-3", "clear": "PID-4"}), "rule #0: expected exactly one operation"),
-        (spec({"clear": "PID-3"}, {"set": "PID-3"}), "rule #1 (set): needs 'value'"),
-        (spec({"set": "PID-3", "value": 3}), "rule #0 (set): 'value' must be a string"),
-        (spec({"set": "PID-3", "value": "x", "when": "y"}), "rule #0 (set): unknown key(s) ['when']"),
-        (spec({"clear": "pid-3"}), "rule #0 (clear): bad path: invalid HL7 field path 'pid-3'"),
-        (spec({"copy": "PID-3"}), "rule #0 (copy): needs 'to'"),
-        (spec({"copy": "PID-3", "to": "PID3"}), "rule #0 (copy): bad 'to': invalid HL7 field path"),
-        (spec({"set": "MSH-2", "value": "^~"}), "MSH-1 and MSH-2 are the message's separators"),
-        (spec({"copy": "PID-3", "to": "MSH-1"}), "MSH-1 and MSH-2 are the message's separators"),
-        (spec({"set": "BHS-5", "value": "x"}), "batch envelope segments (FHS, BHS, BTS, FTS) are preserved"),
-        (spec({"clear": "PID-3", "each": "yes"}), "'each' must be true or false"),
-        (spec({"clear": "OBX[2]-5", "each": True}), "'each' applies to every occurrence"),
-        (spec({"copy": "PID-3", "to": "PV1-2", "each": True}), "must name the same segment"),
-        (spec({"map": "PV1-2"}), "rule #0 (map): needs 'table'"),
-        (spec({"map": "PV1-2", "table": "t", "default": None}), "'default' must be 'keep', 'clear' or a string"),
-        (spec({"map": "PV1-2", "table": "nope"}), "rule #0 (map): unknown lookup table 'nope' (known: bad, t)"),
-        (spec({"map": "PV1-2", "table": "bad"}), "lookup table 'bad': keys and values must be strings"),
-        (spec({"drop_segment": "MSH"}), "rule #0 (drop_segment): segment MSH is a message header"),
-        (spec({"drop_segment": "Z1"}), "segment must be a 3-character segment id"),
-        (spec({"rename_segment": "ZPI"}), "rule #0 (rename_segment): needs 'to'"),
-        (spec({"rename_segment": "ZPI", "to": "FTS"}), "'to' FTS is a message header or batch envelope"),
-    ],
-)
-def test_invalid_specs_are_rejected_naming_destination_rule_and_problem(specs: Any, problem: str) -> None:
-    with pytest.raises(TransformConfigError, match=re.escape(problem)):
-        parse_transforms(specs, lookups={"t": {"I": "IN"}, "bad": {"I": 1}})  # type: ignore[dict-item]
-
-
-def test_a_map_rule_needs_its_table_once_lookups_are_given() -> None:
-    specs = spec({"map": "PV1-2", "table": "patient_class"})
-    assert parse_transforms(specs)  # config lint without the store: table names unchecked
-    with pytest.raises(TransformConfigError, match=r"unknown lookup table 'patient_class' \(known: none\)"):
-        parse_transforms(specs, lookups={})
 
 
 # --- rules ----------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Route config: parse_routes validates specs into plain data; every error names the route and the place."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from include.hl7path import parse_path
+from include.routes_config import Leaf, Route, RouteConfigError, parse_routes
+
+
+def eq(path: str, value: str) -> dict[str, Any]:
+    return {"field": path, "op": "eq", "value": value}
+
+
+def one(when: Any) -> list[dict[str, Any]]:
+    return [{"name": "adt-to-ehr", "destinations": ["ehr"], "when": when}]
+
+
+@pytest.mark.parametrize(
+    ("routes", "problem"),
+    [
+        (one({"field": "MSH-9.1", "op": "equals", "value": "ADT"}), "route 'adt-to-ehr': when: unknown op 'equals'"),
+        (one({"field": "MSH-9.1", "op": "eq"}), "route 'adt-to-ehr': when: op 'eq' needs a value"),
+        (one({"field": "MSH-9.1", "op": "eq", "value": 1}), "op 'eq' needs a string value, got int"),
+        (one({"field": "MSH-9.1", "op": "in", "value": "ADT"}), "op 'in' needs a non-empty list of strings"),
+        (one({"field": "MSH-9.1", "op": "in", "value": []}), "op 'in' needs a non-empty list of strings"),
+        (one({"field": "MSH-9.1", "op": "regex", "value": "ADT("}), "when: bad regex 'ADT('"),
+        (one({"field": "MSH-9", "op": "regex", "value": "(?P<t>ADT)"}), "not Java regex syntax"),
+        (one({"field": "PV1-2", "op": "exists", "value": "I"}), "op 'exists' takes no value"),
+        (one({"field": "MSH9.1", "op": "eq", "value": "ADT"}), "when: bad field path: invalid HL7 field path 'MSH9.1'"),
+        (one({"op": "eq", "value": "ADT"}), "field condition needs 'field'"),
+        (one({"field": "MSH-9.1", "op": "eq", "vaule": "ADT"}), "unknown key(s) ['vaule']"),
+        (one({"all": [eq("MSH-9.1", "ADT"), {"field": "PID-3", "op": "exist"}]}), "when.all[1]: unknown op 'exist'"),
+        (one({"not": {"any": [{"field": "pid-3", "op": "exists"}]}}), "when.not.any[0]: bad field path"),
+        (one({"all": []}), "'all' must not be empty"),
+        (one({"any": eq("MSH-9.1", "ADT")}), "'any' must be a list of conditions"),
+        (one({"all": [], "any": []}), "expected exactly one of 'field', 'all', 'any', 'not'"),
+        (one("MSH-9.1 == ADT"), "condition must be a table/object, got str"),
+        ([{"destinations": ["ehr"]}], "route #0: 'name' must be a non-empty string"),
+        ([{"name": "a", "destinations": ["x"]}, {"name": "a", "destinations": ["y"]}], "route 'a': duplicate route name"),
+        ([{"name": "a"}], "route 'a': 'destinations' must be a non-empty list"),
+        ([{"name": "a", "destinations": "ehr"}], "route 'a': 'destinations' must be a non-empty list"),
+        ([{"name": "a", "destinations": ["ehr", ""]}], "route 'a': 'destinations' must be a non-empty list"),
+        ([{"name": "a", "destinations": ["ehr"], "wehn": eq("MSH-9.1", "ADT")}], "route 'a': unknown key(s) ['wehn']"),
+        ({"name": "a", "destinations": ["ehr"]}, "routes must be a list of route tables"),
+    ],
+)
+def test_invalid_route_specs_are_rejected_naming_route_and_problem(routes: Any, problem: str) -> None:
+    with pytest.raises(RouteConfigError, match=re.escape(problem)):
+        parse_routes(routes)
+
+
+def test_valid_specs_parse_to_plain_data_in_config_order() -> None:
+    parsed = parse_routes(
+        [
+            {"name": "adt", "destinations": ["ehr", "archive", "ehr"], "when": eq("MSH-9.1", "ADT")},
+            {"name": "rest", "destinations": ["archive"]},
+        ]
+    )
+    assert parsed == [
+        Route("adt", ("ehr", "archive"), Leaf(parse_path("MSH-9.1"), "eq", "ADT")),
+        Route("rest", ("archive",), None),
+    ]

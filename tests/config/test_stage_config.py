@@ -1,0 +1,67 @@
+"""stage_config.load(): the three pipeline files parsed once, typed and cross-checked, without Spark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from include import stage_config
+from include.destinations_config import Destination
+from include.routes_config import Route
+from include.stage_config import PipelineConfigError
+from include.transforms_config import Transform
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "config"
+FOREIGN = ("pyspark", "spark_jobs", "listeners", "plugins")
+
+# A fresh interpreter: whatever this test process already imported cannot hide an import.
+NO_SPARK_CHILD = f"""
+import json, sys
+from pathlib import Path
+import include.stage_config, include.routes_config, include.transforms_config, include.destinations_config
+config = include.stage_config.load(Path({str(EXAMPLE)!r}))
+print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & set({list(FOREIGN)!r}))))
+"""
+
+
+def test_importing_the_config_modules_and_loading_the_example_config_imports_no_spark() -> None:
+    out = subprocess.run([sys.executable, "-c", NO_SPARK_CHILD], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_example_config_loads_parsed_and_typed() -> None:
+    config = stage_config.load(EXAMPLE)
+    assert config.routes and all(isinstance(r, Route) for r in config.routes)
+    assert config.destinations and all(isinstance(d, Destination) for d in config.destinations.values())
+    assert all(isinstance(t, Transform) for t in config.transforms)
+    assert {d for r in config.routes for d in r.destinations} <= set(config.destinations)
+
+
+def write(directory: Path, routes: str, destinations: str = "") -> Path:
+    (directory / "routes.toml").write_text(routes)
+    (directory / "destinations.toml").write_text(destinations or f"""
+[[destination]]
+name = "archive"
+kind = "file"
+directory = "{directory}"
+""")
+    return directory
+
+
+def test_a_bad_route_fails_the_load_naming_the_file_so_no_stage_task_claims_anything(tmp_path: Path) -> None:
+    write(tmp_path, '[[route]]\nname = "x"\ndestinations = []\n')
+    with pytest.raises(PipelineConfigError, match=r"routes\.toml: route 'x': 'destinations' must be a non-empty"):
+        stage_config.load(tmp_path)
+
+
+def test_a_route_to_a_destination_not_configured_fails_the_load(tmp_path: Path) -> None:
+    write(tmp_path, '[[route]]\nname = "x"\ndestinations = ["archive", "ehr"]\n')
+    with pytest.raises(PipelineConfigError, match=r"route 'x' sends to \['ehr'\], not configured"):
+        stage_config.load(tmp_path)
