@@ -263,27 +263,35 @@ class Lab:
     def restore_db(self, node: Node) -> None:
         node.proxy.restore()
 
-    def stage_task_pids(self, dag_id: str = "stage_deliver") -> list[int]:
-        """PIDs of Airflow task processes running a task of `dag_id` (by command line / title)."""
+    def running_task(self, dag_id: str = "stage_deliver", task_id: str | None = None) -> tuple[str, int] | None:
+        """(task instance id, PID) of a running task of `dag_id` (its job task by default).
+
+        Airflow 3's LocalExecutor titles the process that runs a task `airflow worker -- <ti id>`
+        (a child of the executor's worker, which supervises it); `task_instance.pid` names it.
+        """
         import psutil
+        import psycopg
 
-        pids = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if dag_id in cmd and ("task" in cmd or "run" in cmd) and "scheduler" not in cmd:
-                pids.append(proc.info["pid"])
-        return pids
-
-    def kill_stage_task(self, dag_id: str = "stage_deliver", *, timeout: float = 60.0) -> int:
-        """SIGKILL the process running `dag_id`'s job task once one runs; returns its PID."""
-        pids = wait_for(lambda: self.stage_task_pids(dag_id), timeout=timeout, interval=0.1,
-                        what=f"a running {dag_id} task process")
-        for pid in pids:
+        task_id = task_id or {"stage_route": "route", "stage_transform": "transform",
+                              "stage_deliver": "deliver"}.get(dag_id, dag_id)
+        assert self.pg is not None
+        with psycopg.connect(self.pg.conninfo("airflow"), autocommit=True, connect_timeout=5) as conn:
+            rows = conn.execute("SELECT id::text, pid FROM task_instance WHERE dag_id = %s AND task_id = %s"
+                                " AND state = 'running' AND pid IS NOT NULL", (dag_id, task_id)).fetchall()
+        for ti_id, pid in rows:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids[0]
+                if ti_id in " ".join(psutil.Process(pid).cmdline()):
+                    return ti_id, pid
+            except psutil.Error:
+                continue
+        return None
+
+    def kill_stage_task(self, dag_id: str = "stage_deliver", *, timeout: float = 90.0) -> tuple[str, int]:
+        """SIGKILL the process running `dag_id`'s job task once one runs; returns (ti id, PID)."""
+        ti_id, pid = wait_for(lambda: self.running_task(dag_id), timeout=timeout, interval=0.1,
+                              what=f"a running {dag_id} job task")
+        os.kill(pid, signal.SIGKILL)
+        return ti_id, pid
 
     def kill_spark(self) -> None:
         """SIGKILL the Spark Connect server (its whole process group)."""
