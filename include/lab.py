@@ -164,6 +164,21 @@ class Lab:
             out[p.name] = p.popen.pid if p.popen and p.popen.poll() is None else None
         if self.spark is not None:
             out["spark-connect"] = self.spark.pid if self.spark.process.poll() is None else None
+        if self.pg is not None:
+            try:
+                out["postgresql"] = int((self.pg.data / "postmaster.pid").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                out["postgresql"] = None
+        return out
+
+    def ports(self) -> dict[str, int]:
+        """Every TCP port the lab listens on (for a caller that checks they are all released)."""
+        out = {"vip": self.vip_port, "recorder": self.receiver_port, "spark-connect": self.spark_port,
+               "airflow-api": self.airflow_port}
+        if self.pg is not None:
+            out["postgresql"] = self.pg.port
+        for n in self.nodes.values():
+            out |= {f"{n.name}-mllp": n.mllp_port, f"{n.name}-api": n.daemon.api_port, f"{n.name}-dbproxy": n.proxy.port}
         return out
 
     # --- start / stop --------------------------------------------------------------------------
