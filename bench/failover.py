@@ -15,14 +15,16 @@ Each fault: `--before` s of stream, the fault, `--after` s of stream, then the s
 the lab drains (≤ `--drain` s) before the next fault. Per fault:
 
     failover   fault → a leader (another node, for leader faults) holds its MLLP port
-    AA again   fault → every connection has had an `AA` for a send begun after the fault (slowest)
+    AA again   fault → every connection has an `AA` again after its last failed send (slowest)
     1st deliv  fault → the first message *sent* after the fault reaches the receiver
     lost       `AA`'d in the fault's window, never delivered by the end of the run
     dup        delivered more than once (same control id)
     inv        first delivered after a later message of its lane (per-lane order)
     p99        `AA` → first delivery over the window
     drained    the pause → nothing pending / in flight / retrying and every `AA`'d message delivered
-    end state  staged rows left unfinished after the drain (table:status), dead letters, dead processes
+    end state  staged rows left unfinished after the drain (table:status), dead letters, processes
+               that died, and those that exited and were restarted by the lab's restart policy
+               (compose's `restart: unless-stopped`)
 
 All times are host wall clock (`time.time()`): the sender, the receiver and PostgreSQL share one host.
 
@@ -62,6 +64,7 @@ class FaultResult:
     end_state: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     dead_processes: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
     note: str = ""
     sent: int = 0
     acked: int = 0
@@ -171,15 +174,20 @@ def drain(lab: Lab, stream: Stream, *, timeout: float) -> float | None:
     return time.time() - t0
 
 
-def first_aa_after(stream: Stream, t0: float) -> float | None:
-    """Slowest connection's first `AA` on a send begun at or after t0, relative to t0."""
-    firsts: dict[int, float] = {}
-    for a in list(stream.attempts):
-        if a.ok and a.at >= t0 and a.conn not in firsts:
-            firsts[a.conn] = a.at
-    if len(firsts) < len(stream._threads):
-        return None
-    return max(firsts.values()) - t0
+def aa_again(stream: Stream, t0: float, until: float) -> float | None:
+    """Fault → `AA` again, slowest connection: each connection's first `AA` on a send begun after
+    its last failed send (NAK, timeout, drop) between t0 and `until` (after t0 when none failed)."""
+    attempts = [a for a in list(stream.attempts) if a.at >= t0]
+    worst = 0.0
+    for k in range(len(stream._threads)):
+        mine = [a for a in attempts if a.conn == k]
+        fails = [a.at for a in mine if not a.ok and a.at < until]
+        since = max(fails) if fails else t0
+        oks = [a.done for a in mine if a.ok and a.at >= since]
+        if not oks:
+            return None
+        worst = max(worst, min(oks) - t0)
+    return worst
 
 
 def first_delivery_after(stream: Stream, deliveries: list[dict], t0: float) -> float | None:
@@ -232,11 +240,12 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             stream.pause()
             r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note)
             r.drained_s = drain(lab, stream, timeout=args.drain)
-            r.aa_again_s = first_aa_after(stream, t0)
+            r.aa_again_s = aa_again(stream, t0, t0 + args.after)
             r.first_delivery_s = first_delivery_after(stream, lab.deliveries(), t0)
             r.end_state = lab.backlog()
             r.dead_letters = dead_letters(lab)
             r.dead_processes = [p for p, pid in lab.processes().items() if pid is None and p not in dead_before]
+            r.restarted = [f"{name} (exit {code})" for at, name, code in lab.restarts if at >= start]
             r.window = (start, time.time())
             results.append(r)
             _restart_dead(lab)
@@ -292,6 +301,8 @@ def table(results: list[FaultResult]) -> str:
             state += f"; {r.dead_letters} dead letters"
         if r.dead_processes:
             state += f"; died: {', '.join(r.dead_processes)}"
+        if r.restarted:
+            state += f"; exited and restarted: {', '.join(r.restarted)}"
         if r.note.startswith("FAULT FAILED"):
             state += f"; {r.note}"
         lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "

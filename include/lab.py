@@ -93,6 +93,10 @@ class Lab:
     haproxy: bool = True
     echo: Callable[[str], None] = print
     keep_workdir: bool = False
+    restart_policy: bool = True
+    """Restart an exited Airflow component, the recorder or HAProxy, as compose's
+    `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
+    their metadata DB restarts). Nodes and Spark are restarted by whoever injected the fault."""
 
     def __post_init__(self) -> None:
         self._own_workdir = self.workdir is None
@@ -108,6 +112,10 @@ class Lab:
         self.pipeline_dir = self.workdir / "pipeline"
         self.deliveries_path = self.workdir / "deliveries.jsonl"
         self.service_config = self.workdir / "stageline.toml"
+        self.restarts: list[tuple[float, str, int | None]] = []
+        """(wall clock, process name, its exit code) for every restart the restart policy made."""
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     # --- addresses and state -------------------------------------------------------------------
 
@@ -225,10 +233,37 @@ class Lab:
             if airflow_migrate.wait() != 0:
                 raise RuntimeError(f"airflow db migrate failed; see {self.workdir / 'log' / 'airflow-migrate.log'}")
             self._start_airflow()
+        if self.restart_policy:
+            self._watchdog = threading.Thread(target=self._watch, name="lab-watchdog", daemon=True)
+            self._watchdog.start()
         self.echo(f"lab up in {time.monotonic() - started:.0f} s")
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(1.0):
+            for i, proc in enumerate(list(self.stack.procs)):
+                if self._stopping.is_set() or proc.popen is None or proc.popen.poll() is None:
+                    continue
+                code = proc.popen.returncode
+                self.echo(f"  {proc.name} exited with {code}; restarting it")
+                self.restarts.append((time.time(), proc.name, code))
+                again = Proc(proc.name, proc.argv, ready=proc.ready, env=proc.env, ready_timeout=proc.ready_timeout)
+                try:
+                    self._start_proc(again, replace_index=i)
+                except RuntimeError as exc:
+                    self.echo(f"  {proc.name} did not come back: {exc}")
+
+    def _start_proc(self, proc: Proc, *, replace_index: int | None = None) -> None:
+        """Start through the Stack; a restarted process takes its predecessor's place in the list."""
+        self.stack.start(proc)
+        if replace_index is not None:
+            self.stack.procs.remove(proc)
+            self.stack.procs[replace_index] = proc
 
     def stop(self) -> None:
         """Stop everything this lab started, by PID, and remove its files (unless `keep_workdir`)."""
+        self._stopping.set()
+        if self._watchdog is not None:
+            self._watchdog.join(200)
         self.stack.stop(timeout=15)
         for node in self.nodes.values():
             try:

@@ -49,8 +49,9 @@ class Sent:
 
 @dataclass
 class Attempt:
-    at: float
-    ok: bool
+    at: float    # send begun
+    done: float  # answer (or failure) seen
+    ok: bool     # answered AA for this control id
     conn: int
 
 
@@ -174,7 +175,7 @@ class Stream:
                 done = time.time()
                 ok = code == "AA" and msa2 == control_id
                 with self._lock:
-                    self.attempts.append(Attempt(at, ok, k))
+                    self.attempts.append(Attempt(at, done, ok, k))
                 if ok:
                     sent.acked_at = done
                     break
