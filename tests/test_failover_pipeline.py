@@ -105,6 +105,10 @@ def leader_crash() -> Outcome:
     _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
     outcome.leftover_pids = sorted(name for name, p in procs.items() if p in alive)
     outcome.leftover_ports = sorted(f"{name}:{port}" for name, port in ports.items() if port_open(port))
+    v = outcome.verdict
+    first = "—" if outcome.first_delivery_s is None else f"{outcome.first_delivery_s:.1f} s"
+    print(f"\nleader SIGKILL: failover {outcome.failover_s:.1f} s, first post-crash delivery {first}; "
+          f"{v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions")
     return outcome
 
 
