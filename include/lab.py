@@ -179,6 +179,21 @@ class Lab:
                 out["postgresql"] = None
         return out
 
+    def summary(self) -> str:
+        """Where everything is, for a person (what `stageline lab up` would print)."""
+        lines = [f"MLLP VIP            127.0.0.1:{self.vip_port}" if self.haproxy else "MLLP VIP            (no HAProxy)"]
+        for n in self.nodes.values():
+            lines.append(f"listenerd {n.name}         MLLP 127.0.0.1:{n.mllp_port}, API http://127.0.0.1:{n.daemon.api_port}"
+                         f", DB via proxy :{n.proxy.port} (pid {n.pid})")
+        if self.pg is not None:
+            lines.append(f"PostgreSQL          {self.pg.conninfo('stageline')} (and dbname=airflow)")
+        if self.airflow:
+            lines.append(f"Airflow UI          http://127.0.0.1:{self.airflow_port}  (admin / admin)")
+        lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}",
+                  f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
+                  f"logs                {self.workdir / 'log'}"]
+        return "\n".join(lines)
+
     def ports(self) -> dict[str, int]:
         """Every TCP port the lab listens on (for a caller that checks they are all released)."""
         out = {"vip": self.vip_port, "recorder": self.receiver_port, "spark-connect": self.spark_port,
