@@ -74,6 +74,7 @@ class FaultResult:
     p50_s: float | None = None
     p99_s: float | None = None
     examples: dict[str, list[str]] = field(default_factory=dict)
+    duplicate_causes: dict[str, int] = field(default_factory=dict)
 
 
 # --- faults: each injects, recovers, and returns (fault time, failover seconds or None, note) -----
@@ -258,7 +259,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
 
         for r in results:
             v = judge(stream.ledger, deliveries, select=in_window(r.window))
-            _fill(r, v)
+            _fill(r, v, stream.ledger)
         base = judge(stream.ledger, deliveries, select=in_window(baseline_window))
         faulted_from = results[0].window[0] if results else time.time()
         whole = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= faulted_from)
@@ -274,11 +275,17 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
     return results, summary
 
 
-def _fill(r: FaultResult, v: Verdict) -> None:
+def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent]) -> None:
     r.sent, r.acked, r.lost, r.duplicated, r.inversions = v.sent, v.acked, len(v.lost), len(v.duplicated), len(v.inversions)
     r.p50_s = percentile(v.latencies, 0.5) if v.latencies else None
     r.p99_s = percentile(v.latencies, 0.99) if v.latencies else None
     r.examples = {k: getattr(v, k)[:5] for k in ("lost", "duplicated", "inversions") if getattr(v, k)}
+    causes: dict[str, int] = {}
+    for cid in v.duplicated:  # resent by the sender (ingest) or sent once and delivered twice (stages)
+        s = ledger[cid]
+        why = ("resent after " + "/".join(dict.fromkeys(s.failures))) if s.attempts > 1 else "sent once"
+        causes[why] = causes.get(why, 0) + 1
+    r.duplicate_causes = causes
 
 
 def _lat(v: Verdict) -> dict:
@@ -356,6 +363,9 @@ def main() -> None:
     for r in results:
         if r.examples:
             print(f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
+                  file=out)
+        if r.duplicate_causes:
+            print(f"  run {r.run} {r.fault}: duplicates " + ", ".join(f"{n} {why}" for why, n in r.duplicate_causes.items()),
                   file=out)
     if args.json:
         doc = json.dumps({"clock": CLOCK, "args": vars(args), "faults": [asdict(r) for r in results],

@@ -45,6 +45,8 @@ class Sent:
     attempts: int = 0
     acked_at: float | None = None
     naks: int = 0
+    failures: list[str] = field(default_factory=list)
+    """Why each attempt before the `AA` failed: `AE`/`AR`/…, or the exception (a drop, a timeout)."""
 
 
 @dataclass
@@ -167,8 +169,9 @@ class Stream:
                     if link is None:
                         link = _Link(self.host, self.port, self.timeout)
                     code, msa2 = _msa(link.send(text))
-                except OSError:
+                except OSError as exc:
                     code, msa2 = "", ""
+                    sent.failures.append(type(exc).__name__)
                     if link is not None:
                         link.close()
                     link = None
@@ -181,6 +184,7 @@ class Stream:
                     break
                 if code:
                     sent.naks += 1
+                    sent.failures.append(code if msa2 == control_id else f"{code} for {msa2!r}")
                 time.sleep(0.05)
         if link is not None:
             link.close()
