@@ -116,6 +116,7 @@ class Lab:
         """(wall clock, process name, its exit code) for every restart the restart policy made."""
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._migrate_proc: subprocess.Popen | None = None
 
     # --- addresses and state -------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class Lab:
         spark_error: list[BaseException] = []
         spark_thread = threading.Thread(target=self._start_spark_into, args=(spark_error,), daemon=True)
         spark_thread.start()
-        airflow_migrate = self._airflow_migrate() if self.airflow else None
+        airflow_migrate = self._migrate_proc = self._airflow_migrate() if self.airflow else None
         self.stack.start(Proc("recorder", python_module("include.testing.recorder", "--port", str(self.receiver_port),
                                                         "--out", str(self.deliveries_path)),
                               ready=lambda: port_open(self.receiver_port)))
@@ -264,7 +265,9 @@ class Lab:
                 again = Proc(proc.name, proc.argv, ready=proc.ready, env=proc.env, ready_timeout=proc.ready_timeout)
                 try:
                     self._start_proc(again, replace_index=i)
-                except RuntimeError as exc:
+                except (RuntimeError, OSError) as exc:  # the dead entry stays: tried again next tick
+                    if again in self.stack.procs:
+                        self.stack.procs.remove(again)
                     self.echo(f"  {proc.name} did not come back: {exc}")
 
     def _start_proc(self, proc: Proc, *, replace_index: int | None = None) -> None:
@@ -279,6 +282,9 @@ class Lab:
         self._stopping.set()
         if self._watchdog is not None:
             self._watchdog.join(200)
+        if self._migrate_proc is not None and self._migrate_proc.poll() is None:
+            self._migrate_proc.kill()  # start() failed while `airflow db migrate` ran
+            self._migrate_proc.wait(10)
         self.stack.stop(timeout=15)
         for node in self.nodes.values():
             try:
