@@ -17,6 +17,7 @@ the lab drains (≤ `--drain` s) before the next fault. Per fault:
     failover   fault → a leader (another node, for leader faults) holds its MLLP port
     AA again   fault → every connection has an `AA` again after its last failed send (slowest)
     1st deliv  fault → the first message *sent* after the fault reaches the receiver
+    every lane fault → every lane has delivered a message sent after the fault (the slowest lane)
     lost       `AA`'d in the fault's window, never delivered by the end of the run
     dup        delivered more than once (same control id)
     inv        first delivered after a later message of its lane (per-lane order)
@@ -60,6 +61,7 @@ class FaultResult:
     failover_s: float | None = None
     aa_again_s: float | None = None
     first_delivery_s: float | None = None
+    every_lane_s: float | None = None
     drained_s: float | None = None
     end_state: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
@@ -197,6 +199,20 @@ def first_delivery_after(stream: Stream, deliveries: list[dict], t0: float) -> f
     return min(times) - t0 if times else None
 
 
+def every_lane_after(stream: Stream, deliveries: list[dict], t0: float) -> float | None:
+    """Fault → the moment every lane has delivered a message sent after the fault (the slowest
+    lane: a lane held by a dead owner's claimed rows shows here, not in the first delivery)."""
+    post = {cid: s.lane for cid, s in list(stream.ledger.items()) if s.first_try >= t0}
+    firsts: dict[str, float] = {}
+    for d in deliveries:
+        lane = post.get(d["control_id"])
+        if lane is not None and lane not in firsts:
+            firsts[lane] = d["t"]
+    if len(firsts) < len(stream.lanes):
+        return None
+    return max(firsts.values()) - t0
+
+
 def dead_letters(lab: Lab) -> int:
     return sum(int(r["n"]) for r in lab.query(
         "SELECT count(*) AS n FROM stage_outbound WHERE status = 'dead' UNION ALL "
@@ -242,7 +258,9 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note)
             r.drained_s = drain(lab, stream, timeout=args.drain)
             r.aa_again_s = aa_again(stream, t0, t0 + args.after)
-            r.first_delivery_s = first_delivery_after(stream, lab.deliveries(), t0)
+            deliveries = lab.deliveries()
+            r.first_delivery_s = first_delivery_after(stream, deliveries, t0)
+            r.every_lane_s = every_lane_after(stream, deliveries, t0)
             r.end_state = lab.backlog()
             r.dead_letters = dead_letters(lab)
             r.dead_processes = [p for p, pid in lab.processes().items() if pid is None and p not in dead_before]
@@ -299,9 +317,9 @@ def _s(value: float | None) -> str:
 
 
 def table(results: list[FaultResult]) -> str:
-    lines = ["| run | fault | failover s | AA again s | 1st delivery s | sent | AA'd | lost | dup | inv | "
+    lines = ["| run | fault | failover s | AA again s | 1st delivery s | every lane s | sent | AA'd | lost | dup | inv | "
              "p50 s | p99 s | drained s | end state |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         state = ", ".join(f"{k} {v}" for k, v in sorted(r.end_state.items())) or "clean"
         if r.dead_letters:
@@ -313,6 +331,7 @@ def table(results: list[FaultResult]) -> str:
         if r.note.startswith("FAULT FAILED"):
             state += f"; {r.note}"
         lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "
+                     f"{_s(r.every_lane_s)} | "
                      f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
                      f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |")
     return "\n".join(lines)
