@@ -1,0 +1,399 @@
+"""Failover of the whole pipeline: each fault in turn under a steady stream, on a two-node lab.
+
+    lab       include/lab.py: PostgreSQL, two listenerd (heartbeat 0.5 s, fence 1.5 s, lease TTL
+              2.5 s) behind an HAProxy VIP, Airflow (scheduler, dag-processor, triggerer,
+              api-server; LocalExecutor on a PostgreSQL metadata DB), Spark Connect, a recording
+              MLLP receiver; one MLLP destination, one FIFO lane per patient
+    stream    include/testing/stream.py: `--rate` msg/s over `--lanes` lanes and `--connections`
+              connections through the VIP; anything not `AA`'d is resent with the same control id
+    faults    leader-sigkill, leader-sigterm (the node is restarted after: always two nodes),
+              leader-db-cut (through the node's proxy; restored once the other node leads),
+              task-sigkill (the running stage_deliver job task process), spark-restart (SIGKILL +
+              start), postgres-restart (`pg_ctl restart -m fast`)
+
+Each fault: `--before` s of stream, the fault, `--after` s of stream, then the stream pauses and
+the lab drains (≤ `--drain` s) before the next fault. Per fault:
+
+    failover   fault → a leader (another node, for leader faults) holds its MLLP port
+    AA again   fault → every connection has an `AA` again after its last failed send (slowest)
+    1st deliv  fault → the first message *sent* after the fault reaches the receiver
+    every lane fault → every lane has delivered a message sent after the fault (the slowest lane)
+    lost       `AA`'d in the fault's window, never delivered by the end of the run
+    dup        delivered more than once (same control id)
+    inv        first delivered after a later message of its lane (per-lane order)
+    p99        `AA` → first delivery over the window
+    drained    the pause → nothing pending / in flight / retrying and every `AA`'d message delivered
+    end state  staged rows left unfinished after the drain (table:status), dead letters, processes
+               that died, and those that exited and were restarted by the lab's restart policy
+               (compose's `restart: unless-stopped`)
+
+All times are host wall clock (`time.time()`): the sender, the receiver and PostgreSQL share one host.
+
+    uv run python bench/failover.py [--runs 1] [--faults leader-sigkill,...] [--rate 60] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from include.lab import Lab, Timings  # noqa: E402
+from include.testing.postgres_server import wait_for  # noqa: E402
+from include.testing.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
+
+CLOCK = "host wall clock (time.time())"
+
+
+@dataclass
+class FaultResult:
+    run: int
+    fault: str
+    window: tuple[float, float]
+    at: float
+    failover_s: float | None = None
+    aa_again_s: float | None = None
+    first_delivery_s: float | None = None
+    every_lane_s: float | None = None
+    drained_s: float | None = None
+    end_state: dict[str, int] = field(default_factory=dict)
+    dead_letters: int = 0
+    dead_processes: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
+    note: str = ""
+    sent: int = 0
+    acked: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    inversions: int = 0
+    p50_s: float | None = None
+    p99_s: float | None = None
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    duplicate_causes: dict[str, int] = field(default_factory=dict)
+
+
+# --- faults: each injects, recovers, and returns (fault time, failover seconds or None, note) -----
+
+def _leader_fault(lab: Lab, act: Callable) -> tuple[float, float | None, str]:
+    old = lab.wait_leader()
+    t0 = time.time()
+    act(old)
+    new = wait_for(lambda: (lambda n: n if n is not None and n is not old else None)(lab.leader()),
+                   timeout=60, interval=0.02, what="another node to lead")
+    failover = time.time() - t0
+    return t0, failover, f"{old.name}→{new.name}"
+
+
+def leader_sigkill(lab: Lab) -> tuple[float, float | None, str]:
+    out = _leader_fault(lab, lambda node: lab.signal_node(node, signal.SIGKILL))
+    _restart_dead(lab)
+    return out
+
+
+def leader_sigterm(lab: Lab) -> tuple[float, float | None, str]:
+    out = _leader_fault(lab, lambda node: lab.signal_node(node, signal.SIGTERM))
+    _restart_dead(lab)
+    return out
+
+
+def leader_db_cut(lab: Lab) -> tuple[float, float | None, str]:
+    cut: list = []
+
+    def act(node) -> None:
+        cut.append(node)
+        lab.cut_db(node)
+
+    t0, failover, note = _leader_fault(lab, act)
+    time.sleep(2.0)  # the partition outlives the takeover a little
+    lab.restore_db(cut[0])
+    _restart_dead(lab)
+    return t0, failover, note
+
+
+def task_sigkill(lab: Lab) -> tuple[float, float | None, str]:
+    lab.running_task("stage_deliver")
+    t0 = time.time()
+    ti_id, pid = lab.kill_stage_task("stage_deliver")
+    if time.time() - t0 > 0.5:  # no job task was running at once: the fault is when it was killed
+        t0 = time.time()
+    return t0, None, f"stage_deliver pid {pid}"
+
+
+def spark_restart(lab: Lab) -> tuple[float, float | None, str]:
+    t0 = time.time()
+    lab.kill_spark()
+    lab.start_spark()
+    return t0, None, f"server back after {time.time() - t0:.1f} s"
+
+
+def postgres_restart(lab: Lab) -> tuple[float, float | None, str]:
+    t0 = time.time()
+    lab.restart_postgres()
+    back = time.time() - t0
+    wait_for(lab.leader, timeout=60, interval=0.02, what="a leader after the restart")
+    return t0, time.time() - t0, f"server back after {back:.1f} s"
+
+
+FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
+    "leader-sigkill": leader_sigkill, "leader-sigterm": leader_sigterm, "leader-db-cut": leader_db_cut,
+    "task-sigkill": task_sigkill, "spark-restart": spark_restart, "postgres-restart": postgres_restart,
+}
+
+
+def _restart_dead(lab: Lab) -> None:
+    """Bring every stopped node back (after the takeover), so the next fault again meets two."""
+    for node in lab.nodes.values():
+        if not node.alive():
+            lab.restart_node(node)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def drain(lab: Lab, stream: Stream, *, timeout: float) -> float | None:
+    """Seconds until every `AA`'d message is delivered and no staged row is pending, in flight or
+    retrying (dead letters do not count); None after `timeout`."""
+    t0 = time.time()
+
+    def done() -> bool:
+        try:
+            delivered = {d["control_id"] for d in lab.deliveries()}
+            if any(s.control_id not in delivered for s in stream.acked()):
+                return False
+            return not any(not k.endswith(":dead") for k in lab.backlog())
+        except Exception:  # noqa: BLE001 — the store may be unreachable right now (a fault): not drained
+            return False
+
+    try:
+        wait_for(done, timeout=timeout, interval=0.5, what="the drain")
+    except TimeoutError:
+        return None
+    return time.time() - t0
+
+
+def aa_again(stream: Stream, t0: float, until: float) -> float | None:
+    """Fault → `AA` again, slowest connection: each connection's first `AA` on a send begun after
+    its last failed send (NAK, timeout, drop) between t0 and `until` (after t0 when none failed)."""
+    attempts = [a for a in list(stream.attempts) if a.at >= t0]
+    worst = 0.0
+    for k in range(len(stream._threads)):
+        mine = [a for a in attempts if a.conn == k]
+        fails = [a.at for a in mine if not a.ok and a.at < until]
+        since = max(fails) if fails else t0
+        oks = [a.done for a in mine if a.ok and a.at >= since]
+        if not oks:
+            return None
+        worst = max(worst, min(oks) - t0)
+    return worst
+
+
+def first_delivery_after(stream: Stream, deliveries: list[dict], t0: float) -> float | None:
+    post = {cid for cid, s in list(stream.ledger.items()) if s.first_try >= t0}
+    times = [d["t"] for d in deliveries if d["control_id"] in post]
+    return min(times) - t0 if times else None
+
+
+def every_lane_after(stream: Stream, deliveries: list[dict], t0: float) -> float | None:
+    """Fault → the moment every lane has delivered a message sent after the fault (the slowest
+    lane: a lane held by a dead owner's claimed rows shows here, not in the first delivery)."""
+    post = {cid: s.lane for cid, s in list(stream.ledger.items()) if s.first_try >= t0}
+    firsts: dict[str, float] = {}
+    for d in deliveries:
+        lane = post.get(d["control_id"])
+        if lane is not None and lane not in firsts:
+            firsts[lane] = d["t"]
+    if len(firsts) < len(stream.lanes):
+        return None
+    return max(firsts.values()) - t0
+
+
+def dead_letters(lab: Lab) -> int:
+    return sum(int(r["n"]) for r in lab.query(
+        "SELECT count(*) AS n FROM stage_outbound WHERE status = 'dead' UNION ALL "
+        "SELECT count(*) FROM stage_routed WHERE status = 'dead' UNION ALL "
+        "SELECT count(*) FROM stage_inbound WHERE status = 'dead'"))
+
+
+def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> tuple[list[FaultResult], dict]:
+    lab = Lab(timings=Timings(linger=args.linger), echo=lambda line: None if args.quiet else echo(line),
+              keep_workdir=args.keep)
+    results: list[FaultResult] = []
+    summary: dict = {}
+    stream: Stream | None = None
+    try:
+        lab.start()
+        host, port = lab.mllp_address
+        stream = Stream(host, port, rate=args.rate, lanes=args.lanes, connections=args.connections,
+                        prefix=f"R{run}").start()
+        warm_start = time.time()
+        time.sleep(5)
+        stream.pause()
+        took = drain(lab, stream, timeout=300)
+        echo(f"run {run}: lab up (logs {lab.workdir / 'log'}); warm-up delivered "
+             f"{'in %.0f s' % (time.time() - warm_start) if took is not None else 'NOT within 300 s'}")
+        base_start = time.time()
+        stream.resume()
+        time.sleep(args.baseline)
+        stream.pause()
+        drain(lab, stream, timeout=args.drain)
+        baseline_window = (base_start, time.time())
+        for name in args.faults:
+            start = time.time()
+            stream.resume()
+            time.sleep(args.before)
+            dead_before = [p for p, pid in lab.processes().items() if pid is None]
+            try:
+                t0, failover, note = FAULTS[name](lab)
+            except Exception as exc:  # noqa: BLE001 — report the fault as not injected, go on
+                t0, failover, note = time.time(), None, f"FAULT FAILED: {type(exc).__name__}: {exc}"
+            echo(f"run {run}: {name} at {time.strftime('%H:%M:%S', time.localtime(t0))} ({note})")
+            time.sleep(args.after)
+            stream.pause()
+            r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note)
+            r.drained_s = drain(lab, stream, timeout=args.drain)
+            r.aa_again_s = aa_again(stream, t0, t0 + args.after)
+            deliveries = lab.deliveries()
+            r.first_delivery_s = first_delivery_after(stream, deliveries, t0)
+            r.every_lane_s = every_lane_after(stream, deliveries, t0)
+            r.end_state = lab.backlog()
+            r.dead_letters = dead_letters(lab)
+            r.dead_processes = [p for p, pid in lab.processes().items() if pid is None and p not in dead_before]
+            r.restarted = [f"{name} (exit {code})" for at, name, code in lab.restarts if at >= start]
+            r.window = (start, time.time())
+            results.append(r)
+            _restart_dead(lab)
+        drain(lab, stream, timeout=args.drain)  # a last chance for anything late: "lost" is final
+        stream.stop()
+        deliveries = lab.deliveries()
+
+        def in_window(window: tuple[float, float]) -> Callable[[Sent], bool]:
+            return lambda s: window[0] <= s.first_try < window[1]
+
+        for r in results:
+            v = judge(stream.ledger, deliveries, select=in_window(r.window))
+            _fill(r, v, stream.ledger)
+        base = judge(stream.ledger, deliveries, select=in_window(baseline_window))
+        faulted_from = results[0].window[0] if results else time.time()
+        whole = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= faulted_from)
+        everything = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= warm_start)
+        summary = {"run": run, "baseline": _lat(base), "faulted": _lat(whole),
+                   "total": {"sent": everything.sent, "acked": everything.acked, "lost": len(everything.lost),
+                             "duplicated": len(everything.duplicated), "inversions": len(everything.inversions)},
+                   "workdir": str(lab.workdir) if args.keep else None}
+    finally:
+        if stream is not None:
+            stream.stop()
+        lab.stop()
+    return results, summary
+
+
+def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent]) -> None:
+    r.sent, r.acked, r.lost, r.duplicated, r.inversions = v.sent, v.acked, len(v.lost), len(v.duplicated), len(v.inversions)
+    r.p50_s = percentile(v.latencies, 0.5) if v.latencies else None
+    r.p99_s = percentile(v.latencies, 0.99) if v.latencies else None
+    r.examples = {k: getattr(v, k)[:5] for k in ("lost", "duplicated", "inversions") if getattr(v, k)}
+    causes: dict[str, int] = {}
+    for cid in v.duplicated:  # resent by the sender (ingest) or sent once and delivered twice (stages)
+        s = ledger[cid]
+        why = ("resent after " + "/".join(dict.fromkeys(s.failures))) if s.attempts > 1 else "sent once"
+        causes[why] = causes.get(why, 0) + 1
+    r.duplicate_causes = causes
+
+
+def _lat(v: Verdict) -> dict:
+    return {"messages": v.acked, "p50_s": percentile(v.latencies, 0.5), "p99_s": percentile(v.latencies, 0.99),
+            "max_s": max(v.latencies) if v.latencies else float("nan"), "lost": len(v.lost),
+            "duplicated": len(v.duplicated), "inversions": len(v.inversions)}
+
+
+def _s(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def table(results: list[FaultResult]) -> str:
+    lines = ["| run | fault | failover s | AA again s | 1st delivery s | every lane s | sent | AA'd | lost | dup | inv | "
+             "p50 s | p99 s | drained s | end state |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        state = ", ".join(f"{k} {v}" for k, v in sorted(r.end_state.items())) or "clean"
+        if r.dead_letters:
+            state += f"; {r.dead_letters} dead letters"
+        if r.dead_processes:
+            state += f"; died: {', '.join(r.dead_processes)}"
+        if r.restarted:
+            state += f"; exited and restarted: {', '.join(r.restarted)}"
+        if r.note.startswith("FAULT FAILED"):
+            state += f"; {r.note}"
+        lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "
+                     f"{_s(r.every_lane_s)} | "
+                     f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
+                     f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=1, help="full runs, each on a fresh lab")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, in order (of: {', '.join(FAULTS)})")
+    ap.add_argument("--rate", type=float, default=60.0, help="messages per second (all connections)")
+    ap.add_argument("--lanes", type=int, default=20)
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--baseline", type=float, default=30.0, help="seconds of stream before the first fault")
+    ap.add_argument("--before", type=float, default=10.0, help="seconds of stream before each fault")
+    ap.add_argument("--after", type=float, default=30.0, help="seconds of stream after each fault")
+    ap.add_argument("--drain", type=float, default=180.0, help="seconds to wait for the drain after each fault")
+    ap.add_argument("--linger", type=float, default=5.0, help="STAGELINE_STAGE_LINGER_SECONDS of the stage tasks")
+    ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON ('-': stdout)")
+    ap.add_argument("--keep", action="store_true", help="keep the lab's work dir (logs) after each run")
+    ap.add_argument("--quiet", action="store_true", help="no lab start-up lines")
+    args = ap.parse_args()
+    args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in args.faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+
+    def echo(line: str) -> None:
+        print(line, file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+
+    results: list[FaultResult] = []
+    summaries: list[dict] = []
+    for run in range(1, args.runs + 1):
+        r, s = one_run(run, args, echo)
+        results += r
+        summaries.append(s)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"\nclock: {CLOCK}; rate {args.rate:.0f} msg/s, {args.lanes} lanes, {args.connections} connections; "
+          f"heartbeat 0.5 s, fence 1.5 s, lease TTL 2.5 s, linger {args.linger:.0f} s\n", file=out)
+    print(table(results), file=out)
+    print("\n| run | inbound AA → delivered | messages | p50 s | p99 s | max s | lost | dup | inv |\n"
+          "|---|---|---|---|---|---|---|---|---|", file=out)
+    for s in summaries:
+        for key, label in (("baseline", "before the first fault"), ("faulted", "whole faulted stream")):
+            if key in s:
+                v = s[key]
+                print(f"| {s['run']} | {label} | {v['messages']} | {v['p50_s']:.1f} | {v['p99_s']:.1f} | "
+                      f"{v['max_s']:.1f} | {v['lost']} | {v['duplicated']} | {v['inversions']} |", file=out)
+    for r in results:
+        if r.examples:
+            print(f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
+                  file=out)
+        if r.duplicate_causes:
+            print(f"  run {r.run} {r.fault}: duplicates " + ", ".join(f"{n} {why}" for why, n in r.duplicate_causes.items()),
+                  file=out)
+    if args.json:
+        doc = json.dumps({"clock": CLOCK, "args": vars(args), "faults": [asdict(r) for r in results],
+                          "runs": summaries}, indent=2, default=str)
+        if args.json == "-":
+            print(doc)
+        else:
+            Path(args.json).write_text(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The whole pipeline survives a leader crash under the real scheduler: on the two-node lab
+(`include/lab.py`: two listenerd behind HAProxy, Airflow on PostgreSQL, Spark Connect, a recording
+MLLP receiver), a stream that resends anything not `AA`'d runs through the VIP, the leader's
+listenerd is SIGKILLed mid-stream, and every `AA`'d message must still reach the receiver, in lane
+order; the first message sent after the crash must arrive within the failover time + 5 s
+(issue 8). The lab runs once for the module; the tests judge what it recorded, then check that
+every process and port the lab used is gone.
+
+Select with `-m failover`, leave out with `-m "not failover"`.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+from include.lab import HAPROXY, Lab, Timings
+from include.stack import port_open
+from include.testing.postgres_server import wait_for
+from include.testing.stream import Stream, Verdict, judge
+
+pytestmark = [
+    pytest.mark.failover,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(shutil.which(HAPROXY) is None, reason=f"{HAPROXY} not installed (scripts/setup.sh)"),
+]
+BOUND_SLACK = 5.0  # issue 8: first post-fault delivery ≤ failover time + 5 s
+
+
+@dataclass
+class Outcome:
+    verdict: Verdict
+    failover_s: float
+    first_delivery_s: float | None
+    drained: bool
+    backlog: dict[str, int]
+    leftover_pids: list[str] = field(default_factory=list)
+    leftover_ports: list[str] = field(default_factory=list)
+
+
+def _tree(pids: dict[str, int | None]) -> dict[str, psutil.Process]:
+    procs: dict[str, psutil.Process] = {}
+    for name, pid in pids.items():
+        if pid is None:
+            continue
+        try:
+            root = psutil.Process(pid)
+            procs[f"{name}[{pid}]"] = root
+            for child in root.children(recursive=True):
+                procs[f"{name}/{child.pid}"] = child
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+@pytest.fixture(scope="module")
+def leader_crash() -> Outcome:
+    lab = Lab(timings=Timings(linger=5.0))
+    stream: Stream | None = None
+    procs: dict[str, psutil.Process] = {}
+    ports: dict[str, int] = {}
+    try:
+        lab.start()
+        stream = Stream(*lab.mllp_address, rate=30, lanes=10, connections=3, prefix="T").start()
+        time.sleep(3)
+        stream.pause()  # warm-up: the first stage runs start Spark sessions; wait them out once
+        wait_for(lambda: {d["control_id"] for d in lab.deliveries()} >= {s.control_id for s in stream.acked()},
+                 timeout=150, interval=0.5, what="the warm-up messages to be delivered")
+        stream.resume()
+        time.sleep(5)
+        old = lab.wait_leader()
+        t0 = time.time()
+        lab.signal_node(old, signal.SIGKILL)
+        wait_for(lambda: (lambda n: n is not None and n is not old)(lab.leader()), timeout=30, interval=0.02,
+                 what="the standby to lead")
+        failover = time.time() - t0
+        lab.restart_node(old)
+        time.sleep(10)
+        stream.pause()
+
+        def drained() -> bool:
+            delivered = {d["control_id"] for d in lab.deliveries()}
+            return all(s.control_id in delivered for s in stream.acked()) and not lab.backlog()
+
+        try:
+            wait_for(drained, timeout=90, interval=0.5, what="the drain")
+            ok = True
+        except TimeoutError:
+            ok = False
+        deliveries = lab.deliveries()
+        post = {cid for cid, s in stream.ledger.items() if s.first_try >= t0}
+        firsts = [d["t"] for d in deliveries if d["control_id"] in post]
+        outcome = Outcome(verdict=judge(stream.ledger, deliveries), failover_s=failover,
+                          first_delivery_s=min(firsts) - t0 if firsts else None, drained=ok, backlog=lab.backlog())
+        procs = _tree(lab.processes())
+        ports = lab.ports()
+    finally:
+        if stream is not None:
+            stream.stop()
+        lab.stop()
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
+    outcome.leftover_pids = sorted(name for name, p in procs.items() if p in alive)
+    outcome.leftover_ports = sorted(f"{name}:{port}" for name, port in ports.items() if port_open(port))
+    v = outcome.verdict
+    first = "—" if outcome.first_delivery_s is None else f"{outcome.first_delivery_s:.1f} s"
+    print(f"\nleader SIGKILL: failover {outcome.failover_s:.1f} s, first post-crash delivery {first}; "
+          f"{v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions")
+    return outcome
+
+
+def test_a_leader_crash_loses_no_acked_message(leader_crash: Outcome) -> None:
+    v = leader_crash.verdict
+    assert v.acked > 300, f"only {v.acked} messages ACKed: the stream did not run"
+    assert v.lost == [], f"{len(v.lost)} ACKed message(s) never delivered, e.g. {v.lost[:5]}"
+    assert leader_crash.drained, f"not drained within 90 s: {leader_crash.backlog}"
+
+
+def test_a_leader_crash_keeps_every_lane_in_order(leader_crash: Outcome) -> None:
+    v = leader_crash.verdict
+    assert v.inversions == [], f"{len(v.inversions)} delivered out of lane order, e.g. {v.inversions[:5]}"
+
+
+@pytest.mark.xfail(strict=False, reason="issue 8 items 1–2: stage tasks keep looping under the old epoch "
+                                        "for the idle linger and a dead owner's rows wait out the row lease")
+def test_after_a_leader_crash_delivery_resumes_within_failover_plus_5s(leader_crash: Outcome) -> None:
+    first = leader_crash.first_delivery_s
+    assert first is not None, "nothing sent after the crash was delivered"
+    assert first <= leader_crash.failover_s + BOUND_SLACK, (
+        f"first post-crash delivery {first:.1f} s after the crash; failover took {leader_crash.failover_s:.1f} s")
+
+
+def test_the_lab_leaves_no_process_or_port_behind(leader_crash: Outcome) -> None:
+    assert leader_crash.leftover_pids == []
+    assert leader_crash.leftover_ports == []
