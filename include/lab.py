@@ -49,12 +49,13 @@ class Timings:
     lease_ttl: float = 2.5
     node_timeout: float = 2.0
     linger: float = 5.0
+    reclaim_interval: float = 1.0
     haproxy_check_ms: int = 500
 
     def cluster(self) -> dict[str, object]:
         return {"enabled": True, "cluster_name": CLUSTER_NAME, "heartbeat_seconds": self.heartbeat,
                 "leader_fence_timeout_seconds": self.fence, "leader_lease_ttl_seconds": self.lease_ttl,
-                "node_timeout_seconds": self.node_timeout}
+                "node_timeout_seconds": self.node_timeout, "reclaim_interval_seconds": self.reclaim_interval}
 
 
 @dataclass
