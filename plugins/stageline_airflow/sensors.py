@@ -31,6 +31,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from include.leadership import check_leadership, open_store, stage_table, work_pending
 from include.store import Store
+from include.store.lease import read_lease
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -70,8 +71,10 @@ class WorkPendingSensor(BaseSensorOperator):
 
     Polls `include.leadership.work_pending` on one store kept open for the whole wait: done as
     soon as a row is due; **skipped** when the wait times out (an idle period: the next run starts
-    at once and waits again), when the leader's epoch changed, or — in a cluster — when its lease
-    lapsed (the next run re-checks who leads).
+    at once and waits again). A change of leader does not end the wait: while no lease is live it
+    waits on, and under a new epoch it watches that epoch's work — the job task then follows the
+    new leader itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which
+    saves the ~5 s of scheduling a new run would cost in the middle of a failover.
 
     :param stage: the staged table whose due rows are this DAG's work (`inbound` for routing).
     :param leader: the leader check's XCom (`leader_check.output`).
@@ -93,6 +96,7 @@ class WorkPendingSensor(BaseSensorOperator):
         self.config_path = config_path
         self._store: Store | None = None
         self._clustered = True
+        self._epoch: int | None = None
 
     def execute(self, context: Context) -> Any:
         with open_store(self.config_path) as (config, store):
@@ -105,9 +109,15 @@ class WorkPendingSensor(BaseSensorOperator):
     def poke(self, context: Context) -> bool:
         if self._store is None:
             raise RuntimeError("poke() outside execute()")
-        epoch = int(self.leader["epoch"])
-        due = work_pending(self._store, epoch, self.stage, require_live=self._clustered)
-        if due is None:
-            raise AirflowSkipException(f"the lease of epoch {epoch} is no longer current or live: "
-                                       "the next run checks who leads")
+        if self._epoch is None:
+            self._epoch = int(self.leader["epoch"])
+        due = work_pending(self._store, self._epoch, self.stage, require_live=self._clustered)
+        if due is None:  # leadership moved or lapsed
+            lease = read_lease(self._store)
+            if self._clustered and not lease.live:
+                self.log.info("no live leader (epoch %s lapsed): waiting on", lease.epoch)
+                return False
+            self.log.info("leadership moved from epoch %s to %s: the job follows it", self._epoch, lease.epoch)
+            self._epoch = lease.epoch
+            return bool(work_pending(self._store, self._epoch, self.stage, require_live=self._clustered))
         return due
