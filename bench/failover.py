@@ -287,9 +287,13 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
                              "duplicated": len(everything.duplicated), "inversions": len(everything.inversions)},
                    "workdir": str(lab.workdir) if args.keep else None}
     finally:
-        if stream is not None:
-            stream.stop()
-        lab.stop()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand the lab
+        try:
+            if stream is not None:
+                stream.stop()
+        finally:
+            lab.stop()
+            signal.signal(signal.SIGINT, previous)
     return results, summary
 
 
