@@ -239,9 +239,10 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
     store.close()
 
 
-def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
-    lease = 4.0
+def kill_route_job_mid_batch(store_config: StoreConfig, tmp_path: Path, *, lease: float,
+                             n: int) -> tuple[Path, Path, Store]:
+    """Stage `n` messages, start `stage_route` and SIGKILL it (its task process and Spark JVM) once
+    its job has claimed; returns the service config, the pipeline dir and an open store."""
     service = tmp_path / "stageline.toml"
     service.write_text(store_toml(store_config) + f"lease_ttl_seconds = {lease}\n"
                        '[cluster]\nenabled = false\ncluster_name = "test-cluster"\n')
@@ -250,13 +251,11 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     pipeline_config(pipeline, ehr=9, lab=9, archive=tmp_path / "archive")
     store = Store(store_config)
     epoch = acquire_permanent(store, node_id="solo:1:kill")
-    n = 3000
     with store.transaction() as tx:
         rowlease.stage_inbound(tx, [
             {"message_id": f"m{i}", "control_id": f"C{i}", "connection": "mllp-in",
              "lane_key": PATIENTS[i % 4], "charset": None, "payload": adt(i, PATIENTS[i % 4])}
             for i in range(n)], epoch=epoch, node_id="solo:1:kill")
-
     proc = run_dags(service, pipeline, "stage_route", start_new_session=True)
     try:
         wait_for(lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] > 0,
@@ -264,6 +263,13 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the task process and its Spark JVM
         proc.communicate(timeout=30)
+    return service, pipeline, store
+
+
+def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
+        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    lease, n = 4.0, 3000
+    service, pipeline, store = kill_route_job_mid_batch(store_config, tmp_path, lease=lease, n=n)
     claimed = rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"]
     assert claimed == n  # killed before its finalize: the whole batch is stranded
     assert rows(store, "SELECT count(*) AS n FROM stage_routed") == [{"n": 0}]
@@ -284,27 +290,8 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
 
 def test_a_killed_route_jobs_claim_comes_back_when_the_next_task_starts_not_a_row_lease_later(
         airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
-    service = tmp_path / "stageline.toml"
-    service.write_text(store_toml(store_config) + "lease_ttl_seconds = 600\n"  # no lease expires in this test
-                       '[cluster]\nenabled = false\ncluster_name = "test-cluster"\n')
-    pipeline = tmp_path / "config"
-    pipeline.mkdir()
-    pipeline_config(pipeline, ehr=9, lab=9, archive=tmp_path / "archive")
-    store = Store(store_config)
-    epoch = acquire_permanent(store, node_id="solo:1:kill")
-    n = 2000
-    with store.transaction() as tx:
-        rowlease.stage_inbound(tx, [
-            {"message_id": f"m{i}", "control_id": f"C{i}", "connection": "mllp-in",
-             "lane_key": PATIENTS[i % 4], "charset": None, "payload": adt(i, PATIENTS[i % 4])}
-            for i in range(n)], epoch=epoch, node_id="solo:1:kill")
-    proc = run_dags(service, pipeline, "stage_route", start_new_session=True)
-    try:
-        wait_for(lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] > 0,
-                 timeout=120, what="the route job to claim its batch")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
+    n = 2000  # a row lease of 600 s: none expires in this test
+    service, pipeline, store = kill_route_job_mid_batch(store_config, tmp_path, lease=600, n=n)
     assert rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] == n
 
     results = dag_results(run_dags(service, pipeline, "stage_route"))  # the next run: no sweep, no wait
