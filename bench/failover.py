@@ -275,9 +275,11 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         def in_window(window: tuple[float, float]) -> Callable[[Sent], bool]:
             return lambda s: window[0] <= s.first_try < window[1]
 
+        staged = {row["control_id"]: int(row["n"]) for row in lab.query(
+            "SELECT control_id, count(*) AS n FROM stage_inbound GROUP BY control_id HAVING count(*) > 1")}
         for r in results:
             v = judge(stream.ledger, deliveries, select=in_window(r.window))
-            _fill(r, v, stream.ledger)
+            _fill(r, v, stream.ledger, staged)
         base = judge(stream.ledger, deliveries, select=in_window(baseline_window))
         faulted_from = results[0].window[0] if results else time.time()
         whole = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= faulted_from)
@@ -297,15 +299,20 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
     return results, summary
 
 
-def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent]) -> None:
+def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent], staged: dict[str, int]) -> None:
     r.sent, r.acked, r.lost, r.duplicated, r.inversions = v.sent, v.acked, len(v.lost), len(v.duplicated), len(v.inversions)
     r.p50_s = percentile(v.latencies, 0.5) if v.latencies else None
     r.p99_s = percentile(v.latencies, 0.99) if v.latencies else None
     r.examples = {k: getattr(v, k)[:5] for k in ("lost", "duplicated", "inversions") if getattr(v, k)}
     causes: dict[str, int] = {}
-    for cid in v.duplicated:  # resent by the sender (ingest) or sent once and delivered twice (stages)
+    for cid in v.duplicated:
+        # Staged twice: the sender resent a message a leader had committed (ingest). Staged once:
+        # the stages delivered it twice (a deliver round whose finalize could not land).
         s = ledger[cid]
-        why = ("resent after " + "/".join(dict.fromkeys(s.failures))) if s.attempts > 1 else "sent once"
+        if staged.get(cid, 1) > 1:
+            why = "staged twice (resent after " + "/".join(dict.fromkeys(s.failures)) + ")"
+        else:
+            why = "staged once, delivered twice"
         causes[why] = causes.get(why, 0) + 1
     r.duplicate_causes = causes
 
