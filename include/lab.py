@@ -453,7 +453,8 @@ defaults
     timeout check 1s
     retries 2
     option redispatch
-    default-server inter {inter}ms fall 2 rise 2 on-marked-down shutdown-sessions
+    # no on-marked-down shutdown-sessions: see deploy/haproxy.cfg
+    default-server inter {inter}ms fall 2 rise 2
 
 frontend mllp_vip
     bind 127.0.0.1:{self.vip_port}

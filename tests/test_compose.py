@@ -469,7 +469,11 @@ def test_haproxy_backends_name_both_nodes_and_check_the_data_port(data_port, api
                 f"{backend}/{name} must check the data port {data_port} (open on the leader only)"
         assert not any(line.startswith("option httpchk") for line in sections[backend]), \
             f"{backend}: /health passes on a standby too; the check must be a TCP connect"
-    assert "on-marked-down shutdown-sessions" in " ".join(sections["defaults"])
+    # MLLP: listenerd ends its own sessions when it stops leading (HAProxy cutting them raced a clean
+    # stop's last ACKs); the API port stays open on a standby, so its sessions are cut by HAProxy
+    assert "shutdown-sessions" not in " ".join(sections["defaults"] + sections["backend mllp_leader"])
+    assert all("on-marked-down shutdown-sessions" in line for line in sections["backend api_leader"]
+               if line.startswith("server "))
 
 
 def test_haproxy_service_mounts_the_config_and_publishes_the_vip(services, data_port, api_port):
