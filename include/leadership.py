@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from include.config import CONFIG_ENV, ServiceConfig, load
-from include.store import INBOUND, OUTBOUND, STAGED_TABLES, StagedTable, Store
+from include.store import INBOUND, STAGED_TABLES, StagedTable, Store
 from include.store import rowlease
 from include.store.lease import read_lease
 from include.store.migrate import check_identity
@@ -203,11 +203,9 @@ def _batches(step: Callable[[], int], *, limit: int, max_batches: int) -> int:
 
 
 def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: int) -> int:
-    # Outbound rows are retried per their destination's max_attempts (the deliver stage); the sweep
-    # caps only the stages whose failures are whole crashed jobs.
-    cap = rowlease.UNLIMITED_ATTEMPTS if table is OUTBOUND else rowlease.SWEEP_MAX_ATTEMPTS
     with store.transaction() as tx:
-        return rowlease.sweep_expired(tx, table, owner=owner, epoch=epoch, limit=limit, max_attempts=cap)
+        return rowlease.sweep_expired(tx, table, owner=owner, epoch=epoch, limit=limit,
+                                      max_attempts=rowlease.reclaim_cap(table))
 
 
 def _purge(store: Store, query: str, table: StagedTable | None, *, epoch: int, age: float, limit: int) -> int:

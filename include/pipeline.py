@@ -68,7 +68,7 @@ def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: s
             abandoned = rowlease.recover_abandoned(
                 tx, table, prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#"), epoch=epoch,
                 owner=claim_owner(dag_id, run_id),
-                max_attempts=rowlease.UNLIMITED_ATTEMPTS if table is OUTBOUND else rowlease.SWEEP_MAX_ATTEMPTS)
+                max_attempts=rowlease.reclaim_cap(table))
     if abandoned:
         log.info("%s: re-pended %d row(s) still claimed by earlier runs of this DAG", dag_id, abandoned)
     return {"promotion": promoted, "abandoned": abandoned}
@@ -187,8 +187,7 @@ def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -
     return ClaimKeeper(store, table, epoch=epoch, clustered=config.cluster.enabled,
                        check_seconds=config.cluster.heartbeat_seconds, lease_seconds=config.store.lease_ttl_seconds,
                        reclaim_seconds=config.cluster.reclaim_interval_seconds,
-                       max_attempts=rowlease.UNLIMITED_ATTEMPTS if table is OUTBOUND
-                       else rowlease.SWEEP_MAX_ATTEMPTS)
+                       max_attempts=rowlease.reclaim_cap(table))
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

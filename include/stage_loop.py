@@ -26,6 +26,7 @@ numbered as in docs/invariants.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -199,7 +200,5 @@ def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *
 
 def _summary(outcome: Any) -> dict[str, Any]:
     """An outcome dataclass as XCom-sized plain data: id tuples become counts."""
-    import dataclasses
-
     fields_ = dataclasses.asdict(outcome) if dataclasses.is_dataclass(outcome) else dict(outcome)
     return {k: len(v) if isinstance(v, (tuple, list)) else v for k, v in fields_.items()}

@@ -16,13 +16,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from include.store.db import INBOUND, STAGED_TABLES, StagedTable, Tx
+from include.store.db import INBOUND, OUTBOUND, STAGED_TABLES, StagedTable, Tx
 
 Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")
 SWEEP_MAX_ATTEMPTS = 10
 """Claims after which the sweep dead-letters an expired row instead of re-pending it."""
 UNLIMITED_ATTEMPTS = 2**31 - 1
+
+
+def reclaim_cap(table: StagedTable) -> int:
+    """Claims after which a row taken back from a dead claimer is dead-lettered instead.
+
+    Outbound rows are retried per their destination's max_attempts (the deliver stage); only the
+    stages whose failures are whole crashed jobs (a poison batch) are capped here.
+    """
+    return UNLIMITED_ATTEMPTS if table is OUTBOUND else SWEEP_MAX_ATTEMPTS
 
 
 def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,

@@ -25,7 +25,7 @@ LEADER_POKE_INTERVAL = timedelta(seconds=0.5)
 JOB_RETRIES = 3
 JOB_RETRY_DELAY = timedelta(seconds=1)
 """A killed job task (or a lost Spark session) is retried at once: its claim is recovered when the
-retry starts (`pipeline.recover_abandoned_claims`), so the sooner the retry, the shorter the stall."""
+retry starts (`ClaimKeeper.recover_abandoned`, via `include.stage_loop`), so the sooner the retry, the shorter the stall."""
 
 
 def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
