@@ -162,14 +162,12 @@ def retention(path: str | os.PathLike[str] | None, epoch: int,
     with open_store(path) as (_, store):
         for table in STAGED_TABLES:
             if table.stage in ages:
-                # inbound's finished set (with `unrouted`) differs; each query repeats its index's predicate
-                query, templated = ("purge_finished_inbound", None) if table is INBOUND else ("purge_finished", table)
                 counts[table.stage] = _batches(
-                    lambda: _purge(store, query, templated, epoch=epoch, age=ages[table.stage], limit=batch),
+                    lambda: _purge(store, table.purge, epoch=epoch, age=ages[table.stage], limit=batch),
                     limit=batch, max_batches=max_batches)
         if EVENTS in ages:
             counts[EVENTS] = _batches(
-                lambda: _purge(store, "purge_events", None, epoch=epoch, age=ages[EVENTS], limit=batch),
+                lambda: _purge(store, "purge_events", epoch=epoch, age=ages[EVENTS], limit=batch),
                 limit=batch, max_batches=max_batches)
     if any(counts.values()):
         log.info("retention under epoch %s deleted %s", epoch, counts)
@@ -208,7 +206,9 @@ def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: i
                                       max_attempts=rowlease.reclaim_cap(table))
 
 
-def _purge(store: Store, query: str, table: StagedTable | None, *, epoch: int, age: float, limit: int) -> int:
+def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int) -> int:
+    """One batch of a retention query; it returns the ids it deleted (a row count is not portable
+    through a statement that also deletes the rows' bodies)."""
     with store.transaction() as tx:
         tx.fence()
-        return tx.execute(query, {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}, table=table)
+        return len(tx.all(query, {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}))

@@ -6,7 +6,6 @@ commits as a whole or rolls back; nothing here retries, so callers see every fai
 """
 from __future__ import annotations
 
-import json
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,14 +23,17 @@ class StagedTable:
     name: str
     stage: str
     has_destination: bool
+    purge: str
+    """The retention query of this table (each repeats its own finished predicate; inbound and
+    outbound rows take their bodies with them)."""
 
     def template(self) -> dict[str, str]:
         return {"table": self.name, "dest": "destination" if self.has_destination else "NULL"}
 
 
-INBOUND = StagedTable("stage_inbound", "inbound", False)
-ROUTED = StagedTable("stage_routed", "routed", True)
-OUTBOUND = StagedTable("stage_outbound", "outbound", True)
+INBOUND = StagedTable("stage_inbound", "inbound", False, "purge_finished_inbound")
+ROUTED = StagedTable("stage_routed", "routed", True, "purge_finished_routed")
+OUTBOUND = StagedTable("stage_outbound", "outbound", True, "purge_finished_outbound")
 STAGED_TABLES = (INBOUND, ROUTED, OUTBOUND)
 
 
@@ -78,15 +80,16 @@ class Tx:
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
                       from_status: str | None, epoch: int | None, node_id: str | None) -> None:
-        """Append one audit event per transitioned row (rows as returned by a transition query)."""
+        """Append one audit event per row just transitioned (rows as returned by a transition query).
+
+        The events are built by the database from the rows themselves (`record_events_for`: state,
+        attempts, last_error as detail) — only the ids travel, not one JSON object per row.
+        """
         if not rows:
             return
-        events = [{"stage": table.stage, "row_id": r["id"], "message_id": r["message_id"],
-                   "control_id": r.get("control_id"), "destination": r.get("destination"),
-                   "event": event, "from_status": from_status, "to_status": r["status"],
-                   "epoch": epoch, "node_id": node_id, "attempt": r.get("attempts"),
-                   "detail": r.get("detail")} for r in rows]
-        self.execute("record_events", {"events": json.dumps(events)})
+        self.execute("record_events_for", {"ids": self.dialect.id_list([r["id"] for r in rows]),
+                                           "stage": table.stage, "event": event, "from_status": from_status,
+                                           "epoch": epoch, "node_id": node_id}, table=table)
 
 
 class Store:

@@ -174,14 +174,18 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     which makes re-reading a file after a crash harmless), or None when `epoch` is no longer
     current — then nothing is written. The epoch is checked by the insert itself rather than
     under the fence lock: an inbound row staged just as leadership moved is still a durable,
-    valid message, and skipping the lock saves the hot path a round trip. PostgreSQL records the
-    audit events in the same statement; elsewhere they follow in the same transaction.
+    valid message, and skipping the lock saves the hot path a round trip. PostgreSQL writes the
+    bodies (`inbound_bodies`) and the audit events in the same statement; elsewhere they follow in
+    the same transaction.
     """
     if not messages:
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
-    rows = tx.all("stage_inbound", {"messages": json.dumps(messages), "epoch": epoch, "node_id": node_id})
+    payload = json.dumps(messages)
+    rows = tx.all("stage_inbound", {"messages": payload, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
+    if not rows[0]["bodies_written"]:
+        tx.execute("stage_inbound_bodies", {"messages": payload, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     if not rows[0]["events_recorded"]:
         tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
     return {r["message_id"]: int(r["id"]) for r in rows}

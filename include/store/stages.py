@@ -113,6 +113,8 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int,
     failed = finish_batch(tx, ROUTED, bad_ids, owner=owner, epoch=epoch, status="dead", error=UNTRANSFORMABLE)
     rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}) if done else []
     rows.sort(key=lambda r: r["id"])
+    if rows:  # each new row's body, once (docs/store.md "Bodies")
+        tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     tx.record_events(rows, table=OUTBOUND, event="transformed", from_status=None, epoch=epoch, node_id=owner)
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})

@@ -18,8 +18,9 @@ def seed_inbound(store: Store, n: int, *, lanes: int = 100) -> None:
     with store.transaction() as tx:
         tx.conn.cursor().execute(
             f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {int(n)}) "
-            "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, payload) "
-            f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT), 'MSH|^~\\&|A|B|C|D' FROM g")
+            "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
+            f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT) FROM g")
+        tx.conn.cursor().execute("INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound")
 
 
 def rows(store: Store, sql: str) -> list[dict]:

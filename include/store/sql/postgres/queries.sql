@@ -148,7 +148,7 @@ RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 UPDATE {table}
    SET status = :status, lease_owner = NULL, lease_expires_at = NULL, next_attempt_at = NULL,
        last_error = :error, updated_at = now()
- WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+ WHERE id = ANY(CAST(:ids AS bigint[])) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
@@ -159,7 +159,7 @@ UPDATE {table}
                               ELSE now() + make_interval(secs => least(:max_backoff_seconds,
                                        :backoff_seconds * power(2, attempts - 1))) END,
        lease_owner = NULL, lease_expires_at = NULL, last_error = :error, updated_at = now()
- WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+ WHERE id = ANY(CAST(:ids AS bigint[])) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
@@ -193,31 +193,40 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 
 -- name: stage_inbound
--- One statement, one round trip: the epoch check, the insert and the 'received' events. A file
--- re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
-WITH ins AS (
-    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
-    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
-      FROM json_to_recordset(CAST(:messages AS json)) AS m(
-           message_id text, control_id text, connection text, lane_key text, charset text, payload text)
+-- One statement, one round trip: the epoch check, the state rows, their bodies and the 'received'
+-- events. A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op
+-- (and writes no body).
+WITH m AS (
+    SELECT * FROM json_to_recordset(CAST(:messages AS json)) AS m(
+           message_id text, control_id text, connection text, lane_key text, charset text, payload text)),
+ins AS (
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset
+      FROM m
      WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING id, message_id, control_id, attempts, status),
+body AS (
+    INSERT INTO inbound_bodies (id, payload)
+    SELECT ins.id, m.payload FROM ins JOIN m ON m.message_id = ins.message_id
+    ON CONFLICT (id) DO NOTHING),
 ev AS (
     INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt)
     SELECT 'inbound', id, message_id, control_id, 'received', status, :epoch, :node_id, attempts FROM ins)
 SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
-       true AS events_recorded
+       true AS events_recorded, true AS bodies_written
   FROM ins
 
--- name: record_events
+-- name: record_events_for
+-- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
+-- new status, attempts and last_error (the detail). Only the ids travel to the database.
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
                             from_status, to_status, epoch, node_id, attempt, detail)
-SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
-       e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
-  FROM json_to_recordset(CAST(:events AS json)) AS e(
-       stage text, row_id bigint, message_id text, control_id text, destination text, event text,
-       from_status text, to_status text, epoch bigint, node_id text, attempt integer, detail text)
+SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t.status,
+       CAST(:epoch AS bigint), :node_id, t.attempts, t.last_error
+  FROM {table} t
+ WHERE t.id = ANY(CAST(:ids AS bigint[]))
+ ORDER BY t.id
 
 -- name: config_bump
 UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
@@ -226,31 +235,53 @@ RETURNING config_version
 -- name: leader_config_hash
 SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHERE l.id = 1
 
--- name: purge_finished
+-- name: purge_finished_routed
 -- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
 -- epoch only (retention is leader work like any other). `done`/`dead` is exactly the finished
--- predicate of stage_routed/stage_outbound's partial index and implies stage_inbound's, so the
--- search never reads open rows; stage_inbound also has `unrouted` rows: purge_finished_inbound.
+-- predicate of the table's partial index, so the search never reads open rows.
 -- ANY(ARRAY(...)) makes the delete look its rows up by primary key instead of hashing the table.
 -- SKIP LOCKED keeps a purge from queueing behind a finalize that is finishing rows right now.
-DELETE FROM {table}
- WHERE id = ANY(ARRAY(SELECT id FROM {table}
+-- A routed row has no body of its own (it reads its source's).
+DELETE FROM stage_routed
+ WHERE id = ANY(ARRAY(SELECT id FROM stage_routed
                        WHERE status IN ('done', 'dead')
                          AND updated_at < now() - make_interval(secs => :ms / 1000.0)
                        LIMIT :limit
                        FOR UPDATE SKIP LOCKED))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
+
+-- name: purge_finished_outbound
+-- purge_finished_routed for stage_outbound: the rows and their bodies, in one statement.
+WITH gone AS (
+    DELETE FROM stage_outbound
+     WHERE id = ANY(ARRAY(SELECT id FROM stage_outbound
+                           WHERE status IN ('done', 'dead')
+                             AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           LIMIT :limit
+                           FOR UPDATE SKIP LOCKED))
+       AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+    RETURNING id),
+body AS (DELETE FROM outbound_bodies WHERE id IN (SELECT id FROM gone))
+SELECT id FROM gone
 
 -- name: purge_finished_inbound
--- purge_finished for stage_inbound, whose finished rows include `unrouted` (its partial index's
--- exact predicate).
-DELETE FROM stage_inbound
- WHERE id = ANY(ARRAY(SELECT id FROM stage_inbound
-                       WHERE status IN ('done', 'dead', 'unrouted')
-                         AND updated_at < now() - make_interval(secs => :ms / 1000.0)
-                       LIMIT :limit
-                       FOR UPDATE SKIP LOCKED))
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+-- purge_finished_outbound for stage_inbound, whose finished rows include `unrouted` (its partial
+-- index's exact predicate). A row whose routed rows are still open keeps its body (they read it),
+-- however old.
+WITH gone AS (
+    DELETE FROM stage_inbound
+     WHERE id = ANY(ARRAY(SELECT s.id FROM stage_inbound s
+                           WHERE s.status IN ('done', 'dead', 'unrouted')
+                             AND s.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                             AND NOT EXISTS (SELECT 1 FROM stage_routed r
+                                              WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                           LIMIT :limit
+                           FOR UPDATE OF s SKIP LOCKED))
+       AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+    RETURNING id),
+body AS (DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM gone))
+SELECT id FROM gone
 
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
@@ -259,6 +290,7 @@ DELETE FROM message_events
                        WHERE at < now() - make_interval(secs => :ms / 1000.0)
                        LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
 
 -- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
 -- with route_read_claimed (its parameters inlined as literals: a JDBC `query` takes none), appends
@@ -267,9 +299,9 @@ DELETE FROM message_events
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark.
-SELECT id, payload
-  FROM stage_inbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT s.id, b.payload
+  FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
+ WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
 -- name: route_pending_ids
 SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
@@ -281,10 +313,10 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- :ids are the sources this transaction has just finished (their rows are locked by that update),
 -- so nothing lands for a source whose claim was lost. ON CONFLICT makes a repeat a no-op, also
 -- for duplicate landing rows (a retried Spark task); ORDER BY keeps arrival order in the ids.
-INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
-SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key, i.payload
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key)
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key
   FROM landing_routed l JOIN stage_inbound i ON i.id = l.source_id
- WHERE l.run_id = :run_id AND l.status = 'pending' AND l.source_id = ANY(:ids)
+ WHERE l.run_id = :run_id AND l.status = 'pending' AND l.source_id = ANY(CAST(:ids AS bigint[]))
  ORDER BY l.source_id, l.destination
 ON CONFLICT (source_id, destination) DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
@@ -294,15 +326,16 @@ DELETE FROM landing_routed WHERE run_id = :run_id
 
 -- name: landing_routed_delete_sources
 -- Leftovers of earlier runs that died between landing and finalize, for sources now finished.
-DELETE FROM landing_routed WHERE source_id = ANY(:ids)
+DELETE FROM landing_routed WHERE source_id = ANY(CAST(:ids AS bigint[]))
 
 -- name: deliver_read_claimed
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
 -- subquery), the caller orders by id.
-SELECT id, destination, lane_key, payload, content_type, idempotency_key, attempts, message_id, control_id
-  FROM stage_outbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT o.id, o.destination, o.lane_key, b.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
+       o.control_id
+  FROM stage_outbound o JOIN outbound_bodies b ON b.id = o.id
+ WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending
 -- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
@@ -318,9 +351,9 @@ SELECT l.epoch,
 
 -- name: transform_read_claimed
 -- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
-SELECT id, source_id, destination, payload, message_id, control_id
-  FROM stage_routed
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id
+  FROM stage_routed r JOIN inbound_bodies b ON b.id = r.source_id
+ WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed.
@@ -332,22 +365,32 @@ SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
 -- message id and the destination: stable across re-runs and re-deliveries. ON CONFLICT makes a
 -- repeat a no-op; ORDER BY keeps the routed (arrival) order in the outbound ids, which is lane order.
 INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
-                            lane_key, payload)
+                            lane_key)
 SELECT DISTINCT ON (l.routed_id)
        l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
-       l.message_id || '-' || l.destination, l.lane_key, l.payload
+       l.message_id || '-' || l.destination, l.lane_key
   FROM landing_outbound l
- WHERE l.run_id = :run_id AND l.payload IS NOT NULL AND l.routed_id = ANY(:ids)
+ WHERE l.run_id = :run_id AND l.payload IS NOT NULL AND l.routed_id = ANY(CAST(:ids AS bigint[]))
  ORDER BY l.routed_id
 ON CONFLICT DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: transform_finalize_bodies
+-- The bodies of the outbound rows transform_finalize_insert has just written (:ids), from the
+-- same landed rows; written once, never rewritten by a state change.
+INSERT INTO outbound_bodies (id, payload)
+SELECT DISTINCT ON (o.id) o.id, l.payload
+  FROM stage_outbound o
+  JOIN landing_outbound l ON l.source_id = o.source_id AND l.destination = o.destination
+ WHERE o.id = ANY(CAST(:ids AS bigint[])) AND l.run_id = :run_id AND l.payload IS NOT NULL
+ ORDER BY o.id
 
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id
 
 -- name: landing_outbound_delete_sources
 -- Leftovers of earlier runs that died between landing and finalize, for routed rows now finished.
-DELETE FROM landing_outbound WHERE routed_id = ANY(:ids)
+DELETE FROM landing_outbound WHERE routed_id = ANY(CAST(:ids AS bigint[]))
 
 -- name: lookup_entries_all
 SELECT table_name, code, value FROM lookup_entries ORDER BY table_name, code
@@ -387,7 +430,7 @@ SELECT r.run_id, r.source_id, r.routed_id, r.destination, r.content_type, r.lane
 -- failed first): pending again, the claim's attempt not counted.
 UPDATE {table}
    SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL, attempts = attempts - 1, updated_at = now()
- WHERE id = ANY(:ids) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
+ WHERE id = ANY(CAST(:ids AS bigint[])) AND status = 'in_flight' AND lease_owner = :owner AND claim_epoch = :epoch
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 

@@ -187,26 +187,38 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 
 -- name: stage_inbound
 -- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+-- The bodies follow in stage_inbound_bodies, in the same transaction.
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
 SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
        json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
-       json_extract(m.value, '$.charset'), json_extract(m.value, '$.payload')
+       json_extract(m.value, '$.charset')
   FROM json_each(:messages) AS m
  WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (message_id) DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
-          0 AS events_recorded
+          0 AS events_recorded, 0 AS bodies_written
 
--- name: record_events
+-- name: stage_inbound_bodies
+-- The bodies of the rows stage_inbound has just written (:ids); a message id given twice in one
+-- batch keeps the first body, as its row did.
+INSERT INTO inbound_bodies (id, payload)
+SELECT s.id, json_extract(m.value, '$.payload')
+  FROM json_each(:messages) AS m
+  JOIN stage_inbound s ON s.message_id = json_extract(m.value, '$.message_id')
+ WHERE s.id IN (SELECT value FROM json_each(:ids))
+ ORDER BY m.key
+ON CONFLICT (id) DO NOTHING
+
+-- name: record_events_for
+-- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
+-- new status, attempts and last_error (the detail). Only the ids travel to the database.
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
                             from_status, to_status, epoch, node_id, attempt, detail)
-SELECT json_extract(e.value, '$.stage'), json_extract(e.value, '$.row_id'),
-       json_extract(e.value, '$.message_id'), json_extract(e.value, '$.control_id'),
-       json_extract(e.value, '$.destination'), json_extract(e.value, '$.event'),
-       json_extract(e.value, '$.from_status'), json_extract(e.value, '$.to_status'),
-       json_extract(e.value, '$.epoch'), json_extract(e.value, '$.node_id'),
-       json_extract(e.value, '$.attempt'), json_extract(e.value, '$.detail')
-  FROM json_each(:events) AS e
+SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t.status,
+       :epoch, :node_id, t.attempts, t.last_error
+  FROM {table} t
+ WHERE t.id IN (SELECT value FROM json_each(:ids))
+ ORDER BY t.id
 
 -- name: config_bump
 UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
@@ -215,29 +227,44 @@ RETURNING config_version
 -- name: leader_config_hash
 SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHERE l.id = 1
 
--- name: purge_finished
+-- name: purge_finished_routed
 -- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
 -- epoch only (retention is leader work like any other). The status list repeats the partial
--- index's predicate exactly (SQLite uses a partial index only then): `done`/`dead` for
--- stage_routed/stage_outbound; stage_inbound also has `unrouted` rows: purge_finished_inbound.
-DELETE FROM {table}
- WHERE id IN (SELECT id FROM {table}
+-- index's predicate exactly (SQLite uses a partial index only then). Returns the ids deleted.
+DELETE FROM stage_routed
+ WHERE id IN (SELECT id FROM stage_routed
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
 
--- name: purge_finished_inbound
-DELETE FROM stage_inbound
- WHERE id IN (SELECT id FROM stage_inbound
-               WHERE status IN ('done', 'dead', 'unrouted') AND updated_at < {now} - :ms
+-- name: purge_finished_outbound
+-- purge_finished_routed for stage_outbound; a trigger deletes each row's body.
+DELETE FROM stage_outbound
+ WHERE id IN (SELECT id FROM stage_outbound
+               WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
+
+-- name: purge_finished_inbound
+-- For stage_inbound, whose finished rows include `unrouted`; a row whose routed rows are still open
+-- stays, however old (they read its body). A trigger deletes each row's body.
+DELETE FROM stage_inbound
+ WHERE id IN (SELECT s.id FROM stage_inbound s
+               WHERE s.status IN ('done', 'dead', 'unrouted') AND s.updated_at < {now} - :ms
+                 AND NOT EXISTS (SELECT 1 FROM stage_routed r
+                                  WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+               LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
 
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
 DELETE FROM message_events
  WHERE id IN (SELECT id FROM message_events WHERE at < {now} - :ms LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING id
 
 -- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
 -- with route_read_claimed (its parameters inlined as literals: a JDBC `query` takes none), appends
@@ -246,9 +273,9 @@ DELETE FROM message_events
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark.
-SELECT id, payload
-  FROM stage_inbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT s.id, b.payload
+  FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
+ WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
 -- name: route_pending_ids
 SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
@@ -261,8 +288,8 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- claim was lost. ON CONFLICT makes a repeat a no-op, also for duplicate landing rows (a retried
 -- Spark task); ORDER BY keeps arrival order in the ids. The WHERE clause also settles SQLite's
 -- INSERT … SELECT … ON CONFLICT parsing ambiguity.
-INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
-SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key, i.payload
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key)
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key
   FROM landing_routed l JOIN stage_inbound i ON i.id = l.source_id
  WHERE l.run_id = :run_id AND l.status = 'pending'
    AND l.source_id IN (SELECT value FROM json_each(:ids))
@@ -281,9 +308,10 @@ DELETE FROM landing_routed WHERE source_id IN (SELECT value FROM json_each(:ids)
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
 -- subquery), the caller orders by id.
-SELECT id, destination, lane_key, payload, content_type, idempotency_key, attempts, message_id, control_id
-  FROM stage_outbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT o.id, o.destination, o.lane_key, b.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
+       o.control_id
+  FROM stage_outbound o JOIN outbound_bodies b ON b.id = o.id
+ WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending
 -- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
@@ -298,9 +326,9 @@ SELECT l.epoch,
 
 -- name: transform_read_claimed
 -- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
-SELECT id, source_id, destination, payload, message_id, control_id
-  FROM stage_routed
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id
+  FROM stage_routed r JOIN inbound_bodies b ON b.id = r.source_id
+ WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed.
@@ -314,9 +342,9 @@ SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
 -- order in the outbound ids, which is lane order. The WHERE clause settles SQLite's
 -- INSERT … SELECT … ON CONFLICT parsing ambiguity.
 INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
-                            lane_key, payload)
+                            lane_key)
 SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
-       l.message_id || '-' || l.destination, l.lane_key, l.payload
+       l.message_id || '-' || l.destination, l.lane_key
   FROM landing_outbound l
  WHERE l.run_id = :run_id AND l.payload IS NOT NULL
    AND l.routed_id IN (SELECT value FROM json_each(:ids))
@@ -324,6 +352,17 @@ SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
  ORDER BY l.routed_id
 ON CONFLICT DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: transform_finalize_bodies
+-- The bodies of the outbound rows transform_finalize_insert has just written (:ids), from the
+-- same landed rows; written once, never rewritten by a state change.
+INSERT INTO outbound_bodies (id, payload)
+SELECT o.id, l.payload
+  FROM stage_outbound o
+  JOIN landing_outbound l ON l.source_id = o.source_id AND l.destination = o.destination
+ WHERE o.id IN (SELECT value FROM json_each(:ids)) AND l.run_id = :run_id AND l.payload IS NOT NULL
+ GROUP BY o.id
+ON CONFLICT (id) DO NOTHING
 
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id

@@ -308,24 +308,16 @@ SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payloa
                     WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
--- name: record_events
+-- name: record_events_for
+-- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
+-- new status, attempts and last_error (the detail). Only the ids travel to the database.
 INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
                             from_status, to_status, epoch, node_id, attempt, detail)
-SELECT e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event,
-       e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
-  FROM OPENJSON(:events) WITH (
-       stage        nvarchar(16)  '$.stage',
-       row_id       bigint        '$.row_id',
-       message_id   nvarchar(450) '$.message_id',
-       control_id   nvarchar(200) '$.control_id',
-       destination  nvarchar(200) '$.destination',
-       event        nvarchar(40)  '$.event',
-       from_status  nvarchar(16)  '$.from_status',
-       to_status    nvarchar(16)  '$.to_status',
-       epoch        bigint        '$.epoch',
-       node_id      nvarchar(400) '$.node_id',
-       attempt      int           '$.attempt',
-       detail       nvarchar(max) '$.detail') AS e
+SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t.status,
+       CAST(:epoch AS bigint), :node_id, t.attempts, t.last_error
+  FROM {table} AS t
+ WHERE t.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+ ORDER BY t.id
 
 -- name: config_bump
 UPDATE cluster_identity SET config_version = config_version + 1
