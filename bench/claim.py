@@ -23,8 +23,9 @@ from include.store.lease import LeaderElector
 from include.store.migrate import migrate
 from include.testing.postgres_server import PostgresServer
 
-SEED = """INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, payload)
-SELECT 'm' || g, 'c' || g, 'mllp-in', NULL, repeat('x', 400) FROM generate_series(1, %(n)s) g"""
+SEED = """WITH s AS (INSERT INTO stage_inbound (message_id, control_id, connection, lane_key)
+                SELECT 'm' || g, 'c' || g, 'mllp-in', NULL FROM generate_series(1, %(n)s) g RETURNING id)
+INSERT INTO inbound_bodies (id, payload) SELECT id, repeat('x', 400) FROM s"""
 # No lanes: the raw loop knows none, and with lanes concurrent claimers would (rightly) wait for
 # each other's held lanes — this compares the cost of the fenced, audited path, not lane scheduling.
 

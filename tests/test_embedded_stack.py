@@ -85,7 +85,7 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
                            f"→ transformed {last_landed - last_sent:.1f} s, → last delivery written "
                            f"{last_written - last_sent:.1f} s")
 
-        inbound = dict(query("SELECT message_id, payload FROM stage_inbound"))
+        inbound = dict(query("SELECT message_id, payload FROM inbound_messages"))
         outbound = query("SELECT message_id, control_id, destination FROM stage_outbound")
         # the archive: one file per message, named by the idempotency key, holding the message as received
         to_archive = {message_id: control_id for message_id, control_id, dest in outbound if dest == "archive"}

@@ -33,8 +33,10 @@ def seed_inbound(store: Store, n: int, *, prefix: str = "m") -> list[int]:
         cur = tx.conn.cursor()
         for i in range(n):
             cur.execute(tx.dialect.translate(
-                "INSERT INTO stage_inbound (message_id, control_id, connection, payload) "
-                "VALUES (:m, :c, 'mllp-in', 'MSH|^~\\&|A|B|C|D')"), {"m": f"{prefix}{i}", "c": f"c{i}"})
+                "INSERT INTO stage_inbound (message_id, control_id, connection) "
+                "VALUES (:m, :c, 'mllp-in')"), {"m": f"{prefix}{i}", "c": f"c{i}"})
+        cur.execute("INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound "
+                    "WHERE id NOT IN (SELECT id FROM inbound_bodies)")
     return [r["id"] for r in rows(store, f"SELECT id FROM stage_inbound WHERE message_id LIKE '{prefix}%' ORDER BY id")]
 
 

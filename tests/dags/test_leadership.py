@@ -255,10 +255,11 @@ def test_retention_deletes_at_most_batch_times_max_batches_per_run(single, store
 def test_retention_purges_every_staged_table(single, store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     [source] = seed_inbound(store, 1)
-    execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, payload, status) "
-                   f"VALUES ({source}, 'm0', 'ehr', 'x', 'done')")
-    execute(store, "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, payload, "
-                   "status) VALUES (1, 'm0', 'ehr', 'k1', 'x', 'dead')")
+    execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, status) "
+                   f"VALUES ({source}, 'm0', 'ehr', 'done')")
+    execute(store, "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, "
+                   "status) VALUES (1, 'm0', 'ehr', 'k1', 'dead')")
+    execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'x' FROM stage_outbound")
     for table in (ROUTED, OUTBOUND):
         age(store, table.name, "updated_at", "1 = 1", 2 * DAY)
     assert leadership.retention(single, epoch, DAY) == {"inbound": 0, "routed": 1, "outbound": 1, "events": 0}

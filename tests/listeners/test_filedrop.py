@@ -267,7 +267,7 @@ def test_a_missing_directory_is_reported_and_polling_goes_on(tmp_path: Path) -> 
 
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT message_id, control_id, connection, payload FROM stage_inbound "
+        return db.execute("SELECT message_id, control_id, connection, payload FROM inbound_messages "
                           "ORDER BY id").fetchall()
 
 

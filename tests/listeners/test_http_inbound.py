@@ -247,7 +247,7 @@ class _Rejecting:
 
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT message_id, control_id, connection, payload FROM stage_inbound "
+        return db.execute("SELECT message_id, control_id, connection, payload FROM inbound_messages "
                           "ORDER BY id").fetchall()
 
 

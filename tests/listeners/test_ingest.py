@@ -32,9 +32,9 @@ def refuse_poison(store: Store) -> None:
     """Make the store itself refuse any payload containing POISON (as it would refuse bad data)."""
     with store.transaction() as tx:
         if store.backend == "postgres":
-            tx.script("ALTER TABLE stage_inbound ADD CONSTRAINT no_poison CHECK (payload NOT LIKE '%POISON%')")
+            tx.script("ALTER TABLE inbound_bodies ADD CONSTRAINT no_poison CHECK (payload NOT LIKE '%POISON%')")
         else:
-            tx.script("CREATE TRIGGER no_poison BEFORE INSERT ON stage_inbound WHEN NEW.payload LIKE '%POISON%' "
+            tx.script("CREATE TRIGGER no_poison BEFORE INSERT ON inbound_bodies WHEN NEW.payload LIKE '%POISON%' "
                       "BEGIN SELECT RAISE(ABORT, 'poison refused'); END;")
 
 

@@ -31,7 +31,7 @@ def staged(store_config: StoreConfig, where: str = "1=1") -> list[dict]:
     try:
         with store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute(f"SELECT control_id, connection, lane_key, charset, payload FROM stage_inbound WHERE {where} ORDER BY id")
+            cur.execute(f"SELECT control_id, connection, lane_key, charset, payload FROM inbound_messages WHERE {where} ORDER BY id")
             return [dict(r) for r in cur.fetchall()]
     finally:
         store.close()

@@ -413,7 +413,7 @@ class _ObservedFactory(TCPFactory):
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
         return db.execute("SELECT message_id, control_id, connection, payload, lane_key "
-                          "FROM stage_inbound ORDER BY id").fetchall()
+                          "FROM inbound_messages ORDER BY id").fetchall()
 
 
 class TCPLoopbackTests(trial.TestCase):

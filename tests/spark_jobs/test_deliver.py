@@ -34,8 +34,10 @@ PATIENTS = ("P1", "P2", "P3")
 PER_LANE = 5
 
 INSERT = ("INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, "
-          "idempotency_key, lane_key, payload) VALUES (:source_id, :message_id, :control_id, :destination, "
-          ":content_type, :idempotency_key, :lane_key, :payload)")
+          "idempotency_key, lane_key) VALUES (:source_id, :message_id, :control_id, :destination, "
+          ":content_type, :idempotency_key, :lane_key)")
+INSERT_BODY = ("INSERT INTO outbound_bodies (id, payload) "
+               "SELECT id, :payload FROM stage_outbound WHERE idempotency_key = :idempotency_key")
 
 
 @pytest.fixture
@@ -68,6 +70,7 @@ def insert_outbound(store: Store, messages: list[dict[str, Any]]) -> list[int]:
         cur = tx.conn.cursor()
         for n, m in enumerate(messages):
             cur.execute(sql(store, INSERT), {"source_id": n + 1, "content_type": "application/hl7-v2", **m})
+            cur.execute(sql(store, INSERT_BODY), {"payload": m["payload"], "idempotency_key": m["idempotency_key"]})
     by_key = {r["idempotency_key"]: r["id"] for r in rows(store, "SELECT id, idempotency_key FROM stage_outbound")}
     return [by_key[m["idempotency_key"]] for m in messages]
 

@@ -115,7 +115,7 @@ def read_routed(spark: SparkSession, store: Store) -> DataFrame:
     """stage_routed as Spark sees it through the same JDBC path the job uses."""
     return (spark.read.format("jdbc").options(**jdbc_options(store.config))
             .option("query", "SELECT source_id, message_id, control_id, destination, route_name, lane_key, "
-                             "status, payload FROM stage_routed")
+                             "status, payload FROM routed_messages")
             .option("customSchema", ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in ROUTED_SCHEMA))
             .load())
 

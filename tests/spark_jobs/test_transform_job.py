@@ -59,7 +59,7 @@ def rows(store: Store, sql: str) -> list[dict[str, Any]]:
 
 def outbound(store: Store) -> list[dict[str, Any]]:
     return rows(store, "SELECT source_id, message_id, destination, content_type, idempotency_key, lane_key, "
-                       "payload, status FROM stage_outbound ORDER BY id")
+                       "payload, status FROM outbound_messages ORDER BY id")
 
 
 def load_lookups(store: Store) -> None:
