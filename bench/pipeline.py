@@ -7,7 +7,9 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     route     route_job's phases, batch after batch until the backlog is empty
     transform transform_job's phases, likewise (config/transforms.toml-like rules, lookup table)
     deliver   deliver.run to file destinations (atomic write + fsync per message)
-    peer      bench/peers/python_pipeline.run over the same payloads and the same configs
+    peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory
+    durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
+              tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
 
 Figures are messages/s (a message is one inbound row; fan-out makes ~1.6 routed rows each) and
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from bench.peers import python_pipeline  # noqa: E402
+from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
@@ -217,13 +219,31 @@ def main() -> None:
         print(f"peer:      python-hl7 route + transform of {len(payloads):,} messages in {peer_s:.1f} s = "
               f"{peer_rate:,.0f} msg/s ({peer_counts})")
 
+        durable_rate = None
+        if server is not None:
+            import psycopg
+
+            with psycopg.connect(host=server.host, port=server.port, user=server.user, dbname="bench") as conn:
+                durable_pipeline.load(conn, payloads)
+                started = time.perf_counter()
+                durable_counts = durable_pipeline.drain(conn, python_pipeline.Pipeline(ROUTES, SPECS, LOOKUPS))
+                durable_s = time.perf_counter() - started
+            durable_rate = len(payloads) / durable_s
+            print(f"durable:   the same loop over staged tables, {len(payloads):,} messages in {durable_s:.1f} s = "
+                  f"{durable_rate:,.0f} msg/s ({durable_counts})")
+
         both = routed_msgs / (route_s + transform_s)
-        print("\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7 loop) |\n|---|---|---|")
-        print(f"| route | {routed_msgs / route_s:,.0f} msg/s | |")
-        print(f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s) | |")
-        print(f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer) | {peer_rate:,.0f} msg/s |")
+        durable_cell = f"{durable_rate:,.0f} msg/s" if durable_rate else "(postgres only)"
+        versus = f", {both / durable_rate:.2f}× the durable peer" if durable_rate else ""
+        print("\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7, in memory) | durable peer (python-hl7 + SQL) |")
+        print("|---|---|---|---|")
+        print(f"| route | {routed_msgs / route_s:,.0f} msg/s (finalize {phases.seconds['finalize'] / route_s:.0%}) | | |")
+        print(f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s, "
+              f"finalize {tphases.seconds['finalize'] / transform_s:.0%}) | | |")
+        print(f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer{versus}) | "
+              f"{peer_rate:,.0f} msg/s | {durable_cell} |")
         print(f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
-              f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | |")
+              f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |")
         store.close()
     finally:
         close_session(spark)  # before the server stops: pyspark's exit hook would wait on it for minutes

@@ -581,36 +581,34 @@ def _field_json(field: Node, seps: _Seps) -> Any:
 # --- both, as one engine loop ---------------------------------------------------------------------
 
 
-def run(
-    payloads: list[str],
-    routes: Sequence[Mapping[str, Any] | Route],
-    specs: Sequence[Mapping[str, Any] | Transform],
-    lookups: Lookups | None = None,
-) -> dict[str, int]:
-    """Route and transform every payload in one loop, as a naive engine would; returns counts.
+class Pipeline:
+    """Routes and transforms, validated once; `process` is one message through both."""
 
-    Each message is parsed once for routing; the first destination with a spec reuses that parse
-    (routing only reads it), every further one parses again, since rules edit the tree in place.
-    """
-    router = _Router(routes)
-    transformer = _Transformer(specs, lookups)
-    counts = dict.fromkeys(
-        ("messages", "unrouted", "routed", "transformed", "passed_through", "failed", "bytes_out"), 0
-    )
-    for payload in payloads:
+    def __init__(self, routes: Sequence[Mapping[str, Any] | Route], specs: Sequence[Mapping[str, Any] | Transform],
+                 lookups: Lookups | None = None) -> None:
+        self.router = _Router(routes)
+        self.transformer = _Transformer(specs, lookups)
+
+    def process(self, payload: str, counts: dict[str, int]) -> list[tuple[str, str | None]]:
+        """(destination, output or None if it cannot be transformed) per destination; [] if unrouted.
+
+        The message is parsed once for routing; the first destination with a spec reuses that parse
+        (routing only reads it), every further one parses again, since rules edit the tree in place.
+        """
         counts["messages"] += 1
         segments = _segments(payload)
         parsed = _route_message(segments)
-        hits = router.hits(parsed)
+        hits = self.router.hits(parsed)
         if not hits:
             counts["unrouted"] += 1
-            continue
+            return []
         reusable = parsed is not None and not any(s[:3] in _UNIT_STARTS for s in segments[1:])
+        results: list[tuple[str, str | None]] = []
         for destination, _name in hits:
             counts["routed"] += 1
-            spec = transformer.specs.get(destination)
+            spec = self.transformer.specs.get(destination)
             if spec is None:
-                out = payload
+                out: str | None = payload
                 counts["passed_through"] += 1
             else:
                 if reusable:
@@ -618,10 +616,29 @@ def run(
                     reusable = False
                 else:
                     units = _units(segments)
-                out = transformer.apply(spec, units)
+                out = self.transformer.apply(spec, units)
                 counts["transformed"] += 1
             if out is None:
                 counts["failed"] += 1
             else:
                 counts["bytes_out"] += len(out)
+            results.append((destination, out))
+        return results
+
+
+def new_counts() -> dict[str, int]:
+    return dict.fromkeys(("messages", "unrouted", "routed", "transformed", "passed_through", "failed", "bytes_out"), 0)
+
+
+def run(
+    payloads: list[str],
+    routes: Sequence[Mapping[str, Any] | Route],
+    specs: Sequence[Mapping[str, Any] | Transform],
+    lookups: Lookups | None = None,
+) -> dict[str, int]:
+    """Route and transform every payload in one loop, in memory, as a naive engine would; counts."""
+    pipeline = Pipeline(routes, specs, lookups)
+    counts = new_counts()
+    for payload in payloads:
+        pipeline.process(payload, counts)
     return counts

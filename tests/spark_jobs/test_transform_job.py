@@ -42,10 +42,14 @@ def insert_routed(store: Store, routed: list[tuple[int, str, str, str]]) -> dict
     mark = "%s" if store.backend == "postgres" else "?"
     with store.transaction() as tx:
         cur = tx.conn.cursor()
+        bodies: dict[int, str] = {}
         for source_id, message_id, destination, payload in routed:
+            assert bodies.setdefault(source_id, payload) == payload, "a routed row's body is its source's"
             cur.execute("INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, "
-                        f"lane_key, payload) VALUES ({', '.join([mark] * 7)})",
-                        (source_id, message_id, f"CTL-{message_id}", destination, "r", f"lane-{source_id}", payload))
+                        f"lane_key) VALUES ({', '.join([mark] * 6)})",
+                        (source_id, message_id, f"CTL-{message_id}", destination, "r", f"lane-{source_id}"))
+        for source_id, payload in bodies.items():
+            cur.execute(f"INSERT INTO inbound_bodies (id, payload) VALUES ({mark}, {mark})", (source_id, payload))
     got = rows(store, "SELECT id, source_id, destination FROM stage_routed")
     return {(r["source_id"], r["destination"]): r["id"] for r in got}
 
