@@ -3,56 +3,35 @@
 Idempotency: the file is named `<idempotency_key><suffix>` and written atomically (temp file in
 the same directory, fsync, `os.replace`, fsync of the directory), so a re-delivery overwrites the
 same file with the same bytes. Pollers must ignore dot-files (`.stageline-*.tmp`).
+
+`send_file_lanes` does the same for many messages at once with two flushes instead of two per
+file: every temp file written, ONE `syncfs` of their filesystem (their data is on disk), every
+rename in lane order, ONE fsync per directory (the renames are on disk). Nothing is reported sent
+before both flushes, so a crash loses no acknowledged file; it can leave temp files behind (as the
+single path can) and re-sends the rows, which rewrite the same names.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import quote
 
 from include.destinations_config import FileDestination
 from spark_jobs.senders.common import DeliveryResult, describe_error, payload_codec
 
-__all__ = ["send_file"]
+__all__ = ["FileSend", "send_file", "send_file_lanes"]
 
 
 def send_file(dest: FileDestination, payload: str, content_type: str, idempotency_key: str) -> DeliveryResult:
     """Write `payload` to `<directory>/<key><suffix>`; a missing directory is retryable, never created."""
-    name = _file_name(idempotency_key, dest.suffix)
-    if name is None:
-        return DeliveryResult.permanent(f"{dest.name}: idempotency key {idempotency_key!r} cannot name a file")
-    codec = payload_codec(payload, content_type)
-    try:
-        data = payload.encode(codec)
-    except UnicodeEncodeError as exc:
-        return DeliveryResult.permanent(f"{dest.name}: payload cannot be encoded as {codec}: position {exc.start}")
-    if not os.path.isdir(dest.directory):  # never create it: a missing mount must not fill its mount point
-        return DeliveryResult.retry(f"{dest.name}: directory {dest.directory} does not exist")
-    final = os.path.join(dest.directory, name)
-    tmp: str | None = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".stageline-", suffix=".tmp", dir=dest.directory)
-        try:
-            os.fchmod(fd, dest.mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        tmp = None
-        _fsync_directory(dest.directory)
-    except OSError as exc:
-        return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return DeliveryResult.success(f"{dest.name}: wrote {name} ({len(data)} bytes)")
+    [[result]] = send_file_lanes([[FileSend(dest, payload, content_type, idempotency_key)]])
+    assert result is not None
+    return result
 
 
 def _file_name(key: str, suffix: str) -> str | None:
@@ -74,3 +53,141 @@ def _fsync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class FileSend:
+    """One message of a lane for `send_file_lanes`."""
+
+    dest: FileDestination
+    payload: str
+    content_type: str
+    idempotency_key: str
+
+
+@dataclass
+class _Staged:
+    send: FileSend
+    lane: int
+    index: int
+    tmp: str
+    final: str
+    size: int
+
+
+def send_file_lanes(lanes: Sequence[Sequence[FileSend]]) -> list[list[DeliveryResult | None]]:
+    """Write many lanes of files with one data flush and one flush per directory (module docstring).
+
+    Per lane, results in the lane's order; a lane stops at its first failure and the rest of it is
+    None (not attempted). Never raises.
+    """
+    results: list[list[DeliveryResult | None]] = [[None] * len(lane) for lane in lanes]
+    staged: list[_Staged] = []
+    for li, lane in enumerate(lanes):
+        for i, item in enumerate(lane):
+            outcome = _write_temp(item)
+            if isinstance(outcome, DeliveryResult):
+                results[li][i] = outcome
+                break
+            staged.append(_Staged(item, li, i, outcome[0], outcome[1], outcome[2]))
+    if not staged:
+        return results
+    flushed = _flush_data({s.send.dest.directory for s in staged})
+    stopped: set[int] = set()
+    renamed: dict[str, list[_Staged]] = {}
+    for st in staged:
+        if st.lane in stopped or flushed is not None:
+            _unlink(st.tmp)
+            if st.lane not in stopped:
+                results[st.lane][st.index] = DeliveryResult.retry(f"{st.send.dest.name}: flushing files: {flushed}")
+                stopped.add(st.lane)
+            continue
+        try:
+            os.replace(st.tmp, st.final)
+        except OSError as exc:
+            _unlink(st.tmp)
+            results[st.lane][st.index] = DeliveryResult.retry(
+                f"{st.send.dest.name}: writing {os.path.basename(st.final)}: {describe_error(exc)}")
+            stopped.add(st.lane)
+            continue
+        renamed.setdefault(st.send.dest.directory, []).append(st)
+    for directory, done in renamed.items():
+        try:
+            _fsync_directory(directory)
+        except OSError as exc:
+            failed = DeliveryResult.retry(f"{done[0].send.dest.name}: syncing {directory}: {describe_error(exc)}")
+            for st in done:
+                results[st.lane][st.index] = failed
+            continue
+        for st in done:
+            results[st.lane][st.index] = DeliveryResult.success(
+                f"{st.send.dest.name}: wrote {os.path.basename(st.final)} ({st.size} bytes)")
+    for li, lane in enumerate(results):  # after a failure nothing later in the lane counts as sent
+        for i, r in enumerate(lane):
+            if r is not None and not r.ok:
+                lane[i + 1:] = [None] * (len(lane) - i - 1)
+                break
+    return results
+
+
+def _write_temp(item: FileSend) -> tuple[str, str, int] | DeliveryResult:
+    """The message in a temp file beside its final name, not yet flushed; or why not."""
+    dest = item.dest
+    name = _file_name(item.idempotency_key, dest.suffix)
+    if name is None:
+        return DeliveryResult.permanent(f"{dest.name}: idempotency key {item.idempotency_key!r} cannot name a file")
+    codec = payload_codec(item.payload, item.content_type)
+    try:
+        data = item.payload.encode(codec)
+    except UnicodeEncodeError as exc:
+        return DeliveryResult.permanent(f"{dest.name}: payload cannot be encoded as {codec}: position {exc.start}")
+    if not os.path.isdir(dest.directory):
+        return DeliveryResult.retry(f"{dest.name}: directory {dest.directory} does not exist")
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".stageline-", suffix=".tmp", dir=dest.directory)
+        try:
+            os.fchmod(fd, dest.mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if tmp is not None:
+            _unlink(tmp)
+        return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
+    return tmp, os.path.join(dest.directory, name), len(data)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
+
+
+def _flush_data(directories: set[str]) -> str | None:
+    """Flush the written data of every file system holding `directories` (one `syncfs` each; a
+    global `sync` where there is none); None, or the error."""
+    devices: dict[int, str] = {}
+    try:
+        for d in directories:
+            devices.setdefault(os.stat(d).st_dev, d)
+        for d in devices.values():
+            fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                if _LIBC is not None and hasattr(_LIBC, "syncfs"):
+                    if _LIBC.syncfs(fd) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, os.strerror(err))
+                else:
+                    os.sync()
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return describe_error(exc)
+    return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

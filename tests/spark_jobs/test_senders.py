@@ -25,6 +25,7 @@ import pytest
 from include.destinations_config import FileDestination, HttpDestination, MllpDestination, parse_destinations
 from spark_jobs.senders import close_connections, send
 from spark_jobs.senders.common import DeliveryResult
+from spark_jobs.senders.file import FileSend, send_file_lanes
 from tests.listeners.test_tls import make_pki
 
 # An MLLP receiver's answer to one message: an ACK text to send back, None to stay silent, or
@@ -448,6 +449,23 @@ def test_file_uses_the_content_type_charset(tmp_path: Path) -> None:
     assert (tmp_path / "k").read_bytes() == "é".encode("iso8859_1")
     bad = send(dest, payload="€", content_type="text/plain; charset=ascii", idempotency_key="k2")
     assert (bad.ok, bad.retryable) == (False, False)
+
+
+def test_file_lanes_are_written_together_and_a_lane_stops_at_its_first_failure(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    a, b = file_dest(one, suffix=""), file_dest(two, suffix="")
+    lanes = [[FileSend(a, "a1", "text/plain", "a1"), FileSend(a, "€", "text/plain; charset=ascii", "a2"),
+              FileSend(a, "a3", "text/plain", "a3")],
+             [FileSend(b, "b1", "text/plain", "b1"), FileSend(b, "b2", "text/plain", "b2")],
+             [FileSend(file_dest(tmp_path / "missing"), "c1", "text/plain", "c1")]]
+    results = send_file_lanes(lanes)
+    assert [[None if r is None else (r.ok, r.retryable) for r in lane] for lane in results] == [
+        [(True, False), (False, False), None], [(True, False), (True, False)], [(False, True)]]
+    assert sorted(p.name for p in one.iterdir()) == ["a1"]  # a3 never written: its lane stopped at a2
+    assert sorted(p.name for p in two.iterdir()) == ["b1", "b2"]  # no temp files left anywhere
+    assert (two / "b2").read_text() == "b2"
 
 
 # --- HTTP -------------------------------------------------------------------------------------
