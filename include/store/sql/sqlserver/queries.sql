@@ -11,6 +11,8 @@
 --   * every result column is named (pymssql's as_dict refuses unnamed columns);
 --   * OUTPUT can only name inserted./deleted. columns or tables of the FROM clause, so the
 --     destination (a column, or NULL for stage_inbound) comes from CROSS APPLY (SELECT {dest} ...) d;
+--   * OUTPUT without INTO is refused on a table with an enabled trigger for that action (error 334):
+--     the store has no triggers (bodies are deleted by the purge queries, see migration 0004);
 --   * the epoch check (EXISTS ... leader_lease ... epoch = :epoch) is a plain read: as on PostgreSQL
 --     the fence is the fence_shared / fence_exclusive lock pair the callers take (Tx.fence()).
 
@@ -165,6 +167,8 @@ SELECT node_id, host, pid, status, is_leader, config_hash,
 -- Up to :limit due rows in id order, in lane order: a row is skipped while an earlier
 -- row of its lane is still open and not claimable now (in_flight, or backing off), so a stranded
 -- row is finished before anything newer in its lane moves on. NULL lanes are never held back.
+-- The probe states `e.lane_key IS NOT NULL` (implied by the equality) because a filtered index is
+-- matched on the query's literal predicates: so it probes the small held_lane index.
 UPDATE t
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
@@ -177,7 +181,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                  WHERE c.status IN ('pending', 'error')
                    AND (c.next_attempt_at IS NULL OR c.next_attempt_at <= SYSUTCDATETIME())
                    AND (c.lane_key IS NULL OR NOT EXISTS (SELECT 1 FROM {table} AS e
-                                    WHERE e.status IN ('in_flight', 'error') AND e.lane_key = c.lane_key
+                                    WHERE e.status IN ('in_flight', 'error') AND e.lane_key IS NOT NULL
+                                      AND e.lane_key = c.lane_key
                                       AND e.id < c.id AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME())))
                  ORDER BY c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -288,11 +293,14 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- NOT EXISTS under a key-range lock (UPDLOCK, HOLDLOCK) skips an id already staged and makes a
 -- concurrent insert of the same id wait, then skip; ROW_NUMBER keeps the first of duplicates within
 -- the batch. OPENJSON's columns have the database collation, so comparisons name the column's.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, payload)
+-- No body here: stage_inbound_bodies writes them next, in the same transaction (bodies_written 0),
+-- and the events follow too (events_recorded 0).
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
-       NULL AS destination, NULL AS detail, CAST(0 AS bit) AS events_recorded
-SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payload
-  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.payload,
+       NULL AS destination, NULL AS detail, CAST(0 AS bit) AS events_recorded,
+       CAST(0 AS bit) AS bodies_written
+SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset
+  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset,
                ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
                                   ORDER BY CAST(j.[key] AS int)) AS nth
           FROM OPENJSON(:messages) AS j
@@ -301,12 +309,30 @@ SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.payloa
                control_id  nvarchar(200) '$.control_id',
                connection  nvarchar(200) '$.connection',
                lane_key    nvarchar(200) '$.lane_key',
-               charset     nvarchar(64)  '$.charset',
-               payload     nvarchar(max) '$.payload') AS v) AS m
+               charset     nvarchar(64)  '$.charset') AS v) AS m
  WHERE m.nth = 1
    AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WITH (UPDLOCK, HOLDLOCK)
                     WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: stage_inbound_bodies
+-- The bodies of the rows stage_inbound has just written (:ids, its OUTPUT). A message id given
+-- twice in one batch keeps its first body, as its row kept the first message (the same ROW_NUMBER
+-- over the array index). A body already there stays (ON CONFLICT (id) DO NOTHING; the ids are
+-- fresh, so this only guards the statement).
+INSERT INTO inbound_bodies (id, payload)
+SELECT s.id, m.payload
+  FROM (SELECT v.message_id, v.payload,
+               ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
+                                  ORDER BY CAST(j.[key] AS int)) AS nth
+          FROM OPENJSON(:messages) AS j
+         CROSS APPLY OPENJSON(j.value) WITH (
+               message_id  nvarchar(450) '$.message_id',
+               payload     nvarchar(max) '$.payload') AS v) AS m
+  JOIN stage_inbound AS s ON s.message_id = m.message_id COLLATE Latin1_General_100_BIN2
+ WHERE m.nth = 1
+   AND s.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+   AND NOT EXISTS (SELECT 1 FROM inbound_bodies AS b WHERE b.id = s.id)
 
 -- name: record_events_for
 -- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
@@ -327,30 +353,63 @@ WHERE id = 1
 -- name: leader_config_hash
 SELECT n.config_hash FROM leader_lease AS l JOIN nodes AS n ON n.node_id = l.owner WHERE l.id = 1
 
--- name: purge_finished
+-- name: purge_finished_routed
 -- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
--- epoch only (retention is leader work like any other). `done`/`dead` matches the filtered index
--- of stage_routed/stage_outbound; stage_inbound also has `unrouted` rows: purge_finished_inbound.
--- The age is applied in whole seconds: DATEADD takes an int, and milliseconds overflow it after
--- 24 days. READPAST skips rows a finalize holds instead of queueing behind it.
-DELETE FROM {table}
- WHERE id IN (SELECT TOP (:limit) id FROM {table} WITH (READPAST, ROWLOCK)
-               WHERE status IN ('done', 'dead')
-                 AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+-- epoch only (retention is leader work like any other), and return the ids deleted.
+-- `done`/`dead` is exactly the predicate of the table's filtered finished index, so the search
+-- never reads open rows. The age is applied in whole seconds: DATEADD takes an int, and
+-- milliseconds overflow it after 24 days. READPAST skips rows a finalize holds instead of queueing
+-- behind it. A routed row has no body of its own (it reads its source's).
+DELETE t
+OUTPUT deleted.id
+  FROM stage_routed AS t
+ WHERE t.id IN (SELECT TOP (:limit) id FROM stage_routed WITH (READPAST, ROWLOCK)
+                 WHERE status IN ('done', 'dead')
+                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
+-- name: purge_finished_outbound
+-- purge_finished_routed for stage_outbound: the rows, then the bodies of exactly the rows deleted
+-- (their ids caught by OUTPUT ... INTO), in one batch and transaction; returns the ids. One DML
+-- statement has one target in T-SQL, hence the table variable (see migration 0004 on why no
+-- trigger does this).
+DECLARE @gone TABLE (id bigint NOT NULL PRIMARY KEY);
+DELETE t
+OUTPUT deleted.id INTO @gone
+  FROM stage_outbound AS t
+ WHERE t.id IN (SELECT TOP (:limit) id FROM stage_outbound WITH (READPAST, ROWLOCK)
+                 WHERE status IN ('done', 'dead')
+                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
+DELETE FROM outbound_bodies WHERE id IN (SELECT id FROM @gone);
+SELECT id FROM @gone;
 
 -- name: purge_finished_inbound
-DELETE FROM stage_inbound
- WHERE id IN (SELECT TOP (:limit) id FROM stage_inbound WITH (READPAST, ROWLOCK)
-               WHERE status IN ('done', 'dead', 'unrouted')
-                 AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
-   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+-- purge_finished_outbound for stage_inbound, whose finished rows include `unrouted` (its filtered
+-- index's exact predicate). A row whose routed rows are still open (pending, in flight, backing
+-- off) stays with its body, however old: they read it. That probe takes no READPAST: skipping a
+-- locked open routed row would make its source look purgeable.
+DECLARE @gone TABLE (id bigint NOT NULL PRIMARY KEY);
+DELETE t
+OUTPUT deleted.id INTO @gone
+  FROM stage_inbound AS t
+ WHERE t.id IN (SELECT TOP (:limit) s.id FROM stage_inbound AS s WITH (READPAST, ROWLOCK)
+                 WHERE s.status IN ('done', 'dead', 'unrouted')
+                   AND s.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
+                                    WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error')))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
+DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM @gone);
+SELECT id FROM @gone;
 
 -- name: purge_events
--- Retention of the audit trail: up to :limit events older than :ms milliseconds (whole seconds).
-DELETE FROM message_events
- WHERE id IN (SELECT TOP (:limit) id FROM message_events WITH (READPAST, ROWLOCK)
-               WHERE at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+-- Retention of the audit trail: up to :limit events older than :ms milliseconds (whole seconds);
+-- returns the ids deleted.
+DELETE e
+OUTPUT deleted.id
+  FROM message_events AS e
+ WHERE e.id IN (SELECT TOP (:limit) id FROM message_events WITH (READPAST, ROWLOCK)
+                 WHERE at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
@@ -360,9 +419,9 @@ DELETE FROM message_events
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark.
-SELECT id, payload
-  FROM stage_inbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT s.id, b.payload
+  FROM stage_inbound AS s JOIN inbound_bodies AS b ON b.id = s.id
+ WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
 -- name: route_pending_ids
 SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
@@ -375,11 +434,12 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- so nothing lands for a source whose claim was lost. ON CONFLICT (source_id, destination) DO
 -- NOTHING: NOT EXISTS under a key-range lock (UPDLOCK, HOLDLOCK), and ROW_NUMBER keeps one of
 -- duplicate landing rows (a retried Spark task). INSERT … SELECT … ORDER BY assigns the identity
--- values in that order, keeping arrival order in the ids.
-INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, payload)
+-- values in that order, keeping arrival order in the ids. No body is copied: a routed row reads
+-- its source's (inbound_bodies).
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        inserted.destination, NULL AS detail
-SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key, i.payload
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key
   FROM (SELECT source_id, destination, route_name,
                ROW_NUMBER() OVER (PARTITION BY source_id, destination ORDER BY source_id) AS nth
           FROM landing_routed
@@ -402,9 +462,10 @@ DELETE FROM landing_routed WHERE source_id IN (SELECT CAST(value AS bigint) FROM
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
 -- subquery), the caller orders by id.
-SELECT id, destination, lane_key, payload, content_type, idempotency_key, attempts, message_id, control_id
-  FROM stage_outbound
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+SELECT o.id, o.destination, o.lane_key, b.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
+       o.control_id
+  FROM stage_outbound AS o JOIN outbound_bodies AS b ON b.id = o.id
+ WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending
 -- What a waiting stage run polls: the current epoch (has leadership moved?), whether the lease is
@@ -421,10 +482,11 @@ SELECT l.epoch,
   FROM leader_lease AS l WHERE l.id = 1
 
 -- name: transform_read_claimed
--- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
-SELECT id, source_id, destination, payload, message_id, control_id
-  FROM stage_routed
- WHERE lease_owner = :owner AND claim_epoch = :epoch AND status = 'in_flight'
+-- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch. The body is the
+-- routed row's source's.
+SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id
+  FROM stage_routed AS r JOIN inbound_bodies AS b ON b.id = r.source_id
+ WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed.
@@ -435,14 +497,14 @@ SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
 -- :ids are the routed rows this transaction has just finished. The idempotency key is the inbound
 -- message id and the destination. ON CONFLICT DO NOTHING: NOT EXISTS under a key-range lock, and
 -- ROW_NUMBER keeps one of duplicate landing rows; ORDER BY assigns the identity values in routed
--- (arrival) order, which is lane order.
+-- (arrival) order, which is lane order. The bodies follow in transform_finalize_bodies.
 INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
-                            lane_key, payload)
+                            lane_key)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        inserted.destination, NULL AS detail
 SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
-       l.message_id + N'-' + l.destination, l.lane_key, l.payload
-  FROM (SELECT routed_id, source_id, message_id, control_id, destination, content_type, lane_key, payload,
+       l.message_id + N'-' + l.destination, l.lane_key
+  FROM (SELECT routed_id, source_id, message_id, control_id, destination, content_type, lane_key,
                ROW_NUMBER() OVER (PARTITION BY routed_id ORDER BY routed_id) AS nth
           FROM landing_outbound
          WHERE run_id = :run_id AND payload IS NOT NULL
@@ -452,6 +514,19 @@ SELECT l.source_id, l.message_id, l.control_id, l.destination, l.content_type,
                     WHERE (o.source_id = l.source_id AND o.destination = l.destination)
                        OR o.idempotency_key = l.message_id + N'-' + l.destination)
  ORDER BY l.routed_id
+
+-- name: transform_finalize_bodies
+-- The bodies of the outbound rows transform_finalize_insert has just written (:ids), from the same
+-- landed rows (a routed row's source and destination); ROW_NUMBER keeps one of duplicate landing
+-- rows. Written once, never rewritten by a state change.
+INSERT INTO outbound_bodies (id, payload)
+SELECT x.id, x.payload
+  FROM (SELECT o.id, l.payload, ROW_NUMBER() OVER (PARTITION BY o.id ORDER BY o.id) AS nth
+          FROM stage_outbound AS o
+          JOIN landing_outbound AS l ON l.source_id = o.source_id AND l.destination = o.destination
+         WHERE o.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+           AND l.run_id = :run_id AND l.payload IS NOT NULL) AS x
+ WHERE x.nth = 1
 
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id
