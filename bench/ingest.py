@@ -2,6 +2,7 @@
 (fsync and synchronous_commit on), listenerd beside, in the same invocation:
 
   peer     python-hl7's asyncio MLLP server doing one INSERT+COMMIT per message before its ACK
+  strong   the strong naive durable peer: the same, framing only (no parse), ACK from MSH-10
   ceiling  the same server framing and ACKing with no database at all
 
 The client is python-hl7's asyncio client in raw block mode (pre-framed bytes, no parsing), one
@@ -100,7 +101,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1, help="messages outstanding per connection")
     args = ap.parse_args()
     levels = [int(c) for c in args.connections.split(",")]
-    results: dict[str, dict[int, dict]] = {"listenerd": {}, "peer": {}, "ceiling": {}}
+    results: dict[str, dict[int, dict]] = {"listenerd": {}, "peer": {}, "strong": {}, "ceiling": {}}
     with PostgresServer() as pg, tempfile.TemporaryDirectory() as tmp:
         pg.execute("CREATE DATABASE ingest")
         cfg = StoreConfig(backend="postgres", server=pg.host, port=pg.port, database="ingest",
@@ -121,7 +122,7 @@ def main() -> None:
             rss = peak_rss_mb(daemon.proc.pid)
         finally:
             daemon.stop()
-        for mode, name in (("db", "peer"), ("ceiling", "ceiling")):
+        for mode, name in (("db", "peer"), ("strong", "strong"), ("ceiling", "ceiling")):
             proc, pport = start_peer(mode, pg.conninfo("ingest"))
             try:
                 drive(pport, 4, 1.0, f"warm{mode}")
@@ -136,11 +137,11 @@ def main() -> None:
           f"python-hl7 asyncio client in raw block mode, {args.window} message(s) outstanding per connection")
     print(f"  {'conns':>5}  {'server':<10}{'msg/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
     for c in levels:
-        for name in ("listenerd", "peer", "ceiling"):
+        for name in ("listenerd", "peer", "strong", "ceiling"):
             r = results[name][c]
             print(f"  {c:>5}  {name:<10}{r['rate']:>9,.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}")
-        lr, pr, cr = (results[n][c]["rate"] for n in ("listenerd", "peer", "ceiling"))
-        print(f"         listenerd = {lr / pr:.1f}x peer, {lr / cr:.0%} of ceiling")
+        lr, pr, sr, cr = (results[n][c]["rate"] for n in ("listenerd", "peer", "strong", "ceiling"))
+        print(f"         listenerd = {lr / pr:.2f}x peer, {lr / sr:.2f}x strong peer, {lr / cr:.0%} of ceiling")
     acked = sum(r["n"] for r in results["listenerd"].values())
     print(f"  listenerd CPU {cpu_per_msg * 1e6:.0f} us/msg; peak RSS {rss:.0f} MB; {staged:,} rows staged for {acked:,} ACKed in the timed runs (+ warm-up)")
 

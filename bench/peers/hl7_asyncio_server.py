@@ -1,6 +1,8 @@
 """The peers for bench/ingest.py: python-hl7's own asyncio MLLP server (`hl7.mllp.start_hl7_server`).
 
-    --mode db        one INSERT + COMMIT per message into PostgreSQL, then the ACK (the peer)
+    --mode db        python-hl7 parse, one INSERT + COMMIT per message into PostgreSQL, then its ACK
+    --mode strong    the strong naive durable peer (../shared/peers/ack_after_insert_server.py):
+                     framing only (readblock), one INSERT + COMMIT, then an ACK built from MSH-10
     --mode parse     python-hl7 parse and ACK only, no database
     --mode ceiling   frame and answer a fixed ACK: no parsing, no database (the ceiling)
 """
@@ -8,33 +10,50 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import uuid
 
 import hl7
 from hl7.mllp import start_hl7_server
 
-INSERT = ("INSERT INTO stage_inbound (message_id, control_id, connection, payload) "
-          "VALUES (%s, %s, 'peer', %s)")
+TABLE = ("CREATE TABLE IF NOT EXISTS inbound_stage (id bigserial PRIMARY KEY, channel text, control_id text, "
+         "payload text, created timestamptz DEFAULT now())")
+INSERT = "INSERT INTO inbound_stage (channel, control_id, payload) VALUES ('in', %s, %s)"
+
+
+def raw_ack(block: bytes) -> bytes:
+    """An AA for `block` from its MSH by string operations (no parse), as the strong peer does."""
+    msh = block.split(b"\r", 1)[0]
+    f = msh.split(msh[3:4])
+    ctl = f[9] if len(f) > 9 else b""
+    return (b"MSH|^~\\&|ENGINE|SPIKE|" + f[2] + b"|" + f[3] + b"|20240101000000||ACK|" + ctl + b"|P|"
+            + (f[11] if len(f) > 11 else b"2.5") + b"\rMSA|AA|" + ctl + b"\r")
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--mode", choices=["db", "parse", "ceiling"], required=True)
+    ap.add_argument("--mode", choices=["db", "strong", "parse", "ceiling"], required=True)
     ap.add_argument("--dsn", default="")
     args = ap.parse_args()
 
     async def handle(reader, writer) -> None:
         conn = None
-        if args.mode == "db":
+        if args.mode in ("db", "strong"):
             import psycopg
 
             conn = await psycopg.AsyncConnection.connect(args.dsn)
         try:
             while not writer.is_closing():
+                if args.mode == "strong":
+                    block = await reader.readblock()
+                    ctl = block.split(b"\r", 1)[0].split(b"|")[9].decode()
+                    await conn.execute(INSERT, (ctl, block.decode("utf-8", "replace")))
+                    await conn.commit()  # durable before the ACK
+                    writer.writeblock(raw_ack(block))
+                    await writer.drain()
+                    continue
                 message = await reader.readmessage()
                 if conn is not None:
-                    await conn.execute(INSERT, (uuid.uuid4().hex, str(message.segment("MSH")[10]), str(message)))
+                    await conn.execute(INSERT, (str(message.segment("MSH")[10]), str(message)))
                     await conn.commit()
                 writer.writemessage(message.create_ack())
                 await writer.drain()
@@ -56,6 +75,11 @@ async def main() -> None:
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
+    if args.mode in ("db", "strong"):
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as c:
+            await c.execute(TABLE)
     if args.mode == "ceiling":
         server = await asyncio.start_server(frame_only, "127.0.0.1", args.port, limit=16 * 1024 * 1024)
     else:
