@@ -20,8 +20,9 @@ One round:
 drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
 after another and the first failure stops the lane, so a later message never overtakes a failed
 earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else
-(invariant 6, docs/invariants.md). `per_lane` > 1 (default 500) lets a busy lane — e.g. one lane
-per destination — move many messages per round instead of one.
+(invariant 6, docs/invariants.md). `per_lane` > 1 (default 5,000) lets a busy lane — e.g. one lane
+per destination — move many messages per round instead of one; `max_rows` (default 20,000) caps a
+round over all lanes, taken round-robin so every lane keeps a prefix.
 
 At-least-once (invariant 5): a message can be sent and its finalize never land (crash, lost
 lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent again. Every
@@ -74,7 +75,11 @@ CLAIMED_SCHEMA = ("id BIGINT, destination STRING, lane_key STRING, payload STRIN
 OUTCOME_COLUMNS = ("id", "destination", "ok", "retryable", "detail")
 OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, detail STRING"
 NO_OUTCOME = "no delivery outcome came back from Spark"
-DEFAULT_PER_LANE = 500
+DEFAULT_PER_LANE = 5_000
+DEFAULT_ROUND_ROWS = 20_000
+"""Rows one round claims at most, over all its lanes (round-robin, each lane a prefix): bounds a
+round's memory and duration however many lanes are due, while a one-lane backlog still moves
+`DEFAULT_PER_LANE` rows a round instead of waiting a round per few hundred."""
 
 Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
 
@@ -181,11 +186,12 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
 
 
 def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None,
-          per_lane: int = 1) -> list[int]:
-    """Claim the first `per_lane` rows of up to `max_lanes` lanes in their own transaction; their ids."""
+          per_lane: int = 1, max_rows: int = DEFAULT_ROUND_ROWS) -> list[int]:
+    """Claim the first `per_lane` rows of up to `max_lanes` lanes, at most `max_rows` in all, in their
+    own transaction; their ids."""
     with store.transaction() as tx:
         rows = claim_lane_heads(tx, OUTBOUND, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds,
-                                per_lane=per_lane)
+                                per_lane=per_lane, max_rows=max_rows)
     return [int(r["id"]) for r in rows]
 
 
@@ -213,7 +219,8 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
 
 
 def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
-        max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, time_budget_seconds: float = 240.0,
+        max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, max_rows: int = DEFAULT_ROUND_ROWS,
+        time_budget_seconds: float = 240.0,
         lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
         clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> DeliverOutcome:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
@@ -231,7 +238,7 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     total = DeliverOutcome()
     while not stop():
         ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds,
-                    per_lane=per_lane)
+                    per_lane=per_lane, max_rows=max_rows)
         if not ids:
             break
         try:

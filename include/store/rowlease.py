@@ -22,7 +22,8 @@ Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")
 SWEEP_MAX_ATTEMPTS = 10
 """Claims after which the sweep dead-letters an expired row instead of re-pending it."""
-UNLIMITED_ATTEMPTS = 2**31 - 1
+NO_LIMIT = 2**31 - 1
+UNLIMITED_ATTEMPTS = NO_LIMIT
 
 
 def reclaim_cap(table: StagedTable) -> int:
@@ -51,8 +52,10 @@ def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: in
 
 
 def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
-                     lease_seconds: float | None = None, per_lane: int = 1) -> list[Row]:
-    """Claim the head — or the first `per_lane` rows — of up to `limit` lanes (per-lane FIFO).
+                     lease_seconds: float | None = None, per_lane: int = 1,
+                     max_rows: int = NO_LIMIT) -> list[Row]:
+    """Claim the head — or the first `per_lane` rows — of up to `limit` lanes (per-lane FIFO),
+    at most `max_rows` rows in all (round-robin over the lanes, each lane keeps a prefix).
 
     A lane's head is its oldest unfinished row; a lane is cut before its first row in flight
     elsewhere or waiting out its backoff, so such a row blocks only its own lane. Expired in-flight
@@ -63,7 +66,7 @@ def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limi
     sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000, max_attempts=UNLIMITED_ATTEMPTS)
     tx.fence()
     return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                              "per_lane": int(per_lane),
+                                              "per_lane": int(per_lane), "max_rows": int(max_rows),
                                               "lease_seconds": _lease(tx, lease_seconds)}, table=table))
 
 

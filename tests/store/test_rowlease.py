@@ -73,6 +73,25 @@ def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
         assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)] == [ids["a2"]]
 
 
+def test_a_row_capped_lane_claim_takes_lanes_round_robin_and_leaves_each_a_prefix(store):
+    epoch = take_lease(store).epoch
+    with store.transaction() as tx:
+        ids = {k: rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
+                                    payload="MSH|", lane_key=k[0])
+               for k in ("a1", "a2", "b1", "a3", "c1", "b2", "a4", "a5")}
+    with store.transaction() as tx:
+        first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10,
+                                                      max_rows=5)]
+    assert first == sorted(ids[k] for k in ("a1", "b1", "c1", "a2", "b2"))  # every lane's 1st, then 2nds
+    with store.transaction() as tx:  # lanes with rows in flight give nothing more
+        assert rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10, max_rows=5) == []
+        rl.finish_batch(tx, INBOUND, first, owner="a", epoch=epoch)
+    with store.transaction() as tx:  # one lane left: it moves max_rows at once, in order
+        rest = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10,
+                                                     max_rows=5)]
+    assert rest == [ids["a3"], ids["a4"], ids["a5"]]
+
+
 def test_a_failing_head_blocks_only_its_own_lane_and_dead_letters_after_the_limit(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:

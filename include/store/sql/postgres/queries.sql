@@ -121,16 +121,19 @@ RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination
 -- name: claim_lane_heads
 -- Per-lane FIFO: the first :per_lane open rows of up to :limit lanes (lanes ordered by their oldest
 -- open row), each lane cut before its first row that is in flight or backing off — so a lane whose
--- head is held gives nothing, and one claim never leaves a gap in a lane. Lanes, not rows, are
--- limited, so two concurrent claimers see whole prefixes: whatever one took, the other's outer
--- status check (evaluated under the row lock) skips. NULL lane keys form one lane.
+-- head is held gives nothing, and one claim never leaves a gap in a lane. At most :max_rows rows in
+-- all, taken round-robin (every lane's first row, then every lane's second, ...), so a cut still
+-- leaves each lane a prefix and a one-lane backlog moves :max_rows rows a round, not :per_lane.
+-- Two concurrent claimers rank the rows they both see the same way and so take nested prefixes:
+-- whatever one took, the other's outer status check (evaluated under the row lock) skips. NULL lane
+-- keys form one lane.
 UPDATE {table}
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = now() + make_interval(secs => :lease_seconds),
        attempts = attempts + 1, updated_at = now()
  WHERE id IN (SELECT x.id
-                FROM (SELECT r.id, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
-                        FROM (SELECT o.id, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
+                FROM (SELECT r.id, r.rn, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
+                        FROM (SELECT o.id, o.rn, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
                                 FROM (SELECT id, lane_key, ROW_NUMBER() OVER (PARTITION BY lane_key ORDER BY id) AS rn
                                         FROM {table} WHERE status IN ('pending', 'error', 'in_flight')) AS o
                                WHERE o.rn <= :per_lane
@@ -139,7 +142,9 @@ UPDATE {table}
                                                     AND (e.lane_key = o.lane_key OR (e.lane_key IS NULL AND o.lane_key IS NULL))
                                                     AND e.id <= o.id
                                                     AND (e.status = 'in_flight' OR e.next_attempt_at > now()))) AS r) AS x
-               WHERE x.lane_no <= :limit)
+               WHERE x.lane_no <= :limit
+               ORDER BY x.rn, x.lane_no
+               LIMIT :max_rows)
    AND status IN ('pending', 'error')
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, lane_key, attempts, {dest} AS destination

@@ -190,9 +190,12 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
 -- name: claim_lane_heads
 -- Per-lane FIFO: the first :per_lane open rows of up to :limit lanes (lanes ordered by their oldest
 -- open row), each lane cut before its first row that is in flight or backing off — so a lane whose
--- head is held gives nothing, and one claim never leaves a gap in a lane. Lanes, not rows, are
--- limited, so two concurrent claimers see whole prefixes: whatever one took, the other's outer
--- status check (evaluated under the row lock) skips. NULL lane keys form one lane.
+-- head is held gives nothing, and one claim never leaves a gap in a lane. At most :max_rows rows in
+-- all, taken round-robin (every lane's first row, then every lane's second, ...), so a cut still
+-- leaves each lane a prefix and a one-lane backlog moves :max_rows rows a round, not :per_lane.
+-- Two concurrent claimers rank the rows they both see the same way and so take nested prefixes:
+-- whatever one took, the other's outer status check (evaluated under the row lock) skips. NULL lane
+-- keys form one lane.
 -- No READPAST here: skipping a locked row would make the next row of its lane look claimable and
 -- break per-lane FIFO.
 UPDATE t
@@ -203,9 +206,9 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
        d.destination
   FROM {table} AS t WITH (ROWLOCK)
  CROSS APPLY (SELECT {dest} AS destination) AS d
- WHERE t.id IN (SELECT x.id
-                FROM (SELECT r.id, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
-                        FROM (SELECT o.id, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
+ WHERE t.id IN (SELECT TOP (:max_rows) x.id
+                FROM (SELECT r.id, r.rn, DENSE_RANK() OVER (ORDER BY r.head) AS lane_no
+                        FROM (SELECT o.id, o.rn, MIN(o.id) OVER (PARTITION BY o.lane_key) AS head
                                 FROM (SELECT id, lane_key, ROW_NUMBER() OVER (PARTITION BY lane_key ORDER BY id) AS rn
                                         FROM {table} WHERE status IN ('pending', 'error', 'in_flight')) AS o
                                WHERE o.rn <= :per_lane
@@ -214,7 +217,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                                                     AND (e.lane_key = o.lane_key OR (e.lane_key IS NULL AND o.lane_key IS NULL))
                                                     AND e.id <= o.id
                                                     AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))) AS r) AS x
-               WHERE x.lane_no <= :limit)
+               WHERE x.lane_no <= :limit
+               ORDER BY x.rn, x.lane_no)
    AND t.status IN ('pending', 'error')
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
