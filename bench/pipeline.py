@@ -100,7 +100,7 @@ class Phases:
 
 
 def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job: Any,
-          transform: Callable[[Any, str], Any]) -> int:
+          transform: Callable[[Any, str], Any], **finalize_args: Any) -> int:
     """Run `job` (route_job or transform_job) batch after batch until nothing is claimed, timing
     its real steps; `transform(claimed_frame, run_id)` is the job's pure transform."""
     done = 0
@@ -114,7 +114,7 @@ def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job:
         phases.time("spark", lambda: job.land(store, transform(
             job.extract(store, spark, owner=owner, epoch=epoch, small=small), run), small=small))
         out = phases.time("finalize", lambda: job.finalize(store, run_id=run, owner=owner, epoch=epoch,
-                                                           claimed_ids=ids))
+                                                           claimed_ids=ids, **finalize_args))
         assert not out.not_finished, out.not_finished[:5]
         done += len(ids)
         phases.batches += 1
@@ -196,7 +196,8 @@ def main() -> None:
         started = time.perf_counter()
         transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
                             lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
-                                                               run_id=run))
+                                                               run_id=run),
+                            passthrough=transform_job.passthrough_destinations(SPECS, dests))
         transform_s = time.perf_counter() - started
         print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
               f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")

@@ -9,7 +9,9 @@
     finalize  one fenced transaction (`include.store.stages.finalize_transform`): epoch check,
               routed rows finished, landed rows moved to stage_outbound with their idempotency
               keys, audit events, landing cleared; a message the rules cannot read (NULL payload)
-              dead-letters its routed row
+              dead-letters its routed row. Rows bound for a pass-through destination (no spec, one
+              lane per destination) skip Spark altogether: the finalize moves them in SQL, the
+              inbound body copied inside the database
 
 The lookup tables `map` rules use come in as `run(lookups=...)` — a stage task reads them once, at
 its first micro-batch (`include.pipeline`) — or are read from the store when not given. Specs are
@@ -19,7 +21,7 @@ stage_outbound is UNIQUE (source_id, destination) and the finalize moves only ro
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -59,10 +61,25 @@ def lane_key(destination: Column, payload: Column, destinations: Mapping[str, De
     return destination if key is None else key.otherwise(destination)
 
 
+def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
+                             destinations: Mapping[str, Destination]) -> frozenset[str]:
+    """Destinations whose rows need nothing computed: no transform spec (the body passes byte for
+    byte) and one lane for the whole destination (no field to read). The finalize moves their rows
+    in SQL (`finalize_transform(passthrough=…)`); Spark never sees them."""
+    specified = {s.destination if isinstance(s, Transform) else s.get("destination") for s in specs}
+    return frozenset(name for name, dest in destinations.items()
+                     if name not in specified and dest.lane == "destination")
+
+
 def outbound_rows(claimed: DataFrame, specs: Sequence[Mapping[str, Any] | Transform],
                   lookups: Mapping[str, Mapping[str, str]], destinations: Mapping[str, Destination], *,
                   run_id: str) -> DataFrame:
-    """Claimed routed rows → landing rows (pure; no I/O). NULL payload = could not be transformed."""
+    """Claimed routed rows → landing rows (pure; no I/O). NULL payload = could not be transformed.
+    Rows for a pass-through destination (`passthrough_destinations`) are left out: the finalize
+    moves them."""
+    passing = sorted(passthrough_destinations(specs, destinations))
+    if passing:
+        claimed = claimed.where(~F.col("destination").isin(passing))
     laned = claimed.withColumn("lane_key", lane_key(F.col("destination"), F.col("payload"), destinations))
     rewritten = laned.transform(transform, specs, lookups,
                                 carry=("source_id", "message_id", "control_id", "lane_key"))
@@ -97,10 +114,11 @@ def read_lookups(store: Store) -> dict[str, dict[str, str]]:
         return lookup_tables.read_all(tx)
 
 
-def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> TransformOutcome:
+def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
+             passthrough: Collection[str] = ()) -> TransformOutcome:
     """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
     return stage_io.finalize_fenced(store, run_id=run_id, landing_table=LANDING_TABLE, step=lambda tx: finalize_transform(
-        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
+        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids, passthrough=passthrough))
 
 
 def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] | Transform],
@@ -124,7 +142,8 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
         build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
             outbound_rows, parsed, lookups, destinations, run_id=run_id),
-        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
+        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
+                                  passthrough=passthrough_destinations(parsed, destinations)))
     log.info("transform run %s: claimed %d, outbound %d, failed %d, not finished %d", run_id,
              len(outcome.claimed), len(outcome.outbound), len(outcome.failed), len(outcome.not_finished))
     return outcome

@@ -9,6 +9,7 @@ import re
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from include.config import StoreConfig
@@ -57,6 +58,10 @@ class Dialect:
 
     def id_list(self, ids: list[int]) -> Any:
         return json.dumps([int(i) for i in ids])
+
+    def text_list(self, values: Iterable[str]) -> Any:
+        """A list of strings as one parameter (`= ANY(CAST(:x AS text[]))`, or JSON for `json_each`/`OPENJSON`)."""
+        return json.dumps([str(v) for v in values])
 
     def is_conflict(self, exc: BaseException) -> bool:
         return False
@@ -114,6 +119,9 @@ class PostgresDialect(Dialect):
 
     def id_list(self, ids: list[int]) -> Any:
         return [int(i) for i in ids]
+
+    def text_list(self, values: Iterable[str]) -> Any:
+        return [str(v) for v in values]
 
     def is_conflict(self, exc: BaseException) -> bool:
         import psycopg.errors as e

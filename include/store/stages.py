@@ -11,7 +11,7 @@ The deliver stage lands no rows: its finalize turns one round's send outcomes in
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -93,28 +93,39 @@ class TransformOutcome:
 UNTRANSFORMABLE = "cannot transform: the payload is not an HL7 v2 message (no MSH, FHS or BHS header)"
 
 
-def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int,
-                       claimed_ids: list[int]) -> TransformOutcome:
+def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
+                       passthrough: Collection[str] = ()) -> TransformOutcome:
     """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
 
     Same contract as finalize_route: StaleEpoch rolls everything back; only rows this transaction
     finished get outbound rows. A landed NULL payload (the rules could not read the message)
-    dead-letters its routed row instead of delivering it untransformed.
+    dead-letters its routed row instead of delivering it untransformed. Claimed rows bound for a
+    `passthrough` destination (no spec, one lane for the destination: nothing to compute) were
+    never given to Spark: they move here, in SQL, with their inbound body.
     """
     tx.fence()
     if tx.one("epoch_current", {"epoch": epoch}) is None:
         raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
     claimed = {int(i) for i in claimed_ids}
     params = {"run_id": run_id}
+    passing: set[int] = set()
+    if passthrough and claimed:
+        passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
+            "ids": tx.dialect.id_list(sorted(claimed)), "names": tx.dialect.text_list(sorted(passthrough))})}
     landed = {int(r["routed_id"]): bool(r["ok"]) for r in tx.all("transform_landed", params)}
-    ok_ids = sorted(i for i in claimed if landed.get(i) is True)
-    bad_ids = sorted(i for i in claimed if landed.get(i) is False)
+    ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
+    bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
     done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
     failed = finish_batch(tx, ROUTED, bad_ids, owner=owner, epoch=epoch, status="dead", error=UNTRANSFORMABLE)
-    rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}) if done else []
-    rows.sort(key=lambda r: r["id"])
+    transformed = [i for i in done if i not in passing]
+    rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)}) if transformed else []
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
+    passed = [i for i in done if i in passing]
+    moved = tx.all("transform_passthrough_insert", {"ids": tx.dialect.id_list(passed)}) if passed else []
+    if moved:
+        tx.execute("transform_passthrough_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
+    rows = sorted(rows + moved, key=lambda r: r["id"])
     tx.record_events(rows, table=OUTBOUND, event="transformed", from_status=None, epoch=epoch, node_id=owner)
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})

@@ -390,6 +390,35 @@ SELECT DISTINCT ON (o.id) o.id, l.payload
  WHERE o.id = ANY(CAST(:ids AS bigint[])) AND l.run_id = :run_id AND l.payload IS NOT NULL
  ORDER BY o.id
 
+-- name: transform_passthrough_ids
+-- Of the routed rows this run claimed (:ids), those bound for a destination that passes messages
+-- through unchanged (:names: no transform spec, one lane for the destination): the finalize moves
+-- them here, in SQL, without Spark reading, rewriting or landing their bodies.
+SELECT id FROM stage_routed
+ WHERE id = ANY(CAST(:ids AS bigint[])) AND destination = ANY(CAST(:names AS text[]))
+
+-- name: transform_passthrough_insert
+-- The outbound rows of pass-through routed rows this transaction has just finished (:ids), in
+-- routed (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
+-- the landed path. ON CONFLICT makes a repeat a no-op.
+INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
+                            lane_key)
+SELECT r.source_id, r.message_id, r.control_id, r.destination, 'application/hl7-v2',
+       r.message_id || '-' || r.destination, r.destination
+  FROM stage_routed r
+ WHERE r.id = ANY(CAST(:ids AS bigint[]))
+ ORDER BY r.id
+ON CONFLICT DO NOTHING
+RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: transform_passthrough_bodies
+-- Their bodies: the inbound body, copied inside the database (written once more, but never through
+-- Spark or the network).
+INSERT INTO outbound_bodies (id, payload)
+SELECT o.id, b.payload
+  FROM stage_outbound o JOIN inbound_bodies b ON b.id = o.source_id
+ WHERE o.id = ANY(CAST(:ids AS bigint[]))
+
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id
 

@@ -532,6 +532,39 @@ SELECT x.id, x.payload
            AND l.run_id = :run_id AND l.payload IS NOT NULL) AS x
  WHERE x.nth = 1
 
+-- name: transform_passthrough_ids
+-- Of the routed rows this run claimed (:ids), those bound for a destination that passes messages
+-- through unchanged (:names: no transform spec, one lane for the destination): the finalize moves
+-- them here, in SQL, without Spark reading, rewriting or landing their bodies.
+SELECT id FROM stage_routed
+ WHERE id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+   AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
+
+-- name: transform_passthrough_insert
+-- The outbound rows of pass-through routed rows this transaction has just finished (:ids), in
+-- routed (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
+-- the landed path. NOT EXISTS under a key-range lock makes a repeat a no-op.
+INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
+                            lane_key)
+OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
+       inserted.destination, NULL AS detail
+SELECT r.source_id, r.message_id, r.control_id, r.destination, N'application/hl7-v2',
+       r.message_id + N'-' + r.destination, r.destination
+  FROM stage_routed AS r
+ WHERE r.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+   AND NOT EXISTS (SELECT 1 FROM stage_outbound AS o WITH (UPDLOCK, HOLDLOCK)
+                    WHERE (o.source_id = r.source_id AND o.destination = r.destination)
+                       OR o.idempotency_key = r.message_id + N'-' + r.destination)
+ ORDER BY r.id
+
+-- name: transform_passthrough_bodies
+-- Their bodies: the inbound body, copied inside the database (written once more, but never through
+-- Spark or the network).
+INSERT INTO outbound_bodies (id, payload)
+SELECT o.id, b.payload
+  FROM stage_outbound AS o JOIN inbound_bodies AS b ON b.id = o.source_id
+ WHERE o.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id
 
