@@ -20,9 +20,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-from include.config import CONFIG_ENV, ServiceConfig, load
+from include.config import ServiceConfig, config_path, load
 from include.store import INBOUND, STAGED_TABLES, StagedTable, Store
 from include.store import rowlease
 from include.store.lease import read_lease
@@ -30,7 +29,6 @@ from include.store.migrate import check_identity
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = "stageline.toml"
 EVENTS = "events"
 """Key of the audit trail (`message_events`) in a retention mapping; the others are stage names."""
 
@@ -47,11 +45,6 @@ class LeaderCheck:
     def as_xcom(self) -> dict[str, int | str | None]:
         """What the sensor hands to the run's other tasks."""
         return {"epoch": self.epoch, "owner": self.owner}
-
-
-def config_path(path: str | os.PathLike[str] | None = None) -> Path:
-    """The service config a task uses: `path`, else `$STAGELINE_CONFIG`, else `./stageline.toml`."""
-    return Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
 
 
 @contextmanager
