@@ -473,7 +473,8 @@ backend mllp_leader
             errors.append(exc)
 
     def airflow_env(self) -> dict[str, str]:
-        from include import embedded, pipeline
+        from include import embedded
+        from include.spark import spark_connect_connection
 
         var = self.workdir / "var"
         assert self.pg is not None
@@ -489,7 +490,7 @@ backend mllp_leader
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
             "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
-            "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.spark_connect_connection("127.0.0.1", self.spark_port),
+            "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection("127.0.0.1", self.spark_port),
         })
         return env
 

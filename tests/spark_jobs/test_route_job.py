@@ -348,16 +348,15 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
 
 KILLED_SERVER_CHILD = textwrap.dedent("""
     import json, sys, time
-    from include import pipeline
     from include.config import StoreConfig
-    from include.spark import spark_session
+    from include.spark import spark_session, stage_session
     from include.store import Store
     from spark_jobs import route_job
     from tests.spark_jobs.test_route_job import ROUTES
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     spark = spark_session(remote=url)
-    with pipeline.stage_session(spark):
+    with stage_session(spark):
         spark.range(1).collect()
         print("ready", flush=True)
         sys.stdin.readline()  # the parent kills the server, then answers

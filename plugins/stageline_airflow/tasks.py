@@ -1,21 +1,28 @@
-"""What the stage DAGs' tasks do, one function per task, so the DAG files stay configuration.
+"""What the Stageline DAGs' tasks do, one function per task, so the DAG files stay configuration.
 
-Every function takes the leader check's XCom (`{"epoch": int, "owner": str | None}`) and works
-under that epoch. The service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`)
-and the pipeline config from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task
-*runs*: nothing here touches a file, a database or Spark when a DAG file is parsed, and Spark and
-the stage jobs are imported only inside the `run_*_stage` functions. Their Spark session comes from
-the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_CONN_ID`).
+Why here, in the Airflow plugin, and not beside the Spark jobs: this is the layer that turns an
+Airflow task into calls below it — the leader check's XCom (`{"epoch": int, "owner": str | None}`)
+becomes an epoch, the task instance's run id a claim owner, the Spark provider's session a job's
+`spark` — and it calls every stage job, the leader gating and housekeeping, and the stage loop.
+Beside the jobs it would make `spark_jobs` know about Airflow; in `include/` it made the lowest
+layer import the Spark jobs. Imports flow one way: config/HL7 ← store ← `spark_jobs` ← this
+module ← the DAG files.
+
+Every function works under the epoch it is given. The service config comes from
+`$STAGELINE_CONFIG` (default `./stageline.toml`) and the pipeline config from
+`$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
+file, a database or Spark when a DAG file is parsed, and Spark and the stage jobs are imported
+only inside the `run_*_stage` functions (the DAG processor never loads pyspark). Their Spark
+session comes from the Spark provider (`@task.pyspark` on the `stageline_spark` connection,
+`SPARK_CONN_ID`).
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,8 +41,9 @@ METADATA_TABLES = ("dag_run", "task_instance", "xcom")
 SPARK_CONN_ID = "stageline_spark"
 """The Airflow connection the stage tasks' Spark sessions come from (`@task.pyspark`, Spark
 provider): type `spark_connect` for a long-lived Spark Connect server (the default deployment: no
-JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task;
-see `classic_spark_connection`). Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`."""
+JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task).
+Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`; `include.spark.spark_connect_connection` and
+`classic_spark_connection` build the value."""
 SPARK_TASK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.sql.session.timeZone": "UTC"}
 """Session settings of every stage task: runtime SQL settings only, so they apply to Connect too."""
 DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
@@ -83,24 +91,6 @@ def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int 
     """Delete finished rows and audit events older than their retention."""
     return leadership.retention(None, int(leader["epoch"]),
                                 {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
-
-
-def spark_connect_connection(host: str, port: int) -> str:
-    """`AIRFLOW_CONN_STAGELINE_SPARK` for a Spark Connect server (its JDBC jars are on the server)."""
-    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
-
-
-def classic_spark_connection(master: str = "local[*]") -> str:
-    """`AIRFLOW_CONN_STAGELINE_SPARK` for a classic session per task on `master`.
-
-    The connection's extras become the session's Spark conf (Spark provider): the Debian JDBC
-    driver jars, this venv's Python for the workers, no UI.
-    """
-    from include.spark import DRIVER_JARS
-
-    return json.dumps({"conn_type": "spark", "host": master, "extra": {
-        "spark.jars": ",".join(DRIVER_JARS.values()), "spark.pyspark.python": sys.executable,
-        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}})
 
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
@@ -151,22 +141,6 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda b: deliver.run(
         b.store, spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop))
-
-
-@contextlib.contextmanager
-def stage_session(spark: Any) -> Iterator[None]:
-    """Around a stage job: a Spark Connect client fails within seconds when its server is gone
-    (instead of retrying for minutes), and is closed without waiting on a dead server at exit."""
-    if spark is None:
-        yield
-        return
-    from include.spark import bound_connect_retries, close_session
-
-    bound_connect_retries(spark)
-    try:
-        yield
-    finally:
-        close_session(spark)
 
 
 STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
