@@ -12,7 +12,7 @@ Invariant 5 (no loss): a claimed row whose claimer died comes back two ways.
    expired are re-pended, in bounded batches per staged table.
 
 Every write is fenced by the epoch: if leadership moves mid-run, nothing lands.
-Code: `include/leadership.py`, `plugins/stageline_airflow/tasks.py`.
+Code: `include/housekeeping.py`, `plugins/stageline_airflow/tasks.py`.
 """
 from __future__ import annotations
 

@@ -3,14 +3,14 @@
 Why here, in the Airflow plugin, and not beside the Spark jobs: this is the layer that turns an
 Airflow task into calls below it — the leader check's XCom (`{"epoch": int, "owner": str | None}`)
 becomes an epoch, the task instance's run id a claim owner, the Spark provider's session a job's
-`spark` — and it calls every stage job, the leader gating and housekeeping, and the stage loop.
-Beside the jobs it would make `spark_jobs` know about Airflow; in `include/` it made the lowest
-layer import the Spark jobs. Imports flow one way: config/HL7 ← store ← `spark_jobs` ← this
-module ← the DAG files.
+`spark`, Airflow's connections the store (`StagelineStoreHook`) — and it calls every stage job,
+the housekeeping and the stage loop. Beside the jobs it would make `spark_jobs` know about
+Airflow; in `include/` it made the lowest layer import the Spark jobs. Imports flow one way:
+config/HL7 ← store ← `spark_jobs` ← this module ← the DAG files.
 
-Every function works under the epoch it is given. The service config comes from
-`$STAGELINE_CONFIG` (default `./stageline.toml`) and the pipeline config from
-`$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
+Every function works under the epoch it is given, on a store its hook opens once per task. The
+service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`) and the pipeline config
+from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
 file, a database or Spark when a DAG file is parsed, and Spark and the stage jobs are imported
 only inside the `run_*_stage` functions (the DAG processor never loads pyspark). Their Spark
 session comes from the Spark provider (`@task.pyspark` on the `stageline_spark` connection,
@@ -27,9 +27,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from include import leadership, stage_config, stage_loop
+from stageline_airflow.hooks import StagelineStoreHook
+
+from include import housekeeping, stage_config, stage_loop
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
+from include.leader_check import stage_table
 from include.stage_loop import Batch, claim_owner
 from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 
@@ -60,7 +63,8 @@ Leader = Mapping[str, Any]
 
 def recover_step(leader: Leader) -> int | None:
     """On-promotion recovery for the run's epoch (a no-op after the epoch's first run)."""
-    return leadership.recover(None, int(leader["epoch"]), leader.get("owner"))
+    with StagelineStoreHook() as hook:
+        return housekeeping.recover(hook.get_conn(), int(leader["epoch"]), leader.get("owner"))
 
 
 def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: str) -> dict[str, int | None]:
@@ -69,14 +73,14 @@ def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: s
     its `wait_for_work` would see). Safe because the previous run of the DAG has ended
     (`max_active_runs=1`); this run has claimed nothing yet."""
     epoch = int(leader["epoch"])
-    promoted = recover_step(leader)
-    table = leadership.stage_table(waits_for)
-    with leadership.open_store(None) as (_, store):
+    table = stage_table(waits_for)
+    with StagelineStoreHook() as hook:
+        store = hook.get_conn()
+        promoted = housekeeping.recover(store, epoch, leader.get("owner"))
         with store.transaction() as tx:
             abandoned = rowlease.recover_abandoned(
                 tx, table, prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#"), epoch=epoch,
-                owner=claim_owner(dag_id, run_id),
-                max_attempts=rowlease.reclaim_cap(table))
+                owner=claim_owner(dag_id, run_id), max_attempts=rowlease.reclaim_cap(table))
     if abandoned:
         log.info("%s: re-pended %d row(s) still claimed by earlier runs of this DAG", dag_id, abandoned)
     return {"promotion": promoted, "abandoned": abandoned}
@@ -84,13 +88,15 @@ def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: s
 
 def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
     """Re-pend rows whose row lease expired, every staged table."""
-    return leadership.reclaim(None, int(leader["epoch"]), leader.get("owner"), limit=limit)
+    with StagelineStoreHook() as hook:
+        return housekeeping.reclaim(hook.get_conn(), int(leader["epoch"]), leader.get("owner"), limit=limit)
 
 
 def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
     """Delete finished rows and audit events older than their retention."""
-    return leadership.retention(None, int(leader["epoch"]),
-                                {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
+    with StagelineStoreHook() as hook:
+        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
+                                      {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
 
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
@@ -149,10 +155,12 @@ STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 
 def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: stage_loop.Job,
                    **kwargs: Any) -> dict[str, Any]:
-    """The stage task's loop (`include.stage_loop.run_stage`) with the real `ClaimKeeper`."""
-    return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
-                                keeper=lambda config, store, term_epoch: claim_keeper(
-                                    config, store, stage=stage, epoch=term_epoch), **kwargs)
+    """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real `ClaimKeeper`."""
+    with StagelineStoreHook() as hook:
+        return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
+                                    config=hook.config, store=hook.get_conn(),
+                                    keeper=lambda config, store, term_epoch: claim_keeper(
+                                        config, store, stage=stage, epoch=term_epoch), **kwargs)
 
 
 def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -> ClaimKeeper:
