@@ -745,7 +745,7 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
 def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
     """The init script on an empty server, then the migrate job's own command with its own
     environment (hosts and /app paths moved to this machine), with password authentication on."""
-    from include.testing.postgres_server import PG_BIN, PostgresServer
+    from include.lab.postgres_server import PG_BIN, PostgresServer
 
     if not (PG_BIN / "initdb").exists() or not (PG_BIN / "psql").exists():
         pytest.skip(f"no PostgreSQL server binaries under {PG_BIN}")

@@ -23,12 +23,12 @@ import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
+from include.lab.listenerd import Daemon, store_toml
+from include.lab.postgres_server import free_port, wait_for
 from include.spark import classic_spark_connection
 from include.stack import port_open
 from include.store import Store, lookups, rowlease
 from include.store.lease import acquire_permanent
-from include.testing.listenerd import Daemon, store_toml
-from include.testing.postgres_server import free_port, wait_for
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack

@@ -17,12 +17,12 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
 from include.config import StoreConfig
+from include.lab.postgres_server import free_port
 from include.routes_config import parse_routes
 from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
 from include.store.lease import acquire_permanent
 from include.store.stages import RouteOutcome, StaleEpoch
-from include.testing.postgres_server import free_port
 from spark_jobs import route_job
 from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
 
