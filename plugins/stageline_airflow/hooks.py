@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from include.config import ServiceConfig, StoreConfig, config_path, load
+from include.config import ServiceConfig, StoreConfig, load
 from include.store import Store
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class StagelineStoreHook(BaseHook):
     def config(self) -> ServiceConfig:
         """The service config, with the connection's fields applied (read once)."""
         if self._config is None:
-            config = load(config_path(self.config_path))
+            config = load(self.config_path)
             conn = self._connection()
             if conn is not None:
                 config = replace(config, store=store_settings(config.store, conn))
