@@ -17,11 +17,11 @@ import time
 import psycopg
 
 from include.config import StoreConfig
+from include.lab.postgres_server import PostgresServer
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector
 from include.store.migrate import migrate
-from include.testing.postgres_server import PostgresServer
 
 SEED = """WITH s AS (INSERT INTO stage_inbound (message_id, control_id, connection, lane_key)
                 SELECT 'm' || g, 'c' || g, 'mllp-in', NULL FROM generate_series(1, %(n)s) g RETURNING id)

@@ -1,10 +1,10 @@
 """Failover of the whole pipeline: each fault in turn under a steady stream, on a two-node lab.
 
-    lab       include/lab.py: PostgreSQL, two listenerd (heartbeat 0.5 s, fence 1.5 s, lease TTL
+    lab       include/lab/cluster.py: PostgreSQL, two listenerd (heartbeat 0.5 s, fence 1.5 s, lease TTL
               2.5 s) behind an HAProxy VIP, Airflow (scheduler, dag-processor, triggerer,
               api-server; LocalExecutor on a PostgreSQL metadata DB), Spark Connect, a recording
               MLLP receiver; one MLLP destination, one FIFO lane per patient
-    stream    include/testing/stream.py: `--rate` msg/s over `--lanes` lanes and `--connections`
+    stream    tests/support/stream.py: `--rate` msg/s over `--lanes` lanes and `--connections`
               connections through the VIP; anything not `AA`'d is resent with the same control id
     faults    leader-sigkill, leader-sigterm (the node is restarted after: always two nodes),
               leader-db-cut (through the node's proxy; restored once the other node leads),
@@ -45,9 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from include.lab import Lab, Timings  # noqa: E402
-from include.testing.postgres_server import wait_for  # noqa: E402
-from include.testing.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
+from include.lab.cluster import Lab, Timings  # noqa: E402
+from include.lab.postgres_server import wait_for  # noqa: E402
+from tests.support.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
 
 CLOCK = "host wall clock (time.time())"
 

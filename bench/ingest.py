@@ -27,11 +27,11 @@ import psycopg
 from hl7.mllp import open_hl7_connection
 
 from include.config import StoreConfig
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.stack import port_open
 from include.store import Store
 from include.store.migrate import migrate
-from include.stack import port_open
-from include.testing.listenerd import Daemon
-from include.testing.postgres_server import PostgresServer, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGE = ("MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from hl7.client import MLLPClient  # noqa: E402
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from include.testing.postgres_server import wait_for  # noqa: E402
+from include.lab.postgres_server import wait_for  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

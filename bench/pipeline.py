@@ -34,13 +34,13 @@ sys.path.insert(0, str(ROOT))
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
+from include.destinations_config import parse_destinations  # noqa: E402
+from include.lab.postgres_server import PostgresServer, free_port  # noqa: E402
+from include.routes_config import parse_routes  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
-from include.testing.postgres_server import PostgresServer, free_port  # noqa: E402
-from include.destinations_config import parse_destinations  # noqa: E402
-from include.routes_config import parse_routes  # noqa: E402
 from spark_jobs import deliver, route_job, stage_io, transform_job  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [

@@ -12,16 +12,15 @@ Invariant 5 (no loss): a claimed row whose claimer died comes back two ways.
    expired are re-pended, in bounded batches per staged table.
 
 Every write is fenced by the epoch: if leadership moves mid-run, nothing lands.
-Code: `include/leadership.py`, `include/pipeline.py`.
+Code: `include/housekeeping.py`, `plugins/stageline_airflow/tasks.py`.
 """
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
 from airflow.sdk import dag, task
+from stageline_airflow import tasks
 from stageline_airflow.sensors import LeaderCheckSensor
-
-from include import pipeline
 
 
 @dag(
@@ -41,12 +40,12 @@ def maintenance_reclaim() -> None:
     @task
     def recover(leader: dict) -> int | None:
         """On-promotion recovery, once per epoch."""
-        return pipeline.recover_step(leader)
+        return tasks.recover_step(leader)
 
     @task
     def reclaim(leader: dict) -> dict[str, int]:
         """Sweep expired row leases in every staged table."""
-        return pipeline.reclaim_step(leader)
+        return tasks.reclaim_step(leader)
 
     recover(leader.output) >> reclaim(leader.output)
 

@@ -17,9 +17,8 @@ from datetime import datetime, timedelta, timezone
 
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import dag, task
+from stageline_airflow import tasks
 from stageline_airflow.sensors import LeaderCheckSensor
-
-from include import pipeline
 
 RETENTION = {
     "inbound": timedelta(days=7),
@@ -48,16 +47,16 @@ def maintenance_retention() -> None:
     @task
     def recover(leader: dict) -> int | None:
         """On-promotion recovery, once per epoch."""
-        return pipeline.recover_step(leader)
+        return tasks.recover_step(leader)
 
     @task
     def purge(leader: dict) -> dict[str, int]:
         """Delete finished rows and events past their retention."""
-        return pipeline.retention_step(leader, RETENTION)
+        return tasks.retention_step(leader, RETENTION)
 
     clean_metadata = BashOperator(
         task_id="clean_airflow_metadata",
-        bash_command=pipeline.metadata_clean_command(dag_ids=FREQUENT_DAGS, keep=AIRFLOW_METADATA_KEEP),
+        bash_command=tasks.metadata_clean_command(dag_ids=FREQUENT_DAGS, keep=AIRFLOW_METADATA_KEEP),
     )
 
     recover(leader.output) >> purge(leader.output)

@@ -20,8 +20,7 @@ Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
 from __future__ import annotations
 
+from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-from include import pipeline
-
-dag = stage_dag("stage_deliver", waits_for="outbound", job_id="deliver", job=pipeline.run_deliver_stage, doc_md=__doc__)
+dag = stage_dag("stage_deliver", waits_for="outbound", job_id="deliver", job=tasks.run_deliver_stage, doc_md=__doc__)

@@ -20,8 +20,7 @@ schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pip
 """
 from __future__ import annotations
 
+from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-from include import pipeline
-
-dag = stage_dag("stage_route", waits_for="inbound", job_id="route", job=pipeline.run_route_stage, doc_md=__doc__)
+dag = stage_dag("stage_route", waits_for="inbound", job_id="route", job=tasks.run_route_stage, doc_md=__doc__)

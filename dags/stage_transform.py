@@ -18,8 +18,7 @@ Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
 from __future__ import annotations
 
+from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-from include import pipeline
-
-dag = stage_dag("stage_transform", waits_for="routed", job_id="transform", job=pipeline.run_transform_stage, doc_md=__doc__)
+dag = stage_dag("stage_transform", waits_for="routed", job_id="transform", job=tasks.run_transform_stage, doc_md=__doc__)

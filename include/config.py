@@ -16,6 +16,7 @@ from typing import Any
 
 PASSWORD_ENV = "STAGELINE_STORE_PASSWORD"
 CONFIG_ENV = "STAGELINE_CONFIG"
+DEFAULT_CONFIG = "stageline.toml"
 VAR_ENV = "STAGELINE_VAR"
 """Where a node keeps its local state, logs and the demo's outputs (default `var/` in the checkout)."""
 BACKENDS = ("sqlite", "postgres", "sqlserver")
@@ -144,11 +145,16 @@ def parse(raw: dict[str, Any], *, source: Path | None = None, env: dict[str, str
     return validate(ServiceConfig(store=store, cluster=_section(raw, "cluster", ClusterConfig), source=source))
 
 
+def config_path(path: str | os.PathLike[str] | None = None) -> Path:
+    """The service config to use: `path`, else `$STAGELINE_CONFIG`, else `./stageline.toml`."""
+    return Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG)
+
+
 def load(path: str | os.PathLike[str] | None = None) -> ServiceConfig:
     """Load `stageline.toml` (or `$STAGELINE_CONFIG`); no file means the embedded defaults."""
-    path = Path(path or os.environ.get(CONFIG_ENV) or "stageline.toml")
+    path = config_path(path)
     if not path.exists():
-        if path.name == "stageline.toml" and path.parent == Path("."):
+        if path.name == DEFAULT_CONFIG and path.parent == Path("."):
             return parse({}, source=Path.cwd() / path)
         raise ConfigError(f"service config {path} does not exist")
     try:

@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 from include import demo
-from include import pipeline
 from include.config import VAR_ENV, ServiceConfig, var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
@@ -37,6 +36,8 @@ def _secret(path: Path) -> str:
 
 
 def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
+    from include.spark import spark_connect_connection
+
     home = var / "airflow"
     return {
         "AIRFLOW_HOME": str(home),
@@ -57,7 +58,7 @@ def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
         "STAGELINE_CONFIG": str(service_config),
         "STAGELINE_PIPELINE_DIR": str(demo.PIPELINE_DIR),
         VAR_ENV: str(var),
-        "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.spark_connect_connection("127.0.0.1", SPARK_CONNECT_PORT),
+        "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection("127.0.0.1", SPARK_CONNECT_PORT),
     }
 
 

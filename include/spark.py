@@ -4,15 +4,22 @@ A classic session starts a JVM per job (7–9 s here); a warm Spark Connect serv
 once, and each job pays only the client's connect and its own work. JDBC drivers come from
 Debian's packages (`/usr/share/java`), never from Maven: the hosts have no route to Maven Central.
 With Spark Connect the *server* loads the drivers, so they are given to `start_connect_server`.
+
+Under Airflow a stage task's session comes from the Spark provider, on an Airflow connection whose
+value `spark_connect_connection` / `classic_spark_connection` build (the launchers set it), and
+runs inside `stage_session`.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sys
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping
@@ -282,6 +289,37 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
         client._channel.close()
     finally:
         client._closed = True
+
+
+@contextlib.contextmanager
+def stage_session(spark: SparkSession | None) -> Iterator[None]:
+    """Around a stage job: a Spark Connect client fails within seconds when its server is gone
+    (instead of retrying for minutes), and is closed without waiting on a dead server at exit."""
+    if spark is None:
+        yield
+        return
+    bound_connect_retries(spark)
+    try:
+        yield
+    finally:
+        close_session(spark)
+
+
+def spark_connect_connection(host: str, port: int) -> str:
+    """An Airflow connection (JSON, e.g. for `AIRFLOW_CONN_STAGELINE_SPARK`) to a Spark Connect
+    server; its JDBC jars are on the server."""
+    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
+
+
+def classic_spark_connection(master: str = "local[*]") -> str:
+    """An Airflow connection (JSON) for a classic session per task on `master`.
+
+    The connection's extras become the session's Spark conf (Spark provider): the Debian JDBC
+    driver jars, this venv's Python for the workers, no UI.
+    """
+    return json.dumps({"conn_type": "spark", "host": master, "extra": {
+        "spark.jars": ",".join(DRIVER_JARS.values()), "spark.pyspark.python": sys.executable,
+        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}})
 
 
 def _connect_client(spark: SparkSession | None) -> Any:

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from include import leadership
-from include.config import VAR_ENV, var_dir
+from include.config import VAR_ENV, config_path, var_dir
 from include.destinations_config import Destination, DestinationConfigError, parse_destinations
 from include.routes_config import Route, RouteConfigError, parse_routes
 from include.transforms_config import Transform, TransformConfigError, parse_transforms
@@ -54,7 +53,7 @@ def pipeline_dir() -> Path:
     configured = os.environ.get(PIPELINE_DIR_ENV)
     if configured:
         return Path(configured).resolve()
-    return leadership.config_path().resolve().parent / "config"
+    return config_path().resolve().parent / "config"
 
 
 def load(directory: Path | None = None) -> PipelineConfig:

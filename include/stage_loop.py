@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Protocol
 
-from include import leadership
+from include import housekeeping
 from include.config import ServiceConfig
 from include.store.lease import read_lease
 
@@ -97,10 +97,13 @@ def follow_seconds(config: ServiceConfig) -> float:
     return max(MIN_FOLLOW_SECONDS, 2 * config.cluster.leader_lease_ttl_seconds)
 
 
-def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *, keeper: Keeper,
-              clock: Callable[[], float] = time.monotonic,
+def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,
+              config: ServiceConfig, store: Any, keeper: Keeper, clock: Callable[[], float] = time.monotonic,
               follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None) -> dict[str, Any]:
     """Run `job(batch)` again and again in this one task, following leadership (module docstring).
+
+    `config` and `store` are the task's (opened once per task by the caller, in Airflow
+    `StagelineStoreHook`); every batch and the keeper work on that one store.
 
     Each batch claims as its own owner (`<run>#<try>.<n>`), so a retry or a later batch never
     reads rows an earlier one still holds. A finalize that meets a stale epoch (StaleEpoch) is
@@ -118,60 +121,59 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     n = -1
     totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "epochs": [epoch],
                               "stale_epoch": False, "batches": 0}
-    with leadership.open_store(None) as (config, store):
-        while True:  # one term per epoch
-            idle_since: float | None = None
-            with keeper(config, store, epoch) as watch:
-                watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
-                                        keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
-                while not watch.stopping():
-                    n += 1
-                    job_run_id = f"{run_id}#{try_number}.{n}"
-                    watch.owner = claim_owner(dag_id, job_run_id)
-                    try:
-                        outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping))
-                    except StaleEpoch:
-                        log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
-                                    epoch)
-                        watch.reason = watch.reason or f"epoch {epoch} is no longer current"
-                        break
-                    except Exception as exc:
-                        from include.spark import session_lost
+    while True:  # one term per epoch
+        idle_since: float | None = None
+        with keeper(config, store, epoch) as watch:
+            watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
+                                    keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
+            while not watch.stopping():
+                n += 1
+                job_run_id = f"{run_id}#{try_number}.{n}"
+                watch.owner = claim_owner(dag_id, job_run_id)
+                try:
+                    outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping))
+                except StaleEpoch:
+                    log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
+                                epoch)
+                    watch.reason = watch.reason or f"epoch {epoch} is no longer current"
+                    break
+                except Exception as exc:
+                    from include.spark import session_lost
 
-                        failures += 1
-                        if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
-                            raise
-                        # The job handed its claimed rows back; a busy SQLite file or a database
-                        # restart is usually gone a moment later: cheaper to retry here than as a new try.
-                        log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
-                                    exc_info=True)
-                        watch.wait(FAILURE_PAUSE_SECONDS)
-                        continue
-                    finally:
-                        watch.owner = None
-                    failures = 0
-                    counts = _summary(outcome)
-                    if counts.get("claimed"):
-                        totals["batches"] += 1
-                        for key, value in counts.items():
-                            if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
-                                totals[key] = totals.get(key, 0) + value
-                        idle_since = None
-                    elif idle_since is None:
-                        idle_since = clock()
-                    now = clock()
-                    if now - started >= STAGE_TIME_BUDGET_SECONDS or (
-                            idle_since is not None and now - idle_since >= linger):
-                        return totals
-                    if idle_since is not None:
-                        watch.wait(POLL_SECONDS)
-                reason = watch.reason or "leadership moved"
-                new_epoch = follow(config, store, epoch, watch)
-            if new_epoch is None:
-                return {**totals, "stale_epoch": True, "stopped": reason}
-            log.warning("%s: %s; carrying on under epoch %s", stage, reason, new_epoch)
-            epoch = new_epoch
-            totals["epochs"].append(epoch)
+                    failures += 1
+                    if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
+                        raise
+                    # The job handed its claimed rows back; a busy SQLite file or a database
+                    # restart is usually gone a moment later: cheaper to retry here than as a new try.
+                    log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
+                                exc_info=True)
+                    watch.wait(FAILURE_PAUSE_SECONDS)
+                    continue
+                finally:
+                    watch.owner = None
+                failures = 0
+                counts = _summary(outcome)
+                if counts.get("claimed"):
+                    totals["batches"] += 1
+                    for key, value in counts.items():
+                        if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
+                            totals[key] = totals.get(key, 0) + value
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = clock()
+                now = clock()
+                if now - started >= STAGE_TIME_BUDGET_SECONDS or (
+                        idle_since is not None and now - idle_since >= linger):
+                    return totals
+                if idle_since is not None:
+                    watch.wait(POLL_SECONDS)
+            reason = watch.reason or "leadership moved"
+            new_epoch = follow(config, store, epoch, watch)
+        if new_epoch is None:
+            return {**totals, "stale_epoch": True, "stopped": reason}
+        log.warning("%s: %s; carrying on under epoch %s", stage, reason, new_epoch)
+        epoch = new_epoch
+        totals["epochs"].append(epoch)
 
 
 def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *,
@@ -189,7 +191,7 @@ def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *
             lease = read_lease(store)
             if lease.live or not config.cluster.enabled:
                 if lease.epoch != epoch:
-                    leadership.recover_with(store, lease.epoch, lease.owner)
+                    housekeeping.recover(store, lease.epoch, lease.owner)
                 return lease.epoch
         except Exception as exc:  # noqa: BLE001 - the database may be restarting; keep asking until the deadline
             log.info("waiting for a live leader: %s: %s", type(exc).__name__, exc)

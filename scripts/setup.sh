@@ -11,7 +11,7 @@ command -v java >/dev/null 2>&1                || missing+=(openjdk-17-jre-headl
 [ -f /usr/share/java/postgresql.jar ]          || missing+=(libpostgresql-jdbc-java)
 [ -f /usr/share/java/sqlite-jdbc.jar ]         || missing+=(libxerial-sqlite-jdbc-java)
 [ -f /usr/share/java/jtds.jar ]                || missing+=(libjtds-java)
-[ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/lab.py)
+[ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/lab/cluster.py)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages: ${missing[*]}" >&2

@@ -14,7 +14,7 @@
               inbound body copied inside the database
 
 The lookup tables `map` rules use come in as `run(lookups=...)` — a stage task reads them once, at
-its first micro-batch (`include.pipeline`) — or are read from the store when not given. Specs are
+its first micro-batch (`stageline_airflow.tasks`) — or are read from the store when not given. Specs are
 checked against them before the claim, so a rule naming a missing table claims nothing. Idempotent and crash-safe like the route stage:
 stage_outbound is UNIQUE (source_id, destination) and the finalize moves only rows it finished.
 """

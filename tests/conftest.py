@@ -9,9 +9,9 @@ from typing import Iterator
 import pytest
 
 from include.config import StoreConfig
+from include.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.migrate import migrate
-from include.testing.postgres_server import PostgresServer
 
 CLUSTER = "test-cluster"
 TEMPLATE_DB = "stageline_template"

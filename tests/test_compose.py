@@ -31,9 +31,10 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from stageline_airflow import tasks
 
 from include import config as cfgmod
-from include import pipeline, stage_config
+from include import stage_config
 from include import spark as spark_consts
 from listeners.api import ApiAuth, ApiSettings
 from listeners.connections import load_config_dir
@@ -293,15 +294,15 @@ def test_airflow_services_are_configured_alike_for_the_stage_tasks(services):
         assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor", name
         assert host_path(services[name], env["AIRFLOW__CORE__DAGS_FOLDER"]) == ROOT / "dags", name
         assert host_path(services[name], env["AIRFLOW__CORE__PLUGINS_FOLDER"]) == ROOT / "plugins", name
-        spark_conn = json.loads(env["AIRFLOW_CONN_" + pipeline.SPARK_CONN_ID.upper()])
+        spark_conn = json.loads(env["AIRFLOW_CONN_" + tasks.SPARK_CONN_ID.upper()])
         assert spark_conn == {"conn_type": "spark_connect", "host": "spark-connect", "port": int(spark_port)}, name
         assert host_path(services[name], env[stage_config.PIPELINE_DIR_ENV]) == DEPLOY / "config", name
         assert cfgmod.VAR_ENV in env, name
-        assert env[pipeline.AIRFLOW_DB_CONN_ENV] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
+        assert env[tasks.AIRFLOW_DB_CONN_ENV] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"].startswith("http://airflow-api-server:"), name
     for key in ("AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
                 cfgmod.CONFIG_ENV, stage_config.PIPELINE_DIR_ENV, cfgmod.VAR_ENV,
-                "AIRFLOW_CONN_" + pipeline.SPARK_CONN_ID.upper()):
+                "AIRFLOW_CONN_" + tasks.SPARK_CONN_ID.upper()):
         values = {env[key] for env in envs.values()}
         assert len(values) == 1, f"{key} differs between Airflow components: {values}"
     assert all(referenced_vars(env["AIRFLOW__API_AUTH__JWT_SECRET"]) for env in envs.values()), "JWT secret is a literal"
@@ -326,7 +327,7 @@ def test_file_deliveries_land_on_a_volume_the_task_and_the_spark_workers_share(s
     workers (spark-connect), unless deliveries run in the task process: it must be one volume,
     mounted at the same place in both, and exist there (a file destination never creates it)."""
     scheduler, spark = services["airflow-scheduler"], services["spark-connect"]
-    assert not env_of(scheduler).get(pipeline.DELIVER_IN_PROCESS_ENV), "deliveries are expected to run in Spark"
+    assert not env_of(scheduler).get(tasks.DELIVER_IN_PROCESS_ENV), "deliveries are expected to run in Spark"
     dockerfile = DOCKERFILE.read_text()
     files = [d for d in cluster_pipeline.destinations.values() if d.kind == "file"]
     assert files
@@ -744,7 +745,7 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
 def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
     """The init script on an empty server, then the migrate job's own command with its own
     environment (hosts and /app paths moved to this machine), with password authentication on."""
-    from include.testing.postgres_server import PG_BIN, PostgresServer
+    from include.lab.postgres_server import PG_BIN, PostgresServer
 
     if not (PG_BIN / "initdb").exists() or not (PG_BIN / "psql").exists():
         pytest.skip(f"no PostgreSQL server binaries under {PG_BIN}")

@@ -16,7 +16,7 @@ import hl7
 import psutil
 
 from include.demo import read_received
-from include.testing.postgres_server import wait_for
+from include.lab.postgres_server import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 4  # of each kind, per batch: 4 ADT (to ehr + archive; patients DP0, DP1, DP2, DP0), 4 ORU + 4 ORM

@@ -1,10 +1,10 @@
-"""The failover verdict (`include/testing/stream.judge`) counts what the benchmark reports: an ACKed
+"""The failover verdict (`tests/support/stream.judge`) counts what the benchmark reports: an ACKed
 message never delivered is lost, a control id delivered twice is a duplicate, a message first
 delivered after a later one of its lane is an inversion, and a message that was never ACKed is
 neither lost nor late."""
 from __future__ import annotations
 
-from include.testing.stream import Sent, judge, parse_control_id
+from tests.support.stream import Sent, judge, parse_control_id
 
 
 def sent(cid: str, *, acked: float | None = 1.0) -> Sent:

@@ -194,16 +194,6 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     return {r["message_id"]: int(r["id"]) for r in rows}
 
 
-def insert_inbound(tx: Tx, *, epoch: int, node_id: str, message_id: str, control_id: str | None,
-                   connection: str, payload: str, lane_key: str | None = None,
-                   charset: str | None = None) -> int | None:
-    """Stage one message; its row id, or None when the epoch is stale (nothing written)."""
-    staged = stage_inbound(tx, [{"message_id": message_id, "control_id": control_id, "connection": connection,
-                                 "lane_key": lane_key, "charset": charset, "payload": payload}],
-                           epoch=epoch, node_id=node_id)
-    return None if staged is None else staged.get(message_id)
-
-
 def _lease(tx: Tx, lease_seconds: float | None) -> float:
     return float(lease_seconds if lease_seconds is not None else tx.store.config.lease_ttl_seconds)
 

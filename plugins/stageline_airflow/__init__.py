@@ -1,11 +1,11 @@
-"""Stageline's Airflow extensions: the leader-check sensor that opens every stage DAG and the
-work-pending sensor that holds a continuous stage run until it has rows to move.
+"""Stageline's Airflow extensions: everything the DAG files use, so they stay configuration.
+
+    hooks.py      `StagelineStoreHook`: the store for one task (service config + Airflow connection)
+    sensors.py    `LeaderCheckSensor` (first task of every DAG) and `WorkPendingSensor`
+    tasks.py      what the DAGs' tasks do: recovery, reclaim, retention, the stage jobs' loops
+    stage_dag.py  the one shape of the three stage DAGs
 
 Plain modules under `plugins/` (Airflow puts the folder on `sys.path`); no `AirflowPlugin` is
-needed for an operator. Logic lives in `include/`; this package only adapts it to Airflow.
+needed for an operator or a hook. The logic they call lives below, in `include/` (leader check,
+housekeeping, stage loop, store) and `spark_jobs/` (the jobs); this package adapts it to Airflow.
 """
-from __future__ import annotations
-
-from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
-
-__all__ = ["LeaderCheckSensor", "WorkPendingSensor"]

@@ -2,7 +2,7 @@
 
 `LeaderCheckSensor` gates every run on the leader lease (invariant 4 in docs/invariants.md, leader-gated work).
 
-It asks the store who leads (`include.leadership.check_leadership`, on the database clock):
+It asks the store who leads (`include.leader_check.check_leadership`, on the database clock):
 
 - a live leader (or a single-node store, which always leads) → done; the epoch and the leader's
   node id go to XCom (`{"epoch": int, "owner": str | None}`) and every later task of the run
@@ -20,6 +20,8 @@ is replaced at once and a short wait would only churn runs (docs/pipeline.md).
 
 Errors are not leaderlessness: an unreachable store, a missing schema or a store of another
 cluster fail the sensor (and Airflow's retries apply), so a misconfiguration is seen, not skipped.
+
+Both sensors open the store once per task (`StagelineStoreHook`, in `execute`) and poke on it.
 """
 from __future__ import annotations
 
@@ -27,10 +29,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowSkipException
 
-from include.leadership import check_leadership, open_store, stage_table, work_pending
-from include.store import Store
+from stageline_airflow.hooks import StagelineStoreHook
+
+from include.leader_check import check_leadership, stage_table, work_pending
 from include.store.lease import read_lease
 
 if TYPE_CHECKING:
@@ -40,7 +42,31 @@ DEFAULT_POKE_INTERVAL = timedelta(seconds=2)
 DEFAULT_TIMEOUT = timedelta(seconds=10)
 
 
-class LeaderCheckSensor(BaseSensorOperator):
+class _StoreSensor(BaseSensorOperator):
+    """A sensor that pokes on one store for its whole task: the hook is made in `execute`, its
+    store opened at the first poke and closed when the task ends."""
+
+    def __init__(self, *, config_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config_path = config_path
+        self._hook: StagelineStoreHook | None = None
+
+    def execute(self, context: Context) -> Any:
+        self._hook = StagelineStoreHook(config_path=self.config_path)
+        try:
+            return super().execute(context)
+        finally:
+            hook, self._hook = self._hook, None
+            hook.close()
+
+    @property
+    def hook(self) -> StagelineStoreHook:
+        if self._hook is None:
+            raise RuntimeError("poke() outside execute()")
+        return self._hook
+
+
+class LeaderCheckSensor(_StoreSensor):
     """Proceed only under a live leader lease; push its epoch to XCom, else end the run skipped.
 
     :param config_path: the service config (`stageline.toml`); default `$STAGELINE_CONFIG`, then
@@ -56,25 +82,24 @@ class LeaderCheckSensor(BaseSensorOperator):
                  poke_interval: timedelta | float = DEFAULT_POKE_INTERVAL,
                  timeout: timedelta | float = DEFAULT_TIMEOUT, soft_fail: bool = True,
                  mode: str = "poke", **kwargs: Any) -> None:
-        super().__init__(poke_interval=poke_interval, timeout=timeout, soft_fail=soft_fail, mode=mode,
-                         **kwargs)
-        self.config_path = config_path
+        super().__init__(config_path=config_path, poke_interval=poke_interval, timeout=timeout,
+                         soft_fail=soft_fail, mode=mode, **kwargs)
 
     def poke(self, context: Context) -> PokeReturnValue:
-        check = check_leadership(self.config_path)
+        check = check_leadership(self.hook.get_conn(), self.hook.config.cluster)
         self.log.info("leader check: %s", check.reason)
         return PokeReturnValue(is_done=check.proceed, xcom_value=check.as_xcom() if check.proceed else None)
 
 
-class WorkPendingSensor(BaseSensorOperator):
+class WorkPendingSensor(_StoreSensor):
     """Hold a continuous stage run until its stage has due rows, so runs do not spin empty.
 
-    Polls `include.leadership.work_pending` on one store kept open for the whole wait: done as
-    soon as a row is due; **skipped** when the wait times out (an idle period: the next run starts
-    at once and waits again). A change of leader does not end the wait: while no lease is live it
-    waits on, and under a new epoch it watches that epoch's work — the job task then follows the
-    new leader itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which
-    saves the ~5 s of scheduling a new run would cost in the middle of a failover.
+    Polls `include.leader_check.work_pending` on the task's one store: done as soon as a row is
+    due; **skipped** when the wait times out (an idle period: the next run starts at once and
+    waits again). A change of leader does not end the wait: while no lease is live it waits on,
+    and under a new epoch it watches that epoch's work — the job task then follows the new leader
+    itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the
+    ~5 s of scheduling a new run would cost in the middle of a failover.
 
     :param stage: the staged table whose due rows are this DAG's work (`inbound` for routing).
     :param leader: the leader check's XCom (`leader_check.output`).
@@ -88,36 +113,24 @@ class WorkPendingSensor(BaseSensorOperator):
                  poke_interval: timedelta | float = timedelta(seconds=1),
                  timeout: timedelta | float = timedelta(minutes=5), soft_fail: bool = True,
                  mode: str = "poke", **kwargs: Any) -> None:
-        super().__init__(poke_interval=poke_interval, timeout=timeout, soft_fail=soft_fail, mode=mode,
-                         **kwargs)
+        super().__init__(config_path=config_path, poke_interval=poke_interval, timeout=timeout,
+                         soft_fail=soft_fail, mode=mode, **kwargs)
         stage_table(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
         self.stage = stage
         self.leader = leader
-        self.config_path = config_path
-        self._store: Store | None = None
-        self._clustered = True
         self._epoch: int | None = None
 
-    def execute(self, context: Context) -> Any:
-        with open_store(self.config_path) as (config, store):
-            self._store, self._clustered = store, config.cluster.enabled
-            try:
-                return super().execute(context)
-            finally:
-                self._store = None
-
     def poke(self, context: Context) -> bool:
-        if self._store is None:
-            raise RuntimeError("poke() outside execute()")
+        store, clustered = self.hook.get_conn(), self.hook.config.cluster.enabled
         if self._epoch is None:
             self._epoch = int(self.leader["epoch"])
-        due = work_pending(self._store, self._epoch, self.stage, require_live=self._clustered)
+        due = work_pending(store, self._epoch, self.stage, require_live=clustered)
         if due is None:  # leadership moved or lapsed
-            lease = read_lease(self._store)
-            if self._clustered and not lease.live:
+            lease = read_lease(store)
+            if clustered and not lease.live:
                 self.log.info("no live leader (epoch %s lapsed): waiting on", lease.epoch)
                 return False
             self.log.info("leadership moved from epoch %s to %s: the job follows it", self._epoch, lease.epoch)
             self._epoch = lease.epoch
-            return bool(work_pending(self._store, self._epoch, self.stage, require_live=self._clustered))
+            return bool(work_pending(store, self._epoch, self.stage, require_live=clustered))
         return due

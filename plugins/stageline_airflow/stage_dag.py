@@ -5,7 +5,7 @@
 Scheduled `@continuous`, one run at a time: a run waits for work, then its job task runs
 micro-batches until it has been idle a while, following leadership (`include.stage_loop`); the next run
 starts about a second after one ends. Why this schedule: docs/pipeline.md. The job's Spark session
-comes from the Spark provider on the `stageline_spark` connection (`pipeline.SPARK_CONN_ID`).
+comes from the Spark provider on the `stageline_spark` connection (`tasks.SPARK_CONN_ID`).
 Nothing here reads a connection, file or database when a DAG file is parsed.
 """
 from __future__ import annotations
@@ -15,10 +15,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow.sdk import DAG, task
+from stageline_airflow import tasks
 from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
-
-from include import pipeline
-
 
 LEADER_POKE_INTERVAL = timedelta(seconds=0.5)
 """A run that starts during a failover proceeds within half a second of the new leader's lease."""
@@ -51,16 +49,18 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         @task
         def recover(leader: dict, ti=None) -> dict:
             """On-promotion recovery (once per epoch) and the claims earlier runs of this DAG left."""
-            return pipeline.recover_stage_step(leader, waits_for=waits_for, dag_id=ti.dag_id, run_id=ti.run_id)
+            return tasks.recover_stage_step(leader, waits_for=waits_for, dag_id=ti.dag_id, run_id=ti.run_id)
 
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
                                           timeout=timedelta(minutes=5))
 
-        @task.pyspark(task_id=job_id, conn_id=pipeline.SPARK_CONN_ID, config_kwargs=pipeline.SPARK_TASK_CONF,
+        @task.pyspark(task_id=job_id, conn_id=tasks.SPARK_CONN_ID, config_kwargs=tasks.SPARK_TASK_CONF,
                       retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
         def run_job(leader: dict, spark=None, ti=None) -> dict:
             """Run the stage job under the leader's epoch."""
-            with pipeline.stage_session(spark):
+            from include.spark import stage_session  # pyspark: when the task runs, not when the DAG is parsed
+
+            with stage_session(spark):
                 return job(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id, try_number=ti.try_number)
 
         recover(leader.output) >> wait_for_work >> run_job(leader.output)

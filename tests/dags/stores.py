@@ -9,6 +9,7 @@ from pathlib import Path
 
 from include.config import StoreConfig
 from include.store import Store
+from include.store.lease import LeaderElector
 
 CLUSTER = "test-cluster"  # the name tests/conftest.py migrates every store with
 
@@ -63,3 +64,8 @@ def age(store: Store, table: str, column: str, where: str, seconds: float) -> No
 
 def status_of(store: Store, table: str = "stage_inbound") -> dict[int, str]:
     return {r["id"]: r["status"] for r in rows(store, f"SELECT id, status FROM {table} ORDER BY id")}
+
+
+def elector(store: Store, node: str) -> LeaderElector:
+    """A cluster node's lease elector with long timings: a test steps and releases it by hand."""
+    return LeaderElector(store, node_id=node, ttl_seconds=600, fence_timeout_seconds=300)

@@ -38,7 +38,7 @@ def dag_bag() -> Iterator[DagBag]:
         mock.patch("airflow.sdk.Connection.get", _refuse("an Airflow connection")),
         mock.patch("airflow.sdk.Variable.get", _refuse("an Airflow Variable")),
         mock.patch("include.config.load", _refuse("the service config")),
-        mock.patch("include.leadership.load", _refuse("the service config")),
+        mock.patch("stageline_airflow.hooks.load", _refuse("the service config")),
         mock.patch("include.store.db.Store.__init__", _refuse("the Stageline store")),
         mock.patch("include.store.dialects.SqliteDialect.connect", _refuse("a SQLite store")),
         mock.patch("include.store.dialects.PostgresDialect.connect", _refuse("a PostgreSQL store")),

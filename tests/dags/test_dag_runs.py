@@ -21,9 +21,10 @@ from airflow.models.xcom import XComModel
 from airflow.sdk import DAG
 from airflow.utils.session import create_session
 from sqlalchemy import func, select
+from stageline_airflow import tasks
 
-from include import pipeline
 from include.config import StoreConfig
+from include.spark import classic_spark_connection
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector, acquire_permanent
@@ -169,7 +170,7 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlit
         calls.append((epoch, run_id, dag_id, try_number))
         return {"claimed": 2, "routed": 2}
 
-    monkeypatch.setattr(pipeline, "run_route_stage", fake_route_stage)  # Spark is not this test's subject
+    monkeypatch.setattr(tasks, "run_route_stage", fake_route_stage)  # Spark is not this test's subject
 
     dr = run(load_dag("stage_route"))
 
@@ -182,7 +183,7 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlit
 def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch,
                                                                  without_spark_sessions):
     acquire_permanent(sqlite_service, node_id="solo:1:aa")
-    monkeypatch.setattr(pipeline, "run_route_stage", _refuse_route)
+    monkeypatch.setattr(tasks, "run_route_stage", _refuse_route)
     dag = load_dag("stage_route")
     wait = dag.get_task("wait_for_work")
     wait.timeout, wait.poke_interval = 1.0, 0.3  # the shipped five idle minutes, shortened
@@ -228,7 +229,7 @@ print("STATES " + json.dumps({ti.task_id: ti.state for ti in dr.get_task_instanc
 
 
 def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp_path):
-    """The whole chain: DAG → include.pipeline → spark_jobs.route_job → Spark (local) → store.
+    """The whole chain: DAG → stageline_airflow.tasks → spark_jobs.route_job → Spark (local) → store.
 
     In a subprocess, so the JVM stays out of this test session (the Spark tests configure their own).
     """
@@ -243,7 +244,7 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
     (tmp_path / "routes.toml").write_text(ROUTES_TOML)
     (tmp_path / "destinations.toml").write_text(DESTINATIONS_TOML)
     env = {**os.environ, "STAGELINE_PIPELINE_DIR": str(tmp_path),
-           "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.classic_spark_connection("local[1]")}
+           "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[1]")}
 
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", RUN_STAGE_ROUTE, str(PLUGINS), str(DAGS)], env=env,
@@ -311,7 +312,7 @@ def test_metadata_clean_script_gets_past_airflow_3s_blocked_db_url(tmp_path, own
     fake = tmp_path / "airflow"
     fake.write_text(FAKE_AIRFLOW)
     fake.chmod(0o755)
-    script = pipeline.metadata_clean_command(dag_ids=["stage_route", "maintenance_reclaim"],
+    script = tasks.metadata_clean_command(dag_ids=["stage_route", "maintenance_reclaim"],
                                              keep=timedelta(hours=24))
     rendered = re.sub(r"\{\{.*?\}\}", "2026-01-01T00:00:00+00:00", script)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": BLOCKED,

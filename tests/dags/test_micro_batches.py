@@ -5,12 +5,11 @@ runs and the real ClaimKeeper are tested on real stores elsewhere; here they are
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 
-from include import leadership, stage_loop
+from include import stage_loop
 from include.store.stages import StaleEpoch
 
 
@@ -29,14 +28,6 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
-
-
-@pytest.fixture(autouse=True)
-def no_store(monkeypatch):
-    @contextmanager
-    def fake_open_store(_path):
-        yield None, "store"
-    monkeypatch.setattr(leadership, "open_store", fake_open_store)
 
 
 class FakeKeeper:
@@ -99,8 +90,8 @@ def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper
         assert watch.stopping() or watch.reason
         return next_leader
 
-    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, with_owner_check, clock=clock,
-                                  keeper=keeper, follow=follow)
+    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, with_owner_check, config=None,
+                                  store="store", clock=clock, keeper=keeper, follow=follow)
     result["_batch_epochs"] = epochs
     return result
 

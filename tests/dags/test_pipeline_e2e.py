@@ -22,13 +22,13 @@ import hl7
 import pytest
 from hl7.client import MLLPClient
 
-from include import pipeline
 from include.config import StoreConfig
+from include.lab.listenerd import Daemon, store_toml
+from include.lab.postgres_server import free_port, wait_for
+from include.spark import classic_spark_connection
 from include.stack import port_open
 from include.store import Store, lookups, rowlease
 from include.store.lease import acquire_permanent
-from include.testing.listenerd import Daemon, store_toml
-from include.testing.postgres_server import free_port, wait_for
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
@@ -129,7 +129,7 @@ rules = [{ set = "MSH-5", value = "LIS" }]
 
 def run_dags(service_config: Path, pipeline_dir: Path, *dag_ids: str, **popen: Any) -> subprocess.Popen:
     env = {**os.environ, "STAGELINE_CONFIG": str(service_config), "STAGELINE_PIPELINE_DIR": str(pipeline_dir),
-           "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.classic_spark_connection("local[2]")}
+           "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[2]")}
     return subprocess.Popen([sys.executable, "-c", RUN_DAGS, str(PLUGINS), str(DAGS), *dag_ids], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 

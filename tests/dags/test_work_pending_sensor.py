@@ -3,20 +3,20 @@ while no lease is live and, under a new epoch, watches that epoch's work — the
 (the job task follows the new leader itself), so a failover costs no new DAG run."""
 from __future__ import annotations
 
+from stageline_airflow.hooks import StagelineStoreHook
 from stageline_airflow.sensors import WorkPendingSensor
 
-from include.store import Store
-from tests.dags.stores import seed_inbound
-from tests.dags.test_leadership import elector
+from tests.dags.stores import elector, seed_inbound, write_service_config
 
 
-def test_the_wait_for_work_outlives_a_change_of_leader_and_watches_the_new_epoch(pg_config_fresh):
-    store = Store(pg_config_fresh)
+def test_the_wait_for_work_outlives_a_change_of_leader_and_watches_the_new_epoch(pg_config_fresh, tmp_path):
+    hook = StagelineStoreHook(config_path=write_service_config(tmp_path, pg_config_fresh, cluster=True))
+    store = hook.get_conn()
     try:
         old = elector(store, "node-a")
         first = old.step().epoch
         sensor = WorkPendingSensor(task_id="wait_for_work", stage="inbound", leader={"epoch": first})
-        sensor._store, sensor._clustered = store, True
+        sensor._hook = hook  # as `execute` sets it; the pokes below are the ones it would make
         assert sensor.poke({}) is False  # nothing due yet
         old.release()  # the leader stops: nobody leads for a moment
         seed_inbound(store, 1)
@@ -27,4 +27,4 @@ def test_the_wait_for_work_outlives_a_change_of_leader_and_watches_the_new_epoch
         assert sensor.poke({}) is True  # due under the new leader's epoch
         assert sensor._epoch == second
     finally:
-        store.close()
+        hook.close()

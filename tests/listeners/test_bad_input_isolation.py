@@ -16,10 +16,10 @@ import hl7
 import pytest
 from hl7.mllp import open_hl7_connection
 
-from include.store import Store
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
-from include.testing.listenerd import Daemon
-from include.testing.postgres_server import free_port, wait_for
+from include.store import Store
 from tests.listeners.hl7_traffic import adt
 
 GOOD_SENDERS, PER_SENDER, BAD = 8, 120, 120

@@ -11,10 +11,10 @@ from collections import Counter
 
 import pytest
 
-from include.store import Store
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
-from include.testing.listenerd import Daemon
-from include.testing.postgres_server import free_port, wait_for
+from include.store import Store
 from tests.listeners.hl7_traffic import ResendingSender, adt
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 10.0  # a long TTL: a prompt takeover can only come from the release

@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from include.store import Store
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import free_port, wait_for
+from include.lab.tcpproxy import TcpProxy
 from include.stack import port_open
-from include.testing.listenerd import Daemon
-from include.testing.postgres_server import free_port, wait_for
-from include.testing.tcpproxy import TcpProxy
+from include.store import Store
 from tests.listeners.hl7_traffic import Sender
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5

@@ -17,10 +17,10 @@ import pytest
 from hl7.mllp import open_hl7_connection
 
 from include.config import StoreConfig
-from include.store import Store
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
-from include.testing.listenerd import Daemon
-from include.testing.postgres_server import free_port, wait_for
+from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
 
 VT, FS, CR = b"\x0b", b"\x1c", b"\r"

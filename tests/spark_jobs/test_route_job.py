@@ -17,12 +17,12 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
 from include.config import StoreConfig
+from include.lab.postgres_server import free_port
 from include.routes_config import parse_routes
 from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
 from include.store.lease import acquire_permanent
 from include.store.stages import RouteOutcome, StaleEpoch
-from include.testing.postgres_server import free_port
 from spark_jobs import route_job
 from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
 
@@ -348,16 +348,15 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
 
 KILLED_SERVER_CHILD = textwrap.dedent("""
     import json, sys, time
-    from include import pipeline
     from include.config import StoreConfig
-    from include.spark import spark_session
+    from include.spark import spark_session, stage_session
     from include.store import Store
     from spark_jobs import route_job
     from tests.spark_jobs.test_route_job import ROUTES
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     spark = spark_session(remote=url)
-    with pipeline.stage_session(spark):
+    with stage_session(spark):
         spark.range(1).collect()
         print("ready", flush=True)
         sys.stdin.readline()  # the parent kills the server, then answers

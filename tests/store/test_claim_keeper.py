@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 from include.claim_keeper import ClaimKeeper
+from include.lab.postgres_server import wait_for
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector
-from include.testing.postgres_server import wait_for
+from tests.support.staging import insert_inbound
 
 
 def leader(store: Store, node: str = "a", *, ttl: float = 600, fence: float = 300) -> LeaderElector:
@@ -20,7 +21,7 @@ def leader(store: Store, node: str = "a", *, ttl: float = 600, fence: float = 30
 
 def stage(store: Store, epoch: int, n: int, *, lanes: bool = True) -> list[int]:
     with store.transaction() as tx:
-        return [rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=f"m{i}", control_id=f"c{i}",
+        return [insert_inbound(tx, epoch=epoch, node_id="a", message_id=f"m{i}", control_id=f"c{i}",
                                   connection="c", payload="MSH|", lane_key=f"l{i % 2}" if lanes else None)
                 for i in range(n)]
 

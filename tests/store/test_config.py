@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from include.config import ConfigError, load, parse
+from include.config import ConfigError, config_path, load, parse
 
 CLUSTER_PG = {"store": {"backend": "postgres", "server": "db", "pool_size": 3},
               "cluster": {"enabled": True, "heartbeat_seconds": 2, "leader_fence_timeout_seconds": 4,
@@ -76,3 +77,14 @@ def test_bad_toml_and_missing_file_are_clear_errors(tmp_path):
         load(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load(tmp_path / "nope.toml")
+
+
+def test_the_config_path_is_the_argument_else_stageline_config_else_the_working_directorys(tmp_path, monkeypatch):
+    monkeypatch.delenv("STAGELINE_CONFIG", raising=False)
+    assert config_path() == Path("stageline.toml")
+    from_env = tmp_path / "from-env.toml"
+    from_env.write_text('[cluster]\ncluster_name = "from-env"\n')
+    monkeypatch.setenv("STAGELINE_CONFIG", str(from_env))
+    assert config_path() == from_env
+    assert load().cluster.cluster_name == "from-env"
+    assert config_path(tmp_path / "given.toml") == tmp_path / "given.toml"

@@ -10,9 +10,9 @@ from collections import defaultdict
 import psycopg
 import pytest
 
+from include.lab.postgres_server import wait_for
 from include.store import Store
 from include.store.lease import LeaderElector, Outcome, read_lease
-from include.testing.postgres_server import wait_for
 from tests.store.workers import compete
 
 
@@ -175,11 +175,12 @@ def test_single_node_leader_is_permanent_and_each_start_bumps_the_epoch(store):
 def test_an_acquisition_waits_for_a_write_that_already_passed_the_epoch_check(store):
     from include.store import INBOUND
     from include.store import rowlease as rl
+    from tests.support.staging import insert_inbound
 
     a = elector(store, "a", ttl=600.0, fence=300.0)
     e1 = a.step().epoch
     with store.transaction() as tx:
-        rl.insert_inbound(tx, epoch=e1, node_id="a", message_id="m1", control_id="1", connection="c", payload="MSH|")
+        insert_inbound(tx, epoch=e1, node_id="a", message_id="m1", control_id="1", connection="c", payload="MSH|")
         ids = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=1)]
     a.release()
     finishing = store.transaction()

@@ -5,8 +5,8 @@ import pytest
 
 from include.store.membership import (NodeIdentity, cluster_nodes, cluster_status, heartbeat, leave,
                                       single_node_nodes)
+from include.lab.postgres_server import wait_for
 from include.store.lease import LeaderElector
-from include.testing.postgres_server import wait_for
 
 NODE_KEYS = {"node_id", "host", "pid", "status", "started_at", "last_seen", "is_leader"}
 

@@ -7,11 +7,12 @@ from collections import Counter
 
 import pytest
 
+from include.lab.postgres_server import wait_for
 from include.store import INBOUND, OUTBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector, acquire_permanent
-from include.testing.postgres_server import wait_for
 from tests.store.workers import claim_until_empty
+from tests.support.staging import insert_inbound
 
 
 def seed_inbound(store: Store, n: int, *, lanes: int = 100) -> None:
@@ -61,7 +62,7 @@ def test_four_concurrent_claimers_claim_nothing_twice_and_lose_nothing(store, st
 def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        ids = {k: rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
+        ids = {k: insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
                                     payload="MSH|", lane_key=k[0]) for k in ("a1", "b1", "a2", "b2", "a3")}
     with store.transaction() as tx:
         first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)]
@@ -76,8 +77,8 @@ def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
 def test_a_row_capped_lane_claim_takes_lanes_round_robin_and_leaves_each_a_prefix(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        ids = {k: rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
-                                    payload="MSH|", lane_key=k[0])
+        ids = {k: insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
+                                 payload="MSH|", lane_key=k[0])
                for k in ("a1", "a2", "b1", "a3", "c1", "b2", "a4", "a5")}
     with store.transaction() as tx:
         first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10,
@@ -95,7 +96,7 @@ def test_a_row_capped_lane_claim_takes_lanes_round_robin_and_leaves_each_a_prefi
 def test_a_failing_head_blocks_only_its_own_lane_and_dead_letters_after_the_limit(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        a1, a2, b1 = (rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id=m, control_id=m, connection="c",
+        a1, a2, b1 = (insert_inbound(tx, epoch=epoch, node_id="a", message_id=m, control_id=m, connection="c",
                                         payload="MSH|", lane_key=m[0]) for m in ("a1", "a2", "b1"))
     for attempt in (1, 2):
         with store.transaction() as tx:
@@ -117,7 +118,7 @@ def test_a_failing_head_blocks_only_its_own_lane_and_dead_letters_after_the_limi
 def test_backoff_holds_a_failed_head_until_next_attempt_at(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        a1 = rl.insert_inbound(tx, epoch=epoch, node_id="a", message_id="a1", control_id="1", connection="c",
+        a1 = insert_inbound(tx, epoch=epoch, node_id="a", message_id="a1", control_id="1", connection="c",
                                payload="MSH|", lane_key="a")
         rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=1)
         rl.fail_batch(tx, INBOUND, [a1], owner="a", epoch=epoch, error="timeout", max_attempts=5, backoff_seconds=0.3)
@@ -136,7 +137,7 @@ def test_stranded_head_is_reclaimed_before_anything_newer_in_its_lane(store):
     old = LeaderElector(store, node_id="old", ttl_seconds=0.4, fence_timeout_seconds=0.2)
     epoch1 = old.step().epoch
     with store.transaction() as tx:
-        h1, h2 = (rl.insert_inbound(tx, epoch=epoch1, node_id="old", message_id=m, control_id=m, connection="c",
+        h1, h2 = (insert_inbound(tx, epoch=epoch1, node_id="old", message_id=m, control_id=m, connection="c",
                                     payload="MSH|", lane_key="pid-1") for m in ("h1", "h2"))
         assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="old", epoch=epoch1,
                                                      limit=5, lease_seconds=0.2)] == [h1]
@@ -170,7 +171,7 @@ def test_finish_under_a_stale_epoch_changes_nothing(store):
         assert rl.finish_batch(tx, INBOUND, ids, owner="a", epoch=e1) == []
         assert rl.fail_batch(tx, INBOUND, ids, owner="a", epoch=e1, error="x", max_attempts=1) == []
         assert rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=10) == []
-        assert rl.insert_inbound(tx, epoch=e1, node_id="a", message_id="late", control_id="late",
+        assert insert_inbound(tx, epoch=e1, node_id="a", message_id="late", control_id="late",
                                  connection="c", payload="MSH|") is None
         assert rl.sweep_expired(tx, INBOUND, owner="a", epoch=e1) == 0
     assert rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id") == before

@@ -1,28 +1,38 @@
-"""What the stage DAGs' tasks do, one function per task, so the DAG files stay configuration.
+"""What the Stageline DAGs' tasks do, one function per task, so the DAG files stay configuration.
 
-Every function takes the leader check's XCom (`{"epoch": int, "owner": str | None}`) and works
-under that epoch. The service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`)
-and the pipeline config from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task
-*runs*: nothing here touches a file, a database or Spark when a DAG file is parsed, and Spark and
-the stage jobs are imported only inside the `run_*_stage` functions. Their Spark session comes from
-the Spark provider (`@task.pyspark` on the `stageline_spark` connection, `SPARK_CONN_ID`).
+Why here, in the Airflow plugin, and not beside the Spark jobs: this is the layer that turns an
+Airflow task into calls below it — the leader check's XCom (`{"epoch": int, "owner": str | None}`)
+becomes an epoch, the task instance's run id a claim owner, the Spark provider's session a job's
+`spark`, Airflow's connections the store (`StagelineStoreHook`) — and it calls every stage job,
+the housekeeping and the stage loop. Beside the jobs it would make `spark_jobs` know about
+Airflow; in `include/` it made the lowest layer import the Spark jobs. Imports flow one way:
+config/HL7 ← store ← `spark_jobs` ← this module ← the DAG files.
+
+Every function works under the epoch it is given, on a store its hook opens once per task. The
+service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`) and the pipeline config
+from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
+file, a database or Spark when a DAG file is parsed, and Spark and the stage jobs are imported
+only inside the `run_*_stage` functions (the DAG processor never loads pyspark). Their Spark
+session comes from the Spark provider (`@task.pyspark` on the `stageline_spark` connection,
+`SPARK_CONN_ID`).
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from include import leadership, stage_config, stage_loop
+from stageline_airflow.hooks import StagelineStoreHook
+
+from include import housekeeping, stage_config, stage_loop
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
+from include.leader_check import stage_table
 from include.stage_loop import Batch, claim_owner
 from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 
@@ -34,8 +44,9 @@ METADATA_TABLES = ("dag_run", "task_instance", "xcom")
 SPARK_CONN_ID = "stageline_spark"
 """The Airflow connection the stage tasks' Spark sessions come from (`@task.pyspark`, Spark
 provider): type `spark_connect` for a long-lived Spark Connect server (the default deployment: no
-JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task;
-see `classic_spark_connection`). Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`."""
+JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task).
+Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`; `include.spark.spark_connect_connection` and
+`classic_spark_connection` build the value."""
 SPARK_TASK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.sql.session.timeZone": "UTC"}
 """Session settings of every stage task: runtime SQL settings only, so they apply to Connect too."""
 DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
@@ -52,7 +63,8 @@ Leader = Mapping[str, Any]
 
 def recover_step(leader: Leader) -> int | None:
     """On-promotion recovery for the run's epoch (a no-op after the epoch's first run)."""
-    return leadership.recover(None, int(leader["epoch"]), leader.get("owner"))
+    with StagelineStoreHook() as hook:
+        return housekeeping.recover(hook.get_conn(), int(leader["epoch"]), leader.get("owner"))
 
 
 def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: str) -> dict[str, int | None]:
@@ -61,14 +73,14 @@ def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: s
     its `wait_for_work` would see). Safe because the previous run of the DAG has ended
     (`max_active_runs=1`); this run has claimed nothing yet."""
     epoch = int(leader["epoch"])
-    promoted = recover_step(leader)
-    table = leadership.stage_table(waits_for)
-    with leadership.open_store(None) as (_, store):
+    table = stage_table(waits_for)
+    with StagelineStoreHook() as hook:
+        store = hook.get_conn()
+        promoted = housekeeping.recover(store, epoch, leader.get("owner"))
         with store.transaction() as tx:
             abandoned = rowlease.recover_abandoned(
                 tx, table, prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#"), epoch=epoch,
-                owner=claim_owner(dag_id, run_id),
-                max_attempts=rowlease.reclaim_cap(table))
+                owner=claim_owner(dag_id, run_id), max_attempts=rowlease.reclaim_cap(table))
     if abandoned:
         log.info("%s: re-pended %d row(s) still claimed by earlier runs of this DAG", dag_id, abandoned)
     return {"promotion": promoted, "abandoned": abandoned}
@@ -76,31 +88,15 @@ def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: s
 
 def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
     """Re-pend rows whose row lease expired, every staged table."""
-    return leadership.reclaim(None, int(leader["epoch"]), leader.get("owner"), limit=limit)
+    with StagelineStoreHook() as hook:
+        return housekeeping.reclaim(hook.get_conn(), int(leader["epoch"]), leader.get("owner"), limit=limit)
 
 
 def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
     """Delete finished rows and audit events older than their retention."""
-    return leadership.retention(None, int(leader["epoch"]),
-                                {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
-
-
-def spark_connect_connection(host: str, port: int) -> str:
-    """`AIRFLOW_CONN_STAGELINE_SPARK` for a Spark Connect server (its JDBC jars are on the server)."""
-    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
-
-
-def classic_spark_connection(master: str = "local[*]") -> str:
-    """`AIRFLOW_CONN_STAGELINE_SPARK` for a classic session per task on `master`.
-
-    The connection's extras become the session's Spark conf (Spark provider): the Debian JDBC
-    driver jars, this venv's Python for the workers, no UI.
-    """
-    from include.spark import DRIVER_JARS
-
-    return json.dumps({"conn_type": "spark", "host": master, "extra": {
-        "spark.jars": ",".join(DRIVER_JARS.values()), "spark.pyspark.python": sys.executable,
-        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}})
+    with StagelineStoreHook() as hook:
+        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
+                                      {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
 
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
@@ -153,32 +149,18 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop))
 
 
-@contextlib.contextmanager
-def stage_session(spark: Any) -> Iterator[None]:
-    """Around a stage job: a Spark Connect client fails within seconds when its server is gone
-    (instead of retrying for minutes), and is closed without waiting on a dead server at exit."""
-    if spark is None:
-        yield
-        return
-    from include.spark import bound_connect_retries, close_session
-
-    bound_connect_retries(spark)
-    try:
-        yield
-    finally:
-        close_session(spark)
-
-
 STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 """The staged table each stage claims from."""
 
 
 def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: stage_loop.Job,
                    **kwargs: Any) -> dict[str, Any]:
-    """The stage task's loop (`include.stage_loop.run_stage`) with the real `ClaimKeeper`."""
-    return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
-                                keeper=lambda config, store, term_epoch: claim_keeper(
-                                    config, store, stage=stage, epoch=term_epoch), **kwargs)
+    """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real `ClaimKeeper`."""
+    with StagelineStoreHook() as hook:
+        return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
+                                    config=hook.config, store=hook.get_conn(),
+                                    keeper=lambda config, store, term_epoch: claim_keeper(
+                                        config, store, stage=stage, epoch=term_epoch), **kwargs)
 
 
 def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -> ClaimKeeper:

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL cluster for tests and benchmarks: `initdb` + `pg_ctl` in a temp dir.
+"""A throwaway PostgreSQL cluster (the lab's database, tests, benchmarks): `initdb` + `pg_ctl` in a temp dir.
 
 Runs the server as the `postgres` OS user when we are root (PostgreSQL refuses to run as root),
 listens on 127.0.0.1 on a free port with trust auth, and removes everything on `stop()`.

@@ -1,5 +1,5 @@
-"""Run real `listenerd` processes for tests and benchmarks: write their config, start them, wait
-for their API, stop them by PID."""
+"""Run real `listenerd` processes (the lab's nodes, tests, benchmarks): write their config, start
+them, wait for their API, stop them by PID."""
 from __future__ import annotations
 
 import json
@@ -7,14 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from include.config import StoreConfig
-from include.stack import port_open
-from include.testing.postgres_server import free_port, wait_for
+from include.lab.postgres_server import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,11 +117,3 @@ class Daemon:
 
     def output(self) -> str:
         return (self.workdir / "listenerd.log").read_text(errors="replace")
-
-
-def wait_port(port: int, *, open_: bool, timeout: float) -> float:
-    """Seconds until the port is (or is no longer) accepting connections."""
-    start = time.monotonic()
-    wait_for(lambda: port_open(port) == open_, timeout=timeout, interval=0.02,
-             what=f"port {port} {'open' if open_ else 'closed'}")
-    return time.monotonic() - start

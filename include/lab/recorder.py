@@ -5,7 +5,7 @@ what a failover benchmark must count. This one appends one JSON line per deliver
 `{"t": <host wall clock>, "control_id": MSH-10, "lane": PID-3.1}` — flushes it, and only then
 answers `AA` (MSA-2 = MSH-10), so a recorded line is a delivery the pipeline saw acknowledged.
 
-    python -m include.testing.recorder --port 2576 --out deliveries.jsonl
+    python -m include.lab.recorder --port 2576 --out deliveries.jsonl
 """
 from __future__ import annotations
 

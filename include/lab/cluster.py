@@ -6,7 +6,7 @@
       └─ Airflow scheduler, dag-processor, triggerer, api-server (LocalExecutor), DAGs unpaused
            └─ stage tasks ── Spark Connect server ── MLLP destination ── recorder (every delivery)
 
-Why it exists: the failover promise (DESIGN invariant 8) is about the whole pipeline, and only a
+Why it exists: the failover promise (invariant 8, docs/invariants.md) is about the whole pipeline, and only a
 real scheduler, real processes and real sockets show how long each fault keeps messages from the
 receiver. `Lab` is one object with `start()` / `stop()`, addresses, a handle per process and one
 method per fault; everything is stopped by PID. Stage tasks reach PostgreSQL directly (Airflow is
@@ -29,12 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from include.config import StoreConfig
+from include.lab import recorder
+from include.lab.listenerd import Daemon, toml_value
+from include.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.lab.tcpproxy import TcpProxy
 from include.stack import Proc, Stack, port_open, python_module
-from include.testing.listenerd import Daemon, toml_value
-from include.testing.postgres_server import PostgresServer, free_port, wait_for
-from include.testing.tcpproxy import TcpProxy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAPROXY = os.environ.get("STAGELINE_HAPROXY", "/usr/sbin/haproxy")
 CLUSTER_NAME = "lab"
 STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
@@ -146,8 +147,6 @@ class Lab:
         return wait_for(self.leader, timeout=timeout, interval=0.05, what="a leader bound to its MLLP port")
 
     def deliveries(self) -> list[dict]:
-        from include.testing import recorder
-
         return recorder.read(self.deliveries_path)
 
     def query(self, sql: str) -> list[dict]:
@@ -230,7 +229,7 @@ class Lab:
         spark_thread = threading.Thread(target=self._start_spark_into, args=(spark_error,), daemon=True)
         spark_thread.start()
         airflow_migrate = self._migrate_proc = self._airflow_migrate() if self.airflow else None
-        self.stack.start(Proc("recorder", python_module("include.testing.recorder", "--port", str(self.receiver_port),
+        self.stack.start(Proc("recorder", python_module("include.lab.recorder", "--port", str(self.receiver_port),
                                                         "--out", str(self.deliveries_path)),
                               ready=lambda: port_open(self.receiver_port)))
         for name in ("a", "b"):
@@ -473,7 +472,8 @@ backend mllp_leader
             errors.append(exc)
 
     def airflow_env(self) -> dict[str, str]:
-        from include import embedded, pipeline
+        from include import embedded
+        from include.spark import spark_connect_connection
 
         var = self.workdir / "var"
         assert self.pg is not None
@@ -489,7 +489,7 @@ backend mllp_leader
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
             "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
-            "AIRFLOW_CONN_STAGELINE_SPARK": pipeline.spark_connect_connection("127.0.0.1", self.spark_port),
+            "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection("127.0.0.1", self.spark_port),
         })
         return env
 

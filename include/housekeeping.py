@@ -1,0 +1,121 @@
+"""The stage DAGs' housekeeping under a leader's epoch (invariant 5 in docs/invariants.md), in plain Python.
+
+- `recover` — on-promotion recovery: once per epoch, every row claimed under an older epoch is
+  re-pended at once, ignoring row leases (the old leader fenced itself);
+- `reclaim` — the recurring sweep: in-flight rows whose row lease expired are re-pended;
+- `retention` — finished rows and audit events past their retention are deleted.
+
+Each takes an open store (in Airflow: `StagelineStoreHook`, once per task) and the epoch the
+run's leader check returned (`include/leader_check.py`), does bounded work in short transactions,
+is safe to repeat (Airflow retries) and does nothing under a stale epoch. Nothing here imports
+Airflow, so all of it is tested without a scheduler.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from include.store import STAGED_TABLES, StagedTable, Store
+from include.store import rowlease
+from include.store.lease import read_lease
+
+log = logging.getLogger(__name__)
+
+EVENTS = "events"
+"""Key of the audit trail (`message_events`) in a retention mapping; the others are stage names."""
+
+
+def recover(store: Store, epoch: int, owner: str | None) -> int | None:
+    """Run the on-promotion recovery for `epoch`; the rows re-pended, or None when nothing ran.
+
+    None means this epoch's recovery already ran (the usual case: every run after the first of an
+    epoch pays one read-only query) or the epoch is no longer current.
+    """
+    if read_lease(store).recovered_epoch >= epoch:
+        return None
+    with store.transaction() as tx:
+        recovered = rowlease.recover_on_promotion(tx, owner=owner or "airflow", epoch=epoch)
+    if recovered is not None:
+        log.info("recovery for epoch %s re-pended %s row(s) claimed under older epochs", epoch, recovered)
+    return recovered
+
+
+def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
+            max_batches: int = 100) -> dict[str, int]:
+    """Re-pend in-flight rows whose row lease expired, in every staged table.
+
+    Each batch of at most `limit` rows is its own short transaction; a table stops at a short
+    batch or after `max_batches` (what is left waits for the next run). Returns rows per stage.
+    """
+    counts: dict[str, int] = {}
+    for table in STAGED_TABLES:
+        counts[table.stage] = _batches(
+            lambda: _sweep(store, table, epoch=epoch, owner=owner or "airflow", limit=limit),
+            limit=limit, max_batches=max_batches)
+    if any(counts.values()):
+        log.info("reclaim under epoch %s re-pended %s", epoch, counts)
+    return counts
+
+
+def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str, float], *,
+              batch: int = 5000, max_batches: int = 100) -> dict[str, int]:
+    """Delete finished rows (done, dead, unrouted) older than each stage's retention.
+
+    `older_than_seconds`: one age for every stage and the audit trail, or a mapping from stage
+    name (`inbound`, `routed`, `outbound`) and `events` to an age; a key left out is not purged.
+    Unfinished rows are never touched, however old. Returns rows deleted per key.
+    """
+    ages = _ages(older_than_seconds)
+    counts: dict[str, int] = {}
+    for table in STAGED_TABLES:
+        if table.stage in ages:
+            counts[table.stage] = _batches(
+                lambda: _purge(store, table.purge, epoch=epoch, age=ages[table.stage], limit=batch),
+                limit=batch, max_batches=max_batches)
+    if EVENTS in ages:
+        counts[EVENTS] = _batches(
+            lambda: _purge(store, "purge_events", epoch=epoch, age=ages[EVENTS], limit=batch),
+            limit=batch, max_batches=max_batches)
+    if any(counts.values()):
+        log.info("retention under epoch %s deleted %s", epoch, counts)
+    return counts
+
+
+def _ages(older_than_seconds: float | Mapping[str, float]) -> dict[str, float]:
+    keys = [t.stage for t in STAGED_TABLES] + [EVENTS]
+    if isinstance(older_than_seconds, Mapping):
+        unknown = sorted(set(older_than_seconds) - set(keys))
+        if unknown:
+            raise ValueError(f"unknown retention key(s) {unknown}; known: {keys}")
+        ages = {k: float(v) for k, v in older_than_seconds.items()}
+    else:
+        ages = dict.fromkeys(keys, float(older_than_seconds))
+    negative = sorted(k for k, v in ages.items() if v < 0)
+    if negative:
+        raise ValueError(f"retention must not be negative: {negative}")
+    return ages
+
+
+def _batches(step: Callable[[], int], *, limit: int, max_batches: int) -> int:
+    """Repeat `step` (one transaction, returns rows done) until a short batch or the cap."""
+    total = 0
+    for _ in range(max_batches):
+        done = step()
+        total += done
+        if done < limit:
+            break
+    return total
+
+
+def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: int) -> int:
+    with store.transaction() as tx:
+        return rowlease.sweep_expired(tx, table, owner=owner, epoch=epoch, limit=limit,
+                                      max_attempts=rowlease.reclaim_cap(table))
+
+
+def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int) -> int:
+    """One batch of a retention query; it returns the ids it deleted (a row count is not portable
+    through a statement that also deletes the rows' bodies)."""
+    with store.transaction() as tx:
+        tx.fence()
+        return len(tx.all(query, {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}))

@@ -1,0 +1,101 @@
+"""`StagelineStoreHook`: the Stageline store for one Airflow task, resolved once.
+
+The store's settings come from the service config (`stageline.toml`: `$STAGELINE_CONFIG`, else
+`./stageline.toml`), its password from `$STAGELINE_STORE_PASSWORD` — the same sources `listenerd`
+uses. An Airflow connection `stageline_store` (any way Airflow defines one: the UI, a secrets
+backend, `AIRFLOW_CONN_STAGELINE_STORE`) is an alternative source for the server and credentials,
+so the password can live in Airflow's secrets instead of the task's environment:
+
+    AIRFLOW_CONN_STAGELINE_STORE='{"conn_type": "stageline", "host": "db", "port": 5432,
+                                   "login": "stageline", "password": "…", "schema": "stageline"}'
+
+Each field the connection sets wins over the file (and over the environment, for the password):
+host → `[store].server`, port → `port`, login → `username`, schema → `database` (the database, as
+in Airflow's PostgreSQL connections), password → the password. The backend and every other setting
+stay the file's. No such connection: the file and the environment alone, as before.
+
+A task makes one hook and keeps it: the config is read and the store (with its connection pool)
+opened at the first use, then reused — a sensor's pokes and a stage task's micro-batches share one
+store — and closed by `close()` or when the `with` block ends.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from airflow.sdk import BaseHook
+from airflow.sdk.exceptions import AirflowNotFoundException
+
+from include.config import ServiceConfig, StoreConfig, load
+from include.store import Store
+
+if TYPE_CHECKING:
+    from airflow.sdk import Connection
+
+
+class StagelineStoreHook(BaseHook):
+    """The Stageline store for one task: service config plus the optional Airflow connection.
+
+    :param stageline_conn_id: the Airflow connection that may supply the server and credentials.
+    :param config_path: the service config; default `$STAGELINE_CONFIG`, then `./stageline.toml`.
+    """
+
+    conn_name_attr = "stageline_conn_id"
+    default_conn_name = "stageline_store"
+    conn_type = "stageline"
+    hook_name = "Stageline store"
+
+    def __init__(self, stageline_conn_id: str = default_conn_name, *,
+                 config_path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.stageline_conn_id = stageline_conn_id
+        self.config_path = config_path
+        self._config: ServiceConfig | None = None
+        self._store: Store | None = None
+
+    @property
+    def config(self) -> ServiceConfig:
+        """The service config, with the connection's fields applied (read once)."""
+        if self._config is None:
+            config = load(self.config_path)
+            conn = self._connection()
+            if conn is not None:
+                config = replace(config, store=store_settings(config.store, conn))
+            self._config = config
+        return self._config
+
+    def get_conn(self) -> Store:
+        """The store, opened at the first call and reused until `close()`."""
+        if self._store is None:
+            self._store = Store(self.config.store)
+        return self._store
+
+    def close(self) -> None:
+        """Close the store and its pool (a later `get_conn()` opens a new one)."""
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def __enter__(self) -> StagelineStoreHook:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connection(self) -> Connection | None:
+        try:
+            conn = self.get_connection(self.stageline_conn_id)
+        except AirflowNotFoundException:
+            return None
+        self.log.info("store settings from Airflow connection %r: %s", self.stageline_conn_id,
+                      ", ".join(name for name in ("host", "port", "login", "schema", "password")
+                                if getattr(conn, name)) or "none")
+        return conn
+
+
+def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
+    """`store` with the connection's host, port, login, schema (database) and password, where set."""
+    fields = {"server": conn.host, "port": conn.port, "username": conn.login, "database": conn.schema,
+              "password": conn.password}
+    return replace(store, **{name: value for name, value in fields.items() if value})

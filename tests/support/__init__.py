@@ -1,0 +1,5 @@
+"""Support code only the tests and benchmarks use; not part of the wheel.
+
+    stream.py   a steady multi-lane HL7 stream through the lab, and the verdict on its deliveries
+    staging.py  staging one inbound message, the shortcut store tests seed rows with
+"""
