@@ -183,12 +183,12 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     """
     if not messages:
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
-    payload = json.dumps(messages)
-    rows = tx.all("stage_inbound", {"messages": payload, "epoch": epoch, "node_id": node_id})
+    batch = json.dumps(messages)
+    rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
     if not rows[0]["bodies_written"]:
-        tx.execute("stage_inbound_bodies", {"messages": payload, "ids": tx.dialect.id_list([r["id"] for r in rows])})
+        tx.execute("stage_inbound_bodies", {"messages": batch, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     if not rows[0]["events_recorded"]:
         tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
     return {r["message_id"]: int(r["id"]) for r in rows}
