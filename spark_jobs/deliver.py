@@ -77,6 +77,12 @@ OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, 
 NO_OUTCOME = "no delivery outcome came back from Spark"
 DEFAULT_PER_LANE = 5_000
 DEFAULT_ROUND_ROWS = 20_000
+DEFAULT_ROUND_SECONDS = 2.0
+"""How long a round sends before it leaves the rest of its rows for the next one. A round learns of
+a change of leader only when it ends (its finalize is fenced), and whatever it sends after the
+change is sent again by the new leader: the time box bounds those duplicates, whatever the round's
+size. File lanes are written in one go and are not cut."""
+ROUND_OVER = "the round's time box was spent"
 """Rows one round claims at most, over all its lanes (round-robin, each lane a prefix): bounds a
 round's memory and duration however many lanes are due, while a one-lane backlog still moves
 `DEFAULT_PER_LANE` rows a round instead of waiting a round per few hundred."""
@@ -100,7 +106,7 @@ def deliver_row(row: Mapping[str, Any], destinations: Mapping[str, Destination])
 
 
 def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations, *,
-                  concurrency: int = 1) -> Iterator[dict[str, Any]]:
+                  concurrency: int = 1, deadline: float | None = None) -> Iterator[dict[str, Any]]:
     """Send claimed rows lane by lane; yield one outcome per row.
 
     A claim hands over a prefix of each due lane (up to `per_lane` rows), so lanes are independent
@@ -121,6 +127,8 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
             if out and not out[-1]["ok"]:
                 out.append(_outcome(row, ok=False, retryable=True,
                                     detail=f"{NOT_ATTEMPTED}: message {out[-1]['id']} earlier in the lane failed"))
+            elif out and deadline is not None and time.time() > deadline:  # a lane's head always goes
+                out.append(_outcome(row, ok=False, retryable=True, detail=f"{NOT_ATTEMPTED}: {ROUND_OVER}"))
             else:
                 out.append(deliver_row(row, dests))
         return out
@@ -157,7 +165,7 @@ def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
 
 
 def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions: int | None = None,
-                  concurrency: int = 1) -> DataFrame:
+                  concurrency: int = 1, round_seconds: float | None = None) -> DataFrame:
     """Deliver a frame of claimed rows (CLAIMED_COLUMNS) in Spark; returns the outcomes frame.
 
     Repartitioned by lane so lanes spread over the executors (each partition sends its lanes one
@@ -172,7 +180,8 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
         # The whole partition at once: Arrow may split one lane's rows over two batches, and a lane
         # must stop at its first failure across all of them.
         records = [_plain(r) for batch in batches for r in batch.to_dict("records")]
-        outcomes = list(deliver_lanes(records, dests, concurrency=concurrency))
+        deadline = None if round_seconds is None else time.time() + round_seconds  # from the first send
+        outcomes = list(deliver_lanes(records, dests, concurrency=concurrency, deadline=deadline))
         if outcomes:
             yield pd.DataFrame(outcomes, columns=list(OUTCOME_COLUMNS)).astype(
                 {"id": "int64", "ok": "bool", "retryable": "bool"})
@@ -220,7 +229,7 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
 
 def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
         max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, max_rows: int = DEFAULT_ROUND_ROWS,
-        time_budget_seconds: float = 240.0,
+        round_seconds: float = DEFAULT_ROUND_SECONDS, time_budget_seconds: float = 240.0,
         lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
         clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> DeliverOutcome:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
@@ -232,6 +241,8 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     loss). If delivery itself fails (Spark error), the claimed heads are failed as retryable so
     their lanes do not wait out the row lease, and the error propagates. `owner` must be unique
     per run. `stop()` is asked before every round: true once the task must end (leadership moved).
+    A round sends for at most `round_seconds` (`DEFAULT_ROUND_SECONDS`); what it did not reach is
+    released, not counted as an attempt, and goes first in the next round.
     """
     dests = _parsed(destinations)
     deadline = clock() + time_budget_seconds
@@ -243,7 +254,7 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
             break
         try:
             outcomes = _deliver_round(store, spark, dests, owner=owner, epoch=epoch, ids=ids,
-                                      partitions=partitions, concurrency=concurrency)
+                                      partitions=partitions, concurrency=concurrency, round_seconds=round_seconds)
         except BaseException as exc:
             _fail_quietly(store, ids, owner=owner, epoch=epoch, dests=dests,
                           detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400])
@@ -259,15 +270,16 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
 
 
 def _deliver_round(store: Store, spark: SparkSession | None, dests: Mapping[str, Destination], *, owner: str,
-                   epoch: int, ids: list[int], partitions: int | None, concurrency: int) -> list[dict[str, Any]]:
+                   epoch: int, ids: list[int], partitions: int | None, concurrency: int,
+                   round_seconds: float) -> list[dict[str, Any]]:
     """Outcomes for every claimed id; an id with no outcome (row vanished, Spark lost it) is retryable."""
     if spark is None:
         rows = fetch_claimed(store, owner=owner, epoch=epoch, ids=ids)
-        outcomes = list(deliver_lanes(rows, dests, concurrency=concurrency))
+        outcomes = list(deliver_lanes(rows, dests, concurrency=concurrency, deadline=time.time() + round_seconds))
     else:
         frame = read_claimed(store, spark, owner=owner, epoch=epoch, ids=ids)
-        outcomes = [r.asDict() for r in spark_deliver(frame, dests, partitions=partitions,
-                                                      concurrency=concurrency).collect()]
+        outcomes = [r.asDict() for r in spark_deliver(frame, dests, partitions=partitions, concurrency=concurrency,
+                                                      round_seconds=round_seconds).collect()]
     seen = {int(o["id"]) for o in outcomes}
     outcomes += [{"id": i, "destination": None, "ok": False, "retryable": True, "detail": NO_OUTCOME}
                  for i in ids if i not in seen]

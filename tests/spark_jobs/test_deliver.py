@@ -3,6 +3,7 @@ backlog, a failing head that blocks only its lane and ends dead with its reason 
 rejects, re-delivery under the same idempotency key, a stale epoch, and the Spark wrapper."""
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
-from include.store.stages import DeliverOutcome, StaleEpoch, finalize_deliveries
+from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.destinations_config import lane_key, parse_destinations
 from spark_jobs import deliver
 from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers
@@ -136,6 +137,18 @@ def test_a_lane_with_several_rows_stops_at_its_first_failure(http_receiver, conc
     assert outcomes[2]["detail"] == "not attempted: message 1 earlier in the lane failed"
     assert sorted(receiver.keys) == ["a1", "b3", "b4"]
     assert [k for k in receiver.keys if k.startswith("b")] == ["b3", "b4"]
+
+
+def test_a_round_past_its_time_box_sends_each_lane_head_and_leaves_the_rest(http_receiver) -> None:
+    receiver = http_receiver(lambda key: 200)
+    dests = parse_destinations([{"name": "api", "kind": "http", "url": receiver.url}])
+    claimed = [{"id": i, "destination": "api", "lane_key": lane, "payload": "x", "content_type": "text/plain",
+                "idempotency_key": f"{lane}{i}", "attempts": 1}
+               for i, lane in [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")]]
+    outcomes = {o["id"]: o for o in deliver.deliver_lanes(claimed, dests, deadline=time.time() - 1)}
+    assert {i: o["ok"] for i, o in outcomes.items()} == {1: True, 2: True, 3: False, 4: False, 5: False}
+    assert outcomes[3]["detail"] == f"{NOT_ATTEMPTED}: {deliver.ROUND_OVER}"  # released, attempt not counted
+    assert sorted(receiver.keys) == ["a1", "b2"]
 
 
 # --- the store and real receivers -------------------------------------------------------------
