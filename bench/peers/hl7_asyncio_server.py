@@ -13,7 +13,11 @@ import uuid
 import hl7
 from hl7.mllp import start_hl7_server
 
-INSERT = ("INSERT INTO stage_inbound (message_id, control_id, connection, payload) "
+# The peer's own table, as in ../shared/peers/ack_after_insert_server.py (Stageline's staged tables
+# keep bodies apart since store v4, which no naive server would do).
+SCHEMA = ("CREATE TABLE IF NOT EXISTS peer_inbound_stage (id bigserial PRIMARY KEY, message_id text NOT NULL, "
+          "control_id text, channel text NOT NULL, payload text NOT NULL, created timestamptz DEFAULT now())")
+INSERT = ("INSERT INTO peer_inbound_stage (message_id, control_id, channel, payload) "
           "VALUES (%s, %s, 'peer', %s)")
 
 
@@ -23,6 +27,11 @@ async def main() -> None:
     ap.add_argument("--mode", choices=["db", "parse", "ceiling"], required=True)
     ap.add_argument("--dsn", default="")
     args = ap.parse_args()
+    if args.mode == "db":
+        import psycopg
+
+        async with await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as c:
+            await c.execute(SCHEMA)
 
     async def handle(reader, writer) -> None:
         conn = None
