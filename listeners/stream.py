@@ -75,7 +75,10 @@ def describe_peer(peer: IAddress | Any) -> str:
 
 def safe_id(control_id: str) -> str:
     """A control id fit for a log line: bounded, no control characters."""
-    return "".join(ch if ch.isprintable() else "?" for ch in control_id[:64])
+    control_id = control_id[:64]
+    if control_id.isprintable():  # the common case, without a pass per character
+        return control_id
+    return "".join(ch if ch.isprintable() else "?" for ch in control_id)
 
 
 class StreamFactory(ServerFactory):
