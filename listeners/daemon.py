@@ -18,6 +18,7 @@ from twisted.python import usage
 
 from include import config as cfgmod
 from listeners.connections import ConnectionConfigError
+from listeners.mllp import log_each_answer
 from listeners.node import ListenerNode
 
 __all__ = ["Options", "main", "makeService"]
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
                                     [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    log_each_answer(options["log-level"] == "debug")
     try:
         node = makeService(options)
     except (cfgmod.ConfigError, ConnectionConfigError) as exc:
