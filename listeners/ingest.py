@@ -310,23 +310,31 @@ class ReactorIngestWriter:
         return self.when_idle(10.0).addCallback(close)
 
     def _next_batch(self) -> None:
-        if not self._queue:
-            self._busy = False
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for d in waiters:
-                d.callback(True)
-            return
+        """Start the next batch; with nothing queued, the writer is idle."""
+        while self._queue:
+            if self._start(self._take()):
+                return
+        self._busy = False
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for d in waiters:
+            d.callback(True)
+
+    def _take(self) -> list[tuple[Inbound, Deferred]]:
         n = min(len(self._queue), self.max_batch)
-        batch = [self._queue.popleft() for _ in range(n)]
+        return [self._queue.popleft() for _ in range(n)]
+
+    def _start(self, batch: list[tuple[Inbound, Deferred]]) -> bool:
+        """Send the batch's first statement (True), or fail it at once when there is no lease."""
         epoch = self._epoch()
         if epoch is None or self._stopped:
             why = NotLeader("this node does not hold the leader lease") if epoch is None else \
                 StoreUnavailable("the ingest writer has stopped")
-            self._done(batch, [why] * n)
-            return
+            _fire(batch, [why] * len(batch))
+            return False
         steps = _GroupCommit([item for item, _ in batch], epoch=epoch, dialect=self.store.dialect,
                              metrics=self.metrics).statements()
         self._stage(batch, steps, epoch, next(steps))
+        return True
 
     def _stage(self, batch: list, steps: Generator, epoch: int, chunk: list[Inbound]) -> None:
         try:
@@ -346,8 +354,14 @@ class ReactorIngestWriter:
             self._stage(batch, steps, epoch, chunk)
 
     def _done(self, batch: list, outcomes: list[Outcome]) -> None:
+        # What queued during this commit goes to the database before these answers go out, so it
+        # waits for none of their writes; the idle signal (a clean stop's drain) only after them.
+        in_flight = False
+        while self._queue and not in_flight:
+            in_flight = self._start(self._take())
         _fire(batch, outcomes)
-        self._next_batch()  # what queued meanwhile goes now
+        if not in_flight:
+            self._next_batch()  # anything submitted by the answers' callbacks, or idle
 
 
 class IngestService(Service):
