@@ -91,14 +91,18 @@ class PgStager:
         params = {"messages": json.dumps(rows), "epoch": epoch, "node_id": node_id}
         d = self._run("stage_inbound", params)
 
-        def staged(result: list[dict[str, Any]]) -> Any:
-            if not result:  # stale epoch, or every message was a re-delivery of one already staged
-                return self._run("epoch_current", {"epoch": epoch}).addCallback(lambda r: {} if r else None)
-            first = result[0]
-            if first["bodies_written"] != "t" or first["events_recorded"] != "t":
+        def staged(result: Any) -> Any:
+            n = result.ntuples
+            if not n:  # stale epoch, or every message was a re-delivery of one already staged
+                return self._run("epoch_current", {"epoch": epoch}).addCallback(lambda r: {} if r.ntuples else None)
+            column = {result.fname(i): i for i in range(result.nfields)}
+            if (result.get_value(0, column[b"bodies_written"]) != b"t"
+                    or result.get_value(0, column[b"events_recorded"]) != b"t"):
                 # The dialect promised one self-contained statement; never ACK what it did not write.
                 raise RuntimeError("stage_inbound no longer writes bodies and events itself on PostgreSQL")
-            return {r["message_id"]: int(r["id"]) for r in result}
+            ids, message_ids = column[b"id"], column[b"message_id"]
+            value = result.get_value
+            return {value(r, message_ids).decode(): int(value(r, ids)) for r in range(n)}
 
         return d.addCallback(staged)
 
@@ -111,7 +115,7 @@ class PgStager:
 
     # -- one statement --------------------------------------------------------------------------
 
-    def _run(self, name: str, params: dict[str, Any]) -> Deferred[list[dict[str, Any]]]:
+    def _run(self, name: str, params: dict[str, Any]) -> Deferred[Any]:
         if self._closed:
             return fail(ConnectionError("the staging connection is closed"))
         query = self._queries[name]
@@ -190,7 +194,7 @@ class _Connection:
         # The reactor watches a duplicate of libpq's socket: libpq closes its own when it finds
         # the connection broken, and the reactor must still be able to unregister ours.
         self._fd = os.dup(pgconn.socket)
-        self._pending: Deferred[list[dict[str, Any]]] | None = None
+        self._pending: Deferred[Any] | None = None
         self._results: list[Any] = []
         self._writing = False
         self.usable = True
@@ -203,9 +207,10 @@ class _Connection:
     def logPrefix(self) -> str:
         return "stageline-ingest-pg"
 
-    def execute(self, query: _Query, params: dict[str, Any]) -> Deferred[list[dict[str, Any]]]:
+    def execute(self, query: _Query, params: dict[str, Any]) -> Deferred[Any]:
+        """Send the prepared statement; the Deferred gets its result (a libpq ``PGresult``)."""
         assert self._pending is None, "one statement at a time"
-        d: Deferred[list[dict[str, Any]]] = Deferred()
+        d: Deferred[Any] = Deferred()
         self._pending = d
         self._results = []
         try:
@@ -264,12 +269,7 @@ class _Connection:
                 self.close()
             d.errback(Failure(error))
             return
-        rows: list[dict[str, Any]] = []
-        for result in results:
-            names = [result.fname(i).decode() for i in range(result.nfields)]
-            for r in range(result.ntuples):
-                rows.append({name: _text(result.get_value(r, i)) for i, name in enumerate(names)})
-        d.callback(rows)
+        d.callback(results[-1])
 
     def _broken(self, exc: BaseException) -> None:
         d, self._pending = self._pending, None
@@ -290,7 +290,3 @@ class _Connection:
         d, self._pending = self._pending, None
         if d is not None:
             d.errback(Failure(ConnectionError("the staging connection was closed")))
-
-
-def _text(value: bytes | None) -> str | None:
-    return None if value is None else value.decode("utf-8", "replace")
