@@ -138,7 +138,7 @@ class _GroupCommit:
         if refused:
             _log.info("group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
                       n=len(items), refused=refused, statements=statements)
-        if any(outcome is None for outcome in outcomes):
+        if None in outcomes:  # something committed
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
             self._metrics.commit_batch.observe(len(items))
         return outcomes
