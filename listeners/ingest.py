@@ -271,7 +271,7 @@ class ReactorIngestWriter:
         self._stopped = False
 
     def start(self) -> None:
-        pass
+        self._stager.open()
 
     def submit(self, item: Inbound) -> Deferred:
         """Queue one message; the Deferred fires with its message_id after commit, or fails with

@@ -27,12 +27,15 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReadWriteDescriptor
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from include.store import Store
 
 __all__ = ["PgStager", "numbered"]
+
+_log = Logger(namespace="stageline.ingest")
 
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
 
@@ -80,7 +83,7 @@ class PgStager:
         self._queries = {name: _Query(name, store.sql(name)) for name in self.QUERIES}
         self._is_refusal = store.dialect.is_refusal
         self._conn: _Connection | None = None
-        self._connecting: Deferred[_Connection] | None = None
+        self._waiting: list[Deferred[_Connection]] = []  # for the connection being opened
         self._closed = False
 
     # -- what the writer calls ----------------------------------------------------------------
@@ -121,29 +124,38 @@ class PgStager:
         query = self._queries[name]
         if self._conn is not None and self._conn.usable:
             return self._conn.execute(query, params)
-        return self._connect().addCallback(lambda conn: conn.execute(query, params))
+        return self._connection().addCallback(lambda conn: conn.execute(query, params))
 
-    def _connect(self) -> Deferred[_Connection]:
-        """Open the connection in a thread (libpq's connect blocks); one attempt per batch that
-        needs it, so a store that is down fails each batch rather than queueing them."""
+    def open(self) -> None:
+        """Open the connection ahead of the first batch (a failure here is only retried then)."""
+        if not self._closed and (self._conn is None or not self._conn.usable):
+            self._connection().addErrback(lambda f: _log.warn("staging connection not opened yet: {err}",
+                                                              err=f.type.__name__ if f.type else "?"))
+
+    def _connection(self) -> Deferred[_Connection]:
+        """The connection, opened in a thread when there is none (libpq's connect blocks): one
+        attempt per batch that needs it, so a store that is down fails each batch in turn."""
+        d: Deferred[_Connection] = Deferred()
+        self._waiting.append(d)
+        if len(self._waiting) > 1:
+            return d  # an attempt is under way
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        assert self._connecting is None, "one statement at a time"
-        d: Deferred[_Connection] = Deferred()
-        self._connecting = d
         queries = list(self._queries.values())
 
         def opened(result: Any) -> None:
-            self._connecting = None
+            waiting, self._waiting = self._waiting, []
+            if not isinstance(result, BaseException) and self._closed:
+                result.finish()
+                result = ConnectionError("the staging connection is closed")
             if isinstance(result, BaseException):
-                d.errback(Failure(result))
-            elif self._closed:
-                result.close()
-                d.errback(Failure(ConnectionError("the staging connection is closed")))
-            else:
-                self._conn = _Connection(result, self._reactor, self._is_refusal)
-                d.callback(self._conn)
+                for w in waiting:
+                    w.errback(Failure(result))
+                return
+            self._conn = _Connection(result, self._reactor, self._is_refusal)
+            for w in waiting:
+                w.callback(self._conn)
 
         def work() -> None:
             try:

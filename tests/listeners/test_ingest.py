@@ -279,6 +279,13 @@ def test_the_deferred_fires_only_once_the_row_is_committed(reactor_writer):
     assert seen == [["M0", "M1"]]
 
 
+def test_a_batch_that_arrives_while_the_connection_opens_waits_for_it(reactor_writer):
+    w = reactor_writer
+    w.writer.start()  # opens the connection ahead of the first batch
+    assert w.commit(items(3, set())) == [None] * 3
+    assert staged_control_ids(w.store) == ["M0", "M1", "M2"]
+
+
 def test_a_connection_dropped_between_batches_is_reopened_for_the_next(reactor_writer):
     w = reactor_writer
     assert w.commit(items(2, set())) == [None, None]
