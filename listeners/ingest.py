@@ -350,6 +350,9 @@ class ReactorIngestWriter:
             chunk = steps.send(staged)
         except StopIteration as done:
             self._done(batch, done.value)
+        except Exception as exc:  # a bug here must not leave the batch unanswered and the writer stuck
+            _log.critical("group commit failed internally: {err}", err=type(exc).__name__)
+            self._done(batch, [StoreUnavailable("internal error")] * len(batch))  # AE: resent, never lost
         else:
             self._stage(batch, steps, epoch, chunk)
 

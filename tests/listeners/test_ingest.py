@@ -316,6 +316,23 @@ def test_a_store_that_cannot_be_reached_fails_each_batch_as_unavailable(pg_confi
         w.close()
 
 
+def test_a_fault_inside_the_writer_answers_the_batch_and_the_writer_goes_on(reactor_writer, monkeypatch):
+    w = reactor_writer
+    import listeners.ingest as ingest
+
+    real = ingest._GroupCommit.statements
+
+    def broken(self):  # the split logic fails after its first statement
+        steps = real(self)
+        yield next(steps)
+        raise KeyError("bug")
+
+    monkeypatch.setattr(ingest._GroupCommit, "statements", broken)
+    assert all(isinstance(o, StoreUnavailable) for o in w.commit(items(2, set())))
+    monkeypatch.setattr(ingest._GroupCommit, "statements", real)
+    assert w.commit([Inbound(connection="c", control_id="A", payload="MSH|a")]) == [None]
+
+
 def test_when_idle_fires_once_the_last_batch_is_answered(reactor_writer):
     w = reactor_writer
     assert w.writer.when_idle(1.0).result is True  # nothing submitted
