@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     except usage.UsageError as exc:
         print(f"{options}\nlistenerd: {exc}", file=sys.stderr)
         sys.exit(2)
-    # The group-commit thread waits on the database many times a second; with the default 5 ms
-    # GIL switch interval each wake-up can queue behind a busy reactor thread for that long.
+    # The group-commit thread (stores other than PostgreSQL, whose group commit runs on the reactor)
+    # waits on the database many times a second; with the default 5 ms GIL switch interval each
+    # wake-up can queue behind a busy reactor thread for that long.
     sys.setswitchinterval(0.0005)
     observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
                                     [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
