@@ -18,6 +18,7 @@ from twisted.python import usage
 
 from include import config as cfgmod
 from listeners.connections import ConnectionConfigError
+from listeners.mllp import log_each_answer
 from listeners.node import ListenerNode
 
 __all__ = ["Options", "main", "makeService"]
@@ -55,12 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     except usage.UsageError as exc:
         print(f"{options}\nlistenerd: {exc}", file=sys.stderr)
         sys.exit(2)
-    # The group-commit thread waits on the database many times a second; with the default 5 ms
-    # GIL switch interval each wake-up can queue behind a busy reactor thread for that long.
+    # The group-commit thread (stores other than PostgreSQL, whose group commit runs on the reactor)
+    # waits on the database many times a second; with the default 5 ms GIL switch interval each
+    # wake-up can queue behind a busy reactor thread for that long.
     sys.setswitchinterval(0.0005)
     observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
                                     [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    log_each_answer(options["log-level"] == "debug")
     try:
         node = makeService(options)
     except (cfgmod.ConfigError, ConnectionConfigError) as exc:

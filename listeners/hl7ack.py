@@ -8,10 +8,9 @@ escaped here, so nothing we write can break the ACK's structure.
 
 from __future__ import annotations
 
+import os
 import re
 import time
-
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -66,7 +65,7 @@ class AckDecision:
 
     @classmethod
     def accept(cls) -> AckDecision:
-        return cls(AckCode.AA)
+        return ACCEPT
 
     @classmethod
     def error(cls, reason: str, *, error_code: str = "207") -> AckDecision:
@@ -77,9 +76,14 @@ class AckDecision:
         return cls(AckCode.AR, reason, error_code)
 
 
+ACCEPT = AckDecision(AckCode.AA)
+"""The one positive decision (immutable, so shared rather than built per message)."""
+
+
 def new_control_id() -> str:
-    """A fresh 20-character control id (fits MSH-10's length in every v2 version)."""
-    return uuid.uuid4().hex[:20]
+    """A fresh 20-character control id (fits MSH-10's length in every v2 version): 80 random bits
+    in hex, as random as the uuid4 prefix it replaces without building a UUID per ACK."""
+    return os.urandom(10).hex()
 
 
 def escape(
@@ -135,7 +139,55 @@ def build_ack(
     :param control_id: the ACK's own MSH-10; a fresh one by default.
     :param now: the ACK's MSH-7; the current UTC time by default.
     """
-    ack_code = AckCode(code)
+    ack_code = code if code.__class__ is AckCode else AckCode(code)
+    shape = _shape(header, sending_application, sending_facility)
+    fs = shape.fs
+    # A fresh id is hex (nothing to escape); one given by the caller is escaped like any text.
+    own_id = new_control_id() if control_id is None else shape.plain(control_id or new_control_id())
+    stamp = _timestamp(now, utc_offset=shape.utc_offset)
+    acked = _strip_controls(header.control_id)
+    if ack_code is AckCode.AA:
+        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}AA{fs}{acked}\r"
+    else:
+        msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
+        err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc)
+        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}{msa}\r{err}\r"
+    # "replace" only matters for our own reason text: echoed values came from this charset.
+    return text.encode(header.encoding, errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
+class _AckShape:
+    """What an ACK to one kind of header looks like around its per-message parts (MSH-7, MSH-10,
+    MSA): built once per distinct header shape, not once per message."""
+
+    fs: str
+    enc: str
+    head: str  # MSH-0 .. MSH-6, then the field separator before MSH-7
+    middle: str  # after MSH-7: MSH-8, MSH-9 and the separator before MSH-10
+    tail: str  # after MSH-10: MSH-11, MSH-12 (MSH-18), end of segment
+    utc_offset: bool
+    version: tuple[int, ...]
+    plain: Callable[[str], str]
+
+
+_SHAPES: dict[tuple, _AckShape] = {}
+_MAX_SHAPES = 1024  # distinct sender/receiver/type combinations kept; cleared when exceeded
+
+
+def _shape(header: HL7Header, sending_application: str | None, sending_facility: str | None) -> _AckShape:
+    key = (header.field_separator, header.encoding_characters, header.receiving_application,
+           header.receiving_facility, header.sending_application, header.sending_facility, header.message_type,
+           header.processing_id, header.version, header.charset, sending_application, sending_facility)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        if len(_SHAPES) >= _MAX_SHAPES:
+            _SHAPES.clear()
+        shape = _SHAPES[key] = _new_shape(header, sending_application, sending_facility)
+    return shape
+
+
+def _new_shape(header: HL7Header, sending_application: str | None, sending_facility: str | None) -> _AckShape:
     fs = header.field_separator
     enc = header.encoding_characters
     plain = _escaper(fs, enc)
@@ -149,29 +201,13 @@ def build_ack(
     trigger = raw(header.trigger_event)
     cs = enc[0]
     message_type = f"ACK{cs}{trigger}{cs}ACK" if trigger else "ACK"
-    msh = [
-        "MSH",
-        enc,
-        app,
-        fac,
-        raw(header.sending_application),
-        raw(header.sending_facility),
-        _timestamp(now, utc_offset="+" not in fs + enc),
-        "",
-        message_type,
-        plain(control_id or new_control_id()),
-        raw(header.processing_id),
-        raw(header.version),
-    ]
+    head = fs.join(["MSH", enc, app, fac, raw(header.sending_application), raw(header.sending_facility), ""])
+    tail = ["", raw(header.processing_id), raw(header.version)]
     if header.charset:
-        msh += ["", "", "", "", "", raw(header.charset)]
-    version = _version_tuple(header.version_id)
-    segments = [fs.join(msh), _msa(ack_code, raw(header.control_id), reason, version, plain, fs)]
-    if ack_code is not AckCode.AA:
-        segments.append(_err(error_code, reason, version, plain, fs, enc))
-    text = "".join(segment + "\r" for segment in segments)
-    # "replace" only matters for our own reason text: echoed values came from this charset.
-    return text.encode(header.encoding, errors="replace")
+        tail += ["", "", "", "", "", raw(header.charset)]
+    return _AckShape(fs=fs, enc=enc, head=head, middle=fs.join(["", "", message_type, ""]),
+                     tail=fs.join(tail) + "\r", utc_offset="+" not in fs + enc,
+                     version=_version_tuple(header.version_id), plain=plain)
 
 
 def build_fallback_ack(
@@ -227,6 +263,8 @@ _CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
 def _strip_controls(value: str) -> str:
     """Echoed values cannot contain separators (they were split on them) but drop control
     characters anyway: a stray VT/FS would corrupt the MLLP frame around the ACK."""
+    if value.isprintable():  # the common case: no control character (they are all unprintable)
+        return value
     return _CONTROLS.sub("", value)
 
 

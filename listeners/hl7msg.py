@@ -9,6 +9,7 @@ echoes them byte-for-byte.
 from __future__ import annotations
 
 import codecs
+import functools
 import string
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -166,7 +167,14 @@ def parse_header(
     """
     start = _find_msh(data)
     fs_byte = _field_separator(data, start)
-    enc_chars = _encoding_characters(data, start, fs_byte)
+    # MSH-1/MSH-2 are checked once per distinct opening (a sender uses one): the check reads only
+    # these bytes, so its result is theirs.
+    opening = data[start + 3 : start + 11]
+    enc_chars = _OPENINGS.get(opening)
+    if enc_chars is None:
+        enc_chars = _encoding_characters(data, start, fs_byte)
+        if len(_OPENINGS) < _MAX_CACHED:
+            _OPENINGS[opening] = enc_chars
     fs = chr(fs_byte)
     repetition = enc_chars[1]
 
@@ -184,14 +192,14 @@ def parse_header(
     raw_fields = raw_seg.split(bytes([fs_byte]))
     try:
         guess = _charset_guess(raw_fields)
-        encoding = _resolve_codec(guess, repetition, default_encoding, strict_charset)
+        encoding = _resolve_codec_cached(guess, repetition, default_encoding, strict_charset)
         body = data[start:] if complete else raw_seg
         for _attempt in range(2):
             text = _decode(body, encoding)
             fields = _split_msh(text, fs)
             charset = _field(fields, 18)
-            resolved = _resolve_codec(charset, repetition, default_encoding, strict_charset)
-            if codecs.lookup(resolved).name == codecs.lookup(encoding).name:
+            resolved = _resolve_codec_cached(charset, repetition, default_encoding, strict_charset)
+            if _codec_name(resolved) == _codec_name(encoding):
                 break
             encoding = resolved
         else:
@@ -215,7 +223,7 @@ def parse_header(
         processing_id=_field(fields, 11),
         version=_field(fields, 12),
         charset=charset,
-        encoding=codecs.lookup(encoding).name,
+        encoding=_codec_name(encoding),
         text=text if complete else None,
     )
 
@@ -325,6 +333,17 @@ def _resolve_codec(charset: str, repetition: str, default: str, strict: bool) ->
         shown = "".join(c for c in first[:24] if c.isprintable())
         raise HL7HeaderError(HeaderErrorReason.UNKNOWN_CHARSET, f"MSH-18 {shown!r} unsupported")
     return default
+
+
+# Per-message lookups answered once: bounded, since their keys come from the senders.
+_MAX_CACHED = 256
+_OPENINGS: dict[bytes, str] = {}  # MSH-1.. bytes -> MSH-2, for openings that passed the check
+_resolve_codec_cached = functools.lru_cache(maxsize=_MAX_CACHED)(_resolve_codec)  # raising calls are not kept
+
+
+@functools.lru_cache(maxsize=64)
+def _codec_name(encoding: str) -> str:
+    return codecs.lookup(encoding).name
 
 
 def _decode(data: bytes, encoding: str) -> str:

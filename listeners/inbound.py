@@ -75,6 +75,9 @@ def codec_name(charset: str) -> str:
 
 def unstorable(text: str) -> str | None:
     """Why no store can hold ``text`` (a safe reason), or None when it can."""
+    if text.isascii():  # the common case: no surrogate possible, and a NUL is one memchr away
+        at = text.find("\x00")
+        return None if at < 0 else f"message contains NUL characters (character offset {at})"
     found = _UNSTORABLE.search(text)
     if found is None:
         return None

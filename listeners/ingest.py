@@ -1,10 +1,13 @@
 """Group commit: every received message is staged in a short transaction shared with whatever else
 arrived meanwhile, and its Deferred fires only after that transaction committed.
 
-One writer thread drains the queue: while one transaction commits, newer messages queue up and go
-into the next one, so batches grow with load and a lone message is never held back. A single
-writer also keeps row ids in arrival order, which per-lane FIFO relies on. The reactor thread only
-enqueues and fires Deferreds; no SQL ever runs on it.
+One writer drains the queue: while one transaction commits, newer messages queue up and go into
+the next one, so batches grow with load and a lone message is never held back. A single writer
+(one statement in flight at a time) also keeps row ids in arrival order, which per-lane FIFO
+relies on. `IngestWriter` is a thread of its own, for every store; the reactor only enqueues and
+fires Deferreds. On PostgreSQL, whose staging statement is self-contained and autocommitted,
+`ReactorIngestWriter` sends it without blocking from the reactor itself (`listeners.pgcommit`):
+nothing waits on a thread hand-over either way. Neither ever blocks the reactor on the database.
 
 One refused row fails alone (invariant 9, docs/invariants.md): when the store refuses a batch for
 its data (`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
@@ -15,21 +18,24 @@ the rest of the batch at once, as retrying pieces against a dead store only adds
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
-import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator
 
 from twisted.application.service import Service
 from twisted.internet import threads
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from include.store import Store
 from include.store.rowlease import stage_inbound
 from listeners.metrics import Metrics
+from listeners.pgcommit import PgStager
 
 _log = Logger(namespace="stageline.ingest")
 
@@ -50,20 +56,105 @@ class RowRefused(IngestRejected):
     """The store refused this very row (its data), not the batch; ``str()`` is safe to send back."""
 
 
-@dataclass(frozen=True)
+def new_message_id() -> str:
+    """A random (version 4) UUID in hex, as ``uuid.uuid4().hex`` gives it, without building a
+    `UUID` object per message."""
+    n = int.from_bytes(os.urandom(16), "big")
+    return "%032x" % (n & _V4_CLEAR | _V4_SET)
+
+
+_V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # the version nibble and the variant bits
+_V4_SET = (4 << 76) | (0x8000 << 48)  # version 4, RFC 4122 variant
+
+
+@dataclass(frozen=True, slots=True)
 class Inbound:
     connection: str
     payload: str
     control_id: str | None = None
     lane_key: str | None = None
     charset: str | None = None
-    message_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    message_id: str = field(default_factory=new_message_id)
+
+    def row(self) -> dict[str, str | None]:
+        """The row `stage_inbound` takes (what `dataclasses.asdict` gave, without its deep copy)."""
+        return {"connection": self.connection, "payload": self.payload, "control_id": self.control_id,
+                "lane_key": self.lane_key, "charset": self.charset, "message_id": self.message_id}
 
 
 _STOP = object()
 
+Outcome = IngestRejected | None  # per message: None = committed, else why not
+Staged = dict[str, int] | None  # what one staging statement gave: rows written, or None = stale epoch
+
+
+class _GroupCommit:
+    """What both writers share: the batch's split on refusal (the module docstring), its outcomes,
+    metrics and log lines. `statements()` yields each slice of items to stage in turn and is sent
+    back what that statement gave (`Staged`) or the exception it raised."""
+
+    def __init__(self, items: list[Inbound], *, epoch: int, dialect: Any, metrics: Metrics) -> None:
+        self.items = items
+        self.epoch = epoch
+        self._dialect = dialect
+        self._metrics = metrics
+        self.outcomes: list[Outcome] = [None] * len(items)
+
+    def statements(self) -> Generator[list[Inbound], Staged | BaseException, list[Outcome]]:
+        items, outcomes = self.items, self.outcomes
+        started = time.perf_counter()
+        halt: IngestRejected | None = None  # once set, the rest of the batch fails with it
+        statements, refused = 0, 0
+        ranges = [(0, len(items))]  # a stack, left half on top: commits go in arrival order
+        while ranges:
+            lo, hi = ranges.pop()
+            if halt is not None:
+                outcomes[lo:hi] = [halt] * (hi - lo)
+                continue
+            statements += 1
+            staged = yield items[lo:hi]
+            if isinstance(staged, BaseException):
+                exc = staged
+                if not self._dialect.is_refusal(exc):
+                    self._metrics.store_errors.labels("stage_inbound").inc()
+                    _log.warn("group commit of {n} message(s) failed: {err}", n=hi - lo, err=type(exc).__name__)
+                    halt = StoreUnavailable(f"store unavailable: {type(exc).__name__}")
+                    outcomes[lo:hi] = [halt] * (hi - lo)
+                elif hi - lo == 1:
+                    refused += 1
+                    self._metrics.store_errors.labels("stage_inbound_refused").inc()
+                    # Only the error class: the driver's text may quote the refused value (PHI).
+                    outcomes[lo] = RowRefused(f"refused by the store ({type(exc).__name__}); not stored")
+                    _log.warn("store refused message {control_id} on {connection}: {err}",
+                              control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
+                              err=type(exc).__name__)
+                else:
+                    mid = (lo + hi) // 2
+                    ranges += [(mid, hi), (lo, mid)]
+                continue
+            if staged is None:
+                halt = NotLeader(f"epoch {self.epoch} is no longer current")
+                outcomes[lo:hi] = [halt] * (hi - lo)
+        if refused:
+            _log.info("group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
+                      n=len(items), refused=refused, statements=statements)
+        if None in outcomes:  # something committed
+            self._metrics.commit_seconds.observe(time.perf_counter() - started)
+            self._metrics.commit_batch.observe(len(items))
+        return outcomes
+
+
+def _fire(batch: list[tuple[Inbound, Deferred]], outcomes: list[Outcome]) -> None:
+    for (item, d), outcome in zip(batch, outcomes):
+        if outcome is not None:
+            d.errback(outcome)
+        else:
+            d.callback(item.message_id)  # a duplicate message_id was staged before: also durable
+
 
 class IngestWriter:
+    """The group commit in a writer thread, for every store (each statement blocks that thread)."""
+
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
                  reactor, max_batch: int = 2000) -> None:
         self.store = store
@@ -96,9 +187,17 @@ class IngestWriter:
         """Wait (off the reactor) until every submitted message has been committed or rejected."""
         return self._idle.wait(timeout)
 
+    def when_idle(self, seconds: float) -> Deferred:
+        """`drain` as a Deferred (for the reactor): True once idle, False at `seconds`."""
+        return threads.deferToThread(self.drain, seconds)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout)
+
+    def shutdown(self) -> Deferred:
+        """`stop` as a Deferred (for the reactor)."""
+        return threads.deferToThread(self.stop)
 
     def _run(self) -> None:
         while True:
@@ -121,91 +220,185 @@ class IngestWriter:
             if stop:
                 return
 
-    def _commit(self, items: list[Inbound]) -> list[IngestRejected | None]:
+    def _commit(self, items: list[Inbound]) -> list[Outcome]:
         """Stage `items`; one outcome per item: None = committed, else why not."""
         epoch = self._epoch()
         if epoch is None:
             return [NotLeader("this node does not hold the leader lease")] * len(items)
-        started = time.perf_counter()
-        outcomes: list[IngestRejected | None] = [None] * len(items)
-        halt: IngestRejected | None = None  # once set, the rest of the batch fails with it
-        statements, refused = 0, 0
-        ranges = [(0, len(items))]  # a stack, left half on top: commits go in arrival order
-        while ranges:
-            lo, hi = ranges.pop()
-            if halt is not None:
-                outcomes[lo:hi] = [halt] * (hi - lo)
-                continue
-            statements += 1
-            try:
-                with self.store.single_statement() as tx:
-                    staged = stage_inbound(tx, [asdict(i) for i in items[lo:hi]], epoch=epoch,
-                                           node_id=self.node_id)
-            except Exception as exc:
-                if not self.store.dialect.is_refusal(exc):
-                    self.metrics.store_errors.labels("stage_inbound").inc()
-                    _log.warn("group commit of {n} message(s) failed: {err}", n=hi - lo, err=type(exc).__name__)
-                    halt = StoreUnavailable(f"store unavailable: {type(exc).__name__}")
-                    outcomes[lo:hi] = [halt] * (hi - lo)
-                elif hi - lo == 1:
-                    refused += 1
-                    self.metrics.store_errors.labels("stage_inbound_refused").inc()
-                    # Only the error class: the driver's text may quote the refused value (PHI).
-                    outcomes[lo] = RowRefused(f"refused by the store ({type(exc).__name__}); not stored")
-                    _log.warn("store refused message {control_id} on {connection}: {err}",
-                              control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
-                              err=type(exc).__name__)
-                else:
-                    mid = (lo + hi) // 2
-                    ranges += [(mid, hi), (lo, mid)]
-                continue
-            if staged is None:
-                halt = NotLeader(f"epoch {epoch} is no longer current")
-                outcomes[lo:hi] = [halt] * (hi - lo)
-        if refused:
-            _log.info("group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
-                      n=len(items), refused=refused, statements=statements)
-        if any(outcome is None for outcome in outcomes):
-            self.metrics.commit_seconds.observe(time.perf_counter() - started)
-            self.metrics.commit_batch.observe(len(items))
-        return outcomes
+        steps = _GroupCommit(items, epoch=epoch, dialect=self.store.dialect, metrics=self.metrics).statements()
+        try:
+            chunk = next(steps)
+            while True:
+                try:
+                    with self.store.single_statement() as tx:
+                        staged: Staged | BaseException = stage_inbound(
+                            tx, [i.row() for i in chunk], epoch=epoch, node_id=self.node_id)
+                except Exception as exc:
+                    staged = exc
+                chunk = steps.send(staged)
+        except StopIteration as done:
+            return done.value
 
-    def _fire(self, batch: list, outcomes: list[IngestRejected | None]) -> None:
-        for (item, d), outcome in zip(batch, outcomes):
-            if outcome is not None:
-                d.errback(outcome)
-            else:
-                d.callback(item.message_id)  # a duplicate message_id was staged before: also durable
+    def _fire(self, batch: list, outcomes: list[Outcome]) -> None:
+        _fire(batch, outcomes)
         with self._lock:
             self._pending -= len(batch)
             if self._pending == 0:
                 self._idle.set()
 
 
+class ReactorIngestWriter:
+    """The group commit on the reactor thread, for PostgreSQL (`listeners.pgcommit`): no writer
+    thread, no hand-over either way. Same batches, same split on refusal, same outcomes.
+
+    A batch starts at the end of the reactor turn in which its first message arrived (messages
+    that arrived in the same turn, e.g. from other connections, join it) and the next one as soon
+    as the previous committed: a lone message waits for nothing.
+    """
+
+    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
+                 reactor: Any, max_batch: int = 2000, stager: PgStager | None = None) -> None:
+        self.store = store
+        self.node_id = node_id
+        self._epoch = epoch
+        self.metrics = metrics
+        self._reactor = reactor
+        self.max_batch = max_batch
+        self._stager = stager if stager is not None else PgStager(store, reactor)
+        self._queue: deque[tuple[Inbound, Deferred]] = deque()
+        self._busy = False  # a batch is being committed (or is about to start)
+        self._idle_waiters: list[Deferred] = []
+        self._stopped = False
+
+    def start(self) -> None:
+        self._stager.open()
+
+    def submit(self, item: Inbound) -> Deferred:
+        """Queue one message; the Deferred fires with its message_id after commit, or fails with
+        an `IngestRejected` subclass."""
+        d: Deferred = Deferred()
+        self._queue.append((item, d))
+        if not self._busy:
+            self._busy = True
+            self._reactor.callLater(0, self._next_batch)
+        return d
+
+    @property
+    def idle(self) -> bool:
+        return not self._busy and not self._queue
+
+    def when_idle(self, seconds: float) -> Deferred:
+        """True once every submitted message is committed or rejected, False at `seconds`."""
+        if self.idle:
+            return succeed(True)
+        d: Deferred = Deferred()
+        self._idle_waiters.append(d)
+        timer = self._reactor.callLater(seconds, self._give_up, d)
+        d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
+        return d
+
+    def _give_up(self, d: Deferred) -> None:
+        if d in self._idle_waiters:
+            self._idle_waiters.remove(d)
+            d.callback(False)
+
+    def shutdown(self) -> Deferred:
+        """Stop after the batch in flight (the node drained the listeners before)."""
+        def close(_: object) -> None:
+            self._stopped = True
+            self._stager.close()
+        return self.when_idle(10.0).addCallback(close)
+
+    def _next_batch(self) -> None:
+        """Start the next batch; with nothing queued, the writer is idle."""
+        while self._queue:
+            if self._start(self._take()):
+                return
+        self._busy = False
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for d in waiters:
+            d.callback(True)
+
+    def _take(self) -> list[tuple[Inbound, Deferred]]:
+        n = min(len(self._queue), self.max_batch)
+        return [self._queue.popleft() for _ in range(n)]
+
+    def _start(self, batch: list[tuple[Inbound, Deferred]]) -> bool:
+        """Send the batch's first statement (True), or fail it at once when there is no lease."""
+        epoch = self._epoch()
+        if epoch is None or self._stopped:
+            why = NotLeader("this node does not hold the leader lease") if epoch is None else \
+                StoreUnavailable("the ingest writer has stopped")
+            _fire(batch, [why] * len(batch))
+            return False
+        steps = _GroupCommit([item for item, _ in batch], epoch=epoch, dialect=self.store.dialect,
+                             metrics=self.metrics).statements()
+        self._stage(batch, steps, epoch, next(steps))
+        return True
+
+    def _stage(self, batch: list, steps: Generator, epoch: int, chunk: list[Inbound]) -> None:
+        try:
+            d = self._stager.stage([i.row() for i in chunk], epoch=epoch, node_id=self.node_id)
+        except Exception as exc:
+            d = fail(exc)
+        d.addBoth(self._staged, batch, steps, epoch)
+
+    def _staged(self, staged: Any, batch: list, steps: Generator, epoch: int) -> None:
+        if isinstance(staged, Failure):
+            staged = staged.value
+        try:
+            chunk = steps.send(staged)
+        except StopIteration as done:
+            self._done(batch, done.value)
+        except Exception as exc:  # a bug here must not leave the batch unanswered and the writer stuck
+            _log.critical("group commit failed internally: {err}", err=type(exc).__name__)
+            self._done(batch, [StoreUnavailable("internal error")] * len(batch))  # AE: resent, never lost
+        else:
+            self._stage(batch, steps, epoch, chunk)
+
+    def _done(self, batch: list, outcomes: list[Outcome]) -> None:
+        # What queued during this commit goes to the database before these answers go out, so it
+        # waits for none of their writes; the idle signal (a clean stop's drain) only after them.
+        in_flight = False
+        while self._queue and not in_flight:
+            in_flight = self._start(self._take())
+        _fire(batch, outcomes)
+        if not in_flight:
+            self._next_batch()  # anything submitted by the answers' callbacks, or idle
+
+
 class IngestService(Service):
     """The group-commit writer for the node's lifetime. It stops after the listeners (their last
-    commits drained through `drain`) and before the lease is released."""
+    commits drained through `drain`) and before the lease is released.
+
+    On PostgreSQL the writer runs on the reactor (`ReactorIngestWriter`); elsewhere, and with
+    ``threaded=True``, in a thread of its own (`IngestWriter`)."""
 
     def __init__(self, store: Callable[[], Store | None], *, node_id: str, epoch: Callable[[], int | None],
-                 metrics: Metrics, reactor: Any) -> None:
+                 metrics: Metrics, reactor: Any, threaded: bool | None = None) -> None:
         self.setName("ingest")
         self._store = store
         self._node_id = node_id
         self._epoch = epoch
         self._metrics = metrics
         self._reactor = reactor
-        self.writer: IngestWriter | None = None
+        self._threaded = threaded
+        self.writer: IngestWriter | ReactorIngestWriter | None = None
 
     def startService(self) -> None:
         store = self._store()
         assert store is not None, "the store service starts first"
-        self.writer = IngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
-                                   reactor=self._reactor)
+        threaded = self._threaded
+        if threaded is None:
+            threaded = not (store.backend == "postgres" and store.dialect.atomic_staging)
+        kind = IngestWriter if threaded else ReactorIngestWriter
+        self.writer = kind(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
+                           reactor=self._reactor)
         self.writer.start()
         super().startService()
 
     def submit(self, item: Inbound) -> Deferred:
-        """`IngestWriter.submit`; only the leader's listeners call it, and only while this runs."""
+        """The writer's `submit`; only the leader's listeners call it, and only while this runs."""
         assert self.writer is not None
         return self.writer.submit(item)
 
@@ -213,9 +406,9 @@ class IngestService(Service):
         """Fires True once every submitted message is committed or rejected, False at `seconds`."""
         if self.writer is None:
             return succeed(True)
-        return threads.deferToThread(self.writer.drain, seconds)
+        return self.writer.when_idle(seconds)
 
     def stopService(self) -> Deferred:
         super().stopService()
         writer, self.writer = self.writer, None
-        return threads.deferToThread(writer.stop) if writer is not None else succeed(None)
+        return writer.shutdown() if writer is not None else succeed(None)

@@ -60,6 +60,16 @@ DEFAULT_PREFIX_BYTES = 4096
 
 _log = Logger(namespace="stageline.mllp")
 
+# One debug line per answer costs a log event per message even when debug is filtered out; the
+# daemon turns it on only with --log-level debug (`log_each_answer`).
+_log_answers = False
+
+
+def log_each_answer(enabled: bool) -> None:
+    """Log every answer's code and control id at debug level (off by default: it is per message)."""
+    global _log_answers
+    _log_answers = enabled
+
 
 def frame(message: bytes) -> bytes:
     """Wrap one message (e.g. an ACK) in an MLLP block."""
@@ -377,12 +387,13 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=slot.label,
             )
             decision = AckDecision.error("message not accepted; resend later")
-        _log.debug(
-            "{code} for {control_id} from {peer}",
-            code=decision.code.value,
-            control_id=slot.label,
-            peer=self.peer_text,
-        )
+        if _log_answers:
+            _log.debug(
+                "{code} for {control_id} from {peer}",
+                code=decision.code.value,
+                control_id=slot.label,
+                peer=self.peer_text,
+            )
         self.answer(slot, frame(self._ack(header, decision)))
 
     def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:

@@ -4,7 +4,7 @@
     ├── api         control plane: /health, /cluster/*, /metrics        every node
     ├── store       opened and checked at start, closed at the end       every node
     ├── lease       elector (single node: permanent lease)               every node
-    ├── ingest      group-commit writer thread                           every node
+    ├── ingest      group-commit writer (PostgreSQL: on the reactor; else a thread) every node
     ├── heartbeat   elector step, membership, shared config version      every node
     └── leader-gate endpoint services (MLLP, TCP, HTTP, file drop)       only while leading
 

@@ -1,19 +1,28 @@
 """Group commit isolation (invariant 9, docs/invariants.md): a batch the store refuses for some
 rows' data is split until only those rows fail; the rest commit, in arrival order. A store that is
 down is not split. Real SQLite and PostgreSQL stores; a refusing CHECK/trigger stands in for any
-data the store turns down."""
+data the store turns down.
+
+Both writers are held to it: the writer thread (every store) and, on PostgreSQL, the writer on
+the reactor (`ReactorIngestWriter` over `listeners.pgcommit`), driven here by a reactor of the
+test's own, iterated until the outcomes are in."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.epollreactor import EPollReactor
 
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.ingest import Inbound, IngestWriter, NotLeader, RowRefused, StoreUnavailable
+from listeners.ingest import (Inbound, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter, RowRefused,
+                              StoreUnavailable)
 from listeners.metrics import Metrics
+from listeners.pgcommit import PgStager, numbered
 
 
 class CountingStore(Store):
@@ -28,6 +37,91 @@ class CountingStore(Store):
             yield tx
 
 
+class CountingStager(PgStager):
+    """The real stager, counting its statements; from `fail_after` on, the connection is 'gone'."""
+
+    statements = 0
+    fail_after: int | None = None
+
+    def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred:
+        self.statements += 1
+        if self.fail_after is not None and self.statements > self.fail_after:
+            return fail(ConnectionError("server closed the connection"))
+        return super().stage(rows, epoch=epoch, node_id=node_id)
+
+
+def run_until(reactor: EPollReactor, done: Any, *, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the writer did not finish in time"
+        reactor.iterate(0.01)
+
+
+class Writer:
+    """One writer under test: `commit(items)` gives one outcome per item (None = committed)."""
+
+    def __init__(self, kind: str, config: StoreConfig) -> None:
+        self.kind = kind
+        self.store = CountingStore(config)
+        self.epoch = acquire_permanent(self.store, node_id="n")
+        self.metrics = Metrics()
+        if kind == "thread":
+            self.writer: Any = IngestWriter(self.store, node_id="n", epoch=lambda: self.epoch, metrics=self.metrics,
+                                            reactor=None)
+        else:
+            self.reactor = EPollReactor()
+            self.stager = CountingStager(self.store, self.reactor)
+            self.writer = ReactorIngestWriter(self.store, node_id="n", epoch=lambda: self.epoch,
+                                              metrics=self.metrics, reactor=self.reactor, stager=self.stager)
+
+    @property
+    def statements(self) -> int:
+        return self.store.statements if self.kind == "thread" else self.stager.statements
+
+    def reset(self) -> None:
+        if self.kind == "thread":
+            self.store.statements = 0
+        else:
+            self.stager.statements = 0
+
+    def submit_all(self, items: list[Inbound]) -> list[Any]:
+        """Submit in one reactor turn; the outcomes fill in as the reactor runs."""
+        outcomes: list[Any] = [...] * len(items)
+        for n, item in enumerate(items):
+            def settle(result: Any, n: int = n) -> None:
+                outcomes[n] = result.value if hasattr(result, "value") else None
+            self.writer.submit(item).addBoth(settle)
+        return outcomes
+
+    def commit(self, items: list[Inbound]) -> list[IngestRejected | None]:
+        if self.kind == "thread":
+            return self.writer._commit(items)
+        outcomes = self.submit_all(items)
+        run_until(self.reactor, lambda: all(o is not ... for o in outcomes))
+        return outcomes
+
+    def close(self) -> None:
+        if self.kind == "reactor":
+            self.stager.close()
+        self.store.close()
+
+
+KINDS = [("sqlite", "thread"), ("postgres", "thread"), ("postgres", "reactor")]
+
+
+@pytest.fixture(params=KINDS, ids=["-".join(k) for k in KINDS])
+def writer(request) -> Iterator[Writer]:
+    backend, kind = request.param
+    config = request.getfixturevalue("sqlite_config_fresh" if backend == "sqlite" else "pg_config_fresh")
+    w = Writer(kind, config)
+    yield w
+    w.close()
+
+
+pg_writer = pytest.mark.parametrize("writer", [k for k in KINDS if k[0] == "postgres"], indirect=True,
+                                    ids=["postgres-thread", "postgres-reactor"])
+
+
 def refuse_poison(store: Store) -> None:
     """Make the store itself refuse any payload containing POISON (as it would refuse bad data)."""
     with store.transaction() as tx:
@@ -36,13 +130,6 @@ def refuse_poison(store: Store) -> None:
         else:
             tx.script("CREATE TRIGGER no_poison BEFORE INSERT ON inbound_bodies WHEN NEW.payload LIKE '%POISON%' "
                       "BEGIN SELECT RAISE(ABORT, 'poison refused'); END;")
-
-
-def writer_for(config: StoreConfig) -> tuple[IngestWriter, CountingStore, Metrics]:
-    store = CountingStore(config)
-    epoch = acquire_permanent(store, node_id="n")
-    metrics = Metrics()
-    return IngestWriter(store, node_id="n", epoch=lambda: epoch, metrics=metrics, reactor=None), store, metrics
 
 
 def items(n: int, bad: set[int], *, bad_text: str = "POISON") -> list[Inbound]:
@@ -59,47 +146,35 @@ def staged_control_ids(store: Store) -> list[str]:
 
 @pytest.mark.parametrize("bad", [set(), {0}, {63}, {5, 6, 40}, set(range(0, 64, 2))],
                          ids=["none", "first", "last", "three", "half"])
-def test_only_the_rows_the_store_refuses_fail_and_the_rest_commit_in_arrival_order(store_config, bad):
-    writer, store, metrics = writer_for(store_config)
-    try:
-        refuse_poison(store)
-        store.statements = 0
-        outcomes = writer._commit(items(64, bad))
-        assert [i for i, o in enumerate(outcomes) if o is not None] == sorted(bad)
-        assert all(isinstance(outcomes[i], RowRefused) for i in bad)
-        assert all("refused by the store" in str(outcomes[i]) and "POISON" not in str(outcomes[i]) for i in bad)
-        assert staged_control_ids(store) == [f"M{i}" for i in range(64) if i not in bad]
-        assert store.statements <= min(2 * 64 - 1, 1 + 2 * len(bad) * 6)  # 1 + 2k·log2(n), at most 2n-1
-        refused = metrics.store_errors.labels("stage_inbound_refused")._value.get()
-        assert refused == len(bad)
-    finally:
-        store.close()
+def test_only_the_rows_the_store_refuses_fail_and_the_rest_commit_in_arrival_order(writer, bad):
+    refuse_poison(writer.store)
+    writer.reset()
+    outcomes = writer.commit(items(64, bad))
+    assert [i for i, o in enumerate(outcomes) if o is not None] == sorted(bad)
+    assert all(isinstance(outcomes[i], RowRefused) for i in bad)
+    assert all("refused by the store" in str(outcomes[i]) and "POISON" not in str(outcomes[i]) for i in bad)
+    assert staged_control_ids(writer.store) == [f"M{i}" for i in range(64) if i not in bad]
+    assert writer.statements <= min(2 * 64 - 1, 1 + 2 * len(bad) * 6)  # 1 + 2k·log2(n), at most 2n-1
+    refused = writer.metrics.store_errors.labels("stage_inbound_refused")._value.get()
+    assert refused == len(bad)
 
 
-def test_every_row_refused_costs_at_most_2n_minus_1_statements(store_config):
-    writer, store, _ = writer_for(store_config)
-    try:
-        refuse_poison(store)
-        store.statements = 0
-        outcomes = writer._commit(items(16, set(range(16))))
-        assert all(isinstance(o, RowRefused) for o in outcomes)
-        assert store.statements == 2 * 16 - 1
-        assert staged_control_ids(store) == []
-    finally:
-        store.close()
+def test_every_row_refused_costs_at_most_2n_minus_1_statements(writer):
+    refuse_poison(writer.store)
+    writer.reset()
+    outcomes = writer.commit(items(16, set(range(16))))
+    assert all(isinstance(o, RowRefused) for o in outcomes)
+    assert writer.statements == 2 * 16 - 1
+    assert staged_control_ids(writer.store) == []
 
 
-@pytest.mark.parametrize("store_config", ["postgres"], indirect=True)
-def test_a_nul_that_slipped_past_validation_fails_alone_on_postgresql(store_config):
+@pg_writer
+def test_a_nul_that_slipped_past_validation_fails_alone_on_postgresql(writer):
     """PostgreSQL text refuses NUL (the json → text cast raises a DataError): only that row fails."""
-    writer, store, _ = writer_for(store_config)
-    try:
-        outcomes = writer._commit(items(10, {3}, bad_text="A\x00B"))
-        assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 3 + ["RowRefused"] + ["NoneType"] * 6
-        assert str(outcomes[3]) == "refused by the store (UntranslatableCharacter); not stored"
-        assert staged_control_ids(store) == [f"M{i}" for i in range(10) if i != 3]
-    finally:
-        store.close()
+    outcomes = writer.commit(items(10, {3}, bad_text="A\x00B"))
+    assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 3 + ["RowRefused"] + ["NoneType"] * 6
+    assert str(outcomes[3]) == "refused by the store (UntranslatableCharacter); not stored"
+    assert staged_control_ids(writer.store) == [f"M{i}" for i in range(10) if i != 3]
 
 
 def test_a_store_that_is_down_fails_the_batch_without_splitting(tmp_path, sqlite_config_fresh):
@@ -107,28 +182,27 @@ def test_a_store_that_is_down_fails_the_batch_without_splitting(tmp_path, sqlite
     from dataclasses import replace
 
     config = replace(sqlite_config_fresh, busy_timeout_ms=100)
-    writer, store, metrics = writer_for(config)
+    writer = Writer("thread", config)
     blocker = sqlite3.connect(config.path, isolation_level=None)
     try:
         blocker.execute("BEGIN EXCLUSIVE")  # the database takes no writes: not the rows' fault
-        store.statements = 0
-        outcomes = writer._commit(items(32, set()))
-        assert store.statements == 1
+        writer.reset()
+        outcomes = writer.commit(items(32, set()))
+        assert writer.statements == 1
         assert all(isinstance(o, StoreUnavailable) for o in outcomes)
-        assert metrics.store_errors.labels("stage_inbound")._value.get() == 1
+        assert writer.metrics.store_errors.labels("stage_inbound")._value.get() == 1
         blocker.execute("ROLLBACK")
-        assert staged_control_ids(store) == []
+        assert staged_control_ids(writer.store) == []
     finally:
         blocker.close()
-        store.close()
+        writer.close()
 
 
-def test_the_store_going_down_mid_split_fails_the_rest_at_once(store_config):
+def test_the_store_going_down_mid_split_fails_the_rest_at_once(writer):
     """Refused rows make the writer split; if the store then fails for another reason, the pieces
     not yet committed fail together with StoreUnavailable — no more splitting."""
-    writer, store, _ = writer_for(store_config)
-    try:
-        refuse_poison(store)
+    refuse_poison(writer.store)
+    if writer.kind == "thread":
         real = CountingStore.single_statement
 
         @contextmanager
@@ -139,24 +213,135 @@ def test_the_store_going_down_mid_split_fails_the_rest_at_once(store_config):
             with real(self) as tx:
                 yield tx
 
-        store.single_statement = failing_after_two.__get__(store)  # type: ignore[method-assign]
-        store.statements = 0
-        outcomes = writer._commit(items(8, {7}))
-        # 1: whole batch refused; 2: left half [0, 4) commits; 3: right half fails → rest halts
-        assert [o is None for o in outcomes] == [True] * 4 + [False] * 4
-        assert all(isinstance(o, StoreUnavailable) for o in outcomes[4:])
-        assert store.statements == 3
-        assert staged_control_ids(store) == ["M0", "M1", "M2", "M3"]
-    finally:
-        store.close()
+        writer.store.single_statement = failing_after_two.__get__(writer.store)  # type: ignore[method-assign]
+    else:
+        writer.stager.fail_after = 2
+    writer.reset()
+    outcomes = writer.commit(items(8, {7}))
+    # 1: whole batch refused; 2: left half [0, 4) commits; 3: right half fails → rest halts
+    assert [o is None for o in outcomes] == [True] * 4 + [False] * 4
+    assert all(isinstance(o, StoreUnavailable) for o in outcomes[4:])
+    assert writer.statements == 3
+    assert staged_control_ids(writer.store) == ["M0", "M1", "M2", "M3"]
 
 
-def test_a_stale_epoch_fails_the_batch_as_not_leader(store_config):
-    writer, store, _ = writer_for(store_config)
+def test_a_stale_epoch_fails_the_batch_as_not_leader(writer):
+    acquire_permanent(writer.store, node_id="other")  # a newer epoch: ours is stale
+    outcomes = writer.commit(items(4, set()))
+    assert all(isinstance(o, NotLeader) for o in outcomes)
+    assert staged_control_ids(writer.store) == []
+
+
+def test_no_lease_fails_the_batch_as_not_leader_without_a_statement(writer):
+    writer.epoch = None
+    writer.reset()
+    outcomes = writer.commit(items(3, set()))
+    assert all(isinstance(o, NotLeader) for o in outcomes)
+    assert writer.statements == 0
+
+
+# -- the writer on the reactor (PostgreSQL) --------------------------------------------------------
+
+
+@pytest.fixture
+def reactor_writer(pg_config_fresh) -> Iterator[Writer]:
+    w = Writer("reactor", pg_config_fresh)
+    yield w
+    w.close()
+
+
+def test_messages_submitted_in_one_reactor_turn_share_one_statement(reactor_writer):
+    outcomes = reactor_writer.commit(items(20, set()))
+    assert outcomes == [None] * 20
+    assert reactor_writer.statements == 1
+    assert staged_control_ids(reactor_writer.store) == [f"M{i}" for i in range(20)]
+
+
+def test_what_arrives_during_a_commit_goes_in_the_next_one_in_arrival_order(reactor_writer):
+    w = reactor_writer
+    first = w.submit_all(items(1, set()))
+    w.reactor.iterate(0)  # the lone message's statement is on its way: it waited for no batch
+    assert w.statements == 1
+    later = w.submit_all([Inbound(connection="c", control_id=f"L{i}", payload="MSH|x") for i in range(5)])
+    run_until(w.reactor, lambda: all(o is not ... for o in first + later))
+    assert first + later == [None] * 6
+    assert w.statements == 2
+    assert staged_control_ids(w.store) == ["M0"] + [f"L{i}" for i in range(5)]
+
+
+def test_the_deferred_fires_only_once_the_row_is_committed(reactor_writer):
+    w = reactor_writer
+    outcomes = w.submit_all(items(1, set()))
+    seen: list[list[str]] = []
+    w.writer.submit(Inbound(connection="c", control_id="M1", payload="MSH|y")).addCallback(
+        lambda _: seen.append(staged_control_ids(w.store)))
+    run_until(w.reactor, lambda: bool(seen) and outcomes[0] is not ...)
+    assert seen == [["M0", "M1"]]
+
+
+def test_a_batch_that_arrives_while_the_connection_opens_waits_for_it(reactor_writer):
+    w = reactor_writer
+    w.writer.start()  # opens the connection ahead of the first batch
+    assert w.commit(items(3, set())) == [None] * 3
+    assert staged_control_ids(w.store) == ["M0", "M1", "M2"]
+
+
+def test_a_connection_dropped_between_batches_is_reopened_for_the_next(reactor_writer):
+    w = reactor_writer
+    assert w.commit(items(2, set())) == [None, None]
+    with w.store.transaction() as tx:
+        tx.conn.cursor().execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                 "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+                                 "AND query LIKE '%stage_inbound%'")
+    deadline = time.monotonic() + 5
+    while w.stager._conn is not None and w.stager._conn.usable and time.monotonic() < deadline:
+        w.reactor.iterate(0.01)  # the reactor notices the closed socket on its own
+    later = [Inbound(connection="c", control_id=f"L{i}", payload="MSH|x") for i in range(3)]
+    assert w.commit(later) == [None] * 3
+    assert staged_control_ids(w.store) == ["M0", "M1", "L0", "L1", "L2"]
+
+
+def test_a_store_that_cannot_be_reached_fails_each_batch_as_unavailable(pg_config_fresh):
+    from dataclasses import replace
+
+    w = Writer("reactor", pg_config_fresh)
     try:
-        acquire_permanent(store, node_id="other")  # a newer epoch: ours is stale
-        outcomes = writer._commit(items(4, set()))
-        assert all(isinstance(o, NotLeader) for o in outcomes)
-        assert staged_control_ids(store) == []
+        w.stager._conninfo["port"] = 1  # nothing listens there
+        outcomes = w.commit(items(4, set()))
+        assert all(isinstance(o, StoreUnavailable) for o in outcomes)
+        assert w.metrics.store_errors.labels("stage_inbound")._value.get() == 1
+        w.stager._conninfo["port"] = replace(pg_config_fresh).effective_port
+        assert w.commit([Inbound(connection="c", control_id="A", payload="MSH|a")]) == [None]
     finally:
-        store.close()
+        w.close()
+
+
+def test_a_fault_inside_the_writer_answers_the_batch_and_the_writer_goes_on(reactor_writer, monkeypatch):
+    w = reactor_writer
+    import listeners.ingest as ingest
+
+    real = ingest._GroupCommit.statements
+
+    def broken(self):  # the split logic fails after its first statement
+        steps = real(self)
+        yield next(steps)
+        raise KeyError("bug")
+
+    monkeypatch.setattr(ingest._GroupCommit, "statements", broken)
+    assert all(isinstance(o, StoreUnavailable) for o in w.commit(items(2, set())))
+    monkeypatch.setattr(ingest._GroupCommit, "statements", real)
+    assert w.commit([Inbound(connection="c", control_id="A", payload="MSH|a")]) == [None]
+
+
+def test_when_idle_fires_once_the_last_batch_is_answered(reactor_writer):
+    w = reactor_writer
+    assert w.writer.when_idle(1.0).result is True  # nothing submitted
+    outcomes = w.submit_all(items(3, set()))
+    idle: list[bool] = []
+    w.writer.when_idle(10.0).addCallback(idle.append)
+    run_until(w.reactor, lambda: bool(idle))
+    assert idle == [True] and outcomes == [None] * 3
+
+
+def test_named_parameters_become_numbered_ones_in_order_of_first_use():
+    assert numbered("SELECT %(a)s, %(b)s, %(a)s, 100%%") == ("SELECT $1, $2, $1, 100%", ["a", "b"])

@@ -355,6 +355,23 @@ def test_handler_timeout_answers_ae_and_ignores_the_late_result(logs: list[LogEv
     assert not [e for e in logs if "log_failure" in e]  # the CancelledError was consumed
 
 
+def test_each_message_gets_its_own_handler_timeout_counted_from_its_arrival() -> None:
+    clock = MemoryReactorClock()
+    handler = Recorder()
+    proto, transport = connect(make_factory(handler, clock, handler_timeout_seconds=5))
+    proto.dataReceived(frame(adt("C1")))
+    clock.advance(2)
+    proto.dataReceived(frame(adt("C2")) + frame(adt("C3")))
+    handler.fire(2)
+    clock.advance(3)  # t=5: C1 is overdue, C2 has 2 s left, C3 waits behind it
+    assert [msa(a) for a in acks(transport)] == [("AE", "C1")]
+    clock.advance(1.9)
+    assert len(acks(transport)) == 1
+    clock.advance(0.1)  # t=7: C2 is overdue; C3's AA follows it
+    assert [msa(a) for a in acks(transport)] == [("AE", "C1"), ("AE", "C2"), ("AA", "C3")]
+    assert len(clock.getDelayedCalls()) == 1  # only the idle timer is left
+
+
 def test_max_connections_closes_extra_connections_at_once() -> None:
     handler = Recorder()
     factory = make_factory(handler, max_connections=2)

@@ -1,0 +1,304 @@
+"""The listener's staging statement on PostgreSQL without a thread: libpq's non-blocking API on
+the reactor.
+
+On PostgreSQL `stage_inbound` is one self-contained statement (`Dialect.atomic_staging`: state
+rows, bodies and events, the epoch checked by the insert itself), run in autocommit: its result
+arrives only once it is committed (`synchronous_commit` on). So nothing blocks between handing a
+batch over and its outcome, and the writer need not be a thread: `PgStager` sends the prepared
+statement on its own connection and the reactor reads the result when the socket has it. That
+saves, per group commit, the two thread hand-overs (a wake-up of the writer thread, then
+`callFromThread` back) and the connection-pool checkout around the statement — most of what one
+message alone cost (docs/listenerd.md, "Group commit").
+
+The SQL is the store's own (`Store.sql`): the same named queries, the same parameters. What
+`include.store.rowlease.stage_inbound` does around the statement is mirrored in `stage`, for this
+dialect only. The connection is opened off the reactor (libpq's connect blocks) and reopened on
+the next batch after a failure; a statement that fails because of the connection fails its batch
+(the caller answers "resend later"), one the server refuses for its data comes back as the
+driver's own exception class, so `Dialect.is_refusal` reads it as it reads the store's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.interfaces import IReadWriteDescriptor
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from include.store import Store
+
+__all__ = ["PgStager", "numbered"]
+
+_log = Logger(namespace="stageline.ingest")
+
+_PARAM = re.compile(r"%\((\w+)\)s|%%")
+
+
+def numbered(sql: str) -> tuple[str, list[str]]:
+    """Pyformat SQL (``%(name)s``, as `Store.sql` gives it for psycopg) as libpq wants it:
+    ``$1``, ``$2``… in order of first use (a name used twice is one parameter), and the names."""
+    names: list[str] = []
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(1) is None:
+            return "%"
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    return _PARAM.sub(sub, sql), names
+
+
+class _Query:
+    """One prepared statement: its name on the connection and its parameters' order."""
+
+    def __init__(self, name: str, sql: str) -> None:
+        self.name = name.encode()
+        self.sql, self.params = numbered(sql)
+
+    def values(self, params: dict[str, Any]) -> list[bytes | None]:
+        return [None if params[p] is None else str(params[p]).encode() for p in self.params]
+
+
+class PgStager:
+    """`stage(rows, epoch=…, node_id=…)` as a Deferred, one statement at a time on one connection.
+
+    Not thread-safe: the reactor thread only. The caller (the group-commit writer) runs one
+    statement at a time and waits for its outcome before the next.
+    """
+
+    QUERIES = ("stage_inbound", "epoch_current")
+
+    def __init__(self, store: Store, reactor: Any) -> None:
+        if not store.dialect.atomic_staging or store.backend != "postgres":
+            raise ValueError("PgStager needs PostgreSQL, whose stage_inbound is one self-contained statement")
+        self._reactor = reactor
+        self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
+        self._queries = {name: _Query(name, store.sql(name)) for name in self.QUERIES}
+        self._is_refusal = store.dialect.is_refusal
+        self._conn: _Connection | None = None
+        self._waiting: list[Deferred[_Connection]] = []  # for the connection being opened
+        self._closed = False
+
+    # -- what the writer calls ----------------------------------------------------------------
+
+    def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred[dict[str, int] | None]:
+        """`rowlease.stage_inbound` for PostgreSQL: {message_id: row id} for the rows written (a
+        message_id already staged is skipped), or None when `epoch` is no longer current."""
+        params = {"messages": json.dumps(rows), "epoch": epoch, "node_id": node_id}
+        d = self._run("stage_inbound", params)
+
+        def staged(result: Any) -> Any:
+            n = result.ntuples
+            if not n:  # stale epoch, or every message was a re-delivery of one already staged
+                return self._run("epoch_current", {"epoch": epoch}).addCallback(lambda r: {} if r.ntuples else None)
+            column = {result.fname(i): i for i in range(result.nfields)}
+            if (result.get_value(0, column[b"bodies_written"]) != b"t"
+                    or result.get_value(0, column[b"events_recorded"]) != b"t"):
+                # The dialect promised one self-contained statement; never ACK what it did not write.
+                raise RuntimeError("stage_inbound no longer writes bodies and events itself on PostgreSQL")
+            ids, message_ids = column[b"id"], column[b"message_id"]
+            value = result.get_value
+            return {value(r, message_ids).decode(): int(value(r, ids)) for r in range(n)}
+
+        return d.addCallback(staged)
+
+    def close(self) -> None:
+        """Drop the connection (a statement in flight fails); the stager takes no more work."""
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- one statement --------------------------------------------------------------------------
+
+    def _run(self, name: str, params: dict[str, Any]) -> Deferred[Any]:
+        if self._closed:
+            return fail(ConnectionError("the staging connection is closed"))
+        query = self._queries[name]
+        if self._conn is not None and self._conn.usable:
+            return self._conn.execute(query, params)
+        return self._connection().addCallback(lambda conn: conn.execute(query, params))
+
+    def open(self) -> None:
+        """Open the connection ahead of the first batch (a failure here is only retried then)."""
+        if not self._closed and (self._conn is None or not self._conn.usable):
+            self._connection().addErrback(lambda f: _log.warn("staging connection not opened yet: {err}",
+                                                              err=f.type.__name__ if f.type else "?"))
+
+    def _connection(self) -> Deferred[_Connection]:
+        """The connection, opened in a thread when there is none (libpq's connect blocks): one
+        attempt per batch that needs it, so a store that is down fails each batch in turn."""
+        d: Deferred[_Connection] = Deferred()
+        self._waiting.append(d)
+        if len(self._waiting) > 1:
+            return d  # an attempt is under way
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        queries = list(self._queries.values())
+
+        def opened(result: Any) -> None:
+            waiting, self._waiting = self._waiting, []
+            if not isinstance(result, BaseException) and self._closed:
+                result.finish()
+                result = ConnectionError("the staging connection is closed")
+            if isinstance(result, BaseException):
+                for w in waiting:
+                    w.errback(Failure(result))
+                return
+            self._conn = _Connection(result, self._reactor, self._is_refusal)
+            for w in waiting:
+                w.callback(self._conn)
+
+        def work() -> None:
+            try:
+                pgconn = _open(self._conninfo, queries)
+            except BaseException as exc:
+                self._reactor.callFromThread(opened, exc)
+            else:
+                self._reactor.callFromThread(opened, pgconn)
+
+        threading.Thread(target=work, name="stageline-ingest-connect", daemon=True).start()
+        return d
+
+
+def _open(conninfo: dict[str, Any], queries: list[_Query]) -> Any:
+    """A libpq connection, its statements prepared, switched to non-blocking mode (in a thread)."""
+    import psycopg
+    from psycopg import errors, pq
+    from psycopg.conninfo import make_conninfo
+
+    pgconn = pq.PGconn.connect(make_conninfo("", **conninfo).encode())
+    if pgconn.status != pq.ConnStatus.OK:
+        message = pgconn.error_message.decode("utf-8", "replace").strip()
+        pgconn.finish()
+        raise psycopg.OperationalError(f"connection failed: {message}")
+    try:
+        for query in queries:
+            result = pgconn.prepare(query.name, query.sql.encode())
+            if result.status != pq.ExecStatus.COMMAND_OK:
+                raise errors.error_from_result(result)
+        pgconn.nonblocking = 1
+    except BaseException:
+        pgconn.finish()
+        raise
+    return pgconn
+
+
+@implementer(IReadWriteDescriptor)
+class _Connection:
+    """One libpq connection in non-blocking mode, read by the reactor while it is open."""
+
+    def __init__(self, pgconn: Any, reactor: Any, keep_after: Callable[[BaseException], bool]) -> None:
+        from psycopg import pq
+
+        self._pq = pq
+        self.pgconn = pgconn
+        self._reactor = reactor
+        self._keep_after = keep_after
+        # The reactor watches a duplicate of libpq's socket: libpq closes its own when it finds
+        # the connection broken, and the reactor must still be able to unregister ours.
+        self._fd = os.dup(pgconn.socket)
+        self._pending: Deferred[Any] | None = None
+        self._results: list[Any] = []
+        self._writing = False
+        self.usable = True
+        reactor.addReader(self)
+
+    # IReadWriteDescriptor, for the reactor
+    def fileno(self) -> int:
+        return self._fd
+
+    def logPrefix(self) -> str:
+        return "stageline-ingest-pg"
+
+    def execute(self, query: _Query, params: dict[str, Any]) -> Deferred[Any]:
+        """Send the prepared statement; the Deferred gets its result (a libpq ``PGresult``)."""
+        assert self._pending is None, "one statement at a time"
+        d: Deferred[Any] = Deferred()
+        self._pending = d
+        self._results = []
+        try:
+            self.pgconn.send_query_prepared(query.name, query.values(params))
+            self._flush()
+        except Exception as exc:
+            self._broken(exc)
+        return d
+
+    def _flush(self) -> None:
+        if self.pgconn.flush() == 0:
+            if self._writing:
+                self._writing = False
+                self._reactor.removeWriter(self)
+        elif not self._writing:  # the rest goes out when the socket can take it
+            self._writing = True
+            self._reactor.addWriter(self)
+
+    def doWrite(self) -> None:
+        try:
+            self._flush()
+        except Exception as exc:
+            self._broken(exc)
+
+    def doRead(self) -> None:
+        pgconn = self.pgconn
+        try:
+            pgconn.consume_input()
+            while self._pending is not None and not pgconn.is_busy():
+                result = pgconn.get_result()
+                if result is None:
+                    self._finished()
+                else:
+                    self._results.append(result)
+            if pgconn.status != self._pq.ConnStatus.OK:
+                raise ConnectionError("the staging connection was closed by the server")
+        except Exception as exc:
+            self._broken(exc)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._broken(ConnectionError("the staging connection was lost"))
+
+    def _finished(self) -> None:
+        from psycopg import errors
+
+        d, self._pending = self._pending, None
+        results, self._results = self._results, []
+        assert d is not None
+        failed = [r for r in results if r.status not in (self._pq.ExecStatus.TUPLES_OK, self._pq.ExecStatus.COMMAND_OK)]
+        if failed:
+            error = errors.error_from_result(failed[0])
+            # Refused for its data (a constraint, a value): the connection is still good, as
+            # autocommit left no transaction open. Anything else (a plan gone stale after a
+            # migration, …): the next statement starts over on a new connection.
+            if not self._keep_after(error):
+                self.close()
+            d.errback(Failure(error))
+            return
+        d.callback(results[-1])
+
+    def _broken(self, exc: BaseException) -> None:
+        d, self._pending = self._pending, None
+        self.close()
+        if d is not None:
+            d.errback(Failure(exc))
+
+    def close(self) -> None:
+        if not self.usable:
+            return
+        self.usable = False
+        self._reactor.removeReader(self)
+        if self._writing:
+            self._writing = False
+            self._reactor.removeWriter(self)
+        os.close(self._fd)
+        self.pgconn.finish()
+        d, self._pending = self._pending, None
+        if d is not None:
+            d.errback(Failure(ConnectionError("the staging connection was closed")))
