@@ -126,6 +126,21 @@ def test_retention_deletes_at_most_batch_times_max_batches_per_run(store):
     assert status_of(store) == {}
 
 
+def test_retention_keeps_an_inbound_body_its_open_routed_rows_read_and_deletes_bodies_with_rows(store):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    old, other = seed_inbound(store, 2)
+    _finish(store, [old, other], "done", epoch=epoch)
+    execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, status) "
+                   f"VALUES ({old}, 'm0', 'ehr', 'pending')")
+    age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1}  # `old` stays: its routed row reads it
+    assert status_of(store) == {old: "done"}
+    assert rows(store, "SELECT id FROM inbound_bodies") == [{"id": old}]
+    execute(store, "UPDATE stage_routed SET status = 'done'")
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1}
+    assert rows(store, "SELECT count(*) AS n FROM inbound_bodies") == [{"n": 0}]
+
+
 def test_retention_purges_every_staged_table(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     [source] = seed_inbound(store, 1)
@@ -138,6 +153,7 @@ def test_retention_purges_every_staged_table(store):
         age(store, table.name, "updated_at", "1 = 1", 2 * DAY)
     assert retention(store, epoch, DAY) == {"inbound": 0, "routed": 1, "outbound": 1, "events": 0}
     assert status_of(store) == {source: "pending"}
+    assert rows(store, "SELECT count(*) AS n FROM outbound_bodies") == [{"n": 0}]  # gone with its row
 
 
 def test_retention_under_a_stale_epoch_deletes_nothing(store):
