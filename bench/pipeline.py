@@ -6,7 +6,9 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     Spark     one Spark Connect server on local[*], started here and warmed by one small run
     route     route_job's phases, batch after batch until the backlog is empty
     transform transform_job's phases, likewise (config/transforms.toml-like rules, lookup table)
-    deliver   deliver.run to file destinations (atomic write + fsync per message)
+    deliver   deliver.run to file destinations (atomic writes, two flushes per partition)
+    mllp      deliver.run of `--mllp-rows` rows over 20 lanes to an MLLP receiver that ACKs each
+              message (bench/peers/hl7_asyncio_server.py --mode ack), concurrency as the stage task
     peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
               tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
@@ -120,6 +122,35 @@ def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job:
         phases.batches += 1
 
 
+def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: int) -> str:
+    """`n` outbound rows over 20 lanes delivered to an ACKing MLLP receiver; the figure line."""
+    import subprocess
+
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, str(ROOT / "bench/peers/hl7_asyncio_server.py"), "--port", str(port),
+                             "--mode", "ack"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
+        dests = parse_destinations([{"name": "ehr-mllp", "kind": "mllp", "host": "127.0.0.1", "port": port,
+                                     "timeout_seconds": 10, "lane": "PID-3.1"}])
+        with store.transaction() as tx:
+            cur = tx.conn.cursor()
+            cur.execute("INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, lane_key) "
+                        "SELECT -g, 'mllp' || g, 'ehr-mllp', 'mllp' || g, 'ehr-mllp|P' || (g %% 20) "
+                        "FROM generate_series(1, %(n)s) g", {"n": n})
+            cur.execute("INSERT INTO outbound_bodies (id, payload) SELECT o.id, %(p)s FROM stage_outbound o "
+                        "WHERE o.destination = 'ehr-mllp'", {"p": payloads[0]})
+        started = time.perf_counter()
+        summary = deliver.run(store, spark, destinations=dests, owner="bench/mllp", epoch=epoch, max_lanes=5000,
+                              concurrency=4, time_budget_seconds=300)
+        took = time.perf_counter() - started
+    finally:
+        peer.terminate()
+        peer.wait(10)
+    return (f"mllp:      {len(summary.done):,} rows over 20 lanes in {took:.1f} s = {len(summary.done) / took:,.0f} "
+            f"rows/s ({summary.rounds} rounds, {len(summary.retrying) + len(summary.dead)} failed)")
+
+
 def count(store: Store, sql: str) -> int:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
@@ -134,6 +165,8 @@ def main() -> None:
     parser.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
     parser.add_argument("--deliver-seconds", type=float, default=120.0,
                         help="time budget for delivering the outbound rows to files (0: skip)")
+    parser.add_argument("--mllp-rows", type=int, default=20_000,
+                        help="rows delivered to an MLLP receiver over 20 lanes (0: skip)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -212,6 +245,8 @@ def main() -> None:
                             f"{len(summary.done) / deliver_s:,.0f} rows/s ({summary.rounds} rounds of lane heads, "
                             f"{len(summary.retrying) + len(summary.dead)} failed)")
         print(deliver_line)
+        if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
+            print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
 
         started = time.perf_counter()
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)

@@ -4,6 +4,8 @@
     --mode strong    the strong naive durable peer (../shared/peers/ack_after_insert_server.py):
                      framing only (readblock), one INSERT + COMMIT, then an ACK built from MSH-10
     --mode parse     python-hl7 parse and ACK only, no database
+    --mode ack       framing only and an AA for each message's MSH-10, no database (a fast receiver
+                     for bench/pipeline.py's MLLP delivery)
     --mode ceiling   frame and answer a fixed ACK: no parsing, no database (the ceiling)
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ def raw_ack(block: bytes) -> bytes:
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--mode", choices=["db", "strong", "parse", "ceiling"], required=True)
+    ap.add_argument("--mode", choices=["db", "strong", "parse", "ack", "ceiling"], required=True)
     ap.add_argument("--dsn", default="")
     args = ap.parse_args()
 
@@ -43,11 +45,12 @@ async def main() -> None:
             conn = await psycopg.AsyncConnection.connect(args.dsn)
         try:
             while not writer.is_closing():
-                if args.mode == "strong":
+                if args.mode in ("strong", "ack"):
                     block = await reader.readblock()
-                    ctl = block.split(b"\r", 1)[0].split(b"|")[9].decode()
-                    await conn.execute(INSERT, (ctl, block.decode("utf-8", "replace")))
-                    await conn.commit()  # durable before the ACK
+                    if conn is not None:
+                        ctl = block.split(b"\r", 1)[0].split(b"|")[9].decode()
+                        await conn.execute(INSERT, (ctl, block.decode("utf-8", "replace")))
+                        await conn.commit()  # durable before the ACK
                     writer.writeblock(raw_ack(block))
                     await writer.drain()
                     continue
