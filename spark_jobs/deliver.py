@@ -133,11 +133,13 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
                 out.append(deliver_row(row, dests))
         return out
 
-    files = [lane for lane in ordered if all(isinstance(dests.get(r["destination"]), FileDestination) for r in lane)]
+    files: list[list[Mapping[str, Any]]] = []
+    others: list[list[Mapping[str, Any]]] = []
+    for lane in ordered:  # a lane is one destination's (its key starts with the name)
+        (files if all(isinstance(dests.get(r["destination"]), FileDestination) for r in lane) else others).append(lane)
     if files:
         yield from _deliver_file_lanes(files, dests)
-        ordered = [lane for lane in ordered if not all(
-            isinstance(dests.get(r["destination"]), FileDestination) for r in lane)]
+    ordered = others
     if concurrency <= 1 or len(ordered) <= 1:
         for lane in ordered:
             yield from one_lane(lane)
