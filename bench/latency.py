@@ -10,7 +10,11 @@ patient) and the file archive, ORU/ORM to the archive.
 Latency per delivery, on the database clock: `stage_inbound.created_at` (the commit before the
 ACK) → `stage_outbound.updated_at` of its `done` row. Also per stage: → routed, → transformed.
 
-    uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4]
+Two single-message figures a user meets first: the first message sent the moment the stack says it
+is up, and one sent after `--idle` seconds of silence (stage tasks have gone idle by then), each
+timed from the send to its last delivery.
+
+    uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4] [--idle 60]
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--drain-timeout", type=float, default=600.0)
+    parser.add_argument("--idle", type=float, default=60.0, help="silence before the last single message")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-latency-"))
@@ -75,12 +80,26 @@ def main() -> None:
             raise SystemExit((work / "up.log").read_text())
         print(f"stack up in {time.perf_counter() - started:.0f} s (logs: {var / 'log'})", flush=True)
 
+        def one_delivery(payload: bytes) -> float:
+            """Seconds from sending one message to its last delivery (nothing else in flight)."""
+            [[before]] = query("SELECT count(*) FROM stage_inbound")
+            sent = time.perf_counter()
+            with MLLPClient("127.0.0.1", 2575) as client:
+                client.send_message(payload)
+            wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] > before and outstanding() == 0,
+                     timeout=args.drain_timeout, interval=0.05, what="one message to be delivered")
+            return time.perf_counter() - sent
+
         total = int(args.rate * args.seconds)
-        payloads = corpus(total + 20, seed=7)
+        payloads = corpus(total + 22, seed=7)
+        singles = [payloads.pop(), payloads.pop()]
+        first = one_delivery(singles[0])
+        print(f"first message after the stack is up: delivered in {first:.1f} s", flush=True)
+        [[staged]] = query("SELECT count(*) FROM stage_inbound")
         with MLLPClient("127.0.0.1", 2575) as client:
             for p in payloads[:20]:  # warm-up: every DAG runs its Spark job once
                 client.send_message(p)
-        wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] == 20 and outstanding() == 0,
+        wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] == staged + 20 and outstanding() == 0,
                  timeout=args.drain_timeout, interval=1, what="the warm-up messages to be delivered")
         [[since]] = query("SELECT max(id) FROM stage_inbound")
         print(f"warm; sending {total:,} messages at {args.rate:.0f}/s", flush=True)
@@ -128,6 +147,9 @@ def main() -> None:
             d = [(r[4] - r[1]) / 1000 for r in rows if r[0] == dest and r[5] == "done"]
             print(f"  {dest}: delivered p50 {statistics.median(d):.1f} s, p99 {percentile(d, 0.99):.1f} s "
                   f"({len(d):,} deliveries)")
+        time.sleep(args.idle)
+        after_idle = one_delivery(singles[1])
+        print(f"\nfirst message after the stack is up: {first:.1f} s; after {args.idle:.0f} s idle: {after_idle:.1f} s")
     finally:
         up.send_signal(signal.SIGINT)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -33,6 +34,8 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 from pyspark.sql import SparkSession
 
 from include.config import StoreConfig
+
+_log = logging.getLogger(__name__)
 
 # Debian: libpostgresql-jdbc-java, libxerial-sqlite-jdbc-java, libjtds-java.
 DRIVER_JARS: dict[str, str] = {
@@ -291,17 +294,70 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
         client._closed = True
 
 
+RENEW_SECONDS = 60.0
+"""How long a stage task waits for its restarted Spark Connect server before it gives up (and fails)."""
+
+
+class StageSession:
+    """The Spark session a stage task works with, renewed in place when its Connect server restarts.
+
+    A killed or restarted Spark Connect server loses every session on it. Failing the task would get
+    a new session from Airflow's retry, but only after the try ends, the scheduler picks the retry
+    up and a new task process starts: seconds on top of the server's own restart, and a retry that
+    lands while the server is still down fails again. So the task waits for the server to answer
+    and opens a new session on it itself; the batch that failed has already handed its rows back.
+    Classic sessions (and none at all) are not renewed.
+    """
+
+    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None) -> None:
+        self.spark = spark
+        client = _connect_client(spark)
+        self._endpoint: str | None = client._builder.endpoint if client is not None else None
+        self._conf = dict(conf or {})
+
+    @classmethod
+    def of(cls, spark: SparkSession | StageSession | None) -> StageSession:
+        return spark if isinstance(spark, StageSession) else cls(spark)
+
+    def renew(self, *, timeout: float = RENEW_SECONDS, poll: float = 0.25) -> bool:
+        """Replace a lost Connect session with a new one on the same server, waiting up to `timeout`
+        seconds for it to answer; False for a classic session or a server that stays away."""
+        if self._endpoint is None:
+            return False
+        close_session(self.spark, timeout=0.5)
+        host, port = self._endpoint.rsplit(":", 1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if _listening(host, int(port)):
+                try:
+                    fresh = SparkSession.builder.remote(f"sc://{self._endpoint}").config(map=self._conf).create()
+                    bound_connect_retries(fresh)
+                    fresh.range(1).collect()  # it answers, not only listens
+                    self.spark = fresh
+                    return True
+                except Exception as exc:  # noqa: BLE001 - a server still starting: ask again
+                    _log.info("Spark Connect at %s not ready yet: %s", self._endpoint, type(exc).__name__)
+            time.sleep(poll)
+        return False
+
+    def close(self) -> None:
+        close_session(self.spark)
+
+
 @contextlib.contextmanager
-def stage_session(spark: SparkSession | None) -> Iterator[None]:
+def stage_session(spark: SparkSession | None, conf: Mapping[str, str] | None = None) -> Iterator[StageSession]:
     """Around a stage job: a Spark Connect client fails within seconds when its server is gone
-    (instead of retrying for minutes), and is closed without waiting on a dead server at exit."""
+    (instead of retrying for minutes), is renewed when the server comes back (`StageSession`),
+    and is closed without waiting on a dead server at exit."""
+    session = StageSession(spark, conf)
     if spark is None:
-        yield
+        yield session
         return
     bound_connect_retries(spark)
     try:
-        yield
+        yield session
     finally:
+        session.close()
         close_session(spark)
 
 

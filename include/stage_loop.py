@@ -15,7 +15,7 @@ task keeps going:
               the same check the DAG's leader_check makes — runs that epoch's on-promotion
               recovery (once per epoch, as the DAG's recover task does) and carries on under it.
               No live leader in time: the run ends and the next run's leader check waits.
-    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 30), or the time budget
+    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 120), or the time budget
               is spent: the run ends and the continuous schedule starts the next one
 
 Why follow inside the task rather than end and let the next run start: the guarantee is the same —
@@ -40,9 +40,12 @@ from include.store.lease import read_lease
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LINGER_SECONDS = 30.0
+DEFAULT_LINGER_SECONDS = 120.0
 LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
-"""Seconds a stage task waits for more work after its last batch before its run ends."""
+"""Seconds a stage task waits for more work after its last batch before its run ends. Waiting is
+cheap (one indexed probe per POLL_SECONDS, a Spark session kept open); a new run is not (~5 s of
+scheduling, a task start and a session before the next message moves). Two minutes keep a lull of
+a minute or so at steady-state latency; the run still ends within STAGE_TIME_BUDGET_SECONDS."""
 STAGE_TIME_BUDGET_SECONDS = 240.0
 """How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
 POLL_SECONDS = 0.5
@@ -62,9 +65,19 @@ class Batch:
     run_id: str
     epoch: int
     stop: Callable[[], bool] = field(default=lambda: False)
+    spark: Any = None
+    """The task's Spark session for this batch (a renewed one after a Spark Connect restart)."""
 
 
 Job = Callable[[Batch], Any]
+
+
+class Session(Protocol):
+    """What the loop needs of the task's Spark session (`include.spark.StageSession`)."""
+
+    spark: Any
+
+    def renew(self) -> bool: ...
 
 
 class Watch(Protocol):
@@ -99,7 +112,8 @@ def follow_seconds(config: ServiceConfig) -> float:
 
 def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,
               config: ServiceConfig, store: Any, keeper: Keeper, clock: Callable[[], float] = time.monotonic,
-              follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None) -> dict[str, Any]:
+              follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None,
+              session: Session | None = None) -> dict[str, Any]:
     """Run `job(batch)` again and again in this one task, following leadership (module docstring).
 
     `config` and `store` are the task's (opened once per task by the caller, in Airflow
@@ -108,8 +122,9 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     Each batch claims as its own owner (`<run>#<try>.<n>`), so a retry or a later batch never
     reads rows an earlier one still holds. A finalize that meets a stale epoch (StaleEpoch) is
     handled like the keeper's signal. A failed batch (its rows already handed back by the job) is
-    retried after a pause; MAX_CONSECUTIVE_FAILURES in a row, or a lost Spark Connect session,
-    fail the task (Airflow's retry starts a fresh one). Returns counts summed over batches (the
+    retried after a pause; MAX_CONSECUTIVE_FAILURES in a row fail the task (Airflow's retry starts a
+    fresh one). A lost Spark Connect session (its server killed or restarted) is renewed in place
+    once the server answers again (`session.renew()`); one that cannot be renewed fails the task. Returns counts summed over batches (the
     XCom), the epochs worked under, and why the task stopped early if it did.
     """
     from include.store.stages import StaleEpoch
@@ -131,7 +146,8 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 job_run_id = f"{run_id}#{try_number}.{n}"
                 watch.owner = claim_owner(dag_id, job_run_id)
                 try:
-                    outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping))
+                    outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping,
+                                        session.spark if session is not None else None))
                 except StaleEpoch:
                     log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
                                 epoch)
@@ -141,7 +157,14 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                     from include.spark import session_lost
 
                     failures += 1
-                    if failures > MAX_CONSECUTIVE_FAILURES or session_lost(exc):
+                    if session_lost(exc):
+                        log.warning("%s run %s: the Spark session is gone (%s); waiting for the server",
+                                    stage, job_run_id, type(exc).__name__)
+                        if session is None or not session.renew():
+                            raise
+                        log.warning("%s: a new Spark session; carrying on", stage)
+                        continue
+                    if failures > MAX_CONSECUTIVE_FAILURES:
                         raise
                     # The job handed its claimed rows back; a busy SQLite file or a database
                     # restart is usually gone a moment later: cheaper to retry here than as a new try.

@@ -92,10 +92,12 @@ class LeaderCheckSensor(_StoreSensor):
 
 
 class WorkPendingSensor(_StoreSensor):
-    """Hold a continuous stage run until its stage has due rows, so runs do not spin empty.
+    """Hold a continuous stage run until work is due in its stage or on its way there, so runs do
+    not spin empty.
 
-    Polls `include.leader_check.work_pending` on the task's one store: done as soon as a row is
-    due; **skipped** when the wait times out (an idle period: the next run starts at once and
+    Polls `include.leader_check.work_pending(ahead=True)` on the task's one store: done as soon as a
+    row is due in this stage or an earlier one (a message staged inbound wakes all three stages at
+    once, so each job task has started by the time the message reaches its table); **skipped** when the wait times out (an idle period: the next run starts at once and
     waits again). A change of leader does not end the wait: while no lease is live it waits on,
     and under a new epoch it watches that epoch's work — the job task then follows the new leader
     itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the
@@ -124,7 +126,7 @@ class WorkPendingSensor(_StoreSensor):
         store, clustered = self.hook.get_conn(), self.hook.config.cluster.enabled
         if self._epoch is None:
             self._epoch = int(self.leader["epoch"])
-        due = work_pending(store, self._epoch, self.stage, require_live=clustered)
+        due = work_pending(store, self._epoch, self.stage, require_live=clustered, ahead=True)
         if due is None:  # leadership moved or lapsed
             lease = read_lease(store)
             if clustered and not lease.live:
@@ -132,5 +134,5 @@ class WorkPendingSensor(_StoreSensor):
                 return False
             self.log.info("leadership moved from epoch %s to %s: the job follows it", self._epoch, lease.epoch)
             self._epoch = lease.epoch
-            return bool(work_pending(store, self._epoch, self.stage, require_live=clustered))
+            return bool(work_pending(store, self._epoch, self.stage, require_live=clustered, ahead=True))
         return due

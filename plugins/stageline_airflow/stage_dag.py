@@ -21,9 +21,12 @@ from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 LEADER_POKE_INTERVAL = timedelta(seconds=0.5)
 """A run that starts during a failover proceeds within half a second of the new leader's lease."""
 JOB_RETRIES = 3
-JOB_RETRY_DELAY = timedelta(seconds=1)
+JOB_RETRY_DELAY = timedelta(0)
 """A killed job task (or a lost Spark session) is retried at once: its claim is recovered when the
-retry starts (`ClaimKeeper.recover_abandoned`, via `include.stage_loop`), so the sooner the retry, the shorter the stall."""
+retry starts (`ClaimKeeper.recover_abandoned`, via `include.stage_loop`), so the sooner the retry,
+the shorter the stall. No delay: the scheduler's pick-up and the task start already take seconds."""
+WORK_POKE_INTERVAL = timedelta(seconds=0.5)
+"""Work staged inbound starts all three stage jobs within half a second (`WorkPendingSensor`)."""
 
 
 def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
@@ -52,7 +55,7 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
             return tasks.recover_stage_step(leader, waits_for=waits_for, dag_id=ti.dag_id, run_id=ti.run_id)
 
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
-                                          timeout=timedelta(minutes=5))
+                                          timeout=timedelta(minutes=5), poke_interval=WORK_POKE_INTERVAL)
 
         @task.pyspark(task_id=job_id, conn_id=tasks.SPARK_CONN_ID, config_kwargs=tasks.SPARK_TASK_CONF,
                       retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
@@ -60,8 +63,8 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
             """Run the stage job under the leader's epoch."""
             from include.spark import stage_session  # pyspark: when the task runs, not when the DAG is parsed
 
-            with stage_session(spark):
-                return job(int(leader["epoch"]), ti.run_id, spark=spark, dag_id=ti.dag_id, try_number=ti.try_number)
+            with stage_session(spark, tasks.SPARK_TASK_CONF) as session:
+                return job(int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number)
 
         recover(leader.output) >> wait_for_work >> run_job(leader.output)
     return built

@@ -110,8 +110,8 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     from spark_jobs import route_job
 
     config = stage_config.load()
-    return _micro_batches("route", dag_id, run_id, try_number, epoch, lambda b: route_job.run(
-        b.store, spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size))
+    return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
+        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size))
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
@@ -125,11 +125,11 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     def batch(b: Batch) -> Any:
         if not read:  # once per task, not per micro-batch or idle poll: a changed table applies from the next run
             read.append(transform_job.read_lookups(b.store))
-        return transform_job.run(b.store, spark, specs=config.transforms, destinations=config.destinations,
+        return transform_job.run(b.store, b.spark, specs=config.transforms, destinations=config.destinations,
                                  owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
                                  lookups=read[0])
 
-    return _micro_batches("transform", dag_id, run_id, try_number, epoch, batch)
+    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch)
 
 
 def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_deliver", try_number: int = 1,
@@ -144,8 +144,8 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, lambda b: deliver.run(
-        b.store, spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
+    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver.run(
+        b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop))
 
 
@@ -153,9 +153,13 @@ STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 """The staged table each stage claims from."""
 
 
-def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: stage_loop.Job,
-                   **kwargs: Any) -> dict[str, Any]:
-    """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real `ClaimKeeper`."""
+def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
+                   job: stage_loop.Job, **kwargs: Any) -> dict[str, Any]:
+    """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
+    `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place)."""
+    from include.spark import StageSession
+
+    kwargs.setdefault("session", StageSession.of(spark))
     with StagelineStoreHook() as hook:
         return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
                                     config=hook.config, store=hook.get_conn(),

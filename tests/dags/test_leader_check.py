@@ -99,6 +99,20 @@ def test_work_is_pending_only_while_a_row_is_due_under_the_current_epoch(store):
     assert work_pending(store, epoch, "inbound", require_live=False) is None
 
 
+def test_work_ahead_counts_rows_due_in_the_stages_before(store):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    seed_inbound(store, 1)
+    assert work_pending(store, epoch, "outbound", require_live=False) is False
+    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is True
+    assert work_pending(store, epoch, "routed", require_live=False, ahead=True) is True
+    with store.transaction() as tx:
+        rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=1)
+    # in flight upstream is not due anywhere: nothing to start for
+    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is False
+    acquire_permanent(store, node_id="solo:2:bb")
+    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is None
+
+
 def test_in_a_cluster_work_stops_being_pending_when_the_leader_lease_lapses(pg_config_fresh):
     store = Store(pg_config_fresh)
     try:

@@ -174,6 +174,45 @@ def test_a_failing_batch_is_retried_in_the_loop_and_too_many_in_a_row_fail_the_t
         loop(broken, Clock(), monkeypatch)
 
 
+class SparkConnectGrpcException(Exception):
+    """Named like pyspark's: what a batch meets when its Spark Connect server went away."""
+
+
+class FakeSession:
+    def __init__(self, renews: bool) -> None:
+        self.spark, self.renews, self.renewed = "session-1", renews, 0
+
+    def renew(self) -> bool:
+        self.renewed += 1
+        if self.renews:
+            self.spark = f"session-{self.renewed + 1}"
+        return self.renews
+
+
+def test_a_lost_spark_session_is_renewed_in_the_task_and_the_next_batch_uses_the_new_one(monkeypatch):
+    monkeypatch.setenv(stage_loop.LINGER_ENV, "0")
+    seen: list[str] = []
+
+    def job(batch: stage_loop.Batch):
+        seen.append(batch.spark)
+        if len(seen) == 1:
+            raise SparkConnectGrpcException("UNAVAILABLE: failed to connect")
+        return Outcome(claimed=(1,), done=(1,)) if len(seen) == 2 else Outcome()
+
+    session = FakeSession(renews=True)
+    clock = Clock()
+    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
+                                  clock=clock, keeper=FakeKeeper(clock), session=session)
+    assert result["claimed"] == 1 and session.renewed == 1
+    assert seen == ["session-1", "session-2", "session-2"]
+
+    seen.clear()
+    gone = FakeSession(renews=False)  # the server stayed away: the task fails, Airflow retries it
+    with pytest.raises(SparkConnectGrpcException):
+        stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
+                             clock=clock, keeper=FakeKeeper(clock), session=gone)
+
+
 def test_a_leadership_change_seen_while_idle_ends_the_run_within_a_poll_not_a_linger(monkeypatch):
     clock, calls = Clock(), []
     keeper = FakeKeeper(clock, stop_at=1.2)

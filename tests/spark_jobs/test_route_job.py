@@ -414,6 +414,43 @@ def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_b
           f"the client exited {exited_after:.1f} s after the kill")
 
 
+def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_carries_on(
+        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    """A Spark Connect restart costs a stage task the server's restart, not a failed try: the
+    batch that met the dead server hands its rows back, the task's `StageSession` waits for the
+    server on the same port and opens a new session, and the next batch routes everything."""
+    import os
+    import signal
+
+    from include.spark import session_lost, spark_session, stage_session, start_connect_server, stop_connect_server
+
+    store = Store(sqlite_config_fresh)
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch, range(5))
+    port = free_port()
+    fast_jvm = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+    servers = [start_connect_server(port, log_dir=tmp_path, master="local[1]", conf=fast_jvm)]
+    try:
+        with stage_session(spark_session(remote=servers[0].url)) as session:
+            session.spark.range(1).collect()
+            os.killpg(servers[0].process.pid, signal.SIGKILL)
+            servers[0].process.wait(timeout=30)
+            with pytest.raises(Exception) as lost:
+                route_job.run(store, session.spark, routes=ROUTES, owner="connect/lost", epoch=epoch, run_id="lost")
+            assert session_lost(lost.value)
+            assert set(inbound_status(store).values()) == {"error"}  # handed back, due again
+            servers.append(start_connect_server(port, log_dir=tmp_path, master="local[1]", conf=fast_jvm))
+            assert session.renew(timeout=60)
+            outcome = route_job.run(store, session.spark, routes=ROUTES, owner="connect/renewed", epoch=epoch,
+                                    run_id="renewed")
+    finally:
+        for server in servers:
+            stop_connect_server(server)
+    assert len(outcome.claimed) == 5
+    assert routed_triples(store) == expected_triples(ids)
+    store.close()
+
+
 class _SparkDown:
     """A Spark session whose every use fails, as a lost Connect server would."""
 
