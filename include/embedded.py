@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -68,6 +69,30 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
+PIPELINE_READY_SECONDS = 120.0
+
+
+def _stage_runs_waiting(password: str) -> bool:
+    """Whether every stage DAG has a run waiting for work (`wait_for_work` running), asked through
+    Airflow's REST API: until then the DAGs are still being parsed and scheduled, and a message
+    sent would wait on that (about ten seconds after the processes are up) instead of moving."""
+    base = f"http://127.0.0.1:{AIRFLOW_PORT}"
+    try:
+        login = urllib.request.Request(f"{base}/auth/token", method="POST", headers={"Content-Type": "application/json"},
+                                       data=json.dumps({"username": "admin", "password": password}).encode())
+        with urllib.request.urlopen(login, timeout=5) as resp:
+            token = json.load(resp)["access_token"]
+        query = urllib.request.Request(
+            f"{base}/api/v2/dags/~/dagRuns/~/taskInstances?task_id=wait_for_work&state=running&limit=100",
+            headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(query, timeout=5) as resp:
+            waiting = {ti["dag_id"] for ti in json.load(resp)["task_instances"]}
+    except (OSError, ValueError, KeyError):
+        return False
+    return waiting >= set(STAGE_DAGS)
 
 
 def _airflow(*args: str) -> list[str]:
@@ -132,6 +157,16 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
         stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
                                                     "--config", str(ROOT / "config")),
                          env={"STAGELINE_API_TOKEN": token}, ready=lambda: port_open(api_port)))
+        echo("  stage DAGs                waiting for their first runs ...")
+        started = time.monotonic()
+        while not _stage_runs_waiting(password):
+            if time.monotonic() - started > PIPELINE_READY_SECONDS:
+                echo(f"  stage DAGs                not waiting for work after {PIPELINE_READY_SECONDS:.0f} s "
+                     "(see the Airflow UI); starting anyway")
+                break
+            time.sleep(0.5)
+        else:
+            echo(f"  stage DAGs                waiting for work in {time.monotonic() - started:.1f}s")
     except BaseException as exc:
         echo(f"\nstartup failed: {exc}")
         stack.stop()

@@ -39,7 +39,8 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
                  timeout=400, interval=1, what="the stack")
         assert up.poll() is None, (tmp_path / "up.log").read_text()
         started = psutil.Process(up.pid).children(recursive=True)
-        banner = (tmp_path / "up.log").read_text().split("Stageline is up")[1]
+        progress, banner = (tmp_path / "up.log").read_text().split("Stageline is up")
+        assert "stage DAGs                waiting for work in" in progress, progress  # up means ready to move
         assert str(received_file) in banner and f"{archive}/" in banner, banner
         db = tmp_path / "var" / "stageline.db"
 
