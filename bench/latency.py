@@ -14,7 +14,10 @@ Two single-message figures a user meets first: the first message sent the moment
 is up, and one sent after `--idle` seconds of silence (stage tasks have gone idle by then), each
 timed from the send to its last delivery.
 
-    uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4] [--idle 60]
+`--store postgres` runs the same stack on a throwaway PostgreSQL server (initdb here, fsync on) as
+its store; Airflow's metadata stays on SQLite.
+
+    uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4] [--idle 60] [--store sqlite|postgres]
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import psycopg  # noqa: E402
 from hl7.client import MLLPClient  # noqa: E402
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from include.lab.postgres_server import wait_for  # noqa: E402
+from include.lab.postgres_server import PostgresServer, wait_for  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -50,12 +54,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--drain-timeout", type=float, default=600.0)
+    parser.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite")
     parser.add_argument("--idle", type=float, default=60.0, help="silence before the last single message")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-latency-"))
-    (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
     var = work / "var"
+    pg = None
+    if args.store == "postgres":
+        pg = PostgresServer().start()
+        pg.execute("CREATE DATABASE stageline")
+        (work / "stageline.toml").write_text(f'[store]\nbackend = "postgres"\nserver = "{pg.host}"\nport = {pg.port}\n'
+                                             f'database = "stageline"\nusername = "{pg.user}"\n')
+    else:
+        (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
     env = {**os.environ, "STAGELINE_VAR": str(var)}
     log = open(work / "up.log", "w+")
     stageline = Path(sys.executable).parent / "stageline"
@@ -64,8 +76,15 @@ def main() -> None:
     db = var / "stageline.db"
 
     def query(sql: str) -> list[tuple]:
+        if pg is not None:
+            with psycopg.connect(pg.conninfo("stageline"), autocommit=True) as conn:
+                return conn.execute(sql).fetchall()
         with sqlite3.connect(db, timeout=30) as conn:
             return conn.execute(sql).fetchall()
+
+    def ms(column: str) -> str:
+        """A timestamp column as epoch milliseconds (SQLite stores them so already)."""
+        return f"(extract(epoch FROM {column}) * 1000)::float8" if pg is not None else column
 
     def outstanding() -> int:
         return query("SELECT (SELECT count(*) FROM stage_inbound WHERE status NOT IN ('done', 'unrouted', 'dead'))"
@@ -126,7 +145,8 @@ def main() -> None:
         wait_for(lambda: outstanding() == 0, timeout=args.drain_timeout, interval=1, what="the backlog to drain")
         drained_s = time.perf_counter() - t0
 
-        rows = query(f"""SELECT o.destination, i.created_at, r.created_at, o.created_at, o.updated_at, o.status
+        rows = query(f"""SELECT o.destination, {ms('i.created_at')}, {ms('r.created_at')}, {ms('o.created_at')},
+                                {ms('o.updated_at')}, o.status
                            FROM stage_outbound o JOIN stage_routed r ON r.source_id = o.source_id
                                                                    AND r.destination = o.destination
                                                  JOIN stage_inbound i ON i.id = o.source_id
@@ -157,6 +177,8 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             up.kill()
         log.close()
+        if pg is not None:
+            pg.stop()
 
 
 if __name__ == "__main__":

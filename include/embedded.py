@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from include import demo
-from include.config import VAR_ENV, ServiceConfig, var_dir
+from include.config import VAR_ENV, ServiceConfig, StoreConfig, var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +93,13 @@ def _stage_runs_waiting(password: str) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     return waiting >= set(STAGE_DAGS)
+
+
+def store_where(store: StoreConfig) -> str:
+    """The store as the banner names it."""
+    if store.backend == "sqlite":
+        return f"SQLite store at {store.path}"
+    return f"{store.backend} store at {store.server}:{store.effective_port}/{store.database}"
 
 
 def _airflow(*args: str) -> list[str]:
@@ -173,7 +180,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
         return 1
     delivered = "\n                      ".join(f"{name:<8} → {place}" for name, place in deliveries)
     echo(f"""
-Stageline is up (single node, SQLite store at {cfg.store.path}).
+Stageline is up (single node, {store_where(cfg.store)}).
   MLLP inbound        127.0.0.1:2575      try: uv run stageline demo send
   Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
   listenerd API       http://127.0.0.1:{api_port}/cluster/status   (Authorization: Bearer {token})
