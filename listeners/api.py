@@ -26,6 +26,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners.connections import ConnectionConfigError, TLSConfig, check_bind
+from listeners.guard import guard_channels
 from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from listeners.state import NodeState
 
@@ -272,7 +273,7 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     site = Site(root)
     site.displayTracebacks = False
     site.noisy = False
-    return site
+    return guard_channels(site)
 
 
 def _json(request: Request, code: int, doc: dict[str, Any]) -> bytes:

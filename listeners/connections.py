@@ -47,6 +47,10 @@ class InboundConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     idle_timeout_seconds: float = 300.0
     max_connections: int = 64
+    max_connections_per_peer: int = 16  # per peer address (listeners/guard.py)
+    connect_rate_per_peer: float = 20.0  # new connections a second per peer address, bursts of twice that
+    frame_timeout_seconds: float = 10.0  # a started message must be complete within this
+    handshake_timeout_seconds: float = 10.0  # a TLS handshake must be complete within this
     allow_insecure_bind: bool = False
     tls: TLSConfig | None = None
 
@@ -78,7 +82,8 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
     for key in ("directory", "archive"):
         if values.get(key):
             values[key] = str((base / values[key]).resolve())
-    for key in ("poll_seconds", "idle_timeout_seconds"):
+    for key in ("poll_seconds", "idle_timeout_seconds", "connect_rate_per_peer", "frame_timeout_seconds",
+                "handshake_timeout_seconds"):
         if isinstance(values.get(key), int):
             values[key] = float(values[key])
     try:
@@ -103,6 +108,11 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
                                         f"{exc}") from None
     if conn.max_message_bytes < 64:
         raise ConnectionConfigError(f"{where}: max_message_bytes must be >= 64")
+    for key in ("max_connections", "max_connections_per_peer", "connect_rate_per_peer", "frame_timeout_seconds",
+                "handshake_timeout_seconds"):
+        value = getattr(conn, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConnectionConfigError(f"{where}: {key} must be a number > 0, got {value!r}")
     if conn.tls and conn.tls.require_client_cert and not conn.tls.ca:
         raise ConnectionConfigError(f"{where}: tls.require_client_cert needs tls.ca (the client CA bundle)")
     if conn.tls and not (conn.tls.cert and conn.tls.key):

@@ -20,6 +20,7 @@ from twisted.logger import Logger
 
 from listeners.connections import InboundConfig, TLSConfig
 from listeners.filedrop import FileDrop
+from listeners.guard import GuardedFactory, PeerLimits, Refusals
 from listeners.hl7ack import AckCode, AckDecision
 from listeners.hl7msg import HL7Header
 from listeners.http_inbound import make_inbound_site
@@ -44,21 +45,37 @@ class Wiring:
     metrics: Metrics
     reactor: Any
     bound_ports: dict[str, int]
+    refusals: Refusals | None = None
+
+    def guard(self, name: str, limits: PeerLimits) -> Callable[[IProtocolFactory, bool], IProtocolFactory]:
+        """What `listeners.tls.listen` wraps a listener's factory in: its peer limits."""
+        refusals = self.refusals or Refusals(self.metrics, self.reactor, interval=limits.log_interval_seconds)
+        return lambda factory, tls: GuardedFactory(factory, limits, name=name, clock=self.reactor,
+                                                   refusals=refusals, tls=tls)
+
+
+def peer_limits(conn: InboundConfig) -> PeerLimits:
+    """An inbound connection's peer limits (`listeners.guard`), from its settings."""
+    return PeerLimits(max_connections=conn.max_connections, max_connections_per_peer=conn.max_connections_per_peer,
+                      connect_rate_per_peer=conn.connect_rate_per_peer, frame_timeout_seconds=conn.frame_timeout_seconds,
+                      handshake_timeout_seconds=conn.handshake_timeout_seconds)
 
 
 class ListeningService(Service):
     """A listening port (TLS when configured) for as long as the service runs."""
 
     def __init__(self, name: str, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-                 reactor: Any, on_bound: Callable[[int], None] | None = None) -> None:
+                 reactor: Any, on_bound: Callable[[int], None] | None = None,
+                 guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None) -> None:
         self.setName(name)
         self.host, self.port, self.factory, self.tls = host, port, factory, tls
+        self._guard = guard
         self._reactor = reactor
         self._on_bound = on_bound
         self.listening: IListeningPort | None = None
 
     def startService(self) -> None:
-        self.listening = listen(self._reactor, self.host, self.port, self.factory, self.tls)
+        self.listening = listen(self._reactor, self.host, self.port, self.factory, self.tls, guard=self._guard)
         super().startService()
         if self._on_bound is not None:
             self._on_bound(self.listening.getHost().port)
@@ -91,7 +108,8 @@ class InboundService(Service):
         conn = self.conn
         try:
             if self._intake is not None:
-                self._port = listen(self._wiring.reactor, conn.host, conn.port, self._intake, conn.tls)
+                self._port = listen(self._wiring.reactor, conn.host, conn.port, self._intake, conn.tls,
+                                    guard=self._wiring.guard(conn.name, peer_limits(conn)))
                 self._wiring.bound_ports[conn.name] = self._port.getHost().port
             elif self._start_polling is not None:
                 self._start_polling()

@@ -36,6 +36,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners.connections import InboundConfig
+from listeners.guard import guard_channels
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.ingest import IngestRejected, RowRefused
 from listeners.linger import close_after_answers
@@ -259,7 +260,7 @@ def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], 
     site = _InboundSite(resource, reactor=reactor, **({"timeout": min(timeouts)} if timeouts else {}))
     site.displayTracebacks = False
     site.noisy = False
-    return site
+    return guard_channels(site)
 
 
 def _content_type(value: bytes | None) -> tuple[str, str]:

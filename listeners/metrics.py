@@ -28,6 +28,10 @@ class Metrics:
         self.config_version = Gauge("stageline_config_version", "Shared config version loaded", registry=r)
         self.elections = Counter("stageline_election_outcomes_total", "Lease elector step outcomes",
                                  ["outcome"], registry=r)
+        self.refusals = Counter("stageline_connections_refused_total",
+                                "Connections refused or closed by a listener's peer limits, per connection and reason "
+                                "(connect_rate, peer_connections, listener_full, evicted_for_new_connection, "
+                                "frame_timeout, handshake_timeout)", ["connection", "reason"], registry=r)
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
 

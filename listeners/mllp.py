@@ -144,6 +144,11 @@ class MLLPDecoder:
         """Bytes held between calls; never more than ``max_message_bytes``."""
         return len(self._buf)
 
+    @property
+    def partial(self) -> bool:
+        """A frame has started (``<VT>`` seen) and not ended: the guard times how long it takes."""
+        return self._state == self._IN_FRAME
+
     def feed(self, data: bytes) -> list[MLLPEvent]:
         """Consume ``data`` and return the events it completes, in stream order."""
         events: list[MLLPEvent] = []
@@ -287,8 +292,14 @@ class MLLPProtocol(OrderedReplyProtocol):
 
     # -- inbound --------------------------------------------------------------------------
 
+    progress_events = (Message, Oversize)
+
     def decode(self, data: bytes) -> list[MLLPEvent]:
         return self._decoder.feed(data)
+
+    @property
+    def receiving(self) -> bool:
+        return self._decoder.partial
 
     def end_of_stream(self) -> None:
         for event in self._decoder.close():

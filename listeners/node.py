@@ -31,6 +31,7 @@ from listeners.cluster import Beat, HeartbeatService, LeaseService, StoreService
 from listeners.connections import ListenerConfig, load_config_dir
 from listeners.endpoints import ListeningService, Wiring, inbound_service
 from listeners.gate import LeaderGate
+from listeners.guard import PeerLimits, Refusals
 from listeners.ingest import IngestService
 from listeners.metrics import Metrics
 from listeners.state import NodeState
@@ -83,7 +84,8 @@ class ListenerNode(SequentialMultiService):
                                           seconds=config.cluster.heartbeat_seconds, metrics=self.metrics,
                                           config_hash=lambda: self.listeners.config_hash, on_beat=self._after_beat,
                                           config_version=lambda: self.config_version, reactor=reactor)
-        wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports)
+        wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports,
+                        refusals=Refusals(self.metrics, reactor))
         self.gate = LeaderGate(is_leader=lambda: self.lease.is_leader, connections=lambda: self.listeners.inbound,
                                build=lambda conn: inbound_service(conn, wiring), drain=self.ingest.drain,
                                reactor=reactor, supervise_seconds=supervise_seconds, drain_seconds=drain_seconds,
@@ -93,7 +95,7 @@ class ListenerNode(SequentialMultiService):
                                nodes=self._nodes_doc)
         self.api = ListeningService("api", api_settings.host, api_port or api_settings.port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
-                                    on_bound=self._api_bound)
+                                    on_bound=self._api_bound, guard=wiring.guard("api", PeerLimits()))
         for svc in (self.api, self.stores, self.lease, self.ingest, self.heartbeat, self.gate):
             svc.setServiceParent(self)
 

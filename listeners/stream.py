@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
+from listeners.guard import GuardedProtocol
 from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def write_now(transport: Any, data: bytes) -> None:
     does not take (or a send that fails) goes through `write` as before, whose next turn finds any
     error. Anything else (TLS, a test transport, a connection closing) takes `write` unchanged.
     """
+    if type(transport) is GuardedProtocol:  # the guard only watches; TLS below it is another type
+        transport = transport.transport
     if (type(transport) is tcp.Server and transport.connected and not transport.disconnecting
             and not transport._writeDisconnected and not transport._tempDataLen
             and len(transport.dataBuffer) == transport.offset):
@@ -157,6 +160,10 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
 
     kind: ClassVar[str] = "stream"  # for log lines
     factory: StreamFactory | None = None
+    progress_events: ClassVar[tuple[type, ...]] = (object,)
+    """Events that complete a message (counted in `units`; skipped noise is not progress)."""
+    units = 0
+    """Messages completed on this connection (`listeners.guard` watches it)."""
 
     def __init__(self, *, clock: IReactorTime, idle_timeout_seconds: float | None, max_in_flight: int) -> None:
         self._clock = clock
@@ -177,6 +184,19 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
     def in_flight(self) -> int:
         """Messages received whose answer has not been written yet."""
         return len(self._slots)
+
+    @property
+    def receiving(self) -> bool:
+        """Part of a message is buffered (the decoder's; `listeners.guard` times it)."""
+        return False
+
+    def evict(self) -> None:
+        """The guard is closing this connection: leave the registry now, so its place is free for
+        the connection being admitted instead of on the next reactor turn."""
+        self._accepting = False
+        if self._registered and self.factory is not None:
+            self.factory.unregister(self)
+            self._registered = False
 
     def where(self) -> str:
         """The connection as log lines name it."""
@@ -256,6 +276,8 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         for event in self.decode(data):
             if not self._accepting:
                 break
+            if isinstance(event, self.progress_events):
+                self.units += 1
             self.on_event(event)
 
     def await_answer(self, d: Deferred[Any], slot: Slot, timeout: float | None,

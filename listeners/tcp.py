@@ -82,6 +82,11 @@ class NewlineDecoder:
     def buffered_bytes(self) -> int:
         return len(self._buf)
 
+    @property
+    def partial(self) -> bool:
+        """A line has started and not ended (an oversize one being discarded included)."""
+        return bool(self._buf) or self._discarding > 0
+
     def feed(self, data: bytes) -> list[TCPEvent]:
         events: list[TCPEvent] = []
         pos, n = 0, len(data)
@@ -129,6 +134,11 @@ class LengthDecoder:
     @property
     def buffered_bytes(self) -> int:
         return len(self._buf)
+
+    @property
+    def partial(self) -> bool:
+        """A frame has started (prefix or body bytes held) and not ended."""
+        return not self._broken and (bool(self._buf) or self._need is not None)
 
     def feed(self, data: bytes) -> list[TCPEvent]:
         events: list[TCPEvent] = []
@@ -183,8 +193,14 @@ class TCPProtocol(OrderedReplyProtocol):
     def where(self) -> str:
         return f"to {self._config.name} from {self.peer_text}"
 
+    progress_events = (Frame, Oversize)
+
     def decode(self, data: bytes) -> list[TCPEvent]:
         return self._decoder.feed(data)
+
+    @property
+    def receiving(self) -> bool:
+        return self._decoder.partial
 
     def on_event(self, event: object) -> None:
         if isinstance(event, Frame):

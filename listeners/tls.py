@@ -8,6 +8,7 @@ match its certificate stops the daemon at start with the file named, not at the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from OpenSSL import SSL, crypto
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.internet.ssl import Certificate, CertificateOptions, TLSVersion, trustRootFromCertificates
+from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from listeners.connections import ConnectionConfigError, TLSConfig
 
@@ -59,11 +61,18 @@ def server_tls_options(tls: TLSConfig) -> CertificateOptions:
 
 
 def listen(reactor: Any, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-           backlog: int = 50) -> IListeningPort:
-    """Bind `factory` on host:port, with TLS when `tls` is given (`reactor`: IReactorTCP + IReactorSSL)."""
-    if tls is None:
-        return reactor.listenTCP(port, factory, backlog=backlog, interface=host)
-    return reactor.listenSSL(port, factory, server_tls_options(tls), backlog=backlog, interface=host)
+           backlog: int = 50, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
+           ) -> IListeningPort:
+    """Bind `factory` on host:port, with TLS when `tls` is given (`reactor`: IReactorTCP).
+
+    `guard(factory, tls)` wraps the (TLS) factory from outside, so it sees every connection before
+    any handshake and can refuse it cheaply (`listeners.guard`).
+    """
+    if tls is not None:
+        factory = TLSMemoryBIOFactory(server_tls_options(tls), False, factory)
+    if guard is not None:
+        factory = guard(factory, tls is not None)
+    return reactor.listenTCP(port, factory, backlog=backlog, interface=host)
 
 
 def _read(path: str, what: str) -> bytes:
