@@ -194,6 +194,7 @@ class GuardedFactory(WrappingFactory):
     """Admits connections to `wrapped` per peer (module docstring); `tls`: `wrapped` is a TLS factory."""
 
     protocol = GuardedProtocol
+    noisy = False  # no "Starting factory" lines: the wrapped factory's are enough
 
     def __init__(self, wrapped: IProtocolFactory, limits: PeerLimits, *, name: str, clock: IReactorTime,
                  refusals: Refusals, tls: bool = False) -> None:
