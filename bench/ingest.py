@@ -9,7 +9,12 @@ The client is python-hl7's asyncio client in raw block mode (pre-framed bytes, n
 message outstanding per connection. Every server runs in its own process; listenerd's peak RSS
 is read from /proc.
 
-    uv run python bench/ingest.py [--seconds 5] [--connections 1,4,16]
+`--hostile` also measures listenerd's honest throughput and ACK latency (4 connections from
+127.0.0.1) alone and then beside hostile peers in a process of their own (`tests/support/hostile.py`:
+80 half-open frames from 8 addresses, byte-at-a-time senders, an endless frame, connect loops, a
+flood of short connections, oversize and malformed frames), on a listener with the default limits.
+
+    uv run python bench/ingest.py [--seconds 5] [--connections 1,4,16] [--hostile]
 """
 from __future__ import annotations
 
@@ -94,11 +99,27 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def beside_hostile_peers(port: int, seconds: float) -> dict:
+    """Honest throughput alone, then with the hostile peers of `tests/support/hostile.py` running."""
+    quiet = drive(port, 4, seconds, "Q")
+    attackers = subprocess.Popen([sys.executable, "-m", "tests.support.hostile", "--port", str(port)], cwd=ROOT,
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert attackers.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # the pressure builds: slots held, loops running
+        loud = drive(port, 4, seconds, "X")
+    finally:
+        attackers.terminate()
+        out, _ = attackers.communicate(timeout=30)
+    return {"quiet": quiet, "loud": loud, "connections": out.strip().splitlines()[-1] if out.strip() else "?"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--connections", default="1,4,16")
     ap.add_argument("--window", type=int, default=1, help="messages outstanding per connection")
+    ap.add_argument("--hostile", action="store_true", help="also: honest throughput beside hostile peers")
     args = ap.parse_args()
     levels = [int(c) for c in args.connections.split(",")]
     results: dict[str, dict[int, dict]] = {"listenerd": {}, "peer": {}, "strong": {}, "ceiling": {}}
@@ -120,6 +141,9 @@ def main() -> None:
                 results["listenerd"][c] = drive(port, c, args.seconds, "L", args.window)
             cpu_per_msg = (cpu_seconds(daemon.proc.pid) - cpu0) / sum(r["n"] for r in results["listenerd"].values())
             rss = peak_rss_mb(daemon.proc.pid)
+            if args.hostile:
+                hostile = beside_hostile_peers(port, args.seconds)
+                hostile["rss"] = peak_rss_mb(daemon.proc.pid)
         finally:
             daemon.stop()
         for mode, name in (("db", "peer"), ("strong", "strong"), ("ceiling", "ceiling")):
@@ -142,6 +166,15 @@ def main() -> None:
             print(f"  {c:>5}  {name:<10}{r['rate']:>9,.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}")
         lr, pr, sr, cr = (results[n][c]["rate"] for n in ("listenerd", "peer", "strong", "ceiling"))
         print(f"         listenerd = {lr / pr:.2f}x peer, {lr / sr:.2f}x strong peer, {lr / cr:.0%} of ceiling")
+    if args.hostile:
+        quiet, loud = hostile["quiet"], hostile["loud"]
+        print(f"\nHonest sender beside hostile peers ({hostile['connections']}), listenerd default limits, "
+              f"4 connections from 127.0.0.1, {args.seconds:.0f}s each:")
+        print(f"  {'':<22}{'msg/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
+        for name, r in (("alone", quiet), ("beside hostile peers", loud)):
+            print(f"  {name:<22}{r['rate']:>9,.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}")
+        print(f"  honest throughput beside them: {loud['rate'] / quiet['rate']:.0%} of alone; "
+              f"listenerd peak RSS {hostile['rss']:.0f} MB")
     acked = sum(r["n"] for r in results["listenerd"].values())
     print(f"  listenerd CPU {cpu_per_msg * 1e6:.0f} us/msg; peak RSS {rss:.0f} MB; {staged:,} rows staged for {acked:,} ACKed in the timed runs (+ warm-up)")
 

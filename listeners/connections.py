@@ -51,6 +51,7 @@ class InboundConfig:
     connect_rate_per_peer: float = 20.0  # new connections a second per peer address, bursts of twice that
     frame_timeout_seconds: float = 10.0  # a started message must be complete within this
     handshake_timeout_seconds: float = 10.0  # a TLS handshake must be complete within this
+    max_bytes_per_second_per_peer: float = 8 * 1024 * 1024  # beyond it a peer is read more slowly
     allow_insecure_bind: bool = False
     tls: TLSConfig | None = None
 
@@ -83,7 +84,7 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
         if values.get(key):
             values[key] = str((base / values[key]).resolve())
     for key in ("poll_seconds", "idle_timeout_seconds", "connect_rate_per_peer", "frame_timeout_seconds",
-                "handshake_timeout_seconds"):
+                "handshake_timeout_seconds", "max_bytes_per_second_per_peer"):
         if isinstance(values.get(key), int):
             values[key] = float(values[key])
     try:
@@ -109,7 +110,7 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
     if conn.max_message_bytes < 64:
         raise ConnectionConfigError(f"{where}: max_message_bytes must be >= 64")
     for key in ("max_connections", "max_connections_per_peer", "connect_rate_per_peer", "frame_timeout_seconds",
-                "handshake_timeout_seconds"):
+                "handshake_timeout_seconds", "max_bytes_per_second_per_peer"):
         value = getattr(conn, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConnectionConfigError(f"{where}: {key} must be a number > 0, got {value!r}")

@@ -7,9 +7,14 @@ sits behind a `GuardedFactory`, which decides per connection, not per listener:
 
     admission   per peer address: at most `max_connections_per_peer` open connections and
                 `connect_rate_per_peer` new ones a second (a bucket of twice that); a full listener
-                makes room by closing a connection with nothing in flight — the longest idle first,
-                then the one whose unfinished message started longest ago — and refuses only when
-                every connection is waiting on us for an answer
+                makes room by closing a connection with nothing in flight: one of the peer address
+                that holds the most connections, the one of those stuck longest (idle, or with an
+                unfinished message begun, the longest ago); it refuses the newcomer only when every
+                connection waits on us for an answer
+    bandwidth   a peer address that sends more than `max_bytes_per_second_per_peer` (all its
+                connections together) is read more slowly: reading pauses until its allowance
+                refills (TCP pushes back on the sender), so a peer streaming an endless or oversize
+                frame costs the listener no more than that; nothing is dropped
     progress    a message (MLLP or TCP frame, HTTP request) that has started must be complete
                 within `frame_timeout_seconds` of its first byte, however slowly it trickles; a TLS
                 handshake within `handshake_timeout_seconds`. Otherwise the connection is closed.
@@ -50,6 +55,7 @@ class PeerLimits:
     connect_rate_per_peer: float = 20.0
     frame_timeout_seconds: float = 10.0
     handshake_timeout_seconds: float = 10.0
+    max_bytes_per_second_per_peer: float = 8 * 1024 * 1024
     log_interval_seconds: float = 60.0
 
 
@@ -96,6 +102,7 @@ class GuardedProtocol(ProtocolWrapper):
         self._inner: Any = None
         self._frame_timer: IDelayedCall | None = None
         self._handshake_timer: IDelayedCall | None = None
+        self._throttle: IDelayedCall | None = None
         self._gone = False
 
     # -- what the wrapped protocol says -----------------------------------------------------
@@ -132,6 +139,11 @@ class GuardedProtocol(ProtocolWrapper):
         super().dataReceived(data)
         if self.wrappedProtocol is None or self._gone:
             return
+        wait = self.factory.spend_bytes(self.host, len(data))
+        if wait > 0 and self._throttle is None:
+            self.transport.pauseProducing()
+            self._throttle = self.factory.clock.callLater(wait, self._resume)
+            self.factory.refusals(self.factory.name, self.host, "throttled")
         if self.receiving:
             if self._frame_timer is None:
                 self.started_at = self.last_active
@@ -153,6 +165,11 @@ class GuardedProtocol(ProtocolWrapper):
                                                              self._frame_check)
             return
         self.close_for("frame_timeout")
+
+    def _resume(self) -> None:
+        self._throttle = None
+        if not self._gone and self.wrappedProtocol is not None:
+            self.transport.resumeProducing()
 
     def _handshake_check(self) -> None:
         self._handshake_timer = None
@@ -178,9 +195,10 @@ class GuardedProtocol(ProtocolWrapper):
         if not self._gone:
             self._gone = True
             self._cancel_frame_timer()
-            if self._handshake_timer is not None and self._handshake_timer.active():
-                self._handshake_timer.cancel()
-            self._handshake_timer = None
+            for timer in (self._handshake_timer, self._throttle):
+                if timer is not None and timer.active():
+                    timer.cancel()
+            self._handshake_timer = self._throttle = None
             self.factory.forget(self)
 
     def _cancel_frame_timer(self) -> None:
@@ -202,7 +220,8 @@ class GuardedFactory(WrappingFactory):
         self.limits, self.name, self.clock, self.refusals, self.tls = limits, name, clock, refusals, tls
         self.open: dict[GuardedProtocol, None] = {}  # admitted and not yet gone, oldest first
         self.per_peer: Counter[str] = Counter()
-        self._buckets: dict[str, tuple[float, float]] = {}  # host → (tokens, at)
+        self._buckets: dict[str, tuple[float, float]] = {}  # host → (connection tokens, at)
+        self._bytes: dict[str, tuple[float, float]] = {}  # host → (byte allowance, at)
 
     def buildProtocol(self, addr: IAddress) -> GuardedProtocol | None:  # type: ignore[override]
         host = str(getattr(addr, "host", addr))
@@ -233,19 +252,21 @@ class GuardedFactory(WrappingFactory):
                 del self.per_peer[proto.host]
 
     def _victim(self) -> GuardedProtocol | None:
-        """The connection to close for a new one: nothing in flight; idle longest, else the oldest
-        unfinished message. None when every connection waits on us for an answer."""
-        idle: GuardedProtocol | None = None
-        stalled: GuardedProtocol | None = None
+        """The connection to close for a new one, of those with nothing in flight: one of the peer
+        address holding the most connections (a partner that opened many is the likeliest to be
+        the one holding slots), and of those the one stuck longest — idle, or an unfinished
+        message begun, the longest ago. None when every connection waits on us for an answer."""
+        now = self.clock.seconds()
+        victim: GuardedProtocol | None = None
+        best = (-1, -1.0)
         for proto in self.open:
             if proto.in_flight:
                 continue
-            if proto.started_at is None and not proto.receiving:
-                if idle is None or proto.last_active < idle.last_active:
-                    idle = proto
-            elif stalled is None or (proto.started_at or 0) < (stalled.started_at or 0):
-                stalled = proto
-        return idle or stalled
+            since = proto.started_at if proto.started_at is not None else proto.last_active
+            score = (self.per_peer[proto.host], now - since)
+            if score > best:
+                victim, best = proto, score
+        return victim
 
     def _take_token(self, host: str) -> bool:
         rate = self.limits.connect_rate_per_peer
@@ -260,6 +281,17 @@ class GuardedFactory(WrappingFactory):
             return False
         self._buckets[host] = (tokens - 1, now)
         return True
+
+    def spend_bytes(self, host: str, size: int) -> float:
+        """Take `size` bytes from the peer's allowance; the seconds to pause reading if it is spent."""
+        rate = self.limits.max_bytes_per_second_per_peer
+        now = self.clock.seconds()
+        allowance, at = self._bytes.get(host, (rate, now))
+        allowance = min(rate, allowance + (now - at) * rate) - size
+        if len(self._bytes) >= 10_000 and host not in self._bytes:
+            self._bytes = {h: v for h, v in self._bytes.items() if h in self.per_peer}
+        self._bytes[host] = (allowance, now)
+        return -allowance / rate if allowance < 0 else 0.0
 
     # WrappingFactory's own registry is not used: `open` is kept at admission, so an eviction
     # frees its place at once rather than when the socket is finally closed.

@@ -31,7 +31,7 @@ class Metrics:
         self.refusals = Counter("stageline_connections_refused_total",
                                 "Connections refused or closed by a listener's peer limits, per connection and reason "
                                 "(connect_rate, peer_connections, listener_full, evicted_for_new_connection, "
-                                "frame_timeout, handshake_timeout)", ["connection", "reason"], registry=r)
+                                "frame_timeout, handshake_timeout; throttled: reading paused for bandwidth)", ["connection", "reason"], registry=r)
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
 

@@ -1,6 +1,7 @@
 """Loading `connections.toml`: a bad setting is refused at load, naming the connection and the setting."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,20 @@ def test_a_valid_lane_key_loads_and_gives_the_lane_of_each_message(tmp_path: Pat
     assert lane_of is not None
     assert lane_of("MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C1|P|2.5\rPID|1||123^^^H||DOE") == "123"
     assert lane_rule("") is None
+
+
+@pytest.mark.parametrize("key", ["max_connections_per_peer", "connect_rate_per_peer", "frame_timeout_seconds",
+                                 "handshake_timeout_seconds", "max_bytes_per_second_per_peer", "max_connections"])
+@pytest.mark.parametrize("value", [0, -1, "ten"])
+def test_peer_limits_must_be_positive_numbers(tmp_path, key, value):
+    write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{key} = {json.dumps(value)}\n')
+    with pytest.raises(ConnectionConfigError, match=f"{key} must be"):
+        load_config_dir(tmp_path)
+
+
+def test_peer_limits_have_protective_defaults(tmp_path):
+    write(tmp_path, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n')
+    [conn] = load_config_dir(tmp_path).inbound
+    assert (conn.max_connections_per_peer, conn.connect_rate_per_peer, conn.frame_timeout_seconds,
+            conn.handshake_timeout_seconds) == (16, 20.0, 10.0, 10.0)
+    assert conn.frame_timeout_seconds < conn.idle_timeout_seconds

@@ -93,6 +93,8 @@ def peers(kind: str, target: str, action: Callable[[Peer], None], sources: int =
 CASES: dict[str, tuple[Attack, str]] = {
     # 80 half-open frames from 8 addresses against a listener of 24 slots
     "half-open-frames": (peers("half", "mllp", hostile.half_open(10), sources=8), "mllp"),
+    # one half-open frame from each of 40 addresses: no per-peer limit applies
+    "distributed-half-open": (peers("spread", "mllp", hostile.half_open(1), sources=40, first=100), "mllp"),
     "byte-at-a-time": (peers("trickle", "mllp", hostile.trickle(8), sources=2), "mllp"),
     "endless-frame": (peers("endless", "mllp", hostile.endless(), sources=2), "mllp"),
     "connect-loops": (peers("churn", "mllp", hostile.churn(), sources=4), "mllp"),

@@ -251,3 +251,48 @@ def http_once(host: str, port: int, path: str, *, timeout: float = 5.0) -> Calla
         finally:
             conn.close()
     return send
+
+
+ATTACKS: dict[str, tuple[Callable[[int], Callable[[Peer], None]], int]] = {
+    # name: (action factory, sources); each source a loopback address of its own
+    "half-open": (lambda max_bytes: half_open(10), 8),
+    "trickle": (lambda max_bytes: trickle(8), 2),
+    "endless": (lambda max_bytes: endless(), 1),
+    "churn": (lambda max_bytes: churn(), 2),
+    "flood": (lambda max_bytes: churn(VT + b"MSH|garbage"), 8),
+    "bad-frames": (lambda max_bytes: bad_frames(max_bytes), 2),
+}
+
+
+def main() -> None:
+    """Run hostile peers against host:port until SIGTERM (`bench/ingest.py --hostile` runs this
+    in a process of its own, so the attackers do not slow the honest client down)."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--max-message-bytes", type=int, default=65536)
+    args = ap.parse_args()
+    running: list[Peer] = []
+    n = 2
+    for name in args.attacks.split(","):
+        factory, sources = ATTACKS[name]
+        for _ in range(sources):
+            running.append(Peer(name, "127.0.0.1", args.port, source=f"127.0.0.{n}",
+                                action=factory(args.max_message_bytes)))
+            n += 1
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    for peer in running:
+        peer.start()
+    print("ready", flush=True)
+    done.wait()
+    for peer in running:
+        peer.stop()
+    print(f"connections {sum(p.connects for p in running)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
