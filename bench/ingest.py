@@ -37,6 +37,7 @@ from include.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.stack import port_open
 from include.store import Store
 from include.store.migrate import migrate
+from listeners.connections import InboundConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGE = ("MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
@@ -102,7 +103,9 @@ def peak_rss_mb(pid: int) -> float:
 def beside_hostile_peers(port: int, seconds: float) -> dict:
     """Honest throughput alone, then with the hostile peers of `tests/support/hostile.py` running."""
     quiet = drive(port, 4, seconds, "Q")
-    attackers = subprocess.Popen([sys.executable, "-m", "tests.support.hostile", "--port", str(port)], cwd=ROOT,
+    oversize = InboundConfig(name="x", kind="mllp").max_message_bytes  # the listener's (default) limit
+    attackers = subprocess.Popen([sys.executable, "-m", "tests.support.hostile", "--port", str(port),
+                                  "--max-message-bytes", str(oversize)], cwd=ROOT,
                                  stdout=subprocess.PIPE, text=True)
     try:
         assert attackers.stdout.readline().strip() == "ready"
