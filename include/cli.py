@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import sys
 from pathlib import Path
 
@@ -14,34 +13,9 @@ from include.store import Store
 from include.store import lookups as lookup_tables
 from include.store.lease import read_lease
 from include.store.membership import NodeIdentity, cluster_nodes, cluster_status, single_node_nodes
-from include.store.migrate import ClusterIdentityError, SchemaError, check_identity, migrate
-
-
-def _load(path: str | None) -> cfgmod.ServiceConfig:
-    try:
-        return cfgmod.load(path)
-    except cfgmod.ConfigError as exc:
-        raise click.ClickException(f"config: {exc}") from exc
-
-
-def _open_checked(cfg: cfgmod.ServiceConfig) -> tuple[Store, dict]:
-    store = Store(cfg.store)
-    try:
-        return store, check_identity(store, cluster_name=cfg.cluster.cluster_name)
-    except (ClusterIdentityError, SchemaError) as exc:
-        store.close()
-        raise click.ClickException(str(exc)) from exc
-
-
-def _emit(doc: dict) -> None:
-    click.echo(json.dumps(doc, indent=2))
-
-
-class InputError(click.ClickException):
-    """Bad input on the command line (a CSV file, a table name): "Error: ..." on stderr like every
-    other failure here, but exit code 2, like click's own usage errors."""
-
-    exit_code = 2
+from include.cli_common import InputError, _emit, _load, _open_checked
+from include.cli_messages import messages, stages
+from include.store.migrate import ClusterIdentityError, migrate
 
 
 @click.group()
@@ -280,6 +254,10 @@ def demo_receive(host: str, port: int, out_dir: Path) -> None:
         run_receiver(host, port, out_dir, echo=click.echo)
     except OSError as exc:
         raise click.ClickException(f"demo receiver on {host}:{port}: {exc}") from exc
+
+
+cli.add_command(messages)
+cli.add_command(stages)
 
 
 def main() -> None:

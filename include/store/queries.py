@@ -1,4 +1,5 @@
-"""Named SQL loaded from `sql/<dialect>/queries.sql`.
+"""Named SQL loaded from `sql/<dialect>/*.sql` (`queries.sql`: the stages'; `operator.sql`: what
+an operator does with messages).
 
 Each query starts with `-- name: <name>`; parameters are written `:name` in every dialect and turned
 into the driver's style here, once. `{table}`/`{dest}` are filled from the staged-table catalogue
@@ -34,7 +35,7 @@ def to_pyformat(sql: str) -> str:
 
 @lru_cache(maxsize=None)
 def load(dialect: str) -> dict[str, str]:
-    return parse_named((SQL_ROOT / dialect / "queries.sql").read_text())
+    return parse_named("\n".join(path.read_text() for path in sorted((SQL_ROOT / dialect).glob("*.sql"))))
 
 
 def migrations(dialect: str) -> list[tuple[int, str, str]]:

@@ -64,6 +64,10 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "per_lane": 20, "max_rows": 5000, "names": json.dumps(["archive", "ehr"]), "prefix": "airflow:stage_route:", "keep": "airflow:stage_route:r1#2.",
     "table_name": "patient_class", "entries": json.dumps([{"code": "I", "value": "IN"}]),
     "stage": "routed", "event": "finished", "from_status": "in_flight",
+    # the operator's queries (operator.sql)
+    "destination": "ehr", "since_ms": 1_700_000_000_000, "until_ms": 1_800_000_000_000, "before_id": 900,
+    "id": 42, "new_id": 43, "new_message_id": "m-42~replay-1", "statuses": json.dumps(["dead"]),
+    "actor": "operator:jdoe", "detail": "receiver fixed; ticket INC-7", "window_ms": 300_000,
 }
 
 

@@ -1,0 +1,231 @@
+"""`stageline messages …` and `stageline stages`: the operator's questions — where is message X,
+why did it fail, send it again, what is stuck and since when (`include/store/operator.py`)."""
+from __future__ import annotations
+
+import getpass
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+
+from include.cli_common import InputError, _load, _open_checked
+from include.store import operator as ops
+
+
+def _store(service_config: str | None) -> Any:
+    return _open_checked(_load(service_config))[0]
+
+
+def _when(ms: Any) -> str:
+    return datetime.fromtimestamp(int(ms) / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z" \
+        if ms is not None else "-"
+
+
+def _ms(text: str | None) -> int | None:
+    """An ISO time (UTC unless it says otherwise) as epoch milliseconds."""
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise InputError(f"not an ISO date/time: {text!r} (e.g. 2026-11-24T08:00)") from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
+
+
+def _readable(payload: str | None) -> str:
+    """An HL7 body one segment a line (segments end with CR)."""
+    if payload is None:
+        return "    (no body: purged by retention)"
+    return "\n".join(f"    {segment}" for segment in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r")
+                     if segment)
+
+
+actor_option = click.option("--actor", default=getpass.getuser, show_default="the OS user",
+                            help="Who does this (recorded in the audit trail).")
+reason_option = click.option("--reason", required=True, help="Why (recorded in the audit trail).")
+
+
+@click.group()
+def messages() -> None:
+    """Find, show, replay and requeue messages (audit events name who and why)."""
+
+
+@messages.command("find")
+@click.option("--control-id")
+@click.option("--message-id")
+@click.option("--lane", "lane_key", help="Lane (e.g. the patient id the connection's lane_key reads).")
+@click.option("--connection", help="Inbound connection name.")
+@click.option("--destination")
+@click.option("--status", type=click.Choice(ops.STATUSES), help="In any stage.")
+@click.option("--since", help="ISO time (UTC unless given), inclusive.")
+@click.option("--until", help="ISO time, exclusive.")
+@click.option("--before-id", type=int, help="Page on: the last id of the previous page.")
+@click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def find_cmd(service_config: str | None, control_id: str | None, message_id: str | None, lane_key: str | None,
+             connection: str | None, destination: str | None, status: str | None, since: str | None,
+             until: str | None, before_id: int | None, limit: int, as_json: bool) -> None:
+    """Messages, newest first, narrowed by any of the options."""
+    store = _store(service_config)
+    try:
+        rows = ops.find(store, ops.Filters(control_id, message_id, lane_key, connection, destination, status,
+                                           _ms(since), _ms(until), before_id, limit))
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=_json_default))
+        return
+    if not rows:
+        click.echo("no messages match")
+        return
+    click.echo(f"{'id':>8}  {'received (UTC)':<24}{'connection':<14}{'control id':<22}{'lane':<12}{'status':<10}"
+               f"{'routed':>7}{'delivered':>10}{'dead':>5}")
+    for r in rows:
+        click.echo(f"{r['id']:>8}  {_when(r['created_ms']):<24}{r['connection'][:13]:<14}"
+                   f"{(r['control_id'] or '-')[:21]:<22}{(r['lane_key'] or '-')[:11]:<12}{r['status']:<10}"
+                   f"{r['routed']:>7}{r['delivered']:>10}{r['dead']:>5}")
+    if len(rows) == limit:
+        click.echo(f"(more: --before-id {rows[-1]['id']})")
+
+
+@messages.command("show")
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
+    """One message in every stage, its bodies and its whole audit trail. REF: row id, message id or control id."""
+    store = _store(service_config)
+    try:
+        story = ops.show(store, ops.resolve(store, ref))
+    except LookupError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(story.__dict__, indent=2, default=_json_default))
+        return
+    i = story.inbound
+    click.echo(f"message {i['message_id']} (inbound row {i['id']}), control id {i['control_id'] or '-'}\n"
+               f"  received {_when(i['created_ms'])} on {i['connection']}, lane {i['lane_key'] or '-'}, "
+               f"charset {i['charset'] or '-'}; status {i['status']} after {i['attempts']} attempt(s)"
+               + (f"; last error: {i['last_error']}" if i["last_error"] else ""))
+    click.echo("  as received:")
+    click.echo(_readable(i["payload"]))
+    for r in story.routed:
+        click.echo(f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
+                   f"{r['attempts']} attempt(s)" + (f"; {r['last_error']}" if r["last_error"] else ""))
+    for o in story.outbound:
+        click.echo(f"  outbound row {o['id']} → {o['destination']}: {o['status']}, {o['attempts']} attempt(s), "
+                   f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
+                   + (f"; {o['last_error']}" if o["last_error"] else ""))
+        click.echo(_readable(o["payload"]))
+    click.echo("  audit trail:")
+    for e in story.trail:
+        click.echo(f"    {_when(e['at_ms'])}  {e['stage']:<8} row {e['row_id']:<6} {e['event']:<10} "
+                   f"{(e['from_status'] or '-')}→{e['to_status']}"
+                   + (f" [{e['destination']}]" if e["destination"] else "")
+                   + (f" epoch {e['epoch']}" if e["epoch"] is not None else "")
+                   + (f" by {e['node_id']}" if e["node_id"] else "")
+                   + (f": {e['detail']}" if e["detail"] else ""))
+
+
+@messages.command("replay")
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--from", "source", type=click.Choice(ops.REPLAY_FROM), required=True,
+              help="inbound: stage it again (today's routes, transforms, destinations; behind its lane's queue). "
+                   "outbound: send the same bytes again (its place in its lane).")
+@actor_option
+@reason_option
+@click.pass_obj
+def replay_cmd(service_config: str | None, refs: tuple[str, ...], source: str, actor: str, reason: str) -> None:
+    """Run messages again from a stage: a new attempt, recorded in the audit trail; history stays."""
+    store = _store(service_config)
+    try:
+        ids = [ops.resolve(store, ref) for ref in refs]
+        moved = ops.replay(store, ids, source=source, actor=actor, reason=reason)
+    except LookupError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    what = "new inbound row(s)" if source == "inbound" else "outbound row(s) back to pending"
+    click.echo(f"replayed {len(ids)} message(s) from {source}: {what} {', '.join(map(str, moved)) or 'none'}")
+
+
+@messages.command("requeue")
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--stage", type=click.Choice(["inbound", "routed", "outbound"]), default="outbound",
+              show_default=True, help="Whose dead letters (row ids are this stage's).")
+@click.option("--destination", help="Every dead letter of this destination.")
+@click.option("--lane", "lane_key", help="Every dead letter of this lane.")
+@actor_option
+@reason_option
+@click.pass_obj
+def requeue_cmd(service_config: str | None, ids: tuple[int, ...], stage: str, destination: str | None,
+                lane_key: str | None, actor: str, reason: str) -> None:
+    """Dead letters back to pending (attempts reset, same bytes, same place in their lane, so a dead
+    lane drains in order). By row IDS, or all of a --destination and/or --lane."""
+    if not ids and destination is None and lane_key is None:
+        raise InputError("name the dead letters: row IDS, --destination or --lane")
+    table = ops.table_of(stage)
+    store = _store(service_config)
+    try:
+        chosen = list(ids) or ops.dead_ids(store, table, destination=destination, lane_key=lane_key)
+        moved = ops.requeue(store, table, chosen, actor=actor, reason=reason)
+    finally:
+        store.close()
+    skipped = sorted(set(chosen) - set(moved))
+    click.echo(f"requeued {len(moved)} {stage} row(s)" + (f": {', '.join(map(str, moved))}" if moved else "")
+               + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else ""))
+
+
+@messages.command("dead")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def dead_cmd(service_config: str | None, as_json: bool) -> None:
+    """Dead letters grouped by stage, destination and reason."""
+    store = _store(service_config)
+    try:
+        groups = ops.dead_letters(store)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(groups, indent=2, default=_json_default))
+        return
+    if not groups:
+        click.echo("no dead letters")
+        return
+    for g in groups:
+        click.echo(f"{g['n']:>6}  {g['stage']:<9}{(g['destination'] or '-'):<16} since {_when(g['oldest_ms'])}  "
+                   f"{g['reason'] or '-'}")
+    click.echo("requeue with: stageline messages requeue --stage STAGE --destination NAME --reason WHY")
+
+
+@click.command("stages")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def stages(service_config: str | None, as_json: bool) -> None:
+    """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min)."""
+    store = _store(service_config)
+    try:
+        overview = ops.stages(store)
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(overview, indent=2))
+        return
+    click.echo(f"{'stage':<10}{'backlog':>9}{'oldest s':>10}{'in flight':>11}{'dead':>7}{'done/min':>10}")
+    for stage, s in overview.items():
+        oldest = "-" if s["oldest_pending_seconds"] is None else f"{s['oldest_pending_seconds']:.1f}"
+        click.echo(f"{stage:<10}{s['backlog']:>9}{oldest:>10}{s['in_flight']:>11}{s['dead']:>7}"
+                   f"{s['finished_per_minute']:>10}")
+

@@ -1,0 +1,190 @@
+"""What an operator does with messages: find them, show one's whole story, replay, requeue dead
+letters, see the dead letters and the stages at a glance (`stageline messages …`, `stageline stages`).
+
+Every change an operator makes is a new attempt, never a rewrite of history, and is itself an audit
+event in `message_events` naming who (`node_id` = `operator:<actor>`) and why (`detail`):
+
+- *replay from inbound* stages the message again as a new inbound row (its own message id,
+  `<original>~replay-<n>`) with the same body, connection, lane and control id, so today's routes,
+  transforms and destinations apply; being new it goes behind whatever is queued in its lane.
+- *replay from outbound* and *requeue* put existing rows back to pending (attempts reset) with the
+  same body and idempotency key: the row keeps its place in its lane, so a requeued dead lane
+  drains in its original order — which is what a receiver that missed those messages needs.
+- there is no replay *from routed*: a routed row's transform result is its outbound row; replay
+  from inbound (today's routes and transforms) or from outbound (the same bytes again).
+
+Nothing here needs the leader lease: the rows it touches are finished (`done`/`dead`), which no
+stage task claims; the rows it creates are claimed like any other, under the claimer's epoch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable, Store
+
+FIND_LIMIT = 50
+REPLAY_FROM = ("inbound", "outbound")
+STATUSES = ("pending", "in_flight", "done", "error", "dead", "unrouted")
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What `find` narrows by; None is "any"."""
+
+    control_id: str | None = None
+    message_id: str | None = None
+    lane_key: str | None = None
+    connection: str | None = None
+    destination: str | None = None
+    status: str | None = None
+    since_ms: int | None = None
+    until_ms: int | None = None
+    before_id: int | None = None
+    limit: int = FIND_LIMIT
+
+    def params(self) -> dict[str, Any]:
+        if self.status is not None and self.status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
+        if self.limit < 1:
+            raise ValueError("limit must be at least 1")
+        return dict(self.__dict__)
+
+
+@dataclass
+class Story:
+    """One message in every stage: the inbound row and body, its routed and outbound rows (bodies as
+    delivered), and its whole audit trail — replays of it included."""
+
+    inbound: dict[str, Any]
+    routed: list[dict[str, Any]] = field(default_factory=list)
+    outbound: list[dict[str, Any]] = field(default_factory=list)
+    trail: list[dict[str, Any]] = field(default_factory=list)
+
+
+def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
+    """Inbound messages matching `filters`, newest first (page on with `before_id` = the last id)."""
+    with store.transaction(write=False) as tx:
+        return tx.all("messages_find", filters.params())
+
+
+def resolve(store: Store, ref: str) -> int:
+    """The inbound row id named by `ref`: a row id, a message id or a control id (the newest with
+    it). LookupError if none."""
+    if ref.isdigit():
+        with store.transaction(write=False) as tx:
+            if tx.one("message_inbound", {"id": int(ref)}) is not None:
+                return int(ref)
+    for key in ("message_id", "control_id"):
+        rows = find(store, Filters(**{key: ref}, limit=1))
+        if rows:
+            return int(rows[0]["id"])
+    raise LookupError(f"no message {ref!r} (tried row id, message id and control id)")
+
+
+def show(store: Store, inbound_id: int) -> Story:
+    with store.transaction(write=False) as tx:
+        inbound = tx.one("message_inbound", {"id": inbound_id})
+        if inbound is None:
+            raise LookupError(f"no inbound row {inbound_id}")
+        return Story(inbound, tx.all("message_routed", {"id": inbound_id}),
+                     tx.all("message_outbound", {"id": inbound_id}),
+                     tx.all("message_trail", {"message_id": inbound["message_id"]}))
+
+
+def replay(store: Store, inbound_ids: list[int], *, source: str, actor: str, reason: str) -> list[int]:
+    """Replay messages from `source` (`inbound`: a new inbound row each; `outbound`: their finished
+    deliveries back to pending). Returns the new inbound row ids, or the outbound row ids requeued."""
+    if source not in REPLAY_FROM:
+        raise ValueError(f"replay --from must be one of {', '.join(REPLAY_FROM)} (see `stageline messages "
+                         f"replay --help`), got {source!r}")
+    if source == "outbound":
+        with store.transaction(write=False) as tx:
+            ids = [int(o["id"]) for i in inbound_ids for o in tx.all("message_outbound", {"id": i})]
+        return requeue(store, OUTBOUND, ids, actor=actor, reason=reason, statuses=("done", "dead"), event="replayed")
+    created: list[int] = []
+    with store.transaction() as tx:
+        for inbound_id in inbound_ids:
+            original = tx.one("message_inbound", {"id": inbound_id})
+            if original is None:
+                raise LookupError(f"no inbound row {inbound_id}")
+            n = 1 + sum(1 for e in tx.all("message_trail", {"message_id": original["message_id"]})
+                        if e["event"] == "replayed" and e["stage"] == "inbound")
+            new_message_id = f"{original['message_id']}~replay-{n}"
+            [row] = tx.all("replay_inbound", {"id": inbound_id, "new_message_id": new_message_id})
+            tx.execute("replay_inbound_body", {"id": inbound_id, "new_id": row["id"]})
+            _events(tx, INBOUND, [inbound_id], event="replayed", from_status=original["status"], actor=actor,
+                    detail=f"as {new_message_id} (row {row['id']}): {reason}")
+            _events(tx, INBOUND, [int(row["id"])], event="staged", from_status=None, actor=actor,
+                    detail=f"replay of {original['message_id']} (row {inbound_id}): {reason}")
+            created.append(int(row["id"]))
+    return created
+
+
+def dead_ids(store: Store, table: StagedTable, *, destination: str | None = None,
+             lane_key: str | None = None) -> list[int]:
+    with store.transaction(write=False) as tx:
+        return [int(r["id"]) for r in tx.all("dead_ids", {"destination": destination, "lane_key": lane_key},
+                                             table=table)]
+
+
+def requeue(store: Store, table: StagedTable, ids: list[int], *, actor: str, reason: str,
+            statuses: tuple[str, ...] = ("dead",), event: str = "requeued") -> list[int]:
+    """Rows of `table` among `ids` in one of `statuses` back to pending (attempts reset, same body
+    and place in their lane); one audit event each. Returns the ids moved."""
+    if not ids:
+        return []
+    with store.transaction() as tx:
+        moved = [int(r["id"]) for r in tx.all("requeue_rows", {"ids": tx.dialect.id_list(ids),
+                                                               "statuses": tx.dialect.text_list(statuses)},
+                                              table=table)]
+        _events(tx, table, moved, event=event, from_status="/".join(statuses), actor=actor, detail=reason)
+    return sorted(moved)
+
+
+def dead_letters(store: Store) -> list[dict[str, Any]]:
+    """Dead letters grouped by stage, destination and reason, the biggest group first. A reason
+    naming the message's own control id ("AE for MSG0042") is grouped with its siblings'."""
+    with store.transaction(write=False) as tx:
+        rows = tx.all("dead_letters")
+    groups: dict[tuple[str, str | None, str], dict[str, Any]] = {}
+    for row in rows:
+        reason = row["reason"] or ""
+        if row["control_id"]:
+            reason = reason.replace(row["control_id"], "<control id>")
+        key = (row["stage"], row["destination"], reason)
+        group = groups.setdefault(key, {"stage": row["stage"], "destination": row["destination"], "reason": reason,
+                                        "n": 0, "oldest_ms": row["updated_ms"]})
+        group["n"] += 1
+        group["oldest_ms"] = min(group["oldest_ms"], row["updated_ms"])
+    return sorted(groups.values(), key=lambda g: (-g["n"], g["stage"], g["destination"] or "", g["reason"]))
+
+
+def stages(store: Store, *, window_seconds: float = 300.0) -> dict[str, dict[str, Any]]:
+    """Per stage: backlog, oldest pending age (s), in flight, dead, finished per minute lately."""
+    out: dict[str, dict[str, Any]] = {}
+    with store.transaction(write=False) as tx:
+        for table in STAGED_TABLES:
+            row = tx.one("stage_overview", {"window_ms": int(window_seconds * 1000)}, table=table) or {}
+            oldest = row.get("oldest_ms")
+            out[table.stage] = {
+                "backlog": int(row.get("backlog") or 0),
+                "oldest_pending_seconds": round((int(row["now_ms"]) - int(oldest)) / 1000, 1) if oldest else None,
+                "in_flight": int(row.get("in_flight") or 0), "dead": int(row.get("dead") or 0),
+                "finished_per_minute": round(int(row.get("finished_recently") or 0) * 60 / window_seconds, 1)}
+    return out
+
+
+def table_of(stage: str) -> StagedTable:
+    for table in (INBOUND, ROUTED, OUTBOUND):
+        if stage in (table.stage, table.name):
+            return table
+    raise ValueError(f"unknown stage {stage!r}: inbound, routed or outbound")
+
+
+def _events(tx: Any, table: StagedTable, ids: list[int], *, event: str, from_status: str | None, actor: str,
+            detail: str) -> None:
+    if ids:
+        tx.execute("operator_events", {"ids": tx.dialect.id_list(ids), "stage": table.stage, "event": event,
+                                       "from_status": from_status, "actor": f"operator:{actor}",
+                                       "detail": detail[:2000]}, table=table)

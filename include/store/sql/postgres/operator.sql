@@ -1,0 +1,120 @@
+-- What an operator does with messages (include/store/operator.py): find, show, replay, requeue,
+-- dead letters, the stages at a glance. Times come back as epoch milliseconds in every dialect.
+
+-- name: messages_find
+-- Inbound messages, newest first, each filter optional (NULL: any); a destination or status
+-- matches a message when any of its stages' rows has it. Paged by id (:before_id).
+SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts,
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error,
+       (SELECT count(*) FROM stage_routed r WHERE r.source_id = i.id) AS routed,
+       (SELECT count(*) FROM stage_outbound o WHERE o.source_id = i.id AND o.status = 'done') AS delivered,
+       (SELECT count(*) FROM stage_routed r WHERE r.source_id = i.id AND r.status = 'dead')
+         + (SELECT count(*) FROM stage_outbound o WHERE o.source_id = i.id AND o.status = 'dead') AS dead
+  FROM stage_inbound i
+ WHERE (CAST(:control_id AS text) IS NULL OR i.control_id = CAST(:control_id AS text))
+   AND (CAST(:message_id AS text) IS NULL OR i.message_id = CAST(:message_id AS text))
+   AND (CAST(:lane_key AS text) IS NULL OR i.lane_key = CAST(:lane_key AS text))
+   AND (CAST(:connection AS text) IS NULL OR i.connection = CAST(:connection AS text))
+   AND (CAST(:since_ms AS bigint) IS NULL OR i.created_at >= to_timestamp(CAST(:since_ms AS bigint) / 1000.0))
+   AND (CAST(:until_ms AS bigint) IS NULL OR i.created_at < to_timestamp(CAST(:until_ms AS bigint) / 1000.0))
+   AND (CAST(:before_id AS bigint) IS NULL OR i.id < CAST(:before_id AS bigint))
+   AND (CAST(:destination AS text) IS NULL
+        OR EXISTS (SELECT 1 FROM stage_routed r WHERE r.source_id = i.id AND r.destination = CAST(:destination AS text)))
+   AND (CAST(:status AS text) IS NULL OR i.status = CAST(:status AS text)
+        OR EXISTS (SELECT 1 FROM stage_routed r WHERE r.source_id = i.id AND r.status = CAST(:status AS text))
+        OR EXISTS (SELECT 1 FROM stage_outbound o WHERE o.source_id = i.id AND o.status = CAST(:status AS text)))
+ ORDER BY i.id DESC
+ LIMIT CAST(:limit AS bigint)
+
+-- name: message_inbound
+SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error, i.lease_owner, b.payload
+  FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
+ WHERE i.id = :id
+
+-- name: message_routed
+SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
+       (extract(epoch FROM r.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM r.updated_at) * 1000)::bigint AS updated_ms, r.last_error, r.lease_owner
+  FROM stage_routed r
+ WHERE r.source_id = :id
+ ORDER BY r.id
+
+-- name: message_outbound
+SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
+       (extract(epoch FROM o.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM o.updated_at) * 1000)::bigint AS updated_ms, o.last_error, o.lease_owner, b.payload
+  FROM stage_outbound o LEFT JOIN outbound_bodies b ON b.id = o.id
+ WHERE o.source_id = :id
+ ORDER BY o.id
+
+-- name: message_trail
+-- Every audit event of a message, in order (replays and operator actions included).
+SELECT e.id, (extract(epoch FROM e.at) * 1000)::bigint AS at_ms, e.stage, e.row_id, e.destination, e.event, e.from_status, e.to_status,
+       e.epoch, e.node_id, e.attempt, e.detail
+  FROM message_events e
+ WHERE e.message_id = :message_id
+ ORDER BY e.id
+
+-- name: replay_inbound
+-- A replay from inbound is a new inbound row (a new id: behind what is queued in its lane) with the
+-- original's connection, lane, control id and charset; its body is copied next.
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+SELECT CAST(:new_message_id AS text), i.control_id, i.connection, i.lane_key, i.charset
+  FROM stage_inbound i
+ WHERE i.id = :id
+RETURNING id, message_id, control_id, attempts, status
+
+-- name: replay_inbound_body
+INSERT INTO inbound_bodies (id, payload)
+SELECT CAST(:new_id AS bigint), b.payload FROM inbound_bodies b WHERE b.id = :id
+
+-- name: requeue_rows
+-- Back to pending, attempts reset, for rows of {table} in one of :statuses (JSON list) among :ids.
+UPDATE {table}
+   SET status = 'pending', attempts = 0, next_attempt_at = NULL, lease_owner = NULL,
+       lease_expires_at = NULL, claim_epoch = NULL, updated_at = now()
+ WHERE id = ANY(CAST(:ids AS bigint[]))
+   AND status = ANY(CAST(:statuses AS text[]))
+RETURNING id, status
+
+-- name: dead_ids
+-- Dead rows of {table}, optionally of one destination and/or lane, oldest first (lane order).
+SELECT t.id FROM {table} t
+ WHERE t.status = 'dead'
+   AND (CAST(:destination AS text) IS NULL OR {dest} = CAST(:destination AS text))
+   AND (CAST(:lane_key AS text) IS NULL OR t.lane_key = CAST(:lane_key AS text))
+ ORDER BY t.id
+
+-- name: operator_events
+-- One audit event per row of {table} an operator moved (:ids): who (node_id 'operator:<actor>')
+-- and why (the detail).
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+SELECT CAST(:stage AS text), t.id, t.message_id, t.control_id, {dest}, CAST(:event AS text),
+       CAST(:from_status AS text), t.status, CAST(NULL AS bigint), CAST(:actor AS text), t.attempts,
+       CAST(:detail AS text)
+  FROM {table} t
+ WHERE t.id = ANY(CAST(:ids AS bigint[]))
+ ORDER BY t.id
+
+-- name: dead_letters
+-- Every dead letter (there are few; the caller groups them by stage, destination and reason).
+SELECT 'outbound' AS stage, destination, control_id, last_error AS reason, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+  FROM stage_outbound WHERE status = 'dead'
+UNION ALL
+SELECT 'routed' AS stage, destination, control_id, last_error AS reason, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+  FROM stage_routed WHERE status = 'dead'
+UNION ALL
+SELECT 'inbound' AS stage, NULL AS destination, control_id, last_error AS reason, (extract(epoch FROM updated_at) * 1000)::bigint AS updated_ms
+  FROM stage_inbound WHERE status = 'dead'
+
+-- name: stage_overview
+-- One stage at a glance: backlog (due or backing off), the oldest of it, in flight, dead, and what
+-- finished in the last :window_ms.
+SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
+       (extract(epoch FROM min(CASE WHEN status IN ('pending', 'error') THEN created_at END)) * 1000)::bigint AS oldest_ms,
+       count(CASE WHEN status = 'in_flight' THEN 1 END) AS in_flight,
+       count(CASE WHEN status = 'dead' THEN 1 END) AS dead,
+       count(CASE WHEN status = 'done' AND updated_at >= now() - CAST(:window_ms AS bigint) * interval '1 millisecond'
+                  THEN 1 END) AS finished_recently,
+       (extract(epoch FROM now()) * 1000)::bigint AS now_ms
+  FROM {table}

@@ -1,0 +1,118 @@
+-- What an operator does with messages (include/store/operator.py): find, show, replay, requeue,
+-- dead letters, the stages at a glance. Times come back as epoch milliseconds in every dialect.
+
+-- name: messages_find
+-- Inbound messages, newest first, each filter optional (NULL: any); a destination or status
+-- matches a message when any of its stages' rows has it. Paged by id (:before_id).
+SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts,
+       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error,
+       (SELECT count(*) FROM stage_routed r WHERE r.source_id = i.id) AS routed,
+       (SELECT count(*) FROM stage_outbound o WHERE o.source_id = i.id AND o.status = 'done') AS delivered,
+       (SELECT count(*) FROM stage_routed r WHERE r.source_id = i.id AND r.status = 'dead')
+         + (SELECT count(*) FROM stage_outbound o WHERE o.source_id = i.id AND o.status = 'dead') AS dead
+  FROM stage_inbound i
+ WHERE (:control_id IS NULL OR i.control_id = :control_id)
+   AND (:message_id IS NULL OR i.message_id = :message_id)
+   AND (:lane_key IS NULL OR i.lane_key = :lane_key)
+   AND (:connection IS NULL OR i.connection = :connection)
+   AND (:since_ms IS NULL OR i.created_at >= :since_ms)
+   AND (:until_ms IS NULL OR i.created_at < :until_ms)
+   AND (:before_id IS NULL OR i.id < :before_id)
+   AND (:destination IS NULL
+        OR EXISTS (SELECT 1 FROM stage_routed r WHERE r.source_id = i.id AND r.destination = :destination))
+   AND (:status IS NULL OR i.status = :status
+        OR EXISTS (SELECT 1 FROM stage_routed r WHERE r.source_id = i.id AND r.status = :status)
+        OR EXISTS (SELECT 1 FROM stage_outbound o WHERE o.source_id = i.id AND o.status = :status))
+ ORDER BY i.id DESC
+ LIMIT :limit
+
+-- name: message_inbound
+SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
+       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error, i.lease_owner, b.payload
+  FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
+ WHERE i.id = :id
+
+-- name: message_routed
+SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
+       r.created_at AS created_ms, r.updated_at AS updated_ms, r.last_error, r.lease_owner
+  FROM stage_routed r
+ WHERE r.source_id = :id
+ ORDER BY r.id
+
+-- name: message_outbound
+SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
+       o.created_at AS created_ms, o.updated_at AS updated_ms, o.last_error, o.lease_owner, b.payload
+  FROM stage_outbound o LEFT JOIN outbound_bodies b ON b.id = o.id
+ WHERE o.source_id = :id
+ ORDER BY o.id
+
+-- name: message_trail
+-- Every audit event of a message, in order (replays and operator actions included).
+SELECT e.id, e.at AS at_ms, e.stage, e.row_id, e.destination, e.event, e.from_status, e.to_status,
+       e.epoch, e.node_id, e.attempt, e.detail
+  FROM message_events e
+ WHERE e.message_id = :message_id
+ ORDER BY e.id
+
+-- name: replay_inbound
+-- A replay from inbound is a new inbound row (a new id: behind what is queued in its lane) with the
+-- original's connection, lane, control id and charset; its body is copied next.
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+SELECT :new_message_id, i.control_id, i.connection, i.lane_key, i.charset
+  FROM stage_inbound i
+ WHERE i.id = :id
+RETURNING id, message_id, control_id, attempts, status
+
+-- name: replay_inbound_body
+INSERT INTO inbound_bodies (id, payload)
+SELECT :new_id, b.payload FROM inbound_bodies b WHERE b.id = :id
+
+-- name: requeue_rows
+-- Back to pending, attempts reset, for rows of {table} in one of :statuses (JSON list) among :ids.
+UPDATE {table}
+   SET status = 'pending', attempts = 0, next_attempt_at = NULL, lease_owner = NULL,
+       lease_expires_at = NULL, claim_epoch = NULL, updated_at = {now}
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND status IN (SELECT value FROM json_each(:statuses))
+RETURNING id, status
+
+-- name: dead_ids
+-- Dead rows of {table}, optionally of one destination and/or lane, oldest first (lane order).
+SELECT t.id FROM {table} t
+ WHERE t.status = 'dead'
+   AND (:destination IS NULL OR {dest} = :destination)
+   AND (:lane_key IS NULL OR t.lane_key = :lane_key)
+ ORDER BY t.id
+
+-- name: operator_events
+-- One audit event per row of {table} an operator moved (:ids): who (node_id 'operator:<actor>')
+-- and why (the detail).
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t.status,
+       NULL, :actor, t.attempts, :detail
+  FROM {table} t
+ WHERE t.id IN (SELECT value FROM json_each(:ids))
+ ORDER BY t.id
+
+-- name: dead_letters
+-- Every dead letter (there are few; the caller groups them by stage, destination and reason).
+SELECT 'outbound' AS stage, destination, control_id, last_error AS reason, updated_at AS updated_ms
+  FROM stage_outbound WHERE status = 'dead'
+UNION ALL
+SELECT 'routed' AS stage, destination, control_id, last_error AS reason, updated_at AS updated_ms
+  FROM stage_routed WHERE status = 'dead'
+UNION ALL
+SELECT 'inbound' AS stage, NULL AS destination, control_id, last_error AS reason, updated_at AS updated_ms
+  FROM stage_inbound WHERE status = 'dead'
+
+-- name: stage_overview
+-- One stage at a glance: backlog (due or backing off), the oldest of it, in flight, dead, and what
+-- finished in the last :window_ms.
+SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
+       min(CASE WHEN status IN ('pending', 'error') THEN created_at END) AS oldest_ms,
+       count(CASE WHEN status = 'in_flight' THEN 1 END) AS in_flight,
+       count(CASE WHEN status = 'dead' THEN 1 END) AS dead,
+       count(CASE WHEN status = 'done' AND updated_at >= {now} - :window_ms THEN 1 END) AS finished_recently,
+       {now} AS now_ms
+  FROM {table}
