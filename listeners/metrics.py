@@ -35,5 +35,25 @@ class Metrics:
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
 
+        self.stage_backlog = Gauge("stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)",
+                                   ["stage"], registry=r)
+        self.stage_oldest = Gauge("stageline_stage_oldest_pending_seconds",
+                                  "Age of the oldest row due or backing off, per stage (0: none)", ["stage"], registry=r)
+        self.stage_in_flight = Gauge("stageline_stage_in_flight", "Rows claimed by a stage task, per stage",
+                                     ["stage"], registry=r)
+        self.stage_dead = Gauge("stageline_stage_dead_letters", "Dead letters, per stage", ["stage"], registry=r)
+
+    def set_stages(self, overview: dict[str, dict]) -> None:
+        """Publish `include.store.operator.stages` (only the leader does; a standby clears them)."""
+        for stage, s in overview.items():
+            self.stage_backlog.labels(stage).set(s["backlog"])
+            self.stage_oldest.labels(stage).set(s["oldest_pending_seconds"] or 0)
+            self.stage_in_flight.labels(stage).set(s["in_flight"])
+            self.stage_dead.labels(stage).set(s["dead"])
+
+    def clear_stages(self) -> None:
+        for gauge in (self.stage_backlog, self.stage_oldest, self.stage_in_flight, self.stage_dead):
+            gauge.clear()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

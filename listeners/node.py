@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -25,6 +26,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
 from include.config import ServiceConfig
+from include.store import operator
 from include.store.membership import NodeIdentity, cluster_nodes, single_node_nodes
 from listeners.api import ApiAuth, ApiSettings, make_api
 from listeners.cluster import Beat, HeartbeatService, LeaseService, StoreService
@@ -39,6 +41,8 @@ from listeners.state import NodeState
 __all__ = ["ListenerNode", "SequentialMultiService"]
 
 _log = Logger(namespace="stageline.node")
+STAGE_GAUGE_SECONDS = 5.0
+"""At most this often (and at most once a heartbeat) the leader reads the stages for its gauges."""
 
 
 class SequentialMultiService(MultiService):
@@ -72,6 +76,7 @@ class ListenerNode(SequentialMultiService):
         self.metrics = Metrics()
         self.config_version = 0
         self.leader_config_hash: str | None = None
+        self._stages_gauged_at = float("-inf")
         self.bound_ports: dict[str, int] = {}  # inbound name -> bound port (useful with port 0)
         self.api_port: int | None = api_port  # overrides [api].port when given
 
@@ -127,10 +132,26 @@ class ListenerNode(SequentialMultiService):
                        "every node must run the same config", mine=self.listeners.config_hash, theirs=leader_hash)
         self.leader_config_hash = leader_hash
         self.metrics.config_mismatch.set(1 if mismatch else 0)
+        self._gauge_stages()
         if beat.config_version > self.config_version:
             _log.info("shared config version {v} > loaded {mine}: reloading the config dir", v=beat.config_version,
                       mine=self.config_version)
             self._reload(bump=False, version=beat.config_version)
+
+    def _gauge_stages(self) -> None:
+        """The leader publishes the stages' backlog, oldest age, in flight and dead letters on its
+        heartbeat, at most every STAGE_GAUGE_SECONDS (deploy/alerts.yml reads them; one scan of each
+        staged table's rows); a standby publishes none."""
+        if not self.lease.is_leader or self.stores.store is None:
+            self.metrics.clear_stages()
+            return
+        now = time.monotonic()
+        if now - self._stages_gauged_at < STAGE_GAUGE_SECONDS:
+            return
+        self._stages_gauged_at = now
+        d = threads.deferToThread(operator.stages, self.stores.store)
+        d.addCallbacks(self.metrics.set_stages,
+                       lambda f: _log.warn("stage gauges not read: {err}", err=type(f.value).__name__))
 
     def reload(self) -> Deferred:
         """SIGHUP: reload the config dir here and bump the shared version so peers reload too."""

@@ -12,6 +12,8 @@ command -v java >/dev/null 2>&1                || missing+=(openjdk-17-jre-headl
 [ -f /usr/share/java/sqlite-jdbc.jar ]         || missing+=(libxerial-sqlite-jdbc-java)
 [ -f /usr/share/java/jtds.jar ]                || missing+=(libjtds-java)
 [ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/lab/cluster.py)
+command -v systemd-analyze >/dev/null 2>&1     || missing+=(systemd)   # `systemd-analyze verify` of deploy/systemd/
+[ -x /usr/bin/promtool ]                       || missing+=(prometheus) # `promtool` checks deploy/alerts.yml
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages: ${missing[*]}" >&2
@@ -21,7 +23,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  # Only promtool is wanted from the prometheus package: keep its server (and any other service a
+  # package would start) from starting, unless the machine already has a policy of its own.
+  policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    policy=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy"
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [ -n "$policy" ]; then rm -f "$policy"; trap - EXIT; fi
 fi
 
 if ! command -v uv >/dev/null 2>&1; then
