@@ -260,6 +260,40 @@ cli.add_command(messages)
 cli.add_command(stages)
 
 
+@cli.group()
+def lab() -> None:
+    """A two-node cluster on this machine, from processes (to watch a failover locally)."""
+
+
+@lab.command("up")
+@click.option("--schedulers", default=2, show_default=True, help="Airflow schedulers (HA: one per node).")
+@click.option("--spark-workers", default=2, show_default=True, help="Spark standalone workers (0: local[*]).")
+@click.option("--keep", is_flag=True, help="Keep the lab's work dir (logs, data) after Ctrl-C.")
+def lab_up(schedulers: int, spark_workers: int, keep: bool) -> None:
+    """PostgreSQL, two listenerd nodes behind HAProxy (the VIP), Airflow on PostgreSQL with
+    SCHEDULERS schedulers, a Spark standalone cluster with Spark Connect, and a receiver that
+    records deliveries. Prints where everything is; Ctrl-C stops everything it started."""
+    import signal
+    import threading
+
+    from include.lab.cluster import Lab
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    the_lab = Lab(schedulers=schedulers, spark_workers=spark_workers, keep_workdir=keep, echo=click.echo)
+    try:
+        the_lab.start()
+        click.echo("\n" + the_lab.summary() + "\n\nsend: uv run stageline demo send --port "
+                   f"{the_lab.vip_port}   (the VIP)\nCtrl-C stops everything.")
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        click.echo("stopping the lab ...")
+        the_lab.stop()
+
+
 def main() -> None:
     cli(prog_name="stageline")
 

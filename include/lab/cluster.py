@@ -95,6 +95,10 @@ class Lab:
     haproxy: bool = True
     echo: Callable[[str], None] = print
     keep_workdir: bool = False
+    schedulers: int = 1
+    """Airflow schedulers on the shared metadata DB: 2 = one per node (Airflow's HA schedulers)."""
+    spark_workers: int = 0
+    """0: Spark Connect on local[*]; n: on a Spark standalone master with n workers (separate processes)."""
     restart_policy: bool = True
     """Restart an exited Airflow component, the recorder or HAProxy, as compose's
     `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
@@ -107,6 +111,7 @@ class Lab:
         self.nodes: dict[str, Node] = {}
         self.stack = Stack(self.workdir / "log", cwd=ROOT, echo=self.echo)
         self.spark = None  # include.spark.ConnectServer
+        self.spark_cluster = None  # include.lab.spark_cluster.SparkCluster, with spark_workers
         self.vip_port = free_port()
         self.receiver_port = free_port()
         self.spark_port = free_port()
@@ -190,6 +195,10 @@ class Lab:
             lines.append(f"PostgreSQL          {self.pg.conninfo('stageline')} (and dbname=airflow)")
         if self.airflow:
             lines.append(f"Airflow UI          http://127.0.0.1:{self.airflow_port}  (admin / admin)")
+        if self.schedulers > 1:
+            lines.append(f"Airflow schedulers  {self.schedulers} on the shared PostgreSQL metadata DB (HA)")
+        if self.spark_cluster is not None:
+            lines.append(f"Spark master        {self.spark_cluster.master_url} with {self.spark_workers} worker(s)")
         lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}",
                   f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
                   f"logs                {self.workdir / 'log'}"]
@@ -296,6 +305,8 @@ class Lab:
             from include.spark import stop_connect_server
 
             stop_connect_server(self.spark, timeout=10)
+        if self.spark_cluster is not None:
+            self.spark_cluster.stop()
         if self.pg is not None:
             self.pg.stop()
             self.pg = None
@@ -380,7 +391,16 @@ class Lab:
         from include.spark import start_connect_server
 
         wait_for(lambda: not port_open(self.spark_port), timeout=30, what="the old Spark Connect port to close")
-        self.spark = start_connect_server(self.spark_port, log_dir=self.workdir / "log" / "spark-connect")
+        master = "local[*]"
+        if self.spark_workers:
+            if self.spark_cluster is None:
+                from include.lab.spark_cluster import SparkCluster
+
+                self.spark_cluster = SparkCluster(self.workdir / "log" / "spark-cluster", workers=self.spark_workers,
+                                                  cores=1, memory="1g").start()
+            master = self.spark_cluster.master_url
+        self.spark = start_connect_server(self.spark_port, log_dir=self.workdir / "log" / "spark-connect",
+                                          master=master)
 
     def restart_postgres(self) -> None:
         """`pg_ctl restart -m fast`: every connection is dropped; the server is back in about a second."""
@@ -521,3 +541,6 @@ backend mllp_leader
         for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
             self.stack.start(Proc(name, self._airflow(name.removeprefix("airflow-")), env=env, ready_timeout=180,
                                   ready=api_ok if name == "airflow-api-server" else (lambda: True)))
+        for n in range(2, self.schedulers + 1):  # HA schedulers: each its own task log server port
+            self.stack.start(Proc(f"airflow-scheduler-{n}", self._airflow("scheduler"),
+                                  env={**env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}))
