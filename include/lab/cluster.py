@@ -505,6 +505,12 @@ backend mllp_leader
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.airflow_port}/execution/",
             "AIRFLOW__API__PORT": str(self.airflow_port),
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+            # A scheduler that dies with its node: the others adopt or reset its running tasks
+            # within seconds, not Airflow's default five minutes (docs/deployment.md).
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
+            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
