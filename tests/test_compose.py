@@ -33,6 +33,7 @@ import pytest
 import yaml
 from stageline_airflow import tasks
 
+from include.lab.spark_cluster import SparkCluster
 from include import config as cfgmod
 from include import stage_config
 from include import spark as spark_consts
@@ -47,9 +48,11 @@ HAPROXY_CFG = DEPLOY / "haproxy.cfg"
 INIT_SCRIPT = DEPLOY / "postgres-init.sh"
 APP = "/app"  # where the Dockerfile puts the repo
 
-STAGELINE_SERVICES = ("stageline-migrate", "spark-connect", "airflow-api-server", "airflow-scheduler",
-                      "airflow-dag-processor", "airflow-triggerer", "listenerd-a", "listenerd-b")
-AIRFLOW_SERVICES = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer")
+SPARK_CLUSTER = ("spark-master", "spark-worker-a", "spark-worker-b")
+STAGELINE_SERVICES = ("stageline-migrate", "spark-connect", *SPARK_CLUSTER, "airflow-api-server", "airflow-scheduler",
+                      "airflow-scheduler-b", "airflow-dag-processor", "airflow-triggerer", "listenerd-a", "listenerd-b")
+AIRFLOW_SERVICES = ("airflow-api-server", "airflow-scheduler", "airflow-scheduler-b", "airflow-dag-processor",
+                    "airflow-triggerer")
 LISTENERD = ("listenerd-a", "listenerd-b")
 STORE_USERS = ("stageline-migrate", *AIRFLOW_SERVICES, *LISTENERD)  # every process that opens the store
 
@@ -326,7 +329,7 @@ def test_file_deliveries_land_on_a_volume_the_task_and_the_spark_workers_share(s
     """A file destination's directory is resolved in the task (scheduler) and written by Spark's
     workers (spark-connect), unless deliveries run in the task process: it must be one volume,
     mounted at the same place in both, and exist there (a file destination never creates it)."""
-    scheduler, spark = services["airflow-scheduler"], services["spark-connect"]
+    scheduler = services["airflow-scheduler"]
     assert not env_of(scheduler).get(tasks.DELIVER_IN_PROCESS_ENV), "deliveries are expected to run in Spark"
     dockerfile = DOCKERFILE.read_text()
     files = [d for d in cluster_pipeline.destinations.values() if d.kind == "file"]
@@ -340,8 +343,9 @@ def test_file_deliveries_land_on_a_volume_the_task_and_the_spark_workers_share(s
             return None
 
         shared = volume_for(scheduler)
-        assert shared is not None and shared == volume_for(spark), \
-            f"{dest.name}: {dest.directory} is not on one volume mounted in the scheduler and spark-connect"
+        for name in ("spark-connect", "airflow-scheduler-b", "spark-worker-a", "spark-worker-b"):
+            assert shared is not None and shared == volume_for(services[name]), \
+                f"{dest.name}: {dest.directory} is not on one volume mounted in the schedulers and {name}"
         assert re.search(rf"mkdir -p [^\n]*{re.escape(dest.directory)}\b", dockerfile), \
             f"{dest.name}: the image does not create {dest.directory}"
 
@@ -696,9 +700,13 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
     container_home = env_of(service)["SPARK_HOME"]
     home = str(Path(spark_consts.spark_home()))
     port = _free_port()
-    argv = [a.replace(container_home, home) for a in argv_of(service)]
+    # The compose file's standalone master, here: a master and a worker from include/lab/spark_cluster.py.
+    cluster = SparkCluster(tmp_path / "spark", workers=1, cores=1, memory="2g").start()  # executors take 1g
+    assert option(argv_of(service), "--master") == "spark://spark-master:7077"
+    argv = [a.replace(container_home, home).replace("spark://spark-master:7077", cluster.master_url)
+            for a in argv_of(service)]
     confs = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
-             "spark.sql.warehouse.dir": str(tmp_path / "warehouse")}
+             "spark.sql.warehouse.dir": str(tmp_path / "warehouse"), "spark.driver.host": "127.0.0.1"}
     argv = [f"{a.split('=', 1)[0]}={confs[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in confs else a for a in argv]
     log = tmp_path / "spark-connect.log"
     with open(log, "wb") as out:
@@ -739,6 +747,7 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait(10)
+        cluster.stop()
 
 
 @pytest.mark.postgres
