@@ -141,10 +141,44 @@ def postgres_restart(lab: Lab) -> tuple[float, float | None, str]:
     return t0, time.time() - t0, f"server back after {back:.1f} s"
 
 
+def spark_worker_kill(lab: Lab) -> tuple[float, float | None, str]:
+    """SIGKILL one Spark standalone worker mid-stream (with --spark-workers); it comes back 5 s later,
+    as a supervisor would restart it."""
+    cluster = lab.spark_cluster
+    if cluster is None:
+        raise RuntimeError("no Spark standalone cluster: run with --spark-workers 2")
+    worker = cluster.worker_processes[0]
+    t0 = time.time()
+    worker.kill()
+    time.sleep(5)
+    cluster.restart(worker)
+    return t0, None, f"{worker.name} killed, restarted after 5 s"
+
+
+def node_and_scheduler_kill(lab: Lab) -> tuple[float, float | None, str]:
+    """The leader's listenerd and an Airflow scheduler (with the tasks it runs) SIGKILLed at once:
+    a whole node lost (with --schedulers 2)."""
+    import psutil
+
+    procs = lab.processes()
+    scheduler = procs.get("airflow-scheduler")
+    if scheduler is not None:
+        root = psutil.Process(scheduler)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    return _leader_fault(lab, lambda node: lab.signal_node(node, signal.SIGKILL))
+
+
 FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
     "leader-sigkill": leader_sigkill, "leader-sigterm": leader_sigterm, "leader-db-cut": leader_db_cut,
     "task-sigkill": task_sigkill, "spark-restart": spark_restart, "postgres-restart": postgres_restart,
+    "spark-worker-kill": spark_worker_kill, "node-and-scheduler-kill": node_and_scheduler_kill,
 }
+DEFAULT_FAULTS = ("leader-sigkill", "leader-sigterm", "leader-db-cut", "task-sigkill", "spark-restart",
+                  "postgres-restart")
 
 
 def _restart_dead(lab: Lab) -> None:
@@ -222,7 +256,7 @@ def dead_letters(lab: Lab) -> int:
 
 def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> tuple[list[FaultResult], dict]:
     lab = Lab(timings=Timings(linger=args.linger), echo=lambda line: None if args.quiet else echo(line),
-              keep_workdir=args.keep)
+              keep_workdir=args.keep, schedulers=args.schedulers, spark_workers=args.spark_workers)
     results: list[FaultResult] = []
     summary: dict = {}
     stream: Stream | None = None
@@ -351,7 +385,10 @@ def table(results: list[FaultResult]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1, help="full runs, each on a fresh lab")
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, in order (of: {', '.join(FAULTS)})")
+    ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                    help=f"comma-separated, in order (of: {', '.join(FAULTS)})")
+    ap.add_argument("--schedulers", type=int, default=1, help="Airflow HA schedulers (2: one per node)")
+    ap.add_argument("--spark-workers", type=int, default=0, help="Spark standalone workers (0: local[*])")
     ap.add_argument("--rate", type=float, default=60.0, help="messages per second (all connections)")
     ap.add_argument("--lanes", type=int, default=20)
     ap.add_argument("--connections", type=int, default=4)

@@ -87,6 +87,20 @@ class SparkCluster:
             raise
         return self
 
+    def restart(self, worker: SparkProcess, timeout: float = 90.0) -> SparkProcess:
+        """Start a stopped or killed worker again (as a supervisor would), in its place in the list."""
+        def registrations() -> int:
+            return worker.log_path.read_text(errors="replace").count("Successfully registered with master")
+
+        before = registrations()
+        again = self._spawn(worker.name, "org.apache.spark.deploy.worker.Worker", "--host", self.host,
+                            "--cores", str(self.cores), "--memory", self.memory, "--work-dir", str(worker.work_dir),
+                            "--webui-port", str(free_port()), self.master_url)
+        again.work_dir = worker.work_dir
+        self.processes[self.processes.index(worker)] = again
+        self._wait(lambda: registrations() > before, timeout, f"Spark {worker.name} to register again")
+        return again
+
     @property
     def worker_processes(self) -> list[SparkProcess]:
         return [p for p in self.processes if p.name.startswith("worker")]
