@@ -19,12 +19,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from twisted.internet import defer
+from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from include.store import operator
 from listeners.connections import ConnectionConfigError, TLSConfig, check_bind
 from listeners.guard import guard_channels
 from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -48,6 +49,8 @@ class ApiConfigError(ConnectionConfigError):
 class Permission(StrEnum):
     """What a request may do; one member per permission an endpoint checks."""
     MONITORING_READ = "monitoring:read"  # cluster posture, nodes, metrics: no PHI
+    MESSAGES_READ = "messages:read"      # find / show messages (bodies: PHI), dead letters, stages
+    MESSAGES_WRITE = "messages:write"    # replay, requeue (audit events name the token)
 
 
 class Role(StrEnum):
@@ -56,10 +59,12 @@ class Role(StrEnum):
     ADMIN = "admin"
 
 
-# Monitoring is all an endpoint guards today, and every role may read it. Roles stay in the token
-# config (checked at load) so a later permission can go to some roles and not others.
-ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType(
-    {role: frozenset({Permission.MONITORING_READ}) for role in Role})
+# Every role reads monitoring and messages; replay and requeue are for operators and admins.
+ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType({
+    Role.VIEWER: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ}),
+    Role.OPERATOR: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_WRITE}),
+    Role.ADMIN: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_WRITE}),
+})
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,16 @@ class ApiAuth:
                 raise ApiConfigError(f"{where}: the same token as {clash}")
             tokens.append((digest, role, where))
         return cls(tokens, role_permissions=role_permissions)
+
+    def label_for(self, authorization: bytes | None) -> str:
+        """Who a request is, for the audit trail: its token entry's label (never the token)."""
+        token = (authorization or b"").strip().partition(b" ")[2].strip()
+        presented = self.digest(token)
+        found = "unknown"
+        for stored in self._tokens:
+            if hmac.compare_digest(presented, stored.digest):
+                found = stored.label
+        return found
 
     def role_for(self, token: bytes) -> Role | None:
         """The role of `token`, or None; every stored digest is compared, so timing says nothing."""
@@ -270,6 +285,9 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     root.putChild(b"health", _Endpoint(health))
     root.putChild(b"cluster", cluster)
     root.putChild(b"metrics", _Endpoint(metrics, auth=auth, permission=read))
+    root.putChild(b"messages", message_resources(state, auth))
+    root.putChild(b"stages", _Endpoint(lambda r: _deferred(r, lambda store: operator.stages(store), state),
+                                       auth=auth, permission=Permission.MESSAGES_READ))
     site = Site(root)
     site.displayTracebacks = False
     site.noisy = False
@@ -301,19 +319,21 @@ class _Directory(Resource):
 
 
 class _Endpoint(_Directory):
-    """One GET endpoint: 405 for other methods, then the permission check, then the handler."""
+    """One endpoint (GET unless `methods` says otherwise): 405 for other methods, then the
+    permission check, then the handler."""
 
     def __init__(self, handler: Callable[[Request], Any], *, auth: ApiAuth | None = None,
-                 permission: Permission | None = None) -> None:
+                 permission: Permission | None = None, methods: tuple[bytes, ...] = (b"GET", b"HEAD")) -> None:
         super().__init__()
         self._handler = handler
         self._auth = auth
         self._permission = permission
+        self._methods = methods
 
     def render(self, request: Request) -> Any:
         request.setHeader(b"cache-control", b"no-store")
-        if request.method not in (b"GET", b"HEAD"):
-            request.setHeader(b"allow", b"GET, HEAD")
+        if request.method not in self._methods:
+            request.setHeader(b"allow", b", ".join(self._methods))
             return _json(request, 405, {"error": "method not allowed"})
         if self._permission is not None:
             assert self._auth is not None
@@ -326,9 +346,112 @@ class _Endpoint(_Directory):
                                                       else "forbidden"})
         try:
             return self._handler(request)
+        except ValueError as exc:  # bad input the handler refused before any work
+            return _json(request, 400, {"error": str(exc)})
         except Exception:
             log.failure("api: {path} failed", path=request.path.decode("ascii", "replace"))
             return _json(request, 500, {"error": "internal error"})
+
+
+# --- /messages and /stages: the operator's operations (include/store/operator.py) ------------------
+
+def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
+    """GET /messages?control_id=…, GET /messages/dead, GET /messages/{ref}, POST /messages/{ref}/replay
+    {"from": "inbound"|"outbound", "reason": …}, POST /messages/requeue {"stage", "ids" | "destination"
+    | "lane", "reason"}. Reads need messages:read, replay/requeue messages:write; the audit events
+    name the token's entry. Nothing of a message is logged."""
+    read, write = Permission.MESSAGES_READ, Permission.MESSAGES_WRITE
+
+    def find(request: Request) -> Any:
+        args = {k.decode(): v[0].decode() for k, v in request.args.items() if v}
+        ints = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if k in args}
+        filters = operator.Filters(**{k: args.get(k) for k in ("control_id", "message_id", "lane_key", "connection",
+                                                                "destination", "status")}, **ints)
+        return _deferred(request, lambda store: {"messages": operator.find(store, filters)}, state)
+
+    def replay(ref: str) -> Callable[[Request], Any]:
+        def handler(request: Request) -> Any:
+            body = _body(request)
+            actor = auth.label_for(request.getHeader(b"authorization"))
+            return _deferred(request, lambda store: {"replayed": operator.replay(
+                store, [operator.resolve(store, ref)], source=str(body.get("from", "")), actor=f"api {actor}",
+                reason=_reason(body))}, state)
+        return handler
+
+    def requeue(request: Request) -> Any:
+        body = _body(request)
+        actor = auth.label_for(request.getHeader(b"authorization"))
+
+        def work(store: Any) -> dict:
+            table = operator.table_of(str(body.get("stage", "outbound")))
+            ids = [int(i) for i in body.get("ids", [])] or operator.dead_ids(
+                store, table, destination=body.get("destination"), lane_key=body.get("lane"))
+            if not ids and not (body.get("destination") or body.get("lane")):
+                raise ValueError("name the dead letters: ids, destination or lane")
+            return {"requeued": operator.requeue(store, table, ids, actor=f"api {actor}", reason=_reason(body))}
+        return _deferred(request, work, state)
+
+    class Messages(_Endpoint):
+        def getChild(self, path: bytes, request: Request) -> IResource:
+            if path == b"dead":
+                return _Endpoint(lambda r: _deferred(r, lambda s: {"dead_letters": operator.dead_letters(s)}, state),
+                                 auth=auth, permission=read)
+            if path == b"requeue":
+                return _Endpoint(requeue, auth=auth, permission=write, methods=(b"POST",))
+            ref = path.decode("utf-8", "replace")
+            one = _Endpoint(lambda r: _deferred(r, lambda s: operator.show(s, operator.resolve(s, ref)).__dict__, state),
+                            auth=auth, permission=read)
+            one.putChild(b"replay", _Endpoint(replay(ref), auth=auth, permission=write, methods=(b"POST",)))
+            return one
+
+    return Messages(find, auth=auth, permission=read)
+
+
+def _body(request: Request) -> dict[str, Any]:
+    try:
+        doc = json.loads(request.content.read() or b"{}")
+    except ValueError:
+        raise ValueError("the body must be a JSON object") from None
+    if not isinstance(doc, dict):
+        raise ValueError("the body must be a JSON object")
+    return doc
+
+
+def _reason(body: dict[str, Any]) -> str:
+    reason = body.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("give a reason (it goes into the audit trail)")
+    return reason
+
+
+def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) -> Any:
+    """Run `work(store)` off the reactor and answer its result as JSON: 400 for bad input, 404 for
+    an unknown message, 503 when the store cannot be read."""
+    gone: list[bool] = []
+    request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+    def answer(code: int, doc: Any) -> None:
+        if not gone:
+            request.write(_json(request, code, doc))
+            request.finish()
+
+    def failed(failure: Failure) -> None:
+        if failure.check(LookupError):
+            answer(404, {"error": str(failure.value)})
+        elif failure.check(ValueError):
+            answer(400, {"error": str(failure.value)})
+        else:
+            log.warn("api: {path}: {error}", path=request.path.decode("ascii", "replace"), error=failure.type.__name__)
+            answer(503, {"error": "store unavailable"})
+
+    def run() -> Any:
+        store = state.store()
+        if store is None:
+            raise RuntimeError("no store")
+        return work(store)
+
+    threads.deferToThread(run).addCallbacks(lambda doc: answer(200, doc), failed)
+    return NOT_DONE_YET
 
 
 def _peer(request: Request) -> str:

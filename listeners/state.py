@@ -19,6 +19,7 @@ class NodeState:
     is_leader: Callable[[], bool]
     config_version: Callable[[], int]
     nodes: Callable[[], Deferred]  # fires with the /cluster/nodes document
+    store: Callable[[], Any] = lambda: None  # the node's store (None before it opens), for /messages
 
     def status(self) -> dict[str, Any]:
         """The /cluster/status document."""
