@@ -129,6 +129,9 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                    f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
                    + (f"; {o['last_error']}" if o["last_error"] else ""))
         click.echo(_readable(o["payload"]))
+    for b in story.batches:
+        click.echo(f"  moved by {b['stage']} batch {b['owner']} ({b['dag_id']}, run {b['run_id']}, try "
+                   f"{b['try_number']}): {_when(b['started_ms'])} → {_when(b['finished_ms'])}, claimed {b['claimed']}")
     click.echo("  audit trail:")
     for e in story.trail:
         click.echo(f"    {_when(e['at_ms'])}  {e['stage']:<8} row {e['row_id']:<6} {e['event']:<10} "
@@ -211,21 +214,28 @@ def dead_cmd(service_config: str | None, as_json: bool) -> None:
 
 
 @click.command("stages")
+@click.option("--batches", "recent", type=int, default=0, help="Also the latest N micro-batches (stage_batches).")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def stages(service_config: str | None, as_json: bool) -> None:
+def stages(service_config: str | None, recent: int, as_json: bool) -> None:
     """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min)."""
     store = _store(service_config)
     try:
         overview = ops.stages(store)
+        batches = ops.recent_batches(store, limit=recent) if recent > 0 else []
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(overview, indent=2))
+        click.echo(json.dumps({**overview, **({"batches": batches} if recent > 0 else {})}, indent=2,
+                              default=_json_default))
         return
     click.echo(f"{'stage':<10}{'backlog':>9}{'oldest s':>10}{'in flight':>11}{'dead':>7}{'done/min':>10}")
     for stage, s in overview.items():
         oldest = "-" if s["oldest_pending_seconds"] is None else f"{s['oldest_pending_seconds']:.1f}"
         click.echo(f"{stage:<10}{s['backlog']:>9}{oldest:>10}{s['in_flight']:>11}{s['dead']:>7}"
                    f"{s['finished_per_minute']:>10}")
+    for b in batches:
+        seconds = (int(b["finished_ms"]) - int(b["started_ms"])) / 1000
+        click.echo(f"  {_when(b['finished_ms'])}  {b['stage']:<10} {seconds:6.2f} s  claimed {b['claimed']:>6}  "
+                   f"{b['dag_id']} {b['run_id']} try {b['try_number']}  {b['counts']}")
 

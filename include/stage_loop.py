@@ -115,7 +115,7 @@ def follow_seconds(config: ServiceConfig) -> float:
 def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,
               config: ServiceConfig, store: Any, keeper: Keeper, clock: Callable[[], float] = time.monotonic,
               follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None,
-              session: Session | None = None) -> dict[str, Any]:
+              session: Session | None = None, history: Callable[..., None] | None = None) -> dict[str, Any]:
     """Run `job(batch)` again and again in this one task, following leadership (module docstring).
 
     `config` and `store` are the task's (opened once per task by the caller, in Airflow
@@ -126,7 +126,9 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     handled like the keeper's signal. A failed batch (its rows already handed back by the job) is
     retried after a pause; MAX_CONSECUTIVE_FAILURES in a row fail the task (Airflow's retry starts a
     fresh one). A lost Spark Connect session (its server killed or restarted) is renewed in place
-    once the server answers again (`session.renew()`); one that cannot be renewed fails the task. Returns counts summed over batches (the
+    once the server answers again (`session.renew()`); one that cannot be renewed fails the task.
+    Each batch that claimed rows is handed to `history` (stage, owner, run_id, epoch, seconds,
+    counts): `stage_batches`, so a long task's batches can be seen one by one. Returns counts summed over batches (the
     XCom), the epochs worked under, and why the task stopped early if it did.
     """
     from include.store.stages import StaleEpoch
@@ -147,6 +149,7 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 n += 1
                 job_run_id = f"{run_id}#{try_number}.{n}"
                 watch.owner = claim_owner(dag_id, job_run_id)
+                batch_started = clock()
                 try:
                     outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping,
                                         session.spark if session is not None else None))
@@ -175,10 +178,17 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                     watch.wait(FAILURE_PAUSE_SECONDS)
                     continue
                 finally:
-                    watch.owner = None
+                    owner, watch.owner = watch.owner, None
                 failures = 0
                 counts = _summary(outcome)
                 if counts.get("claimed"):
+                    if history is not None:
+                        try:
+                            history(stage=stage, owner=owner, run_id=job_run_id, epoch=epoch,
+                                    seconds=clock() - batch_started, counts=counts)
+                        except Exception as exc:  # noqa: BLE001 - history must not fail the stage
+                            log.warning("%s run %s: batch history not written: %s", stage, job_run_id,
+                                        type(exc).__name__)
                     totals["batches"] += 1
                     for key, value in counts.items():
                         if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":

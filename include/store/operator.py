@@ -18,6 +18,7 @@ stage task claims; the rows it creates are claimed like any other, under the cla
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ class Story:
     routed: list[dict[str, Any]] = field(default_factory=list)
     outbound: list[dict[str, Any]] = field(default_factory=list)
     trail: list[dict[str, Any]] = field(default_factory=list)
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    """The micro-batches (stage_batches) that wrote its events: which Airflow DAG run and try moved it."""
 
 
 def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
@@ -87,9 +90,13 @@ def show(store: Store, inbound_id: int) -> Story:
         inbound = tx.one("message_inbound", {"id": inbound_id})
         if inbound is None:
             raise LookupError(f"no inbound row {inbound_id}")
-        return Story(inbound, tx.all("message_routed", {"id": inbound_id}),
-                     tx.all("message_outbound", {"id": inbound_id}),
-                     tx.all("message_trail", {"message_id": inbound["message_id"]}))
+        story = Story(inbound, tx.all("message_routed", {"id": inbound_id}),
+                      tx.all("message_outbound", {"id": inbound_id}),
+                      tx.all("message_trail", {"message_id": inbound["message_id"]}))
+        owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
+        if owners:
+            story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})
+        return story
 
 
 def replay(store: Store, inbound_ids: list[int], *, source: str, actor: str, reason: str) -> list[int]:
@@ -173,6 +180,21 @@ def stages(store: Store, *, window_seconds: float = 300.0) -> dict[str, dict[str
                 "in_flight": int(row.get("in_flight") or 0), "dead": int(row.get("dead") or 0),
                 "finished_per_minute": round(int(row.get("finished_recently") or 0) * 60 / window_seconds, 1)}
     return out
+
+
+def record_batch(store: Store, *, stage: str, owner: str, dag_id: str, run_id: str, try_number: int,
+                 epoch: int | None, seconds: float, counts: dict[str, Any]) -> None:
+    """One micro-batch that claimed rows, into `stage_batches` (the Airflow UI shows one long task)."""
+    with store.transaction() as tx:
+        tx.execute("batch_record", {"stage": stage, "owner": owner, "dag_id": dag_id, "run_id": run_id,
+                                    "try_number": int(try_number), "epoch": epoch,
+                                    "duration_ms": int(seconds * 1000), "claimed": int(counts.get("claimed") or 0),
+                                    "counts": json.dumps(counts, default=str)[:2000]})
+
+
+def recent_batches(store: Store, *, stage: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    with store.transaction(write=False) as tx:
+        return tx.all("batches_recent", {"stage": stage, "limit": limit})
 
 
 def table_of(stage: str) -> StagedTable:

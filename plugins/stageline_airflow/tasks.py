@@ -158,9 +158,12 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
     """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
     `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place)."""
     from include.spark import StageSession
+    from include.store import operator
 
     kwargs.setdefault("session", StageSession.of(spark))
     with StagelineStoreHook() as hook:
+        kwargs.setdefault("history", lambda **batch: operator.record_batch(
+            hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch))
         return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
                                     config=hook.config, store=hook.get_conn(),
                                     keeper=lambda config, store, term_epoch: claim_keeper(

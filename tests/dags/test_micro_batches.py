@@ -260,3 +260,24 @@ def test_after_a_leadership_change_the_task_carries_on_under_the_new_epoch_with_
     assert result["_batch_epochs"][:2] == [7, 7] and set(result["_batch_epochs"][2:]) == {8}
     assert len(keeper.recovered) == 2  # each term re-checks for abandoned claims
     assert result["stale_epoch"] is False and result["batches"] == 5
+
+
+def test_each_batch_that_claimed_is_handed_to_the_history_with_its_owner_and_duration(monkeypatch):
+    monkeypatch.setenv(stage_loop.LINGER_ENV, "0")
+    clock, recorded = Clock(), []
+    n = [0]
+
+    def job(batch: stage_loop.Batch):
+        n[0] += 1
+        clock.now += 0.25  # the batch's own time
+        return Outcome(claimed=(1, 2), done=(1, 2)) if n[0] == 1 else Outcome()
+
+    def history(**batch):
+        recorded.append(batch)
+        raise RuntimeError("the history table is gone")  # must not fail the stage
+
+    result = stage_loop.run_stage("route", "stage_route", "run1", 2, 7, job, config=None, store="store",
+                                  clock=clock, keeper=FakeKeeper(clock), history=history)
+    assert result["claimed"] == 2
+    assert [(b["stage"], b["owner"], b["run_id"], b["epoch"], b["seconds"], b["counts"]["claimed"])
+            for b in recorded] == [("route", "airflow:stage_route:run1#2.0", "run1#2.0", 7, 0.25, 2)]

@@ -84,7 +84,14 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
                                                                                      ("lab", "dead")]
         assert [e["event"] for e in story["trail"] if e["destination"] == "lab" and e["stage"] == "outbound"] == [
             "transformed", "attempt_failed", "attempt_failed"]
+        # which Airflow runs moved it: one batch per stage that touched it, linked by the claim owner
+        assert {b["stage"] for b in story["batches"]} == {"route", "transform", "deliver"}
+        assert {b["dag_id"] for b in story["batches"]} == {"stage_route", "stage_transform", "stage_deliver"}
+        assert all(b["claimed"] > 0 and b["finished_ms"] >= b["started_ms"] for b in story["batches"])
+        recent = as_json(svc, "stages", "--batches", "5")["batches"]
+        assert recent and recent[0]["id"] > recent[-1]["id"]
         text = stageline(svc, "messages", "show", nak_orus[0])
+        assert "moved by route batch airflow:stage_route:" in text
         assert "\n    PID|1||PNAK^^^HOSP^MR||" in text  # readable HL7, one segment a line
         assert as_json(svc, "stages")["outbound"]["dead"] == len(nak_orus)
 

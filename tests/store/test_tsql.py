@@ -68,6 +68,8 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "destination": "ehr", "since_ms": 1_700_000_000_000, "until_ms": 1_800_000_000_000, "before_id": 900,
     "id": 42, "new_id": 43, "new_message_id": "m-42~replay-1", "statuses": json.dumps(["dead"]),
     "actor": "operator:jdoe", "detail": "receiver fixed; ticket INC-7", "window_ms": 300_000,
+    "dag_id": "stage_route", "try_number": 1, "duration_ms": 270, "claimed": 40,
+    "counts": json.dumps({"routed": 80}), "owners": json.dumps(["airflow:stage_route:r1#1.0"]),
 }
 
 

@@ -118,3 +118,30 @@ SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
                   THEN 1 END) AS finished_recently,
        (extract(epoch FROM now()) * 1000)::bigint AS now_ms
   FROM {table}
+
+-- name: batch_record
+-- One micro-batch that claimed rows (include/store/operator.py record_batch).
+INSERT INTO stage_batches (stage, owner, dag_id, run_id, try_number, epoch, started_at, claimed, counts)
+VALUES (CAST(:stage AS text), CAST(:owner AS text), CAST(:dag_id AS text), CAST(:run_id AS text),
+        CAST(:try_number AS integer), CAST(:epoch AS bigint),
+        now() - CAST(:duration_ms AS bigint) * interval '1 millisecond', CAST(:claimed AS integer),
+        CAST(:counts AS text))
+
+-- name: batches_by_owner
+-- The batches that wrote a message's events (:owners: the trail's node_ids).
+SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch,
+       (extract(epoch FROM b.started_at) * 1000)::bigint AS started_ms,
+       (extract(epoch FROM b.finished_at) * 1000)::bigint AS finished_ms, b.claimed, b.counts
+  FROM stage_batches b
+ WHERE b.owner = ANY(CAST(:owners AS text[]))
+ ORDER BY b.id
+
+-- name: batches_recent
+-- The latest micro-batches, newest first (optionally of one stage).
+SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch,
+       (extract(epoch FROM b.started_at) * 1000)::bigint AS started_ms,
+       (extract(epoch FROM b.finished_at) * 1000)::bigint AS finished_ms, b.claimed, b.counts
+  FROM stage_batches b
+ WHERE (CAST(:stage AS text) IS NULL OR b.stage = CAST(:stage AS text))
+ ORDER BY b.id DESC
+ LIMIT CAST(:limit AS bigint)

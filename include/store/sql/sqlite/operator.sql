@@ -116,3 +116,25 @@ SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
        count(CASE WHEN status = 'done' AND updated_at >= {now} - :window_ms THEN 1 END) AS finished_recently,
        {now} AS now_ms
   FROM {table}
+
+-- name: batch_record
+-- One micro-batch that claimed rows (include/store/operator.py record_batch).
+INSERT INTO stage_batches (stage, owner, dag_id, run_id, try_number, epoch, started_at, claimed, counts)
+VALUES (:stage, :owner, :dag_id, :run_id, :try_number, :epoch, {now} - :duration_ms, :claimed, :counts)
+
+-- name: batches_by_owner
+-- The batches that wrote a message's events (:owners: the trail's node_ids, a JSON list).
+SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch, b.started_at AS started_ms,
+       b.finished_at AS finished_ms, b.claimed, b.counts
+  FROM stage_batches b
+ WHERE b.owner IN (SELECT value FROM json_each(:owners))
+ ORDER BY b.id
+
+-- name: batches_recent
+-- The latest micro-batches, newest first (optionally of one stage).
+SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch, b.started_at AS started_ms,
+       b.finished_at AS finished_ms, b.claimed, b.counts
+  FROM stage_batches b
+ WHERE (:stage IS NULL OR b.stage = :stage)
+ ORDER BY b.id DESC
+ LIMIT :limit

@@ -129,3 +129,28 @@ SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
                   THEN 1 END) AS finished_recently,
        DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME()) AS now_ms
   FROM {table}
+
+-- name: batch_record
+-- One micro-batch that claimed rows (include/store/operator.py record_batch).
+INSERT INTO stage_batches (stage, owner, dag_id, run_id, try_number, epoch, started_at, claimed, counts)
+VALUES (:stage, :owner, :dag_id, :run_id, :try_number, :epoch,
+        DATEADD(millisecond, 0 - CAST(:duration_ms AS int), SYSUTCDATETIME()), :claimed, :counts)
+
+-- name: batches_by_owner
+-- The batches that wrote a message's events (:owners: the trail's node_ids, a JSON list).
+SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.started_at) AS started_ms,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.finished_at) AS finished_ms, b.claimed, b.counts
+  FROM stage_batches AS b
+ WHERE b.owner IN (SELECT CAST(value AS nvarchar(400)) FROM OPENJSON(:owners))
+ ORDER BY b.id
+
+-- name: batches_recent
+-- The latest micro-batches, newest first (optionally of one stage).
+SELECT TOP (CAST(:limit AS int))
+       b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.started_at) AS started_ms,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.finished_at) AS finished_ms, b.claimed, b.counts
+  FROM stage_batches AS b
+ WHERE (:stage IS NULL OR b.stage = :stage)
+ ORDER BY b.id DESC
