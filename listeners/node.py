@@ -41,6 +41,9 @@ from listeners.state import NodeState
 __all__ = ["ListenerNode", "SequentialMultiService"]
 
 _log = Logger(namespace="stageline.node")
+API_LIMITS = PeerLimits(connect_rate_per_peer=200.0)
+"""The control plane's peer limits: monitoring and scripts poll it from one address, often with a
+new connection per request, so its connect rate is ten times an inbound listener's."""
 STAGE_GAUGE_SECONDS = 5.0
 """At most this often (and at most once a heartbeat) the leader reads the stages for its gauges."""
 
@@ -100,7 +103,7 @@ class ListenerNode(SequentialMultiService):
                                nodes=self._nodes_doc, store=lambda: self.stores.store)
         self.api = ListeningService("api", api_settings.host, api_port or api_settings.port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
-                                    on_bound=self._api_bound, guard=wiring.guard("api", PeerLimits()))
+                                    on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))
         for svc in (self.api, self.stores, self.lease, self.ingest, self.heartbeat, self.gate):
             svc.setServiceParent(self)
 
