@@ -172,7 +172,15 @@ def parse_header(
     opening = data[start + 3 : start + 11]
     enc_chars = _OPENINGS.get(opening)
     if enc_chars is None:
-        enc_chars = _encoding_characters(data, start, fs_byte)
+        try:
+            enc_chars = _encoding_characters(data, start, fs_byte)
+        except HL7HeaderError as exc:  # a bad MSH-2 still leaves MSH-10 readable: name the message
+            end = _segment_end(data, start)
+            seg = data[start:] if end < 0 else data[start:end]
+            if end < 0 and not complete:  # a field cut off by the truncation is not a control id
+                seg = seg[: seg.rfind(fs_byte)]
+            exc.control_id = _ascii_control_id(seg.split(bytes([fs_byte])))
+            raise
         if len(_OPENINGS) < _MAX_CACHED:
             _OPENINGS[opening] = enc_chars
     fs = chr(fs_byte)

@@ -175,6 +175,12 @@ def test_a_rejected_header_still_names_an_ascii_msh10_but_never_a_non_ascii_one(
     assert error(b"MSH|^~\\&|A|B|C|D|||ADT^A01|CTRL-7|P|2.5||||||KLINGON\r").control_id == "CTRL-7"
     assert error(b"MSH|^~\\&|A|B|C|D|||ADT^A01|C\xfc1|P|2.5||||||UNICODE UTF-8\r").control_id == ""
     assert error(b"PID|1\r").control_id == ""  # no header at all
+    # a malformed MSH-2 (too short, too long, repeated, not punctuation) leaves MSH-10 readable
+    for opening in (b"^~\\", b"^~\\&#@", b"^^\\&", b"^~\\A"):
+        assert error(b"MSH|" + opening + b"|A|B|C|D|||ADT^A01|CTRL-8|P|2.5\r").control_id == "CTRL-8"
+        assert error(b"MSH|" + opening + b"|A|B|C|D|||ADT^A01|CTRL-8|P|2.5\r",
+                     ).reason in (HeaderErrorReason.BAD_ENCODING_CHARACTERS,
+                                  HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS)
 
 
 def test_latin1_message_decodes_with_its_declared_charset() -> None:
