@@ -140,7 +140,8 @@ BAD_INPUT = [
     ("valid", mllp(adt("V1")), [("AA", "V1")]),
     ("no MSH segment", mllp("PID|1||X\r"), [("AR", "")]),
     ("empty frame", mllp(b""), [("AR", "")]),
-    ("duplicate encoding characters", mllp(adt("E1").replace("^~\\&", "^^\\&", 1)), [("AR", "")]),
+    # a malformed MSH-2, but MSH-10 is readable: the reject names the message
+    ("duplicate encoding characters", mllp(adt("E1").replace("^~\\&", "^^\\&", 1)), [("AR", "E1")]),
     ("alphanumeric field separator", mllp(adt("E2").replace("MSH|", "MSHA", 1)), [("AR", "")]),
     ("missing MSH-10", mllp(adt("").replace("|P|2.5.1", "|P|2.5.1", 1)), [("AR", "")]),
     # a header that cannot be decoded, but whose MSH-10 is plain ASCII: the reject names the message
