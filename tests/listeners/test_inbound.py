@@ -189,3 +189,15 @@ def _staged(ingest: AutoIngest) -> tuple[Any, ...]:
     [item] = ingest.items
     assert item.payload.endswith("||DOE^JANE") and item.connection == "in"
     return ("staged", item.control_id, item.lane_key, item.charset)
+
+
+def test_the_charset_column_is_one_form_whichever_transport_parsed_the_header() -> None:
+    """MLLP hands its own header parse over, file/TCP/HTTP let build_inbound parse: both store the
+    Python codec name (never the raw MSH-18 text)."""
+    from listeners.inbound import build_inbound as build
+
+    data = "MSH|^~\\&|A|B|C|D|||ADT^A01|C1|P|2.5||||||8859/1\rPID|1||P1||M\xfcller\r".encode("latin-1")
+    mllp = build(data, connection="mllp", charset="UTF-8", header=parse_header(data, default_encoding="utf_8"))
+    other = build(data, connection="file", charset="UTF-8")
+    assert (mllp.charset, other.charset) == ("iso8859-1", "iso8859-1")
+    assert mllp.payload == other.payload and "M\xfcller" in other.payload
