@@ -32,11 +32,19 @@ def db() -> None:
     """The staged store."""
 
 
+def _service_config_here(f):
+    """`--service-config` after the subcommand too (`stageline db migrate --service-config X`);
+    given in both places, the later one wins."""
+    return click.option("--service-config", "local_config", default=None, metavar="PATH",
+                        help="Path to stageline.toml (same as before the command).")(f)
+
+
 @db.command("migrate")
+@_service_config_here
 @click.pass_obj
-def db_migrate(service_config: str | None) -> None:
+def db_migrate(service_config: str | None, local_config: str | None = None) -> None:
     """Create or upgrade the schema (idempotent) and pin the store to this cluster."""
-    cfg = _load(service_config)
+    cfg = _load(local_config or service_config)
     store = Store(cfg.store)
     try:
         report = migrate(store, cluster_name=cfg.cluster.cluster_name)

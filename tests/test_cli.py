@@ -199,3 +199,12 @@ def test_demo_receiver_acks_with_aa_and_appends_each_message_once(tmp_path):
         code = receiver.wait(10)
         log = receiver.stdout.read()
     assert code == 0 and "already received" in log and "demo receiver stopped" in log, log
+
+
+def test_db_migrate_takes_service_config_after_the_subcommand_too(tmp_path):
+    cfg = tmp_path / "stageline.toml"
+    cfg.write_text('[store]\npath = "var/after.db"\n')
+    proc = subprocess.run([*STAGELINE, "db", "migrate", "--service-config", str(cfg)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "schema version" in proc.stdout and (tmp_path / "var" / "after.db").exists()
