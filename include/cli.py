@@ -200,10 +200,16 @@ def lookups_sync(service_config: str | None, directory: Path) -> None:
 
 @cli.command("up")
 @click.option("--no-stack", is_flag=True, help="Only migrate the store and show the cluster (no processes).")
+@click.option("--config", "config_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Config dir: listenerd's connections and the pipeline (routes, transforms, destinations, "
+                   "lookups). Default: the checkout's config/.")
+@_service_config_here
 @click.pass_obj
-def up(service_config: str | None, no_stack: bool) -> None:
+def up(service_config: str | None, no_stack: bool, config_dir: Path | None, local_config: str | None = None) -> None:
     """Run Stageline on this node's config: the store, Spark Connect, Airflow and listenerd."""
     ctx = click.get_current_context()
+    service_config = local_config or service_config
+    ctx.obj = service_config
     ctx.invoke(db_migrate)
     ctx.invoke(cluster_status_cmd)
     if no_stack:
@@ -211,7 +217,7 @@ def up(service_config: str | None, no_stack: bool) -> None:
     from include.embedded import up as run_stack
 
     cfg = _load(service_config)
-    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), echo=click.echo))
+    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), config_dir=config_dir, echo=click.echo))
 
 
 @cli.group()

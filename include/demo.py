@@ -65,7 +65,7 @@ def send_samples(host: str, port: int, *, count: int) -> Iterator[tuple[str, str
 # --- where the embedded stack's deliveries land --------------------------------------------------
 
 
-def delivery_locations(var: Path) -> list[tuple[str, str]]:
+def delivery_locations(var: Path, pipeline_dir: Path | None = None) -> list[tuple[str, str]]:
     """(destination, where its messages land) for the embedded stack's destinations.
 
     Read from `config/destinations.toml` (so `$STAGELINE_VAR` must be the stack's var dir); an MLLP
@@ -75,7 +75,7 @@ def delivery_locations(var: Path) -> list[tuple[str, str]]:
     from include import stage_config
 
     where: list[tuple[str, str]] = []
-    for name, dest in stage_config.load(PIPELINE_DIR).destinations.items():
+    for name, dest in stage_config.load(pipeline_dir or PIPELINE_DIR).destinations.items():
         if dest.kind == "mllp" and (dest.host, dest.port) == (RECEIVER_HOST, RECEIVER_PORT):
             where.append((name, str(receiver_dir(var) / RECEIVED_FILE)))
         elif dest.kind == "mllp":

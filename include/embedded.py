@@ -15,7 +15,9 @@ import secrets
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from include import demo
@@ -36,7 +38,37 @@ def _secret(path: Path) -> str:
     return path.read_text().strip()
 
 
-def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
+DEFAULT_API_PORT = 8470
+"""listenerd's `[api].port` default (listeners.api.DEFAULT_PORT; include/ does not import listeners)."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the config dir says listenerd answers: its API, and each inbound connection."""
+
+    api_host: str
+    api_port: int
+    inbound: tuple[tuple[str, str, str], ...]  # (name, kind, where)
+
+
+def endpoints_of(config_dir: Path) -> Endpoints:
+    """Read `[api]` and `[[inbound]]` of `config_dir/connections.toml` for the banner and the
+    readiness check (a port 0 is any free port: listenerd's log names the one bound)."""
+    path = config_dir / "connections.toml"
+    doc = tomllib.loads(path.read_text()) if path.exists() else {}
+    api = doc.get("api") or {}
+    inbound = []
+    for conn in doc.get("inbound") or []:
+        if "port" in conn:
+            port = int(conn["port"])
+            where = f"{conn.get('host', '127.0.0.1')}:{port}" if port else "any free port (see var/log/listenerd)"
+        else:
+            where = str(conn.get("directory") or conn.get("path") or "")
+        inbound.append((str(conn.get("name", "?")), str(conn.get("kind", "?")), where))
+    return Endpoints(str(api.get("host", "127.0.0.1")), int(api.get("port", DEFAULT_API_PORT)), tuple(inbound))
+
+
+def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = None) -> dict[str, str]:
     from include.spark import spark_connect_connection
 
     home = var / "airflow"
@@ -57,7 +89,7 @@ def airflow_env(var: Path, service_config: Path) -> dict[str, str]:
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")]),
         "STAGELINE_CONFIG": str(service_config),
-        "STAGELINE_PIPELINE_DIR": str(demo.PIPELINE_DIR),
+        "STAGELINE_PIPELINE_DIR": str(pipeline_dir or demo.PIPELINE_DIR),
         VAR_ENV: str(var),
         "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection("127.0.0.1", SPARK_CONNECT_PORT),
     }
@@ -106,14 +138,14 @@ def _airflow(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "airflow"), *args]
 
 
-def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo) -> list[tuple[str, str]]:
-    """Import `config/lookups/*.csv` into the (migrated) store, check the pipeline config, create
+def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo, pipeline_dir: Path) -> list[tuple[str, str]]:
+    """Import `<config dir>/lookups/*.csv` into the (migrated) store, check the pipeline config, create
     the file destinations' directories under `var` (a file destination never creates its own);
     returns where each destination's deliveries land."""
     from include.store import Store
     from include.store import lookups as lookup_tables
 
-    lookups = demo.PIPELINE_DIR / "lookups"
+    lookups = pipeline_dir / "lookups"
     if lookups.is_dir() and any(lookups.glob("*.csv")):
         store = Store(cfg.store)
         try:
@@ -123,22 +155,26 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo) -> list[tuple[str, st
         echo(f"lookup tables from {lookups}: " + ", ".join(f"{name} ({count})" for name, count in imported))
     from include import stage_config
 
-    for dest in stage_config.load(demo.PIPELINE_DIR).destinations.values():
+    for dest in stage_config.load(pipeline_dir).destinations.values():
         if dest.kind == "file" and Path(dest.directory).is_relative_to(var):
             Path(dest.directory).mkdir(parents=True, exist_ok=True)
-    return demo.delivery_locations(var)
+    return demo.delivery_locations(var, pipeline_dir)
 
 
-def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
+def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print) -> int:
+    """The stack on `config_dir` (listenerd's connections and the pipeline: routes, transforms,
+    destinations, lookups; default the checkout's `config/`)."""
+    config_dir = (config_dir or demo.PIPELINE_DIR).resolve()
+    ends = endpoints_of(config_dir)
     var = var_dir()
-    env = airflow_env(var, service_config)
+    env = airflow_env(var, service_config, config_dir)
     home = Path(env["AIRFLOW_HOME"])
     password = _secret(home / ".admin_password")
     (home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps({"admin": password}))
     token = os.environ.get("STAGELINE_API_TOKEN") or _secret(var / ".api_token")
     stack = Stack(var / "log", cwd=ROOT, echo=echo)
     try:
-        deliveries = _prepare_pipeline(cfg, var, echo)
+        deliveries = _prepare_pipeline(cfg, var, echo, config_dir)
         if port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST):
             raise RuntimeError(f"port {demo.RECEIVER_PORT} (the demo receiver's) is already in use")
         echo("migrating Airflow's metadata DB (first run: about a minute) ...")
@@ -160,10 +196,10 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
         stack.start(Proc("demo-receiver", python_module(
             "include.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
             "--out", str(demo.receiver_dir(var))), ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
-        api_port = 8470
+        api_port = ends.api_port
         stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
-                                                    "--config", str(ROOT / "config")),
-                         env={"STAGELINE_API_TOKEN": token}, ready=lambda: port_open(api_port)))
+                                                    "--config", str(config_dir)),
+                         env={"STAGELINE_API_TOKEN": token}, ready=lambda: port_open(api_port, ends.api_host)))
         echo("  stage DAGs                waiting for their first runs ...")
         started = time.monotonic()
         while not _stage_runs_waiting(password):
@@ -179,11 +215,15 @@ def up(cfg: ServiceConfig, service_config: Path, *, echo=print) -> int:
         stack.stop()
         return 1
     delivered = "\n                      ".join(f"{name:<8} → {place}" for name, place in deliveries)
+    inbound = "\n".join(f"  {kind.upper() + ' inbound':<19} {where:<19} ({name})" for name, kind, where in ends.inbound) \
+        or "  (no inbound connections configured)"
+    if any(kind == "mllp" for _, kind, _ in ends.inbound):
+        inbound += "\n                      try: uv run stageline demo send --port <the MLLP port>"
     echo(f"""
-Stageline is up (single node, {store_where(cfg.store)}).
-  MLLP inbound        127.0.0.1:2575      try: uv run stageline demo send
+Stageline is up (single node, {store_where(cfg.store)}, config {config_dir}).
+{inbound}
   Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
-  listenerd API       http://127.0.0.1:{api_port}/cluster/status   (Authorization: Bearer {token})
+  listenerd API       http://{ends.api_host}:{api_port}/cluster/status   (Authorization: Bearer {token})
   Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
   deliveries          {delivered}
   logs                {var / 'log'}

@@ -208,3 +208,31 @@ def test_db_migrate_takes_service_config_after_the_subcommand_too(tmp_path):
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "schema version" in proc.stdout and (tmp_path / "var" / "after.db").exists()
+
+
+def test_up_takes_the_users_service_config_and_config_dir(tmp_path):
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text('[store]\npath = "var/mine.db"\n')
+    conf = tmp_path / "myconf"
+    conf.mkdir()
+    proc = subprocess.run([*STAGELINE, "up", "--no-stack", "--service-config", str(cfg), "--config", str(conf)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "var" / "mine.db").exists()
+    missing = subprocess.run([*STAGELINE, "up", "--no-stack", "--config", str(tmp_path / "nope")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_the_banner_and_readiness_read_ports_from_the_config_dir(tmp_path):
+    from include.embedded import DEFAULT_API_PORT, endpoints_of
+
+    checkout = endpoints_of(ROOT / "config")
+    assert (checkout.api_port, checkout.inbound[0]) == (8470, ("adt-in", "mllp", "127.0.0.1:2575"))
+    (tmp_path / "connections.toml").write_text(
+        '[api]\nport = 9471\n[[inbound]]\nname = "lab"\nkind = "mllp"\nport = 0\n'
+        '[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "/srv/in"\n')
+    mine = endpoints_of(tmp_path)
+    assert mine.api_port == 9471
+    assert mine.inbound == (("lab", "mllp", "any free port (see var/log/listenerd)"), ("drop", "file", "/srv/in"))
+    assert endpoints_of(tmp_path / "empty").api_port == DEFAULT_API_PORT
