@@ -1,10 +1,11 @@
-"""The README's first command: `stageline up` brings the whole single-node stack up, demo messages
+"""The README's first command, on a user's own config dir (`--config`): `stageline up` brings the whole single-node stack up, demo messages
 sent over MLLP are routed, transformed and delivered by the real Airflow scheduler running the Spark
 stage jobs — to both destinations of `config/`: the file archive and the demo MLLP receiver standing
 in for the EHR — and Ctrl-C stops every process it started."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -25,11 +26,17 @@ COUNT = 4  # of each kind, per batch: 4 ADT (to ehr + archive; patients DP0, DP1
 
 def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
     (tmp_path / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
+    # the user's own config dir (a copy of the example, its API on another port), given with --config
+    mine = tmp_path / "myconfig"
+    shutil.copytree(ROOT / "config", mine)
+    connections = mine / "connections.toml"
+    connections.write_text(connections.read_text().replace("port = 8470", "port = 8471", 1))
     var = tmp_path / "var"
     env = {**os.environ, "STAGELINE_VAR": str(var)}
     out = open(tmp_path / "up.log", "w+")
     stageline = Path(sys.executable).parent / "stageline"
-    up = subprocess.Popen([str(stageline), "--service-config", str(tmp_path / "stageline.toml"), "up"], cwd=ROOT,
+    up = subprocess.Popen([str(stageline), "up", "--service-config", str(tmp_path / "stageline.toml"),
+                           "--config", str(mine)], cwd=ROOT,
                           env=env, stdout=out, stderr=subprocess.STDOUT)
     started: list[psutil.Process] = []
     received_file = var / "out" / "ehr" / "received.hl7"
@@ -42,6 +49,8 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
         progress, banner = (tmp_path / "up.log").read_text().split("Stageline is up")
         assert "stage DAGs                waiting for work in" in progress, progress  # up means ready to move
         assert str(received_file) in banner and f"{archive}/" in banner, banner
+        assert f"config {mine}" in banner and ":8471/cluster/status" in banner, banner
+        assert "MLLP inbound        127.0.0.1:2575      (adt-in)" in banner, banner
         db = tmp_path / "var" / "stageline.db"
 
         def query(sql: str) -> list[tuple]:
