@@ -414,39 +414,56 @@ def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_b
           f"the client exited {exited_after:.1f} s after the kill")
 
 
-def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_carries_on(
-        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
-    """A Spark Connect restart costs a stage task the server's restart, not a failed try: the
-    batch that met the dead server hands its rows back, the task's `StageSession` waits for the
-    server on the same port and opens a new session, and the next batch routes everything."""
-    import os
-    import signal
-
+RENEW_CHILD = textwrap.dedent("""
+    import json, os, signal, sys
+    from pathlib import Path
+    from include.config import StoreConfig
+    from include.lab.postgres_server import free_port
     from include.spark import session_lost, spark_session, stage_session, start_connect_server, stop_connect_server
-
-    store = Store(sqlite_config_fresh)
-    epoch = acquire_permanent(store, node_id=NODE)
-    ids = stage_messages(store, epoch, range(5))
+    from include.store import Store
+    from spark_jobs import route_job
+    from tests.spark_jobs.test_route_job import ROUTES
+    path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    store = Store(StoreConfig(backend="sqlite", path=path))
     port = free_port()
     fast_jvm = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
-    servers = [start_connect_server(port, log_dir=tmp_path, master="local[1]", conf=fast_jvm)]
+    servers = [start_connect_server(port, log_dir=logs, master="local[1]", conf=fast_jvm)]
+    result = {}
     try:
         with stage_session(spark_session(remote=servers[0].url)) as session:
             session.spark.range(1).collect()
             os.killpg(servers[0].process.pid, signal.SIGKILL)
             servers[0].process.wait(timeout=30)
-            with pytest.raises(Exception) as lost:
+            try:
                 route_job.run(store, session.spark, routes=ROUTES, owner="connect/lost", epoch=epoch, run_id="lost")
-            assert session_lost(lost.value)
-            assert set(inbound_status(store).values()) == {"error"}  # handed back, due again
-            servers.append(start_connect_server(port, log_dir=tmp_path, master="local[1]", conf=fast_jvm))
-            assert session.renew(timeout=60)
+            except Exception as exc:
+                result["lost"] = session_lost(exc)
+            servers.append(start_connect_server(port, log_dir=logs, master="local[1]", conf=fast_jvm))
+            result["renewed"] = session.renew(timeout=60)
             outcome = route_job.run(store, session.spark, routes=ROUTES, owner="connect/renewed", epoch=epoch,
                                     run_id="renewed")
+            result["claimed"] = len(outcome.claimed)
     finally:
         for server in servers:
             stop_connect_server(server)
-    assert len(outcome.claimed) == 5
+    print(json.dumps(result), flush=True)
+""")
+
+
+def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_carries_on(
+        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    """A Spark Connect restart costs a stage task the server's restart, not a failed try: the
+    batch that met the dead server hands its rows back, the task's `StageSession` waits for the
+    server on the same port and opens a new session, and the next batch routes everything. (In a
+    child process: this session already holds a classic Spark session, and pyspark allows one kind.)"""
+    store = Store(sqlite_config_fresh)
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch, range(5))
+    child = subprocess.run([sys.executable, "-c", RENEW_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert result == {"lost": True, "renewed": True, "claimed": 5}
     assert routed_triples(store) == expected_triples(ids)
     store.close()
 
