@@ -61,12 +61,14 @@ def server_tls_options(tls: TLSConfig) -> CertificateOptions:
 
 
 def listen(reactor: Any, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-           backlog: int = 50, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
+           backlog: int = 1024, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
            ) -> IListeningPort:
     """Bind `factory` on host:port, with TLS when `tls` is given (`reactor`: IReactorTCP).
 
     `guard(factory, tls)` wraps the (TLS) factory from outside, so it sees every connection before
-    any handshake and can refuse it cheaply (`listeners.guard`).
+    any handshake and can refuse it cheaply (`listeners.guard`). The accept backlog is long (the
+    kernel caps it at net.core.somaxconn): under a flood of connects a short one overflows, and an
+    honest sender's SYN is dropped and only retried a second later.
     """
     if tls is not None:
         factory = TLSMemoryBIOFactory(server_tls_options(tls), False, factory)
