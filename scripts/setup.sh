@@ -14,6 +14,8 @@ command -v java >/dev/null 2>&1                || missing+=(openjdk-17-jre-headl
 [ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/lab/cluster.py)
 command -v systemd-analyze >/dev/null 2>&1     || missing+=(systemd)   # `systemd-analyze verify` of deploy/systemd/
 [ -x /usr/bin/promtool ]                       || missing+=(prometheus) # `promtool` checks deploy/alerts.yml
+[ -x /usr/bin/chromium ]                       || missing+=(chromium)   # the Stageline view's browser test
+[ -x /usr/bin/chromedriver ]                   || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "setup: missing Debian packages: ${missing[*]}" >&2
