@@ -363,10 +363,7 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
     read, write = Permission.MESSAGES_READ, Permission.MESSAGES_WRITE
 
     def find(request: Request) -> Any:
-        args = {k.decode(): v[0].decode() for k, v in request.args.items() if v}
-        ints = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if k in args}
-        filters = operator.Filters(**{k: args.get(k) for k in ("control_id", "message_id", "lane_key", "connection",
-                                                                "destination", "status")}, **ints)
+        filters = operator.Filters.from_query({k.decode(): v[0].decode() for k, v in request.args.items() if v})
         return _deferred(request, lambda store: {"messages": operator.find(store, filters)}, state)
 
     def replay(ref: str) -> Callable[[Request], Any]:
@@ -383,12 +380,10 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         actor = auth.label_for(request.getHeader(b"authorization"))
 
         def work(store: Any) -> dict:
-            table = operator.table_of(str(body.get("stage", "outbound")))
-            ids = [int(i) for i in body.get("ids", [])] or operator.dead_ids(
-                store, table, destination=body.get("destination"), lane_key=body.get("lane"))
-            if not ids and not (body.get("destination") or body.get("lane")):
-                raise ValueError("name the dead letters: ids, destination or lane")
-            return {"requeued": operator.requeue(store, table, ids, actor=f"api {actor}", reason=_reason(body))}
+            return {"requeued": operator.requeue_dead(
+                store, str(body.get("stage", "outbound")), ids=[int(i) for i in body.get("ids", [])],
+                destination=body.get("destination"), lane_key=body.get("lane"), actor=f"api {actor}",
+                reason=_reason(body))}
         return _deferred(request, work, state)
 
     class Messages(_Endpoint):

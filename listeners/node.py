@@ -197,13 +197,6 @@ class ListenerNode(SequentialMultiService):
         def read() -> dict:
             store = self.stores.store
             assert store is not None
-            doc = cluster_nodes(store, node_timeout_seconds=timeout)
-            with store.transaction(write=False) as tx:
-                hashes = {r["node_id"]: r["config_hash"] for r in tx.all("nodes_list", {"node_timeout": timeout})}
-            leader_hash = hashes.get(doc["lease_owner"]) if doc["lease_owner"] else None
-            active = {x["node_id"] for x in doc["nodes"] if x["status"] == "active"}
-            doc["config_mismatch"] = sorted(n for n, h in hashes.items()
-                                            if leader_hash and h != leader_hash and n in active)
-            return doc
+            return cluster_nodes(store, node_timeout_seconds=timeout)  # config_mismatch included
 
         return threads.deferToThread(read)

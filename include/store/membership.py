@@ -43,7 +43,9 @@ def leave(store: Store, node_id: str) -> None:
 
 
 def cluster_nodes(store: Store, *, node_timeout_seconds: float) -> dict[str, Any]:
-    """The `/cluster/nodes` document for a clustered store."""
+    """The `/cluster/nodes` document for a clustered store (also what the Airflow UI's Stageline
+    view shows): the nodes, the derived leader, the lease (owner, epoch, expiry) and the active
+    nodes whose config dir hash differs from the lease owner's (`config_mismatch`)."""
     with store.transaction(write=False) as tx:
         rows = tx.all("nodes_list", {"node_timeout": float(node_timeout_seconds)})
     lease = read_lease(store)
@@ -54,9 +56,13 @@ def cluster_nodes(store: Store, *, node_timeout_seconds: float) -> dict[str, Any
     nodes = [{"node_id": r["node_id"], "host": r["host"], "pid": int(r["pid"]), "status": r["status"],
               "started_at": r["started_at"], "last_seen": r["last_seen"],
               "is_leader": r["node_id"] == leader} for r in rows]
+    leader_hash = next((r["config_hash"] for r in rows if owner and r["node_id"] == owner), None)
+    mismatch = sorted(r["node_id"] for r in rows
+                      if leader_hash and r["status"] == "active" and r["config_hash"] != leader_hash)
     return {"nodes": nodes, "leader_node_id": leader,
             "lease_owner": owner,
-            "lease_expires_at": lease.expires_at if lease.live else None}
+            "lease_expires_at": lease.expires_at if lease.live else None,
+            "epoch": lease.epoch, "db_now": lease.db_now, "config_mismatch": mismatch}
 
 
 def single_node_nodes(node: NodeIdentity) -> dict[str, Any]:

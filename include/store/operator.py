@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable, Store
 
@@ -43,6 +43,18 @@ class Filters:
     until_ms: int | None = None
     before_id: int | None = None
     limit: int = FIND_LIMIT
+
+    @classmethod
+    def from_query(cls, args: Mapping[str, str]) -> Filters:
+        """Filters from a query string's fields (`control_id=…&status=dead&limit=20`); empty ones are
+        "any", unknown ones ignored (listenerd's `GET /messages`, the Airflow UI's Stageline view)."""
+        texts = {k: args[k] for k in ("control_id", "message_id", "lane_key", "connection", "destination", "status")
+                 if args.get(k)}
+        try:
+            ints = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if args.get(k)}
+        except ValueError as exc:
+            raise ValueError(f"not a number: {exc}") from None
+        return cls(**texts, **ints)
 
     def params(self) -> dict[str, Any]:
         if self.status is not None and self.status not in STATUSES:
@@ -147,6 +159,17 @@ def requeue(store: Store, table: StagedTable, ids: list[int], *, actor: str, rea
                                               table=table)]
         _events(tx, table, moved, event=event, from_status="/".join(statuses), actor=actor, detail=reason)
     return sorted(moved)
+
+
+def requeue_dead(store: Store, stage: str, *, ids: list[int] | None = None, destination: str | None = None,
+                 lane_key: str | None = None, actor: str, reason: str) -> list[int]:
+    """Dead letters of `stage` back to pending: the rows `ids`, else every dead letter of
+    `destination` and/or `lane_key` (one of them is required). Returns the ids moved."""
+    table = table_of(stage)
+    if not ids and not (destination or lane_key):
+        raise ValueError("name the dead letters: ids, destination or lane")
+    chosen = list(ids or []) or dead_ids(store, table, destination=destination or None, lane_key=lane_key or None)
+    return requeue(store, table, chosen, actor=actor, reason=reason)
 
 
 def dead_letters(store: Store) -> list[dict[str, Any]]:

@@ -1,0 +1,206 @@
+"""The Stageline view in the Airflow UI: an Airflow plugin (`StagelineViewPlugin`) whose FastAPI app
+Airflow's own api-server serves under `/stageline/`, with a "Stageline" entry in the UI's nav.
+
+    GET  /stageline/                          the page (server-rendered HTML, `view_html.py`)
+    GET  /stageline/api/cluster               nodes, leader, epoch, lease expiry, config mismatch
+    GET  /stageline/api/stages                per stage: backlog, oldest pending age, in flight, dead
+    GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields)
+    GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches
+    GET  /stageline/api/dead                  dead letters by stage, destination and reason
+    GET  /stageline/api/batches?stage=…       the latest micro-batches (`stage_batches`)
+    POST /stageline/api/messages/{ref}/replay {"from": "inbound"|"outbound", "reason": …}
+    POST /stageline/api/requeue               {"stage", "ids" | "destination" | "lane", "reason"}
+
+Everything here is what `stageline messages|stages|cluster` and listenerd's API do, through the
+same functions (`include/store/operator.py`, `include/store/membership.py`); this module only
+adds Airflow's authentication and roles. Every request needs an Airflow user: the UI's session
+cookie (or `Authorization: Bearer <JWT>` from `POST /auth/token`), checked by the api-server's own
+`get_user`; none → 401 (the page redirects to Airflow's login instead). Reading needs the auth
+manager's custom view "Stageline" (GET); replay and requeue need it for POST and, under the
+SimpleAuthManager (whose custom-view check ignores the method), the OP or ADMIN role. The audit
+events name the Airflow user (`operator:airflow <username>`). Nothing of a message is logged.
+
+The store is the service config's (`$STAGELINE_CONFIG` of the api-server's environment) via
+`StagelineStoreHook`, opened at the first request and kept for the process. Airflow builds every
+plugin in every component it starts, so the app is built at its first request, not at import.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from airflow.plugins_manager import AirflowPlugin
+from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from stageline_airflow.hooks import StagelineStoreHook
+
+log = logging.getLogger(__name__)
+
+URL_PREFIX = "/stageline"
+RESOURCE = "Stageline"
+"""The custom view's resource name, as auth managers see it (`is_authorized_custom_view`)."""
+OPERATOR_ROLES = ("OP", "ADMIN")
+"""SimpleAuthManager roles that may replay and requeue (its other roles: VIEWER, USER)."""
+
+
+def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
+    """The view's FastAPI app (mount it at `URL_PREFIX`); `hook` reaches the store (default: a
+    `StagelineStoreHook` on the service config)."""
+    from fastapi import Body, Depends, FastAPI, HTTPException
+    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.core_api.security import get_user
+
+    from stageline_airflow import view_html
+    from stageline_airflow.hooks import StagelineStoreHook
+
+    from include.store import operator as ops
+    from include.store.membership import cluster_nodes
+
+    store_hook = hook or StagelineStoreHook()
+    app = FastAPI(title="Stageline", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def may(user: Any, method: str) -> bool:
+        manager = get_auth_manager()
+        if not manager.is_authorized_custom_view(method=method, resource_name=RESOURCE, user=user):
+            return False
+        if method != "GET" and type(manager).__name__ == "SimpleAuthManager":
+            return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
+        return True
+
+    def reader(user: Any = Depends(get_user)) -> Any:
+        if not may(user, "GET"):
+            raise HTTPException(403, "the Stageline view is not permitted to this user")
+        return user
+
+    def operator(user: Any = Depends(get_user)) -> Any:
+        if not may(user, "POST"):
+            raise HTTPException(403, "replay and requeue need the OP or ADMIN role")
+        return user
+
+    def actor(user: Any) -> str:
+        return f"airflow {user.get_name()}"
+
+    def store() -> Any:
+        return store_hook.get_conn()
+
+    def cluster() -> dict[str, Any]:
+        return cluster_nodes(store(), node_timeout_seconds=store_hook.config.cluster.node_timeout_seconds) | {
+            "clustered": store_hook.config.cluster.enabled, "cluster_name": store_hook.config.cluster.cluster_name}
+
+    @app.exception_handler(LookupError)
+    def not_found(request: Request, exc: LookupError) -> Response:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(ValueError)
+    def bad_input(request: Request, exc: ValueError) -> Response:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.get("/api/cluster")
+    def get_cluster(user: Any = Depends(reader)) -> dict[str, Any]:
+        return cluster()
+
+    @app.get("/api/stages")
+    def get_stages(user: Any = Depends(reader)) -> dict[str, Any]:
+        return ops.stages(store())
+
+    @app.get("/api/messages")
+    def get_messages(request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
+        return {"messages": ops.find(store(), ops.Filters.from_query(request.query_params))}
+
+    @app.get("/api/messages/{ref}")
+    def get_message(ref: str, user: Any = Depends(reader)) -> dict[str, Any]:
+        return ops.show(store(), ops.resolve(store(), ref)).__dict__
+
+    @app.get("/api/dead")
+    def get_dead(user: Any = Depends(reader)) -> dict[str, Any]:
+        return {"dead_letters": ops.dead_letters(store())}
+
+    @app.get("/api/batches")
+    def get_batches(stage: str | None = None, limit: int = 20, user: Any = Depends(reader)) -> dict[str, Any]:
+        return {"batches": ops.recent_batches(store(), stage=stage or None, limit=min(max(limit, 1), 500))}
+
+    @app.post("/api/messages/{ref}/replay")
+    def post_replay(ref: str, body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
+        replayed = ops.replay(store(), [ops.resolve(store(), ref)], source=str(body.get("from", "")),
+                              actor=actor(user), reason=_reason(body))
+        log.info("stageline view: %s replayed a message from %s", user.get_name(), body.get("from"))
+        return {"replayed": replayed}
+
+    @app.post("/api/requeue")
+    def post_requeue(body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
+        try:
+            ids = [int(i) for i in body.get("ids") or []]
+        except (TypeError, ValueError):
+            raise ValueError("ids must be row ids (numbers)") from None
+        moved = ops.requeue_dead(store(), str(body.get("stage") or "outbound"), ids=ids,
+                                 destination=body.get("destination") or None, lane_key=body.get("lane") or None,
+                                 actor=actor(user), reason=_reason(body))
+        log.info("stageline view: %s requeued %d %s row(s)", user.get_name(), len(moved), body.get("stage"))
+        return {"requeued": moved}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page(request: Request) -> Response:
+        from fastapi.concurrency import run_in_threadpool
+
+        try:
+            user = await get_user(request, None, None)
+        except HTTPException as exc:
+            if exc.status_code != 401:
+                raise
+            login = get_auth_manager().get_url_login(next_url=str(request.url))
+            return RedirectResponse(login, status_code=303)
+        if not may(user, "GET"):
+            raise HTTPException(403, "the Stageline view is not permitted to this user")
+        args = request.query_params
+        filters = ops.Filters.from_query({**args, "limit": args.get("limit") or "20"})
+
+        def read() -> view_html.PageData:
+            s = store()
+            shown = None
+            if args.get("show"):
+                try:
+                    shown = ops.show(s, ops.resolve(s, args["show"]))
+                except LookupError:
+                    shown = None
+            return view_html.PageData(
+                user=user.get_name(), may_operate=may(user, "POST"), cluster=cluster(), stages=ops.stages(s),
+                dead=ops.dead_letters(s), messages=ops.find(s, filters), filters=filters, shown=shown,
+                shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"))
+
+        return HTMLResponse(view_html.render(await run_in_threadpool(read)),
+                            headers={"cache-control": "no-store"})
+
+    return app
+
+
+def _reason(body: dict[str, Any]) -> str:
+    reason = body.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError("give a reason (it goes into the audit trail)")
+    return reason.strip()
+
+
+class _LazyApp:
+    """An ASGI app that builds the view's app at its first request (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self._app is None:
+            self._app = create_app()
+        await self._app(scope, receive, send)
+
+
+class StagelineViewPlugin(AirflowPlugin):
+    """The Stageline view: its app on the api-server, its entry in the UI's nav."""
+
+    name = "stageline"
+    fastapi_apps = [{"name": "Stageline view", "app": _LazyApp(), "url_prefix": URL_PREFIX}]
+    external_views = [{"name": "Stageline", "href": f"{URL_PREFIX}/", "url_route": "stageline",
+                       "destination": "nav", "category": None}]

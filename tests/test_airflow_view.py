@@ -1,0 +1,345 @@
+"""The Stageline view in the Airflow UI (plugins/stageline_airflow/view.py), end to end: a real
+Airflow api-server (throwaway AIRFLOW_HOME, free port, the SimpleAuthManager) loads the plugin
+and serves the view against a real store that two real clustered listenerd nodes use (one with a
+different config dir, so the mismatch shows) and that holds messages received over MLLP with
+their audit trails, a dead letter and a micro-batch. Headless Chromium (Debian's `chromium` and
+`chromium-driver`, driven by selenium) logs in through Airflow's login page, opens the view from
+the UI's nav, sees the cluster and a message's trail, requeues the dead letter and replays a
+message; the audit events then name the Airflow user. The endpoints refuse a request without an
+Airflow user, and replay/requeue by a VIEWER. Screenshots: the test's tmp dir (paths printed),
+the clustered (PostgreSQL) run's copied to docs/img/ (`STAGELINE_VIEW_SCREENSHOTS=0` skips the copy)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hl7.client import MLLPClient
+
+from include.config import StoreConfig
+from include.embedded import airflow_env
+from include.lab.listenerd import Daemon
+from include.lab.postgres_server import free_port, wait_for
+from include.stack import port_open
+from include.store import Store, operator
+from include.store.migrate import migrate
+from tests.conftest import pg_config
+from tests.support.hostile import adt
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = {"enabled": True, "cluster_name": "test-cluster", "heartbeat_seconds": 1.0,
+           "leader_fence_timeout_seconds": 4.0, "leader_lease_ttl_seconds": 6.0, "node_timeout_seconds": 5.0}
+PASSWORDS = {"admin": "admin-pw", "viewer": "viewer-pw"}
+AIRFLOW_BIN = str(Path(sys.executable).parent / "airflow")
+
+
+def http(port: int, method: str, path: str, *, token: str | None = None, body: dict | None = None,
+         cookie: str | None = None) -> tuple[int, dict | str, dict]:
+    """One request, no redirects followed: (status, JSON or text, headers)."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if cookie:
+        headers["Cookie"] = cookie
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+            return None
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers=headers,
+                                 data=json.dumps(body).encode() if body is not None else None)
+    try:
+        with urllib.request.build_opener(NoRedirect).open(req, timeout=30) as resp:
+            status, raw, got = resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        status, raw, got = err.code, err.read(), dict(err.headers)
+    try:
+        return status, json.loads(raw), got
+    except ValueError:
+        return status, raw.decode(errors="replace"), got
+
+
+def token_for(port: int, user: str) -> str:
+    status, doc, _ = http(port, "POST", "/auth/token", body={"username": user, "password": PASSWORDS[user]})
+    assert status in (200, 201), doc
+    return doc["access_token"]
+
+
+@pytest.fixture(scope="module")
+def airflow_home(tmp_path_factory) -> dict[str, str]:
+    """A throwaway AIRFLOW_HOME with a migrated metadata DB (SQLite), shared by the module's api-servers."""
+    var = tmp_path_factory.mktemp("airflow-view")
+    env = airflow_env(var, var / "stageline.toml")  # the stack's settings; port and users below
+    home = Path(env["AIRFLOW_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "passwords.json").write_text(json.dumps(PASSWORDS))
+    env.update({
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+    })
+    env.pop("AIRFLOW_CONN_STAGELINE_SPARK", None)
+    started = time.monotonic()
+    subprocess.run([AIRFLOW_BIN, "db", "migrate"], cwd=ROOT, env={**os.environ, **env}, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    print(f"\nairflow metadata DB migrated in {time.monotonic() - started:.1f} s")
+    return env
+
+
+class ApiServer:
+    """`airflow api-server` on a free port, in its own process group (stopped by its PID)."""
+
+    def __init__(self, env: dict[str, str], service_config: Path, log: Path) -> None:
+        self.port = free_port()
+        self.env = {**os.environ, **env, "STAGELINE_CONFIG": str(service_config),
+                    "AIRFLOW__API__PORT": str(self.port),
+                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/"}
+        self.log_path = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ApiServer:
+        self.log = open(self.log_path, "ab")
+        started = time.monotonic()
+        self.proc = subprocess.Popen([AIRFLOW_BIN, "api-server", "--port", str(self.port)], cwd=ROOT, env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                return True  # exited: said below
+            return port_open(self.port) and http(self.port, "GET", "/api/v2/monitor/health")[0] == 200
+
+        wait_for(up, timeout=240, interval=0.5, what="the Airflow api-server")
+        assert self.proc.poll() is None, self.log_path.read_text(errors="replace")[-4000:]
+        print(f"airflow api-server up on port {self.port} in {time.monotonic() - started:.1f} s")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+
+
+@pytest.fixture(scope="module", params=["postgres", "sqlite"])
+def view(request, airflow_home, tmp_path_factory):
+    """The api-server with the plugin, on a store that holds messages: PostgreSQL with two clustered
+    nodes (B with a config dir of its own: a mismatch), or SQLite with a single node."""
+    work = tmp_path_factory.mktemp(f"view-{request.param}")
+    mllp = free_port()
+    inbound = [{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp, "lane_key": "PID-3.1"}]
+    nodes: list[Daemon] = []
+    if request.param == "sqlite":
+        store_config = StoreConfig(backend="sqlite", path=str(work / "stageline.db"))
+        s = Store(store_config)
+        try:
+            migrate(s, cluster_name="test-cluster")
+        finally:
+            s.close()
+        nodes.append(Daemon(work / "a", store_config, node_id="node-a:1:aa", inbound=inbound))
+    else:
+        store_config = request.getfixturevalue("pg_config_fresh_module")
+        nodes.append(Daemon(work / "a", store_config, node_id="node-a:1:aa", cluster=CLUSTER, inbound=inbound))
+        nodes.append(Daemon(work / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER,
+                            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": free_port()}]))
+    server = ApiServer(airflow_home, nodes[0].workdir / "stageline.toml", work / "api-server.log")
+    try:
+        nodes[0].start()
+        wait_for(lambda: nodes[0].status()["is_leader"] and port_open(mllp), timeout=30, what="node A to lead")
+        for standby in nodes[1:]:
+            standby.start()
+            wait_for(lambda: standby.status()["role"] == "standby", timeout=30, what="node B to stand by")
+        with MLLPClient("127.0.0.1", mllp) as client:
+            for n in range(3):
+                client.send_message(adt(f"VIEW{n}", patient=f"P{n}").decode())
+        s = Store(store_config)
+        try:
+            with s.transaction() as tx:  # what a route that keeps failing leaves: a dead letter
+                tx.conn.cursor().execute("UPDATE stage_inbound SET status = 'dead', attempts = 5, "
+                                         "last_error = 'no route matched' WHERE control_id = 'VIEW2'")
+            operator.record_batch(s, stage="route", owner="airflow:stage_route:run-1:1", dag_id="stage_route",
+                                  run_id="manual__2026-11-24T05:00:00+00:00", try_number=1, epoch=1, seconds=0.42,
+                                  counts={"claimed": 2, "routed": 2, "unrouted": 0, "dead": 0})
+        finally:
+            s.close()
+        server.start()
+        yield server, store_config, request.param
+    finally:
+        server.stop()
+        for node in reversed(nodes):
+            node.stop()
+
+
+@pytest.fixture(scope="module")
+def pg_config_fresh_module(pg_server):
+    """A new migrated PostgreSQL database for this module's clustered nodes."""
+    pg_server.execute("CREATE DATABASE airflow_view TEMPLATE stageline_template")
+    yield pg_config(pg_server, "airflow_view")
+    pg_server.execute("DROP DATABASE IF EXISTS airflow_view WITH (FORCE)")
+
+
+def audit_events(store_config: StoreConfig) -> list[dict]:
+    s = Store(store_config)
+    try:
+        with s.transaction(write=False) as tx:
+            cur = tx.conn.cursor()
+            cur.execute("SELECT event, stage, control_id, node_id, detail FROM message_events "
+                        "WHERE node_id LIKE 'operator:%' ORDER BY id")
+            cols = [c[0] for c in cur.description]
+            return [dict(r) if isinstance(r, dict) else dict(zip(cols, r)) for r in cur.fetchall()]
+    finally:
+        s.close()
+
+
+def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):
+    server, store_config, backend = view
+    port = server.port
+    for method, path in (("GET", "/stageline/api/cluster"), ("GET", "/stageline/api/stages"),
+                         ("GET", "/stageline/api/messages?control_id=VIEW1"), ("GET", "/stageline/api/messages/VIEW1"),
+                         ("GET", "/stageline/api/dead"), ("GET", "/stageline/api/batches"),
+                         ("POST", "/stageline/api/requeue"), ("POST", "/stageline/api/messages/VIEW1/replay")):
+        body = {"stage": "inbound", "lane": "P2", "from": "inbound", "reason": "x"} if method == "POST" else None
+        status, doc, _ = http(port, method, path, body=body)
+        assert status == 401, (path, status, doc)
+        assert "VIEW" not in json.dumps(doc) and "DOE" not in json.dumps(doc)
+        assert http(port, method, path, body=body, token="not-a-jwt")[0] in (401, 403), path
+        assert http(port, method, path, body=body, cookie="_token=forged")[0] in (401, 403), path
+    # the page sends a browser without a session to Airflow's login, showing nothing
+    status, page, headers = http(port, "GET", "/stageline/")
+    assert status == 303 and "/auth/login" in headers["location"] and "VIEW" not in str(page)
+
+    # a VIEWER reads, but may not replay or requeue; an admin may
+    viewer = token_for(port, "viewer")
+    status, cluster, _ = http(port, "GET", "/stageline/api/cluster", token=viewer)
+    assert status == 200 and cluster["leader_node_id"] == "node-a:1:aa" and cluster["epoch"] >= 1
+    assert cluster["config_mismatch"] == (["node-b:2:bb"] if backend == "postgres" else [])
+    if backend == "sqlite":  # single node: the lease is the node's for good
+        assert cluster["lease_expires_at"] is None and cluster["lease_owner"] == "node-a:1:aa"
+    else:
+        assert cluster["lease_expires_at"] > cluster["db_now"]
+    status, found, _ = http(port, "GET", "/stageline/api/messages?control_id=VIEW1", token=viewer)
+    assert status == 200 and [m["control_id"] for m in found["messages"]] == ["VIEW1"]
+    assert http(port, "POST", "/stageline/api/requeue", token=viewer,
+                body={"stage": "inbound", "lane": "P2", "reason": "x"})[0] == 403
+    assert http(port, "POST", "/stageline/api/messages/VIEW1/replay", token=viewer,
+                body={"from": "inbound", "reason": "x"})[0] == 403
+    admin = token_for(port, "admin")
+    assert http(port, "POST", "/stageline/api/messages/VIEW1/replay", token=admin, body={"from": "inbound"})[0] == 400
+    assert http(port, "GET", "/stageline/api/messages/NOPE", token=admin)[0] == 404
+    assert not [e for e in audit_events(store_config) if e["control_id"] in ("VIEW1", "VIEW2")]
+
+
+def test_the_view_in_headless_chromium(view, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server, store_config, backend = view
+    base = f"http://127.0.0.1:{server.port}"
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1000", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver", log_output=str(tmp_path / "chromedriver.log")),
+                              options=options)
+    shots: list[Path] = []
+
+    def shot(name: str, *, full: bool = False) -> None:
+        if full:  # the whole page, not only the window
+            height = driver.execute_script("return document.documentElement.scrollHeight")
+            driver.set_window_size(1400, min(max(height + 40, 1000), 6000))
+        path = tmp_path / f"{backend}-{name}.png"
+        driver.save_screenshot(str(path))
+        shots.append(path)
+        if full:
+            driver.set_window_size(1400, 1000)
+
+    wait = WebDriverWait(driver, 60)
+    try:
+        # Airflow's login: the UI sends a browser without a session there
+        driver.get(f"{base}/")
+        wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
+        driver.find_element(By.NAME, "password").send_keys(PASSWORDS["admin"])
+        shot("01-airflow-login")
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda d: "/auth/login" not in d.current_url and d.get_cookie("_token"))
+
+        # the nav entry opens the view inside the Airflow UI (an iframe under /plugin/stageline)
+        driver.get(f"{base}/plugin/stageline")
+        frame = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "iframe")))
+        time.sleep(1)
+        shot("02-stageline-in-airflow-ui")
+        driver.switch_to.frame(frame)
+        wait.until(ec.presence_of_element_located((By.ID, "cluster")))
+        assert driver.find_element(By.ID, "leader").text == "node-a:1:aa"
+        assert driver.find_element(By.ID, "mismatch").text == ("node-b:2:bb" if backend == "postgres" else "none")
+        assert "signed in to Airflow as admin" in driver.page_source
+        driver.switch_to.default_content()
+
+        # the view on its own: search a control id, open the message, see its trail
+        driver.get(f"{base}/stageline/")
+        wait.until(ec.presence_of_element_located((By.NAME, "control_id"))).send_keys("VIEW2")
+        driver.find_element(By.CSS_SELECTOR, "form.search button").click()
+        wait.until(lambda d: "control_id=VIEW2" in d.current_url)
+        rows = driver.find_elements(By.CSS_SELECTOR, "#search tbody tr")
+        assert len(rows) == 1 and "VIEW2" in rows[0].text
+        rows[0].find_element(By.TAG_NAME, "a").click()
+        wait.until(ec.presence_of_element_located((By.ID, "trail")))
+        trail = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#trail td.event")]
+        assert trail[:1] == ["received"] and "staged" in trail, trail
+        assert "PID|1||P2||DOE^JANE" in driver.find_element(By.CSS_SELECTOR, "pre.hl7").text
+        shot("03-message-trail", full=True)
+
+        # requeue the dead letter from its row (a reason is required), then replay the message
+        form = driver.find_element(By.CSS_SELECTOR, "#message form.action[action='api/requeue']")
+        form.find_element(By.NAME, "reason").send_keys("route fixed in routes.toml")
+        form.find_element(By.TAG_NAME, "button").click()
+        wait.until(lambda d: "requeued" in (d.find_elements(By.ID, "done") or [None])[0].text
+                   if d.find_elements(By.ID, "done") else False)
+        form = driver.find_element(By.CSS_SELECTOR, "#message form.action[action$='/replay']")
+        form.find_element(By.NAME, "reason").send_keys("EHR asked for it again")
+        form.find_element(By.TAG_NAME, "button").click()
+        wait.until(lambda d: "replayed" in d.find_element(By.ID, "done").text if d.find_elements(By.ID, "done")
+                   else False)
+        trail = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#trail td.event")]
+        assert "requeued" in trail and "replayed" in trail, trail
+        shot("04-after-requeue-and-replay", full=True)
+    finally:
+        driver.quit()
+        for path in shots:
+            print(f"screenshot: {path}")
+        if shots and backend == "postgres" and os.environ.get("STAGELINE_VIEW_SCREENSHOTS", "1") != "0":
+            (ROOT / "docs" / "img").mkdir(exist_ok=True)
+            for path in shots:
+                shutil.copy(path, ROOT / "docs" / "img" / f"stageline-view-{path.name}")
+
+    events = audit_events(store_config)
+    mine = [(e["event"], e["stage"], e["control_id"], e["node_id"]) for e in events if e["control_id"] == "VIEW2"]
+    assert ("requeued", "inbound", "VIEW2", "operator:airflow admin") in mine
+    assert ("replayed", "inbound", "VIEW2", "operator:airflow admin") in mine
+    assert ("staged", "inbound", "VIEW2", "operator:airflow admin") in mine  # the replay's new inbound row
+    details = {e["event"]: e["detail"] for e in events if e["control_id"] == "VIEW2"}
+    assert details["requeued"] == "route fixed in routes.toml" and "EHR asked for it again" in details["replayed"]
+    s = Store(store_config)
+    try:
+        with s.transaction(write=False) as tx:
+            cur = tx.conn.cursor()
+            cur.execute("SELECT status FROM stage_inbound WHERE message_id NOT LIKE '%~replay-%' AND control_id = 'VIEW2'")
+            assert [tuple(r.values())[0] if isinstance(r, dict) else r[0] for r in cur.fetchall()] == ["pending"]
+    finally:
+        s.close()
