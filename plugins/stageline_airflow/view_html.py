@@ -116,7 +116,8 @@ def dead_section(dead: list[dict[str, Any]], may: bool) -> str:
             act = action("api/requeue", {"stage": g["stage"], "destination": g["destination"]},
                          f"requeue all dead {g['stage']} → {g['destination']}", may=may)
         else:
-            act = '<span class="muted">requeue by row from the message below</span>'
+            act = (f'<a href="?{escape(urlencode({"status": "dead"}))}#search">find them</a>'
+                   ' <span class="muted">(requeue each from its message)</span>')
         rows.append(f'<tr><td>{e(g["stage"])}</td><td>{e(g["destination"])}</td><td>{e(g["reason"])}</td>'
                     f'<td class="n">{g["n"]}</td><td>{when_ms(g["oldest_ms"])}</td><td>{act}</td></tr>')
     body = "".join(rows) or '<tr><td colspan="6">no dead letters</td></tr>'
@@ -230,7 +231,10 @@ document.querySelectorAll('form.action').forEach(function (form) {
     const resp = await fetch(form.action, {method: 'POST', credentials: 'same-origin',
       headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)});
     const doc = await resp.json().catch(function () { return {}; });
-    const said = resp.ok ? JSON.stringify(doc) : ('refused (' + resp.status + '): ' + (doc.detail || ''));
+    const said = !resp.ok ? ('refused (' + resp.status + '): ' + (doc.detail || '')) :
+      Object.entries(doc).map(function ([what, ids]) {
+        return what + ' ' + ids.length + ' row(s)' + (ids.length ? ': ' + ids.join(', ') : '');
+      }).join('; ');
     const url = new URL(window.location.href);
     url.searchParams.set('done', said);
     window.location.href = url.toString();
