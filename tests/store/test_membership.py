@@ -15,16 +15,23 @@ def test_two_node_view_has_the_documented_shape_and_one_leader(store):
     a, b = NodeIdentity.of("node-a:4812:1f9c2a7b"), NodeIdentity.of("node-b:5210:7c3e9d10")
     elector = LeaderElector(store, node_id=a.node_id, ttl_seconds=30, fence_timeout_seconds=20)
     elector.step()
-    heartbeat(store, a, is_leader=True)
-    heartbeat(store, b, is_leader=False)
+    heartbeat(store, a, is_leader=True, config_hash="h1")
+    heartbeat(store, b, is_leader=False, config_hash="h1")
     doc = cluster_nodes(store, node_timeout_seconds=30)
-    assert set(doc) == {"nodes", "leader_node_id", "lease_owner", "lease_expires_at"}
+    assert set(doc) == {"nodes", "leader_node_id", "lease_owner", "lease_expires_at", "epoch", "db_now",
+                        "config_mismatch"}
+    assert doc["epoch"] == elector.epoch and doc["config_mismatch"] == []
+    assert doc["lease_expires_at"] > doc["db_now"]
     assert [set(n) for n in doc["nodes"]] == [NODE_KEYS, NODE_KEYS]
     assert [(n["node_id"], n["host"], n["pid"], n["status"], n["is_leader"]) for n in doc["nodes"]] == [
         ("node-a:4812:1f9c2a7b", "node-a", 4812, "active", True),
         ("node-b:5210:7c3e9d10", "node-b", 5210, "active", False)]
     assert doc["leader_node_id"] == doc["lease_owner"] == a.node_id
     assert isinstance(doc["lease_expires_at"], float) and isinstance(doc["nodes"][0]["last_seen"], float)
+    heartbeat(store, b, is_leader=False, config_hash="h2")  # B now runs another config dir
+    assert cluster_nodes(store, node_timeout_seconds=30)["config_mismatch"] == [b.node_id]
+    leave(store, b.node_id)  # a departed node is no mismatch
+    assert cluster_nodes(store, node_timeout_seconds=30)["config_mismatch"] == []
 
 
 def test_a_stale_leader_flag_is_never_reported_and_the_freshest_flag_wins(store):
