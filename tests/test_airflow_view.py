@@ -346,3 +346,26 @@ def test_the_view_in_headless_chromium(view, tmp_path):
             assert [tuple(r.values())[0] if isinstance(r, dict) else r[0] for r in cur.fetchall()] == ["pending"]
     finally:
         s.close()
+
+
+def test_the_page_escapes_what_the_store_holds():
+    """Control ids, errors and bodies come from senders: the page shows them as text, never markup."""
+    from stageline_airflow.view_html import PageData, render
+
+    hostile = "<script>alert(1)</script>"
+    message = {"id": 7, "message_id": "m7", "control_id": hostile, "connection": "adt-in", "lane_key": '"><b>',
+               "status": "dead", "attempts": 1, "charset": None, "created_ms": 0, "updated_ms": 0,
+               "last_error": hostile, "payload": f"MSH|^~\\&|{hostile}\rPID|1"}
+    page = render(PageData(
+        user=hostile, may_operate=True,
+        cluster={"nodes": [], "leader_node_id": None, "lease_owner": None, "lease_expires_at": None, "epoch": 0,
+                 "db_now": 0.0, "config_mismatch": [], "clustered": True, "cluster_name": hostile},
+        stages={}, dead=[{"stage": "outbound", "destination": hostile, "reason": hostile, "n": 1, "oldest_ms": 0}],
+        messages=[{**message, "routed": 0, "delivered": 0, "dead": 1}], filters=operator.Filters(control_id=hostile),
+        shown=operator.Story(message, trail=[{"at_ms": 0, "stage": "inbound", "row_id": 7, "event": "received",
+                                              "from_status": None, "to_status": "pending", "destination": None,
+                                              "epoch": 1, "node_id": "n", "detail": hostile}]),
+        shown_ref="7", batches=[], done=hostile))
+    assert hostile not in page and '"><b>' not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "no live leader" in page
+    assert page.count("<script>") == 1  # the page's own

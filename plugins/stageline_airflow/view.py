@@ -26,11 +26,13 @@ plugin in every component it starts, so the app is built at its first request, n
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow.plugins_manager import AirflowPlugin
-from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi import HTTPException, Request  # here: FastAPI resolves the handlers' annotations in this module
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from stageline_airflow.hooks import StagelineStoreHook
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 URL_PREFIX = "/stageline"
 RESOURCE = "Stageline"
@@ -49,7 +52,7 @@ OPERATOR_ROLES = ("OP", "ADMIN")
 def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     """The view's FastAPI app (mount it at `URL_PREFIX`); `hook` reaches the store (default: a
     `StagelineStoreHook` on the service config)."""
-    from fastapi import Body, Depends, FastAPI, HTTPException
+    from fastapi import Body, Depends, FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from airflow.api_fastapi.app import get_auth_manager
@@ -101,30 +104,37 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
     @app.get("/api/cluster")
+    @guarded
     def get_cluster(user: Any = Depends(reader)) -> dict[str, Any]:
         return cluster()
 
     @app.get("/api/stages")
+    @guarded
     def get_stages(user: Any = Depends(reader)) -> dict[str, Any]:
         return ops.stages(store())
 
     @app.get("/api/messages")
+    @guarded
     def get_messages(request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
         return {"messages": ops.find(store(), ops.Filters.from_query(request.query_params))}
 
     @app.get("/api/messages/{ref}")
+    @guarded
     def get_message(ref: str, user: Any = Depends(reader)) -> dict[str, Any]:
         return ops.show(store(), ops.resolve(store(), ref)).__dict__
 
     @app.get("/api/dead")
+    @guarded
     def get_dead(user: Any = Depends(reader)) -> dict[str, Any]:
         return {"dead_letters": ops.dead_letters(store())}
 
     @app.get("/api/batches")
+    @guarded
     def get_batches(stage: str | None = None, limit: int = 20, user: Any = Depends(reader)) -> dict[str, Any]:
         return {"batches": ops.recent_batches(store(), stage=stage or None, limit=min(max(limit, 1), 500))}
 
     @app.post("/api/messages/{ref}/replay")
+    @guarded
     def post_replay(ref: str, body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
         replayed = ops.replay(store(), [ops.resolve(store(), ref)], source=str(body.get("from", "")),
                               actor=actor(user), reason=_reason(body))
@@ -132,6 +142,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         return {"replayed": replayed}
 
     @app.post("/api/requeue")
+    @guarded
     def post_requeue(body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
         try:
             ids = [int(i) for i in body.get("ids") or []]
@@ -172,10 +183,25 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
                 dead=ops.dead_letters(s), messages=ops.find(s, filters), filters=filters, shown=shown,
                 shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"))
 
-        return HTMLResponse(view_html.render(await run_in_threadpool(read)),
+        return HTMLResponse(view_html.render(await run_in_threadpool(guarded(read))),
                             headers={"cache-control": "no-store"})
 
     return app
+
+
+def guarded(handler: Callable[..., T]) -> Callable[..., T]:
+    """`handler` with a failing store answered 503 (its error's type logged, never its text: it may
+    quote a message); bad input (ValueError) and unknown messages (LookupError) pass on."""
+    @functools.wraps(handler)
+    def run(*args: Any, **kwargs: Any) -> T:
+        try:
+            return handler(*args, **kwargs)
+        except (HTTPException, LookupError, ValueError):
+            raise
+        except Exception as exc:
+            log.warning("stageline view: the store failed: %s", type(exc).__name__)
+            raise HTTPException(503, "store unavailable") from None
+    return run
 
 
 def _reason(body: dict[str, Any]) -> str:
