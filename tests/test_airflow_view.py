@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from hl7.client import MLLPClient
@@ -30,6 +31,10 @@ from include.lab.listenerd import Daemon
 from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
 from include.store import Store, operator
+from include.stage_loop import claim_owner
+from include.store import rowlease
+from include.store.db import INBOUND
+from include.store.lease import read_lease
 from include.store.migrate import migrate
 from tests.conftest import pg_config
 from tests.support.hostile import adt
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = {"enabled": True, "cluster_name": "test-cluster", "heartbeat_seconds": 1.0,
            "leader_fence_timeout_seconds": 4.0, "leader_lease_ttl_seconds": 6.0, "node_timeout_seconds": 5.0}
 PASSWORDS = {"admin": "admin-pw", "viewer": "viewer-pw"}
+DAG_RUN = "manual__2026-11-24T05:00:00+00:00"
 AIRFLOW_BIN = str(Path(sys.executable).parent / "airflow")
 
 
@@ -169,9 +175,17 @@ def view(request, airflow_home, tmp_path_factory):
             with s.transaction() as tx:  # what a route that keeps failing leaves: a dead letter
                 tx.conn.cursor().execute("UPDATE stage_inbound SET status = 'dead', attempts = 5, "
                                          "last_error = 'no route matched' WHERE control_id = 'VIEW2'")
-            operator.record_batch(s, stage="route", owner="airflow:stage_route:run-1:1", dag_id="stage_route",
-                                  run_id="manual__2026-11-24T05:00:00+00:00", try_number=1, epoch=1, seconds=0.42,
-                                  counts={"claimed": 2, "routed": 2, "unrouted": 0, "dead": 0})
+            # a route micro-batch as a stage task runs one (no Spark here: no route matches VIEW0),
+            # through the same primitives and history: the message's trail names the batch's owner
+            epoch = read_lease(s).epoch
+            owner = claim_owner("stage_route", f"{DAG_RUN}#1.0")
+            started = time.monotonic()
+            with s.transaction() as tx:
+                claimed = [r["id"] for r in rowlease.claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=1)]
+                rowlease.finish_batch(tx, INBOUND, claimed, owner=owner, epoch=epoch, status="unrouted")
+            operator.record_batch(s, stage="route", owner=owner, dag_id="stage_route", run_id=f"{DAG_RUN}#1.0",
+                                  try_number=1, epoch=epoch, seconds=time.monotonic() - started,
+                                  counts={"claimed": len(claimed), "routed": 0, "unrouted": len(claimed)})
         finally:
             s.close()
         server.start()
@@ -275,7 +289,13 @@ def test_the_view_in_headless_chromium(view, tmp_path):
     wait = WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
 
     def done_says(word: str) -> bool:
-        return word in driver.find_element(By.ID, "done").text
+        """Whether the action's banner says `word` (read in one script: the page may be reloading)."""
+        return word in driver.execute_script("const d = document.getElementById('done'); "
+                                             "return d && document.readyState === 'complete' ? d.textContent : '';")
+
+    def trail_events() -> list[str]:
+        return driver.execute_script("return Array.from(document.querySelectorAll('#trail td.event'), "
+                                     "td => td.textContent);")
     try:
         # Airflow's login: the UI sends a browser without a session there
         driver.get(f"{base}/")
@@ -305,10 +325,18 @@ def test_the_view_in_headless_chromium(view, tmp_path):
                    and [" VIEW2 " in r.text for r in d.find_elements(By.CSS_SELECTOR, "#search tbody tr")] == [True])
         driver.find_element(By.CSS_SELECTOR, "#search tbody tr a").click()
         wait.until(ec.presence_of_element_located((By.ID, "trail")))
-        trail = [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#trail td.event")]
-        assert trail == ["received"], trail  # staged by listenerd; nothing has routed it (no scheduler)
+        assert trail_events() == ["received"], trail_events()  # staged by listenerd; nothing routed it since
         assert "PID|1||P2||DOE^JANE" in driver.find_element(By.CSS_SELECTOR, "pre.hl7").text
         shot("03-message-trail", full=True)
+
+        # a message a micro-batch moved links to that batch and its Airflow run
+        driver.get(f"{base}/stageline/?show=VIEW0")
+        link = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#message a.run")))
+        assert link.get_attribute("href") == f"{base}/dags/stage_route/runs/{quote(DAG_RUN, safe='')}"
+        assert trail_events() == ["received", "unrouted"], trail_events()
+        shot("04-message-moved-by-a-batch", full=True)
+        driver.get(f"{base}/stageline/?show=VIEW2")
+        wait.until(ec.presence_of_element_located((By.ID, "trail")))
 
         # requeue the dead letter from its row (a reason is required), then replay the message
         form = driver.find_element(By.CSS_SELECTOR, "#message form.action[action='api/requeue']")
@@ -319,9 +347,8 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         form.find_element(By.NAME, "reason").send_keys("EHR asked for it again")
         form.find_element(By.TAG_NAME, "button").click()
         wait.until(lambda d: done_says("replayed"))
-        trail = wait.until(lambda d: [td.text for td in d.find_elements(By.CSS_SELECTOR, "#trail td.event")])
-        assert trail == ["received", "requeued", "replayed"], trail
-        shot("04-after-requeue-and-replay", full=True)
+        assert trail_events() == ["received", "requeued", "replayed"], trail_events()
+        shot("05-after-requeue-and-replay", full=True)
     finally:
         driver.quit()
         for path in shots:

@@ -5,6 +5,7 @@ forms as JSON to the view's own endpoints (a cross-site form cannot send JSON) a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from html import escape
@@ -50,10 +51,15 @@ def hl7(payload: str | None) -> str:
     return "\n".join(s for s in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s)
 
 
+BATCH_SUFFIX = re.compile(r"#\d+\.\d+$")
+"""A batch's run id is its DAG run's id plus `#<try>.<n>` (`include.stage_loop`)."""
+
+
 def run_link(batch: dict[str, Any]) -> str:
-    """The Airflow run that ran a batch (Airflow 3's UI route), opened in the whole window."""
-    href = f"/dags/{quote(str(batch['dag_id']), safe='')}/runs/{quote(str(batch['run_id']), safe='')}"
-    return f'<a href="{escape(href)}" target="_top">{e(batch["dag_id"])} / {e(batch["run_id"])}</a>'
+    """The Airflow DAG run that ran a batch (Airflow 3's UI route), opened in the whole window."""
+    dag_run = BATCH_SUFFIX.sub("", str(batch["run_id"]))
+    href = f"/dags/{quote(str(batch['dag_id']), safe='')}/runs/{quote(dag_run, safe='')}"
+    return f'<a class="run" href="{escape(href)}" target="_top">{e(batch["dag_id"])} / {e(batch["run_id"])}</a>'
 
 
 def action(url: str, fields: dict[str, Any], label: str, *, may: bool, extra: str = "") -> str:
@@ -175,7 +181,7 @@ def message_section(data: PageData) -> str:
         f'<td class="event">{e(t["event"])}</td><td>{e(t["from_status"])} → {e(t["to_status"])}</td>'
         f'<td>{e(t["destination"])}</td><td>{e(t["epoch"])}</td><td>{e(t["node_id"])}</td><td>{e(t["detail"])}</td></tr>'
         for t in s.trail)
-    return f"""<section id="message"><h2>Message {e(i["message_id"])} <small>inbound row {i["id"]},
+    return f"""<section id="message" data-id="{i["id"]}"><h2>Message {e(i["message_id"])} <small>inbound row {i["id"]},
  control id {e(i["control_id"])}</small></h2>
 <p>received {when_ms(i["created_ms"])} on <b>{e(i["connection"])}</b>, lane {e(i["lane_key"])},
  charset {e(i["charset"])}; status <b>{e(i["status"])}</b></p>
@@ -237,6 +243,8 @@ document.querySelectorAll('form.action').forEach(function (form) {
       }).join('; ');
     const url = new URL(window.location.href);
     url.searchParams.set('done', said);
+    const shown = document.getElementById('message');  // stay on this message (a control id's
+    if (shown && shown.dataset.id) url.searchParams.set('show', shown.dataset.id);  // newest may be the replay)
     window.location.href = url.toString();
   });
 });
