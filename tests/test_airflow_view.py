@@ -306,7 +306,8 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         wait.until(lambda d: "/auth/login" not in d.current_url and d.get_cookie("_token"))
 
         # the nav entry opens the view inside the Airflow UI (an iframe under /plugin/stageline)
-        driver.get(f"{base}/plugin/stageline")
+        wait.until(ec.element_to_be_clickable((By.XPATH, "//a[normalize-space()='Stageline']"))).click()
+        wait.until(lambda d: d.current_url.rstrip("/").endswith("/plugin/stageline"))
         frame = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "iframe")))
         time.sleep(1)
         shot("02-stageline-in-airflow-ui")

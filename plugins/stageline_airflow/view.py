@@ -56,6 +56,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
     from airflow.api_fastapi.core_api.security import get_user
 
     from stageline_airflow import view_html
@@ -71,7 +72,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         manager = get_auth_manager()
         if not manager.is_authorized_custom_view(method=method, resource_name=RESOURCE, user=user):
             return False
-        if method != "GET" and type(manager).__name__ == "SimpleAuthManager":
+        if method != "GET" and isinstance(manager, SimpleAuthManager):
             return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
         return True
 
