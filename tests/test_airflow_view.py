@@ -257,7 +257,8 @@ def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):
 
 def test_the_view_in_headless_chromium(view, tmp_path):
     from selenium import webdriver
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.common.exceptions import (ElementClickInterceptedException, ElementNotInteractableException,
+                                            NoSuchElementException, StaleElementReferenceException)
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -286,7 +287,9 @@ def test_the_view_in_headless_chromium(view, tmp_path):
             driver.set_window_size(1400, 1000)
 
     # a page replaced under a check (a search, an action's reload) only means: look again
-    wait = WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
+    wait = WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException,
+                                                         ElementClickInterceptedException,
+                                                         ElementNotInteractableException))
 
     def done_says(word: str) -> bool:
         """Whether the action's banner says `word` (read in one script: the page may be reloading)."""
@@ -306,8 +309,14 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         wait.until(lambda d: "/auth/login" not in d.current_url and d.get_cookie("_token"))
 
         # the nav entry opens the view inside the Airflow UI (an iframe under /plugin/stageline)
-        wait.until(ec.element_to_be_clickable((By.XPATH, "//a[normalize-space()='Stageline']"))).click()
-        wait.until(lambda d: d.current_url.rstrip("/").endswith("/plugin/stageline"))
+        def nav_to_view(d: webdriver.Chrome) -> bool:  # a click while the UI still renders may be lost: again
+            if d.current_url.rstrip("/").endswith("/plugin/stageline"):
+                return True
+            for link in d.find_elements(By.XPATH, "//a[normalize-space()='Stageline']")[:1]:
+                link.click()
+            return False
+
+        wait.until(nav_to_view)
         frame = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "iframe")))
         time.sleep(1)
         shot("02-stageline-in-airflow-ui")
