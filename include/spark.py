@@ -376,9 +376,13 @@ class StageSession:
         if self.spark is not None:
             close_session(self.spark, timeout=0.5, release=self._session_id is None)
             self.spark = None
+        # The server just lost is asked last: a standby answers at once, while a restarting
+        # server may listen before it can serve.
+        lost = self.remotes.index(self.remote) if self.remote in self.remotes else -1
+        order = self.remotes[lost + 1:] + self.remotes[:lost + 1]
         deadline = time.monotonic() + timeout
         while True:
-            for remote in self.remotes:
+            for remote in order:
                 if not _listening(*endpoint_of(remote)):
                     continue
                 try:
