@@ -152,6 +152,74 @@ def test_the_row_message_id_is_the_connection_and_the_key() -> None:
     assert len(row_message_id("a", 1)) == 32
 
 
+# -- scheduling, on a fake clock ----------------------------------------------------------------
+
+class FakeSource:
+    """A source table in memory (the mark strategy: marked rows are not read again)."""
+
+    def __init__(self, n: int) -> None:
+        self.rows = [{"id": i, "hl7": hl7(i)} for i in range(1, n + 1)]
+        self.marked: list[Any] = []
+        self.fetches = 0
+
+    def fetch(self, params: dict[str, Any]) -> list[dict[str, Any]]:
+        self.fetches += 1
+        return [r for r in self.rows if r["id"] not in self.marked][:params["limit"]]
+
+    def mark(self, done: list[Any], rejected: list[Any]) -> None:
+        self.marked += done + rejected
+
+    def close(self) -> None:
+        pass
+
+
+class AutoIngest:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def submit(self, item: Any) -> Any:
+        from twisted.internet.defer import succeed
+
+        self.items.append(item)
+        return succeed(item.message_id)
+
+
+def test_a_full_batch_is_followed_at_once_and_nothing_polls_outside_start_and_stop() -> None:
+    from twisted.internet.defer import maybeDeferred
+
+    clock, fake, ingest = MemoryReactorClock(), FakeSource(25), AutoIngest()
+    src = DatabaseSource(database="x", strategy="mark", batch_size=10, query="SELECT 1 LIMIT :limit",
+                         mark="UPDATE t SET s = 1 WHERE id = :key")
+    poller = DbPoll(ingest, InboundConfig(name="db", kind="database", poll_seconds=5.0, database=src),
+                    store=lambda: None, epoch=lambda: 1, reactor=clock, run_blocking=maybeDeferred,
+                    source=fake)  # type: ignore[arg-type]
+    clock.advance(60)
+    assert fake.fetches == 0  # not started: no poll
+    poller.start()
+    clock.advance(0)  # 10 (full: next at once), 10 (full), 5 (short: wait poll_seconds)
+    assert fake.fetches == 3 and len(ingest.items) == 25 and fake.marked == list(range(1, 26))
+    clock.advance(4.9)
+    assert fake.fetches == 3
+    clock.advance(0.1)
+    assert fake.fetches == 4
+    poller.stop()
+    clock.advance(60)
+    assert fake.fetches == 4 and not poller.running
+
+
+def test_without_the_lease_a_poll_reads_nothing() -> None:
+    from twisted.internet.defer import maybeDeferred
+
+    fake = FakeSource(3)
+    src = DatabaseSource(database="x", strategy="mark", query="SELECT 1 LIMIT :limit",
+                         mark="UPDATE t SET s = 1 WHERE id = :key")
+    poller = DbPoll(AutoIngest(), InboundConfig(name="db", kind="database", database=src), store=lambda: None,
+                    epoch=lambda: None, reactor=MemoryReactorClock(), run_blocking=maybeDeferred,
+                    source=fake)  # type: ignore[arg-type]
+    poller.poll()
+    assert fake.fetches == 0 and fake.marked == []
+
+
 # -- against a real source and the real store ------------------------------------------------------
 
 @inlineCallbacks
