@@ -14,7 +14,8 @@ One poll, in order:
 2. **Stage.** Every row becomes an `Inbound` through the one inbound path every transport takes
    (:func:`listeners.inbound.build_inbound`, then the group-commit writer). Its message id is
    derived from the connection and the row's key (:func:`row_message_id`), and ``stage_inbound``
-   skips a message id already staged — in the same statement that would write the row. That is
+   skips a message id already staged — in the same statement that would write the row (and a row
+   whose message retention has since archived is not submitted at all). That is
    what makes a row staged **exactly once**: a row read twice (a crash, or a failover, between its
    commit and step 3) is staged once and skipped the second time, whichever node reads it.
 3. **Advance**, only through the rows staged (or refused for good) without a gap: the watermark
@@ -276,8 +277,16 @@ class DbPoll:
             return 0
         keys = [row[self.src.key_column] for row in rows]
         items: list[Inbound | str] = [self._inbound(row, key) for row, key in zip(rows, keys)]
+        try:
+            archived: set[str] = yield self._run(self._archived, [i.message_id for i in items
+                                                                  if isinstance(i, Inbound)])
+        except Exception as exc:
+            self._problem(f"cannot read the archive ({type(exc).__name__})")
+            return 0
         outcomes: list[tuple[bool, Any]] = yield DeferredList(
-            [self.ingest.submit(i) if isinstance(i, Inbound) else succeed(i) for i in items], consumeErrors=True)
+            [succeed(i) if not isinstance(i, Inbound) else
+             succeed(i.message_id) if i.message_id in archived else self.ingest.submit(i) for i in items],
+            consumeErrors=True)
         done: list[Any] = []
         rejected: list[Any] = []
         for key, item, (ok, result) in zip(keys, items, outcomes):
@@ -343,6 +352,15 @@ class DbPoll:
                                  message_id=message_id, header=header)
         except PayloadRejected as exc:
             return str(exc)
+
+    def _archived(self, message_ids: list[str]) -> set[str]:
+        """Which of these rows' messages retention has archived: staged long ago, not again."""
+        store = self._store()
+        if store is None or not message_ids:
+            return set()
+        with store.transaction(write=False) as tx:
+            return {r["message_id"] for r in tx.all("archived_message_ids",
+                                                     {"ids": tx.dialect.text_list(message_ids)})}
 
     def _read_watermark(self) -> Any:
         store = self._store()

@@ -308,6 +308,27 @@ class DbPollStoreTests(trial.TestCase):
         assert (yield poller.poll()) == 0
 
     @inlineCallbacks
+    def test_a_row_read_again_after_retention_archived_and_purged_its_message_is_not_staged_again(self) -> Any:
+        from include.housekeeping import retention
+        from tests.dags.stores import age, execute
+
+        insert(self.server, self.db, [hl7(1), hl7(2)])
+        poller = self._poller(source(
+            self.server, self.db, strategy="mark",
+            query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+            mark="UPDATE outbox SET status = 'sent' WHERE id = :key"))
+        poller.source.mark = lambda done, rejected: (_ for _ in ()).throw(OSError("no UPDATE grant"))  # type: ignore
+        assert (yield poller.poll()) == 0  # staged, never marked (the reader lacks the grant)
+        execute(self.store, "UPDATE stage_inbound SET status = 'done'")
+        age(self.store, "stage_inbound", "updated_at", "1 = 1", 8 * 86_400)
+        assert retention(self.store, self.epoch, {"inbound": 7 * 86_400})["inbound"] == 2  # archived, purged
+        del poller.source.mark  # the grant is fixed
+        assert (yield poller.poll()) == 2
+        assert staged(self.store_config) == []  # not staged again: the archive has them
+        with psycopg.connect(self.server.conninfo(self.db)) as db:
+            assert db.execute("SELECT count(*) FROM outbox WHERE status = 'sent'").fetchone() == (2,)
+
+    @inlineCallbacks
     def test_a_node_without_the_lease_stages_nothing_and_moves_nothing(self) -> Any:
         insert(self.server, self.db, [hl7(1)])
         poller = self._poller(source(self.server, self.db), leader=False)

@@ -12,3 +12,8 @@ SELECT :connection, :watermark, :epoch
 ON CONFLICT (connection) DO UPDATE
    SET watermark = EXCLUDED.watermark, epoch = EXCLUDED.epoch, updated_at = now()
 RETURNING connection
+
+-- name: archived_message_ids
+-- Of these message ids (:ids), those retention has archived (and maybe purged): a source row read
+-- again after its staged row left the hot tables is not staged a second time.
+SELECT message_id FROM archive_inbound WHERE message_id = ANY(CAST(:ids AS text[]))

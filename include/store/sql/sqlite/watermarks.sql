@@ -12,3 +12,8 @@ SELECT :connection, :watermark, :epoch
 ON CONFLICT (connection) DO UPDATE
    SET watermark = excluded.watermark, epoch = excluded.epoch, updated_at = {now}
 RETURNING connection
+
+-- name: archived_message_ids
+-- Of these message ids (:ids, a JSON array), those retention has archived (and maybe purged): a
+-- source row read again after its staged row left the hot tables is not staged a second time.
+SELECT message_id FROM archive_inbound WHERE message_id IN (SELECT value FROM json_each(:ids))

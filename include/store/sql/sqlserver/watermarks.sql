@@ -13,3 +13,9 @@ USING (SELECT :connection AS connection, :watermark AS watermark, :epoch AS epoc
  WHEN MATCHED THEN UPDATE SET watermark = s.watermark, epoch = s.epoch, updated_at = SYSUTCDATETIME()
  WHEN NOT MATCHED THEN INSERT (connection, watermark, epoch) VALUES (s.connection, s.watermark, s.epoch)
 OUTPUT inserted.connection;
+
+-- name: archived_message_ids
+-- Of these message ids (:ids, a JSON array), those retention has archived (and maybe purged): a
+-- source row read again after its staged row left the hot tables is not staged a second time.
+SELECT message_id FROM archive_inbound
+ WHERE message_id IN (SELECT CAST(value AS nvarchar(450)) FROM OPENJSON(:ids))
