@@ -276,6 +276,9 @@ class DbPoll:
         if not rows:
             return 0
         keys = [row[self.src.key_column] for row in rows]
+        if len({row_message_id(self.config.name, k) for k in keys}) < len(keys):  # one id for two rows: one lost
+            self._problem(f"key_column {self.src.key_column!r} repeats a value in one poll: it must be unique")
+            return 0
         items: list[Inbound | str] = [self._inbound(row, key) for row, key in zip(rows, keys)]
         try:
             archived: set[str] = yield self._run(self._archived, [i.message_id for i in items

@@ -207,6 +207,20 @@ def test_a_full_batch_is_followed_at_once_and_nothing_polls_outside_start_and_st
     assert fake.fetches == 4 and not poller.running
 
 
+def test_a_key_that_repeats_stops_the_feed_instead_of_losing_a_row() -> None:
+    from twisted.internet.defer import maybeDeferred
+
+    fake, ingest = FakeSource(3), AutoIngest()
+    fake.rows[1]["id"] = 1
+    src = DatabaseSource(database="x", strategy="mark", query="SELECT 1 LIMIT :limit",
+                         mark="UPDATE t SET s = 1 WHERE id = :key")
+    poller = DbPoll(ingest, InboundConfig(name="db", kind="database", database=src), store=lambda: None,
+                    epoch=lambda: 1, reactor=MemoryReactorClock(), run_blocking=maybeDeferred,
+                    source=fake)  # type: ignore[arg-type]
+    poller.poll()
+    assert ingest.items == [] and fake.marked == []
+
+
 def test_without_the_lease_a_poll_reads_nothing() -> None:
     from twisted.internet.defer import maybeDeferred
 
