@@ -94,7 +94,7 @@ def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
 
 
 def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
-    """Delete finished rows and audit events older than their retention."""
+    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted."""
     with StagelineStoreHook() as hook:
         return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
                                       {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
