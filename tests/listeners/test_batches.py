@@ -252,3 +252,22 @@ def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_no
     assert rows(store_config, "SELECT count(*) AS n FROM inbound_batches")[0]["n"] == 0
     assert sorted(p.name for p in d.errors.iterdir()) == sorted(
         f"bad{n}.hl7{ext}" for n in range(len(BAD_BYTES)) for ext in ("", ".reason"))
+
+
+def test_an_mllp_listener_without_a_batch_handler_refuses_a_batch_plainly() -> None:
+    """A bare `MLLPFactory` (no batch handler wired) answers a batch with AR naming why, not the
+    "msh_not_first" with ERR 207 a sender would read as our fault."""
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.defer import succeed
+    from twisted.internet.testing import MemoryReactorClock, StringTransport
+
+    from listeners.hl7ack import AckDecision
+    from listeners.mllp import MLLPFactory, frame
+
+    peer = IPv4Address("TCP", "127.0.0.1", 50000)
+    proto = MLLPFactory(lambda *_: succeed(AckDecision.accept()), clock=MemoryReactorClock()).buildProtocol(peer)
+    transport = StringTransport(peerAddress=peer)
+    proto.makeConnection(transport)
+    proto.dataReceived(frame(GOOD))
+    msa = hl7.parse(transport.value().strip(b"\x0b\x1c\r").decode()).segment("MSA")
+    assert (str(msa[1]), str(msa[3])) == ("AR", "batches are not accepted on this connection")
