@@ -390,6 +390,13 @@ class MLLPProtocol(OrderedReplyProtocol):
 
     def _on_oversize(self, event: Oversize) -> None:
         limit = self._config.max_message_bytes
+        if starts_batch(event.prefix):  # a batch over the limit: refused whole, the connection stays
+            _log.warn("rejecting oversize batch ({size} bytes > {limit}) from {peer}", size=event.size, limit=limit,
+                      peer=self.peer_text)
+            slot = Slot("batch")
+            self.enqueue(slot)
+            self.answer(slot, frame(self._fallback_ack(f"batch too large: {event.size} bytes, limit {limit}")))
+            return
         try:
             header = parse_header(
                 event.prefix,

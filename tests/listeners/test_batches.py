@@ -15,15 +15,23 @@ from pathlib import Path
 
 import hl7
 import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from include.config import StoreConfig
 from include.lab.listenerd import Daemon
 from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
 from include.store import Store
+from listeners.connections import InboundConfig
+from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
+from listeners.hl7ack import AckDecision
 from listeners.hl7batch import BatchError, split_batch, starts_batch
 from listeners.inbound import BatchRejected, PayloadRejected, build_inbound, lane_rule
 from listeners.ingest import Inbound, InboundBatch
+from listeners.metrics import Metrics
+from listeners.mllp import MLLPConfig, MLLPFactory, frame
 
 
 def msh(control_id: str, *, enc: str = "^~\\&", kind: str = "ADT^A01") -> str:
@@ -257,13 +265,6 @@ def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_no
 def test_an_mllp_listener_without_a_batch_handler_refuses_a_batch_plainly() -> None:
     """A bare `MLLPFactory` (no batch handler wired) answers a batch with AR naming why, not the
     "msh_not_first" with ERR 207 a sender would read as our fault."""
-    from twisted.internet.address import IPv4Address
-    from twisted.internet.defer import succeed
-    from twisted.internet.testing import MemoryReactorClock, StringTransport
-
-    from listeners.hl7ack import AckDecision
-    from listeners.mllp import MLLPFactory, frame
-
     peer = IPv4Address("TCP", "127.0.0.1", 50000)
     proto = MLLPFactory(lambda *_: succeed(AckDecision.accept()), clock=MemoryReactorClock()).buildProtocol(peer)
     transport = StringTransport(peerAddress=peer)
@@ -271,3 +272,29 @@ def test_an_mllp_listener_without_a_batch_handler_refuses_a_batch_plainly() -> N
     proto.dataReceived(frame(GOOD))
     msa = hl7.parse(transport.value().strip(b"\x0b\x1c\r").decode()).segment("MSA")
     assert (str(msa[1]), str(msa[3])) == ("AR", "batches are not accepted on this connection")
+
+
+def test_a_batch_over_the_frame_limit_is_refused_whole_and_the_connection_goes_on() -> None:
+    class Ingest:
+        """Commits at once; keeps what it was given."""
+
+        def __init__(self) -> None:
+            self.items: list[InboundBatch] = []
+
+        def submit(self, item: InboundBatch) -> Deferred[str]:
+            self.items.append(item)
+            return succeed(item.message_id)
+
+    conn, ingest = InboundConfig("in", "mllp"), Ingest()
+    wiring = Wiring(ingest=ingest, metrics=Metrics(), reactor=MemoryReactorClock(), bound_ports={})
+    factory = MLLPFactory(mllp_handler(conn, wiring, None), clock=wiring.reactor, config=MLLPConfig(max_message_bytes=200),
+                          batch_handler=mllp_batch_handler(conn, wiring, None))
+    peer = IPv4Address("TCP", "127.0.0.1", 50000)
+    proto, transport = factory.buildProtocol(peer), StringTransport(peerAddress=peer)
+    proto.makeConnection(transport)
+    small = batch(message("S1", "P1"), files=None)
+    proto.dataReceived(frame(GOOD) + frame(small))
+    answers = [hl7.parse(a.strip(b"\x0b\r").decode()).segment("MSA") for a in transport.value().split(b"\x1c\r")[:-1]]
+    assert [(str(m[1]), str(m[3]) if str(m[1]) != "AA" else str(m[2])) for m in answers] == [
+        ("AR", f"batch too large: {len(GOOD)} bytes, limit 200"), ("AA", "B-1")]
+    assert [i.control_id for b in ingest.items for i in b.items] == ["S1"] and not transport.disconnecting
