@@ -6,8 +6,8 @@ else the connection's charset), refuse malformed HL7 and what no store can hold,
 key, build the `Inbound` row (or the `InboundBatch`). A refusal is a :class:`PayloadRejected`
 whose text is safe to log and to send back; the transport answers it with its "rejected" answer
 (MLLP ``AR``, TCP ``NAK``, HTTP 400, file moved to the error directory) for that message (or
-batch) alone, with the same text on every transport. :func:`rejection_reason` maps a failed commit to the answer
-the same way for all of them (invariant 9, docs/invariants.md).
+batch) alone, with the same text on every transport. :func:`rejection_reason` maps a failed
+commit to the answer the same way for all of them (invariant 9, docs/invariants.md).
 """
 from __future__ import annotations
 

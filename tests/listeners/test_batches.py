@@ -245,7 +245,6 @@ BAD_BYTES = {
 }
 
 
-@pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
 def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_nothing(listenerd, store_config):
     d = listenerd
     for n, (case, (data, reason)) in enumerate(BAD_BYTES.items()):
