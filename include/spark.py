@@ -20,7 +20,8 @@ import sys
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping
@@ -272,22 +273,25 @@ def bound_connect_retries(spark: SparkSession, *, seconds: float = CONNECT_RETRY
                                              jitter=50, min_jitter_threshold=0)] + others)
 
 
-def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
+def close_session(spark: SparkSession | None, *, timeout: float = 3.0, release: bool = True) -> None:
     """Close a Spark Connect client without ever hanging on a server that has gone away.
 
     pyspark's own exit hook (and `SparkSession.stop()`) talk to the server with retries; with the
     server gone the process would wait in them at exit. Here the session is released in a
     background thread for at most `timeout` seconds, then the channel is closed locally, which
-    also turns the exit hook into a no-op. Classic sessions are left to their owner.
+    also turns the exit hook into a no-op. Classic sessions are left to their owner. With
+    `release=False` the server keeps the session (a stage's sticky one, reopened by the next task).
     """
     client = _connect_client(spark)
     if client is None or client.is_closed:
         return
-    import threading
+    if release:
+        import threading
 
-    releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release", daemon=True)
-    releaser.start()
-    releaser.join(timeout)
+        releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release",
+                                    daemon=True)
+        releaser.start()
+        releaser.join(timeout)
     try:
         client._channel.close()
     finally:
@@ -295,53 +299,140 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
 
 
 RENEW_SECONDS = 60.0
-"""How long a stage task waits for its restarted Spark Connect server before it gives up (and fails)."""
+"""How long a stage task waits for a Spark Connect server to answer before it gives up (and fails)."""
+
+_SESSION_NAMESPACE = uuid.UUID("5d6a2d0e-6f0a-4b8e-9a57-5e3b1c0f7a11")
+
+
+def stage_session_id(name: str) -> str:
+    """The Spark Connect session id every task of one stage (`name`: its DAG id) reopens.
+
+    A new Connect session pays for its first Python job (Spark starts a Python worker daemon per
+    session: 3–4 s here, most of a deliver round's cost after a failover); a stage task that reopens
+    the session its predecessor left — a retry after a killed task, the next run — finds those
+    workers warm. One stage runs one task at a time (`max_active_runs=1`), so one id per stage.
+    """
+    return str(uuid.UUID(bytes=uuid.uuid5(_SESSION_NAMESPACE, name).bytes, version=4))
+
+
+def with_session_id(url: str, session_id: str) -> str:
+    """`url` ("sc://host:port[/;param=…]") with `session_id` as its session."""
+    base, _, params = url.partition("/;")
+    kept = [p for p in params.split(";") if p and not p.startswith("session_id=")]
+    return f"{base.rstrip('/')}/;" + ";".join(kept + [f"session_id={session_id}"])
+
+
+def endpoint_of(url: str) -> tuple[str, int]:
+    """The host and port of a Spark Connect URL."""
+    netloc = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
+    host, _, port = netloc.rpartition(":")
+    return (host or netloc), int(port or DEFAULT_CONNECT_PORT)
 
 
 class StageSession:
-    """The Spark session a stage task works with, renewed in place when its Connect server restarts.
+    """The Spark session a stage task works with, renewed in place when its Connect server goes away.
 
     A killed or restarted Spark Connect server loses every session on it. Failing the task would get
     a new session from Airflow's retry, but only after the try ends, the scheduler picks the retry
     up and a new task process starts: seconds on top of the server's own restart, and a retry that
-    lands while the server is still down fails again. So the task waits for the server to answer
-    and opens a new session on it itself; the batch that failed has already handed its rows back.
-    Classic sessions (and none at all) are not renewed.
+    lands while the server is still down fails again. So the task opens a new session itself, on
+    the first of its `remotes` that answers — a warm standby server takes over at once; with one
+    server, the task waits for it to come back. The batch that failed has already handed its rows
+    back. Classic sessions (and none at all) are not renewed.
+
+    With a `name` the session is the stage's sticky one (`stage_session_id`): opened with that id,
+    it interrupts whatever a killed predecessor left running on it, and it is not released at the
+    end (the next task reopens it warm). Without one, a session is released when it closes.
     """
 
-    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None) -> None:
+    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None, *,
+                 remotes: Sequence[str] = (), name: str | None = None) -> None:
         self.spark = spark
         client = _connect_client(spark)
-        self._endpoint: str | None = client._builder.endpoint if client is not None else None
+        own = [f"sc://{client._builder.endpoint}"] if client is not None else []
+        self.remotes: list[str] = own + [r for r in remotes if r not in own]
+        self.remote: str | None = own[0] if own else None
         self._conf = dict(conf or {})
+        self._session_id = stage_session_id(name) if name else None
 
     @classmethod
     def of(cls, spark: SparkSession | StageSession | None) -> StageSession:
         return spark if isinstance(spark, StageSession) else cls(spark)
 
+    @classmethod
+    def connect(cls, remotes: Sequence[str], conf: Mapping[str, str] | None = None, *, name: str | None = None,
+                timeout: float = RENEW_SECONDS) -> StageSession:
+        """A session on the first of `remotes` that answers (waiting up to `timeout` seconds)."""
+        session = cls(None, conf, remotes=remotes, name=name)
+        if not session.renew(timeout=timeout):
+            raise ConnectionError(f"no Spark Connect server answered within {timeout:.0f} s: {', '.join(remotes)}")
+        return session
+
     def renew(self, *, timeout: float = RENEW_SECONDS, poll: float = 0.25) -> bool:
-        """Replace a lost Connect session with a new one on the same server, waiting up to `timeout`
-        seconds for it to answer; False for a classic session or a server that stays away."""
-        if self._endpoint is None:
+        """Replace a lost Connect session with a new one on the first server that answers, waiting up
+        to `timeout` seconds; False for a classic session or when no server answers in time."""
+        if not self.remotes:
             return False
-        close_session(self.spark, timeout=0.5)
-        host, port = self._endpoint.rsplit(":", 1)
+        if self.spark is not None:
+            close_session(self.spark, timeout=0.5, release=self._session_id is None)
+            self.spark = None
+        # The server just lost is asked last: a standby answers at once, while a restarting
+        # server may listen before it can serve.
+        lost = self.remotes.index(self.remote) if self.remote in self.remotes else -1
+        order = self.remotes[lost + 1:] + self.remotes[:lost + 1]
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if _listening(host, int(port)):
+        while True:
+            for remote in order:
+                if not _listening(*endpoint_of(remote)):
+                    continue
                 try:
-                    fresh = SparkSession.builder.remote(f"sc://{self._endpoint}").config(map=self._conf).create()
-                    bound_connect_retries(fresh)
-                    fresh.range(1).collect()  # it answers, not only listens
-                    self.spark = fresh
+                    self.spark = self._open(remote)
+                    self.remote = remote
                     return True
                 except Exception as exc:  # noqa: BLE001 - a server still starting: ask again
-                    _log.info("Spark Connect at %s not ready yet: %s", self._endpoint, type(exc).__name__)
+                    _log.info("Spark Connect at %s not ready yet: %s", remote, type(exc).__name__)
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(poll)
-        return False
+
+    def _open(self, remote: str) -> SparkSession:
+        url = with_session_id(remote, self._session_id) if self._session_id else remote
+        fresh = SparkSession.builder.remote(url).create()
+        bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else
+                              CONNECT_RETRY_SECONDS)
+        try:
+            if self._session_id:
+                fresh.interruptAll()  # a killed predecessor's operations, still running on this session
+            for key, value in {**SMALL_BATCH_CONF, **self._conf}.items():
+                if key.startswith("spark.sql."):
+                    fresh.conf.set(key, value)
+            fresh.range(1).collect()  # it answers, not only listens
+        except Exception:
+            close_session(fresh, timeout=0.5, release=False)
+            raise
+        return fresh
 
     def close(self) -> None:
-        close_session(self.spark)
+        close_session(self.spark, release=self._session_id is None)
+
+
+def warm_stage_sessions(remote: str, names: Sequence[str]) -> None:
+    """Open each stage's sticky session on `remote` and run a Python job on it, so a stage task
+    that moves there (a standby taking over) finds its Python workers started. Creates Connect
+    sessions in this process: call it from a process of its own."""
+    def identity(batches: Iterator[Any]) -> Iterator[Any]:
+        yield from batches
+
+    for name in names:
+        session = StageSession.connect([remote], name=name, timeout=30)
+        try:
+            session.spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
+        finally:
+            session.close()
+
+
+STANDBY_RETRY_SECONDS = 1.0
+"""A client with a standby server gives up on its server after this long (the standby is warm)."""
 
 
 @contextlib.contextmanager
@@ -361,10 +452,14 @@ def stage_session(spark: SparkSession | None, conf: Mapping[str, str] | None = N
         close_session(spark)
 
 
-def spark_connect_connection(host: str, port: int) -> str:
+def spark_connect_connection(host: str, port: int, *, standby: Sequence[str] = ()) -> str:
     """An Airflow connection (JSON, e.g. for `AIRFLOW_CONN_STAGELINE_SPARK`) to a Spark Connect
-    server; its JDBC jars are on the server."""
-    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
+    server; its JDBC jars are on the server. `standby`: further servers ("sc://host:port") a stage
+    task moves to when this one stops answering (the extra `standby`, comma-separated)."""
+    conn: dict[str, Any] = {"conn_type": "spark_connect", "host": host, "port": int(port)}
+    if standby:
+        conn["extra"] = {"standby": ",".join(standby)}
+    return json.dumps(conn)
 
 
 def classic_spark_connection(master: str = "local[*]") -> str:

@@ -1,5 +1,5 @@
 """The node's listening services: one `InboundService` per configured inbound connection (bound
-only on the leader, see `listeners.gate`) and the `ListeningService` that serves the control plane.
+or polling only on the leader, see `listeners.gate`) and the `ListeningService` that serves the control plane.
 
 Taking an inbound service down has two steps so a clean stop loses and duplicates nothing:
 `stop_intake` (stop listening and polling, stop reading open connections) before the last commits
@@ -19,6 +19,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
 from listeners.connections import InboundConfig, TLSConfig
+from listeners.dbpoll import DbPoll
 from listeners.filedrop import FileDrop
 from listeners.guard import GuardedFactory, PeerLimits, Refusals
 from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, build_ack_batch, build_fallback_ack,
@@ -49,6 +50,8 @@ class Wiring:
     reactor: Any
     bound_ports: dict[str, int]
     refusals: Refusals | None = None
+    store: Callable[[], Any] = lambda: None  # the node's Store (a database poll keeps its watermark there)
+    epoch: Callable[[], int | None] = lambda: None  # the lease epoch this node leads under, None if not
 
     def guard(self, name: str, limits: PeerLimits) -> Callable[[IProtocolFactory, bool], IProtocolFactory]:
         """What `listeners.tls.listen` wraps a listener's factory in: its peer limits."""
@@ -256,8 +259,14 @@ def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
     return InboundService(conn, wiring, start=drop.start, stop=drop.stop)
 
 
+def _database(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    poll = DbPoll(wiring.ingest, conn, store=wiring.store, epoch=wiring.epoch, lane_of=lane_of,
+                  metrics=wiring.metrics, reactor=wiring.reactor)
+    return InboundService(conn, wiring, start=poll.start, stop=poll.stop)
+
+
 _KINDS: dict[str, Callable[[InboundConfig, Wiring, LaneOf | None], InboundService]] = {
-    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file,
+    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file, "database": _database,
 }
 
 

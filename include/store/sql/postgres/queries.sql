@@ -262,11 +262,15 @@ SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHE
 -- predicate of the table's partial index, so the search never reads open rows.
 -- ANY(ARRAY(...)) makes the delete look its rows up by primary key instead of hashing the table.
 -- SKIP LOCKED keeps a purge from queueing behind a finalize that is finishing rows right now.
--- A routed row has no body of its own (it reads its source's).
+-- A routed row has no body of its own (it reads its source's). With :archived = 1 a row goes only
+-- once archive.sql has copied it as it is now (same id, same updated_at): nothing unarchived is lost.
 DELETE FROM stage_routed
  WHERE id = ANY(ARRAY(SELECT id FROM stage_routed
                        WHERE status IN ('done', 'dead')
                          AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                         AND (CAST(:archived AS integer) = 0
+                              OR EXISTS (SELECT 1 FROM archive_routed a
+                                          WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
                        LIMIT :limit
                        FOR UPDATE SKIP LOCKED))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -279,6 +283,9 @@ WITH gone AS (
      WHERE id = ANY(ARRAY(SELECT id FROM stage_outbound
                            WHERE status IN ('done', 'dead')
                              AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                             AND (CAST(:archived AS integer) = 0
+                                  OR EXISTS (SELECT 1 FROM archive_outbound a
+                                              WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
                            LIMIT :limit
                            FOR UPDATE SKIP LOCKED))
        AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -297,6 +304,8 @@ WITH gone AS (
                              AND s.updated_at < now() - make_interval(secs => :ms / 1000.0)
                              AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                               WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                             AND (CAST(:archived AS integer) = 0
+                                  OR EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = s.id AND a.updated_at = s.updated_at))
                            LIMIT :limit
                            FOR UPDATE OF s SKIP LOCKED))
        AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -309,6 +318,8 @@ SELECT id FROM gone
 DELETE FROM message_events
  WHERE id = ANY(ARRAY(SELECT id FROM message_events
                        WHERE at < now() - make_interval(secs => :ms / 1000.0)
+                         AND (CAST(:archived AS integer) = 0
+                              OR EXISTS (SELECT 1 FROM archive_events a WHERE a.id = message_events.id))
                        LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id

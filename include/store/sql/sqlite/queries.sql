@@ -261,9 +261,13 @@ SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHE
 -- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
 -- epoch only (retention is leader work like any other). The status list repeats the partial
 -- index's predicate exactly (SQLite uses a partial index only then). Returns the ids deleted.
+-- With :archived = 1 a row goes only once archive.sql has copied it as it is now (same id, same
+-- updated_at): nothing unarchived is lost.
 DELETE FROM stage_routed
  WHERE id IN (SELECT id FROM stage_routed
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed a
+                                                WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -273,6 +277,8 @@ RETURNING id
 DELETE FROM stage_outbound
  WHERE id IN (SELECT id FROM stage_outbound
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound a
+                                                WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -285,6 +291,8 @@ DELETE FROM stage_inbound
                WHERE s.status IN ('done', 'dead', 'unrouted') AND s.updated_at < {now} - :ms
                  AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                   WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound a
+                                                WHERE a.id = s.id AND a.updated_at = s.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -292,7 +300,10 @@ RETURNING id
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
 DELETE FROM message_events
- WHERE id IN (SELECT id FROM message_events WHERE at < {now} - :ms LIMIT :limit)
+ WHERE id IN (SELECT id FROM message_events
+               WHERE at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_events a WHERE a.id = message_events.id))
+               LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 

@@ -397,13 +397,16 @@ SELECT n.config_hash FROM leader_lease AS l JOIN nodes AS n ON n.node_id = l.own
 -- `done`/`dead` is exactly the predicate of the table's filtered finished index, so the search
 -- never reads open rows. The age is applied in whole seconds: DATEADD takes an int, and
 -- milliseconds overflow it after 24 days. READPAST skips rows a finalize holds instead of queueing
--- behind it. A routed row has no body of its own (it reads its source's).
+-- behind it. A routed row has no body of its own (it reads its source's). With :archived = 1 a row
+-- goes only once archive.sql has copied it as it is now (same id, same updated_at).
 DELETE t
 OUTPUT deleted.id
   FROM stage_routed AS t
- WHERE t.id IN (SELECT TOP (:limit) id FROM stage_routed WITH (READPAST, ROWLOCK)
-                 WHERE status IN ('done', 'dead')
-                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_routed AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.status IN ('done', 'dead')
+                   AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed AS a
+                                                  WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: purge_finished_outbound
@@ -415,9 +418,11 @@ DECLARE @gone TABLE (id bigint NOT NULL PRIMARY KEY);
 DELETE t
 OUTPUT deleted.id INTO @gone
   FROM stage_outbound AS t
- WHERE t.id IN (SELECT TOP (:limit) id FROM stage_outbound WITH (READPAST, ROWLOCK)
-                 WHERE status IN ('done', 'dead')
-                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_outbound AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.status IN ('done', 'dead')
+                   AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound AS a
+                                                  WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
 DELETE FROM outbound_bodies WHERE id IN (SELECT id FROM @gone);
 SELECT id FROM @gone;
@@ -435,7 +440,9 @@ OUTPUT deleted.id INTO @gone
                  WHERE s.status IN ('done', 'dead', 'unrouted')
                    AND s.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
                    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
-                                    WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error')))
+                                    WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound AS a
+                                                  WHERE a.id = s.id AND a.updated_at = s.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
 DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM @gone);
 SELECT id FROM @gone;
@@ -446,8 +453,9 @@ SELECT id FROM @gone;
 DELETE e
 OUTPUT deleted.id
   FROM message_events AS e
- WHERE e.id IN (SELECT TOP (:limit) id FROM message_events WITH (READPAST, ROWLOCK)
-                 WHERE at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE e.id IN (SELECT TOP (:limit) x.id FROM message_events AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_events AS a WHERE a.id = x.id)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
