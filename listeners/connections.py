@@ -18,6 +18,7 @@ from include.hl7path import FieldPathError, parse_path
 
 KINDS = ("mllp", "tcp", "file", "http", "database")
 TCP_FRAMINGS = ("newline", "length")
+BATCH_ACKS = ("batch", "messages")
 SOURCE_BACKENDS = ("postgres", "sqlserver", "sqlite")
 SOURCE_STRATEGIES = ("watermark", "mark")
 _SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
@@ -64,10 +65,13 @@ class InboundConfig:
     port: int = 0
     directory: str = ""              # file: polled directory
     archive: str = ""                # file: where ingested files go (default <directory>/archive)
+    error_directory: str = ""        # file: where refused files go, with a .reason (default <archive>/rejected)
     pattern: str = "*"               # file: glob of files to ingest
     poll_seconds: float = 1.0        # file
     framing: str = "newline"         # tcp: newline | length (4-byte big-endian length prefix)
     lane_key: str = ""               # HL7 path (e.g. "PID-3.1") giving the row's lane; empty = none
+    hl7_only: bool = False           # tcp/http/file: refuse what is not HL7 v2 (MLLP always does)
+    batch_ack: str = "batch"         # mllp: a batch gets one ACK ("batch") or an ACK batch ("messages")
     charset: str = "utf-8"           # used when a message does not declare MSH-18
     max_message_bytes: int = 4 * 1024 * 1024
     idle_timeout_seconds: float = 300.0
@@ -108,7 +112,7 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
         values["tls"] = TLSConfig(**tls)
     if "database" in values:
         values["database"] = _database_source(values["database"], where, base)
-    for key in ("directory", "archive"):
+    for key in ("directory", "archive", "error_directory"):
         if values.get(key):
             values[key] = str((base / values[key]).resolve())
     for key in ("poll_seconds", "idle_timeout_seconds", "connect_rate_per_peer", "frame_timeout_seconds",
@@ -136,6 +140,14 @@ def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
         raise ConnectionConfigError(f"{where}: poll_seconds must be > 0")
     if conn.kind == "file" and not conn.archive:
         conn = InboundConfig(**{**conn.__dict__, "archive": str(Path(conn.directory) / "archive")})
+    if conn.kind == "file" and not conn.error_directory:
+        conn = InboundConfig(**{**conn.__dict__, "error_directory": str(Path(conn.archive) / "rejected")})
+    if conn.kind == "file" and Path(conn.error_directory).resolve() == Path(conn.directory).resolve():
+        raise ConnectionConfigError(f"{where}: error_directory must differ from directory")
+    if conn.batch_ack not in BATCH_ACKS:
+        raise ConnectionConfigError(f"{where}: batch_ack must be batch or messages, got {conn.batch_ack!r}")
+    if not isinstance(conn.hl7_only, bool):
+        raise ConnectionConfigError(f"{where}: hl7_only must be true or false")
     if conn.lane_key:
         try:
             parse_path(conn.lane_key)

@@ -193,10 +193,11 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- name: stage_inbound
 -- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
 -- The bodies follow in stage_inbound_bodies, in the same transaction.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq)
 SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
        json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
-       json_extract(m.value, '$.charset')
+       json_extract(m.value, '$.charset'), json_extract(m.value, '$.batch_id'),
+       json_extract(m.value, '$.batch_seq')
   FROM json_each(:messages) AS m
  WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (message_id) DO NOTHING
@@ -213,6 +214,30 @@ SELECT s.id, json_extract(m.value, '$.payload')
  WHERE s.id IN (SELECT value FROM json_each(:ids))
  ORDER BY m.key
 ON CONFLICT (id) DO NOTHING
+
+-- name: stage_inbound_batches
+-- The batches among the messages just staged (a batch's first message carries its record), in the
+-- same transaction. A file re-read after a crash carries the same batch_id: a no-op.
+INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count)
+SELECT json_extract(m.value, '$.batch_id'), json_extract(m.value, '$.connection'),
+       json_extract(m.value, '$.batch_fhs'), json_extract(m.value, '$.batch_bhs'),
+       json_extract(m.value, '$.batch_declared'), json_extract(m.value, '$.batch_size')
+  FROM json_each(:messages) AS m
+ WHERE json_extract(m.value, '$.batch_seq') = 1
+ON CONFLICT (batch_id) DO NOTHING
+
+-- name: stage_inbound_events
+-- The 'received' events of the rows stage_inbound has just written (:ids) when some came in a
+-- batch: their detail names it ("batch <id>: message k of n").
+INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt,
+                            detail)
+SELECT 'inbound', t.id, t.message_id, t.control_id, 'received', t.status, :epoch, :node_id, t.attempts,
+       CASE WHEN t.batch_id IS NULL THEN NULL
+            ELSE 'batch ' || t.batch_id || ': message ' || t.batch_seq || ' of '
+                 || (SELECT b.message_count FROM inbound_batches b WHERE b.batch_id = t.batch_id) END
+  FROM stage_inbound t
+ WHERE t.id IN (SELECT value FROM json_each(:ids))
+ ORDER BY t.id
 
 -- name: record_events_for
 -- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
