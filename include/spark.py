@@ -19,6 +19,7 @@ import signal
 import sys
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -336,7 +337,7 @@ class StageSession:
     a new session from Airflow's retry, but only after the try ends, the scheduler picks the retry
     up and a new task process starts: seconds on top of the server's own restart, and a retry that
     lands while the server is still down fails again. So the task opens a new session itself, on
-    the first of its `remotes` that answers — a warm standby server takes over at once; with one
+    the first of its `remotes` that answers — another server, already warm, takes over at once; with one
     server, the task waits for it to come back. The batch that failed has already handed its rows
     back. Classic sessions (and none at all) are not renewed.
 
@@ -376,7 +377,7 @@ class StageSession:
         if self.spark is not None:
             close_session(self.spark, timeout=0.5, release=self._session_id is None)
             self.spark = None
-        # The server just lost is asked last: a standby answers at once, while a restarting
+        # The server just lost is asked last: another server answers at once, while a restarting
         # server may listen before it can serve.
         lost = self.remotes.index(self.remote) if self.remote in self.remotes else -1
         order = self.remotes[lost + 1:] + self.remotes[:lost + 1]
@@ -412,27 +413,40 @@ class StageSession:
             raise
         return fresh
 
+    def warm_others(self) -> threading.Thread | None:
+        """In the background, open this stage's sticky session on every other server that listens
+        and run a Python job on it, so a move there finds its Python workers started (a restarted
+        server is warmed again by the next task that starts). Best effort; a daemon thread."""
+        others = [r for r in self.remotes if r != self.remote]
+        if not others or not self._session_id:
+            return None
+        thread = threading.Thread(target=self._warm, args=(others,), name="spark-connect-warm", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm(self, remotes: Sequence[str]) -> None:
+        def identity(batches: Iterator[Any]) -> Iterator[Any]:
+            yield from batches
+
+        for remote in remotes:
+            if not _listening(*endpoint_of(remote)):
+                continue
+            spark = None
+            try:
+                spark = SparkSession.builder.remote(with_session_id(remote, self._session_id)).create()
+                bound_connect_retries(spark, seconds=STANDBY_RETRY_SECONDS)
+                spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
+            except Exception as exc:  # noqa: BLE001 - warming is best effort
+                _log.info("Spark Connect at %s not warmed: %s", remote.split("/;")[0], type(exc).__name__)
+            finally:
+                close_session(spark, timeout=0.5, release=False)
+
     def close(self) -> None:
         close_session(self.spark, release=self._session_id is None)
 
 
-def warm_stage_sessions(remote: str, names: Sequence[str]) -> None:
-    """Open each stage's sticky session on `remote` and run a Python job on it, so a stage task
-    that moves there (a standby taking over) finds its Python workers started. Creates Connect
-    sessions in this process: call it from a process of its own."""
-    def identity(batches: Iterator[Any]) -> Iterator[Any]:
-        yield from batches
-
-    for name in names:
-        session = StageSession.connect([remote], name=name, timeout=30)
-        try:
-            session.spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
-        finally:
-            session.close()
-
-
 STANDBY_RETRY_SECONDS = 1.0
-"""A client with a standby server gives up on its server after this long (the standby is warm)."""
+"""A client with other servers to move to gives up on its server after this long."""
 
 
 @contextlib.contextmanager
@@ -452,13 +466,13 @@ def stage_session(spark: SparkSession | None, conf: Mapping[str, str] | None = N
         close_session(spark)
 
 
-def spark_connect_connection(host: str, port: int, *, standby: Sequence[str] = ()) -> str:
+def spark_connect_connection(host: str, port: int, *, servers: Sequence[str] = ()) -> str:
     """An Airflow connection (JSON, e.g. for `AIRFLOW_CONN_STAGELINE_SPARK`) to a Spark Connect
-    server; its JDBC jars are on the server. `standby`: further servers ("sc://host:port") a stage
-    task moves to when this one stops answering (the extra `standby`, comma-separated)."""
+    server; its JDBC jars are on the server. `servers`: further servers ("sc://host:port", the
+    extra `servers`, comma-separated) the stages are spread over and move to when one stops answering."""
     conn: dict[str, Any] = {"conn_type": "spark_connect", "host": host, "port": int(port)}
-    if standby:
-        conn["extra"] = {"standby": ",".join(standby)}
+    if servers:
+        conn["extra"] = {"servers": ",".join(servers)}
     return json.dumps(conn)
 
 

@@ -99,10 +99,10 @@ class Lab:
     """Airflow schedulers on the shared metadata DB: 2 = one per node (Airflow's HA schedulers)."""
     spark_workers: int = 0
     """0: Spark Connect on local[*]; n: on a Spark standalone master with n workers (separate processes)."""
-    spark_standby: bool | None = None
-    """A second, warm Spark Connect server the stage tasks move to when the first stops answering
-    (the connection's `standby`). Default: on with local[*], off on a standalone master (two
-    applications would split its cores)."""
+    second_spark: bool | None = None
+    """A second Spark Connect server (the connection's `servers`): the stages are spread over both
+    and move to the other when one stops answering. Default: on with local[*], off on a standalone
+    master (two applications would split its cores)."""
     restart_policy: bool = True
     """Restart an exited Airflow component, the recorder or HAProxy, as compose's
     `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
@@ -119,10 +119,10 @@ class Lab:
         self.vip_port = free_port()
         self.receiver_port = free_port()
         self.spark_port = free_port()
-        if self.spark_standby is None:
-            self.spark_standby = not self.spark_workers
-        self.spark_standby_server = None  # include.spark.ConnectServer, with spark_standby
-        self.spark_standby_port = free_port() if self.spark_standby else None
+        if self.second_spark is None:
+            self.second_spark = not self.spark_workers
+        self.spark_b = None  # include.spark.ConnectServer, with second_spark
+        self.spark_b_port = free_port() if self.second_spark else None
         self.airflow_port = free_port()
         self.pipeline_dir = self.workdir / "pipeline"
         self.deliveries_path = self.workdir / "deliveries.jsonl"
@@ -186,9 +186,8 @@ class Lab:
             out[p.name] = p.popen.pid if p.popen and p.popen.poll() is None else None
         if self.spark is not None:
             out["spark-connect"] = self.spark.pid if self.spark.process.poll() is None else None
-        if self.spark_standby_server is not None:
-            server = self.spark_standby_server
-            out["spark-connect-standby"] = server.pid if server.process.poll() is None else None
+        if self.spark_b is not None:
+            out["spark-connect-b"] = self.spark_b.pid if self.spark_b.process.poll() is None else None
         if self.pg is not None:
             try:
                 out["postgresql"] = int((self.pg.data / "postmaster.pid").read_text().split()[0])
@@ -211,7 +210,7 @@ class Lab:
         if self.spark_cluster is not None:
             lines.append(f"Spark master        {self.spark_cluster.master_url} with {self.spark_workers} worker(s)")
         lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}"
-                  + (f" (standby sc://127.0.0.1:{self.spark_standby_port})" if self.spark_standby_port else ""),
+                  + (f" and sc://127.0.0.1:{self.spark_b_port}" if self.spark_b_port else ""),
                   f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
                   f"logs                {self.workdir / 'log'}"]
         return "\n".join(lines)
@@ -315,7 +314,7 @@ class Lab:
             node.proxy.stop()
         from include.spark import stop_connect_server
 
-        for server in (self.spark, self.spark_standby_server):
+        for server in (self.spark, self.spark_b):
             if server is not None:
                 stop_connect_server(server, timeout=10)
         if self.spark_cluster is not None:
@@ -415,19 +414,13 @@ class Lab:
         self.spark = start_connect_server(self.spark_port, log_dir=self.workdir / "log" / "spark-connect",
                                           master=master)
 
-    def start_spark_standby(self) -> None:
-        """The standby Spark Connect server, warmed with a Python job so a takeover finds it ready."""
+    def start_spark_b(self) -> None:
+        """The second Spark Connect server (local[*]): the stage tasks warm their sessions on it."""
         from include.spark import start_connect_server
 
-        assert self.spark_standby_port is not None
-        self.spark_standby_server = start_connect_server(
-            self.spark_standby_port, log_dir=self.workdir / "log" / "spark-connect-standby", master="local[*]")
-        url = f"sc://127.0.0.1:{self.spark_standby_port}"
-        warm = subprocess.run([sys.executable, "-c", "import sys; from include.spark import warm_stage_sessions; "
-                               "warm_stage_sessions(sys.argv[1], sys.argv[2:])", url, *STAGE_DAGS],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-        if warm.returncode != 0:
-            self.echo(f"  spark-connect standby: warm-up failed: {warm.stderr[-500:]}")
+        assert self.spark_b_port is not None
+        self.spark_b = start_connect_server(self.spark_b_port, log_dir=self.workdir / "log" / "spark-connect-b",
+                                            master="local[*]")
 
     def restart_postgres(self) -> None:
         """`pg_ctl restart -m fast`: every connection is dropped; the server is back in about a second."""
@@ -515,8 +508,8 @@ backend mllp_leader
     def _start_spark_into(self, errors: list[BaseException]) -> None:
         try:
             self.start_spark()
-            if self.spark_standby:
-                self.start_spark_standby()
+            if self.second_spark:
+                self.start_spark_b()
         except BaseException as exc:  # noqa: BLE001 — re-raised by the starting thread
             errors.append(exc)
 
@@ -546,7 +539,7 @@ backend mllp_leader
             "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
             "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection(
                 "127.0.0.1", self.spark_port,
-                standby=[f"sc://127.0.0.1:{self.spark_standby_port}"] if self.spark_standby_port else ()),
+                servers=[f"sc://127.0.0.1:{self.spark_b_port}"] if self.spark_b_port else ()),
         })
         return env
 

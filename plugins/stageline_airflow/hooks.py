@@ -105,15 +105,24 @@ def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
     return replace(store, **{name: value for name, value in fields.items() if value})
 
 
+SPREAD_ORDER = ("stage_route", "stage_transform", "stage_deliver")
+"""The stages are spread over the Spark Connect servers in this order (with two: route and deliver
+on the first, transform on the second), so every server runs jobs and is warm for a stage that
+moves to it."""
+
+
 class StagelineSparkHook(BaseHook):
     """The Spark session of one stage task, from the `stageline_spark` Airflow connection.
 
-    Type `spark_connect`: a client of a long-lived Spark Connect server (the Spark provider's
-    `SparkConnectHook` builds its URL: host, port, user id, token, SSL), plus the servers the
-    extra `standby` names ("sc://host:port", comma-separated) to move to when it stops answering.
-    The session is the stage's sticky one (`include.spark.stage_session_id`): a retry or the next
-    run reopens it warm. Type `spark`: a classic session on the connection's master with its
-    extras as Spark conf, as the provider's `@task.pyspark` builds it, stopped at the end.
+    Type `spark_connect`: a client of long-lived Spark Connect servers — the one the connection
+    names (the Spark provider's `SparkConnectHook` builds its URL: host, port, user id, token, SSL)
+    and those its extra `servers` adds ("sc://host:port", comma-separated). The stages are spread
+    over them (`SPREAD_ORDER`); a stage whose server stops answering moves to the next one that
+    answers, and each task warms its stage's session on the other servers in the background, so
+    the move finds Python workers started. The session is the stage's sticky one
+    (`include.spark.stage_session_id`): a retry or the next run reopens it warm. Type `spark`: a
+    classic session on the connection's master with its extras as Spark conf, as the provider's
+    `@task.pyspark` builds it, stopped at the end.
 
     Why not `@task.pyspark` itself: it opens its session before the task's code runs, on the one
     server the connection names, retrying a dead one for minutes, and releases it at the end.
@@ -129,27 +138,30 @@ class StagelineSparkHook(BaseHook):
         super().__init__()
         self.spark_conn_id = spark_conn_id
 
-    def remotes(self) -> list[str]:
-        """The Spark Connect URLs to try in order (empty for a classic connection)."""
+    def remotes(self, stage: str | None = None) -> list[str]:
+        """The Spark Connect URLs in the order `stage` tries them (empty for a classic connection)."""
         from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 
         conn = self.get_connection(self.spark_conn_id)
         if conn.conn_type != SparkConnectHook.conn_type:
             return []
-        standby = conn.extra_dejson.get("standby") or ""
-        standby = standby.split(",") if isinstance(standby, str) else list(standby)
-        primary = SparkConnectHook(self.spark_conn_id).get_connection_url()
-        return [primary] + [url.strip() for url in standby if url.strip()]
+        more = conn.extra_dejson.get("servers") or ""
+        more = more.split(",") if isinstance(more, str) else list(more)
+        urls = [SparkConnectHook(self.spark_conn_id).get_connection_url()] + [u.strip() for u in more if u.strip()]
+        first = SPREAD_ORDER.index(stage) % len(urls) if stage in SPREAD_ORDER else 0
+        return urls[first:] + urls[:first]
 
     @contextlib.contextmanager
     def stage_session(self, *, name: str, conf: Mapping[str, str]) -> Iterator[StageSession]:
         """The task's session for stage `name` (its DAG id), closed (not released) at the end."""
         from include.spark import StageSession, spark_session, stage_session
 
-        remotes = self.remotes()
+        remotes = self.remotes(name)
         if remotes:
             self.log.info("Spark Connect: %s", ", ".join(url.split("/;")[0] for url in remotes))
             session = StageSession.connect(remotes, conf, name=name)
+            self.log.info("Spark Connect session on %s", session.remote.split("/;")[0] if session.remote else None)
+            session.warm_others()
             try:
                 yield session
             finally:
