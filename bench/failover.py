@@ -256,7 +256,8 @@ def dead_letters(lab: Lab) -> int:
 
 def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> tuple[list[FaultResult], dict]:
     lab = Lab(timings=Timings(linger=args.linger), echo=lambda line: None if args.quiet else echo(line),
-              keep_workdir=args.keep, schedulers=args.schedulers, spark_workers=args.spark_workers)
+              keep_workdir=args.keep, schedulers=args.schedulers, spark_workers=args.spark_workers,
+              second_spark=args.second_spark)
     results: list[FaultResult] = []
     summary: dict = {}
     stream: Stream | None = None
@@ -389,6 +390,9 @@ def main() -> None:
                     help=f"comma-separated, in order (of: {', '.join(FAULTS)})")
     ap.add_argument("--schedulers", type=int, default=1, help="Airflow HA schedulers (2: one per node)")
     ap.add_argument("--spark-workers", type=int, default=0, help="Spark standalone workers (0: local[*])")
+    ap.add_argument("--second-spark", action=argparse.BooleanOptionalAction, default=None,
+                    help="a second Spark Connect server the stages spread over (default: on with local[*], off "
+                         "with workers); spark-restart kills the first")
     ap.add_argument("--rate", type=float, default=60.0, help="messages per second (all connections)")
     ap.add_argument("--lanes", type=int, default=20)
     ap.add_argument("--connections", type=int, default=4)

@@ -3,9 +3,10 @@
 
 1. **leader_check** — proceed only under a live leader lease (always, on a single node).
 2. **recover** — on-promotion recovery for the epoch, in case this is the epoch's first run.
-3. **purge** — delete *finished* rows (`done`, `dead`, `unrouted`) whose last change is older
-   than their stage's retention, and audit events older than theirs; bounded batches, fenced by
-   the epoch. Unfinished rows are never purged, however old.
+3. **purge** — archive, then delete, *finished* rows (`done`, `dead`, `unrouted`) whose last
+   change is older than their stage's retention, and audit events older than theirs: rows, bodies
+   and events are copied to the `archive_*` tables first, and only what the archive holds is
+   deleted; bounded batches, fenced by the epoch. Unfinished rows are never purged, however old.
 4. **clean_airflow_metadata** — `airflow db clean` of `dag_run` / `task_instance` / `xcom` for the
    frequent DAGs (a stage run every 30 s is ~2,900 runs a day); Airflow keeps each DAG's latest
    scheduled run. The worker needs `$STAGELINE_AIRFLOW_DB_CONN` when its metadata DB URL comes
@@ -51,7 +52,7 @@ def maintenance_retention() -> None:
 
     @task
     def purge(leader: dict) -> dict[str, int]:
-        """Delete finished rows and events past their retention."""
+        """Archive, then delete, finished rows and events past their retention."""
         return tasks.retention_step(leader, RETENTION)
 
     clean_metadata = BashOperator(

@@ -13,8 +13,8 @@
    letter after the destination's `max_attempts`. A failing head holds only its own lane. Rounds
    repeat until nothing is due or two minutes are spent.
 
-The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
-connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+The job's Spark session comes from the `stageline_spark` connection: the stage's own session on a
+Spark Connect server (or its standby), or a classic `local[*]` session (docs/pipeline.md).
 
 Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """

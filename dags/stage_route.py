@@ -11,8 +11,8 @@
    SQL statement, route them with the configured rules (`routes.toml` in `$STAGELINE_PIPELINE_DIR`), land one routed row
    per destination, finalize fenced by the epoch.
 
-The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
-connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+The job's Spark session comes from the `stageline_spark` connection: the stage's own session on a
+Spark Connect server (or its standby), or a classic `local[*]` session (docs/pipeline.md).
 
 Scheduled `@continuous` (one run at a time, the next starts when one ends): a message waits
 about 1 s plus one task start (~1 s) before the route job starts, where a 30 s interval

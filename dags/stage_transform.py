@@ -11,8 +11,8 @@
    store), compute its outbound lane (`destinations.toml`), land, finalize fenced by the epoch.
    A message the rules cannot read is dead-lettered with the reason, never delivered unchanged.
 
-The job's Spark session comes from the Spark provider (`@task.pyspark`) on the `stageline_spark`
-connection: a Spark Connect server, or a classic `local[*]` session (docs/pipeline.md).
+The job's Spark session comes from the `stageline_spark` connection: the stage's own session on a
+Spark Connect server (or its standby), or a classic `local[*]` session (docs/pipeline.md).
 
 Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """

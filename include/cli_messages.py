@@ -42,7 +42,7 @@ def _json_default(value: Any) -> Any:
 def _readable(payload: str | None) -> str:
     """An HL7 body one segment a line (segments end with CR)."""
     if payload is None:
-        return "    (no body: purged by retention)"
+        return "    (no body: purged by retention without an archive)"
     return "\n".join(f"    {segment}" for segment in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r")
                      if segment)
 
@@ -118,16 +118,19 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
     click.echo(f"message {i['message_id']} (inbound row {i['id']}), control id {i['control_id'] or '-'}\n"
                f"  received {_when(i['created_ms'])} on {i['connection']}, lane {i['lane_key'] or '-'}, "
                f"charset {i['charset'] or '-'}; status {i['status']} after {i['attempts']} attempt(s)"
-               + (f"; last error: {i['last_error']}" if i["last_error"] else ""))
+               + (f"; last error: {i['last_error']}" if i["last_error"] else "")
+               + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else ""))
     click.echo("  as received:")
     click.echo(_readable(i["payload"]))
     for r in story.routed:
         click.echo(f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
-                   f"{r['attempts']} attempt(s)" + (f"; {r['last_error']}" if r["last_error"] else ""))
+                   f"{r['attempts']} attempt(s)" + (f"; {r['last_error']}" if r["last_error"] else "")
+                   + (" (archived)" if r.get("archived_ms") is not None else ""))
     for o in story.outbound:
         click.echo(f"  outbound row {o['id']} → {o['destination']}: {o['status']}, {o['attempts']} attempt(s), "
                    f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
-                   + (f"; {o['last_error']}" if o["last_error"] else ""))
+                   + (f"; {o['last_error']}" if o["last_error"] else "")
+                   + (" (archived)" if o.get("archived_ms") is not None else ""))
         click.echo(_readable(o["payload"]))
     for b in story.batches:
         click.echo(f"  moved by {b['stage']} batch {b['owner']} ({b['dag_id']}, run {b['run_id']}, try "
@@ -139,7 +142,8 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                    + (f" [{e['destination']}]" if e["destination"] else "")
                    + (f" epoch {e['epoch']}" if e["epoch"] is not None else "")
                    + (f" by {e['node_id']}" if e["node_id"] else "")
-                   + (f": {e['detail']}" if e["detail"] else ""))
+                   + (f": {e['detail']}" if e["detail"] else "")
+                   + (" (archived)" if e.get("archived_ms") is not None else ""))
 
 
 @messages.command("replay")

@@ -6,6 +6,7 @@ A destination spec, as loaded from TOML/JSON config::
      "tls": {"ca_file": "/etc/stageline/ca.pem", "cert_file": "...", "key_file": "..."},
      "max_attempts": 10, "backoff_seconds": 5, "max_backoff_seconds": 300, "lane": "PID-3.1"}
     {"name": "archive", "kind": "file", "directory": "/data/out", "suffix": ".hl7"}
+    {"name": "nightly", "kind": "file", "directory": "/data/batches", "batch": true}
     {"name": "api", "kind": "http", "url": "https://api.example/hl7", "headers": {"X-Tenant": "a"}}
 
 Unknown settings are errors (a typo must not silently fall back to a default). `max_attempts`,
@@ -94,6 +95,7 @@ class FileDestination(Destination):
     directory: str
     suffix: str = ".hl7"
     mode: int = 0o600
+    batch: bool = False  # one HL7 batch file (FHS/BHS … BTS/FTS) per micro-batch, not one file per message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +112,7 @@ _KINDS: dict[str, type[Destination]] = {c.kind: c for c in (MllpDestination, Fil
 _COMMON_KEYS = frozenset({"name", "kind", "max_attempts", "backoff_seconds", "max_backoff_seconds", "lane"})
 _KIND_KEYS: dict[str, frozenset[str]] = {
     "mllp": frozenset({"host", "port", "timeout_seconds", "tls", "permanent_ack_codes", "idle_timeout_seconds"}),
-    "file": frozenset({"directory", "suffix", "mode"}),
+    "file": frozenset({"directory", "suffix", "mode", "batch"}),
     "http": frozenset({"url", "timeout_seconds", "headers", "tls", "idle_timeout_seconds"}),
 }
 _TLS_KEYS = frozenset({"ca_file", "cert_file", "key_file", "server_hostname", "verify"})
@@ -182,7 +184,10 @@ def _parse_one(spec: Any, index: int) -> Destination:
         mode = s.integer("mode", 0o600, minimum=0)
         if mode > 0o777:
             raise DestinationConfigError(f"{where}: 'mode' must be permission bits (0..0o777), got {oct(mode)}")
-        return FileDestination(**common, directory=directory, suffix=suffix, mode=mode)
+        batch = s.get("batch", False)
+        if not isinstance(batch, bool):
+            raise s.fail("batch", "true or false")
+        return FileDestination(**common, directory=directory, suffix=suffix, mode=mode, batch=batch)
     url = s.text("url")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:

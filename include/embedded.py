@@ -68,6 +68,10 @@ def endpoints_of(config_dir: Path) -> Endpoints:
     return Endpoints(str(api.get("host", "127.0.0.1")), int(api.get("port", DEFAULT_API_PORT)), tuple(inbound))
 
 
+AIRFLOW_DB_RETRIES = 10
+"""Airflow's `[database] max_db_retries` for every component (jittered backoff up to 5 s a try)."""
+
+
 def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = None) -> dict[str, str]:
     from include.spark import spark_connect_connection
 
@@ -87,6 +91,9 @@ def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = Non
         "AIRFLOW__API__SECRET_KEY": _secret(home / ".api_secret"),
         "AIRFLOW__API_AUTH__JWT_SECRET": _secret(home / ".jwt_secret"),
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        # A metadata DB restart (about a second) is retried through instead of ending the scheduler
+        # (three tries, Airflow's default, give up within ~1.5 s; the scheduler then exits).
+        "AIRFLOW__DATABASE__MAX_DB_RETRIES": str(AIRFLOW_DB_RETRIES),
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")]),
         "STAGELINE_CONFIG": str(service_config),
         "STAGELINE_PIPELINE_DIR": str(pipeline_dir or demo.PIPELINE_DIR),

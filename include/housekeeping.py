@@ -3,7 +3,7 @@
 - `recover` — on-promotion recovery: once per epoch, every row claimed under an older epoch is
   re-pended at once, ignoring row leases (the old leader fenced itself);
 - `reclaim` — the recurring sweep: in-flight rows whose row lease expired are re-pended;
-- `retention` — finished rows and audit events past their retention are deleted.
+- `retention` — finished rows and audit events past their retention are archived, then deleted.
 
 Each takes an open store (in Airflow: `StagelineStoreHook`, once per task) and the epoch the
 run's leader check returned (`include/leader_check.py`), does bounded work in short transactions,
@@ -57,27 +57,48 @@ def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
     return counts
 
 
+ARCHIVE_QUERIES = {"inbound": "archive_finished_inbound", "routed": "archive_finished_routed",
+                   "outbound": "archive_finished_outbound", EVENTS: "archive_events"}
+"""Per retention key, the query that copies what its purge query deletes into the archive tables."""
+
+
 def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str, float], *,
-              batch: int = 5000, max_batches: int = 100) -> dict[str, int]:
-    """Delete finished rows (done, dead, unrouted) older than each stage's retention.
+              batch: int = 5000, max_batches: int = 100, archive: bool = True,
+              archived: dict[str, int] | None = None) -> dict[str, int]:
+    """Archive, then delete, finished rows (done, dead, unrouted) older than each stage's retention.
 
     `older_than_seconds`: one age for every stage and the audit trail, or a mapping from stage
     name (`inbound`, `routed`, `outbound`) and `events` to an age; a key left out is not purged.
     Unfinished rows are never touched, however old. Returns rows deleted per key.
+
+    With `archive` (the default) each key is two steps, each in bounded, fenced batches: copy the
+    rows (bodies included) and events into the `archive_*` tables, then delete from the hot tables
+    only what the archive holds as it is now (same id, same `updated_at`). The steps are separate
+    transactions: a run killed between them has archived rows it did not purge, and the next run
+    copies none of them again (the archive is keyed by the hot row's id) and purges them. So what
+    is purged was archived first, and nothing is archived twice. `archived`, when given, receives
+    the rows archived per key. `archive=False` deletes without copying (the behaviour before the
+    archive existed).
     """
     ages = _ages(older_than_seconds)
     counts: dict[str, int] = {}
-    for table in STAGED_TABLES:
-        if table.stage in ages:
-            counts[table.stage] = _batches(
-                lambda: _purge(store, table.purge, epoch=epoch, age=ages[table.stage], limit=batch),
+    copied: dict[str, int] = {}
+    steps = [(t.stage, t.purge) for t in STAGED_TABLES] + [(EVENTS, "purge_events")]
+    for key, purge in steps:
+        if key not in ages:
+            continue
+        age = ages[key]
+        if archive:
+            copied[key] = _batches(
+                lambda: _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch),
                 limit=batch, max_batches=max_batches)
-    if EVENTS in ages:
-        counts[EVENTS] = _batches(
-            lambda: _purge(store, "purge_events", epoch=epoch, age=ages[EVENTS], limit=batch),
+        counts[key] = _batches(
+            lambda: _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive),
             limit=batch, max_batches=max_batches)
-    if any(counts.values()):
-        log.info("retention under epoch %s deleted %s", epoch, counts)
+    if archived is not None:
+        archived.update(copied)
+    if any(counts.values()) or any(copied.values()):
+        log.info("retention under epoch %s archived %s, deleted %s", epoch, copied, counts)
     return counts
 
 
@@ -113,9 +134,12 @@ def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: i
                                       max_attempts=rowlease.reclaim_cap(table))
 
 
-def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int) -> int:
-    """One batch of a retention query; it returns the ids it deleted (a row count is not portable
-    through a statement that also deletes the rows' bodies)."""
+def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int, archived: bool | None = None) -> int:
+    """One batch of a retention query (an archive copy or a purge); it returns the ids it wrote or
+    deleted (a row count is not portable through a statement that also deletes the rows' bodies)."""
+    params = {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}
+    if archived is not None:
+        params["archived"] = int(archived)
     with store.transaction() as tx:
         tx.fence()
-        return len(tx.all(query, {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}))
+        return len(tx.all(query, params))

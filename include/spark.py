@@ -19,8 +19,10 @@ import signal
 import sys
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping
@@ -272,22 +274,25 @@ def bound_connect_retries(spark: SparkSession, *, seconds: float = CONNECT_RETRY
                                              jitter=50, min_jitter_threshold=0)] + others)
 
 
-def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
+def close_session(spark: SparkSession | None, *, timeout: float = 3.0, release: bool = True) -> None:
     """Close a Spark Connect client without ever hanging on a server that has gone away.
 
     pyspark's own exit hook (and `SparkSession.stop()`) talk to the server with retries; with the
     server gone the process would wait in them at exit. Here the session is released in a
     background thread for at most `timeout` seconds, then the channel is closed locally, which
-    also turns the exit hook into a no-op. Classic sessions are left to their owner.
+    also turns the exit hook into a no-op. Classic sessions are left to their owner. With
+    `release=False` the server keeps the session (a stage's sticky one, reopened by the next task).
     """
     client = _connect_client(spark)
     if client is None or client.is_closed:
         return
-    import threading
+    if release:
+        import threading
 
-    releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release", daemon=True)
-    releaser.start()
-    releaser.join(timeout)
+        releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release",
+                                    daemon=True)
+        releaser.start()
+        releaser.join(timeout)
     try:
         client._channel.close()
     finally:
@@ -295,53 +300,153 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0) -> None:
 
 
 RENEW_SECONDS = 60.0
-"""How long a stage task waits for its restarted Spark Connect server before it gives up (and fails)."""
+"""How long a stage task waits for a Spark Connect server to answer before it gives up (and fails)."""
+
+_SESSION_NAMESPACE = uuid.UUID("5d6a2d0e-6f0a-4b8e-9a57-5e3b1c0f7a11")
+
+
+def stage_session_id(name: str) -> str:
+    """The Spark Connect session id every task of one stage (`name`: its DAG id) reopens.
+
+    A new Connect session pays for its first Python job (Spark starts a Python worker daemon per
+    session: 3–4 s here, most of a deliver round's cost after a failover); a stage task that reopens
+    the session its predecessor left — a retry after a killed task, the next run — finds those
+    workers warm. One stage runs one task at a time (`max_active_runs=1`), so one id per stage.
+    """
+    return str(uuid.UUID(bytes=uuid.uuid5(_SESSION_NAMESPACE, name).bytes, version=4))
+
+
+def with_session_id(url: str, session_id: str) -> str:
+    """`url` ("sc://host:port[/;param=…]") with `session_id` as its session."""
+    base, _, params = url.partition("/;")
+    kept = [p for p in params.split(";") if p and not p.startswith("session_id=")]
+    return f"{base.rstrip('/')}/;" + ";".join(kept + [f"session_id={session_id}"])
+
+
+def endpoint_of(url: str) -> tuple[str, int]:
+    """The host and port of a Spark Connect URL."""
+    netloc = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
+    host, _, port = netloc.rpartition(":")
+    return (host or netloc), int(port or DEFAULT_CONNECT_PORT)
 
 
 class StageSession:
-    """The Spark session a stage task works with, renewed in place when its Connect server restarts.
+    """The Spark session a stage task works with, renewed in place when its Connect server goes away.
 
     A killed or restarted Spark Connect server loses every session on it. Failing the task would get
     a new session from Airflow's retry, but only after the try ends, the scheduler picks the retry
     up and a new task process starts: seconds on top of the server's own restart, and a retry that
-    lands while the server is still down fails again. So the task waits for the server to answer
-    and opens a new session on it itself; the batch that failed has already handed its rows back.
-    Classic sessions (and none at all) are not renewed.
+    lands while the server is still down fails again. So the task opens a new session itself, on
+    the first of its `remotes` that answers — another server, already warm, takes over at once; with one
+    server, the task waits for it to come back. The batch that failed has already handed its rows
+    back. Classic sessions (and none at all) are not renewed.
+
+    With a `name` the session is the stage's sticky one (`stage_session_id`): opened with that id,
+    it interrupts whatever a killed predecessor left running on it, and it is not released at the
+    end (the next task reopens it warm). Without one, a session is released when it closes.
     """
 
-    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None) -> None:
+    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None, *,
+                 remotes: Sequence[str] = (), name: str | None = None) -> None:
         self.spark = spark
         client = _connect_client(spark)
-        self._endpoint: str | None = client._builder.endpoint if client is not None else None
+        own = [f"sc://{client._builder.endpoint}"] if client is not None else []
+        self.remotes: list[str] = own + [r for r in remotes if r not in own]
+        self.remote: str | None = own[0] if own else None
         self._conf = dict(conf or {})
+        self._session_id = stage_session_id(name) if name else None
 
     @classmethod
     def of(cls, spark: SparkSession | StageSession | None) -> StageSession:
         return spark if isinstance(spark, StageSession) else cls(spark)
 
+    @classmethod
+    def connect(cls, remotes: Sequence[str], conf: Mapping[str, str] | None = None, *, name: str | None = None,
+                timeout: float = RENEW_SECONDS) -> StageSession:
+        """A session on the first of `remotes` that answers (waiting up to `timeout` seconds)."""
+        session = cls(None, conf, remotes=remotes, name=name)
+        if not session.renew(timeout=timeout):
+            raise ConnectionError(f"no Spark Connect server answered within {timeout:.0f} s: {', '.join(remotes)}")
+        return session
+
     def renew(self, *, timeout: float = RENEW_SECONDS, poll: float = 0.25) -> bool:
-        """Replace a lost Connect session with a new one on the same server, waiting up to `timeout`
-        seconds for it to answer; False for a classic session or a server that stays away."""
-        if self._endpoint is None:
+        """Replace a lost Connect session with a new one on the first server that answers, waiting up
+        to `timeout` seconds; False for a classic session or when no server answers in time."""
+        if not self.remotes:
             return False
-        close_session(self.spark, timeout=0.5)
-        host, port = self._endpoint.rsplit(":", 1)
+        if self.spark is not None:
+            close_session(self.spark, timeout=0.5, release=self._session_id is None)
+            self.spark = None
+        # The server just lost is asked last: another server answers at once, while a restarting
+        # server may listen before it can serve.
+        lost = self.remotes.index(self.remote) if self.remote in self.remotes else -1
+        order = self.remotes[lost + 1:] + self.remotes[:lost + 1]
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if _listening(host, int(port)):
+        while True:
+            for remote in order:
+                if not _listening(*endpoint_of(remote)):
+                    continue
                 try:
-                    fresh = SparkSession.builder.remote(f"sc://{self._endpoint}").config(map=self._conf).create()
-                    bound_connect_retries(fresh)
-                    fresh.range(1).collect()  # it answers, not only listens
-                    self.spark = fresh
+                    self.spark = self._open(remote)
+                    self.remote = remote
                     return True
                 except Exception as exc:  # noqa: BLE001 - a server still starting: ask again
-                    _log.info("Spark Connect at %s not ready yet: %s", self._endpoint, type(exc).__name__)
+                    _log.info("Spark Connect at %s not ready yet: %s", remote, type(exc).__name__)
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(poll)
-        return False
+
+    def _open(self, remote: str) -> SparkSession:
+        url = with_session_id(remote, self._session_id) if self._session_id else remote
+        fresh = SparkSession.builder.remote(url).create()
+        bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else
+                              CONNECT_RETRY_SECONDS)
+        try:
+            if self._session_id:
+                fresh.interruptAll()  # a killed predecessor's operations, still running on this session
+            for key, value in {**SMALL_BATCH_CONF, **self._conf}.items():
+                if key.startswith("spark.sql."):
+                    fresh.conf.set(key, value)
+            fresh.range(1).collect()  # it answers, not only listens
+        except Exception:
+            close_session(fresh, timeout=0.5, release=False)
+            raise
+        return fresh
+
+    def warm_others(self) -> threading.Thread | None:
+        """In the background, open this stage's sticky session on every other server that listens
+        and run a Python job on it, so a move there finds its Python workers started (a restarted
+        server is warmed again by the next task that starts). Best effort; a daemon thread."""
+        others = [r for r in self.remotes if r != self.remote]
+        if not others or not self._session_id:
+            return None
+        thread = threading.Thread(target=self._warm, args=(others,), name="spark-connect-warm", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm(self, remotes: Sequence[str]) -> None:
+        def identity(batches: Iterator[Any]) -> Iterator[Any]:
+            yield from batches
+
+        for remote in remotes:
+            if not _listening(*endpoint_of(remote)):
+                continue
+            spark = None
+            try:
+                spark = SparkSession.builder.remote(with_session_id(remote, self._session_id)).create()
+                bound_connect_retries(spark, seconds=STANDBY_RETRY_SECONDS)
+                spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
+            except Exception as exc:  # noqa: BLE001 - warming is best effort
+                _log.info("Spark Connect at %s not warmed: %s", remote.split("/;")[0], type(exc).__name__)
+            finally:
+                close_session(spark, timeout=0.5, release=False)
 
     def close(self) -> None:
-        close_session(self.spark)
+        close_session(self.spark, release=self._session_id is None)
+
+
+STANDBY_RETRY_SECONDS = 1.0
+"""A client with other servers to move to gives up on its server after this long."""
 
 
 @contextlib.contextmanager
@@ -361,10 +466,14 @@ def stage_session(spark: SparkSession | None, conf: Mapping[str, str] | None = N
         close_session(spark)
 
 
-def spark_connect_connection(host: str, port: int) -> str:
+def spark_connect_connection(host: str, port: int, *, servers: Sequence[str] = ()) -> str:
     """An Airflow connection (JSON, e.g. for `AIRFLOW_CONN_STAGELINE_SPARK`) to a Spark Connect
-    server; its JDBC jars are on the server."""
-    return json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)})
+    server; its JDBC jars are on the server. `servers`: further servers ("sc://host:port", the
+    extra `servers`, comma-separated) the stages are spread over and move to when one stops answering."""
+    conn: dict[str, Any] = {"conn_type": "spark_connect", "host": host, "port": int(port)}
+    if servers:
+        conn["extra"] = {"servers": ",".join(servers)}
+    return json.dumps(conn)
 
 
 def classic_spark_connection(master: str = "local[*]") -> str:

@@ -1,5 +1,5 @@
 """The node's listening services: one `InboundService` per configured inbound connection (bound
-only on the leader, see `listeners.gate`) and the `ListeningService` that serves the control plane.
+or polling only on the leader, see `listeners.gate`) and the `ListeningService` that serves the control plane.
 
 Taking an inbound service down has two steps so a clean stop loses and duplicates nothing:
 `stop_intake` (stop listening and polling, stop reading open connections) before the last commits
@@ -19,19 +19,23 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
 from listeners.connections import InboundConfig, TLSConfig
+from listeners.dbpoll import DbPoll
 from listeners.filedrop import FileDrop
 from listeners.guard import GuardedFactory, PeerLimits, Refusals
-from listeners.hl7ack import AckCode, AckDecision
+from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, build_ack_batch, build_fallback_ack,
+                              message_header)
+from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
 from listeners.http_inbound import make_inbound_site
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, lane_rule, rejection_reason
+from listeners.ingest import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory
 from listeners.tls import listen
 
-__all__ = ["Wiring", "InboundService", "ListeningService", "inbound_service", "mllp_handler"]
+__all__ = ["Wiring", "InboundService", "ListeningService", "inbound_service", "mllp_batch_handler", "mllp_handler"]
 
 _log = Logger(namespace="stageline.endpoints")
 
@@ -46,6 +50,8 @@ class Wiring:
     reactor: Any
     bound_ports: dict[str, int]
     refusals: Refusals | None = None
+    store: Callable[[], Any] = lambda: None  # the node's Store (a database poll keeps its watermark there)
+    epoch: Callable[[], int | None] = lambda: None  # the lease epoch this node leads under, None if not
 
     def guard(self, name: str, limits: PeerLimits) -> Callable[[IProtocolFactory, bool], IProtocolFactory]:
         """What `listeners.tls.listen` wraps a listener's factory in: its peer limits."""
@@ -184,10 +190,57 @@ def mllp_handler(conn: InboundConfig, wiring: Wiring,
     return handle
 
 
+def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
+                       lane_of: LaneOf | None) -> Callable[[bytes, Any], Deferred[bytes]]:
+    """MLLP's handover of a batch in one frame: validate and split like every transport, submit it
+    as one unit, answer per HL7 batch rules — one ACK for the batch (MSA-2 = its BHS-11, else
+    FHS-11), or with ``batch_ack = "messages"`` an ACK batch of one AA per message. A refused or
+    unstored batch is always one ACK (AR/AE) naming the reason: nothing of it was staged."""
+    metrics = wiring.metrics
+
+    def answer(envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "",
+               encoding: str = "ascii") -> bytes:
+        metrics.acks.labels(conn.name, code.value).inc()
+        if envelope is None:
+            return build_fallback_ack(code, reason=reason)
+        return build_ack(batch_header(envelope, first_message=first, encoding=encoding), code, reason=reason)
+
+    def handle(data: bytes, peer: Any) -> Deferred[bytes]:
+        metrics.received.labels(conn.name).inc()
+        try:
+            batch = build_inbound(data, connection=conn.name, charset=conn.charset, lane_of=lane_of)
+        except PayloadRejected as exc:
+            head = getattr(exc, "header", None)
+            _log.warn("rejecting batch {control_id} on {connection}: {reason}", connection=conn.name,
+                      control_id=(head.control_id if head else "")[:64] or "-", reason=str(exc))
+            return defer.succeed(answer(head, AckCode.AR, str(exc)))
+        assert isinstance(batch, InboundBatch)
+        envelope: BatchHeader = batch.envelope
+        first = batch.items[0] if batch.items else None
+        text, codec = (first.payload, first.charset or "ascii") if first else ("", "ascii")
+
+        def ok(_: str) -> bytes:
+            if conn.batch_ack == "messages":
+                metrics.acks.labels(conn.name, "AA").inc()
+                acks = [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA)
+                        for i in batch.items]
+                return build_ack_batch(batch_header(envelope, first_message=text, encoding=codec), acks)
+            return answer(envelope, AckCode.AA, first=text, encoding=codec)
+
+        def failed(f: Any) -> bytes:
+            reason, code = rejection_reason(f)
+            return answer(envelope, AckCode(code), reason, first=text, encoding=codec)
+
+        return wiring.ingest.submit(batch).addCallbacks(ok, failed)
+
+    return handle
+
+
 def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
     factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
         max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
-        max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()))
+        max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()),
+        batch_handler=mllp_batch_handler(conn, wiring, lane_of))
     return InboundService(conn, wiring, intake=factory)
 
 
@@ -206,8 +259,14 @@ def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
     return InboundService(conn, wiring, start=drop.start, stop=drop.stop)
 
 
+def _database(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
+    poll = DbPoll(wiring.ingest, conn, store=wiring.store, epoch=wiring.epoch, lane_of=lane_of,
+                  metrics=wiring.metrics, reactor=wiring.reactor)
+    return InboundService(conn, wiring, start=poll.start, stop=poll.stop)
+
+
 _KINDS: dict[str, Callable[[InboundConfig, Wiring, LaneOf | None], InboundService]] = {
-    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file,
+    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file, "database": _database,
 }
 
 

@@ -1,4 +1,5 @@
-"""File drop inbound: poll a directory, stage each finished file as one message, then archive it.
+"""File drop inbound: poll a directory, stage each finished file (a message, or a batch of them),
+then archive it.
 
 The directory is a shared resource, so the daemon runs this only on the leader: ``start()`` when
 the lease is won, ``stop()`` when it is lost (``stop`` waits for the file in hand).
@@ -18,10 +19,13 @@ Rules, in order of a poll:
   re-reads the file next time: same message_id, ``stage_inbound`` skips it, then it is moved.
   The same content dropped again under the same name is therefore treated as a duplicate.
 * **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.inbound.build_inbound`
-  (undecodable in ``charset`` or MSH-18, NUL characters, ...) or refused by the store itself:
-  moved to ``<archive>/rejected/`` with a ``<name>.reason`` text file beside it; nothing staged.
-* The whole file is one message, HL7 batch files (FHS/BHS) included; splitting batches is
-  left to a later stage.
+  (malformed HL7, undecodable in ``charset`` or MSH-18, NUL characters, a batch that does not add
+  up, ...) or refused by the store itself: moved to the connection's ``error_directory`` (default
+  ``<archive>/rejected/``) with a ``<name>.reason`` text file beside it; nothing staged. The
+  reason is the text MLLP would send back for the same bytes.
+* **Batches.** A file whose first segment is FHS or BHS is an HL7 batch: split into its messages,
+  each its own row (message ids derived from the file's), staged in one commit with the batch's
+  record, or the whole file is rejected.
 
 All file-system work (scan, read and hash, moves) runs off the reactor thread.
 """
@@ -99,6 +103,9 @@ class FileDrop:
         self.archive = Path(config.archive) if config.archive else self.directory / "archive"
         if self.archive.resolve() == self.directory.resolve():
             raise ValueError(f"{config.name}: archive must differ from directory")
+        self.errors = Path(config.error_directory) if config.error_directory else self.archive / "rejected"
+        if self.errors.resolve() == self.directory.resolve():
+            raise ValueError(f"{config.name}: error_directory must differ from directory")
         if reactor is None:
             from twisted.internet import reactor as global_reactor
 
@@ -212,7 +219,7 @@ class FileDrop:
         self._count_received()
         try:
             item = build_inbound(read.data, connection=self.config.name, charset=self.config.charset,
-                                 lane_of=self.lane_of, message_id=read.message_id)
+                                 lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
         except PayloadRejected as exc:
             yield self._reject(path, str(exc))
             return 0
@@ -245,8 +252,7 @@ class FileDrop:
     def _reject(self, path: Path, reason: str) -> Any:
         self._count_ack("AR")
         try:
-            target = yield self._run(_reject_into, path, self.archive / "rejected", reason,
-                                     self.config.name)
+            target = yield self._run(_reject_into, path, self.errors, reason, self.config.name)
         except OSError as exc:
             _log.error("cannot move rejected {file} on {connection}: {error}", file=path.name,
                        connection=self.config.name, error=type(exc).__name__)

@@ -16,15 +16,23 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from enum import StrEnum
 
+from typing import TYPE_CHECKING
+
 from listeners.hl7msg import HL7Header
+
+if TYPE_CHECKING:
+    from listeners.hl7batch import BatchHeader
 
 __all__ = [
     "AckCode",
     "AckDecision",
     "DEFAULT_ENCODING_CHARACTERS",
     "ERROR_TEXT",
+    "batch_header",
     "build_ack",
+    "build_ack_batch",
     "build_fallback_ack",
+    "message_header",
     "escape",
     "new_control_id",
 ]
@@ -334,3 +342,88 @@ def _version_tuple(version: str) -> tuple[int, ...]:
             break
         parts.append(int(piece))
     return tuple(parts)
+
+
+# -- batches (HL7 v2 section 2.10.3) ----------------------------------------------------------------
+
+def batch_header(
+    envelope: BatchHeader,
+    *,
+    first_message: str = "",
+    encoding: str = "ascii",
+) -> HL7Header:
+    """An `HL7Header` standing for a whole batch, so `build_ack` can answer it: the envelope's
+    separators and addressing (BHS-3..6, else FHS-3..6), MSA-2 = its control id (BHS-11 of its
+    one batch, else FHS-11), processing id, version and charset from its first message (MSH-11,
+    MSH-12, MSH-18) when it has one."""
+    msh = _msh_fields(first_message)
+    return HL7Header(
+        field_separator=envelope.field_separator,
+        encoding_characters=envelope.encoding_characters,
+        sending_application=envelope.sending_application,
+        sending_facility=envelope.sending_facility,
+        receiving_application=envelope.receiving_application,
+        receiving_facility=envelope.receiving_facility,
+        message_type="",
+        control_id=envelope.control_id,
+        processing_id=_nth(msh, 11) or "P",
+        version=_nth(msh, 12) or "2.5",
+        charset=_nth(msh, 18),
+        encoding=encoding,
+    )
+
+
+def message_header(text: str, *, encoding: str) -> HL7Header:
+    """The `HL7Header` of one staged message's text (a batch member, already validated), to
+    answer it inside an ACK batch."""
+    msh = _msh_fields(text)
+    enc = _nth(msh, 2)
+    return HL7Header(
+        field_separator=text[3] if len(text) > 3 else DEFAULT_FIELD_SEPARATOR,
+        encoding_characters=enc or DEFAULT_ENCODING_CHARACTERS,
+        sending_application=_nth(msh, 3),
+        sending_facility=_nth(msh, 4),
+        receiving_application=_nth(msh, 5),
+        receiving_facility=_nth(msh, 6),
+        message_type=_nth(msh, 9),
+        control_id=_nth(msh, 10),
+        processing_id=_nth(msh, 11),
+        version=_nth(msh, 12),
+        charset=_nth(msh, 18),
+        encoding=encoding,
+    )
+
+
+def build_ack_batch(
+    envelope: HL7Header,
+    acks: list[bytes],
+    *,
+    sending_application: str | None = None,
+    sending_facility: str | None = None,
+    now: datetime | None = None,
+) -> bytes:
+    """An ACK batch: ``BHS`` (addressed back to the sender, BHS-12 = the batch's control id),
+    one ACK per message in the order received, ``BTS`` with their count."""
+    fs, enc = envelope.field_separator, envelope.encoding_characters
+    plain = _escaper(fs, enc)
+    raw = _strip_controls
+    app = plain(sending_application) if sending_application is not None else raw(envelope.receiving_application)
+    fac = plain(sending_facility) if sending_facility is not None else raw(envelope.receiving_facility)
+    bhs = fs.join(["BHS", enc, app, fac, raw(envelope.sending_application), raw(envelope.sending_facility),
+                   _timestamp(now, utc_offset="+" not in fs + enc), "", "", "", new_control_id(),
+                   raw(envelope.control_id)])
+    head = f"{bhs}\r".encode(envelope.encoding, errors="replace")
+    tail = f"BTS{fs}{len(acks)}\r".encode(envelope.encoding, errors="replace")
+    return head + b"".join(acks) + tail
+
+
+def _msh_fields(text: str) -> list[str]:
+    if not text.startswith("MSH") or len(text) < 4:
+        return []
+    end = min((i for i in (text.find("\r"), text.find("\n")) if i >= 0), default=len(text))
+    return ["MSH", *text[3:end].split(text[3])[1:]] if text[3] else []
+
+
+def _nth(msh: list[str], n: int) -> str:
+    """MSH-n from `_msh_fields` (MSH-1 is the separator itself, so MSH-n is msh[n - 1])."""
+    return msh[n - 1] if n >= 2 and len(msh) >= n else ""

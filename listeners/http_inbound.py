@@ -3,7 +3,8 @@
 Answers (always a small JSON object, never message content):
 
 ====  =================================================================================
-202   ``{"message_id": ...}`` — the row is committed
+202   ``{"message_id": ...}`` — the row is committed; for an HL7 batch (split into its messages,
+      all committed together) ``{"batch_id": ..., "message_ids": [...]}``
 400   empty body, undecodable body, unknown charset, text no store can hold (NUL), or the store
       refused this very message (not stored; resending it unchanged will not help)
 404   no http connection of that name
@@ -38,7 +39,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from listeners.connections import InboundConfig
 from listeners.guard import guard_channels
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
-from listeners.ingest import IngestRejected, RowRefused
+from listeners.ingest import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.linger import close_after_answers
 from listeners.stream import describe_peer
 
@@ -112,20 +113,26 @@ class InboundResource(Resource):
         if not body:
             return self._refuse(request, conn, 400, "empty message")
         try:
-            item = build_inbound(body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name))
+            item = build_inbound(body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name),
+                                 hl7_only=conn.hl7_only)
         except PayloadRejected as exc:
             return self._refuse(request, conn, 400, str(exc))
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
         d = maybeDeferred(self.ingest.submit, item)
-        d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone),
+        d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
                        errbackArgs=(request, conn, gone))
         d.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
         return NOT_DONE_YET
 
-    def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
+    def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool],
+                   item: Inbound | InboundBatch) -> None:
         self._count(conn, code="AA")
-        if not gone:
+        if gone:
+            return
+        if isinstance(item, InboundBatch):
+            _finish(request, 202, {"batch_id": str(message_id), "message_ids": [i.message_id for i in item.items]})
+        else:
             _finish(request, 202, {"message_id": str(message_id)})
 
     def _failed(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
@@ -280,13 +287,13 @@ def _too_large(size: int, limit: int) -> str:
     return f"message too large: {size} bytes, limit {limit}"
 
 
-def _json(request: Request, status: int, payload: dict[str, str]) -> bytes:
+def _json(request: Request, status: int, payload: dict[str, Any]) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json")
     return json.dumps(payload).encode()
 
 
-def _finish(request: Request, status: int, payload: dict[str, str]) -> None:
+def _finish(request: Request, status: int, payload: dict[str, Any]) -> None:
     body = _json(request, status, payload)
     request.setHeader(b"content-length", b"%d" % len(body))
     request.write(body)

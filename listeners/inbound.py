@@ -1,15 +1,18 @@
 """What every transport (MLLP, TCP, HTTP, file drop) counts as valid inbound input, decided once.
 
-Each transport frames bytes its own way, then calls :func:`build_inbound`: decode (MSH-18, else the
-connection's charset), refuse what no store can hold, compute the lane key, build the `Inbound`
-row. A refusal is a :class:`PayloadRejected` whose text is safe to log and to send back; the
-transport answers it with its "rejected" answer (MLLP ``AR``, TCP ``NAK``, HTTP 400, file moved to
-``rejected/``) for that message alone. :func:`rejection_reason` maps a failed commit to the answer
-the same way for all of them (invariant 9, docs/invariants.md).
+Each transport frames bytes its own way, then calls :func:`build_inbound`: tell an HL7 message, an
+HL7 batch (split into its messages, `listeners.hl7batch`) and other text apart, decode (MSH-18,
+else the connection's charset), refuse malformed HL7 and what no store can hold, compute the lane
+key, build the `Inbound` row (or the `InboundBatch`). A refusal is a :class:`PayloadRejected`
+whose text is safe to log and to send back; the transport answers it with its "rejected" answer
+(MLLP ``AR``, TCP ``NAK``, HTTP 400, file moved to the error directory) for that message (or
+batch) alone, with the same text on every transport. :func:`rejection_reason` maps a failed
+commit to the answer the same way for all of them (invariant 9, docs/invariants.md).
 """
 from __future__ import annotations
 
 import codecs
+import hashlib
 import re
 from typing import Callable, Protocol as TypingProtocol
 
@@ -19,11 +22,14 @@ from twisted.python.failure import Failure
 
 from include.hl7path import parse_path
 from include.hl7path import value as hl7_value
+from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.ingest import Inbound, IngestRejected, NotLeader, RowRefused, StoreUnavailable
+from listeners.ingest import (Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused, StoreUnavailable,
+                              new_message_id)
 
 __all__ = [
     "MAX_KEY_CHARS",
+    "BatchRejected",
     "IngestSink",
     "LaneOf",
     "PayloadRejected",
@@ -45,7 +51,7 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 class IngestSink(TypingProtocol):
     """What a listener needs from `IngestWriter`: a Deferred that fires after the commit."""
 
-    def submit(self, item: Inbound) -> Deferred[str]: ...
+    def submit(self, item: Inbound | InboundBatch) -> Deferred[str]: ...
 
 
 LaneOf = Callable[[str], "str | None"]
@@ -86,26 +92,57 @@ def unstorable(text: str) -> str | None:
 
 
 def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None,
-                  message_id: str | None = None, header: HL7Header | None = None) -> Inbound:
-    """Decode one received message into an `Inbound`, or raise `PayloadRejected`.
+                  message_id: str | None = None, header: HL7Header | None = None,
+                  hl7_only: bool = False) -> Inbound | InboundBatch:
+    """Decide what the received bytes are and build what to stage, or raise `PayloadRejected`.
 
-    An HL7 v2 payload (one whose MSH parses) is decoded with its MSH-18 charset when it declares
-    a known one, else with ``charset``, and gives control_id = MSH-10; any other payload is
-    decoded with ``charset`` and has no control id. ``header`` is the transport's own complete
-    parse (MLLP requires one), reused rather than parsed twice. Text the store cannot hold is
-    refused here, so it never reaches (and never fails) a group commit.
+    The one decision every transport makes (docs/listenerd.md, "The same bytes, the same answer"):
+
+    * the first segment is FHS or BHS: an HL7 batch, split into its messages (`InboundBatch`); one
+      bad message, or an envelope that does not add up, refuses it whole (`BatchRejected`);
+    * the first segment is MSH: an HL7 message. Its header must parse as MLLP parses it (MSH-1/2,
+      MSH-10 present, a known MSH-18 charset, which decodes it); control_id = MSH-10;
+    * an MSH/FHS/BHS segment further down: malformed HL7 (MSH is not the first segment), refused;
+    * anything else is not HL7: refused when ``hl7_only`` (MLLP always is), else staged as opaque
+      text decoded with ``charset``, without a control id.
+
+    ``header`` is the transport's own complete parse (MLLP's), reused rather than parsed twice.
+    ``message_id`` (a file's deterministic id) also gives a batch's id and its messages' ids. Text
+    the store cannot hold is refused here, so it never reaches (and never fails) a group commit.
     """
+    if header is None and starts_batch(data):
+        return _build_batch(data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id)
+    return _build_one(data, connection=connection, charset=charset, lane_of=lane_of, message_id=message_id,
+                      header=header, hl7_only=hl7_only)
+
+
+class BatchRejected(PayloadRejected):
+    """A batch refused whole; ``header`` is its envelope when it could be read (for the answer)."""
+
+    def __init__(self, reason: str, header: BatchHeader | None = None) -> None:
+        super().__init__(reason)
+        self.header = header
+
+
+def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None, message_id: str | None,
+               header: HL7Header | None, hl7_only: bool) -> Inbound:
     control_id: str | None = None
+    if header is None:
+        codec = codec_name(charset)
+        if _is_hl7(data):
+            try:
+                header = parse_header(data, default_encoding=codec, strict_charset=True)
+            except HL7HeaderError as exc:
+                raise PayloadRejected(str(exc)) from None
+        elif hl7_only or _MISPLACED.search(data):
+            try:
+                parse_header(data, default_encoding=codec)  # raises the reason MLLP gives
+            except HL7HeaderError as exc:
+                raise PayloadRejected(str(exc)) from None
     if header is not None and header.text is not None:
         text, codec, control_id = header.text, header.encoding, header.control_id
     else:
         codec = codec_name(charset)
-        try:
-            parsed = parse_header(data, default_encoding=codec, strict_charset=False)
-        except HL7HeaderError:
-            pass  # not HL7 (allowed on tcp/file/http), or unreadable MSH: treat as opaque text
-        else:
-            codec, control_id = parsed.encoding, parsed.control_id
         try:
             text = data.decode("utf-8-sig" if codec == "utf-8" else codec)
         except UnicodeDecodeError as exc:
@@ -130,6 +167,52 @@ def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf
     extra = {"message_id": message_id} if message_id is not None else {}
     return Inbound(connection=connection, payload=text, control_id=control_id, lane_key=lane_key,
                    charset=codec, **extra)
+
+
+def _build_batch(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None,
+                 batch_id: str | None) -> InboundBatch:
+    """A batch's messages, each validated as if sent alone; any refusal refuses the batch."""
+    try:
+        split = split_batch(data)
+    except BatchError as exc:
+        raise BatchRejected(str(exc), exc.header) from None
+    batch_id = batch_id or new_message_id()
+    items: list[Inbound] = []
+    n = len(split.messages)
+    for seq, message in enumerate(split.messages, 1):
+        # Derived from the batch's id: a file's batch id is deterministic, so a re-read after a
+        # crash gives the same message ids and stages nothing twice.
+        own_id = _member_id(batch_id, seq)
+        try:
+            items.append(_build_one(message, connection=connection, charset=charset, lane_of=lane_of,
+                                    message_id=own_id, header=None, hl7_only=True))
+        except PayloadRejected as exc:
+            raise BatchRejected(f"message {seq} of {n}: {exc}", split.header) from None
+    head = split.header
+    return InboundBatch(connection=connection, batch_id=batch_id, items=tuple(items),
+                        fhs_control_id=_key(head.fhs_control_id), bhs_control_id=_key(head.bhs_control_id),
+                        declared=split.declared, envelope=head)
+
+
+def _member_id(batch_id: str, seq: int) -> str:
+    return hashlib.sha256(f"{batch_id}\0{seq}".encode()).hexdigest()[:32]
+
+
+def _key(value: str) -> str | None:
+    """A control id as a stored key: None when empty or too long for the column."""
+    return value if value and len(value) <= MAX_KEY_CHARS and not unstorable(value) else None
+
+
+_LEADING = b" \t\r\n"
+_MISPLACED = re.compile(rb"[\r\n](?:MSH|FHS|BHS)")
+
+
+def _is_hl7(data: bytes) -> bool:
+    """The first segment (after a BOM and blank lines) is MSH."""
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    while start < len(data) and data[start] in _LEADING:
+        start += 1
+    return data.startswith(b"MSH", start)
 
 
 def rejection_reason(failure: Failure) -> tuple[str, str]:

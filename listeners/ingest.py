@@ -12,7 +12,8 @@ nothing waits on a thread hand-over either way. Neither ever blocks the reactor 
 One refused row fails alone (invariant 9, docs/invariants.md): when the store refuses a batch for
 its data (`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
 recommitted, left first (ids stay in arrival order), until every refused row stands alone; those
-fail with `RowRefused`, the rest commit. k refused rows in n cost about 2k·log2(n) statements, never
+fail with `RowRefused`, the rest commit. An HL7 batch (`InboundBatch`) is one unit of the split:
+its messages commit together with its record, or it fails whole. k refused rows in n cost about 2k·log2(n) statements, never
 more than 2n-1. A connection-level failure (database down) or a stale epoch is not split: it fails
 the rest of the batch at once, as retrying pieces against a dead store only adds delay.
 """
@@ -82,6 +83,54 @@ class Inbound:
                 "lane_key": self.lane_key, "charset": self.charset, "message_id": self.message_id}
 
 
+@dataclass(frozen=True, slots=True)
+class InboundBatch:
+    """An HL7 batch split into its messages: staged together with its record (`inbound_batches`),
+    in one statement, or not at all. A group commit treats it as one unit: a refusal fails it
+    whole. Its Deferred fires with the batch_id."""
+
+    connection: str
+    batch_id: str
+    items: tuple[Inbound, ...]
+    fhs_control_id: str | None = None
+    bhs_control_id: str | None = None
+    declared: int | None = None  # what the trailers (BTS-1) said, when they said it
+    envelope: Any = field(default=None, compare=False, repr=False)  # the `BatchHeader`, to answer it
+
+    @property
+    def message_id(self) -> str:
+        return self.batch_id
+
+    @property
+    def control_id(self) -> str | None:
+        return self.bhs_control_id or self.fhs_control_id
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One `stage_inbound` row per message; the first carries the batch's record."""
+        n = len(self.items)
+        out: list[dict[str, Any]] = []
+        for seq, item in enumerate(self.items, 1):
+            row: dict[str, Any] = {**item.row(), "batch_id": self.batch_id, "batch_seq": seq, "batch_size": n}
+            if seq == 1:
+                row.update(batch_fhs=self.fhs_control_id, batch_bhs=self.bhs_control_id, batch_declared=self.declared)
+            out.append(row)
+        return out
+
+
+Unit = Inbound | InboundBatch
+"""What one `submit` hands over, and what a group commit's split never cuts."""
+
+
+def _rows(units: list[Unit]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for unit in units:
+        if unit.__class__ is InboundBatch:
+            rows.extend(unit.rows())  # type: ignore[union-attr]
+        else:
+            rows.append(unit.row())  # type: ignore[union-attr]
+    return rows
+
+
 _STOP = object()
 
 Outcome = IngestRejected | None  # per message: None = committed, else why not
@@ -93,14 +142,14 @@ class _GroupCommit:
     metrics and log lines. `statements()` yields each slice of items to stage in turn and is sent
     back what that statement gave (`Staged`) or the exception it raised."""
 
-    def __init__(self, items: list[Inbound], *, epoch: int, dialect: Any, metrics: Metrics) -> None:
+    def __init__(self, items: list[Unit], *, epoch: int, dialect: Any, metrics: Metrics) -> None:
         self.items = items
         self.epoch = epoch
         self._dialect = dialect
         self._metrics = metrics
         self.outcomes: list[Outcome] = [None] * len(items)
 
-    def statements(self) -> Generator[list[Inbound], Staged | BaseException, list[Outcome]]:
+    def statements(self) -> Generator[list[Unit], Staged | BaseException, list[Outcome]]:
         items, outcomes = self.items, self.outcomes
         started = time.perf_counter()
         halt: IngestRejected | None = None  # once set, the rest of the batch fails with it
@@ -124,7 +173,8 @@ class _GroupCommit:
                     refused += 1
                     self._metrics.store_errors.labels("stage_inbound_refused").inc()
                     # Only the error class: the driver's text may quote the refused value (PHI).
-                    outcomes[lo] = RowRefused(f"refused by the store ({type(exc).__name__}); not stored")
+                    what = "batch refused" if items[lo].__class__ is InboundBatch else "refused"
+                    outcomes[lo] = RowRefused(f"{what} by the store ({type(exc).__name__}); not stored")
                     _log.warn("store refused message {control_id} on {connection}: {err}",
                               control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
                               err=type(exc).__name__)
@@ -144,7 +194,7 @@ class _GroupCommit:
         return outcomes
 
 
-def _fire(batch: list[tuple[Inbound, Deferred]], outcomes: list[Outcome]) -> None:
+def _fire(batch: list[tuple[Unit, Deferred]], outcomes: list[Outcome]) -> None:
     for (item, d), outcome in zip(batch, outcomes):
         if outcome is not None:
             d.errback(outcome)
@@ -173,9 +223,9 @@ class IngestWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: Inbound) -> Deferred:
-        """Queue one message; the Deferred fires with its message_id after commit, or fails with
-        an `IngestRejected` subclass."""
+    def submit(self, item: Unit) -> Deferred:
+        """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
+        commit, or fails with an `IngestRejected` subclass."""
         d: Deferred = Deferred()
         with self._lock:
             self._pending += 1
@@ -220,7 +270,7 @@ class IngestWriter:
             if stop:
                 return
 
-    def _commit(self, items: list[Inbound]) -> list[Outcome]:
+    def _commit(self, items: list[Unit]) -> list[Outcome]:
         """Stage `items`; one outcome per item: None = committed, else why not."""
         epoch = self._epoch()
         if epoch is None:
@@ -232,7 +282,7 @@ class IngestWriter:
                 try:
                     with self.store.single_statement() as tx:
                         staged: Staged | BaseException = stage_inbound(
-                            tx, [i.row() for i in chunk], epoch=epoch, node_id=self.node_id)
+                            tx, _rows(chunk), epoch=epoch, node_id=self.node_id)
                 except Exception as exc:
                     staged = exc
                 chunk = steps.send(staged)
@@ -265,7 +315,7 @@ class ReactorIngestWriter:
         self._reactor = reactor
         self.max_batch = max_batch
         self._stager = stager if stager is not None else PgStager(store, reactor)
-        self._queue: deque[tuple[Inbound, Deferred]] = deque()
+        self._queue: deque[tuple[Unit, Deferred]] = deque()
         self._busy = False  # a batch is being committed (or is about to start)
         self._idle_waiters: list[Deferred] = []
         self._stopped = False
@@ -273,9 +323,9 @@ class ReactorIngestWriter:
     def start(self) -> None:
         self._stager.open()
 
-    def submit(self, item: Inbound) -> Deferred:
-        """Queue one message; the Deferred fires with its message_id after commit, or fails with
-        an `IngestRejected` subclass."""
+    def submit(self, item: Unit) -> Deferred:
+        """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
+        commit, or fails with an `IngestRejected` subclass."""
         d: Deferred = Deferred()
         self._queue.append((item, d))
         if not self._busy:
@@ -319,11 +369,11 @@ class ReactorIngestWriter:
         for d in waiters:
             d.callback(True)
 
-    def _take(self) -> list[tuple[Inbound, Deferred]]:
+    def _take(self) -> list[tuple[Unit, Deferred]]:
         n = min(len(self._queue), self.max_batch)
         return [self._queue.popleft() for _ in range(n)]
 
-    def _start(self, batch: list[tuple[Inbound, Deferred]]) -> bool:
+    def _start(self, batch: list[tuple[Unit, Deferred]]) -> bool:
         """Send the batch's first statement (True), or fail it at once when there is no lease."""
         epoch = self._epoch()
         if epoch is None or self._stopped:
@@ -336,9 +386,9 @@ class ReactorIngestWriter:
         self._stage(batch, steps, epoch, next(steps))
         return True
 
-    def _stage(self, batch: list, steps: Generator, epoch: int, chunk: list[Inbound]) -> None:
+    def _stage(self, batch: list, steps: Generator, epoch: int, chunk: list[Unit]) -> None:
         try:
-            d = self._stager.stage([i.row() for i in chunk], epoch=epoch, node_id=self.node_id)
+            d = self._stager.stage(_rows(chunk), epoch=epoch, node_id=self.node_id)
         except Exception as exc:
             d = fail(exc)
         d.addBoth(self._staged, batch, steps, epoch)
@@ -397,7 +447,7 @@ class IngestService(Service):
         self.writer.start()
         super().startService()
 
-    def submit(self, item: Inbound) -> Deferred:
+    def submit(self, item: Unit) -> Deferred:
         """The writer's `submit`; only the leader's listeners call it, and only while this runs."""
         assert self.writer is not None
         return self.writer.submit(item)

@@ -32,6 +32,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
+from listeners.hl7batch import starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
 
@@ -252,6 +253,8 @@ class MLLPDecoder:
 
 # handler(message, peer, header): the header is the protocol's own parse (with the decoded text)
 Handler = Callable[[bytes, IAddress, HL7Header], "Deferred[AckDecision]"]
+# batch_handler(batch, peer): a frame holding an HL7 batch (FHS/BHS first); fires with the whole answer
+BatchHandler = Callable[[bytes, IAddress], "Deferred[bytes]"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,10 +284,12 @@ class MLLPProtocol(OrderedReplyProtocol):
     kind = "MLLP"
     factory: MLLPFactory | None = None
 
-    def __init__(self, handler: Handler, *, config: MLLPConfig, clock: IReactorTime) -> None:
+    def __init__(self, handler: Handler, *, config: MLLPConfig, clock: IReactorTime,
+                 batch_handler: BatchHandler | None = None) -> None:
         super().__init__(clock=clock, idle_timeout_seconds=config.idle_timeout_seconds,
                          max_in_flight=config.max_in_flight)
         self._handler = handler
+        self._batch_handler = batch_handler
         self._config = config
         self._decoder = MLLPDecoder(
             max_message_bytes=config.max_message_bytes, prefix_bytes=config.prefix_bytes
@@ -319,6 +324,9 @@ class MLLPProtocol(OrderedReplyProtocol):
             )
 
     def _on_message(self, payload: bytes) -> None:
+        if starts_batch(payload):
+            self._on_batch(payload)
+            return
         try:
             header = parse_header(
                 payload,
@@ -350,8 +358,45 @@ class MLLPProtocol(OrderedReplyProtocol):
         )
         d.addErrback(self._internal_error, slot)
 
+    def _on_batch(self, payload: bytes) -> None:
+        """A frame holding an HL7 batch: the batch handler answers it whole (one ACK, or an ACK
+        batch), in arrival order like any message."""
+        slot = Slot("batch")
+        self.enqueue(slot)
+        if self._batch_handler is None:
+            self.answer(slot, frame(self._fallback_ack("batches are not accepted on this connection")))
+            return
+        assert self.peer is not None
+        d = maybeDeferred(self._batch_handler, payload, self.peer)
+
+        def timed_out() -> None:
+            _log.error("handler timed out for a batch from {peer}; answering AE", peer=self.peer_text)
+            self.answer(slot, frame(self._fallback_ack("batch not stored in time; resend later", code=AckCode.AE)))
+
+        def done(ack: bytes) -> None:
+            if not slot.ready:
+                self.answer(slot, frame(ack))
+
+        def failed(failure: Failure) -> None:
+            if slot.ready:
+                return
+            _log.error("batch handler failed for a batch from {peer}: {error}; answering AE", peer=self.peer_text,
+                       error=failure.type.__name__ if failure.type else "unknown")
+            self.answer(slot, frame(self._fallback_ack("batch not stored; resend later", code=AckCode.AE)))
+
+        self.await_answer(d, slot, self._config.handler_timeout_seconds, timed_out)
+        d.addCallbacks(done, failed)
+        d.addErrback(self._internal_error, slot)
+
     def _on_oversize(self, event: Oversize) -> None:
         limit = self._config.max_message_bytes
+        if starts_batch(event.prefix):  # a batch over the limit: refused whole, the connection stays
+            _log.warn("rejecting oversize batch ({size} bytes > {limit}) from {peer}", size=event.size, limit=limit,
+                      peer=self.peer_text)
+            slot = Slot("batch")
+            self.enqueue(slot)
+            self.answer(slot, frame(self._fallback_ack(f"batch too large: {event.size} bytes, limit {limit}")))
+            return
         try:
             header = parse_header(
                 event.prefix,
@@ -474,8 +519,10 @@ class MLLPFactory(StreamFactory):
         *,
         config: MLLPConfig | None = None,
         clock: IReactorTime | None = None,
+        batch_handler: BatchHandler | None = None,
     ) -> None:
         super().__init__()
+        self.batch_handler = batch_handler
         if clock is None:
             from twisted.internet import reactor
 
@@ -486,6 +533,6 @@ class MLLPFactory(StreamFactory):
         self.max_connections = self.config.max_connections
 
     def buildProtocol(self, addr: IAddress) -> MLLPProtocol:
-        proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock)
+        proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock, batch_handler=self.batch_handler)
         proto.factory = self
         return proto

@@ -6,7 +6,7 @@
     ├── lease       elector (single node: permanent lease)               every node
     ├── ingest      group-commit writer (PostgreSQL: on the reactor; else a thread) every node
     ├── heartbeat   elector step, membership, shared config version      every node
-    └── leader-gate endpoint services (MLLP, TCP, HTTP, file drop)       only while leading
+    └── leader-gate endpoint services (MLLP, TCP, HTTP, file drop, database poll) only while leading
 
 So a clean stop (SIGTERM) runs: the gate's ordered stop (intake, commits and their answers,
 close), the heartbeat, the writer, then the lease is released and the node marked left, the store
@@ -93,7 +93,8 @@ class ListenerNode(SequentialMultiService):
                                           config_hash=lambda: self.listeners.config_hash, on_beat=self._after_beat,
                                           config_version=lambda: self.config_version, reactor=reactor)
         wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports,
-                        refusals=Refusals(self.metrics, reactor))
+                        refusals=Refusals(self.metrics, reactor), store=lambda: self.stores.store,
+                        epoch=lambda: self.lease.epoch)
         self.gate = LeaderGate(is_leader=lambda: self.lease.is_leader, connections=lambda: self.listeners.inbound,
                                build=lambda conn: inbound_service(conn, wiring), drain=self.ingest.drain,
                                reactor=reactor, supervise_seconds=supervise_seconds, drain_seconds=drain_seconds,

@@ -29,6 +29,7 @@ from twisted.python.failure import Failure
 
 from listeners.connections import TCP_FRAMINGS, InboundConfig
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.ingest import InboundBatch
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ class TCPProtocol(OrderedReplyProtocol):
         factory.count_received()
         try:
             item = build_inbound(payload, connection=self._config.name, charset=self._config.charset,
-                                 lane_of=factory.lane_of)
+                                 lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
         except PayloadRejected as exc:
             _log.warn("rejecting {size}-byte message on {connection} from {peer}: {reason}",
                       size=len(payload), connection=self._config.name, peer=self.peer_text, reason=str(exc))
@@ -224,6 +225,8 @@ class TCPProtocol(OrderedReplyProtocol):
         slot = Slot()
         self.enqueue(slot)
         d = maybeDeferred(factory.ingest.submit, item)
+        if isinstance(item, InboundBatch):  # one answer for the batch: its id and how many it staged
+            d.addCallback(lambda batch_id, n=len(item.items): f"{batch_id} ({n} messages)")
         self.await_answer(d, slot, factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
         d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
 

@@ -10,7 +10,9 @@ One round:
     deliver   `spark_deliver`: repartition by lane, `mapInPandas` → `deliver_lanes` → `send()`;
               an outcomes frame (id, destination, ok, retryable, detail) is collected. A
               partition's file lanes are written together: two disk flushes for all of them, not
-              two per file (`senders.file.send_file_lanes`)
+              two per file (`senders.file.send_file_lanes`); a file destination with
+              ``batch = true`` gets one HL7 batch file of all its rows in the partition
+              (`senders.file.batch_file`)
     finalize  `include.store.stages.finalize_deliveries`, ONE fenced transaction: ok → done;
               retryable → error with the destination's backoff, or dead after its
               `max_attempts`; permanent → dead at once; not attempted (an earlier row of its lane
@@ -45,7 +47,7 @@ from include.store.rowlease import claim_lane_heads
 from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from spark_jobs.senders import send
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE
-from spark_jobs.senders.file import FileSend, send_file_lanes
+from spark_jobs.senders.file import FileSend, batch_file, send_file_lanes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -151,10 +153,28 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
 
 def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
                         dests: Mapping[str, Destination]) -> Iterator[dict[str, Any]]:
-    """File lanes all at once: two flushes for the lot instead of two per file (`send_file_lanes`)."""
+    """File lanes all at once: two flushes for the lot instead of two per file (`send_file_lanes`).
+    A destination with ``batch = true`` gets all its rows here as ONE batch file instead."""
+    batched: dict[str, list[Mapping[str, Any]]] = {}
+    single: list[list[Mapping[str, Any]]] = []
+    for lane in lanes:
+        dest = dests[lane[0]["destination"]]
+        if isinstance(dest, FileDestination) and dest.batch:
+            batched.setdefault(dest.name, []).extend(lane)
+        else:
+            single.append(lane)
+    groups = [sorted(rows, key=lambda r: int(r["id"])) for rows in batched.values()]  # lanes stay in order
     sends = [[FileSend(dests[r["destination"]], r["payload"], r.get("content_type") or DEFAULT_CONTENT_TYPE,
-                       r["idempotency_key"]) for r in lane] for lane in lanes]  # type: ignore[arg-type]
-    for lane, results in zip(lanes, send_file_lanes(sends)):
+                       r["idempotency_key"]) for r in lane] for lane in single]  # type: ignore[arg-type]
+    sends += [[batch_file(dests[rows[0]["destination"]], rows)] for rows in groups]  # type: ignore[arg-type]
+    results_all = send_file_lanes(sends)
+    for rows, [result] in zip(groups, results_all[len(single):]):
+        assert result is not None
+        for row in rows:
+            yield _outcome(row, ok=result.ok, retryable=result.retryable,
+                           detail=f"{result.detail}, a batch of {len(rows)} messages")
+    lanes = single
+    for lane, results in zip(lanes, results_all):
         failed: Mapping[str, Any] | None = None
         for row, result in zip(lane, results):
             if result is None:

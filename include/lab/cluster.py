@@ -99,6 +99,10 @@ class Lab:
     """Airflow schedulers on the shared metadata DB: 2 = one per node (Airflow's HA schedulers)."""
     spark_workers: int = 0
     """0: Spark Connect on local[*]; n: on a Spark standalone master with n workers (separate processes)."""
+    second_spark: bool | None = None
+    """A second Spark Connect server (the connection's `servers`): the stages are spread over both
+    and move to the other when one stops answering. Default: on with local[*], off on a standalone
+    master (two applications would split its cores)."""
     restart_policy: bool = True
     """Restart an exited Airflow component, the recorder or HAProxy, as compose's
     `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
@@ -115,6 +119,10 @@ class Lab:
         self.vip_port = free_port()
         self.receiver_port = free_port()
         self.spark_port = free_port()
+        if self.second_spark is None:
+            self.second_spark = not self.spark_workers
+        self.spark_b = None  # include.spark.ConnectServer, with second_spark
+        self.spark_b_port = free_port() if self.second_spark else None
         self.airflow_port = free_port()
         self.pipeline_dir = self.workdir / "pipeline"
         self.deliveries_path = self.workdir / "deliveries.jsonl"
@@ -178,6 +186,8 @@ class Lab:
             out[p.name] = p.popen.pid if p.popen and p.popen.poll() is None else None
         if self.spark is not None:
             out["spark-connect"] = self.spark.pid if self.spark.process.poll() is None else None
+        if self.spark_b is not None:
+            out["spark-connect-b"] = self.spark_b.pid if self.spark_b.process.poll() is None else None
         if self.pg is not None:
             try:
                 out["postgresql"] = int((self.pg.data / "postmaster.pid").read_text().split()[0])
@@ -199,7 +209,8 @@ class Lab:
             lines.append(f"Airflow schedulers  {self.schedulers} on the shared PostgreSQL metadata DB (HA)")
         if self.spark_cluster is not None:
             lines.append(f"Spark master        {self.spark_cluster.master_url} with {self.spark_workers} worker(s)")
-        lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}",
+        lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}"
+                  + (f" and sc://127.0.0.1:{self.spark_b_port}" if self.spark_b_port else ""),
                   f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
                   f"logs                {self.workdir / 'log'}"]
         return "\n".join(lines)
@@ -301,10 +312,11 @@ class Lab:
             except Exception as exc:  # noqa: BLE001 — keep stopping the rest
                 self.echo(f"  stopping listenerd {node.name}: {exc}")
             node.proxy.stop()
-        if self.spark is not None:
-            from include.spark import stop_connect_server
+        from include.spark import stop_connect_server
 
-            stop_connect_server(self.spark, timeout=10)
+        for server in (self.spark, self.spark_b):
+            if server is not None:
+                stop_connect_server(server, timeout=10)
         if self.spark_cluster is not None:
             self.spark_cluster.stop()
         if self.pg is not None:
@@ -402,6 +414,14 @@ class Lab:
         self.spark = start_connect_server(self.spark_port, log_dir=self.workdir / "log" / "spark-connect",
                                           master=master)
 
+    def start_spark_b(self) -> None:
+        """The second Spark Connect server (local[*]): the stage tasks warm their sessions on it."""
+        from include.spark import start_connect_server
+
+        assert self.spark_b_port is not None
+        self.spark_b = start_connect_server(self.spark_b_port, log_dir=self.workdir / "log" / "spark-connect-b",
+                                            master="local[*]")
+
     def restart_postgres(self) -> None:
         """`pg_ctl restart -m fast`: every connection is dropped; the server is back in about a second."""
         assert self.pg is not None
@@ -488,6 +508,8 @@ backend mllp_leader
     def _start_spark_into(self, errors: list[BaseException]) -> None:
         try:
             self.start_spark()
+            if self.second_spark:
+                self.start_spark_b()
         except BaseException as exc:  # noqa: BLE001 — re-raised by the starting thread
             errors.append(exc)
 
@@ -515,7 +537,9 @@ backend mllp_leader
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
             "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
-            "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection("127.0.0.1", self.spark_port),
+            "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection(
+                "127.0.0.1", self.spark_port,
+                servers=[f"sc://127.0.0.1:{self.spark_b_port}"] if self.spark_b_port else ()),
         })
         return env
 

@@ -85,26 +85,47 @@ def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
 
 def resolve(store: Store, ref: str) -> int:
     """The inbound row id named by `ref`: a row id, a message id or a control id (the newest with
-    it). LookupError if none."""
+    it), in the hot tables first, then in retention's archive. LookupError if none."""
     if ref.isdigit():
         with store.transaction(write=False) as tx:
-            if tx.one("message_inbound", {"id": int(ref)}) is not None:
+            if tx.one("message_inbound", {"id": int(ref)}) is not None or \
+                    tx.one("archived_inbound", {"id": int(ref)}) is not None:
                 return int(ref)
     for key in ("message_id", "control_id"):
         rows = find(store, Filters(**{key: ref}, limit=1))
         if rows:
             return int(rows[0]["id"])
-    raise LookupError(f"no message {ref!r} (tried row id, message id and control id)")
+    with store.transaction(write=False) as tx:
+        row = tx.one("archived_inbound_ref", {"ref": ref})
+    if row and row["id"] is not None:
+        return int(row["id"])
+    raise LookupError(f"no message {ref!r} (tried row id, message id and control id, hot and archived)")
+
+
+def _merged(hot: list[dict[str, Any]], archived: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Hot rows and archived ones by id; a row in both (archived, not yet purged) shows as hot.
+    An archived row carries `archived_ms`; a hot one None."""
+    rows = {r["id"]: {**r, "archived_ms": None} for r in hot}
+    for r in archived:
+        rows.setdefault(r["id"], r)
+    return [rows[k] for k in sorted(rows)]
 
 
 def show(store: Store, inbound_id: int) -> Story:
+    """One message's whole story, from the hot tables and retention's archive alike: a message
+    whose rows and events were archived and purged reads the same as one still hot."""
     with store.transaction(write=False) as tx:
         inbound = tx.one("message_inbound", {"id": inbound_id})
+        inbound = {**inbound, "archived_ms": None} if inbound is not None else \
+            tx.one("archived_inbound", {"id": inbound_id})
         if inbound is None:
             raise LookupError(f"no inbound row {inbound_id}")
-        story = Story(inbound, tx.all("message_routed", {"id": inbound_id}),
-                      tx.all("message_outbound", {"id": inbound_id}),
-                      tx.all("message_trail", {"message_id": inbound["message_id"]}))
+        story = Story(inbound,
+                      _merged(tx.all("message_routed", {"id": inbound_id}), tx.all("archived_routed", {"id": inbound_id})),
+                      _merged(tx.all("message_outbound", {"id": inbound_id}),
+                              tx.all("archived_outbound", {"id": inbound_id})),
+                      _merged(tx.all("message_trail", {"message_id": inbound["message_id"]}),
+                              tx.all("archived_trail", {"message_id": inbound["message_id"]})))
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})

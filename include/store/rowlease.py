@@ -172,9 +172,12 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
 def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> dict[str, int] | None:
     """Stage received messages under `epoch` (the listener's group commit).
 
-    `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload.
-    Returns {message_id: row id} for the rows written (a message_id already staged is skipped,
-    which makes re-reading a file after a crash harmless), or None when `epoch` is no longer
+    `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload; a
+    batch's messages also carry batch_id and batch_seq (from 1), and its first one the batch's
+    record (batch_size, batch_fhs, batch_bhs, batch_declared), written to `inbound_batches` in the
+    same transaction: a batch lands whole or not at all. Returns {message_id: row id} for the rows
+    written (a message_id already staged is skipped, which makes re-reading a file after a crash
+    harmless), or None when `epoch` is no longer
     current — then nothing is written. The epoch is checked by the insert itself rather than
     under the fence lock: an inbound row staged just as leadership moved is still a durable,
     valid message, and skipping the lock saves the hot path a round trip. PostgreSQL writes the
@@ -187,10 +190,18 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
+    batched = not (rows[0]["bodies_written"] and rows[0]["events_recorded"]) and any(
+        m.get("batch_seq") == 1 for m in messages)
     if not rows[0]["bodies_written"]:
         tx.execute("stage_inbound_bodies", {"messages": batch, "ids": tx.dialect.id_list([r["id"] for r in rows])})
+        if batched:
+            tx.execute("stage_inbound_batches", {"messages": batch})
     if not rows[0]["events_recorded"]:
-        tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
+        if batched:  # the events name the batch (its row is written above)
+            tx.execute("stage_inbound_events", {"ids": tx.dialect.id_list([r["id"] for r in rows]), "epoch": epoch,
+                                                "node_id": node_id})
+        else:
+            tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
     return {r["message_id"]: int(r["id"]) for r in rows}
 
 

@@ -20,7 +20,9 @@ store — and closed by `close()` or when the `with` block ends.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,8 @@ from include.store import Store
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
+
+    from include.spark import StageSession
 
 
 class StagelineStoreHook(BaseHook):
@@ -99,3 +103,75 @@ def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
     fields = {"server": conn.host, "port": conn.port, "username": conn.login, "database": conn.schema,
               "password": conn.password}
     return replace(store, **{name: value for name, value in fields.items() if value})
+
+
+SPREAD_ORDER = ("stage_route", "stage_transform", "stage_deliver")
+"""The stages are spread over the Spark Connect servers in this order (with two: route and deliver
+on the first, transform on the second), so every server runs jobs and is warm for a stage that
+moves to it."""
+
+
+class StagelineSparkHook(BaseHook):
+    """The Spark session of one stage task, from the `stageline_spark` Airflow connection.
+
+    Type `spark_connect`: a client of long-lived Spark Connect servers — the one the connection
+    names (the Spark provider's `SparkConnectHook` builds its URL: host, port, user id, token, SSL)
+    and those its extra `servers` adds ("sc://host:port", comma-separated). The stages are spread
+    over them (`SPREAD_ORDER`); a stage whose server stops answering moves to the next one that
+    answers, and each task warms its stage's session on the other servers in the background, so
+    the move finds Python workers started. The session is the stage's sticky one
+    (`include.spark.stage_session_id`): a retry or the next run reopens it warm. Type `spark`: a
+    classic session on the connection's master with its extras as Spark conf, as the provider's
+    `@task.pyspark` builds it, stopped at the end.
+
+    Why not `@task.pyspark` itself: it opens its session before the task's code runs, on the one
+    server the connection names, retrying a dead one for minutes, and releases it at the end.
+
+    :param spark_conn_id: the Airflow connection.
+    """
+
+    conn_name_attr = "spark_conn_id"
+    default_conn_name = "stageline_spark"
+    hook_name = "Stageline stage Spark session"
+
+    def __init__(self, spark_conn_id: str = default_conn_name) -> None:
+        super().__init__()
+        self.spark_conn_id = spark_conn_id
+
+    def remotes(self, stage: str | None = None) -> list[str]:
+        """The Spark Connect URLs in the order `stage` tries them (empty for a classic connection)."""
+        from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+        conn = self.get_connection(self.spark_conn_id)
+        if conn.conn_type != SparkConnectHook.conn_type:
+            return []
+        more = conn.extra_dejson.get("servers") or ""
+        more = more.split(",") if isinstance(more, str) else list(more)
+        urls = [SparkConnectHook(self.spark_conn_id).get_connection_url()] + [u.strip() for u in more if u.strip()]
+        first = SPREAD_ORDER.index(stage) % len(urls) if stage in SPREAD_ORDER else 0
+        return urls[first:] + urls[:first]
+
+    @contextlib.contextmanager
+    def stage_session(self, *, name: str, conf: Mapping[str, str]) -> Iterator[StageSession]:
+        """The task's session for stage `name` (its DAG id), closed (not released) at the end."""
+        from include.spark import StageSession, spark_session, stage_session
+
+        remotes = self.remotes(name)
+        if remotes:
+            self.log.info("Spark Connect: %s", ", ".join(url.split("/;")[0] for url in remotes))
+            session = StageSession.connect(remotes, conf, name=name)
+            self.log.info("Spark Connect session on %s", session.remote.split("/;")[0] if session.remote else None)
+            session.warm_others()
+            try:
+                yield session
+            finally:
+                session.close()
+            return
+        conn = self.get_connection(self.spark_conn_id)
+        master = f"{conn.host}:{conn.port}" if conn.port else (conn.host or "local[*]")
+        spark = spark_session(master=master, app_name=name, jars=[], conf={**conn.extra_dejson, **conf})
+        try:
+            with stage_session(spark, conf) as session:
+                yield session
+        finally:
+            spark.stop()

@@ -1,11 +1,12 @@
 """The one shape every stage DAG has, so `dags/stage_*.py` are a docstring and one call.
 
-    leader_check → recover → wait_for_work (the stage's input table) → <job> (@task.pyspark)
+    leader_check → recover → wait_for_work (the stage's input table) → <job>
 
 Scheduled `@continuous`, one run at a time: a run waits for work, then its job task runs
 micro-batches until it has been idle a while, following leadership (`include.stage_loop`); the next run
 starts about a second after one ends. Why this schedule: docs/pipeline.md. The job's Spark session
-comes from the Spark provider on the `stageline_spark` connection (`tasks.SPARK_CONN_ID`).
+comes from the `stageline_spark` connection (`tasks.SPARK_CONN_ID`) through `StagelineSparkHook`:
+the stage's sticky Spark Connect session, on a standby server when the first stops answering.
 Nothing here reads a connection, file or database when a DAG file is parsed.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from airflow.sdk import DAG, task
 from stageline_airflow import tasks
+from stageline_airflow.hooks import StagelineSparkHook
 from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 
 LEADER_POKE_INTERVAL = timedelta(seconds=0.5)
@@ -57,13 +59,11 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
                                           timeout=timedelta(minutes=5), poke_interval=WORK_POKE_INTERVAL)
 
-        @task.pyspark(task_id=job_id, conn_id=tasks.SPARK_CONN_ID, config_kwargs=tasks.SPARK_TASK_CONF,
-                      retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
-        def run_job(leader: dict, spark=None, ti=None) -> dict:
-            """Run the stage job under the leader's epoch."""
-            from include.spark import stage_session  # pyspark: when the task runs, not when the DAG is parsed
-
-            with stage_session(spark, tasks.SPARK_TASK_CONF) as session:
+        @task(task_id=job_id, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
+        def run_job(leader: dict, ti=None) -> dict:
+            """Run the stage job under the leader's epoch, on the stage's Spark session."""
+            with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(name=ti.dag_id,
+                                                                       conf=tasks.SPARK_TASK_CONF) as session:
                 return job(int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number)
 
         recover(leader.output) >> wait_for_work >> run_job(leader.output)

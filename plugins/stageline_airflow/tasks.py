@@ -13,8 +13,8 @@ service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`) and t
 from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
 file, a database or Spark when a DAG file is parsed, and Spark and the stage jobs are imported
 only inside the `run_*_stage` functions (the DAG processor never loads pyspark). Their Spark
-session comes from the Spark provider (`@task.pyspark` on the `stageline_spark` connection,
-`SPARK_CONN_ID`).
+session comes from the `stageline_spark` connection (`SPARK_CONN_ID`, through
+`hooks.StagelineSparkHook`).
 """
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ AIRFLOW_DB_CONN_ENV = "STAGELINE_AIRFLOW_DB_CONN"
 """Airflow metadata DB URL for the metadata clean task (see `metadata_clean_command`)."""
 METADATA_TABLES = ("dag_run", "task_instance", "xcom")
 SPARK_CONN_ID = "stageline_spark"
-"""The Airflow connection the stage tasks' Spark sessions come from (`@task.pyspark`, Spark
-provider): type `spark_connect` for a long-lived Spark Connect server (the default deployment: no
-JVM start per run), or type `spark` with a master such as `local[*]` (a classic session per task).
+"""The Airflow connection the stage tasks' Spark sessions come from (`hooks.StagelineSparkHook`):
+type `spark_connect` for a long-lived Spark Connect server (the default deployment: no JVM start
+per run; its extra `standby` names servers to move to), or type `spark` with a master such as
+`local[*]` (a classic session per task).
 Set e.g. as `AIRFLOW_CONN_STAGELINE_SPARK`; `include.spark.spark_connect_connection` and
 `classic_spark_connection` build the value."""
 SPARK_TASK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.sql.session.timeZone": "UTC"}
@@ -93,7 +94,7 @@ def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
 
 
 def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
-    """Delete finished rows and audit events older than their retention."""
+    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted."""
     with StagelineStoreHook() as hook:
         return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
                                       {key: age.total_seconds() for key, age in ages.items()}, batch=batch)

@@ -1,4 +1,5 @@
-"""File sender: one message, one file, written atomically.
+"""File sender: one message, one file, written atomically (or, with ``batch = true``, a micro-batch's
+messages to one destination as one HL7 batch file: `batch_file`).
 
 Idempotency: the file is named `<idempotency_key><suffix>` and written atomically (temp file in
 the same directory, fsync, `os.replace`, fsync of the directory), so a re-delivery overwrites the
@@ -17,14 +18,16 @@ import ctypes.util
 import hashlib
 import os
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 from include.destinations_config import FileDestination
 from spark_jobs.senders.common import DeliveryResult, describe_error, payload_codec
 
-__all__ = ["FileSend", "send_file", "send_file_lanes"]
+__all__ = ["FileSend", "batch_file", "send_file", "send_file_lanes"]
 
 
 def send_file(dest: FileDestination, payload: str, content_type: str, idempotency_key: str) -> DeliveryResult:
@@ -53,6 +56,24 @@ def _fsync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def batch_file(dest: FileDestination, rows: Sequence[Mapping[str, Any]]) -> FileSend:
+    """Many messages to one destination as ONE HL7 batch file (v2 section 2.10.3): ``FHS``,
+    ``BHS``, the messages in the order given, ``BTS`` (their count), ``FTS``.
+
+    Its name and FHS-11/BHS-11 derive from the rows' idempotency keys, so re-delivering the same
+    rows rewrites the same file; a re-delivery that groups them differently writes another file
+    (at-least-once, as for single files). The file's charset is the messages' (MSH-18) when they
+    all share one, else UTF-8."""
+    digest = hashlib.sha256("\0".join(str(r["idempotency_key"]) for r in rows).encode()).hexdigest()[:32]
+    codecs = {payload_codec(r["payload"], r.get("content_type")) for r in rows}
+    codec = codecs.pop() if len(codecs) == 1 else "utf-8"
+    stamp = time.strftime("%Y%m%d%H%M%S", time.gmtime())
+    head = f"|^~\\&|STAGELINE||{dest.name}||{stamp}||||"
+    body = "".join(r["payload"].rstrip("\r\n") + "\r" for r in rows)
+    text = f"FHS{head}{digest}\rBHS{head}{digest}\r{body}BTS|{len(rows)}\rFTS|1\r"
+    return FileSend(dest, text, f"application/hl7-v2; charset={codec}", f"batch-{digest}")
 
 
 @dataclass(frozen=True)

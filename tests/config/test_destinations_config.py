@@ -39,7 +39,8 @@ def test_parse_destinations_fills_defaults_for_each_kind(tmp_path: Path) -> None
     assert (ehr.timeout_seconds, ehr.max_attempts, ehr.backoff_seconds, ehr.max_backoff_seconds, ehr.lane,
             ehr.permanent_ack_codes) == (10.0, 10, 5.0, 300.0, "destination", ("AR", "CR"))
     assert ehr.tls is not None and (ehr.tls.ca_file, ehr.tls.verify) == ("/etc/ca.pem", True)
-    assert (archive.suffix, archive.lane, archive.max_attempts, archive.mode) == (".hl7", "PID-3.1", 3, 0o600)
+    assert (archive.suffix, archive.lane, archive.max_attempts, archive.mode, archive.batch) == (
+        ".hl7", "PID-3.1", 3, 0o600, False)
     assert (api.headers, api.backoff_seconds, api.max_backoff_seconds) == ((("X-Tenant", "a"),), 0.5, 60.0)
 
 
@@ -65,6 +66,9 @@ def test_parse_destinations_accepts_a_table_keyed_by_name() -> None:
      r"destination 'ehr': unknown setting\(s\) \['directory'\] for kind 'mllp'"),
     ({"name": "a", "kind": "file", "directory": "relative/dir"}, r"destination 'a': 'directory' must be an absolute path"),
     ({"name": "a", "kind": "file", "directory": "/x", "suffix": "/.hl7"}, r"destination 'a': 'suffix'"),
+    ({"name": "a", "kind": "file", "directory": "/x", "batch": "yes"}, r"destination 'a': 'batch' must be true or false"),
+    ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "batch": True},
+     r"destination 'ehr': unknown setting\(s\) \['batch'\] for kind 'mllp'"),
     ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": 0},
      r"destination 'a': 'max_attempts' must be an integer >= 1"),
     ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": True}, r"'max_attempts' must be an integer"),

@@ -72,14 +72,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture
 def without_spark_sessions(monkeypatch) -> None:
-    """`@task.pyspark` tasks run with `spark=None` instead of starting a session: for in-process
-    `dag.test()` runs whose stage job is replaced (a Spark session, classic or Connect, must not
-    start inside the test process; the real sessions run in subprocesses)."""
-    from airflow.providers.apache.spark.operators.spark_pyspark import PySparkOperator
-    from airflow.providers.common.compat.standard.operators import PythonOperator
+    """Stage job tasks run with a session-less `StageSession` instead of starting Spark: for
+    in-process `dag.test()` runs whose stage job is replaced (a Spark session, classic or Connect,
+    must not start inside the test process; the real sessions run in subprocesses)."""
+    import contextlib
 
-    def no_session(self):
-        self.op_kwargs = {**self.op_kwargs, "spark": None}
-        return PythonOperator.execute_callable(self)
+    from include.spark import StageSession
+    from stageline_airflow.hooks import StagelineSparkHook
 
-    monkeypatch.setattr(PySparkOperator, "execute_callable", no_session)
+    @contextlib.contextmanager
+    def no_session(self, *, name, conf):
+        yield StageSession(None)
+
+    monkeypatch.setattr(StagelineSparkHook, "stage_session", no_session)

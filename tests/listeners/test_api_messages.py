@@ -91,3 +91,24 @@ def test_find_show_replay_and_requeue_over_the_api(node):
     assert all("ops-desk" in e[1] for e in events) and OPERATOR_TOKEN not in repr(events)
     assert events[2][2] == "route fixed"
     assert OPERATOR_TOKEN not in d.output() and "DOE^JANE" not in d.output()  # no token, no PHI in the log
+
+
+def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
+    from include.housekeeping import retention
+    from include.store.lease import read_lease
+    from tests.dags.stores import age, execute
+
+    d, store_config = node
+    store = Store(store_config)
+    try:
+        execute(store, "UPDATE stage_inbound SET status = 'done' WHERE control_id = 'API0'")
+        age(store, "stage_inbound", "updated_at", "control_id = 'API0'", 2 * 86_400)
+        age(store, "message_events", "at", "control_id = 'API0'", 2 * 86_400)
+        assert retention(store, read_lease(store).epoch, 86_400.0) == {"inbound": 1, "routed": 0, "outbound": 0,
+                                                                         "events": 1}
+    finally:
+        store.close()
+    status, story = call(d, "GET", "/messages/API0", d.token)
+    assert status == 200 and story["inbound"]["archived_ms"] is not None
+    assert story["inbound"]["control_id"] == "API0" and story["inbound"]["payload"].startswith("MSH|")
+    assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [("received", True)]

@@ -47,3 +47,21 @@ def test_peer_limits_have_protective_defaults(tmp_path):
     assert (conn.max_connections_per_peer, conn.connect_rate_per_peer, conn.frame_timeout_seconds,
             conn.handshake_timeout_seconds) == (16, 20.0, 10.0, 10.0)
     assert conn.frame_timeout_seconds < conn.idle_timeout_seconds
+
+
+def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path):
+    write(tmp_path, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
+                    '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\n'
+                    '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "in2"\nerror_directory = "bad"\nhl7_only = true\n')
+    mllp, f, g = load_config_dir(tmp_path).inbound
+    assert (mllp.batch_ack, mllp.hl7_only) == ("batch", False)
+    assert f.error_directory == str((tmp_path / "in" / "archive" / "rejected").resolve())
+    assert (g.error_directory, g.hl7_only) == (str((tmp_path / "bad").resolve()), True)
+    for body, error in [('batch_ack = "each"', "batch_ack must be batch or messages"),
+                        ('hl7_only = "yes"', "hl7_only must be true or false")]:
+        write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{body}\n')
+        with pytest.raises(ConnectionConfigError, match=error):
+            load_config_dir(tmp_path)
+    write(tmp_path, '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\nerror_directory = "in"\n')
+    with pytest.raises(ConnectionConfigError, match="error_directory must differ from directory"):
+        load_config_dir(tmp_path)

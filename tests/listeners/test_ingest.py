@@ -19,8 +19,8 @@ from twisted.internet.epollreactor import EPollReactor
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.ingest import (Inbound, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter, RowRefused,
-                              StoreUnavailable)
+from listeners.ingest import (Inbound, InboundBatch, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter,
+                              RowRefused, StoreUnavailable)
 from listeners.metrics import Metrics
 from listeners.pgcommit import PgStager, numbered
 
@@ -157,6 +157,33 @@ def test_only_the_rows_the_store_refuses_fail_and_the_rest_commit_in_arrival_ord
     assert writer.statements <= min(2 * 64 - 1, 1 + 2 * len(bad) * 6)  # 1 + 2k·log2(n), at most 2n-1
     refused = writer.metrics.store_errors.labels("stage_inbound_refused")._value.get()
     assert refused == len(bad)
+
+
+def hl7_batch(name: str, n: int, *, bad: int | None = None) -> InboundBatch:
+    return InboundBatch(connection="c", batch_id=f"batch-{name}", bhs_control_id=f"B-{name}", declared=n,
+                        items=tuple(Inbound(connection="c", control_id=f"{name}{k}",
+                                            payload=f"MSH|{k}|{'POISON' if k == bad else 'ok'}") for k in range(n)))
+
+
+def test_an_hl7_batch_commits_whole_or_fails_whole_and_the_messages_around_it_commit(writer):
+    """A batch is one unit of the group commit: one refused message fails its whole batch (nothing of
+    it staged, no batch record), the other batches and single messages in the same commit land."""
+    refuse_poison(writer.store)
+    units = [*items(2, set()), hl7_batch("A", 3), hl7_batch("B", 4, bad=2), *items(1, {0}), hl7_batch("C", 2)]
+    outcomes = writer.commit(units)
+    assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 3 + ["RowRefused", "RowRefused", "NoneType"]
+    assert str(outcomes[3]).startswith("batch refused by the store (")
+    assert staged_control_ids(writer.store) == ["M0", "M1", "A0", "A1", "A2", "C0", "C1"]
+    with writer.store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute("SELECT batch_id, bhs_control_id, declared_count, message_count FROM inbound_batches "
+                    "ORDER BY batch_id")
+        batches = [tuple(r.values()) for r in cur.fetchall()]
+        cur.execute("SELECT control_id, batch_id, batch_seq FROM stage_inbound WHERE batch_id IS NOT NULL ORDER BY id")
+        members = [tuple(r.values()) for r in cur.fetchall()]
+    assert batches == [("batch-A", "B-A", 3, 3), ("batch-C", "B-C", 2, 2)]
+    assert members == [("A0", "batch-A", 1), ("A1", "batch-A", 2), ("A2", "batch-A", 3), ("C0", "batch-C", 1),
+                       ("C1", "batch-C", 2)]
 
 
 def test_every_row_refused_costs_at_most_2n_minus_1_statements(writer):

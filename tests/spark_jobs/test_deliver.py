@@ -321,3 +321,35 @@ def test_spark_deliver_returns_one_outcome_per_claimed_row(spark: SparkSession, 
     ], deliver.OUTCOME_SCHEMA)
     assertDataFrameEqual(deliver.spark_deliver(claimed, dests, partitions=2), expected)
     assert (tmp_path / "k1.hl7").read_text() == "MSH|x"
+
+
+def test_a_batch_file_destination_writes_one_hl7_batch_file_per_round_in_lane_order(tmp_path: Path) -> None:
+    """``batch = true``: the round's rows for that destination become ONE batch file (FHS/BHS … BTS/FTS)
+    whose messages keep id order (so every lane's order); a plain file destination beside it still
+    writes a file per message; the same rows delivered again rewrite the same file."""
+    from listeners.hl7batch import split_batch
+
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "single").mkdir()
+    dests = parse_destinations([
+        {"name": "nightly", "kind": "file", "directory": str(tmp_path / "batches"), "batch": True, "lane": "PID-3.1"},
+        {"name": "single", "kind": "file", "directory": str(tmp_path / "single")}])
+    claimed = []
+    for n in range(6):
+        patient = PATIENTS[n % 3]
+        payload = hl7_message(f"{patient}-{n}", patient)
+        for dest in ("nightly", "single"):
+            claimed.append({"id": 2 * n + (dest == "single") + 1, "destination": dest, "payload": payload,
+                            "lane_key": lane_key(dests[dest], payload), "content_type": "application/hl7-v2",
+                            "idempotency_key": f"{dest}-{n}", "attempts": 1})
+    outcomes = list(deliver.deliver_lanes(claimed, dests))
+    assert sorted(o["id"] for o in outcomes) == list(range(1, 13)) and all(o["ok"] for o in outcomes)
+    [written] = list((tmp_path / "batches").iterdir())
+    split = split_batch(written.read_bytes())
+    assert [control_id_of(m.decode()) for m in split.messages] == [f"{PATIENTS[n % 3]}-{n}" for n in range(6)]
+    assert split.declared == 6 and split.header.sending_application == "STAGELINE"
+    assert split.header.receiving_application == "nightly" and split.header.fhs_control_id
+    assert all("a batch of 6 messages" in o["detail"] for o in outcomes if o["destination"] == "nightly")
+    assert sorted(p.name for p in (tmp_path / "single").iterdir()) == [f"single-{n}.hl7" for n in range(6)]
+    list(deliver.deliver_lanes(claimed, dests))  # a re-delivery of the same round
+    assert [p.name for p in (tmp_path / "batches").iterdir()] == [written.name]

@@ -468,6 +468,73 @@ def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_c
     store.close()
 
 
+STANDBY_CHILD = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from include.config import StoreConfig
+    from include.lab.postgres_server import free_port
+    from include.spark import StageSession, session_lost, stage_session_id, start_connect_server, stop_connect_server
+    from include.store import Store
+    from spark_jobs import route_job
+    from tests.spark_jobs.test_route_job import ROUTES
+    path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    store = Store(StoreConfig(backend="sqlite", path=path))
+    fast_jvm = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+    servers = [start_connect_server(free_port(), log_dir=logs, master="local[1]", conf=fast_jvm) for _ in range(2)]
+    result = {}
+    try:
+        first = StageSession.connect([s.url for s in servers], name="stage_route")
+        result["first_on"] = [s.url for s in servers].index(first.remote)
+        warming = first.warm_others()
+        warming.join(120)
+        result["warmed"] = not warming.is_alive()
+        result["sticky_id"] = first.spark.client._session_id == stage_session_id("stage_route")
+        first.close()  # not released: the next task of the stage reopens it
+        session = StageSession.connect([s.url for s in servers], name="stage_route")
+        result["same_id"] = session.spark.client._session_id == stage_session_id("stage_route")
+        os.killpg(servers[0].process.pid, signal.SIGKILL)
+        servers[0].process.wait(timeout=30)
+        killed = time.monotonic()
+        try:
+            route_job.run(store, session.spark, routes=ROUTES, owner="connect/lost", epoch=epoch, run_id="lost")
+        except Exception as exc:
+            result["lost"] = session_lost(exc)
+        result["renewed"] = session.renew(timeout=5)
+        result["renewed_on"] = [s.url for s in servers].index(session.remote)
+        outcome = route_job.run(store, session.spark, routes=ROUTES, owner="connect/standby", epoch=epoch,
+                                run_id="standby")
+        result["claimed"] = len(outcome.claimed)
+        result["seconds"] = time.monotonic() - killed
+        session.close()
+    finally:
+        for server in servers:
+            stop_connect_server(server)
+    print(json.dumps(result), flush=True)
+""")
+
+
+def test_a_stage_session_moves_to_another_server_when_its_server_dies_and_reopens_its_sticky_id(
+        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    """With a second Spark Connect server a killed server costs a batch, not a restart: the batch
+    that met the dead server hands its rows back, the session reopens on the other server (no
+    waiting for the first), and the next batch routes everything. Warming the other server's
+    session happens in the background and does not disturb the first. Each task of a stage reopens the same
+    session id (warm Python workers). In a child process: this session holds a classic Spark session."""
+    store = Store(sqlite_config_fresh)
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch, range(5))
+    child = subprocess.run([sys.executable, "-c", STANDBY_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    seconds = result.pop("seconds")
+    assert result == {"first_on": 0, "warmed": True, "sticky_id": True, "same_id": True, "lost": True, "renewed": True,
+                      "renewed_on": 1, "claimed": 5}
+    assert seconds < 60  # bounded by the client's retry budget, not pyspark's ten minutes
+    assert routed_triples(store) == expected_triples(ids)
+    store.close()
+
+
 class _SparkDown:
     """A Spark session whose every use fails, as a lost Connect server would."""
 

@@ -43,8 +43,8 @@ THROWING_QUERIES = frozenset({"migrate_lock", "fence_shared", "fence_exclusive"}
 # Tx.execute, return no result set at all (pymssql would cancel unread rows with an attention).
 LOCK_QUERIES = THROWING_QUERIES
 # Queries only a dialect whose stage_inbound is not one self-contained statement defines: PostgreSQL
-# writes the bodies in stage_inbound itself, the others run stage_inbound_bodies next.
-SPLIT_STAGING_QUERIES = frozenset({"stage_inbound_bodies"})
+# writes the bodies, batch records and events in stage_inbound itself, the others run these next.
+SPLIT_STAGING_QUERIES = frozenset({"stage_inbound_bodies", "stage_inbound_batches", "stage_inbound_events"})
 
 # Representative values for every parameter, of the types the callers pass.
 SAMPLE_PARAMS: dict[str, Any] = {
@@ -70,6 +70,8 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "actor": "operator:jdoe", "detail": "receiver fixed; ticket INC-7", "window_ms": 300_000,
     "dag_id": "stage_route", "try_number": 1, "duration_ms": 270, "claimed": 40,
     "counts": json.dumps({"routed": 80}), "owners": json.dumps(["airflow:stage_route:r1#1.0"]),
+    # retention's archive (archive.sql) and the database-poll watermarks (watermarks.sql)
+    "archived": 1, "ref": "MSG00042", "watermark": json.dumps(1042),
 }
 
 
@@ -299,6 +301,23 @@ def _view(select: exp.Expression, tables: dict[str, dict[str, Any]]) -> dict[str
     return {"columns": columns, "from": select.args["from_"].this.name, "joins": joins}
 
 
+def _column(item: exp.ColumnDef) -> dict[str, Any]:
+    kinds = {type(c.kind): c.kind for c in item.constraints}
+    default = kinds.get(exp.DefaultColumnConstraint)
+    check = kinds.get(exp.CheckColumnConstraint)
+    primary = exp.PrimaryKeyColumnConstraint in kinds
+    null_rule = kinds.get(exp.NotNullColumnConstraint)  # an explicit NULL is allow_null
+    return {
+        "type": item.kind,
+        "not_null": primary or (null_rule is not None and not null_rule.args.get("allow_null")),
+        "primary_key": primary,
+        "unique": exp.UniqueColumnConstraint in kinds,
+        "identity": exp.GeneratedAsIdentityColumnConstraint in kinds,
+        "check": check.this.sql() if check else None,
+        "default": _default(default.this) if default else None,
+    }
+
+
 def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
     """Tables (columns with type, nullability and constraints), table constraints, indexes, rows
     seeded, data moved (INSERT … SELECT), views."""
@@ -317,20 +336,7 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
                     table_uniques[table].append(tuple(i.name for i in item.this.expressions))
                     continue
                 assert isinstance(item, exp.ColumnDef), f"{table}: unexpected {item.sql()}"
-                kinds = {type(c.kind): c.kind for c in item.constraints}
-                default = kinds.get(exp.DefaultColumnConstraint)
-                check = kinds.get(exp.CheckColumnConstraint)
-                primary = exp.PrimaryKeyColumnConstraint in kinds
-                null_rule = kinds.get(exp.NotNullColumnConstraint)  # an explicit NULL is allow_null
-                tables[table][item.name] = {
-                    "type": item.kind,
-                    "not_null": primary or (null_rule is not None and not null_rule.args.get("allow_null")),
-                    "primary_key": primary,
-                    "unique": exp.UniqueColumnConstraint in kinds,
-                    "identity": exp.GeneratedAsIdentityColumnConstraint in kinds,
-                    "check": check.this.sql() if check else None,
-                    "default": _default(default.this) if default else None,
-                }
+                tables[table][item.name] = _column(item)
         elif isinstance(statement, exp.Create) and statement.args["kind"] == "INDEX":
             index = statement.this
             where = index.args["params"].args.get("where")
@@ -357,10 +363,15 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
         elif isinstance(statement, exp.Alter) and statement.args["kind"] == "TABLE":
             table = statement.this.name
             for action in statement.args["actions"]:
+                if isinstance(action, exp.ColumnDef):  # ADD [COLUMN]
+                    tables[table][action.name] = _column(action)
+                    continue
                 assert isinstance(action, exp.Drop) and action.args["kind"] == "COLUMN", \
                     f"unexpected ALTER TABLE in a migration: {statement.sql()}"
                 for column in action.args["tables"]:
                     tables[table].pop(column.name)
+        elif isinstance(statement, exp.Select) and statement.find(exp.Table) is None:
+            pass  # `SELECT 1`: a reserved version's placeholder (migration 0006 on the feeds branch)
         else:
             raise AssertionError(f"unexpected statement in a migration: {statement.sql()}")
     return {"tables": tables, "table_uniques": table_uniques, "indexes": indexes, "rows": rows,

@@ -201,23 +201,39 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- One statement, one round trip: the epoch check, the state rows, their bodies and the 'received'
 -- events. A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op
 -- (and writes no body).
+-- A batch's messages carry batch_id and batch_seq (and its first one the batch's record, written to
+-- inbound_batches here too): the batch and its messages land together or not at all.
 WITH m AS (
     SELECT * FROM json_to_recordset(CAST(:messages AS json)) AS m(
-           message_id text, control_id text, connection text, lane_key text, charset text, payload text)),
+           message_id text, control_id text, connection text, lane_key text, charset text, payload text,
+           batch_id text, batch_seq integer, batch_size integer, batch_fhs text, batch_bhs text,
+           batch_declared integer)),
 ins AS (
-    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
-    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq)
+    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq
       FROM m
      WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
     ON CONFLICT (message_id) DO NOTHING
-    RETURNING id, message_id, control_id, attempts, status),
+    RETURNING id, message_id, control_id, attempts, status, batch_id, batch_seq),
 body AS (
     INSERT INTO inbound_bodies (id, payload)
     SELECT ins.id, m.payload FROM ins JOIN m ON m.message_id = ins.message_id
     ON CONFLICT (id) DO NOTHING),
+bat AS (
+    INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count)
+    SELECT m.batch_id, m.connection, m.batch_fhs, m.batch_bhs, m.batch_declared, m.batch_size
+      FROM m
+     WHERE m.batch_seq = 1 AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+    ON CONFLICT (batch_id) DO NOTHING),
 ev AS (
-    INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt)
-    SELECT 'inbound', id, message_id, control_id, 'received', status, :epoch, :node_id, attempts FROM ins)
+    INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt,
+                                detail)
+    SELECT 'inbound', ins.id, ins.message_id, ins.control_id, 'received', ins.status, :epoch, :node_id,
+           ins.attempts,
+           CASE WHEN ins.batch_id IS NULL THEN NULL
+                ELSE 'batch ' || ins.batch_id || ': message ' || ins.batch_seq || ' of '
+                     || (SELECT max(m.batch_size) FROM m WHERE m.batch_id = ins.batch_id) END
+      FROM ins)
 SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
        true AS events_recorded, true AS bodies_written
   FROM ins
@@ -246,11 +262,15 @@ SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHE
 -- predicate of the table's partial index, so the search never reads open rows.
 -- ANY(ARRAY(...)) makes the delete look its rows up by primary key instead of hashing the table.
 -- SKIP LOCKED keeps a purge from queueing behind a finalize that is finishing rows right now.
--- A routed row has no body of its own (it reads its source's).
+-- A routed row has no body of its own (it reads its source's). With :archived = 1 a row goes only
+-- once archive.sql has copied it as it is now (same id, same updated_at): nothing unarchived is lost.
 DELETE FROM stage_routed
  WHERE id = ANY(ARRAY(SELECT id FROM stage_routed
                        WHERE status IN ('done', 'dead')
                          AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                         AND (CAST(:archived AS integer) = 0
+                              OR EXISTS (SELECT 1 FROM archive_routed a
+                                          WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
                        LIMIT :limit
                        FOR UPDATE SKIP LOCKED))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -263,6 +283,9 @@ WITH gone AS (
      WHERE id = ANY(ARRAY(SELECT id FROM stage_outbound
                            WHERE status IN ('done', 'dead')
                              AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                             AND (CAST(:archived AS integer) = 0
+                                  OR EXISTS (SELECT 1 FROM archive_outbound a
+                                              WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
                            LIMIT :limit
                            FOR UPDATE SKIP LOCKED))
        AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -281,6 +304,8 @@ WITH gone AS (
                              AND s.updated_at < now() - make_interval(secs => :ms / 1000.0)
                              AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                               WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                             AND (CAST(:archived AS integer) = 0
+                                  OR EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = s.id AND a.updated_at = s.updated_at))
                            LIMIT :limit
                            FOR UPDATE OF s SKIP LOCKED))
        AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -293,6 +318,8 @@ SELECT id FROM gone
 DELETE FROM message_events
  WHERE id = ANY(ARRAY(SELECT id FROM message_events
                        WHERE at < now() - make_interval(secs => :ms / 1000.0)
+                         AND (CAST(:archived AS integer) = 0
+                              OR EXISTS (SELECT 1 FROM archive_events a WHERE a.id = message_events.id))
                        LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id

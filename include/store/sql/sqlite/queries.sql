@@ -193,10 +193,11 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- name: stage_inbound
 -- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
 -- The bodies follow in stage_inbound_bodies, in the same transaction.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq)
 SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
        json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
-       json_extract(m.value, '$.charset')
+       json_extract(m.value, '$.charset'), json_extract(m.value, '$.batch_id'),
+       json_extract(m.value, '$.batch_seq')
   FROM json_each(:messages) AS m
  WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (message_id) DO NOTHING
@@ -213,6 +214,30 @@ SELECT s.id, json_extract(m.value, '$.payload')
  WHERE s.id IN (SELECT value FROM json_each(:ids))
  ORDER BY m.key
 ON CONFLICT (id) DO NOTHING
+
+-- name: stage_inbound_batches
+-- The batches among the messages just staged (a batch's first message carries its record), in the
+-- same transaction. A file re-read after a crash carries the same batch_id: a no-op.
+INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count)
+SELECT json_extract(m.value, '$.batch_id'), json_extract(m.value, '$.connection'),
+       json_extract(m.value, '$.batch_fhs'), json_extract(m.value, '$.batch_bhs'),
+       json_extract(m.value, '$.batch_declared'), json_extract(m.value, '$.batch_size')
+  FROM json_each(:messages) AS m
+ WHERE json_extract(m.value, '$.batch_seq') = 1
+ON CONFLICT (batch_id) DO NOTHING
+
+-- name: stage_inbound_events
+-- The 'received' events of the rows stage_inbound has just written (:ids) when some came in a
+-- batch: their detail names it ("batch <id>: message k of n").
+INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt,
+                            detail)
+SELECT 'inbound', t.id, t.message_id, t.control_id, 'received', t.status, :epoch, :node_id, t.attempts,
+       CASE WHEN t.batch_id IS NULL THEN NULL
+            ELSE 'batch ' || t.batch_id || ': message ' || t.batch_seq || ' of '
+                 || (SELECT b.message_count FROM inbound_batches b WHERE b.batch_id = t.batch_id) END
+  FROM stage_inbound t
+ WHERE t.id IN (SELECT value FROM json_each(:ids))
+ ORDER BY t.id
 
 -- name: record_events_for
 -- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
@@ -236,9 +261,13 @@ SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHE
 -- Retention: delete up to :limit finished rows unchanged for :ms milliseconds, under the current
 -- epoch only (retention is leader work like any other). The status list repeats the partial
 -- index's predicate exactly (SQLite uses a partial index only then). Returns the ids deleted.
+-- With :archived = 1 a row goes only once archive.sql has copied it as it is now (same id, same
+-- updated_at): nothing unarchived is lost.
 DELETE FROM stage_routed
  WHERE id IN (SELECT id FROM stage_routed
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed a
+                                                WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -248,6 +277,8 @@ RETURNING id
 DELETE FROM stage_outbound
  WHERE id IN (SELECT id FROM stage_outbound
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound a
+                                                WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -260,6 +291,8 @@ DELETE FROM stage_inbound
                WHERE s.status IN ('done', 'dead', 'unrouted') AND s.updated_at < {now} - :ms
                  AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                   WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound a
+                                                WHERE a.id = s.id AND a.updated_at = s.updated_at))
                LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
@@ -267,7 +300,10 @@ RETURNING id
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
 DELETE FROM message_events
- WHERE id IN (SELECT id FROM message_events WHERE at < {now} - :ms LIMIT :limit)
+ WHERE id IN (SELECT id FROM message_events
+               WHERE at < {now} - :ms
+                 AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_events a WHERE a.id = message_events.id))
+               LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 

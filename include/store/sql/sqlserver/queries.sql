@@ -299,12 +299,12 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- the batch. OPENJSON's columns have the database collation, so comparisons name the column's.
 -- No body here: stage_inbound_bodies writes them next, in the same transaction (bodies_written 0),
 -- and the events follow too (events_recorded 0).
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        NULL AS destination, NULL AS detail, CAST(0 AS bit) AS events_recorded,
        CAST(0 AS bit) AS bodies_written
-SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset
-  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset,
+SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq
+  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.batch_id, v.batch_seq,
                ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
                                   ORDER BY CAST(j.[key] AS int)) AS nth
           FROM OPENJSON(:messages) AS j
@@ -313,7 +313,9 @@ SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset
                control_id  nvarchar(200) '$.control_id',
                connection  nvarchar(200) '$.connection',
                lane_key    nvarchar(200) '$.lane_key',
-               charset     nvarchar(64)  '$.charset') AS v) AS m
+               charset     nvarchar(64)  '$.charset',
+               batch_id    nvarchar(64)  '$.batch_id',
+               batch_seq   int           '$.batch_seq') AS v) AS m
  WHERE m.nth = 1
    AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WITH (UPDLOCK, HOLDLOCK)
                     WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
@@ -337,6 +339,38 @@ SELECT s.id, m.payload
  WHERE m.nth = 1
    AND s.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
    AND NOT EXISTS (SELECT 1 FROM inbound_bodies AS b WHERE b.id = s.id)
+
+-- name: stage_inbound_batches
+-- The batches among the messages just staged (a batch's first message carries its record), in the
+-- same transaction. A file re-read after a crash carries the same batch_id: skipped.
+INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count)
+SELECT v.batch_id, v.connection, v.batch_fhs, v.batch_bhs, v.batch_declared, v.batch_size
+  FROM OPENJSON(:messages) AS j
+ CROSS APPLY OPENJSON(j.value) WITH (
+       batch_id        nvarchar(64)  '$.batch_id',
+       batch_seq       int           '$.batch_seq',
+       connection      nvarchar(200) '$.connection',
+       batch_fhs       nvarchar(200) '$.batch_fhs',
+       batch_bhs       nvarchar(200) '$.batch_bhs',
+       batch_declared  int           '$.batch_declared',
+       batch_size      int           '$.batch_size') AS v
+ WHERE v.batch_seq = 1
+   AND NOT EXISTS (SELECT 1 FROM inbound_batches AS b WITH (UPDLOCK, HOLDLOCK)
+                    WHERE b.batch_id = v.batch_id COLLATE Latin1_General_100_BIN2)
+
+-- name: stage_inbound_events
+-- The 'received' events of the rows stage_inbound has just written (:ids) when some came in a
+-- batch: their detail names it ("batch <id>: message k of n").
+INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt,
+                            detail)
+SELECT 'inbound', t.id, t.message_id, t.control_id, 'received', t.status, CAST(:epoch AS bigint), :node_id,
+       t.attempts,
+       CASE WHEN t.batch_id IS NULL THEN NULL
+            ELSE CONCAT('batch ', t.batch_id, ': message ', t.batch_seq, ' of ',
+                        (SELECT b.message_count FROM inbound_batches AS b WHERE b.batch_id = t.batch_id)) END
+  FROM stage_inbound AS t
+ WHERE t.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
+ ORDER BY t.id
 
 -- name: record_events_for
 -- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
@@ -363,13 +397,16 @@ SELECT n.config_hash FROM leader_lease AS l JOIN nodes AS n ON n.node_id = l.own
 -- `done`/`dead` is exactly the predicate of the table's filtered finished index, so the search
 -- never reads open rows. The age is applied in whole seconds: DATEADD takes an int, and
 -- milliseconds overflow it after 24 days. READPAST skips rows a finalize holds instead of queueing
--- behind it. A routed row has no body of its own (it reads its source's).
+-- behind it. A routed row has no body of its own (it reads its source's). With :archived = 1 a row
+-- goes only once archive.sql has copied it as it is now (same id, same updated_at).
 DELETE t
 OUTPUT deleted.id
   FROM stage_routed AS t
- WHERE t.id IN (SELECT TOP (:limit) id FROM stage_routed WITH (READPAST, ROWLOCK)
-                 WHERE status IN ('done', 'dead')
-                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_routed AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.status IN ('done', 'dead')
+                   AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed AS a
+                                                  WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: purge_finished_outbound
@@ -381,9 +418,11 @@ DECLARE @gone TABLE (id bigint NOT NULL PRIMARY KEY);
 DELETE t
 OUTPUT deleted.id INTO @gone
   FROM stage_outbound AS t
- WHERE t.id IN (SELECT TOP (:limit) id FROM stage_outbound WITH (READPAST, ROWLOCK)
-                 WHERE status IN ('done', 'dead')
-                   AND updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_outbound AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.status IN ('done', 'dead')
+                   AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound AS a
+                                                  WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
 DELETE FROM outbound_bodies WHERE id IN (SELECT id FROM @gone);
 SELECT id FROM @gone;
@@ -401,7 +440,9 @@ OUTPUT deleted.id INTO @gone
                  WHERE s.status IN ('done', 'dead', 'unrouted')
                    AND s.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
                    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
-                                    WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error')))
+                                    WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound AS a
+                                                  WHERE a.id = s.id AND a.updated_at = s.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
 DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM @gone);
 SELECT id FROM @gone;
@@ -412,8 +453,9 @@ SELECT id FROM @gone;
 DELETE e
 OUTPUT deleted.id
   FROM message_events AS e
- WHERE e.id IN (SELECT TOP (:limit) id FROM message_events WITH (READPAST, ROWLOCK)
-                 WHERE at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME()))
+ WHERE e.id IN (SELECT TOP (:limit) x.id FROM message_events AS x WITH (READPAST, ROWLOCK)
+                 WHERE x.at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_events AS a WHERE a.id = x.id)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows

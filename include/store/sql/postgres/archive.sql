@@ -1,0 +1,115 @@
+-- The retention archive (include/housekeeping.py, migration 0007). Each archive query copies up to
+-- :limit rows that the matching purge query is about to delete — finished, older than :ms, and not
+-- yet archived as they are now — under the current epoch only. A row archived before and changed
+-- since (an operator requeued it, it finished again) is copied again over its old copy, so the
+-- purge, which deletes only rows whose copy is current, never loses a change. Re-running after a
+-- crash between archive and purge copies nothing twice: the archive's key is the hot row's id.
+
+-- name: archive_finished_inbound
+INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts,
+                             created_at, updated_at, last_error, charset, payload)
+SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts,
+       s.created_at, s.updated_at, s.last_error, s.charset, b.payload
+  FROM stage_inbound s LEFT JOIN inbound_bodies b ON b.id = s.id
+ WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_inbound c
+                         WHERE c.status IN ('done', 'dead', 'unrouted')
+                           AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND NOT EXISTS (SELECT 1 FROM stage_routed r
+                                            WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
+                           AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
+                         ORDER BY c.id
+                         LIMIT :limit))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ON CONFLICT (id) DO UPDATE
+   SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+RETURNING id
+
+-- name: archive_finished_routed
+INSERT INTO archive_routed (id, source_id, message_id, control_id, destination, route_name, lane_key, status,
+                            claim_epoch, attempts, created_at, updated_at, last_error)
+SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.route_name, s.lane_key, s.status,
+       s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error
+  FROM stage_routed s
+ WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_routed c
+                         WHERE c.status IN ('done', 'dead')
+                           AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND NOT EXISTS (SELECT 1 FROM archive_routed a WHERE a.id = c.id AND a.updated_at = c.updated_at)
+                         ORDER BY c.id
+                         LIMIT :limit))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ON CONFLICT (id) DO UPDATE
+   SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+RETURNING id
+
+-- name: archive_finished_outbound
+INSERT INTO archive_outbound (id, source_id, message_id, control_id, destination, content_type, idempotency_key,
+                              lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, payload)
+SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_type, s.idempotency_key,
+       s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, b.payload
+  FROM stage_outbound s LEFT JOIN outbound_bodies b ON b.id = s.id
+ WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_outbound c
+                         WHERE c.status IN ('done', 'dead')
+                           AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND NOT EXISTS (SELECT 1 FROM archive_outbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
+                         ORDER BY c.id
+                         LIMIT :limit))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ON CONFLICT (id) DO UPDATE
+   SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+RETURNING id
+
+-- name: archive_events
+-- Audit events never change: one copy each.
+INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status,
+                            to_status, epoch, node_id, attempt, detail)
+SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status,
+       e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+  FROM message_events e
+ WHERE e.id = ANY(ARRAY(SELECT c.id FROM message_events c
+                         WHERE c.at < now() - make_interval(secs => :ms / 1000.0)
+                           AND NOT EXISTS (SELECT 1 FROM archive_events a WHERE a.id = c.id)
+                         ORDER BY c.id
+                         LIMIT :limit))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ON CONFLICT (id) DO NOTHING
+RETURNING id
+
+-- What `stageline messages show` reads besides the hot tables (include/store/operator.py): the same
+-- columns as message_inbound / message_routed / message_outbound / message_trail, plus archived_ms.
+
+-- name: archived_inbound
+SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms,
+       i.last_error, NULL AS lease_owner, i.payload, (extract(epoch FROM i.archived_at) * 1000)::bigint AS archived_ms
+  FROM archive_inbound i
+ WHERE i.id = :id
+
+-- name: archived_inbound_ref
+-- The newest archived inbound row with this message id or control id.
+SELECT max(id) AS id FROM archive_inbound WHERE message_id = :ref OR control_id = :ref
+
+-- name: archived_routed
+SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
+       (extract(epoch FROM r.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM r.updated_at) * 1000)::bigint AS updated_ms,
+       r.last_error, NULL AS lease_owner, (extract(epoch FROM r.archived_at) * 1000)::bigint AS archived_ms
+  FROM archive_routed r
+ WHERE r.source_id = :id
+ ORDER BY r.id
+
+-- name: archived_outbound
+SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
+       (extract(epoch FROM o.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM o.updated_at) * 1000)::bigint AS updated_ms,
+       o.last_error, NULL AS lease_owner, o.payload, (extract(epoch FROM o.archived_at) * 1000)::bigint AS archived_ms
+  FROM archive_outbound o
+ WHERE o.source_id = :id
+ ORDER BY o.id
+
+-- name: archived_trail
+SELECT e.id, (extract(epoch FROM e.at) * 1000)::bigint AS at_ms, e.stage, e.row_id, e.destination, e.event, e.from_status,
+       e.to_status, e.epoch, e.node_id, e.attempt, e.detail, (extract(epoch FROM e.archived_at) * 1000)::bigint AS archived_ms
+  FROM archive_events e
+ WHERE e.message_id = :message_id
+ ORDER BY e.id
