@@ -392,7 +392,7 @@ def test_the_page_escapes_what_the_store_holds():
     hostile = "<script>alert(1)</script>"
     message = {"id": 7, "message_id": "m7", "control_id": hostile, "connection": "adt-in", "lane_key": '"><b>',
                "status": "dead", "attempts": 1, "charset": None, "created_ms": 0, "updated_ms": 0,
-               "last_error": hostile, "payload": f"MSH|^~\\&|{hostile}\rPID|1"}
+               "last_error": hostile, "payload": f"MSH|^~\\&|{hostile}\rPID|1", "archived_ms": 0}
     page = render(PageData(
         user=hostile, may_operate=True,
         cluster={"nodes": [], "leader_node_id": None, "lease_owner": None, "lease_expires_at": None, "epoch": 0,
@@ -405,4 +405,5 @@ def test_the_page_escapes_what_the_store_holds():
         shown_ref="7", batches=[], done=hostile))
     assert hostile not in page and '"><b>' not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "no live leader" in page
+    assert "; archived 1970-01-01 00:00:00.000Z" in page  # retention archived it: the page says so
     assert page.count("<script>") == 1  # the page's own

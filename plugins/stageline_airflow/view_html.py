@@ -44,10 +44,19 @@ def when_s(seconds: Any) -> str:
     return "-" if seconds is None else when_ms(float(seconds) * 1000)
 
 
+def archived(row: dict[str, Any]) -> str:
+    """" (archived)" for a row retention has moved to the archive (`archived_ms`), else ""."""
+    return ' <span class="muted">(archived)</span>' if row.get("archived_ms") is not None else ""
+
+
+def archived_since(row: dict[str, Any]) -> str:
+    return f"; archived {when_ms(row['archived_ms'])}" if row.get("archived_ms") is not None else ""
+
+
 def hl7(payload: str | None) -> str:
     """An HL7 body one segment a line."""
     if payload is None:
-        return "(no body: purged by retention)"
+        return "(no body: purged by retention without an archive)"
     return "\n".join(s for s in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s)
 
 
@@ -163,11 +172,11 @@ def message_section(data: PageData) -> str:
     replays = (action(f"api/messages/{quote(ref)}/replay", {"from": "inbound"}, "replay from inbound", may=may)
                + action(f"api/messages/{quote(ref)}/replay", {"from": "outbound"}, "replay from outbound (same bytes)",
                         may=may))
-    stage_rows = [f'<tr><td>inbound</td><td>{i["id"]}</td><td>-</td><td>{e(i["status"])}</td><td>{i["attempts"]}</td>'
+    stage_rows = [f'<tr><td>inbound{archived(i)}</td><td>{i["id"]}</td><td>-</td><td>{e(i["status"])}</td><td>{i["attempts"]}</td>'
                   f'<td>{when_ms(i["updated_ms"])}</td><td>{e(i["last_error"])}</td>'
                   f'<td>{dead_row_action("inbound", i, may)}</td></tr>']
     for stage, rows in (("routed", s.routed), ("outbound", s.outbound)):
-        stage_rows += [f'<tr><td>{stage}</td><td>{r["id"]}</td><td>{e(r["destination"])}</td><td>{e(r["status"])}</td>'
+        stage_rows += [f'<tr><td>{stage}{archived(r)}</td><td>{r["id"]}</td><td>{e(r["destination"])}</td><td>{e(r["status"])}</td>'
                        f'<td>{r["attempts"]}</td><td>{when_ms(r["updated_ms"])}</td><td>{e(r["last_error"])}</td>'
                        f'<td>{dead_row_action(stage, r, may)}</td></tr>' for r in rows]
     delivered = "".join(f'<h4>as delivered to {e(o["destination"])} (outbound row {o["id"]})</h4>'
@@ -177,14 +186,14 @@ def message_section(data: PageData) -> str:
         f'<td>{when_ms(b["started_ms"])}</td><td>{when_ms(b["finished_ms"])}</td><td class="n">{b["claimed"]}</td></tr>'
         for b in s.batches)
     trail = "".join(
-        f'<tr><td>{when_ms(t["at_ms"])}</td><td>{e(t["stage"])}</td><td>{e(t["row_id"])}</td>'
+        f'<tr><td>{when_ms(t["at_ms"])}{archived(t)}</td><td>{e(t["stage"])}</td><td>{e(t["row_id"])}</td>'
         f'<td class="event">{e(t["event"])}</td><td>{e(t["from_status"])} → {e(t["to_status"])}</td>'
         f'<td>{e(t["destination"])}</td><td>{e(t["epoch"])}</td><td>{e(t["node_id"])}</td><td>{e(t["detail"])}</td></tr>'
         for t in s.trail)
     return f"""<section id="message" data-id="{i["id"]}"><h2>Message {e(i["message_id"])} <small>inbound row {i["id"]},
  control id {e(i["control_id"])}</small></h2>
 <p>received {when_ms(i["created_ms"])} on <b>{e(i["connection"])}</b>, lane {e(i["lane_key"])},
- charset {e(i["charset"])}; status <b>{e(i["status"])}</b></p>
+ charset {e(i["charset"])}; status <b>{e(i["status"])}</b>{archived_since(i)}</p>
 <div class="actions">{replays}</div>
 <table><thead><tr><th>stage</th><th>row</th><th>destination</th><th>status</th><th>attempts</th><th>updated</th>
 <th>last error</th><th></th></tr></thead><tbody>{"".join(stage_rows)}</tbody></table>
