@@ -120,6 +120,8 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                f"charset {i['charset'] or '-'}; status {i['status']} after {i['attempts']} attempt(s)"
                + (f"; last error: {i['last_error']}" if i["last_error"] else "")
                + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else ""))
+    if i.get("batch_id") is not None:
+        click.echo(_hl7_batch_line(i, story.hl7_batch))
     click.echo("  as received:")
     click.echo(_readable(i["payload"]))
     for r in story.routed:
@@ -144,6 +146,18 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                    + (f" by {e['node_id']}" if e["node_id"] else "")
                    + (f": {e['detail']}" if e["detail"] else "")
                    + (" (archived)" if e.get("archived_ms") is not None else ""))
+
+
+def _hl7_batch_line(inbound: dict[str, Any], batch: dict[str, Any] | None) -> str:
+    """`in batch <id>: message k of n`, with what the sender said of the batch (FHS-11, BHS-11, BTS-1)."""
+    line = f"  in batch {inbound['batch_id']}: message {inbound['batch_seq']}"
+    if batch is None:  # its record is in neither table (an operator removed it from the archive)
+        return line
+    return (line + f" of {batch['message_count']}"
+            + (f" (declared {batch['declared_count']})" if batch["declared_count"] is not None else "")
+            + f", FHS {batch['fhs_control_id'] or '-'}, BHS {batch['bhs_control_id'] or '-'}, "
+              f"received {_when(batch['created_ms'])} on {batch['connection']}"
+            + (f"; archived {_when(batch['archived_ms'])}" if batch["archived_ms"] is not None else ""))
 
 
 @messages.command("replay")

@@ -3,7 +3,8 @@
 - `recover` — on-promotion recovery: once per epoch, every row claimed under an older epoch is
   re-pended at once, ignoring row leases (the old leader fenced itself);
 - `reclaim` — the recurring sweep: in-flight rows whose row lease expired are re-pended;
-- `retention` — finished rows and audit events past their retention are archived, then deleted.
+- `retention` — finished rows, HL7 batch records and audit events past their retention are
+  archived, then deleted.
 
 Each takes an open store (in Airflow: `StagelineStoreHook`, once per task) and the epoch the
 run's leader check returned (`include/leader_check.py`), does bounded work in short transactions,
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
-from include.store import STAGED_TABLES, StagedTable, Store
+from include.store import INBOUND, STAGED_TABLES, StagedTable, Store
 from include.store import rowlease
 from include.store.lease import read_lease
 
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 EVENTS = "events"
 """Key of the audit trail (`message_events`) in a retention mapping; the others are stage names."""
+BATCHES = "inbound_batches"
+"""Key of the HL7 batch records in what retention returns. Not a retention key: a batch follows
+the inbound key, and goes once none of its messages' inbound rows is left."""
 
 
 def recover(store: Store, epoch: int, owner: str | None) -> int | None:
@@ -58,7 +62,8 @@ def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
 
 
 ARCHIVE_QUERIES = {"inbound": "archive_finished_inbound", "routed": "archive_finished_routed",
-                   "outbound": "archive_finished_outbound", EVENTS: "archive_events"}
+                   "outbound": "archive_finished_outbound", EVENTS: "archive_events",
+                   BATCHES: "archive_inbound_batches"}
 """Per retention key, the query that copies what its purge query deletes into the archive tables."""
 
 
@@ -70,6 +75,10 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     `older_than_seconds`: one age for every stage and the audit trail, or a mapping from stage
     name (`inbound`, `routed`, `outbound`) and `events` to an age; a key left out is not purged.
     Unfinished rows are never touched, however old. Returns rows deleted per key.
+
+    With `inbound`, HL7 batch records (`inbound_batches`, key `inbound_batches`) go too, right after
+    the inbound rows: a batch once none of its messages' inbound rows is left in the hot tables (its
+    archived messages keep `batch_id` and `batch_seq`, so each still names its batch in the archive).
 
     With `archive` (the default) each key is two steps, each in bounded, fenced batches: copy the
     rows (bodies included) and events into the `archive_*` tables, then delete from the hot tables
@@ -83,7 +92,11 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     ages = _ages(older_than_seconds)
     counts: dict[str, int] = {}
     copied: dict[str, int] = {}
+    if "inbound" in ages:
+        ages[BATCHES] = ages["inbound"]
     steps = [(t.stage, t.purge) for t in STAGED_TABLES] + [(EVENTS, "purge_events")]
+    steps.insert(steps.index((INBOUND.stage, INBOUND.purge)) + 1,  # after the inbound rows it waits for
+                 (BATCHES, "purge_inbound_batches"))
     for key, purge in steps:
         if key not in ages:
             continue
@@ -135,8 +148,8 @@ def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: i
 
 
 def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int, archived: bool | None = None) -> int:
-    """One batch of a retention query (an archive copy or a purge); it returns the ids it wrote or
-    deleted (a row count is not portable through a statement that also deletes the rows' bodies)."""
+    """One batch of a retention query (an archive copy or a purge); it returns the ids (batch ids) it
+    wrote or deleted (a row count is not portable through a statement that also deletes the rows' bodies)."""
     params = {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}
     if archived is not None:
         params["archived"] = int(archived)

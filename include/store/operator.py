@@ -75,6 +75,9 @@ class Story:
     trail: list[dict[str, Any]] = field(default_factory=list)
     batches: list[dict[str, Any]] = field(default_factory=list)
     """The micro-batches (stage_batches) that wrote its events: which Airflow DAG run and try moved it."""
+    hl7_batch: dict[str, Any] | None = None
+    """The HL7 batch it came in (`inbound_batches`, or retention's archive of it; `archived_ms` says
+    which), when it came in one; its place in it is `inbound["batch_seq"]`."""
 
 
 def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
@@ -129,6 +132,9 @@ def show(store: Store, inbound_id: int) -> Story:
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})
+        if inbound.get("batch_id") is not None:  # hot while any of its messages is, then archived
+            key = {"batch_id": inbound["batch_id"]}
+            story.hl7_batch = tx.one("message_batch", key) or tx.one("archived_batch", key)
         return story
 
 

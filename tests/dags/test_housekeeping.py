@@ -111,7 +111,7 @@ def test_retention_purges_only_old_finished_rows_in_batches(store):
 
     deleted = retention(store, epoch, {"inbound": 7 * DAY, "routed": 7 * DAY, "events": 30 * DAY},
                                    batch=3)
-    assert deleted == {"inbound": 8, "routed": 0, "events": 5}
+    assert deleted == {"inbound": 8, "inbound_batches": 0, "routed": 0, "events": 5}
     assert sorted(status_of(store)) == sorted(done_new + in_flight_old + pending_old)
     assert rows(store, "SELECT count(*) AS n FROM message_events")[0]["n"] == events_before - 5
 
@@ -121,8 +121,8 @@ def test_retention_deletes_at_most_batch_times_max_batches_per_run(store):
     ids = seed_inbound(store, 7)
     _finish(store, ids, "done", epoch=epoch)
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
-    assert retention(store, epoch, {"inbound": DAY}, batch=2, max_batches=2) == {"inbound": 4}
-    assert retention(store, epoch, {"inbound": DAY}, batch=2, max_batches=2) == {"inbound": 3}
+    assert retention(store, epoch, {"inbound": DAY}, batch=2, max_batches=2) == {"inbound": 4, "inbound_batches": 0}
+    assert retention(store, epoch, {"inbound": DAY}, batch=2, max_batches=2) == {"inbound": 3, "inbound_batches": 0}
     assert status_of(store) == {}
 
 
@@ -133,11 +133,12 @@ def test_retention_keeps_an_inbound_body_its_open_routed_rows_read_and_deletes_b
     execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, status) "
                    f"VALUES ({old}, 'm0', 'ehr', 'pending')")
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
-    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1}  # `old` stays: its routed row reads it
+    # `old` stays: its routed row reads it
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1, "inbound_batches": 0}
     assert status_of(store) == {old: "done"}
     assert rows(store, "SELECT id FROM inbound_bodies") == [{"id": old}]
     execute(store, "UPDATE stage_routed SET status = 'done'")
-    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1}
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1, "inbound_batches": 0}
     assert rows(store, "SELECT count(*) AS n FROM inbound_bodies") == [{"n": 0}]
 
 
@@ -151,7 +152,8 @@ def test_retention_purges_every_staged_table(store):
     execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'x' FROM stage_outbound")
     for table in (ROUTED, OUTBOUND):
         age(store, table.name, "updated_at", "1 = 1", 2 * DAY)
-    assert retention(store, epoch, DAY) == {"inbound": 0, "routed": 1, "outbound": 1, "events": 0}
+    assert retention(store, epoch, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 1, "outbound": 1,
+                                            "events": 0}
     assert status_of(store) == {source: "pending"}
     assert rows(store, "SELECT count(*) AS n FROM outbound_bodies") == [{"n": 0}]  # gone with its row
 
@@ -162,7 +164,8 @@ def test_retention_under_a_stale_epoch_deletes_nothing(store):
     _finish(store, ids, "done", epoch=e1)
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
     acquire_permanent(store, node_id="solo:2:bb")
-    assert retention(store, e1, DAY) == {"inbound": 0, "routed": 0, "outbound": 0, "events": 0}
+    assert retention(store, e1, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0,
+                                         "events": 0}
     assert len(status_of(store)) == 2
 
 

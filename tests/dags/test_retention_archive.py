@@ -66,7 +66,8 @@ def test_retention_archives_rows_bodies_and_events_then_purges_them(store):
     archived: dict[str, int] = {}
     deleted = retention(store, epoch, EVERYTHING, archived=archived)
 
-    assert deleted == archived == {"inbound": 3, "routed": 3, "outbound": 3, "events": len(events)}
+    assert deleted == archived == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3,
+                                   "events": len(events)}
     for hot in ("stage_inbound", "inbound_bodies", "stage_routed", "stage_outbound", "outbound_bodies",
                 "message_events"):
         assert _count(store, hot) == 0, hot
@@ -102,13 +103,15 @@ def test_a_run_killed_between_archive_and_purge_reruns_to_the_same_archive_and_p
     archived: dict[str, int] = {}
     deleted = retention(store, epoch, EVERYTHING, archived=archived)
     events = _count(store, "archive_events")
-    assert archived == {"inbound": 0, "routed": 3, "outbound": 3, "events": events}  # inbound: nothing again
-    assert deleted == {"inbound": 3, "routed": 3, "outbound": 3, "events": events}
+    assert archived == {"inbound": 0, "inbound_batches": 0, "routed": 3, "outbound": 3,
+                        "events": events}  # inbound: nothing again
+    assert deleted == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3, "events": events}
     assert rows(store, "SELECT * FROM archive_inbound ORDER BY id") == snapshot["archive_inbound"]
     for table in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events"):
         assert rows(store, f"SELECT count(*) AS n, count(DISTINCT id) AS d FROM {table}")[0] == \
             {"n": 3 if table != "archive_events" else events, "d": 3 if table != "archive_events" else events}
-    assert retention(store, epoch, EVERYTHING) == {"inbound": 0, "routed": 0, "outbound": 0, "events": 0}
+    assert retention(store, epoch, EVERYTHING) == {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0,
+                                                    "events": 0}
 
 
 def test_a_row_changed_after_it_was_archived_is_not_purged_until_archived_again(store, monkeypatch):
@@ -128,12 +131,12 @@ def test_a_row_changed_after_it_was_archived_is_not_purged_until_archived_again(
         return real_purge(store_, query, **kw)
 
     monkeypatch.setattr(housekeeping, "_purge", requeued_in_between)
-    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 0}  # its archived copy is stale
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 0, "inbound_batches": 0}  # its copy is stale
     assert rows(store, "SELECT status FROM archive_inbound") == [{"status": "dead"}]
     monkeypatch.setattr(housekeeping, "_purge", real_purge)
     archived: dict[str, int] = {}
-    assert retention(store, epoch, {"inbound": DAY}, archived=archived) == {"inbound": 1}
-    assert archived == {"inbound": 1}
+    assert retention(store, epoch, {"inbound": DAY}, archived=archived) == {"inbound": 1, "inbound_batches": 0}
+    assert archived == {"inbound": 1, "inbound_batches": 0}
     assert rows(store, "SELECT id, status, attempts FROM archive_inbound") == [{"id": dead, "status": "done",
                                                                                  "attempts": 7}]
 
@@ -151,9 +154,9 @@ def test_archiving_under_a_stale_epoch_copies_nothing(store):
     _history(store, e1)
     acquire_permanent(store, node_id="solo:2:bb")
     archived: dict[str, int] = {}
-    assert retention(store, e1, EVERYTHING, archived=archived) == {"inbound": 0, "routed": 0, "outbound": 0,
-                                                                  "events": 0}
-    assert archived == {"inbound": 0, "routed": 0, "outbound": 0, "events": 0}
+    nothing = {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0, "events": 0}
+    assert retention(store, e1, EVERYTHING, archived=archived) == nothing
+    assert archived == nothing
 
 
 def test_an_archived_message_reads_like_a_hot_one(store):

@@ -104,8 +104,8 @@ def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
         execute(store, "UPDATE stage_inbound SET status = 'done' WHERE control_id = 'API0'")
         age(store, "stage_inbound", "updated_at", "control_id = 'API0'", 2 * 86_400)
         age(store, "message_events", "at", "control_id = 'API0'", 2 * 86_400)
-        assert retention(store, read_lease(store).epoch, 86_400.0) == {"inbound": 1, "routed": 0, "outbound": 0,
-                                                                         "events": 1}
+        assert retention(store, read_lease(store).epoch, 86_400.0) == {"inbound": 1, "inbound_batches": 0, "routed": 0,
+                                                                         "outbound": 0, "events": 1}
     finally:
         store.close()
     status, story = call(d, "GET", "/messages/API0", d.token)

@@ -71,7 +71,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "dag_id": "stage_route", "try_number": 1, "duration_ms": 270, "claimed": 40,
     "counts": json.dumps({"routed": 80}), "owners": json.dumps(["airflow:stage_route:r1#1.0"]),
     # retention's archive (archive.sql) and the database-poll watermarks (watermarks.sql)
-    "archived": 1, "ref": "MSG00042", "watermark": json.dumps(1042),
+    "archived": 1, "ref": "MSG00042", "watermark": json.dumps(1042), "batch_id": "f" * 32,
 }
 
 
@@ -320,7 +320,7 @@ def _column(item: exp.ColumnDef) -> dict[str, Any]:
 
 def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
     """Tables (columns with type, nullability and constraints), table constraints, indexes, rows
-    seeded, data moved (INSERT … SELECT), views."""
+    seeded, data moved (INSERT … SELECT, UPDATE), views."""
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     table_uniques: dict[str, list[tuple[str, ...]]] = {}
     indexes: dict[str, dict[str, Any]] = {}
@@ -347,7 +347,8 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
             }
         elif isinstance(statement, exp.Create) and statement.args["kind"] == "VIEW":
             views[statement.this.name] = _view(statement.expression, tables)
-        elif isinstance(statement, exp.Insert) and isinstance(statement.expression, exp.Select):
+        elif isinstance(statement, exp.Insert) and isinstance(statement.expression, exp.Select) or \
+                isinstance(statement, exp.Update):  # a backfill (0008: archived rows' batches)
             moves.append(statement.sql(comments=False))
         elif isinstance(statement, exp.Insert):
             rows.append(statement.sql(comments=False))

@@ -7,9 +7,9 @@
 
 -- name: archive_finished_inbound
 INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts,
-                             created_at, updated_at, last_error, charset, payload)
+                             created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
 SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts,
-       s.created_at, s.updated_at, s.last_error, s.charset, b.payload
+       s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq
   FROM stage_inbound s LEFT JOIN inbound_bodies b ON b.id = s.id
  WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_inbound c
                          WHERE c.status IN ('done', 'dead', 'unrouted')
@@ -22,7 +22,8 @@ SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.c
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
-       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, batch_id = EXCLUDED.batch_id,
+       batch_seq = EXCLUDED.batch_seq, archived_at = now()
 RETURNING id
 
 -- name: archive_finished_routed
@@ -77,19 +78,43 @@ SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination,
 ON CONFLICT (id) DO NOTHING
 RETURNING id
 
+-- name: archive_inbound_batches
+-- An HL7 batch's record (inbound_batches), once none of its messages' inbound rows is left in the
+-- hot tables: retention runs it after the inbound purge. A batch never changes: one copy each.
+INSERT INTO archive_inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count,
+                                     message_count, created_at)
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count, b.created_at
+  FROM inbound_batches b
+ WHERE b.batch_id = ANY(ARRAY(SELECT c.batch_id FROM inbound_batches c
+                               WHERE c.created_at < now() - make_interval(secs => :ms / 1000.0)
+                                 AND NOT EXISTS (SELECT 1 FROM stage_inbound s WHERE s.batch_id = c.batch_id)
+                                 AND NOT EXISTS (SELECT 1 FROM archive_inbound_batches a WHERE a.batch_id = c.batch_id)
+                               ORDER BY c.created_at, c.batch_id
+                               LIMIT :limit))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ON CONFLICT (batch_id) DO NOTHING
+RETURNING batch_id
+
 -- What `stageline messages show` reads besides the hot tables (include/store/operator.py): the same
 -- columns as message_inbound / message_routed / message_outbound / message_trail, plus archived_ms.
 
 -- name: archived_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms,
-       i.last_error, NULL AS lease_owner, i.payload, (extract(epoch FROM i.archived_at) * 1000)::bigint AS archived_ms
+       i.last_error, NULL AS lease_owner, i.payload, i.batch_id, i.batch_seq, (extract(epoch FROM i.archived_at) * 1000)::bigint AS archived_ms
   FROM archive_inbound i
  WHERE i.id = :id
 
 -- name: archived_inbound_ref
 -- The newest archived inbound row with this message id or control id.
 SELECT max(id) AS id FROM archive_inbound WHERE message_id = :ref OR control_id = :ref
+
+-- name: archived_batch
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count,
+       (extract(epoch FROM b.created_at) * 1000)::bigint AS created_ms,
+       (extract(epoch FROM b.archived_at) * 1000)::bigint AS archived_ms
+  FROM archive_inbound_batches b
+ WHERE b.batch_id = :batch_id
 
 -- name: archived_routed
 SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,

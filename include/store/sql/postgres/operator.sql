@@ -28,9 +28,16 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.a
 
 -- name: message_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
-       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error, i.lease_owner, b.payload
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq
   FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
  WHERE i.id = :id
+
+-- name: message_batch
+-- The HL7 batch a message came in (inbound_batches), while it is hot; archived_batch after.
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count,
+       (extract(epoch FROM b.created_at) * 1000)::bigint AS created_ms, NULL AS archived_ms
+  FROM inbound_batches b
+ WHERE b.batch_id = :batch_id
 
 -- name: message_routed
 SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,

@@ -313,6 +313,21 @@ WITH gone AS (
 body AS (DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM gone))
 SELECT id FROM gone
 
+-- name: purge_inbound_batches
+-- Retention of HL7 batch records: up to :limit inbound_batches rows older than :ms milliseconds
+-- none of whose messages' inbound rows is left in stage_inbound (and, with :archived, whose copy is
+-- in archive_inbound_batches); returns the batch ids deleted.
+DELETE FROM inbound_batches
+ WHERE batch_id = ANY(ARRAY(SELECT b.batch_id FROM inbound_batches b
+                             WHERE b.created_at < now() - make_interval(secs => :ms / 1000.0)
+                               AND NOT EXISTS (SELECT 1 FROM stage_inbound s WHERE s.batch_id = b.batch_id)
+                               AND (CAST(:archived AS integer) = 0
+                                    OR EXISTS (SELECT 1 FROM archive_inbound_batches a WHERE a.batch_id = b.batch_id))
+                             LIMIT :limit
+                             FOR UPDATE OF b SKIP LOCKED))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING batch_id
+
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
 DELETE FROM message_events

@@ -28,9 +28,16 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.a
 
 -- name: message_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
-       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error, i.lease_owner, b.payload
+       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq
   FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
  WHERE i.id = :id
+
+-- name: message_batch
+-- The HL7 batch a message came in (inbound_batches), while it is hot; archived_batch after.
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count,
+       b.created_at AS created_ms, NULL AS archived_ms
+  FROM inbound_batches b
+ WHERE b.batch_id = :batch_id
 
 -- name: message_routed
 SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,

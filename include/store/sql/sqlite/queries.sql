@@ -297,6 +297,20 @@ DELETE FROM stage_inbound
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
+-- name: purge_inbound_batches
+-- Retention of HL7 batch records: up to :limit inbound_batches rows older than :ms milliseconds
+-- none of whose messages' inbound rows is left in stage_inbound (and, with :archived, whose copy is
+-- in archive_inbound_batches); returns the batch ids deleted.
+DELETE FROM inbound_batches
+ WHERE batch_id IN (SELECT b.batch_id FROM inbound_batches b
+                     WHERE b.created_at < {now} - :ms
+                       AND NOT EXISTS (SELECT 1 FROM stage_inbound s WHERE s.batch_id = b.batch_id)
+                       AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound_batches a
+                                                      WHERE a.batch_id = b.batch_id))
+                     LIMIT :limit)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+RETURNING batch_id
+
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds.
 DELETE FROM message_events

@@ -19,8 +19,8 @@ SELECT TOP (:limit) c.id FROM stage_inbound AS c WITH (READPAST, ROWLOCK)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
 DELETE FROM archive_inbound WHERE id IN (SELECT id FROM @ids);
-INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, charset, payload)
-SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, s.charset, b.payload
+INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
+SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq
   FROM stage_inbound AS s LEFT JOIN inbound_bodies AS b ON b.id = s.id
  WHERE s.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;
@@ -72,6 +72,25 @@ SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination,
  WHERE e.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;
 
+-- name: archive_inbound_batches
+-- An HL7 batch's record (inbound_batches), once none of its messages' inbound rows is left in the
+-- hot tables: retention runs it after the inbound purge. A batch never changes: one copy each.
+-- The probe of stage_inbound takes no READPAST: skipping a locked message row would make its batch
+-- look finished.
+DECLARE @ids TABLE (batch_id nvarchar(64) COLLATE Latin1_General_100_BIN2 NOT NULL PRIMARY KEY);
+INSERT INTO @ids (batch_id)
+SELECT TOP (:limit) c.batch_id FROM inbound_batches AS c WITH (READPAST, ROWLOCK)
+ WHERE c.created_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WHERE s.batch_id = c.batch_id)
+   AND NOT EXISTS (SELECT 1 FROM archive_inbound_batches AS a WHERE a.batch_id = c.batch_id)
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+ ORDER BY c.created_at, c.batch_id;
+INSERT INTO archive_inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count, created_at)
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count, b.created_at
+  FROM inbound_batches AS b
+ WHERE b.batch_id IN (SELECT batch_id FROM @ids);
+SELECT batch_id FROM @ids;
+
 -- What `stageline messages show` reads besides the hot tables (include/store/operator.py): the same
 -- columns as message_inbound / message_routed / message_outbound / message_trail, plus archived_ms.
 
@@ -79,13 +98,20 @@ SELECT id FROM @ids;
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.updated_at) AS updated_ms, i.last_error, NULL AS lease_owner,
-       i.payload, DATEDIFF_BIG(millisecond, '1970-01-01', i.archived_at) AS archived_ms
+       i.payload, i.batch_id, i.batch_seq, DATEDIFF_BIG(millisecond, '1970-01-01', i.archived_at) AS archived_ms
   FROM archive_inbound AS i
  WHERE i.id = :id
 
 -- name: archived_inbound_ref
 -- The newest archived inbound row with this message id or control id.
 SELECT max(id) AS id FROM archive_inbound WHERE message_id = :ref OR control_id = :ref
+
+-- name: archived_batch
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.created_at) AS created_ms,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.archived_at) AS archived_ms
+  FROM archive_inbound_batches AS b
+ WHERE b.batch_id = :batch_id
 
 -- name: archived_routed
 SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,

@@ -35,9 +35,16 @@ SELECT TOP (CAST(:limit AS int))
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.updated_at) AS updated_ms, i.last_error, i.lease_owner,
-       b.payload
+       b.payload, i.batch_id, i.batch_seq
   FROM stage_inbound AS i LEFT JOIN inbound_bodies AS b ON b.id = i.id
  WHERE i.id = :id
+
+-- name: message_batch
+-- The HL7 batch a message came in (inbound_batches), while it is hot; archived_batch after.
+SELECT b.batch_id, b.connection, b.fhs_control_id, b.bhs_control_id, b.declared_count, b.message_count,
+       DATEDIFF_BIG(millisecond, '1970-01-01', b.created_at) AS created_ms, NULL AS archived_ms
+  FROM inbound_batches AS b
+ WHERE b.batch_id = :batch_id
 
 -- name: message_routed
 SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,

@@ -447,6 +447,21 @@ OUTPUT deleted.id INTO @gone
 DELETE FROM inbound_bodies WHERE id IN (SELECT id FROM @gone);
 SELECT id FROM @gone;
 
+-- name: purge_inbound_batches
+-- Retention of HL7 batch records: up to :limit inbound_batches rows older than :ms milliseconds
+-- none of whose messages' inbound rows is left in stage_inbound (and, with :archived, whose copy is
+-- in archive_inbound_batches); returns the batch ids deleted. The probe of
+-- stage_inbound takes no READPAST: skipping a locked message row would make its batch look finished.
+DELETE t
+OUTPUT deleted.batch_id
+  FROM inbound_batches AS t
+ WHERE t.batch_id IN (SELECT TOP (:limit) b.batch_id FROM inbound_batches AS b WITH (READPAST, ROWLOCK)
+                       WHERE b.created_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                         AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WHERE s.batch_id = b.batch_id)
+                         AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound_batches AS a
+                                                        WHERE a.batch_id = b.batch_id)))
+   AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+
 -- name: purge_events
 -- Retention of the audit trail: up to :limit events older than :ms milliseconds (whole seconds);
 -- returns the ids deleted.
