@@ -333,7 +333,7 @@ SELECT l.epoch,
 -- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch.
 SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, i.connection
   FROM stage_routed r JOIN inbound_bodies b ON b.id = r.source_id
-  JOIN stage_inbound i ON i.id = r.source_id
+  LEFT JOIN stage_inbound i ON i.id = r.source_id
  WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed

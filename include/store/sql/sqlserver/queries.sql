@@ -490,7 +490,7 @@ SELECT l.epoch,
 -- routed row's source's.
 SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, i.connection
   FROM stage_routed AS r JOIN inbound_bodies AS b ON b.id = r.source_id
-  JOIN stage_inbound AS i ON i.id = r.source_id
+  LEFT JOIN stage_inbound AS i ON i.id = r.source_id
  WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
