@@ -49,6 +49,8 @@ def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
     if code_dir and code_dir not in sys.path:
         sys.path.insert(0, code_dir)
     module_name, _, function_name = spec.partition(":")
+    importlib.invalidate_caches()  # a module (or the folder) added since this process last looked
+    sys.path_importer_cache.pop(code_dir or "", None)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
