@@ -211,9 +211,9 @@ def test_when_rules_generated_control_ids_and_a_map_dead_letter(outcome: Outcome
     adt1, adt2 = got
     control_ids = [field(t, "MSH.F10") for t in got]
     assert all(c.startswith("SL") and len(c) == 20 for c in control_ids) and len(set(control_ids)) == 2
-    assert adt1 == SENT["ADT1"][1].replace("|STAGELINE|SL|", "|WARDS|SL|").replace("|ADT1|", f"|{control_ids[0]}|") \
+    assert adt1 == SENT["ADT1"][1].replace("|STAGELINE|SL|", "|WARDS|SL|").replace("|ADT1|P|", f"|{control_ids[0]}|P|") \
         .replace("19610615", "1961-06-15").replace("PV1|1|I", "PV1|1|IN")
-    assert adt2 == SENT["ADT2"][1].replace("|ADT2|", f"|{control_ids[1]}|") \
+    assert adt2 == SENT["ADT2"][1].replace("|ADT2|P|", f"|{control_ids[1]}|P|") \
         .replace("19610615", "1961-06-15").replace("PV1|1|O", "PV1|1|OUT")  # when false: MSH-5 kept
     assert routed(outcome)[("ADT3", "ehr")][1:] == (
         "dead", "dead-lettered: the value at PV1-2 is not in lookup table 'patient_class'")
