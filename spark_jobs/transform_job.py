@@ -4,7 +4,8 @@
     extract   Spark JDBC read of exactly the rows this run claimed
     transform pure: `outbound_rows()` — each row's outbound lane key from its destination's lane
               rule (read from the message as routed), then the destination's transform rules
-              (`spark_jobs.transform_rules`, config in `include.transforms_config`), tagged with the run id
+              (`spark_jobs.transform_rules`, config in `include.transforms_config`), then the
+              destination's code hook if it names one (`spark_jobs.code_hook`), tagged with the run id
     land      Spark JDBC append into landing_outbound
     finalize  one fenced transaction (`include.store.stages.finalize_transform`): epoch check,
               routed rows finished, landed rows moved to stage_outbound with their idempotency
