@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pyspark.sql import Column, DataFrame
@@ -207,8 +207,10 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
     """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched)."""
     # Separators bound once per unit: read from the stored struct at every use they cost a
     # nested-row copy each time (measured 2x on JSON).
-    def on_unit(u: Column, seps: Column) -> Column:
-        out = u.withField("segments", _apply_rule(rule, u["segments"], seps, tables, ctx))
+    def on_unit(u: Column, i: Column, seps: Column) -> Column:
+        # A batch's later messages get control ids of their own: the unit index joins the seed.
+        unit_ctx = replace(ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string"))))
+        out = u.withField("segments", _apply_rule(rule, u["segments"], seps, tables, unit_ctx))
         error = _rule_error(rule, u["segments"], seps, tables)
         if error is not None:
             out = out.withField("error", F.coalesce(u["error"], error))
@@ -217,7 +219,7 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
             applies = applies & compile_condition(rule.when, u["segments"], seps, ctx.connection)
         return F.when(applies, out).otherwise(u)
 
-    return F.transform(units, lambda u: let(u["seps"], lambda seps: on_unit(u, seps)))
+    return F.transform(units, lambda u, i: let(u["seps"], lambda seps: on_unit(u, i, seps)))
 
 
 def _render_hl7(units: Column) -> Column:

@@ -139,3 +139,17 @@ def test_a_dead_letter_rule_and_format_date_on_error_stop_only_their_own_message
     assertDataFrameEqual(actual, rows(
         spark, MSG, ("test messages are not sent to production", None),
         ("dead-lettered: the value at PID-7 is not a date/time in format 'hl7'", None)))
+
+
+def test_each_message_of_a_batch_gets_its_own_control_id(spark: SparkSession) -> None:
+    from tests.spark_jobs.test_transform_rules import BATCH
+
+    actual = run(spark, [{"set": "MSH-10", "generate": "control_id"}], BATCH)
+
+    def control_id(seed: str) -> str:
+        return hashlib.sha256(seed.encode()).hexdigest()[:20].upper()
+
+    # units: FHS (0), BHS (1), the first MSH (2), the second (3)
+    want = (BATCH.replace("\n", "\r").replace("|B1|", f"|{control_id('1|dest#2')}|")
+            .replace("|B2|", f"|{control_id('1|dest#3')}|"))
+    assertDataFrameEqual(actual, rows(spark, want))
