@@ -13,11 +13,16 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
               tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
+    code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
+              python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
+              that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
+              Spark's noop sink (no store I/O), best of two runs each, printed side by side
 
 Figures are messages/s (a message is one inbound row; fan-out makes ~1.6 routed rows each) and
 seconds per phase. Latency under the real scheduler: bench/latency.py.
 
     uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres] [--deliver-seconds 120]
+                                    [--code-hook 20000]
 """
 from __future__ import annotations
 
@@ -151,6 +156,45 @@ def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: 
             f"rows/s ({summary.rounds} rounds, {len(summary.retrying) + len(summary.dead)} failed)")
 
 
+def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, Any], n: int) -> list[str]:
+    """The `lab` rules native vs as a code hook (module docstring); the figure lines."""
+    import dataclasses
+
+    results = [p for p in payloads if "|ORU^" in p.split("\r", 1)[0]]
+    oru = [results[i % len(results)] for i in range(n)]
+    frame = spark.createDataFrame([(i, i, "lab", p, f"m{i}", f"C{i}", "bench") for i, p in enumerate(oru)],
+                                  transform_job.CLAIMED_SCHEMA).cache()
+    frame.count()  # uploaded and cached once: the runs below time the transform alone
+    code_dir = str(ROOT / "bench" / "code")
+    no_lab = [s for s in SPECS if s["destination"] != "lab"]
+    variants = {
+        "native rules": (SPECS, dests),
+        "code hook (same rules)": (no_lab, {**dests, "lab": dataclasses.replace(dests["lab"], code="bench_hooks:lab")}),
+        "code hook (parse + render only)": (no_lab, {**dests, "lab": dataclasses.replace(dests["lab"],
+                                                                                       code="bench_hooks:identity")}),
+    }
+    outputs: dict[str, list[str]] = {}
+    rates: dict[str, float] = {}
+    for name, (specs, variant_dests) in variants.items():
+        def out() -> Any:
+            return frame.transform(transform_job.outbound_rows, specs, LOOKUPS, variant_dests, run_id="hook",
+                                   code_dir=code_dir)
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            out().write.format("noop").mode("overwrite").save()
+            best = min(best, time.perf_counter() - started)
+        rates[name] = len(oru) / best
+        outputs[name] = [r.payload for r in out().orderBy("routed_id").limit(200).collect()]
+    same = sum(a == b for a, b in zip(outputs["native rules"], outputs["code hook (same rules)"]))
+    native = rates["native rules"]
+    frame.unpersist()
+    return [f"code hook: {len(oru):,} ORU rows to `lab`, transform only (noop sink, best of 2; outputs identical "
+            f"on {same} of the first {len(outputs['native rules'])})",
+            "| lab transform | rows/s | vs native |", "|---|---|---|",
+            *(f"| {name} | {rate:,.0f} | {rate / native:.2f}× |" for name, rate in rates.items())]
+
+
 def count(store: Store, sql: str) -> int:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
@@ -167,6 +211,8 @@ def main() -> None:
                         help="time budget for delivering the outbound rows to files (0: skip)")
     parser.add_argument("--mllp-rows", type=int, default=20_000,
                         help="rows delivered to an MLLP receiver over 20 lanes (0: skip)")
+    parser.add_argument("--code-hook", type=int, default=0, metavar="ROWS",
+                        help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -247,6 +293,7 @@ def main() -> None:
         print(deliver_line)
         if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
+        hook_lines = code_hook_versus_native(spark, payloads, dests, args.code_hook) if args.code_hook else []
 
         started = time.perf_counter()
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)
@@ -280,6 +327,8 @@ def main() -> None:
               f"{peer_rate:,.0f} msg/s | {durable_cell} |")
         print(f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
               f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |")
+        if hook_lines:
+            print("\n" + "\n".join(hook_lines))
         store.close()
     finally:
         close_session(spark)  # before the server stops: pyspark's exit hook would wait on it for minutes

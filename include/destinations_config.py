@@ -14,6 +14,9 @@ Unknown settings are errors (a typo must not silently fall back to a default). `
 a failed delivery; `permanent_ack_codes` says which MLLP answers are final (see
 `spark_jobs.senders.mllp`).
 
+Code: `"code": "module:function"` names a Python function run on each message after the
+destination's transform rules (the escape hatch: `spark_jobs.code_hook`, docs/rules.md).
+
 Lanes: `"lane": "destination"` (default) is one FIFO lane per destination; an HL7 path such as
 `"PID-3.1"` is one lane per value per destination. `lane_key()` computes the key the stage that
 writes `stage_outbound` must store; it always starts with the destination name, because the claim
@@ -25,6 +28,7 @@ Plain Python, no Spark and no I/O: the config loader, the stage jobs and Spark's
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -76,6 +80,8 @@ class Destination:
     backoff_seconds: float = 5.0
     max_backoff_seconds: float = 300.0
     lane: str = "destination"
+    code: str | None = None
+    """A `module:function` run on each message after the destination's rules (`spark_jobs.code_hook`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +115,9 @@ class HttpDestination(Destination):
 
 
 _KINDS: dict[str, type[Destination]] = {c.kind: c for c in (MllpDestination, FileDestination, HttpDestination)}
-_COMMON_KEYS = frozenset({"name", "kind", "max_attempts", "backoff_seconds", "max_backoff_seconds", "lane"})
+_COMMON_KEYS = frozenset({"name", "kind", "max_attempts", "backoff_seconds", "max_backoff_seconds", "lane", "code"})
+# `module:function`: a dotted module path and a function name (spark_jobs/code_hook.py, docs/rules.md).
+_CODE_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 _KIND_KEYS: dict[str, frozenset[str]] = {
     "mllp": frozenset({"host", "port", "timeout_seconds", "tls", "permanent_ack_codes", "idle_timeout_seconds"}),
     "file": frozenset({"directory", "suffix", "mode", "batch"}),
@@ -161,6 +169,7 @@ def _parse_one(spec: Any, index: int) -> Destination:
         "backoff_seconds": s.number("backoff_seconds", 5.0, minimum=0.0),
         "max_backoff_seconds": s.number("max_backoff_seconds", 300.0, minimum=0.0),
         "lane": s.lane(),
+        "code": s.code(),
     }
     if common["max_backoff_seconds"] < common["backoff_seconds"]:
         raise DestinationConfigError(f"{where}: 'max_backoff_seconds' must be >= 'backoff_seconds'")
@@ -258,6 +267,14 @@ class _Settings:
         except FieldPathError as exc:
             raise DestinationConfigError(f"{self.where}: 'lane' must be 'destination' or an HL7 field path: "
                                          f"{exc}") from None
+        return value
+
+    def code(self) -> str | None:
+        value = self.spec.get("code")
+        if value is None:
+            return None
+        if not isinstance(value, str) or not _CODE_SPEC.fullmatch(value):
+            raise self.fail("code", "'module:function' (a dotted module path, a colon, a function name)")
         return value
 
     def tls(self) -> TlsSettings | None:

@@ -5,35 +5,37 @@ A route spec is plain data, as loaded from TOML/JSON config::
     {"name": "adt-to-ehr", "destinations": ["ehr", "archive"],
      "when": {"all": [{"field": "MSH-9.1", "op": "eq", "value": "ADT"},
                       {"not": {"field": "PV1-2", "op": "in", "value": ["P", "R"]}}]}}
+    {"name": "the-rest", "destinations": ["archive"], "catch_all": true}
 
-Conditions: a leaf ``{"field": <HL7 path>, "op": ..., "value": ...}`` or ``{"all": [...]}``,
-``{"any": [...]}``, ``{"not": cond}``. A route without ``when`` matches every message.
+``when`` follows the condition grammar of :mod:`include.conditions` (field leaves with any/all
+over segments and repetitions, segment presence, the inbound connection, all/any/not), the same
+grammar a transform rule's ``when`` uses; the reference is docs/rules.md. A route without
+``when`` matches every message. A ``catch_all`` route (no ``when``) matches exactly the messages
+no other route matched; a message no route matches at all is ``unrouted``.
 
-* ``eq``: value is a string, compared exactly.
-* ``in``: value is a non-empty list of strings.
-* ``regex``: value is a Java regex, searched anywhere in the value (anchor with ``^``/``$``).
-  Config load checks it with Python's ``re`` and rejects Python-only syntax (``(?P<n>..)``,
-  ``(?#..)``, ``(?(..)``); use the syntax both engines share.
-* ``exists``: no value; true when the field is present and non-empty.
-
-Field paths follow :mod:`include.hl7path`; values are read as :func:`spark_jobs.hl7_fields.field`
-reads them (missing and empty are NULL). A leaf on a missing field is false, never NULL, so
-``not`` means what it says: a message with no PV1-2 matches
-``{"not": {"field": "PV1-2", "op": "eq", "value": "I"}}``. The Spark side
-(:mod:`spark_jobs.route_rules`) compiles these classes into Columns.
-
-Plain Python, no Spark: a config loader checks routes without a session, and every error names
-the route and where in its ``when`` the problem is.
+The Spark side (:mod:`spark_jobs.route_rules`, :mod:`spark_jobs.conditions`) compiles the
+conditions into Columns. Plain Python, no Spark: a config loader checks routes without a
+session, and every error names the route and where in its ``when`` the problem is.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
-from include.hl7path import FieldPath, FieldPathError, parse_path
+from include.conditions import (
+    OPS,
+    AllOf,
+    AnyOf,
+    Condition,
+    ConditionError,
+    Connection,
+    Leaf,
+    Not,
+    SegmentPresent,
+)
+from include.conditions import parse_condition as _parse_condition
 
 __all__ = [
     "OPS",
@@ -42,24 +44,22 @@ __all__ = [
     "AllOf",
     "AnyOf",
     "Condition",
+    "Connection",
     "Leaf",
     "Not",
     "Route",
     "RouteConfigError",
+    "SegmentPresent",
     "parse_condition",
     "parse_routes",
 ]
 
-OPS = ("eq", "in", "regex", "exists")
 # A routing decision's status: one `pending` row per matched destination, else one `unrouted`
 # row (shared by the Spark route and the plain-Python bench peer).
 PENDING = "pending"
 UNROUTED = "unrouted"
 
-_ROUTE_KEYS = frozenset({"name", "destinations", "when"})
-_LEAF_KEYS = frozenset({"field", "op", "value"})
-# Python-only regex syntax that would pass re.compile but make Java's Pattern throw mid-job.
-_PYTHON_ONLY_REGEX = re.compile(r"\(\?P|\(\?#|\(\?\(")
+_ROUTE_KEYS = frozenset({"name", "destinations", "when", "catch_all"})
 
 
 class RouteConfigError(ValueError):
@@ -67,116 +67,21 @@ class RouteConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Leaf:
-    """Test one HL7 field: ``value`` is a str (eq, regex), a tuple (in) or None (exists)."""
-
-    path: FieldPath
-    op: str
-    value: str | tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class AllOf:
-    """True when every member is true."""
-
-    conditions: tuple[Condition, ...]
-
-
-@dataclass(frozen=True)
-class AnyOf:
-    """True when at least one member is true."""
-
-    conditions: tuple[Condition, ...]
-
-
-@dataclass(frozen=True)
-class Not:
-    """True when the inner condition is false (including "field missing")."""
-
-    condition: Condition
-
-
-Condition = Union[Leaf, AllOf, AnyOf, Not]
-
-
-@dataclass(frozen=True)
 class Route:
-    """A validated route; ``when`` None matches everything."""
+    """A validated route; ``when`` None matches everything, ``catch_all`` what no other route matched."""
 
     name: str
     destinations: tuple[str, ...]
     when: Condition | None = None
+    catch_all: bool = False
 
 
 def parse_condition(cond: Any, *, route_name: str = "<unnamed>", where: str = "when") -> Condition:
-    """Validate one condition tree; ``where`` locates it in errors (``when.all[1].not``)."""
-
-    def fail(problem: str) -> RouteConfigError:
-        return RouteConfigError(f"route {route_name!r}: {where}: {problem}")
-
-    if isinstance(cond, (Leaf, AllOf, AnyOf, Not)):
-        return cond
-    if not isinstance(cond, Mapping):
-        raise fail(f"condition must be a table/object, got {type(cond).__name__}")
-    keys = set(cond)
-    if "field" in keys or "op" in keys:
-        unknown = keys - _LEAF_KEYS
-        if unknown:
-            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in field condition (allowed: field, op, value)")
-        return _parse_leaf(cond, fail)
-    if len(keys) != 1 or not keys <= {"all", "any", "not"}:
-        raise fail(
-            f"expected exactly one of 'field', 'all', 'any', 'not', got keys {sorted(map(str, keys))}"
-        )
-    (kind,) = keys
-    inner = cond[kind]
-    if kind == "not":
-        return Not(parse_condition(inner, route_name=route_name, where=f"{where}.not"))
-    if isinstance(inner, (str, bytes, Mapping)) or not isinstance(inner, Sequence):
-        raise fail(f"'{kind}' must be a list of conditions, got {type(inner).__name__}")
-    if not inner:
-        raise fail(f"'{kind}' must not be empty")
-    members = tuple(
-        parse_condition(c, route_name=route_name, where=f"{where}.{kind}[{i}]") for i, c in enumerate(inner)
-    )
-    return AllOf(members) if kind == "all" else AnyOf(members)
-
-
-def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], RouteConfigError]) -> Leaf:
-    """Validate a ``{"field", "op", "value"}`` leaf."""
-    if "field" not in cond:
-        raise fail("field condition needs 'field'")
+    """Validate one condition tree; errors read ``route 'x': when.all[1].not: problem``."""
     try:
-        path = parse_path(cond["field"])
-    except FieldPathError as exc:
-        raise fail(f"bad field path: {exc}") from None
-    op = cond.get("op")
-    if op not in OPS:
-        raise fail(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
-    has_value = "value" in cond
-    value = cond.get("value")
-    if op == "exists":
-        if has_value:
-            raise fail("op 'exists' takes no value")
-        return Leaf(path, op)
-    if not has_value:
-        raise fail(f"op {op!r} needs a value")
-    if op in ("eq", "regex"):
-        if not isinstance(value, str):
-            raise fail(f"op {op!r} needs a string value, got {type(value).__name__}")
-        if op == "regex":
-            try:
-                re.compile(value)
-            except re.error as exc:
-                raise fail(f"bad regex {value!r}: {exc}") from None
-            if _PYTHON_ONLY_REGEX.search(value):
-                raise fail(f"bad regex {value!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
-        return Leaf(path, op, value)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not value:
-        raise fail("op 'in' needs a non-empty list of strings")
-    if not all(isinstance(v, str) for v in value):
-        raise fail("op 'in' needs a non-empty list of strings")
-    return Leaf(path, op, tuple(value))
+        return _parse_condition(cond, where=where)
+    except ConditionError as exc:
+        raise RouteConfigError(f"route {route_name!r}: {exc}") from None
 
 
 def parse_routes(routes: Any) -> list[Route]:
@@ -186,6 +91,12 @@ def parse_routes(routes: Any) -> list[Route]:
     parsed: list[Route] = []
     seen: set[str] = set()
     for index, spec in enumerate(routes):
+        if isinstance(spec, Route):
+            if spec.name in seen:
+                raise RouteConfigError(f"route {spec.name!r}: duplicate route name")
+            seen.add(spec.name)
+            parsed.append(spec)
+            continue
         if not isinstance(spec, Mapping):
             raise RouteConfigError(f"route #{index}: must be a table/object, got {type(spec).__name__}")
         name = spec.get("name")
@@ -198,7 +109,7 @@ def parse_routes(routes: Any) -> list[Route]:
         if unknown:
             raise RouteConfigError(
                 f"route {name!r}: unknown key(s) {sorted(map(str, unknown))} "
-                "(allowed: name, destinations, when)"
+                "(allowed: name, destinations, when, catch_all)"
             )
         dests = spec.get("destinations")
         if (
@@ -210,6 +121,12 @@ def parse_routes(routes: Any) -> list[Route]:
             raise RouteConfigError(
                 f"route {name!r}: 'destinations' must be a non-empty list of non-empty strings"
             )
+        catch_all = spec.get("catch_all", False)
+        if not isinstance(catch_all, bool):
+            raise RouteConfigError(f"route {name!r}: 'catch_all' must be true or false, got {catch_all!r}")
+        if catch_all and "when" in spec:
+            raise RouteConfigError(f"route {name!r}: a catch_all route takes no 'when' (it matches what no "
+                                   "other route matched)")
         when = parse_condition(spec["when"], route_name=name) if "when" in spec else None
-        parsed.append(Route(name=name, destinations=tuple(dict.fromkeys(dests)), when=when))
+        parsed.append(Route(name=name, destinations=tuple(dict.fromkeys(dests)), when=when, catch_all=catch_all))
     return parsed

@@ -4,6 +4,7 @@
     <dir>/destinations.toml   [[destination]]  where and how to deliver, lane rule, retries
                                                (include/destinations_config.py)
     <dir>/transforms.toml     [[transform]]    per-destination rewrite rules (include/transforms_config.py)
+    <dir>/code/               Python modules    destinations' `code = "module:function"` hooks (docs/rules.md)
 
 The directory is `$STAGELINE_PIPELINE_DIR`, default `config/` beside the service config — the same
 directory `listenerd --config` reads its inbound connections from, so one directory describes a
@@ -32,6 +33,7 @@ from include.routes_config import Route, RouteConfigError, parse_routes
 from include.transforms_config import Transform, TransformConfigError, parse_transforms
 
 PIPELINE_DIR_ENV = "STAGELINE_PIPELINE_DIR"
+CODE_DIR = "code"  # <dir>/code/: the modules destinations' `code` hooks name
 FILES = {"route": "routes.toml", "destination": "destinations.toml", "transform": "transforms.toml"}
 
 
@@ -47,6 +49,11 @@ class PipelineConfig:
     routes: list[Route]
     destinations: dict[str, Destination]
     transforms: list[Transform]
+
+    @property
+    def code_dir(self) -> Path:
+        """Where destinations' code hooks are imported from first (`spark_jobs.code_hook`)."""
+        return self.directory / CODE_DIR
 
 
 def pipeline_dir() -> Path:
@@ -83,6 +90,10 @@ def load(directory: Path | None = None) -> PipelineConfig:
         if t.destination not in destinations:
             raise PipelineConfigError(f"{base / FILES['transform']}: transform for {t.destination!r}, not "
                                       f"configured in {FILES['destination']}")
+        if t.output == "json" and destinations[t.destination].code:
+            raise PipelineConfigError(f"{base / FILES['transform']}: transform for {t.destination!r}: output "
+                                      f"'json' and the destination's code hook cannot be combined (the hook "
+                                      "receives and returns HL7)")
     return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
 
 

@@ -49,6 +49,30 @@ only (config load, before the store is reachable); with them (the transform run)
 table must exist, be ``str -> str`` and hold at most :data:`MAX_LOOKUP_ENTRIES` entries (each
 becomes a map literal in the Spark plan, see :mod:`spark_jobs.transform_rules`).
 
+Since issue 13 (reference with examples: docs/rules.md):
+
+* ``"when": <condition>`` on any rule: the rule applies only to messages the condition holds for
+  (the grammar of :mod:`include.conditions`, the one routes use), tested on the message as the
+  earlier rules left it.
+* ``add_segment`` ``{"add_segment": "ZST|1|A^B", "after": "PID"}`` (or ``"before"``; default the
+  end): the text is written with ``|^~\\&`` and translated to the message's own separators;
+  ``after`` goes after the last occurrence, ``before`` before the first; a missing anchor adds nothing.
+* string functions, each ``{OP: PATH, ..., "to": TARGET?, "each": bool?}`` reading the raw text
+  at PATH and writing the result to TARGET (default PATH): ``upper``, ``lower`` (escape sequences
+  kept), ``substring`` (``start`` 1-based, ``length``), ``pad`` (``length``, ``with`` one
+  character, ``side`` left/right; never truncates), ``replace`` (``pattern`` a Java regex,
+  ``with`` the replacement), ``format_date`` (``from``/``to``: ``"hl7"`` or a Spark datetime
+  pattern; ``on_error`` keep/clear/dead_letter). A missing or empty source leaves TARGET alone.
+* ``concat`` ``{"concat": ["PID-5.2", {"text": " "}, "PID-5.1"], "to": "ZNM-1"}``: fields (raw)
+  and constants (literal text); an empty result clears TARGET.
+* ``map`` gains ``not_found``: ``keep`` | ``default`` (needs ``default``, any string) | ``clear``
+  | ``dead_letter``.
+* ``set`` with ``generate``: ``"timestamp"`` (the transform's time, ``format`` default ``hl7``,
+  e.g. for MSH-7) or ``"control_id"`` (a 20-character id per message and destination, stable
+  across re-runs, optional ``prefix``; e.g. for MSH-10).
+* ``dead_letter`` ``{"dead_letter": "reason", "when": ...}``: the message is not delivered to this
+  destination; its routed row is dead with the reason.
+
 ``"output": "json"`` delivers ``application/json`` instead of HL7 (the format:
 :mod:`spark_jobs.hl7_json`). How rules meet messages (separators, escapes, batches):
 :mod:`spark_jobs.transform_rules`.
@@ -60,12 +84,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from include.conditions import Condition, ConditionError, parse_condition
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
 __all__ = [
+    "DATE_HL7",
+    "STRING_FUNCTIONS",
+    "AddSegment",
+    "Concat",
+    "DeadLetter",
+    "FormatDate",
+    "Generate",
+    "StringFunction",
     "ENVELOPE_SEGMENTS",
     "HEADER_SEGMENTS",
     "HL7_CONTENT_TYPE",
@@ -97,15 +130,31 @@ _SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
 _EXPLICIT_OCCURRENCE = re.compile(r"[A-Z0-9]{3}\[")
 
 _SPEC_KEYS = frozenset({"destination", "output", "rules"})
-# Operation key -> every key allowed in a rule of that kind.
+STRING_FUNCTIONS = ("upper", "lower", "substring", "pad", "replace", "format_date")
+# Operation key -> every key allowed in a rule of that kind ("when" is allowed on every rule).
 _RULE_KEYS: dict[str, frozenset[str]] = {
-    "set": frozenset({"set", "value", "each"}),
+    "set": frozenset({"set", "value", "each", "generate", "format", "prefix"}),
     "copy": frozenset({"copy", "to", "each"}),
     "clear": frozenset({"clear", "each"}),
-    "map": frozenset({"map", "table", "default", "each"}),
+    "map": frozenset({"map", "table", "default", "not_found", "each"}),
     "drop_segment": frozenset({"drop_segment"}),
     "rename_segment": frozenset({"rename_segment", "to"}),
+    "add_segment": frozenset({"add_segment", "after", "before"}),
+    "concat": frozenset({"concat", "to"}),
+    "dead_letter": frozenset({"dead_letter"}),
+    "upper": frozenset({"upper", "to", "each"}),
+    "lower": frozenset({"lower", "to", "each"}),
+    "substring": frozenset({"substring", "start", "length", "to", "each"}),
+    "pad": frozenset({"pad", "length", "with", "side", "to", "each"}),
+    "replace": frozenset({"replace", "pattern", "with", "to", "each"}),
+    "format_date": frozenset({"format_date", "from", "to_format", "to", "on_error", "each"}),
 }
+DATE_HL7 = "yyyyMMddHHmmss"
+"""``"hl7"`` as a ``format_date``/``generate`` output format: an HL7 DTM to the second."""
+CONTROL_ID_LENGTH = 20
+# Spark datetime pattern letters (docs: sql-ref-datetime-pattern); anything else fails mid-job.
+_PATTERN_LETTERS = set("GyMdDQqLEuaHhKkmsSVzOXxZ")
+_PYTHON_ONLY_REGEX = re.compile(r"\(\?P|\(\?#|\(\?\(")
 
 
 class TransformConfigError(ValueError):
@@ -119,6 +168,7 @@ class SetField:
     path: FieldPath
     value: str
     each: bool = False
+    when: Condition | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +178,7 @@ class CopyField:
     source: FieldPath
     target: FieldPath
     each: bool = False
+    when: Condition | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +187,7 @@ class ClearField:
 
     path: FieldPath
     each: bool = False
+    when: Condition | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +199,8 @@ class MapField:
     table: str
     default: str | None = None
     each: bool = False
+    when: Condition | None = None
+    dead_letter: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +208,7 @@ class DropSegment:
     """Remove every occurrence of ``segment``."""
 
     segment: str
+    when: Condition | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +217,80 @@ class RenameSegment:
 
     segment: str
     to: str
+    when: Condition | None = None
 
 
-Rule = Union[SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment]
+@dataclass(frozen=True)
+class AddSegment:
+    """Add ``text`` (written with ``|^~\\&``) after the last ``after`` / before the first ``before``
+    segment, or at the end of the message."""
+
+    text: str
+    after: str | None = None
+    before: str | None = None
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class StringFunction:
+    """``op`` (upper, lower, substring, pad, replace) of the raw text at ``source``, written to
+    ``target``; ``args`` are the op's settings in a fixed order (see ``_parse_function``)."""
+
+    op: str
+    source: FieldPath
+    target: FieldPath
+    args: tuple[Any, ...] = ()
+    each: bool = False
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class FormatDate:
+    """Reformat the date/time at ``source`` (``from_format``, "hl7" = HL7 DTM of any precision) to
+    ``to_format`` at ``target``; ``on_error`` keep | clear | dead_letter for an unreadable value."""
+
+    source: FieldPath
+    target: FieldPath
+    from_format: str = "hl7"
+    to_format: str = "hl7"
+    on_error: str = "keep"
+    each: bool = False
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Concatenate fields (FieldPath, raw text) and constants (str, literal text) into ``target``."""
+
+    parts: tuple[FieldPath | str, ...]
+    target: FieldPath
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Write a generated value: ``timestamp`` (the transform's time in ``format``) or
+    ``control_id`` (``prefix`` + hex, 20 characters, one per message and destination)."""
+
+    path: FieldPath
+    kind: str
+    format: str = DATE_HL7
+    prefix: str = ""
+    when: Condition | None = None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """Do not deliver: the routed row is dead with ``reason``."""
+
+    reason: str
+    when: Condition | None = None
+
+
+Rule = Union[SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment, AddSegment, StringFunction,
+             FormatDate, Concat, Generate, DeadLetter]
+_RULE_CLASSES = (SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment, AddSegment, StringFunction,
+                 FormatDate, Concat, Generate, DeadLetter)
 
 
 @dataclass(frozen=True)
@@ -249,7 +375,7 @@ def _parse_spec(spec: Any, index: int) -> Transform:
 
 def _parse_rule(rule: Any, destination: str, index: int) -> Rule:
     """Validate one rule table; errors read ``transform 'ehr': rule #2 (map): problem``."""
-    if isinstance(rule, (SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment)):
+    if isinstance(rule, _RULE_CLASSES):
         return rule
     if not isinstance(rule, Mapping):
         raise TransformConfigError(
@@ -267,10 +393,22 @@ def _parse_rule(rule: Any, destination: str, index: int) -> Rule:
     def fail(problem: str) -> TransformConfigError:
         return TransformConfigError(f"transform {destination!r}: rule #{index} ({op}): {problem}")
 
-    unknown = set(rule) - _RULE_KEYS[op]
+    allowed = _RULE_KEYS[op] | {"when"}
+    unknown = set(rule) - allowed
     if unknown:
-        raise fail(f"unknown key(s) {sorted(map(str, unknown))} (allowed: {', '.join(sorted(_RULE_KEYS[op]))})")
+        raise fail(f"unknown key(s) {sorted(map(str, unknown))} (allowed: {', '.join(sorted(allowed))})")
+    when: Condition | None = None
+    if "when" in rule:
+        try:
+            when = parse_condition(rule["when"], where="when")
+        except ConditionError as exc:
+            raise fail(str(exc)) from None
+    parsed = _parse_op(op, rule, fail)
+    return replace(parsed, when=when) if when is not None else parsed
 
+
+def _parse_op(op: str, rule: Mapping[str, Any], fail: Callable[[str], TransformConfigError]) -> Rule:
+    """The rule without its ``when``."""
     if op in ("drop_segment", "rename_segment"):
         segment = _segment_name(rule[op], "segment", fail)
         if op == "drop_segment":
@@ -278,14 +416,37 @@ def _parse_rule(rule: Any, destination: str, index: int) -> Rule:
         if "to" not in rule:
             raise fail("needs 'to' (the new segment id)")
         return RenameSegment(segment, _segment_name(rule["to"], "'to'", fail))
+    if op == "add_segment":
+        return _parse_add_segment(rule, fail)
+    if op == "dead_letter":
+        reason = rule[op]
+        if not isinstance(reason, str) or not reason.strip():
+            raise fail("'dead_letter' must be a non-empty reason")
+        return DeadLetter(reason.strip()[:300])
+    if op == "concat":
+        return _parse_concat(rule, fail)
 
     each = rule.get("each", False)
     if not isinstance(each, bool):
         raise fail(f"'each' must be true or false, got {each!r}")
+    if op in STRING_FUNCTIONS:
+        source = _rule_path(rule[op], "path", fail, write=False, each=each)
+        target = _rule_path(rule.get("to", rule[op]), "'to'", fail, write=True, each=each)
+        if each and target.segment != source.segment:
+            raise fail(f"'each' works within one segment occurrence, so the path and 'to' must name the same "
+                       f"segment (got {source.segment} and {target.segment})")
+        if op == "format_date":
+            return _parse_format_date(rule, source, target, each, fail)
+        return StringFunction(op, source, target, _function_args(op, rule, fail), each)
     path = _rule_path(rule[op], "path", fail, write=op != "copy", each=each)
     if op == "set":
+        if "generate" in rule:
+            return _parse_generate(rule, path, each, fail)
+        for key in ("format", "prefix"):
+            if key in rule:
+                raise fail(f"{key!r} goes with 'generate'")
         if "value" not in rule:
-            raise fail("needs 'value'")
+            raise fail("needs 'value' (or 'generate')")
         if not isinstance(rule["value"], str):
             raise fail(f"'value' must be a string, got {type(rule['value']).__name__}")
         return SetField(path, rule["value"], each)
@@ -305,10 +466,147 @@ def _parse_rule(rule: Any, destination: str, index: int) -> Rule:
     table = rule.get("table")
     if not isinstance(table, str) or not table.strip():
         raise fail("needs 'table', a non-empty lookup table name")
+    if "not_found" in rule:
+        policy = rule["not_found"]
+        if policy not in ("keep", "default", "clear", "dead_letter"):
+            raise fail(f"'not_found' must be keep, default, clear or dead_letter, got {policy!r}")
+        if (policy == "default") != ("default" in rule):
+            raise fail("'default' goes with not_found = 'default' (and it needs one)")
+        default = rule.get("default")
+        if policy == "default" and not isinstance(default, str):
+            raise fail(f"'default' must be a string, got {type(default).__name__}")
+        value = {"keep": None, "clear": "", "dead_letter": None}.get(policy, default)
+        return MapField(path, table, value, each, dead_letter=policy == "dead_letter")
     default = rule.get("default", "keep")
     if not isinstance(default, str):
         raise fail(f"'default' must be 'keep', 'clear' or a string, got {type(default).__name__}")
     return MapField(path, table, None if default == "keep" else "" if default == "clear" else default, each)
+
+
+def _parse_add_segment(rule: Mapping[str, Any], fail: Callable[[str], TransformConfigError]) -> AddSegment:
+    text = rule["add_segment"]
+    if not isinstance(text, str) or not re.fullmatch(r"[A-Z][A-Z0-9]{2}(\|[^\r\n]*)?", text):
+        raise fail("'add_segment' must be one segment's text: its id, then '|' and its fields "
+                   f"(no line breaks), e.g. 'ZST|1|A^B'; got {text!r}")
+    _segment_name(text[:3], "the added segment", fail)
+    if "after" in rule and "before" in rule:
+        raise fail("give 'after' or 'before', not both")
+    anchors = {k: _anchor(rule[k], k, fail) for k in ("after", "before") if k in rule}
+    return AddSegment(text, anchors.get("after"), anchors.get("before"))
+
+
+def _anchor(value: Any, what: str, fail: Callable[[str], TransformConfigError]) -> str:
+    if not isinstance(value, str) or not _SEGMENT_ID.fullmatch(value) or value in ENVELOPE_SEGMENTS:
+        raise fail(f"{what!r} must be a segment id inside the message (not the batch envelope), got {value!r}")
+    return value
+
+
+def _parse_concat(rule: Mapping[str, Any], fail: Callable[[str], TransformConfigError]) -> Concat:
+    parts = rule["concat"]
+    if isinstance(parts, (str, bytes, Mapping)) or not isinstance(parts, Sequence) or not parts:
+        raise fail("'concat' must be a non-empty list of field paths and {text = \"...\"} constants")
+    parsed: list[FieldPath | str] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, Mapping):
+            if set(part) != {"text"} or not isinstance(part["text"], str):
+                raise fail(f"part #{i}: a constant is {{text = \"...\"}}, got {dict(part)!r}")
+            parsed.append(part["text"])
+        else:
+            parsed.append(_rule_path(part, f"part #{i}", fail, write=False, each=False))
+    if "to" not in rule:
+        raise fail("needs 'to' (the target path)")
+    return Concat(tuple(parsed), _rule_path(rule["to"], "'to'", fail, write=True, each=False))
+
+
+def _integer(rule: Mapping[str, Any], key: str, fail: Callable[[str], TransformConfigError], *, minimum: int,
+             default: int | None = None) -> int | None:
+    value = rule.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise fail(f"{key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _function_args(op: str, rule: Mapping[str, Any], fail: Callable[[str], TransformConfigError]) -> tuple[Any, ...]:
+    """Settings of a string function, validated: substring (start, length|None), pad (length,
+    char, side), replace (pattern, replacement); upper and lower take none."""
+    if op == "substring":
+        if "start" not in rule:
+            raise fail("needs 'start' (1-based)")
+        return (_integer(rule, "start", fail, minimum=1), _integer(rule, "length", fail, minimum=0))
+    if op == "pad":
+        if "length" not in rule:
+            raise fail("needs 'length'")
+        char = rule.get("with", " ")
+        if not isinstance(char, str) or len(char) != 1:
+            raise fail(f"'with' must be one character, got {char!r}")
+        side = rule.get("side", "left")
+        if side not in ("left", "right"):
+            raise fail(f"'side' must be left or right, got {side!r}")
+        return (_integer(rule, "length", fail, minimum=1), char, side)
+    if op == "replace":
+        pattern, replacement = rule.get("pattern"), rule.get("with", "")
+        if not isinstance(pattern, str) or not pattern:
+            raise fail("needs 'pattern', a non-empty Java regex")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise fail(f"bad regex {pattern!r}: {exc}") from None
+        if _PYTHON_ONLY_REGEX.search(pattern):
+            raise fail(f"bad regex {pattern!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
+        if not isinstance(replacement, str):
+            raise fail(f"'with' must be a string, got {type(replacement).__name__}")
+        return (pattern, replacement)
+    return ()
+
+
+def _date_pattern(value: Any, what: str, fail: Callable[[str], TransformConfigError]) -> str:
+    """"hl7" or a Spark datetime pattern whose letters Spark knows (a bad one would fail mid-job)."""
+    if value == "hl7":
+        return value
+    if not isinstance(value, str) or not value:
+        raise fail(f"{what!r} must be 'hl7' or a Spark datetime pattern, got {value!r}")
+    unquoted = re.sub(r"'[^']*'", "", value)
+    if unquoted.count("'"):
+        raise fail(f"{what!r}: unbalanced quote in pattern {value!r}")
+    bad = sorted({c for c in unquoted if c.isascii() and c.isalpha() and c not in _PATTERN_LETTERS})
+    if bad:
+        raise fail(f"{what!r}: pattern {value!r} uses letters Spark does not know: {', '.join(bad)} "
+                   "(quote literal text with '...')")
+    return value
+
+
+def _parse_format_date(rule: Mapping[str, Any], source: FieldPath, target: FieldPath, each: bool,
+                       fail: Callable[[str], TransformConfigError]) -> FormatDate:
+    on_error = rule.get("on_error", "keep")
+    if on_error not in ("keep", "clear", "dead_letter"):
+        raise fail(f"'on_error' must be keep, clear or dead_letter, got {on_error!r}")
+    from_format = _date_pattern(rule.get("from", "hl7"), "from", fail)
+    to_format = _date_pattern(rule.get("to_format", "hl7"), "to_format", fail)
+    return FormatDate(source, target, from_format, to_format, on_error, each)
+
+
+def _parse_generate(rule: Mapping[str, Any], path: FieldPath, each: bool,
+                    fail: Callable[[str], TransformConfigError]) -> Generate:
+    kind = rule["generate"]
+    if "value" in rule:
+        raise fail("give 'value' or 'generate', not both")
+    if each:
+        raise fail("'generate' writes one value per message: no 'each'")
+    if kind == "timestamp":
+        if "prefix" in rule:
+            raise fail("'prefix' goes with generate = 'control_id'")
+        fmt = _date_pattern(rule.get("format", "hl7"), "format", fail)
+        return Generate(path, kind, DATE_HL7 if fmt == "hl7" else fmt)
+    if kind == "control_id":
+        if "format" in rule:
+            raise fail("'format' goes with generate = 'timestamp'")
+        prefix = rule.get("prefix", "")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9]{0,12}", prefix):
+            raise fail(f"'prefix' must be 0-12 letters or digits, got {prefix!r}")
+        return Generate(path, kind, prefix=prefix)
+    raise fail(f"'generate' must be 'timestamp' or 'control_id', got {kind!r}")
 
 
 def _segment_name(value: Any, what: str, fail: Callable[[str], TransformConfigError]) -> str:

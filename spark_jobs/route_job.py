@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 LANDING_TABLE = "landing_routed"
 LANDING_COLUMNS = ("run_id", "source_id", "destination", "route_name", "status")
 # Spark would map SQLite's INTEGER to a 32-bit int; the ids are 64-bit everywhere.
-CLAIMED_SCHEMA = "id BIGINT, payload STRING"
+CLAIMED_SCHEMA = "id BIGINT, connection STRING, payload STRING"
 
 
 def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
@@ -46,7 +46,7 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
 
 
 def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False) -> DataFrame:
-    """The rows `owner` claimed under `epoch`: id, payload."""
+    """The rows `owner` claimed under `epoch`: id, connection, payload."""
     return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
                                  small=small)
 

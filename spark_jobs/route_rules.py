@@ -15,8 +15,10 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from include.routes_config import PENDING, UNROUTED, AllOf, Condition, Leaf, Not, Route, parse_condition, parse_routes
-from spark_jobs.hl7_fields import extract, with_message
+from include.conditions import uses_connection
+from include.routes_config import PENDING, UNROUTED, Condition, Route, parse_condition, parse_routes
+from spark_jobs.conditions import compile_condition as compile_over
+from spark_jobs.hl7_fields import let, with_message
 
 __all__ = ["compile_condition", "route"]
 
@@ -26,33 +28,17 @@ def compile_condition(
     *,
     route_name: str = "<unnamed>",
     message: Column | str = "payload",
+    connection: Column | str | None = None,
 ) -> Column:
     """Compile a condition into a boolean Column over the raw message column; never NULL."""
     parsed = parse_condition(cond, route_name=route_name)
-    return with_message(message, lambda m: _compile(parsed, m))
+    conn = F.col(connection) if isinstance(connection, str) else connection
+    return with_message(message, lambda m: _compile(parsed, m, conn))
 
 
-def _compile(cond: Condition, message: Column) -> Column:
+def _compile(cond: Condition, message: Column, connection: Column | None) -> Column:
     """Build the Column for a validated condition over a ``parse_message`` struct."""
-    if isinstance(cond, Leaf):
-        value = extract(message, cond.path)
-        if cond.op == "eq":
-            test = value == F.lit(cond.value)
-        elif cond.op == "in":
-            test = value.isin(list(cond.value))
-        elif cond.op == "regex":
-            test = value.rlike(cond.value)
-        else:
-            test = value.isNotNull()
-        # Missing field -> false, so `not` and `any` never see NULL.
-        return F.coalesce(test, F.lit(False))
-    if isinstance(cond, Not):
-        return ~_compile(cond.condition, message)
-    members = [_compile(c, message) for c in cond.conditions]
-    combined = members[0]
-    for member in members[1:]:
-        combined = (combined & member) if isinstance(cond, AllOf) else (combined | member)
-    return combined
+    return compile_over(cond, message["segments"], message, connection)
 
 
 def route(
@@ -61,31 +47,51 @@ def route(
     *,
     id_col: str = "id",
     payload_col: str = "payload",
+    connection_col: str = "connection",
 ) -> DataFrame:
     """Fan messages out to destinations: one row per (source_id, destination), or one unrouted row.
 
     Output columns: ``source_id``, ``destination``, ``route_name``, ``status`` (``pending``, or
     ``unrouted`` with NULL destination and route_name). When several routes reach the same
-    destination the first in config order names it, so (source_id, destination) is unique.
+    destination the first in config order names it, so (source_id, destination) is unique. A
+    ``catch_all`` route matches when no other route does. ``connection_col`` (the inbound
+    connection's name) is read only when a condition tests it.
     Pure (no I/O, no session); use as ``messages.transform(route, routes)``.
     """
     parsed = list(routes) if routes and all(isinstance(r, Route) for r in routes) else parse_routes(routes)
-    return messages.transform(_match_routes, parsed, id_col=id_col, payload_col=payload_col).transform(
-        _fan_out, parsed
-    )
+    return messages.transform(
+        _match_routes, parsed, id_col=id_col, payload_col=payload_col, connection_col=connection_col
+    ).transform(_fan_out, parsed)
 
 
 def _match_routes(
-    messages: DataFrame, routes: Sequence[Route], *, id_col: str, payload_col: str
+    messages: DataFrame, routes: Sequence[Route], *, id_col: str, payload_col: str, connection_col: str
 ) -> DataFrame:
     """Keep ``source_id`` and ``_matches`` (one boolean per route) from one parse of each message."""
-    if not routes:
-        matches = F.array().cast("array<boolean>")
+    connection = F.col(connection_col) if any(uses_connection(r.when) for r in routes) else None
+    regular = [r for r in routes if not r.catch_all]
+    if not regular:
+        matches = F.array(*(F.lit(True) for _ in routes)).cast("array<boolean>")
     else:
-        matches = with_message(
-            payload_col,
-            lambda m: F.array(*(F.lit(True) if r.when is None else _compile(r.when, m) for r in routes)),
-        )
+        def flags(m: Column) -> Column:
+            conds = [F.lit(True) if r.when is None else _compile(r.when, m, connection) for r in regular]
+            if len(conds) == len(routes):
+                return F.array(*conds)
+
+            def with_catch_all(arr: Column) -> Column:
+                unmatched = ~F.exists(arr, lambda x: x)
+                out, k = [], 0
+                for r in routes:
+                    if r.catch_all:
+                        out.append(unmatched)
+                    else:
+                        k += 1
+                        out.append(F.element_at(arr, k))
+                return F.array(*out)
+
+            return let(F.array(*conds), with_catch_all)
+
+        matches = with_message(payload_col, flags)
     return messages.select(F.col(id_col).alias("source_id"), matches.alias("_matches"))
 
 

@@ -4,7 +4,8 @@
     extract   Spark JDBC read of exactly the rows this run claimed
     transform pure: `outbound_rows()` — each row's outbound lane key from its destination's lane
               rule (read from the message as routed), then the destination's transform rules
-              (`spark_jobs.transform_rules`, config in `include.transforms_config`), tagged with the run id
+              (`spark_jobs.transform_rules`, config in `include.transforms_config`), then the
+              destination's code hook if it names one (`spark_jobs.code_hook`), tagged with the run id
     land      Spark JDBC append into landing_outbound
     finalize  one fenced transaction (`include.store.stages.finalize_transform`): epoch check,
               routed rows finished, landed rows moved to stage_outbound with their idempotency
@@ -33,6 +34,7 @@ from include.store import lookups as lookup_tables
 from include.store.stages import TransformOutcome, finalize_transform
 from include.transforms_config import Transform, parse_transforms
 from spark_jobs import stage_io
+from spark_jobs.code_hook import apply_code_hooks, check_hooks
 from spark_jobs.hl7_fields import field
 from spark_jobs.transform_rules import transform
 
@@ -42,7 +44,7 @@ LANDING_TABLE = "landing_outbound"
 LANDING_COLUMNS = ("run_id", "source_id", "routed_id", "destination", "content_type", "lane_key", "payload",
                    "message_id", "control_id")
 CLAIMED_SCHEMA = ("id BIGINT, source_id BIGINT, destination STRING, payload STRING, message_id STRING, "
-                  "control_id STRING")
+                  "control_id STRING, connection STRING")
 
 
 def lane_key(destination: Column, payload: Column, destinations: Mapping[str, Destination]) -> Column:
@@ -68,21 +70,29 @@ def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
     in SQL (`finalize_transform(passthrough=…)`); Spark never sees them."""
     specified = {s.destination if isinstance(s, Transform) else s.get("destination") for s in specs}
     return frozenset(name for name, dest in destinations.items()
-                     if name not in specified and dest.lane == "destination")
+                     if name not in specified and dest.lane == "destination" and not dest.code)
+
+
+def code_hooks(destinations: Mapping[str, Destination]) -> dict[str, str]:
+    """Destination -> its `module:function` code hook, for those that have one."""
+    return {name: dest.code for name, dest in destinations.items() if dest.code}
 
 
 def outbound_rows(claimed: DataFrame, specs: Sequence[Mapping[str, Any] | Transform],
                   lookups: Mapping[str, Mapping[str, str]], destinations: Mapping[str, Destination], *,
-                  run_id: str) -> DataFrame:
-    """Claimed routed rows → landing rows (pure; no I/O). NULL payload = could not be transformed.
-    Rows for a pass-through destination (`passthrough_destinations`) are left out: the finalize
-    moves them."""
+                  run_id: str, code_dir: str | None = None) -> DataFrame:
+    """Claimed routed rows → landing rows (pure; no I/O). NULL payload = not to be delivered: the
+    rules could not read the message, or a rule or the destination's code hook (run after the
+    rules, `spark_jobs.code_hook`, modules from `code_dir`) dead-lettered it, the reason then in
+    content_type. Rows for a pass-through destination (`passthrough_destinations`) are left out:
+    the finalize moves them."""
     passing = sorted(passthrough_destinations(specs, destinations))
     if passing:
         claimed = claimed.where(~F.col("destination").isin(passing))
     laned = claimed.withColumn("lane_key", lane_key(F.col("destination"), F.col("payload"), destinations))
-    rewritten = laned.transform(transform, specs, lookups,
-                                carry=("source_id", "message_id", "control_id", "lane_key"))
+    rewritten = laned.transform(transform, specs, lookups, carry=("source_id", "message_id", "control_id", "lane_key"),
+                                message_id_col="message_id").transform(
+        apply_code_hooks, code_hooks(destinations), code_dir)
     return rewritten.select(
         F.lit(run_id).alias("run_id"),
         "source_id",
@@ -124,16 +134,17 @@ def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: 
 def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] | Transform],
         destinations: Mapping[str, Destination], owner: str, epoch: int, run_id: str,
         batch_size: int = 10_000, lease_seconds: float | None = None,
-        lookups: Mapping[str, Mapping[str, str]] | None = None) -> TransformOutcome:
+        lookups: Mapping[str, Mapping[str, str]] | None = None, code_dir: str | None = None) -> TransformOutcome:
     """One transform run: lookups → claim → extract → transform → land → finalize.
 
-    Specs are validated against the lookup tables — `lookups`, or the store's read now — before
-    anything is claimed. With nothing
+    Specs are validated against the lookup tables — `lookups`, or the store's read now — and the
+    destinations' code hooks imported (from `code_dir` first) before anything is claimed. With nothing
     to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
     `owner` must be unique per run.
     """
     lookups = read_lookups(store) if lookups is None else lookups
     parsed = parse_transforms(list(specs), lookups=lookups)
+    check_hooks(code_hooks(destinations), code_dir)  # a hook that cannot load claims nothing
     claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
         return TransformOutcome(run_id=run_id)
@@ -141,7 +152,7 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
         store, ROUTED, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
         build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
-            outbound_rows, parsed, lookups, destinations, run_id=run_id),
+            outbound_rows, parsed, lookups, destinations, run_id=run_id, code_dir=code_dir),
         finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
                                   passthrough=passthrough_destinations(parsed, destinations)))
     log.info("transform run %s: claimed %d, outbound %d, failed %d, not finished %d", run_id,

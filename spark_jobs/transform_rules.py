@@ -45,13 +45,23 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from include.conditions import uses_connection
 from include.hl7path import FieldPath
 from include.transforms_config import (
+    CONTROL_ID_LENGTH,
+    DATE_HL7,
+    AddSegment,
+    Concat,
+    DeadLetter,
+    FormatDate,
+    Generate,
+    StringFunction,
     ENVELOPE_SEGMENTS,
     HEADER_SEGMENTS,
     HL7_CONTENT_TYPE,
@@ -66,6 +76,7 @@ from include.transforms_config import (
     Transform,
     parse_transforms,
 )
+from spark_jobs.conditions import compile_condition
 from spark_jobs.hl7_fields import let
 from spark_jobs.hl7_json import render_json
 
@@ -86,6 +97,10 @@ _PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
 _REST = 1 << 30  # "to the end" length for substring
 # Scratch column holding the parsed payload between the projections of transform().
 _UNITS = "_transform_units"
+# Hidden input columns some rules read, and the dead-letter reason before it moves to content_type.
+_CONNECTION = "_transform_connection"
+_SEED = "_transform_control_seed"
+_ERROR = "_transform_error"
 
 
 # --- the DataFrame transform ----------------------------------------------------------------
@@ -100,12 +115,20 @@ def transform(
     destination_col: str = "destination",
     payload_col: str = "payload",
     carry: Sequence[str] = (),
+    connection_col: str = "connection",
+    message_id_col: str | None = None,
+    now: Column | None = None,
 ) -> DataFrame:
     """Rewrite each routed row for its destination: ``id, destination, content_type, payload``.
 
     Rows whose destination has no spec keep their payload byte for byte (HL7). ``carry`` names
     further input columns to keep (appended after ``payload``), e.g. ``lane_key``. Pure (no I/O);
     use as ``routed.transform(transform, specs, lookups)``.
+
+    A row a rule dead-letters (``dead_letter``, ``map`` not_found = dead_letter, ``format_date``
+    on_error = dead_letter) comes out with a NULL payload and the reason in ``content_type``.
+    ``connection_col`` is read only when a ``when`` tests the connection; ``message_id_col`` seeds
+    generated control ids (else the row id); ``now`` replaces the current timestamp (tests).
 
     The payload is parsed once into a scratch column, each rule index is one projection over it
     (rule *k* of every destination, picked by a CASE on the destination), and a last projection
@@ -114,14 +137,23 @@ def transform(
     """
     parsed = parse_transforms(specs, lookups=lookups or {})
     destination = F.col("destination")
+    rules = [r for spec in parsed for r in spec.rules]
+    hidden = []
+    if any(uses_connection(r.when) for r in rules):
+        hidden.append(F.col(connection_col).alias(_CONNECTION))
+    if any(isinstance(r, Generate) and r.kind == "control_id" for r in rules):
+        seed = F.col(message_id_col) if message_id_col else F.col(id_col).cast("string")
+        hidden.append(F.concat(seed, F.lit("|"), F.col(destination_col)).alias(_SEED))
     frame = routed.select(
         F.col(id_col).alias("id"),
         F.col(destination_col).alias("destination"),
         F.col(payload_col).alias("payload"),
         *carry,
+        *hidden,
     )
     if not parsed:
         return frame.select("id", "destination", F.lit(HL7_CONTENT_TYPE).alias("content_type"), "payload", *carry)
+    ctx = _Context(connection=F.col(_CONNECTION), seed=F.col(_SEED), now=F.current_timestamp() if now is None else now)
 
     units = F.col(_UNITS)
     frame = frame.withColumn(
@@ -131,7 +163,7 @@ def transform(
         step: Column | None = None
         for spec in parsed:
             if k < len(spec.rules):
-                applied = _apply_to_messages(units, spec.rules[k], _tables([spec.rules[k]], lookups or {}))
+                applied = _apply_to_messages(units, spec.rules[k], _tables([spec.rules[k]], lookups or {}), ctx)
                 cond = destination == F.lit(spec.destination)
                 step = F.when(cond, applied) if step is None else step.when(cond, applied)
         frame = frame.withColumn(_UNITS, step.otherwise(units))  # type: ignore[union-attr]
@@ -147,26 +179,47 @@ def transform(
         if json_destinations
         else F.lit(HL7_CONTENT_TYPE)
     )
-    return frame.select(
-        "id",
-        "destination",
-        content_type.alias("content_type"),
-        out.otherwise(F.col("payload")).alias("payload"),  # type: ignore[union-attr]
-        *carry,
-    )
+    payload = out.otherwise(F.col("payload"))  # type: ignore[union-attr]
+    if any(_may_dead_letter(r) for r in rules):
+        # The first unit's reason; the row is not delivered, the finalize dead-letters it.
+        error = F.try_element_at(F.filter(F.transform(units, lambda u: u["error"]), lambda e: e.isNotNull()), F.lit(1))
+        frame = frame.withColumn(_ERROR, error)
+        content_type = F.when(F.col(_ERROR).isNotNull(), F.col(_ERROR)).otherwise(content_type)
+        payload = F.when(F.col(_ERROR).isNull(), payload)
+    return frame.select("id", "destination", content_type.alias("content_type"), payload.alias("payload"), *carry)
 
 
-def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Column, bool]]) -> Column:
-    """Apply one rule to every message unit (envelope units pass untouched)."""
+@dataclass(frozen=True)
+class _Context:
+    """What rules read besides the message: the inbound connection, the control-id seed, the time."""
+
+    connection: Column
+    seed: Column
+    now: Column
+
+
+def _may_dead_letter(rule: Rule) -> bool:
+    return (isinstance(rule, DeadLetter) or (isinstance(rule, MapField) and rule.dead_letter)
+            or (isinstance(rule, FormatDate) and rule.on_error == "dead_letter"))
+
+
+def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Column, bool]], ctx: _Context) -> Column:
+    """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched)."""
     # Separators bound once per unit: read from the stored struct at every use they cost a
     # nested-row copy each time (measured 2x on JSON).
-    return F.transform(
-        units,
-        lambda u: F.when(
-            u["message"],
-            let(u["seps"], lambda seps: u.withField("segments", _apply_rule(rule, u["segments"], seps, tables))),
-        ).otherwise(u),
-    )
+    def on_unit(u: Column, i: Column, seps: Column) -> Column:
+        # A batch's later messages get control ids of their own: the unit index joins the seed.
+        unit_ctx = replace(ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string"))))
+        out = u.withField("segments", _apply_rule(rule, u["segments"], seps, tables, unit_ctx))
+        error = _rule_error(rule, u["segments"], seps, tables)
+        if error is not None:
+            out = out.withField("error", F.coalesce(u["error"], error))
+        applies = u["message"]
+        if rule.when is not None:
+            applies = applies & compile_condition(rule.when, u["segments"], seps, ctx.connection)
+        return F.when(applies, out).otherwise(u)
+
+    return F.transform(units, lambda u, i: let(u["seps"], lambda seps: on_unit(u, i, seps)))
 
 
 def _render_hl7(units: Column) -> Column:
@@ -199,7 +252,8 @@ def _map_literal(table: Mapping[str, str]) -> Column:
 def _parse_units(payload: Column) -> Column:
     """Split a payload into units: ``array<unit>``, NULL unless it looks like HL7.
 
-    A unit is ``struct<message: boolean, seps: struct, segments: array<string>>``: one message
+    A unit is ``struct<message: boolean, seps: struct, segments: array<string>, error: string>``
+    (error: why a rule dead-lettered the message, else NULL): one message
     (MSH and the segments after it) or one envelope segment (FHS, BHS, BTS, FTS). A plain message
     is a single unit. ``seps`` come from the unit's own header, else from the payload's first.
 
@@ -222,6 +276,7 @@ def _parse_units(payload: Column) -> Column:
                     head.startswith("MSH").alias("message"),
                     _separators(header).alias("seps"),
                     unit_segs.alias("segments"),
+                    F.lit(None).cast("string").alias("error"),
                 )
 
             return let(F.split(raw, "\r", -1), fields)
@@ -289,8 +344,20 @@ def _split_regex(sep: Column) -> Column:
 # --- rules ----------------------------------------------------------------------------------
 
 
-def _apply_rule(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tuple[Column, bool]]) -> Column:
+def _apply_rule(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tuple[Column, bool]],
+                ctx: _Context) -> Column:
     """One rule over one message's segment array."""
+    if isinstance(rule, DeadLetter):
+        return segs
+    if isinstance(rule, AddSegment):
+        return _add_segment(rule, segs, seps)
+    if isinstance(rule, (StringFunction, FormatDate)):
+        return _compute(segs, rule.source, rule.target, seps, _function(rule, seps), each=rule.each)
+    if isinstance(rule, Concat):
+        return _concat(rule, segs, seps)
+    if isinstance(rule, Generate):
+        value = _constant(_generated(rule, ctx), seps, plain=False)
+        return _edit_segments(segs, rule.path, seps, lambda s: _write(s, rule.path, value, seps, pad=F.lit(True)))
     if isinstance(rule, DropSegment):
         return F.filter(segs, lambda s: ~_is_segment(s, rule.segment, seps))
     if isinstance(rule, RenameSegment):
@@ -313,6 +380,151 @@ def _apply_rule(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tup
         )
     path = rule.target if isinstance(rule, CopyField) else rule.path
     return _edit_segments(segs, path, seps, _segment_edit(rule, seps, tables), each=rule.each)
+
+
+# --- rules of issue 13: add_segment, string functions, format_date, concat, generate, dead letters ---
+
+
+def _rule_error(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tuple[Column, bool]]) -> Column | None:
+    """The dead-letter reason this rule gives the message (NULL if none), or None if it never does.
+    Reasons name the rule and the path, never the value (no PHI in last_error)."""
+    if isinstance(rule, DeadLetter):
+        return F.lit(rule.reason)
+    if isinstance(rule, MapField) and rule.dead_letter:
+        table = tables[rule.table][0]
+
+        def missing(v: Column) -> Column:
+            return (v != "") & F.try_element_at(table, v).isNull()
+
+        reason = f"dead-lettered: the value at {rule.path} is not in lookup table {rule.table!r}"
+        return F.when(_any_value(segs, rule.path, seps, missing, each=rule.each), F.lit(reason))
+    if isinstance(rule, FormatDate) and rule.on_error == "dead_letter":
+        def unreadable(v: Column) -> Column:
+            return (v != "") & _parse_datetime(v, rule.from_format).isNull()
+
+        reason = f"dead-lettered: the value at {rule.source} is not a date/time in format {rule.from_format!r}"
+        return F.when(_any_value(segs, rule.source, seps, unreadable, each=rule.each), F.lit(reason))
+    return None
+
+
+def _any_value(segs: Column, path: FieldPath, seps: Column, test: Callable[[Column], Column], *, each: bool) -> Column:
+    """Whether ``test`` holds for the value at ``path`` (in any occurrence, with ``each``); never NULL."""
+    if each:
+        return F.exists(segs, lambda s: _is_segment(s, path.segment, seps) & F.coalesce(test(_read(s, path, seps)),
+                                                                                       F.lit(False)))
+    source = F.try_element_at(segs, _occurrence_index(segs, path, seps) + 1)
+    return F.coalesce(test(_read(source, path, seps)), F.lit(False))
+
+
+def _add_segment(rule: AddSegment, segs: Column, seps: Column) -> Column:
+    """Insert the segment (its standard separators translated to the message's own)."""
+    text = F.call_function("translate", F.lit(rule.text), F.lit("|^~\\&"),
+                           F.concat(seps["fs"], seps["cs"], seps["rs"], seps["esc"], seps["ss"]))
+    if rule.after is None and rule.before is None:
+        return F.concat(segs, F.array(text))
+    anchor = rule.after or rule.before
+    indices = F.transform(segs, lambda s, i: F.when(_is_segment(s, anchor, seps), i))
+    at = F.array_max(indices) if rule.after else F.try_element_at(F.filter(indices, lambda i: i.isNotNull()), F.lit(1))
+
+    def insert(index: Column) -> Column:
+        placed = (lambda s: F.array(s, text)) if rule.after else (lambda s: F.array(text, s))
+        return F.flatten(F.transform(segs, lambda s, i: F.when(i == index, placed(s)).otherwise(F.array(s))))
+
+    return let(at, insert)
+
+
+def _structural_escape(value: Column, target: FieldPath, seps: Column) -> Column:
+    """Escape the separators that would be structural at ``target`` (raw text keeps its escapes)."""
+    depth = len(_levels(target, seps))
+    return _escape(value, seps, ("fs", "rs", "cs", "ss")[:depth], escape_escape=False)
+
+
+def _compute(segs: Column, source: FieldPath, target: FieldPath, seps: Column, fn: Callable[[Column], Column], *,
+             each: bool) -> Column:
+    """TARGET := fn(raw text at SOURCE). A missing or empty source, or fn giving NULL, leaves TARGET
+    alone; fn giving "" clears it."""
+    def result(v: Column) -> Column:
+        return F.when(v != "", fn(v))
+
+    def put(s: Column, r: Column) -> Column:
+        return F.when(r.isNull(), s).otherwise(_write(s, target, _structural_escape(r, target, seps), seps, pad=r != ""))
+
+    if each:
+        return F.transform(segs, lambda s: F.when(
+            _is_segment(s, target.segment, seps), let(result(_read(s, source, seps)), lambda r: put(s, r))).otherwise(s))
+    source_seg = F.try_element_at(segs, _occurrence_index(segs, source, seps) + 1)
+    return let(result(_read(source_seg, source, seps)), lambda r: _edit_segments(segs, target, seps, lambda s: put(s, r)))
+
+
+def _function(rule: StringFunction | FormatDate, seps: Column) -> Callable[[Column], Column]:
+    """The value function of a string or date rule (raw text in, raw text out)."""
+    if isinstance(rule, FormatDate):
+        pattern = DATE_HL7 if rule.to_format == "hl7" else rule.to_format
+
+        def reformat(v: Column) -> Column:
+            out = F.date_format(_parse_datetime(v, rule.from_format), pattern)
+            return F.coalesce(out, F.lit("")) if rule.on_error == "clear" else out
+
+        return reformat
+    if rule.op == "upper":
+        return F.upper  # escape codes (\F\ \S\ \T\ \R\ \E\ \X..\) are upper case already
+    if rule.op == "lower":
+        def lower(v: Column) -> Column:
+            # Literal text sits at even positions between escape characters, codes at odd ones.
+            parts = F.split(v, seps["esc_re"], -1)
+            return F.array_join(F.transform(parts, lambda x, i: F.when(i == 0, F.lower(x)).when(
+                i % 2 == 0, F.concat(seps["esc"], F.lower(x))).otherwise(F.concat(seps["esc"], x))), "")
+
+        return lower
+    if rule.op == "substring":
+        start, length = rule.args
+        return lambda v: F.substring(v, start, _REST if length is None else length)
+    if rule.op == "pad":
+        length, char, side = rule.args
+        padder = F.lpad if side == "left" else F.rpad
+        return lambda v: F.when(F.length(v) >= length, v).otherwise(padder(v, length, char))
+    pattern, replacement = rule.args
+    return lambda v: F.regexp_replace(v, F.lit(pattern), F.lit(replacement))
+
+
+# HL7 DTM: YYYY[MM[DD[HH[MM[SS[.S[S[S[S]]]]]]]]][+/-ZZZZ]; the offset is not converted (wall time kept).
+_HL7_DTM = r"^(\d{4})(\d{2})?(\d{2})?(\d{2})?(\d{2})?(\d{2})?(\.\d{1,4})?([+-]\d{4})?$"
+
+
+def _parse_datetime(v: Column, fmt: str) -> Column:
+    """A timestamp from text in ``fmt`` ("hl7": any DTM precision), NULL when it is not one."""
+    if fmt != "hl7":
+        return F.try_to_timestamp(v, F.lit(fmt))
+
+    def part(i: int, default: str) -> Column:
+        g = F.regexp_extract(v, _HL7_DTM, i)
+        return F.when(g != "", g).otherwise(F.lit(default))
+
+    iso = F.concat(part(1, ""), F.lit("-"), part(2, "01"), F.lit("-"), part(3, "01"), F.lit(" "), part(4, "00"),
+                   F.lit(":"), part(5, "00"), F.lit(":"), part(6, "00"), part(7, ""))
+    return F.when(v.rlike(_HL7_DTM), F.try_to_timestamp(iso, F.lit("yyyy-MM-dd HH:mm:ss[.SSSS]")))
+
+
+def _concat(rule: Concat, segs: Column, seps: Column) -> Column:
+    """TARGET := fields (raw, missing = "") and constants (literal text) in order; "" clears."""
+    pieces = []
+    for part in rule.parts:
+        if isinstance(part, str):
+            pieces.append(_constant(F.lit(part), seps, plain=_is_plain(part)))
+        else:
+            seg = F.try_element_at(segs, _occurrence_index(segs, part, seps) + 1)
+            pieces.append(F.coalesce(_structural_escape(_read(seg, part, seps), rule.target, seps), F.lit("")))
+    return let(F.concat(*pieces), lambda v: _edit_segments(
+        segs, rule.target, seps, lambda s: _write(s, rule.target, v, seps, pad=v != "")))
+
+
+def _generated(rule: Generate, ctx: _Context) -> Column:
+    """The transform's time in the rule's format, or a control id: prefix + hex of a hash of
+    (message id, destination) — one per message and destination, the same on a re-run."""
+    if rule.kind == "timestamp":
+        return F.date_format(ctx.now, rule.format)
+    digest = F.upper(F.substring(F.sha2(ctx.seed, 256), 1, CONTROL_ID_LENGTH - len(rule.prefix)))
+    return F.concat(F.lit(rule.prefix), digest)
 
 
 def _segment_edit(

@@ -27,7 +27,7 @@ SOURCES = {"include": ROOT / "include", "listeners": ROOT / "listeners", "spark_
 """Top-level package → its directory (the plugin is imported as `stageline_airflow`, from `plugins/`)."""
 LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "stageline_airflow": 2, "dags": 3}
 """A module imports only its own package and the packages of lower layers."""
-CONFIG_MODULES = ("include.config", "include.hl7path", "include.routes_config", "include.destinations_config",
+CONFIG_MODULES = ("include.config", "include.hl7path", "include.conditions", "include.routes_config", "include.destinations_config",
                   "include.transforms_config", "include.stage_config")
 """The bottom of `include`: plain config parsing, no store, no Spark, no other `include` module."""
 NOT_SHIPPED = ("tests", "bench")

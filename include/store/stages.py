@@ -93,6 +93,14 @@ class TransformOutcome:
 UNTRANSFORMABLE = "cannot transform: the payload is not an HL7 v2 message (no MSH, FHS or BHS header)"
 
 
+def dead_letter_reason(detail: str | None) -> str:
+    """Why a landed row with a NULL payload is dead: its content_type carries the reason a rule or a
+    code hook gave (docs/rules.md); a plain content type there means the rules could not read it."""
+    if detail and not detail.startswith("application/"):
+        return detail[:400]
+    return UNTRANSFORMABLE
+
+
 def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
                        passthrough: Collection[str] = ()) -> TransformOutcome:
     """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
@@ -112,11 +120,17 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     if passthrough and claimed:
         passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
             "ids": tx.dialect.id_list(sorted(claimed)), "names": tx.dialect.text_list(sorted(passthrough))})}
-    landed = {int(r["routed_id"]): bool(r["ok"]) for r in tx.all("transform_landed", params)}
+    landed_rows = tx.all("transform_landed", params)
+    landed = {int(r["routed_id"]): bool(r["ok"]) for r in landed_rows}
+    reasons = {int(r["routed_id"]): dead_letter_reason(r["detail"]) for r in landed_rows if not r["ok"]}
     ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
     bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
     done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
-    failed = finish_batch(tx, ROUTED, bad_ids, owner=owner, epoch=epoch, status="dead", error=UNTRANSFORMABLE)
+    by_reason: dict[str, list[int]] = {}
+    for i in bad_ids:
+        by_reason.setdefault(reasons[i], []).append(i)
+    failed = sorted(f for reason, ids in sorted(by_reason.items())
+                    for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason))
     transformed = [i for i in done if i not in passing]
     rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)}) if transformed else []
     if rows:  # each new row's body, once (docs/store.md "Bodies")

@@ -128,7 +128,7 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
             read.append(transform_job.read_lookups(b.store))
         return transform_job.run(b.store, b.spark, specs=config.transforms, destinations=config.destinations,
                                  owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
-                                 lookups=read[0])
+                                 lookups=read[0], code_dir=str(config.code_dir))
 
     return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch)
 

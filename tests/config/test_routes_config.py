@@ -37,7 +37,7 @@ def one(when: Any) -> list[dict[str, Any]]:
         (one({"not": {"any": [{"field": "pid-3", "op": "exists"}]}}), "when.not.any[0]: bad field path"),
         (one({"all": []}), "'all' must not be empty"),
         (one({"any": eq("MSH-9.1", "ADT")}), "'any' must be a list of conditions"),
-        (one({"all": [], "any": []}), "expected exactly one of 'field', 'all', 'any', 'not'"),
+        (one({"all": [], "any": []}), "expected exactly one of 'field', 'segment', 'connection', 'all', 'any', 'not'"),
         (one("MSH-9.1 == ADT"), "condition must be a table/object, got str"),
         ([{"destinations": ["ehr"]}], "route #0: 'name' must be a non-empty string"),
         ([{"name": "a", "destinations": ["x"]}, {"name": "a", "destinations": ["y"]}], "route 'a': duplicate route name"),

@@ -134,7 +134,7 @@ def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: 
 
 
 def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: SparkSession) -> None:
-    claimed = spark.createDataFrame([(1, ADT_A01), (2, NOT_HL7), (3, ORU_R01)], route_job.CLAIMED_SCHEMA)
+    claimed = spark.createDataFrame([(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], route_job.CLAIMED_SCHEMA)
     actual = route_job.transform(claimed, ROUTES, run_id="r1")
     expected = spark.createDataFrame([
         ("r1", 1, "ehr", "adt", "pending"),

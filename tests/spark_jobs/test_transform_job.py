@@ -89,7 +89,7 @@ ROUTED_ROWS = [
 
 def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: SparkSession) -> None:
     claimed = spark.createDataFrame(
-        [(10 + i, s, d, p, m, f"C{i}") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], transform_job.CLAIMED_SCHEMA)
+        [(10 + i, s, d, p, m, f"C{i}", "mllp-in") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], transform_job.CLAIMED_SCHEMA)
     got = claimed.transform(transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS,
                             run_id="r1")
     hl7, js = "application/hl7-v2", "application/json"

@@ -479,8 +479,8 @@ OUTPUT deleted.id
 
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
--- happened before, in one statement outside Spark.
-SELECT s.id, b.payload
+-- happened before, in one statement outside Spark. The connection's name is for conditions that test it.
+SELECT s.id, s.connection, b.payload
   FROM stage_inbound AS s JOIN inbound_bodies AS b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
@@ -545,13 +545,17 @@ SELECT l.epoch,
 -- name: transform_read_claimed
 -- Read-only (Spark's schema probe may run it twice), bounded by owner + epoch. The body is the
 -- routed row's source's.
-SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id
+SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, i.connection
   FROM stage_routed AS r JOIN inbound_bodies AS b ON b.id = r.source_id
+  LEFT JOIN stage_inbound AS i ON i.id = r.source_id
  WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
--- One line per routed row this run landed; ok = 0 when the message could not be transformed.
-SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok
+-- One line per routed row this run landed; ok = 0 when the message could not be transformed (or a
+-- rule or code hook dead-lettered it), and then detail is why: a NULL payload's content_type
+-- carries the reason (spark_jobs/transform_job.py).
+SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok,
+       max(CASE WHEN payload IS NULL THEN content_type END) AS detail
   FROM landing_outbound WHERE run_id = :run_id GROUP BY routed_id
 
 -- name: transform_finalize_insert

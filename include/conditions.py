@@ -1,0 +1,246 @@
+"""The condition grammar: one language for every place a message is tested (a route's `when`, a
+transform rule's `when`). Plain data as loaded from TOML/JSON; the reference is docs/rules.md.
+
+    {"field": "MSH-9.1", "op": "eq", "value": "ADT"}                 one HL7 value
+    {"field": "OBX-8", "op": "in", "value": ["H", "HH"], "segments": "any"}   any OBX (or "all")
+    {"field": "PID-3.5", "op": "eq", "value": "MR", "repetitions": "any"}     any PID-3 repetition
+    {"segment": "ZPI"}                                                segment present
+    {"connection": "lab-mllp"}   {"connection": ["a", "b"]}   {"connection": "^lab-", "op": "regex"}
+    {"all": [...]}  {"any": [...]}  {"not": {...}}
+
+Field leaves: ``op`` is ``eq`` (a string), ``ne`` (a string; a missing field is not equal),
+``in`` (a non-empty list of strings), ``regex`` (a Java regex, searched; Python-only syntax is
+refused at load) or ``exists`` (no value). Values are read as :mod:`spark_jobs.hl7_fields` reads
+them: raw text, missing and empty are both absent, and a leaf on an absent value is false, never
+NULL, so ``not`` means what it says. ``segments``/``repetitions`` quantify over every occurrence
+of the segment / every repetition of the field: ``any`` (at least one matches) or ``all`` (at
+least one exists and every one matches); the path then names no occurrence / repetition index.
+
+Plain Python, no Spark: config load checks conditions without a session. Errors carry where in
+the tree the problem is (``when.all[1].not``); the caller prefixes its own location (route,
+transform rule) and the config loader the file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from include.hl7path import FieldPath, FieldPathError, parse_path
+
+__all__ = [
+    "OPS",
+    "QUANTIFIERS",
+    "AllOf",
+    "AnyOf",
+    "Condition",
+    "ConditionError",
+    "Connection",
+    "Leaf",
+    "Not",
+    "SegmentPresent",
+    "parse_condition",
+    "uses_connection",
+]
+
+OPS = ("eq", "ne", "in", "regex", "exists")
+CONNECTION_OPS = ("eq", "in", "regex")
+QUANTIFIERS = ("any", "all")
+
+_LEAF_KEYS = frozenset({"field", "op", "value", "segments", "repetitions"})
+_CONNECTION_KEYS = frozenset({"connection", "op"})
+_SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
+# Python-only regex syntax that would pass re.compile but make Java's Pattern throw mid-job.
+_PYTHON_ONLY_REGEX = re.compile(r"\(\?P|\(\?#|\(\?\(")
+_EXPLICIT_OCCURRENCE = re.compile(r"[A-Z0-9]{3}\[")
+_EXPLICIT_REPETITION = re.compile(r"-[0-9]+\[")
+
+
+class ConditionError(ValueError):
+    """A condition that cannot be compiled; the message starts with where it is (``when.any[0]``)."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Test one HL7 value: ``value`` is a str (eq, ne, regex), a tuple (in) or None (exists).
+    ``segments``/``repetitions``: None (the path's own occurrence/repetition), "any" or "all"."""
+
+    path: FieldPath
+    op: str
+    value: str | tuple[str, ...] | None = None
+    segments: str | None = None
+    repetitions: str | None = None
+
+
+@dataclass(frozen=True)
+class SegmentPresent:
+    """True when the message has at least one ``segment``."""
+
+    segment: str
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Test the name of the inbound connection the message arrived on (eq, in, regex)."""
+
+    op: str
+    value: str | tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AllOf:
+    """True when every member is true."""
+
+    conditions: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """True when at least one member is true."""
+
+    conditions: tuple[Condition, ...]
+
+
+@dataclass(frozen=True)
+class Not:
+    """True when the inner condition is false (including "field missing")."""
+
+    condition: Condition
+
+
+Condition = Union[Leaf, SegmentPresent, Connection, AllOf, AnyOf, Not]
+_PARSED = (Leaf, SegmentPresent, Connection, AllOf, AnyOf, Not)
+
+
+def parse_condition(cond: Any, *, where: str = "when") -> Condition:
+    """Validate one condition tree; ``where`` locates it in errors (``when.all[1].not``)."""
+
+    def fail(problem: str) -> ConditionError:
+        return ConditionError(f"{where}: {problem}")
+
+    if isinstance(cond, _PARSED):
+        return cond
+    if not isinstance(cond, Mapping):
+        raise fail(f"condition must be a table/object, got {type(cond).__name__}")
+    keys = set(cond)
+    if "field" in keys or ("op" in keys and "connection" not in keys):
+        unknown = keys - _LEAF_KEYS
+        if unknown:
+            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in field condition "
+                       "(allowed: field, op, value, segments, repetitions)")
+        return _parse_leaf(cond, fail)
+    if "connection" in keys:
+        unknown = keys - _CONNECTION_KEYS
+        if unknown:
+            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in connection condition (allowed: connection, op)")
+        return _parse_connection(cond, fail)
+    if "segment" in keys:
+        if keys != {"segment"}:
+            raise fail(f"a segment condition has only the key 'segment', got {sorted(map(str, keys))}")
+        segment = cond["segment"]
+        if not isinstance(segment, str) or not _SEGMENT_ID.fullmatch(segment):
+            raise fail(f"'segment' must be a 3-character segment id (a letter, then upper-case letters or digits), "
+                       f"got {segment!r}")
+        return SegmentPresent(segment)
+    if len(keys) != 1 or not keys <= {"all", "any", "not"}:
+        raise fail(f"expected exactly one of 'field', 'segment', 'connection', 'all', 'any', 'not', got keys "
+                   f"{sorted(map(str, keys))}")
+    (kind,) = keys
+    inner = cond[kind]
+    if kind == "not":
+        return Not(parse_condition(inner, where=f"{where}.not"))
+    if isinstance(inner, (str, bytes, Mapping)) or not isinstance(inner, Sequence):
+        raise fail(f"'{kind}' must be a list of conditions, got {type(inner).__name__}")
+    if not inner:
+        raise fail(f"'{kind}' must not be empty")
+    members = tuple(parse_condition(c, where=f"{where}.{kind}[{i}]") for i, c in enumerate(inner))
+    return AllOf(members) if kind == "all" else AnyOf(members)
+
+
+def _check_regex(value: str, fail: Callable[[str], ConditionError]) -> None:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise fail(f"bad regex {value!r}: {exc}") from None
+    if _PYTHON_ONLY_REGEX.search(value):
+        raise fail(f"bad regex {value!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
+
+
+def _string_list(value: Any) -> bool:
+    return (not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence) and bool(value)
+            and all(isinstance(v, str) for v in value))
+
+
+def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> Leaf:
+    """Validate a ``{"field", "op", "value", "segments", "repetitions"}`` leaf."""
+    if "field" not in cond:
+        raise fail("field condition needs 'field'")
+    raw_path = cond["field"]
+    try:
+        path = parse_path(raw_path)
+    except FieldPathError as exc:
+        raise fail(f"bad field path: {exc}") from None
+    quantifiers: dict[str, str | None] = {}
+    for key, explicit in (("segments", _EXPLICIT_OCCURRENCE), ("repetitions", _EXPLICIT_REPETITION)):
+        q = cond.get(key)
+        if q is not None and q not in QUANTIFIERS:
+            raise fail(f"'{key}' must be 'any' or 'all', got {q!r}")
+        if q is not None and explicit.search(raw_path):
+            index = "occurrence" if key == "segments" else "repetition"
+            raise fail(f"'{key}' covers every {index}: drop the [{index}] index from {raw_path!r}")
+        quantifiers[key] = q
+    if quantifiers["repetitions"] and path.segment == "MSH" and path.field in (1, 2):
+        raise fail("MSH-1 and MSH-2 have no repetitions")
+    op = cond.get("op")
+    if op not in OPS:
+        raise fail(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
+    has_value = "value" in cond
+    value = cond.get("value")
+    common = {"segments": quantifiers["segments"], "repetitions": quantifiers["repetitions"]}
+    if op == "exists":
+        if has_value:
+            raise fail("op 'exists' takes no value")
+        return Leaf(path, op, **common)
+    if not has_value:
+        raise fail(f"op {op!r} needs a value")
+    if op in ("eq", "ne", "regex"):
+        if not isinstance(value, str):
+            raise fail(f"op {op!r} needs a string value, got {type(value).__name__}")
+        if op == "regex":
+            _check_regex(value, fail)
+        return Leaf(path, op, value, **common)
+    if not _string_list(value):
+        raise fail("op 'in' needs a non-empty list of strings")
+    return Leaf(path, op, tuple(value), **common)
+
+
+def _parse_connection(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> Connection:
+    """``{"connection": name}`` (eq), ``{"connection": [names]}`` (in), or an explicit ``op``."""
+    value = cond["connection"]
+    op = cond.get("op", "in" if not isinstance(value, str) else "eq")
+    if op not in CONNECTION_OPS:
+        raise fail(f"unknown op {op!r} for a connection condition (expected one of {', '.join(CONNECTION_OPS)})")
+    if op == "in":
+        if not _string_list(value):
+            raise fail("'connection' with op 'in' needs a non-empty list of connection names")
+        return Connection(op, tuple(value))
+    if not isinstance(value, str) or not value:
+        raise fail(f"'connection' with op {op!r} needs a non-empty string, got {value!r}")
+    if op == "regex":
+        _check_regex(value, fail)
+    return Connection(op, value)
+
+
+def uses_connection(cond: Condition | None) -> bool:
+    """Whether evaluating ``cond`` needs the inbound connection's name."""
+    if cond is None:
+        return False
+    if isinstance(cond, Connection):
+        return True
+    if isinstance(cond, Not):
+        return uses_connection(cond.condition)
+    if isinstance(cond, (AllOf, AnyOf)):
+        return any(uses_connection(c) for c in cond.conditions)
+    return False

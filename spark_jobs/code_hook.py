@@ -1,0 +1,125 @@
+"""The code escape hatch: a destination's own Python function over each message, inside Spark.
+
+A destination may name ``code = "module:function"`` (`include.destinations_config`). After the
+destination's native rules (`spark_jobs.transform_rules`), each of its messages is parsed with
+python-hl7 (``hl7.parse_hl7``: a ``Message``, or a ``Batch``/``File`` for a batch) and handed to the
+function, which returns the message to send — a python-hl7 object or a string — or raises: that
+message alone is dead-lettered with ``code hook <spec> raised <Type>: <text>`` as its reason, the
+rest of the batch goes on. Returning anything else (None included) is an error of that message too.
+
+Vectorized: rows travel to the Python workers and back as Arrow record batches (`mapInArrow`),
+and only the rows of destinations with a hook do; everyone else stays in the JVM. The function
+itself runs once per message (it is the user's Python).
+
+Where the module is found: the pipeline config directory's ``code/`` folder
+(``<config>/code/<module>.py``, or a package) is put first on ``sys.path`` in every Python worker,
+so the module needs no installation; an installed module is found too. On a Spark cluster that
+folder must exist at the same path on the workers (the config directory is shared or deployed
+alike). A module is imported once per Python worker: restart the Spark server (or the stage task's
+session) after changing it. A module that cannot be imported fails the whole run before anything
+is claimed (`check_hooks`): a configuration error, not a message's.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
+
+__all__ = ["CodeHookError", "apply_code_hooks", "call_hook", "check_hooks", "load_hook"]
+
+_LOADED: dict[tuple[str, str | None], Callable[[Any], Any]] = {}
+MAX_REASON = 400
+
+
+class CodeHookError(ValueError):
+    """A hook that cannot be loaded (bad module or function name): a configuration error."""
+
+
+def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
+    """Import ``module:function`` (``code_dir`` first on sys.path), once per process."""
+    key = (spec, code_dir)
+    if key in _LOADED:
+        return _LOADED[key]
+    if code_dir and code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+    module_name, _, function_name = spec.partition(":")
+    importlib.invalidate_caches()  # a module (or the folder) added since this process last looked
+    sys.path_importer_cache.pop(code_dir or "", None)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r} "
+                            f"(looked in {code_dir or 'sys.path'} first): {type(exc).__name__}: {exc}") from exc
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise CodeHookError(f"code hook {spec!r}: module {module_name!r} has no function {function_name!r}")
+    _LOADED[key] = function
+    return function
+
+
+def check_hooks(hooks: Mapping[str, str], code_dir: str | None) -> None:
+    """Load every hook in this process, so a bad one fails the run before it claims anything."""
+    for spec in sorted(set(hooks.values())):
+        load_hook(spec, code_dir)
+
+
+def call_hook(function: Callable[[Any], Any], spec: str, payload: str) -> str:
+    """Parse ``payload``, call the hook, render its answer; raise ValueError with the reason."""
+    import hl7
+
+    text = payload.replace("\r\n", "\r").replace("\n", "\r").strip("\r")
+    try:
+        result = function(hl7.parse_hl7(text))
+    except Exception as exc:
+        raise ValueError(f"code hook {spec} raised {type(exc).__name__}: {exc}"[:MAX_REASON]) from exc
+    if isinstance(result, (hl7.Message, hl7.Batch, hl7.File)):
+        out = str(result)
+    elif isinstance(result, str):
+        out = result
+    else:
+        raise ValueError(f"code hook {spec} returned {type(result).__name__}, not a message or a string")
+    out = out.replace("\r\n", "\r").replace("\n", "\r")
+    if not out.strip("\r"):
+        raise ValueError(f"code hook {spec} returned an empty message")
+    return out if out.endswith("\r") else out + "\r"
+
+
+def _run_batches(batches: Iterator[pa.RecordBatch], *, hooks: dict[str, str],
+                 code_dir: str | None) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: payload := hook(payload); a failing message gets a NULL payload and its
+    reason in content_type (what `include.store.stages.finalize_transform` dead-letters)."""
+    import pyarrow as pa
+
+    functions = {dest: load_hook(spec, code_dir) for dest, spec in hooks.items()}
+    for batch in batches:
+        columns = batch.to_pydict()
+        payloads, types = [], []
+        for dest, payload, content_type in zip(columns["destination"], columns["payload"], columns["content_type"]):
+            try:
+                payloads.append(call_hook(functions[dest], hooks[dest], payload))
+                types.append(content_type)
+            except ValueError as exc:
+                payloads.append(None)
+                types.append(str(exc))
+        columns["payload"], columns["content_type"] = payloads, types
+        yield pa.RecordBatch.from_pydict(columns, schema=batch.schema)
+
+
+def apply_code_hooks(frame: DataFrame, hooks: Mapping[str, str], code_dir: str | None) -> DataFrame:
+    """Run each destination's hook over its rows of ``frame`` (``destination``, ``content_type``,
+    ``payload`` columns; others pass through). Rows already without a payload (the native rules
+    dead-lettered them) and other destinations' rows never leave the JVM."""
+    from pyspark.sql import functions as F
+
+    if not hooks:
+        return frame
+    chosen = F.col("destination").isin(sorted(hooks)) & F.col("payload").isNotNull()
+    run = partial(_run_batches, hooks=dict(hooks), code_dir=code_dir)
+    hooked = frame.where(chosen).mapInArrow(run, frame.schema)
+    return frame.where(~chosen).unionByName(hooked)

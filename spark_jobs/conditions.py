@@ -1,0 +1,121 @@
+"""Conditions as boolean Columns, in native Spark SQL: the one compiler behind a route's `when` and a
+transform rule's `when` (the grammar: :mod:`include.conditions`, reference: docs/rules.md).
+
+A condition is compiled over one message given as its segment array and its separators — the
+``parse_message`` struct of :mod:`spark_jobs.hl7_fields` for the route stage, a message unit of
+:mod:`spark_jobs.transform_rules` (its segments as the earlier rules left them) for a transform —
+plus the inbound connection's name. Values are read exactly as :func:`spark_jobs.hl7_fields.extract`
+reads them (raw text, missing and empty both absent); a leaf on an absent value is false, never
+NULL, so ``not`` and ``any`` mean what they say. Quantifiers run as ``exists``/``forall`` over the
+matching segments or the field's repetitions: no Python, no explode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+
+from include.conditions import AllOf, AnyOf, Condition, Connection, Leaf, Not, SegmentPresent
+from include.hl7path import FieldPath
+from spark_jobs.hl7_fields import let
+
+__all__ = ["compile_condition", "is_segment"]
+
+
+def compile_condition(cond: Condition, segments: Column, seps: Column, connection: Column | None = None) -> Column:
+    """A never-NULL boolean Column: does the message (``segments``, ``seps``) satisfy ``cond``?
+
+    ``seps`` is any struct with ``fs`` and the split regexes ``fs_re rs_re cs_re ss_re``; ``fs``
+    empty means "not HL7" (every leaf false). ``connection`` is needed only by connection leaves.
+    """
+    if isinstance(cond, Leaf):
+        return F.when(seps["fs"] != "", _leaf(cond, segments, seps)).otherwise(F.lit(False))
+    if isinstance(cond, SegmentPresent):
+        found = F.exists(segments, lambda s: is_segment(s, cond.segment, seps["fs"]))
+        return F.coalesce(F.when(seps["fs"] != "", found), F.lit(False))
+    if isinstance(cond, Connection):
+        if connection is None:
+            raise ValueError("a connection condition needs the inbound connection column")
+        if cond.op == "eq":
+            test = connection == F.lit(cond.value)
+        elif cond.op == "in":
+            test = connection.isin(list(cond.value))
+        else:
+            test = connection.rlike(str(cond.value))
+        return F.coalesce(test, F.lit(False))
+    if isinstance(cond, Not):
+        return ~compile_condition(cond.condition, segments, seps, connection)
+    members = [compile_condition(c, segments, seps, connection) for c in cond.conditions]
+    combined = members[0]
+    for member in members[1:]:
+        combined = (combined & member) if isinstance(cond, AllOf) else (combined | member)
+    return combined
+
+
+def is_segment(s: Column, name: str, fs: Column) -> Column:
+    """A segment is its id alone or its id followed by the field separator ("OBX|..", not "OBXZ")."""
+    return (s == F.lit(name)) | s.startswith(F.concat(F.lit(name), fs))
+
+
+def _quantified(quantifier: str, items: Column, test: Callable[[Column], Column]) -> Column:
+    """``any``: at least one item passes; ``all``: at least one item exists and every one passes."""
+    if quantifier == "any":
+        return F.coalesce(F.exists(items, test), F.lit(False))
+    return F.coalesce((F.size(items) > 0) & F.forall(items, test), F.lit(False))
+
+
+def _test(cond: Leaf) -> Callable[[Column], Column]:
+    """The leaf's operator over one raw value (empty counts as absent); never NULL."""
+
+    def test(raw: Column) -> Column:
+        def on(v: Column) -> Column:
+            if cond.op == "eq":
+                result = v == F.lit(cond.value)
+            elif cond.op == "ne":
+                result = v != F.lit(cond.value)
+            elif cond.op == "in":
+                result = v.isin(list(cond.value or ()))
+            elif cond.op == "regex":
+                result = v.rlike(str(cond.value))
+            else:
+                result = v.isNotNull()
+            return F.coalesce(F.when(v != "", result), F.lit(False))
+
+        return on(raw)
+
+    return test
+
+
+def _descend(repetition: Column, path: FieldPath, seps: Column) -> Column:
+    """Component / subcomponent of one repetition's raw text (the repetition itself if none)."""
+    value = repetition
+    if path.component is not None:
+        value = F.try_element_at(F.split(value, seps["cs_re"], -1), F.lit(path.component))
+        if path.subcomponent is not None:
+            value = F.try_element_at(F.split(value, seps["ss_re"], -1), F.lit(path.subcomponent))
+    return value
+
+
+def _leaf(cond: Leaf, segments: Column, seps: Column) -> Column:
+    path = cond.path
+    test = _test(cond)
+
+    def in_segment(seg: Column) -> Column:
+        if path.segment == "MSH" and path.field == 1:
+            return test(F.substring(seg, 4, 1))
+        position = path.field if path.segment == "MSH" else path.field + 1
+        field = F.try_element_at(F.split(seg, seps["fs_re"], -1), F.lit(position))
+        if path.segment == "MSH" and path.field == 2:
+            return test(field)
+        if cond.repetitions is not None:
+            return _quantified(cond.repetitions, F.split(field, seps["rs_re"], -1),
+                               lambda rep: test(_descend(rep, path, seps)))
+        rep = F.try_element_at(F.split(field, seps["rs_re"], -1), F.lit(path.repetition or 1))
+        return test(_descend(rep, path, seps))
+
+    matching = F.filter(segments, lambda s: is_segment(s, path.segment, seps["fs"]))
+    if cond.segments is not None:
+        return _quantified(cond.segments, matching, in_segment)
+    return let(F.try_element_at(matching, F.lit(path.occurrence)), in_segment)
