@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IAddress, IReactorTime
@@ -34,6 +34,9 @@ from twisted.python.failure import Failure
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
+
+if TYPE_CHECKING:
+    from listeners.metrics import ListenerCounters
 
 __all__ = [
     "END_BLOCK",
@@ -318,7 +321,14 @@ class MLLPProtocol(OrderedReplyProtocol):
                 reason=event.reason.value,
             )
 
+    def _reply(self, slot: Slot, code: AckCode, ack: bytes) -> None:
+        """Answer `slot` with `ack` (an ACK with MSA-1 `code`) and count the answer."""
+        if self.answer(slot, frame(ack)) and self.factory is not None:
+            self.factory.count_ack(code.value)
+
     def _on_message(self, payload: bytes) -> None:
+        if self.factory is not None:
+            self.factory.count_received(len(payload))
         try:
             header = parse_header(
                 payload,
@@ -334,7 +344,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             )
             slot = Slot(safe_id(exc.control_id))
             self.enqueue(slot)
-            self.answer(slot, frame(self._fallback_ack(str(exc), acked=exc.control_id)))
+            self._reply(slot, AckCode.AR, self._fallback_ack(str(exc), acked=exc.control_id))
             return
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
@@ -352,6 +362,8 @@ class MLLPProtocol(OrderedReplyProtocol):
 
     def _on_oversize(self, event: Oversize) -> None:
         limit = self._config.max_message_bytes
+        if self.factory is not None:
+            self.factory.count_received(event.size)
         try:
             header = parse_header(
                 event.prefix,
@@ -382,7 +394,7 @@ class MLLPProtocol(OrderedReplyProtocol):
         decision = AckDecision.reject(f"message too large: {event.size} bytes, limit {limit}")
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
-        self.answer(slot, frame(self._ack(header, decision)))
+        self._reply(slot, decision.code, self._ack(header, decision))
 
     # -- handler outcome ------------------------------------------------------------------
 
@@ -405,7 +417,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=slot.label,
                 peer=self.peer_text,
             )
-        self.answer(slot, frame(self._ack(header, decision)))
+        self._reply(slot, decision.code, self._ack(header, decision))
 
     def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
@@ -417,7 +429,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             peer=self.peer_text,
             error=failure.type.__name__ if failure.type else "unknown",
         )
-        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored; resend later"))))
+        self._reply(slot, AckCode.AE, self._ack(header, AckDecision.error("message not stored; resend later")))
 
     def _handler_timed_out(self, slot: Slot, header: HL7Header) -> None:
         _log.error(
@@ -425,7 +437,8 @@ class MLLPProtocol(OrderedReplyProtocol):
             control_id=slot.label,
             peer=self.peer_text,
         )
-        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored in time; resend later"))))
+        self._reply(slot, AckCode.AE,
+                    self._ack(header, AckDecision.error("message not stored in time; resend later")))
 
     def _internal_error(self, failure: Failure, slot: Slot) -> None:
         _log.critical(
@@ -434,7 +447,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             error=failure.type.__name__ if failure.type else "unknown",
         )
         if not slot.ready:
-            self.answer(slot, frame(self._fallback_ack("internal error", code=AckCode.AE)))
+            self._reply(slot, AckCode.AE, self._fallback_ack("internal error", code=AckCode.AE))
 
     # -- ACKs -----------------------------------------------------------------------------
 
@@ -474,8 +487,9 @@ class MLLPFactory(StreamFactory):
         *,
         config: MLLPConfig | None = None,
         clock: IReactorTime | None = None,
+        counters: ListenerCounters | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(counters)
         if clock is None:
             from twisted.internet import reactor
 
