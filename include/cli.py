@@ -198,6 +198,36 @@ def lookups_sync(service_config: str | None, directory: Path) -> None:
         click.echo(f"lookup table {name!r}: {count} entries imported from {directory / (name + '.csv')}")
 
 
+@cli.group("config")
+def config_group() -> None:
+    """Check a config dir before running it (docs/config-reference.md)."""
+
+
+def run_config_check(directory: Path | None, service_config: str | None) -> int:
+    """`python -m listeners.config_check` (include/ does not import listeners, so it runs the check
+    the way it runs listenerd): prints every problem; the exit code, 0 when there is none."""
+    import os
+    import subprocess
+
+    from include.stack import python_module
+
+    argv = python_module("listeners.config_check", *([str(directory)] if directory else []),
+                         *(["--service-config", str(Path(service_config).resolve())] if service_config else []))
+    env = {**os.environ, **({cfgmod.CONFIG_ENV: str(Path(service_config).resolve())} if service_config else {})}
+    return subprocess.run(argv, env=env).returncode
+
+
+@config_group.command("check")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@_service_config_here
+@click.pass_obj
+def config_check(service_config: str | None, directory: Path | None, local_config: str | None = None) -> None:
+    """Check a whole config dir: connections, routes, destinations, transforms and the lookup tables
+    they name. Prints every problem with its file and key; exits 1 if there is any. DIRECTORY
+    defaults to the pipeline dir ($STAGELINE_PIPELINE_DIR, else config/ beside the service config)."""
+    sys.exit(1 if run_config_check(directory, local_config or service_config) else 0)
+
+
 @cli.command("up")
 @click.option("--no-stack", is_flag=True, help="Only migrate the store and show the cluster (no processes).")
 @click.option("--config", "config_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
@@ -210,6 +240,10 @@ def up(service_config: str | None, no_stack: bool, config_dir: Path | None, loca
     ctx = click.get_current_context()
     service_config = local_config or service_config
     ctx.obj = service_config
+    from include.demo import PIPELINE_DIR
+
+    if run_config_check(config_dir or PIPELINE_DIR, service_config):
+        raise click.ClickException("the config dir has problems (listed above); nothing was started")
     ctx.invoke(db_migrate)
     ctx.invoke(cluster_status_cmd)
     if no_stack:

@@ -1,11 +1,19 @@
 """`stageline up`: the whole single-node stack on the embedded defaults, one command.
 
 SQLite store (migrated by the CLI first; `config/lookups/*.csv` imported as lookup tables) → Spark
-Connect on local[*] → Airflow (scheduler, dag-processor, api-server, triggerer as separate processes
-on a SQLite metadata DB, DAGs unpaused) → the demo MLLP receiver standing in for the EHR
+Connect on local[*] → Airflow (scheduler, dag-processor, api-server as separate processes on a SQLite
+metadata DB, DAGs unpaused) → the demo MLLP receiver standing in for the EHR
 (`stageline demo receive`, writing `var/out/ehr/received.hl7`) → listenerd with `config/`.
 Progress is shown while starting; Ctrl-C stops everything in reverse order. State and the demo's
 deliveries live under `var/` (`$STAGELINE_VAR`).
+
+Sized for a small machine (`bench/stack_memory.py` measures it; the README states the figure):
+Airflow runs at most `EMBEDDED_PARALLELISM` tasks at once — what the Stageline DAGs need, not
+Airflow's default of 32, whose LocalExecutor keeps a forked worker per slot — with one api-server
+worker and one DAG-parsing process; no triggerer, since no Stageline task defers (start
+`airflow triggerer` beside it if your own DAGs do); a Spark driver with a 512 MiB heap and the serial
+collector (micro-batches of a few thousand rows need no more); and glibc limited to two malloc arenas
+per process, which keeps threaded processes from holding memory they have freed.
 """
 from __future__ import annotations
 
@@ -37,6 +45,17 @@ def _secret(path: Path) -> str:
         path.chmod(0o600)
     return path.read_text().strip()
 
+
+EMBEDDED_PARALLELISM = 5
+"""Airflow task slots: the three stage DAGs hold one each while they run (a sensor or the job), the
+two maintenance DAGs one each for seconds a minute (a manual run waits for one of those)."""
+SPARK_DRIVER_MEMORY = "512m"
+SPARK_DRIVER_JAVA_OPTIONS = ("-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
+                             "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=48m -Xss512k")
+"""The driver's heap starts small and is given back after a collection (the serial collector does;
+the default G1 sizes itself to 1/64 of the machine's memory at start); C1 alone compiles the small
+jobs' code with a fraction of C2's memory."""
+SMALL_MACHINE_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 DEFAULT_API_PORT = 8470
 """listenerd's `[api].port` default (listeners.api.DEFAULT_PORT; include/ does not import listeners)."""
@@ -80,6 +99,10 @@ def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = Non
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": str(EMBEDDED_PARALLELISM),
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
+        **SMALL_MACHINE_ENV,
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -190,23 +213,24 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         from include.spark import start_connect_server, stop_connect_server
 
         echo(f"  starting spark-connect     (log: {var / 'log' / 'spark-connect'})")
-        spark = start_connect_server(SPARK_CONNECT_PORT, log_dir=var / "log" / "spark-connect")
+        spark = start_connect_server(SPARK_CONNECT_PORT, log_dir=var / "log" / "spark-connect",
+                                     driver_memory=SPARK_DRIVER_MEMORY, env=SMALL_MACHINE_ENV,
+                                     conf={"spark.driver.extraJavaOptions": SPARK_DRIVER_JAVA_OPTIONS})
         stack.procs.append(Proc("spark-connect", [], popen=spark.process))
         echo("  spark-connect             ready")
         for name, argv in (("airflow-api-server", _airflow("api-server")),
-                           ("airflow-scheduler", _airflow("scheduler")),
-                           ("airflow-dag-processor", _airflow("dag-processor")),
-                           ("airflow-triggerer", _airflow("triggerer"))):
+                           ("airflow-scheduler", _airflow("scheduler", "--skip-serve-logs")),
+                           ("airflow-dag-processor", _airflow("dag-processor"))):
             ready = (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health")) \
                 if name == "airflow-api-server" else (lambda: True)
             stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
         stack.start(Proc("demo-receiver", python_module(
             "include.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
-            "--out", str(demo.receiver_dir(var))), ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
+            "--out", str(demo.receiver_dir(var))), env=SMALL_MACHINE_ENV, ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
         api_port = ends.api_port
         stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
                                                     "--config", str(config_dir)),
-                         env={"STAGELINE_API_TOKEN": token}, ready=lambda: port_open(api_port, ends.api_host)))
+                         env={"STAGELINE_API_TOKEN": token, **SMALL_MACHINE_ENV}, ready=lambda: port_open(api_port, ends.api_host)))
         echo("  stage DAGs                waiting for their first runs ...")
         started = time.monotonic()
         while not _stage_runs_waiting(password):

@@ -156,7 +156,7 @@ class ConnectServer:
 def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.PathLike[str],
                          jars: Iterable[str] | None = None, master: str = "local[*]", host: str = "127.0.0.1",
                          conf: Mapping[str, str] | None = None, driver_memory: str | None = None,
-                         timeout: float = 90.0) -> ConnectServer:
+                         env: Mapping[str, str] | None = None, timeout: float = 90.0) -> ConnectServer:
     """Start a Spark Connect server in the foreground of a child process and wait until it listens.
 
     Runs what Spark's `sbin/start-connect-server.sh` runs — `spark-submit --class
@@ -180,7 +180,7 @@ def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.
         command += ["--driver-memory", driver_memory]
     for key, value in settings.items():
         command += ["--conf", f"{key}={value}"]
-    env = {**os.environ, "SPARK_HOME": str(home)}
+    env = {**os.environ, **(env or {}), "SPARK_HOME": str(home)}
     log = open(log_path, "ab")
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)  # its own group: signals to us do not reach it

@@ -17,6 +17,7 @@ from twisted.logger import textFileLogObserver
 from twisted.python import usage
 
 from include import config as cfgmod
+from listeners.config_check import check_dir, store_lookup_tables
 from listeners.connections import ConnectionConfigError
 from listeners.mllp import log_each_answer
 from listeners.node import ListenerNode
@@ -49,6 +50,17 @@ def makeService(options: Options | dict[str, Any]) -> ListenerNode:
     return node
 
 
+def config_ok(options: Options | dict[str, Any]) -> bool:
+    """`stageline config check` on the config dir (every problem logged); False when there is any.
+    Lookup tables a transform names are looked for in the store too; an unreadable store leaves
+    them unchecked here (starting the node reports the store)."""
+    tables, _ = store_lookup_tables(options["service-config"])
+    report = check_dir(options["config"], store_tables=tables, lookups_unverified_ok=tables is None)
+    for problem in report.problems:
+        print(f"listenerd: configuration error: {problem}", file=sys.stderr)
+    return report.ok
+
+
 def main(argv: list[str] | None = None) -> None:
     options = Options()
     try:
@@ -64,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                                     [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     log_each_answer(options["log-level"] == "debug")
+    if not config_ok(options):
+        sys.exit(2)
     try:
         node = makeService(options)
     except (cfgmod.ConfigError, ConnectionConfigError) as exc:

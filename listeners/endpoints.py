@@ -161,31 +161,23 @@ class InboundService(Service):
 
 def mllp_handler(conn: InboundConfig, wiring: Wiring,
                  lane_of: LaneOf | None) -> Callable[[bytes, Any, HL7Header], Deferred[AckDecision]]:
-    """MLLP's handover: validate like every transport, submit, map the commit outcome to an ACK decision."""
-    metrics = wiring.metrics
-    received, aa = metrics.received.labels(conn.name), metrics.acks.labels(conn.name, "AA")
+    """MLLP's handover: validate like every transport, submit, map the commit outcome to an ACK
+    decision (the protocol counts what it received and answered)."""
 
     def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
-        received.inc()
         try:
             item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of,
                                  header=header)
         except PayloadRejected as exc:
             _log.warn("rejecting message {control_id} on {connection}: {reason}",
                       control_id=header.control_id[:64], connection=conn.name, reason=str(exc))
-            metrics.acks.labels(conn.name, "AR").inc()
             return defer.succeed(AckDecision.reject(str(exc)))
-
-        def ok(_: str) -> AckDecision:
-            aa.inc()
-            return AckDecision.accept()
 
         def failed(f: Any) -> AckDecision:
             reason, code = rejection_reason(f)
-            metrics.acks.labels(conn.name, code).inc()
             return AckDecision(AckCode(code), reason)
 
-        return wiring.ingest.submit(item).addCallbacks(ok, failed)
+        return wiring.ingest.submit(item).addCallbacks(lambda _: AckDecision.accept(), failed)
 
     return handle
 
@@ -240,7 +232,7 @@ def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
     factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
         max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
         max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()),
-        batch_handler=mllp_batch_handler(conn, wiring, lane_of))
+        batch_handler=mllp_batch_handler(conn, wiring, lane_of), counters=wiring.metrics.listener(conn.name, "mllp"))
     return InboundService(conn, wiring, intake=factory)
 
 

@@ -116,6 +116,7 @@ class FileDrop:
         self.config = config
         self.lane_of = lane_of
         self.metrics = metrics
+        self._counters = metrics.listener(config.name, "file") if metrics is not None else None
         self._clock = reactor
         self._run = run_blocking
         self._running = False
@@ -202,6 +203,7 @@ class FileDrop:
         name, limit = entry.name, self.config.max_message_bytes
         path = self.directory / name
         if entry.size > limit:
+            self._count_received(0)  # refused for its size, never read
             yield self._reject(path, f"message too large: {entry.size} bytes, limit {limit}")
             return 0
         try:
@@ -216,7 +218,7 @@ class FileDrop:
             _log.error("cannot read {file} for {connection}: {error}", file=name,
                        connection=self.config.name, error=type(exc).__name__)
             return None
-        self._count_received()
+        self._count_received(len(read.data))
         try:
             item = build_inbound(read.data, connection=self.config.name, charset=self.config.charset,
                                  lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
@@ -261,13 +263,13 @@ class FileDrop:
         _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=path.name,
                   connection=self.config.name, reason=reason, target=str(target))
 
-    def _count_received(self) -> None:
-        if self.metrics is not None:
-            self.metrics.received.labels(self.config.name).inc()
+    def _count_received(self, size: int) -> None:
+        if self._counters is not None:
+            self._counters.received(size)
 
     def _count_ack(self, code: str) -> None:
-        if self.metrics is not None:
-            self.metrics.acks.labels(self.config.name, code).inc()
+        if self._counters is not None:
+            self._counters.answered(code)
 
 
 # -- blocking helpers: run in a worker thread --------------------------------------------------

@@ -44,7 +44,7 @@ from listeners.linger import close_after_answers
 from listeners.stream import describe_peer
 
 if TYPE_CHECKING:
-    from listeners.metrics import Metrics
+    from listeners.metrics import ListenerCounters, Metrics
 
 __all__ = ["InboundResource", "make_inbound_site"]
 
@@ -72,6 +72,8 @@ class InboundResource(Resource):
             self.connections[conn.name] = conn
         self._lane_of = lane_of
         self.metrics = metrics
+        self._counters: dict[str, ListenerCounters] = (
+            {name: metrics.listener(name, "http") for name in self.connections} if metrics is not None else {})
         self.draining = False  # a clean stop: take nothing new, answer what was taken
 
     def connection_for(self, path: bytes) -> InboundConfig | None:
@@ -96,7 +98,7 @@ class InboundResource(Resource):
         if request.method != b"POST":
             request.setHeader(b"allow", b"POST")
             return _json(request, 405, {"error": "method not allowed; use POST"})
-        self._count(conn, received=True)
+        self._count(conn, received=getattr(request, "_received", 0))
         if self.draining:
             return self._refuse(request, conn, 503, "shutting down, resend later", code="AE")
         media, charset = _content_type(request.getHeader(b"content-type"))
@@ -152,13 +154,15 @@ class InboundResource(Resource):
         self._count(conn, code=code)
         return _json(request, status, {"error": reason})
 
-    def _count(self, conn: InboundConfig, *, received: bool = False, code: str = "") -> None:
-        if self.metrics is None:
+    def _count(self, conn: InboundConfig, *, received: int | None = None, code: str = "") -> None:
+        """Count a request received (`received`: its body's bytes) and/or its answer (as AA/AE/AR)."""
+        counters = self._counters.get(conn.name)
+        if counters is None:
             return
-        if received:
-            self.metrics.received.labels(conn.name).inc()
+        if received is not None:
+            counters.received(received)
         if code:
-            self.metrics.acks.labels(conn.name, code).inc()
+            counters.answered(code)
 
 
 class _InboundRequest(Request):
@@ -203,7 +207,7 @@ class _InboundRequest(Request):
         reason = _too_large(size, conn.max_message_bytes)
         _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name,
                   peer=_peer(self), reason=reason)
-        self.channel.site.inbound._count(conn, received=True, code="AR")
+        self.channel.site.inbound._count(conn, received=self._received, code="AR")  # bytes read: 0 or up to the cut
         body = json.dumps({"error": reason}).encode()
         self.channel.transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
@@ -265,6 +269,8 @@ def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], 
     resource = InboundResource(ingest, connections, lane_of=lane_of, metrics=metrics)
     timeouts = [c.idle_timeout_seconds for c in connections if c.idle_timeout_seconds]
     site = _InboundSite(resource, reactor=reactor, **({"timeout": min(timeouts)} if timeouts else {}))
+    for counters in resource._counters.values():
+        counters.open_connections_from(lambda: site.active_connections)
     site.displayTracebacks = False
     site.noisy = False
     return guard_channels(site)

@@ -1,5 +1,14 @@
-"""Prometheus metrics of one `listenerd` (its own registry, served on `/metrics`)."""
+"""Prometheus metrics of one `listenerd` (its own registry, served on `/metrics`).
+
+Every inbound kind (MLLP, raw TCP, HTTP, file drop) reports the same counters through
+`ListenerCounters`, labelled with its connection name (`stageline_inbound_connection_info` gives
+each name its kind): messages received, bytes received, every answer by code (``AA`` accepted,
+``AE`` not stored / resend, ``AR`` refused; raw TCP's ``ACK``/``NAK`` and HTTP's status codes are
+counted as the ``AA``/``AE``/``AR`` they mean), and open connections (always 0 for a file drop).
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -11,6 +20,12 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.received = Counter("stageline_messages_received_total", "Messages received, per inbound connection",
                                 ["connection"], registry=r)
+        self.received_bytes = Counter("stageline_received_bytes_total",
+                                      "Message bytes read (content, without framing; a message refused for its size before "
+                                      "it is read counts 0), per inbound connection",
+                                      ["connection"], registry=r)
+        self.inbound_info = Gauge("stageline_inbound_connection_info", "1 per configured inbound connection, "
+                                  "with its kind (mllp, tcp, http, file)", ["connection", "kind"], registry=r)
         self.acks = Counter("stageline_acks_total", "Acknowledgements sent, per connection and code (AA/AE/AR)",
                             ["connection", "code"], registry=r)
         self.commit_seconds = Histogram(
@@ -43,6 +58,11 @@ class Metrics:
                                      ["stage"], registry=r)
         self.stage_dead = Gauge("stageline_stage_dead_letters", "Dead letters, per stage", ["stage"], registry=r)
 
+    def listener(self, connection: str, kind: str) -> ListenerCounters:
+        """The counters of one inbound connection (what its transport counts with)."""
+        self.inbound_info.labels(connection, kind).set(1)
+        return ListenerCounters(self, connection)
+
     def set_stages(self, overview: dict[str, dict]) -> None:
         """Publish `include.store.operator.stages` (only the leader does; a standby clears them)."""
         for stage, s in overview.items():
@@ -57,3 +77,33 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ListenerCounters:
+    """What every inbound transport counts, bound to one connection: the same set for each kind."""
+
+    def __init__(self, metrics: Metrics, connection: str) -> None:
+        self.connection = connection
+        self._received = metrics.received.labels(connection)
+        self._bytes = metrics.received_bytes.labels(connection)
+        self._acks = metrics.acks
+        self._by_code = {code: metrics.acks.labels(connection, code) for code in ("AA", "AE", "AR")}
+        self._open = metrics.connections.labels(connection)
+        self._open.set(0)
+
+    def received(self, size: int) -> None:
+        """One message (or file, or request body) came in, `size` bytes of content."""
+        self._received.inc()
+        self._bytes.inc(size)
+
+    def answered(self, code: str) -> None:
+        """It was answered `code` (AA, AE or AR)."""
+        counter = self._by_code.get(code)
+        (counter or self._acks.labels(self.connection, code)).inc()
+
+    def open_connections(self, count: int) -> None:
+        self._open.set(count)
+
+    def open_connections_from(self, count: Callable[[], float]) -> None:
+        """Read the open connections from `count` at each scrape (a transport that keeps no tally)."""
+        self._open.set_function(count)

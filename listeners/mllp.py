@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IAddress, IReactorTime
@@ -35,6 +35,9 @@ from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7batch import starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
+
+if TYPE_CHECKING:
+    from listeners.metrics import ListenerCounters
 
 __all__ = [
     "END_BLOCK",
@@ -323,7 +326,14 @@ class MLLPProtocol(OrderedReplyProtocol):
                 reason=event.reason.value,
             )
 
+    def _reply(self, slot: Slot, code: AckCode, ack: bytes) -> None:
+        """Answer `slot` with `ack` (an ACK with MSA-1 `code`) and count the answer."""
+        if self.answer(slot, frame(ack)) and self.factory is not None:
+            self.factory.count_ack(code.value)
+
     def _on_message(self, payload: bytes) -> None:
+        if self.factory is not None:
+            self.factory.count_received(len(payload))
         if starts_batch(payload):
             self._on_batch(payload)
             return
@@ -342,7 +352,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             )
             slot = Slot(safe_id(exc.control_id))
             self.enqueue(slot)
-            self.answer(slot, frame(self._fallback_ack(str(exc), acked=exc.control_id)))
+            self._reply(slot, AckCode.AR, self._fallback_ack(str(exc), acked=exc.control_id))
             return
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
@@ -364,25 +374,25 @@ class MLLPProtocol(OrderedReplyProtocol):
         slot = Slot("batch")
         self.enqueue(slot)
         if self._batch_handler is None:
-            self.answer(slot, frame(self._fallback_ack("batches are not accepted on this connection")))
+            self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
             return
         assert self.peer is not None
         d = maybeDeferred(self._batch_handler, payload, self.peer)
 
         def timed_out() -> None:
             _log.error("handler timed out for a batch from {peer}; answering AE", peer=self.peer_text)
-            self.answer(slot, frame(self._fallback_ack("batch not stored in time; resend later", code=AckCode.AE)))
+            self._reply(slot, AckCode.AE, self._fallback_ack("batch not stored in time; resend later", code=AckCode.AE))
 
         def done(ack: bytes) -> None:
             if not slot.ready:
-                self.answer(slot, frame(ack))
+                self._reply(slot, _batch_answer_code(ack), ack)
 
         def failed(failure: Failure) -> None:
             if slot.ready:
                 return
             _log.error("batch handler failed for a batch from {peer}: {error}; answering AE", peer=self.peer_text,
                        error=failure.type.__name__ if failure.type else "unknown")
-            self.answer(slot, frame(self._fallback_ack("batch not stored; resend later", code=AckCode.AE)))
+            self._reply(slot, AckCode.AE, self._fallback_ack("batch not stored; resend later", code=AckCode.AE))
 
         self.await_answer(d, slot, self._config.handler_timeout_seconds, timed_out)
         d.addCallbacks(done, failed)
@@ -390,12 +400,14 @@ class MLLPProtocol(OrderedReplyProtocol):
 
     def _on_oversize(self, event: Oversize) -> None:
         limit = self._config.max_message_bytes
+        if self.factory is not None:
+            self.factory.count_received(event.size)
         if starts_batch(event.prefix):  # a batch over the limit: refused whole, the connection stays
             _log.warn("rejecting oversize batch ({size} bytes > {limit}) from {peer}", size=event.size, limit=limit,
                       peer=self.peer_text)
             slot = Slot("batch")
             self.enqueue(slot)
-            self.answer(slot, frame(self._fallback_ack(f"batch too large: {event.size} bytes, limit {limit}")))
+            self._reply(slot, AckCode.AR, self._fallback_ack(f"batch too large: {event.size} bytes, limit {limit}"))
             return
         try:
             header = parse_header(
@@ -427,7 +439,7 @@ class MLLPProtocol(OrderedReplyProtocol):
         decision = AckDecision.reject(f"message too large: {event.size} bytes, limit {limit}")
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
-        self.answer(slot, frame(self._ack(header, decision)))
+        self._reply(slot, decision.code, self._ack(header, decision))
 
     # -- handler outcome ------------------------------------------------------------------
 
@@ -450,7 +462,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=slot.label,
                 peer=self.peer_text,
             )
-        self.answer(slot, frame(self._ack(header, decision)))
+        self._reply(slot, decision.code, self._ack(header, decision))
 
     def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
@@ -462,7 +474,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             peer=self.peer_text,
             error=failure.type.__name__ if failure.type else "unknown",
         )
-        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored; resend later"))))
+        self._reply(slot, AckCode.AE, self._ack(header, AckDecision.error("message not stored; resend later")))
 
     def _handler_timed_out(self, slot: Slot, header: HL7Header) -> None:
         _log.error(
@@ -470,7 +482,8 @@ class MLLPProtocol(OrderedReplyProtocol):
             control_id=slot.label,
             peer=self.peer_text,
         )
-        self.answer(slot, frame(self._ack(header, AckDecision.error("message not stored in time; resend later"))))
+        self._reply(slot, AckCode.AE,
+                    self._ack(header, AckDecision.error("message not stored in time; resend later")))
 
     def _internal_error(self, failure: Failure, slot: Slot) -> None:
         _log.critical(
@@ -479,7 +492,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             error=failure.type.__name__ if failure.type else "unknown",
         )
         if not slot.ready:
-            self.answer(slot, frame(self._fallback_ack("internal error", code=AckCode.AE)))
+            self._reply(slot, AckCode.AE, self._fallback_ack("internal error", code=AckCode.AE))
 
     # -- ACKs -----------------------------------------------------------------------------
 
@@ -520,8 +533,9 @@ class MLLPFactory(StreamFactory):
         config: MLLPConfig | None = None,
         clock: IReactorTime | None = None,
         batch_handler: BatchHandler | None = None,
+        counters: ListenerCounters | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(counters)
         self.batch_handler = batch_handler
         if clock is None:
             from twisted.internet import reactor
@@ -536,3 +550,12 @@ class MLLPFactory(StreamFactory):
         proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock, batch_handler=self.batch_handler)
         proto.factory = self
         return proto
+
+
+def _batch_answer_code(ack: bytes) -> AckCode:
+    """The code a batch answer is counted under: its first MSA-1 (an ACK batch: its first ACK's)."""
+    at = ack.find(b"MSA|")
+    try:
+        return AckCode(ack[at + 4:at + 6].decode("ascii")) if at >= 0 else AckCode.AA
+    except ValueError:
+        return AckCode.AA

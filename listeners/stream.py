@@ -32,6 +32,8 @@ from listeners.linger import close_after_answers
 if TYPE_CHECKING:
     from twisted.internet.interfaces import ITCPTransport
 
+    from listeners.metrics import ListenerCounters
+
 __all__ = ["Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer", "safe_id", "write_now"]
 
 _log = Logger(namespace="stageline.stream")
@@ -107,13 +109,14 @@ def safe_id(control_id: str) -> str:
 
 
 class StreamFactory(ServerFactory):
-    """The registry of one listener's open connections; subclasses build the protocol."""
+    """The registry of one listener's open connections, and its counters; subclasses build the protocol."""
 
     max_connections: int = 64
     clock: IReactorTime
 
-    def __init__(self) -> None:
+    def __init__(self, counters: ListenerCounters | None = None) -> None:
         self._connections: set[OrderedReplyProtocol] = set()
+        self.counters = counters
 
     @property
     def active_connections(self) -> int:
@@ -132,7 +135,16 @@ class StreamFactory(ServerFactory):
         self.connections_changed(len(self._connections))
 
     def connections_changed(self, count: int) -> None:
-        """Hook for a gauge."""
+        if self.counters is not None:
+            self.counters.open_connections(count)
+
+    def count_received(self, size: int) -> None:
+        if self.counters is not None:
+            self.counters.received(size)
+
+    def count_ack(self, code: str) -> None:
+        if self.counters is not None:
+            self.counters.answered(code)
 
     def disconnect_all(self) -> None:
         """Drop every connection at once, e.g. when this node loses the leader lease.

@@ -211,7 +211,7 @@ class TCPProtocol(OrderedReplyProtocol):
 
     def _on_frame(self, payload: bytes) -> None:
         factory = self.factory
-        factory.count_received()
+        factory.count_received(len(payload))
         try:
             item = build_inbound(payload, connection=self._config.name, charset=self._config.charset,
                                  lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
@@ -234,7 +234,8 @@ class TCPProtocol(OrderedReplyProtocol):
         limit = self._config.max_message_bytes
         _log.warn("rejecting oversize message ({size} bytes > {limit}) on {connection} from {peer}; closing",
                   size=size, limit=limit, connection=self._config.name, peer=self.peer_text)
-        self.factory.count_received()
+        # newline framing read (and discarded) the line; length framing never reads the body
+        self.factory.count_received(size if self._config.framing == "newline" else 0)
         self.stop_accepting()  # answer what came before, then this NAK, then close
         self.enqueue(Slot(reply=self._nak(f"message too large: {size} bytes, limit {limit}", "AR"), close=True))
         self.flush()
@@ -275,7 +276,7 @@ class TCPFactory(StreamFactory):
         if config.framing not in TCP_FRAMINGS:
             raise ValueError(f"{config.name}: framing must be one of {TCP_FRAMINGS}, got {config.framing!r}")
         codec_name(config.charset)
-        super().__init__()
+        super().__init__(metrics.listener(config.name, "tcp") if metrics is not None else None)
         if clock is None:
             from twisted.internet import reactor
 
@@ -291,15 +292,3 @@ class TCPFactory(StreamFactory):
 
     def buildProtocol(self, addr: IAddress) -> TCPProtocol:
         return TCPProtocol(self)
-
-    def count_received(self) -> None:
-        if self.metrics is not None:
-            self.metrics.received.labels(self.config.name).inc()
-
-    def count_ack(self, code: str) -> None:
-        if self.metrics is not None:
-            self.metrics.acks.labels(self.config.name, code).inc()
-
-    def connections_changed(self, count: int) -> None:
-        if self.metrics is not None:
-            self.metrics.connections.labels(self.config.name).set(count)

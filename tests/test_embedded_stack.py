@@ -18,8 +18,10 @@ import psutil
 
 from include.demo import read_received
 from include.lab.postgres_server import wait_for
+from tests.support.memory import summary, tree_memory
 
 ROOT = Path(__file__).resolve().parents[1]
+MEMORY_BUDGET_MIB = 1700  # measured 1589 MiB here (bench/stack_memory.py; 2438 MiB before it was sized)
 COUNT = 4  # of each kind, per batch: 4 ADT (to ehr + archive; patients DP0, DP1, DP2, DP0), 4 ORU + 4 ORM
 # (to archive). Two batches: the first right after startup (cold), the second once it is delivered.
 
@@ -122,6 +124,11 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
             assert [c for c in received_ids if patient[c] == pid] == [c for c in sent_adt if patient[c] == pid]
 
         print(f"\n{3 * COUNT} demo messages ({4 * COUNT} deliveries) per batch:\n  " + "\n  ".join(timings))
+        # what the whole stack holds while its stage tasks are running (PSS: shared pages split)
+        procs = tree_memory(up.pid)
+        total_mib = sum(p.pss_kib for p in procs) / 1024
+        print(f"\nthe stack after the deliveries: {len(procs)} processes, {total_mib:.0f} MiB PSS\n{summary(procs)}")
+        assert total_mib <= MEMORY_BUDGET_MIB, summary(procs)
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(120)

@@ -487,3 +487,34 @@ def test_a_clean_stop_reads_nothing_more_but_still_acks_what_was_read() -> None:
     assert transport.producerState == "paused"  # answering does not resume reading while stopping
     factory.close_all()
     assert transport.disconnecting
+
+
+def test_every_answer_is_counted_by_its_code_protocol_level_ones_included() -> None:
+    """The protocol counts what it received and every answer it writes: the handler's AA/AR, an
+    unreadable header's AR, an oversize frame's AR, a failed or timed-out handler's AE."""
+    from listeners.metrics import Metrics
+
+    metrics, clock, handler = Metrics(), MemoryReactorClock(), Recorder()
+    factory = MLLPFactory(handler, config=MLLPConfig(handler_timeout_seconds=5, max_message_bytes=200),  # type: ignore[arg-type]
+                          clock=clock, counters=metrics.listener("in", "mllp"))
+    proto, transport = connect(factory)
+    messages = [adt("A1"), adt("R1"), b"not HL7 at all", adt("BIG", pid="X" * 300), adt("F1"), adt("T1")]
+    proto.dataReceived(b"".join(frame(m) for m in messages))
+    handler.fire(0)
+    handler.fire(1, AckDecision.reject("no"))
+    handler.calls[2][2].errback(Failure(RuntimeError("db down")))
+    clock.advance(5)  # T1's handler never answers
+    codes = [hl7.parse(e.payload.decode()).segment("MSA")[1][0]
+             for e in MLLPDecoder().feed(transport.value()) if isinstance(e, Message)]
+    assert codes == ["AA", "AR", "AR", "AR", "AE", "AE"]
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"connection": "in", **labels}) or 0.0
+
+    assert value("stageline_messages_received_total") == 6
+    assert value("stageline_received_bytes_total") == sum(map(len, messages))
+    assert {code: value("stageline_acks_total", code=code) for code in ("AA", "AE", "AR")} == {
+        "AA": 1, "AE": 2, "AR": 3}
+    assert value("stageline_open_connections") == 1
+    assert metrics.registry.get_sample_value("stageline_inbound_connection_info",
+                                             {"connection": "in", "kind": "mllp"}) == 1

@@ -1,0 +1,108 @@
+"""What the embedded single-node stack costs in memory once it has moved messages.
+
+Starts the README's stack (`stageline up`: SQLite store, Spark Connect, Airflow scheduler /
+dag-processor / api-server / triggerer, the demo receiver, listenerd) in a temporary var dir, sends
+`--count` demo messages of each kind and waits until every one is delivered (so Spark has run each
+stage's job and Airflow has run task processes), lets it settle for `--settle` seconds, then sums the
+proportional set size (PSS, `/proc/<pid>/smaps_rollup`) over the whole process tree of `stageline up`
+and prints it per component. The figure the README states; the target is ≤ 1 GiB.
+
+    uv run python bench/stack_memory.py [--count 4] [--settle 20] [--samples 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from include.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT  # noqa: E402
+from include import demo  # noqa: E402
+from include.lab.postgres_server import wait_for  # noqa: E402
+from include.stack import port_open  # noqa: E402
+from tests.support.memory import summary, tree_memory  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=4, help="demo messages of each kind (ADT, ORU, ORM)")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds after the last delivery before measuring")
+    parser.add_argument("--samples", type=int, default=5, help="measurements, 2 s apart; the largest is reported")
+    parser.add_argument("--idle", type=float, default=0.0, help="then wait this long with no traffic (the stage "
+                        "tasks end after $STAGELINE_STAGE_LINGER_SECONDS, default 120) and measure again")
+    args = parser.parse_args()
+    busy = [p for p in (AIRFLOW_PORT, SPARK_CONNECT_PORT, 2575, 8470, demo.RECEIVER_PORT) if port_open(p)]
+    if busy:
+        raise SystemExit(f"port(s) {busy} in use: another embedded stack is running")
+    work = Path(tempfile.mkdtemp(prefix="stageline-mem-"))
+    var = work / "var"
+    (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
+    env = {**os.environ, "STAGELINE_VAR": str(var)}
+    stageline = Path(sys.executable).parent / "stageline"
+    log = open(work / "up.log", "w+")
+    up = subprocess.Popen([str(stageline), "up", "--service-config", str(work / "stageline.toml")], cwd=ROOT,
+                          env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        started = time.perf_counter()
+        wait_for(lambda: up.poll() is not None or "Stageline is up" in (work / "up.log").read_text(),
+                 timeout=600, interval=1, what="the stack")
+        if up.poll() is not None:
+            raise SystemExit((work / "up.log").read_text())
+        print(f"stack up in {time.perf_counter() - started:.0f} s", flush=True)
+        sent = subprocess.run([str(stageline), "demo", "send", "--count", str(args.count)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert sent.returncode == 0, sent.stdout + sent.stderr
+
+        def done() -> int:
+            with sqlite3.connect(var / "stageline.db") as conn:
+                return conn.execute("SELECT count(*) FROM stage_outbound WHERE status = 'done'").fetchone()[0]
+
+        wait_for(lambda: done() >= 4 * args.count, timeout=600, interval=1, what="the demo messages to be delivered")
+        print(f"{done()} deliveries done; settling {args.settle:.0f} s", flush=True)
+        time.sleep(args.settle)
+        measure(up.pid, args.samples, "with its stage tasks running")
+        if args.idle:
+            print(f"\nidle for {args.idle:.0f} s ...", flush=True)
+            time.sleep(args.idle)
+            measure(up.pid, args.samples, f"after {args.idle:.0f} s without traffic")
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(180)
+            except subprocess.TimeoutExpired:
+                up.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(pid: int, samples: int, when: str) -> None:
+    """The largest of `samples` measurements, 2 s apart, printed per component."""
+    best: list = []
+    for _ in range(samples):
+        procs = tree_memory(pid)
+        if sum(p.pss_kib for p in procs) > sum(p.pss_kib for p in best):
+            best = procs
+        time.sleep(2)
+    print(summary(best))
+    print(f"\nembedded stack {when}: {len(best)} processes, {sum(p.pss_kib for p in best) / 1024:.0f} MiB PSS "
+          f"on {os.cpu_count()} CPU(s), {_mem_total_gib():.1f} GiB RAM", flush=True)
+
+
+def _mem_total_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 1024 / 1024
+    return 0.0
+
+
+if __name__ == "__main__":
+    main()
