@@ -404,10 +404,12 @@ class StageSession:
         try:
             if self._session_id:
                 fresh.interruptAll()  # a killed predecessor's operations, still running on this session
+            # Setting the session's conf is a round trip: the server answers, not only listens. No
+            # job here: after a killed predecessor it would wait for the executor slots its
+            # interrupted tasks still hold (3 s measured), which the first real batch waits for anyway.
             for key, value in {**SMALL_BATCH_CONF, **self._conf}.items():
                 if key.startswith("spark.sql."):
                     fresh.conf.set(key, value)
-            fresh.range(1).collect()  # it answers, not only listens
         except Exception:
             close_session(fresh, timeout=0.5, release=False)
             raise
