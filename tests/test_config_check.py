@@ -69,7 +69,7 @@ rules = [{ map = "PV1-2", table = "no_such_table" }]
 
 EXPECTED = [  # (file, key, what the message says), in the order printed
     ("connections.toml", "[[inbound]] #1 ('adt-in')", "port must be 0..65535"),
-    ("connections.toml", "[[inbound]] #2 ('drop')", "kind must be one of mllp, tcp, file, http, got 'carrier-pigeon'"),
+    ("connections.toml", "[[inbound]] #2 ('drop')", "kind must be one of mllp, tcp, file, http, database, got 'carrier-pigeon'"),
     ("connections.toml", "[[inbound]] #3 ('adt-in')", "unknown setting(s): bogus"),
     ("connections.toml", "[[inbound]] name", "duplicate connection name 'adt-in'"),
     ("connections.toml", "[api]", "port must be an integer 0..65535"),
