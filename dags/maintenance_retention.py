@@ -4,7 +4,8 @@
 1. **leader_check** — proceed only under a live leader lease (always, on a single node).
 2. **recover** — on-promotion recovery for the epoch, in case this is the epoch's first run.
 3. **purge** — archive, then delete, *finished* rows (`done`, `dead`, `unrouted`) whose last
-   change is older than their stage's retention, and audit events older than theirs: rows, bodies
+   change is older than their stage's retention, and audit events older than theirs (the service
+   config's `[retention]`, per-connection overrides included, read when the task runs): rows, bodies
    and events are copied to the `archive_*` tables first, and only what the archive holds is
    deleted; bounded batches, fenced by the epoch. Unfinished rows are never purged, however old.
 4. **clean_airflow_metadata** — `airflow db clean` of `dag_run` / `task_instance` / `xcom` for the
@@ -21,12 +22,6 @@ from airflow.sdk import dag, task
 from stageline_airflow import tasks
 from stageline_airflow.sensors import LeaderCheckSensor
 
-RETENTION = {
-    "inbound": timedelta(days=7),
-    "routed": timedelta(days=7),
-    "outbound": timedelta(days=7),
-    "events": timedelta(days=30),
-}
 FREQUENT_DAGS = ("stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim")
 AIRFLOW_METADATA_KEEP = timedelta(hours=24)
 
@@ -53,7 +48,7 @@ def maintenance_retention() -> None:
     @task
     def purge(leader: dict) -> dict[str, int]:
         """Archive, then delete, finished rows and events past their retention."""
-        return tasks.retention_step(leader, RETENTION)
+        return tasks.retention_step(leader)
 
     clean_metadata = BashOperator(
         task_id="clean_airflow_metadata",

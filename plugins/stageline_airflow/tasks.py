@@ -93,11 +93,19 @@ def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
         return housekeeping.reclaim(hook.get_conn(), int(leader["epoch"]), leader.get("owner"), limit=limit)
 
 
-def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
-    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted."""
+def retention_step(leader: Leader, ages: Mapping[str, timedelta] | None = None, *,
+                   batch: int = 5000) -> dict[str, int]:
+    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted.
+
+    The periods are the service config's `[retention]` (read now, when the task runs), per-connection
+    overrides included; `ages` replaces the global ones (tests, a one-off run).
+    """
     with StagelineStoreHook() as hook:
-        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
-                                      {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
+        config = hook.config.retention
+        older = ({key: age.total_seconds() for key, age in ages.items()} if ages is not None
+                 else config.ages_seconds())
+        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]), older, batch=batch,
+                                      connections=config.connection_ages_seconds())
 
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,

@@ -7,12 +7,17 @@
 -- key is the hot row's id. (PostgreSQL and SQLite replace with ON CONFLICT; here a DELETE and an
 -- INSERT of the same ids in one batch and transaction.)
 
+-- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
+-- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
+-- `[retention.connections.<name>]` period is its own pass (a routed or outbound row's connection
+-- is its inbound row's, hot or archived).
 -- name: archive_finished_inbound
 DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY);
 INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_inbound AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead', 'unrouted')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + c.connection + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
                     WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
    AND NOT EXISTS (SELECT 1 FROM archive_inbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
@@ -31,6 +36,7 @@ INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_routed AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_routed AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
@@ -47,6 +53,7 @@ INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_outbound AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_outbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
