@@ -10,10 +10,9 @@ import pytest
 
 from include.config import ConfigError, parse
 from include.housekeeping import retention
-from include.store import INBOUND, OUTBOUND, ROUTED, Store
-from include.store import rowlease as rl
+from include.store import Store
 from include.store.lease import acquire_permanent
-from tests.dags.stores import age, execute, rows, seed_inbound, write_service_config
+from tests.dags.stores import age, finished_messages, rows, write_service_config
 
 DAY = 86_400.0
 CONFIG = """
@@ -31,25 +30,6 @@ outbound_days = 30
 """
 
 
-def _finished(store: Store, epoch: int, prefix: str, connection: str, n: int = 2) -> list[int]:
-    """`n` messages of `connection` taken all the way (inbound, routed, outbound done)."""
-    ids = seed_inbound(store, n, prefix=prefix)
-    execute(store, f"UPDATE stage_inbound SET connection = '{connection}' WHERE message_id LIKE '{prefix}%'")
-    with store.transaction() as tx:
-        rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=n)
-        rl.finish_batch(tx, INBOUND, ids, owner="w", epoch=epoch)
-    for i, source in enumerate(ids):
-        execute(store, "INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name) "
-                       f"VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', 'adt')")
-        execute(store, "INSERT INTO stage_outbound (source_id, message_id, control_id, destination, "
-                       f"idempotency_key) VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', '{prefix}{i}-ehr')")
-    for table in (ROUTED, OUTBOUND):
-        with store.transaction() as tx:
-            claimed = [r["id"] for r in rl.claim_batch(tx, table, owner="w", epoch=epoch, limit=n)]
-            rl.finish_batch(tx, table, claimed, owner="w", epoch=epoch)
-    return ids
-
-
 def _messages(store: Store, table: str) -> list[str]:
     return [r["message_id"] for r in rows(store, f"SELECT message_id FROM {table} ORDER BY id")]
 
@@ -61,8 +41,8 @@ def _run(store: Store, epoch: int, text: str) -> dict[str, int]:
 
 def test_a_connections_own_periods_keep_its_rows_in_every_stage_longer(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
-    _finished(store, epoch, "adt-", "adt-in")
-    _finished(store, epoch, "lab-", "lab-in")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
 
@@ -85,8 +65,8 @@ def test_a_connections_own_periods_keep_its_rows_in_every_stage_longer(store):
 
 def test_a_connection_may_keep_one_stage_shorter_and_the_others_by_default(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
-    _finished(store, epoch, "adt-", "adt-in")
-    _finished(store, epoch, "lab-", "lab-in")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
     text = ("[retention]\ninbound_days = 7\nrouted_days = 7\noutbound_days = 7\n"
@@ -103,8 +83,8 @@ def test_the_retention_task_reads_the_periods_from_the_service_config(store, sto
     from stageline_airflow import tasks
 
     epoch = acquire_permanent(store, node_id="solo:1:aa")
-    _finished(store, epoch, "adt-", "adt-in")
-    _finished(store, epoch, "lab-", "lab-in")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
     path = write_service_config(tmp_path, store_config, cluster=False)

@@ -28,7 +28,7 @@ SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.c
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
        updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, batch_id = EXCLUDED.batch_id,
-       batch_seq = EXCLUDED.batch_seq, archived_at = now()
+       batch_seq = EXCLUDED.batch_seq, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_finished_routed
@@ -47,7 +47,7 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.route_nam
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
-       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_finished_outbound
@@ -66,7 +66,7 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_t
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
-       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_events

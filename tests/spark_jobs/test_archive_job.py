@@ -1,0 +1,117 @@
+"""The Parquet archive job (spark_jobs/archive_job.py) with a real local Spark session on real SQLite
+and PostgreSQL stores: archived rows past the hold are written to Parquet partitioned by day and
+connection, counted back, then deleted from the archive tables; a run killed between the write and
+the delete (or before the batch is noted written) re-runs to the same Parquet — nothing twice,
+nothing lost; under a stale epoch nothing leaves the store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+
+from include.housekeeping import retention
+from include.store import Store
+from include.store.lease import acquire_permanent
+from spark_jobs import archive_job
+from tests.dags.stores import age, finished_messages, rows
+
+DAY = 86_400.0
+HOLD = 30 * DAY
+ARCHIVES = ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")
+
+
+def _archived(store: Store, epoch: int) -> dict[str, int]:
+    """Two adt-in and two lab-in messages, all the way through, archived, the archive 31 days old."""
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    age(store, "message_events", "at", "1 = 1", 2 * DAY)
+    retention(store, epoch, DAY)
+    for table in ARCHIVES:
+        age(store, table, "archived_at", "1 = 1", HOLD + DAY)
+    return {table: _count(store, table) for table in ARCHIVES}
+
+
+def _count(store: Store, table: str) -> int:
+    return rows(store, f"SELECT count(*) AS n FROM {table}")[0]["n"]
+
+
+def _parquet(path: Path, kind: str) -> list[dict]:
+    return ds.dataset(path / kind, format="parquet", partitioning="hive").to_table().to_pylist()
+
+
+def test_archived_rows_past_the_hold_move_to_parquet_by_day_and_connection(spark, store, tmp_path):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+    inbound = rows(store, "SELECT id, message_id, payload FROM archive_inbound ORDER BY id")
+
+    moved = archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD, batch_size=3)
+
+    assert moved == {"inbound": 4, "routed": 4, "outbound": 4, "events": before["archive_events"], "batches": 0}
+    for table in ARCHIVES:
+        assert _count(store, table) == 0, table
+    assert _count(store, "archive_exports") == 0
+    got = _parquet(tmp_path, "inbound")
+    assert sorted((r["id"], r["message_id"], r["payload"]) for r in got) == \
+        [(r["id"], r["message_id"], r["payload"]) for r in inbound]
+    assert {r["connection"] for r in got} == {"adt-in", "lab-in"}
+    assert {(r["message_id"][:3], r["connection"]) for r in _parquet(tmp_path, "outbound")} == \
+        {("adt", "adt-in"), ("lab", "lab-in")}
+    assert len(_parquet(tmp_path, "events")) == before["archive_events"]
+    days = {p.name for p in (tmp_path / "inbound").iterdir() if p.is_dir()}
+    assert len(days) == 1 and days.pop().startswith("day=20")
+    assert {p.name for p in next((tmp_path / "inbound").iterdir()).iterdir()} == {"connection=adt-in",
+                                                                                  "connection=lab-in"}
+
+
+def test_rows_inside_the_hold_stay_in_the_archive_tables(spark, store, tmp_path):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+
+    moved = archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD + 5 * DAY)
+
+    assert not any(moved.values())
+    assert {table: _count(store, table) for table in ARCHIVES} == before
+    assert not (tmp_path / "inbound").exists()
+
+
+@pytest.mark.parametrize("crash_at", ["delete", "mark_written"])
+def test_a_run_killed_between_write_and_delete_reruns_to_the_same_parquet(spark, store, tmp_path, monkeypatch,
+                                                                           crash_at):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+    real = getattr(archive_job, crash_at)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(archive_job, crash_at, crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
+    assert _count(store, "archive_routed") == before["archive_routed"]  # written, not deleted
+    assert len(_parquet(tmp_path, "routed")) == before["archive_routed"]
+    assert rows(store, "SELECT kind, state FROM archive_exports") == \
+        [{"kind": "routed", "state": "written" if crash_at == "delete" else "marked"}]
+
+    monkeypatch.setattr(archive_job, crash_at, real)
+    archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
+
+    for table in ARCHIVES:
+        assert _count(store, table) == 0, table
+    assert _count(store, "archive_exports") == 0
+    for kind, table in (("routed", "archive_routed"), ("outbound", "archive_outbound"),
+                        ("inbound", "archive_inbound"), ("events", "archive_events")):
+        ids = [r["id"] for r in _parquet(tmp_path, kind)]
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == before[table], kind
+
+
+def test_under_a_stale_epoch_nothing_leaves_the_store(spark, store, tmp_path):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+
+    moved = archive_job.run(store, spark, epoch=epoch - 1, path=str(tmp_path), older_than_seconds=HOLD)
+
+    assert not any(moved.values())
+    assert {table: _count(store, table) for table in ARCHIVES} == before
