@@ -8,7 +8,12 @@
    config's `[retention]`, per-connection overrides included, read when the task runs): rows, bodies
    and events are copied to the `archive_*` tables first, and only what the archive holds is
    deleted; bounded batches, fenced by the epoch. Unfinished rows are never purged, however old.
-4. **clean_airflow_metadata** — `airflow db clean` of `dag_run` / `task_instance` / `xcom` for the
+4. **archive_parquet** — archive rows held longer than `[retention] archive_days` move to the
+   Parquet archive under `[retention] archive_path` (the PySpark job `spark_jobs/archive_job.py`, on
+   the `stageline_spark` connection's session): written by day and connection, counted back, then
+   deleted from the archive tables in bounded, fenced batches. Nothing to do (and no Spark session)
+   without an `archive_path`.
+5. **clean_airflow_metadata** — `airflow db clean` of `dag_run` / `task_instance` / `xcom` for the
    frequent DAGs (a stage run every 30 s is ~2,900 runs a day); Airflow keeps each DAG's latest
    scheduled run. The worker needs `$STAGELINE_AIRFLOW_DB_CONN` when its metadata DB URL comes
    from `AIRFLOW__DATABASE__SQL_ALCHEMY_CONN` (see docs/pipeline.md).
@@ -50,12 +55,17 @@ def maintenance_retention() -> None:
         """Archive, then delete, finished rows and events past their retention."""
         return tasks.retention_step(leader)
 
+    @task
+    def archive_parquet(leader: dict) -> dict[str, int] | None:
+        """Move archive rows past the archive hold to Parquet."""
+        return tasks.archive_parquet_step(leader)
+
     clean_metadata = BashOperator(
         task_id="clean_airflow_metadata",
         bash_command=tasks.metadata_clean_command(dag_ids=FREQUENT_DAGS, keep=AIRFLOW_METADATA_KEEP),
     )
 
-    recover(leader.output) >> purge(leader.output)
+    recover(leader.output) >> purge(leader.output) >> archive_parquet(leader.output)
     leader >> clean_metadata
 
 

@@ -286,8 +286,9 @@ def test_retention_run_purges_old_finished_rows_and_old_stage_dag_runs(sqlite_se
     dr = run(load_dag("maintenance_retention"))
 
     assert states(dr) == {"leader_check": "success", "recover": "success", "purge": "success",
-                          "clean_airflow_metadata": "success"}
-    assert xcom(dr, "purge") == {"inbound": 2, "routed": 0, "outbound": 0, "events": 0}
+                          "archive_parquet": "success", "clean_airflow_metadata": "success"}
+    assert xcom(dr, "archive_parquet") is None  # no [retention] archive_path: no Spark, nothing moved
+    assert xcom(dr, "purge") == {"inbound": 2, "inbound_batches": 0, "routed": 0, "outbound": 0, "events": 0}
     assert status_of(store) == {ids[2]: "done", ids[3]: "pending"}  # recent done, and old but unfinished
     with create_session() as session:
         kept = set(session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "stage_route")))

@@ -14,7 +14,7 @@ from include.housekeeping import retention
 from include.store import Store
 from include.store.lease import acquire_permanent
 from spark_jobs import archive_job
-from tests.dags.stores import age, finished_messages, rows
+from tests.dags.stores import age, finished_messages, rows, write_service_config
 
 DAY = 86_400.0
 HOLD = 30 * DAY
@@ -115,3 +115,21 @@ def test_under_a_stale_epoch_nothing_leaves_the_store(spark, store, tmp_path):
 
     assert not any(moved.values())
     assert {table: _count(store, table) for table in ARCHIVES} == before
+
+
+def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spark, store, store_config, tmp_path,
+                                                                            monkeypatch):
+    from stageline_airflow import tasks
+
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+    config = write_service_config(tmp_path, store_config, cluster=False)
+    monkeypatch.setenv("STAGELINE_CONFIG", str(config))
+    assert tasks.archive_parquet_step({"epoch": epoch, "owner": None}, spark=spark) is None  # no archive_path
+
+    archive = tmp_path / "parquet"
+    config.write_text(config.read_text() + f'\n[retention]\narchive_days = 30\narchive_path = "{archive}"\n')
+    moved = tasks.archive_parquet_step({"epoch": epoch, "owner": None}, spark=spark)
+
+    assert moved["inbound"] == before["archive_inbound"] == len(_parquet(archive, "inbound"))
+    assert _count(store, "archive_inbound") == 0
