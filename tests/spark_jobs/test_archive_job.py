@@ -5,6 +5,9 @@ the delete (or before the batch is noted written) re-runs to the same Parquet â€
 nothing lost; under a stale epoch nothing leaves the store."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -18,6 +21,7 @@ from tests.dags.stores import age, finished_messages, rows, write_service_config
 
 DAY = 86_400.0
 HOLD = 30 * DAY
+ROOT = Path(__file__).resolve().parents[2]
 ARCHIVES = ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")
 
 
@@ -133,3 +137,36 @@ def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spar
 
     assert moved["inbound"] == before["archive_inbound"] == len(_parquet(archive, "inbound"))
     assert _count(store, "archive_inbound") == 0
+
+
+def _show(config: Path, ref: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(config), "messages", "show",
+                           ref, *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_stageline_messages_show_finds_a_message_moved_to_parquet(spark, store, store_config, tmp_path):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    _archived(store, epoch)
+    trail = rows(store, "SELECT id, event FROM archive_events WHERE message_id = 'adt-1' ORDER BY id")
+    [inbound] = rows(store, "SELECT id, control_id FROM archive_inbound WHERE message_id = 'adt-1'")
+    archive = tmp_path / "parquet"
+    archive_job.run(store, spark, epoch=epoch, path=str(archive), older_than_seconds=HOLD)
+    assert _count(store, "archive_inbound") == 0
+    config = write_service_config(tmp_path, store_config, cluster=False)
+    without = _show(config, "adt-1")
+    assert without.returncode != 0 and "no message 'adt-1'" in without.stderr  # no archive_path: not found
+    config.write_text(config.read_text() + f'\n[retention]\narchive_path = "{archive}"\n')
+
+    for ref in ("adt-1", str(inbound["id"])):
+        proc = _show(config, ref, "--json")
+        assert proc.returncode == 0, proc.stderr
+        story = json.loads(proc.stdout)
+        assert story["inbound"]["id"] == inbound["id"] and story["inbound"]["connection"] == "adt-in"
+        assert story["inbound"]["payload"] == "MSH|^~\\&|A|B|C|D" and story["inbound"]["archived_ms"] > 0
+        assert [(r["destination"], r["status"]) for r in story["routed"]] == [("ehr", "done")]
+        assert [(o["idempotency_key"], o["status"]) for o in story["outbound"]] == [("adt-1-ehr", "done")]
+        assert [(e["id"], e["event"]) for e in story["trail"]] == [(e["id"], e["event"]) for e in trail]
+    text = _show(config, "adt-1")
+    assert text.returncode == 0, text.stderr
+    assert "message adt-1" in text.stdout and "archived" in text.stdout.splitlines()[1]
+    assert text.stdout.count("(archived)") == 2 + len(trail)
