@@ -170,3 +170,15 @@ def test_stageline_messages_show_finds_a_message_moved_to_parquet(spark, store, 
     assert text.returncode == 0, text.stderr
     assert "message adt-1" in text.stdout and "archived" in text.stdout.splitlines()[1]
     assert text.stdout.count("(archived)") == 2 + len(trail)
+
+
+def test_a_batch_parquet_does_not_hold_stays_in_the_store(spark, store, tmp_path, monkeypatch):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+    monkeypatch.setattr(archive_job, "verify", lambda *a, **k: 0)  # as if the write went nowhere
+
+    with pytest.raises(archive_job.ExportMismatch):
+        archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
+
+    assert {table: _count(store, table) for table in ARCHIVES} == before
+    assert rows(store, "SELECT kind, state FROM archive_exports") == [{"kind": "routed", "state": "marked"}]
