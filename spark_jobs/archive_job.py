@@ -53,7 +53,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                  "lane_key", "status", "claim_epoch", "attempts", "created_at", "updated_at", "last_error",
                  "payload", "archived_at"),
     "events": ("id", "at", "stage", "row_id", "message_id", "control_id", "destination", "event", "from_status",
-               "to_status", "epoch", "node_id", "attempt", "detail", "archived_at"),
+               "to_status", "epoch", "node_id", "attempt", "detail", "archived_at", "connection"),
     "batches": ("batch_id", "connection", "fhs_control_id", "bhs_control_id", "declared_count", "message_count",
                 "created_at", "archived_at"),
 }
@@ -150,9 +150,9 @@ def transform(frame: DataFrame, *, kind: str, batch: str) -> DataFrame:
     day_ms = F.col(DAY_OF.get(kind, "created_at"))
     day = F.date_format(F.date_add(F.to_date(F.lit("1970-01-01")), F.floor(day_ms / DAY_MS).cast("int")),
                         "yyyy-MM-dd")
-    own = "connection" if "connection" in COLUMNS[kind] else "export_connection"  # inbound rows, batches: their own
+    known = [F.col("connection")] if "connection" in COLUMNS[kind] else []  # the row's own, when it has one
     return (frame.withColumn("day", day)
-            .withColumn("connection", F.coalesce(F.col(own), F.lit(UNKNOWN_CONNECTION)))
+            .withColumn("connection", F.coalesce(*known, F.col("export_connection"), F.lit(UNKNOWN_CONNECTION)))
             .withColumn("batch", F.lit(batch)).drop("export_connection"))
 
 

@@ -17,7 +17,7 @@ from include.housekeeping import retention
 from include.store import Store
 from include.store.lease import acquire_permanent
 from spark_jobs import archive_job
-from tests.dags.stores import age, finished_messages, rows, write_service_config
+from tests.dags.stores import age, execute, finished_messages, rows, write_service_config
 
 DAY = 86_400.0
 HOLD = 30 * DAY
@@ -182,3 +182,15 @@ def test_a_batch_parquet_does_not_hold_stays_in_the_store(spark, store, tmp_path
 
     assert {table: _count(store, table) for table in ARCHIVES} == before
     assert rows(store, "SELECT kind, state FROM archive_exports") == [{"kind": "routed", "state": "marked"}]
+
+
+def test_events_keep_their_connection_after_their_inbound_rows_left_the_store(spark, store, tmp_path):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    before = _archived(store, epoch)
+    execute(store, "DELETE FROM archive_inbound")  # gone to Parquet before its events (events_days > inbound_days)
+
+    archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
+
+    events = _parquet(tmp_path, "events")
+    assert len(events) == before["archive_events"]
+    assert {(e["message_id"][:3], e["connection"]) for e in events} == {("adt", "adt-in"), ("lab", "lab-in")}

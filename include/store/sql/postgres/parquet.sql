@@ -74,7 +74,7 @@ RETURNING id
 
 -- name: export_read_events
 -- Every column, and the connection the message came in on (Parquet is partitioned by it).
-SELECT r.*, (SELECT max(i.connection) FROM archive_inbound i WHERE i.message_id = r.message_id) AS export_connection
+SELECT r.*, COALESCE(r.connection, (SELECT max(i.connection) FROM archive_inbound i WHERE i.message_id = r.message_id)) AS export_connection
   FROM archive_events r
  WHERE r.export_batch = :batch
  ORDER BY r.id

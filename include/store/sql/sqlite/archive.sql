@@ -70,11 +70,14 @@ ON CONFLICT (id) DO UPDATE
 RETURNING id
 
 -- name: archive_events
--- Audit events never change: one copy each.
+-- Audit events never change: one copy each. Each keeps its message's inbound connection (for the
+-- Parquet archive's partitions), from the archived inbound row or, for an inbound event, the hot one.
 INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status,
-                            to_status, epoch, node_id, attempt, detail)
+                            to_status, epoch, node_id, attempt, detail, connection)
 SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status,
-       e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+       e.to_status, e.epoch, e.node_id, e.attempt, e.detail,
+       COALESCE((SELECT max(i.connection) FROM archive_inbound i WHERE i.message_id = e.message_id),
+                (SELECT i.connection FROM stage_inbound i WHERE e.stage = 'inbound' AND i.id = e.row_id))
   FROM message_events e
  WHERE e.id IN (SELECT c.id FROM message_events c
                          WHERE c.at < {now} - :ms

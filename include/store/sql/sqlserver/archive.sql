@@ -65,7 +65,8 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_t
 SELECT id FROM @ids;
 
 -- name: archive_events
--- Audit events never change: one copy each.
+-- Audit events never change: one copy each. Each keeps its message's inbound connection (for the
+-- Parquet archive's partitions), from the archived inbound row or, for an inbound event, the hot one.
 DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY);
 INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM message_events AS c WITH (READPAST, ROWLOCK)
@@ -73,8 +74,10 @@ SELECT TOP (:limit) c.id FROM message_events AS c WITH (READPAST, ROWLOCK)
    AND NOT EXISTS (SELECT 1 FROM archive_events AS a WHERE a.id = c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
-INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status, to_status, epoch, node_id, attempt, detail)
-SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status, to_status, epoch, node_id, attempt, detail, connection)
+SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail,
+       COALESCE((SELECT max(i.connection) FROM archive_inbound AS i WHERE i.message_id = e.message_id),
+                (SELECT i.connection FROM stage_inbound AS i WHERE e.stage = 'inbound' AND i.id = e.row_id))
   FROM message_events AS e
  WHERE e.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;

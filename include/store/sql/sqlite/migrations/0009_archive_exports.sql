@@ -5,6 +5,9 @@
 -- resumes that batch instead of picking a new one: 'marked' (rows chosen; Parquet may be partly
 -- written: write it again, overwriting exactly its partitions), then 'written' (Parquet verified
 -- to hold `row_count` rows: only delete the marked rows). The row goes when its rows are gone.
+-- archive_events.connection: the event's message's inbound connection, kept when the event is
+-- archived (its inbound row may have left the store by the time the event goes to Parquet).
+ALTER TABLE archive_events ADD COLUMN connection TEXT;
 ALTER TABLE archive_inbound ADD COLUMN export_batch TEXT;
 CREATE INDEX archive_inbound_export ON archive_inbound (export_batch) WHERE export_batch IS NOT NULL;
 ALTER TABLE archive_routed ADD COLUMN export_batch TEXT;

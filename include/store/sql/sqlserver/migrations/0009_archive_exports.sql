@@ -5,6 +5,10 @@
 -- resumes that batch instead of picking a new one: 'marked' (rows chosen; Parquet may be partly
 -- written: write it again, overwriting exactly its partitions), then 'written' (Parquet verified
 -- to hold `row_count` rows: only delete the marked rows). The row goes when its rows are gone.
+-- archive_events.connection: the event's message's inbound connection, kept when the event is
+-- archived (its inbound row may have left the store by the time the event goes to Parquet).
+ALTER TABLE archive_events ADD connection nvarchar(200) NULL;
+GO
 ALTER TABLE archive_inbound ADD export_batch nvarchar(100) COLLATE Latin1_General_100_BIN2 NULL;
 GO
 
