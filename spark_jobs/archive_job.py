@@ -36,6 +36,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from include.store import Store
+from include.store.lease import read_lease
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ def run(store: Store, spark: SparkSession, *, epoch: int, path: str, older_than_
     `batch_size` rows (what is left waits for the next run).
     """
     moved = dict.fromkeys(KINDS, 0)
+    if read_lease(store).epoch != epoch:  # a stale leader writes no Parquet (its store writes are fenced anyway)
+        log.info("Parquet archive: epoch %s is not the lease's; nothing to do", epoch)
+        return moved
     for open_batch in _open_batches(store):
         moved[open_batch["kind"]] += export_batch(store, spark, epoch=epoch, path=path, kind=open_batch["kind"],
                                                    batch=open_batch["batch"], state=open_batch["state"],

@@ -115,10 +115,13 @@ def test_under_a_stale_epoch_nothing_leaves_the_store(spark, store, tmp_path):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     before = _archived(store, epoch)
 
-    moved = archive_job.run(store, spark, epoch=epoch - 1, path=str(tmp_path), older_than_seconds=HOLD)
+    moved = archive_job.run(store, spark, epoch=epoch - 1, path=str(tmp_path / "parquet"), older_than_seconds=HOLD)
 
     assert not any(moved.values())
     assert {table: _count(store, table) for table in ARCHIVES} == before
+    assert not (tmp_path / "parquet").exists()  # no Parquet written either
+    with store.transaction() as tx:  # and the store's side is fenced on its own: a mark under it marks nothing
+        assert tx.all("export_mark_inbound", {"batch": "x", "epoch": epoch - 1, "limit": 10, "ms": 0}) == []
 
 
 def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spark, store, store_config, tmp_path,
