@@ -122,3 +122,20 @@ def test_retention_defaults_and_overrides_load():
     assert config.connection_ages_seconds() == {"adt-in": {"inbound": 30 * DAY, "routed": 30 * DAY,
                                                            "outbound": 30 * DAY},
                                                 "lab-in": {"routed": 0.5 * DAY}}
+
+
+def test_routed_and_outbound_rows_find_their_connection_once_their_inbound_row_is_archived(store):
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    text = ("[retention]\ninbound_days = 1\nrouted_days = 1\noutbound_days = 1\n"
+            "[retention.connections.adt-in]\nrouted_days = 30\noutbound_days = 30\n")
+
+    _run(store, epoch, text)
+
+    assert _messages(store, "stage_inbound") == []  # both connections' inbound rows archived and purged
+    assert _messages(store, "archive_inbound") == ["adt-0", "adt-1", "lab-0", "lab-1"]
+    for stage in ("routed", "outbound"):  # adt-in's found through archive_inbound: kept
+        assert _messages(store, f"stage_{stage}") == ["adt-0", "adt-1"], stage
