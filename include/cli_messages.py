@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from include.cli_common import InputError, _load, _open_checked
+from include.parquet_archive import ParquetArchive
 from include.store import operator as ops
 
 
@@ -103,10 +104,14 @@ def find_cmd(service_config: str | None, control_id: str | None, message_id: str
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
-    """One message in every stage, its bodies and its whole audit trail. REF: row id, message id or control id."""
-    store = _store(service_config)
+    """One message in every stage, its bodies and its whole audit trail. REF: row id, message id or control id.
+
+    Hot, in the archive tables or in the Parquet archive (`[retention] archive_path`) alike."""
+    config = _load(service_config)
+    store = _open_checked(config)[0]
+    parquet = ParquetArchive(config.retention.archive_path) if config.retention.archive_path else None
     try:
-        story = ops.show(store, ops.resolve(store, ref))
+        story = ops.show(store, ops.resolve(store, ref, parquet=parquet), parquet=parquet)
     except LookupError as exc:
         raise InputError(str(exc)) from exc
     finally:

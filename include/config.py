@@ -1,4 +1,4 @@
-"""Service configuration (`stageline.toml`): the `[store]` and `[cluster]` sections.
+"""Service configuration (`stageline.toml`): the `[store]`, `[cluster]` and `[retention]` sections.
 
 Every rule is checked at load so a misconfigured node refuses to start with an error that names the
 setting and the rule, instead of misbehaving later (a cluster on SQLite, a fence timeout that lets
@@ -58,10 +58,41 @@ class ClusterConfig:
     leader_fence_timeout_seconds: float = 20.0
 
 
+RETENTION_STAGES = ("inbound", "routed", "outbound")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """How long `maintenance_retention` keeps things, in days (fractions allowed).
+
+    A finished row stays in its hot table for its stage's days, then moves to the `archive_*` tables;
+    an audit event likewise after `events_days`. An archived row stays there `archive_days` more,
+    then the Parquet job moves it under `archive_path` (empty: no Parquet job, the archive tables
+    keep everything). `connections` overrides the stage days per inbound connection.
+    """
+    inbound_days: float = 7.0
+    routed_days: float = 7.0
+    outbound_days: float = 7.0
+    events_days: float = 30.0
+    archive_days: float = 30.0
+    archive_path: str = ""
+    connections: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def ages_seconds(self) -> dict[str, float]:
+        """Per retention key of `include.housekeeping.retention`, the age in seconds."""
+        return {key: getattr(self, f"{key}_days") * 86_400.0 for key in (*RETENTION_STAGES, "events")}
+
+    def connection_ages_seconds(self) -> dict[str, dict[str, float]]:
+        """Per overridden connection, its own stage ages in seconds."""
+        return {name: {stage: days * 86_400.0 for stage, days in per.items()}
+                for name, per in self.connections.items()}
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     source: Path | None = None
 
 
@@ -94,6 +125,51 @@ def _section(raw: dict[str, Any], name: str, cls: type) -> Any:
             raise ConfigError(f"[{name}].{key} must be {expected.__name__}, got {type(value).__name__}")
         values[key] = value
     return cls(**values)
+
+
+def _days(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a number of days, got {type(value).__name__}")
+    if value <= 0:
+        raise ConfigError(f"{where} must be > 0 days, got {value}")
+    return float(value)
+
+
+def _retention(raw: dict[str, Any]) -> RetentionConfig:
+    """`[retention]`: days per stage, events and archive, `archive_path`, and
+    `[retention.connections.<name>]` tables of `<stage>_days` overrides."""
+    data = raw.get("retention", {})
+    if not isinstance(data, dict):
+        raise ConfigError("[retention] must be a table")
+    known = [f.name for f in fields(RetentionConfig)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"[retention] unknown setting(s): {', '.join(unknown)} (known: {', '.join(known)})")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "archive_path":
+            if not isinstance(value, str):
+                raise ConfigError(f"[retention].archive_path must be str, got {type(value).__name__}")
+            values[key] = value.strip()
+        elif key != "connections":
+            values[key] = _days(f"[retention].{key}", value)
+    connections = data.get("connections", {})
+    if not isinstance(connections, dict):
+        raise ConfigError("[retention].connections must be a table of [retention.connections.<name>] tables")
+    stage_keys = [f"{stage}_days" for stage in RETENTION_STAGES]
+    overrides: dict[str, dict[str, float]] = {}
+    for name, per in connections.items():
+        where = f"[retention.connections.{name}]"
+        if not isinstance(per, dict):
+            raise ConfigError(f"{where} must be a table")
+        if not name.strip() or "," in name:
+            raise ConfigError(f"{where}: a connection name must be non-empty and contain no ','")
+        bad = sorted(set(per) - set(stage_keys))
+        if bad:
+            raise ConfigError(f"{where} unknown setting(s): {', '.join(bad)} (known: {', '.join(stage_keys)}; "
+                              "audit events and the archive are kept alike for every connection)")
+        overrides[name] = {key.removesuffix("_days"): _days(f"{where}.{key}", v) for key, v in per.items()}
+    return RetentionConfig(**values, connections=overrides)
 
 
 def validate(config: ServiceConfig) -> ServiceConfig:
@@ -135,14 +211,15 @@ def validate(config: ServiceConfig) -> ServiceConfig:
 def parse(raw: dict[str, Any], *, source: Path | None = None, env: dict[str, str] | None = None) -> ServiceConfig:
     """Build a validated config from already-parsed TOML data."""
     env = os.environ if env is None else env
-    unknown = sorted(set(raw) - {"store", "cluster"})
+    unknown = sorted(set(raw) - {"store", "cluster", "retention"})
     if unknown:
-        raise ConfigError(f"unknown section(s): {', '.join(unknown)} (known: store, cluster)")
+        raise ConfigError(f"unknown section(s): {', '.join(unknown)} (known: store, cluster, retention)")
     store = _section(raw, "store", StoreConfig)
     if store.backend == "sqlite" and source is not None and not Path(store.path).is_absolute():
         store = replace(store, path=str((source.parent / store.path).resolve()))
     store = replace(store, password=env.get(PASSWORD_ENV))
-    return validate(ServiceConfig(store=store, cluster=_section(raw, "cluster", ClusterConfig), source=source))
+    return validate(ServiceConfig(store=store, cluster=_section(raw, "cluster", ClusterConfig),
+                                  retention=_retention(raw), source=source))
 
 
 def config_path(path: str | os.PathLike[str] | None = None) -> Path:

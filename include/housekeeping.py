@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from include.store import INBOUND, STAGED_TABLES, StagedTable, Store
 from include.store import rowlease
@@ -69,7 +70,8 @@ ARCHIVE_QUERIES = {"inbound": "archive_finished_inbound", "routed": "archive_fin
 
 def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str, float], *,
               batch: int = 5000, max_batches: int = 100, archive: bool = True,
-              archived: dict[str, int] | None = None) -> dict[str, int]:
+              archived: dict[str, int] | None = None,
+              connections: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, int]:
     """Archive, then delete, finished rows (done, dead, unrouted) older than each stage's retention.
 
     `older_than_seconds`: one age for every stage and the audit trail, or a mapping from stage
@@ -88,8 +90,16 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     is purged was archived first, and nothing is archived twice. `archived`, when given, receives
     the rows archived per key. `archive=False` deletes without copying (the behaviour before the
     archive existed).
+
+    `connections` maps a connection name to its own ages per stage (`[retention.connections.*]`):
+    a message received on it keeps its inbound, routed and outbound rows for those instead (its
+    routed and outbound rows find their connection through their inbound row, hot or archived).
+    Each such connection is its own pass; the stage's default pass skips every overridden one.
     """
     ages = _ages(older_than_seconds)
+    overrides = {name: _ages(per, keys=STAGES) for name, per in (connections or {}).items()}
+    if any("," in name for name in overrides):
+        raise ValueError(f"a connection name must not contain ',': {sorted(overrides)}")
     counts: dict[str, int] = {}
     copied: dict[str, int] = {}
     if "inbound" in ages:
@@ -98,16 +108,14 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     steps.insert(steps.index((INBOUND.stage, INBOUND.purge)) + 1,  # after the inbound rows it waits for
                  (BATCHES, "purge_inbound_batches"))
     for key, purge in steps:
-        if key not in ages:
-            continue
-        age = ages[key]
-        if archive:
-            copied[key] = _batches(
-                lambda: _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch),
+        for age, scope in _passes(key, ages, overrides):
+            if archive:
+                copied[key] = copied.get(key, 0) + _batches(
+                    lambda: _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch, scope=scope),
+                    limit=batch, max_batches=max_batches)
+            counts[key] = counts.get(key, 0) + _batches(
+                lambda: _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive, scope=scope),
                 limit=batch, max_batches=max_batches)
-        counts[key] = _batches(
-            lambda: _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive),
-            limit=batch, max_batches=max_batches)
     if archived is not None:
         archived.update(copied)
     if any(counts.values()) or any(copied.values()):
@@ -115,8 +123,26 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     return counts
 
 
-def _ages(older_than_seconds: float | Mapping[str, float]) -> dict[str, float]:
-    keys = [t.stage for t in STAGED_TABLES] + [EVENTS]
+STAGES = tuple(t.stage for t in STAGED_TABLES)
+
+
+def _passes(key: str, ages: Mapping[str, float],
+            overrides: Mapping[str, Mapping[str, float]]) -> list[tuple[float, dict[str, Any] | None]]:
+    """The (age, connection scope) passes of one retention key: one per connection with its own age
+    for a stage (`within` 1: only its rows), then the default one skipping those (`within` 0).
+    The scope is None for the keys that are not per connection (events, batches)."""
+    if key not in STAGES:
+        return [(ages[key], None)] if key in ages else []
+    own = sorted(name for name, per in overrides.items() if key in per)
+    passes: list[tuple[float, dict[str, Any] | None]] = [
+        (overrides[name][key], {"conns": f",{name},", "within": 1}) for name in own]
+    if key in ages:
+        passes.append((ages[key], {"conns": "," + "".join(f"{name}," for name in own), "within": 0}))
+    return passes
+
+
+def _ages(older_than_seconds: float | Mapping[str, float], *, keys: tuple[str, ...] | None = None) -> dict[str, float]:
+    keys = list(keys) if keys is not None else [t.stage for t in STAGED_TABLES] + [EVENTS]
     if isinstance(older_than_seconds, Mapping):
         unknown = sorted(set(older_than_seconds) - set(keys))
         if unknown:
@@ -147,12 +173,15 @@ def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: i
                                       max_attempts=rowlease.reclaim_cap(table))
 
 
-def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int, archived: bool | None = None) -> int:
+def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int, archived: bool | None = None,
+           scope: Mapping[str, Any] | None = None) -> int:
     """One batch of a retention query (an archive copy or a purge); it returns the ids (batch ids) it
     wrote or deleted (a row count is not portable through a statement that also deletes the rows' bodies)."""
     params = {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}
     if archived is not None:
         params["archived"] = int(archived)
+    if scope is not None:
+        params.update(scope)
     with store.transaction() as tx:
         tx.fence()
         return len(tx.all(query, params))

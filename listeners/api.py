@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from include.parquet_archive import ParquetArchive
 from include.store import operator
 from listeners.connections import ConnectionConfigError, TLSConfig, check_bind
 from listeners.guard import guard_channels
@@ -394,8 +395,9 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
             if path == b"requeue":
                 return _Endpoint(requeue, auth=auth, permission=write, methods=(b"POST",))
             ref = path.decode("utf-8", "replace")
-            one = _Endpoint(lambda r: _deferred(r, lambda s: operator.show(s, operator.resolve(s, ref)).__dict__, state),
-                            auth=auth, permission=read)
+            cold = ParquetArchive(state.archive_path) if state.archive_path else None
+            one = _Endpoint(lambda r: _deferred(r, lambda s: operator.show(
+                s, operator.resolve(s, ref, parquet=cold), parquet=cold).__dict__, state), auth=auth, permission=read)
             one.putChild(b"replay", _Endpoint(replay(ref), auth=auth, permission=write, methods=(b"POST",)))
             return one
 

@@ -101,7 +101,8 @@ class ListenerNode(SequentialMultiService):
                                on_change=self.metrics.bound.set)
         self.state = NodeState(node_id=node_id, clustered=config.cluster.enabled, metrics=self.metrics,
                                is_leader=lambda: self.lease.is_leader, config_version=lambda: self.config_version,
-                               nodes=self._nodes_doc, store=lambda: self.stores.store)
+                               nodes=self._nodes_doc, store=lambda: self.stores.store,
+                               archive_path=config.retention.archive_path)
         self.api = ListeningService("api", api_settings.host, api_port or api_settings.port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
                                     on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))

@@ -20,6 +20,7 @@ class NodeState:
     config_version: Callable[[], int]
     nodes: Callable[[], Deferred]  # fires with the /cluster/nodes document
     store: Callable[[], Any] = lambda: None  # the node's store (None before it opens), for /messages
+    archive_path: str = ""  # [retention] archive_path: /messages/<ref> reads the Parquet archive too
 
     def status(self) -> dict[str, Any]:
         """The /cluster/status document."""

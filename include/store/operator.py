@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable, Store
+
+if TYPE_CHECKING:
+    from include.parquet_archive import ParquetArchive
 
 FIND_LIMIT = 50
 REPLAY_FROM = ("inbound", "outbound")
@@ -86,9 +89,10 @@ def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
         return tx.all("messages_find", filters.params())
 
 
-def resolve(store: Store, ref: str) -> int:
+def resolve(store: Store, ref: str, *, parquet: ParquetArchive | None = None) -> int:
     """The inbound row id named by `ref`: a row id, a message id or a control id (the newest with
-    it), in the hot tables first, then in retention's archive. LookupError if none."""
+    it), in the hot tables first, then in retention's archive tables, then in the Parquet archive
+    (`parquet`, when given). LookupError if none."""
     if ref.isdigit():
         with store.transaction(write=False) as tx:
             if tx.one("message_inbound", {"id": int(ref)}) is not None or \
@@ -102,39 +106,51 @@ def resolve(store: Store, ref: str) -> int:
         row = tx.one("archived_inbound_ref", {"ref": ref})
     if row and row["id"] is not None:
         return int(row["id"])
+    found = parquet.inbound(ref) if parquet is not None else None
+    if found is not None:
+        return int(found["id"])
     raise LookupError(f"no message {ref!r} (tried row id, message id and control id, hot and archived)")
 
 
-def _merged(hot: list[dict[str, Any]], archived: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Hot rows and archived ones by id; a row in both (archived, not yet purged) shows as hot.
-    An archived row carries `archived_ms`; a hot one None."""
+def _merged(hot: list[dict[str, Any]], archived: list[dict[str, Any]],
+            parquet: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Hot rows, archived ones and those in Parquet by id; a row in more than one (archived, not yet
+    purged) shows as the hottest. An archived row carries `archived_ms`; a hot one None."""
     rows = {r["id"]: {**r, "archived_ms": None} for r in hot}
-    for r in archived:
+    for r in [*archived, *(parquet or [])]:
         rows.setdefault(r["id"], r)
     return [rows[k] for k in sorted(rows)]
 
 
-def show(store: Store, inbound_id: int) -> Story:
-    """One message's whole story, from the hot tables and retention's archive alike: a message
-    whose rows and events were archived and purged reads the same as one still hot."""
+def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None) -> Story:
+    """One message's whole story, from the hot tables, retention's archive tables and the Parquet
+    archive (`parquet`, when given) alike: a message whose rows and events were archived, purged
+    and moved to Parquet reads the same as one still hot."""
     with store.transaction(write=False) as tx:
         inbound = tx.one("message_inbound", {"id": inbound_id})
         inbound = {**inbound, "archived_ms": None} if inbound is not None else \
             tx.one("archived_inbound", {"id": inbound_id})
+        if inbound is None and parquet is not None:
+            inbound = parquet.inbound(inbound_id)
         if inbound is None:
             raise LookupError(f"no inbound row {inbound_id}")
+        cold = parquet is not None
         story = Story(inbound,
-                      _merged(tx.all("message_routed", {"id": inbound_id}), tx.all("archived_routed", {"id": inbound_id})),
+                      _merged(tx.all("message_routed", {"id": inbound_id}), tx.all("archived_routed", {"id": inbound_id}),
+                              parquet.routed(inbound_id) if cold else None),
                       _merged(tx.all("message_outbound", {"id": inbound_id}),
-                              tx.all("archived_outbound", {"id": inbound_id})),
+                              tx.all("archived_outbound", {"id": inbound_id}),
+                              parquet.outbound(inbound_id) if cold else None),
                       _merged(tx.all("message_trail", {"message_id": inbound["message_id"]}),
-                              tx.all("archived_trail", {"message_id": inbound["message_id"]})))
+                              tx.all("archived_trail", {"message_id": inbound["message_id"]}),
+                              parquet.trail(inbound["message_id"]) if cold else None))
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})
         if inbound.get("batch_id") is not None:  # hot while any of its messages is, then archived
             key = {"batch_id": inbound["batch_id"]}
-            story.hl7_batch = tx.one("message_batch", key) or tx.one("archived_batch", key)
+            story.hl7_batch = tx.one("message_batch", key) or tx.one("archived_batch", key) or \
+                (parquet.hl7_batch(inbound["batch_id"]) if cold else None)
         return story
 
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from stageline_airflow.hooks import StagelineStoreHook
+from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
 from include import housekeeping, stage_config, stage_loop
 from include.claim_keeper import ClaimKeeper
@@ -93,11 +93,44 @@ def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
         return housekeeping.reclaim(hook.get_conn(), int(leader["epoch"]), leader.get("owner"), limit=limit)
 
 
-def retention_step(leader: Leader, ages: Mapping[str, timedelta], *, batch: int = 5000) -> dict[str, int]:
-    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted."""
+def retention_step(leader: Leader, ages: Mapping[str, timedelta] | None = None, *,
+                   batch: int = 5000) -> dict[str, int]:
+    """Archive, then delete, finished rows and audit events older than their retention; the rows deleted.
+
+    The periods are the service config's `[retention]` (read now, when the task runs), per-connection
+    overrides included; `ages` replaces the global ones (tests, a one-off run).
+    """
     with StagelineStoreHook() as hook:
-        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]),
-                                      {key: age.total_seconds() for key, age in ages.items()}, batch=batch)
+        config = hook.config.retention
+        older = ({key: age.total_seconds() for key, age in ages.items()} if ages is not None
+                 else config.ages_seconds())
+        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]), older, batch=batch,
+                                      connections=config.connection_ages_seconds())
+
+
+def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000) -> dict[str, int] | None:
+    """Move archive rows held longer than `[retention] archive_days` to Parquet under `archive_path`
+    (`spark_jobs.archive_job`); the rows moved per kind, or None when no `archive_path` is set
+    (then no Spark session is opened and the archive tables keep everything).
+
+    `spark`: a session to use; by default the `stageline_spark` connection's, opened here.
+    """
+    from spark_jobs import archive_job
+
+    with StagelineStoreHook() as hook:
+        retention = hook.config.retention
+        if not retention.archive_path:
+            return None
+
+        def run(session: Any) -> dict[str, int]:
+            return archive_job.run(hook.get_conn(), session, epoch=int(leader["epoch"]), path=retention.archive_path,
+                                   older_than_seconds=retention.archive_days * 86_400.0, batch_size=batch)
+
+        if spark is not None:
+            return run(spark)
+        with StagelineSparkHook(SPARK_CONN_ID).stage_session(name="maintenance_retention",
+                                                             conf=SPARK_TASK_CONF) as session:
+            return run(session.spark)
 
 
 def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,

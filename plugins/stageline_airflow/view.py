@@ -62,6 +62,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from stageline_airflow import view_html
     from stageline_airflow.hooks import StagelineStoreHook
 
+    from include.parquet_archive import ParquetArchive
     from include.store import operator as ops
     from include.store.membership import cluster_nodes
 
@@ -91,6 +92,11 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 
     def store() -> Any:
         return store_hook.get_conn()
+
+    def parquet() -> ParquetArchive | None:
+        """The Parquet archive (`[retention] archive_path`), read for one message's story."""
+        path = store_hook.config.retention.archive_path
+        return ParquetArchive(path) if path else None
 
     def cluster() -> dict[str, Any]:
         return cluster_nodes(store(), node_timeout_seconds=store_hook.config.cluster.node_timeout_seconds) | {
@@ -122,7 +128,8 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @app.get("/api/messages/{ref}")
     @guarded
     def get_message(ref: str, user: Any = Depends(reader)) -> dict[str, Any]:
-        return ops.show(store(), ops.resolve(store(), ref)).__dict__
+        cold = parquet()
+        return ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold).__dict__
 
     @app.get("/api/dead")
     @guarded
@@ -176,7 +183,8 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             shown = None
             if args.get("show"):
                 try:
-                    shown = ops.show(s, ops.resolve(s, args["show"]))
+                    cold = parquet()
+                    shown = ops.show(s, ops.resolve(s, args["show"], parquet=cold), parquet=cold)
                 except LookupError:
                     shown = None
             return view_html.PageData(

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from include.config import StoreConfig
-from include.store import Store
+from include.store import INBOUND, OUTBOUND, ROUTED, Store
+from include.store import rowlease as rl
 from include.store.lease import LeaderElector
 
 CLUSTER = "test-cluster"  # the name tests/conftest.py migrates every store with
@@ -69,3 +70,22 @@ def status_of(store: Store, table: str = "stage_inbound") -> dict[int, str]:
 def elector(store: Store, node: str) -> LeaderElector:
     """A cluster node's lease elector with long timings: a test steps and releases it by hand."""
     return LeaderElector(store, node_id=node, ttl_seconds=600, fence_timeout_seconds=300)
+
+
+def finished_messages(store: Store, epoch: int, prefix: str, connection: str, n: int = 2) -> list[int]:
+    """`n` messages of `connection` taken all the way (inbound, routed, outbound done)."""
+    ids = seed_inbound(store, n, prefix=prefix)
+    execute(store, f"UPDATE stage_inbound SET connection = '{connection}' WHERE message_id LIKE '{prefix}%'")
+    with store.transaction() as tx:
+        rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=n)
+        rl.finish_batch(tx, INBOUND, ids, owner="w", epoch=epoch)
+    for i, source in enumerate(ids):
+        execute(store, "INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name) "
+                       f"VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', 'adt')")
+        execute(store, "INSERT INTO stage_outbound (source_id, message_id, control_id, destination, "
+                       f"idempotency_key) VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', '{prefix}{i}-ehr')")
+    for table in (ROUTED, OUTBOUND):
+        with store.transaction() as tx:
+            claimed = [r["id"] for r in rl.claim_batch(tx, table, owner="w", epoch=epoch, limit=n)]
+            rl.finish_batch(tx, table, claimed, owner="w", epoch=epoch)
+    return ids

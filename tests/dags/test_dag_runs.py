@@ -29,7 +29,7 @@ from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector, acquire_permanent
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
-from tests.dags.stores import age, rows, seed_inbound, status_of, write_service_config
+from tests.dags.stores import age, finished_messages, rows, seed_inbound, status_of, write_service_config
 
 DAY = 86_400.0
 
@@ -263,6 +263,55 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
     assert owner.startswith("airflow:stage_route:") and owner.endswith("#1.0")  # try 1, first batch
 
 
+RUN_RETENTION = RUN_STAGE_ROUTE.replace('"stage_route"', '"maintenance_retention"')
+
+
+def test_a_retention_run_moves_old_messages_through_the_archive_tables_to_parquet(sqlite_service, tmp_path):
+    """Hot → archive tables → Parquet in one run (an archive hold of a fraction of a second), with the
+    periods from the service config and the Spark job on a local session; then `messages show` finds
+    the message in Parquet. In a subprocess, like the route run above, to keep the JVM out."""
+    store = sqlite_service
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    archive = tmp_path / "parquet"
+    config = Path(os.environ["STAGELINE_CONFIG"])
+    config.write_text(config.read_text() + f'''
+[retention]
+inbound_days = 1
+routed_days = 1
+outbound_days = 1
+archive_days = 0.000001
+archive_path = "{archive}"
+[retention.connections.lab-in]
+inbound_days = 30
+routed_days = 30
+outbound_days = 30
+''')
+    env = {**os.environ, "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[1]")}
+
+    out = subprocess.run([sys.executable, "-c", RUN_RETENTION, str(PLUGINS), str(DAGS)], env=env,
+                         capture_output=True, text=True, timeout=300)
+
+    assert out.returncode == 0, out.stderr[-4000:]
+    [line] = [text for text in out.stdout.splitlines() if text.startswith("STATES ")]
+    assert json.loads(line.removeprefix("STATES ")) == {
+        "leader_check": "success", "recover": "success", "purge": "success", "archive_parquet": "success",
+        "clean_airflow_metadata": "success"}
+    assert [r["message_id"] for r in rows(store, "SELECT message_id FROM stage_inbound ORDER BY id")] == \
+        ["lab-0", "lab-1"]  # the 30-day connection stays hot
+    assert rows(store, "SELECT count(*) AS n FROM archive_inbound") == [{"n": 0}]
+    assert sorted(p.name for p in next((archive / "inbound").iterdir()).iterdir()) == ["connection=adt-in"]
+    show = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(config), "messages", "show",
+                           "adt-1", "--json"], capture_output=True, text=True, cwd=DAGS.parent, timeout=120)
+    assert show.returncode == 0, show.stderr
+    story = json.loads(show.stdout)
+    assert story["inbound"]["message_id"] == "adt-1" and story["inbound"]["archived_ms"] is not None
+    assert [o["status"] for o in story["outbound"]] == ["done"]
+
+
 def _stage_route_run_at(when: datetime) -> DagRun:
     """A stage_route run recorded at `when` (the Spark route task marked done without running)."""
     return run(load_dag("stage_route"), logical_date=when, run_after=when,
@@ -286,7 +335,8 @@ def test_retention_run_purges_old_finished_rows_and_old_stage_dag_runs(sqlite_se
     dr = run(load_dag("maintenance_retention"))
 
     assert states(dr) == {"leader_check": "success", "recover": "success", "purge": "success",
-                          "clean_airflow_metadata": "success"}
+                          "archive_parquet": "success", "clean_airflow_metadata": "success"}
+    assert xcom(dr, "archive_parquet") is None  # no [retention] archive_path: no Spark, nothing moved
     assert xcom(dr, "purge") == {"inbound": 2, "inbound_batches": 0, "routed": 0, "outbound": 0, "events": 0}
     assert status_of(store) == {ids[2]: "done", ids[3]: "pending"}  # recent done, and old but unfinished
     with create_session() as session:

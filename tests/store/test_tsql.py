@@ -71,7 +71,8 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "dag_id": "stage_route", "try_number": 1, "duration_ms": 270, "claimed": 40,
     "counts": json.dumps({"routed": 80}), "owners": json.dumps(["airflow:stage_route:r1#1.0"]),
     # retention's archive (archive.sql) and the database-poll watermarks (watermarks.sql)
-    "archived": 1, "ref": "MSG00042", "watermark": json.dumps(1042), "batch_id": "f" * 32,
+    "archived": 1, "conns": ",adt-in,", "within": 0, "batch": "inbound-e3-20261124T055130-ab12cd34",
+    "kind": "inbound", "row_count": 5000, "ref": "MSG00042", "watermark": json.dumps(1042), "batch_id": "f" * 32,
 }
 
 

@@ -5,6 +5,10 @@
 -- purge, which deletes only rows whose copy is current, never loses a change. Re-running after a
 -- crash between archive and purge copies nothing twice: the archive's key is the hot row's id.
 
+-- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
+-- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
+-- `[retention.connections.<name>]` period is its own pass (a routed or outbound row's connection
+-- is its inbound row's, hot or archived).
 -- name: archive_finished_inbound
 INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts,
                              created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
@@ -14,6 +18,7 @@ SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.c
  WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_inbound c
                          WHERE c.status IN ('done', 'dead', 'unrouted')
                            AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND CASE WHEN strpos(:conns, ',' || c.connection || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                            AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                             WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
                            AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
@@ -23,7 +28,7 @@ SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.c
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
        updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, batch_id = EXCLUDED.batch_id,
-       batch_seq = EXCLUDED.batch_seq, archived_at = now()
+       batch_seq = EXCLUDED.batch_seq, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_finished_routed
@@ -35,13 +40,14 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.route_nam
  WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_routed c
                          WHERE c.status IN ('done', 'dead')
                            AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = c.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                            AND NOT EXISTS (SELECT 1 FROM archive_routed a WHERE a.id = c.id AND a.updated_at = c.updated_at)
                          ORDER BY c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
-       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_finished_outbound
@@ -53,21 +59,25 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_t
  WHERE s.id = ANY(ARRAY(SELECT c.id FROM stage_outbound c
                          WHERE c.status IN ('done', 'dead')
                            AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                           AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = c.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                            AND NOT EXISTS (SELECT 1 FROM archive_outbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
                          ORDER BY c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
    SET status = EXCLUDED.status, claim_epoch = EXCLUDED.claim_epoch, attempts = EXCLUDED.attempts,
-       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now()
+       updated_at = EXCLUDED.updated_at, last_error = EXCLUDED.last_error, archived_at = now(), export_batch = NULL
 RETURNING id
 
 -- name: archive_events
--- Audit events never change: one copy each.
+-- Audit events never change: one copy each. Each keeps its message's inbound connection (for the
+-- Parquet archive's partitions), from the archived inbound row or, for an inbound event, the hot one.
 INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status,
-                            to_status, epoch, node_id, attempt, detail)
+                            to_status, epoch, node_id, attempt, detail, connection)
 SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status,
-       e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+       e.to_status, e.epoch, e.node_id, e.attempt, e.detail,
+       COALESCE((SELECT max(i.connection) FROM archive_inbound i WHERE i.message_id = e.message_id),
+                (SELECT i.connection FROM stage_inbound i WHERE e.stage = 'inbound' AND i.id = e.row_id))
   FROM message_events e
  WHERE e.id = ANY(ARRAY(SELECT c.id FROM message_events c
                          WHERE c.at < now() - make_interval(secs => :ms / 1000.0)

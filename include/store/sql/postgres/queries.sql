@@ -268,6 +268,7 @@ DELETE FROM stage_routed
  WHERE id = ANY(ARRAY(SELECT id FROM stage_routed
                        WHERE status IN ('done', 'dead')
                          AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                         AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = stage_routed.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = stage_routed.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                          AND (CAST(:archived AS integer) = 0
                               OR EXISTS (SELECT 1 FROM archive_routed a
                                           WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
@@ -283,6 +284,7 @@ WITH gone AS (
      WHERE id = ANY(ARRAY(SELECT id FROM stage_outbound
                            WHERE status IN ('done', 'dead')
                              AND updated_at < now() - make_interval(secs => :ms / 1000.0)
+                             AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = stage_outbound.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = stage_outbound.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                              AND (CAST(:archived AS integer) = 0
                                   OR EXISTS (SELECT 1 FROM archive_outbound a
                                               WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
@@ -302,6 +304,7 @@ WITH gone AS (
      WHERE id = ANY(ARRAY(SELECT s.id FROM stage_inbound s
                            WHERE s.status IN ('done', 'dead', 'unrouted')
                              AND s.updated_at < now() - make_interval(secs => :ms / 1000.0)
+                             AND CASE WHEN strpos(:conns, ',' || s.connection || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                              AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                               WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
                              AND (CAST(:archived AS integer) = 0

@@ -266,6 +266,7 @@ SELECT n.config_hash FROM leader_lease l JOIN nodes n ON n.node_id = l.owner WHE
 DELETE FROM stage_routed
  WHERE id IN (SELECT id FROM stage_routed
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                   AND CASE WHEN instr(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = stage_routed.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = stage_routed.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = :within
                  AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed a
                                                 WHERE a.id = stage_routed.id AND a.updated_at = stage_routed.updated_at))
                LIMIT :limit)
@@ -277,6 +278,7 @@ RETURNING id
 DELETE FROM stage_outbound
  WHERE id IN (SELECT id FROM stage_outbound
                WHERE status IN ('done', 'dead') AND updated_at < {now} - :ms
+                   AND CASE WHEN instr(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = stage_outbound.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = stage_outbound.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = :within
                  AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound a
                                                 WHERE a.id = stage_outbound.id AND a.updated_at = stage_outbound.updated_at))
                LIMIT :limit)
@@ -289,6 +291,7 @@ RETURNING id
 DELETE FROM stage_inbound
  WHERE id IN (SELECT s.id FROM stage_inbound s
                WHERE s.status IN ('done', 'dead', 'unrouted') AND s.updated_at < {now} - :ms
+                   AND CASE WHEN instr(:conns, ',' || s.connection || ',') > 0 THEN 1 ELSE 0 END = :within
                  AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                   WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
                  AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound a

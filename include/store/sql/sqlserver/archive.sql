@@ -7,12 +7,17 @@
 -- key is the hot row's id. (PostgreSQL and SQLite replace with ON CONFLICT; here a DELETE and an
 -- INSERT of the same ids in one batch and transaction.)
 
+-- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
+-- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
+-- `[retention.connections.<name>]` period is its own pass (a routed or outbound row's connection
+-- is its inbound row's, hot or archived).
 -- name: archive_finished_inbound
 DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY);
 INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_inbound AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead', 'unrouted')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + c.connection + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
                     WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
    AND NOT EXISTS (SELECT 1 FROM archive_inbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
@@ -31,6 +36,7 @@ INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_routed AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_routed AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
@@ -47,6 +53,7 @@ INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM stage_outbound AS c WITH (READPAST, ROWLOCK)
  WHERE c.status IN ('done', 'dead')
    AND c.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_outbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
@@ -58,7 +65,8 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_t
 SELECT id FROM @ids;
 
 -- name: archive_events
--- Audit events never change: one copy each.
+-- Audit events never change: one copy each. Each keeps its message's inbound connection (for the
+-- Parquet archive's partitions), from the archived inbound row or, for an inbound event, the hot one.
 DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY);
 INSERT INTO @ids (id)
 SELECT TOP (:limit) c.id FROM message_events AS c WITH (READPAST, ROWLOCK)
@@ -66,8 +74,10 @@ SELECT TOP (:limit) c.id FROM message_events AS c WITH (READPAST, ROWLOCK)
    AND NOT EXISTS (SELECT 1 FROM archive_events AS a WHERE a.id = c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.id;
-INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status, to_status, epoch, node_id, attempt, detail)
-SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail
+INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status, to_status, epoch, node_id, attempt, detail, connection)
+SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail,
+       COALESCE((SELECT max(i.connection) FROM archive_inbound AS i WHERE i.message_id = e.message_id),
+                (SELECT i.connection FROM stage_inbound AS i WHERE e.stage = 'inbound' AND i.id = e.row_id))
   FROM message_events AS e
  WHERE e.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;

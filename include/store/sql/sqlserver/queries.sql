@@ -405,6 +405,7 @@ OUTPUT deleted.id
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_routed AS x WITH (READPAST, ROWLOCK)
                  WHERE x.status IN ('done', 'dead')
                    AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = x.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = x.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
                    AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_routed AS a
                                                   WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
@@ -421,6 +422,7 @@ OUTPUT deleted.id INTO @gone
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM stage_outbound AS x WITH (READPAST, ROWLOCK)
                  WHERE x.status IN ('done', 'dead')
                    AND x.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = x.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = x.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
                    AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_outbound AS a
                                                   WHERE a.id = x.id AND a.updated_at = x.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
@@ -439,6 +441,7 @@ OUTPUT deleted.id INTO @gone
  WHERE t.id IN (SELECT TOP (:limit) s.id FROM stage_inbound AS s WITH (READPAST, ROWLOCK)
                  WHERE s.status IN ('done', 'dead', 'unrouted')
                    AND s.updated_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
+                   AND CASE WHEN CHARINDEX(',' + s.connection + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
                    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
                                     WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
                    AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound AS a
