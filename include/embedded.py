@@ -254,6 +254,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
 Stageline is up (single node, {store_where(cfg.store)}, config {config_dir}).
 {inbound}
   Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
+  Stageline view      http://127.0.0.1:{AIRFLOW_PORT}/stageline/   (in the Airflow UI's nav: Stageline)
   listenerd API       http://{ends.api_host}:{api_port}/cluster/status   (Authorization: Bearer {token})
   Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
   deliveries          {delivered}
