@@ -321,8 +321,14 @@ def _move_into(path: Path, directory: Path) -> str:
 def _reject_into(path: Path, directory: Path, reason: str, connection: str) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     target = _free_name(directory, path.name, also=".reason")
-    os.replace(path, target)
+    # The reason first: whoever sees the file gone from the drop (or in rejected/) finds it.
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    Path(f"{target}.reason").write_text(
+    reason_file = Path(f"{target}.reason")
+    reason_file.write_text(
         f"{reason}\nconnection: {connection}\nfile: {path.name}\nrejected_at: {stamp}\n", encoding="utf-8")
+    try:
+        os.replace(path, target)
+    except OSError:
+        reason_file.unlink(missing_ok=True)
+        raise
     return str(target)
