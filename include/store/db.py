@@ -78,6 +78,23 @@ class Tx:
             self.execute("fence_shared")
             self._fenced = True
 
+    def transition(self, name: str, params: Mapping[str, Any], *, table: StagedTable, event: str,
+                   from_status: str | None, epoch: int | None, node_id: str | None) -> list[dict[str, Any]]:
+        """Run transition query `name` and append one audit event per row it moved; the rows.
+
+        One statement where the dialect can (PostgreSQL's `audited`: the events come from the
+        transition's own RETURNING), else the transition then `record_events`.
+        """
+        text = self.store.audited_sql(name, table)
+        if text is None:
+            rows = self.all(name, params, table=table)
+            self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
+            return rows
+        cur = self.conn.cursor()
+        cur.execute(text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
+                           "ev_epoch": epoch, "ev_node": node_id})
+        return [dict(r) for r in cur.fetchall()]
+
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
                       from_status: str | None, epoch: int | None, node_id: str | None) -> None:
         """Append one audit event per row just transitioned (rows as returned by a transition query).
@@ -116,14 +133,31 @@ class Store:
         key = (name, table.name if table else None)
         text = self._sql_cache.get(key)
         if text is None:
-            try:
-                raw = self._queries[name]
-            except KeyError:
-                raise KeyError(f"no query {name!r} for {self.backend}") from None
-            if "{" in raw:
-                raw = raw.format_map({**self.dialect.template, **(table.template() if table else {})})
-            text = self._sql_cache[key] = self.dialect.translate(raw)
+            text = self._sql_cache[key] = self._render(self._raw(name), table)
         return text
+
+    def audited_sql(self, name: str, table: StagedTable | None = None) -> str | None:
+        """Transition `name` with its audit events as one statement (the dialect's `audited`
+        wrapper), or None where the dialect writes them in a second statement."""
+        if "audited" not in self._queries:
+            return None
+        key = ("audited:" + name, table.name if table else None)
+        text = self._sql_cache.get(key)
+        if text is None:
+            raw = self._raw("audited").replace("{transition}", self._raw(name))
+            text = self._sql_cache[key] = self._render(raw, table)
+        return text
+
+    def _raw(self, name: str) -> str:
+        try:
+            return self._queries[name]
+        except KeyError:
+            raise KeyError(f"no query {name!r} for {self.backend}") from None
+
+    def _render(self, raw: str, table: StagedTable | None) -> str:
+        if "{" in raw:
+            raw = raw.format_map({**self.dialect.template, **(table.template() if table else {})})
+        return self.dialect.translate(raw)
 
     @contextmanager
     def _connection(self) -> Iterator[Any]:

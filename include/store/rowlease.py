@@ -87,9 +87,9 @@ def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoc
     if not ids:
         return []
     tx.fence()
-    rows = tx.all("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
-                                   "status": status, "error": error}, table=table)
-    tx.record_events(rows, table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
+                                          "status": status, "error": error},
+                         table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
     return [r["id"] for r in _by_id(rows)]
 
 
@@ -99,11 +99,11 @@ def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch:
     if not ids:
         return []
     tx.fence()
-    rows = tx.all("fail_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
-                                 "error": error, "max_attempts": int(max_attempts),
-                                 "backoff_seconds": float(backoff_seconds),
-                                 "max_backoff_seconds": float(max_backoff_seconds)}, table=table)
-    tx.record_events(rows, table=table, event="attempt_failed", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition("fail_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
+                                        "error": error, "max_attempts": int(max_attempts),
+                                        "backoff_seconds": float(backoff_seconds),
+                                        "max_backoff_seconds": float(max_backoff_seconds)},
+                         table=table, event="attempt_failed", from_status="in_flight", epoch=epoch, node_id=owner)
     return _by_id(rows)
 
 
@@ -115,9 +115,8 @@ def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: 
     kills every job that claims it (a poison message) must not be retried forever.
     """
     tx.fence()
-    rows = tx.all("sweep_expired", {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
-                  table=table)
-    tx.record_events(rows, table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition("sweep_expired", {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
+                         table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
     return len(rows)
 
 
@@ -144,9 +143,9 @@ def recover_abandoned(tx: Tx, table: StagedTable, *, prefix: str, keep: str, epo
     Fenced; a row already claimed `max_attempts` times goes to `dead`, as with the sweep.
     """
     tx.fence()
-    rows = tx.all("recover_abandoned", {"prefix": prefix, "keep": keep, "epoch": epoch,
-                                        "max_attempts": int(max_attempts)}, table=table)
-    tx.record_events(rows, table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition("recover_abandoned", {"prefix": prefix, "keep": keep, "epoch": epoch,
+                                               "max_attempts": int(max_attempts)},
+                         table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
     return len(rows)
 
 
@@ -163,8 +162,8 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     tx.fence()
     total = 0
     for table in STAGED_TABLES:
-        rows = tx.all("recover_stale_epoch", {"epoch": epoch}, table=table)
-        tx.record_events(rows, table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
+        rows = tx.transition("recover_stale_epoch", {"epoch": epoch}, table=table, event="recovered",
+                             from_status="in_flight", epoch=epoch, node_id=owner)
         total += len(rows)
     return total
 

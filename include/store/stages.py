@@ -61,9 +61,9 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
     pending_ids -= unrouted_ids  # route() never emits both for one source; never mark one twice
     done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
     unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
-    rows = tx.all("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}) if done else []
+    rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}, table=ROUTED,
+                         event="routed", from_status=None, epoch=epoch, node_id=owner) if done else []
     rows.sort(key=lambda r: r["id"])
-    tx.record_events(rows, table=ROUTED, event="routed", from_status=None, epoch=epoch, node_id=owner)
     tx.execute("landing_routed_delete", params)
     finished = sorted({*done, *unrouted})
     if finished:  # leftovers of earlier runs that died after landing these same sources
@@ -132,15 +132,17 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     failed = sorted(f for reason, ids in sorted(by_reason.items())
                     for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason))
     transformed = [i for i in done if i not in passing]
-    rows = tx.all("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)}) if transformed else []
+    rows = tx.transition("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)},
+                         table=OUTBOUND, event="transformed", from_status=None, epoch=epoch,
+                         node_id=owner) if transformed else []
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     passed = [i for i in done if i in passing]
-    moved = tx.all("transform_passthrough_insert", {"ids": tx.dialect.id_list(passed)}) if passed else []
+    moved = tx.transition("transform_passthrough_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
+                          event="transformed", from_status=None, epoch=epoch, node_id=owner) if passed else []
     if moved:
         tx.execute("transform_passthrough_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
     rows = sorted(rows + moved, key=lambda r: r["id"])
-    tx.record_events(rows, table=OUTBOUND, event="transformed", from_status=None, epoch=epoch, node_id=owner)
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})
     if finished:

@@ -276,3 +276,40 @@ def test_the_sweep_dead_letters_a_row_whose_claimers_keep_dying(store):
     assert "expired after 3 attempts" in got[0]["last_error"]
     events = rows(store, "SELECT to_status FROM message_events WHERE event = 'lease_expired' ORDER BY id")
     assert [e["to_status"] for e in events] == ["pending", "pending", "dead"]
+
+
+def test_one_statement_transitions_write_the_same_events_as_two(store):
+    """PostgreSQL writes a transition's audit events in the transition's own statement (`audited`);
+    the events must be exactly those of the two-statement path SQLite and SQL Server take."""
+    if store.audited_sql("finish_batch", INBOUND) is None:
+        pytest.skip("this dialect writes the events in a second statement")
+    seed_inbound(store, 40, lanes=40)
+    epoch = take_lease(store).epoch
+    with store.transaction() as tx:
+        ids = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=40)]
+    one_done, two_done = ids[:10], ids[10:20]
+    one_failed, two_failed = ids[20:30], ids[30:]
+    with store.transaction() as tx:
+        rl.finish_batch(tx, INBOUND, one_done, owner="w", epoch=epoch)
+        rl.fail_batch(tx, INBOUND, one_failed, owner="w", epoch=epoch, error="boom", max_attempts=5)
+    two_statements = {k: v for k, v in store._queries.items() if k != "audited"}
+    store._queries, kept = two_statements, store._queries
+    try:
+        assert store.audited_sql("finish_batch", INBOUND) is None
+        with store.transaction() as tx:
+            rl.finish_batch(tx, INBOUND, two_done, owner="w", epoch=epoch)
+            rl.fail_batch(tx, INBOUND, two_failed, owner="w", epoch=epoch, error="boom", max_attempts=5)
+    finally:
+        store._queries = kept
+
+    def events(row_ids: list[int]) -> list[dict]:
+        got = rows(store, "SELECT row_id, stage, message_id, control_id, destination, event, from_status, to_status, "
+                          f"epoch, node_id, attempt, detail FROM message_events WHERE event <> 'received' "
+                          f"AND row_id IN ({','.join(map(str, row_ids))}) ORDER BY row_id")
+        return [{k: v for k, v in e.items() if k not in ("row_id", "message_id", "control_id")} for e in got]
+
+    assert len(events(one_done + one_failed)) == 20
+    assert events(one_done) == events(two_done)
+    assert events(one_failed) == events(two_failed)
+    assert {e["event"] for e in events(one_failed)} == {"attempt_failed"}
+    assert {e["detail"] for e in events(one_failed)} == {"boom"}

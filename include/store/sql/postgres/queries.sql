@@ -249,6 +249,20 @@ SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t
  WHERE t.id = ANY(CAST(:ids AS bigint[]))
  ORDER BY t.id
 
+-- name: audited
+-- A transition and its audit events in one statement: {transition} is one of the transition queries
+-- above (finish_batch, route_finalize_insert, ...), all of which return the same columns; each row
+-- it moved gets its event from what it returned, so the rows are not looked up a second time and
+-- the events cost no round trip of their own.
+WITH moved AS ({transition}),
+     audit AS (INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                                           from_status, to_status, epoch, node_id, attempt, detail)
+               SELECT CAST(:ev_stage AS text), m.id, m.message_id, m.control_id, m.destination,
+                      CAST(:ev_event AS text), CAST(:ev_from AS text), m.status, CAST(:ev_epoch AS bigint),
+                      CAST(:ev_node AS text), m.attempts, m.detail
+                 FROM moved m ORDER BY m.id)
+SELECT * FROM moved
+
 -- name: config_bump
 UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
 RETURNING config_version
