@@ -22,11 +22,8 @@ its store; Airflow's metadata stays on SQLite.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +37,7 @@ import psycopg  # noqa: E402
 from hl7.client import MLLPClient  # noqa: E402
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
+from bench.stack import EmbeddedStack  # noqa: E402
 from include.lab.postgres_server import PostgresServer, wait_for  # noqa: E402
 
 
@@ -59,21 +57,15 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-latency-"))
-    var = work / "var"
     pg = None
     if args.store == "postgres":
         pg = PostgresServer().start()
         pg.execute("CREATE DATABASE stageline")
-        (work / "stageline.toml").write_text(f'[store]\nbackend = "postgres"\nserver = "{pg.host}"\nport = {pg.port}\n'
-                                             f'database = "stageline"\nusername = "{pg.user}"\n')
+        stack = EmbeddedStack(work, f'[store]\nbackend = "postgres"\nserver = "{pg.host}"\nport = {pg.port}\n'
+                                    f'database = "stageline"\nusername = "{pg.user}"\n')
     else:
-        (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
-    env = {**os.environ, "STAGELINE_VAR": str(var)}
-    log = open(work / "up.log", "w+")
-    stageline = Path(sys.executable).parent / "stageline"
-    up = subprocess.Popen([str(stageline), "--service-config", str(work / "stageline.toml"), "up"], cwd=ROOT,
-                          env=env, stdout=log, stderr=subprocess.STDOUT)
-    db = var / "stageline.db"
+        stack = EmbeddedStack(work, '[store]\npath = "var/stageline.db"\n')
+    db = stack.var / "stageline.db"
 
     def query(sql: str) -> list[tuple]:
         if pg is not None:
@@ -92,12 +84,8 @@ def main() -> None:
                      " + (SELECT count(*) FROM stage_outbound WHERE status NOT IN ('done', 'dead'))")[0][0]
 
     try:
-        started = time.perf_counter()
-        wait_for(lambda: up.poll() is not None or "Stageline is up" in (work / "up.log").read_text(),
-                 timeout=600, interval=1, what="the stack")
-        if up.poll() is not None:
-            raise SystemExit((work / "up.log").read_text())
-        print(f"stack up in {time.perf_counter() - started:.0f} s (logs: {var / 'log'})", flush=True)
+        stack.start()
+        print(f"stack up in {stack.up_seconds:.0f} s (logs: {stack.var / 'log'})", flush=True)
 
         def one_delivery(payload: bytes) -> float:
             """Seconds from sending one message to its last delivery (nothing else in flight)."""
@@ -171,12 +159,7 @@ def main() -> None:
         after_idle = one_delivery(singles[1])
         print(f"\nfirst message after the stack is up: {first:.1f} s; after {args.idle:.0f} s idle: {after_idle:.1f} s")
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(180)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        log.close()
+        stack.stop()
         if pg is not None:
             pg.stop()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.stack import STAGELINE, EmbeddedStack  # noqa: E402
 from include.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT  # noqa: E402
 from include import demo  # noqa: E402
 from include.lab.postgres_server import wait_for  # noqa: E402
@@ -44,43 +44,28 @@ def main() -> None:
     if busy:
         raise SystemExit(f"port(s) {busy} in use: another embedded stack is running")
     work = Path(tempfile.mkdtemp(prefix="stageline-mem-"))
-    var = work / "var"
-    (work / "stageline.toml").write_text('[store]\npath = "var/stageline.db"\n')
-    env = {**os.environ, "STAGELINE_VAR": str(var)}
-    stageline = Path(sys.executable).parent / "stageline"
-    log = open(work / "up.log", "w+")
-    up = subprocess.Popen([str(stageline), "up", "--service-config", str(work / "stageline.toml")], cwd=ROOT,
-                          env=env, stdout=log, stderr=subprocess.STDOUT)
+    stack = EmbeddedStack(work, '[store]\npath = "var/stageline.db"\n')
     try:
-        started = time.perf_counter()
-        wait_for(lambda: up.poll() is not None or "Stageline is up" in (work / "up.log").read_text(),
-                 timeout=600, interval=1, what="the stack")
-        if up.poll() is not None:
-            raise SystemExit((work / "up.log").read_text())
-        print(f"stack up in {time.perf_counter() - started:.0f} s", flush=True)
-        sent = subprocess.run([str(stageline), "demo", "send", "--count", str(args.count)], cwd=ROOT, env=env,
+        stack.start()
+        print(f"stack up in {stack.up_seconds:.0f} s", flush=True)
+        sent = subprocess.run([str(STAGELINE), "demo", "send", "--count", str(args.count)], cwd=ROOT, env=stack.env,
                               capture_output=True, text=True, timeout=120)
         assert sent.returncode == 0, sent.stdout + sent.stderr
 
         def done() -> int:
-            with sqlite3.connect(var / "stageline.db") as conn:
+            with sqlite3.connect(stack.var / "stageline.db") as conn:
                 return conn.execute("SELECT count(*) FROM stage_outbound WHERE status = 'done'").fetchone()[0]
 
         wait_for(lambda: done() >= 4 * args.count, timeout=600, interval=1, what="the demo messages to be delivered")
         print(f"{done()} deliveries done; settling {args.settle:.0f} s", flush=True)
         time.sleep(args.settle)
-        measure(up.pid, args.samples, "with its stage tasks running")
+        measure(stack.pid, args.samples, "with its stage tasks running")
         if args.idle:
             print(f"\nidle for {args.idle:.0f} s ...", flush=True)
             time.sleep(args.idle)
-            measure(up.pid, args.samples, f"after {args.idle:.0f} s without traffic")
+            measure(stack.pid, args.samples, f"after {args.idle:.0f} s without traffic")
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(180)
-            except subprocess.TimeoutExpired:
-                up.kill()
+        stack.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

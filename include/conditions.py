@@ -41,6 +41,7 @@ __all__ = [
     "Leaf",
     "Not",
     "SegmentPresent",
+    "check_java_regex",
     "parse_condition",
     "uses_connection",
 ]
@@ -159,7 +160,9 @@ def parse_condition(cond: Any, *, where: str = "when") -> Condition:
     return AllOf(members) if kind == "all" else AnyOf(members)
 
 
-def _check_regex(value: str, fail: Callable[[str], ConditionError]) -> None:
+def check_java_regex(value: str, fail: Callable[[str], Exception]) -> None:
+    """Refuse a regex that Spark's Java ``Pattern`` would throw on mid-job (also for transforms'
+    ``replace``): one that does not compile, or that uses Python-only syntax."""
     try:
         re.compile(value)
     except re.error as exc:
@@ -209,7 +212,7 @@ def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) 
         if not isinstance(value, str):
             raise fail(f"op {op!r} needs a string value, got {type(value).__name__}")
         if op == "regex":
-            _check_regex(value, fail)
+            check_java_regex(value, fail)
         return Leaf(path, op, value, **common)
     if not _string_list(value):
         raise fail("op 'in' needs a non-empty list of strings")
@@ -229,7 +232,7 @@ def _parse_connection(cond: Mapping[str, Any], fail: Callable[[str], ConditionEr
     if not isinstance(value, str) or not value:
         raise fail(f"'connection' with op {op!r} needs a non-empty string, got {value!r}")
     if op == "regex":
-        _check_regex(value, fail)
+        check_java_regex(value, fail)
     return Connection(op, value)
 
 

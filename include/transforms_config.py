@@ -87,7 +87,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
-from include.conditions import Condition, ConditionError, parse_condition
+from include.conditions import Condition, ConditionError, check_java_regex, parse_condition
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
 __all__ = [
@@ -154,7 +154,6 @@ DATE_HL7 = "yyyyMMddHHmmss"
 CONTROL_ID_LENGTH = 20
 # Spark datetime pattern letters (docs: sql-ref-datetime-pattern); anything else fails mid-job.
 _PATTERN_LETTERS = set("GyMdDQqLEuaHhKkmsSVzOXxZ")
-_PYTHON_ONLY_REGEX = re.compile(r"\(\?P|\(\?#|\(\?\(")
 
 
 class TransformConfigError(ValueError):
@@ -549,12 +548,7 @@ def _function_args(op: str, rule: Mapping[str, Any], fail: Callable[[str], Trans
         pattern, replacement = rule.get("pattern"), rule.get("with", "")
         if not isinstance(pattern, str) or not pattern:
             raise fail("needs 'pattern', a non-empty Java regex")
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise fail(f"bad regex {pattern!r}: {exc}") from None
-        if _PYTHON_ONLY_REGEX.search(pattern):
-            raise fail(f"bad regex {pattern!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
+        check_java_regex(pattern, fail)
         if not isinstance(replacement, str):
             raise fail(f"'with' must be a string, got {type(replacement).__name__}")
         return (pattern, replacement)

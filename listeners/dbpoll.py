@@ -41,12 +41,10 @@ import hashlib
 import json
 import os
 import sqlite3
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -56,6 +54,7 @@ from listeners.connections import DatabaseSource, InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
 from listeners.ingest import Inbound, RowRefused
+from listeners.polling import PollingInbound, RunBlocking
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -64,7 +63,6 @@ __all__ = ["DbPoll", "SourceDatabase", "row_message_id"]
 
 _log = Logger(namespace="stageline.dbpoll")
 
-RunBlocking = Callable[..., Deferred]
 DEFAULT_PORTS = {"postgres": 5432, "sqlserver": 1433}
 
 
@@ -163,7 +161,7 @@ class SourceDatabase:
                 pass
 
 
-class DbPoll:
+class DbPoll(PollingInbound):
     """Polls one ``kind = "database"`` connection's source while started."""
 
     def __init__(self, ingest: IngestSink, config: InboundConfig, *, store: Callable[[], Store | None],
@@ -174,73 +172,26 @@ class DbPoll:
         under it); ``reactor`` schedules the polls; ``run_blocking`` defaults to its thread pool."""
         if config.database is None:
             raise ValueError(f"{config.name}: a database connection needs [inbound.database]")
-        if reactor is None:
-            from twisted.internet import reactor as global_reactor
-
-            reactor = cast(IReactorTime, global_reactor)
-        if run_blocking is None:
-            run_blocking = partial(deferToThreadPool, reactor, reactor.getThreadPool())  # type: ignore[attr-defined]
+        super().__init__(config, what="database poll", log=_log, reactor=reactor, run_blocking=run_blocking)
         self.ingest = ingest
-        self.config = config
         self.src: DatabaseSource = config.database
         self.source = source if source is not None else SourceDatabase(config.database)
         self.lane_of = lane_of
         self.metrics = metrics
         self._store = store
         self._epoch = epoch
-        self._clock = reactor
-        self._run = run_blocking
-        self._running = False
-        self._call: IDelayedCall | None = None
-        self._polling: Deferred | None = None
-        self._stop_waiters: list[Deferred[None]] = []
         self._error: str | None = None
         self._full = False
 
-    @property
-    def running(self) -> bool:
-        return self._running
+    def _next_delay(self) -> float:
+        return 0 if self._full else self.config.poll_seconds  # a full batch: a backlog, drain it
 
-    def start(self) -> None:
-        """Begin polling (the daemon calls this on the leader only)."""
-        if self._running:
-            return
-        self._running = True
-        if self._polling is None:
-            self._schedule(0)
-
-    def stop(self) -> Deferred[None]:
-        """Stop polling; fires once the poll in hand (its commits and its advance) is over."""
-        self._running = False
-        if self._call is not None and self._call.active():
-            self._call.cancel()
-        self._call = None
-        if self._polling is None:
-            return self._run(self.source.close)
-        d: Deferred[None] = Deferred()
-        self._stop_waiters.append(d)
-        return d.addCallback(lambda _: self._run(self.source.close))
-
-    def _schedule(self, delay: float) -> None:
-        self._call = self._clock.callLater(delay, self._tick)
-
-    def _tick(self) -> None:
-        self._call = None
-        self._polling = self.poll()
-        self._polling.addErrback(self._poll_crashed).addBoth(self._poll_done)
+    def _on_stop(self) -> Deferred[None]:
+        return self._run(self.source.close)  # after the poll in hand: its commits and its advance
 
     def _poll_crashed(self, failure: Failure) -> None:
         self._full = False
-        _log.critical("database poll of {connection} crashed: {error}", connection=self.config.name,
-                      error=failure.type.__name__ if failure.type else "unknown")
-
-    def _poll_done(self, _: object) -> None:
-        self._polling = None
-        waiters, self._stop_waiters = self._stop_waiters, []
-        for d in waiters:
-            d.callback(None)
-        if self._running:
-            self._schedule(0 if self._full else self.config.poll_seconds)
+        super()._poll_crashed(failure)
 
     def _problem(self, what: str) -> None:
         if what != self._error:

@@ -36,19 +36,18 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any
 
-from twisted.internet.defer import Deferred, inlineCallbacks, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.internet.threads import deferToThreadPool
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.polling import PollingInbound, RunBlocking
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -56,9 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["FileDrop", "RunBlocking", "file_message_id"]
 
 _log = Logger(namespace="stageline.filedrop")
-
-RunBlocking = Callable[..., Deferred]
-"""``run_blocking(f, *args) -> Deferred`` runs ``f(*args)`` off the reactor thread."""
 
 
 def file_message_id(connection: str, file_name: str, content: bytes) -> str:
@@ -89,7 +85,7 @@ class _Changed(Exception):
     """The file changed between the stability check and the read: wait for it to settle."""
 
 
-class FileDrop:
+class FileDrop(PollingInbound):
     """Polls one ``kind = "file"`` connection's directory while started."""
 
     def __init__(self, ingest: IngestSink, config: InboundConfig, *, lane_of: LaneOf | None = None,
@@ -106,70 +102,16 @@ class FileDrop:
         self.errors = Path(config.error_directory) if config.error_directory else self.archive / "rejected"
         if self.errors.resolve() == self.directory.resolve():
             raise ValueError(f"{config.name}: error_directory must differ from directory")
-        if reactor is None:
-            from twisted.internet import reactor as global_reactor
-
-            reactor = cast(IReactorTime, global_reactor)
-        if run_blocking is None:
-            run_blocking = partial(deferToThreadPool, reactor, reactor.getThreadPool())  # type: ignore[attr-defined]
+        super().__init__(config, what="file drop poll", log=_log, reactor=reactor, run_blocking=run_blocking)
         self.ingest = ingest
-        self.config = config
         self.lane_of = lane_of
         self.metrics = metrics
         self._counters = metrics.listener(config.name, "file") if metrics is not None else None
-        self._clock = reactor
-        self._run = run_blocking
-        self._running = False
-        self._call: IDelayedCall | None = None
-        self._polling: Deferred | None = None
-        self._stop_waiters: list[Deferred[None]] = []
         self._seen: dict[str, tuple[int, int]] = {}
         self._scan_error: str | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._running
-
-    def start(self) -> None:
-        """Begin polling (the daemon calls this on the leader only)."""
-        if self._running:
-            return
-        self._running = True
+    def _on_start(self) -> None:
         self._seen = {}  # stability is re-proven after every (re)start
-        if self._polling is None:  # else the poll still running from before stop() reschedules
-            self._schedule(0)
-
-    def stop(self) -> Deferred[None]:
-        """Stop polling; fires once the file in hand (if any) has been dealt with."""
-        self._running = False
-        if self._call is not None and self._call.active():
-            self._call.cancel()
-        self._call = None
-        if self._polling is None:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._stop_waiters.append(d)
-        return d
-
-    def _schedule(self, delay: float) -> None:
-        self._call = self._clock.callLater(delay, self._tick)
-
-    def _tick(self) -> None:
-        self._call = None
-        self._polling = self.poll()
-        self._polling.addErrback(self._poll_crashed).addBoth(self._poll_done)
-
-    def _poll_crashed(self, failure: Failure) -> None:
-        _log.critical("file drop poll of {connection} crashed: {error}", connection=self.config.name,
-                      error=failure.type.__name__ if failure.type else "unknown")
-
-    def _poll_done(self, _: object) -> None:
-        self._polling = None
-        waiters, self._stop_waiters = self._stop_waiters, []
-        for d in waiters:
-            d.callback(None)
-        if self._running:
-            self._schedule(self.config.poll_seconds)
 
     @inlineCallbacks
     def poll(self) -> Any:

@@ -14,13 +14,11 @@ from pathlib import Path
 import hl7
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
 from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
 from include.store import Store
 from listeners.hl7batch import split_batch
+from tests.dags.e2e import listenerd, run_stages
 from tests.dags.stores import rows
-from tests.dags.test_pipeline_e2e import dag_results, run_dags
 from tests.spark_jobs.test_senders import MllpReceiver
 
 FILE_BATCH = [("A1", "ADT^A01", "P1"), ("R1", "ORU^R01", "P2"), ("A2", "ADT^A08", "P2"), ("R2", "ORU^R01", "P1")]
@@ -85,13 +83,11 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
     ehr, lab = MllpReceiver().start(), MllpReceiver().start()
     mllp_port, drop = free_port(), tmp_path / "drop"
     drop.mkdir()
-    daemon = Daemon(workdir=tmp_path / "node", store=store_config, node_id="solo:1:batch-e2e", inbound=[
-        {"name": "batch-mllp", "kind": "mllp", "port": mllp_port, "lane_key": "PID-3.1"},
-        {"name": "batch-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1, "lane_key": "PID-3.1"}])
     store = Store(store_config)
-    try:
-        daemon.start()
-        wait_for(lambda: port_open(mllp_port), timeout=20, what="listenerd binds its MLLP port")
+    with listenerd(tmp_path / "node", store_config, node_id="solo:1:batch-e2e", receivers=(ehr, lab), inbound=[
+            {"name": "batch-mllp", "kind": "mllp", "port": mllp_port, "lane_key": "PID-3.1"},
+            {"name": "batch-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1,
+             "lane_key": "PID-3.1"}]) as daemon:
         nightly = tmp_path / "out" / "nightly"
         nightly.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, nightly=nightly)
@@ -102,14 +98,9 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
         assert (str(ack.segment("MSA")(1)), str(ack.segment("MSA")(2))) == ("AA", "B-mllp")
 
         started = time.perf_counter()
-        results = dag_results(run_dags(daemon.workdir / "stageline.toml", daemon.workdir / "config",
-                                       "stage_route", "stage_transform", "stage_deliver"))
+        results = run_stages(daemon)
         elapsed = time.perf_counter() - started
         assert [set(r["states"].values()) for r in results] == [{"success"}] * 3
-    finally:
-        daemon.stop()
-        ehr.stop()
-        lab.stop()
 
     sent = FILE_BATCH + MLLP_BATCH
     inbound = rows(store, "SELECT id, message_id, control_id, connection, batch_id, batch_seq, status "

@@ -19,14 +19,12 @@ from hl7.client import MLLPClient
 
 from include.config import StoreConfig
 from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.lab.postgres_server import free_port
 from include.store import Store, lookups
+from tests.dags.e2e import listenerd, run_stages
 from tests.dags.stores import rows
-from tests.dags.test_pipeline_e2e import dag_results, field, messages, pipeline_config, run_dags
+from tests.dags.test_pipeline_e2e import field, messages, pipeline_config
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
-
-STAGES = ("stage_route", "stage_transform", "stage_deliver")
 
 
 def stageline(service_config: Path, *args: str) -> str:
@@ -47,14 +45,11 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
     lab = MllpReceiver(answer=lambda t: raw_ack("AE" if lab_broken[0] and field(t, "PID", 3).startswith("PNAK")
                                                 else "AA", field(t, "MSH", 10))).start()
     mllp_port = free_port()
-    daemon = Daemon(workdir=tmp_path / "node", store=store_config, node_id="solo:1:ops",
-                    inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
-                              "lane_key": "PID-3.1"}])
     store = Store(store_config)
-    svc = daemon.workdir / "stageline.toml"
-    try:
-        daemon.start()
-        wait_for(lambda: port_open(mllp_port), timeout=20, what="listenerd binds its MLLP port")
+    with listenerd(tmp_path / "node", store_config, node_id="solo:1:ops", receivers=(ehr, lab),
+                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
+                             "lane_key": "PID-3.1"}]) as daemon:
+        svc = daemon.workdir / "stageline.toml"
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
@@ -64,7 +59,7 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
         with MLLPClient("127.0.0.1", mllp_port) as client:
             for _, _, text in sent:
                 client.send_message(text)
-        dag_results(run_dags(svc, daemon.workdir / "config", *STAGES))
+        run_stages(daemon)
         nak_orus = [c for c, patient, _ in sent if patient == "PNAK"]
         assert lab.control_ids.count(nak_orus[0]) == 2  # two attempts, then dead
 
@@ -104,11 +99,7 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
                         "--reason", "EHR lost it")
         assert "new inbound row(s)" in out
         lab_before, ehr_before = len(lab.control_ids), len(ehr.control_ids)
-        dag_results(run_dags(svc, daemon.workdir / "config", *STAGES))
-    finally:
-        daemon.stop()
-        ehr.stop()
-        lab.stop()
+        run_stages(daemon)
 
     assert lab.control_ids[lab_before:] == nak_orus  # the dead lane drained, in its order
     assert ehr.control_ids[ehr_before:] == ["ADT000"]  # the replay, delivered again

@@ -8,43 +8,25 @@ the sweep (maintenance_reclaim) re-pends its rows.
 Each DAG sequence runs in one subprocess (one JVM, kept out of this test session)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import hl7
 import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon, store_toml
+from include.lab.listenerd import store_toml
 from include.lab.postgres_server import free_port, wait_for
-from include.spark import classic_spark_connection
-from include.stack import port_open
 from include.store import Store, lookups, rowlease
 from include.store.lease import acquire_permanent
-from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
+from tests.dags.e2e import dag_results, listenerd, run_dags, run_stages
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
 
-RUN_DAGS = """
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-from airflow.dag_processing.dagbag import DagBag
-bag = DagBag(dag_folder=sys.argv[2])
-for dag_id in sys.argv[3:]:
-    started = time.perf_counter()
-    dr = bag.dags[dag_id].test()
-    states = {ti.task_id: ti.state for ti in dr.get_task_instances()}
-    print("STATES " + json.dumps({"dag_id": dag_id, "seconds": time.perf_counter() - started, "states": states}),
-          flush=True)
-"""
 PATIENTS = ("P0", "P1", "P2", "PNAK")
 N_MESSAGES = 24
 
@@ -127,35 +109,16 @@ rules = [{ set = "MSH-5", value = "LIS" }]
 """)
 
 
-def run_dags(service_config: Path, pipeline_dir: Path, *dag_ids: str, **popen: Any) -> subprocess.Popen:
-    env = {**os.environ, "STAGELINE_CONFIG": str(service_config), "STAGELINE_PIPELINE_DIR": str(pipeline_dir),
-           "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[2]")}
-    return subprocess.Popen([sys.executable, "-c", RUN_DAGS, str(PLUGINS), str(DAGS), *dag_ids], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-
-
-def dag_results(proc: subprocess.Popen, *, timeout: float = 600) -> list[dict[str, Any]]:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-4000:]
-    results = [json.loads(line.removeprefix("STATES ")) for line in out.splitlines() if line.startswith("STATES ")]
-    for r in results:
-        DAG_TEST_SECONDS.append((f"{r['dag_id']} (e2e subprocess)", r["seconds"]))
-    return results
-
-
 def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_complete_audit_trail(
         airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
     ehr = MllpReceiver().start()
     lab = MllpReceiver(answer=lambda t: raw_ack("AE" if field(t, "PID", 3).startswith("PNAK") else "AA",
                                                 field(t, "MSH", 10))).start()
     mllp_port = free_port()
-    daemon = Daemon(workdir=tmp_path / "node", store=store_config, node_id="solo:1:e2e",
-                    inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
-                              "lane_key": "PID-3.1"}])
     store = Store(store_config)
-    try:
-        daemon.start()
-        wait_for(lambda: port_open(mllp_port), timeout=20, what="listenerd binds its MLLP port")
+    with listenerd(tmp_path / "node", store_config, node_id="solo:1:e2e", receivers=(ehr, lab),
+                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
+                             "lane_key": "PID-3.1"}]) as daemon:
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)  # a file destination never creates its directory (a missing mount)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
@@ -168,17 +131,12 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
         assert [(str(a.segment("MSA")(1)), str(a.segment("MSA")(2))) for a in acks] == [("AA", c) for c, _, _ in sent]
 
         started = time.perf_counter()
-        results = dag_results(run_dags(daemon.workdir / "stageline.toml", daemon.workdir / "config",
-                                       "stage_route", "stage_transform", "stage_deliver"))
+        results = run_stages(daemon)
         elapsed = time.perf_counter() - started
         assert [(r["dag_id"], r["states"]) for r in results] == [
             (dag_id, {"leader_check": "success", "recover": "success", "wait_for_work": "success", job: "success"})
             for dag_id, job in (("stage_route", "route"), ("stage_transform", "transform"),
                                 ("stage_deliver", "deliver"))]
-    finally:
-        daemon.stop()
-        ehr.stop()
-        lab.stop()
 
     message_ids = {r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")}
     by_patient: dict[str, list[str]] = defaultdict(list)

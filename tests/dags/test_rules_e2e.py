@@ -18,14 +18,12 @@ import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import PostgresServer, free_port, wait_for
-from include.stack import port_open
+from include.lab.postgres_server import PostgresServer, free_port
 from include.store import Store, lookups
 from include.store.migrate import migrate
 from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config
+from tests.dags.e2e import listenerd, run_stages
 from tests.dags.stores import rows
-from tests.dags.test_pipeline_e2e import dag_results, run_dags
 from tests.spark_jobs.test_senders import MllpReceiver
 
 _dbs = itertools.count()
@@ -156,14 +154,11 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
         config = pg_config(server, name)
     ehr, alerts = MllpReceiver().start(), MllpReceiver().start()
     ports = {"adt-in": free_port(), "lab-in": free_port()}
-    daemon = Daemon(workdir=work / "node", store=config, node_id="solo:1:rules",
-                    inbound=[{"name": n, "kind": "mllp", "host": "127.0.0.1", "port": p, "lane_key": "PID-3.1"}
-                             for n, p in ports.items()])
     store = Store(config)
     lab, archive = work / "out" / "lab", work / "out" / "archive"
-    try:
-        daemon.start()
-        wait_for(lambda: all(port_open(p) for p in ports.values()), timeout=20, what="listenerd binds both ports")
+    with listenerd(work / "node", config, node_id="solo:1:rules", receivers=(ehr, alerts),
+                   inbound=[{"name": n, "kind": "mllp", "host": "127.0.0.1", "port": p, "lane_key": "PID-3.1"}
+                            for n, p in ports.items()]) as daemon:
         lab.mkdir(parents=True)
         archive.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, alerts=alerts.port, lab=lab, archive=archive)
@@ -173,13 +168,8 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
             with MLLPClient("127.0.0.1", ports[connection]) as client:
                 ack = hl7.parse(client.send_message(text).decode().strip("\x0b\x1c\r\n"))
             assert (str(ack.segment("MSA")(1)), str(ack.segment("MSA")(2))) == ("AA", control_id)
-        results = dag_results(run_dags(daemon.workdir / "stageline.toml", daemon.workdir / "config",
-                                       "stage_route", "stage_transform", "stage_deliver"))
+        results = run_stages(daemon)
         assert all(state == "success" for r in results for state in r["states"].values()), results
-    finally:
-        daemon.stop()
-        ehr.stop()
-        alerts.stop()
     message_ids = {r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")}
     yield Outcome(store=store, ehr=ehr.texts, alerts=alerts.texts,
                   lab={p.name: p.read_bytes().decode() for p in lab.iterdir()},
