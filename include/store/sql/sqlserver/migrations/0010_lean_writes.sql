@@ -6,3 +6,11 @@
 -- (PostgreSQL also makes its landing tables unlogged; SQL Server has no unlogged tables.)
 DROP INDEX message_events_control ON message_events;
 GO
+
+-- Routed and outbound rows are found through their inbound row (source_id, indexed with the
+-- destination); nothing looks them up by message id, and every insert and every state change
+-- paid an entry.
+DROP INDEX stage_routed_message ON stage_routed;
+GO
+DROP INDEX stage_outbound_message ON stage_outbound;
+GO
