@@ -77,7 +77,7 @@ from include.transforms_config import (
     parse_transforms,
 )
 from spark_jobs.conditions import compile_condition
-from spark_jobs.hl7_fields import let
+from spark_jobs.hl7_fields import let, split_regex
 from spark_jobs.hl7_json import render_json
 
 __all__ = ["transform"]
@@ -89,9 +89,6 @@ _UNIT_STARTS = ("MSH", *ENVELOPE_SEGMENTS)
 _ENCODING_ORDER = ("cs", "rs", "esc", "ss")
 # HL7 escape code per separator (\F\ field, \S\ component, \R\ repetition, \T\ subcomponent).
 _ESCAPE_CODES = (("fs", "F"), ("cs", "S"), ("rs", "R"), ("ss", "T"))
-# Separators that a bare backslash would not quote in a Java regex.
-_ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-_NEVER_MATCHES = "(?!)"  # a regex nothing matches: the split regex of an undeclared separator
 # HL7 separators are never letters, digits or space, so such text needs no escaping.
 _PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
 _REST = 1 << 30  # "to the end" length for substring
@@ -320,25 +317,10 @@ def _separators(header: Column) -> Column:
         return F.struct(
             h["enc"].alias("enc"),
             *(sep.alias(name) for name, sep in seps.items()),
-            *(_split_regex(sep).alias(f"{name}_re") for name, sep in seps.items()),
+            *(split_regex(sep).alias(f"{name}_re") for name, sep in seps.items()),
         )
 
     return let(raw, build)
-
-
-def _split_regex(sep: Column) -> Column:
-    """A regex matching exactly the one-character separator ``sep`` (never matching if absent).
-
-    ``split`` runs Java's ``String.split``, which compiles the regex on every call unless it is a
-    backslash plus one non-alphanumeric character; such a pair is always a literal in Java regex
-    and HL7 separators are punctuation, so this is both safe and the fast path. An alphanumeric
-    separator would fall back to ``\\Q..\\E`` quoting.
-    """
-    return (
-        F.when(sep == "", F.lit(_NEVER_MATCHES))
-        .when(F.lit(_ALPHANUMERIC).contains(sep), F.concat(F.lit(r"\Q"), sep, F.lit(r"\E")))
-        .otherwise(F.concat(F.lit("\\"), sep))
-    )
 
 
 # --- rules ----------------------------------------------------------------------------------
