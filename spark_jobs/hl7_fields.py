@@ -195,14 +195,14 @@ def decode_escapes(value: Column, parsed: Column) -> Column:
     esc = parsed["esc"]
     codes = {"F": parsed["fs"], "S": parsed["cs"], "R": parsed["rs"], "T": parsed["ss"], "E": esc}
 
-    def decode(parts: Column) -> Column:
-        def piece(x: Column, i: Column) -> Column:
-            out = F.when(i % 2 == 0, x).when(i == F.size(parts) - 1, F.concat(esc, x))
-            for code, sep in codes.items():
-                # An escape for a separator this message does not define stays verbatim.
-                out = out.when((x == code) & (sep != ""), sep)
-            return out.otherwise(F.concat(esc, x, esc))
+    def piece(x: Column, i: Column) -> Column:
+        # Is an odd piece the last one? Asked of odd pieces only, by splitting again: an escape
+        # is rare, and binding the split instead would nest the expression three levels deeper.
+        last = F.size(F.split(value, parsed["esc_re"], -1)) - 1
+        out = F.when(i % 2 == 0, x).when(i == last, F.concat(esc, x))
+        for code, sep in codes.items():
+            # An escape for a separator this message does not define stays verbatim.
+            out = out.when((x == code) & (sep != ""), sep)
+        return out.otherwise(F.concat(esc, x, esc))
 
-        return F.array_join(F.transform(parts, piece), "")
-
-    return let(F.split(value, parsed["esc_re"], -1), decode)
+    return F.array_join(F.transform(F.split(value, parsed["esc_re"], -1), piece), "")

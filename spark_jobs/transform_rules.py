@@ -92,12 +92,11 @@ _ESCAPE_CODES = (("fs", "F"), ("cs", "S"), ("rs", "R"), ("ss", "T"))
 # HL7 separators are never letters, digits or space, so such text needs no escaping.
 _PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
 _REST = 1 << 30  # "to the end" length for substring
-# Scratch column holding the parsed payload between the projections of transform().
+# Scratch column holding the parsed payload, the rules applied, between the projections of transform().
 _UNITS = "_transform_units"
 # Hidden input columns some rules read, and the dead-letter reason before it moves to content_type.
 _CONNECTION = "_transform_connection"
 _SEED = "_transform_control_seed"
-_ERROR = "_transform_error"
 
 
 # --- the DataFrame transform ----------------------------------------------------------------
@@ -127,10 +126,8 @@ def transform(
     ``connection_col`` is read only when a ``when`` tests the connection; ``message_id_col`` seeds
     generated control ids (else the row id); ``now`` replaces the current timestamp (tests).
 
-    The payload is parsed once into a scratch column, each rule index is one projection over it
-    (rule *k* of every destination, picked by a CASE on the destination), and a last projection
-    renders HL7 or JSON. Chaining all rules inside one expression would nest it a few levels per
-    rule: too deep for Spark Connect's protobuf plans (100 levels) and slow to analyze.
+    One expression parses the payload and applies the row's destination's rules (:func:`_fold`);
+    a last projection renders HL7 or JSON.
     """
     parsed = parse_transforms(specs, lookups=lookups or {})
     destination = F.col("destination")
@@ -152,25 +149,19 @@ def transform(
         return frame.select("id", "destination", F.lit(HL7_CONTENT_TYPE).alias("content_type"), "payload", *carry)
     ctx = _Context(connection=F.col(_CONNECTION), seed=F.col(_SEED), now=F.current_timestamp() if now is None else now)
 
+    tables = _tables(rules, lookups or {})
     units = F.col(_UNITS)
-    frame = frame.withColumn(
-        _UNITS, F.when(destination.isin([s.destination for s in parsed]), _parse_units(F.col("payload")))
-    )
-    for k in range(max(len(s.rules) for s in parsed)):
-        step: Column | None = None
-        for spec in parsed:
-            if k < len(spec.rules):
-                applied = _apply_to_messages(units, spec.rules[k], _tables([spec.rules[k]], lookups or {}), ctx)
-                cond = destination == F.lit(spec.destination)
-                step = F.when(cond, applied) if step is None else step.when(cond, applied)
-        frame = frame.withColumn(_UNITS, step.otherwise(units))  # type: ignore[union-attr]
+    frame = frame.withColumn(_UNITS, _fold(parsed, F.col("payload"), tables, ctx))
 
-    out: Column | None = None
-    for spec in parsed:
-        rendered = render_json(units) if spec.output == "json" else _render_hl7(units)
-        cond = destination == F.lit(spec.destination)
-        out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
     json_destinations = [s.destination for s in parsed if s.output == "json"]
+    hl7_destinations = [s.destination for s in parsed if s.output != "json"]
+    # One renderer per output kind, not per destination: a smaller plan to analyze.
+    renderers = [(hl7_destinations, _render_hl7), (json_destinations, render_json)]
+    out: Column | None = None
+    for names, render in renderers:
+        if names:
+            cond, rendered = destination.isin(names), render(units)
+            out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
     content_type = (
         F.when(destination.isin(json_destinations), F.lit(JSON_CONTENT_TYPE)).otherwise(F.lit(HL7_CONTENT_TYPE))
         if json_destinations
@@ -180,10 +171,45 @@ def transform(
     if any(_may_dead_letter(r) for r in rules):
         # The first unit's reason; the row is not delivered, the finalize dead-letters it.
         error = F.try_element_at(F.filter(F.transform(units, lambda u: u["error"]), lambda e: e.isNotNull()), F.lit(1))
-        frame = frame.withColumn(_ERROR, error)
-        content_type = F.when(F.col(_ERROR).isNotNull(), F.col(_ERROR)).otherwise(content_type)
-        payload = F.when(F.col(_ERROR).isNull(), payload)
+        content_type = F.when(error.isNotNull(), error).otherwise(content_type)
+        payload = F.when(error.isNull(), payload)
     return frame.select("id", "destination", content_type.alias("content_type"), payload.alias("payload"), *carry)
+
+
+def _fold(specs: Sequence[Transform], payload: Column, tables: Mapping[str, tuple[Column, bool]],
+          ctx: _Context) -> Column:
+    """Each row's payload parsed into units, then its destination's rules applied in order; NULL for
+    a destination without a spec.
+
+    One ``aggregate`` for all destinations: its accumulator is the parsed payload (parsed once,
+    whatever the destination), its steps the numbers of the row's destination's rules (every rule
+    of every spec has its own), its merge a CASE on the number. Every intermediate value stays an
+    in-memory row: across the projections a chain of ``withColumn`` needs, each rule read the
+    message back from Spark's binary row format, which costs a configuration lookup per field and
+    array element read (Spark 4.2). The expression is as deep as its deepest rule plus three
+    levels, not the whole chain: Spark Connect refuses expressions nested deeper than 48
+    (protobuf's 100 levels), and the deepest rule (a dead-lettering ``map`` of a subcomponent) is 43.
+    Nesting a few rules per step would save the copy ``aggregate`` makes of its accumulator after
+    each, but measured no faster.
+    """
+    destination = F.col("destination")
+    numbered: list[Rule] = []
+    steps: Column | None = None
+    for spec in specs:
+        numbers = F.array(*(F.lit(n) for n in range(len(numbered), len(numbered) + len(spec.rules))))
+        numbered.extend(spec.rules)
+        cond = destination == F.lit(spec.destination)
+        steps = F.when(cond, numbers.cast("array<int>")) if steps is None else steps.when(cond, numbers.cast("array<int>"))
+
+    def merge(units: Column, k: Column) -> Column:
+        step: Column | None = None
+        for n, rule in enumerate(numbered):
+            applied = _apply_to_messages(units, rule, tables, ctx)
+            step = F.when(k == n, applied) if step is None else step.when(k == n, applied)
+        return units if step is None else step.otherwise(units)
+
+    # A destination without a spec has no steps (NULL): aggregate gives NULL, nothing is parsed.
+    return F.aggregate(steps, F.when(steps.isNotNull(), _parse_units(payload)), merge)  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -201,9 +227,11 @@ def _may_dead_letter(rule: Rule) -> bool:
 
 
 def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Column, bool]], ctx: _Context) -> Column:
-    """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched)."""
-    # Separators bound once per unit: read from the stored struct at every use they cost a
-    # nested-row copy each time (measured 2x on JSON).
+    """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched).
+
+    ``units`` must be an in-memory value (inside :func:`_fold`): a unit's separators are read at
+    every use, which from Spark's binary row format would cost a configuration lookup each time.
+    """
     def on_unit(u: Column, i: Column, seps: Column) -> Column:
         # A batch's later messages get control ids of their own: the unit index joins the seed.
         unit_ctx = replace(ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string"))))
@@ -216,7 +244,7 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
             applies = applies & compile_condition(rule.when, u["segments"], seps, ctx.connection)
         return F.when(applies, out).otherwise(u)
 
-    return F.transform(units, lambda u, i: let(u["seps"], lambda seps: on_unit(u, i, seps)))
+    return F.transform(units, lambda u, i: on_unit(u, i, u["seps"]))
 
 
 def _render_hl7(units: Column) -> Column:
