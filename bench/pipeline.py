@@ -119,7 +119,7 @@ def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job:
             return done
         small = stage_io.is_small(ids)
         phases.time("spark", lambda: job.land(store, transform(
-            job.extract(store, spark, owner=owner, epoch=epoch, small=small), run), small=small))
+            job.extract(store, spark, owner=owner, epoch=epoch, small=small, ids=ids), run), small=small))
         out = phases.time("finalize", lambda: job.finalize(store, run_id=run, owner=owner, epoch=epoch,
                                                            claimed_ids=ids, **finalize_args))
         assert not out.not_finished, out.not_finished[:5]
