@@ -31,12 +31,15 @@ Message handling:
   it unchanged. Destinations without a spec pass through byte for byte, as HL7.
 
 Cost: everything runs in the JVM (no Python UDF), but Spark interprets higher-order functions
-rather than generating code for them. Measured on local Spark (2 cores, 100k seven-segment
-messages, noisy VM, so +-30%): ~50k rows/s parsed and re-rendered with no rules, ~12k rows/s with
-six rules, ~6.5k rows/s to JSON (a VARIANT per value). Each rule index is its own projection
-(see :func:`transform`); within one, lambdas nest at most one level per path level, because
-Spark's analyzer slows down steeply with lambda depth. Building the Columns costs ~0.1-0.3 s per
-rule in classic mode (one JVM call per expression node) and little over Spark Connect.
+rather than generating code for them. The payload is parsed once and a row's rules run as the
+steps of one ``aggregate`` (:func:`_fold`), so the message stays an in-memory row from parse to
+rules; only the rendering reads it back from Spark's binary row format (Spark 4.2 looks up its
+configuration at every field or element read from it, so the renderers read each unit's
+separators once). Within a rule, lambdas nest at most one level per path level, because Spark's
+analyzer slows down steeply with lambda depth; the plan's size is most of a job's fixed cost
+(analysis, and the plan text Spark builds for its listeners: ~0.3 s per transform job here).
+Measured over Spark Connect, warm, 2 cores shared with other work (+-30%): ~10k rows/s per core
+for the bench's ``ehr``/``lab`` rules, ~5k rows/s per core to JSON.
 Constants of letters, digits and spaces skip escaping (no message could use those as separators).
 """
 
@@ -92,7 +95,7 @@ _ESCAPE_CODES = (("fs", "F"), ("cs", "S"), ("rs", "R"), ("ss", "T"))
 # HL7 separators are never letters, digits or space, so such text needs no escaping.
 _PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
 _REST = 1 << 30  # "to the end" length for substring
-# Scratch column holding the parsed payload, the rules applied, between the projections of transform().
+# Scratch column holding the parsed payload, the rules applied, until transform()'s last projection renders it.
 _UNITS = "_transform_units"
 # Hidden input columns some rules read, and the dead-letter reason before it moves to content_type.
 _CONNECTION = "_transform_connection"
