@@ -3,8 +3,9 @@
     claim    one SQL statement outside Spark, in lane order (`rowlease.claim_batch`): never inside a
              Spark read, whose schema probe would run it twice
     read     Spark JDBC read of exactly the rows the run claimed, bounded by owner + epoch (a named,
-             read-only query with its parameters inlined), one partition: a batch is thousands
-             of rows, not millions
+             read-only query with its parameters inlined); given the claimed ids, one partition per
+             id range (`id_ranges`: up to READ_PARTITIONS of at least READ_PARTITION_ROWS), so the
+             transform and the landing write after it run on that many cores instead of one
     land     Spark JDBC append into the stage's landing table (it exists up front: Spark cannot
              create tables on SQLite); each partition in its own transaction
     discard  drop a failed run's landing rows, best effort
