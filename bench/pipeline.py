@@ -13,6 +13,7 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
               tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
+    warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
@@ -119,7 +120,7 @@ def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job:
             return done
         small = stage_io.is_small(ids)
         phases.time("spark", lambda: job.land(store, transform(
-            job.extract(store, spark, owner=owner, epoch=epoch, small=small), run), small=small))
+            job.extract(store, spark, owner=owner, epoch=epoch, small=small, ids=ids), run), small=small))
         out = phases.time("finalize", lambda: job.finalize(store, run_id=run, owner=owner, epoch=epoch,
                                                            claimed_ids=ids, **finalize_args))
         assert not out.not_finished, out.not_finished[:5]
@@ -195,6 +196,22 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
             *(f"| {name} | {rate:,.0f} | {rate / native:.2f}× |" for name, rate in rates.items())]
 
 
+def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
+    """Route and transform `payloads` into Spark's noop sink twice (no store I/O): a fresh JVM
+    interprets Spark's expression code until its JIT has compiled it, which the first large batch
+    otherwise pays for (--warm-messages)."""
+    inbound = spark.createDataFrame([(i, "bench", p) for i, p in enumerate(payloads)], route_job.CLAIMED_SCHEMA)
+    routed = inbound.transform(route_job.transform, parse_routes(ROUTES), run_id="warm")
+    claimed = routed.where("status = 'pending'").join(inbound.withColumnRenamed("id", "source_id"), "source_id").select(
+        "source_id", "destination", "payload", "connection")
+    claimed = claimed.selectExpr("source_id AS id", "source_id", "destination", "payload",
+                                 "CAST(source_id AS STRING) AS message_id", "'C' AS control_id", "connection")
+    for _ in range(2):
+        routed.write.format("noop").mode("overwrite").save()
+        claimed.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id="warm").write.format(
+            "noop").mode("overwrite").save()
+
+
 def count(store: Store, sql: str) -> int:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
@@ -211,6 +228,9 @@ def main() -> None:
                         help="time budget for delivering the outbound rows to files (0: skip)")
     parser.add_argument("--mllp-rows", type=int, default=20_000,
                         help="rows delivered to an MLLP receiver over 20 lanes (0: skip)")
+    parser.add_argument("--warm-messages", type=int, default=0, metavar="N",
+                        help="before timing, route and transform N other messages into Spark's noop sink, so the "
+                             "server's JIT has compiled the hot paths, as on a server that has been running (0: skip)")
     parser.add_argument("--code-hook", type=int, default=0, metavar="ROWS",
                         help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)")
     args = parser.parse_args()
@@ -256,6 +276,11 @@ def main() -> None:
         transform_job.run(store, spark, specs=SPECS, destinations=dests, owner="bench/warm-t", epoch=epoch,
                           run_id="warm-t")
         deliver.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
+
+        if args.warm_messages:
+            started = time.perf_counter()
+            warm_jit(spark, corpus(args.warm_messages, seed=2), dests)
+            print(f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s")
 
         payloads = corpus(args.messages, seed=1)
         started = time.perf_counter()

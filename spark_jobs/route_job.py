@@ -45,10 +45,11 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int,
     return stage_io.claim(store, INBOUND, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False) -> DataFrame:
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False,
+            ids: Sequence[int] = ()) -> DataFrame:
     """The rows `owner` claimed under `epoch`: id, connection, payload."""
     return stage_io.read_claimed(store, spark, "route_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 small=small)
+                                 small=small, ids=ids)
 
 
 def transform(claimed: DataFrame, routes: Sequence[Route], *, run_id: str) -> DataFrame:
@@ -83,7 +84,7 @@ def run(store: Store, spark: SparkSession, *, routes: Sequence[Route], owner: st
     outcome = stage_io.land_and_finalize(
         store, INBOUND, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
-        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
+        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small, ids=claimed_ids).transform(
             transform, routes, run_id=run_id),
         finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
     log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,

@@ -3,8 +3,9 @@
     claim    one SQL statement outside Spark, in lane order (`rowlease.claim_batch`): never inside a
              Spark read, whose schema probe would run it twice
     read     Spark JDBC read of exactly the rows the run claimed, bounded by owner + epoch (a named,
-             read-only query with its parameters inlined), one partition: a batch is thousands
-             of rows, not millions
+             read-only query with its parameters inlined); given the claimed ids, one partition per
+             id range (`id_ranges`: up to READ_PARTITIONS of at least READ_PARTITION_ROWS), so the
+             transform and the landing write after it run on that many cores instead of one
     land     Spark JDBC append into the stage's landing table (it exists up front: Spark cannot
              create tables on SQLite); each partition in its own transaction
     discard  drop a failed run's landing rows, best effort
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 WRITE_BATCH_ROWS = 2_000
 SMALL_BATCH_ROWS = 1_000
+READ_PARTITION_ROWS = 5_000
+READ_PARTITIONS = 4
 
 
 def claim(store: Store, table: StagedTable, *, owner: str, epoch: int, batch_size: int,
@@ -52,7 +55,8 @@ def is_small(claimed_ids: Sequence[int]) -> bool:
 
 
 def read_claimed(store: Store, spark: SparkSession, query_name: str, schema: str, *, owner: str,
-                 epoch: int, small: bool = False) -> DataFrame:
+                 epoch: int, small: bool = False, ids: Sequence[int] = (),
+                 rows_per_partition: int = READ_PARTITION_ROWS, max_partitions: int = READ_PARTITIONS) -> DataFrame:
     """The rows `owner` claimed under `epoch`, via the read-only named query `query_name`.
 
     `schema` is a Spark customSchema: Spark would map SQLite's INTEGER to a 32-bit int, and the
@@ -64,9 +68,25 @@ def read_claimed(store: Store, spark: SparkSession, query_name: str, schema: str
             found = tx.all(query_name, {"owner": owner, "epoch": int(epoch)})
         return spark.createDataFrame([tuple(r[c] for c in columns) for r in found], schema)
     query = inline_query(store, query_name, {"owner": owner, "epoch": int(epoch)})
-    return (spark.read.format("jdbc").options(**jdbc_options(store.config))
-            .option("query", query).option("customSchema", schema).option("fetchsize", "1000")
-            .load())
+    ranges = id_ranges(ids, rows=rows_per_partition, most=max_partitions) if ids else []
+    if len(ranges) < 2:
+        return (spark.read.format("jdbc").options(**jdbc_options(store.config))
+                .option("query", query).option("customSchema", schema).option("fetchsize", "1000")
+                .load())
+    # One partition (own connection, own query) per id range: the transform and the landing write
+    # then run on as many cores as there are ranges, not on one.
+    return spark.read.jdbc(jdbc_options(store.config)["url"], f"({query}) claimed",
+                           predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
+                           properties={**jdbc_options(store.config), "customSchema": schema, "fetchsize": "1000"})
+
+
+def id_ranges(ids: Sequence[int], *, rows: int = READ_PARTITION_ROWS, most: int = READ_PARTITIONS) -> list[tuple[int, int]]:
+    """Split claimed ids into at most `most` contiguous ranges of at least `rows` ids each (as even
+    as the ids allow): disjoint, and together they hold every id."""
+    ordered = sorted(int(i) for i in ids)
+    parts = max(1, min(most, len(ordered) // max(rows, 1)))
+    bounds = [len(ordered) * k // parts for k in range(parts + 1)]
+    return [(ordered[a], ordered[b - 1]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def land(store: Store, frame: DataFrame, table: str, columns: Sequence[str], *,

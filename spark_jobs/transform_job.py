@@ -52,13 +52,16 @@ def lane_key(destination: Column, payload: Column, destinations: Mapping[str, De
 
     `<name>` for a destination-wide lane (and for a destination not configured), `<name>|<value>`
     for an HL7-path lane, the value read raw from the message as routed (before any rule runs).
+    Destinations that key on the same path share one read of it (a smaller plan to analyze).
     """
-    key: Column | None = None
+    by_path: dict[str, list[str]] = {}
     for name, dest in sorted(destinations.items()):
-        if dest.lane == "destination":
-            continue
-        value = F.concat(F.lit(f"{name}|"), F.coalesce(field(payload, dest.lane), F.lit("")))
-        cond = destination == F.lit(name)
+        if dest.lane != "destination":
+            by_path.setdefault(dest.lane, []).append(name)
+    key: Column | None = None
+    for path, names in by_path.items():
+        value = F.concat(destination, F.lit("|"), F.coalesce(field(payload, path), F.lit("")))
+        cond = destination.isin(names)
         key = F.when(cond, value) if key is None else key.when(cond, value)
     return destination if key is None else key.otherwise(destination)
 
@@ -110,9 +113,10 @@ def claim(store: Store, *, owner: str, epoch: int, batch_size: int, lease_second
     return stage_io.claim(store, ROUTED, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
 
 
-def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False) -> DataFrame:
+def extract(store: Store, spark: SparkSession, *, owner: str, epoch: int, small: bool = False,
+            ids: Sequence[int] = ()) -> DataFrame:
     return stage_io.read_claimed(store, spark, "transform_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 small=small)
+                                 small=small, ids=ids)
 
 
 def land(store: Store, landing: DataFrame, *, small: bool = False) -> None:
@@ -151,7 +155,7 @@ def run(store: Store, spark: SparkSession, *, specs: Sequence[Mapping[str, Any] 
     outcome = stage_io.land_and_finalize(
         store, ROUTED, claimed_ids=claimed_ids, owner=owner, epoch=epoch, run_id=run_id,
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
-        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small).transform(
+        build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small, ids=claimed_ids).transform(
             outbound_rows, parsed, lookups, destinations, run_id=run_id, code_dir=code_dir),
         finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
                                   passthrough=passthrough_destinations(parsed, destinations)))

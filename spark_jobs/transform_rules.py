@@ -31,12 +31,15 @@ Message handling:
   it unchanged. Destinations without a spec pass through byte for byte, as HL7.
 
 Cost: everything runs in the JVM (no Python UDF), but Spark interprets higher-order functions
-rather than generating code for them. Measured on local Spark (2 cores, 100k seven-segment
-messages, noisy VM, so +-30%): ~50k rows/s parsed and re-rendered with no rules, ~12k rows/s with
-six rules, ~6.5k rows/s to JSON (a VARIANT per value). Each rule index is its own projection
-(see :func:`transform`); within one, lambdas nest at most one level per path level, because
-Spark's analyzer slows down steeply with lambda depth. Building the Columns costs ~0.1-0.3 s per
-rule in classic mode (one JVM call per expression node) and little over Spark Connect.
+rather than generating code for them. The payload is parsed once and a row's rules run as the
+steps of one ``aggregate`` (:func:`_fold`), so the message stays an in-memory row from parse to
+rules; only the rendering reads it back from Spark's binary row format (Spark 4.2 looks up its
+configuration at every field or element read from it, so the renderers read each unit's
+separators once). Within a rule, lambdas nest at most one level per path level, because Spark's
+analyzer slows down steeply with lambda depth; the plan's size is most of a job's fixed cost
+(analysis, and the plan text Spark builds for its listeners: ~0.3 s per transform job here).
+Measured over Spark Connect, warm, 2 cores shared with other work (+-30%): ~10k rows/s per core
+for the bench's ``ehr``/``lab`` rules, ~5k rows/s per core to JSON.
 Constants of letters, digits and spaces skip escaping (no message could use those as separators).
 """
 
@@ -77,7 +80,7 @@ from include.transforms_config import (
     parse_transforms,
 )
 from spark_jobs.conditions import compile_condition
-from spark_jobs.hl7_fields import let
+from spark_jobs.hl7_fields import let, split_regex
 from spark_jobs.hl7_json import render_json
 
 __all__ = ["transform"]
@@ -89,18 +92,14 @@ _UNIT_STARTS = ("MSH", *ENVELOPE_SEGMENTS)
 _ENCODING_ORDER = ("cs", "rs", "esc", "ss")
 # HL7 escape code per separator (\F\ field, \S\ component, \R\ repetition, \T\ subcomponent).
 _ESCAPE_CODES = (("fs", "F"), ("cs", "S"), ("rs", "R"), ("ss", "T"))
-# Separators that a bare backslash would not quote in a Java regex.
-_ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
-_NEVER_MATCHES = "(?!)"  # a regex nothing matches: the split regex of an undeclared separator
 # HL7 separators are never letters, digits or space, so such text needs no escaping.
 _PLAIN_TEXT = re.compile(r"[A-Za-z0-9 ]*")
 _REST = 1 << 30  # "to the end" length for substring
-# Scratch column holding the parsed payload between the projections of transform().
+# Scratch column holding the parsed payload, the rules applied, until transform()'s last projection renders it.
 _UNITS = "_transform_units"
 # Hidden input columns some rules read, and the dead-letter reason before it moves to content_type.
 _CONNECTION = "_transform_connection"
 _SEED = "_transform_control_seed"
-_ERROR = "_transform_error"
 
 
 # --- the DataFrame transform ----------------------------------------------------------------
@@ -130,10 +129,8 @@ def transform(
     ``connection_col`` is read only when a ``when`` tests the connection; ``message_id_col`` seeds
     generated control ids (else the row id); ``now`` replaces the current timestamp (tests).
 
-    The payload is parsed once into a scratch column, each rule index is one projection over it
-    (rule *k* of every destination, picked by a CASE on the destination), and a last projection
-    renders HL7 or JSON. Chaining all rules inside one expression would nest it a few levels per
-    rule: too deep for Spark Connect's protobuf plans (100 levels) and slow to analyze.
+    One expression parses the payload and applies the row's destination's rules (:func:`_fold`);
+    a last projection renders HL7 or JSON.
     """
     parsed = parse_transforms(specs, lookups=lookups or {})
     destination = F.col("destination")
@@ -155,25 +152,19 @@ def transform(
         return frame.select("id", "destination", F.lit(HL7_CONTENT_TYPE).alias("content_type"), "payload", *carry)
     ctx = _Context(connection=F.col(_CONNECTION), seed=F.col(_SEED), now=F.current_timestamp() if now is None else now)
 
+    tables = _tables(rules, lookups or {})
     units = F.col(_UNITS)
-    frame = frame.withColumn(
-        _UNITS, F.when(destination.isin([s.destination for s in parsed]), _parse_units(F.col("payload")))
-    )
-    for k in range(max(len(s.rules) for s in parsed)):
-        step: Column | None = None
-        for spec in parsed:
-            if k < len(spec.rules):
-                applied = _apply_to_messages(units, spec.rules[k], _tables([spec.rules[k]], lookups or {}), ctx)
-                cond = destination == F.lit(spec.destination)
-                step = F.when(cond, applied) if step is None else step.when(cond, applied)
-        frame = frame.withColumn(_UNITS, step.otherwise(units))  # type: ignore[union-attr]
+    frame = frame.withColumn(_UNITS, _fold(parsed, F.col("payload"), tables, ctx))
 
-    out: Column | None = None
-    for spec in parsed:
-        rendered = render_json(units) if spec.output == "json" else _render_hl7(units)
-        cond = destination == F.lit(spec.destination)
-        out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
     json_destinations = [s.destination for s in parsed if s.output == "json"]
+    hl7_destinations = [s.destination for s in parsed if s.output != "json"]
+    # One renderer per output kind, not per destination: a smaller plan to analyze.
+    renderers = [(hl7_destinations, _render_hl7), (json_destinations, render_json)]
+    out: Column | None = None
+    for names, render in renderers:
+        if names:
+            cond, rendered = destination.isin(names), render(units)
+            out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
     content_type = (
         F.when(destination.isin(json_destinations), F.lit(JSON_CONTENT_TYPE)).otherwise(F.lit(HL7_CONTENT_TYPE))
         if json_destinations
@@ -183,10 +174,45 @@ def transform(
     if any(_may_dead_letter(r) for r in rules):
         # The first unit's reason; the row is not delivered, the finalize dead-letters it.
         error = F.try_element_at(F.filter(F.transform(units, lambda u: u["error"]), lambda e: e.isNotNull()), F.lit(1))
-        frame = frame.withColumn(_ERROR, error)
-        content_type = F.when(F.col(_ERROR).isNotNull(), F.col(_ERROR)).otherwise(content_type)
-        payload = F.when(F.col(_ERROR).isNull(), payload)
+        content_type = F.when(error.isNotNull(), error).otherwise(content_type)
+        payload = F.when(error.isNull(), payload)
     return frame.select("id", "destination", content_type.alias("content_type"), payload.alias("payload"), *carry)
+
+
+def _fold(specs: Sequence[Transform], payload: Column, tables: Mapping[str, tuple[Column, bool]],
+          ctx: _Context) -> Column:
+    """Each row's payload parsed into units, then its destination's rules applied in order; NULL for
+    a destination without a spec.
+
+    One ``aggregate`` for all destinations: its accumulator is the parsed payload (parsed once,
+    whatever the destination), its steps the numbers of the row's destination's rules (every rule
+    of every spec has its own), its merge a CASE on the number. Every intermediate value stays an
+    in-memory row: across the projections a chain of ``withColumn`` needs, each rule read the
+    message back from Spark's binary row format, which costs a configuration lookup per field and
+    array element read (Spark 4.2). The expression is as deep as its deepest rule plus three
+    levels, not the whole chain: Spark Connect refuses expressions nested deeper than 48
+    (protobuf's 100 levels), and the deepest rule (a dead-lettering ``map`` of a subcomponent) is 43.
+    Nesting a few rules per step would save the copy ``aggregate`` makes of its accumulator after
+    each, but measured no faster.
+    """
+    destination = F.col("destination")
+    numbered: list[Rule] = []
+    steps: Column | None = None
+    for spec in specs:
+        numbers = F.array(*(F.lit(n) for n in range(len(numbered), len(numbered) + len(spec.rules))))
+        numbered.extend(spec.rules)
+        cond = destination == F.lit(spec.destination)
+        steps = F.when(cond, numbers.cast("array<int>")) if steps is None else steps.when(cond, numbers.cast("array<int>"))
+
+    def merge(units: Column, k: Column) -> Column:
+        step: Column | None = None
+        for n, rule in enumerate(numbered):
+            applied = _apply_to_messages(units, rule, tables, ctx)
+            step = F.when(k == n, applied) if step is None else step.when(k == n, applied)
+        return units if step is None else step.otherwise(units)
+
+    # A destination without a spec has no steps (NULL): aggregate gives NULL, nothing is parsed.
+    return F.aggregate(steps, F.when(steps.isNotNull(), _parse_units(payload)), merge)  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -204,9 +230,11 @@ def _may_dead_letter(rule: Rule) -> bool:
 
 
 def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Column, bool]], ctx: _Context) -> Column:
-    """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched)."""
-    # Separators bound once per unit: read from the stored struct at every use they cost a
-    # nested-row copy each time (measured 2x on JSON).
+    """Apply one rule to every message unit its ``when`` holds for (envelope units pass untouched).
+
+    ``units`` must be an in-memory value (inside :func:`_fold`): a unit's separators are read at
+    every use, which from Spark's binary row format would cost a configuration lookup each time.
+    """
     def on_unit(u: Column, i: Column, seps: Column) -> Column:
         # A batch's later messages get control ids of their own: the unit index joins the seed.
         unit_ctx = replace(ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string"))))
@@ -219,7 +247,7 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
             applies = applies & compile_condition(rule.when, u["segments"], seps, ctx.connection)
         return F.when(applies, out).otherwise(u)
 
-    return F.transform(units, lambda u, i: let(u["seps"], lambda seps: on_unit(u, i, seps)))
+    return F.transform(units, lambda u, i: on_unit(u, i, u["seps"]))
 
 
 def _render_hl7(units: Column) -> Column:
@@ -320,25 +348,10 @@ def _separators(header: Column) -> Column:
         return F.struct(
             h["enc"].alias("enc"),
             *(sep.alias(name) for name, sep in seps.items()),
-            *(_split_regex(sep).alias(f"{name}_re") for name, sep in seps.items()),
+            *(split_regex(sep).alias(f"{name}_re") for name, sep in seps.items()),
         )
 
     return let(raw, build)
-
-
-def _split_regex(sep: Column) -> Column:
-    """A regex matching exactly the one-character separator ``sep`` (never matching if absent).
-
-    ``split`` runs Java's ``String.split``, which compiles the regex on every call unless it is a
-    backslash plus one non-alphanumeric character; such a pair is always a literal in Java regex
-    and HL7 separators are punctuation, so this is both safe and the fast path. An alphanumeric
-    separator would fall back to ``\\Q..\\E`` quoting.
-    """
-    return (
-        F.when(sep == "", F.lit(_NEVER_MATCHES))
-        .when(F.lit(_ALPHANUMERIC).contains(sep), F.concat(F.lit(r"\Q"), sep, F.lit(r"\E")))
-        .otherwise(F.concat(F.lit("\\"), sep))
-    )
 
 
 # --- rules ----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
 from include.store.lease import acquire_permanent
 from include.store.stages import RouteOutcome, StaleEpoch
-from spark_jobs import route_job
+from spark_jobs import route_job, stage_io
 from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,6 +194,31 @@ def test_batches_are_claimed_in_arrival_order_and_the_rest_wait(store: Store, sp
     assert set(inbound_status(store).values()) == {"done", "unrouted"}
 
 
+def test_claimed_ids_split_into_even_contiguous_ranges() -> None:
+    assert stage_io.id_ranges([9, 1, 7, 3, 5, 2], rows=2, most=4) == [(1, 2), (3, 5), (7, 9)]
+    assert stage_io.id_ranges(range(1, 11), rows=2, most=2) == [(1, 5), (6, 10)]
+    assert stage_io.id_ranges([4, 8, 15], rows=5_000, most=4) == [(4, 15)]  # too few rows for two
+
+
+def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
+        store: Store, spark: SparkSession) -> None:
+    """Given the claimed ids, the JDBC read runs one partition (connection, query) per id range, so
+    the transform and the landing write use more than one core; the rows are the claim's, once."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    stage_messages(store, epoch)
+    owner = f"{NODE}/run-1"
+    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=20)  # 10 more stay pending
+    route_job.claim(store, owner=f"{NODE}/other", epoch=epoch, batch_size=5)  # within the ranges, not ours
+    frame = stage_io.read_claimed(store, spark, "route_read_claimed", route_job.CLAIMED_SCHEMA, owner=owner,
+                                  epoch=epoch, ids=claimed, rows_per_partition=3, max_partitions=4)
+    assert frame.rdd.getNumPartitions() == 4
+    assert sorted(r["id"] for r in frame.collect()) == sorted(claimed)
+
+    route_job.land(store, frame.transform(route_job.transform, ROUTES, run_id="run-1"))
+    outcome = route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+    assert outcome.not_finished == () and sorted(outcome.claimed) == sorted(claimed)
+
+
 def test_a_finalize_under_a_stale_epoch_lands_nothing_and_leaves_sources_in_flight(
         store: Store, spark: SparkSession) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
@@ -289,7 +314,7 @@ CONNECT_CHILD = textwrap.dedent("""
     from include.config import StoreConfig
     from include.spark import spark_session
     from include.store import Store
-    from spark_jobs import route_job
+    from spark_jobs import route_job, stage_io
     from tests.spark_jobs.test_route_job import ROUTES, stage_messages, N_MESSAGES
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
@@ -351,7 +376,7 @@ KILLED_SERVER_CHILD = textwrap.dedent("""
     from include.config import StoreConfig
     from include.spark import spark_session, stage_session
     from include.store import Store
-    from spark_jobs import route_job
+    from spark_jobs import route_job, stage_io
     from tests.spark_jobs.test_route_job import ROUTES
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
@@ -421,7 +446,7 @@ RENEW_CHILD = textwrap.dedent("""
     from include.lab.postgres_server import free_port
     from include.spark import session_lost, spark_session, stage_session, start_connect_server, stop_connect_server
     from include.store import Store
-    from spark_jobs import route_job
+    from spark_jobs import route_job, stage_io
     from tests.spark_jobs.test_route_job import ROUTES
     path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
@@ -475,7 +500,7 @@ STANDBY_CHILD = textwrap.dedent("""
     from include.lab.postgres_server import free_port
     from include.spark import StageSession, session_lost, stage_session_id, start_connect_server, stop_connect_server
     from include.store import Store
-    from spark_jobs import route_job
+    from spark_jobs import route_job, stage_io
     from tests.spark_jobs.test_route_job import ROUTES
     path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
