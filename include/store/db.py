@@ -1,8 +1,13 @@
 """The `Store`: a connection source plus short transactions that run named queries.
 
 One `Store` per process. PostgreSQL connections come from a psycopg pool sized by
-`[store].pool_size`; SQLite and SQL Server keep one connection per thread. A transaction either
-commits as a whole or rolls back; nothing here retries, so callers see every failure.
+`[store].pool_size`. SQLite connections are shared out the same way, without a bound: a
+transaction takes an idle connection (or opens one) and gives it back, so a process holds as many
+as it ever ran transactions at once — not one for every thread that ever touched the store (a
+thread pool adds threads as it pleases, and each kept a connection, two file descriptors, for
+good: listenerd's descriptor count stepped up at random). SQL Server keeps one connection per
+thread. A transaction either commits as a whole or rolls back; nothing here retries, so callers
+see every failure.
 """
 from __future__ import annotations
 
@@ -99,6 +104,8 @@ class Store:
         self._queries = queries.load(config.backend)
         self._sql_cache: dict[tuple[str, str | None], str] = {}
         self._local = threading.local()
+        self._idle: list[Any] = []  # SQLite: connections not in a transaction, last used last
+        self._idle_lock = threading.Lock()
         self._pool: Any = None
         if config.backend == "postgres":
             from psycopg_pool import ConnectionPool
@@ -130,6 +137,22 @@ class Store:
         if self._pool is not None:
             with self._pool.connection() as conn:
                 yield conn
+            return
+        if self.backend == "sqlite":
+            with self._idle_lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = self.dialect.connect(self.config)
+            try:
+                yield conn
+            except BaseException:
+                try:  # a broken connection is not reused
+                    conn.close()
+                except Exception:
+                    pass
+                raise
+            with self._idle_lock:
+                self._idle.append(conn)
             return
         conn = getattr(self._local, "conn", None)
         if conn is None:
@@ -172,8 +195,14 @@ class Store:
                 conn.autocommit = False
 
     def close(self) -> None:
+        """Close the connections not in use (SQL Server: this thread's); using the store again
+        opens new ones."""
         if self._pool is not None:
             self._pool.close()
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
