@@ -1,14 +1,16 @@
-"""SQLite connections follow transactions, not threads (include/store/db.py).
+"""SQLite connections are a fixed set of `[store].pool_size`, not one per thread (include/store/db.py).
 
 A thread pool adds threads when it pleases; when every thread kept a connection of its own,
 listenerd's open file descriptors stepped up by two (the database and its WAL) whenever its pool
-grew, and a test waiting for them to come back to a baseline waited in vain. Measured here as the
-process's open descriptors on the database file, a real SQLite file.
+grew, and a test waiting for them to come back to a baseline waited in vain. Measured as the
+process's open descriptors on a real SQLite database file and its WAL.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,84 +32,81 @@ def db_fds(path: str) -> int:
     return count
 
 
-def in_thread(work) -> None:
-    errors: list[BaseException] = []
-
+def in_thread(work) -> threading.Thread:
     def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # reported in the caller's thread
-            errors.append(exc)
+        work()
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(30)
-    assert not errors, errors
+    return t
 
 
-def one_read(store: Store) -> None:
+def one_read(store: Store) -> int:
     with store.transaction(write=False) as tx:
-        assert tx.conn.execute("SELECT count(*) AS n FROM stage_inbound").fetchone()["n"] >= 0
+        return tx.conn.execute("SELECT count(*) AS n FROM stage_inbound").fetchone()["n"]
 
 
-def test_transactions_from_ever_new_threads_share_one_connection(sqlite_config_fresh: StoreConfig) -> None:
+def test_transactions_from_ever_new_threads_use_the_same_connections(sqlite_config_fresh: StoreConfig) -> None:
     store = Store(sqlite_config_fresh)
     try:
         one_read(store)
-        held = db_fds(sqlite_config_fresh.path)
-        assert held >= 1
+        at_rest = db_fds(sqlite_config_fresh.path)
+        assert at_rest == 2 * sqlite_config_fresh.pool_size  # all opened at once: the database and its WAL each
         for _ in range(12):  # twelve threads, one after another, as a growing pool runs them
-            in_thread(lambda: one_read(store))
-        assert db_fds(sqlite_config_fresh.path) == held
+            in_thread(lambda: one_read(store)).join(30)
+        assert db_fds(sqlite_config_fresh.path) == at_rest
     finally:
         store.close()
-    assert db_fds(sqlite_config_fresh.path) == 0  # close() closes what is idle
+    assert db_fds(sqlite_config_fresh.path) == 0
 
 
-def test_concurrent_transactions_open_a_connection_each_and_keep_them_for_later(
-        sqlite_config_fresh: StoreConfig) -> None:
-    store = Store(sqlite_config_fresh)
+def test_overlapping_transactions_share_the_set_and_wait_when_all_are_in_use(sqlite_config_fresh: StoreConfig) -> None:
+    config = dataclasses.replace(sqlite_config_fresh, pool_size=2)
+    store = Store(config)
     try:
         one_read(store)
-        single = db_fds(sqlite_config_fresh.path)
-        inside, release = threading.Event(), threading.Event()
+        at_rest = db_fds(config.path)
+        release = threading.Event()
+        inside = threading.Semaphore(0)
 
         def hold() -> None:
             with store.transaction(write=False):
-                inside.set()
+                inside.release()
                 assert release.wait(30)
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert inside.wait(30)
-            in_thread(lambda: one_read(store))  # while the other is open: a second connection
-        finally:
-            release.set()
-            holder.join(30)
-        both = db_fds(sqlite_config_fresh.path)
-        assert both == 2 * single
-        for _ in range(6):
-            in_thread(lambda: one_read(store))
-        assert db_fds(sqlite_config_fresh.path) == both  # kept, reused, no more
+        holders = [in_thread(hold) for _ in range(2)]
+        for _ in holders:
+            assert inside.acquire(timeout=30)
+        done: list[float] = []
+        third = in_thread(lambda: (one_read(store), done.append(time.monotonic())))
+        time.sleep(0.5)
+        assert done == []  # both connections are in transactions: the third waits, opens none
+        assert db_fds(config.path) == at_rest
+        released = time.monotonic()
+        release.set()
+        third.join(30)
+        assert done and done[0] >= released
+        for t in holders:
+            t.join(30)
+        assert db_fds(config.path) == at_rest
     finally:
+        release.set()
         store.close()
 
 
-def test_a_failed_transaction_rolls_back_and_its_connection_is_not_reused(sqlite_config_fresh: StoreConfig) -> None:
+def test_a_failed_transaction_rolls_back_and_its_connection_is_replaced(sqlite_config_fresh: StoreConfig) -> None:
     store = Store(sqlite_config_fresh)
     try:
         one_read(store)
-        held = db_fds(sqlite_config_fresh.path)
+        at_rest = db_fds(sqlite_config_fresh.path)
         with pytest.raises(RuntimeError):
             with store.transaction() as tx:
                 tx.conn.execute("INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
                                 "VALUES ('m-gone', 'c', 'x', 'l')")
                 raise RuntimeError("the caller fails mid-transaction")
-        assert db_fds(sqlite_config_fresh.path) == 0  # closed, not given back
         with store.transaction(write=False) as tx:
             gone = tx.conn.execute("SELECT count(*) AS n FROM stage_inbound WHERE message_id = 'm-gone'").fetchone()
         assert gone["n"] == 0
-        assert db_fds(sqlite_config_fresh.path) == held
+        assert db_fds(sqlite_config_fresh.path) == at_rest
     finally:
         store.close()
