@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol as TypingProtocol, cas
 
 from twisted.internet import tcp
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IAddress, IDelayedCall, IReactorTime, ISSLTransport
 from twisted.internet.protocol import Protocol, ServerFactory
 from twisted.logger import Logger
 from twisted.protocols.policies import TimeoutMixin
@@ -235,7 +235,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
             _log.warn("refusing {kind} connection {where}: max_connections reached", kind=self.kind,
                       where=self.where())
             self._connected = False
-            self.transport.loseConnection()
+            self.close_transport()
             return
         self._registered = self.factory is not None
         self._accepting = True
@@ -273,7 +273,18 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
             return
         _log.info("closing idle {kind} connection {where}", kind=self.kind, where=self.where())
         self._accepting = False
-        self.transport.loseConnection()
+        self.close_transport()
+
+    def close_transport(self) -> None:
+        """Close once what was written is out. Over TLS: close_notify after it, and the socket is
+        closed as soon as the peer has acknowledged it all (`listeners.linger`, bounded), never
+        waiting for the peer's close_notify: Twisted's `loseConnection` would, and a peer that
+        stopped talking never sends one, so its socket, descriptor and guard slot stayed held
+        until the peer closed TCP (a client that finished its handshake and fell silent: for good)."""
+        if ISSLTransport.providedBy(self.transport):
+            close_after_answers(self.transport, self._clock)
+        else:
+            self.transport.loseConnection()
 
     def stop_accepting(self) -> None:
         """Read no more messages from this connection (answers still go out)."""
@@ -356,7 +367,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
             if slot.close:
                 self._accepting = False
                 self._connected = False
-                self.transport.loseConnection()
+                self.close_transport()
                 return
             if not self._slots:
                 self.resetTimeout()  # from now on the sender is the one we wait for: idle starts here

@@ -1,11 +1,19 @@
 """The `Store`: a connection source plus short transactions that run named queries.
 
-One `Store` per process. PostgreSQL connections come from a psycopg pool sized by
-`[store].pool_size`; SQLite and SQL Server keep one connection per thread. A transaction either
-commits as a whole or rolls back; nothing here retries, so callers see every failure.
+One `Store` per process, holding `[store].pool_size` connections. PostgreSQL's come from a psycopg
+pool. SQLite's are a fixed set, all opened at the first transaction and kept: a transaction takes a
+free one and gives it back, and waits (up to POOL_WAIT_SECONDS) when every one is in use. So a
+process's SQLite descriptors (two a connection: the database and its WAL) are the same at rest
+whatever ran meanwhile. Before, each thread kept a connection of its own for good, and a thread
+pool adds threads as it pleases: listenerd's descriptor count stepped up by two at random (and
+SQLite defers closing a connection's file while another holds a lock on it, so closing surplus ones
+would not have kept the count steady either). SQL Server keeps one connection per thread. A
+transaction either commits as a whole or rolls back; nothing here retries, so callers see every
+failure.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +22,9 @@ from typing import Any, Iterator, Mapping
 from include.config import StoreConfig
 from include.store import queries
 from include.store.dialects import DIALECTS, Dialect
+
+POOL_WAIT_SECONDS = 30.0
+"""How long a SQLite transaction waits for a free connection (psycopg's pool waits as long)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,8 @@ class Store:
         self._queries = queries.load(config.backend)
         self._sql_cache: dict[tuple[str, str | None], str] = {}
         self._local = threading.local()
+        self._free: queue.LifoQueue[Any] | None = None  # SQLite: the connections not in a transaction
+        self._free_lock = threading.Lock()
         self._pool: Any = None
         if config.backend == "postgres":
             from psycopg_pool import ConnectionPool
@@ -165,6 +178,23 @@ class Store:
             with self._pool.connection() as conn:
                 yield conn
             return
+        if self.backend == "sqlite":
+            free = self._sqlite_pool()
+            try:
+                conn = free.get(timeout=POOL_WAIT_SECONDS)
+            except queue.Empty:
+                raise TimeoutError(f"no free SQLite connection in {POOL_WAIT_SECONDS:.0f} s "
+                                   f"(all {self.config.pool_size} in transactions)") from None
+            try:
+                if conn is None:  # its predecessor broke and could not be replaced then
+                    conn = self.dialect.connect(self.config)
+                yield conn
+            except BaseException:
+                conn = self._replace(conn)  # a broken connection is not reused
+                raise
+            finally:
+                free.put(conn)
+            return
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self.dialect.connect(self.config)
@@ -178,6 +208,27 @@ class Store:
             except Exception:
                 pass
             raise
+
+    def _sqlite_pool(self) -> queue.LifoQueue[Any]:
+        with self._free_lock:
+            if self._free is None:
+                free: queue.LifoQueue[Any] = queue.LifoQueue()
+                for _ in range(max(1, self.config.pool_size)):
+                    free.put(self.dialect.connect(self.config))
+                self._free = free
+            return self._free
+
+    def _replace(self, conn: Any) -> Any:
+        """A new connection in place of `conn` (closed); None when none can be opened now."""
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        try:
+            return self.dialect.connect(self.config)
+        except Exception:
+            return None
 
     @contextmanager
     def transaction(self, *, write: bool = True) -> Iterator[Tx]:
@@ -206,8 +257,16 @@ class Store:
                 conn.autocommit = False
 
     def close(self) -> None:
+        """Close the connections (SQLite: those not in a transaction; SQL Server: this thread's);
+        using the store again opens new ones."""
         if self._pool is not None:
             self._pool.close()
+        with self._free_lock:
+            free, self._free = self._free, None
+        while free is not None and not free.empty():
+            conn = free.get_nowait()
+            if conn is not None:
+                conn.close()
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
