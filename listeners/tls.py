@@ -61,7 +61,7 @@ def server_tls_options(tls: TLSConfig) -> CertificateOptions:
 
 
 def listen(reactor: Any, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-           backlog: int = 1024, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
+           backlog: int = 4096, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
            ) -> IListeningPort:
     """Bind `factory` on host:port, with TLS when `tls` is given (`reactor`: IReactorTCP).
 
