@@ -64,8 +64,7 @@ class Tx:
             table: StagedTable | None = None) -> list[dict[str, Any]]:
         cur = self.conn.cursor()
         cur.execute(self.sql(name, table), dict(params or {}))
-        rows = cur.fetchall() if cur.description else []
-        return [dict(r) for r in rows]
+        return cur.fetchall() if cur.description else []  # dict rows (every dialect's row factory)
 
     def one(self, name: str, params: Mapping[str, Any] | None = None, *,
             table: StagedTable | None = None) -> dict[str, Any] | None:
@@ -90,13 +89,15 @@ class Tx:
             self._fenced = True
 
     def transition(self, name: str, params: Mapping[str, Any], *, table: StagedTable, event: str,
-                   from_status: str | None, epoch: int | None, node_id: str | None) -> list[dict[str, Any]]:
-        """Run transition query `name` and append one audit event per row it moved; the rows.
+                   from_status: str | None, epoch: int | None, node_id: str | None,
+                   ids_only: bool = False) -> list[dict[str, Any]]:
+        """Run transition query `name` and append one audit event per row it moved; the rows
+        (with `ids_only`, at least their ids: a caller that needs no more is not sent more).
 
         One statement where the dialect can (PostgreSQL's `audited`: the events come from the
         transition's own RETURNING), else the transition then `record_events`.
         """
-        text = self.store.audited_sql(name, table)
+        text = self.store.audited_sql(name, table, returning="id" if ids_only else "*")
         if text is None:
             rows = self.all(name, params, table=table)
             self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
@@ -104,7 +105,7 @@ class Tx:
         cur = self.conn.cursor()
         cur.execute(text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
                            "ev_epoch": epoch, "ev_node": node_id})
-        return [dict(r) for r in cur.fetchall()]
+        return cur.fetchall()  # dict rows already (every dialect's row factory)
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
                       from_status: str | None, epoch: int | None, node_id: str | None) -> None:
@@ -149,15 +150,18 @@ class Store:
             text = self._sql_cache[key] = self._render(self._raw(name), table)
         return text
 
-    def audited_sql(self, name: str, table: StagedTable | None = None) -> str | None:
+    def audited_sql(self, name: str, table: StagedTable | None = None, *, returning: str = "*") -> str | None:
         """Transition `name` with its audit events as one statement (the dialect's `audited`
-        wrapper), or None where the dialect writes them in a second statement."""
+        wrapper, reading back `returning`: "*" or "id"), or None where the dialect writes them in
+        a second statement."""
         if "audited" not in self._queries:
             return None
-        key = ("audited:" + name, table.name if table else None)
+        if returning not in ("*", "id"):
+            raise ValueError(f"returning must be '*' or 'id', got {returning!r}")
+        key = (f"audited:{returning}:{name}", table.name if table else None)
         text = self._sql_cache.get(key)
         if text is None:
-            raw = self._raw("audited").replace("{transition}", self._raw(name))
+            raw = self._raw("audited").replace("{transition}", self._raw(name)).replace("{returning}", returning)
             text = self._sql_cache[key] = self._render(raw, table)
         return text
 

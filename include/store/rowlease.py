@@ -89,8 +89,9 @@ def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoc
     tx.fence()
     rows = tx.transition("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
                                           "status": status, "error": error},
-                         table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner)
-    return [r["id"] for r in _by_id(rows)]
+                         table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner,
+                         ids_only=True)
+    return sorted(int(r["id"]) for r in rows)
 
 
 def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int, error: str,

@@ -62,7 +62,7 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
     done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
     unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
     rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}, table=ROUTED,
-                         event="routed", from_status=None, epoch=epoch, node_id=owner) if done else []
+                         event="routed", from_status=None, epoch=epoch, node_id=owner, ids_only=True) if done else []
     rows.sort(key=lambda r: r["id"])
     tx.execute("landing_routed_delete", params)
     finished = sorted({*done, *unrouted})
@@ -134,12 +134,13 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     transformed = [i for i in done if i not in passing]
     rows = tx.transition("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)},
                          table=OUTBOUND, event="transformed", from_status=None, epoch=epoch,
-                         node_id=owner) if transformed else []
+                         node_id=owner, ids_only=True) if transformed else []
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     passed = [i for i in done if i in passing]
     moved = tx.transition("transform_passthrough_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
-                          event="transformed", from_status=None, epoch=epoch, node_id=owner) if passed else []
+                          event="transformed", from_status=None, epoch=epoch, node_id=owner,
+                          ids_only=True) if passed else []
     if moved:
         tx.execute("transform_passthrough_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
     rows = sorted(rows + moved, key=lambda r: r["id"])

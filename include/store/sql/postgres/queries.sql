@@ -258,7 +258,8 @@ SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t
 -- A transition and its audit events in one statement: {transition} is one of the transition queries
 -- above (finish_batch, route_finalize_insert, ...), all of which return the same columns; each row
 -- it moved gets its event from what it returned, so the rows are not looked up a second time and
--- the events cost no round trip of their own.
+-- the events cost no round trip of their own. {returning}: what the caller reads back (`*`, or
+-- `id` where it needs only the ids).
 WITH moved AS ({transition}),
      audit AS (INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
                                            from_status, to_status, epoch, node_id, attempt, detail)
@@ -266,7 +267,7 @@ WITH moved AS ({transition}),
                       CAST(:ev_event AS text), CAST(:ev_from AS text), m.status, CAST(:ev_epoch AS bigint),
                       CAST(:ev_node AS text), m.attempts, m.detail
                  FROM moved m ORDER BY m.id)
-SELECT * FROM moved
+SELECT {returning} FROM moved
 
 -- name: config_bump
 UPDATE cluster_identity SET config_version = config_version + 1 WHERE id = 1
