@@ -4,10 +4,9 @@ One `Store` per process, holding `[store].pool_size` connections. PostgreSQL's c
 pool. SQLite's are a fixed set, all opened at the first transaction and kept: a transaction takes a
 free one and gives it back, and waits (up to POOL_WAIT_SECONDS) when every one is in use. So a
 process's SQLite descriptors (two a connection: the database and its WAL) are the same at rest
-whatever ran meanwhile. Before, each thread kept a connection of its own for good, and a thread
-pool adds threads as it pleases: listenerd's descriptor count stepped up by two at random (and
-SQLite defers closing a connection's file while another holds a lock on it, so closing surplus ones
-would not have kept the count steady either). SQL Server keeps one connection per thread. A
+whatever ran meanwhile — not one connection per thread, which a thread pool grows as it pleases
+(and SQLite defers closing a file another connection holds a lock on, so closing surplus ones would
+not keep the count steady). SQL Server keeps one connection per thread. A
 transaction either commits as a whole or rolls back; nothing here retries, so callers see every
 failure.
 """
@@ -62,8 +61,11 @@ class Tx:
 
     def all(self, name: str, params: Mapping[str, Any] | None = None, *,
             table: StagedTable | None = None) -> list[dict[str, Any]]:
+        return self._fetch(self.sql(name, table), dict(params or {}))
+
+    def _fetch(self, text: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         cur = self.conn.cursor()
-        cur.execute(self.sql(name, table), dict(params or {}))
+        cur.execute(text, params)
         return cur.fetchall() if cur.description else []  # dict rows (every dialect's row factory)
 
     def one(self, name: str, params: Mapping[str, Any] | None = None, *,
@@ -102,10 +104,8 @@ class Tx:
             rows = self.all(name, params, table=table)
             self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
             return rows
-        cur = self.conn.cursor()
-        cur.execute(text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
-                           "ev_epoch": epoch, "ev_node": node_id})
-        return cur.fetchall()  # dict rows already (every dialect's row factory)
+        return self._fetch(text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
+                                  "ev_epoch": epoch, "ev_node": node_id})
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
                       from_status: str | None, epoch: int | None, node_id: str | None) -> None:

@@ -446,8 +446,8 @@ def test_json_output_mirrors_segments_with_arrays_only_where_structure_is(spark:
 
 
 def test_a_long_rule_chain_stays_plannable(spark: SparkSession) -> None:
-    """Each rule index is its own projection: a long chain neither hits the analyzer's iteration
-    limit nor (over Spark Connect) the plan's protobuf nesting limit, as one nested expression did."""
+    """A long chain of rules (folded as the steps of one `aggregate`) neither hits the analyzer's
+    iteration limit nor nests deeper with every rule, as one nested expression per chain did."""
     rules = [{"set": f"ZPI-{i}", "value": str(i)} for i in range(3, 18)] + [{"set": "ZPI-2[2].3.2", "value": "x"}]
     actual = transform(routed(spark, [(1, "ehr", ADT_A01)]), [{"destination": "ehr", "rules": rules}])
     zpi = "ZPI|1|loyalty^GOLD~^^&x|" + "|".join(str(i) for i in range(3, 18))
