@@ -45,6 +45,7 @@ from include.config import StoreConfig  # noqa: E402
 from include.destinations_config import parse_destinations  # noqa: E402
 from include.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.routes_config import parse_routes  # noqa: E402
+from include.stage_config import passthrough_destinations  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
@@ -288,12 +289,17 @@ def main() -> None:
         print(f"staged {len(payloads):,} messages on {args.backend} in {time.perf_counter() - started:.1f} s")
 
         phases = Phases()
+        routed_before = count(store, "SELECT count(*) FROM stage_routed")
         started = time.perf_counter()
+        passthrough = passthrough_destinations(SPECS, dests)
         routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
-                            lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run))
+                            lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run),
+                            passthrough=passthrough)
         route_s = time.perf_counter() - started
-        n_routed = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'pending'")
-        print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows in {route_s:.1f} s = "
+        n_routed = count(store, "SELECT count(*) FROM stage_routed") - routed_before
+        n_direct = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'done'") - routed_before
+        print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows ({n_direct:,} to a pass-through "
+              f"destination, handed on by the route finalize) in {route_s:.1f} s = "
               f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})")
 
         tphases = Phases()
@@ -301,7 +307,7 @@ def main() -> None:
         transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
                             lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
                                                                run_id=run),
-                            passthrough=transform_job.passthrough_destinations(SPECS, dests))
+                            passthrough=passthrough)
         transform_s = time.perf_counter() - started
         print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
               f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")

@@ -25,6 +25,7 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from include.config import VAR_ENV, config_path, var_dir
@@ -54,6 +55,25 @@ class PipelineConfig:
     def code_dir(self) -> Path:
         """Where destinations' code hooks are imported from first (`spark_jobs.code_hook`)."""
         return self.directory / CODE_DIR
+
+    @property
+    def passthrough(self) -> frozenset[str]:
+        """The destinations whose messages pass through unchanged (`passthrough_destinations`)."""
+        return passthrough_destinations(self.transforms, self.destinations)
+
+
+def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
+                             destinations: Mapping[str, Destination]) -> frozenset[str]:
+    """Destinations whose rows need nothing computed: no transform spec (the body passes byte for
+    byte), no code hook, and one lane for the whole destination (no field to read).
+
+    Spark never sees their rows: the route finalize hands them to stage_outbound in SQL
+    (`finalize_route(passthrough=…)`), and the transform finalize moves any that reached
+    stage_routed as open rows (`finalize_transform(passthrough=…)`).
+    """
+    specified = {s.destination if isinstance(s, Transform) else s.get("destination") for s in specs}
+    return frozenset(name for name, dest in destinations.items()
+                     if name not in specified and dest.lane == "destination" and not dest.code)
 
 
 def pipeline_dir() -> Path:

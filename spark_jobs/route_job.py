@@ -9,7 +9,8 @@
     finalize  one short fenced transaction (include.store.stages.finalize_route): epoch check,
               sources finished, routed rows built from the landed decisions joined with their
               inbound rows (payload, ids, lane: no body goes through Spark's writer), audit
-              events, landing cleared
+              events, landing cleared; a row bound for a pass-through destination (nothing to
+              transform) is routed straight to `done` with its outbound row
 
 Idempotent: stage_routed has UNIQUE (source_id, destination) and the finalize only moves rows for
 sources it finishes itself, so a re-run after a crash between land and finalize lands no duplicates.
@@ -20,7 +21,7 @@ landing rows. The transform and deliver stages copy this shape.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -63,20 +64,24 @@ def land(store: Store, landing: DataFrame, *, small: bool = False) -> None:
     stage_io.land(store, landing, LANDING_TABLE, LANDING_COLUMNS, small=small)
 
 
-def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
+def finalize(store: Store, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
+             passthrough: Collection[str] = ()) -> RouteOutcome:
     """The fenced finalize in one transaction; under a stale epoch, drop the landing rows and re-raise."""
     return stage_io.finalize_fenced(store, run_id=run_id, landing_table=LANDING_TABLE, step=lambda tx: finalize_route(
-        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
+        tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids, passthrough=passthrough))
 
 
 def run(store: Store, spark: SparkSession, *, routes: Sequence[Route], owner: str, epoch: int,
-        run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None) -> RouteOutcome:
+        run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None,
+        passthrough: Collection[str] = ()) -> RouteOutcome:
     """One route run: claim → extract → transform → land → finalize.
 
     `routes` are already validated (`include.routes_config.parse_routes`, which the stage task's
     `stage_config.load()` runs once), so a bad config never gets this far and claims nothing. With
     nothing to claim Spark is not touched. Failures after the claim: `stage_io.land_and_finalize`.
-    `owner` must be unique per run: the Spark read selects the rows by it.
+    `owner` must be unique per run: the Spark read selects the rows by it. Rows for the
+    `passthrough` destinations (`include.stage_config.passthrough_destinations`) get their outbound
+    rows in this finalize (`finalize_route`).
     """
     claimed_ids = claim(store, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
@@ -86,8 +91,9 @@ def run(store: Store, spark: SparkSession, *, routes: Sequence[Route], owner: st
         landing_table=LANDING_TABLE, columns=LANDING_COLUMNS,
         build=lambda small: extract(store, spark, owner=owner, epoch=epoch, small=small, ids=claimed_ids).transform(
             transform, routes, run_id=run_id),
-        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids))
-    log.info("route run %s: claimed %d, routed %d, done %d, unrouted %d, not finished %d", run_id,
-             len(outcome.claimed), len(outcome.routed), len(outcome.done), len(outcome.unrouted),
-             len(outcome.not_finished))
+        finalize=lambda: finalize(store, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
+                                  passthrough=passthrough))
+    log.info("route run %s: claimed %d, routed %d (%d passed through), done %d, unrouted %d, not finished %d",
+             run_id, len(outcome.claimed), len(outcome.routed), len(outcome.outbound), len(outcome.done),
+             len(outcome.unrouted), len(outcome.not_finished))
     return outcome

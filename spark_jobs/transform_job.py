@@ -11,8 +11,10 @@
               routed rows finished, landed rows moved to stage_outbound with their idempotency
               keys, audit events, landing cleared; a message the rules cannot read (NULL payload)
               dead-letters its routed row. Rows bound for a pass-through destination (no spec, one
-              lane per destination) skip Spark altogether: the finalize moves them in SQL, the
-              inbound body copied inside the database
+              lane per destination: `include.stage_config.passthrough_destinations`) rarely get
+              here — the route finalize hands them to stage_outbound itself — and those that do
+              (routed while the destination still had open rows) skip Spark: the finalize moves
+              them in SQL, the inbound body copied inside the database
 
 The lookup tables `map` rules use come in as `run(lookups=...)` — a stage task reads them once, at
 its first micro-batch (`stageline_airflow.tasks`) — or are read from the store when not given. Specs are
@@ -29,6 +31,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from include.destinations_config import Destination
+from include.stage_config import passthrough_destinations
 from include.store import ROUTED, Store
 from include.store import lookups as lookup_tables
 from include.store.stages import TransformOutcome, finalize_transform
@@ -64,16 +67,6 @@ def lane_key(destination: Column, payload: Column, destinations: Mapping[str, De
         cond = destination.isin(names)
         key = F.when(cond, value) if key is None else key.when(cond, value)
     return destination if key is None else key.otherwise(destination)
-
-
-def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
-                             destinations: Mapping[str, Destination]) -> frozenset[str]:
-    """Destinations whose rows need nothing computed: no transform spec (the body passes byte for
-    byte) and one lane for the whole destination (no field to read). The finalize moves their rows
-    in SQL (`finalize_transform(passthrough=…)`); Spark never sees them."""
-    specified = {s.destination if isinstance(s, Transform) else s.get("destination") for s in specs}
-    return frozenset(name for name, dest in destinations.items()
-                     if name not in specified and dest.lane == "destination" and not dest.code)
 
 
 def code_hooks(destinations: Mapping[str, Destination]) -> dict[str, str]:

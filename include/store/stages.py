@@ -32,7 +32,8 @@ class RouteOutcome:
 
     `not_finished`: claimed sources this run could not finish — its row lease was lost to the sweep
     (another run owns them now) or Spark landed nothing for them. They stay as they are and come
-    back through the sweep; none of their landed rows moved.
+    back through the sweep; none of their landed rows moved. `outbound`: the outbound rows of
+    pass-through rows, which were routed straight to `done` (`finalize_route`).
     """
 
     run_id: str
@@ -41,15 +42,22 @@ class RouteOutcome:
     done: tuple[int, ...] = ()
     unrouted: tuple[int, ...] = ()
     not_finished: tuple[int, ...] = ()
+    outbound: tuple[int, ...] = ()
 
 
-def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int]) -> RouteOutcome:
+def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
+                   passthrough: Collection[str] = ()) -> RouteOutcome:
     """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
 
     Raises StaleEpoch when `epoch` is no longer current; the caller's transaction then rolls
     back and nothing lands. Sources are finished first, so only sources this transaction really
     finished (their rows now locked by it) get routed rows: a source whose claim was lost lands
     nothing even if Spark landed rows for it.
+
+    A row bound for a `passthrough` destination (nothing to compute: no spec, no hook, one lane)
+    is routed straight to `done` and gets its outbound row here, so the transform stage never
+    claims and finishes it. Not while the destination has routed rows still open (routed before a
+    config change made it a pass-through): its new rows then queue behind them, in lane order.
     """
     tx.fence()
     if tx.one("epoch_current", {"epoch": epoch}) is None:
@@ -61,15 +69,28 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
     pending_ids -= unrouted_ids  # route() never emits both for one source; never mark one twice
     done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
     unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
-    rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done)}, table=ROUTED,
-                         event="routed", from_status=None, epoch=epoch, node_id=owner, ids_only=True) if done else []
+    direct: set[str] = set()
+    if passthrough and done:
+        names = tx.dialect.text_list(sorted(passthrough))
+        direct = set(passthrough) - {r["destination"] for r in tx.all("route_passthrough_open", {"names": names})}
+    rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done),
+                                                   "direct": tx.dialect.text_list(sorted(direct))},
+                         table=ROUTED, event="routed", from_status=None, epoch=epoch, node_id=owner,
+                         ids_only=not direct) if done else []
     rows.sort(key=lambda r: r["id"])
+    passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
+    outbound = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
+                             event="transformed", from_status=None, epoch=epoch, node_id=owner,
+                             ids_only=True) if passed else []
+    if outbound:  # their bodies: the inbound body, copied inside the database
+        tx.execute("passthrough_outbound_bodies", {"ids": tx.dialect.id_list([r["id"] for r in outbound])})
     tx.execute("landing_routed_delete", params)
     finished = sorted({*done, *unrouted})
     if finished:  # leftovers of earlier runs that died after landing these same sources
         tx.execute("landing_routed_delete_sources", {"ids": tx.dialect.id_list(finished)})
     return RouteOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), routed=tuple(int(r["id"]) for r in rows),
                         done=tuple(done), unrouted=tuple(unrouted),
+                        outbound=tuple(sorted(int(r["id"]) for r in outbound)),
                         not_finished=tuple(sorted(claimed - set(finished))))
 
 
@@ -116,12 +137,13 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
         raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
     claimed = {int(i) for i in claimed_ids}
     params = {"run_id": run_id}
-    passing: set[int] = set()
-    if passthrough and claimed:
-        passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
-            "ids": tx.dialect.id_list(sorted(claimed)), "names": tx.dialect.text_list(sorted(passthrough))})}
     landed_rows = tx.all("transform_landed", params)
     landed = {int(r["routed_id"]): bool(r["ok"]) for r in landed_rows}
+    passing: set[int] = set()
+    unlanded = claimed - landed.keys()  # Spark lands nothing for a pass-through row
+    if passthrough and unlanded:
+        passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
+            "ids": tx.dialect.id_list(sorted(unlanded)), "names": tx.dialect.text_list(sorted(passthrough))})}
     reasons = {int(r["routed_id"]): dead_letter_reason(r["detail"]) for r in landed_rows if not r["ok"]}
     ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
     bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
@@ -138,11 +160,11 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     passed = [i for i in done if i in passing]
-    moved = tx.transition("transform_passthrough_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
+    moved = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
                           event="transformed", from_status=None, epoch=epoch, node_id=owner,
                           ids_only=True) if passed else []
     if moved:
-        tx.execute("transform_passthrough_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
+        tx.execute("passthrough_outbound_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
     rows = sorted(rows + moved, key=lambda r: r["id"])
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})

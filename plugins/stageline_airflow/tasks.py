@@ -145,7 +145,8 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
 
     config = stage_config.load()
     return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
-        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size))
+        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
+        passthrough=config.passthrough))
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",

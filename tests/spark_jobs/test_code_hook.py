@@ -12,6 +12,7 @@ from pyspark.sql import SparkSession
 from pyspark.testing import assertDataFrameEqual
 
 from include.destinations_config import parse_destinations
+from include.stage_config import passthrough_destinations
 from spark_jobs import transform_job
 from spark_jobs.code_hook import CodeHookError, apply_code_hooks, call_hook, check_hooks
 from tests.spark_jobs.hl7_samples import ADT_A01
@@ -89,7 +90,7 @@ def test_hooked_rows_run_through_arrow_and_a_raising_message_fails_alone(spark: 
 def test_outbound_rows_run_the_native_rules_first_then_the_hook(spark: SparkSession, tmp_path: Path) -> None:
     spec, code_dir = hook_module(tmp_path)
     dests = parse_destinations([{"name": "ehr", "kind": "file", "directory": str(tmp_path), "code": spec}])
-    assert transform_job.passthrough_destinations([], dests) == frozenset()  # a hook is work: never pass-through
+    assert passthrough_destinations([], dests) == frozenset()  # a hook is work: never pass-through
     claimed = spark.createDataFrame([(10, 1, "ehr", adt("P1"), "m1", "C1", "mllp-in"),
                                      (11, 2, "ehr", adt("BAD"), "m2", "C2", "mllp-in")], transform_job.CLAIMED_SCHEMA)
     specs = [{"destination": "ehr", "rules": [{"set": "MSH-6", "value": "RULED"}]}]

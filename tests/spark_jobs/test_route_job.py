@@ -183,6 +183,59 @@ def test_a_run_routes_every_claimed_message_fans_out_and_keeps_unrouted_visible(
     assert routed_triples(store) == expected_triples(ids)
 
 
+def test_rows_for_a_pass_through_destination_get_their_outbound_rows_from_the_route_finalize(
+        store: Store, spark: SparkSession) -> None:
+    """`archive` has nothing to compute: its routed rows are done at once and its outbound rows, with
+    the inbound body, come from the same finalize, in arrival order on the destination's lane."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+
+    outcome = run_once(store, spark, epoch, "run-1", passthrough={"archive"})
+
+    assert routed_triples(store) == expected_triples(ids)
+    routed = rows(store, "SELECT id, source_id, destination, status, attempts FROM stage_routed ORDER BY id")
+    assert {(r["destination"] == "archive", r["status"], r["attempts"]) for r in routed} == \
+        {(True, "done", 0), (False, "pending", 0)}
+    archive = [r for r in routed if r["destination"] == "archive"]
+    got = rows(store, "SELECT o.id, o.source_id, o.message_id, o.destination, o.content_type, o.idempotency_key, "
+                      "o.lane_key, o.status, b.payload FROM stage_outbound o JOIN outbound_bodies b ON b.id = o.id "
+                      "ORDER BY o.id")
+    assert outcome.outbound == tuple(r["id"] for r in got)
+    number = {i: n for n, i in ids.items()}
+    assert [(r["source_id"], r["message_id"], r["destination"], r["content_type"], r["idempotency_key"],
+             r["lane_key"], r["status"], r["payload"]) for r in got] == [
+        (r["source_id"], f"m{number[r['source_id']]:03d}", "archive", "application/hl7-v2",
+         f"m{number[r['source_id']]:03d}-archive", "archive", "pending", message(number[r["source_id"]])["payload"])
+        for r in archive]
+    assert [r["source_id"] for r in got] == sorted(r["source_id"] for r in got)  # arrival order
+    events = rows(store, "SELECT stage, event, to_status, count(*) AS n FROM message_events "
+                         "WHERE stage IN ('routed', 'outbound') GROUP BY stage, event, to_status ORDER BY stage, to_status")
+    assert events == [
+        {"stage": "outbound", "event": "transformed", "to_status": "pending", "n": len(archive)},
+        {"stage": "routed", "event": "routed", "to_status": "done", "n": len(archive)},
+        {"stage": "routed", "event": "routed", "to_status": "pending", "n": len(routed) - len(archive)},
+    ]
+    assert landing_count(store) == 0
+
+
+def test_a_pass_through_destination_with_open_routed_rows_queues_new_rows_behind_them(
+        store: Store, spark: SparkSession) -> None:
+    """Routed before `archive` became a pass-through, an open archive row keeps the route finalize from
+    handing newer archive rows on: they would reach stage_outbound ahead of it."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    stage_messages(store, epoch, range(0, 1))  # ADT: ehr, archive, bedboard
+    run_once(store, spark, epoch, "run-1")  # not yet a pass-through: its archive row stays pending
+    stage_messages(store, epoch, range(7, 8))
+
+    outcome = run_once(store, spark, epoch, "run-2", passthrough={"archive"})
+
+    assert outcome.outbound == ()
+    assert rows(store, "SELECT count(*) AS n FROM stage_outbound")[0]["n"] == 0
+    assert [(r["destination"], r["status"]) for r in rows(
+        store, "SELECT destination, status FROM stage_routed WHERE destination = 'archive' ORDER BY id")] == \
+        [("archive", "pending"), ("archive", "pending")]
+
+
 def test_batches_are_claimed_in_arrival_order_and_the_rest_wait(store: Store, spark: SparkSession) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)

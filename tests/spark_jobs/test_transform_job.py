@@ -14,6 +14,7 @@ from include.store import ROUTED, Store, lookups, rowlease
 from include.store.lease import acquire_permanent
 from include.store.stages import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
 from include.destinations_config import parse_destinations
+from include.stage_config import passthrough_destinations
 from include.transforms_config import TransformConfigError
 from spark_jobs import transform_job
 from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
@@ -94,7 +95,7 @@ def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: Sp
                             run_id="r1")
     hl7, js = "application/hl7-v2", "application/json"
     # archive: no spec, one lane for the destination — left out of Spark, moved by the finalize
-    assert transform_job.passthrough_destinations(SPECS, DESTINATIONS) == {"archive"}
+    assert passthrough_destinations(SPECS, DESTINATIONS) == {"archive"}
     expected = [
         ("r1", 1, 10, "ehr", hl7, "ehr|PATID1234", ADT_FOR_EHR, "m1", "C0"),
         ("r1", 2, 12, "ehr", hl7, "ehr|777", ORM_FOR_EHR, "m2", "C2"),

@@ -64,7 +64,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
                              "lane_key": "PID-7", "charset": None, "payload": "MSH|^~\\&|O'Neil\r"}] * 2),
     "rows": json.dumps([{"run_id": "r1", "source_id": 1, "destination": "ehr", "route_name": "adt",
                          "status": "pending"}]),
-    "per_lane": 20, "max_rows": 5000, "names": json.dumps(["archive", "ehr"]), "prefix": "airflow:stage_route:", "keep": "airflow:stage_route:r1#2.",
+    "per_lane": 20, "max_rows": 5000, "names": json.dumps(["archive", "ehr"]), "direct": json.dumps(["archive"]), "prefix": "airflow:stage_route:", "keep": "airflow:stage_route:r1#2.",
     "table_name": "patient_class", "entries": json.dumps([{"code": "I", "value": "IN"}]),
     "stage": "routed", "event": "finished", "from_status": "in_flight",
     # the operator's queries (operator.sql)

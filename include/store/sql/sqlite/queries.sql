@@ -346,14 +346,23 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- claim was lost. ON CONFLICT makes a repeat a no-op, also for duplicate landing rows (a retried
 -- Spark task); ORDER BY keeps arrival order in the ids. The WHERE clause also settles SQLite's
 -- INSERT … SELECT … ON CONFLICT parsing ambiguity.
-INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key)
-SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key
+-- A row bound for one of :direct (pass-through destinations, route_passthrough_open) is routed
+-- straight to `done`: the same finalize gives it its outbound row (passthrough_outbound_insert).
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, status)
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key,
+       CASE WHEN l.destination IN (SELECT value FROM json_each(:direct)) THEN 'done' ELSE 'pending' END
   FROM landing_routed l JOIN stage_inbound i ON i.id = l.source_id
  WHERE l.run_id = :run_id AND l.status = 'pending'
    AND l.source_id IN (SELECT value FROM json_each(:ids))
  ORDER BY l.source_id, l.destination
 ON CONFLICT (source_id, destination) DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
+
+-- name: route_passthrough_open
+-- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
+-- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
+SELECT DISTINCT destination FROM stage_routed
+ WHERE status IN ('pending', 'in_flight', 'error') AND destination IN (SELECT value FROM json_each(:names))
 
 -- name: landing_routed_delete
 DELETE FROM landing_routed WHERE run_id = :run_id
@@ -427,15 +436,17 @@ SELECT o.id, l.payload
 ON CONFLICT (id) DO NOTHING
 
 -- name: transform_passthrough_ids
--- Of the routed rows this run claimed (:ids), those bound for a destination that passes messages
--- through unchanged (:names: no transform spec, one lane for the destination): the finalize moves
--- them here, in SQL, without Spark reading, rewriting or landing their bodies.
+-- Of the routed rows this run claimed and Spark did not land (:ids), those bound for a destination
+-- that passes messages through unchanged (:names: no transform spec, one lane for the destination):
+-- the finalize moves them here, in SQL, without Spark reading, rewriting or landing their bodies.
+-- Few get here: the route finalize hands most of them on itself (route_passthrough_open).
 SELECT id FROM stage_routed
  WHERE id IN (SELECT value FROM json_each(:ids)) AND destination IN (SELECT value FROM json_each(:names))
 
--- name: transform_passthrough_insert
--- The outbound rows of pass-through routed rows this transaction has just finished (:ids), in
--- routed (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
+-- name: passthrough_outbound_insert
+-- The outbound rows of pass-through routed rows this transaction has just finished (:ids) — in the
+-- transform finalize, or in the route finalize for rows it routed straight to `done` — in routed
+-- (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
 -- the landed path. ON CONFLICT makes a repeat a no-op.
 INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
                             lane_key)
@@ -447,7 +458,7 @@ SELECT r.source_id, r.message_id, r.control_id, r.destination, 'application/hl7-
 ON CONFLICT DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
 
--- name: transform_passthrough_bodies
+-- name: passthrough_outbound_bodies
 -- Their bodies: the inbound body, copied inside the database (written once more, but never through
 -- Spark or the network).
 INSERT INTO outbound_bodies (id, payload)

@@ -500,10 +500,14 @@ SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status 
 -- duplicate landing rows (a retried Spark task). INSERT … SELECT … ORDER BY assigns the identity
 -- values in that order, keeping arrival order in the ids. No body is copied: a routed row reads
 -- its source's (inbound_bodies).
-INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key)
+-- A row bound for one of :direct (pass-through destinations, route_passthrough_open) is routed
+-- straight to `done`: the same finalize gives it its outbound row (passthrough_outbound_insert).
+INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, lane_key, status)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        inserted.destination, NULL AS detail
-SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key
+SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.lane_key,
+       CASE WHEN l.destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:direct))
+            THEN N'done' ELSE N'pending' END
   FROM (SELECT source_id, destination, route_name,
                ROW_NUMBER() OVER (PARTITION BY source_id, destination ORDER BY source_id) AS nth
           FROM landing_routed
@@ -514,6 +518,13 @@ SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.l
    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r WITH (UPDLOCK, HOLDLOCK)
                     WHERE r.source_id = l.source_id AND r.destination = l.destination)
  ORDER BY l.source_id, l.destination
+
+-- name: route_passthrough_open
+-- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
+-- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
+SELECT DISTINCT destination FROM stage_routed
+ WHERE status IN (N'pending', N'in_flight', N'error')
+   AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
 
 -- name: landing_routed_delete
 DELETE FROM landing_routed WHERE run_id = :run_id
@@ -597,16 +608,18 @@ SELECT x.id, x.payload
  WHERE x.nth = 1
 
 -- name: transform_passthrough_ids
--- Of the routed rows this run claimed (:ids), those bound for a destination that passes messages
--- through unchanged (:names: no transform spec, one lane for the destination): the finalize moves
--- them here, in SQL, without Spark reading, rewriting or landing their bodies.
+-- Of the routed rows this run claimed and Spark did not land (:ids), those bound for a destination
+-- that passes messages through unchanged (:names: no transform spec, one lane for the destination):
+-- the finalize moves them here, in SQL, without Spark reading, rewriting or landing their bodies.
+-- Few get here: the route finalize hands most of them on itself (route_passthrough_open).
 SELECT id FROM stage_routed
  WHERE id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
    AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
 
--- name: transform_passthrough_insert
--- The outbound rows of pass-through routed rows this transaction has just finished (:ids), in
--- routed (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
+-- name: passthrough_outbound_insert
+-- The outbound rows of pass-through routed rows this transaction has just finished (:ids) — in the
+-- transform finalize, or in the route finalize for rows it routed straight to `done` — in routed
+-- (arrival) order: HL7 content type, the destination's own lane, the same idempotency key as
 -- the landed path. NOT EXISTS under a key-range lock makes a repeat a no-op.
 INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, idempotency_key,
                             lane_key)
@@ -621,7 +634,7 @@ SELECT r.source_id, r.message_id, r.control_id, r.destination, N'application/hl7
                        OR o.idempotency_key = r.message_id + N'-' + r.destination)
  ORDER BY r.id
 
--- name: transform_passthrough_bodies
+-- name: passthrough_outbound_bodies
 -- Their bodies: the inbound body, copied inside the database (written once more, but never through
 -- Spark or the network).
 INSERT INTO outbound_bodies (id, payload)
