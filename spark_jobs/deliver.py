@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from include.destinations_config import Destination, FileDestination, parse_destinations
 from include.store import OUTBOUND, Store
-from include.store.retry import with_retries
+from include.store.retry import until_done, with_retries
 from include.store.rowlease import claim_lane_heads
 from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from spark_jobs.senders import send
@@ -281,7 +281,10 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
             _fail_quietly(store, ids, owner=owner, epoch=epoch, dests=dests,
                           detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400])
             raise
-        summary = finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
+        # the round's sends happened: its outcomes wait out a database restart rather than be lost
+        # (every row of the round sent again); a deposed leader's (StaleEpoch) are not retried
+        summary = until_done(lambda: finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests),
+                             what=f"deliver {owner}: finalize a round", give_up_on=(StaleEpoch,))
         total = total + DeliverOutcome(rounds=1) + summary
         log.info("deliver %s round %d: claimed %d, done %d, retrying %d, dead %d, not finished %d", owner,
                  total.rounds, len(ids), len(summary.done), len(summary.retrying), len(summary.dead),
