@@ -78,6 +78,10 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     name (`inbound`, `routed`, `outbound`) and `events` to an age; a key left out is not purged.
     Unfinished rows are never touched, however old. Returns rows deleted per key.
 
+    Stages go downstream first (outbound, routed, inbound): an inbound row is kept while its routed
+    rows are open or an outbound row sends its body (a pass-through row, docs/store.md "Bodies"),
+    so a run that purges those purges it too.
+
     With `inbound`, HL7 batch records (`inbound_batches`, key `inbound_batches`) go too, right after
     the inbound rows: a batch once none of its messages' inbound rows is left in the hot tables (its
     archived messages keep `batch_id` and `batch_seq`, so each still names its batch in the archive).
@@ -104,7 +108,9 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     copied: dict[str, int] = {}
     if "inbound" in ages:
         ages[BATCHES] = ages["inbound"]
-    steps = [(t.stage, t.purge) for t in STAGED_TABLES] + [(EVENTS, "purge_events")]
+    # downstream first: an inbound row waits for its routed rows, and for outbound rows that send
+    # its body (pass-through rows have none of their own), so those go in the same run
+    steps = [(t.stage, t.purge) for t in reversed(STAGED_TABLES)] + [(EVENTS, "purge_events")]
     steps.insert(steps.index((INBOUND.stage, INBOUND.purge)) + 1,  # after the inbound rows it waits for
                  (BATCHES, "purge_inbound_batches"))
     for key, purge in steps:

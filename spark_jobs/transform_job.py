@@ -14,7 +14,7 @@
               lane per destination: `include.stage_config.passthrough_destinations`) rarely get
               here — the route finalize hands them to stage_outbound itself — and those that do
               (routed while the destination still had open rows) skip Spark: the finalize moves
-              them in SQL, the inbound body copied inside the database
+              them in SQL, their body the inbound one (not copied)
 
 The lookup tables `map` rules use come in as `run(lookups=...)` — a stage task reads them once, at
 its first micro-batch (`stageline_airflow.tasks`) — or are read from the store when not given. Specs are

@@ -79,11 +79,10 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
                          ids_only=not direct) if done else []
     rows.sort(key=lambda r: r["id"])
     passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
+    # no body of their own: a pass-through row's body is its inbound row's (docs/store.md "Bodies")
     outbound = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
                              event="transformed", from_status=None, epoch=epoch, node_id=owner,
                              ids_only=True) if passed else []
-    if outbound:  # their bodies: the inbound body, copied inside the database
-        tx.execute("passthrough_outbound_bodies", {"ids": tx.dialect.id_list([r["id"] for r in outbound])})
     tx.execute("landing_routed_delete", params)
     finished = sorted({*done, *unrouted})
     if finished:  # leftovers of earlier runs that died after landing these same sources
@@ -130,7 +129,7 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     finished get outbound rows. A landed NULL payload (the rules could not read the message)
     dead-letters its routed row instead of delivering it untransformed. Claimed rows bound for a
     `passthrough` destination (no spec, one lane for the destination: nothing to compute) were
-    never given to Spark: they move here, in SQL, with their inbound body.
+    never given to Spark: they move here, in SQL; their body stays the inbound one.
     """
     tx.fence()
     if tx.one("epoch_current", {"epoch": epoch}) is None:
@@ -163,8 +162,6 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     moved = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
                           event="transformed", from_status=None, epoch=epoch, node_id=owner,
                           ids_only=True) if passed else []
-    if moved:
-        tx.execute("passthrough_outbound_bodies", {"ids": tx.dialect.id_list([r["id"] for r in moved])})
     rows = sorted(rows + moved, key=lambda r: r["id"])
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})

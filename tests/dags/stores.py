@@ -73,7 +73,8 @@ def elector(store: Store, node: str) -> LeaderElector:
 
 
 def finished_messages(store: Store, epoch: int, prefix: str, connection: str, n: int = 2) -> list[int]:
-    """`n` messages of `connection` taken all the way (inbound, routed, outbound done)."""
+    """`n` messages of `connection` taken all the way (inbound, routed, outbound done); the outbound
+    rows are transformed ones, with a body of their own."""
     ids = seed_inbound(store, n, prefix=prefix)
     execute(store, f"UPDATE stage_inbound SET connection = '{connection}' WHERE message_id LIKE '{prefix}%'")
     with store.transaction() as tx:
@@ -84,6 +85,8 @@ def finished_messages(store: Store, epoch: int, prefix: str, connection: str, n:
                        f"VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', 'adt')")
         execute(store, "INSERT INTO stage_outbound (source_id, message_id, control_id, destination, "
                        f"idempotency_key) VALUES ({source}, '{prefix}{i}', 'c{i}', 'ehr', '{prefix}{i}-ehr')")
+    execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT o.id, 'MSH|^~\\&|OUT|' || o.message_id "
+                   f"FROM stage_outbound o WHERE o.message_id LIKE '{prefix}%'")
     for table in (ROUTED, OUTBOUND):
         with store.transaction() as tx:
             claimed = [r["id"] for r in rl.claim_batch(tx, table, owner="w", epoch=epoch, limit=n)]

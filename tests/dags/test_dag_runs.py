@@ -261,8 +261,8 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
     routed = rows(store, "SELECT source_id, destination, route_name, status FROM stage_routed ORDER BY destination")
     assert routed == [{"source_id": staged["adt-1"], "destination": d, "route_name": "adt", "status": "done"}
                       for d in ("archive", "ehr")]
-    outbound = rows(store, "SELECT source_id, destination, lane_key, status, payload FROM stage_outbound o "
-                           "JOIN outbound_bodies b ON b.id = o.id ORDER BY destination")
+    outbound = rows(store, "SELECT source_id, destination, lane_key, status, payload FROM outbound_messages "
+                           "ORDER BY destination")
     assert outbound == [{"source_id": staged["adt-1"], "destination": d, "lane_key": d, "status": "pending",
                          "payload": ADT} for d in ("archive", "ehr")]
     [owner] = {r["node_id"] for r in rows(store, "SELECT node_id FROM message_events WHERE event <> 'received'")}

@@ -142,6 +142,38 @@ def test_retention_keeps_an_inbound_body_its_open_routed_rows_read_and_deletes_b
     assert rows(store, "SELECT count(*) AS n FROM inbound_bodies") == [{"n": 0}]
 
 
+def test_retention_keeps_an_inbound_body_a_pass_through_outbound_row_sends_until_that_row_is_purged(store):
+    """A pass-through outbound row has no body of its own: it sends its inbound row's, so that body
+    outlives the inbound row's own retention until the outbound row is gone."""
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    shared, copied = seed_inbound(store, 2)
+    _finish(store, [shared, copied], "done", epoch=epoch)
+    execute(store, "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, status) "
+                   f"VALUES ({shared}, 'm0', 'archive', 'm0-archive', 'done'), "
+                   f"({copied}, 'm1', 'ehr', 'm1-ehr', 'done')")
+    execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'rewritten' FROM stage_outbound "
+                   "WHERE destination = 'ehr'")
+    [inbound_body] = rows(store, f"SELECT payload FROM inbound_bodies WHERE id = {shared}")
+    assert [r["payload"] for r in rows(store, "SELECT payload FROM outbound_messages ORDER BY id")] == [
+        inbound_body["payload"], "rewritten"]
+    age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
+
+    # `shared` stays: its outbound row's body is its own
+    assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1, "inbound_batches": 0}
+    assert status_of(store) == {shared: "done"}
+    assert rows(store, "SELECT id FROM inbound_bodies") == [{"id": shared}]
+
+    age(store, "stage_outbound", "updated_at", "1 = 1", 2 * DAY)
+    # a run purges downstream first: the outbound rows go (archived with the body they send), then
+    # the inbound row they kept
+    assert retention(store, epoch, {"inbound": DAY, "outbound": DAY}) == {
+        "inbound": 1, "inbound_batches": 0, "outbound": 2}
+    assert [r["payload"] for r in rows(store, "SELECT payload FROM archive_outbound ORDER BY id")] == [
+        inbound_body["payload"], "rewritten"]
+    assert status_of(store) == {}
+    assert rows(store, "SELECT count(*) AS n FROM inbound_bodies") == [{"n": 0}]
+
+
 def test_retention_purges_every_staged_table(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     [source] = seed_inbound(store, 1)

@@ -94,19 +94,21 @@ def test_a_run_killed_between_archive_and_purge_reruns_to_the_same_archive_and_p
     monkeypatch.setattr(housekeeping, "_purge", killed_after_archiving)
     with pytest.raises(SystemExit):
         retention(store, epoch, EVERYTHING)
-    assert _count(store, "archive_inbound") == 3 and _count(store, "stage_inbound") == 3  # archived, not purged
+    # downstream first: outbound archived, not purged
+    assert _count(store, "archive_outbound") == 3 and _count(store, "stage_outbound") == 3
     snapshot = {t: rows(store, f"SELECT * FROM {t} ORDER BY id")
                 for t in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")}
     assert snapshot["archive_routed"] == []  # the kill came at the first purge: later keys never ran
+    assert snapshot["archive_inbound"] == []
 
     monkeypatch.setattr(housekeeping, "_purge", real_purge)
     archived: dict[str, int] = {}
     deleted = retention(store, epoch, EVERYTHING, archived=archived)
     events = _count(store, "archive_events")
-    assert archived == {"inbound": 0, "inbound_batches": 0, "routed": 3, "outbound": 3,
-                        "events": events}  # inbound: nothing again
+    assert archived == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 0,
+                        "events": events}  # outbound: nothing again
     assert deleted == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3, "events": events}
-    assert rows(store, "SELECT * FROM archive_inbound ORDER BY id") == snapshot["archive_inbound"]
+    assert rows(store, "SELECT * FROM archive_outbound ORDER BY id") == snapshot["archive_outbound"]
     for table in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events"):
         assert rows(store, f"SELECT count(*) AS n, count(DISTINCT id) AS d FROM {table}")[0] == \
             {"n": 3 if table != "archive_events" else events, "d": 3 if table != "archive_events" else events}

@@ -287,13 +287,18 @@ def _predicate(where: exp.Expression) -> str:
 
 def _view(select: exp.Expression, tables: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A view's result columns as (name, source table, source column), `alias.*` expanded from the
-    table as it is at that point, and its joins."""
+    table as it is at that point, and its joins. A computed column (COALESCE of a body and its
+    source's) is (name, "expression", the table columns it reads)."""
     assert isinstance(select, exp.Select), f"unexpected view body {select.sql()}"
     sources = {t.alias_or_name: t.name for t in select.find_all(exp.Table)}
     columns = []
     for e in select.expressions:
         column = e.unalias()
-        assert isinstance(column, exp.Column), f"a view column that is not a column: {e.sql()}"
+        if not isinstance(column, exp.Column):
+            read = sorted({(sources[c.table], c.name) for c in column.find_all(exp.Column)})
+            assert read and all(name in tables[table] for table, name in read), f"a view column reads {read}"
+            columns.append((e.alias_or_name, "expression", tuple(read)))
+            continue
         source = sources[column.table]
         if isinstance(column.this, exp.Star):
             columns += [(c, source, c) for c in tables[source]]
@@ -360,6 +365,9 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
             [dropped] = [t.name for t in statement.args["tables"]]  # a later migration redoes a table
             tables.pop(dropped), table_uniques.pop(dropped)
             indexes = {k: v for k, v in indexes.items() if v["table"] != dropped}
+        elif isinstance(statement, exp.Drop) and statement.args["kind"] == "VIEW":  # redefined next
+            [dropped] = [t.name for t in statement.args["tables"]]
+            views.pop(dropped)
         elif isinstance(statement, exp.Drop) and statement.args["kind"] == "INDEX":
             [dropped] = [t.name for t in statement.args["tables"]]
             on = statement.find(exp.OnProperty)  # T-SQL names the table: DROP INDEX i ON t

@@ -287,13 +287,17 @@ RETURNING id
 
 -- name: purge_finished_inbound
 -- For stage_inbound, whose finished rows include `unrouted`; a row whose routed rows are still open
--- stays, however old (they read its body). A trigger deletes each row's body.
+-- stays, however old (they read its body), and so does one with an outbound row that has no body of
+-- its own (a pass-through row: its body is this one). A trigger deletes each row's body.
 DELETE FROM stage_inbound
  WHERE id IN (SELECT s.id FROM stage_inbound s
                WHERE s.status IN ('done', 'dead', 'unrouted') AND s.updated_at < {now} - :ms
                    AND CASE WHEN instr(:conns, ',' || s.connection || ',') > 0 THEN 1 ELSE 0 END = :within
                  AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                   WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                 AND NOT EXISTS (SELECT 1 FROM stage_outbound o
+                                  WHERE o.source_id = s.id
+                                    AND NOT EXISTS (SELECT 1 FROM outbound_bodies ob WHERE ob.id = o.id))
                  AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound a
                                                 WHERE a.id = s.id AND a.updated_at = s.updated_at))
                LIMIT :limit)
@@ -374,10 +378,11 @@ DELETE FROM landing_routed WHERE source_id IN (SELECT value FROM json_each(:ids)
 -- name: deliver_read_claimed
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
--- subquery), the caller orders by id.
-SELECT o.id, o.destination, o.lane_key, b.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
-       o.control_id
-  FROM stage_outbound o JOIN outbound_bodies b ON b.id = o.id
+-- subquery), the caller orders by id. A row without a body of its own (a pass-through row) sends
+-- its inbound row's: the body as received, written once.
+SELECT o.id, o.destination, o.lane_key, COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies i WHERE i.id = o.source_id)) AS payload,
+       o.content_type, o.idempotency_key, o.attempts, o.message_id, o.control_id
+  FROM stage_outbound o LEFT JOIN outbound_bodies b ON b.id = o.id
  WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending
@@ -457,15 +462,6 @@ SELECT r.source_id, r.message_id, r.control_id, r.destination, 'application/hl7-
  ORDER BY r.id
 ON CONFLICT DO NOTHING
 RETURNING id, message_id, control_id, attempts, status, destination, NULL AS detail
-
--- name: passthrough_outbound_bodies
--- Their bodies: the inbound body, copied inside the database (written once more, but never through
--- Spark or the network).
-INSERT INTO outbound_bodies (id, payload)
-SELECT o.id, b.payload
-  FROM stage_outbound o JOIN inbound_bodies b ON b.id = o.source_id
- WHERE o.id IN (SELECT value FROM json_each(:ids))
-ON CONFLICT (id) DO NOTHING
 
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id

@@ -432,8 +432,9 @@ SELECT id FROM @gone;
 -- name: purge_finished_inbound
 -- purge_finished_outbound for stage_inbound, whose finished rows include `unrouted` (its filtered
 -- index's exact predicate). A row whose routed rows are still open (pending, in flight, backing
--- off) stays with its body, however old: they read it. That probe takes no READPAST: skipping a
--- locked open routed row would make its source look purgeable.
+-- off) stays with its body, however old: they read it; so does one with an outbound row that has
+-- no body of its own (a pass-through row: its body is this one). That probe takes no READPAST:
+-- skipping a locked open routed row would make its source look purgeable.
 DECLARE @gone TABLE (id bigint NOT NULL PRIMARY KEY);
 DELETE t
 OUTPUT deleted.id INTO @gone
@@ -444,6 +445,9 @@ OUTPUT deleted.id INTO @gone
                    AND CASE WHEN CHARINDEX(',' + s.connection + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
                    AND NOT EXISTS (SELECT 1 FROM stage_routed AS r
                                     WHERE r.source_id = s.id AND r.status IN ('pending', 'in_flight', 'error'))
+                   AND NOT EXISTS (SELECT 1 FROM stage_outbound AS o
+                                    WHERE o.source_id = s.id
+                                      AND NOT EXISTS (SELECT 1 FROM outbound_bodies AS ob WHERE ob.id = o.id))
                    AND (:archived = 0 OR EXISTS (SELECT 1 FROM archive_inbound AS a
                                                   WHERE a.id = s.id AND a.updated_at = s.updated_at)))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch);
@@ -536,10 +540,11 @@ DELETE FROM landing_routed WHERE source_id IN (SELECT CAST(value AS bigint) FROM
 -- name: deliver_read_claimed
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
--- subquery), the caller orders by id.
-SELECT o.id, o.destination, o.lane_key, b.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
-       o.control_id
-  FROM stage_outbound AS o JOIN outbound_bodies AS b ON b.id = o.id
+-- subquery), the caller orders by id. A row without a body of its own (a pass-through row) sends
+-- its inbound row's: the body as received, written once.
+SELECT o.id, o.destination, o.lane_key, COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies AS i WHERE i.id = o.source_id)) AS payload,
+       o.content_type, o.idempotency_key, o.attempts, o.message_id, o.control_id
+  FROM stage_outbound AS o LEFT JOIN outbound_bodies AS b ON b.id = o.id
  WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending
@@ -633,14 +638,6 @@ SELECT r.source_id, r.message_id, r.control_id, r.destination, N'application/hl7
                     WHERE (o.source_id = r.source_id AND o.destination = r.destination)
                        OR o.idempotency_key = r.message_id + N'-' + r.destination)
  ORDER BY r.id
-
--- name: passthrough_outbound_bodies
--- Their bodies: the inbound body, copied inside the database (written once more, but never through
--- Spark or the network).
-INSERT INTO outbound_bodies (id, payload)
-SELECT o.id, b.payload
-  FROM stage_outbound AS o JOIN inbound_bodies AS b ON b.id = o.source_id
- WHERE o.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(:ids))
 
 -- name: landing_outbound_delete
 DELETE FROM landing_outbound WHERE run_id = :run_id
