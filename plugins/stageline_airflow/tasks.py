@@ -144,9 +144,10 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     from spark_jobs import route_job
 
     config = stage_config.load()
+    passthrough = config.passthrough  # once per task, like the routes
     return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
         b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
-        passthrough=config.passthrough))
+        passthrough=passthrough))
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",

@@ -48,8 +48,8 @@ SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
 
 -- name: message_outbound
 SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
-       (extract(epoch FROM o.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM o.updated_at) * 1000)::bigint AS updated_ms, o.last_error, o.lease_owner, COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies i WHERE i.id = o.source_id)) AS payload
-  FROM stage_outbound o LEFT JOIN outbound_bodies b ON b.id = o.id
+       (extract(epoch FROM o.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM o.updated_at) * 1000)::bigint AS updated_ms, o.last_error, o.lease_owner, o.payload
+  FROM outbound_messages o
  WHERE o.source_id = :id
  ORDER BY o.id
 

@@ -55,8 +55,8 @@ INSERT INTO archive_outbound (id, source_id, message_id, control_id, destination
                               lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, payload)
 SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_type, s.idempotency_key,
        s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error,
-       COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies i WHERE i.id = s.source_id))
-  FROM stage_outbound s LEFT JOIN outbound_bodies b ON b.id = s.id
+       s.payload
+  FROM outbound_messages s
  WHERE s.id IN (SELECT c.id FROM stage_outbound c
                          WHERE c.status IN ('done', 'dead')
                            AND c.updated_at < {now} - :ms

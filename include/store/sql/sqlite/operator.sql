@@ -48,8 +48,8 @@ SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
 
 -- name: message_outbound
 SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
-       o.created_at AS created_ms, o.updated_at AS updated_ms, o.last_error, o.lease_owner, COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies i WHERE i.id = o.source_id)) AS payload
-  FROM stage_outbound o LEFT JOIN outbound_bodies b ON b.id = o.id
+       o.created_at AS created_ms, o.updated_at AS updated_ms, o.last_error, o.lease_owner, o.payload
+  FROM outbound_messages o
  WHERE o.source_id = :id
  ORDER BY o.id
 

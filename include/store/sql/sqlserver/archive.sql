@@ -60,8 +60,8 @@ SELECT TOP (:limit) c.id FROM stage_outbound AS c WITH (READPAST, ROWLOCK)
 DELETE FROM archive_outbound WHERE id IN (SELECT id FROM @ids);
 INSERT INTO archive_outbound (id, source_id, message_id, control_id, destination, content_type, idempotency_key, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, payload)
 SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_type, s.idempotency_key, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error,
-       COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies AS i WHERE i.id = s.source_id))
-  FROM stage_outbound AS s LEFT JOIN outbound_bodies AS b ON b.id = s.id
+       s.payload
+  FROM outbound_messages AS s
  WHERE s.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;
 

@@ -58,8 +58,8 @@ SELECT r.id, r.destination, r.route_name, r.lane_key, r.status, r.attempts,
 SELECT o.id, o.destination, o.content_type, o.idempotency_key, o.lane_key, o.status, o.attempts,
        DATEDIFF_BIG(millisecond, '1970-01-01', o.created_at) AS created_ms,
        DATEDIFF_BIG(millisecond, '1970-01-01', o.updated_at) AS updated_ms, o.last_error, o.lease_owner,
-       COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies AS i WHERE i.id = o.source_id)) AS payload
-  FROM stage_outbound AS o LEFT JOIN outbound_bodies AS b ON b.id = o.id
+       o.payload
+  FROM outbound_messages AS o
  WHERE o.source_id = :id
  ORDER BY o.id
 

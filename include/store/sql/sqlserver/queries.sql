@@ -540,11 +540,11 @@ DELETE FROM landing_routed WHERE source_id IN (SELECT CAST(value AS bigint) FROM
 -- name: deliver_read_claimed
 -- The deliver stage's read of the lane heads it claimed. Read-only and bounded by owner + epoch (no
 -- id list), so it also serves as a Spark JDBC `query` unchanged; no ORDER BY (Spark wraps it in a
--- subquery), the caller orders by id. A row without a body of its own (a pass-through row) sends
--- its inbound row's: the body as received, written once.
-SELECT o.id, o.destination, o.lane_key, COALESCE(b.payload, (SELECT i.payload FROM inbound_bodies AS i WHERE i.id = o.source_id)) AS payload,
-       o.content_type, o.idempotency_key, o.attempts, o.message_id, o.control_id
-  FROM stage_outbound AS o LEFT JOIN outbound_bodies AS b ON b.id = o.id
+-- subquery), the caller orders by id. The body through outbound_messages, the one place that says
+-- which it is (a pass-through row has none of its own and sends its inbound row's).
+SELECT o.id, o.destination, o.lane_key, o.payload, o.content_type, o.idempotency_key, o.attempts, o.message_id,
+       o.control_id
+  FROM outbound_messages AS o
  WHERE o.lease_owner = :owner AND o.claim_epoch = :epoch AND o.status = 'in_flight'
 
 -- name: work_pending

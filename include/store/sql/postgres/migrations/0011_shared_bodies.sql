@@ -2,7 +2,8 @@
 --
 -- An outbound row for a destination with nothing to compute (no rules, no hook, one lane) is the
 -- message as received: it gets no outbound_bodies row of its own, and its body is its inbound
--- row's (queries.sql: deliver_read_claimed; purge_finished_inbound keeps that body while the row
+-- row's. This view is the one place that says which body a row has: the deliver read, `messages
+-- show` and the archive copy read it (purge_finished_inbound keeps the inbound body while the row
 -- is there). Rows staged before this version keep the copy they have, which is read first.
 DROP VIEW outbound_messages;
 CREATE VIEW outbound_messages AS
