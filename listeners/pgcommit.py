@@ -32,6 +32,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from include.store import Store
+from include.store.rowlease import lone_message
 
 __all__ = ["PgStager", "numbered"]
 
@@ -73,7 +74,7 @@ class PgStager:
     statement at a time and waits for its outcome before the next.
     """
 
-    QUERIES = ("stage_inbound", "epoch_current")
+    QUERIES = ("stage_inbound", "stage_inbound_one", "epoch_current")
 
     def __init__(self, store: Store, reactor: Any) -> None:
         if not store.dialect.atomic_staging or store.backend != "postgres":
@@ -91,8 +92,10 @@ class PgStager:
     def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred[dict[str, int] | None]:
         """`rowlease.stage_inbound` for PostgreSQL: {message_id: row id} for the rows written (a
         message_id already staged is skipped), or None when `epoch` is no longer current."""
-        params = {"messages": json.dumps(rows), "epoch": epoch, "node_id": node_id}
-        d = self._run("stage_inbound", params)
+        if (lone := lone_message(rows)) is not None:  # no JSON to unpack
+            d = self._run("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
+        else:
+            d = self._run("stage_inbound", {"messages": json.dumps(rows), "epoch": epoch, "node_id": node_id})
 
         def staged(result: Any) -> Any:
             n = result.ntuples

@@ -150,6 +150,10 @@ class Store:
             text = self._sql_cache[key] = self._render(self._raw(name), table)
         return text
 
+    def has_query(self, name: str) -> bool:
+        """Whether this dialect defines `name` (some statements exist only where they pay)."""
+        return name in self._queries
+
     def audited_sql(self, name: str, table: StagedTable | None = None, *, returning: str = "*") -> str | None:
         """Transition `name` with its audit events as one statement (the dialect's `audited`
         wrapper, reading back `returning`: "*" or "id"), or None where the dialect writes them in

@@ -182,12 +182,16 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     under the fence lock: an inbound row staged just as leadership moved is still a durable,
     valid message, and skipping the lock saves the hot path a round trip. PostgreSQL writes the
     bodies (`inbound_bodies`) and the audit events in the same statement; elsewhere they follow in
-    the same transaction.
+    the same transaction. A lone message outside a batch takes the dialect's `stage_inbound_one`
+    where it has one (PostgreSQL: the same statement without the JSON).
     """
     if not messages:
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
     batch = json.dumps(messages)
-    rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
+    if tx.store.has_query("stage_inbound_one") and (message := lone_message(messages)) is not None:
+        rows = tx.all("stage_inbound_one", {**message, "epoch": epoch, "node_id": node_id})
+    else:
+        rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
     batched = not (rows[0]["bodies_written"] and rows[0]["events_recorded"]) and any(
@@ -203,6 +207,18 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
         else:
             tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
     return {r["message_id"]: int(r["id"]) for r in rows}
+
+
+def lone_message(messages: list[Row]) -> Row | None:
+    """The message `stage_inbound_one` may take in place of `stage_inbound`: the only one, outside
+    a batch, and without NUL in its text. A NUL goes the general way, as JSON, where the server
+    refuses it (UntranslatableCharacter); as a plain text parameter libpq would cut it short."""
+    if len(messages) != 1:
+        return None
+    message = messages[0]
+    if message.get("batch_id") is not None or any(isinstance(v, str) and "\x00" in v for v in message.values()):
+        return None
+    return message
 
 
 def _lease(tx: Tx, lease_seconds: float | None) -> float:

@@ -313,3 +313,38 @@ def test_one_statement_transitions_write_the_same_events_as_two(store):
     assert events(one_failed) == events(two_failed)
     assert {e["event"] for e in events(one_failed)} == {"attempt_failed"}
     assert {e["detail"] for e in events(one_failed)} == {"boom"}
+
+
+def test_a_lone_message_is_staged_as_a_batch_of_one_would_be(store):
+    """PostgreSQL stages a lone message with `stage_inbound_one` (plain parameters, no JSON): its
+    state row, body and `received` event must be exactly those the general statement writes, and a
+    re-delivery of the same message_id is skipped the same way; under a stale epoch nothing lands."""
+    if not store.has_query("stage_inbound_one"):
+        pytest.skip("this dialect has one staging statement")
+    epoch = take_lease(store).epoch
+    lone = {"connection": "adt-in", "control_id": "C1", "lane_key": "P1", "charset": "utf-8",
+            "payload": "MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C1|P|2.5\rPID|1||P1"}
+    with store.transaction() as tx:
+        one = rl.stage_inbound(tx, [{**lone, "message_id": "one"}], epoch=epoch, node_id="n1")
+        assert rl.stage_inbound(tx, [{**lone, "message_id": "one"}], epoch=epoch, node_id="n1") == {}
+        assert rl.stage_inbound(tx, [{**lone, "message_id": "stale"}], epoch=epoch - 1, node_id="n1") is None
+    general = {k: v for k, v in store._queries.items() if k != "stage_inbound_one"}
+    store._queries, kept = general, store._queries
+    try:
+        with store.transaction() as tx:
+            two = rl.stage_inbound(tx, [{**lone, "message_id": "general"}], epoch=epoch, node_id="n1")
+    finally:
+        store._queries = kept
+    assert set(one) == {"one"} and set(two) == {"general"}
+
+    def staged(message_id: str) -> list[dict]:
+        got = rows(store, "SELECT i.message_id, i.control_id, i.connection, i.lane_key, i.charset, i.status, "
+                          "i.attempts, i.batch_id, b.payload, e.stage, e.event, e.from_status, e.to_status, "
+                          "e.epoch, e.node_id, e.attempt, e.detail, e.row_id = i.id AS event_on_row "
+                          "FROM stage_inbound i JOIN inbound_bodies b ON b.id = i.id "
+                          f"JOIN message_events e ON e.message_id = i.message_id WHERE i.message_id = '{message_id}'")
+        return [{k: v for k, v in r.items() if k != "message_id"} for r in got]
+
+    assert staged("one") == staged("general")
+    assert staged("one")[0]["payload"] == lone["payload"] and staged("one")[0]["event"] == "received"
+    assert rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE message_id = 'stale'")[0]["n"] == 0

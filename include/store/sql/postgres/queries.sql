@@ -243,6 +243,29 @@ SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL A
        true AS events_recorded, true AS bodies_written
   FROM ins
 
+-- name: stage_inbound_one
+-- stage_inbound for one message that is not part of a batch (a one-connection sender's every
+-- commit), its fields as plain parameters: the same rows and result, but no JSON to unpack and no
+-- batch record to consider, which costs PostgreSQL about a sixth of the statement (bench/ingest.py).
+WITH ins AS (
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
+    SELECT :message_id, :control_id, :connection, :lane_key, :charset
+     WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING id, message_id, control_id, attempts, status),
+body AS (
+    INSERT INTO inbound_bodies (id, payload)
+    SELECT ins.id, :payload FROM ins
+    ON CONFLICT (id) DO NOTHING),
+ev AS (
+    INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt)
+    SELECT 'inbound', ins.id, ins.message_id, ins.control_id, 'received', ins.status, :epoch, :node_id,
+           ins.attempts
+      FROM ins)
+SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL AS detail,
+       true AS events_recorded, true AS bodies_written
+  FROM ins
+
 -- name: record_events_for
 -- One audit event per row of {table} just transitioned (:ids), built from the row itself: its
 -- new status, attempts and last_error (the detail). Only the ids travel to the database.
