@@ -40,6 +40,7 @@ from include.store.migrate import migrate
 from listeners.connections import InboundConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+ACK_TIMEOUT = 30.0
 MESSAGE = ("MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
            "EVN|A01|20261122101500\rPID|1||{pid}^^^HOSP^MR||DOE^JANE||19700101|F\rPV1|1|I|W1^101^A\r")
 
@@ -56,7 +57,7 @@ async def one_connection(port: int, prefix: str, deadline: float, latencies: lis
                 sent.append(time.perf_counter())
                 n += 1
             await writer.drain()
-            ack = await reader.readblock()
+            ack = await asyncio.wait_for(reader.readblock(), ACK_TIMEOUT)  # a lost ACK fails the run
             latencies.append(time.perf_counter() - sent.pop(0))
             if b"MSA|AA|" not in ack:
                 raise RuntimeError(f"not an AA: {ack[:200]!r}")

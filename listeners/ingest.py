@@ -58,14 +58,17 @@ class RowRefused(IngestRejected):
 
 
 def new_message_id() -> str:
-    """A random (version 4) UUID in hex, as ``uuid.uuid4().hex`` gives it, without building a
-    `UUID` object per message."""
-    n = int.from_bytes(os.urandom(16), "big")
-    return "%032x" % (n & _V4_CLEAR | _V4_SET)
+    """A time-ordered (version 7, RFC 9562) UUID in hex: the Unix time in milliseconds, then 74
+    random bits. Every index keyed on message ids (the inbound row's, the audit events', the
+    outbound idempotency key) then takes new entries at its right-hand edge, as it takes new row
+    ids, not scattered over pages that each cost a write and, after a checkpoint, a full-page
+    image in the WAL. Built from the bytes, not a `UUID` object per message."""
+    n = int.from_bytes(os.urandom(10), "big") & _V7_RANDOM
+    return "%032x" % ((time.time_ns() // 1_000_000) << 80 | _V7_VERSION | n)
 
 
-_V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # the version nibble and the variant bits
-_V4_SET = (4 << 76) | (0x8000 << 48)  # version 4, RFC 4122 variant
+_V7_RANDOM = ((1 << 80) - 1) & ~((0xF << 76) | (0x3 << 62))  # the version nibble and variant bits clear
+_V7_VERSION = (7 << 76) | (0x2 << 62)  # version 7, RFC 9562 variant
 
 
 @dataclass(frozen=True, slots=True)

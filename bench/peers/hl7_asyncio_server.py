@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 
 import hl7
 from hl7.mllp import start_hl7_server
@@ -39,11 +40,11 @@ async def main() -> None:
 
     async def handle(reader, writer) -> None:
         conn = None
-        if args.mode in ("db", "strong"):
-            import psycopg
-
-            conn = await psycopg.AsyncConnection.connect(args.dsn)
         try:
+            if args.mode in ("db", "strong"):
+                import psycopg
+
+                conn = await psycopg.AsyncConnection.connect(args.dsn)
             while not writer.is_closing():
                 if args.mode in ("strong", "ack"):
                     block = await reader.readblock()
@@ -62,6 +63,8 @@ async def main() -> None:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except Exception as exc:  # say so, and close: a sender must not wait for an ACK that never comes
+            print(f"peer connection failed: {exc!r}", file=sys.stderr, flush=True)
         finally:
             if conn is not None:
                 await conn.close()

@@ -372,3 +372,20 @@ def test_when_idle_fires_once_the_last_batch_is_answered(reactor_writer):
 
 def test_named_parameters_become_numbered_ones_in_order_of_first_use():
     assert numbered("SELECT %(a)s, %(b)s, %(a)s, 100%%") == ("SELECT $1, $2, $1, 100%", ["a", "b"])
+
+
+def test_message_ids_are_time_ordered_version_7_uuids():
+    """Ids minted later sort later (whole milliseconds apart), so message-id indexes grow at their
+    right-hand edge; within a millisecond they stay unique."""
+    import time
+    import uuid
+
+    from listeners.ingest import new_message_id
+
+    first = [new_message_id() for _ in range(2000)]
+    time.sleep(0.002)
+    later = new_message_id()
+    assert len(set(first)) == 2000
+    assert all(len(i) == 32 and uuid.UUID(i).version == 7 and uuid.UUID(i).variant == uuid.RFC_4122 for i in first)
+    assert later > max(first)
+    assert abs((uuid.UUID(later).int >> 80) / 1000 - time.time()) < 5
