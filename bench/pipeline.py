@@ -12,6 +12,8 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
               tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
+    statements (--statements) the store's seconds per named statement during route + transform, and
+              the same server's floor for that many row changes (bench/store_floor.py)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
     warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
+from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
 from include.destinations_config import parse_destinations  # noqa: E402
 from include.lab.postgres_server import PostgresServer, free_port  # noqa: E402
@@ -50,6 +54,7 @@ from include.spark import close_session, spark_session, start_connect_server, st
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
+from listeners.ingest import new_message_id  # noqa: E402
 from spark_jobs import deliver, route_job, stage_io, transform_job  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [
@@ -85,7 +90,7 @@ def stage_backlog(store: Store, payloads: list[str], epoch: int) -> None:
         chunk = payloads[start:start + 5000]
         with store.transaction() as tx:
             rowlease.stage_inbound(tx, [
-                {"message_id": f"b{start + i}", "control_id": value(p, "MSH-10"), "connection": "bench",
+                {"message_id": new_message_id(), "control_id": value(p, "MSH-10"), "connection": "bench",
                  "lane_key": value(p, "PID-3.1"), "charset": None, "payload": p} for i, p in enumerate(chunk)],
                 epoch=epoch, node_id="bench")
 
@@ -232,6 +237,9 @@ def main() -> None:
     parser.add_argument("--warm-messages", type=int, default=0, metavar="N",
                         help="before timing, route and transform N other messages into Spark's noop sink, so the "
                              "server's JIT has compiled the hot paths, as on a server that has been running (0: skip)")
+    parser.add_argument("--statements", action="store_true",
+                        help="also print the store's time per statement during route + transform, and the "
+                             "server's floor for the same number of row changes (bench/store_floor.py)")
     parser.add_argument("--code-hook", type=int, default=0, metavar="ROWS",
                         help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)")
     args = parser.parse_args()
@@ -288,27 +296,30 @@ def main() -> None:
         stage_backlog(store, payloads, epoch)
         print(f"staged {len(payloads):,} messages on {args.backend} in {time.perf_counter() - started:.1f} s")
 
-        phases = Phases()
-        routed_before = count(store, "SELECT count(*) FROM stage_routed")
-        started = time.perf_counter()
-        passthrough = passthrough_destinations(SPECS, dests)
-        routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
-                            lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run),
-                            passthrough=passthrough)
-        route_s = time.perf_counter() - started
-        n_routed = count(store, "SELECT count(*) FROM stage_routed") - routed_before
-        n_direct = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'done'") - routed_before
-        print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows ({n_direct:,} to a pass-through "
-              f"destination, handed on by the route finalize) in {route_s:.1f} s = "
-              f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})")
+        times = StatementTimes()
+        recording = times.recording() if args.statements else nullcontext(times)
+        with recording:  # --statements: the store's time per statement
+            phases = Phases()
+            routed_before = count(store, "SELECT count(*) FROM stage_routed")
+            started = time.perf_counter()
+            passthrough = passthrough_destinations(SPECS, dests)
+            routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
+                                lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run),
+                                passthrough=passthrough)
+            route_s = time.perf_counter() - started
+            n_routed = count(store, "SELECT count(*) FROM stage_routed") - routed_before
+            n_direct = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'done'") - routed_before
+            print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows ({n_direct:,} to a pass-through "
+                  f"destination, handed on by the route finalize) in {route_s:.1f} s = "
+                  f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})")
 
-        tphases = Phases()
-        started = time.perf_counter()
-        transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
-                            lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
-                                                               run_id=run),
-                            passthrough=passthrough)
-        transform_s = time.perf_counter() - started
+            tphases = Phases()
+            started = time.perf_counter()
+            transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
+                                lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
+                                                                   run_id=run),
+                                passthrough=passthrough)
+            transform_s = time.perf_counter() - started
         print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
               f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")
 
@@ -360,6 +371,10 @@ def main() -> None:
               f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |")
         if hook_lines:
             print("\n" + "\n".join(hook_lines))
+        if args.statements:
+            print("\n" + "\n".join(times.lines()))
+            if server is not None:
+                print("\n".join(bare_floor(server.conninfo("bench"), n_routed)))
         store.close()
     finally:
         close_session(spark)  # before the server stops: pyspark's exit hook would wait on it for minutes
