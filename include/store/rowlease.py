@@ -211,14 +211,30 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
 
 def lone_message(messages: list[Row]) -> Row | None:
     """The message `stage_inbound_one` may take in place of `stage_inbound`: the only one, outside
-    a batch, and without NUL in its text. A NUL goes the general way, as JSON, where the server
-    refuses it (UntranslatableCharacter); as a plain text parameter libpq would cut it short."""
+    a batch, with text a plain UTF-8 parameter can carry. A NUL or an unpaired surrogate (which
+    validation refuses before this) goes the general way, as JSON, where the server refuses it
+    for its data; as a text parameter libpq would cut a NUL short, and a surrogate cannot be
+    encoded at all."""
     if len(messages) != 1:
         return None
     message = messages[0]
-    if message.get("batch_id") is not None or any(isinstance(v, str) and "\x00" in v for v in message.values()):
+    if message.get("batch_id") is not None or not all(_plain_text(v) for v in message.values()):
         return None
     return message
+
+
+def _plain_text(value: object) -> bool:
+    if not isinstance(value, str):
+        return True
+    if "\x00" in value:
+        return False
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _lease(tx: Tx, lease_seconds: float | None) -> float:

@@ -204,6 +204,18 @@ def test_a_nul_that_slipped_past_validation_fails_alone_on_postgresql(writer):
     assert staged_control_ids(writer.store) == [f"M{i}" for i in range(10) if i != 3]
 
 
+@pg_writer
+@pytest.mark.parametrize("bad_text", ["A\ud800B", "\u00e9A\x00"], ids=["surrogate", "nul-after-non-ascii"])
+def test_text_no_parameter_can_carry_fails_alone_on_postgresql_alone_or_in_a_batch(writer, bad_text):
+    """A lone message is staged with plain parameters (`stage_inbound_one`); text that cannot be one
+    (an unpaired surrogate, a NUL) must still come back refused, alone, not as a broken connection."""
+    lone = writer.commit(items(1, {0}, bad_text=bad_text))
+    assert [type(o).__name__ for o in lone] == ["RowRefused"]
+    outcomes = writer.commit(items(4, {2}, bad_text=bad_text))
+    assert [type(o).__name__ for o in outcomes] == ["NoneType", "NoneType", "RowRefused", "NoneType"]
+    assert staged_control_ids(writer.store) == ["M0", "M1", "M3"]
+
+
 def test_a_store_that_is_down_fails_the_batch_without_splitting(tmp_path, sqlite_config_fresh):
     import sqlite3
     from dataclasses import replace
