@@ -68,7 +68,10 @@ class Stack:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM each process with all its descendants (collected first: task runners and Spark
-        workers may have left the process group), SIGKILL whatever is left after `timeout`."""
+        workers may have left the process group), SIGKILL whatever is left after `timeout`; then
+        the same for anything still in its session (each is started as a session leader), which
+        catches a child started while it was stopping — a task runner the scheduler launched just
+        then outlives it otherwise, holding the store open until its task ends."""
         import psutil
 
         for p in reversed(self.procs):
@@ -79,19 +82,41 @@ class Stack:
                 tree += tree[0].children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
-            for proc in tree:
-                try:
-                    proc.terminate()
-                except psutil.NoSuchProcess:
-                    pass
-            _, alive = psutil.wait_procs(tree, timeout=timeout)
-            for proc in alive:
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            _end(tree + _session(p.popen.pid), timeout)
             p.popen.wait(5)
+            _end(_session(p.popen.pid), timeout)
             self.echo(f"  stopped {p.name}")
+
+
+def _session(sid: int) -> list:
+    """The live processes of session `sid` (never this process)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and os.getsid(proc.pid) == sid:
+                found.append(proc)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def _end(procs: list, timeout: float) -> None:
+    """SIGTERM `procs`, SIGKILL those still alive after `timeout`."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
