@@ -44,7 +44,7 @@ class StatementTimes:
                     self.seconds[name] += time.perf_counter() - started
                     self.calls[name] += 1
                     inside[0] = False
-                self.rows[name] += result if isinstance(result, int) else len(result)
+                self.rows[name] += max(result, 0) if isinstance(result, int) else len(result)  # rowcount -1: unknown
                 return result
             return run
 
@@ -68,37 +68,38 @@ class StatementTimes:
 
 
 def bare_floor(conninfo: str, rows: int, *, runs: int = 3) -> list[str]:
-    """The cheapest durable row changes on the server at `conninfo` (fsync as configured), `rows`
-    at a time in one transaction each, median of `runs`: µs per row."""
+    """The cheapest durable row changes on the server at `conninfo` (logged tables, fsync as
+    configured), `rows` at a time in one transaction each, median of `runs`: µs per row."""
     import psycopg
 
-    kinds = {"insert (primary key only)": [], "insert + one event row": [], "status update + one event row": []}
+    insert = ("INSERT INTO floor_rows (source_id, destination, status) "
+              f"SELECT g, 'd' || (g % 3), 'pending' FROM generate_series(1, {int(rows)}) g")
+    steps = [  # (kind, statement, empty the tables first); the update changes the rows inserted before it
+        ("insert (primary key only)", insert, True),
+        ("insert + one event row", f"WITH ins AS ({insert} RETURNING id) "
+                                   "INSERT INTO floor_events (row_id, event) SELECT id, 'routed' FROM ins", True),
+        ("status update + one event row", "WITH up AS (UPDATE floor_rows SET status = 'done' RETURNING id) "
+                                          "INSERT INTO floor_events (row_id, event) SELECT id, 'finished' FROM up", False),
+    ]
+    times: dict[str, list[float]] = {kind: [] for kind, _, _ in steps}
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute("CREATE TEMP TABLE floor_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+        conn.execute("CREATE TABLE floor_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
                      "source_id bigint NOT NULL, destination text NOT NULL, status text NOT NULL)")
         conn.execute("CREATE TABLE floor_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
                      "row_id bigint, event text, at timestamptz NOT NULL DEFAULT now())")
-        insert = ("INSERT INTO floor_rows (source_id, destination, status) "
-                  f"SELECT g, 'd' || (g % 3), 'pending' FROM generate_series(1, {int(rows)}) g")
         try:
             for _ in range(runs):
-                for kind, sql in (("insert (primary key only)", insert),
-                                  ("insert + one event row",
-                                   f"WITH ins AS ({insert} RETURNING id) "
-                                   "INSERT INTO floor_events (row_id, event) SELECT id, 'routed' FROM ins"),
-                                  ("status update + one event row",
-                                   "WITH up AS (UPDATE floor_rows SET status = 'done' RETURNING id) "
-                                   "INSERT INTO floor_events (row_id, event) SELECT id, 'finished' FROM up")):
-                    if kind != "status update + one event row":
+                for kind, sql, empty_first in steps:
+                    if empty_first:
                         conn.execute("TRUNCATE floor_rows, floor_events")
                     conn.execute("CHECKPOINT")
                     started = time.perf_counter()
                     with conn.transaction():
                         conn.execute(sql)
-                    kinds[kind].append(time.perf_counter() - started)
+                    times[kind].append(time.perf_counter() - started)
         finally:
-            conn.execute("DROP TABLE floor_events")
+            conn.execute("DROP TABLE floor_rows, floor_events")
     out = [f"the same server's floor ({rows:,} rows a transaction, no lane or claim indexes, no fence):"]
-    for kind, times in kinds.items():
-        out.append(f"  {kind:<32}{statistics.median(times) / rows * 1e6:>6.2f} us/row")
+    for kind, measured in times.items():
+        out.append(f"  {kind:<32}{statistics.median(measured) / rows * 1e6:>6.2f} us/row")
     return out

@@ -82,7 +82,7 @@ class Stack:
                 tree += tree[0].children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
-            _end(tree + _session(p.popen.pid), timeout)
+            _end(list({proc.pid: proc for proc in tree + _session(p.popen.pid)}.values()), timeout)
             p.popen.wait(5)
             _end(_session(p.popen.pid), timeout)
             self.echo(f"  stopped {p.name}")

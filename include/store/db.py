@@ -158,7 +158,7 @@ class Store:
         """Transition `name` with its audit events as one statement (the dialect's `audited`
         wrapper, reading back `returning`: "*" or "id"), or None where the dialect writes them in
         a second statement."""
-        if "audited" not in self._queries:
+        if not self.has_query("audited"):
             return None
         if returning not in ("*", "id"):
             raise ValueError(f"returning must be '*' or 'id', got {returning!r}")

@@ -187,10 +187,12 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
     """
     if not messages:
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
-    batch = json.dumps(messages)
-    if tx.store.has_query("stage_inbound_one") and (message := lone_message(messages)) is not None:
-        rows = tx.all("stage_inbound_one", {**message, "epoch": epoch, "node_id": node_id})
+    lone = lone_message(messages) if tx.store.has_query("stage_inbound_one") else None
+    if lone is not None:  # its statement writes bodies and events itself: no JSON wanted below
+        batch = ""
+        rows = tx.all("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
     else:
+        batch = json.dumps(messages)
         rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None

@@ -32,7 +32,8 @@ DIALECT_NAMES = ("sqlite", "postgres", "sqlserver")
 TSQL = queries.load("sqlserver")
 # `audited` wraps a transition and its audit events in one statement where the dialect can
 # (PostgreSQL's data-modifying CTE); elsewhere Tx.transition runs the two statements.
-ONE_STATEMENT_ONLY = frozenset({"audited", "stage_inbound_one"})  # PostgreSQL-only fast paths
+# `stage_inbound_one` is PostgreSQL's stage_inbound for a lone message, without the JSON.
+ONE_STATEMENT_ONLY = frozenset({"audited", "stage_inbound_one"})
 PG = {name: sql for name, sql in queries.load("postgres").items() if name not in ONE_STATEMENT_ONLY}
 
 # sqlglot (30.x) has no THROW statement: it reads `IF @r < 0 THROW 51000, @failed, 1;` as an IF

@@ -246,7 +246,7 @@ SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL A
 -- name: stage_inbound_one
 -- stage_inbound for one message that is not part of a batch (a one-connection sender's every
 -- commit), its fields as plain parameters: the same rows and result, but no JSON to unpack and no
--- batch record to consider, which costs PostgreSQL about a sixth of the statement (bench/ingest.py).
+-- batch record to consider: about a sixth less of PostgreSQL's time per commit (docs/listenerd.md).
 WITH ins AS (
     INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
     SELECT :message_id, :control_id, :connection, :lane_key, :charset
