@@ -195,7 +195,10 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
 -- leaves each lane a prefix and a one-lane backlog moves :max_rows rows a round, not :per_lane.
 -- Two concurrent claimers rank the rows they both see the same way and so take nested prefixes:
 -- whatever one took, the other's outer status check (evaluated under the row lock) skips. NULL lane
--- keys form one lane.
+-- keys form one lane. The held-row probe is two: an equality on the lane (the held-lane index, one
+-- seek a candidate) and a branch of its own for the NULL lane — an `OR` of the two, or a NULL-safe
+-- comparison, keeps the index out and walks every earlier row of the table for each candidate
+-- (issue 22: 34,000 candidates over 150,000 rows held SQLite's write lock for minutes).
 -- No READPAST here: skipping a locked row would make the next row of its lane look claimable and
 -- break per-lane FIFO.
 UPDATE t
@@ -214,9 +217,13 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                                WHERE o.rn <= :per_lane
                                  AND NOT EXISTS (SELECT 1 FROM {table} AS e
                                                   WHERE e.status IN ('in_flight', 'error')
-                                                    AND (e.lane_key = o.lane_key OR (e.lane_key IS NULL AND o.lane_key IS NULL))
-                                                    AND e.id <= o.id
-                                                    AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))) AS r) AS x
+                                                    AND e.lane_key = o.lane_key AND e.id <= o.id
+                                                    AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))
+                                 AND NOT (o.lane_key IS NULL
+                                          AND EXISTS (SELECT 1 FROM {table} AS e
+                                                       WHERE e.status IN ('in_flight', 'error')
+                                                         AND e.lane_key IS NULL AND e.id <= o.id
+                                                         AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME())))) AS r) AS x
                WHERE x.lane_no <= :limit
                ORDER BY x.rn, x.lane_no)
    AND t.status IN ('pending', 'error')
