@@ -117,6 +117,24 @@ def load(directory: Path | None = None) -> PipelineConfig:
     return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
 
 
+def fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """What the pipeline config on disk is now: name, size and mtime of the three files and the code
+    hooks' modules. A long-running stage task compares it to the one it loaded with and ends its run
+    on a change, so the next run loads (and checks) the new config."""
+    paths = [directory / name for name in FILES.values()]
+    code = directory / CODE_DIR
+    if code.is_dir():
+        paths += sorted(code.rglob("*.py"))
+    seen = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        seen.append((str(path), st.st_size, st.st_mtime_ns))
+    return tuple(seen)
+
+
 def _tables(path: Path, kind: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []

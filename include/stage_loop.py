@@ -15,8 +15,15 @@ task keeps going:
               the same check the DAG's leader_check makes — runs that epoch's on-promotion
               recovery (once per epoch, as the DAG's recover task does) and carries on under it.
               No live leader in time: the run ends and the next run's leader check waits.
-    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 120), or the time budget
-              is spent: the run ends and the continuous schedule starts the next one
+    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 120), the pipeline config
+              changed on disk, or the time budget is spent: the run ends and the continuous
+              schedule starts the next one
+
+Why the budget is hours, not minutes: a hand-over between runs costs seconds of scheduling and task
+starts (~5–8 s measured) during which nothing of the stage moves, so at the rated rate each one leaves
+a backlog of a thousand or more messages and a minute whose p99 is that gap. Ended every four
+minutes, the hand-overs built a backlog that snowballed under SQLite's lock (issue 22). A run now
+ends on a change that needs a new one — config, leadership — or after STAGE_TIME_BUDGET_SECONDS.
 
 Why follow inside the task rather than end and let the next run start: the guarantee is the same —
 every claim and finalize is fenced by the epoch the lease named when it was read, exactly as with
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, ContextManager, Protocol
 
 from include import housekeeping
+from include.batch_size import BatchSize
 from include.config import ServiceConfig
 from include.store.lease import read_lease
 
@@ -46,8 +54,15 @@ LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
 cheap (one indexed probe per POLL_SECONDS, a Spark session kept open); a new run is not (~5 s of
 scheduling, a task start and a session before the next message moves). Two minutes keep a lull of
 a minute or so at steady-state latency; the run still ends within STAGE_TIME_BUDGET_SECONDS."""
-STAGE_TIME_BUDGET_SECONDS = 240.0
-"""How long one stage task keeps running micro-batches (the tasks' execution_timeout is 8 min)."""
+STAGE_TIME_BUDGET_SECONDS = 6 * 3600.0
+"""How long one stage task keeps running micro-batches (module docstring; the job task's
+execution_timeout is this plus STAGE_TIMEOUT_MARGIN). `$STAGELINE_STAGE_BUDGET_SECONDS` shortens it,
+e.g. for a soak that measures the hand-over."""
+BUDGET_ENV = "STAGELINE_STAGE_BUDGET_SECONDS"
+STAGE_TIMEOUT_MARGIN_SECONDS = 600.0
+"""What a job task may take beyond its budget: the batch in flight and the last finalize."""
+CONFIG_CHECK_SECONDS = 5.0
+"""How often a running task asks whether the pipeline config changed (a few stat calls)."""
 POLL_SECONDS = 0.25
 """The wait between claims while idle: half of it is, on average, added to every hop of a message
 (three hops); an empty claim is one indexed probe."""
@@ -69,6 +84,8 @@ class Batch:
     stop: Callable[[], bool] = field(default=lambda: False)
     spark: Any = None
     """The task's Spark session for this batch (a renewed one after a Spark Connect restart)."""
+    limit: int | None = None
+    """Rows this batch may claim, capped by time (`include.batch_size`); None: the job's own cap."""
 
 
 Job = Callable[[Batch], Any]
@@ -106,6 +123,10 @@ def linger_seconds() -> float:
     return float(os.environ.get(LINGER_ENV) or DEFAULT_LINGER_SECONDS)
 
 
+def budget_seconds() -> float:
+    return min(STAGE_TIME_BUDGET_SECONDS, float(os.environ.get(BUDGET_ENV) or STAGE_TIME_BUDGET_SECONDS))
+
+
 def follow_seconds(config: ServiceConfig) -> float:
     """How long a task whose leader went away waits for the next one: two lease TTLs (a crashed
     leader's lease must expire before a standby acquires), at least MIN_FOLLOW_SECONDS."""
@@ -115,7 +136,8 @@ def follow_seconds(config: ServiceConfig) -> float:
 def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,
               config: ServiceConfig, store: Any, keeper: Keeper, clock: Callable[[], float] = time.monotonic,
               follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None,
-              session: Session | None = None, history: Callable[..., None] | None = None) -> dict[str, Any]:
+              session: Session | None = None, history: Callable[..., None] | None = None,
+              size: BatchSize | None = None, changed: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Run `job(batch)` again and again in this one task, following leadership (module docstring).
 
     `config` and `store` are the task's (opened once per task by the caller, in Airflow
@@ -128,14 +150,19 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     fresh one). A lost Spark Connect session (its server killed or restarted) is renewed in place
     once the server answers again (`session.renew()`); one that cannot be renewed fails the task.
     Each batch that claimed rows is handed to `history` (stage, owner, run_id, epoch, seconds,
-    counts): `stage_batches`, so a long task's batches can be seen one by one. Returns counts summed over batches (the
-    XCom), the epochs worked under, and why the task stopped early if it did.
+    counts): `stage_batches`, so a long task's batches can be seen one by one. With `size`, each
+    batch's claim is capped by time as well as rows (`include.batch_size`: told every batch's rows
+    and its longest write transaction). `changed()`, asked every CONFIG_CHECK_SECONDS, true ends
+    the run (the pipeline config changed: the next run loads and checks it). Returns counts summed
+    over batches (the XCom), the epochs worked under, and why the task stopped early if it did.
     """
     from include.store.stages import StaleEpoch
 
     follow = follow or follow_leader
     linger = linger_seconds()
+    budget = budget_seconds()
     started = clock()
+    next_config_check = started + CONFIG_CHECK_SECONDS
     failures = 0
     n = -1
     totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "epochs": [epoch],
@@ -150,9 +177,11 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 job_run_id = f"{run_id}#{try_number}.{n}"
                 watch.owner = claim_owner(dag_id, job_run_id)
                 batch_started = clock()
+                _longest_write(store)  # from here on: this batch's
                 try:
                     outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping,
-                                        session.spark if session is not None else None))
+                                        session.spark if session is not None else None,
+                                        size.limit if size is not None else None))
                 except StaleEpoch:
                     log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
                                 epoch)
@@ -181,6 +210,9 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                     owner, watch.owner = watch.owner, None
                 failures = 0
                 counts = _summary(outcome)
+                if size is not None and counts.get("claimed"):
+                    size.observe(rows=int(counts["claimed"]) // max(1, int(counts.get("rounds") or 1)),
+                                 held_seconds=_longest_write(store))
                 if counts.get("claimed"):
                     if history is not None:
                         try:
@@ -197,9 +229,14 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 elif idle_since is None:
                     idle_since = clock()
                 now = clock()
-                if now - started >= STAGE_TIME_BUDGET_SECONDS or (
-                        idle_since is not None and now - idle_since >= linger):
+                if now - started >= budget or (idle_since is not None and now - idle_since >= linger):
                     return totals
+                if changed is not None and now >= next_config_check:
+                    next_config_check = now + CONFIG_CHECK_SECONDS
+                    if changed():
+                        log.warning("%s: the pipeline config changed; this run ends so the next one loads it",
+                                    stage)
+                        return {**totals, "stopped": "pipeline config changed"}
                 if idle_since is not None:
                     watch.wait(POLL_SECONDS)
             reason = watch.reason or "leadership moved"
@@ -233,6 +270,13 @@ def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *
         if clock() >= deadline:
             return None
         time.sleep(POLL_SECONDS)
+
+
+def _longest_write(store: Any) -> float:
+    """The store's longest write transaction on this thread since last asked (0.0 for a store
+    that does not time them, as tests' fakes)."""
+    longest = getattr(store, "longest_write", None)
+    return float(longest()) if callable(longest) else 0.0
 
 
 def _summary(outcome: Any) -> dict[str, Any]:

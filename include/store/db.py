@@ -9,11 +9,19 @@ whatever ran meanwhile — not one connection per thread, which a thread pool gr
 not keep the count steady). SQL Server keeps one connection per thread. A
 transaction either commits as a whole or rolls back; nothing here retries, so callers see every
 failure.
+
+Every statement and every write transaction is timed: one slower than SLOW_SECONDS is logged
+(`slow statement <name> took <ms> ms`, `slow write transaction took <ms> ms: <names>`) — a
+statement whose cost grows with the table shows up here long before it stalls anyone — and each
+thread keeps the longest write transaction it ran since it last asked (`Store.longest_write`), which
+is how a stage sizes its next micro-batch by time (`include.batch_size`).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -22,8 +30,13 @@ from include.config import StoreConfig
 from include.store import queries
 from include.store.dialects import DIALECTS, Dialect
 
+log = logging.getLogger(__name__)
+
 POOL_WAIT_SECONDS = 30.0
 """How long a SQLite transaction waits for a free connection (psycopg's pool waits as long)."""
+SLOW_SECONDS = 0.1
+"""A statement or write transaction slower than this is logged: on SQLite the write lock is
+everyone's, and at the rated rate no one may hold it longer (invariant 13)."""
 
 
 @dataclass(frozen=True)
@@ -55,18 +68,29 @@ class Tx:
         self.conn = conn
         self.dialect: Dialect = store.dialect
         self._fenced = False
+        self.names: list[str] = []
+        """The named statements this transaction ran, in order (for the slow-transaction log)."""
 
     def sql(self, name: str, table: StagedTable | None = None) -> str:
         return self.store.sql(name, table)
 
     def all(self, name: str, params: Mapping[str, Any] | None = None, *,
             table: StagedTable | None = None) -> list[dict[str, Any]]:
-        return self._fetch(self.sql(name, table), dict(params or {}))
+        return self._fetch(name, self.sql(name, table), dict(params or {}))
 
-    def _fetch(self, text: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def _fetch(self, name: str, text: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        started = time.perf_counter()
         cur = self.conn.cursor()
         cur.execute(text, params)
-        return cur.fetchall() if cur.description else []  # dict rows (every dialect's row factory)
+        rows = cur.fetchall() if cur.description else []  # dict rows (every dialect's row factory)
+        self._timed(name, started, len(rows))
+        return rows
+
+    def _timed(self, name: str, started: float, rows: int) -> None:
+        self.names.append(name)
+        took = time.perf_counter() - started
+        if took > SLOW_SECONDS:
+            log.warning("slow statement %s took %.0f ms (%d rows)", name, took * 1000, rows)
 
     def one(self, name: str, params: Mapping[str, Any] | None = None, *,
             table: StagedTable | None = None) -> dict[str, Any] | None:
@@ -75,8 +99,10 @@ class Tx:
 
     def execute(self, name: str, params: Mapping[str, Any] | None = None, *,
                 table: StagedTable | None = None) -> int:
+        started = time.perf_counter()
         cur = self.conn.cursor()
         cur.execute(self.sql(name, table), dict(params or {}))
+        self._timed(name, started, max(cur.rowcount, 0))
         return cur.rowcount
 
     def script(self, text: str) -> None:
@@ -104,7 +130,7 @@ class Tx:
             rows = self.all(name, params, table=table)
             self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
             return rows
-        return self._fetch(text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
+        return self._fetch(name, text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
                                   "ev_epoch": epoch, "ev_node": node_id})
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
@@ -128,6 +154,7 @@ class Store:
         self._queries = queries.load(config.backend)
         self._sql_cache: dict[tuple[str, str | None], str] = {}
         self._local = threading.local()
+        self._held = threading.local()  # this thread's longest write transaction since it last asked
         self._free: queue.LifoQueue[Any] | None = None  # SQLite: the connections not in a transaction
         self._free_lock = threading.Lock()
         self._pool: Any = None
@@ -242,12 +269,29 @@ class Store:
     def transaction(self, *, write: bool = True) -> Iterator[Tx]:
         with self._connection() as conn:
             self.dialect.begin(conn, write=write)
+            started = time.perf_counter()
+            tx = Tx(self, conn)
             try:
-                yield Tx(self, conn)
+                yield tx
             except BaseException:
                 conn.rollback()
+                if write:
+                    self._note_write(tx, time.perf_counter() - started)
                 raise
             conn.commit()
+            if write:  # the commit (its fsync) is part of the hold
+                self._note_write(tx, time.perf_counter() - started)
+
+    def _note_write(self, tx: Tx, held: float) -> None:
+        self._held.longest = max(getattr(self._held, "longest", 0.0), held)
+        if held > SLOW_SECONDS:
+            log.warning("slow write transaction took %.0f ms: %s", held * 1000, ", ".join(tx.names) or "-")
+
+    def longest_write(self) -> float:
+        """Seconds of the longest write transaction this thread ran since its last call (0.0 if none)."""
+        longest = getattr(self._held, "longest", 0.0)
+        self._held.longest = 0.0
+        return longest
 
     @contextmanager
     def single_statement(self) -> Iterator[Tx]:

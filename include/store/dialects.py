@@ -72,6 +72,9 @@ class Dialect:
         return False
 
 
+WAL_SIZE_LIMIT_BYTES = 32 * 1024 * 1024
+
+
 class SqliteDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
         Path(cfg.path).parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +83,9 @@ class SqliteDialect(Dialect):
         conn.row_factory = _dict_row_sqlite
         conn.execute(f"PRAGMA busy_timeout = {int(cfg.busy_timeout_ms)}")
         conn.execute("PRAGMA journal_mode = WAL")
+        # A checkpoint that catches up restarts the WAL at its start, but the file keeps the size of
+        # its longest stretch; cap what it keeps (issue 22: 66 MB after one long transaction).
+        conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
         return conn

@@ -38,6 +38,13 @@ def list_tables(tx: Tx) -> list[dict[str, object]]:
     return [dict(r) for r in tx.all("lookup_tables")]
 
 
+def fingerprint(store: Store) -> tuple[tuple[object, ...], ...]:
+    """What the lookup tables are now, in one small aggregate (name, entries, last change each):
+    a long-running transform task re-reads them when this changes."""
+    with store.transaction(write=False) as tx:
+        return tuple(tuple(r.values()) for r in list_tables(tx))
+
+
 def replace_table(tx: Tx, name: str, entries: Mapping[str, str]) -> int:
     """Replace table `name` with `entries` in the caller's transaction; the number stored."""
     _check(name, entries)

@@ -8,6 +8,7 @@ restart would send them all again. Nothing else in the store retries; callers se
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -15,8 +16,14 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRY_SECONDS = 15.0
-"""Longer than a database restart takes; shorter than a row lease is renewed for."""
+RETRY_SECONDS = 60.0
+"""Longer than a database restart takes, and than any wait for a busy SQLite file. The rows a
+hand-back frees stay claimed by a task that is still alive meanwhile — its keeper renews their row
+lease — so giving up early would only swap a short wait for a full row lease (issue 22: hand-backs
+of 10,000 rows given up after 15 s under lock contention made the next batches bigger)."""
+JITTER = 0.5
+"""Each pause is drawn from ±50% of the backoff step, so writers that failed together (on one
+busy SQLite file) do not all come back in the same millisecond."""
 
 
 def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECONDS,
@@ -24,7 +31,8 @@ def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECON
                sleep: Callable[[float], None] = time.sleep,
                clock: Callable[[], float] = time.monotonic) -> T:
     """`step()`'s result, run again while it fails until `seconds` have passed (backoff 0.1 s
-    doubling to 2 s); then its last error is raised. An exception of `give_up_on` is raised at once."""
+    doubling to 2 s, with jitter); then its last error is raised. An exception of `give_up_on` is
+    raised at once."""
     deadline = clock() + seconds
     pause, tries = 0.1, 0
     while True:
@@ -34,10 +42,11 @@ def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECON
         except give_up_on:
             raise
         except Exception as exc:  # noqa: BLE001
-            if clock() + pause > deadline:
+            wait = pause * random.uniform(1 - JITTER, 1 + JITTER)
+            if clock() + wait > deadline:
                 raise
-            log.info("%s failed (%s); trying again in %.1f s", what, type(exc).__name__, pause)
-            sleep(pause)
+            log.info("%s failed (%s); trying again in %.1f s", what, type(exc).__name__, wait)
+            sleep(wait)
             pause = min(pause * 2, 2.0)
             continue
         if tries > 1:

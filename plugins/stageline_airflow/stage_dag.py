@@ -17,6 +17,8 @@ from typing import Any
 
 from airflow.sdk import DAG, task
 from stageline_airflow import tasks
+
+from include import stage_loop
 from stageline_airflow.hooks import StagelineSparkHook
 from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 
@@ -27,6 +29,9 @@ JOB_RETRY_DELAY = timedelta(0)
 """A killed job task (or a lost Spark session) is retried at once: its claim is recovered when the
 retry starts (`ClaimKeeper.recover_abandoned`, via `include.stage_loop`), so the sooner the retry,
 the shorter the stall. No delay: the scheduler's pick-up and the task start already take seconds."""
+JOB_TIMEOUT = timedelta(seconds=stage_loop.STAGE_TIME_BUDGET_SECONDS + stage_loop.STAGE_TIMEOUT_MARGIN_SECONDS)
+"""A job task runs micro-batches for hours (`include.stage_loop`: each hand-over to a new run costs
+seconds of stalled traffic); its timeout is that budget plus the batch in flight."""
 WORK_POKE_INTERVAL = timedelta(seconds=0.5)
 """Work staged inbound starts all three stage jobs within half a second (`WorkPendingSensor`)."""
 
@@ -42,7 +47,7 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
         catchup=False,
         max_active_runs=1,
-        dagrun_timeout=timedelta(minutes=20),
+        dagrun_timeout=JOB_TIMEOUT + timedelta(minutes=20),
         tags=["stageline", "stage"],
         default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
                       "execution_timeout": timedelta(minutes=8)},
@@ -59,7 +64,7 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
                                           timeout=timedelta(minutes=5), poke_interval=WORK_POKE_INTERVAL)
 
-        @task(task_id=job_id, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY)
+        @task(task_id=job_id, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY, execution_timeout=JOB_TIMEOUT)
         def run_job(leader: dict, ti=None) -> dict:
             """Run the stage job under the leader's epoch, on the stage's Spark session."""
             with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(name=ti.dag_id,

@@ -22,7 +22,8 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,11 +31,13 @@ from typing import Any
 from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
 from include import housekeeping, stage_config, stage_loop
+from include.batch_size import BatchSize
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
 from include.leader_check import stage_table
 from include.stage_loop import Batch, claim_owner
 from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
+from include.store import lookups as lookup_store
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ DELIVER_MAX_LANES = 1_000
 DELIVER_CONCURRENCY = 4
 """Lanes sent at once by each Spark partition (threads: sends wait on the network and on fsync)."""
 DELIVER_ROUND_BUDGET_SECONDS = 60.0
+LOOKUP_CHECK_SECONDS = 10.0
+"""How soon a running transform task maps with lookup tables `stageline lookups` changed."""
 
 Leader = Mapping[str, Any]
 
@@ -146,8 +151,8 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     config = stage_config.load()
     passthrough = config.passthrough  # once per task, like the routes
     return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
-        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
-        passthrough=passthrough))
+        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
+        batch_size=b.limit or batch_size, passthrough=passthrough), config=config, most=batch_size)
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
@@ -156,16 +161,38 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     from spark_jobs import transform_job
 
     config = stage_config.load()
-    read: list[dict[str, dict[str, str]]] = []  # the lookup tables, read by the task's first batch
+    lookups = LookupCache()
 
     def batch(b: Batch) -> Any:
-        if not read:  # once per task, not per micro-batch or idle poll: a changed table applies from the next run
-            read.append(transform_job.read_lookups(b.store))
         return transform_job.run(b.store, b.spark, specs=config.transforms, destinations=config.destinations,
-                                 owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=batch_size,
-                                 lookups=read[0], code_dir=str(config.code_dir))
+                                 owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=b.limit or batch_size,
+                                 lookups=lookups.get(b.store), code_dir=str(config.code_dir))
 
-    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch)
+    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch, config=config,
+                          most=batch_size)
+
+
+class LookupCache:
+    """The lookup tables a transform task's batches map with: read by its first batch, and read
+    again when `stageline lookups` changed them (asked at most every LOOKUP_CHECK_SECONDS, one
+    small aggregate) — a stage task runs for hours, a changed table applies within seconds."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tables: dict[str, dict[str, str]] | None = None
+        self._seen: object = None
+        self._next_check = 0.0
+
+    def get(self, store: Any) -> dict[str, dict[str, str]]:
+        from spark_jobs import transform_job
+
+        now = self._clock()
+        if self._tables is None or now >= self._next_check:
+            self._next_check = now + LOOKUP_CHECK_SECONDS
+            seen = lookup_store.fingerprint(store)
+            if self._tables is None or seen != self._seen:
+                self._tables, self._seen = transform_job.read_lookups(store), seen
+        return self._tables
 
 
 def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_deliver", try_number: int = 1,
@@ -182,7 +209,9 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
         spark = None
     return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver.run(
         b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
-        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop))
+        max_rows=b.limit or deliver.DEFAULT_ROUND_ROWS, concurrency=DELIVER_CONCURRENCY,
+        time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
+        config=config, most=deliver.DEFAULT_ROUND_ROWS)
 
 
 STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
@@ -190,14 +219,20 @@ STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 
 
 def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
-                   job: stage_loop.Job, **kwargs: Any) -> dict[str, Any]:
+                   job: stage_loop.Job, *, config: stage_config.PipelineConfig, most: int,
+                   **kwargs: Any) -> dict[str, Any]:
     """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
-    `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place)."""
+    `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place).
+    Batches are capped by time as well as `most` rows (`include.batch_size`); the run ends when
+    `config`'s files change on disk."""
     from include.spark import StageSession
     from include.store import operator
 
     kwargs.setdefault("session", StageSession.of(spark))
+    loaded = stage_config.fingerprint(config.directory)
+    kwargs.setdefault("changed", lambda: stage_config.fingerprint(config.directory) != loaded)
     with StagelineStoreHook() as hook:
+        kwargs.setdefault("size", BatchSize.for_backend(hook.config.store.backend, most=most))
         kwargs.setdefault("history", lambda **batch: operator.record_batch(
             hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch))
         return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,

@@ -281,3 +281,80 @@ def test_each_batch_that_claimed_is_handed_to_the_history_with_its_owner_and_dur
     assert result["claimed"] == 2
     assert [(b["stage"], b["owner"], b["run_id"], b["epoch"], b["seconds"], b["counts"]["claimed"])
             for b in recorded] == [("route", "airflow:stage_route:run1#2.0", "run1#2.0", 7, 0.25, 2)]
+
+
+def test_a_budget_from_the_environment_shortens_the_run_but_never_lengthens_it(monkeypatch):
+    monkeypatch.setenv(stage_loop.BUDGET_ENV, "60")
+    assert stage_loop.budget_seconds() == 60.0
+    monkeypatch.setenv(stage_loop.BUDGET_ENV, str(10 * stage_loop.STAGE_TIME_BUDGET_SECONDS))
+    assert stage_loop.budget_seconds() == stage_loop.STAGE_TIME_BUDGET_SECONDS
+
+
+def test_the_run_ends_when_the_pipeline_config_changes_on_disk(monkeypatch):
+    """Runs last hours, so a changed routes.toml must end one: the next run loads and checks it."""
+    monkeypatch.setenv(stage_loop.LINGER_ENV, "600")
+    clock, keeper, asked = Clock(), FakeKeeper(Clock()), []
+
+    def changed() -> bool:
+        asked.append(clock.now)
+        return clock.now >= 30.0
+
+    def job(batch):
+        clock.now += 1.0
+        return Outcome(claimed=(1,), done=(1,))
+
+    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
+                                  clock=clock, keeper=keeper, changed=changed)
+    assert result["stopped"] == "pipeline config changed"
+    assert 30.0 <= clock.now <= 30.0 + stage_loop.CONFIG_CHECK_SECONDS + 1.0
+    assert all(b - a >= stage_loop.CONFIG_CHECK_SECONDS for a, b in zip(asked, asked[1:]))  # a stat call every few s
+
+
+class TimedStore:
+    """A store that says how long each batch's longest write transaction held it."""
+
+    def __init__(self, held: list[float]) -> None:
+        self.held, self.asked = held, 0
+
+    def longest_write(self) -> float:
+        self.asked += 1
+        # asked twice a batch: before the job (reset), after it (this batch's figure)
+        return self.held.pop(0) if self.asked % 2 == 0 and self.held else 0.0
+
+
+def test_a_batch_that_held_the_store_too_long_makes_the_next_claim_smaller(monkeypatch):
+    """The cap by time: a 10,000-row batch whose finalize held SQLite's lock for 0.5 s is followed by
+    a claim of ~2,000 rows (0.1 s' worth), and the limit grows back once batches run fast."""
+    monkeypatch.setenv(stage_loop.LINGER_ENV, "0")
+    from include.batch_size import BatchSize
+
+    size = BatchSize(most=10_000, target_seconds=0.1)
+    store = TimedStore(held=[0.5, 0.02, 0.02, 0.02, 0.02])
+    limits: list[int | None] = []
+    backlog = [10_000, 5_000, 5_000, 5_000, 5_000]
+
+    def job(batch):
+        limits.append(batch.limit)
+        if not backlog:
+            return Outcome()
+        n = min(backlog.pop(0), batch.limit or 10_000)
+        return Outcome(claimed=tuple(range(n)))
+
+    stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store=store,
+                         clock=Clock(), keeper=FakeKeeper(Clock()), size=size)
+    assert limits[0] == 10_000
+    assert limits[1] == 2_000
+    assert limits[1] < limits[2] < limits[3] < limits[4] <= 10_000
+
+
+def test_batch_size_never_drops_below_its_floor_nor_grows_past_its_cap():
+    from include.batch_size import BatchSize
+
+    size = BatchSize(most=5_000, target_seconds=0.1, least=200)
+    assert size.observe(rows=5_000, held_seconds=100.0) == 200  # a pathological stall: the floor
+    assert size.observe(rows=0, held_seconds=9.0) == 200  # an empty batch says nothing
+    for _ in range(50):
+        size.observe(rows=size.limit, held_seconds=0.001)
+    assert size.limit == 5_000
+    assert size.observe(rows=50, held_seconds=0.001) == 5_000  # a trickle neither grows nor shrinks it
+    assert BatchSize.for_backend("sqlite", most=10_000).target_seconds == 0.1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from include.store.retry import until_done, with_retries
+from include.store.retry import JITTER, until_done, with_retries
 from include.store.stages import StaleEpoch
 
 
@@ -31,11 +31,20 @@ class Outage:
         return self.now
 
 
-def test_until_done_returns_the_result_once_the_outage_is_over_with_a_doubling_backoff() -> None:
+def test_until_done_returns_the_result_once_the_outage_is_over_with_a_doubling_jittered_backoff() -> None:
     step = Outage(failures=3)
     assert until_done(step, what="finalize", sleep=step.sleep, clock=step.clock) == "landed"
     assert step.calls == 4
-    assert step.pauses == [0.1, 0.2, 0.4]
+    for pause, step_seconds in zip(step.pauses, [0.1, 0.2, 0.4], strict=True):
+        assert step_seconds * (1 - JITTER) <= pause <= step_seconds * (1 + JITTER)
+
+
+def test_writers_that_failed_together_do_not_retry_in_step() -> None:
+    """Jitter: ten writers that met the same busy SQLite file come back at ten different moments."""
+    outages = [Outage(failures=1) for _ in range(10)]
+    for step in outages:
+        until_done(step, what="claim", sleep=step.sleep, clock=step.clock)
+    assert len({step.pauses[0] for step in outages}) == 10
 
 
 def test_until_done_raises_the_last_error_when_the_outage_outlasts_its_bound() -> None:
@@ -43,7 +52,7 @@ def test_until_done_raises_the_last_error_when_the_outage_outlasts_its_bound() -
     with pytest.raises(ConnectionError):
         until_done(step, what="finalize", seconds=10.0, sleep=step.sleep, clock=step.clock)
     assert step.now <= 10.0 and step.calls > 3
-    assert max(step.pauses) == 2.0
+    assert 2.0 * (1 - JITTER) <= max(step.pauses) <= 2.0 * (1 + JITTER)
 
 
 def test_a_stale_epoch_is_raised_at_once_and_never_retried() -> None:
