@@ -41,6 +41,11 @@ from listeners.pgcommit import PgStager
 _log = Logger(namespace="stageline.ingest")
 
 
+LOCKED_RETRY_SECONDS = 20.0
+"""How long a group commit keeps trying while SQLite's write lock is busy (each try itself waits up to
+`[store].busy_timeout_ms`): well inside the MLLP handler's timeout, so the answer is still `AA`."""
+
+
 class IngestRejected(Exception):
     """The message was not staged (no lease, stale epoch, store failure); never ACK it positively."""
 
@@ -209,13 +214,14 @@ class IngestWriter:
     """The group commit in a writer thread, for every store (each statement blocks that thread)."""
 
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor, max_batch: int = 2000) -> None:
+                 reactor, max_batch: int = 2000, locked_retry_seconds: float = LOCKED_RETRY_SECONDS) -> None:
         self.store = store
         self.node_id = node_id
         self._epoch = epoch
         self.metrics = metrics
         self._reactor = reactor
         self.max_batch = max_batch
+        self.locked_retry_seconds = locked_retry_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
         self._pending = 0
@@ -282,15 +288,24 @@ class IngestWriter:
         try:
             chunk = next(steps)
             while True:
-                try:
-                    with self.store.single_statement() as tx:
-                        staged: Staged | BaseException = stage_inbound(
-                            tx, _rows(chunk), epoch=epoch, node_id=self.node_id)
-                except Exception as exc:
-                    staged = exc
-                chunk = steps.send(staged)
+                chunk = steps.send(self._stage_chunk(chunk, epoch))
         except StopIteration as done:
             return done.value
+
+    def _stage_chunk(self, chunk: list[Unit], epoch: int) -> Staged | BaseException:
+        """One staging statement; a busy store (SQLite's write lock held past its busy timeout) is
+        tried again until `locked_retry_seconds` have passed since the first try, so a commit that
+        waited behind stage work gets its turn — and its `AA` — instead of an `AE` (issue 22)."""
+        deadline = time.monotonic() + self.locked_retry_seconds
+        while True:
+            try:
+                with self.store.single_statement() as tx:
+                    return stage_inbound(tx, _rows(chunk), epoch=epoch, node_id=self.node_id)
+            except Exception as exc:
+                if not self.store.dialect.is_conflict(exc) or time.monotonic() >= deadline:
+                    return exc
+                _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc),
+                          n=len(chunk))
 
     def _fire(self, batch: list, outcomes: list[Outcome]) -> None:
         _fire(batch, outcomes)
