@@ -304,6 +304,7 @@ class IngestWriter:
             except Exception as exc:
                 if not self.store.dialect.is_conflict(exc) or time.monotonic() >= deadline:
                     return exc
+                self.metrics.store_busy.inc()
                 _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc),
                           n=len(chunk))
 

@@ -49,6 +49,10 @@ class Metrics:
                                 "frame_timeout, handshake_timeout; throttled: reading paused for bandwidth)", ["connection", "reason"], registry=r)
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
+        self.store_busy = Counter("stageline_store_busy_retries_total",
+                                  "Group commits tried again because the store was busy (SQLite's write lock held "
+                                  "past the busy timeout); each ends AA once its turn comes, within 20 s",
+                                  registry=r)
 
         self.stage_backlog = Gauge("stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)",
                                    ["stage"], registry=r)

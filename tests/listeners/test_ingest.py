@@ -258,6 +258,8 @@ def test_a_commit_that_waits_out_a_busy_sqlite_lock_longer_than_its_busy_timeout
         releaser.join()
         assert outcomes == [None] * 16
         assert time.monotonic() - started >= 1.0
+        assert writer.metrics.store_busy._value.get() >= 1
+        assert writer.metrics.store_errors.labels("stage_inbound")._value.get() == 0
         assert staged_control_ids(writer.store) == [f"M{i}" for i in range(16)]
     finally:
         blocker.close()
