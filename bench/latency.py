@@ -22,7 +22,6 @@ its store; Airflow's metadata stays on SQLite.
 from __future__ import annotations
 
 import argparse
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -33,17 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import psycopg  # noqa: E402
 from hl7.client import MLLPClient  # noqa: E402
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from bench.stack import EmbeddedStack  # noqa: E402
-from include.lab.postgres_server import PostgresServer, wait_for  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+from bench.stack_store import StackOnStore, percentile  # noqa: E402
+from include.lab.postgres_server import wait_for  # noqa: E402
 
 
 def main() -> None:
@@ -57,34 +50,11 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-latency-"))
-    pg = None
-    if args.store == "postgres":
-        pg = PostgresServer().start()
-        pg.execute("CREATE DATABASE stageline")
-        stack = EmbeddedStack(work, f'[store]\nbackend = "postgres"\nserver = "{pg.host}"\nport = {pg.port}\n'
-                                    f'database = "stageline"\nusername = "{pg.user}"\n')
-    else:
-        stack = EmbeddedStack(work, '[store]\npath = "var/stageline.db"\n')
-    db = stack.var / "stageline.db"
-
-    def query(sql: str) -> list[tuple]:
-        if pg is not None:
-            with psycopg.connect(pg.conninfo("stageline"), autocommit=True) as conn:
-                return conn.execute(sql).fetchall()
-        with sqlite3.connect(db, timeout=30) as conn:
-            return conn.execute(sql).fetchall()
-
-    def ms(column: str) -> str:
-        """A timestamp column as epoch milliseconds (SQLite stores them so already)."""
-        return f"(extract(epoch FROM {column}) * 1000)::float8" if pg is not None else column
-
-    def outstanding() -> int:
-        return query("SELECT (SELECT count(*) FROM stage_inbound WHERE status NOT IN ('done', 'unrouted', 'dead'))"
-                     " + (SELECT count(*) FROM stage_routed WHERE status NOT IN ('done', 'dead'))"
-                     " + (SELECT count(*) FROM stage_outbound WHERE status NOT IN ('done', 'dead'))")[0][0]
+    on_store = StackOnStore(work, args.store)
+    stack, query, ms, outstanding = on_store.stack, on_store.query, on_store.ms, on_store.outstanding
 
     try:
-        stack.start()
+        on_store.start()
         print(f"stack up in {stack.up_seconds:.0f} s (logs: {stack.var / 'log'})", flush=True)
 
         def one_delivery(payload: bytes) -> float:
@@ -159,9 +129,7 @@ def main() -> None:
         after_idle = one_delivery(singles[1])
         print(f"\nfirst message after the stack is up: {first:.1f} s; after {args.idle:.0f} s idle: {after_idle:.1f} s")
     finally:
-        stack.stop()
-        if pg is not None:
-            pg.stop()
+        on_store.stop()
 
 
 if __name__ == "__main__":
