@@ -213,12 +213,15 @@ RETURNING id, message_id, control_id, attempts, status, NULL AS destination, NUL
 
 -- name: stage_inbound_bodies
 -- The bodies of the rows stage_inbound has just written (:ids); a message id given twice in one
--- batch keeps the first body, as its row did.
+-- batch keeps the first body, as its row did. `+s.id`: without the unary plus SQLite searches the
+-- message-id index by (message_id, rowid) and walks the whole :ids list for every message — n²
+-- (4,000 messages: 3.2 s inside the write lock); with it, one probe per message, then the list's
+-- own index (40,000 messages: 0.24 s).
 INSERT INTO inbound_bodies (id, payload)
 SELECT s.id, json_extract(m.value, '$.payload')
   FROM json_each(:messages) AS m
   JOIN stage_inbound s ON s.message_id = json_extract(m.value, '$.message_id')
- WHERE s.id IN (SELECT value FROM json_each(:ids))
+ WHERE +s.id IN (SELECT value FROM json_each(:ids))
  ORDER BY m.key
 ON CONFLICT (id) DO NOTHING
 
@@ -438,12 +441,14 @@ RETURNING id, message_id, control_id, attempts, status, destination, NULL AS det
 
 -- name: transform_finalize_bodies
 -- The bodies of the outbound rows transform_finalize_insert has just written (:ids), from the
--- same landed rows; written once, never rewritten by a state change.
+-- same landed rows; written once, never rewritten by a state change. `+o.id` keeps the :ids list
+-- out of the index search, which would walk the whole list for every landed row (n²; see
+-- stage_inbound_bodies).
 INSERT INTO outbound_bodies (id, payload)
 SELECT o.id, l.payload
   FROM stage_outbound o
   JOIN landing_outbound l ON l.source_id = o.source_id AND l.destination = o.destination
- WHERE o.id IN (SELECT value FROM json_each(:ids)) AND l.run_id = :run_id AND l.payload IS NOT NULL
+ WHERE +o.id IN (SELECT value FROM json_each(:ids)) AND l.run_id = :run_id AND l.payload IS NOT NULL
  GROUP BY o.id
 ON CONFLICT (id) DO NOTHING
 
