@@ -1,5 +1,5 @@
 """The embedded single-node stack (`stageline up`) for the benchmarks that measure it whole
-(bench/latency.py, bench/stack_memory.py): started in a work dir of its own, waited for until its
+(bench/latency.py, bench/stack_memory.py, bench/soak.py): started in a work dir of its own, waited for until its
 banner says it is up, stopped as a user stops it (Ctrl-C)."""
 from __future__ import annotations
 
