@@ -5,6 +5,10 @@
 -- purge, which deletes only rows whose copy is current, never loses a change. Re-running after a
 -- crash between archive and purge copies nothing twice: the archive's key is the hot row's id.
 
+-- Each copies the oldest first: in the order of the finished index (updated_at; message_events_at for
+-- events), whose range `< now() - :ms` holds exactly the rows due, so a run reads what it copies
+-- (in id order, a run walks the table from its first row, all of it when nothing is due).
+
 -- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
 -- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
 -- `[retention.connections.<name>]` period is its own pass (a routed or outbound row's connection
@@ -22,7 +26,7 @@ SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.c
                            AND NOT EXISTS (SELECT 1 FROM stage_routed r
                                             WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
                            AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
-                         ORDER BY c.id
+                         ORDER BY c.updated_at, c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
@@ -42,7 +46,7 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.route_nam
                            AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
                            AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = c.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                            AND NOT EXISTS (SELECT 1 FROM archive_routed a WHERE a.id = c.id AND a.updated_at = c.updated_at)
-                         ORDER BY c.id
+                         ORDER BY c.updated_at, c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
@@ -62,7 +66,7 @@ SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_t
                            AND c.updated_at < now() - make_interval(secs => :ms / 1000.0)
                            AND CASE WHEN strpos(:conns, ',' || COALESCE((SELECT i.connection FROM stage_inbound i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound i WHERE i.id = c.source_id), '') || ',') > 0 THEN 1 ELSE 0 END = CAST(:within AS integer)
                            AND NOT EXISTS (SELECT 1 FROM archive_outbound a WHERE a.id = c.id AND a.updated_at = c.updated_at)
-                         ORDER BY c.id
+                         ORDER BY c.updated_at, c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO UPDATE
@@ -83,7 +87,7 @@ SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination,
  WHERE e.id = ANY(ARRAY(SELECT c.id FROM message_events c
                          WHERE c.at < now() - make_interval(secs => :ms / 1000.0)
                            AND NOT EXISTS (SELECT 1 FROM archive_events a WHERE a.id = c.id)
-                         ORDER BY c.id
+                         ORDER BY c.at, c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO NOTHING

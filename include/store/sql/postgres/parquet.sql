@@ -2,10 +2,12 @@
 -- bounded batch of rows archived longer than :ms ago, record the batch, read it, note it written
 -- once Parquet holds it, delete its rows in bounded batches, close it. Every write is fenced by
 -- the epoch; the archive_* queries in archive.sql clear export_batch of a row they copy again.
+-- A batch is the rows archived longest ago, in the order of the table's unexported index
+-- (archived_at, migration 0013): its range is exactly the rows due, so marking reads what it marks.
 
 -- name: export_mark_inbound
 UPDATE archive_inbound SET export_batch = :batch
- WHERE id IN (SELECT id FROM archive_inbound WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY id LIMIT :limit)
+ WHERE id IN (SELECT id FROM archive_inbound WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY archived_at, id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
@@ -24,7 +26,7 @@ SELECT r.*, r.connection AS export_connection
 
 -- name: export_mark_routed
 UPDATE archive_routed SET export_batch = :batch
- WHERE id IN (SELECT id FROM archive_routed WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY id LIMIT :limit)
+ WHERE id IN (SELECT id FROM archive_routed WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY archived_at, id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
@@ -43,7 +45,7 @@ SELECT r.*, COALESCE((SELECT i.connection FROM archive_inbound i WHERE i.id = r.
 
 -- name: export_mark_outbound
 UPDATE archive_outbound SET export_batch = :batch
- WHERE id IN (SELECT id FROM archive_outbound WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY id LIMIT :limit)
+ WHERE id IN (SELECT id FROM archive_outbound WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY archived_at, id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
@@ -62,7 +64,7 @@ SELECT r.*, COALESCE((SELECT i.connection FROM archive_inbound i WHERE i.id = r.
 
 -- name: export_mark_events
 UPDATE archive_events SET export_batch = :batch
- WHERE id IN (SELECT id FROM archive_events WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY id LIMIT :limit)
+ WHERE id IN (SELECT id FROM archive_events WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY archived_at, id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
@@ -81,7 +83,7 @@ SELECT r.*, COALESCE(r.connection, (SELECT max(i.connection) FROM archive_inboun
 
 -- name: export_mark_batches
 UPDATE archive_inbound_batches SET export_batch = :batch
- WHERE batch_id IN (SELECT batch_id FROM archive_inbound_batches WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY batch_id LIMIT :limit)
+ WHERE batch_id IN (SELECT batch_id FROM archive_inbound_batches WHERE export_batch IS NULL AND archived_at < now() - make_interval(secs => :ms / 1000.0) ORDER BY archived_at, batch_id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING batch_id
 

@@ -85,6 +85,7 @@ RETURNING id, status
 
 -- name: dead_ids
 -- Dead rows of {table}, optionally of one destination and/or lane, oldest first (lane order).
+-- Read through the table's dead index (migration 0013): the dead letters, not the table.
 SELECT t.id FROM {table} t
  WHERE t.status = 'dead'
    AND (:destination IS NULL OR {dest} = :destination)
@@ -103,7 +104,8 @@ SELECT :stage, t.id, t.message_id, t.control_id, {dest}, :event, :from_status, t
  ORDER BY t.id
 
 -- name: dead_letters
--- Every dead letter (there are few; the caller groups them by stage, destination and reason).
+-- Every dead letter (there are few, read through each table's dead index; the caller groups them
+-- by stage, destination and reason).
 SELECT 'outbound' AS stage, destination, control_id, last_error AS reason, updated_at AS updated_ms
   FROM stage_outbound WHERE status = 'dead'
 UNION ALL
@@ -115,14 +117,19 @@ SELECT 'inbound' AS stage, NULL AS destination, control_id, last_error AS reason
 
 -- name: stage_overview
 -- One stage at a glance: backlog (due or backing off), the oldest of it, in flight, dead, and what
--- finished in the last :window_ms.
-SELECT count(CASE WHEN status IN ('pending', 'error') THEN 1 END) AS backlog,
-       min(CASE WHEN status IN ('pending', 'error') THEN created_at END) AS oldest_ms,
-       count(CASE WHEN status = 'in_flight' THEN 1 END) AS in_flight,
-       count(CASE WHEN status = 'dead' THEN 1 END) AS dead,
-       count(CASE WHEN status = 'done' AND updated_at >= {now} - :window_ms THEN 1 END) AS finished_recently,
+-- finished in the last :window_ms. Each figure reads its own partial index (claimable, in flight,
+-- dead, finished), so the leader's gauge every few seconds reads the open rows and the last
+-- window's, not the table. The finished count names both finished predicates (stage_inbound's has
+-- `unrouted`, the others' not): SQLite uses a partial index only for a WHERE term that repeats its
+-- predicate, and each table's is one of the two.
+SELECT (SELECT count(*) FROM {table} WHERE status IN ('pending', 'error')) AS backlog,
+       (SELECT min(created_at) FROM {table} WHERE status IN ('pending', 'error')) AS oldest_ms,
+       (SELECT count(*) FROM {table} WHERE status = 'in_flight') AS in_flight,
+       (SELECT count(*) FROM {table} WHERE status = 'dead') AS dead,
+       (SELECT count(*) FROM {table}
+         WHERE status IN ('done', 'dead', 'unrouted') AND status IN ('done', 'dead') AND status = 'done'
+           AND updated_at >= {now} - :window_ms) AS finished_recently,
        {now} AS now_ms
-  FROM {table}
 
 -- name: batch_record
 -- One micro-batch that claimed rows (include/store/operator.py record_batch).

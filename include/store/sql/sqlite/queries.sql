@@ -171,6 +171,8 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 
 -- name: sweep_expired
 -- A row whose claimers keep dying (a poison batch) is dead-lettered once it has used :max_attempts.
+-- The leases that ran out first go first: ordered as the in-flight index is, the sweep reads only
+-- expired rows (ordered by id, SQLite walked the whole table in id order looking for them).
 UPDATE {table}
    SET status = CASE WHEN attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
        lease_owner = NULL, lease_expires_at = NULL, updated_at = {now},
@@ -178,7 +180,7 @@ UPDATE {table}
                     || CASE WHEN attempts >= :max_attempts THEN ' after ' || attempts || ' attempts' ELSE '' END
  WHERE id IN (SELECT id FROM {table}
                WHERE status = 'in_flight' AND lease_expires_at <= {now}
-               ORDER BY id LIMIT :limit)
+               ORDER BY lease_expires_at, id LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, last_error AS detail
 
@@ -375,8 +377,13 @@ RETURNING id, message_id, control_id, attempts, status, destination, NULL AS det
 -- name: route_passthrough_open
 -- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
 -- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
-SELECT DISTINCT destination FROM stage_routed
- WHERE status IN ('pending', 'in_flight', 'error') AND destination IN (SELECT value FROM json_each(:names))
+-- Open is read through the claimable and in-flight indexes (no index covers the three statuses
+-- together): the backlog, not the table.
+SELECT destination FROM stage_routed
+ WHERE status IN ('pending', 'error') AND destination IN (SELECT value FROM json_each(:names))
+UNION
+SELECT destination FROM stage_routed
+ WHERE status = 'in_flight' AND destination IN (SELECT value FROM json_each(:names))
 
 -- name: landing_routed_delete
 DELETE FROM landing_routed WHERE run_id = :run_id

@@ -7,6 +7,10 @@
 -- key is the hot row's id. (PostgreSQL and SQLite replace with ON CONFLICT; here a DELETE and an
 -- INSERT of the same ids in one batch and transaction.)
 
+-- Each copies the oldest first: in the order of the finished index (updated_at; message_events_at for
+-- events), whose range `< now - :ms` holds exactly the rows due, so a run reads what it copies
+-- (in id order, a run walks the table from its first row, all of it when nothing is due).
+
 -- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
 -- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
 -- `[retention.connections.<name>]` period is its own pass (a routed or outbound row's connection
@@ -22,7 +26,7 @@ SELECT TOP (:limit) c.id FROM stage_inbound AS c WITH (READPAST, ROWLOCK)
                     WHERE r.source_id = c.id AND r.status IN ('pending', 'in_flight', 'error'))
    AND NOT EXISTS (SELECT 1 FROM archive_inbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
- ORDER BY c.id;
+ ORDER BY c.updated_at, c.id;
 DELETE FROM archive_inbound WHERE id IN (SELECT id FROM @ids);
 INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
 SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq
@@ -39,7 +43,7 @@ SELECT TOP (:limit) c.id FROM stage_routed AS c WITH (READPAST, ROWLOCK)
    AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_routed AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
- ORDER BY c.id;
+ ORDER BY c.updated_at, c.id;
 DELETE FROM archive_routed WHERE id IN (SELECT id FROM @ids);
 INSERT INTO archive_routed (id, source_id, message_id, control_id, destination, route_name, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error)
 SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.route_name, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error
@@ -56,7 +60,7 @@ SELECT TOP (:limit) c.id FROM stage_outbound AS c WITH (READPAST, ROWLOCK)
    AND CASE WHEN CHARINDEX(',' + COALESCE((SELECT i.connection FROM stage_inbound AS i WHERE i.id = c.source_id), (SELECT i.connection FROM archive_inbound AS i WHERE i.id = c.source_id), '') + ',', :conns) > 0 THEN 1 ELSE 0 END = :within
    AND NOT EXISTS (SELECT 1 FROM archive_outbound AS a WHERE a.id = c.id AND a.updated_at = c.updated_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
- ORDER BY c.id;
+ ORDER BY c.updated_at, c.id;
 DELETE FROM archive_outbound WHERE id IN (SELECT id FROM @ids);
 INSERT INTO archive_outbound (id, source_id, message_id, control_id, destination, content_type, idempotency_key, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, payload)
 SELECT s.id, s.source_id, s.message_id, s.control_id, s.destination, s.content_type, s.idempotency_key, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error,
@@ -74,7 +78,7 @@ SELECT TOP (:limit) c.id FROM message_events AS c WITH (READPAST, ROWLOCK)
  WHERE c.at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
    AND NOT EXISTS (SELECT 1 FROM archive_events AS a WHERE a.id = c.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
- ORDER BY c.id;
+ ORDER BY c.at, c.id;
 INSERT INTO archive_events (id, at, stage, row_id, message_id, control_id, destination, event, from_status, to_status, epoch, node_id, attempt, detail, connection)
 SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination, e.event, e.from_status, e.to_status, e.epoch, e.node_id, e.attempt, e.detail,
        COALESCE((SELECT max(i.connection) FROM archive_inbound AS i WHERE i.message_id = e.message_id),

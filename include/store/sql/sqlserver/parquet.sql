@@ -2,6 +2,8 @@
 -- bounded batch of rows archived longer than :ms ago, record the batch, read it, note it written
 -- once Parquet holds it, delete its rows in bounded batches, close it. Every write is fenced by
 -- the epoch; the archive_* queries in archive.sql clear export_batch of a row they copy again.
+-- A batch is the rows archived longest ago, in the order of the table's unexported index
+-- (archived_at, migration 0013): its range is exactly the rows due, so marking reads what it marks.
 
 -- name: export_mark_inbound
 UPDATE t SET t.export_batch = :batch
@@ -9,7 +11,7 @@ OUTPUT inserted.id
   FROM archive_inbound AS t
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM archive_inbound AS x WITH (READPAST, ROWLOCK)
                  WHERE x.export_batch IS NULL AND x.archived_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
-                 ORDER BY x.id)
+                 ORDER BY x.archived_at, x.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: export_delete_inbound
@@ -33,7 +35,7 @@ OUTPUT inserted.id
   FROM archive_routed AS t
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM archive_routed AS x WITH (READPAST, ROWLOCK)
                  WHERE x.export_batch IS NULL AND x.archived_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
-                 ORDER BY x.id)
+                 ORDER BY x.archived_at, x.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: export_delete_routed
@@ -57,7 +59,7 @@ OUTPUT inserted.id
   FROM archive_outbound AS t
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM archive_outbound AS x WITH (READPAST, ROWLOCK)
                  WHERE x.export_batch IS NULL AND x.archived_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
-                 ORDER BY x.id)
+                 ORDER BY x.archived_at, x.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: export_delete_outbound
@@ -81,7 +83,7 @@ OUTPUT inserted.id
   FROM archive_events AS t
  WHERE t.id IN (SELECT TOP (:limit) x.id FROM archive_events AS x WITH (READPAST, ROWLOCK)
                  WHERE x.export_batch IS NULL AND x.archived_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
-                 ORDER BY x.id)
+                 ORDER BY x.archived_at, x.id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: export_delete_events
@@ -105,7 +107,7 @@ OUTPUT inserted.batch_id
   FROM archive_inbound_batches AS t
  WHERE t.batch_id IN (SELECT TOP (:limit) x.batch_id FROM archive_inbound_batches AS x WITH (READPAST, ROWLOCK)
                  WHERE x.export_batch IS NULL AND x.archived_at < DATEADD(second, CAST(:ms / -1000 AS int), SYSUTCDATETIME())
-                 ORDER BY x.batch_id)
+                 ORDER BY x.archived_at, x.batch_id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: export_delete_batches

@@ -263,6 +263,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts,
 
 -- name: sweep_expired
 -- A row whose claimers keep dying (a poison batch) is dead-lettered once it has used :max_attempts.
+-- The leases that ran out first go first: ordered as the in-flight index is, the sweep reads only
+-- expired rows (sqlite/queries.sql: in id order SQLite walked the whole table looking for them).
 UPDATE t
    SET status = CASE WHEN t.attempts >= :max_attempts THEN 'dead' ELSE 'pending' END,
        lease_owner = NULL, lease_expires_at = NULL, updated_at = SYSUTCDATETIME(),
@@ -276,7 +278,7 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts,
  CROSS APPLY (SELECT {dest} AS destination) AS d
  WHERE t.id IN (SELECT TOP (:limit) id FROM {table} WITH (UPDLOCK, READPAST, ROWLOCK)
                  WHERE status = 'in_flight' AND lease_expires_at <= SYSUTCDATETIME()
-                 ORDER BY id)
+                 ORDER BY lease_expires_at, id)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: recovery_mark
@@ -533,8 +535,14 @@ SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.l
 -- name: route_passthrough_open
 -- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
 -- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
-SELECT DISTINCT destination FROM stage_routed
- WHERE status IN (N'pending', N'in_flight', N'error')
+-- Open is read through the claimable and in-flight indexes (no index covers the three statuses
+-- together): the backlog, not the table.
+SELECT destination FROM stage_routed
+ WHERE status IN ('pending', 'error')
+   AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
+UNION
+SELECT destination FROM stage_routed
+ WHERE status = 'in_flight'
    AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
 
 -- name: landing_routed_delete
