@@ -378,6 +378,11 @@ def sqlite_problems(planned: Planned, sql: str, rows: list[tuple[int, int, str]]
             problems.append(f"{text}: reads all of {tables}")
         elif verb == "SCAN" and index is not None and planned.big(index):
             problems.append(f"{text}: reads all {planned.sizes[index]:,} entries of {index}")
+        elif verb == "SEARCH" and constraint is not None and re.search(r"\w=\? AND rowid=\?", constraint):
+            # an id list (`x IN (SELECT value FROM json_each(:ids))`) used as the last column of an
+            # index search: SQLite walks the whole list for every outer row — n² in the rows staged
+            # (stage_inbound_bodies: 4,000 messages, 3.2 s in the write lock). `+x IN` keeps it out.
+            problems.append(f"{text}: an id list walked for each outer row")
         elif verb == "SEARCH" and correlated(node) and constraint is not None \
                 and not re.search(r"\w=\?", constraint):
             walked = index if index is not None else (tables[0] if tables else None)
