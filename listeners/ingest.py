@@ -41,9 +41,11 @@ from listeners.pgcommit import PgStager
 _log = Logger(namespace="stageline.ingest")
 
 
-LOCKED_RETRY_SECONDS = 20.0
-"""How long a group commit keeps trying while SQLite's write lock is busy (each try itself waits up to
-`[store].busy_timeout_ms`): well inside the MLLP handler's timeout, so the answer is still `AA`."""
+LOCKED_RETRY_SECONDS = 40.0
+"""How long after its oldest message arrived a group commit may still be trying while SQLite's write
+lock is busy: a new try starts only if it would end by then (a try waits up to
+`[store].busy_timeout_ms`), so every answer — `AA` once the turn comes — goes out well inside the
+MLLP handler's 60 s timeout, never an `AE` for a message that is committed after it."""
 
 
 class IngestRejected(Exception):
@@ -239,7 +241,7 @@ class IngestWriter:
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._queue.put((item, d))
+        self._queue.put((item, d, time.monotonic()))
         return d
 
     def drain(self, timeout: float) -> bool:
@@ -263,9 +265,9 @@ class IngestWriter:
             first = self._queue.get()
             if first is _STOP:
                 return
-            batch = [first]
+            queued = [first]
             stop = False
-            while len(batch) < self.max_batch:
+            while len(queued) < self.max_batch:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -273,14 +275,17 @@ class IngestWriter:
                 if nxt is _STOP:
                     stop = True
                     break
-                batch.append(nxt)
-            outcomes = self._commit([item for item, _ in batch])
+                queued.append(nxt)
+            batch = [(item, d) for item, d, _ in queued]
+            outcomes = self._commit([item for item, _ in batch], since=min(t for _, _, t in queued))
             self._reactor.callFromThread(self._fire, batch, outcomes)
             if stop:
                 return
 
-    def _commit(self, items: list[Unit]) -> list[Outcome]:
-        """Stage `items`; one outcome per item: None = committed, else why not."""
+    def _commit(self, items: list[Unit], *, since: float | None = None) -> list[Outcome]:
+        """Stage `items` (the oldest arrived at `since`, monotonic; default now); one outcome per
+        item: None = committed, else why not."""
+        deadline = (time.monotonic() if since is None else since) + self.locked_retry_seconds
         epoch = self._epoch()
         if epoch is None:
             return [NotLeader("this node does not hold the leader lease")] * len(items)
@@ -288,21 +293,22 @@ class IngestWriter:
         try:
             chunk = next(steps)
             while True:
-                chunk = steps.send(self._stage_chunk(chunk, epoch))
+                chunk = steps.send(self._stage_chunk(chunk, epoch, deadline))
         except StopIteration as done:
             return done.value
 
-    def _stage_chunk(self, chunk: list[Unit], epoch: int) -> Staged | BaseException:
+    def _stage_chunk(self, chunk: list[Unit], epoch: int, deadline: float) -> Staged | BaseException:
         """One staging statement; a busy store (SQLite's write lock held past its busy timeout) is
-        tried again until `locked_retry_seconds` have passed since the first try, so a commit that
-        waited behind stage work gets its turn — and its `AA` — instead of an `AE` (issue 22)."""
-        deadline = time.monotonic() + self.locked_retry_seconds
+        tried again while another try would still end by `deadline` (LOCKED_RETRY_SECONDS after
+        the batch's oldest message arrived), so a commit that waited behind stage work gets its
+        turn — and its `AA` — instead of an `AE` (issue 22), and no answer outlives the handler."""
+        busy = self.store.config.busy_timeout_ms / 1000
         while True:
             try:
                 with self.store.single_statement() as tx:
                     return stage_inbound(tx, _rows(chunk), epoch=epoch, node_id=self.node_id)
             except Exception as exc:
-                if not self.store.dialect.is_conflict(exc) or time.monotonic() >= deadline:
+                if not self.store.dialect.is_conflict(exc) or time.monotonic() + busy > deadline:
                     return exc
                 self.metrics.store_busy.inc()
                 _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc),

@@ -51,7 +51,7 @@ class Metrics:
                                     ["operation"], registry=r)
         self.store_busy = Counter("stageline_store_busy_retries_total",
                                   "Group commits tried again because the store was busy (SQLite's write lock held "
-                                  "past the busy timeout); each ends AA once its turn comes, within 20 s",
+                                  "past the busy timeout); each ends AA once its turn comes, within 40 s of its oldest message",
                                   registry=r)
 
         self.stage_backlog = Gauge("stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)",

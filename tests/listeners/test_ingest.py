@@ -266,6 +266,31 @@ def test_a_commit_that_waits_out_a_busy_sqlite_lock_longer_than_its_busy_timeout
         writer.close()
 
 
+def test_no_busy_retry_starts_that_would_end_after_the_oldest_message_waited_its_budget(sqlite_config_fresh):
+    """The retries are bounded from the oldest message's arrival, not from the first try: a batch
+    whose oldest message has already waited almost LOCKED_RETRY_SECONDS gets its `AE` now, so no
+    answer can outlive the MLLP handler's timeout and be followed by a commit."""
+    import sqlite3
+    from dataclasses import replace
+
+    from listeners.ingest import LOCKED_RETRY_SECONDS
+
+    config = replace(sqlite_config_fresh, busy_timeout_ms=100)
+    writer = Writer("thread", config)
+    blocker = sqlite3.connect(config.path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")
+        writer.reset()
+        started = time.monotonic()
+        outcomes = writer.writer._commit(items(4, set()), since=started - LOCKED_RETRY_SECONDS + 0.15)
+        assert all(isinstance(o, StoreUnavailable) for o in outcomes)
+        assert writer.statements == 1 and time.monotonic() - started < 1.0
+        assert LOCKED_RETRY_SECONDS + StoreConfig().busy_timeout_ms / 1000 < 60  # the MLLP handler's timeout
+    finally:
+        blocker.close()
+        writer.close()
+
+
 def test_the_store_going_down_mid_split_fails_the_rest_at_once(writer):
     """Refused rows make the writer split; if the store then fails for another reason, the pieces
     not yet committed fail together with StoreUnavailable — no more splitting."""
