@@ -4,7 +4,8 @@ On SQLite the write lock is everyone's: while a claim or a finalize holds it, li
 commits, the lease renewal and every other stage wait (invariant 13). A fixed row cap cannot bound
 that wait — the same 10,000 rows take 60 ms on a quiet file and seconds on a busy one — so each
 stage keeps a `BatchSize`: after every batch it is told how many rows the batch claimed and how long
-the batch's longest write transaction held the store (`Store.longest_write`), and it scales the next
+the batch's longest write transaction held the store (`Store.longest_write`, which also counts a
+Spark JDBC landing write on SQLite, held by another process), and it scales the next
 claim so that transaction would take about `target_seconds`. It grows back gently (×1.5 a batch)
 when batches run well inside the target. At steady traffic the batches are small and the cap is
 never reached; it matters after a pause, a failover or a hand-over between runs, when a backlog
@@ -18,8 +19,11 @@ WRITE_HOLD_TARGET_SECONDS = {"sqlite": 0.1, "postgres": 1.0, "sqlserver": 1.0}
 """The longest a stage's write transaction should take. SQLite's lock stops every writer; a server
 database's claim and finalize lock only their own rows, so there the cap only keeps transactions,
 and the work a failure throws away, short."""
-LEAST_ROWS = 200
-"""Never smaller than this: a backlog must still drain faster than the rated rate fills it."""
+LEAST_ROWS = 1_000
+"""Never smaller than this: a backlog must still drain faster than the rated rate fills it, even when
+a fixed cost (an fsync, a WAL checkpoint) makes every commit look slow — a batch a second of 1,000
+rows is five times the rated 200 msg/s. It is also where a stage's small-batch path ends
+(`spark_jobs.stage_io.SMALL_BATCH_ROWS`), whose writes this process times itself."""
 GROWTH = 1.5
 
 

@@ -14,6 +14,10 @@ store connection:
   its rows are due again one short lease later.
 - **sweeps** — every `reclaim_seconds` (`[cluster].reclaim_interval_seconds`) it re-pends its
   stage's rows whose row lease expired (claimers that died without anyone noticing).
+- **gives up on a hung batch** — a batch still running after `max_batch_seconds` (a Spark server
+  that stopped answering, a destination on a hung mount) is not renewed any more, so its rows are
+  swept one row lease later, and `on_hung` ends the task (the stage's run lasts hours: without this
+  the only run of the DAG would sit on its lanes until the run's timeout).
 
 A failed read or write is logged and tried again next tick: the batches' own fenced writes are
 what keeps the data safe; the watch only makes recovery prompt. Invariants: docs/invariants.md.
@@ -39,11 +43,15 @@ class ClaimKeeper:
     :param table: the staged table the task claims from (its rows are renewed and swept).
     :param clustered: a lapsed lease also stops the task (a single node's lease never lapses).
     :param max_attempts: claims after which a swept or recovered row is dead-lettered instead.
+    :param max_batch_seconds: a batch (one `owner`) running longer is hung (module docstring).
+    :param on_hung: called once, with the owner, when a batch is found hung.
     """
 
     def __init__(self, store: Store, table: StagedTable, *, epoch: int, clustered: bool,
                  check_seconds: float, lease_seconds: float, reclaim_seconds: float,
-                 max_attempts: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_attempts: int, max_batch_seconds: float | None = None,
+                 on_hung: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.table = table
         self.epoch = epoch
@@ -53,6 +61,10 @@ class ClaimKeeper:
         self.renew_seconds = lease_seconds / 3
         self.reclaim_seconds = reclaim_seconds
         self.max_attempts = max_attempts
+        self.max_batch_seconds = max_batch_seconds
+        self.on_hung = on_hung
+        self.hung: str | None = None
+        """The owner of a batch found hung (no longer renewed), if any."""
         self.owner: str | None = None
         """The claim in flight (set by the loop before each batch, None while idle)."""
         self.stopped = threading.Event()
@@ -103,7 +115,7 @@ class ClaimKeeper:
     def renew(self) -> int:
         """Renew the row leases of the claim in flight; how many rows."""
         owner = self.owner
-        if owner is None:
+        if owner is None or owner == self.hung:
             return 0
         with self.store.transaction() as tx:
             return renew_claims(tx, self.table, owner=owner, epoch=self.epoch, lease_seconds=self.lease_seconds)
@@ -124,13 +136,29 @@ class ClaimKeeper:
             self.stopped.set()
         return True
 
+    def _watch_batch(self, now: float) -> None:
+        """Note when the batch in flight started; past `max_batch_seconds`, give it up (once)."""
+        owner = self.owner
+        if owner != self._batch[0]:
+            self._batch = (owner, now)
+        if owner is None or self.max_batch_seconds is None or owner == self.hung:
+            return
+        if now - self._batch[1] > self.max_batch_seconds:
+            self.hung = owner
+            log.error("stage batch %s has run %.0f s (more than %.0f s): hung; its rows are no longer "
+                      "renewed and the task ends", owner, now - self._batch[1], self.max_batch_seconds)
+            if self.on_hung is not None:
+                self.on_hung(owner)
+
     def _run(self) -> None:
         now = self._clock()
+        self._batch: tuple[str | None, float] = (self.owner, now)
         due = {"check": now, "renew": now + self.renew_seconds, "sweep": now}
         steps = {"check": (self.check, self.check_seconds), "renew": (self.renew, self.renew_seconds),
                  "sweep": (self.sweep, self.reclaim_seconds)}
         while not self._closing.is_set() and not self.stopped.is_set():
             now = self._clock()
+            self._watch_batch(now)
             for name, (step, every) in steps.items():
                 if now >= due[name]:
                     due[name] = now + every

@@ -21,6 +21,7 @@ the CLI can use it.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tomllib
 from dataclasses import dataclass
@@ -117,22 +118,28 @@ def load(directory: Path | None = None) -> PipelineConfig:
     return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
 
 
-def fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    """What the pipeline config on disk is now: name, size and mtime of the three files and the code
-    hooks' modules. A long-running stage task compares it to the one it loaded with and ends its run
-    on a change, so the next run loads (and checks) the new config."""
-    paths = [directory / name for name in FILES.values()]
-    code = directory / CODE_DIR
-    if code.is_dir():
-        paths += sorted(code.rglob("*.py"))
-    seen = []
-    for path in paths:
-        try:
-            st = path.stat()
-        except OSError:
-            continue
-        seen.append((str(path), st.st_size, st.st_mtime_ns))
-    return tuple(seen)
+def fingerprint(directory: Path | None = None) -> str:
+    """What the pipeline config on disk is now: a hash of where the directory points and of the
+    contents of the three files and the code hooks' modules. A long-running stage task takes it
+    *before* loading the config and ends its run once it differs, so the next run loads (and
+    checks) the new config — also after an atomic replace that keeps sizes and times, or a symlink
+    swapped to another release. Anything unreadable hashes as a change."""
+    given = directory or pipeline_dir()
+    digest = hashlib.sha256(os.path.realpath(given).encode())
+    try:
+        paths = [given / name for name in FILES.values()]
+        code = given / CODE_DIR
+        if code.is_dir():
+            paths += sorted(code.rglob("*.py"))
+        for path in paths:
+            digest.update(str(path.relative_to(given)).encode() + b"\0")
+            try:
+                digest.update(path.read_bytes())
+            except FileNotFoundError:
+                digest.update(b"\0missing")
+    except OSError as exc:  # a directory going away mid-walk: treat as a change
+        digest.update(f"unreadable: {exc}".encode())
+    return digest.hexdigest()
 
 
 def _tables(path: Path, kind: str) -> list[dict[str, Any]]:

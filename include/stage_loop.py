@@ -211,8 +211,7 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 failures = 0
                 counts = _summary(outcome)
                 if size is not None and counts.get("claimed"):
-                    size.observe(rows=int(counts["claimed"]) // max(1, int(counts.get("rounds") or 1)),
-                                 held_seconds=_longest_write(store))
+                    size.observe(rows=int(counts["claimed"]), held_seconds=_longest_write(store))
                 if counts.get("claimed"):
                     if history is not None:
                         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -106,7 +107,10 @@ def land(store: Store, frame: DataFrame, table: str, columns: Sequence[str], *,
               .option("dbtable", table).option("batchsize", str(batch_rows)).mode("append"))
     if store.backend == "sqlite":
         writer = writer.option("numPartitions", "1")
+    started = time.perf_counter()
     writer.save()
+    if store.backend == "sqlite":  # the JVM's transaction held SQLite's one write lock (its upper bound)
+        store.note_hold(time.perf_counter() - started)
 
 
 def finalize_fenced(store: Store, *, run_id: str, landing_table: str, step: Callable[[Tx], T]) -> T:

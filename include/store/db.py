@@ -282,8 +282,13 @@ class Store:
             if write:  # the commit (its fsync) is part of the hold
                 self._note_write(tx, time.perf_counter() - started)
 
+    def note_hold(self, seconds: float) -> None:
+        """Count a write this thread caused outside a `transaction` (a Spark JDBC landing write on
+        SQLite: another process holds the lock for it) in `longest_write`."""
+        self._held.longest = max(getattr(self._held, "longest", 0.0), seconds)
+
     def _note_write(self, tx: Tx, held: float) -> None:
-        self._held.longest = max(getattr(self._held, "longest", 0.0), held)
+        self.note_hold(held)
         if held > SLOW_SECONDS:
             log.warning("slow write transaction took %.0f ms: %s", held * 1000, ", ".join(tx.names) or "-")
 

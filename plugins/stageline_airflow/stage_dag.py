@@ -47,7 +47,9 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
         catchup=False,
         max_active_runs=1,
-        dagrun_timeout=JOB_TIMEOUT + timedelta(minutes=20),
+        # a retry starts a fresh budget: room for every try, so none is cut off mid-batch (a hung
+        # batch ends its try within minutes: `tasks.HUNG_BATCH_SECONDS`)
+        dagrun_timeout=JOB_TIMEOUT * (JOB_RETRIES + 1) + timedelta(minutes=20),
         tags=["stageline", "stage"],
         default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
                       "execution_timeout": timedelta(minutes=8)},

@@ -61,6 +61,11 @@ DELIVER_MAX_LANES = 1_000
 DELIVER_CONCURRENCY = 4
 """Lanes sent at once by each Spark partition (threads: sends wait on the network and on fsync)."""
 DELIVER_ROUND_BUDGET_SECONDS = 60.0
+HUNG_BATCH_SECONDS = 480.0
+"""A micro-batch still running after this is hung (a Spark server that stopped answering, a destination
+on a hung mount): the task is ended so Airflow's retry recovers its claim (`ClaimKeeper`). Eight
+minutes, the whole task's timeout when a run lasted four."""
+HUNG_EXIT_SECONDS = 60.0
 LOOKUP_CHECK_SECONDS = 10.0
 """How soon a running transform task maps with lookup tables `stageline lookups` changed."""
 
@@ -148,11 +153,12 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     """
     from spark_jobs import route_job
 
+    loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
     passthrough = config.passthrough  # once per task, like the routes
     return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
         b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
-        batch_size=b.limit or batch_size, passthrough=passthrough), config=config, most=batch_size)
+        batch_size=b.limit or batch_size, passthrough=passthrough), loaded=loaded, most=batch_size)
 
 
 def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
@@ -160,6 +166,7 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
     """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
     from spark_jobs import transform_job
 
+    loaded = stage_config.fingerprint()
     config = stage_config.load()
     lookups = LookupCache()
 
@@ -168,7 +175,7 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "s
                                  owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=b.limit or batch_size,
                                  lookups=lookups.get(b.store), code_dir=str(config.code_dir))
 
-    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch, config=config,
+    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded,
                           most=batch_size)
 
 
@@ -204,14 +211,14 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     """
     from spark_jobs import deliver
 
+    loaded = stage_config.fingerprint()
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
     return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver.run(
         b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
-        max_rows=b.limit or deliver.DEFAULT_ROUND_ROWS, concurrency=DELIVER_CONCURRENCY,
-        time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
-        config=config, most=deliver.DEFAULT_ROUND_ROWS)
+        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
+        loaded=loaded, most=None)
 
 
 STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
@@ -219,20 +226,21 @@ STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
 
 
 def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
-                   job: stage_loop.Job, *, config: stage_config.PipelineConfig, most: int,
-                   **kwargs: Any) -> dict[str, Any]:
+                   job: stage_loop.Job, *, loaded: str, most: int | None, **kwargs: Any) -> dict[str, Any]:
     """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
     `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place).
-    Batches are capped by time as well as `most` rows (`include.batch_size`); the run ends when
-    `config`'s files change on disk."""
+    Batches are capped by time as well as `most` rows (`include.batch_size`; `most=None`: the job
+    caps its own claims — deliver, whose batch is many rounds, each one claim of lane heads of at
+    most `deliver.DEFAULT_ROUND_ROWS` (20,000 claimed in ~0.2 s on SQLite); the run ends when
+    the pipeline config's fingerprint differs from `loaded` (taken before the task loaded it)."""
     from include.spark import StageSession
     from include.store import operator
 
     kwargs.setdefault("session", StageSession.of(spark))
-    loaded = stage_config.fingerprint(config.directory)
-    kwargs.setdefault("changed", lambda: stage_config.fingerprint(config.directory) != loaded)
+    kwargs.setdefault("changed", lambda: stage_config.fingerprint() != loaded)
     with StagelineStoreHook() as hook:
-        kwargs.setdefault("size", BatchSize.for_backend(hook.config.store.backend, most=most))
+        if most is not None:
+            kwargs.setdefault("size", BatchSize.for_backend(hook.config.store.backend, most=most))
         kwargs.setdefault("history", lambda **batch: operator.record_batch(
             hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch))
         return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
@@ -247,7 +255,22 @@ def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -
     return ClaimKeeper(store, table, epoch=epoch, clustered=config.cluster.enabled,
                        check_seconds=config.cluster.heartbeat_seconds, lease_seconds=config.store.lease_ttl_seconds,
                        reclaim_seconds=config.cluster.reclaim_interval_seconds,
-                       max_attempts=rowlease.reclaim_cap(table))
+                       max_attempts=rowlease.reclaim_cap(table), max_batch_seconds=HUNG_BATCH_SECONDS,
+                       on_hung=end_hung_task)
+
+
+def end_hung_task(owner: str) -> None:
+    """End this task process because batch `owner` hung: SIGTERM (Airflow fails the try and retries
+    it at once; the retry re-pends the claim), and if a call that ignores signals keeps it alive,
+    exit HUNG_EXIT_SECONDS later."""
+    import signal
+    import threading
+
+    log.error("ending the stage task: batch %s hung", owner)
+    exit_later = threading.Timer(HUNG_EXIT_SECONDS, os._exit, args=(70,))
+    exit_later.daemon = True
+    exit_later.start()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,

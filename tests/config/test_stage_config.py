@@ -65,3 +65,52 @@ def test_a_route_to_a_destination_not_configured_fails_the_load(tmp_path: Path) 
     write(tmp_path, '[[route]]\nname = "x"\ndestinations = ["archive", "ehr"]\n')
     with pytest.raises(PipelineConfigError, match=r"route 'x' sends to \['ehr'\], not configured"):
         stage_config.load(tmp_path)
+
+
+def test_the_fingerprint_changes_with_content_even_when_size_and_times_do_not(tmp_path):
+    """A stage run lasts hours and ends when its config changes: the change must be seen after an
+    atomic replace that keeps size and mtime (`cp -p`, `rsync -a`, fixed-mtime images)."""
+    import os
+
+    from include.stage_config import fingerprint
+
+    directory = tmp_path / "config"
+    directory.mkdir()
+    routes = directory / "routes.toml"
+    routes.write_text('[[route]]\nname = "a"\n')
+    before = fingerprint(directory)
+    stat = routes.stat()
+    replacement = tmp_path / "routes.new"
+    replacement.write_text('[[route]]\nname = "b"\n')  # same size
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, routes)
+    assert routes.stat().st_size == stat.st_size and routes.stat().st_mtime_ns == stat.st_mtime_ns
+    assert fingerprint(directory) != before
+    assert fingerprint(directory) == fingerprint(directory)
+
+
+def test_the_fingerprint_follows_a_symlink_swapped_to_another_release(tmp_path):
+    from include.stage_config import fingerprint
+
+    for release in ("v1", "v2"):
+        (tmp_path / release).mkdir()
+        (tmp_path / release / "routes.toml").write_text("# same text in both releases\n")
+    current = tmp_path / "current"
+    current.symlink_to(tmp_path / "v1")
+    before = fingerprint(current)
+    swapped = tmp_path / "current.new"
+    swapped.symlink_to(tmp_path / "v2")
+    swapped.replace(current)
+    assert fingerprint(current) != before
+
+
+def test_a_code_module_added_or_removed_changes_the_fingerprint(tmp_path):
+    from include.stage_config import fingerprint
+
+    (tmp_path / "code").mkdir()
+    before = fingerprint(tmp_path)
+    (tmp_path / "code" / "hooks.py").write_text("def f(m):\n    return m\n")
+    added = fingerprint(tmp_path)
+    assert added != before
+    (tmp_path / "code" / "hooks.py").unlink()
+    assert fingerprint(tmp_path) == before

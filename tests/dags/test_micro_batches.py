@@ -358,3 +358,23 @@ def test_batch_size_never_drops_below_its_floor_nor_grows_past_its_cap():
     assert size.limit == 5_000
     assert size.observe(rows=50, held_seconds=0.001) == 5_000  # a trickle neither grows nor shrinks it
     assert BatchSize.for_backend("sqlite", most=10_000).target_seconds == 0.1
+
+
+def test_a_task_whose_batch_hung_ends_even_if_it_ignores_sigterm(tmp_path):
+    """`tasks.end_hung_task`: SIGTERM first (Airflow fails the try and retries it); a process that
+    ignores it (a call that never returns to Python) exits on its own a little later."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = ("import signal, sys, time; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/plugins'];"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+              "from stageline_airflow import tasks; tasks.HUNG_EXIT_SECONDS = 0.5;"
+              "tasks.end_hung_task('airflow:stage_route:r#1.7'); time.sleep(30)")
+    done = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, timeout=60)
+    assert done.returncode == 70, done.stderr.decode()[-2000:]
+    ignored = subprocess.run([sys.executable, "-c", script.replace("signal.SIG_IGN", "signal.SIG_DFL"), str(root)],
+                             capture_output=True, timeout=60)
+    assert ignored.returncode == -signal.SIGTERM

@@ -123,3 +123,26 @@ def test_following_a_new_leader_runs_its_recovery_once_and_returns_its_epoch(sto
         new = follow_leader(config, store, old, watch)
     assert new == old + 1
     assert statuses(store) == {"pending": 3}  # the old leader's claim is due under the new epoch at once
+
+
+def test_a_hung_batch_is_given_up_its_rows_swept_and_the_task_told_to_end(store):
+    """A stage run lasts hours, so a batch that never returns (a Spark server that stopped
+    answering) must not hold its lanes for all of it: past `max_batch_seconds` its claim is no
+    longer renewed — the sweep re-pends its rows one row lease later — and `on_hung` ends the task."""
+    epoch = leader(store).epoch
+    stage(store, epoch, 4, lanes=False)
+    told: list[str] = []
+    watch = ClaimKeeper(store, INBOUND, epoch=epoch, clustered=True, check_seconds=0.1, lease_seconds=0.9,
+                        reclaim_seconds=0.2, max_attempts=rl.SWEEP_MAX_ATTEMPTS, max_batch_seconds=1.5,
+                        on_hung=told.append)
+    with watch:
+        watch.owner = "task-1.0"
+        assert len(claim(store, "task-1.0", epoch, lease=0.9)) == 4
+        time.sleep(1.2)  # past its row lease, inside max_batch_seconds: still renewed
+        assert statuses(store) == {"in_flight": 4} and told == []
+        wait_for(lambda: told == ["task-1.0"], timeout=5, what="the hung batch to be given up")
+        wait_for(lambda: statuses(store) == {"pending": 4}, timeout=5, what="the hung batch's rows swept")
+        assert told == ["task-1.0"]  # told once
+        watch.owner = "task-1.1"  # a new batch is watched afresh
+        time.sleep(0.5)
+        assert watch.hung == "task-1.0" and told == ["task-1.0"]

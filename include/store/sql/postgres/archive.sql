@@ -5,9 +5,12 @@
 -- purge, which deletes only rows whose copy is current, never loses a change. Re-running after a
 -- crash between archive and purge copies nothing twice: the archive's key is the hot row's id.
 
--- Each copies the oldest first: in the order of the finished index (updated_at; message_events_at for
--- events), whose range `< now() - :ms` holds exactly the rows due, so a run reads what it copies
--- (in id order, a run walks the table from its first row, all of it when nothing is due).
+-- Each copies the oldest first: in the order of the finished index (updated_at), whose range
+-- `< now() - :ms` holds exactly the rows due, so a run reads what it copies (in id order, a run
+-- walks the table from its first row, all of it when nothing is due). Events stay in id order
+-- here: message_events_at is a BRIN index, which gives no order — sorting by `at` would read the
+-- whole due range for every batch — and event ids follow `at`, so the primary key walks the due
+-- rows first.
 
 -- A stage's archive and purge queries also take :conns (',a,b,': connection names between commas)
 -- and :within: 1 keeps to the rows of those inbound connections, 0 to every other one, so each
@@ -87,7 +90,7 @@ SELECT e.id, e.at, e.stage, e.row_id, e.message_id, e.control_id, e.destination,
  WHERE e.id = ANY(ARRAY(SELECT c.id FROM message_events c
                          WHERE c.at < now() - make_interval(secs => :ms / 1000.0)
                            AND NOT EXISTS (SELECT 1 FROM archive_events a WHERE a.id = c.id)
-                         ORDER BY c.at, c.id
+                         ORDER BY c.id
                          LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (id) DO NOTHING

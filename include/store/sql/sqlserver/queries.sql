@@ -201,6 +201,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
 -- (issue 22: 34,000 candidates over 150,000 rows held SQLite's write lock for minutes).
 -- No READPAST here: skipping a locked row would make the next row of its lane look claimable and
 -- break per-lane FIFO.
+-- `e.lane_key IS NOT NULL` repeats the held-lane index's filter: SQL Server matches a filtered
+-- index on the query's literal predicates only.
 UPDATE t
    SET status = 'in_flight', lease_owner = :owner, claim_epoch = :epoch,
        lease_expires_at = DATEADD(millisecond, CAST(:lease_seconds * 1000 AS int), SYSUTCDATETIME()),
@@ -218,6 +220,7 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.lane_key,
                                  AND NOT EXISTS (SELECT 1 FROM {table} AS e
                                                   WHERE e.status IN ('in_flight', 'error')
                                                     AND e.lane_key = o.lane_key AND e.id <= o.id
+                                                    AND e.lane_key IS NOT NULL
                                                     AND (e.status = 'in_flight' OR e.next_attempt_at > SYSUTCDATETIME()))
                                  AND NOT (o.lane_key IS NULL
                                           AND EXISTS (SELECT 1 FROM {table} AS e
@@ -535,14 +538,12 @@ SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.l
 -- name: route_passthrough_open
 -- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
 -- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
--- Open is read through the claimable and in-flight indexes (no index covers the three statuses
--- together): the backlog, not the table.
-SELECT destination FROM stage_routed
- WHERE status IN ('pending', 'error')
-   AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
-UNION
-SELECT destination FROM stage_routed
- WHERE status = 'in_flight'
+-- One read of the open rows through their own filtered index (stage_routed_open_destination,
+-- version 13): not the UNION of the claimable and in-flight reads the other dialects use, because
+-- under READ COMMITTED the two branches see different moments — a row moving from in_flight to
+-- error between them would be missed, and the destination handed on out of lane order.
+SELECT DISTINCT destination FROM stage_routed
+ WHERE status IN ('pending', 'in_flight', 'error')
    AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
 
 -- name: landing_routed_delete
