@@ -4,9 +4,9 @@
 -- claim_lane_heads probes a lane's held rows in two branches: an equality on the lane key (the
 -- held-lane index, NOT NULL lanes) and one for the NULL lane, which gets its own small index here
 -- so that branch is a seek too, not a walk over every earlier row.
-CREATE INDEX stage_inbound_held_null_lane  ON stage_inbound (id)  WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
-CREATE INDEX stage_routed_held_null_lane   ON stage_routed (id)   WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
-CREATE INDEX stage_outbound_held_null_lane ON stage_outbound (id) WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
+CREATE INDEX IF NOT EXISTS stage_inbound_held_null_lane  ON stage_inbound (id)  WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
+CREATE INDEX IF NOT EXISTS stage_routed_held_null_lane   ON stage_routed (id)   WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
+CREATE INDEX IF NOT EXISTS stage_outbound_held_null_lane ON stage_outbound (id) WHERE status IN ('in_flight', 'error') AND lane_key IS NULL;
 
 -- Autovacuum for churn. Every claim and finish writes a new version of a state row (never HOT:
 -- the status is in the partial indexes' predicates), so a staged table at 200 msg/s leaves
