@@ -110,3 +110,37 @@ def test_a_failed_transaction_rolls_back_and_its_connection_is_replaced(sqlite_c
         assert db_fds(sqlite_config_fresh.path) == at_rest
     finally:
         store.close()
+
+
+def test_a_wal_grown_behind_a_long_reader_is_cut_back_once_the_readers_are_gone(sqlite_config_fresh: StoreConfig) -> None:
+    """Issue 22: a long reader holds checkpoints back and the WAL grows meanwhile; once it is gone
+    and a checkpoint resets the WAL, the file shrinks to the store's limit instead of keeping the
+    size of its longest stretch."""
+    import sqlite3
+
+    from include.store.dialects import WAL_SIZE_LIMIT_BYTES
+
+    store = Store(sqlite_config_fresh)
+    wal = Path(sqlite_config_fresh.path + "-wal")
+    reader = sqlite3.connect(sqlite_config_fresh.path, isolation_level=None)
+    try:
+        with store.transaction() as tx:
+            tx.conn.execute("CREATE TABLE filler (b BLOB)")
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM leader_lease").fetchall()  # a snapshot checkpoints must keep
+        for _ in range(24):
+            with store.transaction() as tx:
+                tx.conn.execute("INSERT INTO filler SELECT randomblob(1024 * 1024)")
+        assert wal.stat().st_size > 2 * WAL_SIZE_LIMIT_BYTES  # grew behind the reader
+        reader.execute("COMMIT")
+        writer = store.dialect.connect(sqlite_config_fresh)  # the store's own settings, autocommit
+        try:
+            writer.execute("PRAGMA wal_checkpoint(PASSIVE)")  # catches up now the reader is gone
+            writer.execute("INSERT INTO filler VALUES (x'00')")  # the next write restarts the WAL
+            writer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            writer.close()
+        assert wal.stat().st_size <= WAL_SIZE_LIMIT_BYTES
+    finally:
+        reader.close()
+        store.close()
