@@ -21,6 +21,8 @@ VAR_ENV = "STAGELINE_VAR"
 """Where a node keeps its local state, logs and the demo's outputs (default `var/` in the checkout)."""
 BACKENDS = ("sqlite", "postgres", "sqlserver")
 DEFAULT_PORTS = {"postgres": 5432, "sqlserver": 1433}
+ANSWER_SECONDS = 60.0
+"""Within this a sender gets its answer (listenerd's MLLP handler timeout, `listeners/mllp.py`)."""
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,9 @@ class StoreConfig:
     pool_size: int = 5
     lease_ttl_seconds: float = 15.0
     busy_timeout_ms: int = 10_000
+    busy_retry_seconds: float = 40.0
+    """How long after its oldest message arrived listenerd may still retry a group commit that met
+    SQLite's write lock busy (`listeners.ingest`); 0: answer `AE` at the first busy timeout."""
 
     @property
     def effective_port(self) -> int:
@@ -182,6 +187,12 @@ def validate(config: ServiceConfig) -> ServiceConfig:
                           "the lease elector and the stage work each need a connection")
     if store.lease_ttl_seconds <= 0:
         raise ConfigError("[store].lease_ttl_seconds must be > 0")
+    if store.busy_timeout_ms <= 0:
+        raise ConfigError("[store].busy_timeout_ms must be > 0")
+    if not (0 <= store.busy_retry_seconds and store.busy_retry_seconds + store.busy_timeout_ms / 1000 < ANSWER_SECONDS):
+        raise ConfigError(f"[store] needs 0 <= busy_retry_seconds and busy_retry_seconds + busy_timeout_ms / 1000 < "
+                          f"{ANSWER_SECONDS:.0f} (got {store.busy_retry_seconds} and {store.busy_timeout_ms} ms): "
+                          "a sender's answer must go out before the MLLP handler's timeout")
     if not store.schema.replace("_", "").isalnum():
         raise ConfigError(f"[store].schema must be a plain identifier, got {store.schema!r}")
     for key in ("heartbeat_seconds", "node_timeout_seconds", "reclaim_interval_seconds",

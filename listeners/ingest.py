@@ -33,6 +33,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from include.config import StoreConfig
 from include.store import Store
 from include.store.rowlease import stage_inbound
 from listeners.metrics import Metrics
@@ -41,8 +42,8 @@ from listeners.pgcommit import PgStager
 _log = Logger(namespace="stageline.ingest")
 
 
-LOCKED_RETRY_SECONDS = 40.0
-"""How long after its oldest message arrived a group commit may still be trying while SQLite's write
+LOCKED_RETRY_SECONDS = StoreConfig.busy_retry_seconds
+"""The default of `[store].busy_retry_seconds`: how long after its oldest message arrived a group commit may still be trying while SQLite's write
 lock is busy: a new try starts only if it would end by then (a try waits up to
 `[store].busy_timeout_ms`), so every answer — `AA` once the turn comes — goes out well inside the
 MLLP handler's 60 s timeout, never an `AE` for a message that is committed after it."""
@@ -467,8 +468,9 @@ class IngestService(Service):
         if threaded is None:
             threaded = not (store.backend == "postgres" and store.dialect.atomic_staging)
         kind = IngestWriter if threaded else ReactorIngestWriter
+        extra = {"locked_retry_seconds": store.config.busy_retry_seconds} if kind is IngestWriter else {}
         self.writer = kind(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
-                           reactor=self._reactor)
+                           reactor=self._reactor, **extra)
         self.writer.start()
         super().startService()
 

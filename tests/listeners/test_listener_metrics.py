@@ -78,7 +78,7 @@ class Senders:
 
 def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_path):
     db = tmp_path / "store.db"
-    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300)
+    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     s = Store(cfg)
     migrate(s, cluster_name="test-cluster")
     s.close()

@@ -177,7 +177,7 @@ def test_bad_input_matrix(daemon, store_config, name, wire, expected):
 
 def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
     db = tmp_path / "store.db"
-    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300)
+    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     from include.store.migrate import migrate
 
     s = Store(cfg)

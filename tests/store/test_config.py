@@ -88,3 +88,24 @@ def test_the_config_path_is_the_argument_else_stageline_config_else_the_working_
     assert config_path() == from_env
     assert load().cluster.cluster_name == "from-env"
     assert config_path(tmp_path / "given.toml") == tmp_path / "given.toml"
+
+
+@pytest.mark.parametrize("retry, busy_ms", [(-1.0, 10_000), (50.0, 10_000), (59.9, 100)])
+def test_busy_retries_that_could_outlive_the_senders_answer_are_refused(tmp_path, retry, busy_ms):
+    from include.config import ConfigError, load
+
+    path = tmp_path / "stageline.toml"
+    path.write_text(f'[store]\npath = "s.db"\nbusy_retry_seconds = {retry}\nbusy_timeout_ms = {busy_ms}\n')
+    with pytest.raises(ConfigError, match="busy_retry_seconds"):
+        load(path)
+
+
+def test_busy_retry_seconds_is_typed_and_defaults_to_forty(tmp_path):
+    from include.config import ConfigError, load
+
+    path = tmp_path / "stageline.toml"
+    path.write_text('[store]\npath = "s.db"\n')
+    assert load(path).store.busy_retry_seconds == 40.0
+    path.write_text('[store]\npath = "s.db"\nbusy_retry_seconds = "40"\n')
+    with pytest.raises(ConfigError, match="busy_retry_seconds must be float"):
+        load(path)
