@@ -56,7 +56,7 @@ scheduling, a task start and a session before the next message moves). Two minut
 a minute or so at steady-state latency; the run still ends within STAGE_TIME_BUDGET_SECONDS."""
 STAGE_TIME_BUDGET_SECONDS = 6 * 3600.0
 """How long one stage task keeps running micro-batches (module docstring; the job task's
-execution_timeout is this plus STAGE_TIMEOUT_MARGIN). `$STAGELINE_STAGE_BUDGET_SECONDS` shortens it,
+execution_timeout is this plus STAGE_TIMEOUT_MARGIN_SECONDS). `$STAGELINE_STAGE_BUDGET_SECONDS` shortens it,
 e.g. for a soak that measures the hand-over."""
 BUDGET_ENV = "STAGELINE_STAGE_BUDGET_SECONDS"
 STAGE_TIMEOUT_MARGIN_SECONDS = 600.0
@@ -124,7 +124,15 @@ def linger_seconds() -> float:
 
 
 def budget_seconds() -> float:
-    return min(STAGE_TIME_BUDGET_SECONDS, float(os.environ.get(BUDGET_ENV) or STAGE_TIME_BUDGET_SECONDS))
+    """STAGE_TIME_BUDGET_SECONDS, or `$STAGELINE_STAGE_BUDGET_SECONDS` when that is a shorter positive
+    number of seconds (anything else is an error: a typo must not turn runs into one batch each)."""
+    raw = os.environ.get(BUDGET_ENV)
+    if not raw:
+        return STAGE_TIME_BUDGET_SECONDS
+    seconds = float(raw)
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"${BUDGET_ENV} must be a positive number of seconds, got {raw!r}")
+    return min(STAGE_TIME_BUDGET_SECONDS, seconds)
 
 
 def follow_seconds(config: ServiceConfig) -> float:

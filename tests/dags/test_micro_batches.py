@@ -288,6 +288,10 @@ def test_a_budget_from_the_environment_shortens_the_run_but_never_lengthens_it(m
     assert stage_loop.budget_seconds() == 60.0
     monkeypatch.setenv(stage_loop.BUDGET_ENV, str(10 * stage_loop.STAGE_TIME_BUDGET_SECONDS))
     assert stage_loop.budget_seconds() == stage_loop.STAGE_TIME_BUDGET_SECONDS
+    for bad in ("0", "-5", "nan", "inf", "ten"):
+        monkeypatch.setenv(stage_loop.BUDGET_ENV, bad)
+        with pytest.raises(ValueError):
+            stage_loop.budget_seconds()
 
 
 def test_the_run_ends_when_the_pipeline_config_changes_on_disk(monkeypatch):
