@@ -43,6 +43,9 @@ class StoreConfig:
     lease_ttl_seconds: float = 15.0
     busy_timeout_ms: int = 10_000
     busy_retry_seconds: float = 40.0
+    allow_unsafe_durability: bool = False
+    """Start even on a server that may lose acknowledged commits (PostgreSQL `fsync = off`, SQL
+    Server `DELAYED_DURABILITY = FORCED`); never for production."""
     """How long after its oldest message arrived listenerd may still retry a group commit that met
     SQLite's write lock busy (`listeners.ingest`); 0: answer `AE` at the first busy timeout."""
 

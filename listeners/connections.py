@@ -82,6 +82,9 @@ class InboundConfig:
     handshake_timeout_seconds: float = 10.0  # a TLS handshake must be complete within this
     max_bytes_per_second_per_peer: float = 8 * 1024 * 1024  # beyond it a peer is read more slowly
     allow_insecure_bind: bool = False
+    allowed_sources: tuple[str, ...] = ()  # CIDRs a sender may connect from (empty: any); see guard.py
+    allow_unauthenticated_senders: bool = False  # a non-loopback bind without mTLS or allowed_sources
+    allow_archive_in_directory: bool = False  # file: archive/error_directory may lie inside the drop tree
     tls: TLSConfig | None = None
     database: DatabaseSource | None = None  # database: the source table polled (listeners/dbpoll.py)
 
