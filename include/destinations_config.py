@@ -9,7 +9,8 @@ A destination spec, as loaded from TOML/JSON config::
     {"name": "nightly", "kind": "file", "directory": "/data/batches", "batch": true}
     {"name": "api", "kind": "http", "url": "https://api.example/hl7", "headers": {"X-Tenant": "a"}}
 
-Unknown settings are errors (a typo must not silently fall back to a default). `max_attempts`,
+The schema is `include.schema.destinations` (strict pydantic models: types, ranges, unknown
+keys); every problem of the file is reported at once, keyed ``destination[2].port``. `max_attempts`,
 `backoff_seconds` and `max_backoff_seconds` are the retry policy `include.store.stages` applies to
 a failed delivery; `permanent_ack_codes` says which MLLP answers are final (see
 `spark_jobs.senders.mllp`).
@@ -28,19 +29,25 @@ Plain Python, no Spark and no I/O: the config loader, the stage jobs and Spark's
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
-from include.hl7path import FieldPathError, parse_path
 from include.hl7path import value as hl7_value
+from include.schema.destinations import (
+    KIND_MODELS,
+    DestinationsFile,
+    FileModel,
+    MllpModel,
+    TlsModel,
+)
+from include.schema.items import ConfigProblemsError, choose, problem, validate_item, validate_list
 
 __all__ = [
     "ACK_CODES",
     "Destination",
     "DestinationConfigError",
+    "DestinationsFile",
     "FileDestination",
     "HttpDestination",
     "MllpDestination",
@@ -53,10 +60,8 @@ __all__ = [
 ACK_CODES = frozenset({"AA", "AE", "AR", "CA", "CE", "CR"})
 
 
-class DestinationConfigError(ValueError):
-    """A destination spec that cannot be used; the message names the destination and the setting."""
-
-
+class DestinationConfigError(ConfigProblemsError):
+    """`destinations.toml` breaks the schema: every problem, keyed ``destination[2].port``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,190 +119,61 @@ class HttpDestination(Destination):
     idle_timeout_seconds: float = 30.0
 
 
-_KINDS: dict[str, type[Destination]] = {c.kind: c for c in (MllpDestination, FileDestination, HttpDestination)}
-_COMMON_KEYS = frozenset({"name", "kind", "max_attempts", "backoff_seconds", "max_backoff_seconds", "lane", "code"})
-# `module:function`: a dotted module path and a function name (spark_jobs/code_hook.py, docs/rules.md).
-_CODE_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
-_KIND_KEYS: dict[str, frozenset[str]] = {
-    "mllp": frozenset({"host", "port", "timeout_seconds", "tls", "permanent_ack_codes", "idle_timeout_seconds"}),
-    "file": frozenset({"directory", "suffix", "mode", "batch"}),
-    "http": frozenset({"url", "timeout_seconds", "headers", "tls", "idle_timeout_seconds"}),
-}
-_TLS_KEYS = frozenset({"ca_file", "cert_file", "key_file", "server_hostname", "verify"})
+def parse_destinations(config: Any, *, code_dir: str | os.PathLike[str] | None = None,
+                       check_files: bool = False) -> dict[str, Destination]:
+    """Validate destination specs (a list of tables, or a table keyed by name) against the schema.
 
-
-def parse_destinations(config: Any) -> dict[str, Destination]:
-    """Validate destination specs (a list of tables, or a table keyed by name); no I/O.
-
-    Unknown keys are errors (a typo must not silently fall back to a default).
+    Raises `DestinationConfigError` with every problem of every table. No I/O unless asked:
+    `code_dir` (the pipeline dir's `code/`) makes a hook whose module is not in it an error;
+    `check_files` makes missing TLS files errors.
     """
     if isinstance(config, Mapping):
-        specs = [{"name": name, **spec} if isinstance(spec, Mapping) else spec for name, spec in config.items()]
-    elif isinstance(config, (str, bytes)) or not isinstance(config, Sequence):
-        raise DestinationConfigError(f"destinations must be a list of tables, got {type(config).__name__}")
-    else:
-        specs = list(config)
+        config = [{"name": name, **spec} if isinstance(spec, Mapping) else spec for name, spec in config.items()]
+    specs, problems = validate_list(config, "destination")
+    context = {"code_dir": code_dir, "check_files": check_files}
     parsed: dict[str, Destination] = {}
-    for index, spec in enumerate(specs):
-        dest = _parse_one(spec, index)
+    for index, spec in enumerate(specs or []):
+        key = f"destination[{index}]"
+        if isinstance(spec, Destination):
+            model, found = spec, []
+        else:
+            chosen, found = choose(spec, key, "kind", KIND_MODELS)
+            model = None
+            if chosen is not None:
+                model, found = validate_item(chosen, spec, key, context)
+        problems += found
+        if model is None:
+            continue
+        dest = model if isinstance(model, Destination) else _runtime(model)
         if dest.name in parsed:
-            raise DestinationConfigError(f"destination {dest.name!r}: duplicate destination name")
+            problems.append(problem(f"{key}.name", f"duplicate destination name {dest.name!r}"))
         parsed[dest.name] = dest
+    if problems:
+        raise DestinationConfigError(problems)
     return parsed
 
 
-def _parse_one(spec: Any, index: int) -> Destination:
-    if not isinstance(spec, Mapping):
-        raise DestinationConfigError(f"destination #{index}: must be a table/object, got {type(spec).__name__}")
-    name = spec.get("name")
-    if not isinstance(name, str) or not name.strip() or name != name.strip():
-        raise DestinationConfigError(f"destination #{index}: 'name' must be a non-empty string without "
-                                     "surrounding whitespace")
-    where = f"destination {name!r}"
-    kind = spec.get("kind")
-    if kind not in _KINDS:
-        raise DestinationConfigError(f"{where}: 'kind' must be one of {sorted(_KINDS)}, got {kind!r}")
-    allowed = _COMMON_KEYS | _KIND_KEYS[kind]
-    unknown = set(spec) - allowed
-    if unknown:
-        raise DestinationConfigError(f"{where}: unknown setting(s) {sorted(map(str, unknown))} for kind "
-                                     f"{kind!r} (allowed: {', '.join(sorted(allowed))})")
-    s = _Settings(spec, where)
-    common: dict[str, Any] = {
-        "name": name,
-        "max_attempts": s.integer("max_attempts", 10, minimum=1),
-        "backoff_seconds": s.number("backoff_seconds", 5.0, minimum=0.0),
-        "max_backoff_seconds": s.number("max_backoff_seconds", 300.0, minimum=0.0),
-        "lane": s.lane(),
-        "code": s.code(),
-    }
-    if common["max_backoff_seconds"] < common["backoff_seconds"]:
-        raise DestinationConfigError(f"{where}: 'max_backoff_seconds' must be >= 'backoff_seconds'")
-    if kind == "mllp":
-        codes = s.get("permanent_ack_codes", ["AR", "CR"])
-        if (isinstance(codes, (str, bytes)) or not isinstance(codes, Sequence)
-                or not all(isinstance(c, str) and c in ACK_CODES - {"AA", "CA"} for c in codes)):
-            raise DestinationConfigError(f"{where}: 'permanent_ack_codes' must be a list drawn from "
-                                         "AE, AR, CE, CR")
-        return MllpDestination(**common, host=s.text("host"), port=s.port(),
-                               timeout_seconds=s.number("timeout_seconds", 10.0, minimum=0.001),
-                               tls=s.tls(), permanent_ack_codes=tuple(dict.fromkeys(codes)),
-                               idle_timeout_seconds=s.number("idle_timeout_seconds", 30.0, minimum=0.0))
-    if kind == "file":
-        directory = s.text("directory")
-        if not os.path.isabs(directory):
-            raise DestinationConfigError(f"{where}: 'directory' must be an absolute path, got {directory!r}")
-        suffix = s.get("suffix", ".hl7")
-        if not isinstance(suffix, str) or "/" in suffix or os.sep in suffix or "\x00" in suffix:
-            raise DestinationConfigError(f"{where}: 'suffix' must be a string without path separators")
-        mode = s.integer("mode", 0o600, minimum=0)
-        if mode > 0o777:
-            raise DestinationConfigError(f"{where}: 'mode' must be permission bits (0..0o777), got {oct(mode)}")
-        batch = s.get("batch", False)
-        if not isinstance(batch, bool):
-            raise s.fail("batch", "true or false")
-        return FileDestination(**common, directory=directory, suffix=suffix, mode=mode, batch=batch)
-    url = s.text("url")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise DestinationConfigError(f"{where}: 'url' must be an http:// or https:// URL with a host, got {url!r}")
-    try:
-        _ = parts.port  # raises on a malformed port
-    except ValueError:
-        raise DestinationConfigError(f"{where}: 'url' has an invalid port: {url!r}") from None
-    tls = s.tls()
-    if tls is not None and parts.scheme != "https":
-        raise DestinationConfigError(f"{where}: 'tls' needs an https:// url")
-    headers = s.get("headers", {})
-    if not isinstance(headers, Mapping) or not all(isinstance(k, str) and k and isinstance(v, str)
-                                                   for k, v in headers.items()):
-        raise DestinationConfigError(f"{where}: 'headers' must be a table of string values")
-    reserved = {k for k in headers if k.lower() in ("idempotency-key", "content-type", "content-length", "host")}
-    if reserved:
-        raise DestinationConfigError(f"{where}: 'headers' may not set {sorted(reserved)} (Stageline sets them)")
-    return HttpDestination(**common, url=url, timeout_seconds=s.number("timeout_seconds", 10.0, minimum=0.001),
-                           headers=tuple(sorted(headers.items())), tls=tls,
-                           idle_timeout_seconds=s.number("idle_timeout_seconds", 30.0, minimum=0.0))
+def _tls(model: TlsModel | None) -> TlsSettings | None:
+    return None if model is None else TlsSettings(**model.model_dump())
 
 
-class _Settings:
-    """Typed getters whose errors name the destination and the setting."""
-
-    def __init__(self, spec: Mapping[str, Any], where: str) -> None:
-        self.spec, self.where = spec, where
-
-    def get(self, key: str, default: Any) -> Any:
-        return self.spec.get(key, default)
-
-    def fail(self, key: str, expected: str) -> DestinationConfigError:
-        return DestinationConfigError(f"{self.where}: {key!r} must be {expected}, got {self.spec.get(key)!r}")
-
-    def text(self, key: str) -> str:
-        value = self.spec.get(key)
-        if not isinstance(value, str) or not value.strip():
-            raise self.fail(key, "a non-empty string")
-        return value
-
-    def integer(self, key: str, default: int, *, minimum: int) -> int:
-        value = self.spec.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(key, f"an integer >= {minimum}")
-        return value
-
-    def number(self, key: str, default: float, *, minimum: float) -> float:
-        value = self.spec.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < minimum:
-            raise self.fail(key, f"a number >= {minimum:g}")
-        return float(value)
-
-    def port(self) -> int:
-        value = self.spec.get("port")
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-            raise self.fail("port", "an integer 1..65535")
-        return value
-
-    def lane(self) -> str:
-        value = self.spec.get("lane", "destination")
-        if value == "destination":
-            return value
-        if not isinstance(value, str):
-            raise self.fail("lane", "'destination' or an HL7 field path such as 'PID-3.1'")
-        try:
-            parse_path(value)
-        except FieldPathError as exc:
-            raise DestinationConfigError(f"{self.where}: 'lane' must be 'destination' or an HL7 field path: "
-                                         f"{exc}") from None
-        return value
-
-    def code(self) -> str | None:
-        value = self.spec.get("code")
-        if value is None:
-            return None
-        if not isinstance(value, str) or not _CODE_SPEC.fullmatch(value):
-            raise self.fail("code", "'module:function' (a dotted module path, a colon, a function name)")
-        return value
-
-    def tls(self) -> TlsSettings | None:
-        value = self.spec.get("tls")
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            raise self.fail("tls", "a table")
-        unknown = set(value) - _TLS_KEYS
-        if unknown:
-            raise DestinationConfigError(f"{self.where}: unknown 'tls' setting(s) {sorted(map(str, unknown))} "
-                                         f"(allowed: {', '.join(sorted(_TLS_KEYS))})")
-        for key in ("ca_file", "cert_file", "key_file", "server_hostname"):
-            if key in value and not (isinstance(value[key], str) and value[key]):
-                raise DestinationConfigError(f"{self.where}: 'tls.{key}' must be a non-empty string")
-        if "key_file" in value and "cert_file" not in value:
-            raise DestinationConfigError(f"{self.where}: 'tls.key_file' needs 'tls.cert_file'")
-        verify = value.get("verify", True)
-        if not isinstance(verify, bool):
-            raise DestinationConfigError(f"{self.where}: 'tls.verify' must be true or false")
-        return TlsSettings(ca_file=value.get("ca_file"), cert_file=value.get("cert_file"),
-                           key_file=value.get("key_file"), server_hostname=value.get("server_hostname"),
-                           verify=verify)
+def _runtime(model: Any) -> Destination:
+    """The frozen dataclass the stage jobs and senders use, from a validated model."""
+    common: dict[str, Any] = {"name": model.name, "max_attempts": model.max_attempts,
+                              "backoff_seconds": float(model.backoff_seconds),
+                              "max_backoff_seconds": float(model.max_backoff_seconds),
+                              "lane": model.lane, "code": model.code}
+    if isinstance(model, MllpModel):
+        return MllpDestination(**common, host=model.host, port=model.port,
+                               timeout_seconds=float(model.timeout_seconds), tls=_tls(model.tls),
+                               permanent_ack_codes=tuple(dict.fromkeys(model.permanent_ack_codes)),
+                               idle_timeout_seconds=float(model.idle_timeout_seconds))
+    if isinstance(model, FileModel):
+        return FileDestination(**common, directory=model.directory, suffix=model.suffix, mode=model.mode,
+                               batch=model.batch)
+    return HttpDestination(**common, url=model.url, timeout_seconds=float(model.timeout_seconds),
+                           headers=tuple(sorted(model.headers.items())), tls=_tls(model.tls),
+                           idle_timeout_seconds=float(model.idle_timeout_seconds))
 
 
 def lane_key(dest: Destination, payload: str | None) -> str:

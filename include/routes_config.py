@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from include.schema.items import ConfigProblemsError
 from include.conditions import (
     OPS,
     AllOf,
@@ -62,8 +63,8 @@ UNROUTED = "unrouted"
 _ROUTE_KEYS = frozenset({"name", "destinations", "when", "catch_all"})
 
 
-class RouteConfigError(ValueError):
-    """A route spec that cannot be compiled; the message names the route and the problem."""
+class RouteConfigError(ConfigProblemsError):
+    """`routes.toml` breaks the schema: every problem, keyed ``route[1].when``."""
 
 
 @dataclass(frozen=True)

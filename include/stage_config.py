@@ -26,21 +26,23 @@ import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from include.config import VAR_ENV, config_path, var_dir
-from include.destinations_config import Destination, DestinationConfigError, parse_destinations
-from include.routes_config import Route, RouteConfigError, parse_routes
-from include.transforms_config import Transform, TransformConfigError, parse_transforms
+from include.destinations_config import Destination, parse_destinations
+from include.routes_config import Route, parse_routes
+from include.schema import ConfigProblem, ConfigProblems
+from include.schema.items import ConfigProblemsError
+from include.transforms_config import Transform, parse_transforms
 
 PIPELINE_DIR_ENV = "STAGELINE_PIPELINE_DIR"
 CODE_DIR = "code"  # <dir>/code/: the modules destinations' `code` hooks name
 FILES = {"route": "routes.toml", "destination": "destinations.toml", "transform": "transforms.toml"}
 
 
-class PipelineConfigError(ValueError):
-    """The pipeline config cannot be used; the message names the file and the problem."""
+class PipelineConfigError(ConfigProblemsError):
+    """The pipeline config cannot be used: every problem of every file, each with its file and key."""
 
 
 @dataclass(frozen=True)
@@ -85,37 +87,70 @@ def pipeline_dir() -> Path:
 
 
 def load(directory: Path | None = None) -> PipelineConfig:
-    """Read and cross-check the three files; raises PipelineConfigError."""
+    """Read, validate and cross-check the three files; raises PipelineConfigError with every
+    problem of every file (file and key each), never the first one only."""
     base = (directory or pipeline_dir()).resolve()
     if not base.is_dir():
         raise PipelineConfigError(f"pipeline config directory {base} does not exist (set ${PIPELINE_DIR_ENV})")
-    raw = {kind: _tables(base / name, kind) for kind, name in FILES.items()}
-    try:
-        routes = parse_routes(raw["route"])
-    except RouteConfigError as exc:
-        raise PipelineConfigError(f"{base / FILES['route']}: {exc}") from None
-    try:
-        destinations = parse_destinations([_resolved(spec, base) for spec in raw["destination"]])
-    except DestinationConfigError as exc:
-        raise PipelineConfigError(f"{base / FILES['destination']}: {exc}") from None
-    try:
-        transforms = parse_transforms(raw["transform"])
-    except TransformConfigError as exc:
-        raise PipelineConfigError(f"{base / FILES['transform']}: {exc}") from None
-    for route in routes:
+    problems: list[ConfigProblem] = []
+    raw: dict[str, list[Any]] = {}
+    for kind, name in FILES.items():
+        try:
+            raw[kind] = _tables(base / name, kind)
+        except PipelineConfigError as exc:
+            problems += exc.problems
+            raw[kind] = []
+    problems += _stray_files(base)
+
+    def parsed(kind: str, parse: Callable[[list[Any]], Any], empty: Any) -> Any:
+        try:
+            return parse(raw[kind])
+        except ConfigProblems as exc:
+            problems.extend(p._replace(file=p.file or base / FILES[kind]) for p in exc.problems)
+            return empty
+
+    routes = parsed("route", parse_routes, [])
+    destinations = parsed("destination", lambda specs: parse_destinations(
+        [_resolved(spec, base) for spec in specs], code_dir=base / CODE_DIR, check_files=True), {})
+    transforms = parsed("transform", parse_transforms, [])
+    if not problems:
+        problems += _cross_checks(base, routes, destinations, transforms)
+    if problems:
+        raise PipelineConfigError(problems)
+    return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
+
+
+def _cross_checks(base: Path, routes: list[Route], destinations: dict[str, Destination],
+                  transforms: list[Transform]) -> list[ConfigProblem]:
+    """Names one file uses that another must define."""
+    out = []
+    for i, route in enumerate(routes):
         missing = [d for d in route.destinations if d not in destinations]
         if missing:
-            raise PipelineConfigError(f"{base / FILES['route']}: route {route.name!r} sends to "
-                                      f"{missing}, not configured in {FILES['destination']}")
-    for t in transforms:
+            out.append(ConfigProblem(base / FILES["route"], f"route[{i}].destinations",
+                                     f"route {route.name!r} sends to {missing}, not configured in "
+                                     f"{FILES['destination']}"))
+    for i, t in enumerate(transforms):
         if t.destination not in destinations:
-            raise PipelineConfigError(f"{base / FILES['transform']}: transform for {t.destination!r}, not "
-                                      f"configured in {FILES['destination']}")
-        if t.output == "json" and destinations[t.destination].code:
-            raise PipelineConfigError(f"{base / FILES['transform']}: transform for {t.destination!r}: output "
-                                      f"'json' and the destination's code hook cannot be combined (the hook "
-                                      "receives and returns HL7)")
-    return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
+            out.append(ConfigProblem(base / FILES["transform"], f"transform[{i}].destination",
+                                     f"transform for {t.destination!r}, not configured in {FILES['destination']}"))
+        elif t.output == "json" and destinations[t.destination].code:
+            out.append(ConfigProblem(base / FILES["transform"], f"transform[{i}].output",
+                                     f"transform for {t.destination!r}: output 'json' and the destination's code "
+                                     "hook cannot be combined (the hook receives and returns HL7)"))
+    return out
+
+
+def _stray_files(base: Path) -> list[ConfigProblem]:
+    """A `route.toml` beside `routes.toml` is a typo whose routes would silently never load."""
+    known = set(FILES.values())
+    out = []
+    for name in sorted(FILES.values()):
+        stem = name.removesuffix("s.toml")
+        for typo in (f"{stem}.toml",):
+            if (base / typo).exists() and typo not in known:
+                out.append(ConfigProblem(base / typo, "", f"unknown pipeline file; did you mean {name}?"))
+    return out
 
 
 def fingerprint(directory: Path | None = None) -> str:
@@ -142,19 +177,20 @@ def fingerprint(directory: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def _tables(path: Path, kind: str) -> list[dict[str, Any]]:
+def _tables(path: Path, kind: str) -> list[Any]:
     if not path.exists():
         return []
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise PipelineConfigError(f"{path}: {exc}") from None
-    unknown = set(data) - {kind}
-    if unknown:
-        raise PipelineConfigError(f"{path}: unexpected top-level key(s) {sorted(unknown)}; expected [[{kind}]] tables")
+        raise PipelineConfigError([ConfigProblem(path, "", f"cannot be read: {exc}")]) from None
+    unknown = sorted(set(data) - {kind})
+    problems = [ConfigProblem(path, key, f"unknown top-level key; expected [[{kind}]] tables") for key in unknown]
     tables = data.get(kind, [])
     if not isinstance(tables, list):
-        raise PipelineConfigError(f"{path}: '{kind}' must be an array of tables ([[{kind}]])")
+        problems.append(ConfigProblem(path, kind, f"must be an array of tables ([[{kind}]])"))
+    if problems:
+        raise PipelineConfigError(problems)
     return tables
 
 
@@ -164,6 +200,6 @@ def _resolved(spec: Any, base: Path) -> Any:
     directory = spec["directory"].replace(f"${{{VAR_ENV}}}", f"${VAR_ENV}")
     directory = directory.replace(f"${VAR_ENV}", str(var_dir()))
     if "$" in directory:
-        raise PipelineConfigError(f"{base / FILES['destination']}: destination {spec.get('name')!r}: only "
-                                  f"${VAR_ENV} may be used in 'directory', got {spec['directory']!r}")
+        raise PipelineConfigError([ConfigProblem(base / FILES["destination"], f"destination {spec.get('name')!r}.directory",
+                                                 f"only ${VAR_ENV} may be used, got {spec['directory']!r}")])
     return {**spec, "directory": str((base / directory).resolve())}

@@ -87,6 +87,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from include.schema.items import ConfigProblemsError
 from include.conditions import Condition, ConditionError, check_java_regex, parse_condition
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
@@ -156,8 +157,8 @@ CONTROL_ID_LENGTH = 20
 _PATTERN_LETTERS = set("GyMdDQqLEuaHhKkmsSVzOXxZ")
 
 
-class TransformConfigError(ValueError):
-    """A transform spec that cannot be compiled; the message names destination, rule and problem."""
+class TransformConfigError(ConfigProblemsError):
+    """`transforms.toml` breaks the schema: every problem, keyed ``transform[0].rules[3].pad``."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from include.schema import ConfigProblems
 from include.destinations_config import (
     DestinationConfigError,
     FileDestination,
@@ -50,47 +51,99 @@ def test_parse_destinations_accepts_a_table_keyed_by_name() -> None:
 
 
 @pytest.mark.parametrize(("spec", "error"), [
-    ({"kind": "mllp", "host": "h", "port": 1}, r"destination #0: 'name'"),
-    ({"name": "x", "kind": "ftp"}, r"destination 'x': 'kind' must be one of"),
-    ({"name": "ehr", "kind": "mllp", "host": "h", "port": 70000}, r"destination 'ehr': 'port' must be"),
-    ({"name": "ehr", "kind": "mllp", "host": "", "port": 1}, r"destination 'ehr': 'host' must be"),
+    ({"kind": "mllp", "host": "h", "port": 1}, r"destination\[0\]\.name: Field required"),
+    ({"name": "x", "kind": "ftp"}, r"destination\[0\]\.kind: must be one of mllp, file, http, got 'ftp'"),
+    ({"name": "ehr", "kind": "mllp", "host": "h", "port": 70000}, r"destination\[0\]\.port: .*less than or equal to 65535"),
+    ({"name": "ehr", "kind": "mllp", "host": "h", "port": "2575"}, r"destination\[0\]\.port: .*valid integer"),
+    ({"name": "ehr", "kind": "mllp", "host": "", "port": 1}, r"destination\[0\]\.host: must be a non-empty string"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "timeout_seconds": 0},
-     r"destination 'ehr': 'timeout_seconds' must be a number >= 0.001"),
+     r"destination\[0\]\.timeout_seconds: .*greater than or equal to 0.001"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "permanent_ack_codes": ["AA"]},
-     r"destination 'ehr': 'permanent_ack_codes'"),
+     r"destination\[0\]\.permanent_ack_codes\[0\]: "),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "tls": {"ca": "x"}},
-     r"destination 'ehr': unknown 'tls' setting\(s\) \['ca'\]"),
+     r"destination\[0\]\.tls\.ca: unknown setting"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "tls": {"key_file": "k"}},
-     r"destination 'ehr': 'tls.key_file' needs 'tls.cert_file'"),
+     r"destination\[0\]\.tls\.key_file: needs tls.cert_file"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "directory": "/x"},
-     r"destination 'ehr': unknown setting\(s\) \['directory'\] for kind 'mllp'"),
-    ({"name": "a", "kind": "file", "directory": "relative/dir"}, r"destination 'a': 'directory' must be an absolute path"),
-    ({"name": "a", "kind": "file", "directory": "/x", "suffix": "/.hl7"}, r"destination 'a': 'suffix'"),
-    ({"name": "a", "kind": "file", "directory": "/x", "batch": "yes"}, r"destination 'a': 'batch' must be true or false"),
+     r"destination\[0\]\.directory: unknown setting"),
+    ({"name": "a", "kind": "file", "directory": "relative/dir"}, r"destination\[0\]\.directory: must be an absolute path"),
+    ({"name": "a", "kind": "file", "directory": "/x", "suffix": "/.hl7"}, r"destination\[0\]\.suffix: "),
+    ({"name": "a", "kind": "file", "directory": "/x", "batch": "yes"}, r"destination\[0\]\.batch: .*valid boolean"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "batch": True},
-     r"destination 'ehr': unknown setting\(s\) \['batch'\] for kind 'mllp'"),
+     r"destination\[0\]\.batch: unknown setting"),
     ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": 0},
-     r"destination 'a': 'max_attempts' must be an integer >= 1"),
-    ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": True}, r"'max_attempts' must be an integer"),
+     r"destination\[0\]\.max_attempts: .*greater than or equal to 1"),
+    ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": True}, r"destination\[0\]\.max_attempts: .*valid integer"),
     ({"name": "a", "kind": "file", "directory": "/x", "backoff_seconds": 10, "max_backoff_seconds": 5},
-     r"destination 'a': 'max_backoff_seconds' must be >= 'backoff_seconds'"),
+     r"destination\[0\]\.max_backoff_seconds: must be >= backoff_seconds"),
     ({"name": "a", "kind": "file", "directory": "/x", "lane": "pid-3"},
-     r"destination 'a': 'lane' must be 'destination' or an HL7 field path"),
-    ({"name": "api", "kind": "http", "url": "ftp://x/y"}, r"destination 'api': 'url' must be an http"),
+     r"destination\[0\]\.lane: must be 'destination' or an HL7 field path"),
+    ({"name": "api", "kind": "http", "url": "ftp://x/y"}, r"destination\[0\]\.url: must be an http"),
     ({"name": "api", "kind": "http", "url": "http://x/y", "tls": {"verify": False}},
-     r"destination 'api': 'tls' needs an https:// url"),
+     r"destination\[0\]\.tls: needs an https:// url"),
     ({"name": "api", "kind": "http", "url": "http://x/y", "headers": {"Idempotency-Key": "k"}},
-     r"destination 'api': 'headers' may not set \['Idempotency-Key'\]"),
+     r"destination\[0\]\.headers: may not set \['Idempotency-Key'\]"),
+    ({"name": "a", "kind": "file", "directory": "/x", "code": "hooks"}, r"destination\[0\]\.code: must be 'module:function'"),
 ])
 def test_parse_destinations_errors_name_the_destination_and_the_setting(spec: dict[str, Any], error: str) -> None:
-    with pytest.raises(DestinationConfigError, match=error):
+    with pytest.raises(DestinationConfigError, match=error) as caught:
         parse_destinations([spec])
+    assert isinstance(caught.value, ConfigProblems) and len(caught.value.problems) == 1
 
 
 def test_duplicate_destination_names_are_refused() -> None:
     spec = {"name": "a", "kind": "file", "directory": "/x"}
-    with pytest.raises(DestinationConfigError, match=r"destination 'a': duplicate"):
+    with pytest.raises(DestinationConfigError, match=r"destination\[1\]\.name: duplicate destination name 'a'"):
         parse_destinations([spec, spec])
+
+
+def test_every_problem_of_the_file_is_reported_at_once_with_its_key() -> None:
+    """Issue 23: `port = "2575"`, `idle_timeout_seconds = -5`, a typo and a wrong kind in one file
+    are four problems reported together, each with its file-relative key (was: the first only)."""
+    with pytest.raises(DestinationConfigError) as caught:
+        parse_destinations([
+            {"name": "ehr", "kind": "mllp", "host": "h", "port": "2575", "idle_timeout_seconds": -5},
+            {"name": "a", "kind": "file", "directory": "/x", "sufix": ".txt"},
+            {"name": "b", "kind": "ftp"},
+            "not a table",
+        ])
+    keys = [p.key for p in caught.value.problems]
+    assert keys == ["destination[0].port", "destination[0].idle_timeout_seconds", "destination[1].sufix",
+                    "destination[2].kind", "destination[3]"]
+
+
+@pytest.mark.parametrize("code", ["os:system", "subprocess:run", "builtins:eval", "shutil:rmtree",
+                                  "os.path:join", "importlib:import_module"])
+def test_a_code_hook_from_outside_the_config_code_dir_is_refused(code: str, tmp_path: Path) -> None:
+    """Issue 23: `code = "os:system"` passed config check; the config dir is code, nothing else is."""
+    spec = {"name": "a", "kind": "file", "directory": "/x", "code": code}
+    with pytest.raises(DestinationConfigError, match=r"destination\[0\]\.code: module '[a-z.]+' is Python's own"):
+        parse_destinations([spec])
+    with pytest.raises(DestinationConfigError, match=r"destination\[0\]\.code: "):
+        parse_destinations([spec], code_dir=tmp_path)
+
+
+def test_a_code_hook_must_be_found_in_the_code_dir_when_it_is_known(tmp_path: Path) -> None:
+    (tmp_path / "lab_hooks.py").write_text("def fix(m):\n    return m\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    spec = {"name": "a", "kind": "file", "directory": "/x"}
+    parsed = parse_destinations([{**spec, "code": "lab_hooks:fix"}, {**spec, "name": "b", "code": "pkg.sub:f"}],
+                                code_dir=tmp_path)
+    assert parsed["a"].code == "lab_hooks:fix"
+    with pytest.raises(DestinationConfigError, match=r"destination\[0\]\.code: module 'pytest' not found in"):
+        parse_destinations([{**spec, "code": "pytest:main"}], code_dir=tmp_path)
+
+
+def test_missing_tls_files_are_reported_when_files_are_checked(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    spec = {"name": "ehr", "kind": "mllp", "host": "h", "port": 1,
+            "tls": {"ca_file": str(ca), "cert_file": str(tmp_path / "nope.pem")}}
+    assert parse_destinations([spec])["ehr"].tls is not None  # no I/O unless asked
+    with pytest.raises(DestinationConfigError) as caught:
+        parse_destinations([spec], check_files=True)
+    assert [p.key for p in caught.value.problems] == ["destination[0].tls.cert_file"]
 
 
 def test_lane_key_is_per_destination_or_per_field_value_and_always_names_the_destination() -> None:

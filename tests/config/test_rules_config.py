@@ -140,7 +140,7 @@ def test_a_destination_code_hook_is_module_colon_function() -> None:
     [dest] = parse_destinations([{"name": "ehr", "kind": "file", "directory": "/tmp", "code": "hooks.ehr:fix"}]).values()
     assert dest.code == "hooks.ehr:fix"
     for bad in ("hooks", "hooks:", "hooks.ehr:fix:x", "1hooks:fix", 5):
-        with pytest.raises(DestinationConfigError, match=re.escape("destination 'ehr': 'code' must be 'module:function'")):
+        with pytest.raises(DestinationConfigError, match=re.escape("destination[0].code: ")):
             parse_destinations([{"name": "ehr", "kind": "file", "directory": "/tmp", "code": bad}])
 
 
@@ -163,13 +163,15 @@ def test_pipeline_errors_name_the_file_and_the_key(tmp_path: Path) -> None:
     with pytest.raises(PipelineConfigError, match=re.escape(
             f"{tmp_path / 'transforms.toml'}: transform 'ehr': rule #0 (set): when: 'connection' with op 'in'")):
         stage_config.load(tmp_path)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "h.py").write_text("def f(m):\n    return m\n")
     pipeline(tmp_path, transforms='[[transform]]\ndestination = "ehr"\noutput = "json"\n', code='code = "h:f"\n')
     with pytest.raises(PipelineConfigError, match=re.escape(
-            f"{tmp_path / 'transforms.toml'}: transform for 'ehr': output 'json' and the destination's code hook")):
+            f"{tmp_path / 'transforms.toml'}: transform[0].output: transform for 'ehr': output 'json' and the destination's code hook")):
         stage_config.load(tmp_path)
     pipeline(tmp_path, code='code = "h"\n')
     with pytest.raises(PipelineConfigError, match=re.escape(
-            f"{tmp_path / 'destinations.toml'}: destination 'ehr': 'code' must be 'module:function'")):
+            f"{tmp_path / 'destinations.toml'}: destination[0].code: must be 'module:function'")):
         stage_config.load(tmp_path)
     config = stage_config.load(pipeline(tmp_path, code='code = "h:f"\n'))
     assert config.code_dir == tmp_path.resolve() / "code"

@@ -1,0 +1,224 @@
+"""The schema of `destinations.toml`: one `[[destination]]` table per destination, by `kind`.
+
+Types are strict (``port = "2575"`` is an error, not a port), ranges are checked, unknown keys
+are errors (a typo must not fall back to a default). The runtime dataclasses the Spark jobs use
+(`include.destinations_config.MllpDestination`...) are built from these models.
+
+A `code` hook must live in the pipeline config directory's `code/` folder: the config dir is
+code, nothing else is. So a hook naming a standard-library or builtin module (``os:system``,
+``subprocess:run``, ``builtins:eval``) is refused here without any I/O, and with the directory
+known (``context={"code_dir": ...}``) a module not found in it is refused too.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Literal, Union
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+
+from include.hl7path import FieldPathError, parse_path
+from include.schema import Strict
+
+__all__ = ["DestinationModel", "DestinationsFile", "FileModel", "HttpModel", "MllpModel", "TlsModel",
+           "KIND_MODELS", "check_code_spec", "hook_module_path"]
+
+# `module:function`: a dotted module path and a function name (spark_jobs/code_hook.py, docs/rules.md).
+CODE_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+RESERVED_HEADERS = ("idempotency-key", "content-type", "content-length", "host")
+PERMANENT_CODES = ("AE", "AR", "CE", "CR")
+
+
+def _name(value: str) -> str:
+    if not value.strip() or value != value.strip():
+        raise ValueError("must be a non-empty string without surrounding whitespace")
+    return value
+
+
+def _text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _lane(value: str) -> str:
+    if value == "destination":
+        return value
+    try:
+        parse_path(value)
+    except FieldPathError as exc:
+        raise ValueError(f"must be 'destination' or an HL7 field path such as 'PID-3.1': {exc}") from None
+    return value
+
+
+def hook_module_path(module: str, code_dir: str | os.PathLike[str]) -> Path | None:
+    """Where `module` (dotted) is inside `code_dir` (a `.py` file or a package), or None.
+
+    Only the top-level name decides: `a.b` needs `<code_dir>/a/` (a package) or `<code_dir>/a.py`.
+    The resolved path must stay inside `code_dir` (a symlink out of it does not count)."""
+    top = module.split(".", 1)[0]
+    base = Path(code_dir)
+    try:
+        root = base.resolve()
+        for candidate in (base / top / "__init__.py", base / top, base / f"{top}.py"):
+            if candidate.exists() and (candidate.is_file() or (candidate / "__init__.py").is_file()
+                                       or "." in module):
+                resolved = candidate.resolve()
+                if resolved == root or root in resolved.parents:
+                    return candidate
+    except OSError:
+        return None
+    return None
+
+
+def check_code_spec(value: str, code_dir: str | os.PathLike[str] | None = None) -> str:
+    """A `module:function` hook whose module can only come from the config dir's `code/` folder."""
+    if not CODE_SPEC.fullmatch(value):
+        raise ValueError("must be 'module:function' (a dotted module path, a colon, a function name)")
+    module = value.partition(":")[0]
+    top = module.split(".", 1)[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "__main__":
+        raise ValueError(f"module {top!r} is Python's own, not a hook in the config directory's code/ folder "
+                         "(a code hook may only import from <config>/code/)")
+    if code_dir is not None and hook_module_path(module, code_dir) is None:
+        raise ValueError(f"module {module!r} not found in {code_dir} (a code hook may only import from "
+                         "<config>/code/: put it there as <module>.py or a package)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_name)]
+Text = Annotated[str, AfterValidator(_text)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Timeout = Annotated[float, Field(ge=0.001, allow_inf_nan=False)]
+
+
+class TlsModel(Strict):
+    """Client TLS for MLLP/HTTPS; `verify = false` is for test rigs only (it still encrypts)."""
+
+    ca_file: Text | None = None
+    cert_file: Text | None = None
+    key_file: Text | None = None
+    server_hostname: Text | None = None
+    verify: bool = True
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_needs_cert(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("cert_file") is None:
+            raise ValueError("needs tls.cert_file")
+        return value
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _exists(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and (info.context or {}).get("check_files") and not os.path.isfile(value):
+            raise ValueError(f"file {value!r} does not exist")
+        return value
+
+
+class _Common(Strict):
+    """Settings every destination has: its retry policy, lane rule and code hook."""
+
+    name: Name
+    max_attempts: int = Field(default=10, ge=1)
+    backoff_seconds: Seconds = 5.0
+    max_backoff_seconds: Seconds = 300.0
+    lane: Annotated[str, AfterValidator(_lane)] = "destination"
+    code: str | None = None
+
+    @field_validator("max_backoff_seconds")
+    @classmethod
+    def _max_backoff(cls, value: float, info: ValidationInfo) -> float:
+        backoff = info.data.get("backoff_seconds")
+        if backoff is not None and value < backoff:
+            raise ValueError("must be >= backoff_seconds")
+        return value
+
+    @field_validator("code")
+    @classmethod
+    def _code(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else check_code_spec(value, (info.context or {}).get("code_dir"))
+
+
+class MllpModel(_Common):
+    kind: Literal["mllp"]
+    host: Text
+    port: int = Field(ge=1, le=65535)
+    timeout_seconds: Timeout = 10.0
+    tls: TlsModel | None = None
+    permanent_ack_codes: list[Literal["AE", "AR", "CE", "CR"]] = ["AR", "CR"]
+    idle_timeout_seconds: Seconds = 30.0
+
+
+class FileModel(_Common):
+    kind: Literal["file"]
+    directory: Text
+    suffix: str = ".hl7"
+    mode: int = Field(default=0o600, ge=0, le=0o777)
+    batch: bool = False
+
+    @field_validator("directory")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not os.path.isabs(value):
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: str) -> str:
+        if "/" in value or os.sep in value or "\x00" in value:
+            raise ValueError("must be a string without path separators")
+        return value
+
+
+class HttpModel(_Common):
+    kind: Literal["http"]
+    url: Text
+    timeout_seconds: Timeout = 10.0
+    headers: dict[str, str] = {}
+    tls: TlsModel | None = None
+    idle_timeout_seconds: Seconds = 30.0
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        try:
+            parts = urlsplit(value)
+            _ = parts.port  # raises on a malformed port
+        except ValueError:
+            raise ValueError(f"is not a valid URL: {value!r}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        if not all(value):
+            raise ValueError("header names must be non-empty")
+        reserved = sorted(k for k in value if k.lower() in RESERVED_HEADERS)
+        if reserved:
+            raise ValueError(f"may not set {reserved} (Stageline sets them)")
+        return value
+
+    @field_validator("tls")
+    @classmethod
+    def _tls_https(cls, value: TlsModel | None, info: ValidationInfo) -> TlsModel | None:
+        url = info.data.get("url")
+        if value is not None and url is not None and urlsplit(url).scheme != "https":
+            raise ValueError("needs an https:// url")
+        return value
+
+
+KIND_MODELS: dict[str, type[_Common]] = {"mllp": MllpModel, "file": FileModel, "http": HttpModel}
+DestinationModel = Annotated[Union[MllpModel, FileModel, HttpModel], Field(discriminator="kind")]
+
+
+class DestinationsFile(Strict):
+    """`destinations.toml`: an array of `[[destination]]` tables, names unique."""
+
+    destination: list[DestinationModel] = []
