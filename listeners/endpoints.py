@@ -27,7 +27,8 @@ from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, bui
 from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
 from listeners.http_inbound import make_inbound_site
-from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, lane_rule, rejection_reason
+from listeners.inbound import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
+                               rejection_reason)
 from listeners.ingest import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
@@ -231,7 +232,7 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
 def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
     factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
         max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
-        max_connections=conn.max_connections, default_encoding=conn.charset.replace("-", "_").lower()),
+        max_connections=conn.max_connections, default_encoding=codec_name(conn.charset)),
         batch_handler=mllp_batch_handler(conn, wiring, lane_of), counters=wiring.metrics.listener(conn.name, "mllp"))
     return InboundService(conn, wiring, intake=factory)
 

@@ -14,6 +14,8 @@ import string
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from include.charsets import HL7_CHARSETS, charset_to_codec, codec_for
+
 __all__ = [
     "HL7Header",
     "HL7HeaderError",
@@ -23,33 +25,8 @@ __all__ = [
     "parse_header",
 ]
 
-#: HL7 table 0211 (character sets) -> Python codec. UTF-16/32 and bare "UNICODE" are not
-#: listed on purpose: they are not ASCII-compatible, so MLLP's 0x0B/0x1C framing bytes can
-#: occur inside characters and the message cannot be framed safely.
-HL7_CHARSETS: dict[str, str] = {
-    "ASCII": "ascii",
-    "ISO IR6": "ascii",
-    "8859/1": "iso8859_1",
-    "ISO IR100": "iso8859_1",
-    "8859/2": "iso8859_2",
-    "8859/3": "iso8859_3",
-    "8859/4": "iso8859_4",
-    "8859/5": "iso8859_5",
-    "8859/6": "iso8859_6",
-    "8859/7": "iso8859_7",
-    "8859/8": "iso8859_8",
-    "8859/9": "iso8859_9",
-    "8859/15": "iso8859_15",
-    "ISO IR87": "iso2022_jp",
-    "ISO IR159": "iso2022_jp_1",
-    "GB 18030-2000": "gb18030",
-    "KS X 1001": "euc_kr",
-    "BIG-5": "big5",
-    "UNICODE UTF-8": "utf_8",
-    # Not in table 0211 but sent by many real senders; harmless to accept.
-    "UTF-8": "utf_8",
-}
-
+# HL7 table 0211 lives in include/charsets.py (the one allowlist, shared with the config check and
+# the HTTP inbound); re-exported here for compatibility.
 # Separators must be printable ASCII punctuation: never alphanumeric, space or a control char.
 _SEPARATOR_BYTES = frozenset(string.punctuation.encode("ascii"))
 _LEADING_NOISE = b" \t\r\n"
@@ -141,11 +118,6 @@ class HL7Header:
         return self.version.split(self.component_separator)[0].strip()
 
 
-def charset_to_codec(charset: str) -> str | None:
-    """Map an HL7 MSH-18 value to a Python codec name, or None if unknown/unsupported."""
-    return HL7_CHARSETS.get(" ".join(charset.split()).upper())
-
-
 def parse_header(
     data: bytes,
     *,
@@ -165,6 +137,9 @@ def parse_header(
         dropped rather than read as a value.
     :raises HL7HeaderError: when no usable header can be read.
     """
+    if _allowed_codec(default_encoding) is None:  # only table 0211's decoders run over a message
+        shown = "".join(c for c in str(default_encoding)[:24] if c.isprintable())
+        raise HL7HeaderError(HeaderErrorReason.UNKNOWN_CHARSET, f"charset {shown!r} unsupported")
     start = _find_msh(data)
     fs_byte = _field_separator(data, start)
     # MSH-1/MSH-2 are checked once per distinct opening (a sender uses one): the check reads only
@@ -347,6 +322,9 @@ def _resolve_codec(charset: str, repetition: str, default: str, strict: bool) ->
 _MAX_CACHED = 256
 _OPENINGS: dict[bytes, str] = {}  # MSH-1.. bytes -> MSH-2, for openings that passed the check
 _resolve_codec_cached = functools.lru_cache(maxsize=_MAX_CACHED)(_resolve_codec)  # raising calls are not kept
+
+
+_allowed_codec = functools.lru_cache(maxsize=64)(codec_for)
 
 
 @functools.lru_cache(maxsize=64)

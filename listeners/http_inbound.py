@@ -5,7 +5,8 @@ Answers (always a small JSON object, never message content):
 ====  =================================================================================
 202   ``{"message_id": ...}`` — the row is committed; for an HL7 batch (split into its messages,
       all committed together) ``{"batch_id": ..., "message_ids": [...]}``
-400   empty body, undecodable body, unknown charset, text no store can hold (NUL), or the store
+400   empty body, undecodable body, a charset outside HL7 table 0211 (the JSON names the accepted
+      ones under ``accepted``), text no store can hold (NUL), or the store
       refused this very message (not stored; resending it unchanged will not help)
 404   no http connection of that name
 405   any method but POST (``Allow: POST``)
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import json
 import weakref
+from functools import partial
 from collections.abc import Iterable, Mapping
 from io import BytesIO
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet import threads
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -38,7 +41,8 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners.connections import InboundConfig
 from listeners.guard import guard_channels
-from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.inbound import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
+                               rejection_reason)
 from listeners.ingest import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.linger import close_after_answers
 from listeners.stream import describe_peer
@@ -51,6 +55,8 @@ __all__ = ["InboundResource", "make_inbound_site"]
 _log = Logger(namespace="stageline.http")
 
 PREFIX = b"/messages/"
+#: Bodies larger than this are validated (decoded, split, checked) on a thread, not the reactor.
+OFF_REACTOR_BYTES = 256 * 1024
 HL7_MEDIA_TYPES = frozenset({"application/hl7-v2", "application/hl7-v2+er7", "x-application/hl7-v2+er7"})
 
 
@@ -104,28 +110,54 @@ class InboundResource(Resource):
         media, charset = _content_type(request.getHeader(b"content-type"))
         if media and not (media.startswith("text/") or media in HL7_MEDIA_TYPES):
             return self._refuse(request, conn, 415, "unsupported content type; use text/plain or application/hl7-v2")
-        try:
+        try:  # an allowlist (HL7 table 0211): the client must not choose any decoder Python has
             codec = codec_name(charset or conn.charset)
         except ValueError as exc:
-            return self._refuse(request, conn, 400, str(exc))
+            return self._refuse(request, conn, 400, str(exc), accepted=list(ACCEPTED_CHARSETS))
         assert request.content is not None
         body = request.content.read(conn.max_message_bytes + 1)
         if len(body) > conn.max_message_bytes:
             return self._refuse(request, conn, 413, _too_large(len(body), conn.max_message_bytes))
         if not body:
             return self._refuse(request, conn, 400, "empty message")
-        try:
-            item = build_inbound(body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name),
-                                 hl7_only=conn.hl7_only)
-        except PayloadRejected as exc:
-            return self._refuse(request, conn, 400, str(exc))
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
+        build = partial(build_inbound, body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name),
+                        hl7_only=conn.hl7_only)
+        if len(body) <= OFF_REACTOR_BYTES:
+            try:
+                item = build()
+            except PayloadRejected as exc:
+                return self._refuse(request, conn, 400, str(exc))
+            self._submit(request, conn, gone, item)
+            return NOT_DONE_YET
+        # A large body (a batch of thousands of messages is split, each validated) is built on a
+        # thread, so the reactor's turn stays short whatever the body holds; requests on one
+        # connection are handled one at a time, so nothing is reordered.
+        built = threads.deferToThread(build)
+        built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
+                           errbackArgs=(request, conn, gone))
+        built.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
+        return NOT_DONE_YET
+
+    def _not_built(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
+        if failure.check(PayloadRejected):
+            body = self._refuse(request, conn, 400, str(failure.value))
+        else:
+            _log.error("building a POST to {name} failed: {error}", name=conn.name,
+                       error=failure.type.__name__ if failure.type else "unknown")
+            self._count(conn, code="AE")
+            body = _json(request, 500, {"error": "internal error, resend later"})
+        if not gone:
+            request.setHeader(b"content-length", b"%d" % len(body))
+            request.write(body)
+            request.finish()
+
+    def _submit(self, request: Request, conn: InboundConfig, gone: list[bool], item: Inbound | InboundBatch) -> None:
         d = maybeDeferred(self.ingest.submit, item)
         d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
                        errbackArgs=(request, conn, gone))
         d.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
-        return NOT_DONE_YET
 
     def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool],
                    item: Inbound | InboundBatch) -> None:
@@ -148,11 +180,11 @@ class InboundResource(Resource):
             _finish(request, status, {"error": reason})
 
     def _refuse(self, request: Request, conn: InboundConfig, status: int, reason: str, *,
-                code: str = "AR") -> bytes:
+                code: str = "AR", **extra: Any) -> bytes:
         _log.warn("refusing POST to {name} from {peer}: {status} {reason}", name=conn.name,
-                  peer=_peer(request), status=status, reason=reason)
+                  peer=_peer(request), status=status, reason=reason[:200])
         self._count(conn, code=code)
-        return _json(request, status, {"error": reason})
+        return _json(request, status, {"error": reason, **extra})
 
     def _count(self, conn: InboundConfig, *, received: int | None = None, code: str = "") -> None:
         """Count a request received (`received`: its body's bytes) and/or its answer (as AA/AE/AR)."""

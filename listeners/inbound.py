@@ -11,7 +11,6 @@ commit to the answer the same way for all of them (invariant 9, docs/invariants.
 """
 from __future__ import annotations
 
-import codecs
 import hashlib
 import re
 from typing import Callable, Protocol as TypingProtocol
@@ -20,6 +19,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from include.charsets import HL7_CHARSETS, codec_for
 from include.hl7path import parse_path
 from include.hl7path import value as hl7_value
 from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
@@ -34,6 +34,7 @@ __all__ = [
     "LaneOf",
     "PayloadRejected",
     "build_inbound",
+    "ACCEPTED_CHARSETS",
     "codec_name",
     "lane_rule",
     "rejection_reason",
@@ -71,12 +72,23 @@ class PayloadRejected(ValueError):
     """The bytes cannot be staged; ``str()`` is safe to log and to send back (no content)."""
 
 
+#: What a refusal of a charset names as accepted: HL7 table 0211's values (aliases of their codecs,
+#: such as ``latin-1``, are accepted too).
+ACCEPTED_CHARSETS: tuple[str, ...] = tuple(HL7_CHARSETS)
+
+
 def codec_name(charset: str) -> str:
-    """The canonical Python codec for a configured or declared charset; ValueError if unknown."""
-    try:
-        return codecs.lookup(charset).name
-    except LookupError:
-        raise ValueError(f"unknown charset {charset[:40]!r}") from None
+    """The canonical codec for a configured or declared charset; ValueError if not an allowed one.
+
+    Only HL7 table 0211 and aliases of its codecs (`include.charsets.codec_for`): a name a client
+    sends must not pick any decoder Python has (``punycode`` is quadratic, ``base64`` or ``zlib``
+    are not character sets at all).
+    """
+    codec = codec_for(charset)
+    if codec is None:
+        shown = "".join(c for c in str(charset)[:40] if c.isprintable())
+        raise ValueError(f"unknown charset {shown!r}; accepted: {', '.join(ACCEPTED_CHARSETS)}")
+    return codec
 
 
 def unstorable(text: str) -> str | None:

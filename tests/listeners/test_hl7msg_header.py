@@ -215,7 +215,7 @@ def test_every_mapped_charset_is_a_real_ascii_compatible_codec() -> None:
         info = codecs.lookup(codec)
         assert "MSH|^~\\&\r".encode(info.name) == b"MSH|^~\\&\r", name
         assert charset_to_codec(name.lower()) == codec
-    assert charset_to_codec("  unicode   utf-8 ") == "utf_8"
+    assert charset_to_codec("  unicode   utf-8 ") == "utf-8"
     assert charset_to_codec("EBCDIC") is None
 
 
