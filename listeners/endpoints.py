@@ -66,7 +66,8 @@ def peer_limits(conn: InboundConfig) -> PeerLimits:
     return PeerLimits(max_connections=conn.max_connections, max_connections_per_peer=conn.max_connections_per_peer,
                       connect_rate_per_peer=conn.connect_rate_per_peer, frame_timeout_seconds=conn.frame_timeout_seconds,
                       handshake_timeout_seconds=conn.handshake_timeout_seconds,
-                      max_bytes_per_second_per_peer=conn.max_bytes_per_second_per_peer)
+                      max_bytes_per_second_per_peer=conn.max_bytes_per_second_per_peer,
+                      allowed_sources=tuple(conn.allowed_sources))
 
 
 class ListeningService(Service):

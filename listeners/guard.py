@@ -5,6 +5,9 @@ first bytes of a frame and then hold still fill every slot for the five minutes 
 timeout, and every honest sender is turned away. So each socket listener (MLLP, TCP, HTTP, the API)
 sits behind a `GuardedFactory`, which decides per connection, not per listener:
 
+    source      with `allowed_sources` (CIDRs) set, a peer whose address is in none of them is closed
+                at once, before a byte is read or a TLS handshake begun (an IPv4-mapped IPv6 address
+                is matched as its IPv4 address); empty means any address
     admission   per peer address: at most `max_connections_per_peer` open connections and
                 `connect_rate_per_peer` new ones a second (a bucket of twice that); a full listener
                 makes room by closing a connection with nothing in flight: one of the peer address
@@ -30,6 +33,7 @@ many messages it has completed) and `in_flight` (messages received but not yet a
 """
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +45,8 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.server import Site
 
-__all__ = ["GuardedChannel", "GuardedFactory", "GuardedProtocol", "PeerLimits", "Refusals", "guard_channels"]
+__all__ = ["GuardedChannel", "GuardedFactory", "GuardedProtocol", "PeerLimits", "Refusals", "guard_channels",
+           "source_allowed", "source_networks"]
 
 _log = Logger(namespace="stageline.guard")
 
@@ -57,6 +62,34 @@ class PeerLimits:
     handshake_timeout_seconds: float = 10.0
     max_bytes_per_second_per_peer: float = 8 * 1024 * 1024
     log_interval_seconds: float = 60.0
+    allowed_sources: tuple[str, ...] = ()  # CIDRs a peer may connect from; empty: any
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def source_networks(cidrs: tuple[str, ...] | list[str]) -> tuple[Network, ...]:
+    """`allowed_sources` parsed; ValueError naming the entry that is not a CIDR (or address)."""
+    networks = []
+    for cidr in cidrs:
+        try:
+            networks.append(ipaddress.ip_network(str(cidr).strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"allowed_sources: {str(cidr)[:60]!r} is not a CIDR such as 10.0.0.0/8") from None
+    return tuple(networks)
+
+
+def source_allowed(host: str, networks: tuple[Network, ...]) -> bool:
+    """Whether a peer address is in one of `networks` (any address when there are none)."""
+    if not networks:
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:  # not an IP peer (a UNIX socket): no CIDR names it
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return any(address in net for net in networks)
 
 
 class Refusals:
@@ -222,9 +255,14 @@ class GuardedFactory(WrappingFactory):
         self.per_peer: Counter[str] = Counter()
         self._buckets: dict[str, tuple[float, float]] = {}  # host → (connection tokens, at)
         self._bytes: dict[str, tuple[float, float]] = {}  # host → (byte allowance, at)
+        self._sources = source_networks(limits.allowed_sources)
 
     def buildProtocol(self, addr: IAddress) -> GuardedProtocol | None:  # type: ignore[override]
         host = str(getattr(addr, "host", addr))
+        # None: Twisted closes the accepted socket at once, before reading or any TLS handshake.
+        if not source_allowed(host, self._sources):
+            self.refusals(self.name, host, "source")
+            return None
         if not self._take_token(host):
             self.refusals(self.name, host, "connect_rate")
             return None
