@@ -6,6 +6,19 @@ the lease is won, ``stop()`` when it is lost (``stop`` waits for the file in han
 
 Rules, in order of a poll:
 
+* **By descriptor, never by following a link.** Whoever may write into the drop directory can plant
+  a symlink to a secret, a fifo or a device under a name the pattern matches. The drop, archive and
+  error directories are opened as directory descriptors (``O_DIRECTORY|O_NOFOLLOW``); every entry
+  is ``lstat``-ed in place and only a regular file is read, opened relative to the directory with
+  ``O_NOFOLLOW|O_NONBLOCK`` and checked by ``fstat`` to be the very file listed (device, inode),
+  read no further than ``max_message_bytes``. A symlink, fifo, socket or device that matches the
+  pattern is never read: it is moved (as itself: a rename moves a link, it never follows one) to
+  the error directory with a ``.reason``. Directories are left alone. Every file Stageline writes
+  (a ``.reason``, the claim on a target name) is created ``O_CREAT|O_EXCL|O_NOFOLLOW`` mode 0600,
+  so a name already taken (even by a dangling link) is skipped for the next one, never written
+  through. At every poll the archive and error paths must still be the directories first opened:
+  one replaced by a symlink (or anything else) stops the connection taking files, with an error
+  naming it, until it is a real directory again.
 * **Stability.** A file is taken only when its size and mtime are unchanged across two
   consecutive polls (and once more when it is opened), so a file still being written is left
   alone; a new file therefore waits at least ``poll_seconds``. This needs no clock agreement with
@@ -14,15 +27,19 @@ Rules, in order of a poll:
 * **Order.** Stable files go oldest mtime first (then by name), one at a time. A failed submit
   stops the poll, so later files never overtake an earlier one; all are retried next poll.
 * **Exactly one row per file.** The message_id is sha256(connection NUL file name NUL content),
-  first 32 hex digits, and the file moves to ``archive`` (``os.replace``; a clashing name gets a
-  ``.N`` suffix before its extension) only after the commit. A crash between commit and move
-  re-reads the file next time: same message_id, ``stage_inbound`` skips it, then it is moved.
-  The same content dropped again under the same name is therefore treated as a duplicate.
+  first 32 hex digits, and the file moves to ``archive`` (a clashing name gets a ``.N`` suffix
+  before its extension) only after the commit. A crash between commit and move re-reads the file
+  next time: same message_id, ``stage_inbound`` skips it, then it is moved. The same content
+  dropped again under the same name is therefore treated as a duplicate.
 * **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.inbound.build_inbound`
   (malformed HL7, undecodable in ``charset`` or MSH-18, NUL characters, a batch that does not add
-  up, ...) or refused by the store itself: moved to the connection's ``error_directory`` (default
-  ``<archive>/rejected/``) with a ``<name>.reason`` text file beside it; nothing staged. The
-  reason is the text MLLP would send back for the same bytes.
+  up, ...), refused by the store itself, or not a regular file: moved to the connection's
+  ``error_directory`` with a ``<name>.reason`` text file beside it; nothing staged. The reason is
+  the text MLLP would send back for the same bytes.
+* **Where files go.** ``archive`` and ``error_directory`` default to
+  ``<var dir>/filedrop/<connection>/archive`` and ``.../rejected``, outside the partner-writable
+  drop tree, created mode 0700 when missing (with only ``archive`` configured, ``error_directory``
+  is ``<archive>/rejected``).
 * **Batches.** A file whose first segment is FHS or BHS is an HL7 batch: split into its messages,
   each its own row (message ids derived from the file's), staged in one commit with the batch's
   record, or the whole file is rejected.
@@ -34,6 +51,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +62,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from include.config import var_dir
+from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind, move_exclusive, open_dir,
+                                read_regular, still_same_dir)
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
@@ -52,7 +73,7 @@ from listeners.polling import PollingInbound, RunBlocking
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
 
-__all__ = ["FileDrop", "RunBlocking", "file_message_id"]
+__all__ = ["FileDrop", "RunBlocking", "default_archive", "default_error_directory", "file_message_id"]
 
 _log = Logger(namespace="stageline.filedrop")
 
@@ -68,11 +89,23 @@ def file_message_id(connection: str, file_name: str, content: bytes) -> str:
     return digest.hexdigest()[:32]
 
 
+def default_archive(connection: str) -> Path:
+    """Where a connection's ingested files go unless ``archive`` says otherwise."""
+    return var_dir() / "filedrop" / connection / "archive"
+
+
+def default_error_directory(connection: str) -> Path:
+    """Where a connection's refused files go unless ``error_directory`` says otherwise."""
+    return var_dir() / "filedrop" / connection / "rejected"
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     name: str
     size: int
     mtime_ns: int
+    identity: Identity
+    kind: str = "regular file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +116,39 @@ class _Read:
 
 class _Changed(Exception):
     """The file changed between the stability check and the read: wait for it to settle."""
+
+
+class _Dirs:
+    """The three directories as descriptors, opened once and re-checked at every poll."""
+
+    def __init__(self, drop: Path, archive: Path, errors: Path) -> None:
+        self.paths = {"directory": drop, "archive": archive, "error_directory": errors}
+        self.fds: dict[str, int] = {}
+
+    def check(self) -> None:
+        """Open what is not open; UnsafePath when the archive or error path is no longer the
+        directory opened (its descriptor is dropped: nothing more goes through it)."""
+        for key, path in self.paths.items():
+            fd = self.fds.get(key)
+            if fd is not None and still_same_dir(fd, path):
+                continue
+            if fd is not None:
+                os.close(self.fds.pop(key))
+                if key != "directory":
+                    try:
+                        what = kind(os.lstat(path))
+                    except OSError:
+                        what = "gone"
+                    raise UnsafePath(0, f"{key} {path} was replaced (now: {what}); not used", str(path))
+            self.fds[key] = open_dir(path, create=key != "directory", mode=0o700)
+
+    def fd(self, key: str) -> int:
+        return self.fds[key]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
 
 
 class FileDrop(PollingInbound):
@@ -96,12 +162,16 @@ class FileDrop(PollingInbound):
             raise ValueError(f"{config.name}: a file connection needs directory")
         codec_name(config.charset)
         self.directory = Path(config.directory)
-        self.archive = Path(config.archive) if config.archive else self.directory / "archive"
-        if self.archive.resolve() == self.directory.resolve():
-            raise ValueError(f"{config.name}: archive must differ from directory")
-        self.errors = Path(config.error_directory) if config.error_directory else self.archive / "rejected"
-        if self.errors.resolve() == self.directory.resolve():
-            raise ValueError(f"{config.name}: error_directory must differ from directory")
+        self.archive = Path(config.archive) if config.archive else default_archive(config.name)
+        if config.error_directory:
+            self.errors = Path(config.error_directory)
+        else:  # beside the default archive, or inside the one configured (as before)
+            self.errors = self.archive / "rejected" if config.archive else default_error_directory(config.name)
+        for key, path in (("archive", self.archive), ("error_directory", self.errors)):
+            if path.resolve() == self.directory.resolve():
+                raise ValueError(f"{config.name}: {key} must differ from directory")
+            if path.is_symlink():
+                raise ValueError(f"{config.name}: {key} {path} is a symlink; name the real directory")
         super().__init__(config, what="file drop poll", log=_log, reactor=reactor, run_blocking=run_blocking)
         self.ingest = ingest
         self.lane_of = lane_of
@@ -109,27 +179,37 @@ class FileDrop(PollingInbound):
         self._counters = metrics.listener(config.name, "file") if metrics is not None else None
         self._seen: dict[str, tuple[int, int]] = {}
         self._scan_error: str | None = None
+        self._dirs = _Dirs(self.directory, self.archive, self.errors)
 
     def _on_start(self) -> None:
         self._seen = {}  # stability is re-proven after every (re)start
+
+    def _on_stop(self) -> Any:
+        self._dirs.close()
+        return super()._on_stop()
 
     @inlineCallbacks
     def poll(self) -> Any:
         """One pass over the directory; returns how many files were staged and archived."""
         try:
-            listing: list[_Entry] = yield self._run(_scan, self.directory, self.config.pattern)
+            listing: list[_Entry] = yield self._run(self._scan)
         except OSError as exc:
-            reason = f"{type(exc).__name__} (errno {exc.errno})"
+            reason = str(exc) if isinstance(exc, UnsafePath) else f"{type(exc).__name__} (errno {exc.errno})"
             if reason != self._scan_error:
-                _log.warn("cannot scan {directory} for {connection}: {reason}",
-                          directory=str(self.directory), connection=self.config.name, reason=reason)
+                log = _log.error if isinstance(exc, UnsafePath) else _log.warn
+                log("cannot poll {directory} for {connection}: {reason}",
+                    directory=str(self.directory), connection=self.config.name, reason=reason)
             self._scan_error = reason
             return 0
         self._scan_error = None
-        ready = [e for e in listing if self._seen.get(e.name) == (e.size, e.mtime_ns)]
-        self._seen = {e.name: (e.size, e.mtime_ns) for e in listing}
-        ready.sort(key=lambda e: (e.mtime_ns, e.name))
         archived = 0
+        for entry in [e for e in listing if e.kind != "regular file"]:
+            self._count_received(0)  # never read
+            yield self._reject(entry.name, f"not a regular file ({entry.kind}): never read")
+        regular = [e for e in listing if e.kind == "regular file"]
+        ready = [e for e in regular if self._seen.get(e.name) == (e.size, e.mtime_ns)]
+        self._seen = {e.name: (e.size, e.mtime_ns) for e in regular}
+        ready.sort(key=lambda e: (e.mtime_ns, e.name))
         for entry in ready:
             if not self._running:
                 break
@@ -143,18 +223,18 @@ class FileDrop(PollingInbound):
     def _take(self, entry: _Entry) -> Any:
         """Stage and archive one stable file: 1 archived, 0 skipped or rejected, None stop here."""
         name, limit = entry.name, self.config.max_message_bytes
-        path = self.directory / name
         if entry.size > limit:
             self._count_received(0)  # refused for its size, never read
-            yield self._reject(path, f"message too large: {entry.size} bytes, limit {limit}")
+            yield self._reject(name, f"message too large: {entry.size} bytes, limit {limit}")
             return 0
         try:
-            read: _Read = yield self._run(_read, path, entry, self.config.name)
-        except FileNotFoundError:
-            self._seen.pop(name, None)
+            read: _Read = yield self._run(self._read, entry)
+        except TooLarge:
+            self._count_received(0)
+            yield self._reject(name, f"message too large: over {limit} bytes, limit {limit}")
             return 0
-        except _Changed:
-            self._seen.pop(name, None)
+        except (FileNotFoundError, NotRegular, _Changed):
+            self._seen.pop(name, None)  # gone or replaced: the next scan sees what is there now
             return 0
         except OSError as exc:
             _log.error("cannot read {file} for {connection}: {error}", file=name,
@@ -165,7 +245,7 @@ class FileDrop(PollingInbound):
             item = build_inbound(read.data, connection=self.config.name, charset=self.config.charset,
                                  lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
         except PayloadRejected as exc:
-            yield self._reject(path, str(exc))
+            yield self._reject(name, str(exc))
             return 0
         try:
             yield self.ingest.submit(item)
@@ -173,7 +253,7 @@ class FileDrop(PollingInbound):
             failure = Failure()
             reason, code = rejection_reason(failure)
             if failure.check(RowRefused):  # the store refuses this file for good: set it aside
-                yield self._reject(path, reason)
+                yield self._reject(name, reason)
                 return 0
             self._count_ack(code)
             _log.warn("file {file} on {connection} not stored ({reason}); left in place",
@@ -181,7 +261,7 @@ class FileDrop(PollingInbound):
             return None
         self._count_ack("AA")
         try:
-            target = yield self._run(_move_into, path, self.archive)
+            target = yield self._run(self._move, name, "archive", None)
         except OSError as exc:
             # Committed but not moved: the next poll re-reads it, stage_inbound skips it, moves it.
             _log.error("staged {file} on {connection} but cannot archive it: {error}", file=name,
@@ -189,21 +269,23 @@ class FileDrop(PollingInbound):
             return None
         self._seen.pop(name, None)
         _log.info("staged {file} on {connection} as {message_id}; archived as {target}", file=name,
-                  connection=self.config.name, message_id=read.message_id, target=Path(target).name)
+                  connection=self.config.name, message_id=read.message_id, target=target)
         return 1
 
     @inlineCallbacks
-    def _reject(self, path: Path, reason: str) -> Any:
+    def _reject(self, name: str, reason: str) -> Any:
         self._count_ack("AR")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        text = f"{reason}\nconnection: {self.config.name}\nfile: {name}\nrejected_at: {stamp}\n"
         try:
-            target = yield self._run(_reject_into, path, self.errors, reason, self.config.name)
+            target = yield self._run(self._move, name, "error_directory", text.encode("utf-8", "surrogateescape"))
         except OSError as exc:
-            _log.error("cannot move rejected {file} on {connection}: {error}", file=path.name,
+            _log.error("cannot move rejected {file} on {connection}: {error}", file=name,
                        connection=self.config.name, error=type(exc).__name__)
             return
-        self._seen.pop(path.name, None)
-        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=path.name,
-                  connection=self.config.name, reason=reason, target=str(target))
+        self._seen.pop(name, None)
+        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=name,
+                  connection=self.config.name, reason=reason, target=str(self.errors / target))
 
     def _count_received(self, size: int) -> None:
         if self._counters is not None:
@@ -213,64 +295,34 @@ class FileDrop(PollingInbound):
         if self._counters is not None:
             self._counters.answered(code)
 
+    # -- blocking: run in a worker thread ---------------------------------------------------
 
-# -- blocking helpers: run in a worker thread --------------------------------------------------
-
-def _scan(directory: Path, pattern: str) -> list[_Entry]:
-    entries = []
-    with os.scandir(directory) as it:
-        for entry in it:
-            if not fnmatch.fnmatchcase(entry.name, pattern):
+    def _scan(self) -> list[_Entry]:
+        """The matching entries, each lstat-ed in place (never followed); directories left out."""
+        self._dirs.check()
+        drop = self._dirs.fd("directory")
+        entries = []
+        for name in os.listdir(drop):
+            if not fnmatch.fnmatchcase(name, self.config.pattern):
                 continue
             try:
-                if not entry.is_file():
-                    continue
-                st = entry.stat()
+                st = os.stat(name, dir_fd=drop, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            entries.append(_Entry(entry.name, st.st_size, st.st_mtime_ns))
-    return entries
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            entries.append(_Entry(name, st.st_size, st.st_mtime_ns, Identity.of(st), kind(st)))
+        return entries
 
+    def _read(self, entry: _Entry) -> _Read:
+        data, st = read_regular(self._dirs.fd("directory"), entry.name, expect=entry.identity,
+                                limit=self.config.max_message_bytes)
+        if (st.st_size, st.st_mtime_ns) != (entry.size, entry.mtime_ns) or len(data) != entry.size:
+            raise _Changed(entry.name)
+        return _Read(data, file_message_id(self.config.name, entry.name, data))
 
-def _read(path: Path, entry: _Entry, connection: str) -> _Read:
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        if (st.st_size, st.st_mtime_ns) != (entry.size, entry.mtime_ns):
-            raise _Changed(path.name)
-        data = f.read(entry.size + 1)
-    if len(data) != entry.size:
-        raise _Changed(path.name)
-    return _Read(data, file_message_id(connection, path.name, data))
-
-
-def _free_name(directory: Path, name: str, *, also: str = "") -> Path:
-    """``name``, or ``stem.N.ext`` for the first N not taken (nor ``<candidate><also>``)."""
-    stem, dot, ext = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
-    candidate, n = directory / name, 0
-    while candidate.exists() or (also and Path(f"{candidate}{also}").exists()):
-        n += 1
-        candidate = directory / (f"{stem}.{n}.{ext}" if dot else f"{name}.{n}")
-    return candidate
-
-
-def _move_into(path: Path, directory: Path) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    target = _free_name(directory, path.name)
-    os.replace(path, target)
-    return str(target)
-
-
-def _reject_into(path: Path, directory: Path, reason: str, connection: str) -> str:
-    directory.mkdir(parents=True, exist_ok=True)
-    target = _free_name(directory, path.name, also=".reason")
-    # The reason first: whoever sees the file gone from the drop (or in rejected/) finds it.
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    reason_file = Path(f"{target}.reason")
-    reason_file.write_text(
-        f"{reason}\nconnection: {connection}\nfile: {path.name}\nrejected_at: {stamp}\n", encoding="utf-8")
-    try:
-        os.replace(path, target)
-    except OSError:
-        reason_file.unlink(missing_ok=True)
-        raise
-    return str(target)
+    def _move(self, name: str, into: str, reason: bytes | None) -> str:
+        """Rename `name` out of the drop directory into `into`; a `.reason` first when given."""
+        self._dirs.check()
+        return move_exclusive(self._dirs.fd("directory"), name, self._dirs.fd(into),
+                              companion=(".reason", reason) if reason is not None else None)

@@ -45,7 +45,8 @@ def sync(f: Any, *args: Any) -> Deferred:
 
 def config(tmp_path: Path, **overrides: Any) -> InboundConfig:
     values: dict[str, Any] = {"name": "drop", "kind": "file", "directory": str(tmp_path / "in"),
-                              "archive": str(tmp_path / "archive"), "pattern": "*.hl7",
+                              "archive": str(tmp_path / "archive"),
+                              "error_directory": str(tmp_path / "rejected"), "pattern": "*.hl7",
                               "poll_seconds": 5.0, "max_message_bytes": 256}
     values.update(overrides)
     (tmp_path / "in").mkdir(exist_ok=True)
@@ -178,10 +179,10 @@ def test_a_file_the_store_refuses_goes_to_rejected_and_the_next_file_follows(tmp
     h.ingest.calls[0][1].errback(RowRefused("refused by the store (CheckViolation); not stored"))
     assert [item.control_id for item, _ in h.ingest.calls] == ["A", "B"]  # a refused file blocks nothing
     h.ingest.fire(1)
-    rejected = tmp_path / "archive" / "rejected"
+    rejected = tmp_path / "rejected"
     assert listing(rejected) == ["a.hl7", "a.hl7.reason"]
     assert (rejected / "a.hl7.reason").read_text().startswith("refused by the store (CheckViolation)")
-    assert listing(tmp_path / "archive") == ["b.hl7", "rejected"]
+    assert listing(tmp_path / "archive") == ["b.hl7"]
 
 
 def test_stop_waits_for_the_file_in_hand_and_takes_no_further_file(tmp_path: Path) -> None:
@@ -243,7 +244,7 @@ def test_unstageable_files_go_to_rejected_with_a_reason(tmp_path: Path, data: by
     h.start()
     h.next_poll()
     assert [item.control_id for item, _ in h.ingest.calls] == ["G"]
-    rejected = tmp_path / "archive" / "rejected"
+    rejected = tmp_path / "rejected"
     assert listing(rejected) == ["bad.hl7", "bad.hl7.reason"]
     assert (rejected / "bad.hl7").read_bytes() == data
     text = (rejected / "bad.hl7.reason").read_text()
@@ -271,7 +272,7 @@ def rows(path: str) -> list[tuple[Any, ...]]:
                           "ORDER BY id").fetchall()
 
 
-class FileDropStoreTests(trial.TestCase):
+class _RealStore(trial.TestCase):
     """The real IngestWriter and SQLite store; file work in a real thread pool."""
 
     @pytest.fixture(autouse=True)
@@ -294,6 +295,10 @@ class FileDropStoreTests(trial.TestCase):
         listener.start()  # the fake clock never fires: the test drives each poll itself
         self.addCleanup(listener.stop)
         return listener, writer
+
+
+class FileDropStoreTests(_RealStore):
+    """Files become rows, once, only after the commit."""
 
     @inlineCallbacks
     def test_files_become_rows_and_are_archived(self) -> Any:
@@ -338,5 +343,139 @@ class FileDropStoreTests(trial.TestCase):
         yield listener.poll()
         yield listener.poll()
         assert rows(self.store_config.path) == []
-        assert listing(self.tmp / "archive" / "rejected") == ["big.hl7", "big.hl7.reason", "bin.hl7",
+        assert listing(self.tmp / "rejected") == ["big.hl7", "big.hl7.reason", "bin.hl7",
                                                               "bin.hl7.reason"]
+
+
+# -- by descriptor, never by following a link (issue 23) ----------------------------------------
+
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "secrets.txt"
+    path.write_bytes(adt("SECRET"))  # valid HL7, so only the link check stands between it and the store
+    return path
+
+
+def test_a_symlink_in_the_drop_directory_is_never_read_and_is_moved_aside_as_a_link(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    target = secret(tmp_path)
+    (tmp_path / "in" / "leak.hl7").symlink_to(target)
+    drop(tmp_path, "good.hl7", adt("G"))
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["G"]
+    rejected = tmp_path / "rejected"
+    assert listing(rejected) == ["leak.hl7", "leak.hl7.reason"]
+    assert (rejected / "leak.hl7").is_symlink() and os.readlink(rejected / "leak.hl7") == str(target)
+    assert (rejected / "leak.hl7.reason").read_text().startswith("not a regular file (symlink): never read\n")
+    assert target.read_bytes() == adt("SECRET")
+
+
+def test_a_dangling_symlink_in_rejected_is_not_written_through(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    h = Harness(tmp_path, AutoIngest())
+    rejected = tmp_path / "rejected"
+    rejected.mkdir()
+    (rejected / "bad.hl7.reason").symlink_to(outside / "planted.reason")
+    (rejected / "bad.1.hl7").symlink_to(outside / "planted.hl7")
+    drop(tmp_path, "bad.hl7", b"")
+    h.start()
+    h.next_poll()
+    assert listing(outside) == []  # nothing written outside, through either link
+    assert listing(rejected) == ["bad.1.hl7", "bad.2.hl7", "bad.2.hl7.reason", "bad.hl7.reason"]
+    assert (rejected / "bad.2.hl7.reason").read_text().startswith("empty message\n")
+    assert oct(os.stat(rejected / "bad.2.hl7.reason").st_mode & 0o777) == "0o600"
+    assert (rejected / "bad.hl7.reason").is_symlink() and (rejected / "bad.1.hl7").is_symlink()
+
+
+def test_an_archive_replaced_by_a_symlink_stops_the_connection_taking_files(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "archive").mkdir()
+    h = Harness(tmp_path, AutoIngest())
+    h.start()  # the archive is opened as a directory descriptor
+    (tmp_path / "archive").rename(tmp_path / "archive.old")
+    (tmp_path / "archive").symlink_to(elsewhere)
+    drop(tmp_path, "a.hl7", adt("A"))
+    for _ in range(3):
+        h.next_poll()
+    assert h.ingest.calls == [] and listing(elsewhere) == [] and listing(tmp_path / "archive.old") == []
+    assert listing(tmp_path / "in") == ["a.hl7"]
+    assert h.listener.running and "archive" in (h.listener._scan_error or "")
+    (tmp_path / "archive").unlink()  # a real directory again: files flow
+    (tmp_path / "archive").mkdir()
+    h.next_poll()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["A"] and listing(tmp_path / "archive") == ["a.hl7"]
+
+
+@pytest.mark.parametrize("key", ["archive", "error_directory"])
+def test_an_archive_or_error_directory_that_is_a_symlink_refuses_to_start(tmp_path: Path, key: str) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ValueError, match=f"{key} .* is a symlink"):
+        FileDrop(FakeIngest(), config(tmp_path, **{key: str(tmp_path / "link")}),
+                 reactor=MemoryReactorClock(), run_blocking=sync)
+
+
+def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
+    h = Harness(tmp_path, AutoIngest(), archive="", error_directory="")
+    drop(tmp_path, "a.hl7", adt("A"))
+    drop(tmp_path, "b.hl7", b"")
+    h.start()
+    h.next_poll()
+    base = tmp_path / "var" / "filedrop" / "drop"
+    assert listing(base / "archive") == ["a.hl7"]
+    assert listing(base / "rejected") == ["b.hl7", "b.hl7.reason"]
+    assert {oct(os.stat(base / d).st_mode & 0o777) for d in ("archive", "rejected")} == {"0o700"}
+    assert listing(tmp_path / "in") == []
+
+
+def test_a_fifo_or_socket_in_the_drop_directory_is_set_aside_unread(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    os.mkfifo(tmp_path / "in" / "pipe.hl7")
+    drop(tmp_path, "good.hl7", adt("G"))
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["G"]
+    assert listing(tmp_path / "rejected") == ["pipe.hl7", "pipe.hl7.reason"]
+    assert (tmp_path / "rejected" / "pipe.hl7.reason").read_text().startswith("not a regular file (fifo)")
+
+
+class FileDropLinkStoreTests(_RealStore):
+    """Issue 23 against the real store and a real thread pool: what a link points at never becomes a row."""
+
+    timeout = 20  # a poll blocked on a fifo would hang here
+
+    @inlineCallbacks
+    def test_a_symlink_to_a_secret_stages_nothing_and_a_fifo_blocks_no_poll(self) -> Any:
+        listener, _ = self._listener()
+        target = secret(self.tmp)
+        (self.tmp / "in" / "leak.hl7").symlink_to(target)
+        os.mkfifo(self.tmp / "in" / "pipe.hl7")
+        (self.tmp / "in" / "pipe-link.hl7").symlink_to(self.tmp / "in" / "pipe.hl7")
+        drop(self.tmp, "a.hl7", adt("A"))
+        yield listener.poll()
+        assert (yield listener.poll()) == 1
+        assert rows(self.store_config.path) == [(file_message_id("drop", "a.hl7", adt("A")), "A", "drop",
+                                                 adt("A").decode())]
+        assert listing(self.tmp / "rejected") == ["leak.hl7", "leak.hl7.reason", "pipe-link.hl7",
+                                                  "pipe-link.hl7.reason", "pipe.hl7", "pipe.hl7.reason"]
+        assert listing(self.tmp / "in") == []
+
+    @inlineCallbacks
+    def test_an_archive_swapped_for_a_symlink_receives_nothing_through_it(self) -> Any:
+        (self.tmp / "archive").mkdir()
+        listener, _ = self._listener()
+        yield listener.poll()  # directories opened
+        elsewhere = self.tmp / "elsewhere"
+        elsewhere.mkdir()
+        (self.tmp / "archive").rename(self.tmp / "archive.old")
+        (self.tmp / "archive").symlink_to(elsewhere)
+        drop(self.tmp, "a.hl7", adt("A"))
+        yield listener.poll()
+        assert (yield listener.poll()) == 0
+        assert rows(self.store_config.path) == [] and listing(elsewhere) == []
+        assert listing(self.tmp / "in") == ["a.hl7"]
