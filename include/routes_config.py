@@ -15,16 +15,19 @@ no other route matched; a message no route matches at all is ``unrouted``.
 
 The Spark side (:mod:`spark_jobs.route_rules`, :mod:`spark_jobs.conditions`) compiles the
 conditions into Columns. Plain Python, no Spark: a config loader checks routes without a
-session, and every error names the route and where in its ``when`` the problem is.
+session. The schema is `include.schema.routes` (strict pydantic); every problem of the file is
+reported at once, keyed ``route[1].when`` (and where in the condition tree).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from include.schema.items import ConfigProblemsError
+from include.schema.items import ConfigProblemsError, problem, type_name, validate_item, validate_list
+from include.schema.routes import RouteModel, RoutesFile
+from include.schema.transforms import condition
 from include.conditions import (
     OPS,
     AllOf,
@@ -50,6 +53,7 @@ __all__ = [
     "Not",
     "Route",
     "RouteConfigError",
+    "RoutesFile",
     "SegmentPresent",
     "parse_condition",
     "parse_routes",
@@ -60,7 +64,6 @@ __all__ = [
 PENDING = "pending"
 UNROUTED = "unrouted"
 
-_ROUTE_KEYS = frozenset({"name", "destinations", "when", "catch_all"})
 
 
 class RouteConfigError(ConfigProblemsError):
@@ -86,48 +89,30 @@ def parse_condition(cond: Any, *, route_name: str = "<unnamed>", where: str = "w
 
 
 def parse_routes(routes: Any) -> list[Route]:
-    """Validate a whole route config (list of specs, config order kept); no Spark needed."""
-    if isinstance(routes, (str, bytes, Mapping)) or not isinstance(routes, Sequence):
-        raise RouteConfigError(f"routes must be a list of route tables, got {type(routes).__name__}")
+    """Validate a whole route config (list of specs, config order kept) against the schema
+    (`include.schema.routes`); no Spark needed. Raises `RouteConfigError` with every problem of
+    every route, keyed ``route[1].destinations``."""
+    specs, problems = validate_list(routes, "route")
     parsed: list[Route] = []
     seen: set[str] = set()
-    for index, spec in enumerate(routes):
+    for index, spec in enumerate(specs or []):
+        key = f"route[{index}]"
         if isinstance(spec, Route):
-            if spec.name in seen:
-                raise RouteConfigError(f"route {spec.name!r}: duplicate route name")
-            seen.add(spec.name)
-            parsed.append(spec)
+            route: Route | None = spec
+        elif not isinstance(spec, Mapping):
+            problems.append(problem(key, f"must be a table, got {type_name(spec)}"))
             continue
-        if not isinstance(spec, Mapping):
-            raise RouteConfigError(f"route #{index}: must be a table/object, got {type(spec).__name__}")
-        name = spec.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise RouteConfigError(f"route #{index}: 'name' must be a non-empty string")
-        if name in seen:
-            raise RouteConfigError(f"route {name!r}: duplicate route name")
-        seen.add(name)
-        unknown = set(spec) - _ROUTE_KEYS
-        if unknown:
-            raise RouteConfigError(
-                f"route {name!r}: unknown key(s) {sorted(map(str, unknown))} "
-                "(allowed: name, destinations, when, catch_all)"
-            )
-        dests = spec.get("destinations")
-        if (
-            isinstance(dests, (str, bytes, Mapping))
-            or not isinstance(dests, Sequence)
-            or not dests
-            or not all(isinstance(d, str) and d.strip() for d in dests)
-        ):
-            raise RouteConfigError(
-                f"route {name!r}: 'destinations' must be a non-empty list of non-empty strings"
-            )
-        catch_all = spec.get("catch_all", False)
-        if not isinstance(catch_all, bool):
-            raise RouteConfigError(f"route {name!r}: 'catch_all' must be true or false, got {catch_all!r}")
-        if catch_all and "when" in spec:
-            raise RouteConfigError(f"route {name!r}: a catch_all route takes no 'when' (it matches what no "
-                                   "other route matched)")
-        when = parse_condition(spec["when"], route_name=name) if "when" in spec else None
-        parsed.append(Route(name=name, destinations=tuple(dict.fromkeys(dests)), when=when, catch_all=catch_all))
+        else:
+            model, found = validate_item(RouteModel, spec, key)
+            problems += found
+            if model is None:
+                continue
+            route = Route(name=model.name, destinations=tuple(dict.fromkeys(model.destinations)),
+                          when=None if model.when is None else condition(model.when), catch_all=model.catch_all)
+        if route.name in seen:
+            problems.append(problem(f"{key}.name", f"duplicate route name {route.name!r}"))
+        seen.add(route.name)
+        parsed.append(route)
+    if problems:
+        raise RouteConfigError(problems)
     return parsed

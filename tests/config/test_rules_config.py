@@ -66,9 +66,9 @@ def test_bad_conditions_name_where_they_are(cond: Any, problem: str) -> None:
 def test_catch_all_routes() -> None:
     assert parse_routes([{"name": "rest", "destinations": ["archive"], "catch_all": True}]) == [
         Route("rest", ("archive",), None, catch_all=True)]
-    with pytest.raises(RouteConfigError, match="route 'rest': a catch_all route takes no 'when'"):
+    with pytest.raises(RouteConfigError, match=re.escape("route[0]: a catch_all route takes no 'when'")):
         parse_routes([{"name": "rest", "destinations": ["a"], "catch_all": True, "when": {"segment": "PID"}}])
-    with pytest.raises(RouteConfigError, match="route 'rest': 'catch_all' must be true or false"):
+    with pytest.raises(RouteConfigError, match=re.escape("route[0].catch_all: Input should be a valid boolean")):
         parse_routes([{"name": "rest", "destinations": ["a"], "catch_all": "yes"}])
 
 
@@ -109,27 +109,27 @@ def test_new_rules_parse_into_their_classes() -> None:
 
 
 @pytest.mark.parametrize(("rule", "problem"), [
-    ({"set": "MSH-5", "value": "X", "when": {"field": "MSH-9", "op": "like"}}, "rule #0 (set): when: unknown op 'like'"),
-    ({"drop_segment": "ZPI", "when": {"all": [{"segment": "PV"}]}}, "rule #0 (drop_segment): when.all[0]: 'segment'"),
-    ({"add_segment": "MSH|x"}, "rule #0 (add_segment): the added segment MSH is a message header"),
-    ({"add_segment": "ZST|1\rZZZ|2"}, "rule #0 (add_segment): 'add_segment' must be one segment's text"),
-    ({"add_segment": "ZST|1", "after": "PID", "before": "PV1"}, "give 'after' or 'before', not both"),
-    ({"add_segment": "ZST|1", "after": "BHS"}, "'after' must be a segment id inside the message"),
-    ({"pad": "PID-3.1", "length": 10, "with": "00"}, "rule #0 (pad): 'with' must be one character"),
-    ({"pad": "PID-3.1"}, "rule #0 (pad): needs 'length'"),
-    ({"substring": "PID-3.1", "start": 0}, "rule #0 (substring): 'start' must be an integer >= 1"),
-    ({"replace": "PID-3.1", "pattern": "("}, "rule #0 (replace): bad regex '('"),
+    ({"set": "MSH-5", "value": "X", "when": {"field": "MSH-9", "op": "like"}}, "rules[0].when: unknown op 'like'"),
+    ({"drop_segment": "ZPI", "when": {"all": [{"segment": "PV"}]}}, "rules[0].when: at all[0]: 'segment'"),
+    ({"add_segment": "MSH|x"}, "rules[0].add_segment: MSH is a message header"),
+    ({"add_segment": "ZST|1\rZZZ|2"}, "rules[0].add_segment: must be one segment's text"),
+    ({"add_segment": "ZST|1", "after": "PID", "before": "PV1"}, "rules[0].before: give 'after' or 'before', not both"),
+    ({"add_segment": "ZST|1", "after": "BHS"}, "rules[0].after: must be a segment id inside the message"),
+    ({"pad": "PID-3.1", "length": 10, "with": "00"}, "rules[0].with: String should have at most 1 character"),
+    ({"pad": "PID-3.1"}, "rules[0].length: Field required"),
+    ({"substring": "PID-3.1", "start": 0}, "rules[0].start: Input should be greater than or equal to 1"),
+    ({"replace": "PID-3.1", "pattern": "("}, "rules[0].pattern: bad regex '('"),
     ({"upper": "PID-3.1", "to": "PV1-2", "each": True}, "'each' works within one segment occurrence"),
-    ({"format_date": "PID-7", "to_format": "yyyy-MM-dd bbb"}, "uses letters Spark does not know: b"),
-    ({"format_date": "PID-7", "on_error": "ignore"}, "'on_error' must be keep, clear or dead_letter"),
-    ({"concat": ["PID-5.1", {"txt": " "}], "to": "PID-9"}, "rule #0 (concat): part #1: a constant is {text"),
-    ({"concat": ["PID-5.1"]}, "rule #0 (concat): needs 'to'"),
-    ({"set": "MSH-10", "generate": "uuid"}, "'generate' must be 'timestamp' or 'control_id'"),
-    ({"set": "MSH-10", "generate": "control_id", "prefix": "S-L"}, "'prefix' must be 0-12 letters or digits"),
-    ({"set": "MSH-10", "value": "x", "generate": "control_id"}, "give 'value' or 'generate', not both"),
+    ({"format_date": "PID-7", "to_format": "yyyy-MM-dd bbb"}, "rules[0].to_format: pattern 'yyyy-MM-dd bbb' uses letters Spark does not know: b"),
+    ({"format_date": "PID-7", "on_error": "ignore"}, "rules[0].on_error: Input should be 'keep', 'clear' or 'dead_letter'"),
+    ({"concat": ["PID-5.1", {"txt": " "}], "to": "PID-9"}, "rules[0].concat[1]: a constant is {text"),
+    ({"concat": ["PID-5.1"]}, "rules[0].to: Field required"),
+    ({"set": "MSH-10", "generate": "uuid"}, "rules[0].generate: Input should be 'timestamp' or 'control_id'"),
+    ({"set": "MSH-10", "generate": "control_id", "prefix": "S-L"}, "rules[0].prefix: must be 0-12 letters or digits"),
+    ({"set": "MSH-10", "value": "x", "generate": "control_id"}, "rules[0].value: give 'value' or 'generate', not both"),
     ({"map": "PV1-2", "table": "t", "not_found": "default"}, "'default' goes with not_found = 'default'"),
-    ({"map": "PV1-2", "table": "t", "not_found": "drop"}, "'not_found' must be keep, default, clear or dead_letter"),
-    ({"dead_letter": ""}, "rule #0 (dead_letter): 'dead_letter' must be a non-empty reason"),
+    ({"map": "PV1-2", "table": "t", "not_found": "drop"}, "rules[0].not_found: Input should be 'keep', 'default', 'clear' or 'dead_letter'"),
+    ({"dead_letter": ""}, "rules[0].dead_letter: must be a non-empty string"),
 ])
 def test_bad_rules_name_destination_rule_and_key(rule: dict[str, Any], problem: str) -> None:
     with pytest.raises(TransformConfigError, match=re.escape(problem)):
@@ -156,12 +156,12 @@ def test_pipeline_errors_name_the_file_and_the_key(tmp_path: Path) -> None:
     pipeline(tmp_path, routes='[[route]]\nname = "r"\ndestinations = ["ehr"]\n'
                               'when = { any = [{ field = "OBX-8", op = "eq", value = "H", segments = "most" }] }\n')
     with pytest.raises(PipelineConfigError, match=re.escape(
-            f"{tmp_path / 'routes.toml'}: route 'r': when.any[0]: 'segments' must be 'any' or 'all'")):
+            f"{tmp_path / 'routes.toml'}: route[0].when: at any[0]: 'segments' must be 'any' or 'all'")):
         stage_config.load(tmp_path)
     pipeline(tmp_path, transforms='[[transform]]\ndestination = "ehr"\n'
                                   'rules = [{ set = "MSH-5", value = "X", when = { connection = 7 } }]\n')
     with pytest.raises(PipelineConfigError, match=re.escape(
-            f"{tmp_path / 'transforms.toml'}: transform 'ehr': rule #0 (set): when: 'connection' with op 'in'")):
+            f"{tmp_path / 'transforms.toml'}: transform[0].rules[0].when: 'connection' with op 'in'")):
         stage_config.load(tmp_path)
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "h.py").write_text("def f(m):\n    return m\n")
