@@ -233,9 +233,12 @@ def config_check(service_config: str | None, directory: Path | None, local_confi
 @click.option("--config", "config_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Config dir: listenerd's connections and the pipeline (routes, transforms, destinations, "
                    "lookups). Default: the checkout's config/.")
+@click.option("--show-secrets", is_flag=True, help="Print the Airflow admin password and the API token in the "
+                                                     "banner (default: say which files hold them).")
 @_service_config_here
 @click.pass_obj
-def up(service_config: str | None, no_stack: bool, config_dir: Path | None, local_config: str | None = None) -> None:
+def up(service_config: str | None, no_stack: bool, config_dir: Path | None, local_config: str | None = None,
+       show_secrets: bool = False) -> None:
     """Run Stageline on this node's config: the store, Spark Connect, Airflow and listenerd."""
     ctx = click.get_current_context()
     service_config = local_config or service_config
@@ -251,7 +254,8 @@ def up(service_config: str | None, no_stack: bool, config_dir: Path | None, loca
     from include.embedded import up as run_stack
 
     cfg = _load(service_config)
-    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), config_dir=config_dir, echo=click.echo))
+    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), config_dir=config_dir, echo=click.echo,
+                       show_secrets=show_secrets))
 
 
 @cli.group()

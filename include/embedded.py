@@ -38,12 +38,45 @@ SPARK_CONNECT_PORT = 15002
 
 
 def _secret(path: Path) -> str:
-    """A random secret generated once and kept, so restarts keep logins and tokens."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(24))
-        path.chmod(0o600)
-    return path.read_text().strip()
+    """A random secret generated once and kept, so restarts keep logins and tokens.
+
+    Created ``O_CREAT|O_EXCL|O_NOFOLLOW`` mode 0600, so it is never readable by others, not even
+    for the moment between a write and a chmod; one left group- or world-readable by an older
+    version is tightened."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        _write_all(fd, secrets.token_urlsafe(24))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        if os.fstat(f.fileno()).st_mode & 0o077:
+            os.fchmod(f.fileno(), 0o600)
+        return f.read().strip()
+
+
+def _write_all(fd: int, text: str) -> None:
+    """Write `text` to `fd` and close it."""
+    try:
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace `path` with `text`, mode 0600 from the first byte (a new file renamed over the old)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 EMBEDDED_PARALLELISM = 5
@@ -191,16 +224,19 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo, pipeline_dir: Path) -
     return demo.delivery_locations(var, pipeline_dir)
 
 
-def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print) -> int:
+def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print,
+       show_secrets: bool = False) -> int:
     """The stack on `config_dir` (listenerd's connections and the pipeline: routes, transforms,
-    destinations, lookups; default the checkout's `config/`)."""
+    destinations, lookups; default the checkout's `config/`). The banner names the files holding the
+    admin password and the API token; it prints them only with `show_secrets`."""
     config_dir = (config_dir or demo.PIPELINE_DIR).resolve()
     ends = endpoints_of(config_dir)
     var = var_dir()
     env = airflow_env(var, service_config, config_dir)
     home = Path(env["AIRFLOW_HOME"])
     password = _secret(home / ".admin_password")
-    (home / "simple_auth_manager_passwords.json.generated").write_text(json.dumps({"admin": password}))
+    _write_private(home / "simple_auth_manager_passwords.json.generated", json.dumps({"admin": password}))
+    token_from = "$STAGELINE_API_TOKEN" if os.environ.get("STAGELINE_API_TOKEN") else str(var / ".api_token")
     token = os.environ.get("STAGELINE_API_TOKEN") or _secret(var / ".api_token")
     stack = Stack(var / "log", cwd=ROOT, echo=echo)
     try:
@@ -245,19 +281,33 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         echo(f"\nstartup failed: {exc}")
         stack.stop()
         return 1
+    echo(banner(cfg, config_dir, ends, deliveries, var, api_port=api_port,
+                password=password, password_file=home / ".admin_password", token=token, token_from=token_from,
+                show_secrets=show_secrets))
+    return stack.wait()
+
+
+def banner(cfg: ServiceConfig, config_dir: Path, ends: Endpoints, deliveries: list[tuple[str, str]], var: Path, *,
+           api_port: int, password: str, password_file: Path, token: str, token_from: str,
+           show_secrets: bool = False) -> str:
+    """What `stageline up` prints once the stack is up: where everything is. The admin password and
+    the API token only with `show_secrets` (a terminal's scrollback and a CI log outlive the run);
+    otherwise where they are kept."""
     delivered = "\n                      ".join(f"{name:<8} → {place}" for name, place in deliveries)
     inbound = "\n".join(f"  {kind.upper() + ' inbound':<19} {where:<19} ({name})" for name, kind, where in ends.inbound) \
         or "  (no inbound connections configured)"
     if any(kind == "mllp" for _, kind, _ in ends.inbound):
         inbound += "\n                      try: uv run stageline demo send --port <the MLLP port>"
-    echo(f"""
+    login = password if show_secrets else f"<the password in {password_file}>"
+    bearer = token if show_secrets else f"<the token in {token_from}>"
+    hint = "" if show_secrets else "\n  (secrets are not printed: `stageline up --show-secrets` prints them)"
+    return f"""
 Stageline is up (single node, {store_where(cfg.store)}, config {config_dir}).
 {inbound}
-  Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {password}
+  Airflow UI          http://127.0.0.1:{AIRFLOW_PORT}   login admin / {login}
   Stageline view      http://127.0.0.1:{AIRFLOW_PORT}/stageline/   (in the Airflow UI's nav: Stageline)
-  listenerd API       http://{ends.api_host}:{api_port}/cluster/status   (Authorization: Bearer {token})
+  listenerd API       http://{ends.api_host}:{api_port}/cluster/status   (Authorization: Bearer {bearer})
   Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
   deliveries          {delivered}
-  logs                {var / 'log'}
-Ctrl-C stops everything.""")
-    return stack.wait()
+  logs                {var / 'log'}{hint}
+Ctrl-C stops everything."""
