@@ -5,6 +5,12 @@ can ask any node who leads. Everything but `/health` needs a bearer token whose 
 MONITORING_READ. It fails closed: no configured tokens means only `/health` answers with data;
 a non-loopback bind without TLS refuses to start unless `allow_insecure_bind` says otherwise.
 Tokens and message bodies are never logged. The `[api]` format is in docs/api.md.
+
+Message bodies are PHI: a message's metadata needs `messages:read`, its bodies
+`messages:read_body` (operator and admin, not viewer), asked for on purpose (`?body=1`), and each
+such read is a `body_read` audit event naming the token's entry. A request with a body is checked
+(token, permission, size) as soon as its headers are in, before any of the body is read. The access
+log shows query fields without their values and `/messages/{ref}` without the ref.
 """
 from __future__ import annotations
 
@@ -13,8 +19,9 @@ import hmac
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
+from io import BytesIO
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +34,11 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from include.parquet_archive import ParquetArchive
 from include.store import operator
-from listeners.connections import ConnectionConfigError, TLSConfig, check_bind
+from include.schema import ConfigProblems
+from include.schema.connections import ApiModel
+from include.schema.rules import validate
+from listeners import access_log
+from listeners.connections import ConnectionConfigError, TLSConfig
 from listeners.guard import guard_channels
 from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from listeners.state import NodeState
@@ -36,11 +47,13 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8470
 MIN_TOKEN_LENGTH = 16
 REALM = "stageline"
+MAX_BODY_BYTES = 64 * 1024
+"""The largest request body the API takes (a replay or requeue is a few hundred bytes); more is 413,
+answered from the headers alone."""
 
 log = Logger(namespace="stageline.api")
 
 _BEARER_TOKEN = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 b64token
-_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 
 class ApiConfigError(ConnectionConfigError):
@@ -49,9 +62,10 @@ class ApiConfigError(ConnectionConfigError):
 
 class Permission(StrEnum):
     """What a request may do; one member per permission an endpoint checks."""
-    MONITORING_READ = "monitoring:read"  # cluster posture, nodes, metrics: no PHI
-    MESSAGES_READ = "messages:read"      # find / show messages (bodies: PHI), dead letters, stages
-    MESSAGES_WRITE = "messages:write"    # replay, requeue (audit events name the token)
+    MONITORING_READ = "monitoring:read"      # cluster posture, nodes, metrics: no PHI
+    MESSAGES_READ = "messages:read"          # find / show messages without bodies, dead letters, stages
+    MESSAGES_READ_BODY = "messages:read_body"  # a message's bodies (PHI); each read is an audit event
+    MESSAGES_WRITE = "messages:write"        # replay, requeue (audit events name the token)
 
 
 class Role(StrEnum):
@@ -60,12 +74,17 @@ class Role(StrEnum):
     ADMIN = "admin"
 
 
-# Every role reads monitoring and messages; replay and requeue are for operators and admins.
+# Every role reads monitoring and message metadata; bodies (PHI), replay and requeue are for
+# operators and admins: a viewer token (what a Prometheus scrape holds) never reads a body.
 ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType({
     Role.VIEWER: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ}),
-    Role.OPERATOR: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_WRITE}),
-    Role.ADMIN: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_WRITE}),
+    Role.OPERATOR: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_READ_BODY,
+                              Permission.MESSAGES_WRITE}),
+    Role.ADMIN: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_READ_BODY,
+                           Permission.MESSAGES_WRITE}),
 })
+BODY_PERMISSION = Permission.MESSAGES_WRITE
+"""What a request that carries a body needs: only replay and requeue take one."""
 
 
 @dataclass(frozen=True)
@@ -111,41 +130,21 @@ class ApiAuth:
     @classmethod
     def from_config(cls, api: Mapping[str, Any], env: Mapping[str, str], *,
                     role_permissions: Mapping[Role, frozenset[Permission]] = ROLE_PERMISSIONS) -> ApiAuth:
-        """Read `[[api.tokens]]`: each has `role` and one of `token_env` / `token_sha256`."""
-        entries = api.get("tokens", [])
-        if not isinstance(entries, list):
-            raise ApiConfigError("[api] tokens must be an array of tables ([[api.tokens]])")
+        """Read `[[api.tokens]]`: each has `role` and one of `token_env` / `token_sha256` (the table's
+        shape is checked by `include.schema.connections.ApiTokenModel`; the tokens themselves here)."""
+        entries = api.get("tokens", []) if isinstance(api, Mapping) else api
+        model = _api_model({"tokens": entries}, None)
         tokens: list[tuple[bytes, Role, str]] = []
-        for number, entry in enumerate(entries, 1):
-            where = f"[[api.tokens]] #{number}"
-            if not isinstance(entry, dict):
-                raise ApiConfigError(f"{where}: must be a table")
-            if isinstance(entry.get("name"), str) and entry["name"]:
-                where += f" ({entry['name']!r})"
-            if "token" in entry:
-                raise ApiConfigError(f"{where}: a plaintext token in the config file is refused; set token_env "
-                                     "(an environment variable holding the token) or token_sha256 (its hex "
-                                     "SHA-256 digest)")
-            unknown = sorted(set(entry) - {"name", "role", "token_env", "token_sha256"})
-            if unknown:
-                raise ApiConfigError(f"{where}: unknown setting(s): {', '.join(unknown)}")
-            try:
-                role = Role(str(entry.get("role")).lower())  # "viewer" and "VIEWER" alike
-            except ValueError:
-                raise ApiConfigError(f"{where}: role must be one of {', '.join(r.value for r in Role)}") from None
-            if ("token_env" in entry) == ("token_sha256" in entry):
-                raise ApiConfigError(f"{where}: give exactly one of token_env or token_sha256")
-            if "token_env" in entry:
-                digest = _digest_from_env(entry["token_env"], env, where)
+        for number, entry in enumerate(model.tokens, 1):
+            where = f"[[api.tokens]] #{number}" + (f" ({entry.name!r})" if entry.name else "")
+            if entry.token_env is not None:
+                digest = _digest_from_env(entry.token_env, env, where)
             else:
-                value = entry["token_sha256"]
-                if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
-                    raise ApiConfigError(f"{where}: token_sha256 must be 64 hex digits")
-                digest = bytes.fromhex(value)
+                digest = bytes.fromhex(entry.token_sha256 or "")
             clash = next((t[2] for t in tokens if hmac.compare_digest(t[0], digest)), None)
             if clash:
                 raise ApiConfigError(f"{where}: the same token as {clash}")
-            tokens.append((digest, role, where))
+            tokens.append((digest, Role(entry.role), where))
         return cls(tokens, role_permissions=role_permissions)
 
     def label_for(self, authorization: bytes | None) -> str:
@@ -211,40 +210,22 @@ class ApiSettings:
     @classmethod
     def from_config(cls, api: Mapping[str, Any], base_dir: str | Path | None) -> ApiSettings:
         """Read `[api]` (tokens are ApiAuth's); TLS paths are relative to `base_dir`, the config dir
-        (the working directory when None)."""
-        unknown = sorted(set(api) - {"host", "port", "tls", "allow_insecure_bind", "tokens"})
-        if unknown:
-            raise ApiConfigError(f"[api]: unknown setting(s): {', '.join(unknown)}")
-        host = api.get("host", DEFAULT_HOST)
-        port = api.get("port", DEFAULT_PORT)
-        insecure = api.get("allow_insecure_bind", False)
-        if not isinstance(host, str) or not host:
-            raise ApiConfigError("[api] host must be a non-empty string")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise ApiConfigError("[api] port must be an integer 0..65535")
-        if not isinstance(insecure, bool):
-            raise ApiConfigError("[api] allow_insecure_bind must be true or false")
-        tls = _tls(api["tls"], Path(base_dir or ".")) if "tls" in api else None
-        check_bind(host, tls=tls is not None, allow_insecure=insecure, what=f"[api] (API on {host}:{port})")
-        return cls(host=host, port=port, tls=tls, allow_insecure_bind=insecure)
+        (the working directory when None). The rules are `include.schema.connections.ApiModel`'s."""
+        base = Path(base_dir or ".").resolve()
+        model = _api_model(api, base)
+        tls = None
+        if model.tls is not None:
+            tls = TLSConfig(**{k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+                               for k, v in model.tls.model_dump().items()})
+        return cls(host=model.host, port=model.port, tls=tls, allow_insecure_bind=model.allow_insecure_bind)
 
 
-def _tls(raw: Any, base: Path) -> TLSConfig:
-    known = {f.name for f in fields(TLSConfig)}
-    if not isinstance(raw, dict) or set(raw) - known:
-        raise ApiConfigError("[api.tls] must be a table with cert, key, ca, require_client_cert")
-    for name in ("cert", "key", "ca"):
-        if not isinstance(raw.get(name, ""), str):
-            raise ApiConfigError(f"[api.tls] {name} must be a file path")
-    if not isinstance(raw.get("require_client_cert", False), bool):
-        raise ApiConfigError("[api.tls] require_client_cert must be true or false")
-    tls = TLSConfig(**{k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
-                       for k, v in raw.items()})
-    if not (tls.cert and tls.key):
-        raise ApiConfigError("[api.tls] needs cert and key")
-    if tls.require_client_cert and not tls.ca:
-        raise ApiConfigError("[api.tls] require_client_cert needs ca (the client CA bundle)")
-    return tls
+def _api_model(api: Any, base: Path | None) -> ApiModel:
+    """`[api]` validated: every problem at once, keyed `api.<setting>` (`ApiConfigError`)."""
+    try:
+        return validate(ApiModel, api, prefix="api", context={"base": base, "roles": [r.value for r in Role]})
+    except ConfigProblems as exc:
+        raise ApiConfigError(exc.problems) from None
 
 
 # --- the resource tree -----------------------------------------------------------------------------
@@ -289,10 +270,80 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     root.putChild(b"messages", message_resources(state, auth))
     root.putChild(b"stages", _Endpoint(lambda r: _deferred(r, lambda store: operator.stages(store), state),
                                        auth=auth, permission=Permission.MESSAGES_READ))
-    site = Site(root)
+    site = _ApiSite(root, auth)
     site.displayTracebacks = False
     site.noisy = False
     return guard_channels(site)
+
+
+QUERY_FIELDS = frozenset({"control_id", "message_id", "lane_key", "connection", "destination", "status",
+                          "since_ms", "until_ms", "before_id", "limit", "body"})
+"""The query fields the API reads: the access log names these (never their values), others not at all."""
+_FIXED = {b"dead", b"requeue", b"replay"}
+
+
+def redact_path(path: bytes) -> str:
+    """`/messages/MRN-0042/replay` as `/messages/{ref}/replay`: a message ref may be an identifier."""
+    parts = path.split(b"/")
+    if len(parts) > 2 and parts[1] == b"messages" and parts[2] and parts[2] not in _FIXED:
+        parts[2] = b"{ref}"
+    return b"/".join(parts).decode("ascii", "replace")
+
+
+class _ApiRequest(Request):
+    """Decides on a request's body from its headers alone: a body (a POST's) needs a token whose role
+    may write, and at most MAX_BODY_BYTES; otherwise 401/403/413 at once, the connection closed, and
+    not one byte of the body read into memory."""
+
+    _refused = False
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        self.content = BytesIO()  # never a temp file
+        if length == 0:  # no body: the endpoint checks the token as for any GET
+            return
+        auth: ApiAuth = self.channel.site.auth
+        denial = auth.check(self.requestHeaders.getRawHeaders(b"authorization", [None])[0], BODY_PERMISSION)
+        if denial is not None:
+            self._refuse(denial.status, denial.reason, challenge=denial.challenge(),
+                         error="unauthorized" if denial.status == 401 else "forbidden")
+        elif length is not None and length > MAX_BODY_BYTES:
+            self._refuse(413, f"a body of {length} bytes (the API takes at most {MAX_BODY_BYTES})")
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        if self._received > MAX_BODY_BYTES:  # chunked: no length said up front
+            self.content = BytesIO()
+            self._refuse(413, f"a body of more than {MAX_BODY_BYTES} bytes")
+            return
+        self.content.write(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def _refuse(self, status: int, reason: str, *, challenge: bytes | None = None, error: str | None = None) -> None:
+        self._refused = True
+        self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
+        path = redact_path(getattr(self.channel, "_path", b"").partition(b"?")[0])
+        log.info("api: {status} for {path} from {peer} before its body: {reason}", status=status, path=path,
+                 peer=_peer(self), reason=reason)
+        phrase = {401: b"Unauthorized", 403: b"Forbidden", 413: b"Payload Too Large"}[status]
+        body = json.dumps({"error": error or reason}).encode()
+        self.channel.transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (status, phrase, b"WWW-Authenticate: %s\r\n" % challenge if challenge else b"", len(body), body))
+        self.channel.loseConnection()
+
+
+class _ApiSite(Site):
+    def __init__(self, root: Resource, auth: ApiAuth) -> None:
+        super().__init__(root, requestFactory=_ApiRequest,
+                         logFormatter=access_log.formatter(path=redact_path, known=QUERY_FIELDS))
+        self.auth = auth
 
 
 def _json(request: Request, code: int, doc: dict[str, Any]) -> bytes:
@@ -341,7 +392,7 @@ class _Endpoint(_Directory):
             denial = self._auth.check(request.getHeader(b"authorization"), self._permission)
             if denial is not None:
                 log.info("api: {status} for {path} from {peer}: {reason}", status=denial.status,
-                         path=request.path.decode("ascii", "replace"), peer=_peer(request), reason=denial.reason)
+                         path=redact_path(request.path), peer=_peer(request), reason=denial.reason)
                 request.setHeader(b"www-authenticate", denial.challenge())
                 return _json(request, denial.status, {"error": "unauthorized" if denial.status == 401
                                                       else "forbidden"})
@@ -350,22 +401,39 @@ class _Endpoint(_Directory):
         except ValueError as exc:  # bad input the handler refused before any work
             return _json(request, 400, {"error": str(exc)})
         except Exception:
-            log.failure("api: {path} failed", path=request.path.decode("ascii", "replace"))
+            log.failure("api: {path} failed", path=redact_path(request.path))
             return _json(request, 500, {"error": "internal error"})
 
 
 # --- /messages and /stages: the operator's operations (include/store/operator.py) ------------------
 
 def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
-    """GET /messages?control_id=…, GET /messages/dead, GET /messages/{ref}, POST /messages/{ref}/replay
-    {"from": "inbound"|"outbound", "reason": …}, POST /messages/requeue {"stage", "ids" | "destination"
-    | "lane", "reason"}. Reads need messages:read, replay/requeue messages:write; the audit events
-    name the token's entry. Nothing of a message is logged."""
+    """GET /messages?control_id=…, GET /messages/dead, GET /messages/{ref}[?body=1], POST
+    /messages/{ref}/replay {"from": "inbound"|"outbound", "reason": …}, POST /messages/requeue {"stage",
+    "ids" | "destination" | "lane", "reason"}. Reads need messages:read (no bodies), `?body=1`
+    messages:read_body (and is a `body_read` audit event), replay/requeue messages:write; the audit
+    events name the token's entry. Nothing of a message is logged."""
     read, write = Permission.MESSAGES_READ, Permission.MESSAGES_WRITE
 
     def find(request: Request) -> Any:
-        filters = operator.Filters.from_query({k.decode(): v[0].decode() for k, v in request.args.items() if v})
+        filters = operator.Filters.from_query(_args(request))
+        filters.params()  # out-of-range figures: 400 before any work
         return _deferred(request, lambda store: {"messages": operator.find(store, filters)}, state)
+
+    def show(ref: str) -> Callable[[Request], Any]:
+        def handler(request: Request) -> Any:
+            reader = None
+            if _flag(_args(request).get("body")):
+                denial = auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY)
+                if denial is not None:
+                    log.info("api: {status} for a message's bodies from {peer}: {reason}", status=denial.status,
+                             peer=_peer(request), reason=denial.reason)
+                    return _json(request, denial.status, {"error": f"bodies need {Permission.MESSAGES_READ_BODY.value}"})
+                reader = operator.Reader(auth.label_for(request.getHeader(b"authorization")), "api")
+            cold = ParquetArchive(state.archive_path) if state.archive_path else None
+            return _deferred(request, lambda s: operator.show(
+                s, operator.resolve(s, ref, parquet=cold), parquet=cold, reader=reader).__dict__, state)
+        return handler
 
     def replay(ref: str) -> Callable[[Request], Any]:
         def handler(request: Request) -> Any:
@@ -395,13 +463,24 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
             if path == b"requeue":
                 return _Endpoint(requeue, auth=auth, permission=write, methods=(b"POST",))
             ref = path.decode("utf-8", "replace")
-            cold = ParquetArchive(state.archive_path) if state.archive_path else None
-            one = _Endpoint(lambda r: _deferred(r, lambda s: operator.show(
-                s, operator.resolve(s, ref, parquet=cold), parquet=cold).__dict__, state), auth=auth, permission=read)
+            one = _Endpoint(show(ref), auth=auth, permission=read)
             one.putChild(b"replay", _Endpoint(replay(ref), auth=auth, permission=write, methods=(b"POST",)))
             return one
 
     return Messages(find, auth=auth, permission=read)
+
+
+def _args(request: Request) -> dict[str, str]:
+    """The query string's fields (the first of each), as text."""
+    return {k.decode("utf-8", "replace"): v[0].decode("utf-8", "replace") for k, v in request.args.items() if v}
+
+
+def _flag(value: str | None) -> bool:
+    if value is None or value.lower() in ("", "0", "false", "no"):
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"body must be 1 or 0, got {value[:20]!r}")
 
 
 def _body(request: Request) -> dict[str, Any]:
@@ -438,7 +517,7 @@ def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) ->
         elif failure.check(ValueError):
             answer(400, {"error": str(failure.value)})
         else:
-            log.warn("api: {path}: {error}", path=request.path.decode("ascii", "replace"), error=failure.type.__name__)
+            log.warn("api: {path}: {error}", path=redact_path(request.path), error=failure.type.__name__)
             answer(503, {"error": "store unavailable"})
 
     def run() -> Any:

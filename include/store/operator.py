@@ -15,6 +15,11 @@ event in `message_events` naming who (`node_id` = `operator:<actor>`) and why (`
 
 Nothing here needs the leader lease: the rows it touches are finished (`done`/`dead`), which no
 stage task claims; the rows it creates are claimed like any other, under the claimer's epoch.
+
+Bodies are PHI, read on purpose and on the record: `show` gives a message's metadata (what `find`
+lists, its stage rows and its trail) without any body unless it is given a `reader`, and then
+writes a `body_read` event (who, via which surface, on the store's clock) before it returns one.
+A store that cannot record the read gives no body.
 """
 from __future__ import annotations
 
@@ -28,6 +33,16 @@ if TYPE_CHECKING:
     from include.parquet_archive import ParquetArchive
 
 FIND_LIMIT = 50
+MAX_FIND_LIMIT = 1000
+"""The most rows one `find` returns; a larger `limit` is refused (400 on the API), page on with `before_id`."""
+MAX_TIME_MS = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z: the largest time filter accepted (a bigger one is a typo, not a date)."""
+MAX_ROW_ID = 2**63 - 1
+BODY_FIELDS = ("payload",)
+"""The fields of a message row that are content (PHI): the inbound body and every transformed or
+delivered body. Withheld from a reader without the body permission."""
+BODY_READ = "body_read"
+"""The audit event of one read of a message's bodies."""
 REPLAY_FROM = ("inbound", "outbound")
 STATUSES = ("pending", "in_flight", "done", "error", "dead", "unrouted")
 
@@ -60,10 +75,19 @@ class Filters:
         return cls(**texts, **ints)
 
     def params(self) -> dict[str, Any]:
+        """The statement's parameters; ValueError for a status not known or a number out of range
+        (`limit` 1..MAX_FIND_LIMIT, times 0..year 9999, ids 1..2^63-1), so no figure reaches the store
+        that would make it read or return more than a page."""
         if self.status is not None and self.status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
-        if self.limit < 1:
-            raise ValueError("limit must be at least 1")
+        if not 1 <= self.limit <= MAX_FIND_LIMIT:
+            raise ValueError(f"limit must be 1..{MAX_FIND_LIMIT} (page on with before_id), got {self.limit}")
+        for name in ("since_ms", "until_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TIME_MS:
+                raise ValueError(f"{name} must be 0..{MAX_TIME_MS} (epoch milliseconds), got {value}")
+        if self.before_id is not None and not 1 <= self.before_id <= MAX_ROW_ID:
+            raise ValueError(f"before_id must be 1..{MAX_ROW_ID}, got {self.before_id}")
         return dict(self.__dict__)
 
 
@@ -122,10 +146,52 @@ def _merged(hot: list[dict[str, Any]], archived: list[dict[str, Any]],
     return [rows[k] for k in sorted(rows)]
 
 
-def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None) -> Story:
+@dataclass(frozen=True)
+class Reader:
+    """Who reads a message's bodies, for the audit event: `who` (a token's entry, an Airflow user, an
+    OS user) through `surface` (`api`, `airflow`, `cli`)."""
+
+    who: str
+    surface: str
+
+    @property
+    def actor(self) -> str:
+        return f"reader:{self.surface} {self.who}"[:400]
+
+
+def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None,
+         reader: Reader | None = None) -> Story:
     """One message's whole story, from the hot tables, retention's archive tables and the Parquet
     archive (`parquet`, when given) alike: a message whose rows and events were archived, purged
-    and moved to Parquet reads the same as one still hot."""
+    and moved to Parquet reads the same as one still hot.
+
+    Without `reader` the story has no body (`BODY_FIELDS` removed from every row: metadata only).
+    With one, a `body_read` event naming the reader is committed first, then the bodies returned."""
+    story = _story(store, inbound_id, parquet=parquet)
+    if reader is None:
+        return without_bodies(story)
+    record_body_read(store, story.inbound, reader)
+    return story
+
+
+def without_bodies(story: Story) -> Story:
+    """`story` with every body field removed (the inbound row's, each outbound row's)."""
+    def strip(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if k not in BODY_FIELDS}
+    return Story(strip(story.inbound), [strip(r) for r in story.routed], [strip(o) for o in story.outbound],
+                 list(story.trail), list(story.batches), story.hl7_batch)
+
+
+def record_body_read(store: Store, inbound: Mapping[str, Any], reader: Reader) -> None:
+    """Commit one `body_read` event for the message `inbound` (its row as `show` read it)."""
+    with store.transaction() as tx:
+        tx.execute("body_read_event", {"id": int(inbound["id"]), "message_id": inbound["message_id"],
+                                       "control_id": inbound.get("control_id"),
+                                       "status": inbound.get("status") or "unknown", "actor": reader.actor,
+                                       "detail": f"bodies read via {reader.surface}"})
+
+
+def _story(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None) -> Story:
     with store.transaction(write=False) as tx:
         inbound = tx.one("message_inbound", {"id": inbound_id})
         inbound = {**inbound, "archived_ms": None} if inbound is not None else \

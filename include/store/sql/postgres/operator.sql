@@ -158,3 +158,12 @@ SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch,
  WHERE (CAST(:stage AS text) IS NULL OR b.stage = CAST(:stage AS text))
  ORDER BY b.id DESC
  LIMIT CAST(:limit AS bigint)
+
+-- name: body_read_event
+-- The access log of PHI: one event per read of a message's bodies (event 'body_read'), naming who
+-- (node_id 'reader:<surface> <who>') and through which surface (the detail); `at` is the store's
+-- clock (the column's default). The row's status is unchanged (to_status = from_status).
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+VALUES ('inbound', CAST(:id AS bigint), CAST(:message_id AS text), CAST(:control_id AS text), NULL, 'body_read',
+        CAST(:status AS text), CAST(:status AS text), NULL, CAST(:actor AS text), NULL, CAST(:detail AS text))

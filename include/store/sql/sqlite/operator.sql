@@ -152,3 +152,11 @@ SELECT b.id, b.stage, b.owner, b.dag_id, b.run_id, b.try_number, b.epoch, b.star
  WHERE (:stage IS NULL OR b.stage = :stage)
  ORDER BY b.id DESC
  LIMIT :limit
+
+-- name: body_read_event
+-- The access log of PHI: one event per read of a message's bodies (event 'body_read'), naming who
+-- (node_id 'reader:<surface> <who>') and through which surface (the detail); `at` is the store's
+-- clock (the column's default). The row's status is unchanged (to_status = from_status).
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+VALUES ('inbound', :id, :message_id, :control_id, NULL, 'body_read', :status, :status, NULL, :actor, NULL, :detail)

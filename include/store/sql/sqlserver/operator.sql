@@ -165,3 +165,12 @@ SELECT TOP (CAST(:limit AS int))
   FROM stage_batches AS b
  WHERE (:stage IS NULL OR b.stage = :stage)
  ORDER BY b.id DESC
+
+-- name: body_read_event
+-- The access log of PHI: one event per read of a message's bodies (event 'body_read'), naming who
+-- (node_id 'reader:<surface> <who>') and through which surface (the detail); `at` is the store's
+-- clock (the column's default). The row's status is unchanged (to_status = from_status).
+INSERT INTO message_events (stage, row_id, message_id, control_id, destination, event,
+                            from_status, to_status, epoch, node_id, attempt, detail)
+VALUES ('inbound', CAST(:id AS bigint), :message_id, :control_id, NULL, 'body_read', :status, :status,
+        NULL, :actor, NULL, :detail)
