@@ -9,7 +9,9 @@ reactor serves while the client waits.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -35,7 +37,9 @@ PHI = ("DOE^JANE", "P77^^^HOSP^MR")
 
 class PhiOverTheApi(unittest.TestCase):
     def setUp(self) -> None:
-        config = StoreConfig(backend="sqlite", path=self.mktemp() + ".db")
+        where = tempfile.mkdtemp(prefix="stageline-phi-")
+        self.addCleanup(shutil.rmtree, where, True)
+        config = StoreConfig(backend="sqlite", path=f"{where}/stageline.db")
         self.store = Store(config)
         self.addCleanup(self.store.close)
         migrate(self.store, cluster_name=CLUSTER)
