@@ -5,6 +5,12 @@ Idempotency: the file is named `<idempotency_key><suffix>` and written atomicall
 the same directory, fsync, `os.replace`, fsync of the directory), so a re-delivery overwrites the
 same file with the same bytes. Pollers must ignore dot-files (`.stageline-*.tmp`).
 
+By descriptor (issue 23): the destination directory is opened `O_DIRECTORY|O_NOFOLLOW` (a
+directory that is a symlink is refused, retryably, and nothing is written), the temp file is
+created relative to it `O_CREAT|O_EXCL|O_NOFOLLOW` with the destination's `mode` from the first
+byte, and the rename happens between that directory's descriptor and itself: a symlink planted at
+the final name is replaced, never followed.
+
 `send_file_lanes` does the same for many messages at once with two flushes instead of two per
 file: every temp file written, ONE `syncfs` of their filesystem (their data is on disk), every
 rename in lane order, ONE fsync per directory (the renames are on disk). Nothing is reported sent
@@ -14,10 +20,11 @@ single path can) and re-sends the rows, which rewrite the same names.
 from __future__ import annotations
 
 import ctypes
+import errno
 import ctypes.util
 import hashlib
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,13 +56,9 @@ def _file_name(key: str, suffix: str) -> str | None:
     return stem + suffix
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the rename durable: without it a crash can lose the new directory entry."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _open_directory(directory: str) -> int:
+    """The destination directory itself as a descriptor; never what a symlink there points at."""
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
 
 
 def batch_file(dest: FileDestination, rows: Sequence[Mapping[str, Any]]) -> FileSend:
@@ -91,6 +94,7 @@ class _Staged:
     send: FileSend
     lane: int
     index: int
+    dir_fd: int
     tmp: str
     final: str
     size: int
@@ -102,47 +106,58 @@ def send_file_lanes(lanes: Sequence[Sequence[FileSend]]) -> list[list[DeliveryRe
     Per lane, results in the lane's order; a lane stops at its first failure and the rest of it is
     None (not attempted). Never raises.
     """
+    dirs: dict[str, int | str] = {}  # directory -> its descriptor, or why it cannot be written
+    try:
+        return _send_lanes(lanes, dirs)
+    finally:
+        for fd in dirs.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str]) -> list[list[DeliveryResult | None]]:
     results: list[list[DeliveryResult | None]] = [[None] * len(lane) for lane in lanes]
     staged: list[_Staged] = []
     for li, lane in enumerate(lanes):
         for i, item in enumerate(lane):
-            outcome = _write_temp(item)
+            outcome = _write_temp(item, dirs)
             if isinstance(outcome, DeliveryResult):
                 results[li][i] = outcome
                 break
-            staged.append(_Staged(item, li, i, outcome[0], outcome[1], outcome[2]))
+            staged.append(_Staged(item, li, i, *outcome))
     if not staged:
         return results
-    flushed = _flush_data({s.send.dest.directory for s in staged})
+    flushed = _flush_data({s.dir_fd for s in staged})
     stopped: set[int] = set()
-    renamed: dict[str, list[_Staged]] = {}
+    renamed: dict[int, list[_Staged]] = {}
     for st in staged:
         if st.lane in stopped or flushed is not None:
-            _unlink(st.tmp)
+            _unlink(st.dir_fd, st.tmp)
             if st.lane not in stopped:
                 results[st.lane][st.index] = DeliveryResult.retry(f"{st.send.dest.name}: flushing files: {flushed}")
                 stopped.add(st.lane)
             continue
         try:
-            os.replace(st.tmp, st.final)
+            os.replace(st.tmp, st.final, src_dir_fd=st.dir_fd, dst_dir_fd=st.dir_fd)
         except OSError as exc:
-            _unlink(st.tmp)
+            _unlink(st.dir_fd, st.tmp)
             results[st.lane][st.index] = DeliveryResult.retry(
-                f"{st.send.dest.name}: writing {os.path.basename(st.final)}: {describe_error(exc)}")
+                f"{st.send.dest.name}: writing {st.final}: {describe_error(exc)}")
             stopped.add(st.lane)
             continue
-        renamed.setdefault(st.send.dest.directory, []).append(st)
-    for directory, done in renamed.items():
+        renamed.setdefault(st.dir_fd, []).append(st)
+    for dir_fd, done in renamed.items():
         try:
-            _fsync_directory(directory)
+            os.fsync(dir_fd)  # the renames are on disk
         except OSError as exc:
-            failed = DeliveryResult.retry(f"{done[0].send.dest.name}: syncing {directory}: {describe_error(exc)}")
+            failed = DeliveryResult.retry(
+                f"{done[0].send.dest.name}: syncing {done[0].send.dest.directory}: {describe_error(exc)}")
             for st in done:
                 results[st.lane][st.index] = failed
             continue
         for st in done:
             results[st.lane][st.index] = DeliveryResult.success(
-                f"{st.send.dest.name}: wrote {os.path.basename(st.final)} ({st.size} bytes)")
+                f"{st.send.dest.name}: wrote {st.final} ({st.size} bytes)")
     for li, lane in enumerate(results):  # after a failure nothing later in the lane counts as sent
         for i, r in enumerate(lane):
             if r is not None and not r.ok:
@@ -151,7 +166,22 @@ def send_file_lanes(lanes: Sequence[Sequence[FileSend]]) -> list[list[DeliveryRe
     return results
 
 
-def _write_temp(item: FileSend) -> tuple[str, str, int] | DeliveryResult:
+def _directory(dest: FileDestination, dirs: dict[str, int | str]) -> int | str:
+    """`dest.directory`'s descriptor (opened once per call), or why it cannot be written."""
+    if dest.directory not in dirs:
+        try:
+            dirs[dest.directory] = _open_directory(dest.directory)
+        except FileNotFoundError:
+            dirs[dest.directory] = f"directory {dest.directory} does not exist"
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                dirs[dest.directory] = f"directory {dest.directory} is a symlink or not a directory: refused"
+            else:
+                dirs[dest.directory] = f"directory {dest.directory}: {describe_error(exc)}"
+    return dirs[dest.directory]
+
+
+def _write_temp(item: FileSend, dirs: dict[str, int | str]) -> tuple[int, str, str, int] | DeliveryResult:
     """The message in a temp file beside its final name, not yet flushed; or why not."""
     dest = item.dest
     name = _file_name(item.idempotency_key, dest.suffix)
@@ -162,53 +192,53 @@ def _write_temp(item: FileSend) -> tuple[str, str, int] | DeliveryResult:
         data = item.payload.encode(codec)
     except UnicodeEncodeError as exc:
         return DeliveryResult.permanent(f"{dest.name}: payload cannot be encoded as {codec}: position {exc.start}")
-    if not os.path.isdir(dest.directory):
-        return DeliveryResult.retry(f"{dest.name}: directory {dest.directory} does not exist")
-    tmp: str | None = None
+    dir_fd = _directory(dest, dirs)
+    if isinstance(dir_fd, str):
+        return DeliveryResult.retry(f"{dest.name}: {dir_fd}")
+    tmp = f".stageline-{secrets.token_hex(8)}.tmp"
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".stageline-", suffix=".tmp", dir=dest.directory)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     dest.mode & 0o777, dir_fd=dir_fd)
+    except OSError as exc:
+        return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
+    try:
         try:
-            os.fchmod(fd, dest.mode)
+            os.fchmod(fd, dest.mode)  # exactly the configured mode, whatever the umask, before any byte
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
     except OSError as exc:
-        if tmp is not None:
-            _unlink(tmp)
+        _unlink(dir_fd, tmp)
         return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
-    return tmp, os.path.join(dest.directory, name), len(data)
+    return dir_fd, tmp, name, len(data)
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if os.name == "posix" else None
 
 
-def _flush_data(directories: set[str]) -> str | None:
-    """Flush the written data of every file system holding `directories` (one `syncfs` each; a
-    global `sync` where there is none); None, or the error."""
-    devices: dict[int, str] = {}
+def _flush_data(dir_fds: set[int]) -> str | None:
+    """Flush the written data of every file system holding `dir_fds` (one `syncfs` each; a global
+    `sync` where there is none); None, or the error."""
+    devices: dict[int, int] = {}
     try:
-        for d in directories:
-            devices.setdefault(os.stat(d).st_dev, d)
-        for d in devices.values():
-            fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            try:
-                if _LIBC is not None and hasattr(_LIBC, "syncfs"):
-                    if _LIBC.syncfs(fd) != 0:
-                        err = ctypes.get_errno()
-                        raise OSError(err, os.strerror(err))
-                else:
-                    os.sync()
-            finally:
-                os.close(fd)
+        for fd in dir_fds:
+            devices.setdefault(os.fstat(fd).st_dev, fd)
+        for fd in devices.values():
+            if _LIBC is not None and hasattr(_LIBC, "syncfs"):
+                if _LIBC.syncfs(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, os.strerror(err))
+            else:
+                os.sync()
     except OSError as exc:
         return describe_error(exc)
     return None
 
 
-def _unlink(path: str) -> None:
+def _unlink(dir_fd: int, name: str) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
