@@ -63,11 +63,10 @@ def hook_module_path(module: str, code_dir: str | os.PathLike[str]) -> Path | No
     base = Path(code_dir)
     try:
         root = base.resolve()
-        for candidate in (base / top / "__init__.py", base / top, base / f"{top}.py"):
-            if candidate.exists() and (candidate.is_file() or (candidate / "__init__.py").is_file()
-                                       or "." in module):
+        for candidate in (base / top / "__init__.py", base / f"{top}.py", base / top):
+            if candidate.is_file() or (candidate == base / top and candidate.is_dir()):
                 resolved = candidate.resolve()
-                if resolved == root or root in resolved.parents:
+                if root in resolved.parents:
                     return candidate
     except OSError:
         return None

@@ -114,3 +114,34 @@ def test_a_code_module_added_or_removed_changes_the_fingerprint(tmp_path):
     assert added != before
     (tmp_path / "code" / "hooks.py").unlink()
     assert fingerprint(tmp_path) == before
+
+
+def test_every_problem_of_every_pipeline_file_is_reported_at_once_with_file_and_key(tmp_path: Path) -> None:
+    """Issue 23: wrong types and ranges in each file, several in one file, a hook outside code/ and a
+    file named `route.toml` are reported together (was: the first problem of the first file)."""
+    (tmp_path / "routes.toml").write_text('[[route]]\nname = "r"\ndestinations = "ehr"\ncatch_all = "no"\n')
+    (tmp_path / "route.toml").write_text('[[route]]\nname = "typo"\ndestinations = ["ehr"]\n')
+    (tmp_path / "destinations.toml").write_text(
+        '[[destination]]\nname = "ehr"\nkind = "mllp"\nhost = "h"\nport = "2575"\nidle_timeout_seconds = -5\n'
+        'code = "os:system"\n'
+        f'[[destination]]\nname = "out"\nkind = "file"\ndirectory = "{tmp_path}"\nmode = 4095\n')
+    (tmp_path / "transforms.toml").write_text(
+        '[[transform]]\ndestination = "ehr"\nrules = [{ pad = "PID-3.1", length = 0, side = "middle" },'
+        ' { set = "MSH-5" }]\n')
+    with pytest.raises(PipelineConfigError) as caught:
+        stage_config.load(tmp_path)
+    got = [(p.file.name if p.file else None, p.key) for p in caught.value.problems]
+    assert got == [
+        ("route.toml", ""),
+        ("routes.toml", "route[0].destinations"),
+        ("routes.toml", "route[0].catch_all"),
+        ("destinations.toml", "destination[0].code"),
+        ("destinations.toml", "destination[0].port"),
+        ("destinations.toml", "destination[0].idle_timeout_seconds"),
+        ("destinations.toml", "destination[1].mode"),
+        ("transforms.toml", "transform[0].rules[0].length"),
+        ("transforms.toml", "transform[0].rules[0].side"),
+        ("transforms.toml", "transform[0].rules[1]"),
+    ], caught.value
+    assert "module 'os' is Python's own" in str(caught.value)
+    assert "did you mean routes.toml?" in str(caught.value)
