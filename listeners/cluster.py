@@ -49,6 +49,7 @@ class StoreService(Service):
         """Blocking, once, before anything else runs: a node that cannot reach its store does not start."""
         self.store = Store(self._config)
         self.identity = check_identity(self.store, cluster_name=self._cluster_name)
+        self.store.check_durability()  # fsync off / delayed durability forced: refused (docs/store.md)
         super().startService()
 
     def stopService(self) -> Deferred[None]:

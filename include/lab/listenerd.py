@@ -29,7 +29,8 @@ def store_toml(store: StoreConfig) -> str:
         return (f'[store]\nbackend = "sqlite"\npath = "{store.path}"\nbusy_timeout_ms = {store.busy_timeout_ms}\n'
                 f'busy_retry_seconds = {float(store.busy_retry_seconds)}\n')
     return (f'[store]\nbackend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
-            f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n')
+            f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n'
+            + ("allow_unsafe_durability = true\n" if store.allow_unsafe_durability else ""))
 
 
 @dataclass

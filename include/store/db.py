@@ -29,6 +29,7 @@ from typing import Any, Iterator, Mapping
 from include.config import StoreConfig
 from include.store import queries
 from include.store.dialects import DIALECTS, Dialect
+from include.store.durability import UnsafeDurability, check_connection
 
 log = logging.getLogger(__name__)
 
@@ -158,13 +159,16 @@ class Store:
         self._free: queue.LifoQueue[Any] | None = None  # SQLite: the connections not in a transaction
         self._free_lock = threading.Lock()
         self._pool: Any = None
+        self._unsafe: UnsafeDurability | None = None  # set by a new connection to an unsafe server
+        self._strict = False  # check_durability() was called: an unsafe server fails every transaction
         if config.backend == "postgres":
             from psycopg_pool import ConnectionPool
             from psycopg.rows import dict_row
 
             self._pool = ConnectionPool(
                 kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},
-                min_size=1, max_size=config.pool_size, open=True, name="stageline", timeout=30)
+                min_size=1, max_size=config.pool_size, open=True, name="stageline", timeout=30,
+                configure=self._pin_durability)
 
     @property
     def backend(self) -> str:
@@ -207,10 +211,32 @@ class Store:
             raw = raw.format_map({**self.dialect.template, **(table.template() if table else {})})
         return self.dialect.translate(raw)
 
+    def _pin_durability(self, conn: Any) -> None:
+        """Every new server connection: synchronous_commit pinned, fsync / delayed durability
+        checked (`include.store.durability`). A refusal is kept and raised by every transaction:
+        raised here, the pool would only retry the connection."""
+        try:
+            check_connection(conn, self.backend, allow_unsafe=self.config.allow_unsafe_durability)
+        except UnsafeDurability as exc:
+            self._unsafe = exc
+        else:
+            self._unsafe = None
+
+    def check_durability(self) -> None:
+        """Raise `UnsafeDurability` if the server may lose commits; from now on every transaction
+        of this store raises it too whenever a new connection finds the server so (a server
+        restarted with fsync off). listenerd calls this at start: the ingest path never answers AA
+        on such a server unless `allow_unsafe_durability` says so."""
+        self._strict = True
+        with self._connection():
+            pass
+
     @contextmanager
     def _connection(self) -> Iterator[Any]:
         if self._pool is not None:
             with self._pool.connection() as conn:
+                if self._strict and self._unsafe is not None:
+                    raise self._unsafe
                 yield conn
             return
         if self.backend == "sqlite":
@@ -232,7 +258,15 @@ class Store:
             return
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = self.dialect.connect(self.config)
+            conn = self.dialect.connect(self.config)
+            try:
+                self._pin_durability(conn)
+                if self._strict and self._unsafe is not None:
+                    raise self._unsafe
+            except BaseException:
+                conn.close()
+                raise
+            self._local.conn = conn
         try:
             yield conn
         except BaseException:
