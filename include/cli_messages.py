@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -38,6 +39,15 @@ def _ms(text: str | None) -> int | None:
 
 def _json_default(value: Any) -> Any:
     return str(value)
+
+
+def os_user() -> str:
+    """The real user this process runs as (its uid, not $USER): who a body read is recorded against."""
+    try:
+        import pwd
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return getpass.getuser()
 
 
 def _readable(payload: str | None) -> str:
@@ -101,17 +111,23 @@ def find_cmd(service_config: str | None, control_id: str | None, message_id: str
 
 @messages.command("show")
 @click.argument("ref")
+@click.option("--body", "bodies", is_flag=True,
+              help="Also its bodies (PHI): recorded in the audit trail as a body_read event naming the OS user.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
-    """One message in every stage, its bodies and its whole audit trail. REF: row id, message id or control id.
+def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) -> None:
+    """One message in every stage and its whole audit trail; with --body its bodies too. REF: row id,
+    message id or control id.
 
-    Hot, in the archive tables or in the Parquet archive (`[retention] archive_path`) alike."""
+    Hot, in the archive tables or in the Parquet archive (`[retention] archive_path`) alike. The
+    store's credentials (the service config) are what lets this command read at all; --body asks
+    for the content on purpose and each such read is an audit event (who: the OS user)."""
     config = _load(service_config)
     store = _open_checked(config)[0]
     parquet = ParquetArchive(config.retention.archive_path) if config.retention.archive_path else None
+    reader = ops.Reader(os_user(), "cli") if bodies else None
     try:
-        story = ops.show(store, ops.resolve(store, ref, parquet=parquet), parquet=parquet)
+        story = ops.show(store, ops.resolve(store, ref, parquet=parquet), parquet=parquet, reader=reader)
     except LookupError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -127,8 +143,9 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else ""))
     if i.get("batch_id") is not None:
         click.echo(_hl7_batch_line(i, story.hl7_batch))
-    click.echo("  as received:")
-    click.echo(_readable(i["payload"]))
+    if bodies:
+        click.echo("  as received:")
+        click.echo(_readable(i["payload"]))
     for r in story.routed:
         click.echo(f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
                    f"{r['attempts']} attempt(s)" + (f"; {r['last_error']}" if r["last_error"] else "")
@@ -138,7 +155,8 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                    f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
                    + (f"; {o['last_error']}" if o["last_error"] else "")
                    + (" (archived)" if o.get("archived_ms") is not None else ""))
-        click.echo(_readable(o["payload"]))
+        if bodies:
+            click.echo(_readable(o["payload"]))
     for b in story.batches:
         click.echo(f"  moved by {b['stage']} batch {b['owner']} ({b['dag_id']}, run {b['run_id']}, try "
                    f"{b['try_number']}): {_when(b['started_ms'])} → {_when(b['finished_ms'])}, claimed {b['claimed']}")
@@ -151,6 +169,8 @@ def show_cmd(service_config: str | None, ref: str, as_json: bool) -> None:
                    + (f" by {e['node_id']}" if e["node_id"] else "")
                    + (f": {e['detail']}" if e["detail"] else "")
                    + (" (archived)" if e.get("archived_ms") is not None else ""))
+    if not bodies:
+        click.echo("  (bodies not shown: add --body; each read of them is recorded in the audit trail)")
 
 
 def _hl7_batch_line(inbound: dict[str, Any], batch: dict[str, Any] | None) -> str:

@@ -236,3 +236,62 @@ def test_the_banner_and_readiness_read_ports_from_the_config_dir(tmp_path):
     assert mine.api_port == 9471
     assert mine.inbound == (("lab", "mllp", "any free port (see var/log/listenerd)"), ("drop", "file", "/srv/in"))
     assert endpoints_of(tmp_path / "empty").api_port == DEFAULT_API_PORT
+
+
+# --- `stageline messages show`: bodies (PHI) only with --body, and each such read on the record ----
+
+MRN = "MRN-0042-7731"
+PHI_BODY = f"MSH|^~\\&|ADT1|HOSP|EHR|CITY|20240101120000||ADT^A01|{MRN}|P|2.5\rPID|1||P77^^^HOSP^MR||DOE^JANE\r"
+
+
+def _body_reads(store: Store) -> list[dict]:
+    with store.transaction(write=False) as tx:
+        cur = tx.conn.cursor()
+        cur.execute("SELECT row_id, message_id, control_id, event, node_id, detail FROM message_events "
+                    "WHERE event = 'body_read' ORDER BY id")
+        return [dict(r) for r in cur.fetchall()]
+
+
+def test_messages_show_prints_bodies_only_with_body_and_records_the_os_user(tmp_path, store_config):
+    import pwd
+    import os
+
+    from include.store import rowlease
+    from include.store.lease import acquire_permanent
+    from tests.dags.stores import write_service_config
+
+    store = Store(store_config)
+    try:
+        epoch = acquire_permanent(store, node_id="solo:1:aa")
+        with store.transaction() as tx:
+            row_id = rowlease.stage_inbound(tx, [{"message_id": "adt-1", "control_id": MRN, "connection": "adt-in",
+                                                  "lane_key": "P77", "charset": None, "payload": PHI_BODY}],
+                                            epoch=epoch, node_id="solo:1:aa")["adt-1"]
+        cfg = write_service_config(tmp_path, store_config, cluster=False)
+
+        plain = run(cfg, "messages", "show", MRN).stdout
+        assert f"inbound row {row_id}" in plain and "DOE^JANE" not in plain and "add --body" in plain
+        story = json.loads(run(cfg, "messages", "show", MRN, "--json").stdout)
+        assert story["inbound"]["control_id"] == MRN and "payload" not in story["inbound"]
+        assert "DOE^JANE" not in json.dumps(story)
+        assert _body_reads(store) == []  # metadata only: nothing to record
+
+        shown = run(cfg, "messages", "show", MRN, "--body").stdout
+        assert "PID|1||P77^^^HOSP^MR||DOE^JANE" in shown
+        assert json.loads(run(cfg, "messages", "show", "adt-1", "--body", "--json").stdout)["inbound"]["payload"] \
+            == PHI_BODY
+        me = pwd.getpwuid(os.getuid()).pw_name
+        assert _body_reads(store) == [
+            {"row_id": row_id, "message_id": "adt-1", "control_id": MRN, "event": "body_read",
+             "node_id": f"reader:cli {me}", "detail": "bodies read via cli"}] * 2
+    finally:
+        store.close()
+
+
+def test_messages_find_refuses_a_limit_past_the_page(tmp_path):
+    cfg = tmp_path / "stageline.toml"
+    cfg.write_text('[store]\npath = "var/s.db"\n')
+    run(cfg, "db", "migrate")
+    proc = run(cfg, "messages", "find", "--limit", "100000000", ok=False)
+    assert proc.returncode == 2 and "limit must be 1..1000 (page on with before_id), got 100000000" in proc.stderr
+    assert run(cfg, "messages", "find", "--limit", "1000").stdout.strip() == "no messages match"

@@ -85,7 +85,7 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
         assert all(b["claimed"] > 0 and b["finished_ms"] >= b["started_ms"] for b in story["batches"])
         recent = as_json(svc, "stages", "--batches", "5")["batches"]
         assert recent and recent[0]["id"] > recent[-1]["id"]
-        text = stageline(svc, "messages", "show", nak_orus[0])
+        text = stageline(svc, "messages", "show", nak_orus[0], "--body")  # bodies: asked for, audited
         assert "moved by route batch airflow:stage_route:" in text
         assert "\n    PID|1||PNAK^^^HOSP^MR||" in text  # readable HL7, one segment a line
         assert as_json(svc, "stages")["outbound"]["dead"] == len(nak_orus)

@@ -194,7 +194,7 @@ def test_stageline_messages_show_prints_an_archived_message(store, store_config,
                        f'database = "{c.database}"\nusername = "{c.username}"\n'
                        f'[cluster]\ncluster_name = "{CLUSTER}"\n')
     proc = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(cfg), "messages",
-                           "show", "c2"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+                           "show", "c2", "--body"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "message msg-2" in out and "archived" in out.splitlines()[1]
