@@ -2,7 +2,10 @@
 arrived meanwhile, and its Deferred fires only after that transaction committed.
 
 One writer drains the queue: while one transaction commits, newer messages queue up and go into
-the next one, so batches grow with load and a lone message is never held back. A single writer
+the next one, so batches grow with load and a lone message is never held back. A commit is capped
+by rows, not units (`MAX_ROWS_PER_COMMIT`): an HL7 batch counts its messages, and one larger than
+the cap is committed in parts with other senders' messages between them (`listeners.commitplan`);
+one larger than `MAX_BATCH_MESSAGES` is refused whole (AR). A single writer
 (one statement in flight at a time) also keeps row ids in arrival order, which per-lane FIFO
 relies on. `IngestWriter` is a thread of its own, for every store; the reactor only enqueues and
 fires Deferreds. On PostgreSQL, whose staging statement is self-contained and autocommitted,
@@ -12,10 +15,14 @@ nothing waits on a thread hand-over either way. Neither ever blocks the reactor 
 One refused row fails alone (invariant 9, docs/invariants.md): when the store refuses a batch for
 its data (`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
 recommitted, left first (ids stay in arrival order), until every refused row stands alone; those
-fail with `RowRefused`, the rest commit. An HL7 batch (`InboundBatch`) is one unit of the split:
-its messages commit together with its record, or it fails whole. k refused rows in n cost about 2k·log2(n) statements, never
+fail with `RowRefused`, the rest commit. An HL7 batch (`InboundBatch`), or one part of a large
+one, is one unit of the split: its messages commit together, or it fails whole. k refused rows in n cost about 2k·log2(n) statements, never
 more than 2n-1. A connection-level failure (database down) or a stale epoch is not split: it fails
 the rest of the batch at once, as retrying pieces against a dead store only adds delay.
+
+A message answered without an outcome (the handler's timeout cancelled its Deferred) or with a
+failure after which it may have landed is remembered (`listeners.resend`): its re-send gets the
+same message ids, so it is never staged twice and is answered AA.
 """
 from __future__ import annotations
 
@@ -36,8 +43,10 @@ from twisted.python.failure import Failure
 from include.config import StoreConfig
 from include.store import Store
 from include.store.rowlease import stage_inbound
+from listeners.commitplan import BatchPart, CommitPlan, Entry
 from listeners.metrics import Metrics
 from listeners.pgcommit import PgStager
+from listeners.resend import ResendMemory
 
 _log = Logger(namespace="stageline.ingest")
 
@@ -63,6 +72,22 @@ class StoreUnavailable(IngestRejected):
 
 class RowRefused(IngestRejected):
     """The store refused this very row (its data), not the batch; ``str()`` is safe to send back."""
+
+
+class BatchTooLarge(RowRefused):
+    """An HL7 batch of more than `max_batch_messages` messages: refused whole (AR), nothing staged."""
+
+
+class BatchIncomplete(IngestRejected):
+    """A batch committed in parts (`listeners.commitplan`) whose later part failed: its first
+    `stored` messages are committed (and stay: they are durable, and will be routed), the rest are
+    not. ``str()`` says so and is safe to send back; a re-send of the same batch is recognised
+    (`listeners.resend`) and stages only the messages that are missing."""
+
+    def __init__(self, *, stored: int, total: int, why: BaseException) -> None:
+        super().__init__(f"batch partly stored: messages 1-{stored} of {total} stored, {stored + 1}-{total} "
+                         f"not ({type(why).__name__}); resend the batch: what is stored is not stored twice")
+        self.stored, self.total, self.why = stored, total, why
 
 
 def new_message_id() -> str:
@@ -116,11 +141,12 @@ class InboundBatch:
     def control_id(self) -> str | None:
         return self.bhs_control_id or self.fhs_control_id
 
-    def rows(self) -> list[dict[str, Any]]:
-        """One `stage_inbound` row per message; the first carries the batch's record."""
+    def rows(self, lo: int = 0, hi: int | None = None) -> list[dict[str, Any]]:
+        """One `stage_inbound` row per message (of messages ``lo`` to ``hi``, from 0); the first
+        message's row carries the batch's record."""
         n = len(self.items)
         out: list[dict[str, Any]] = []
-        for seq, item in enumerate(self.items, 1):
+        for seq, item in enumerate(self.items[lo:hi], lo + 1):
             row: dict[str, Any] = {**item.row(), "batch_id": self.batch_id, "batch_seq": seq, "batch_size": n}
             if seq == 1:
                 row.update(batch_fhs=self.fhs_control_id, batch_bhs=self.bhs_control_id, batch_declared=self.declared)
@@ -129,13 +155,17 @@ class InboundBatch:
 
 
 Unit = Inbound | InboundBatch
-"""What one `submit` hands over, and what a group commit's split never cuts."""
+"""What one `submit` hands over."""
+
+Piece = Inbound | InboundBatch | BatchPart
+"""What a group commit's split on refusal never cuts: a message, a batch, or a part of a large one
+(`listeners.commitplan`)."""
 
 
-def _rows(units: list[Unit]) -> list[dict[str, Any]]:
+def _rows(units: list[Piece]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for unit in units:
-        if unit.__class__ is InboundBatch:
+        if unit.__class__ is not Inbound:
             rows.extend(unit.rows())  # type: ignore[union-attr]
         else:
             rows.append(unit.row())  # type: ignore[union-attr]
@@ -143,6 +173,22 @@ def _rows(units: list[Unit]) -> list[dict[str, Any]]:
 
 
 _STOP = object()
+
+MAX_ROWS_PER_COMMIT = 2000
+"""Rows (messages) per group commit: a batch of more is committed in parts (`listeners.commitplan`)."""
+
+MAX_BATCH_MESSAGES = 50_000
+"""A larger HL7 batch is refused whole with AR (`BatchTooLarge`): what no sender needs, and what would
+hold its lanes for longer than a few seconds."""
+
+def _count(piece: Piece) -> int:
+    """Rows (messages) a piece writes."""
+    if piece.__class__ is Inbound:
+        return 1
+    if piece.__class__ is BatchPart:
+        return piece.hi - piece.lo  # type: ignore[union-attr]
+    return len(piece.items)  # type: ignore[union-attr]
+
 
 Outcome = IngestRejected | None  # per message: None = committed, else why not
 Staged = dict[str, int] | None  # what one staging statement gave: rows written, or None = stale epoch
@@ -153,14 +199,14 @@ class _GroupCommit:
     metrics and log lines. `statements()` yields each slice of items to stage in turn and is sent
     back what that statement gave (`Staged`) or the exception it raised."""
 
-    def __init__(self, items: list[Unit], *, epoch: int, dialect: Any, metrics: Metrics) -> None:
+    def __init__(self, items: list[Piece], *, epoch: int, dialect: Any, metrics: Metrics) -> None:
         self.items = items
         self.epoch = epoch
         self._dialect = dialect
         self._metrics = metrics
         self.outcomes: list[Outcome] = [None] * len(items)
 
-    def statements(self) -> Generator[list[Unit], Staged | BaseException, list[Outcome]]:
+    def statements(self) -> Generator[list[Piece], Staged | BaseException, list[Outcome]]:
         items, outcomes = self.items, self.outcomes
         started = time.perf_counter()
         halt: IngestRejected | None = None  # once set, the rest of the batch fails with it
@@ -184,7 +230,7 @@ class _GroupCommit:
                     refused += 1
                     self._metrics.store_errors.labels("stage_inbound_refused").inc()
                     # Only the error class: the driver's text may quote the refused value (PHI).
-                    what = "batch refused" if items[lo].__class__ is InboundBatch else "refused"
+                    what = "batch refused" if items[lo].__class__ is not Inbound else "refused"
                     outcomes[lo] = RowRefused(f"{what} by the store ({type(exc).__name__}); not stored")
                     _log.warn("store refused message {control_id} on {connection}: {err}",
                               control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
@@ -201,29 +247,60 @@ class _GroupCommit:
                       n=len(items), refused=refused, statements=statements)
         if None in outcomes:  # something committed
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
-            self._metrics.commit_batch.observe(len(items))
+            self._metrics.commit_batch.observe(sum(_count(i) for i in items))
         return outcomes
 
 
-def _fire(batch: list[tuple[Unit, Deferred]], outcomes: list[Outcome]) -> None:
-    for (item, d), outcome in zip(batch, outcomes):
-        if outcome is not None:
-            d.errback(outcome)
-        else:
-            d.callback(item.message_id)  # a duplicate message_id was staged before: also durable
+class _Intake:
+    """What both writers do on the reactor: refuse a batch over `max_batch_messages`, recognise a
+    re-send (`listeners.resend`), queue an `Entry`, and answer what a commit finished."""
+
+    max_batch: int
+    max_batch_messages: int
+    resends: ResendMemory
+
+    def _entry(self, item: Unit) -> Entry | Deferred:
+        """The entry to queue for `item`, or (a batch over the limit) its Deferred, failed already."""
+        if item.__class__ is InboundBatch and len(item.items) > self.max_batch_messages:  # type: ignore[union-attr]
+            n = len(item.items)  # type: ignore[union-attr]
+            _log.warn("refusing a batch of {n} messages on {connection}: more than max_batch_messages ({limit})",
+                      n=n, connection=item.connection, limit=self.max_batch_messages)
+            return fail(BatchTooLarge(f"batch of {n} messages refused: at most {self.max_batch_messages} "
+                                      "messages per batch; send it as smaller batches"))
+        item = self.resends.recall(item)
+        # Cancelled = answered without an outcome (the handler's timeout): a re-send is recognised.
+        d: Deferred = Deferred(canceller=lambda _: self.resends.remember(item))
+        return Entry.of(item, d, time.monotonic(), max_rows=self.max_batch)
+
+    def _answer(self, finished: list[tuple[Entry, Outcome]]) -> None:
+        for entry, outcome in finished:
+            item, d = entry.unit, entry.d
+            if outcome is not None and entry.split and entry.done:
+                outcome = BatchIncomplete(stored=entry.done, total=entry.rows, why=outcome)
+            if outcome is not None and not isinstance(outcome, (RowRefused, NotLeader)):
+                self.resends.remember(item)  # it may have landed (a broken connection), or partly
+            if d.called:
+                continue  # cancelled: answered already (and remembered)
+            if outcome is not None:
+                d.errback(outcome)
+            else:
+                d.callback(item.message_id)  # a duplicate message_id was staged before: also durable
 
 
-class IngestWriter:
+class IngestWriter(_Intake):
     """The group commit in a writer thread, for every store (each statement blocks that thread)."""
 
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor, max_batch: int = 2000, locked_retry_seconds: float = LOCKED_RETRY_SECONDS) -> None:
+                 reactor, max_batch: int = MAX_ROWS_PER_COMMIT, locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
+                 max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self._epoch = epoch
         self.metrics = metrics
         self._reactor = reactor
         self.max_batch = max_batch
+        self.max_batch_messages = max_batch_messages
+        self.resends = resends if resends is not None else ResendMemory()
         self.locked_retry_seconds = locked_retry_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
@@ -238,12 +315,14 @@ class IngestWriter:
     def submit(self, item: Unit) -> Deferred:
         """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
         commit, or fails with an `IngestRejected` subclass."""
-        d: Deferred = Deferred()
+        entry = self._entry(item)
+        if isinstance(entry, Deferred):
+            return entry
         with self._lock:
             self._pending += 1
             self._idle.clear()
-        self._queue.put((item, d, time.monotonic()))
-        return d
+        self._queue.put(entry)
+        return entry.d
 
     def drain(self, timeout: float) -> bool:
         """Wait (off the reactor) until every submitted message has been committed or rejected."""
@@ -262,28 +341,32 @@ class IngestWriter:
         return threads.deferToThread(self.stop)
 
     def _run(self) -> None:
+        plan = CommitPlan(self.max_batch)
+        stop = False
         while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            queued = [first]
-            stop = False
-            while len(queued) < self.max_batch:
+            if not plan:
+                if stop:
+                    return
+                first = self._queue.get()
+                if first is _STOP:
+                    return
+                plan.add(first)
+            while not stop:  # everything that arrived meanwhile: the plan picks the next commit
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is _STOP:
                     stop = True
-                    break
-                queued.append(nxt)
-            batch = [(item, d) for item, d, _ in queued]
-            outcomes = self._commit([item for item, _ in batch], since=min(t for _, _, t in queued))
-            self._reactor.callFromThread(self._fire, batch, outcomes)
-            if stop:
-                return
+                else:
+                    plan.add(nxt)
+            taken = plan.take()
+            outcomes = self._commit([piece for _, piece in taken], since=min(e.since for e, _ in taken))
+            finished = plan.settle(taken, outcomes, now=time.monotonic())
+            if finished:
+                self._reactor.callFromThread(self._fire, finished)
 
-    def _commit(self, items: list[Unit], *, since: float | None = None) -> list[Outcome]:
+    def _commit(self, items: list[Piece], *, since: float | None = None) -> list[Outcome]:
         """Stage `items` (the oldest arrived at `since`, monotonic; default now); one outcome per
         item: None = committed, else why not."""
         deadline = (time.monotonic() if since is None else since) + self.locked_retry_seconds
@@ -298,7 +381,7 @@ class IngestWriter:
         except StopIteration as done:
             return done.value
 
-    def _stage_chunk(self, chunk: list[Unit], epoch: int, deadline: float) -> Staged | BaseException:
+    def _stage_chunk(self, chunk: list[Piece], epoch: int, deadline: float) -> Staged | BaseException:
         """One staging statement; a busy store (SQLite's write lock held past its busy timeout) is
         tried again while another try would still end by `deadline` (LOCKED_RETRY_SECONDS after
         the batch's oldest message arrived), so a commit that waited behind stage work gets its
@@ -315,34 +398,38 @@ class IngestWriter:
                 _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc),
                           n=len(chunk))
 
-    def _fire(self, batch: list, outcomes: list[Outcome]) -> None:
-        _fire(batch, outcomes)
+    def _fire(self, finished: list[tuple[Entry, Outcome]]) -> None:
+        self._answer(finished)
         with self._lock:
-            self._pending -= len(batch)
+            self._pending -= len(finished)
             if self._pending == 0:
                 self._idle.set()
 
 
-class ReactorIngestWriter:
+class ReactorIngestWriter(_Intake):
     """The group commit on the reactor thread, for PostgreSQL (`listeners.pgcommit`): no writer
-    thread, no hand-over either way. Same batches, same split on refusal, same outcomes.
+    thread, no hand-over either way. Same commits (`listeners.commitplan`), same split on refusal,
+    same outcomes.
 
-    A batch starts at the end of the reactor turn in which its first message arrived (messages
+    A commit starts at the end of the reactor turn in which its first message arrived (messages
     that arrived in the same turn, e.g. from other connections, join it) and the next one as soon
     as the previous committed: a lone message waits for nothing.
     """
 
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor: Any, max_batch: int = 2000, stager: PgStager | None = None) -> None:
+                 reactor: Any, max_batch: int = MAX_ROWS_PER_COMMIT, stager: PgStager | None = None,
+                 max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
         self.store = store
         self.node_id = node_id
         self._epoch = epoch
         self.metrics = metrics
         self._reactor = reactor
         self.max_batch = max_batch
+        self.max_batch_messages = max_batch_messages
+        self.resends = resends if resends is not None else ResendMemory()
         self._stager = stager if stager is not None else PgStager(store, reactor)
-        self._queue: deque[tuple[Unit, Deferred]] = deque()
-        self._busy = False  # a batch is being committed (or is about to start)
+        self._plan = CommitPlan(max_batch)
+        self._busy = False  # a commit is in flight (or is about to start)
         self._idle_waiters: list[Deferred] = []
         self._stopped = False
 
@@ -352,16 +439,18 @@ class ReactorIngestWriter:
     def submit(self, item: Unit) -> Deferred:
         """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
         commit, or fails with an `IngestRejected` subclass."""
-        d: Deferred = Deferred()
-        self._queue.append((item, d))
+        entry = self._entry(item)
+        if isinstance(entry, Deferred):
+            return entry
+        self._plan.add(entry)
         if not self._busy:
             self._busy = True
             self._reactor.callLater(0, self._next_batch)
-        return d
+        return entry.d
 
     @property
     def idle(self) -> bool:
-        return not self._busy and not self._queue
+        return not self._busy and not self._plan
 
     def when_idle(self, seconds: float) -> Deferred:
         """True once every submitted message is committed or rejected, False at `seconds`."""
@@ -379,66 +468,63 @@ class ReactorIngestWriter:
             d.callback(False)
 
     def shutdown(self) -> Deferred:
-        """Stop after the batch in flight (the node drained the listeners before)."""
+        """Stop after the commit in flight (the node drained the listeners before)."""
         def close(_: object) -> None:
             self._stopped = True
             self._stager.close()
         return self.when_idle(10.0).addCallback(close)
 
     def _next_batch(self) -> None:
-        """Start the next batch; with nothing queued, the writer is idle."""
-        while self._queue:
-            if self._start(self._take()):
+        """Start the next commit; with nothing waiting, the writer is idle."""
+        while self._plan:
+            if self._start(self._plan.take()):
                 return
         self._busy = False
         waiters, self._idle_waiters = self._idle_waiters, []
         for d in waiters:
             d.callback(True)
 
-    def _take(self) -> list[tuple[Unit, Deferred]]:
-        n = min(len(self._queue), self.max_batch)
-        return [self._queue.popleft() for _ in range(n)]
-
-    def _start(self, batch: list[tuple[Unit, Deferred]]) -> bool:
-        """Send the batch's first statement (True), or fail it at once when there is no lease."""
+    def _start(self, taken: list[tuple[Entry, Piece]]) -> bool:
+        """Send the commit's first statement (True), or fail it at once when there is no lease."""
         epoch = self._epoch()
         if epoch is None or self._stopped:
             why = NotLeader("this node does not hold the leader lease") if epoch is None else \
                 StoreUnavailable("the ingest writer has stopped")
-            _fire(batch, [why] * len(batch))
+            self._answer(self._plan.settle(taken, [why] * len(taken), now=time.monotonic()))
             return False
-        steps = _GroupCommit([item for item, _ in batch], epoch=epoch, dialect=self.store.dialect,
+        steps = _GroupCommit([piece for _, piece in taken], epoch=epoch, dialect=self.store.dialect,
                              metrics=self.metrics).statements()
-        self._stage(batch, steps, epoch, next(steps))
+        self._stage(taken, steps, epoch, next(steps))
         return True
 
-    def _stage(self, batch: list, steps: Generator, epoch: int, chunk: list[Unit]) -> None:
+    def _stage(self, taken: list, steps: Generator, epoch: int, chunk: list[Piece]) -> None:
         try:
             d = self._stager.stage(_rows(chunk), epoch=epoch, node_id=self.node_id)
         except Exception as exc:
             d = fail(exc)
-        d.addBoth(self._staged, batch, steps, epoch)
+        d.addBoth(self._staged, taken, steps, epoch)
 
-    def _staged(self, staged: Any, batch: list, steps: Generator, epoch: int) -> None:
+    def _staged(self, staged: Any, taken: list, steps: Generator, epoch: int) -> None:
         if isinstance(staged, Failure):
             staged = staged.value
         try:
             chunk = steps.send(staged)
         except StopIteration as done:
-            self._done(batch, done.value)
-        except Exception as exc:  # a bug here must not leave the batch unanswered and the writer stuck
+            self._done(taken, done.value)
+        except Exception as exc:  # a bug here must not leave the commit unanswered and the writer stuck
             _log.critical("group commit failed internally: {err}", err=type(exc).__name__)
-            self._done(batch, [StoreUnavailable("internal error")] * len(batch))  # AE: resent, never lost
+            self._done(taken, [StoreUnavailable("internal error")] * len(taken))  # AE: resent, never lost
         else:
-            self._stage(batch, steps, epoch, chunk)
+            self._stage(taken, steps, epoch, chunk)
 
-    def _done(self, batch: list, outcomes: list[Outcome]) -> None:
+    def _done(self, taken: list, outcomes: list[Outcome]) -> None:
         # What queued during this commit goes to the database before these answers go out, so it
         # waits for none of their writes; the idle signal (a clean stop's drain) only after them.
+        finished = self._plan.settle(taken, outcomes, now=time.monotonic())
         in_flight = False
-        while self._queue and not in_flight:
-            in_flight = self._start(self._take())
-        _fire(batch, outcomes)
+        while self._plan and not in_flight:
+            in_flight = self._start(self._plan.take())
+        self._answer(finished)
         if not in_flight:
             self._next_batch()  # anything submitted by the answers' callbacks, or idle
 

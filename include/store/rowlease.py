@@ -196,8 +196,10 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> d
         rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if tx.one("epoch_current", {"epoch": epoch}) else None
+    # Any batch message, not only a first one: a large batch is committed in parts
+    # (listeners/commitplan.py), and a later part's events name the batch its first part recorded.
     batched = not (rows[0]["bodies_written"] and rows[0]["events_recorded"]) and any(
-        m.get("batch_seq") == 1 for m in messages)
+        m.get("batch_id") is not None for m in messages)
     if not rows[0]["bodies_written"]:
         tx.execute("stage_inbound_bodies", {"messages": batch, "ids": tx.dialect.id_list([r["id"] for r in rows])})
         if batched:
