@@ -19,7 +19,8 @@ Answers (always a small JSON object, never message content):
 The body is never buffered beyond the limit and never spilled to a temp file (PHI): a
 Content-Length over the limit is answered with 413 as soon as the headers are in, without reading
 the body, and the connection is closed; a chunked body is cut off the same way once it passes the
-limit. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
+limit. The access log shows the path's connection and ``?<redacted>`` for any query string, never
+a body. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
 payload declaring a known MSH-18 is decoded with that (see :func:`listeners.inbound.build_inbound`).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http import _escape
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -247,9 +249,36 @@ class _InboundRequest(Request):
         self.channel.loseConnection()
 
 
+def _access_path(inbound: InboundResource) -> Any:
+    """An access-log path: a configured connection's, else a placeholder (a path a client made up
+    may carry anything)."""
+    def shown(path: bytes) -> str:
+        conn = inbound.connection_for(path)
+        return f"/messages/{conn.name}" if conn is not None else "/<unknown>"
+    return shown
+
+
+def _access_line(inbound: InboundResource) -> Any:
+    """Site's `logFormatter`: Twisted's combined format like the API's (`listeners.access_log`), with
+    the path reduced to its connection and any query string shown as ``?<redacted>`` — a sender's
+    URL may carry identifiers, and this endpoint reads none of it. Bodies are never logged."""
+    shown = _access_path(inbound)
+
+    def line(timestamp: str, request: Request) -> str:
+        path, sep, _ = (request.uri or b"").partition(b"?")
+        uri = shown(path) + ("?<redacted>" if sep else "")
+        ip = getattr(request.getClientAddress(), "host", "-")
+        agent = _escape(request.getHeader(b"user-agent") or b"-")
+        return (f'"{_escape(ip)}" - - {timestamp} "{_escape(request.method)} {uri} '
+                f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"')
+
+    return line
+
+
 class _InboundSite(Site):
     def __init__(self, inbound: InboundResource, **kwargs: Any) -> None:
-        super().__init__(inbound, requestFactory=_InboundRequest, parsePOSTFormSubmission=False, **kwargs)
+        super().__init__(inbound, requestFactory=_InboundRequest, parsePOSTFormSubmission=False,
+                         logFormatter=_access_line(inbound), **kwargs)
         self.inbound = inbound
         self._channels: weakref.WeakSet[Any] = weakref.WeakSet()
 
