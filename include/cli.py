@@ -200,7 +200,7 @@ def lookups_sync(service_config: str | None, directory: Path) -> None:
 
 @cli.group("config")
 def config_group() -> None:
-    """Check a config dir before running it (docs/config-reference.md)."""
+    """Check a config dir before running it, or print its JSON Schema (docs/config-reference.md)."""
 
 
 def run_config_check(directory: Path | None, service_config: str | None) -> int:
@@ -222,10 +222,27 @@ def run_config_check(directory: Path | None, service_config: str | None) -> int:
 @_service_config_here
 @click.pass_obj
 def config_check(service_config: str | None, directory: Path | None, local_config: str | None = None) -> None:
-    """Check a whole config dir: connections, routes, destinations, transforms and the lookup tables
-    they name. Prints every problem with its file and key; exits 1 if there is any. DIRECTORY
-    defaults to the pipeline dir ($STAGELINE_PIPELINE_DIR, else config/ beside the service config)."""
-    sys.exit(1 if run_config_check(directory, local_config or service_config) else 0)
+    """Check a whole config dir: connections, routes, destinations, transforms, the lookup tables
+    they name, and stageline.toml when --service-config names one. Prints every problem with its
+    file and key; exits 2 if there is any. DIRECTORY defaults to the pipeline dir
+    ($STAGELINE_PIPELINE_DIR, else config/ beside the service config)."""
+    sys.exit(run_config_check(directory, local_config or service_config))
+
+
+@config_group.command("schema")
+@click.option("--file", "name", type=click.Choice(["connections", "stageline", "routes", "destinations", "transforms"]),
+              default=None, help="one file's schema (default: all five, as one JSON object by file)")
+def config_schema(name: str | None) -> None:
+    """Print the JSON Schema of the config files, from the models that check them, for an editor
+    to validate TOML as it is typed (docs/config-reference.md: taplo's `#:schema` directive)."""
+    import json
+
+    from include.schema.json_schema import FILES, schema, schema_text
+
+    if name:
+        click.echo(schema_text(name), nl=False)
+    else:
+        click.echo(json.dumps({f: schema(f) for f in FILES}, indent=2, sort_keys=True))
 
 
 @cli.command("up")

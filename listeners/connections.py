@@ -7,25 +7,29 @@ See docs/listenerd.md for the format with a complete example.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from include.hl7path import FieldPathError, parse_path
+from include.schema import ConfigProblem, ConfigProblems
+from include.schema.connections import ConnectionsFile, InboundModel, file_paths, is_loopback
+from include.schema.rules import validate
 
 KINDS = ("mllp", "tcp", "file", "http", "database")
 TCP_FRAMINGS = ("newline", "length")
 BATCH_ACKS = ("batch", "messages")
 SOURCE_BACKENDS = ("postgres", "sqlserver", "sqlite")
 SOURCE_STRATEGIES = ("watermark", "mark")
-_SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
 
 
-class ConnectionConfigError(ValueError):
-    """The config dir is wrong; the message names the connection and the setting."""
+class ConnectionConfigError(ConfigProblems):
+    """`connections.toml` is wrong: every problem, each naming the file and the key (a plain
+    message is one problem without a key)."""
+
+    def __init__(self, problems: str | list[ConfigProblem]) -> None:
+        super().__init__([ConfigProblem(None, "", problems)] if isinstance(problems, str) else problems)
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,8 @@ class InboundConfig:
     host: str = "127.0.0.1"
     port: int = 0
     directory: str = ""              # file: polled directory
-    archive: str = ""                # file: where ingested files go (default <directory>/archive)
-    error_directory: str = ""        # file: where refused files go, with a .reason (default <archive>/rejected)
+    archive: str = ""                # file: where ingested files go (default <var>/filedrop/<name>/archive)
+    error_directory: str = ""        # file: where refused files go, with a .reason (default <var>/filedrop/<name>/rejected)
     pattern: str = "*"               # file: glob of files to ingest
     poll_seconds: float = 1.0        # file
     framing: str = "newline"         # tcp: newline | length (4-byte big-endian length prefix)
@@ -97,182 +101,91 @@ class ListenerConfig:
     api: dict[str, Any] = field(default_factory=dict)  # the [api] table, read by the control plane
 
 
-def _inbound(raw: dict[str, Any], index: int, base: Path) -> InboundConfig:
-    name = raw.get("name")
-    where = f"[[inbound]] #{index + 1}" + (f" ({name!r})" if name else "")
-    if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").isalnum():
-        raise ConnectionConfigError(f"{where}: name must be a non-empty identifier (letters, digits, - and _)")
-    known = {f.name: f for f in fields(InboundConfig)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConnectionConfigError(f"{where}: unknown setting(s): {', '.join(unknown)}")
-    values = dict(raw)
-    if "tls" in values:
-        tls = values["tls"]
-        if not isinstance(tls, dict) or set(tls) - {f.name for f in fields(TLSConfig)}:
-            raise ConnectionConfigError(f"{where}: tls must be a table with cert, key, ca, require_client_cert")
-        tls = {k: (str((base / v).resolve()) if k in ("cert", "key", "ca") and v else v) for k, v in tls.items()}
-        values["tls"] = TLSConfig(**tls)
-    if "database" in values:
-        values["database"] = _database_source(values["database"], where, base)
-    for key in ("directory", "archive", "error_directory"):
-        if values.get(key):
-            values[key] = str((base / values[key]).resolve())
-    for key in ("poll_seconds", "idle_timeout_seconds", "connect_rate_per_peer", "frame_timeout_seconds",
-                "handshake_timeout_seconds", "max_bytes_per_second_per_peer"):
-        if isinstance(values.get(key), int):
-            values[key] = float(values[key])
+def inbound_from(model: InboundModel, base: Path, var: Path | None = None) -> InboundConfig:
+    """The runtime connection of a validated `[[inbound]]` table (paths made absolute)."""
+    values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources"})
+    values["allowed_sources"] = tuple(model.allowed_sources)
+    if model.tls is not None:
+        values["tls"] = TLSConfig(**{k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+                                     for k, v in model.tls.model_dump().items()})
+    if model.database is not None:
+        src = model.database.model_dump()
+        if src["backend"] == "sqlite":
+            src["database"] = str((base / src["database"]).resolve())
+        values["database"] = DatabaseSource(**src)
+    if model.kind == "file":
+        values["directory"], values["archive"], values["error_directory"] = file_paths(model, base, var)
+    return InboundConfig(**values)
+
+
+def _names_twice(raw: Any) -> list[ConfigProblem]:
+    """Duplicate connection names, read from the raw tables (so they are reported beside any other
+    problem of the file, not only once every table is valid)."""
+    entries = raw.get("inbound") if isinstance(raw, dict) else None
+    seen: set[str] = set()
+    out = []
+    for i, entry in enumerate(entries if isinstance(entries, list) else []):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if isinstance(name, str):
+            if name in seen:
+                out.append(ConfigProblem(None, f"inbound[{i}].name", f"duplicate connection name {name!r}"))
+            seen.add(name)
+    return out
+
+
+def _with_names(problems: list[ConfigProblem], raw: Any) -> list[ConfigProblem]:
+    """Each `inbound[i]...` problem also names its connection, which is what a reader looks for."""
+    entries = raw.get("inbound") if isinstance(raw, dict) else None
+    entries = entries if isinstance(entries, list) else []
+    out = []
+    for p in problems:
+        m = re.match(r"inbound\[(\d+)\]", p.key)
+        name = entries[int(m.group(1))].get("name") if m and int(m.group(1)) < len(entries) and \
+            isinstance(entries[int(m.group(1))], dict) else None
+        out.append(p._replace(message=f"{p.message} (connection {name!r})") if isinstance(name, str) else p)
+    return out
+
+
+def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, roles: Any = None,
+                      var: Path | None = None) -> tuple[ConnectionsFile, tuple[InboundConfig, ...]]:
+    """Validate parsed `connections.toml` data; every problem at once as `ConnectionConfigError`."""
+    from include.config import var_dir
+
+    var = var_dir() if var is None else var
+    context = {"base": directory, "var": var, **({"roles": roles} if roles else {})}
     try:
-        conn = InboundConfig(**values)
-    except TypeError as exc:
-        raise ConnectionConfigError(f"{where}: {exc}") from exc
-    if conn.kind not in KINDS:
-        raise ConnectionConfigError(f"{where}: kind must be one of {', '.join(KINDS)}, got {conn.kind!r}")
-    if conn.kind in ("mllp", "tcp", "http") and not (0 <= conn.port <= 65535):
-        raise ConnectionConfigError(f"{where}: port must be 0..65535")
-    if conn.kind == "tcp" and conn.framing not in TCP_FRAMINGS:
-        raise ConnectionConfigError(f"{where}: framing must be newline or length, got {conn.framing!r}")
-    if conn.kind == "file" and not conn.directory:
-        raise ConnectionConfigError(f"{where}: a file connection needs directory")
-    if conn.kind == "database" and conn.database is None:
-        raise ConnectionConfigError(f"{where}: a database connection needs an [inbound.database] table "
-                                    "(backend, database, query, key_column, strategy)")
-    if conn.database is not None and conn.kind != "database":
-        raise ConnectionConfigError(f"{where}: [inbound.database] belongs to kind = \"database\" only")
-    if conn.kind == "database" and conn.poll_seconds <= 0:
-        raise ConnectionConfigError(f"{where}: poll_seconds must be > 0")
-    if conn.kind == "file" and not conn.archive:
-        conn = InboundConfig(**{**conn.__dict__, "archive": str(Path(conn.directory) / "archive")})
-    if conn.kind == "file" and not conn.error_directory:
-        conn = InboundConfig(**{**conn.__dict__, "error_directory": str(Path(conn.archive) / "rejected")})
-    if conn.kind == "file" and Path(conn.error_directory).resolve() == Path(conn.directory).resolve():
-        raise ConnectionConfigError(f"{where}: error_directory must differ from directory")
-    if conn.batch_ack not in BATCH_ACKS:
-        raise ConnectionConfigError(f"{where}: batch_ack must be batch or messages, got {conn.batch_ack!r}")
-    if not isinstance(conn.hl7_only, bool):
-        raise ConnectionConfigError(f"{where}: hl7_only must be true or false")
-    if conn.lane_key:
-        try:
-            parse_path(conn.lane_key)
-        except FieldPathError as exc:  # refused here, like a destination's lane, not as NULL lanes later
-            raise ConnectionConfigError(f"{where}: lane_key must be an HL7 field path such as 'PID-3.1': "
-                                        f"{exc}") from None
-    if conn.max_message_bytes < 64:
-        raise ConnectionConfigError(f"{where}: max_message_bytes must be >= 64")
-    for key in ("max_connections", "max_connections_per_peer", "connect_rate_per_peer", "frame_timeout_seconds",
-                "handshake_timeout_seconds", "max_bytes_per_second_per_peer"):
-        value = getattr(conn, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConnectionConfigError(f"{where}: {key} must be a number > 0, got {value!r}")
-    if conn.tls and conn.tls.require_client_cert and not conn.tls.ca:
-        raise ConnectionConfigError(f"{where}: tls.require_client_cert needs tls.ca (the client CA bundle)")
-    if conn.tls and not (conn.tls.cert and conn.tls.key):
-        raise ConnectionConfigError(f"{where}: tls needs cert and key")
-    check_bind(conn.host, tls=conn.tls is not None, allow_insecure=conn.allow_insecure_bind,
-               what=f"{where} ({conn.kind} on {conn.host}:{conn.port})",
-               network=conn.kind not in ("file", "database"))
-    return conn
-
-
-def _database_source(raw: Any, where: str, base: Path) -> DatabaseSource:
-    """`[inbound.database]`, checked: every rule a poll would otherwise break on at run time."""
-    where = f"{where} [inbound.database]"
-    if not isinstance(raw, dict):
-        raise ConnectionConfigError(f"{where}: must be a table")
-    known = {f.name for f in fields(DatabaseSource)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        hint = " (put the password in an environment variable and name it in password_env)" \
-            if "password" in unknown else ""
-        raise ConnectionConfigError(f"{where}: unknown setting(s): {', '.join(unknown)}{hint}")
-    values = dict(raw)
-    if isinstance(values.get("connect_timeout_seconds"), int):
-        values["connect_timeout_seconds"] = float(values["connect_timeout_seconds"])
-    defaults = DatabaseSource()
-    for key, value in values.items():
-        expected = (int, str) if key == "start_after" else type(getattr(defaults, key))
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise ConnectionConfigError(f"{where}: {key} has the wrong type ({type(value).__name__})")
-    src = DatabaseSource(**values)
-    if src.backend not in SOURCE_BACKENDS:
-        raise ConnectionConfigError(f"{where}: backend must be one of {', '.join(SOURCE_BACKENDS)}, "
-                                    f"got {src.backend!r}")
-    if not src.database:
-        raise ConnectionConfigError(f"{where}: database is required (the database name; sqlite: the file)")
-    if src.backend == "sqlite":
-        src = DatabaseSource(**{**src.__dict__, "database": str((base / src.database).resolve())})
-    if not (0 <= src.port <= 65535):
-        raise ConnectionConfigError(f"{where}: port must be 0..65535")
-    if src.strategy not in SOURCE_STRATEGIES:
-        raise ConnectionConfigError(f"{where}: strategy must be watermark or mark, got {src.strategy!r}")
-    for key in ("key_column", "message_column"):
-        value = getattr(src, key)
-        if (value or key == "key_column") and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-            raise ConnectionConfigError(f"{where}: {key} must be a column name (letters, digits, _), got {value!r}")
-    if not re.match(r"\s*(SELECT|WITH)\b", src.query, re.IGNORECASE):
-        raise ConnectionConfigError(f"{where}: query must be a SELECT (or WITH ... SELECT) of the rows to stage")
-    allowed = {"watermark", "limit"} if src.strategy == "watermark" else {"limit"}
-    params = set(_SQL_PARAM.findall(src.query))
-    if params - allowed:
-        raise ConnectionConfigError(f"{where}: query takes only {', '.join(':' + p for p in sorted(allowed))}, "
-                                    f"got {', '.join(':' + p for p in sorted(params - allowed))}")
-    if src.strategy == "watermark":
-        if "watermark" not in params:
-            raise ConnectionConfigError(
-                f"{where}: strategy = \"watermark\" needs :watermark in query, e.g. "
-                f"\"SELECT ... WHERE {src.key_column} > :watermark ORDER BY {src.key_column} LIMIT :limit\"")
-        if src.mark or src.reject:
-            raise ConnectionConfigError(f"{where}: mark and reject belong to strategy = \"mark\"")
-    else:
-        for key in ("mark", "reject"):
-            statement = getattr(src, key)
-            if key == "reject" and not statement:
-                continue
-            if not re.match(r"\s*UPDATE\b", statement, re.IGNORECASE) or set(_SQL_PARAM.findall(statement)) != {"key"}:
-                raise ConnectionConfigError(
-                    f"{where}: strategy = \"mark\" needs {key} = an UPDATE that takes only :key, e.g. "
-                    f"\"UPDATE outbox SET status = 'sent' WHERE {src.key_column} = :key\"")
-    if src.batch_size < 1:
-        raise ConnectionConfigError(f"{where}: batch_size must be >= 1")
-    if src.connect_timeout_seconds <= 0:
-        raise ConnectionConfigError(f"{where}: connect_timeout_seconds must be > 0")
-    if src.password_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", src.password_env):
-        raise ConnectionConfigError(f"{where}: password_env must name an environment variable")
-    return src
+        model = validate(ConnectionsFile, raw, file=file, context=context)
+    except ConfigProblems as exc:
+        problems = exc.problems + [p._replace(file=file) for p in _names_twice(raw)
+                                   if p.key not in {q.key for q in exc.problems}]
+        raise ConnectionConfigError(_with_names(problems, raw)) from None
+    twice = [p._replace(file=file) for p in _names_twice(raw)]
+    if twice:
+        raise ConnectionConfigError(_with_names(twice, raw))
+    return model, tuple(inbound_from(c, directory, var) for c in model.inbound)
 
 
 def check_bind(host: str, *, tls: bool, allow_insecure: bool, what: str, network: bool = True) -> None:
     """Transport security fails closed: a non-loopback bind needs TLS unless explicitly allowed."""
     if not network or tls or allow_insecure:
         return
-    loopback = host == "localhost"
-    if not loopback:
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-    if not loopback:
+    if not is_loopback(host):
         raise ConnectionConfigError(
             f"{what}: refusing a non-loopback bind without TLS; configure tls, or set "
             "allow_insecure_bind = true if the network is otherwise protected")
 
 
 def load_config_dir(directory: str | Path) -> ListenerConfig:
-    """Read `<directory>/connections.toml`; a missing file means no inbound connections."""
+    """Read and validate `<directory>/connections.toml` (a missing file: no inbound connections);
+    `ConnectionConfigError` lists every problem with file and key. listenerd's start and its SIGHUP
+    reload both come through here."""
     directory = Path(directory).resolve()
     path = directory / "connections.toml"
-    text = path.read_bytes() if path.exists() else b""
     try:
+        text = path.read_bytes() if path.exists() else b""
         raw = tomllib.loads(text.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConnectionConfigError(f"{path}: not valid TOML: {exc}") from exc
-    unknown = sorted(set(raw) - {"inbound", "api"})
-    if unknown:
-        raise ConnectionConfigError(f"{path}: unknown section(s): {', '.join(unknown)} (known: inbound, api)")
-    inbound = tuple(_inbound(c, i, directory) for i, c in enumerate(raw.get("inbound", [])))
-    names = [c.name for c in inbound]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ConnectionConfigError(f"{path}: duplicate connection name(s): {', '.join(dupes)}")
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConnectionConfigError([ConfigProblem(path, "", f"not valid TOML: {exc}")]) from None
+    _, inbound = parse_connections(raw, directory, file=path)
     digest = hashlib.sha256(text).hexdigest()[:16]
     return ListenerConfig(inbound=inbound, config_hash=digest, directory=directory, api=raw.get("api", {}))

@@ -10,6 +10,7 @@ Exit codes: 0 after a clean stop, 2 for a configuration error, 1 when the node c
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from twisted.logger import FilteringLogObserver, Logger, LogLevel, LogLevelFilterPredicate, globalLogBeginner
@@ -17,8 +18,8 @@ from twisted.logger import textFileLogObserver
 from twisted.python import usage
 
 from include import config as cfgmod
+from include.schema import ConfigProblems
 from listeners.config_check import check_dir, store_lookup_tables
-from listeners.connections import ConnectionConfigError
 from listeners.mllp import log_each_answer
 from listeners.node import ListenerNode
 
@@ -44,21 +45,30 @@ class Options(usage.Options):
 
 
 def makeService(options: Options | dict[str, Any]) -> ListenerNode:
-    """The node's service tree; raises `ConfigError`/`ConnectionConfigError` for a bad config."""
+    """The node's service tree; raises `ConfigProblems` (`ConfigError`, `ConnectionConfigError`) for a
+    bad config."""
     node = ListenerNode(cfgmod.load(options["service-config"]), options["config"], api_port=options["api-port"])
     node.install_signal_handlers()
     return node
 
 
 def config_ok(options: Options | dict[str, Any]) -> bool:
-    """`stageline config check` on the config dir (every problem logged); False when there is any.
-    Lookup tables a transform names are looked for in the store too; an unreadable store leaves
-    them unchecked here (starting the node reports the store)."""
+    """`stageline config check` on the config dir and the service config (every problem printed,
+    with file and key); False when there is any. Lookup tables a transform names are looked for in
+    the store too; an unreadable store leaves them unchecked here (starting the node reports the store)."""
     tables, _ = store_lookup_tables(options["service-config"])
-    report = check_dir(options["config"], store_tables=tables, lookups_unverified_ok=tables is None)
+    report = check_dir(options["config"], store_tables=tables, lookups_unverified_ok=tables is None,
+                       service_config=cfgmod.config_path(options["service-config"]) if _service_given(options) else None)
     for problem in report.problems:
         print(f"listenerd: configuration error: {problem}", file=sys.stderr)
     return report.ok
+
+
+def _service_given(options: Options | dict[str, Any]) -> bool:
+    """A service config named (option or $STAGELINE_CONFIG) or present: a missing default is the
+    embedded defaults, not a problem."""
+    path = cfgmod.config_path(options["service-config"])
+    return bool(options["service-config"]) or path.exists() or path != Path(cfgmod.DEFAULT_CONFIG)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         node = makeService(options)
-    except (cfgmod.ConfigError, ConnectionConfigError) as exc:
-        print(f"listenerd: configuration error: {exc}", file=sys.stderr)
+    except ConfigProblems as exc:  # the check above passed, but the files changed since, or a rule of its own
+        for problem in exc.problems:
+            print(f"listenerd: configuration error: {problem}", file=sys.stderr)
         sys.exit(2)
     from twisted.internet import reactor
 

@@ -1,5 +1,5 @@
 """`stageline config check [DIR]` lists every problem of a config dir at once, each with its file and
-key, and exits 1; the example config passes; `listenerd` and `stageline up` run the same check and
+key, and exits 2; the example config passes; `listenerd` and `stageline up` run the same check and
 refuse to start on a broken dir, before binding or migrating anything."""
 from __future__ import annotations
 
@@ -68,19 +68,19 @@ rules = [{ map = "PV1-2", table = "no_such_table" }]
 }
 
 EXPECTED = [  # (file, key, what the message says), in the order printed
-    ("connections.toml", "[[inbound]] #1 ('adt-in')", "port must be 0..65535"),
-    ("connections.toml", "[[inbound]] #2 ('drop')", "kind must be one of mllp, tcp, file, http, database, got 'carrier-pigeon'"),
-    ("connections.toml", "[[inbound]] #3 ('adt-in')", "unknown setting(s): bogus"),
-    ("connections.toml", "[[inbound]] name", "duplicate connection name 'adt-in'"),
-    ("connections.toml", "[api]", "port must be an integer 0..65535"),
-    ("connections.toml", "[[api.tokens]] #1", "role must be one of viewer, operator, admin"),
-    ("destinations.toml", "[[destination]] #2", "'kind' must be one of ['file', 'http', 'mllp'], got 'ftp'"),
+    ("connections.toml", "inbound[0].port", "must be <= 65535 (connection 'adt-in')"),
+    ("connections.toml", "inbound[1].kind", "must be one of 'mllp', 'tcp', 'file', 'http', 'database'"),
+    ("connections.toml", "inbound[2].bogus", "unknown setting"),
+    ("connections.toml", "api.port", "must be <= 65535"),
+    ("connections.toml", "api.tokens[0].role", "must be one of viewer, operator, admin"),
+    ("connections.toml", "inbound[2].name", "duplicate connection name 'adt-in'"),
+    ("destinations.toml", "destination[1].kind", "must be one of mllp, file, http, got 'ftp'"),
     ("lookups/empty.csv", None, "no entries after the header line"),
-    ("routes.toml", "[[route]] #2", "route 'bad-op': when: unknown op 'like'"),
-    ("routes.toml", "route 'to-nowhere' destinations", "'nowhere' is not configured in destinations.toml"),
-    ("transforms.toml", "[[transform]] #1", "transform 'ehr': rule #0 (set): needs 'value'"),
-    ("transforms.toml", "transform 'ghost' destination", "'ghost' is not configured in destinations.toml"),
-    ("transforms.toml", "transform 'ghost' rule #0 (map) table", "lookup table 'no_such_table': no lookups/no_such_table.csv"),
+    ("routes.toml", "route[1].when", "unknown op 'like'"),
+    ("routes.toml", "route[0].destinations", "'nowhere' is not configured in destinations.toml"),
+    ("transforms.toml", "transform[0].rules[0]", "needs 'value'"),
+    ("transforms.toml", "transform[1].destination", "'ghost' is not configured in destinations.toml"),
+    ("transforms.toml", "transform[1].rules[0].table", "lookup table 'no_such_table': no lookups/no_such_table.csv"),
 ]
 
 
@@ -100,12 +100,12 @@ def assert_every_problem(output: str, conf: Path, prefix: str = "") -> None:
         assert line.startswith(head) and message in line.removeprefix(head), (line, head, message)
 
 
-def test_config_check_prints_every_problem_with_file_and_key_and_exits_1(tmp_path):
+def test_config_check_prints_every_problem_with_file_and_key_and_exits_2(tmp_path):
     conf = broken_dir(tmp_path)
     (tmp_path / "stageline.toml").write_text(f'[store]\npath = "{tmp_path / "none.db"}"\n')
     done = subprocess.run([str(STAGELINE), "config", "check", str(conf), "--service-config",
                            str(tmp_path / "stageline.toml")], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     assert_every_problem(done.stdout, conf)
     assert done.stdout.splitlines()[-1].endswith(f"{len(EXPECTED)} problem(s)")
 
@@ -124,7 +124,7 @@ def test_a_lookup_table_already_in_the_store_needs_no_csv(tmp_path):
     (tmp_path / "stageline.toml").write_text(f'[store]\npath = "{tmp_path / "s.db"}"\n')
     check = [str(STAGELINE), "config", "check", str(conf), "--service-config", str(tmp_path / "stageline.toml")]
     missing = subprocess.run(check, capture_output=True, text=True, timeout=60)
-    assert missing.returncode == 1 and "lookup table 'patient_class': no lookups/patient_class.csv" in missing.stdout
+    assert missing.returncode == 2 and "lookup table 'patient_class': no lookups/patient_class.csv" in missing.stdout
     for argv in (["db", "migrate"], ["lookups", "import", "patient_class", str(ROOT / "config/lookups/patient_class.csv")]):
         subprocess.run([str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), *argv], check=True,
                        capture_output=True, timeout=60)

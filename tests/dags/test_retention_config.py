@@ -98,13 +98,13 @@ def test_the_retention_task_reads_the_periods_from_the_service_config(store, sto
 
 
 @pytest.mark.parametrize("text, words", [
-    ("[retention]\ninbound_days = 0\n", "[retention].inbound_days must be > 0"),
-    ("[retention]\nevents_days = \"30\"\n", "[retention].events_days must be a number of days"),
-    ("[retention]\nkeep = 3\n", "[retention] unknown setting(s): keep"),
-    ("[retention]\narchive_path = 3\n", "[retention].archive_path must be str"),
-    ("[retention.connections.adt-in]\nevents_days = 3\n", "[retention.connections.adt-in] unknown setting(s): events_days"),
-    ("[retention.connections.adt-in]\ninbound_days = -1\n", "[retention.connections.adt-in].inbound_days must be > 0"),
-    ("[retention]\nconnections = 3\n", "[retention].connections must be a table"),
+    ("[retention]\ninbound_days = 0\n", "retention.inbound_days: must be > 0"),
+    ("[retention]\nevents_days = \"30\"\n", "retention.events_days: must be a number, got a string"),
+    ("[retention]\nkeep = 3\n", "retention.keep: unknown setting"),
+    ("[retention]\narchive_path = 3\n", "retention.archive_path: must be a string, got an integer"),
+    ("[retention.connections.adt-in]\nevents_days = 3\n", "retention.connections.adt-in.events_days: unknown setting"),
+    ("[retention.connections.adt-in]\ninbound_days = -1\n", "retention.connections.adt-in.inbound_days: must be > 0"),
+    ("[retention]\nconnections = 3\n", "retention.connections: must be a table, got an integer"),
     ("[retention.connections]\n\"a,b\" = {inbound_days = 3}\n", "contain no ','"),
 ])
 def test_bad_retention_settings_are_refused_naming_the_setting(text, words):

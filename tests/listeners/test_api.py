@@ -144,8 +144,8 @@ def test_settings_default_to_loopback_8470_without_tls(tmp_path: Path) -> None:
 
 
 def test_settings_refuse_a_non_loopback_bind_without_tls(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionConfigError, match=r"\[api\] \(API on 0\.0\.0\.0:8470\): refusing a "
-                                                     r"non-loopback bind without TLS"):
+    with pytest.raises(ConnectionConfigError, match=r"api\.host: refusing a non-loopback bind without TLS "
+                                                     r"\(API on 0\.0\.0\.0:8470\)"):
         ApiSettings.from_config({"host": "0.0.0.0"}, tmp_path)
 
 
@@ -156,6 +156,9 @@ def test_settings_allow_a_non_loopback_bind_when_explicitly_insecure(tmp_path: P
 
 
 def test_settings_allow_a_non_loopback_bind_with_tls_resolving_paths_in_the_config_dir(tmp_path: Path) -> None:
+    (tmp_path / "pki").mkdir()
+    for name in ("api.pem", "api.key", "ca.pem"):
+        (tmp_path / "pki" / name).write_text("PEM")
     settings = ApiSettings.from_config(
         {"host": "0.0.0.0", "tls": {"cert": "pki/api.pem", "key": "pki/api.key", "ca": "pki/ca.pem",
                                     "require_client_cert": True}}, tmp_path)
@@ -164,17 +167,21 @@ def test_settings_allow_a_non_loopback_bind_with_tls_resolving_paths_in_the_conf
 
 
 @pytest.mark.parametrize(("api", "message"), [
-    ({"tls": {"cert": "a.pem"}}, r"\[api.tls\] needs cert and key"),
-    ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": True}}, r"require_client_cert needs ca"),
-    ({"tls": {"cert": "a.pem", "key": "a.key", "password": "x"}}, r"\[api.tls\] must be a table"),
+    ({"tls": {"cert": "a.pem"}}, r"api\.tls\.key: required, not set"),
+    ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": True}}, r"api\.tls\.ca: require_client_cert needs ca"),
+    ({"tls": {"cert": "a.pem", "key": "a.key", "password": "x"}}, r"api\.tls\.password: unknown setting"),
     ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": "yes"}}, r"true or false"),
-    ({"listen": "0.0.0.0"}, r"unknown setting\(s\): listen"),
-    ({"port": 70000}, r"port must be an integer 0..65535"),
-    ({"port": True}, r"port must be an integer"),
-    ({"host": ""}, r"host must be a non-empty string"),
-    ({"allow_insecure_bind": "true"}, r"allow_insecure_bind must be true or false"),
+    ({"tls": {"cert": "missing.pem", "key": "a.key"}}, r"api\.tls\.cert: no such file: .*missing\.pem"),
+    ({"listen": "0.0.0.0"}, r"api\.listen: unknown setting"),
+    ({"port": 70000}, r"api\.port: must be <= 65535"),
+    ({"port": True}, r"api\.port: must be an integer, got a boolean"),
+    ({"port": "8470"}, r"api\.port: must be an integer, got a string"),
+    ({"host": ""}, r"api\.host: must not be empty"),
+    ({"allow_insecure_bind": "true"}, r"api\.allow_insecure_bind: must be true or false"),
 ])
 def test_settings_refuse_bad_values_naming_the_setting(tmp_path: Path, api: dict[str, Any], message: str) -> None:
+    (tmp_path / "a.pem").write_text("cert")
+    (tmp_path / "a.key").write_text("key")
     with pytest.raises(ApiConfigError, match=message):
         ApiSettings.from_config(api, tmp_path)
 
@@ -200,12 +207,12 @@ def test_auth_refuses_a_plaintext_token_in_the_file_without_echoing_it() -> None
     ({"role": "viewer", "token_env": "MISSING"}, {}, r"#1: environment variable MISSING \(token_env\) is not set"),
     ({"role": "viewer", "token_env": "SHORT"}, {"SHORT": "abc"}, r"shorter than 16 characters"),
     ({"role": "viewer", "token_env": "SPACE"}, {"SPACE": "has a space in it 0123"}, r"may hold only"),
-    ({"role": "viewer", "token_sha256": "abc"}, {}, r"token_sha256 must be 64 hex digits"),
-    ({"role": "root", "token_sha256": "0" * 64}, {}, r"role must be one of viewer, operator, admin"),
-    ({"token_sha256": "0" * 64}, {}, r"role must be one of"),
+    ({"role": "viewer", "token_sha256": "abc"}, {}, r"tokens\[0\]\.token_sha256: must be 64 hex digits"),
+    ({"role": "root", "token_sha256": "0" * 64}, {}, r"tokens\[0\]\.role: must be one of viewer, operator, admin"),
+    ({"token_sha256": "0" * 64}, {}, r"tokens\[0\]\.role: required"),
     ({"role": "viewer"}, {}, r"exactly one of token_env or token_sha256"),
     ({"role": "viewer", "token_env": "V", "token_sha256": "0" * 64}, {"V": VIEWER_TOKEN}, r"exactly one of"),
-    ({"role": "viewer", "token_sha256": "0" * 64, "scope": "all"}, {}, r"unknown setting\(s\): scope"),
+    ({"role": "viewer", "token_sha256": "0" * 64, "scope": "all"}, {}, r"tokens\[0\]\.scope: unknown setting"),
 ])
 def test_auth_refuses_bad_token_entries(entry: dict[str, Any], env: dict[str, str], message: str) -> None:
     with pytest.raises(ApiConfigError, match=message):

@@ -37,7 +37,7 @@ def test_a_valid_lane_key_loads_and_gives_the_lane_of_each_message(tmp_path: Pat
 @pytest.mark.parametrize("value", [0, -1, "ten"])
 def test_peer_limits_must_be_positive_numbers(tmp_path, key, value):
     write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{key} = {json.dumps(value)}\n')
-    with pytest.raises(ConnectionConfigError, match=f"{key} must be"):
+    with pytest.raises(ConnectionConfigError, match=rf"connections.toml: inbound\[0\]\.{key}: must be"):
         load_config_dir(tmp_path)
 
 
@@ -49,19 +49,23 @@ def test_peer_limits_have_protective_defaults(tmp_path):
     assert conn.frame_timeout_seconds < conn.idle_timeout_seconds
 
 
-def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path):
+def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
     write(tmp_path, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
                     '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\n'
                     '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "in2"\nerror_directory = "bad"\nhl7_only = true\n')
     mllp, f, g = load_config_dir(tmp_path).inbound
     assert (mllp.batch_ack, mllp.hl7_only) == ("batch", False)
-    assert f.error_directory == str((tmp_path / "in" / "archive" / "rejected").resolve())
+    # archive and rejected default to the var dir, outside the partner-writable drop tree
+    assert f.archive == str((tmp_path / "var" / "filedrop" / "f" / "archive").resolve())
+    assert f.error_directory == str((tmp_path / "var" / "filedrop" / "f" / "rejected").resolve())
     assert (g.error_directory, g.hl7_only) == (str((tmp_path / "bad").resolve()), True)
-    for body, error in [('batch_ack = "each"', "batch_ack must be batch or messages"),
-                        ('hl7_only = "yes"', "hl7_only must be true or false")]:
+    for body, error in [('batch_ack = "each"', "batch_ack: must be one of 'batch', 'messages'"),
+                        ('hl7_only = "yes"', "hl7_only: must be true or false, got a string")]:
         write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{body}\n')
         with pytest.raises(ConnectionConfigError, match=error):
             load_config_dir(tmp_path)
     write(tmp_path, '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\nerror_directory = "in"\n')
-    with pytest.raises(ConnectionConfigError, match="error_directory must differ from directory"):
+    with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.error_directory: error_directory must differ "
+                                                    "from directory"):
         load_config_dir(tmp_path)

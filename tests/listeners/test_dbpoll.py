@@ -112,19 +112,19 @@ def test_a_database_connection_loads_with_its_source(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change,error", [
-    (('backend = "postgres"', 'backend = "oracle"'), "backend must be one of postgres, sqlserver, sqlite"),
-    (('username = "reader"', 'password = "secret"'), "unknown setting\\(s\\): password \\(put the password in an "
-                                                     "environment variable"),
+    (('backend = "postgres"', 'backend = "oracle"'), "database.backend: must be one of 'postgres', 'sqlserver', 'sqlite'"),
+    (('username = "reader"', 'password = "secret"'), "database.password: a password in the config file is refused \\(put "
+                                                     "the password in an environment variable"),
     (("WHERE id > :watermark ", ""), 'strategy = "watermark" needs :watermark in query'),
     (("SELECT id, hl7", "DELETE FROM outbox; SELECT id, hl7"), "query must be a SELECT"),
     (("LIMIT :limit", "LIMIT :n"), "query takes only :limit, :watermark, got :n"),
-    (('key_column = "id"', 'key_column = "id; DROP TABLE x"'), "key_column must be a column name"),
+    (('key_column = "id"', 'key_column = "id; DROP TABLE x"'), "database.key_column: must be an identifier"),
     (('key_column = "id"', 'strategy = "mark"'), 'query takes only :limit, got :watermark'),
-    (('key_column = "id"', 'batch_size = 0'), "batch_size must be >= 1"),
+    (('key_column = "id"', 'batch_size = 0'), "database.batch_size: must be > 0"),
     (('key_column = "id"', 'mark = "UPDATE outbox SET status = 1 WHERE id = :key"'),
      'mark and reject belong to strategy = "mark"'),
-    (('database = "lis"', 'port = 5432'), "database is required"),
-    (('poll_seconds = 2', 'poll_seconds = 0'), "poll_seconds must be > 0"),
+    (('database = "lis"', 'port = 5432'), "database.database: required, not set"),
+    (('poll_seconds = 2', 'poll_seconds = 0'), "poll_seconds: must be > 0"),
 ])
 def test_bad_database_settings_are_refused_at_load_naming_the_setting(tmp_path: Path, change: tuple[str, str],
                                                                      error: str) -> None:
@@ -134,7 +134,7 @@ def test_bad_database_settings_are_refused_at_load_naming_the_setting(tmp_path: 
 
 
 def test_a_database_connection_without_its_source_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionConfigError, match=r"'lab-db'.*needs an \[inbound.database\] table"):
+    with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.database: a database connection needs an \[inbound.database\] table"):
         load_config_dir(write_conf(tmp_path, GOOD.split("[inbound.database]")[0]))
 
 

@@ -37,16 +37,16 @@ def test_pinned_node_id_is_kept():
     (with_("cluster", heartbeat_seconds=4), ["heartbeat_seconds < leader_fence_timeout_seconds"]),
     (with_("cluster", node_timeout_seconds=2), ["node_timeout_seconds", "heartbeat_seconds"]),
     (with_("store", backend="sqlite"), ["[cluster].enabled", "postgres", "sqlserver"]),
-    (with_("store", pool_size=1), ["[store].pool_size", ">= 2"]),
-    (with_("store", backend="mysql"), ["[store].backend", "sqlite, postgres, sqlserver"]),
-    (with_("store", colour="blue"), ["[store] unknown setting", "colour"]),
-    (with_("cluster", leader_ttl=5), ["[cluster] unknown setting", "leader_ttl"]),
-    ({"stores": {}}, ["unknown section", "stores"]),
-    (with_("store", password="secret"), ["unknown setting", "password"]),
-    (with_("store", pool_size="3"), ["[store].pool_size must be int"]),
-    (with_("cluster", enabled="yes"), ["[cluster].enabled must be bool"]),
+    (with_("store", pool_size=1), ["store.pool_size: must be >= 2"]),
+    (with_("store", backend="mysql"), ["store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'"]),
+    (with_("store", colour="blue"), ["store.colour: unknown setting"]),
+    (with_("cluster", leader_ttl=5), ["cluster.leader_ttl: unknown setting"]),
+    ({"stores": {}}, ["stores: unknown setting"]),
+    (with_("store", password="secret"), ["store.password: unknown setting", "STAGELINE_STORE_PASSWORD"]),
+    (with_("store", pool_size="3"), ["store.pool_size: must be an integer, got a string"]),
+    (with_("cluster", enabled="yes"), ["cluster.enabled: must be true or false, got a string"]),
     (with_("cluster", cluster_name=" "), ["cluster_name"]),
-    (with_("store", schema="x; drop"), ["[store].schema"]),
+    (with_("store", schema="x; drop"), ["store.schema: must be"]),
 ])
 def test_rule_violations_are_refused_naming_the_setting(raw, words):
     with pytest.raises(ConfigError) as err:
@@ -107,5 +107,5 @@ def test_busy_retry_seconds_is_typed_and_defaults_to_forty(tmp_path):
     path.write_text('[store]\npath = "s.db"\n')
     assert load(path).store.busy_retry_seconds == 40.0
     path.write_text('[store]\npath = "s.db"\nbusy_retry_seconds = "40"\n')
-    with pytest.raises(ConfigError, match="busy_retry_seconds must be float"):
+    with pytest.raises(ConfigError, match="store.busy_retry_seconds: must be a number, got a string"):
         load(path)

@@ -1,0 +1,334 @@
+"""The models of `<config>/connections.toml`: `[[inbound]]` (with `[inbound.tls]` and
+`[inbound.database]`) and `[api]` (with `[api.tls]` and `[[api.tokens]]`).
+
+Validation context (`context=` of `include.schema.rules.validate`):
+``base``  the config dir: TLS files, file-drop directories and SQLite sources are relative to it;
+          TLS files must exist there as readable regular files (without it, no file is looked at).
+``var``   the node's var dir (`include.config.var_dir()`): where a file inbound's archive and
+          rejected directories go by default, outside the partner-writable drop tree.
+``roles`` the API roles a token may name (default `API_ROLES`).
+The runtime structures (`listeners.connections.InboundConfig`, `listeners.api.ApiSettings`) are built
+from these models; docs/config-reference.md describes every key.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from include.charsets import HL7_CHARSETS, codec_for
+from include.hl7path import FieldPathError, parse_path
+from include.schema import Strict
+from include.schema.rules import Rules
+
+__all__ = ["API_ROLES", "ApiModel", "ApiTokenModel", "ConnectionsFile", "DatabaseSourceModel", "InboundModel",
+           "TLSModel", "file_paths", "is_loopback"]
+
+API_ROLES = ("viewer", "operator", "admin")
+NETWORK_KINDS = ("mllp", "tcp", "http")
+_NAME = r"^[A-Za-z0-9_-]+$"
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Count = Annotated[int, Field(gt=0)]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _ctx(info: ValidationInfo, key: str) -> Any:
+    return (info.context or {}).get(key)
+
+
+def _readable_file(value: str, info: ValidationInfo) -> str:
+    """`value` resolved against the config dir; it must be a readable regular file there."""
+    base = _ctx(info, "base")
+    if not value or base is None:
+        return value
+    path = (Path(base) / value).resolve()
+    if not path.is_file():
+        raise ValueError(f"no such file: {path}" if not path.exists() else f"not a regular file: {path}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"cannot read {path}")
+    return str(path)
+
+
+class TLSModel(Strict):
+    """`[inbound.tls]` / `[api.tls]`: the server's certificate and key, and the client CAs for mTLS."""
+
+    cert: str = Field(min_length=1, description="PEM certificate (chain) file, relative to the config dir")
+    key: str = Field(min_length=1, description="PEM private key file (unencrypted)")
+    ca: str = Field("", description="PEM bundle of the CAs whose client certificates are accepted")
+    require_client_cert: bool = Field(False, description="mTLS: a client without a certificate signed by ca "
+                                                         "is refused")
+
+    @field_validator("cert", "key", "ca")
+    @classmethod
+    def _exists(cls, value: str, info: ValidationInfo) -> str:
+        return _readable_file(value, info)
+
+    @model_validator(mode="after")
+    def _mtls_needs_ca(self) -> TLSModel:
+        if self.require_client_cert and not self.ca:
+            Rules.raise_if([("ca", "require_client_cert needs ca (the client CA bundle)")])
+        return self
+
+
+class DatabaseSourceModel(Strict):
+    """`[inbound.database]`: the table a `kind = "database"` connection polls (listeners/dbpoll.py)."""
+
+    backend: Literal["postgres", "sqlserver", "sqlite"] = "postgres"
+    server: str = "localhost"
+    port: Port = Field(0, description="0: the backend's default")
+    database: str = Field(min_length=1, description="the database name; sqlite: the file (relative to the "
+                                                    "config dir)")
+    username: str = ""
+    password_env: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+                              description="the environment variable holding the password (never the file)")
+    query: str = Field(min_length=1, description="SELECT of the rows to stage, ordered by key_column")
+    key_column: str = Field("id", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    message_column: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+                                description="the column holding the message; empty: the whole row as JSON")
+    strategy: Literal["watermark", "mark"] = "watermark"
+    mark: str = Field("", description="strategy mark: the UPDATE that marks one row read (:key)")
+    reject: str = Field("", description="strategy mark: the UPDATE for a row that cannot be staged")
+    start_after: int | str = Field(0, description="watermark: the mark before the first poll")
+    batch_size: Count = 100
+    connect_timeout_seconds: Seconds = 10.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_password(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "password" in data:
+            Rules.raise_if([("password", "a password in the config file is refused (put the password in an "
+                                         "environment variable and name it in password_env)")])
+        return data
+
+    @model_validator(mode="after")
+    def _statements(self) -> DatabaseSourceModel:
+        bad: list[tuple[str, str]] = []
+        if not re.match(r"\s*(SELECT|WITH)\b", self.query, re.IGNORECASE):
+            bad.append(("query", "query must be a SELECT (or WITH ... SELECT) of the rows to stage"))
+        allowed = {"watermark", "limit"} if self.strategy == "watermark" else {"limit"}
+        params = set(_SQL_PARAM.findall(self.query))
+        if params - allowed:
+            bad.append(("query", f"query takes only {', '.join(':' + p for p in sorted(allowed))}, "
+                                 f"got {', '.join(':' + p for p in sorted(params - allowed))}"))
+        if self.strategy == "watermark":
+            if "watermark" not in params:
+                bad.append(("query", f"strategy = \"watermark\" needs :watermark in query, e.g. \"SELECT ... WHERE "
+                                     f"{self.key_column} > :watermark ORDER BY {self.key_column} LIMIT :limit\""))
+            if self.mark or self.reject:
+                bad.append(("mark" if self.mark else "reject", "mark and reject belong to strategy = \"mark\""))
+        else:
+            for key in ("mark", "reject"):
+                statement = getattr(self, key)
+                if key == "reject" and not statement:
+                    continue
+                if not re.match(r"\s*UPDATE\b", statement, re.IGNORECASE) or \
+                        set(_SQL_PARAM.findall(statement)) != {"key"}:
+                    bad.append((key, f"strategy = \"mark\" needs {key} = an UPDATE that takes only :key, e.g. "  # noqa: S608 (a message, not SQL)
+                                     f"\"UPDATE outbox SET status = 'sent' WHERE {self.key_column} = :key\""))
+        Rules.raise_if(bad)
+        return self
+
+
+class InboundModel(Strict):
+    """One `[[inbound]]` connection."""
+
+    name: str = Field(pattern=_NAME, description="letters, digits, - and _; unique in the file")
+    kind: Literal["mllp", "tcp", "file", "http", "database"]
+    host: str = Field("127.0.0.1", min_length=1)
+    port: Port = 0
+    directory: str = Field("", description="file: the polled drop directory")
+    archive: str = Field("", description="file: where ingested files go (default <var>/filedrop/<name>/archive)")
+    error_directory: str = Field("", description="file: where refused files go, with a .reason "
+                                                 "(default <archive>/rejected if archive is set, else "
+                                                 "<var>/filedrop/<name>/rejected)")
+    pattern: str = Field("*", min_length=1, description="file: glob of files to ingest")
+    poll_seconds: Seconds = 1.0
+    framing: Literal["newline", "length"] = "newline"
+    lane_key: str = Field("", description="HL7 path (e.g. PID-3.1) giving the row's lane; empty: none")
+    hl7_only: bool = False
+    batch_ack: Literal["batch", "messages"] = "batch"
+    charset: str = Field("utf-8", description="used when a message does not declare MSH-18; HL7 table 0211")
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64)
+    idle_timeout_seconds: Seconds = 300.0
+    max_connections: Count = 64
+    max_connections_per_peer: Count = 16
+    connect_rate_per_peer: Positive = 20.0
+    frame_timeout_seconds: Seconds = 10.0
+    handshake_timeout_seconds: Seconds = 10.0
+    max_bytes_per_second_per_peer: Positive = 8.0 * 1024 * 1024
+    allow_insecure_bind: bool = False
+    allowed_sources: list[str] = Field(default_factory=list, description="CIDRs a sender may connect from")
+    allow_unauthenticated_senders: bool = False
+    allow_archive_in_directory: bool = False
+    tls: TLSModel | None = None
+    database: DatabaseSourceModel | None = None
+
+    @field_validator("charset")
+    @classmethod
+    def _charset(cls, value: str) -> str:
+        if codec_for(value) is None:
+            raise ValueError(f"unknown charset; accepted (HL7 table 0211): {', '.join(HL7_CHARSETS)} "
+                             "(or a Python alias of one of these)")
+        return value
+
+    @field_validator("allowed_sources")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        bad = []
+        for i, cidr in enumerate(value):
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                bad.append((f"[{i}]", "not a CIDR such as 10.1.2.0/24 or 192.0.2.7"))
+        Rules.raise_if(bad)
+        return value
+
+    @field_validator("lane_key")
+    @classmethod
+    def _lane_key(cls, value: str) -> str:
+        if value:
+            try:
+                parse_path(value)
+            except FieldPathError as exc:
+                raise ValueError(f"lane_key must be an HL7 field path such as 'PID-3.1': {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> InboundModel:
+        bad: list[tuple[str, str]] = []
+        if self.kind == "file" and not self.directory:
+            bad.append(("directory", "a file connection needs directory"))
+        if self.kind == "database" and self.database is None:
+            bad.append(("database", "a database connection needs an [inbound.database] table "
+                                    "(backend, database, query, key_column, strategy)"))
+        if self.database is not None and self.kind != "database":
+            bad.append(("database", "[inbound.database] belongs to kind = \"database\" only"))
+        if self.kind == "file" and self.directory:
+            bad += _drop_tree(self, _ctx(info, "base"), _ctx(info, "var"))
+        if self.kind in NETWORK_KINDS and not is_loopback(self.host):
+            if self.tls is None and not self.allow_insecure_bind:
+                bad.append(("host", f"refusing a non-loopback bind without TLS ({self.kind} on {self.host}:"
+                                    f"{self.port}); configure tls, or set allow_insecure_bind = true if the network "
+                                    "is otherwise protected"))
+            mtls = self.tls is not None and self.tls.require_client_cert
+            if not (mtls or self.allowed_sources or self.allow_unauthenticated_senders):
+                bad.append(("allowed_sources", f"a non-loopback bind ({self.kind} on {self.host}) needs "
+                                               "authenticated senders: tls.require_client_cert = true (mTLS) or "
+                                               "allowed_sources (the CIDRs senders connect from), or set "
+                                               "allow_unauthenticated_senders = true"))
+        Rules.raise_if(bad)
+        return self
+
+
+def file_paths(conn: InboundModel, base: str | Path | None, var: str | Path | None) -> tuple[str, str, str]:
+    """A file connection's (directory, archive, error_directory), absolute; archive defaults to
+    `<var>/filedrop/<name>/archive`, error_directory to `<archive>/rejected` when archive is set, else
+    `<var>/filedrop/<name>/rejected`: outside the drop tree."""
+    root = Path(base or ".")
+    directory = (root / conn.directory).resolve()
+    default = (Path(var) if var is not None else root / "var").resolve() / "filedrop" / conn.name
+    archive = (root / conn.archive).resolve() if conn.archive else default / "archive"
+    if conn.error_directory:
+        rejected = (root / conn.error_directory).resolve()
+    else:  # beside the archive it goes with (listeners/filedrop.py does the same)
+        rejected = archive / "rejected" if conn.archive else default / "rejected"
+    return str(directory), str(archive), str(rejected)
+
+
+def _drop_tree(conn: InboundModel, base: Any, var: Any) -> list[tuple[str, str]]:
+    directory, archive, rejected = (Path(p) for p in file_paths(conn, base, var))
+    bad = []
+    if rejected == directory:
+        bad.append(("error_directory", "error_directory must differ from directory"))
+    elif not conn.allow_archive_in_directory:
+        for key, path in (("archive", archive), ("error_directory", rejected)):
+            if path == directory or path.is_relative_to(directory):
+                bad.append((key, f"{key} lies inside directory (the partner-writable drop tree); put it "
+                                 "elsewhere, or set allow_archive_in_directory = true"))
+    return bad
+
+
+class ApiTokenModel(Strict):
+    """One `[[api.tokens]]` entry: a role and one of token_env / token_sha256 (never the token itself)."""
+
+    name: str = ""
+    role: str = Field(description=f"one of {', '.join(API_ROLES)} (any case)")
+    token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                  description="the environment variable holding the token")
+    token_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="the token's hex SHA-256")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_plaintext(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "token" in data:
+            Rules.raise_if([("token", "a plaintext token in the config file is refused; set token_env (an "
+                                      "environment variable holding the token) or token_sha256 (its hex SHA-256 "
+                                      "digest)")])
+        return data
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, value: str, info: ValidationInfo) -> str:
+        roles = tuple(_ctx(info, "roles") or API_ROLES)
+        if value.lower() not in roles:
+            raise ValueError(f"must be one of {', '.join(roles)}")
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ApiTokenModel:
+        if (self.token_env is None) == (self.token_sha256 is None):
+            Rules.raise_if([("", "give exactly one of token_env or token_sha256")])
+        return self
+
+
+class ApiModel(Strict):
+    """`[api]`: the control plane's bind, TLS and tokens (every node, leader or standby)."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: Port = 8470
+    tls: TLSModel | None = None
+    allow_insecure_bind: bool = False
+    tokens: list[ApiTokenModel] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _bind(self) -> ApiModel:
+        if self.tls is None and not self.allow_insecure_bind and not is_loopback(self.host):
+            Rules.raise_if([("host", f"refusing a non-loopback bind without TLS (API on {self.host}:{self.port}); "
+                                     "configure [api.tls], or set allow_insecure_bind = true if the network is "
+                                     "otherwise protected")])
+        return self
+
+
+class ConnectionsFile(Strict):
+    """`connections.toml`: the inbound connections listenerd binds, and its control plane."""
+
+    inbound: list[InboundModel] = Field(default_factory=list)
+    api: ApiModel = Field(default_factory=ApiModel)
+
+    @model_validator(mode="after")
+    def _unique(self) -> ConnectionsFile:
+        seen: set[str] = set()
+        bad = []
+        for i, conn in enumerate(self.inbound):
+            if conn.name in seen:
+                bad.append((f"inbound[{i}].name", f"duplicate connection name {conn.name!r}"))
+            seen.add(conn.name)
+        Rules.raise_if(bad)
+        return self
