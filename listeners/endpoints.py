@@ -32,6 +32,7 @@ from listeners.inbound import (IngestSink, LaneOf, PayloadRejected, build_inboun
 from listeners.ingest import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
+from listeners.offload import off_reactor
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory
 from listeners.tls import listen
@@ -189,7 +190,8 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
     """MLLP's handover of a batch in one frame: validate and split like every transport, submit it
     as one unit, answer per HL7 batch rules — one ACK for the batch (MSA-2 = its BHS-11, else
     FHS-11), or with ``batch_ack = "messages"`` an ACK batch of one AA per message. A refused or
-    unstored batch is always one ACK (AR/AE) naming the reason: nothing of it was staged."""
+    unstored batch is always one ACK (AR/AE) naming the reason: nothing of it was staged, or (a
+    large batch committed in parts, `listeners.commitplan`) which of its messages were."""
     metrics = wiring.metrics
 
     def answer(envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "",
@@ -201,24 +203,34 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         metrics.received.labels(conn.name).inc()
-        try:
-            batch = build_inbound(data, connection=conn.name, charset=conn.charset, lane_of=lane_of)
-        except PayloadRejected as exc:
-            head = getattr(exc, "header", None)
-            _log.warn("rejecting batch {control_id} on {connection}: {reason}", connection=conn.name,
-                      control_id=(head.control_id if head else "")[:64] or "-", reason=str(exc))
-            return defer.succeed(answer(head, AckCode.AR, str(exc)))
+        # A 4 MB batch is ~1 s of splitting: off the reactor (listeners/offload.py), as is its ACK batch.
+        built = off_reactor(wiring.reactor, len(data), build_inbound, data, connection=conn.name,
+                            charset=conn.charset, lane_of=lane_of)
+        return built.addCallbacks(submit, refused)
+
+    def refused(f: Any) -> bytes:
+        f.trap(PayloadRejected)
+        exc = f.value
+        head = getattr(exc, "header", None)
+        _log.warn("rejecting batch {control_id} on {connection}: {reason}", connection=conn.name,
+                  control_id=(head.control_id if head else "")[:64] or "-", reason=str(exc))
+        return answer(head, AckCode.AR, str(exc))
+
+    def submit(batch: Any) -> Deferred[bytes]:
         assert isinstance(batch, InboundBatch)
         envelope: BatchHeader = batch.envelope
         first = batch.items[0] if batch.items else None
         text, codec = (first.payload, first.charset or "ascii") if first else ("", "ascii")
 
-        def ok(_: str) -> bytes:
+        def acks() -> bytes:
+            return build_ack_batch(batch_header(envelope, first_message=text, encoding=codec),
+                                   [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA)
+                                    for i in batch.items])
+
+        def ok(_: str) -> bytes | Deferred[bytes]:
             if conn.batch_ack == "messages":
                 metrics.acks.labels(conn.name, "AA").inc()
-                acks = [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA)
-                        for i in batch.items]
-                return build_ack_batch(batch_header(envelope, first_message=text, encoding=codec), acks)
+                return off_reactor(wiring.reactor, 100 * len(batch.items), acks)
             return answer(envelope, AckCode.AA, first=text, encoding=codec)
 
         def failed(f: Any) -> bytes:

@@ -24,8 +24,8 @@ from include.hl7path import parse_path
 from include.hl7path import value as hl7_value
 from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.ingest import (Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused, StoreUnavailable,
-                              new_message_id)
+from listeners.ingest import (BatchIncomplete, Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused,
+                              StoreUnavailable, new_message_id)
 
 __all__ = [
     "MAX_KEY_CHARS",
@@ -236,6 +236,8 @@ def rejection_reason(failure: Failure) -> tuple[str, str]:
         return str(failure.value), "AR"
     if failure.check(NotLeader):
         return "not leader, resend later", "AE"
+    if failure.check(BatchIncomplete):  # says which of its messages are stored
+        return str(failure.value), "AE"
     if failure.check(StoreUnavailable):
         return "store unavailable, resend later", "AE"
     if failure.check(IngestRejected):

@@ -167,7 +167,7 @@ def over_file(drop: Path, errors: Path, archive: Path, data: bytes, name: str) -
 @pytest.fixture
 def listenerd(tmp_path: Path, store_config: StoreConfig):
     ports = {kind: free_port() for kind in ("mllp", "each", "tcp", "http")}
-    drop, errors = tmp_path / "drop", tmp_path / "refused"
+    drop, errors, archive = tmp_path / "drop", tmp_path / "refused", tmp_path / "archive"
     drop.mkdir()
     cluster = None if store_config.backend == "sqlite" else {
         "enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
@@ -178,12 +178,12 @@ def listenerd(tmp_path: Path, store_config: StoreConfig):
         {"name": "in-each", "kind": "mllp", "port": ports["each"], "batch_ack": "messages", **lane},
         {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **lane},
         {"name": "in-http", "kind": "http", "port": ports["http"], **lane},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "error_directory": str(errors),
+        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(archive), "error_directory": str(errors),
          "poll_seconds": 0.1, **lane}]).start()
     try:
         for port in ports.values():
             wait_for(lambda port=port: port_open(port), timeout=20, what="bind")
-        d.ports, d.drop, d.errors = ports, drop, errors
+        d.ports, d.drop, d.errors, d.archive = ports, drop, errors, archive
         yield d
     finally:
         assert d.stop() == 0
@@ -215,7 +215,7 @@ def test_a_batch_on_every_transport_becomes_its_messages_each_staged_naming_its_
     assert tcp.startswith("ACK ") and tcp.endswith(" (3 messages)")
     status, body = over_http(d.ports["http"], GOOD)
     assert status == 202 and len(body["message_ids"]) == 3
-    assert over_file(d.drop, d.errors, d.drop / "archive", GOOD, "batch.hl7") == "archived"
+    assert over_file(d.drop, d.errors, d.archive, GOOD, "batch.hl7") == "archived"
 
     staged = rows(store_config, "SELECT id, message_id, connection, control_id, lane_key, batch_id, batch_seq "
                                 "FROM stage_inbound ORDER BY id")
@@ -252,7 +252,7 @@ def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_no
             "mllp": mllp_verdict(d.ports["mllp"], data).removeprefix("AR "),
             "tcp": over_tcp(d.ports["tcp"], data).removeprefix("NAK "),
             "http": (lambda s, b: f"{s} {b['error']}")(*over_http(d.ports["http"], data)).removeprefix("400 "),
-            "file": over_file(d.drop, d.errors, d.drop / "archive", data, f"bad{n}.hl7"),
+            "file": over_file(d.drop, d.errors, d.archive, data, f"bad{n}.hl7"),
         }
         assert verdicts == dict.fromkeys(verdicts, reason), case
     assert rows(store_config, "SELECT count(*) AS n FROM stage_inbound")[0]["n"] == 0
