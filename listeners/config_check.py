@@ -185,11 +185,16 @@ def _service(path: Path, report: Report) -> None:
 def _unknown_files(base: Path, report: Report) -> None:
     """Any `*.toml` beside the known ones: most likely a typo (`route.toml`) whose settings would
     silently never load."""
-    reported = {p.file for p in report.problems}
+    known = f"known: {', '.join(KNOWN_FILES)}; also {LOOKUPS}/*.csv and {CODE_DIR}/"
     for path in sorted(base.glob("*.toml")):
-        if path.name not in KNOWN_FILES and path not in reported:
-            report.problems.append(ConfigProblem(path, "", f"unknown config file (known: {', '.join(KNOWN_FILES)}; "
-                                                           f"also {LOOKUPS}/*.csv and {CODE_DIR}/)"))
+        if path.name in KNOWN_FILES:
+            continue
+        said = [i for i, p in enumerate(report.problems) if p.file == path and not p.key]
+        if said:  # the pipeline loader's "did you mean routes.toml?": add the list
+            report.problems[said[0]] = report.problems[said[0]]._replace(
+                message=f"{report.problems[said[0]].message} ({known})")
+        else:
+            report.problems.append(ConfigProblem(path, "", f"unknown config file ({known})"))
 
 
 # -- lookups -------------------------------------------------------------------------------------

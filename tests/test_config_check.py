@@ -154,3 +154,53 @@ def test_stageline_up_refuses_a_broken_config_dir_before_starting_anything(tmp_p
     assert_every_problem(done.stdout, conf)
     assert "nothing was started" in done.stderr
     assert not (tmp_path / "s.db").exists()  # not even migrated
+
+
+# -- listenerd: start and SIGHUP reload go through the same schema ------------------------------
+
+def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_traceback(tmp_path, sqlite_config_fresh):
+    from include.lab.listenerd import Daemon
+    from include.lab.postgres_server import free_port
+
+    port = free_port()
+    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", inbound=[
+        {"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": port, "allow_insecure_bind": "no",
+         "allowed_sources": ["10.0.0.0/8"]},
+        {"name": "text", "kind": "mllp", "port": str(port)}])
+    d.start(wait=False)
+    try:
+        assert d.proc.wait(30) == 2
+    finally:
+        d.stop()
+    out = d.output()
+    path = d.workdir / "config" / "connections.toml"
+    assert f"listenerd: configuration error: {path}: inbound[0].allow_insecure_bind: must be true or false, " \
+           "got a string (connection 'open')" in out
+    assert f"listenerd: configuration error: {path}: inbound[1].port: must be an integer, got a string " \
+           "(connection 'text')" in out
+    assert "Traceback" not in out
+
+
+def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(tmp_path, sqlite_config_fresh):
+    import signal
+
+    from include.lab.listenerd import Daemon
+    from include.lab.postgres_server import free_port, wait_for
+    from include.stack import port_open
+
+    port = free_port()
+    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
+               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    try:
+        wait_for(lambda: port_open(port), timeout=15, what="bind")
+        conf = d.workdir / "config" / "connections.toml"
+        conf.write_text(conf.read_text().replace(f"port = {port}", f'port = "{port}"\nidle_timeout_seconds = -5'))
+        d.signal(signal.SIGHUP)
+        wait_for(lambda: "config reload refused" in d.output(), timeout=15, what="the reload to be refused")
+        out = d.output()
+        assert f"{conf}: inbound[0].port: must be an integer, got a string (connection 'adt-in')" in out
+        assert f"{conf}: inbound[0].idle_timeout_seconds: must be > 0 (connection 'adt-in')" in out
+        assert "Traceback" not in out
+        assert d.status()["config_version"] == 0 and port_open(port)  # the old config still serves
+    finally:
+        d.stop()
