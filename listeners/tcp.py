@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.interfaces import IAddress, IReactorTime
@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 from listeners.connections import TCP_FRAMINGS, InboundConfig
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.ingest import InboundBatch
+from listeners.offload import off_reactor
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory
 
 if TYPE_CHECKING:
@@ -212,22 +213,28 @@ class TCPProtocol(OrderedReplyProtocol):
     def _on_frame(self, payload: bytes) -> None:
         factory = self.factory
         factory.count_received(len(payload))
-        try:
-            item = build_inbound(payload, connection=self._config.name, charset=self._config.charset,
-                                 lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
-        except PayloadRejected as exc:
-            _log.warn("rejecting {size}-byte message on {connection} from {peer}: {reason}",
-                      size=len(payload), connection=self._config.name, peer=self.peer_text, reason=str(exc))
-            slot = Slot()
-            self.enqueue(slot)
-            self.answer(slot, self._nak(str(exc), "AR"))
-            return
         slot = Slot()
         self.enqueue(slot)
-        d = maybeDeferred(factory.ingest.submit, item)
+        # A large frame (a batch of thousands of messages) is split off the reactor (listeners/offload.py).
+        built = off_reactor(factory.clock, len(payload), build_inbound, payload, connection=self._config.name,
+                            charset=self._config.charset, lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
+        built.addCallbacks(self._submit, self._refused, callbackArgs=(slot,), errbackArgs=(slot, len(payload)))
+
+    def _refused(self, failure: Failure, slot: Slot, size: int) -> None:
+        if not failure.check(PayloadRejected):
+            _log.critical("cannot read a message on {connection} from {peer}: {error}", connection=self._config.name,
+                          peer=self.peer_text, error=failure.type.__name__ if failure.type else "unknown")
+            self.answer(slot, self._nak("internal error, resend later", "AE"))
+            return
+        _log.warn("rejecting {size}-byte message on {connection} from {peer}: {reason}",
+                  size=size, connection=self._config.name, peer=self.peer_text, reason=str(failure.value))
+        self.answer(slot, self._nak(str(failure.value), "AR"))
+
+    def _submit(self, item: Any, slot: Slot) -> None:
+        d = maybeDeferred(self.factory.ingest.submit, item)
         if isinstance(item, InboundBatch):  # one answer for the batch: its id and how many it staged
             d.addCallback(lambda batch_id, n=len(item.items): f"{batch_id} ({n} messages)")
-        self.await_answer(d, slot, factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
+        self.await_answer(d, slot, self.factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
         d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
 
     def _on_oversize(self, size: int) -> None:

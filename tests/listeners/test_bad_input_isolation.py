@@ -119,13 +119,13 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
     import urllib.request
 
     ports = {kind: free_port() for kind in ("mllp", "tcp", "http")}
-    drop = tmp_path / "drop"
+    drop, archive = tmp_path / "drop", tmp_path / "archive"
     drop.mkdir()
     d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", inbound=[
         {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"]},
         {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"]},
         {"name": "in-http", "kind": "http", "port": ports["http"]},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1}]).start()
+        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(archive), "poll_seconds": 0.1}]).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
@@ -161,7 +161,7 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
 
         def over_file(data: bytes, name: str) -> str:
             (drop / name).write_bytes(data)
-            rejected = drop / "archive" / "rejected" / f"{name}.reason"
+            rejected = archive / "rejected" / f"{name}.reason"
             wait_for(lambda: not (drop / name).exists(), timeout=10, interval=0.02, what="file taken")
             return rejected.read_text().splitlines()[0] if rejected.exists() else "archived"
 
