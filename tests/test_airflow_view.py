@@ -255,6 +255,47 @@ def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):
     assert not [e for e in audit_events(store_config) if e["control_id"] in ("VIEW1", "VIEW2")]
 
 
+def body_reads(store_config: StoreConfig, control_id: str) -> list[tuple[str, str]]:
+    s = Store(store_config)
+    try:
+        with s.transaction(write=False) as tx:
+            cur = tx.conn.cursor()
+            cur.execute("SELECT node_id, detail FROM message_events WHERE event = 'body_read' AND control_id = "
+                        f"'{control_id}' ORDER BY id")  # noqa: S608 (a test's own constant)
+            return [(r["node_id"], r["detail"]) for r in cur.fetchall()]
+    finally:
+        s.close()
+
+
+def test_bodies_are_for_op_and_admin_only_on_purpose_and_each_read_is_recorded(view):
+    """Airflow's Viewer reads metadata only (API and page); an Admin reads bodies when asking
+    (`body=1`), and each such read is a body_read event naming the Airflow user."""
+    server, store_config, _ = view
+    port = server.port
+    viewer, admin = token_for(port, "viewer"), token_for(port, "admin")
+    for token in (viewer, admin):
+        status, story, _ = http(port, "GET", "/stageline/api/messages/VIEW1", token=token)
+        assert status == 200 and story["inbound"]["control_id"] == "VIEW1"
+        assert "payload" not in story["inbound"] and "DOE^JANE" not in json.dumps(story)
+    status, doc, _ = http(port, "GET", "/stageline/api/messages/VIEW1?body=1", token=viewer)
+    assert (status, doc) == (403, {"detail": "message bodies need the OP or ADMIN role"})
+    status, page, _ = http(port, "GET", "/stageline/?show=VIEW1", cookie=f"_token={viewer}")
+    assert status == 200 and "need the OP or ADMIN role" in page and "DOE^JANE" not in page
+    assert 'id="show-bodies"' not in page
+    assert http(port, "GET", "/stageline/?show=VIEW1&body=1", cookie=f"_token={viewer}")[0] == 403
+    assert body_reads(store_config, "VIEW1") == []
+
+    status, story, _ = http(port, "GET", "/stageline/api/messages/VIEW1?body=1", token=admin)
+    assert status == 200 and "PID|1||P1||DOE^JANE" in story["inbound"]["payload"]
+    status, page, _ = http(port, "GET", "/stageline/?show=VIEW1", cookie=f"_token={admin}")
+    assert status == 200 and 'id="show-bodies"' in page and "DOE^JANE" not in page
+    status, page, _ = http(port, "GET", "/stageline/?show=VIEW1&body=1", cookie=f"_token={admin}")
+    assert status == 200 and "PID|1||P1||DOE^JANE" in page
+    assert body_reads(store_config, "VIEW1") == [("reader:airflow admin", "bodies read via airflow")] * 2
+    status, doc, _ = http(port, "GET", "/stageline/api/messages?limit=100000000", token=viewer)
+    assert (status, doc) == (400, {"detail": "limit must be 1..1000 (page on with before_id), got 100000000"})
+
+
 def test_the_view_in_headless_chromium(view, tmp_path):
     from selenium import webdriver
     from selenium.common.exceptions import (ElementClickInterceptedException, ElementNotInteractableException,
@@ -336,6 +377,9 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         driver.find_element(By.CSS_SELECTOR, "#search tbody tr a").click()
         wait.until(ec.presence_of_element_located((By.ID, "trail")))
         assert trail_events() == ["received"], trail_events()  # staged by listenerd; nothing routed it since
+        assert not driver.find_elements(By.CSS_SELECTOR, "pre.hl7")  # bodies (PHI) only when asked for
+        driver.find_element(By.ID, "show-bodies").click()
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "pre.hl7")))
         assert "PID|1||P2||DOE^JANE" in driver.find_element(By.CSS_SELECTOR, "pre.hl7").text
         shot("03-message-trail", full=True)
 
@@ -357,7 +401,7 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         form.find_element(By.NAME, "reason").send_keys("EHR asked for it again")
         form.find_element(By.TAG_NAME, "button").click()
         wait.until(lambda d: done_says("replayed"))
-        assert trail_events() == ["received", "requeued", "replayed"], trail_events()
+        assert trail_events() == ["received", "body_read", "requeued", "replayed"], trail_events()
         shot("05-after-requeue-and-replay", full=True)
     finally:
         driver.quit()

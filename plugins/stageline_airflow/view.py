@@ -5,7 +5,8 @@ Airflow's own api-server serves under `/stageline/`, with a "Stageline" entry in
     GET  /stageline/api/cluster               nodes, leader, epoch, lease expiry, config mismatch
     GET  /stageline/api/stages                per stage: backlog, oldest pending age, in flight, dead
     GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields)
-    GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches
+    GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches;
+                                              `?body=1`: with its bodies (PHI; a `body_read` audit event)
     GET  /stageline/api/dead                  dead letters by stage, destination and reason
     GET  /stageline/api/batches?stage=…       the latest micro-batches (`stage_batches`)
     POST /stageline/api/messages/{ref}/replay {"from": "inbound"|"outbound", "reason": …}
@@ -19,6 +20,12 @@ cookie (or `Authorization: Bearer <JWT>` from `POST /auth/token`), checked by th
 manager's custom view "Stageline" (GET); replay and requeue need it for POST and, under the
 SimpleAuthManager (whose custom-view check ignores the method), the OP or ADMIN role. The audit
 events name the Airflow user (`operator:airflow <username>`). Nothing of a message is logged.
+
+Bodies are PHI: a message reads without them (metadata: what the search lists, its stage rows, its
+trail) unless asked for (`body=1`) by a user who may read them: the auth manager's custom view
+"Stageline message bodies" (GET) and, under the SimpleAuthManager (which grants every custom view
+to VIEWER), the OP or ADMIN role. So Airflow's Viewer and User see metadata only; Op and Admin may
+read bodies, and each read is a `body_read` event naming the user (`reader:airflow <username>`).
 
 The store is the service config's (`$STAGELINE_CONFIG` of the api-server's environment) via
 `StagelineStoreHook`, opened at the first request and kept for the process. Airflow builds every
@@ -45,8 +52,10 @@ T = TypeVar("T")
 URL_PREFIX = "/stageline"
 RESOURCE = "Stageline"
 """The custom view's resource name, as auth managers see it (`is_authorized_custom_view`)."""
+BODY_RESOURCE = "Stageline message bodies"
+"""The custom view a user needs (GET) to read message bodies (PHI)."""
 OPERATOR_ROLES = ("OP", "ADMIN")
-"""SimpleAuthManager roles that may replay and requeue (its other roles: VIEWER, USER)."""
+"""SimpleAuthManager roles that may replay and requeue, and read bodies (its other roles: VIEWER, USER)."""
 
 
 def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
@@ -76,6 +85,23 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         if method != "GET" and isinstance(manager, SimpleAuthManager):
             return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
         return True
+
+    def may_read_bodies(user: Any) -> bool:
+        manager = get_auth_manager()
+        if not (may(user, "GET") and
+                manager.is_authorized_custom_view(method="GET", resource_name=BODY_RESOURCE, user=user)):
+            return False
+        if isinstance(manager, SimpleAuthManager):
+            return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
+        return True
+
+    def body_reader(user: Any, asked: str | None) -> ops.Reader | None:
+        """The audit trail's reader when bodies are asked for (`body=1`) and allowed; 403 when not allowed."""
+        if not _flag(asked):
+            return None
+        if not may_read_bodies(user):
+            raise HTTPException(403, "message bodies need the OP or ADMIN role")
+        return ops.Reader(user.get_name(), "airflow")
 
     def reader(user: Any = Depends(get_user)) -> Any:
         if not may(user, "GET"):
@@ -127,9 +153,10 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 
     @app.get("/api/messages/{ref}")
     @guarded
-    def get_message(ref: str, user: Any = Depends(reader)) -> dict[str, Any]:
+    def get_message(ref: str, body: str | None = None, user: Any = Depends(reader)) -> dict[str, Any]:
         cold = parquet()
-        return ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold).__dict__
+        return ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold,
+                        reader=body_reader(user, body)).__dict__
 
     @app.get("/api/dead")
     @guarded
@@ -177,6 +204,8 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             raise HTTPException(403, "the Stageline view is not permitted to this user")
         args = request.query_params
         filters = ops.Filters.from_query({**args, "limit": args.get("limit") or "20"})
+        filters.params()  # out-of-range figures: 400 before any read
+        body_for = body_reader(user, args.get("body"))
 
         def read() -> view_html.PageData:
             s = store()
@@ -184,13 +213,14 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             if args.get("show"):
                 try:
                     cold = parquet()
-                    shown = ops.show(s, ops.resolve(s, args["show"], parquet=cold), parquet=cold)
+                    shown = ops.show(s, ops.resolve(s, args["show"], parquet=cold), parquet=cold, reader=body_for)
                 except LookupError:
                     shown = None
             return view_html.PageData(
                 user=user.get_name(), may_operate=may(user, "POST"), cluster=cluster(), stages=ops.stages(s),
                 dead=ops.dead_letters(s), messages=ops.find(s, filters), filters=filters, shown=shown,
-                shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"))
+                shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"),
+                may_read_bodies=may_read_bodies(user))
 
         return HTMLResponse(view_html.render(await run_in_threadpool(guarded(read))),
                             headers={"cache-control": "no-store"})
@@ -211,6 +241,15 @@ def guarded(handler: Callable[..., T]) -> Callable[..., T]:
             log.warning("stageline view: the store failed: %s", type(exc).__name__)
             raise HTTPException(503, "store unavailable") from None
     return run
+
+
+def _flag(value: str | None) -> bool:
+    """`body=1` / `true` / `yes` asks for bodies; absent, empty, `0`, `false`, `no` does not; else 400."""
+    if value is None or value.lower() in ("", "0", "false", "no"):
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    raise ValueError("body must be 1 or 0")
 
 
 def _reason(body: dict[str, Any]) -> str:

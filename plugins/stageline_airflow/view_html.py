@@ -1,7 +1,9 @@
 """The Stageline view's one page, rendered on the server (`view.py` reads the store): the cluster,
 the stages, dead letters with requeue, message search with one message's story and replay, the
 latest micro-batches. Every value from the store is escaped. The only script posts the action
-forms as JSON to the view's own endpoints (a cross-site form cannot send JSON) and reloads."""
+forms as JSON to the view's own endpoints (a cross-site form cannot send JSON) and reloads.
+A message's bodies (PHI) are on the page only when asked for (`&body=1`) by a user who may read
+them; the link says that the read is recorded."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,7 @@ class PageData:
     shown_ref: str | None
     batches: list[dict[str, Any]]
     done: str | None
+    may_read_bodies: bool = False
 
 
 def e(value: Any) -> str:
@@ -180,7 +183,7 @@ def message_section(data: PageData) -> str:
                        f'<td>{r["attempts"]}</td><td>{when_ms(r["updated_ms"])}</td><td>{e(r["last_error"])}</td>'
                        f'<td>{dead_row_action(stage, r, may)}</td></tr>' for r in rows]
     delivered = "".join(f'<h4>as delivered to {e(o["destination"])} (outbound row {o["id"]})</h4>'
-                        f'<pre class="hl7">{escape(hl7(o["payload"]))}</pre>' for o in s.outbound)
+                        f'<pre class="hl7">{escape(hl7(o.get("payload")))}</pre>' for o in s.outbound)
     batches = "".join(
         f'<tr><td>{e(b["stage"])}</td><td>{e(b["owner"])}</td><td>{run_link(b)}</td><td>{b["try_number"]}</td>'
         f'<td>{when_ms(b["started_ms"])}</td><td>{when_ms(b["finished_ms"])}</td><td class="n">{b["claimed"]}</td></tr>'
@@ -201,8 +204,21 @@ def message_section(data: PageData) -> str:
 <table id="trail"><thead><tr><th>at</th><th>stage</th><th>row</th><th>event</th><th>status</th><th>destination</th>
 <th>epoch</th><th>by</th><th>detail</th></tr></thead><tbody>{trail}</tbody></table>
 {f'<h3>Moved by these micro-batches</h3><table><thead><tr><th>stage</th><th>batch owner</th><th>Airflow run</th><th>try</th><th>started</th><th>finished</th><th>claimed</th></tr></thead><tbody>{batches}</tbody></table>' if batches else ""}
-<h3>Bodies</h3><h4>as received</h4><pre class="hl7">{escape(hl7(i["payload"]))}</pre>{delivered}
+<h3>Bodies</h3>{bodies_part(data, delivered)}
 </section>"""
+
+
+def bodies_part(data: PageData, delivered: str) -> str:
+    """The bodies when the story has them (asked for, allowed, recorded); else how to ask, or why not."""
+    assert data.shown is not None
+    i = data.shown.inbound
+    if "payload" in i:
+        return f'<h4>as received</h4><pre class="hl7">{escape(hl7(i["payload"]))}</pre>{delivered}'
+    if data.may_read_bodies:
+        link = escape(urlencode({"show": i["id"], "body": 1}))
+        return (f'<p><a id="show-bodies" href="?{link}#message">show the bodies</a> '
+                '<span class="muted">(patient data: your read is recorded in the audit trail)</span></p>')
+    return '<p class="muted">bodies (patient data) need the OP or ADMIN role</p>'
 
 
 def dead_row_action(stage: str, row: dict[str, Any], may: bool) -> str:
