@@ -47,6 +47,7 @@ from listeners.inbound import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRej
                                rejection_reason)
 from listeners.ingest import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.linger import close_after_answers
+from listeners.offload import OFFLOAD_BYTES
 from listeners.stream import describe_peer
 
 if TYPE_CHECKING:
@@ -57,8 +58,9 @@ __all__ = ["InboundResource", "make_inbound_site"]
 _log = Logger(namespace="stageline.http")
 
 PREFIX = b"/messages/"
-#: Bodies larger than this are validated (decoded, split, checked) on a thread, not the reactor.
-OFF_REACTOR_BYTES = 256 * 1024
+#: Bodies of this size or more are validated (decoded, split, checked) on a thread, not the reactor
+#: (the same threshold as MLLP batches, `listeners.offload`).
+OFF_REACTOR_BYTES = OFFLOAD_BYTES
 HL7_MEDIA_TYPES = frozenset({"application/hl7-v2", "application/hl7-v2+er7", "x-application/hl7-v2+er7"})
 
 
@@ -126,7 +128,7 @@ class InboundResource(Resource):
         request.notifyFinish().addErrback(lambda _: gone.append(True))
         build = partial(build_inbound, body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name),
                         hl7_only=conn.hl7_only)
-        if len(body) <= OFF_REACTOR_BYTES:
+        if len(body) < OFF_REACTOR_BYTES:
             try:
                 item = build()
             except PayloadRejected as exc:
