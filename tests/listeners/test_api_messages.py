@@ -1,7 +1,9 @@
 """The operator's operations on listenerd's API, against a running daemon and a real store:
-GET /messages (find), /messages/{ref} (show), /messages/dead, /stages for any role with a token;
-POST /messages/{ref}/replay and /messages/requeue for operators only, recorded in the audit trail
-with the token's entry (never the token); bad input 400, unknown messages 404."""
+GET /messages (find), /messages/{ref} (show, without bodies), /messages/dead, /stages for any role
+with a token; a message's bodies (`?body=1`) for operators only, each read an audit event; POST
+/messages/{ref}/replay and /messages/requeue for operators only, recorded in the audit trail with
+the token's entry (never the token); bad input 400, unknown messages 404; the daemon's log holds
+no control id a request named."""
 from __future__ import annotations
 
 import json
@@ -57,8 +59,11 @@ def test_find_show_replay_and_requeue_over_the_api(node):
     d, store_config = node
     status, doc = call(d, "GET", "/messages?control_id=API1", d.token)
     assert status == 200 and [m["control_id"] for m in doc["messages"]] == ["API1"]
-    status, story = call(d, "GET", "/messages/API1", d.token)
-    assert status == 200 and story["inbound"]["payload"].startswith("MSH|") and story["trail"][0]["event"] == "received"
+    status, story = call(d, "GET", "/messages/API1", d.token)  # a viewer: metadata, no body
+    assert status == 200 and "payload" not in story["inbound"] and story["trail"][0]["event"] == "received"
+    assert call(d, "GET", "/messages/API1?body=1", d.token)[0] == 403
+    status, story = call(d, "GET", "/messages/API1?body=1", OPERATOR_TOKEN)
+    assert status == 200 and story["inbound"]["payload"].startswith("MSH|")
     assert call(d, "GET", "/messages/NOPE", d.token)[0] == 404
     status, stages = call(d, "GET", "/stages", d.token)
     assert status == 200 and stages["inbound"]["backlog"] == 3
@@ -85,12 +90,16 @@ def test_find_show_replay_and_requeue_over_the_api(node):
             cur = tx.conn.cursor()
             cur.execute("SELECT event, node_id, detail FROM message_events WHERE node_id LIKE 'operator:%' ORDER BY id")
             events = [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in cur.fetchall()]
+            cur.execute("SELECT control_id, node_id, detail FROM message_events WHERE event = 'body_read' ORDER BY id")
+            reads = [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in cur.fetchall()]
     finally:
         store.close()
     assert [e[0] for e in events] == ["replayed", "staged", "requeued"]
     assert all("ops-desk" in e[1] for e in events) and OPERATOR_TOKEN not in repr(events)
     assert events[2][2] == "route fixed"
+    assert reads == [("API1", "reader:api [[api.tokens]] #2 ('ops-desk')", "bodies read via api")]
     assert OPERATOR_TOKEN not in d.output() and "DOE^JANE" not in d.output()  # no token, no PHI in the log
+    assert "API1" not in d.output() and "control_id=..." in d.output()  # the access log names no message
 
 
 def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
@@ -108,7 +117,10 @@ def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
                                                                          "outbound": 0, "events": 1}
     finally:
         store.close()
-    status, story = call(d, "GET", "/messages/API0", d.token)
+    status, story = call(d, "GET", "/messages/API0?body=1", OPERATOR_TOKEN)
     assert status == 200 and story["inbound"]["archived_ms"] is not None
     assert story["inbound"]["control_id"] == "API0" and story["inbound"]["payload"].startswith("MSH|")
     assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [("received", True)]
+    status, story = call(d, "GET", "/messages/API0", d.token)  # the read above is on the record
+    assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [("received", True),
+                                                                                   ("body_read", False)]
