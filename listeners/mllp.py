@@ -64,6 +64,10 @@ DEFAULT_PREFIX_BYTES = 4096
 
 _log = Logger(namespace="stageline.mllp")
 
+NOT_CONFIRMED = "not confirmed stored in time; resend it (a resend is recognised, never stored twice)"
+"""The AE of a handler timeout: the commit may still land, so the answer does not say "not stored";
+the re-send gets the first copy's id (`listeners.resend`, docs/listenerd.md)."""
+
 # One debug line per answer costs a log event per message even when debug is filtered out; the
 # daemon turns it on only with --log-level debug (`log_each_answer`).
 _log_answers = False
@@ -371,7 +375,7 @@ class MLLPProtocol(OrderedReplyProtocol):
     def _on_batch(self, payload: bytes) -> None:
         """A frame holding an HL7 batch: the batch handler answers it whole (one ACK, or an ACK
         batch), in arrival order like any message."""
-        slot = Slot("batch")
+        slot = Slot("batch", weight=max(1, _messages_in(payload)))
         self.enqueue(slot)
         if self._batch_handler is None:
             self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
@@ -381,7 +385,7 @@ class MLLPProtocol(OrderedReplyProtocol):
 
         def timed_out() -> None:
             _log.error("handler timed out for a batch from {peer}; answering AE", peer=self.peer_text)
-            self._reply(slot, AckCode.AE, self._fallback_ack("batch not stored in time; resend later", code=AckCode.AE))
+            self._reply(slot, AckCode.AE, self._fallback_ack(NOT_CONFIRMED, code=AckCode.AE))
 
         def done(ack: bytes) -> None:
             if not slot.ready:
@@ -482,8 +486,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             control_id=slot.label,
             peer=self.peer_text,
         )
-        self._reply(slot, AckCode.AE,
-                    self._ack(header, AckDecision.error("message not stored in time; resend later")))
+        self._reply(slot, AckCode.AE, self._ack(header, AckDecision.error(NOT_CONFIRMED)))
 
     def _internal_error(self, failure: Failure, slot: Slot) -> None:
         _log.critical(
@@ -550,6 +553,11 @@ class MLLPFactory(StreamFactory):
         proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock, batch_handler=self.batch_handler)
         proto.factory = self
         return proto
+
+
+def _messages_in(payload: bytes) -> int:
+    """How many messages a batch frame holds (its MSH segments), counted in C, before any split."""
+    return payload.count(b"\rMSH") + payload.count(b"\nMSH") + payload.startswith(b"MSH")
 
 
 def _batch_answer_code(ack: bytes) -> AckCode:

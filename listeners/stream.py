@@ -4,7 +4,8 @@ open connections through which the node takes them down.
 Commits finish in any order, but a sender matches answers to messages by position, so each message
 takes a `Slot` when it arrives and `flush` writes the ready slots at the head of the queue, stopping
 at the first that is still waiting. Reading pauses while `max_in_flight` answers are owed (memory
-stays bounded) and resumes as they go out. A message whose commit does not fire within the reply
+stays bounded; an HL7 batch owes one per message, so a large batch pauses reading until it is
+answered) and resumes as they go out. A message whose commit does not fire within the reply
 timeout gets the transport's "not stored, resend" answer; the late outcome is then ignored.
 
 `StreamFactory` is the connection registry: it admits connections up to `max_connections` and takes
@@ -60,6 +61,7 @@ class Slot:
     reply: bytes | None = None  # the framed answer, once known
     close: bool = False  # close the connection after this slot (after its reply, if any)
     deadline: float | None = None  # when its outcome is overdue (see `await_answer`)
+    weight: int = 1  # messages it answers (an HL7 batch: its messages), counted against max_in_flight
     on_timeout: Callable[[], None] | None = None
     outcome: Deferred[Any] | None = None  # cancelled once overdue
 
@@ -183,6 +185,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._idle_timeout = idle_timeout_seconds
         self._max_in_flight = max_in_flight
         self._slots: deque[Slot] = deque()
+        self._owed = 0  # the slots' weight: messages whose answer is owed
         self._accepting = False  # False before connectionMade, after a close decision, or lost
         self._connected = False
         self._registered = False
@@ -254,6 +257,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
             _log.info("{kind} connection {where} lost with {count} unanswered message(s)", kind=self.kind,
                       where=self.where(), count=len(self._slots))
         self._slots.clear()
+        self._owed = 0
         self.end_of_stream()
         if self._registered and self.factory is not None:
             self.factory.unregister(self)
@@ -343,7 +347,8 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
 
     def enqueue(self, slot: Slot) -> None:
         self._slots.append(slot)
-        if not self._paused and len(self._slots) >= self._max_in_flight:
+        self._owed += slot.weight
+        if not self._paused and self._owed >= self._max_in_flight:
             self._paused = True
             cast("ITCPTransport", self.transport).pauseProducing()
 
@@ -360,6 +365,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         """Write every answer at the head of the queue that is ready; stop at the first that is not."""
         while self._slots and self._slots[0].ready:
             slot = self._slots.popleft()
+            self._owed -= slot.weight
             if not self._connected:
                 continue
             if slot.reply is not None:
@@ -371,6 +377,6 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
                 return
             if not self._slots:
                 self.resetTimeout()  # from now on the sender is the one we wait for: idle starts here
-        if self._paused and self._connected and not self._draining and len(self._slots) < self._max_in_flight:
+        if self._paused and self._connected and not self._draining and self._owed < self._max_in_flight:
             self._paused = False
             cast("ITCPTransport", self.transport).resumeProducing()

@@ -266,7 +266,7 @@ class TCPProtocol(OrderedReplyProtocol):
     def _timed_out_reply(self, slot: Slot) -> None:
         _log.error("no commit within {seconds}s for a message on {connection} from {peer}; answering NAK",
                    seconds=self.factory.reply_timeout_seconds, connection=self._config.name, peer=self.peer_text)
-        self.answer(slot, self._nak("not stored in time, resend later", "AE"))
+        self.answer(slot, self._nak("not confirmed stored in time, resend it (recognised, never stored twice)", "AE"))
 
     def _nak(self, reason: str, code: str) -> bytes:
         self.factory.count_ack(code)

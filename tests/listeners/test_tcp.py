@@ -280,9 +280,9 @@ def test_reply_timeout_answers_nak_and_ignores_the_late_commit() -> None:
     proto, transport = connect(make_factory(ingest, clock, reply_timeout_seconds=5))
     proto.dataReceived(b"m\n")
     clock.advance(6)
-    assert lines(transport) == ["NAK not stored in time, resend later"]
+    assert lines(transport) == ["NAK not confirmed stored in time, resend it (recognised, never stored twice)"]
     ingest.fire(0)
-    assert lines(transport) == ["NAK not stored in time, resend later"]
+    assert lines(transport) == ["NAK not confirmed stored in time, resend it (recognised, never stored twice)"]
 
 
 def test_max_connections_closes_extra_connections_at_once() -> None:
