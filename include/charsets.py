@@ -64,6 +64,6 @@ def codec_for(name: str) -> str | None:
         return codecs.lookup(hl7).name
     try:
         canonical = codecs.lookup(name.strip()).name
-    except LookupError:
+    except (LookupError, ValueError):  # ValueError: a NUL in the name (found by tests/fuzz)
         return None
     return canonical if canonical in ALLOWED_CODECS else None
