@@ -4,7 +4,7 @@ headers into the parser and ACK builder, random traffic into the protocol."""
 from __future__ import annotations
 
 import hl7
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import succeed
@@ -22,15 +22,12 @@ from listeners.mllp import (
     Oversize,
     frame,
 )
+from tests.fuzz.budget import FUZZ
 
 MAX = 256
 PREFIX = 64
-FUZZ = settings(
-    max_examples=200,
-    deadline=None,
-    database=None,  # keep the run hermetic: no .hypothesis/ directory in the repo
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# The fuzz set's budget (tests/fuzz/budget.py): derandomized, no example database (no .hypothesis/
+# directory in the repo), no deadline.
 # "-", "/" and "." are left out: they occur in values this generator writes unescaped
 # ("8859/1", "UTF-8", "2.5"); a sender using them as separators would have to escape those.
 PUNCTUATION = "!\"#$%&'()*+,:;<=>?@[\\]^_`{|}~"
