@@ -11,21 +11,28 @@ Vectorized: rows travel to the Python workers and back as Arrow record batches (
 and only the rows of destinations with a hook do; everyone else stays in the JVM. The function
 itself runs once per message (it is the user's Python).
 
-Where the module is found: the pipeline config directory's ``code/`` folder
-(``<config>/code/<module>.py``, or a package) is put first on ``sys.path`` in every Python worker,
-so the module needs no installation; an installed module is found too. On a Spark cluster that
-folder must exist at the same path on the workers (the config directory is shared or deployed
-alike). A module is imported once per Python worker: restart the Spark server (or the stage task's
+Where the module is found: only in the pipeline config directory's ``code/`` folder
+(``<config>/code/<module>.py``, or a package). The config directory is code; nothing else is: a
+hook naming an installed or standard-library module (``os:system``, ``subprocess:run``) is refused
+at config check (`include.schema.destinations.check_code_spec`) and here again before anything is
+imported — the top-level module is looked up in that folder alone, and a module of that name
+already loaded from elsewhere is refused, not reused. On a Spark cluster that folder must exist at
+the same path on the workers (the config directory is shared or deployed alike). A module is imported once per Python worker: restart the Spark server (or the stage task's
 session) after changing it. A module that cannot be imported fails the whole run before anything
 is claimed (`check_hooks`): a configuration error, not a message's.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from include.schema.destinations import CODE_SPEC
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -41,21 +48,62 @@ class CodeHookError(ValueError):
     """A hook that cannot be loaded (bad module or function name): a configuration error."""
 
 
+def _inside(module: Any, root: Path) -> bool:
+    """Whether a loaded module's file (or a namespace package's every path) is under `root`."""
+    files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else \
+        list(getattr(module, "__path__", []) or [])
+    return bool(files) and all(root in Path(f).resolve().parents for f in files)
+
+
+def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
+    """`module_name` imported from `code_dir` and nowhere else (its top-level name found there
+    alone, never on sys.path; a same-named module already loaded from elsewhere is refused)."""
+    if not code_dir or CODE_SPEC.fullmatch(spec) is None:
+        raise CodeHookError(f"code hook {spec!r}: a code hook may only import from the pipeline config "
+                            "directory's code/ folder, and none is configured" if not code_dir else
+                            f"code hook {spec!r}: must be 'module:function'")
+    root = Path(code_dir).resolve()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # so a hook module may import its siblings in code/
+    top = module_name.split(".", 1)[0]
+    loaded = sys.modules.get(top)
+    if loaded is None:
+        importlib.invalidate_caches()  # a module (or the folder) added since this process last looked
+        sys.path_importer_cache.pop(str(root), None)
+        found = importlib.machinery.PathFinder.find_spec(top, [str(root)])
+        if found is None or found.loader is None and not found.submodule_search_locations:
+            raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r}: no module {top!r} in "
+                                f"{root} (a code hook may only import from <config>/code/)")
+        module = importlib.util.module_from_spec(found)
+        sys.modules[top] = module
+        try:
+            if found.loader is not None:
+                found.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(top, None)
+            raise
+    elif not _inside(loaded, root):
+        raise CodeHookError(f"code hook {spec!r}: module {top!r} is already loaded from outside {root} "
+                            "(a code hook may only import from <config>/code/; rename the module)")
+    module = importlib.import_module(module_name)
+    if not _inside(module, root):
+        raise CodeHookError(f"code hook {spec!r}: module {module_name!r} is not in {root}")
+    return module
+
+
 def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
-    """Import ``module:function`` (``code_dir`` first on sys.path), once per process."""
+    """Import ``module:function`` from ``code_dir`` (and only from there), once per process."""
     key = (spec, code_dir)
     if key in _LOADED:
         return _LOADED[key]
-    if code_dir and code_dir not in sys.path:
-        sys.path.insert(0, code_dir)
     module_name, _, function_name = spec.partition(":")
-    importlib.invalidate_caches()  # a module (or the folder) added since this process last looked
-    sys.path_importer_cache.pop(code_dir or "", None)
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from(module_name, code_dir, spec)
+    except CodeHookError:
+        raise
     except Exception as exc:
         raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r} "
-                            f"(looked in {code_dir or 'sys.path'} first): {type(exc).__name__}: {exc}") from exc
+                            f"(from {code_dir}): {type(exc).__name__}: {exc}") from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise CodeHookError(f"code hook {spec!r}: module {module_name!r} has no function {function_name!r}")

@@ -70,6 +70,35 @@ def test_a_hook_that_cannot_load_is_a_configuration_error(tmp_path: Path) -> Non
         check_hooks({"ehr": spec.replace(":tag", ":nope")}, code_dir)
 
 
+@pytest.mark.parametrize("spec", ["os:system", "subprocess:run", "builtins:eval", "shutil:rmtree",
+                                  "hl7:parse", "pytest:main"])
+def test_a_hook_from_anywhere_but_the_config_code_dir_is_refused_at_run_time(spec: str, tmp_path: Path) -> None:
+    """Issue 23: the config dir is code, nothing else is: `os:system` (stdlib, builtin or installed
+    modules) never loads, even if config check were bypassed."""
+    (tmp_path / "code").mkdir()
+    with pytest.raises(CodeHookError, match=r"may only import from <config>/code/"):
+        check_hooks({"ehr": spec}, str(tmp_path / "code"))
+    with pytest.raises(CodeHookError, match=r"may only import from the pipeline config directory's code/ folder"):
+        check_hooks({"ehr": spec}, None)
+
+
+def test_a_module_of_the_code_dir_named_like_a_loaded_one_is_refused_not_shadowed(tmp_path: Path) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "json.py").write_text("def dumps(m):\n    return m\n")
+    with pytest.raises(CodeHookError, match=r"module 'json' is already loaded from outside"):
+        check_hooks({"ehr": "json:dumps"}, str(code))
+
+
+def test_a_package_hook_in_the_code_dir_loads(tmp_path: Path) -> None:
+    name = f"user_pkg_{next(_names)}"
+    package = tmp_path / "code" / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "fix.py").write_text(HOOK)
+    check_hooks({"ehr": f"{name}.fix:tag"}, str(tmp_path / "code"))
+
+
 def test_hooked_rows_run_through_arrow_and_a_raising_message_fails_alone(spark: SparkSession, tmp_path: Path) -> None:
     spec, code_dir = hook_module(tmp_path)
     schema = "id long, destination string, content_type string, payload string, lane_key string"

@@ -169,7 +169,7 @@ def one(when: Any) -> list[dict[str, Any]]:
 
 
 def test_route_and_compile_condition_validate_before_building_anything() -> None:
-    with pytest.raises(RouteConfigError, match=re.escape("route 'adt-to-ehr': when: unknown op 'like'")):
+    with pytest.raises(RouteConfigError, match=re.escape("route[0].when: unknown op 'like'")):
         route(None, one({"field": "MSH-9.1", "op": "like", "value": "ADT%"}))  # type: ignore[arg-type]
     with pytest.raises(RouteConfigError, match=re.escape("route 'lab': when.not: op 'regex' needs a value")):
         compile_condition({"not": {"field": "OBX-5", "op": "regex"}}, route_name="lab")
