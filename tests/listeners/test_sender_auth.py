@@ -18,7 +18,7 @@ import pytest
 
 from include.config import StoreConfig
 from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
+from include.lab.postgres_server import wait_for
 from include.stack import port_open
 from include.store import Store
 from include.store.migrate import migrate
@@ -27,6 +27,21 @@ from tests.listeners.test_tls import make_pki
 from tests.support import hostile
 
 DENY, ALLOW = ["10.0.0.0/8"], ["127.0.0.0/8"]
+
+
+def distinct_ports(names: tuple[str, ...]) -> dict[str, int]:
+    """A free port per name, all different and free on every address (the "mapped" listener binds
+    `::`, which also takes the port on 127.0.0.1): the sockets are held until all are chosen."""
+    held = []
+    try:
+        for _ in names:
+            s = socket.socket(socket.AF_INET6)
+            s.bind(("::", 0))
+            held.append(s)
+        return {name: s.getsockname()[1] for name, s in zip(names, held)}
+    finally:
+        for s in held:
+            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +57,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
     mtls = {**tls, "ca": str(pki.ca), "require_client_cert": True}
     names = ("mllp-deny", "mllp-allow", "tls-deny", "tls-allow", "tcp-deny", "tcp-allow", "http-deny",
              "http-allow", "mapped", "mtls")
-    ports = {name: free_port() for name in names}
+    ports = distinct_ports(names)
     kinds = {"mllp": "mllp", "tls": "mllp", "tcp": "tcp", "http": "http"}
     inbound = []
     for name in names[:8]:
