@@ -116,20 +116,18 @@ def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
 def resolve(store: Store, ref: str, *, parquet: ParquetArchive | None = None) -> int:
     """The inbound row id named by `ref`: a row id, a message id or a control id (the newest with
     it), in the hot tables first, then in retention's archive tables, then in the Parquet archive
-    (`parquet`, when given). LookupError if none."""
+    (`parquet`, when given; looked up through the store's index). LookupError if none."""
+    parquet = parquet.indexed(store) if parquet is not None else None
     if ref.isdigit():
         with store.transaction(write=False) as tx:
             if tx.one("message_inbound", {"id": int(ref)}) is not None or \
                     tx.one("archived_inbound", {"id": int(ref)}) is not None:
                 return int(ref)
-    for key in ("message_id", "control_id"):
-        rows = find(store, Filters(**{key: ref}, limit=1))
-        if rows:
-            return int(rows[0]["id"])
-    with store.transaction(write=False) as tx:
-        row = tx.one("archived_inbound_ref", {"ref": ref})
-    if row and row["id"] is not None:
-        return int(row["id"])
+    with store.transaction(write=False) as tx:  # each an index probe: an unknown ref reads no table
+        for name in ("inbound_ref_by_message_id", "inbound_ref_by_control_id", "archived_inbound_ref"):
+            row = tx.one(name, {"ref": ref})
+            if row and row["id"] is not None:
+                return int(row["id"])
     found = parquet.inbound(ref) if parquet is not None else None
     if found is not None:
         return int(found["id"])
@@ -167,7 +165,7 @@ def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None
 
     Without `reader` the story has no body (`BODY_FIELDS` removed from every row: metadata only).
     With one, a `body_read` event naming the reader is committed first, then the bodies returned."""
-    story = _story(store, inbound_id, parquet=parquet)
+    story = _story(store, inbound_id, parquet=parquet.indexed(store) if parquet is not None else None)
     if reader is None:
         return without_bodies(story)
     record_body_read(store, story.inbound, reader)

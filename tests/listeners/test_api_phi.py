@@ -232,3 +232,33 @@ class PhiOverTheApi(unittest.TestCase):
             self.assertEqual((code, doc), (400, {"error": error}), query)
         code, doc = yield defer.ensureDeferred(self.get(f"/messages?limit={MAX_FIND_LIMIT}", VIEWER_TOKEN))
         self.assertEqual((code, len(doc["messages"])), (200, 1))
+
+
+# --- 6. an unknown ref reads no table from end to end -------------------------------------------------
+
+def test_resolving_an_unknown_ref_uses_only_index_probes(sqlite_config_fresh, monkeypatch):
+    """`resolve` (GET /messages/{ref}, `stageline messages show`, the view) asks the store only
+    statements whose plans tests/store/test_statement_plans.py holds to the rows they touch: never
+    the ad-hoc search (`messages_find`, allowed to scan), which an unknown ref would read to the end."""
+    import pytest
+
+    from include.store import db, operator
+    from tests.store.test_statement_plans import ALLOWED_SCANS
+
+    asked: list[str] = []
+    for method in ("one", "all"):
+        real = getattr(db.Tx, method)
+
+        def spy(self, name, *args, _real=real, **kwargs):  # noqa: ANN001, ANN002, ANN003
+            asked.append(name)
+            return _real(self, name, *args, **kwargs)
+        monkeypatch.setattr(db.Tx, method, spy)
+    store = Store(sqlite_config_fresh)
+    try:
+        with pytest.raises(LookupError):
+            operator.resolve(store, "MRN-NOT-THERE")
+        with pytest.raises(LookupError):
+            operator.resolve(store, "12345")
+    finally:
+        store.close()
+    assert asked and not set(asked) & set(ALLOWED_SCANS), asked

@@ -174,3 +174,12 @@ INSERT INTO message_events (stage, row_id, message_id, control_id, destination, 
                             from_status, to_status, epoch, node_id, attempt, detail)
 VALUES ('inbound', CAST(:id AS bigint), :message_id, :control_id, NULL, 'body_read', :status, :status,
         NULL, :actor, NULL, :detail)
+
+-- name: inbound_ref_by_message_id
+-- The hot inbound row with this message id (its unique index): how `resolve` reads a ref, so an
+-- unknown one costs one index probe, not a read of the table as the search's optional filters would.
+SELECT max(id) AS id FROM stage_inbound WHERE message_id = :ref
+
+-- name: inbound_ref_by_control_id
+-- The newest hot inbound row with this control id (stage_inbound_control).
+SELECT max(id) AS id FROM stage_inbound WHERE control_id = :ref
