@@ -243,8 +243,8 @@ def endless_frame(ctx: Ctx) -> None:
 NOISE = bytes(random.Random(23).getrandbits(8) for _ in range(65536))
 
 
-def garbage_bytes(target: str) -> Callable[[Ctx], None]:
-    """Random bytes, 1 MiB a connection, again and again from two peers, at one port."""
+def garbage_bytes(target: str, sources: int = 2) -> Callable[[Ctx], None]:
+    """Random bytes, 1 MiB a connection, again and again from `sources` peers, at one port."""
     def spray(peer: Peer) -> None:
         sock = peer.connect(timeout=2.0)
         if sock is None:
@@ -256,7 +256,7 @@ def garbage_bytes(target: str) -> Callable[[Ctx], None]:
                 sock.sendall(NOISE)
         finally:
             sock.close()
-    return lambda ctx: ctx.peer_group(target, spray, sources=2)
+    return lambda ctx: ctx.peer_group(target, spray, sources=sources)
 
 
 def tcp_endless_line(ctx: Ctx) -> None:
