@@ -2,7 +2,9 @@
 
 Each `[[inbound]]` table is one connection. Every node must run the same config dir; its hash is
 published in `nodes.config_hash` so a node that differs from the leader is reported loudly.
-See docs/listenerd.md for the format with a complete example.
+The file is checked by the typed models of `include.schema.connections` (every problem at once,
+with file and dotted key); the frozen dataclasses here, built from them, are what the listeners
+read. See docs/listenerd.md for the format with a complete example.
 """
 from __future__ import annotations
 
@@ -14,14 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from include.schema import ConfigProblem, ConfigProblems
-from include.schema.connections import ConnectionsFile, InboundModel, file_paths, is_loopback
+from include.schema.connections import ConnectionsFile, InboundModel, file_paths
 from include.schema.rules import validate
 
-KINDS = ("mllp", "tcp", "file", "http", "database")
 TCP_FRAMINGS = ("newline", "length")
-BATCH_ACKS = ("batch", "messages")
-SOURCE_BACKENDS = ("postgres", "sqlserver", "sqlite")
-SOURCE_STRATEGIES = ("watermark", "mark")
 
 
 class ConnectionConfigError(ConfigProblems):
@@ -163,16 +161,6 @@ def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, ro
     if twice:
         raise ConnectionConfigError(_with_names(twice, raw))
     return model, tuple(inbound_from(c, directory, var) for c in model.inbound)
-
-
-def check_bind(host: str, *, tls: bool, allow_insecure: bool, what: str, network: bool = True) -> None:
-    """Transport security fails closed: a non-loopback bind needs TLS unless explicitly allowed."""
-    if not network or tls or allow_insecure:
-        return
-    if not is_loopback(host):
-        raise ConnectionConfigError(
-            f"{what}: refusing a non-loopback bind without TLS; configure tls, or set "
-            "allow_insecure_bind = true if the network is otherwise protected")
 
 
 def load_config_dir(directory: str | Path) -> ListenerConfig:
