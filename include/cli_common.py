@@ -15,7 +15,17 @@ def _load(path: str | None) -> cfgmod.ServiceConfig:
     try:
         return cfgmod.load(path)
     except cfgmod.ConfigError as exc:
-        raise click.ClickException(f"config: {exc}") from exc
+        raise ConfigInvalid(exc) from None
+
+
+class ConfigInvalid(click.ClickException):
+    """The service config breaks the schema: every problem on its own line (file, key, what is
+    wrong) and exit code 2, like `stageline config check` and listenerd."""
+
+    exit_code = 2
+
+    def __init__(self, exc: cfgmod.ConfigError) -> None:
+        super().__init__("the service config has problems:\n" + "\n".join(f"  {p}" for p in exc.problems))
 
 
 def _open_checked(cfg: cfgmod.ServiceConfig) -> tuple[Store, dict]:

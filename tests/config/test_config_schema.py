@@ -312,3 +312,14 @@ def test_the_shipped_and_deploy_config_dirs_pass(tmp_path):
                            service_config=conf.parent / "stageline.toml" if (conf.parent / "stageline.toml").exists()
                            else None)
         assert report.ok, [str(p) for p in report.problems]
+
+
+def test_every_command_refuses_a_bad_service_config_with_every_problem_and_exit_2(tmp_path):
+    service = tmp_path / "stageline.toml"
+    service.write_text('[store]\npool_size = "5"\nbackend = "mysql"\n')
+    done = subprocess.run([str(STAGELINE), "--service-config", str(service), "cluster", "status"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"{service}: store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'" in done.stderr
+    assert f"{service}: store.pool_size: must be an integer, got a string" in done.stderr
+    assert "Traceback" not in done.stderr
