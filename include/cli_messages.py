@@ -266,6 +266,8 @@ def stages(service_config: str | None, recent: int, as_json: bool) -> None:
     try:
         overview = ops.stages(store)
         batches = ops.recent_batches(store, limit=recent) if recent > 0 else []
+    except ValueError as exc:
+        raise InputError(f"--batches: {exc}") from exc
     finally:
         store.close()
     if as_json:

@@ -294,6 +294,8 @@ def test_bodies_are_for_op_and_admin_only_on_purpose_and_each_read_is_recorded(v
     assert body_reads(store_config, "VIEW1") == [("reader:airflow admin", "bodies read via airflow")] * 2
     status, doc, _ = http(port, "GET", "/stageline/api/messages?limit=100000000", token=viewer)
     assert (status, doc) == (400, {"detail": "limit must be 1..1000 (page on with before_id), got 100000000"})
+    status, doc, _ = http(port, "GET", "/stageline/api/batches?limit=100000", token=viewer)
+    assert (status, doc) == (400, {"detail": "limit must be 1..500, got 100000"})
 
 
 def test_the_view_in_headless_chromium(view, tmp_path):

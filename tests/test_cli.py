@@ -295,3 +295,5 @@ def test_messages_find_refuses_a_limit_past_the_page(tmp_path):
     proc = run(cfg, "messages", "find", "--limit", "100000000", ok=False)
     assert proc.returncode == 2 and "limit must be 1..1000 (page on with before_id), got 100000000" in proc.stderr
     assert run(cfg, "messages", "find", "--limit", "1000").stdout.strip() == "no messages match"
+    proc = run(cfg, "stages", "--batches", "100000", ok=False)
+    assert proc.returncode == 2 and "--batches: limit must be 1..500, got 100000" in proc.stderr

@@ -322,7 +322,14 @@ def record_batch(store: Store, *, stage: str, owner: str, dag_id: str, run_id: s
                                     "counts": json.dumps(counts, default=str)[:2000]})
 
 
+MAX_BATCHES = 500
+"""The most micro-batches one `recent_batches` returns; more is refused."""
+
+
 def recent_batches(store: Store, *, stage: str | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    """The latest `limit` (1..MAX_BATCHES) micro-batches, of `stage` or of all; ValueError past the range."""
+    if not 1 <= limit <= MAX_BATCHES:
+        raise ValueError(f"limit must be 1..{MAX_BATCHES}, got {limit}")
     with store.transaction(write=False) as tx:
         return tx.all("batches_recent", {"stage": stage, "limit": limit})
 
