@@ -12,7 +12,9 @@ go to a Parquet archive under `[retention] archive_path`, then leave the store.
     load      Parquet, partitioned `<kind>/day=…/connection=…/batch=…/`, overwriting exactly this
               batch's partitions (dynamic partition overwrite): writing a batch again replaces it
     verify    read the batch's partitions back and count them against the rows read; only then is
-              the batch noted `written`
+              the batch noted `written`, and in that same fenced transaction its lookup index
+              recorded (store v14: the partition directories it wrote, the keys it holds), so
+              `stageline messages show` opens only the files that hold a message, or none
     delete    the batch's rows from the archive table in bounded, fenced transactions; then the
               batch's record goes
 
@@ -21,20 +23,29 @@ written again over its own partitions (nothing twice), a `written` one only dele
 is verified; its rows are never written again, so a batch half-deleted loses nothing). A row an
 archive query copies again (its hot row changed) loses its mark and goes in a later batch.
 Every store write is fenced by the epoch: under a stale epoch nothing is marked or deleted.
+
+A local archive is written only through real directories: the archive path, a kind's directory and
+the batch's partition directories (and Spark's `_temporary`) are checked with `lstat` before the
+write, and one that is a symlink stops the batch (`UnsafeArchive`; its rows stay in the store), so a
+link planted in the archive tree cannot send rows, or Spark's overwrite, elsewhere.
 """
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from include.parquet_archive import ParquetArchive, partition_dirs
 from include.store import Store
 from include.store.lease import read_lease
 
@@ -72,6 +83,14 @@ class ExportMismatch(RuntimeError):
     """Parquet does not hold what was written: the batch's rows stay in the store."""
 
 
+class UnsafeArchive(RuntimeError):
+    """A directory the batch would be written through is a symlink: the batch's rows stay in the store."""
+
+
+INDEX_STATEMENT = {kind: f"parquet_index_{kind}" for kind in KINDS}
+"""The statement that records a batch's keys in the lookup index (parquet_index.sql)."""
+
+
 def schema(kind: str) -> str:
     """The Spark schema of a kind's extracted rows (DDL string)."""
     cols = [f"{c} {'BIGINT' if c in LONGS else 'STRING'}" for c in COLUMNS[kind]]
@@ -93,6 +112,9 @@ def run(store: Store, spark: SparkSession, *, epoch: int, path: str, older_than_
     if read_lease(store).epoch != epoch:  # a stale leader writes no Parquet (its store writes are fenced anyway)
         log.info("Parquet archive: epoch %s is not the lease's; nothing to do", epoch)
         return moved
+    indexed = ParquetArchive(path, store=store).ensure_indexed(epoch=epoch)
+    if indexed:
+        log.info("Parquet archive %s written before store v14: lookup index built (%s)", path, indexed)
     for open_batch in _open_batches(store):
         moved[open_batch["kind"]] += export_batch(store, spark, epoch=epoch, path=path, kind=open_batch["kind"],
                                                    batch=open_batch["batch"], state=open_batch["state"],
@@ -128,13 +150,18 @@ def export_batch(store: Store, spark: SparkSession, *, epoch: int, path: str, ki
     """Write (unless `written`), verify, delete and close one batch; the rows deleted from the store."""
     if state == "marked":
         rows = extract(store, kind=kind, batch=batch)
+        parts: list[str] = []
         if rows:
-            load(transform(spark.createDataFrame(rows, schema(kind)), kind=kind, batch=batch), path=path, kind=kind)
+            framed = transform(spark.createDataFrame(rows, schema(kind)), kind=kind, batch=batch)
+            parts = partition_dirs(batch, [(r["day"], r["connection"])
+                                           for r in framed.select("day", "connection").distinct().collect()])
+            check_no_links(path, kind, parts)
+            load(framed, path=path, kind=kind)
             keys = [r[0] for r in rows]  # the key is the first column of every kind
             found = verify(spark, path=path, kind=kind, batch=batch, keys=keys)
             if found != len(rows):
                 raise ExportMismatch(f"Parquet batch {batch} holds {found} of its {len(rows)} row(s): kept in the store")
-        mark_written(store, epoch=epoch, batch=batch)
+        mark_written(store, epoch=epoch, batch=batch, kind=kind, parts=parts)
     deleted = delete(store, epoch=epoch, kind=kind, batch=batch, limit=batch_size)
     with store.transaction() as tx:
         tx.fence()
@@ -180,10 +207,37 @@ def verify(spark: SparkSession, *, path: str, kind: str, batch: str, keys: Seque
     return frame.where(F.col("count") == 1).count()
 
 
-def mark_written(store: Store, *, epoch: int, batch: str) -> None:
+def mark_written(store: Store, *, epoch: int, batch: str, kind: str | None = None, parts: Sequence[str] = ()) -> None:
+    """Note the batch written and, in the same fenced transaction, index it: the partition
+    directories it wrote and the keys it holds (read from the archive table, its rows still there)."""
     with store.transaction() as tx:
         tx.fence()
         tx.execute("export_written", {"batch": batch, "epoch": epoch})
+        if kind is not None and parts:
+            for part in parts:
+                tx.execute("parquet_partition_add", {"batch": batch, "kind": kind, "part": part, "epoch": epoch})
+            tx.execute(INDEX_STATEMENT[kind], {"batch": batch, "epoch": epoch})
+
+
+def check_no_links(path: str, kind: str, parts: Sequence[str]) -> None:
+    """UnsafeArchive when a directory the batch is written through (local archives) is a symlink."""
+    if "://" in path and not path.startswith("file:"):
+        return  # object stores have no links
+    base = Path(path.removeprefix("file://").removeprefix("file:"))
+    candidates = [base, base / kind, base / kind / "_temporary"]
+    for part in parts:
+        here = base / kind
+        for piece in part.split("/"):
+            here = here / piece
+            candidates.append(here)
+    for candidate in candidates:
+        try:
+            st = os.lstat(candidate)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeArchive(f"{candidate} is a symlink: the Parquet archive is written only through real "
+                                f"directories; batch kept in the store")
 
 
 def delete(store: Store, *, epoch: int, kind: str, batch: str, limit: int) -> int:

@@ -62,7 +62,7 @@ BIG_ROWS = 50_000
 """A table or index with at least this many rows (entries) in the fill is big: a plan must not read
 it from end to end, nor walk a range of it for each outer row."""
 
-SQL_FILES = ("archive.sql", "operator.sql", "parquet.sql", "queries.sql", "watermarks.sql")
+SQL_FILES = ("archive.sql", "operator.sql", "parquet.sql", "parquet_index.sql", "queries.sql", "watermarks.sql")
 PLANNED_DIALECTS = ("sqlite", "postgres")
 
 NO_PLAN = {
@@ -191,7 +191,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         # retention (archive.sql, the purges), the Parquet export (parquet.sql), the watermarks
         "archived": 1, "conns": ",adt-in,", "within": 0, "batch": fill.EXPORT_BATCH, "kind": "inbound",
         "row_count": fill.EXPORT_ROWS, "ref": f"MSG{inbound_id:09d}", "watermark": "1042",
-        "batch_id": f"b{inbound_id // 10:09d}",
+        "batch_id": f"b{inbound_id // 10:09d}", "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
         # what `audited` adds around a transition (Tx.transition)
         "ev_stage": (table or OUTBOUND).stage, "ev_event": "done", "ev_from": "in_flight", "ev_epoch": fill.EPOCH,
         "ev_node": fill.OWNERS.get(ids_table.name),
