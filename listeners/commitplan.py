@@ -3,9 +3,9 @@
 A group commit is capped by the rows (messages) it writes, `max_rows`: a message counts one, an
 HL7 batch counts its messages. Units are taken in arrival order while they fit (the first always
 does). A batch of more than `max_rows` messages is not one unit: it is committed in parts, one part
-per commit, each part after whatever else is waiting — so a 40,000-message batch is some twenty
-commits with every other sender's messages between them, and no other sender waits behind more
-than about one commit (docs/listenerd.md, "Large batches").
+per commit (`part_rows`, a quarter of a commit), each part after whatever else is waiting — so a
+40,000-message batch is some eighty short commits with every other sender's messages between them,
+and no other sender waits behind more than about one commit (docs/listenerd.md, "Large batches").
 
 What a batch keeps, split or not:
 
@@ -87,7 +87,12 @@ class CommitPlan:
     """The waiting units, in arrival order; `take` gives the next commit, `settle` its outcomes."""
 
     max_rows: int
+    part_rows: int = 0  # rows per part of a split batch; 0: a quarter of max_rows
     entries: list[Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.part_rows <= 0:
+            self.part_rows = max(1, self.max_rows // 4)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -97,8 +102,9 @@ class CommitPlan:
 
     def take(self) -> list[tuple[Entry, Any]]:
         """The next commit's pieces, in the order their rows go in: whole units first (arrival
-        order, while they fit), then a part of each split batch that may go (at least half a
-        commit's worth each, while the commit is not full)."""
+        order, while they fit), then one part (`part_rows`) of each split batch that may go, while
+        the commit is not full. Parts are smaller than a commit: a commit's time is what another
+        sender may wait behind it."""
         cap = self.max_rows
         used = 0
         whole: list[tuple[Entry, Any]] = []
@@ -121,7 +127,7 @@ class CommitPlan:
         for entry in splits:
             if (whole or parts) and used >= cap:
                 break
-            n = min(entry.rows - entry.done, max(cap - used, cap // 2, 1))
+            n = min(entry.rows - entry.done, self.part_rows)
             parts.append((entry, BatchPart(entry.unit, entry.done, entry.done + n)))
             used += n
         return whole + parts
