@@ -193,9 +193,9 @@ class ParquetArchive:
                 entry = by_batch.setdefault(row["batch"], {"parts": set(), "keys": set()})
                 entry["parts"].add(_part_of(row))
                 entry["keys"].add(tuple(row[c] for c in columns))
-            with self.store.transaction() as tx:
-                tx.fence()
-                for batch, entry in by_batch.items():
+            for batch, entry in by_batch.items():  # one short transaction per batch: no long write lock
+                with self.store.transaction() as tx:
+                    tx.fence()
                     if tx.all("parquet_batch_indexed", {"batch": batch}):
                         continue
                     for part in sorted(entry["parts"]):
