@@ -73,7 +73,7 @@ class Senders:
     def file(self, payload: bytes, name: str) -> str:
         (self.drop / name).write_bytes(payload)
         wait_for(lambda: not (self.drop / name).exists(), timeout=20, interval=0.05, what=f"{name} taken")
-        return "AR" if (self.drop / "archive" / "rejected" / name).exists() else "AA"
+        return "AR" if (self.drop.parent / "archive" / "rejected" / name).exists() else "AA"
 
 
 def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_path):
@@ -90,7 +90,8 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
         {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"], **limits},
         {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **limits},
         {"name": "in-http", "kind": "http", "port": ports["http"], **limits},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1, **limits}]).start()
+        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(tmp_path / "archive"),
+         "poll_seconds": 0.1, **limits}]).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
