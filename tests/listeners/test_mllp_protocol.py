@@ -340,6 +340,34 @@ def test_idle_timer_restarts_when_the_last_ack_is_written() -> None:
     assert transport.disconnecting
 
 
+def test_a_batch_counts_its_messages_against_max_in_flight() -> None:
+    """One frame holding a batch of 100 messages owes 100 answers: reading pauses until it is
+    answered (before, it counted one, whatever its size)."""
+    answers: list[Deferred[bytes]] = []
+
+    def batch_handler(data: bytes, peer: IAddress) -> Deferred[bytes]:
+        answers.append(Deferred())
+        return answers[-1]
+
+    factory = MLLPFactory(Recorder(), config=MLLPConfig(max_in_flight=64), clock=MemoryReactorClock(),
+                          batch_handler=batch_handler)
+    proto, transport = connect(factory)
+    body = b"".join(adt(f"M{k}") for k in range(100))
+    proto.dataReceived(frame(b"BHS|^~\\&|A|B|C|D|||||B1\r" + body + b"BTS|100\r"))
+    assert transport.producerState == "paused"
+    answers[0].callback(frame(b"MSH|^~\\&|C|D|A|B|||ACK|1|P|2.5\rMSA|AA|B1\r")[1:-2])
+    assert transport.producerState == "producing"
+
+
+def test_a_handler_timeout_says_not_confirmed_rather_than_not_stored() -> None:
+    clock = MemoryReactorClock()
+    proto, transport = connect(make_factory(Recorder(), clock, handler_timeout_seconds=5))
+    proto.dataReceived(frame(adt("C1")))
+    clock.advance(5)
+    [ack] = acks(transport)
+    assert msa(ack) == ("AE", "C1") and "not confirmed stored in time" in str(ack.segment("ERR") or ack)
+
+
 def test_handler_timeout_answers_ae_and_ignores_the_late_result(logs: list[LogEvent]) -> None:
     clock = MemoryReactorClock()
     handler = Recorder()
