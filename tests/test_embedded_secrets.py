@@ -81,3 +81,12 @@ def test_the_banner_names_where_the_secrets_are_but_prints_neither(tmp_path: Pat
 def test_the_banner_prints_the_secrets_when_asked(tmp_path: Path) -> None:
     text = _banner(tmp_path, show_secrets=True)
     assert "login admin / PASSWORD-SECRET-1" in text and "Bearer TOKEN-SECRET-2" in text
+
+
+def test_stageline_up_offers_show_secrets() -> None:
+    from click.testing import CliRunner
+
+    from include.cli import cli
+
+    result = CliRunner().invoke(cli, ["up", "--help"])
+    assert result.exit_code == 0 and "--show-secrets" in result.output
