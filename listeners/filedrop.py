@@ -11,8 +11,9 @@ Rules, in order of a poll:
   error directories are opened as directory descriptors (``O_DIRECTORY|O_NOFOLLOW``); every entry
   is ``lstat``-ed in place and only a regular file is read, opened relative to the directory with
   ``O_NOFOLLOW|O_NONBLOCK`` and checked by ``fstat`` to be the very file listed (device, inode),
-  read no further than ``max_message_bytes``. A symlink, fifo, socket or device that matches the
-  pattern is never read: it is moved (as itself: a rename moves a link, it never follows one) to
+  read no further than ``max_message_bytes``; a regular file with more than one name (a hard link,
+  perhaps to a file the partner could not read) is not read either. A symlink, fifo, socket or
+  device that matches the pattern is never read: it is moved (as itself: a rename moves a link, it never follows one) to
   the error directory with a ``.reason``. Directories are left alone. Every file Stageline writes
   (a ``.reason``, the claim on a target name) is created ``O_CREAT|O_EXCL|O_NOFOLLOW`` mode 0600,
   so a name already taken (even by a dangling link) is skipped for the next one, never written
@@ -116,6 +117,10 @@ class _Read:
 
 class _Changed(Exception):
     """The file changed between the stability check and the read: wait for it to settle."""
+
+
+class _HardLinked(Exception):
+    """The file has other names: it may be someone else's file linked in, so it is not read."""
 
 
 class _Dirs:
@@ -229,6 +234,10 @@ class FileDrop(PollingInbound):
             return 0
         try:
             read: _Read = yield self._run(self._read, entry)
+        except _HardLinked as exc:
+            self._count_received(0)
+            yield self._reject(name, f"a hard link ({exc.args[0]} names for one file): never read")
+            return 0
         except TooLarge:
             self._count_received(0)
             yield self._reject(name, f"message too large: over {limit} bytes, limit {limit}")
@@ -315,8 +324,13 @@ class FileDrop(PollingInbound):
         return entries
 
     def _read(self, entry: _Entry) -> _Read:
-        data, st = read_regular(self._dirs.fd("directory"), entry.name, expect=entry.identity,
-                                limit=self.config.max_message_bytes)
+        drop = self._dirs.fd("directory")
+        links = os.stat(entry.name, dir_fd=drop, follow_symlinks=False).st_nlink
+        if links != 1:
+            raise _HardLinked(links)
+        data, st = read_regular(drop, entry.name, expect=entry.identity, limit=self.config.max_message_bytes)
+        if st.st_nlink != 1:
+            raise _HardLinked(st.st_nlink)
         if (st.st_size, st.st_mtime_ns) != (entry.size, entry.mtime_ns) or len(data) != entry.size:
             raise _Changed(entry.name)
         return _Read(data, file_message_id(self.config.name, entry.name, data))

@@ -479,3 +479,16 @@ class FileDropLinkStoreTests(_RealStore):
         assert (yield listener.poll()) == 0
         assert rows(self.store_config.path) == [] and listing(elsewhere) == []
         assert listing(self.tmp / "in") == ["a.hl7"]
+
+
+def test_a_hard_link_to_another_file_is_set_aside_unread(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    target = secret(tmp_path)
+    os.link(target, tmp_path / "in" / "linked.hl7")
+    h.start()
+    h.next_poll()
+    assert h.ingest.calls == []
+    assert listing(tmp_path / "rejected") == ["linked.hl7", "linked.hl7.reason"]
+    assert (tmp_path / "rejected" / "linked.hl7.reason").read_text().startswith(
+        "a hard link (2 names for one file): never read\n")
+    assert target.read_bytes() == adt("SECRET")
