@@ -323,3 +323,24 @@ def test_every_command_refuses_a_bad_service_config_with_every_problem_and_exit_
     assert f"{service}: store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'" in done.stderr
     assert f"{service}: store.pool_size: must be an integer, got a string" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_every_runtime_setting_has_its_key_in_the_schema_and_back():
+    """The frozen dataclasses the code reads are built from the models: a field added to one and not
+    the other would be a setting nobody can set, or one that is silently dropped."""
+    from dataclasses import fields
+
+    from include import config as cfgmod
+    from include.schema import connections as conn_schema
+    from include.schema import service
+    from listeners import connections
+
+    pairs = [(connections.InboundConfig, conn_schema.InboundModel, set()),
+             (connections.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
+             (connections.TLSConfig, conn_schema.TLSModel, set()),
+             (cfgmod.StoreConfig, service.StoreModel, {"password"}),
+             (cfgmod.ClusterConfig, service.ClusterModel, set()),
+             (cfgmod.RetentionConfig, service.RetentionModel, set())]
+    for runtime, model, not_in_file in pairs:
+        keys = {info.alias or name for name, info in model.model_fields.items()}
+        assert {f.name for f in fields(runtime)} - not_in_file == keys, runtime.__name__
