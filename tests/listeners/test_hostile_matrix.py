@@ -183,7 +183,8 @@ def post(ctx: Ctx, body: bytes, content_type: str, *, timeout: float = 30.0) -> 
 
 def punycode_body(ctx: Ctx) -> None:
     """Issue 23 row 1: `charset=punycode` and a 1.6 MB body held the reactor for 22 s."""
-    body = b"MSH|^~\\&|A|B|C|D|||ADT^A01|PUNY1|P|2.5\rNTE|1||" + b"\x80-" * 800_000
+    # ASCII after the last "-": punycode decodes it as insertions, quadratic in their number
+    body = b"MSH|^~\\&|A|B|C|D|||ADT^A01|PUNY1|P|2.5\rNTE|1||x-" + b"b" * 1_600_000
     started = time.monotonic()
     status, answer = post(ctx, body, "text/plain; charset=punycode")
     ctx.seen.update(status=status, answered_in=round(time.monotonic() - started, 3), answer=answer[:120].decode())
