@@ -492,3 +492,19 @@ def test_a_hard_link_to_another_file_is_set_aside_unread(tmp_path: Path) -> None
     assert (tmp_path / "rejected" / "linked.hl7.reason").read_text().startswith(
         "a hard link (2 names for one file): never read\n")
     assert target.read_bytes() == adt("SECRET")
+
+
+def test_the_directory_descriptors_are_closed_on_stop(tmp_path: Path) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"))
+    h.start()
+    h.next_poll()
+    assert len(os.listdir("/proc/self/fd")) == before + 3  # drop, archive, rejected
+    assert h.listener.stop().called
+    assert len(os.listdir("/proc/self/fd")) == before
+    h.listener.start()  # a new lease: opened again
+    h.next_poll()
+    assert len(os.listdir("/proc/self/fd")) == before + 3
+    h.listener.stop()
+    assert len(os.listdir("/proc/self/fd")) == before
