@@ -157,7 +157,7 @@ class ParquetArchive:
         else:
             from include.safe_files import create_exclusive, open_dir
 
-            fd = open_dir(root, create=True)
+            fd = open_dir(root, create=True, mode=0o755)  # Spark (maybe another user) writes here next
             try:
                 create_exclusive(fd, INDEXED_MARK, b"every batch of this archive is in the store's parquet_index "
                                                    b"(store v14)\n", mode=0o644)
