@@ -55,6 +55,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.offload import OFFLOAD_BYTES
 from listeners.polling import PollingInbound, RunBlocking
 
 if TYPE_CHECKING:
@@ -251,8 +253,10 @@ class FileDrop(PollingInbound):
             return None
         self._count_received(len(read.data))
         try:
-            item = build_inbound(read.data, connection=self.config.name, charset=self.config.charset,
-                                 lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
+            build = partial(build_inbound, read.data, connection=self.config.name, charset=self.config.charset,
+                            lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
+            # A large file (an HL7 batch of thousands) is split and checked on a thread, like MLLP's.
+            item = (yield self._run(build)) if len(read.data) >= OFFLOAD_BYTES else build()
         except PayloadRejected as exc:
             yield self._reject(name, str(exc))
             return 0

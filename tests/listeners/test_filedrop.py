@@ -508,3 +508,28 @@ def test_the_directory_descriptors_are_closed_on_stop(tmp_path: Path) -> None:
     assert len(os.listdir("/proc/self/fd")) == before + 3
     h.listener.stop()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_large_batch_file_is_split_on_a_thread_not_the_reactor(tmp_path: Path) -> None:
+    """A 4 MB batch file costs a second of Python to split; that second must not be the reactor's."""
+    on_thread: list[str] = []
+
+    def recording(f: Any, *args: Any) -> Deferred:
+        on_thread.append(getattr(getattr(f, "func", f), "__name__", repr(f)))
+        return maybeDeferred(f, *args)
+
+    messages = b"".join(adt(f"B{i}") for i in range(2_000))
+    batch = b"BHS|^~\\&|LAB\r" + messages + b"BTS|2000\r"
+    small = adt("S")
+    ingest = AutoIngest()
+    clock = MemoryReactorClock()
+    listener = FileDrop(ingest, config(tmp_path, max_message_bytes=len(batch) + 1), reactor=clock,
+                        run_blocking=recording)
+    drop(tmp_path, "a-big.hl7", batch)
+    drop(tmp_path, "b-small.hl7", small)
+    listener.start()
+    clock.advance(0)
+    clock.advance(listener.config.poll_seconds)
+    assert len(batch) >= 64 * 1024 > len(small)
+    assert on_thread.count("build_inbound") == 1  # the big file's; the small one is cheaper in place
+    assert len(ingest.calls) == 2
