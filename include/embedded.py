@@ -37,46 +37,79 @@ AIRFLOW_PORT = 8080
 SPARK_CONNECT_PORT = 15002
 
 
+MIN_SECRET_CHARS = 16
+"""A kept secret shorter than this (an empty file left by a failed write, a truncated one) is not
+used: it is generated anew."""
+
+
 def _secret(path: Path) -> str:
     """A random secret generated once and kept, so restarts keep logins and tokens.
 
-    Created ``O_CREAT|O_EXCL|O_NOFOLLOW`` mode 0600, so it is never readable by others, not even
-    for the moment between a write and a chmod; one left group- or world-readable by an older
-    version is tightened."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Written to a private temporary name (``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600 from the first
+    byte), fsynced, then linked into place: the secret's name never shows a partial or empty file,
+    even when the disk fills mid-write, and of two processes creating it at once both read the one
+    that won. A kept file that is empty or shorter than MIN_SECRET_CHARS (left by an older version's
+    failed write) is replaced by a new secret, never used as ''; one left group- or world-readable
+    is tightened. A symlink in its place is refused (OSError), not followed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            _publish(path, secrets.token_urlsafe(24), replace=False)
+            continue
+        with os.fdopen(fd) as f:
+            if os.fstat(f.fileno()).st_mode & 0o077:
+                os.fchmod(f.fileno(), 0o600)
+            value = f.read(4096).strip()
+        if len(value) >= MIN_SECRET_CHARS:
+            return value
+        _publish(path, secrets.token_urlsafe(24), replace=True)
+    raise OSError(f"cannot keep a secret in {path}")
+
+
+def _publish(path: Path, text: str, *, replace: bool) -> None:
+    """Put `text` at `path` whole or not at all: a 0600 temporary file, written and fsynced, then
+    renamed over (`replace`) or hard-linked to a name that must not exist yet; the temporary name
+    never outlives the call, and a failed write leaves `path` as it was."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        pass
-    else:
-        _write_all(fd, secrets.token_urlsafe(24))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd) as f:
-        if os.fstat(f.fileno()).st_mode & 0o077:
-            os.fchmod(f.fileno(), 0o600)
-        return f.read().strip()
+        _write_all(fd, text)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path, follow_symlinks=False)
+            except FileExistsError:
+                pass  # another process made it first: the caller reads theirs
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, text: str) -> None:
-    """Write `text` to `fd` and close it."""
+    """Write `text` to `fd`, fsync it and close it."""
     try:
         view = memoryview(text.encode())
         while view:
             view = view[os.write(fd, view):]
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def _write_private(path: Path, text: str) -> None:
     """Replace `path` with `text`, mode 0600 from the first byte (a new file renamed over the old)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        _write_all(fd, text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _publish(path, text, replace=True)
 
 
 EMBEDDED_PARALLELISM = 5

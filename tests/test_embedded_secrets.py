@@ -39,9 +39,9 @@ def test_a_new_secret_file_is_0600_before_its_first_byte(tmp_path: Path, open_um
 
 def test_a_secret_left_readable_by_an_older_version_is_tightened(tmp_path: Path, open_umask: None) -> None:
     path = tmp_path / ".api_token"
-    path.write_text("kept-token\n")
+    path.write_text("kept-token-0123456789\n")
     path.chmod(0o644)
-    assert embedded._secret(path) == "kept-token"
+    assert embedded._secret(path) == "kept-token-0123456789"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
@@ -90,3 +90,48 @@ def test_stageline_up_offers_show_secrets() -> None:
 
     result = CliRunner().invoke(cli, ["up", "--help"])
     assert result.exit_code == 0 and "--show-secrets" in result.output
+
+
+def _secret_under_a_full_disk(path: Path) -> str:
+    """Run `_secret(path)` in a child whose file-size limit is 0 (writes fail as on a full disk);
+    its error's text."""
+    import subprocess
+    import sys
+
+    code = ("import resource, signal, sys; from pathlib import Path; from include import embedded\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "try:\n    embedded._secret(Path(sys.argv[1]))\nexcept OSError as e:\n    print('OSError', e.errno)\n"
+            "else:\n    print('written')\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(embedded.__file__).resolve().parents[1])
+    return done.stdout.strip() + done.stderr
+
+
+def test_a_secret_write_that_fails_leaves_no_file_that_is_later_used_as_empty(tmp_path: Path) -> None:
+    # red team (issue 23, item 16): under RLIMIT_FSIZE=0 the write failed, a 0-byte .jwt_secret
+    # stayed, and every later call returned ''.
+    path = tmp_path / "home" / ".jwt_secret"
+    assert _secret_under_a_full_disk(path).startswith("OSError")
+    assert not path.exists() and list(path.parent.iterdir()) == []  # nothing half-written, no temp left
+    secret = embedded._secret(path)
+    assert len(secret) >= embedded.MIN_SECRET_CHARS and path.read_text() == secret
+    assert embedded._secret(path) == secret
+
+
+@pytest.mark.parametrize("left", ["", "\n", "short"])
+def test_an_empty_or_short_secret_left_by_an_older_version_is_regenerated(tmp_path: Path, left: str) -> None:
+    path = tmp_path / ".admin_password"
+    path.write_text(left)
+    secret = embedded._secret(path)
+    assert len(secret) >= embedded.MIN_SECRET_CHARS and secret != left.strip()
+    assert path.read_text() == secret and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == [".admin_password"]
+
+
+def test_a_new_secret_directory_is_private(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        embedded._secret(tmp_path / "var" / ".api_token")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "var").st_mode) == 0o700
