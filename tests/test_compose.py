@@ -5,7 +5,7 @@ checked instead: the compose file's structure (services, image, dependencies, en
 two nodes being identical), that every file the services point at exists and loads with
 Stageline's own loaders (`include/config.py`, `listeners/connections.py`, `listeners/api.py`,
 `include/stage_config.py`),
-that the HAProxy VIP health-checks the data port of both nodes, and — where the tools exist — the
+that the HAProxy VIP asks each node's `GET /leader` (not a TCP connect), and — where the tools exist — the
 parts that can run outside a container: `haproxy -c`, HAProxy's failover between two stand-in nodes
 on loopback, `docker compose config`, the Spark Connect server command, and the PostgreSQL init
 script followed by the migrate job's own command against a throwaway PostgreSQL 15.
@@ -459,7 +459,12 @@ def test_cluster_config_dir_loads_with_listenerds_loader(listener_config):
 
 # ---- HAProxy: the VIP ---------------------------------------------------------------------------
 
-def test_haproxy_backends_name_both_nodes_and_check_the_data_port(data_port, api_port):
+def _duration_ms(value: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s)?", value).groups()
+    return float(number) * (1 if unit == "ms" else 1000)
+
+
+def test_haproxy_backends_name_both_nodes_and_ask_leader_on_the_api_port(data_port, api_port):
     sections = haproxy_sections(HAPROXY_CFG.read_text())
     defaults = " ".join(sections["defaults"])
     assert "mode tcp" in defaults
@@ -470,10 +475,22 @@ def test_haproxy_backends_name_both_nodes_and_check_the_data_port(data_port, api
         for name, args in servers.items():
             assert args[0] == f"{name}:{port}", f"{backend}/{name} forwards to {args[0]}"
             assert "check" in args, f"{backend}/{name} is not health-checked"
-            assert args[args.index("port") + 1] == str(data_port), \
-                f"{backend}/{name} must check the data port {data_port} (open on the leader only)"
-        assert not any(line.startswith("option httpchk") for line in sections[backend]), \
-            f"{backend}: /health passes on a standby too; the check must be a TCP connect"
+            assert args[args.index("port") + 1] == str(api_port), \
+                f"{backend}/{name} must ask the API port {api_port} (a frozen leader's kernel still accepts on {data_port})"
+        # /health answers 200 on a standby too, and a TCP connect passes on a frozen leader: /leader only
+        assert "option httpchk GET /leader" in sections[backend], f"{backend} does not ask GET /leader"
+        assert "http-check expect status 200" in sections[backend]
+
+
+def test_haproxy_drops_a_silent_leader_within_two_seconds():
+    """inter x fall + timeout check: how long a node that stopped answering stays in the VIP."""
+    sections = haproxy_sections(HAPROXY_CFG.read_text())
+    server_defaults = next(line.split() for line in sections["defaults"] if line.startswith("default-server "))
+    inter = _duration_ms(server_defaults[server_defaults.index("inter") + 1])
+    fall = int(server_defaults[server_defaults.index("fall") + 1])
+    timeout_check = _duration_ms(next(line.split()[2] for line in sections["defaults"] if line.startswith("timeout check ")))
+    assert timeout_check < inter, "a check that outlives the interval delays the next one"
+    assert inter * fall + timeout_check <= 2000, (inter, fall, timeout_check)
     # MLLP: listenerd ends its own sessions when it stops leading (HAProxy cutting them raced a clean
     # stop's last ACKs); the API port stays open on a standby, so its sessions are cut by HAProxy
     assert "shutdown-sessions" not in " ".join(sections["defaults"] + sections["backend mllp_leader"])
@@ -508,16 +525,40 @@ def test_haproxy_accepts_the_config():
 class _StandIn:
     """A stand-in node on a loopback address: it answers every connection with its own name and
     keeps it open, so we can see which node the VIP forwards to. The data port is bound only while
-    `leading` — like listenerd, whose standby binds no data port; the API port is always bound."""
+    `leading` — like listenerd, whose standby binds no data port; the API port is always bound and
+    answers `GET /leader` 200 while leading, 503 otherwise. `freeze()` is what SIGSTOP leaves: the
+    listening sockets stay (the kernel still completes handshakes) but nothing is ever answered."""
 
     def __init__(self, name: str, host: str, data_port: int, api_port: int) -> None:
         self.name, self.host, self.data_port = name, host, data_port
-        self.api = self._serve(api_port, f"{name}-api")
+        self.leading = False
+        self.frozen = threading.Event()
+        self.api = self._serve(api_port, f"{name}-api", api=True)
         self.data: socketserver.ThreadingTCPServer | None = None
 
-    def _serve(self, port: int, reply: str) -> socketserver.ThreadingTCPServer:
+    def _serve(self, port: int, reply: str, *, api: bool = False) -> socketserver.ThreadingTCPServer:
+        stand_in = self
+
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                if stand_in.frozen.is_set():
+                    self.request.settimeout(30)
+                    try:
+                        while self.request.recv(1024):  # accepted by the kernel, never answered
+                            pass
+                    except OSError:
+                        pass
+                    return
+                if api:
+                    self.request.settimeout(0.2)
+                    try:
+                        first = self.request.recv(1024)
+                    except OSError:
+                        first = b""
+                    if first.startswith(b"GET /leader"):
+                        status = b"200 OK" if stand_in.leading else b"503 Service Unavailable"
+                        self.request.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                        return
                 self.request.sendall(reply.encode() + b"\n")
                 self.request.settimeout(20)
                 try:
@@ -536,14 +577,20 @@ class _StandIn:
 
     def lead(self) -> None:
         self.data = self._serve(self.data_port, f"{self.name}-mllp")
+        self.leading = True
+
+    def freeze(self) -> None:
+        self.frozen.set()
 
     def step_down(self) -> None:
+        self.leading = False
         if self.data is not None:
             self.data.shutdown()
             self.data.server_close()
             self.data = None
 
     def close(self) -> None:
+        self.frozen.clear()
         self.step_down()
         self.api.shutdown()
         self.api.server_close()
@@ -589,7 +636,7 @@ def local_haproxy(tmp_path, data_port, api_port) -> Iterator[tuple[dict[str, int
     replacements = [
         (rf"\blistenerd-a:{data_port}\b", f"127.0.0.2:{node_data}"), (rf"\blistenerd-b:{data_port}\b", f"127.0.0.3:{node_data}"),
         (rf"\blistenerd-a:{api_port}\b", f"127.0.0.2:{node_api}"), (rf"\blistenerd-b:{api_port}\b", f"127.0.0.3:{node_api}"),
-        (rf"\bcheck port {data_port}\b", f"check port {node_data}"),
+        (rf"\bcheck port {api_port}\b", f"check port {node_api}"),
         (rf"(?m)^(\s*bind) :{data_port}$", rf"\g<1> 127.0.0.1:{vip['mllp']}"),
         (rf"(?m)^(\s*bind) :{api_port}$", rf"\g<1> 127.0.0.1:{vip['api']}"),
         (r"(?m)^(\s*bind) :8404$", rf"\g<1> 127.0.0.1:{vip['stats']}"),
@@ -636,6 +683,34 @@ def test_vip_follows_the_node_that_binds_the_data_port(local_haproxy):
     finally:
         held.close()
     assert rest == b"", "the session to the old leader's API was left open"
+
+
+def test_a_frozen_leader_leaves_the_vip_within_three_seconds(local_haproxy):
+    """Issue 24: a frozen leader's kernel still completes handshakes on its ports, so a TCP check kept
+    it in the VIP for the whole freeze; `GET /leader` needs the process, and it is out in < 3 s."""
+    vip, nodes = local_haproxy
+    a, b = nodes["listenerd-a"], nodes["listenerd-b"]
+    a.lead()
+    _until(lambda: _ask(vip["mllp"]) == "listenerd-a-mllp", timeout=10, what="the VIP to reach a's MLLP")
+    a.freeze()   # SIGSTOP: a's sockets stay bound and accepting, nothing answers
+    b.lead()     # the standby takes the lease (here at once; the check timing is what is measured)
+    frozen_at = time.monotonic()
+    _until(lambda: _ask(vip["mllp"]) == "listenerd-b-mllp", timeout=10, what="the VIP to leave the frozen leader")
+    _until(lambda: _ask(vip["api"]) == "listenerd-b-api", timeout=10, what="the API VIP to leave the frozen leader")
+    elapsed = time.monotonic() - frozen_at
+    assert elapsed < 3.0, f"the frozen leader stayed in the VIP for {elapsed:.1f} s"
+
+
+def test_a_leader_that_answers_503_gets_no_senders(local_haproxy):
+    """A node whose MLLP port is open but whose /leader says 503 (it holds the lease but an inbound is
+    unbound, or it fenced and has not closed yet) is not where the VIP sends anyone."""
+    vip, nodes = local_haproxy
+    a, b = nodes["listenerd-a"], nodes["listenerd-b"]
+    a.lead()
+    b.lead()
+    _until(lambda: _ask(vip["mllp"]) == "listenerd-a-mllp", timeout=10, what="the VIP to reach a (first server)")
+    a.leading = False   # port still bound, /leader 503
+    _until(lambda: _ask(vip["mllp"]) == "listenerd-b-mllp", timeout=5, what="the VIP to leave a node answering 503")
 
 
 # ---- optional: the real compose loader ----------------------------------------------------------

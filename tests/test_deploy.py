@@ -46,6 +46,20 @@ def test_the_vip_config_passes_haproxy_check(config: str):
     assert done.returncode == 0 and "Configuration file is valid" in done.stdout + done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("config", ["haproxy/hosts.cfg", "haproxy.cfg"])
+def test_every_vip_backend_asks_leader_on_the_api_port(config: str):
+    """Issue 24: a TCP check on the data port passes on a frozen leader (its kernel still accepts);
+    each backend asks `GET /leader` (200 on the serving leader only) on the API port, 8470."""
+    text = (DEPLOY / config).read_text()
+    backends = [block for block in text.split("\nbackend ")[1:]]
+    assert backends
+    for block in backends:
+        lines = [line.split("#", 1)[0].strip() for line in block.split("\n\n", 1)[0].splitlines()]
+        assert "option httpchk GET /leader" in lines and "http-check expect status 200" in lines, block
+        servers = [line for line in lines if line.startswith("server ")]
+        assert servers and all(" check port 8470" in line for line in servers), servers
+
+
 def test_the_alert_rules_pass_promtool_and_their_own_tests():
     checked = run("promtool", "check", "rules", "alerts.yml", cwd=DEPLOY)
     assert checked.returncode == 0 and "SUCCESS: 7 rules found" in checked.stdout, checked.stdout + checked.stderr

@@ -2,7 +2,7 @@
 
     PostgreSQL (throwaway; databases `stageline` and `airflow`)
       ├─ TcpProxy per node ── listenerd node-a / node-b (cluster mode, per-node MLLP ports)
-      │                          └─ HAProxy VIP: TCP check on each node's MLLP port (leader only)
+      │                          └─ HAProxy VIP: `GET /leader` on each node's API (serving leader only)
       └─ Airflow scheduler, dag-processor, triggerer, api-server (LocalExecutor), DAGs unpaused
            └─ stage tasks ── Spark Connect server ── MLLP destination ── recorder (every delivery)
 
@@ -347,7 +347,8 @@ class Lab:
         if node.alive():
             return
         node.incarnation += 1
-        node.daemon = self._daemon(node.name, node.mllp_port, node.proxy, node.incarnation)
+        node.daemon = self._daemon(node.name, node.mllp_port, node.proxy, node.incarnation,
+                                   api_port=node.daemon.api_port)
         node.daemon.start()
 
     def cut_db(self, node: Node) -> None:
@@ -461,11 +462,13 @@ class Lab:
         lines += [f"{k} = {toml_value(v)}" for k, v in self.timings.cluster().items()]
         self.service_config.write_text("\n".join(lines) + "\n")
 
-    def _daemon(self, name: str, mllp_port: int, proxy: TcpProxy, incarnation: int) -> Daemon:
+    def _daemon(self, name: str, mllp_port: int, proxy: TcpProxy, incarnation: int, *,
+                api_port: int | None = None) -> Daemon:
+        """A node's daemon; a restart keeps its API port, where HAProxy asks `GET /leader`."""
         store = StoreConfig(backend="postgres", server="127.0.0.1", port=proxy.port, database="stageline",
                             username=self.store_config.username, pool_size=5)
         return Daemon(self.workdir / f"node-{name}", store, node_id=f"node-{name}:{incarnation}",
-                      cluster=self.timings.cluster(), api_port=free_port(),
+                      cluster=self.timings.cluster(), api_port=api_port or free_port(),
                       inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
                                 "lane_key": "PID-3.1"}])
 
@@ -476,10 +479,12 @@ class Lab:
         return Node(name, port, proxy, self._daemon(name, port, proxy, 1))
 
     def _write_haproxy_config(self) -> Path:
-        """deploy/haproxy.cfg's VIP, on loopback: `balance first`, a TCP check on each node's MLLP
-        port (open on the leader only), sessions of a node marked down cut."""
+        """deploy/haproxy.cfg's VIP, on loopback: `balance first`, each node checked by `GET /leader`
+        on its API port (200 on the serving leader only; a frozen leader's kernel would still pass a
+        TCP connect to its MLLP port, so that check is not used)."""
         inter = self.timings.haproxy_check_ms
-        servers = "\n".join(f"    server node-{n.name} 127.0.0.1:{n.mllp_port} check" for n in self.nodes.values())
+        servers = "\n".join(f"    server node-{n.name} 127.0.0.1:{n.mllp_port} check port {n.daemon.api_port}"
+                            for n in self.nodes.values())
         path = self.workdir / "haproxy.cfg"
         path.write_text(f"""global
     maxconn 4096
@@ -489,11 +494,12 @@ defaults
     timeout connect 3s
     timeout client 6m
     timeout server 6m
-    timeout check 1s
+    # a frozen node never answers: out within inter x fall + timeout check
+    timeout check {max(100, inter * 4 // 5)}ms
     retries 2
     option redispatch
     # no on-marked-down shutdown-sessions: see deploy/haproxy.cfg
-    default-server inter {inter}ms fall 2 rise 2
+    default-server inter {inter}ms fall 2 rise 1
 
 frontend mllp_vip
     bind 127.0.0.1:{self.vip_port}
@@ -501,6 +507,8 @@ frontend mllp_vip
 
 backend mllp_leader
     balance first
+    option httpchk GET /leader
+    http-check expect status 200
 {servers}
 """)
         return path
