@@ -73,6 +73,18 @@ class ClusterConfig:
     reclaim_interval_seconds: float = 30.0
     leader_lease_ttl_seconds: float = 30.0
     leader_fence_timeout_seconds: float = 20.0
+    unbound_grace_seconds: float | None = None  # None: 3 x heartbeat_seconds
+    step_down_backoff_seconds: float | None = None  # None: 2 x leader_lease_ttl_seconds
+
+    def unbound_grace(self) -> float:
+        """How long a leader may leave a configured inbound unbound before it steps down (a cluster)."""
+        return self.unbound_grace_seconds if self.unbound_grace_seconds is not None else 3 * self.heartbeat_seconds
+
+    def step_down_backoff(self) -> float:
+        """How long a node that stepped down takes no lease, so that a node that can serve leads."""
+        if self.step_down_backoff_seconds is not None:
+            return self.step_down_backoff_seconds
+        return 2 * self.leader_lease_ttl_seconds
 
 
 RETENTION_STAGES = ("inbound", "routed", "outbound")

@@ -1,7 +1,7 @@
-"""The control plane of `listenerd`: `/health`, `/cluster/status`, `/cluster/nodes`, `/metrics`.
+"""The control plane of `listenerd`: `/health`, `/leader`, `/cluster/status`, `/cluster/nodes`, `/metrics`.
 
 Served on every node, leader or not, so a load balancer can health-check any node and an operator
-can ask any node who leads. Everything but `/health` needs a bearer token whose role holds
+can ask any node who leads. Everything but `/health` and `/leader` needs a bearer token whose role holds
 MONITORING_READ. It fails closed: no configured tokens means only `/health` answers with data;
 a non-loopback bind without TLS refuses to start unless `allow_insecure_bind` says otherwise.
 Tokens and message bodies are never logged. The `[api]` format is in docs/api.md.
@@ -236,6 +236,10 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     def health(request: Request) -> bytes:
         return _json(request, 200, {"status": "ok", "node_id": state.node_id, "role": state.status()["role"]})
 
+    def leader(request: Request) -> bytes:
+        code, doc = state.leader()  # in memory: no database round trip (a load balancer's health check)
+        return _json(request, code, doc)
+
     def status(request: Request) -> bytes:
         return _json(request, 200, state.status())
 
@@ -265,6 +269,7 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     cluster.putChild(b"nodes", _Endpoint(nodes, auth=auth, permission=read))
     root = _Directory()
     root.putChild(b"health", _Endpoint(health))
+    root.putChild(b"leader", _Endpoint(leader))  # no auth, like /health: 200 only on the serving leader
     root.putChild(b"cluster", cluster)
     root.putChild(b"metrics", _Endpoint(metrics, auth=auth, permission=read))
     root.putChild(b"messages", message_resources(state, auth))

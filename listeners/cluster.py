@@ -13,6 +13,7 @@ docs/invariants.md); these services only give it a lifetime and a clock.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,6 +62,9 @@ class StoreService(Service):
 class PermanentLease:
     """Single-node leadership: taken once at start (bumping the epoch), never lost."""
 
+    fenced = False
+    aside_seconds = 0.0
+
     def __init__(self, store: Store, node_id: str) -> None:
         self.epoch: int | None = acquire_permanent(store, node_id=node_id)
         self.is_leader = True
@@ -81,6 +85,17 @@ class LeaseService(Service):
         self._node = node
         self._cluster = cluster
         self.elector: LeaderElector | PermanentLease | None = None
+        self._stepping = threading.Lock()  # one elector call at a time: a step or a step-down
+
+    @property
+    def fenced(self) -> bool:
+        """Still holds an epoch it stopped acting on (its fence tripped; cleared at the next step)."""
+        return bool(self.elector is not None and self.elector.fenced)
+
+    @property
+    def aside_seconds(self) -> float:
+        """Seconds left of a step-down's backoff (0: none, or a single node)."""
+        return self.elector.aside_seconds if self.elector is not None else 0.0
 
     @property
     def is_leader(self) -> bool:
@@ -105,7 +120,22 @@ class LeaseService(Service):
     def step(self) -> ElectionResult | None:
         """One election step (blocking: run it off the reactor thread)."""
         assert self.elector is not None
-        return self.elector.step()
+        with self._stepping:
+            return self.elector.step()
+
+    def step_down(self, backoff_seconds: float) -> Deferred[bool]:
+        """Release the lease now (the epoch moves on with the next leader) and take none for
+        `backoff_seconds`; fires True if the release was written (else the lease ages out).
+        A single node's permanent lease is never released."""
+        elector = self.elector
+
+        def work() -> bool:
+            if not isinstance(elector, LeaderElector):
+                return False
+            with self._stepping:
+                return elector.stand_aside(backoff_seconds)
+
+        return threads.deferToThread(work)
 
     def stopService(self) -> Deferred[None]:
         """Leave last: release the lease at once (the standby takes over on its next heartbeat,
@@ -118,7 +148,8 @@ class LeaseService(Service):
         if store is None or self.elector is None:
             return
         try:
-            self.elector.release()
+            with self._stepping:
+                self.elector.release()
             leave(store, self._node.node_id)
         except Exception as exc:
             _log.warn("clean leave failed ({err}); the lease will age out", err=type(exc).__name__)

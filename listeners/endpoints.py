@@ -100,7 +100,8 @@ class ListeningService(Service):
 
 class InboundService(Service):
     """One inbound connection while bound: a listening port and its open connections, or a polled
-    directory. A bind that fails is logged and leaves the others bound (`bound` stays False)."""
+    directory. A bind that fails leaves the others bound (`bound` stays False, `bind_error` says why;
+    the leader gate logs it and retries)."""
 
     def __init__(self, conn: InboundConfig, wiring: Wiring, *, intake: Intake | None = None,
                  start: Callable[[], None] | None = None, stop: Callable[[], Deferred[None]] | None = None) -> None:
@@ -112,6 +113,7 @@ class InboundService(Service):
         self._stop_polling = stop
         self._port: IListeningPort | None = None
         self.bound = False
+        self.bind_error: str | None = None  # why the last start did not bind (the gate logs and retries it)
 
     def startService(self) -> None:
         super().startService()
@@ -125,8 +127,7 @@ class InboundService(Service):
                 self._start_polling()
             self.bound = True
         except Exception as exc:
-            _log.error("cannot bind inbound {name} ({kind} {host}:{port}): {err}", name=conn.name,
-                       kind=conn.kind, host=conn.host, port=conn.port, err=exc)
+            self.bind_error = str(exc) or type(exc).__name__  # logged by the gate, once per state change
 
     def stop_intake(self) -> Deferred[None]:
         """Take nothing new; fires once nothing more is read (a file drop: the file in hand is done)."""

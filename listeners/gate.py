@@ -3,6 +3,9 @@ this node holds the lease (invariant 4, docs/invariants.md).
 
     gate running   every `supervise_seconds`, on the reactor (an in-memory check of `is_leader`):
         leader, nothing bound → build one endpoint service per configured connection and start them
+        leader, one unbound   → try it again when its backoff is due (RETRY_FIRST doubling to RETRY_MAX)
+        ... unbound past grace → clustered: step down (the ordered stop below, then the lease released
+                                 with a re-acquire backoff); single node: keep retrying, loudly
         not leader, bound     → stop listening, drop open connections, stop file polling, at once
     gate stopping  (a clean stop) → the order that loses and duplicates nothing:
         stop intake everywhere → finish the queued commits (`drain`) → close after the answers
@@ -11,10 +14,16 @@ this node holds the lease (invariant 4, docs/invariants.md).
 Leadership is the elector's self-fencing `is_leader`, so a node cut off from the database unbinds
 at its fence timeout even while a renewal hangs. Dropping connections on a lost lease gives their
 unanswered messages no answer; senders resend to the new leader (at-least-once).
+
+Leading means serving (issue 24): a leader that cannot bind an inbound (port held, VIP address not
+here yet, TLS key unreadable) retries it and, in a cluster, hands the lease to a node that can.
+One log line per state change (unbound, reason changed, bound again), never one per retry.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.application.internet import TimerService
@@ -26,9 +35,30 @@ from twisted.logger import Logger
 from listeners.connections import InboundConfig
 from listeners.endpoints import InboundService
 
-__all__ = ["LeaderGate", "until"]
+__all__ = ["LeaderGate", "Unbound", "until"]
 
 _log = Logger(namespace="stageline.gate")
+RETRY_FIRST = 0.25
+RETRY_MAX = 2.0
+"""Seconds between bind attempts of one unbound inbound: RETRY_FIRST, doubling, at most RETRY_MAX."""
+
+
+@dataclass
+class Unbound:
+    """One configured inbound this leader could not bind, and since when."""
+
+    name: str
+    reason: str
+    since: float  # reactor seconds (wall clock on the real reactor) of the first failure
+    delay: float = RETRY_FIRST
+    next_try: float = 0.0
+    attempts: int = 1
+    past_grace: bool = False
+
+    def doc(self, now: float) -> dict[str, Any]:
+        return {"name": self.name, "reason": self.reason,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
+                "unbound_seconds": round(max(0.0, now - self.since), 3), "attempts": self.attempts}
 
 
 class LeaderGate(MultiService):
@@ -37,11 +67,16 @@ class LeaderGate(MultiService):
     def __init__(self, *, is_leader: Callable[[], bool], connections: Callable[[], Iterable[InboundConfig]],
                  build: Callable[[InboundConfig], InboundService], drain: Callable[[float], Deferred[bool]],
                  reactor: Any, supervise_seconds: float = 0.1, drain_seconds: float = 10.0,
-                 on_change: Callable[[int], None] = lambda bound: None) -> None:
+                 on_change: Callable[[int], None] = lambda bound: None, grace_seconds: float = 30.0,
+                 step_down: Callable[[], Deferred[Any]] | None = None,
+                 on_bind: Callable[[str, bool, bool], None] = lambda name, bound, failed: None) -> None:
         """:param connections: the inbound connections of the config in force.
         :param build: a fresh (unstarted) endpoint service for one of them.
         :param drain: fires True once every queued commit is done (False at the timeout).
-        :param on_change: told how many connections are bound after each change."""
+        :param on_change: told how many connections are bound after each change.
+        :param grace_seconds: how long an inbound may stay unbound before `step_down`.
+        :param step_down: releases the lease (a cluster); None (a single node): retry forever.
+        :param on_bind: told (name, bound, failed) at each bind attempt and unbind."""
         super().__init__()
         self.setName("leader-gate")
         self._is_leader = is_leader
@@ -54,11 +89,26 @@ class LeaderGate(MultiService):
         self._supervisor = TimerService(supervise_seconds, self._supervise)
         self._supervisor.clock = reactor
         self._changing: Deferred[None] | None = None
+        self.grace_seconds = grace_seconds
+        self._step_down = step_down
+        self._on_bind = on_bind
+        self._unbound: dict[str, Unbound] = {}
+        self.step_downs = 0
         self.up = False
 
     @property
     def bound(self) -> int:
         return sum(1 for svc in self if isinstance(svc, InboundService) and svc.bound)
+
+    @property
+    def serving(self) -> bool:
+        """Bound and serving every configured inbound (what `GET /leader` needs besides the lease)."""
+        return self.up and self._changing is None and not self._unbound
+
+    def unbound(self) -> list[dict[str, Any]]:
+        """The inbound connections this leader is retrying: name, reason, since (for /cluster/status)."""
+        now = self._reactor.seconds()
+        return [u.doc(now) for u in sorted(self._unbound.values(), key=lambda u: u.name)]
 
     def startService(self) -> None:
         Service.startService(self)  # children start only with the lease
@@ -71,6 +121,12 @@ class LeaderGate(MultiService):
         while self._changing is not None:
             yield self._changing
         self._changing = Deferred()  # nothing may bind from here on
+        yield self._ordered_stop()
+        Service.stopService(self)
+
+    @inlineCallbacks
+    def _ordered_stop(self) -> Any:
+        """Stop intake everywhere, finish the queued commits, close after the answers (then abort)."""
         services = self._take_down()
         for svc in services:
             yield svc.stop_intake()
@@ -85,7 +141,6 @@ class LeaderGate(MultiService):
             for svc in services:
                 svc.close(True)
         yield self._disown(services)
-        Service.stopService(self)
 
     def unbind(self) -> Deferred[None]:
         """Take every endpoint down at once (a changed config); the supervisor binds again with the
@@ -105,6 +160,10 @@ class LeaderGate(MultiService):
         elif not leader and self.up:
             _log.warn("not the leader any more: unbinding inbound connections")
             self._change(self._abort())
+        elif leader and self._unbound:
+            self._retry()
+            if self._unbound:
+                self._check_grace()
 
     def _change(self, d: Deferred[None]) -> Deferred[None]:
         done: Deferred[None] = Deferred()
@@ -121,15 +180,89 @@ class LeaderGate(MultiService):
 
     def _bind(self) -> None:
         self.up = True
-        for conn in self._connections():
-            try:
-                svc = self._build(conn)
-            except Exception as exc:
-                _log.error("cannot bind inbound {name} ({kind} {host}:{port}): {err}", name=conn.name,
-                           kind=conn.kind, host=conn.host, port=conn.port, err=exc)
-                continue
+        conns = list(self._connections())
+        for conn in conns:
+            self._try(conn)
+        _log.info("leader: bound {n} of {m} inbound connection(s)", n=self.bound, m=len(conns))
+
+    def _try(self, conn: InboundConfig) -> bool:
+        """One bind attempt of one inbound; its outcome recorded (and logged if the state changed)."""
+        try:
+            svc = self._build(conn)
             svc.setServiceParent(self)  # the gate is running: this starts (binds) it
-        _log.info("leader: bound {n} inbound connection(s)", n=self.bound)
+        except Exception as exc:
+            self._failed(conn, str(exc) or type(exc).__name__)
+            return False
+        if not svc.bound:
+            svc.disownServiceParent()  # started but not bound: nothing to stop
+            self._failed(conn, getattr(svc, "bind_error", None) or "not bound")
+            return False
+        self._on_bind(conn.name, True, False)
+        was = self._unbound.pop(conn.name, None)
+        if was is not None:
+            _log.info("inbound {name} bound after {s:.1f}s unbound ({n} attempt(s))", name=conn.name,
+                      s=self._reactor.seconds() - was.since, n=was.attempts + 1)
+        return True
+
+    def _failed(self, conn: InboundConfig, reason: str) -> None:
+        self._on_bind(conn.name, False, True)
+        now = self._reactor.seconds()
+        was = self._unbound.get(conn.name)
+        if was is None:
+            self._unbound[conn.name] = Unbound(conn.name, reason, since=now, next_try=now + RETRY_FIRST)
+            then = (f"stepping down if still unbound after {self.grace_seconds:g}s" if self._step_down is not None
+                    else "single node: retrying until it binds")
+            _log.error("cannot bind inbound {name} ({kind} {host}:{port}): {err}; retrying every {lo:g}-{hi:g}s, "
+                       "{then}", name=conn.name, kind=conn.kind, host=conn.host, port=conn.port, err=reason,
+                       lo=RETRY_FIRST, hi=RETRY_MAX, then=then)
+            return
+        was.attempts += 1
+        was.delay = min(was.delay * 2, RETRY_MAX)
+        was.next_try = now + was.delay
+        if reason != was.reason:
+            _log.error("inbound {name} still unbound, now: {err}", name=conn.name, err=reason)
+            was.reason = reason
+
+    def _retry(self) -> None:
+        now = self._reactor.seconds()
+        due = {u.name for u in self._unbound.values() if u.next_try <= now}
+        if not due:
+            return
+        for conn in self._connections():
+            if conn.name in due:
+                self._try(conn)
+        self._on_change(self.bound)
+
+    def _check_grace(self) -> None:
+        now = self._reactor.seconds()
+        late = sorted(u.name for u in self._unbound.values() if now - u.since >= self.grace_seconds)
+        if not late:
+            return
+        if self._step_down is not None:
+            self._change(self._stand_down(late))
+            return
+        for name in late:
+            u = self._unbound[name]
+            if not u.past_grace:
+                u.past_grace = True
+                _log.critical("NOT SERVING inbound {name}: unbound for {s:.0f}s ({err}); a single node has no one "
+                              "to hand over to, so it keeps retrying", name=name, s=now - u.since, err=u.reason)
+
+    @inlineCallbacks
+    def _stand_down(self, names: list[str]) -> Any:
+        """A leader that cannot serve steps down: the ordered stop of what it did bind, then the lease
+        released (with its re-acquire backoff) so a node that can serve leads."""
+        _log.error("stepping down: inbound {names} unbound for over {g:g}s; releasing the lease so that a node "
+                   "that can serve leads", names=", ".join(names), g=self.grace_seconds)
+        self.step_downs += 1
+        yield self._ordered_stop()
+        assert self._step_down is not None
+        try:
+            released = yield self._step_down()
+        except Exception as exc:
+            _log.error("lease release failed on step-down ({err}); it ages out instead", err=type(exc).__name__)
+        else:
+            _log.info("stepped down: lease {how}", how="released" if released else "left to age out")
 
     @inlineCallbacks
     def _abort(self) -> Any:
@@ -141,7 +274,13 @@ class LeaderGate(MultiService):
 
     def _take_down(self) -> list[InboundService]:
         self.up = False
-        return [svc for svc in self if isinstance(svc, InboundService)]
+        for name in self._unbound:
+            self._on_bind(name, False, False)
+        self._unbound.clear()
+        services = [svc for svc in self if isinstance(svc, InboundService)]
+        for svc in services:
+            self._on_bind(svc.name, False, False)
+        return services
 
     @inlineCallbacks
     def _disown(self, services: list[InboundService]) -> Any:

@@ -36,6 +36,13 @@ class Metrics:
         self.leader = Gauge("stageline_leader", "1 while this node holds a live, unfenced lease", registry=r)
         self.epoch = Gauge("stageline_epoch", "Leader epoch held by this node (0 when not leader)", registry=r)
         self.bound = Gauge("stageline_listeners_bound", "Inbound connections currently bound", registry=r)
+        self.inbound_bound = Gauge("stageline_inbound_bound", "1 while this leader has the inbound connection bound, "
+                                   "0 while it is retrying it (or not leading)", ["connection"], registry=r)
+        self.bind_failures = Counter("stageline_inbound_bind_failures_total",
+                                     "Failed bind attempts of an inbound connection (the leader retries them)",
+                                     ["connection"], registry=r)
+        self.step_downs = Counter("stageline_step_downs_total", "Times this node released the lease because an "
+                                  "inbound connection stayed unbound past the grace", registry=r)
         self.connections = Gauge("stageline_open_connections", "Open inbound connections", ["connection"],
                                  registry=r)
         self.config_mismatch = Gauge("stageline_config_mismatch",
@@ -61,6 +68,12 @@ class Metrics:
         self.stage_in_flight = Gauge("stageline_stage_in_flight", "Rows claimed by a stage task, per stage",
                                      ["stage"], registry=r)
         self.stage_dead = Gauge("stageline_stage_dead_letters", "Dead letters, per stage", ["stage"], registry=r)
+
+    def inbound_bind(self, connection: str, bound: bool, failed: bool) -> None:
+        """One inbound's bind state (the leader gate's `on_bind`)."""
+        self.inbound_bound.labels(connection).set(1 if bound else 0)
+        if failed:
+            self.bind_failures.labels(connection).inc()
 
     def listener(self, connection: str, kind: str) -> ListenerCounters:
         """The counters of one inbound connection (what its transport counts with)."""

@@ -95,14 +95,19 @@ class ListenerNode(SequentialMultiService):
         wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports,
                         refusals=Refusals(self.metrics, reactor), store=lambda: self.stores.store,
                         epoch=lambda: self.lease.epoch)
+        cluster = config.cluster
         self.gate = LeaderGate(is_leader=lambda: self.lease.is_leader, connections=lambda: self.listeners.inbound,
                                build=lambda conn: inbound_service(conn, wiring), drain=self.ingest.drain,
                                reactor=reactor, supervise_seconds=supervise_seconds, drain_seconds=drain_seconds,
-                               on_change=self.metrics.bound.set)
-        self.state = NodeState(node_id=node_id, clustered=config.cluster.enabled, metrics=self.metrics,
+                               on_change=self.metrics.bound.set, grace_seconds=cluster.unbound_grace(),
+                               step_down=self._step_down if cluster.enabled else None,
+                               on_bind=self.metrics.inbound_bind)
+        self.state = NodeState(node_id=node_id, clustered=cluster.enabled, metrics=self.metrics,
                                is_leader=lambda: self.lease.is_leader, config_version=lambda: self.config_version,
                                nodes=self._nodes_doc, store=lambda: self.stores.store,
-                               archive_path=config.retention.archive_path)
+                               archive_path=config.retention.archive_path, fenced=lambda: self.lease.fenced,
+                               serving=lambda: self.gate.serving, unbound=self.gate.unbound,
+                               aside_seconds=lambda: self.lease.aside_seconds)
         self.api = ListeningService("api", api_settings.host, api_port or api_settings.port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
                                     on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))
@@ -121,6 +126,14 @@ class ListenerNode(SequentialMultiService):
     def stopService(self) -> Any:
         yield super().stopService()
         _log.info("listenerd {node} stopped", node=self.identity.node_id)
+
+    def _step_down(self) -> Deferred:
+        """The gate could not serve an inbound past its grace: release the lease, and take none for
+        `[cluster] step_down_backoff_seconds` so a node that can serve leads (docs/listenerd.md)."""
+        self.metrics.step_downs.inc()
+        d = self.lease.step_down(self.config.cluster.step_down_backoff())
+        d.addBoth(lambda r: (self.heartbeat.publish(), r)[1])
+        return d
 
     def _api_bound(self, port: int) -> None:
         self.api_port = port

@@ -21,8 +21,32 @@ class NodeState:
     nodes: Callable[[], Deferred]  # fires with the /cluster/nodes document
     store: Callable[[], Any] = lambda: None  # the node's store (None before it opens), for /messages
     archive_path: str = ""  # [retention] archive_path: /messages/<ref> reads the Parquet archive too
+    fenced: Callable[[], bool] = lambda: False  # holds an epoch it stopped acting on (fence tripped)
+    serving: Callable[[], bool] = lambda: True  # every configured inbound bound (the leader gate)
+    unbound: Callable[[], list[dict[str, Any]]] = lambda: []  # inbound the leader is retrying, and why
+    aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
 
     def status(self) -> dict[str, Any]:
         """The /cluster/status document."""
-        return cluster_status(node_id=self.node_id, clustered=self.clustered, is_leader=self.is_leader(),
-                              config_version=self.config_version())
+        doc = cluster_status(node_id=self.node_id, clustered=self.clustered, is_leader=self.is_leader(),
+                             config_version=self.config_version())
+        doc["unbound"] = self.unbound()
+        aside = self.aside_seconds()
+        if aside > 0:
+            doc["standing_aside_seconds"] = round(aside, 3)
+        return doc
+
+    def leader(self) -> tuple[int, dict[str, Any]]:
+        """`GET /leader`: 200 only on the node that holds the lease, has not fenced and serves every
+        inbound; else 503 and why. In-memory only: a load balancer polls it every second or so."""
+        doc: dict[str, Any] = {"node_id": self.node_id}
+        if self.fenced():
+            return 503, {**doc, "leader": False, "reason": "fenced"}
+        if not self.is_leader():
+            reason = "standing_aside" if self.aside_seconds() > 0 else "standby"
+            return 503, {**doc, "leader": False, "reason": reason}
+        unbound = self.unbound()
+        if unbound or not self.serving():
+            return 503, {**doc, "leader": False, "reason": "unbound" if unbound else "binding",
+                         "unbound": [u["name"] for u in unbound]}
+        return 200, {**doc, "leader": True}

@@ -71,6 +71,10 @@ class ClusterModel(Strict):
     reclaim_interval_seconds: Seconds = 30.0
     leader_lease_ttl_seconds: Seconds = 30.0
     leader_fence_timeout_seconds: Seconds = 20.0
+    unbound_grace_seconds: Seconds | None = Field(
+        None, description="a leader steps down when an inbound stays unbound this long; default 3 x heartbeat_seconds")
+    step_down_backoff_seconds: Seconds | None = Field(
+        None, description="after a step-down, take no lease for this long; default 2 x leader_lease_ttl_seconds")
 
 
 class RetentionOverride(Strict):

@@ -8,6 +8,7 @@ State machine of one elector (one per node), stepped every `heartbeat_seconds`:
     leader    ──step: lease now has another owner/epoch──▶ candidate                     "conflict"
     leader    ──no successful renewal for fence_timeout (local monotonic clock)──▶ fenced → candidate
     leader    ──release()──▶ candidate, lease expires at once so a standby acquires on its next step
+    leader    ──stand_aside(s)──▶ released as above, then "standing_aside" (no acquiring) for s seconds
 
 Every step is one short transaction that locks the lease row, so two electors never both win.
 Lease times are the database's clock; the node's wall clock is never consulted. The fence is
@@ -31,6 +32,7 @@ class Outcome(str, Enum):
     ALREADY_LEADER = "already_leader"
     OTHER_LEADER = "other_leader"
     CONFLICT = "conflict"
+    STANDING_ASIDE = "standing_aside"
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class LeaderElector:
         self._clock = clock
         self._epoch: int | None = None
         self._renewed_at: float | None = None  # local monotonic time at the start of the last good renewal
+        self._aside_until = float("-inf")  # local monotonic time until which this node takes no lease
+        self._fenced = False  # self-fenced, and no step has reached the database since
 
     @property
     def epoch(self) -> int | None:
@@ -107,10 +111,31 @@ class LeaderElector:
         deadline = self.fence_deadline
         return deadline is not None and self._clock() < deadline
 
+    @property
+    def fenced(self) -> bool:
+        """Stopped acting on its epoch (no good renewal for the fence timeout), and no step has
+        reached the database since."""
+        return self._fenced or (self._epoch is not None and not self.is_leader)
+
+    @property
+    def aside_seconds(self) -> float:
+        """Seconds left of a step-down's backoff (0 when none)."""
+        return max(0.0, self._aside_until - self._clock())
+
     def step(self) -> ElectionResult:
         """One elect-or-renew transaction. Database errors propagate; the fence keeps running."""
         if self._epoch is not None and not self.is_leader:
             self._drop()  # self-fenced: never renew a lease we already stopped acting on
+            self._fenced = True
+        result = self._step()
+        self._fenced = False  # the database answered: this node knows where it stands again
+        return result
+
+    def _step(self) -> ElectionResult:
+        if self._epoch is None and self.aside_seconds > 0:
+            state = read_lease(self.store)  # stepped down: watch, never acquire, until the backoff ends
+            return ElectionResult(Outcome.STANDING_ASIDE, state.epoch, state.owner if state.live else None,
+                                  state.expires_at)
         started = self._clock()
         params = {"owner": self.node_id, "ttl": self.ttl}
         try:
@@ -151,6 +176,12 @@ class LeaderElector:
             return False
         with self.store.transaction() as tx:
             return tx.execute("lease_release", {"owner": self.node_id, "epoch": epoch}) == 1
+
+    def stand_aside(self, seconds: float) -> bool:
+        """Step down: expire our lease now (`release`) and take no lease for `seconds`, so that a
+        node that can serve acquires it instead of this one taking it straight back."""
+        self._aside_until = self._clock() + seconds
+        return self.release()
 
     def _drop(self) -> None:
         self._epoch = None

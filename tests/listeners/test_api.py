@@ -329,7 +329,7 @@ class ApiOverHttpTests(unittest.TestCase):
             self.assertEqual(response.code, 200)
             self.assertEqual(header(response, "cache-control"), "no-store")
             self.assertEqual(doc, {"node_id": "host:1234:ab12cd34", "clustered": False, "is_leader": True,
-                                   "role": "single-node", "config_version": 0})
+                                   "role": "single-node", "config_version": 0, "unbound": []})
 
     @defer.inlineCallbacks
     def test_status_reports_primary_and_standby_when_clustered(self):
@@ -337,7 +337,7 @@ class ApiOverHttpTests(unittest.TestCase):
             base = self.start(node_state(clustered=True, leader=leader, node_id="node-a:4812:1f9c2a7b"))
             _, doc = yield defer.ensureDeferred(self.get(f"{base}/cluster/status", token=VIEWER_TOKEN))
             self.assertEqual(doc, {"node_id": "node-a:4812:1f9c2a7b", "clustered": True, "is_leader": leader,
-                                   "role": role, "config_version": 7})
+                                   "role": role, "config_version": 7, "unbound": []})
 
     @defer.inlineCallbacks
     def test_nodes_is_the_synthetic_self_entry_on_a_single_node(self):
