@@ -129,6 +129,14 @@ def var_dir() -> Path:
     return Path(os.environ.get(VAR_ENV) or Path(__file__).resolve().parents[1] / "var").resolve()
 
 
+def private_var_dir() -> Path:
+    """`var_dir()`, created 0700 if missing: it holds the SQLite store (PHI), the API token and the
+    file drops' archives, none of them for other users. An existing one keeps its mode."""
+    var = var_dir()
+    var.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return var
+
+
 def derive_node_id() -> str:
     """`host:pid:hex`: unique per process, readable in `/cluster/nodes`."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from include import demo
-from include.config import VAR_ENV, ServiceConfig, StoreConfig, var_dir
+from include.config import VAR_ENV, ServiceConfig, StoreConfig, private_var_dir, var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,7 +264,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
     admin password and the API token; it prints them only with `show_secrets`."""
     config_dir = (config_dir or demo.PIPELINE_DIR).resolve()
     ends = endpoints_of(config_dir)
-    var = var_dir()
+    var = private_var_dir()  # 0700: the store, the API token, Airflow's secrets
     env = airflow_env(var, service_config, config_dir)
     home = Path(env["AIRFLOW_HOME"])
     password = _secret(home / ".admin_password")

@@ -5,8 +5,11 @@ data was refused" (a value or constraint: retrying the same rows fails again, ot
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import sqlite3
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterable
@@ -14,6 +17,8 @@ from typing import Any, Callable
 
 from include.config import StoreConfig
 from include.store.queries import to_pyformat
+
+log = logging.getLogger(__name__)
 
 NOW_MS_SQLITE = "(CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))"
 
@@ -73,11 +78,44 @@ class Dialect:
 
 
 WAL_SIZE_LIMIT_BYTES = 8 * 1024 * 1024
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
+"""The files SQLite keeps beside a database; it creates each with the database file's own mode."""
+
+
+def private_sqlite_file(path: str | os.PathLike[str]) -> None:
+    """Make sure the SQLite store at `path` (every staged body: PHI) is readable by its owner only,
+    whatever the umask: a missing directory is created 0700 and a missing database file 0600
+    (``O_CREAT|O_EXCL|O_NOFOLLOW``) before SQLite opens it — SQLite then gives its `-wal`, `-shm`
+    and `-journal` the database's mode. An existing store, or a companion file, that others may read
+    (made by an older version) is tightened to 0600 with a warning. Not for `:memory:`/URIs."""
+    db = Path(path)
+    if str(path) == ":memory:" or str(path).startswith("file:"):
+        return
+    db.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)
+        return
+    for name in (db, *(db.with_name(db.name + suffix) for suffix in SQLITE_COMPANIONS)):
+        try:
+            st = os.lstat(name)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+            log.warning("SQLite store file %s was mode %o, readable by others: tightened to 600",
+                        name, stat.S_IMODE(st.st_mode))
+            try:
+                os.chmod(name, 0o600, follow_symlinks=False)
+            except FileNotFoundError:
+                pass  # a -journal or -wal removed meanwhile
 
 
 class SqliteDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
-        Path(cfg.path).parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(cfg.path)
         conn = sqlite3.connect(cfg.path, isolation_level=None, timeout=cfg.busy_timeout_ms / 1000,
                                check_same_thread=False)
         conn.row_factory = _dict_row_sqlite
