@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from include import demo
-from include.config import VAR_ENV, ServiceConfig, StoreConfig, private_var_dir, var_dir
+from include.config import VAR_ENV, ServiceConfig, StoreConfig, private_var_dir
 from include.stack import Proc, Stack, port_open, python_module
 
 ROOT = Path(__file__).resolve().parents[1]
