@@ -7,17 +7,31 @@ once as a descriptor (``O_DIRECTORY|O_NOFOLLOW``), every name is opened relative
 name taken by anyone else is never written through, and moves are renames between directory
 descriptors (a rename replaces a link, it never follows one). A name collision picks another name
 by trying to create it, never by an ``exists()`` check that someone can race.
+
+A path is resolved one component at a time (``openat`` with ``O_NOFOLLOW`` from ``/``, or from the
+working directory for a relative path), so a symlink planted at ANY component, not only the last,
+is refused, and a missing directory is created with ``mkdirat`` under its parent's descriptor
+(never ``os.makedirs``, which follows links). Names Stageline makes always fit: a clash gets a
+timestamp and a random token, an over-long name is shortened (its extension kept, a digest of the
+full name added), so a partner's choice of name can never leave "no free name".
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
+import secrets
 import stat
+import time
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["UnsafePath", "Identity", "open_dir", "identity", "still_same_dir", "create_exclusive",
-           "read_regular", "candidate_names", "move_exclusive", "NotRegular", "TooLarge"]
+           "read_regular", "candidate_names", "move_exclusive", "NotRegular", "TooLarge", "printable",
+           "NAME_MAX"]
+
+NAME_MAX = 255
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -50,26 +64,50 @@ class Identity:
 
 
 def open_dir(path: str | os.PathLike[str], *, create: bool = False, mode: int = 0o700) -> int:
-    """A descriptor of the directory `path` itself, never of what a symlink there points at.
+    """A descriptor of the directory `path` itself, resolved component by component without
+    following a symlink at any of them.
 
-    With `create`, a missing directory (and its missing parents) is made with `mode` first.
-    UnsafePath when `path` is a symlink or not a directory."""
+    With `create`, each missing directory on the way is made with `mode` (``mkdirat`` under its
+    parent's descriptor). UnsafePath when any component is a symlink or not a directory."""
+    text = os.fspath(path)
+    if not text:
+        raise FileNotFoundError(errno.ENOENT, "empty path", text)
+    parts = [part for part in text.split("/") if part not in ("", ".")]
+    fd = os.open("/" if text.startswith("/") else ".", _DIR_FLAGS)
     try:
-        return os.open(path, _DIR_FLAGS)
+        for i, part in enumerate(parts):
+            try:
+                child = _open_child(fd, part, create=create, mode=mode)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    here = ("/" if text.startswith("/") else "") + "/".join(parts[:i + 1])
+                    raise UnsafePath(exc.errno, f"{here} is a {_what(fd, part)}, not a directory: refused",
+                                     text) from None
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_child(parent: int, part: str, *, create: bool, mode: int) -> int:
+    try:
+        return os.open(part, _DIR_FLAGS, dir_fd=parent)
     except FileNotFoundError:
         if not create:
             raise
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafePath(exc.errno, f"{_what(path)}, not a directory: refused", str(path)) from None
-        raise
-    os.makedirs(path, mode=mode, exist_ok=True)
-    return open_dir(path)
-
-
-def _what(path: str | os.PathLike[str]) -> str:
     try:
-        st = os.lstat(path)
+        os.mkdir(part, mode, dir_fd=parent)
+    except FileExistsError:
+        pass  # made meanwhile: opened below like any other, never followed
+    return os.open(part, _DIR_FLAGS, dir_fd=parent)
+
+
+def _what(parent: int, name: str) -> str:
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
     except OSError:
         return "gone"
     return kind(st)
@@ -91,13 +129,17 @@ def identity(fd: int) -> Identity:
 
 
 def still_same_dir(fd: int, path: str | os.PathLike[str]) -> bool:
-    """Whether `path` (not followed) is still the directory `fd` was opened on: False once it was
-    replaced by a symlink, another directory, or removed."""
+    """Whether `path`, resolved without following a link at any component, is still the directory
+    `fd` was opened on: False once it (or any directory above it) was replaced by a symlink,
+    another directory, or removed."""
     try:
-        st = os.lstat(path)
+        now = open_dir(path)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and Identity.of(st) == identity(fd)
+    try:
+        return identity(now) == identity(fd)
+    finally:
+        os.close(now)
 
 
 def create_exclusive(dir_fd: int, name: str, data: bytes = b"", *, mode: int = 0o600, sync: bool = False) -> None:
@@ -148,24 +190,78 @@ def read_regular(dir_fd: int, name: str, *, expect: Identity | None = None, limi
         os.close(fd)
 
 
-def candidate_names(name: str) -> Iterator[str]:
-    """`name`, then `stem.1.ext`, `stem.2.ext`, ... (`name.N` without an extension)."""
+def printable(name: str) -> str:
+    """`name` safe for one line of a log or a ``.reason`` file: control and format characters
+    (newline, ESC, bidi overrides, ...), backslash and undecodable bytes written as escapes."""
+    out = []
+    for ch in name:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000
+                       else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _size(name: str) -> int:
+    return len(os.fsencode(name))
+
+
+def _cut(text: str, size: int) -> str:
+    """The longest start of `text` at most `size` bytes, never ending inside a UTF-8 character."""
+    whole = os.fsencode(text)
+    end = max(min(size, len(whole)), 0)
+    while 0 < end < len(whole) and 0x80 <= whole[end] < 0xC0:  # `end` is inside a character
+        end -= 1
+    return os.fsdecode(whole[:end])
+
+
+def _fit(stem: str, unique: str, ext: str, original: str, limit: int) -> str:
+    """`stem + unique + ext`, or when that is over `limit` bytes, `stem` shortened with a digest of
+    `original` (the extension kept when it is short)."""
+    name = stem + unique + ext
+    if _size(name) <= limit:
+        return name
+    if _size(ext) > 32:
+        stem, ext = stem + ext, ""
+    mark = "~" + hashlib.sha256(os.fsencode(original)).hexdigest()[:16]
+    return _cut(stem, limit - _size(mark + unique + ext)) + mark + unique + ext
+
+
+def candidate_names(name: str, *, limit: int = NAME_MAX) -> Iterator[str]:
+    """`name`, then `stem.<UTC time>-<random>.ext` names, each at most `limit` bytes (shortened,
+    with a digest of `name`, when longer), so a free one always turns up at once."""
     stem, dot, ext = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
-    yield name
-    n = 0
+    ext = dot + ext
+    yield _fit(stem, "", ext, name, limit)
     while True:
-        n += 1
-        yield f"{stem}.{n}.{ext}" if dot else f"{name}.{n}"
+        unique = f".{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
+        yield _fit(stem, unique, ext, name, limit)
+
+
+def _name_max(dir_fd: int) -> int:
+    try:
+        return min(NAME_MAX, os.fpathconf(dir_fd, "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return NAME_MAX
 
 
 def move_exclusive(src_dir_fd: int, name: str, dst_dir_fd: int, *, companion: tuple[str, bytes] | None = None,
-                   tries: int = 10_000) -> str:
+                   tries: int = 100, as_name: str | None = None) -> str:
     """Rename `name` from `src_dir_fd` into `dst_dir_fd` under a name nobody holds; the name used.
 
-    The target is claimed by creating it (``O_EXCL``) and the rename then replaces that claim, so
-    nothing already there is overwritten and no link is followed. `companion` = (suffix, bytes):
-    a file `<target><suffix>` written first the same way (a `.reason`), removed if the move fails."""
-    for candidate in _limited(candidate_names(name), tries):
+    The target (`as_name`, by default `name`, or a variant of it: `candidate_names`) is claimed by
+    creating it (``O_EXCL``) and the rename then replaces that claim, so nothing already there is
+    overwritten and no link is followed. `companion` = (suffix, bytes): a file `<target><suffix>`
+    written first the same way (a `.reason`), removed if the move fails; the target is shortened
+    so that the companion's name fits too."""
+    limit = _name_max(dst_dir_fd) - (_size(companion[0]) if companion else 0)
+    for candidate in _limited(candidate_names(as_name or name, limit=limit), tries):
         extra = f"{candidate}{companion[0]}" if companion else None
         if extra is not None:
             try:
@@ -186,7 +282,7 @@ def move_exclusive(src_dir_fd: int, name: str, dst_dir_fd: int, *, companion: tu
                 _unlink(dst_dir_fd, extra)
             raise
         return candidate
-    raise FileExistsError(errno.EEXIST, f"no free name for {name} after {tries} tries", name)
+    raise FileExistsError(errno.EEXIST, f"no free name for {printable(name)} after {tries} tries", name)
 
 
 def _limited(names: Iterator[str], n: int) -> Iterator[str]:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from include.safe_files import (NotRegular, TooLarge, UnsafePath, create_exclusive, move_exclusive, open_dir,
-                                read_regular, still_same_dir)
+                                printable, read_regular, still_same_dir)
+
+UNIQUE = r"\.\d{8}T\d{6}Z-[0-9a-f]{8}"
 
 
 def test_a_symlinked_directory_is_refused(tmp_path: Path) -> None:
@@ -82,9 +85,107 @@ def test_a_move_never_replaces_what_is_there(tmp_path: Path) -> None:
     (dst / "a.hl7").write_bytes(b"old")
     sfd, dfd = open_dir(src), open_dir(dst)
     try:
-        assert move_exclusive(sfd, "a.hl7", dfd, companion=(".reason", b"why")) == "a.1.hl7"
+        target = move_exclusive(sfd, "a.hl7", dfd, companion=(".reason", b"why"))
     finally:
         os.close(sfd)
         os.close(dfd)
-    assert (dst / "a.hl7").read_bytes() == b"old" and (dst / "a.1.hl7").read_bytes() == b"new"
-    assert (dst / "a.1.hl7.reason").read_bytes() == b"why"
+    assert re.fullmatch(r"a" + UNIQUE + r"\.hl7", target)
+    assert (dst / "a.hl7").read_bytes() == b"old" and (dst / target).read_bytes() == b"new"
+    assert (dst / f"{target}.reason").read_bytes() == b"why"
+
+
+# -- red team, issue 23: names that must never run out, links in the middle of a path ---------------
+
+def test_ten_thousand_clashing_names_cost_one_extra_try_not_ten_thousand(tmp_path: Path) -> None:
+    """Red team 2b: a feed that always writes ADT.hl7 once filled ADT.1 .. ADT.9999 and then stalled."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    for n in range(10_000):
+        (dst / (f"ADT.{n}.hl7" if n else "ADT.hl7")).touch()
+    (src / "ADT.hl7").write_bytes(b"new")
+    sfd, dfd = open_dir(src), open_dir(dst)
+    started = time.monotonic()
+    try:
+        target = move_exclusive(sfd, "ADT.hl7", dfd)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert time.monotonic() - started < 0.5
+    assert re.fullmatch(r"ADT" + UNIQUE + r"\.hl7", target) and (dst / target).read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("companion", [None, (".reason", b"why")])
+def test_a_255_byte_name_dropped_twice_is_shortened_and_keeps_its_extension(tmp_path: Path, companion) -> None:
+    """Red team 2a and 12: `stem.1.hl7` (or `<name>.reason`) was over NAME_MAX: ENAMETOOLONG at every poll."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    name = "L" * 251 + ".hl7"
+    (dst / name).write_bytes(b"first")
+    (src / name).write_bytes(b"second")
+    sfd, dfd = open_dir(src), open_dir(dst)
+    try:
+        target = move_exclusive(sfd, name, dfd, companion=companion)
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert target.endswith(".hl7") and target.startswith("LLLL") and "~" in target
+    assert len(target.encode()) + (len(companion[0]) if companion else 0) <= 255
+    assert (dst / target).read_bytes() == b"second" and (dst / name).read_bytes() == b"first"
+    if companion:
+        assert (dst / f"{target}.reason").read_bytes() == b"why"
+
+
+def test_a_long_multibyte_name_is_cut_on_a_character_boundary(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    name = "é" * 125 + ".hl7"  # 254 bytes
+    (src / name).write_bytes(b"x")
+    sfd, dfd = open_dir(src), open_dir(dst)
+    try:
+        target = move_exclusive(sfd, name, dfd, companion=(".reason", b"why"))
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert target.encode("utf-8").decode("utf-8") == target  # still valid UTF-8: no half character
+    assert target.startswith("éé") and target.endswith(".hl7") and len(target.encode()) <= 248
+
+
+def test_a_symlink_in_a_middle_component_is_refused_and_nothing_is_created_through_it(tmp_path: Path) -> None:
+    """Red team 6: `drop/sub` swapped for a link; makedirs created `target/archive` through it."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "drop").mkdir()
+    (tmp_path / "drop" / "sub").symlink_to(target)
+    with pytest.raises(UnsafePath, match="drop/sub is a symlink"):
+        open_dir(tmp_path / "drop" / "sub" / "archive" / "rejected", create=True)
+    assert list(target.iterdir()) == []
+
+
+def test_missing_directories_are_created_one_by_one_with_the_mode(tmp_path: Path) -> None:
+    fd = open_dir(tmp_path / "a" / "b" / "c", create=True, mode=0o700)
+    os.close(fd)
+    assert {oct(os.stat(tmp_path / p).st_mode & 0o777) for p in ("a", "a/b", "a/b/c")} == {"0o700"}
+
+
+def test_a_directory_above_swapped_for_a_link_is_no_longer_the_same(tmp_path: Path) -> None:
+    fd = open_dir(tmp_path / "sub" / "archive", create=True)
+    try:
+        assert still_same_dir(fd, tmp_path / "sub" / "archive")
+        (tmp_path / "sub").rename(tmp_path / "sub.old")
+        (tmp_path / "sub").symlink_to(tmp_path / "sub.old")  # the very same directory, through a link
+        assert not still_same_dir(fd, tmp_path / "sub" / "archive")
+    finally:
+        os.close(fd)
+
+
+def test_printable_escapes_newlines_escapes_and_undecodable_bytes() -> None:
+    """Red team 13: a name with newlines forged `connection:` lines; ESC reached the terminal raw."""
+    assert printable("evil.hl7\nconnection: other") == "evil.hl7\\x0aconnection: other"
+    assert printable("esc\x1b[31mred") == "esc\\x1b[31mred"
+    assert printable(os.fsdecode(b"bad\xff.hl7")) == "bad\\xff.hl7"
+    assert printable("rtl\u202egnp.hl7") == "rtl\\u202egnp.hl7"
+    assert printable("plain é.hl7") == "plain é.hl7"
+    assert printable("a\\b") == "a\\\\b"

@@ -166,6 +166,15 @@ class FileModel(_Common):
             raise ValueError(f"must be an absolute path, got {value!r}")
         return value
 
+    @field_validator("mode")
+    @classmethod
+    def _private_enough(cls, value: int) -> int:
+        # PHI files: the owner may read and write; group and other may at most read (0o644 at most).
+        if value & ~0o644:
+            raise ValueError(f"{value:#o} grants write or execute to group or other (or execute to the owner); "
+                             "use 0o600 (the default), 0o640 or 0o644")
+        return value
+
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, value: str) -> str:

@@ -5,8 +5,9 @@ Idempotency: the file is named `<idempotency_key><suffix>` and written atomicall
 the same directory, fsync, `os.replace`, fsync of the directory), so a re-delivery overwrites the
 same file with the same bytes. Pollers must ignore dot-files (`.stageline-*.tmp`).
 
-By descriptor (issue 23): the destination directory is opened `O_DIRECTORY|O_NOFOLLOW` (a
-directory that is a symlink is refused, retryably, and nothing is written), the temp file is
+By descriptor (issue 23): the destination directory is opened `O_DIRECTORY|O_NOFOLLOW` one path
+component at a time (`include.safe_files.open_dir`: a symlink at ANY component, say a partner's
+`partner -> elsewhere` above `partner/outbox`, is refused, retryably, and nothing is written), the temp file is
 created relative to it `O_CREAT|O_EXCL|O_NOFOLLOW` with the destination's `mode` from the first
 byte, and the rename happens between that directory's descriptor and itself: a symlink planted at
 the final name is replaced, never followed.
@@ -32,6 +33,7 @@ from typing import Any
 from urllib.parse import quote
 
 from include.destinations_config import FileDestination
+from include.safe_files import open_dir
 from spark_jobs.senders.common import DeliveryResult, describe_error, payload_codec
 
 __all__ = ["FileSend", "batch_file", "send_file", "send_file_lanes"]
@@ -57,8 +59,13 @@ def _file_name(key: str, suffix: str) -> str | None:
 
 
 def _open_directory(directory: str) -> int:
-    """The destination directory itself as a descriptor; never what a symlink there points at."""
-    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    """The destination directory itself as a descriptor, reached without following a symlink at any
+    component of its path; never created (a missing directory is the operator's to make)."""
+    return open_dir(directory)
+
+
+FILE_MODE_BITS = 0o644
+"""The most a delivered file may grant: never write or execute to group or other (PHI)."""
 
 
 def batch_file(dest: FileDestination, rows: Sequence[Mapping[str, Any]]) -> FileSend:
@@ -198,12 +205,13 @@ def _write_temp(item: FileSend, dirs: dict[str, int | str]) -> tuple[int, str, s
     tmp = f".stageline-{secrets.token_hex(8)}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     dest.mode & 0o777, dir_fd=dir_fd)
+                     dest.mode & FILE_MODE_BITS, dir_fd=dir_fd)
     except OSError as exc:
         return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
     try:
         try:
-            os.fchmod(fd, dest.mode)  # exactly the configured mode, whatever the umask, before any byte
+            # exactly the configured mode (the schema refuses more than 0o644), whatever the umask
+            os.fchmod(fd, dest.mode & FILE_MODE_BITS)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

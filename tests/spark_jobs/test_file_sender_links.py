@@ -71,3 +71,38 @@ def test_a_directory_swapped_for_a_symlink_mid_lanes_receives_nothing_through_it
     again = send_file_lanes([[FileSend(dest, "2", "text/plain", "two")]])
     assert again[0][0] is not None and (again[0][0].ok, again[0][0].retryable) == (False, True)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_symlink_above_the_destination_directory_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    """Red team 6: `partner` (above `partner/outbox`) swapped for a link; the next file went through it."""
+    (tmp_path / "partner" / "outbox").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "outbox").mkdir(parents=True)
+    dest = file_dest(tmp_path / "partner" / "outbox")
+    assert send_file(dest, "MSH|1", "text/plain", "k1").ok
+    (tmp_path / "partner").rename(tmp_path / "partner.old")
+    (tmp_path / "partner").symlink_to(tmp_path / "elsewhere")
+    result = send_file(dest, "MSH|2", "text/plain", "k2")
+    assert (result.ok, result.retryable) == (False, True) and "symlink" in result.detail
+    assert list((tmp_path / "elsewhere" / "outbox").iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o666, 0o622, 0o700, 0o604 | 0o002])
+def test_a_mode_granting_write_or_execute_beyond_the_owner_is_refused_by_the_schema(mode: int) -> None:
+    """Red team 18: `mode = 0o777` was accepted, PHI files world-writable."""
+    from pydantic import ValidationError
+
+    from include.schema.destinations import FileModel
+
+    with pytest.raises(ValidationError, match="grants write or execute"):
+        FileModel(name="f", kind="file", directory="/srv/out", mode=mode)
+    for ok in (0o600, 0o640, 0o644, 0o400):
+        assert FileModel(name="f", kind="file", directory="/srv/out", mode=ok).mode == ok
+
+
+def test_the_sender_never_writes_more_than_0644_whatever_it_is_given(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        assert send_file(file_dest(tmp_path, mode=0o777), "x", "text/plain", "k").ok
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "k.hl7").stat().st_mode) == 0o644
