@@ -17,6 +17,7 @@ from typing import Any
 
 from include.schema import ConfigProblem, ConfigProblems
 from include.schema.connections import ConnectionsFile, InboundModel, file_paths
+from include.schema.reading import read_config_bytes
 from include.schema.rules import validate
 
 TCP_FRAMINGS = ("newline", "length")
@@ -145,12 +146,15 @@ def _with_names(problems: list[ConfigProblem], raw: Any) -> list[ConfigProblem]:
 
 
 def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, roles: Any = None,
-                      var: Path | None = None) -> tuple[ConnectionsFile, tuple[InboundConfig, ...]]:
-    """Validate parsed `connections.toml` data; every problem at once as `ConnectionConfigError`."""
+                      var: Path | None = None, store_dir: Path | None = None,
+                      ) -> tuple[ConnectionsFile, tuple[InboundConfig, ...]]:
+    """Validate parsed `connections.toml` data; every problem at once as `ConnectionConfigError`.
+    `store_dir` (the SQLite store's directory, when known) is kept out of every file connection."""
     from include.config import var_dir
 
     var = var_dir() if var is None else var
-    context = {"base": directory, "var": var, **({"roles": roles} if roles else {})}
+    context = {"base": directory, "var": var, **({"roles": roles} if roles else {}),
+               **({"store_dir": store_dir} if store_dir is not None else {})}
     try:
         model = validate(ConnectionsFile, raw, file=file, context=context)
     except ConfigProblems as exc:
@@ -163,17 +167,28 @@ def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, ro
     return model, tuple(inbound_from(c, directory, var) for c in model.inbound)
 
 
-def load_config_dir(directory: str | Path) -> ListenerConfig:
-    """Read and validate `<directory>/connections.toml` (a missing file: no inbound connections);
-    `ConnectionConfigError` lists every problem with file and key. listenerd's start and its SIGHUP
-    reload both come through here."""
+def load_config_dir(directory: str | Path, *, store_dir: str | Path | None = None,
+                    required: bool = False) -> ListenerConfig:
+    """Read and validate `<directory>/connections.toml` (a missing file: no inbound connections,
+    unless `required`, as on a reload: then it is a problem); `ConnectionConfigError` lists every
+    problem with file and key. The file is read only if it is a regular file of at most 1 MiB
+    (`include.schema.reading`). listenerd's start and its SIGHUP reload both come through here."""
     directory = Path(directory).resolve()
     path = directory / "connections.toml"
     try:
-        text = path.read_bytes() if path.exists() else b""
+        text = read_config_bytes(path)
+    except FileNotFoundError:
+        if required:
+            raise ConnectionConfigError([ConfigProblem(path, "", "missing: a reload needs connections.toml "
+                                                                 "(an empty file means no inbound connections)")])
+        text = b""
+    except ConfigProblems as exc:
+        raise ConnectionConfigError(exc.problems) from None
+    try:
         raw = tomllib.loads(text.decode())
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConnectionConfigError([ConfigProblem(path, "", f"not valid TOML: {exc}")]) from None
-    _, inbound = parse_connections(raw, directory, file=path)
+    _, inbound = parse_connections(raw, directory, file=path,
+                                   store_dir=Path(store_dir) if store_dir is not None else None)
     digest = hashlib.sha256(text).hexdigest()[:16]
     return ListenerConfig(inbound=inbound, config_hash=digest, directory=directory, api=raw.get("api", {}))

@@ -7,6 +7,7 @@ Validation context (`context=` of `include.schema.rules.validate`):
 ``var``   the node's var dir (`include.config.var_dir()`): where a file inbound's archive and
           rejected directories go by default, outside the partner-writable drop tree.
 ``roles`` the API roles a token may name (default `API_ROLES`).
+``store_dir`` the SQLite store's directory, when known: no file inbound may poll it or move files into it.
 The runtime structures (`listeners.connections.InboundConfig`, `listeners.api.ApiSettings`) are built
 from these models; docs/config-reference.md describes every key.
 """
@@ -35,9 +36,26 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
 
 Port = Annotated[int, Field(ge=0, le=65535)]
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
+"""A timeout: above zero, at most a day (a larger one is a typo, and holds a slot for good)."""
+PollSeconds = Annotated[float, Field(ge=0.05, le=3600, allow_inf_nan=False)]
+"""A poll interval: below 0.05 s a poll is a busy loop (and a file is taken while it is written)."""
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Count = Annotated[int, Field(gt=0)]
+Count = Annotated[int, Field(gt=0, le=1_000_000)]
+NAME_MAX = 64
+LANE_INDEX_MAX = 999
+MIN_PREFIX = {4: 8, 6: 16}
+"""The widest network an `allowed_sources` entry may be and still count as authenticating senders:
+an IPv4 /8 (16 M addresses, the largest private range) or an IPv6 /16. A wider entry (`0.0.0.0/0`,
+`::/0`, `0.0.0.0/1`) lets (nearly) anyone in, so it needs `allow_unauthenticated_senders = true`."""
+FILE_KEYS = ("directory", "archive", "error_directory", "pattern", "allow_archive_in_directory")
+NETWORK_KEYS = ("host", "port", "idle_timeout_seconds", "max_connections", "max_connections_per_peer",
+                "connect_rate_per_peer", "frame_timeout_seconds", "handshake_timeout_seconds",
+                "max_bytes_per_second_per_peer", "allow_insecure_bind", "allowed_sources",
+                "allow_unauthenticated_senders", "tls")
+ONLY_FOR = {**{k: ("file",) for k in FILE_KEYS}, **{k: NETWORK_KINDS for k in NETWORK_KEYS},
+            "poll_seconds": ("file", "database"), "framing": ("tcp",), "batch_ack": ("mllp",)}
+"""Keys that mean something for some kinds only: set on another kind they would be silently ignored."""
 
 
 def is_loopback(host: str) -> bool:
@@ -106,8 +124,8 @@ class DatabaseSourceModel(Strict):
     mark: str = Field("", description="strategy mark: the UPDATE that marks one row read (:key)")
     reject: str = Field("", description="strategy mark: the UPDATE for a row that cannot be staged")
     start_after: int | str = Field(0, description="watermark: the mark before the first poll")
-    batch_size: Count = 100
-    connect_timeout_seconds: Seconds = 10.0
+    batch_size: int = Field(100, gt=0, le=100_000)
+    connect_timeout_seconds: Annotated[float, Field(gt=0, le=600, allow_inf_nan=False)] = 10.0
 
     @model_validator(mode="before")
     @classmethod
@@ -149,7 +167,8 @@ class DatabaseSourceModel(Strict):
 class InboundModel(Strict):
     """One `[[inbound]]` connection."""
 
-    name: str = Field(pattern=_NAME, description="letters, digits, - and _; unique in the file")
+    name: str = Field(pattern=_NAME, max_length=NAME_MAX,
+                      description=f"letters, digits, - and _ (at most {NAME_MAX}); unique in the file")
     kind: Literal["mllp", "tcp", "file", "http", "database"]
     host: str = Field("127.0.0.1", min_length=1)
     port: Port = 0
@@ -159,13 +178,13 @@ class InboundModel(Strict):
                                                  "(default <archive>/rejected if archive is set, else "
                                                  "<var>/filedrop/<name>/rejected)")
     pattern: str = Field("*", min_length=1, description="file: glob of files to ingest")
-    poll_seconds: Seconds = 1.0
+    poll_seconds: PollSeconds = Field(1.0, description="file, database: seconds between polls (0.05 to 3600)")
     framing: Literal["newline", "length"] = "newline"
     lane_key: str = Field("", description="HL7 path (e.g. PID-3.1) giving the row's lane; empty: none")
     hl7_only: bool = False
     batch_ack: Literal["batch", "messages"] = "batch"
     charset: str = Field("utf-8", description="used when a message does not declare MSH-18; HL7 table 0211")
-    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64)
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64, le=1024 ** 3, description="at most 1 GiB")
     idle_timeout_seconds: Seconds = 300.0
     max_connections: Count = 64
     max_connections_per_peer: Count = 16
@@ -205,9 +224,13 @@ class InboundModel(Strict):
     def _lane_key(cls, value: str) -> str:
         if value:
             try:
-                parse_path(value)
+                path = parse_path(value)
             except FieldPathError as exc:
                 raise ValueError(f"lane_key must be an HL7 field path such as 'PID-3.1': {exc}") from None
+            indices = [i for i in (path.field, path.occurrence, path.repetition, path.component, path.subcomponent)
+                       if i is not None]
+            if max(indices, default=0) > LANE_INDEX_MAX:
+                raise ValueError(f"lane_key {value!r}: an index above {LANE_INDEX_MAX} is no HL7 field")
         return value
 
     @model_validator(mode="after")
@@ -221,13 +244,25 @@ class InboundModel(Strict):
         if self.database is not None and self.kind != "database":
             bad.append(("database", "[inbound.database] belongs to kind = \"database\" only"))
         if self.kind == "file" and self.directory:
-            bad += _drop_tree(self, _ctx(info, "base"), _ctx(info, "var"))
+            bad += _drop_tree(self, _ctx(info, "base"), _ctx(info, "var"), _ctx(info, "store_dir"))
+        for key in sorted(self.model_fields_set & ONLY_FOR.keys()):
+            if self.kind not in ONLY_FOR[key]:
+                kinds = " or ".join(f'kind = "{k}"' for k in ONLY_FOR[key])
+                bad.append((key, f"only for {kinds}; a {self.kind} connection would ignore it"))
         if self.kind in NETWORK_KINDS and not is_loopback(self.host):
             if self.tls is None and not self.allow_insecure_bind:
                 bad.append(("host", f"refusing a non-loopback bind without TLS ({self.kind} on {self.host}:"
                                     f"{self.port}); configure tls, or set allow_insecure_bind = true if the network "
                                     "is otherwise protected"))
             mtls = self.tls is not None and self.tls.require_client_cert
+            if not (mtls or self.allow_unauthenticated_senders):
+                for i, cidr in enumerate(self.allowed_sources):
+                    net = ipaddress.ip_network(cidr, strict=False)
+                    if net.prefixlen < MIN_PREFIX[net.version]:
+                        bad.append((f"allowed_sources[{i}]", f"{net} lets (nearly) every address in, so it does not "
+                                    f"authenticate senders (the widest counted is /{MIN_PREFIX[net.version]} for "
+                                    f"IPv{net.version}); list the senders' networks, or set "
+                                    "allow_unauthenticated_senders = true if anyone may really send"))
             if not (mtls or self.allowed_sources or self.allow_unauthenticated_senders):
                 bad.append(("allowed_sources", f"a non-loopback bind ({self.kind} on {self.host}) needs "
                                                "authenticated senders: tls.require_client_cert = true (mTLS) or "
@@ -252,7 +287,7 @@ def file_paths(conn: InboundModel, base: str | Path | None, var: str | Path | No
     return str(directory), str(archive), str(rejected)
 
 
-def _drop_tree(conn: InboundModel, base: Any, var: Any) -> list[tuple[str, str]]:
+def _drop_tree(conn: InboundModel, base: Any, var: Any, store_dir: Any) -> list[tuple[str, str]]:
     directory, archive, rejected = (Path(p) for p in file_paths(conn, base, var))
     bad = []
     if rejected == directory:
@@ -262,6 +297,56 @@ def _drop_tree(conn: InboundModel, base: Any, var: Any) -> list[tuple[str, str]]
             if path == directory or path.is_relative_to(directory):
                 bad.append((key, f"{key} lies inside directory (the partner-writable drop tree); put it "
                                  "elsewhere, or set allow_archive_in_directory = true"))
+    bad += _protected_trees(conn, directory, archive, rejected, base, var, store_dir)
+    bad += _through_symlinks(conn, base)
+    return bad
+
+
+def _protected_trees(conn: InboundModel, directory: Path, archive: Path, rejected: Path, base: Any, var: Any,
+                     store_dir: Any) -> list[tuple[str, str]]:
+    """Stageline's own directories are not a drop tree: a drop directory that is, contains or lies
+    inside the config dir, the var dir or the store's directory would stage (and move away) the
+    config files, the node's secrets or the live database; an archive or error directory there
+    would write partner-named files among them. The var dir's `filedrop/<name>/` (the defaults) is
+    the exception for archive and error_directory. Inside the store's directory (a sibling of the
+    database) is allowed: polling and moving touch only that one directory's own files."""
+    roots = [("the config dir", Path(base).resolve() if base is not None else None, True),
+             ("Stageline's var dir", Path(var).resolve() if var is not None else None, True),
+             ("the store's directory", Path(store_dir).resolve() if store_dir is not None else None, False)]
+    own = Path(var).resolve() / "filedrop" / conn.name if var is not None else None
+    bad = []
+    for key, path in (("directory", directory), ("archive", archive), ("error_directory", rejected)):
+        if key != "directory" and own is not None and (path == own or path.is_relative_to(own)):
+            continue
+        for label, root, inside_too in roots:
+            if root is None:
+                continue
+            if path == root:
+                what = "is"
+            elif root.is_relative_to(path):
+                what = "contains"
+            elif inside_too and path.is_relative_to(root):
+                what = "lies inside"
+            else:
+                continue
+            bad.append((key, f"{path} {what} {label} ({root}); a file connection would stage and move "
+                             "Stageline's own files: use a directory of its own"))
+            break
+    return bad
+
+
+def _through_symlinks(conn: InboundModel, base: Any) -> list[tuple[str, str]]:
+    """A directory named through a symbolic link: listenerd refuses links, so name the real one."""
+    root = Path(base).resolve() if base is not None else Path.cwd()
+    bad = []
+    for key in ("directory", "archive", "error_directory"):
+        value = getattr(conn, key)
+        if not value:
+            continue
+        named = Path(os.path.normpath(root / value))
+        real = named.resolve()
+        if real != named:
+            bad.append((key, f"{value} is named through a symbolic link; name the real directory, {real}"))
     return bad
 
 
@@ -323,12 +408,34 @@ class ConnectionsFile(Strict):
     api: ApiModel = Field(default_factory=ApiModel)
 
     @model_validator(mode="after")
-    def _unique(self) -> ConnectionsFile:
+    def _unique(self, info: ValidationInfo) -> ConnectionsFile:
         seen: set[str] = set()
         bad = []
         for i, conn in enumerate(self.inbound):
             if conn.name in seen:
                 bad.append((f"inbound[{i}].name", f"duplicate connection name {conn.name!r}"))
             seen.add(conn.name)
+        bad += _shared_drops(self.inbound, _ctx(info, "base"), _ctx(info, "var"))
         Rules.raise_if(bad)
         return self
+
+
+def _shared_drops(inbound: list[InboundModel], base: Any, var: Any) -> list[tuple[str, str]]:
+    """Two file connections on one drop directory stage each file twice (or race for it), and an
+    archive or error directory that is (or lies inside) another connection's drop directory feeds
+    every file back in: each file must be one message."""
+    files = [(i, c, [Path(p) for p in file_paths(c, base, var)]) for i, c in enumerate(inbound)
+             if c.kind == "file" and c.directory]
+    bad = []
+    for i, conn, (drop, archive, rejected) in files:
+        for j, other, (other_drop, _, _) in files:
+            if j == i:
+                continue
+            if j < i and drop == other_drop:
+                bad.append((f"inbound[{i}].directory", f"{drop} is also the drop directory of connection "
+                                                       f"{other.name!r}: each file would be staged twice"))
+            for key, path in (("archive", archive), ("error_directory", rejected)):
+                if path == other_drop or path.is_relative_to(other_drop):
+                    bad.append((f"inbound[{i}].{key}", f"{path} is (or lies inside) the drop directory of "
+                                                       f"connection {other.name!r}: its files would be staged again"))
+    return bad

@@ -88,7 +88,7 @@ poll_seconds = 0
         f"{path}: inbound[0].idle_timeout_seconds: must be > 0 (connection 'adt-in')",
         f"{path}: inbound[0].tls.cert: no such file: {conf.resolve() / 'pki/missing.pem'} (connection 'adt-in')",
         f"{path}: inbound[0].tls.key: no such file: {conf.resolve() / 'pki/missing.key'} (connection 'adt-in')",
-        f"{path}: inbound[1].poll_seconds: must be > 0 (connection 'drop')",
+        f"{path}: inbound[1].poll_seconds: must be >= 0.05 (connection 'drop')",
         f"{conf / 'route.toml'}: unknown",
     ]
     out = lines(done)
@@ -186,24 +186,24 @@ def test_tls_files_must_exist_as_readable_regular_files_relative_to_the_config_d
 
 def test_a_file_inbounds_archive_and_rejected_default_outside_the_drop_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
-    conf = conf_dir(tmp_path, '[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "in"\n')
+    conf = conf_dir(tmp_path, '[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "../in"\n')
     [conn] = load_config_dir(conf).inbound
     var = (tmp_path / "var").resolve()
     assert (conn.directory, conn.archive, conn.error_directory) == (
-        str((conf / "in").resolve()), str(var / "filedrop/drop/archive"), str(var / "filedrop/drop/rejected"))
+        str((tmp_path / "in").resolve()), str(var / "filedrop/drop/archive"), str(var / "filedrop/drop/rejected"))
 
 
-@pytest.mark.parametrize("setting, key", [('archive = "in/archive"', "archive"),
-                                          ('error_directory = "in/sub/rejected"', "error_directory"),
-                                          ('archive = "in"', "archive")])
+@pytest.mark.parametrize("setting, key", [('archive = "../in/archive"', "archive"),
+                                          ('error_directory = "../in/sub/rejected"', "error_directory"),
+                                          ('archive = "../in"', "archive")])
 def test_an_archive_or_rejected_directory_inside_the_drop_tree_is_refused_unless_allowed(tmp_path, setting, key):
-    body = f'[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "in"\n{setting}\n'
+    body = f'[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "../in"\n{setting}\n'
     conf = conf_dir(tmp_path, body)
     with pytest.raises(ConnectionConfigError, match=rf"inbound\[0\]\.{key}: {key} lies inside directory \(the "
                                                     r"partner-writable drop tree\)"):
         load_config_dir(conf)
     conf_dir(tmp_path, body + "allow_archive_in_directory = true\n")
-    assert load_config_dir(conf).inbound[0].directory == str((conf / "in").resolve())
+    assert load_config_dir(conf).inbound[0].directory == str((tmp_path / "in").resolve())
 
 
 def test_every_wrong_setting_of_one_file_is_reported_at_once(tmp_path):

@@ -51,10 +51,13 @@ def test_peer_limits_have_protective_defaults(tmp_path):
 
 def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
-    write(tmp_path, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
-                    '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\n'
-                    '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "in2"\nerror_directory = "bad"\nhl7_only = true\n')
-    mllp, f, g = load_config_dir(tmp_path).inbound
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    write(conf, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
+                '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "../in"\n'
+                '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "../in2"\nerror_directory = "../bad"\n'
+                'hl7_only = true\n')
+    mllp, f, g = load_config_dir(conf).inbound
     assert (mllp.batch_ack, mllp.hl7_only) == ("batch", False)
     # archive and rejected default to the var dir, outside the partner-writable drop tree
     assert f.archive == str((tmp_path / "var" / "filedrop" / "f" / "archive").resolve())
