@@ -15,6 +15,13 @@ Every statement and every write transaction is timed: one slower than SLOW_SECON
 statement whose cost grows with the table shows up here long before it stalls anyone — and each
 thread keeps the longest write transaction it ran since it last asked (`Store.longest_write`), which
 is how a stage sizes its next micro-batch by time (`include.batch_size`).
+
+Durability (docs/store.md): each new server connection is pinned and checked
+(`include.store.durability`); once `check_durability` was called (listenerd at start) the check is
+also repeated every DURABILITY_RECHECK_SECONDS on a pooled connection as a transaction takes it (so
+off the reactor thread, and at least with each heartbeat): a server whose `fsync` was turned off at
+run time is noticed within that time, logged as an error at every recheck, shown by
+`durability_problem`, and every transaction fails (listenerd answers `AE`) until it is back on.
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ log = logging.getLogger(__name__)
 
 POOL_WAIT_SECONDS = 30.0
 """How long a SQLite transaction waits for a free connection (psycopg's pool waits as long)."""
+DURABILITY_RECHECK_SECONDS = 60.0
+"""How often a checked store asks the server again whether its commits are durable (a setting such
+as PostgreSQL's `fsync` can change with a reload, without any new connection)."""
 SLOW_SECONDS = 0.1
 """A statement or write transaction slower than this is logged: on SQLite the write lock is
 everyone's, and at the rated rate no one may hold it longer (invariant 13)."""
@@ -161,6 +171,9 @@ class Store:
         self._pool: Any = None
         self._unsafe: UnsafeDurability | None = None  # set by a new connection to an unsafe server
         self._strict = False  # check_durability() was called: an unsafe server fails every transaction
+        self.clock = time.monotonic  # for the durability recheck's interval (tests move it)
+        self._checked_at = self.clock()  # when a connection last checked durability
+        self._rechecking = threading.Lock()
         if config.backend == "postgres":
             from psycopg_pool import ConnectionPool
             from psycopg.rows import dict_row
@@ -215,12 +228,37 @@ class Store:
         """Every new server connection: synchronous_commit pinned, fsync / delayed durability
         checked (`include.store.durability`). A refusal is kept and raised by every transaction:
         raised here, the pool would only retry the connection."""
+        was = self._unsafe
         try:
             check_connection(conn, self.backend, allow_unsafe=self.config.allow_unsafe_durability)
         except UnsafeDurability as exc:
             self._unsafe = exc
+            if self._strict:
+                log.error("store durability lost, every transaction refused until fixed: %s", exc)
         else:
             self._unsafe = None
+            if was is not None and self._strict:
+                log.warning("store durability restored: transactions accepted again")
+        self._checked_at = self.clock()
+
+    @property
+    def durability_problem(self) -> str | None:
+        """Why the server may lose commits, as last found (None: durable, or allowed)."""
+        return str(self._unsafe) if self._unsafe is not None else None
+
+    def _recheck_durability(self, conn: Any) -> None:
+        """Check durability again on `conn` (idle, just taken) if DURABILITY_RECHECK_SECONDS have
+        passed since the last check; one thread at a time, the others go on."""
+        if not self._strict or self.backend == "sqlite" or \
+                self.clock() - self._checked_at < DURABILITY_RECHECK_SECONDS:
+            return
+        if not self._rechecking.acquire(blocking=False):
+            return
+        try:
+            if self.clock() - self._checked_at >= DURABILITY_RECHECK_SECONDS:
+                self._pin_durability(conn)
+        finally:
+            self._rechecking.release()
 
     def check_durability(self) -> None:
         """Raise `UnsafeDurability` if the server may lose commits; from now on every transaction
@@ -235,6 +273,7 @@ class Store:
     def _connection(self) -> Iterator[Any]:
         if self._pool is not None:
             with self._pool.connection() as conn:
+                self._recheck_durability(conn)
                 if self._strict and self._unsafe is not None:
                     raise self._unsafe
                 yield conn
@@ -268,6 +307,9 @@ class Store:
                 raise
             self._local.conn = conn
         try:
+            self._recheck_durability(conn)
+            if self._strict and self._unsafe is not None:
+                raise self._unsafe
             yield conn
         except BaseException:
             # a broken connection is not reused

@@ -113,6 +113,75 @@ def test_fsync_off_is_refused_unless_allowed(server, config) -> None:
         allowed.close()
 
 
+def test_fsync_turned_off_at_run_time_is_found_by_the_recheck_and_fails_every_transaction(
+        server, config, caplog: pytest.LogCaptureFixture) -> None:
+    # red team (issue 23, item 10): ALTER SYSTEM SET fsync = off + reload under a running
+    # listenerd went unnoticed, pooled connections were never checked again and AA went on.
+    from include.store import db
+
+    now = [1000.0]
+    store = Store(config)
+    store.clock = lambda: now[0]
+    try:
+        store.check_durability()
+        with store.transaction() as tx:
+            tx.conn.cursor().execute("SELECT 1")
+        reload(server, fsync="off")
+        now[0] += db.DURABILITY_RECHECK_SECONDS
+        with caplog.at_level("ERROR", logger="include.store.db"):
+            for ctx in (store.transaction, store.single_statement, store.transaction):  # ingest's too
+                with pytest.raises(UnsafeDurability, match="fsync = off"):
+                    with ctx():
+                        pass
+        assert "fsync = off" in (store.durability_problem or "")
+        assert "store durability lost" in caplog.text
+        reload(server, fsync="on")  # back on: accepted again after the next recheck
+        now[0] += db.DURABILITY_RECHECK_SECONDS
+        with store.transaction() as tx:
+            tx.conn.cursor().execute("SELECT 1")
+        assert store.durability_problem is None
+    finally:
+        store.close()
+
+
+def test_the_recheck_runs_at_most_once_an_interval(server, config) -> None:
+    from include.store import db
+
+    now = [0.0]
+    store = Store(config)
+    store.clock = lambda: now[0]
+    checks: list[float] = []
+    real = store._pin_durability
+    store._pin_durability = lambda conn: (checks.append(now[0]), real(conn))[1]  # type: ignore[method-assign]
+    try:
+        store.check_durability()
+        checks.clear()
+        for step in range(10):  # 10 transactions over 2.5 intervals
+            now[0] = step * db.DURABILITY_RECHECK_SECONDS / 4
+            with store.transaction(write=False):
+                pass
+        assert len(checks) == 2
+    finally:
+        store.close()
+
+
+def test_allowed_unsafe_durability_is_not_refused_by_the_recheck(server, config) -> None:
+    from include.store import db
+
+    now = [0.0]
+    store = Store(replace(config, allow_unsafe_durability=True))
+    store.clock = lambda: now[0]
+    try:
+        store.check_durability()
+        reload(server, fsync="off")
+        now[0] += db.DURABILITY_RECHECK_SECONDS
+        with store.transaction():
+            pass
+        assert store.durability_problem is None
+    finally:
+        store.close()
+
+
 def test_fsync_on_passes_the_check(server, config) -> None:
     store = Store(config)
     try:
