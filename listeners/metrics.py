@@ -54,6 +54,9 @@ class Metrics:
                                 "Connections refused or closed by a listener's peer limits, per connection and reason "
                                 "(connect_rate, peer_connections, listener_full, evicted_for_new_connection, "
                                 "frame_timeout, handshake_timeout; throttled: reading paused for bandwidth)", ["connection", "reason"], registry=r)
+        self.store_durable = Gauge("stageline_store_durable", "1 while the store's server keeps what it commits; 0 when a "
+                                   "recheck found it may lose commits (fsync turned off): every commit is refused (AE)",
+                                   registry=r)
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
         self.store_busy = Counter("stageline_store_busy_retries_total",

@@ -26,10 +26,21 @@ class NodeState:
     unbound: Callable[[], list[dict[str, Any]]] = lambda: []  # inbound the leader is retrying, and why
     aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
 
+    def __post_init__(self) -> None:
+        self.metrics.store_durable.set_function(lambda: 0.0 if self.durability_problem() else 1.0)
+
+    def durability_problem(self) -> str | None:
+        """Why the store's server may lose commits (fsync turned off at run time: every commit is
+        refused meanwhile), as the store's last recheck found; None when durable."""
+        return getattr(self.store(), "durability_problem", None)
+
     def status(self) -> dict[str, Any]:
         """The /cluster/status document."""
         doc = cluster_status(node_id=self.node_id, clustered=self.clustered, is_leader=self.is_leader(),
                              config_version=self.config_version())
+        problem = self.durability_problem()
+        if problem:  # only then: the document of a healthy node stays as it was
+            doc.update(store_durable=False, durability_problem=problem)
         doc["unbound"] = self.unbound()
         aside = self.aside_seconds()
         if aside > 0:
