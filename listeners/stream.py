@@ -8,6 +8,12 @@ stays bounded; an HL7 batch owes one per message, so a large batch pauses readin
 answered) and resumes as they go out. A message whose commit does not fire within the reply
 timeout gets the transport's "not stored, resend" answer; the late outcome is then ignored.
 
+Answers a peer does not read are bounded too: the protocol is its transport's streaming producer,
+so once the transport holds more unsent bytes than its buffer size (64 KB) Twisted pauses it and
+reading stops until the peer has read them; a peer that reads none of its answers for
+`idle_timeout` (`WRITE_TIMEOUT_SECONDS` when there is none) is cut off (aborted: its bytes would
+never drain). Without this, every answer written to a peer that never reads stayed in memory.
+
 `StreamFactory` is the connection registry: it admits connections up to `max_connections` and takes
 them all down in the two steps of a clean stop (`stop_reading`, then `close_all` after the answers)
 or at once (`disconnect_all`, on losing the lease). The HTTP site offers the same three calls.
@@ -35,7 +41,11 @@ if TYPE_CHECKING:
 
     from listeners.metrics import ListenerCounters
 
-__all__ = ["Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer", "safe_id", "write_now"]
+__all__ = ["WRITE_TIMEOUT_SECONDS", "Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer",
+           "safe_id", "write_now"]
+
+WRITE_TIMEOUT_SECONDS = 300.0
+"""How long a peer may leave its answers unread when its connection has no idle timeout."""
 
 _log = Logger(namespace="stageline.stream")
 
@@ -194,6 +204,8 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self.peer: IAddress | None = None
         self.peer_text = "?"
         self._overdue_check: IDelayedCall | None = None  # one per connection, not one per message
+        self._write_blocked = False  # the transport's unsent bytes are over its buffer size
+        self._write_stall: IDelayedCall | None = None  # cuts off a peer that does not read its answers
 
     @property
     def in_flight(self) -> int:
@@ -243,6 +255,57 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._registered = self.factory is not None
         self._accepting = True
         self.setTimeout(self._idle_timeout)
+        self.transport.registerProducer(self, True)  # pauseProducing when answers are not being read
+
+    # -- IPushProducer: the transport says whether the peer reads what we write -------------------
+
+    def pauseProducing(self) -> None:
+        """The transport holds more unsent answers than its buffer size: read nothing more until
+        the peer has read them, and cut it off if it reads none of them within the write timeout."""
+        if self._write_blocked or not self._connected:
+            return
+        self._write_blocked = True
+        self._sync_reading()
+        seconds = self._idle_timeout or WRITE_TIMEOUT_SECONDS
+        self._write_stall = self._clock.callLater(seconds, self._cut_off_stalled_reader, seconds)
+
+    def resumeProducing(self) -> None:
+        """The peer read its answers: reading may go on."""
+        if not self._write_blocked:
+            return
+        self._write_blocked = False
+        self._cancel_write_stall()
+        if self._connected:
+            self._sync_reading()
+
+    def stopProducing(self) -> None:
+        """The transport is going away (`connectionLost` does the clean-up)."""
+        self._cancel_write_stall()
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None and self._write_stall.active():
+            self._write_stall.cancel()
+        self._write_stall = None
+
+    def _cut_off_stalled_reader(self, seconds: float) -> None:
+        self._write_stall = None
+        if not self._connected or not self._write_blocked:
+            return
+        _log.warn("closing {kind} connection {where}: it has read none of its answers for {seconds:.0f}s",
+                  kind=self.kind, where=self.where(), seconds=seconds)
+        self._accepting = False
+        self.transport.abortConnection()  # a close would wait for the peer to read what is buffered
+
+    def _sync_reading(self) -> None:
+        """Pause or resume reading: paused while `max_in_flight` answers are owed, while answers
+        are not being read (`pauseProducing`), and for good once draining."""
+        want = self._draining or self._write_blocked or self._owed >= self._max_in_flight
+        if want and not self._paused:
+            self._paused = True
+            cast("ITCPTransport", self.transport).pauseProducing()
+        elif not want and self._paused and self._connected:
+            self._paused = False
+            cast("ITCPTransport", self.transport).resumeProducing()
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self._accepting = False
@@ -251,6 +314,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         if self._overdue_check is not None and self._overdue_check.active():
             self._overdue_check.cancel()
         self._overdue_check = None
+        self._cancel_write_stall()
         for slot in self._slots:
             slot.forget_deadline()
         if self._slots:
@@ -349,8 +413,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._slots.append(slot)
         self._owed += slot.weight
         if not self._paused and self._owed >= self._max_in_flight:
-            self._paused = True
-            cast("ITCPTransport", self.transport).pauseProducing()
+            self._sync_reading()
 
     def answer(self, slot: Slot, reply: bytes) -> bool:
         """Give ``slot`` its reply and write what is ready; False if it was already answered."""
@@ -377,6 +440,5 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
                 return
             if not self._slots:
                 self.resetTimeout()  # from now on the sender is the one we wait for: idle starts here
-        if self._paused and self._connected and not self._draining and self._owed < self._max_in_flight:
-            self._paused = False
-            cast("ITCPTransport", self.transport).resumeProducing()
+        if self._paused and self._connected:
+            self._sync_reading()
