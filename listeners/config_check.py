@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from include import config as cfgmod
 from include.schema import ConfigProblem, ConfigProblems
+from include.schema.reading import read_toml, unreadable
 from include.stage_config import CODE_DIR, FILES
 from include.stage_config import load as load_pipeline
 from include.store.lookups import LookupTableError, read_table_file
@@ -58,6 +58,8 @@ class Report:
     directory: Path
     problems: list[ConfigProblem]
     counts: dict[str, int]
+    warnings: list[ConfigProblem] = field(default_factory=list)
+    """Things that work but may not be meant (a drop directory not there yet): printed, not fatal."""
 
     @property
     def ok(self) -> bool:
@@ -73,28 +75,38 @@ class Report:
 
 def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = None,
               store_note: str = "", lookups_unverified_ok: bool = False,
-              service_config: str | Path | None = None) -> Report:
+              service_config: str | Path | None = None, store_dir: str | Path | None = None,
+              connections_required: bool = False) -> Report:
     """Check the config dir (and `service_config`, a stageline.toml, when given); `store_tables` are
     the lookup tables already in the store (None: the store was not read, `store_note` says why;
-    then a table without a CSV is a problem unless `lookups_unverified_ok`)."""
+    then a table without a CSV is a problem unless `lookups_unverified_ok`). `store_dir` is the
+    SQLite store's directory (default: the service config's, when given), which no file inbound may
+    use; with `connections_required` (a reload) a missing connections.toml is a problem. Every file
+    is read only if it is a regular file of at most 1 MiB (a fifo or /dev/zero is a problem line)."""
     base = Path(directory).resolve()
     report = Report(base, [], {})
     if not base.is_dir():
         report.problems.append(ConfigProblem(base, "", "not a directory"))
         return report
+    service = Path(service_config).resolve() if service_config else None
+    if service is None and (base / SERVICE).is_file():
+        service = base / SERVICE
+    if _unreadable_files(base, service, report):
+        return report
+    names: list[str] = []
+    if store_dir is None and service is not None:
+        store_dir = _store_dir(service)
     transforms: list[tuple[int, Transform]] = []
     steps: list[tuple[Path, Callable[[], Any]]] = [
-        (base / CONNECTIONS, lambda: _connections(base, report)),
+        (base / CONNECTIONS, lambda: _connections(base, report, store_dir=store_dir, required=connections_required,
+                                                   names=names)),
         (base, lambda: _pipeline(base, report, transforms)),
         (base / LOOKUPS, lambda: _lookups(base, transforms, store_tables, store_note, report,
                                           unverified_ok=lookups_unverified_ok)),
         (base, lambda: _unknown_files(base, report)),
     ]
-    service = Path(service_config).resolve() if service_config else None
-    if service is None and (base / SERVICE).is_file():
-        service = base / SERVICE
     if service is not None:
-        steps.append((service, lambda: _service(service, report)))
+        steps.append((service, lambda: _service(service, report, names)))
     for where, step in steps:
         try:
             step()
@@ -111,14 +123,51 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
 
 # -- the files -----------------------------------------------------------------------------------
 
-def _connections(base: Path, report: Report) -> None:
+def _connections(base: Path, report: Report, *, store_dir: str | Path | None, required: bool,
+                 names: list[str]) -> None:
     path = base / CONNECTIONS
     report.counts["inbound connections"] = 0
     if not path.exists():
+        if required:
+            report.problems.append(ConfigProblem(path, "", "missing: a reload needs connections.toml (an empty "
+                                                           "file means no inbound connections)"))
         return
     raw = _toml(path)
-    _, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role])
+    model, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role],
+                                       store_dir=Path(store_dir) if store_dir is not None else None)
+    names.extend(c.name for c in inbound)
     report.counts["inbound connections"] = len(inbound)
+    for i, conn in enumerate(inbound):
+        if conn.kind == "file" and not Path(conn.directory).is_dir():
+            report.warnings.append(ConfigProblem(
+                path, f"inbound[{i}].directory", f"{conn.directory} does not exist (yet): connection {conn.name!r} "
+                "polls nothing until it does (a mount that comes later is fine; a typo is not)"))
+
+
+def _unreadable_files(base: Path, service: Path | None, report: Report) -> bool:
+    """Every file the check would read that is no regular file of at most 1 MiB (a fifo, a device,
+    /dev/zero through a link, a huge file) is a problem, and nothing is read: reading a fifo blocks
+    for good and a device has no end."""
+    paths = [base / CONNECTIONS, *(base / name for name in FILES.values()), *sorted(base.glob("*.toml")),
+             *(sorted((base / LOOKUPS).glob("*.csv")) if (base / LOOKUPS).is_dir() else []),
+             *([service] if service is not None else [])]
+    bad = False
+    for path in dict.fromkeys(paths):
+        why = unreadable(path)
+        if why is not None:
+            report.problems.append(ConfigProblem(path, "", why))
+            bad = True
+    return bad
+
+
+def _store_dir(service: Path) -> Path | None:
+    """The SQLite store's directory named by the service config (None: another backend, or the
+    service config is broken, which its own check reports)."""
+    try:
+        store = cfgmod.load(service).store
+    except Exception:  # noqa: BLE001 - reported by the service config's own step
+        return None
+    return Path(store.path).resolve().parent if store.backend == "sqlite" else None
 
 
 def _pipeline(base: Path, report: Report, transforms: list[tuple[int, Transform]]) -> None:
@@ -177,9 +226,18 @@ def _references(base: Path, routes: list[tuple[int, Route]], transforms: list[tu
                                                  f"{t.destination!r} is not configured in {FILES['destination']}"))
 
 
-def _service(path: Path, report: Report) -> None:
-    cfgmod.load(path)
+def _service(path: Path, report: Report, names: list[str]) -> None:
+    """The service config; a `[retention.connections.<name>]` override for a connection that is not
+    configured is a problem (a PHI retention policy that silently applies to nothing)."""
+    config = cfgmod.load(path)
     report.counts["service config"] = 1
+    if "inbound connections" not in report.counts or any(p.file == report.directory / CONNECTIONS
+                                                          for p in report.problems):
+        return  # the connections are not known: nothing to compare with
+    for name in sorted(set(config.retention.connections) - set(names)):
+        report.problems.append(ConfigProblem(path, f"retention.connections.{name}",
+                                             f"no inbound connection {name!r} in {CONNECTIONS} (configured: "
+                                             f"{', '.join(names) or 'none'}); the override would apply to nothing"))
 
 
 def _unknown_files(base: Path, report: Report) -> None:
@@ -229,9 +287,9 @@ def _lookups(base: Path, transforms: list[tuple[int, Transform]], store_tables: 
 
 def _toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigProblems([ConfigProblem(path, "", f"not valid TOML: {exc}")]) from None
+        return read_toml(path)
+    except OSError as exc:
+        raise ConfigProblems([ConfigProblem(path, "", f"cannot be read: {exc}")]) from None
 
 
 def store_lookup_tables(service_config: str | None) -> tuple[set[str] | None, str]:
@@ -273,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PROBLEMS
     for problem in report.problems:
         print(problem)
+    for warning in report.warnings:
+        print(f"warning: {warning}")
     print(("config OK: " if report.ok else "config has problems: ") + report.summary())
     return 0 if report.ok else EXIT_PROBLEMS
 

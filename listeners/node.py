@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -26,6 +27,7 @@ from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
 from include.config import ServiceConfig
+from include.schema import ConfigProblems
 from include.store import operator
 from include.store.membership import NodeIdentity, cluster_nodes, single_node_nodes
 from listeners.api import ApiAuth, ApiSettings, make_api
@@ -176,8 +178,21 @@ class ListenerNode(SequentialMultiService):
         return self._reload(bump=True)
 
     def _reload(self, *, bump: bool, version: int | None = None) -> Deferred:
+        """The same whole-dir check as a start (`listeners.config_check.check_dir`: connections,
+        routes, destinations, transforms, lookups, unknown files; a missing connections.toml is a
+        problem, not "no connections"); any problem is logged, one line each with file and key,
+        and the old config stays."""
+        from listeners.config_check import check_dir
+
+        store = self.config.store
+        store_dir = Path(store.path).resolve().parent if store.backend == "sqlite" else None
+
         def work() -> tuple[ListenerConfig, int]:
-            new = load_config_dir(self.config_dir)
+            report = check_dir(self.config_dir, lookups_unverified_ok=True, store_dir=store_dir,
+                               connections_required=True)
+            if not report.ok:
+                raise ConfigProblems(report.problems)
+            new = load_config_dir(self.config_dir, store_dir=store_dir, required=True)
             if bump:
                 assert self.stores.store is not None
                 with self.stores.store.transaction() as tx:
@@ -194,9 +209,17 @@ class ListenerNode(SequentialMultiService):
             # bound connections follow the new config: down now, up again on the gate's next tick
             return self.gate.unbind() if changed else defer.succeed(None)
 
+        def refused(failure: Any) -> None:
+            problems = getattr(failure.value, "problems", None)
+            if not problems:
+                _log.error("config reload refused, keeping the old config: {err}", err=failure.value)
+                return
+            _log.error("config reload refused, keeping the old config: {n} problem(s)", n=len(problems))
+            for problem in problems:
+                _log.error("config reload refused: {problem}", problem=str(problem))
+
         d = threads.deferToThread(work)
-        d.addCallbacks(apply, lambda f: _log.error("config reload refused, keeping the old config: {err}",
-                                                   err=f.value))
+        d.addCallbacks(apply, refused)
         return d
 
     def install_signal_handlers(self) -> None:

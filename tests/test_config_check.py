@@ -204,3 +204,40 @@ def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(t
         assert d.status()["config_version"] == 0 and port_open(port)  # the old config still serves
     finally:
         d.stop()
+
+
+def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sqlite_config_fresh):
+    """Red team item 11: a broken routes.toml, an unknown route.toml or a missing connections.toml
+    was "config reloaded" (the last one as zero connections, every listener closed)."""
+    import signal
+
+    from include.lab.listenerd import Daemon
+    from include.lab.postgres_server import free_port, wait_for
+    from include.stack import port_open
+
+    port = free_port()
+    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
+               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    conf = d.workdir / "config"
+    try:
+        wait_for(lambda: port_open(port), timeout=15, what="bind")
+        cases = [(lambda: (conf / "routes.toml").write_text('[[route]]\nname = 5\ndestinations = ["x"]\n'),
+                  f"{conf / 'routes.toml'}: route[0].name: ", lambda: (conf / "routes.toml").unlink()),
+                 (lambda: (conf / "route.toml").write_text("[[route]]\n"),
+                  f"{conf / 'route.toml'}: ", lambda: (conf / "route.toml").unlink()),
+                 (lambda: (conf / "connections.toml").rename(conf / "saved.bak"),
+                  f"{conf / 'connections.toml'}: missing: a reload needs connections.toml",
+                  lambda: (conf / "saved.bak").rename(conf / "connections.toml"))]
+        for n, (breaks, line, mends) in enumerate(cases, start=1):
+            breaks()
+            d.signal(signal.SIGHUP)
+            wait_for(lambda n=n: d.output().count("keeping the old config") >= n, timeout=15,
+                     what="the reload to be refused")
+            assert f"config reload refused: {line}" in d.output(), d.output()
+            mends()
+            assert d.status()["config_version"] == 0 and port_open(port)  # the old config still serves
+        assert "config reloaded" not in d.output() and "Traceback" not in d.output()
+        d.signal(signal.SIGHUP)  # mended: accepted
+        wait_for(lambda: "config reloaded" in d.output(), timeout=15, what="the mended reload")
+    finally:
+        d.stop()
