@@ -20,18 +20,32 @@ Rules, in order of a poll:
   through. At every poll the archive and error paths must still be the directories first opened:
   one replaced by a symlink (or anything else) stops the connection taking files, with an error
   naming it, until it is a real directory again.
+* **Not yet written.** Whatever ``pattern`` says, a name starting with ``.`` or ending in
+  ``.tmp``, ``.part``, ``.filepart``, ``.partial`` or ``~`` is a writer's temp file (rsync, scp,
+  WinSCP, editors) and is never taken. An empty file is a file whose writer has not written yet:
+  it is left alone until it has been empty for ``EMPTY_GRACE_SECONDS`` (then rejected as empty).
 * **Stability.** A file is taken only when its size and mtime are unchanged across two
   consecutive polls (and once more when it is opened), so a file still being written is left
   alone; a new file therefore waits at least ``poll_seconds``. This needs no clock agreement with
   the writer (mtimes on network shares come from other hosts' clocks). Writers should still write
-  under a name ``pattern`` does not match and rename when done; the rule is the safety net.
+  under a temp name (above) and rename when done; the rule is the safety net.
+* **Claimed before it is read.** A stable file is first renamed (by directory descriptor) into
+  the connection's private ``processing`` directory (0700, outside the drop tree, on the archive's
+  side), and read, staged and archived from there. A writer that renames a new file over the same
+  name meanwhile leaves it in the drop for the next poll: what is archived is always exactly what
+  was staged. Files in ``processing`` (a crash, a failed submit) are taken first at the next poll.
 * **Order.** Stable files go oldest mtime first (then by name), one at a time. A failed submit
   stops the poll, so later files never overtake an earlier one; all are retried next poll.
 * **Exactly one row per file.** The message_id is sha256(connection NUL file name NUL content),
-  first 32 hex digits, and the file moves to ``archive`` (a clashing name gets a ``.N`` suffix
-  before its extension) only after the commit. A crash between commit and move re-reads the file
-  next time: same message_id, ``stage_inbound`` skips it, then it is moved. The same content
-  dropped again under the same name is therefore treated as a duplicate.
+  first 32 hex digits, and the file moves to ``archive`` only after the commit. A crash between
+  commit and move re-reads the file (from ``processing``) next time: same message_id,
+  ``stage_inbound`` skips it, then it is moved. The same content dropped again under the same name
+  is therefore treated as a duplicate.
+* **Names never run out.** A name taken in the archive or error directory gets
+  ``.<UTC time>-<random>`` before its extension; a name too long for that (or for its ``.reason``)
+  is shortened with a digest of the whole name. Should the file system still refuse the name,
+  the file is archived as ``<message_id>.hl7``. Names are escaped (``\x0a``, ``\x1b``, ...) in
+  ``.reason`` files and in the log.
 * **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.inbound.build_inbound`
   (malformed HL7, undecodable in ``charset`` or MSH-18, NUL characters, a batch that does not add
   up, ...), refused by the store itself, or not a regular file: moved to the connection's
@@ -49,6 +63,7 @@ All file-system work (scan, read and hash, moves) runs off the reactor thread.
 """
 from __future__ import annotations
 
+import errno
 import fnmatch
 import hashlib
 import os
@@ -66,7 +81,7 @@ from twisted.python.failure import Failure
 
 from include.config import var_dir
 from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind, move_exclusive, open_dir,
-                                read_regular, still_same_dir)
+                                printable, read_regular, still_same_dir)
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
@@ -76,9 +91,23 @@ from listeners.polling import PollingInbound, RunBlocking
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
 
-__all__ = ["FileDrop", "RunBlocking", "default_archive", "default_error_directory", "file_message_id"]
+__all__ = ["FileDrop", "RunBlocking", "default_archive", "default_error_directory", "default_processing",
+           "file_message_id", "EMPTY_GRACE_SECONDS", "TEMP_SUFFIXES", "in_progress"]
 
 _log = Logger(namespace="stageline.filedrop")
+
+EMPTY_GRACE_SECONDS = 60.0
+"""How long a file may stay empty (its writer not started yet) before it is rejected as empty."""
+
+TEMP_SUFFIXES = (".tmp", ".part", ".filepart", ".partial", "~")
+"""Names writers use while a file is incomplete; never taken, whatever ``pattern`` says."""
+
+_NAME_ERRORS = (errno.ENAMETOOLONG, errno.EEXIST, errno.EINVAL, errno.EILSEQ)
+
+
+def in_progress(name: str) -> bool:
+    """A hidden name or a temp suffix: a file still being written, by convention."""
+    return name.startswith(".") or name.lower().endswith(TEMP_SUFFIXES)
 
 
 def file_message_id(connection: str, file_name: str, content: bytes) -> str:
@@ -102,6 +131,15 @@ def default_error_directory(connection: str) -> Path:
     return var_dir() / "filedrop" / connection / "rejected"
 
 
+def default_processing(connection: str, archive: str | None = None) -> Path:
+    """Where a connection's files wait between claim and archive: beside the archive (a rename
+    needs the same file system), private to the connection."""
+    if not archive:
+        return var_dir() / "filedrop" / connection / "processing"
+    path = Path(archive)
+    return path.parent / f".{path.name}.{connection}.processing"
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     name: str
@@ -109,6 +147,7 @@ class _Entry:
     mtime_ns: int
     identity: Identity
     kind: str = "regular file"
+    where: str = "directory"  # or "processing": claimed already
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +167,8 @@ class _HardLinked(Exception):
 class _Dirs:
     """The three directories as descriptors, opened once and re-checked at every poll."""
 
-    def __init__(self, drop: Path, archive: Path, errors: Path) -> None:
-        self.paths = {"directory": drop, "archive": archive, "error_directory": errors}
+    def __init__(self, drop: Path, archive: Path, errors: Path, processing: Path) -> None:
+        self.paths = {"directory": drop, "processing": processing, "archive": archive, "error_directory": errors}
         self.fds: dict[str, int] = {}
 
     def check(self) -> None:
@@ -174,7 +213,8 @@ class FileDrop(PollingInbound):
             self.errors = Path(config.error_directory)
         else:  # beside the default archive, or inside the one configured (as before)
             self.errors = self.archive / "rejected" if config.archive else default_error_directory(config.name)
-        for key, path in (("archive", self.archive), ("error_directory", self.errors)):
+        self.processing = default_processing(config.name, config.archive)
+        for key, path in (("archive", self.archive), ("error_directory", self.errors), ("processing", self.processing)):
             if path.resolve() == self.directory.resolve():
                 raise ValueError(f"{config.name}: {key} must differ from directory")
             if path.is_symlink():
@@ -184,12 +224,15 @@ class FileDrop(PollingInbound):
         self.lane_of = lane_of
         self.metrics = metrics
         self._counters = metrics.listener(config.name, "file") if metrics is not None else None
-        self._seen: dict[str, tuple[int, int]] = {}
+        self._seen: dict[Identity, tuple[int, int]] = {}  # by identity: a claimed file keeps its own
+        self._empty_since: dict[Identity, float] = {}
         self._scan_error: str | None = None
-        self._dirs = _Dirs(self.directory, self.archive, self.errors)
+        self._move_error: str | None = None
+        self._dirs = _Dirs(self.directory, self.archive, self.errors, self.processing)
 
     def _on_start(self) -> None:
         self._seen = {}  # stability is re-proven after every (re)start
+        self._empty_since = {}
 
     def _on_stop(self) -> Any:
         self._dirs.close()
@@ -212,11 +255,18 @@ class FileDrop(PollingInbound):
         archived = 0
         for entry in [e for e in listing if e.kind != "regular file"]:
             self._count_received(0)  # never read
-            yield self._reject(entry.name, f"not a regular file ({entry.kind}): never read")
+            yield self._reject(entry, f"not a regular file ({entry.kind}): never read")
         regular = [e for e in listing if e.kind == "regular file"]
-        ready = [e for e in regular if self._seen.get(e.name) == (e.size, e.mtime_ns)]
-        self._seen = {e.name: (e.size, e.mtime_ns) for e in regular}
-        ready.sort(key=lambda e: (e.mtime_ns, e.name))
+        ready = [e for e in regular if self._seen.get(e.identity) == (e.size, e.mtime_ns)]
+        self._seen = {e.identity: (e.size, e.mtime_ns) for e in regular}
+        now = self._clock.seconds()
+        self._empty_since = {e.identity: self._empty_since.get(e.identity, now) for e in regular
+                             if e.size == 0 and e.where == "directory"}
+        ready = [e for e in ready if e.size or e.where != "directory"
+                 or now - self._empty_since[e.identity] >= EMPTY_GRACE_SECONDS]
+        ready.sort(key=lambda e: (e.where != "processing", e.mtime_ns, e.name))
+        if any(e.where == "processing" for e in regular if e not in ready):
+            ready = [e for e in ready if e.where == "processing"]  # claimed files drain first
         for entry in ready:
             if not self._running:
                 break
@@ -228,27 +278,41 @@ class FileDrop(PollingInbound):
 
     @inlineCallbacks
     def _take(self, entry: _Entry) -> Any:
-        """Stage and archive one stable file: 1 archived, 0 skipped or rejected, None stop here."""
+        """Claim, stage and archive one stable file: 1 archived, 0 skipped or rejected, None stop here."""
         name, limit = entry.name, self.config.max_message_bytes
+        if entry.where == "directory":
+            try:
+                claimed = yield self._run(self._claim, name)
+            except FileNotFoundError:
+                self._seen.pop(entry.identity, None)  # gone: the next scan sees what is there now
+                return 0
+            except OSError as exc:
+                _log.error("cannot claim {file} for {connection}: {error}", file=printable(name),
+                           connection=self.config.name, error=type(exc).__name__)
+                return None
+            if not claimed:
+                return None  # its name is still in processing: that one goes first
+            entry = _Entry(name, entry.size, entry.mtime_ns, entry.identity, entry.kind, "processing")
         if entry.size > limit:
             self._count_received(0)  # refused for its size, never read
-            yield self._reject(name, f"message too large: {entry.size} bytes, limit {limit}")
+            yield self._reject(entry, f"message too large: {entry.size} bytes, limit {limit}")
             return 0
         try:
             read: _Read = yield self._run(self._read, entry)
         except _HardLinked as exc:
             self._count_received(0)
-            yield self._reject(name, f"a hard link ({exc.args[0]} names for one file): never read")
+            yield self._reject(entry, f"a hard link ({exc.args[0]} names for one file): never read")
             return 0
         except TooLarge:
             self._count_received(0)
-            yield self._reject(name, f"message too large: over {limit} bytes, limit {limit}")
+            yield self._reject(entry, f"message too large: over {limit} bytes, limit {limit}")
             return 0
         except (FileNotFoundError, NotRegular, _Changed):
-            self._seen.pop(name, None)  # gone or replaced: the next scan sees what is there now
+            # Not the file listed (replaced just before the claim): it waits in processing to settle.
+            self._seen.pop(entry.identity, None)
             return 0
         except OSError as exc:
-            _log.error("cannot read {file} for {connection}: {error}", file=name,
+            _log.error("cannot read {file} for {connection}: {error}", file=printable(name),
                        connection=self.config.name, error=type(exc).__name__)
             return None
         self._count_received(len(read.data))
@@ -258,7 +322,7 @@ class FileDrop(PollingInbound):
             # A large file (an HL7 batch of thousands) is split and checked on a thread, like MLLP's.
             item = (yield self._run(build)) if len(read.data) >= OFFLOAD_BYTES else build()
         except PayloadRejected as exc:
-            yield self._reject(name, str(exc))
+            yield self._reject(entry, str(exc))
             return 0
         try:
             yield self.ingest.submit(item)
@@ -266,39 +330,50 @@ class FileDrop(PollingInbound):
             failure = Failure()
             reason, code = rejection_reason(failure)
             if failure.check(RowRefused):  # the store refuses this file for good: set it aside
-                yield self._reject(name, reason)
+                yield self._reject(entry, reason)
                 return 0
             self._count_ack(code)
-            _log.warn("file {file} on {connection} not stored ({reason}); left in place",
-                      file=name, connection=self.config.name, reason=reason)
+            _log.warn("file {file} on {connection} not stored ({reason}); left in {processing}",
+                      file=printable(name), connection=self.config.name, reason=reason,
+                      processing=str(self.processing))
             return None
         self._count_ack("AA")
         try:
-            target = yield self._run(self._move, name, "archive", None)
+            target = yield self._run(self._archive, name, read.message_id)
         except OSError as exc:
             # Committed but not moved: the next poll re-reads it, stage_inbound skips it, moves it.
-            _log.error("staged {file} on {connection} but cannot archive it: {error}", file=name,
-                       connection=self.config.name, error=type(exc).__name__)
+            error = f"{type(exc).__name__} (errno {exc.errno})"
+            if error != self._move_error:
+                _log.error("staged {file} on {connection} but cannot archive it: {error}; it waits in "
+                           "{processing}", file=printable(name), connection=self.config.name, error=error,
+                           processing=str(self.processing))
+            self._move_error = error
             return None
-        self._seen.pop(name, None)
-        _log.info("staged {file} on {connection} as {message_id}; archived as {target}", file=name,
-                  connection=self.config.name, message_id=read.message_id, target=target)
+        self._move_error = None
+        self._seen.pop(entry.identity, None)
+        _log.info("staged {file} on {connection} as {message_id}; archived as {target}", file=printable(name),
+                  connection=self.config.name, message_id=read.message_id, target=printable(target))
         return 1
 
     @inlineCallbacks
-    def _reject(self, name: str, reason: str) -> Any:
+    def _reject(self, entry: _Entry, reason: str) -> Any:
         self._count_ack("AR")
+        name = entry.name
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        text = f"{reason}\nconnection: {self.config.name}\nfile: {name}\nrejected_at: {stamp}\n"
+        text = f"{reason}\nconnection: {self.config.name}\nfile: {printable(name)}\nrejected_at: {stamp}\n"
         try:
-            target = yield self._run(self._move, name, "error_directory", text.encode("utf-8", "surrogateescape"))
+            target = yield self._run(self._move, name, entry.where, "error_directory", text.encode())
         except OSError as exc:
-            _log.error("cannot move rejected {file} on {connection}: {error}", file=name,
-                       connection=self.config.name, error=type(exc).__name__)
+            error = f"{type(exc).__name__} (errno {exc.errno})"
+            if error != self._move_error:
+                _log.error("cannot move rejected {file} on {connection}: {error}", file=printable(name),
+                           connection=self.config.name, error=error)
+            self._move_error = error
             return
-        self._seen.pop(name, None)
-        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=name,
-                  connection=self.config.name, reason=reason, target=str(self.errors / target))
+        self._move_error = None
+        self._seen.pop(entry.identity, None)
+        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=printable(name),
+                  connection=self.config.name, reason=reason, target=printable(str(self.errors / target)))
 
     def _count_received(self, size: int) -> None:
         if self._counters is not None:
@@ -311,36 +386,61 @@ class FileDrop(PollingInbound):
     # -- blocking: run in a worker thread ---------------------------------------------------
 
     def _scan(self) -> list[_Entry]:
-        """The matching entries, each lstat-ed in place (never followed); directories left out."""
+        """Claimed files, then the drop's matching entries (not temp names), each lstat-ed in place
+        (never followed); directories left out."""
         self._dirs.check()
-        drop = self._dirs.fd("directory")
         entries = []
-        for name in os.listdir(drop):
-            if not fnmatch.fnmatchcase(name, self.config.pattern):
-                continue
-            try:
-                st = os.stat(name, dir_fd=drop, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            entries.append(_Entry(name, st.st_size, st.st_mtime_ns, Identity.of(st), kind(st)))
+        for where in ("processing", "directory"):
+            fd = self._dirs.fd(where)
+            for name in os.listdir(fd):
+                if where == "directory" and (in_progress(name) or not fnmatch.fnmatchcase(name, self.config.pattern)):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    continue
+                entries.append(_Entry(name, st.st_size, st.st_mtime_ns, Identity.of(st), kind(st), where))
         return entries
 
+    def _claim(self, name: str) -> bool:
+        """Rename `name` from the drop into processing (same name); False while that name is still
+        there. Only this poller writes processing (0700, ours), so the check cannot be raced."""
+        self._dirs.check()
+        processing = self._dirs.fd("processing")
+        try:
+            os.stat(name, dir_fd=processing, follow_symlinks=False)
+            return False
+        except FileNotFoundError:
+            pass
+        os.rename(name, name, src_dir_fd=self._dirs.fd("directory"), dst_dir_fd=processing)
+        return True
+
     def _read(self, entry: _Entry) -> _Read:
-        drop = self._dirs.fd("directory")
-        links = os.stat(entry.name, dir_fd=drop, follow_symlinks=False).st_nlink
+        where = self._dirs.fd(entry.where)
+        links = os.stat(entry.name, dir_fd=where, follow_symlinks=False).st_nlink
         if links != 1:
             raise _HardLinked(links)
-        data, st = read_regular(drop, entry.name, expect=entry.identity, limit=self.config.max_message_bytes)
+        data, st = read_regular(where, entry.name, expect=entry.identity, limit=self.config.max_message_bytes)
         if st.st_nlink != 1:
             raise _HardLinked(st.st_nlink)
         if (st.st_size, st.st_mtime_ns) != (entry.size, entry.mtime_ns) or len(data) != entry.size:
             raise _Changed(entry.name)
         return _Read(data, file_message_id(self.config.name, entry.name, data))
 
-    def _move(self, name: str, into: str, reason: bytes | None) -> str:
-        """Rename `name` out of the drop directory into `into`; a `.reason` first when given."""
+    def _archive(self, name: str, message_id: str) -> str:
+        """Move a staged file from processing to the archive; under ``<message_id>.hl7`` when the
+        file system refuses every name made from its own."""
+        try:
+            return self._move(name, "processing", "archive", None)
+        except OSError as exc:
+            if exc.errno not in _NAME_ERRORS:
+                raise
+        return self._move(name, "processing", "archive", None, f"{message_id}.hl7")
+
+    def _move(self, name: str, source: str, into: str, reason: bytes | None, as_name: str | None = None) -> str:
+        """Rename `name` out of `source` into `into`; a `.reason` first when given."""
         self._dirs.check()
-        return move_exclusive(self._dirs.fd("directory"), name, self._dirs.fd(into),
+        return move_exclusive(self._dirs.fd(source), name, self._dirs.fd(into), as_name=as_name,
                               companion=(".reason", reason) if reason is not None else None)

@@ -3,6 +3,7 @@ hand-fired fake ingest, and tests against the real store with file work in a rea
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,7 @@ from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import InboundConfig
-from listeners.filedrop import FileDrop, file_message_id
+from listeners.filedrop import EMPTY_GRACE_SECONDS, FileDrop, file_message_id
 from listeners.ingest import Inbound, IngestWriter, NotLeader, RowRefused
 from listeners.metrics import Metrics
 from tests.listeners.fakes import FakeIngest
@@ -79,6 +80,14 @@ class Harness:
 
 def listing(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def processing(tmp_path: Path) -> Path:
+    """Where the harness's connection keeps claimed files: beside its archive, private."""
+    return tmp_path / ".archive.drop.processing"
+
+
+UNIQUE = r"\.\d{8}T\d{6}Z-[0-9a-f]{8}"
 
 
 # -- stability and order -----------------------------------------------------------------------
@@ -147,9 +156,10 @@ def test_file_is_archived_only_after_the_commit_fires(tmp_path: Path) -> None:
     [(item, _)] = h.ingest.calls
     assert (item.connection, item.control_id, item.lane_key) == ("drop", "A", "L-MSH")
     assert item.message_id == file_message_id("drop", "a.hl7", adt("A"))
-    assert listing(tmp_path / "in") == ["a.hl7"]
+    assert listing(tmp_path / "in") == [] and listing(processing(tmp_path)) == ["a.hl7"]  # claimed first
+    assert listing(tmp_path / "archive") == []
     h.ingest.fire(0)
-    assert listing(tmp_path / "in") == [] and listing(tmp_path / "archive") == ["a.hl7"]
+    assert listing(processing(tmp_path)) == [] and listing(tmp_path / "archive") == ["a.hl7"]
 
 
 def test_failed_submit_leaves_the_file_and_stops_the_poll_then_retries(tmp_path: Path) -> None:
@@ -161,7 +171,7 @@ def test_failed_submit_leaves_the_file_and_stops_the_poll_then_retries(tmp_path:
     assert len(h.ingest.calls) == 1
     h.ingest.calls[0][1].errback(NotLeader("no lease"))
     assert len(h.ingest.calls) == 1  # b.hl7 must not overtake a.hl7
-    assert listing(tmp_path / "in") == ["a.hl7", "b.hl7"]
+    assert listing(tmp_path / "in") == ["b.hl7"] and listing(processing(tmp_path)) == ["a.hl7"]
     h.next_poll()
     assert [item.control_id for item, _ in h.ingest.calls] == ["A", "A"]
     assert h.ingest.calls[1][0].message_id == h.ingest.calls[0][0].message_id
@@ -215,12 +225,11 @@ def test_a_name_clash_in_the_archive_gets_a_suffix(tmp_path: Path) -> None:
     h = Harness(tmp_path, AutoIngest())
     (tmp_path / "archive").mkdir()
     (tmp_path / "archive" / "a.hl7").write_bytes(b"older")
-    (tmp_path / "archive" / "a.1.hl7").write_bytes(b"older")
     drop(tmp_path, "a.hl7", adt("A"))
     h.start()
     h.next_poll()
-    assert listing(tmp_path / "archive") == ["a.1.hl7", "a.2.hl7", "a.hl7"]
-    assert (tmp_path / "archive" / "a.2.hl7").read_bytes() == adt("A")
+    [new] = [n for n in listing(tmp_path / "archive") if n != "a.hl7"]
+    assert re.fullmatch("a" + UNIQUE + r"\.hl7", new) and (tmp_path / "archive" / new).read_bytes() == adt("A")
 
 
 def test_message_id_depends_on_connection_name_and_content() -> None:
@@ -243,6 +252,9 @@ def test_unstageable_files_go_to_rejected_with_a_reason(tmp_path: Path, data: by
     drop(tmp_path, "good.hl7", adt("G"))
     h.start()
     h.next_poll()
+    if not data:  # an empty file may be a writer that has not written yet: it waits
+        assert listing(tmp_path / "in") == ["bad.hl7"]
+        h.clock.advance(EMPTY_GRACE_SECONDS)
     assert [item.control_id for item, _ in h.ingest.calls] == ["G"]
     rejected = tmp_path / "rejected"
     assert listing(rejected) == ["bad.hl7", "bad.hl7.reason"]
@@ -280,7 +292,7 @@ class _RealStore(trial.TestCase):
         self.store_config = sqlite_config_fresh
         self.tmp = tmp_path
 
-    def _listener(self, *, leader: bool = True) -> tuple[FileDrop, IngestWriter]:
+    def _listener(self, *, leader: bool = True, wrap: Any = None, **overrides: Any) -> tuple[FileDrop, IngestWriter]:
         store = Store(self.store_config)
         self.addCleanup(store.close)
         epoch = acquire_permanent(store, node_id="n") if leader else None
@@ -290,8 +302,8 @@ class _RealStore(trial.TestCase):
         pool = ThreadPool(minthreads=0, maxthreads=2, name="filedrop-test")
         pool.start()
         self.addCleanup(pool.stop)
-        listener = FileDrop(writer, config(self.tmp), reactor=MemoryReactorClock(),
-                                    run_blocking=partial(deferToThreadPool, reactor, pool))
+        listener = FileDrop(wrap(writer) if wrap else writer, config(self.tmp, **overrides),
+                            reactor=MemoryReactorClock(), run_blocking=partial(deferToThreadPool, reactor, pool))
         listener.start()  # the fake clock never fires: the test drives each poll itself
         self.addCleanup(listener.stop)
         return listener, writer
@@ -333,7 +345,7 @@ class FileDropStoreTests(_RealStore):
         yield listener.poll()
         assert (yield listener.poll()) == 0
         assert rows(self.store_config.path) == []
-        assert listing(self.tmp / "in") == ["a.hl7"] and listing(self.tmp / "archive") == []
+        assert listing(processing(self.tmp)) == ["a.hl7"] and listing(self.tmp / "archive") == []
 
     @inlineCallbacks
     def test_rejected_files_stage_nothing(self) -> Any:
@@ -378,13 +390,15 @@ def test_a_dangling_symlink_in_rejected_is_not_written_through(tmp_path: Path) -
     rejected.mkdir()
     (rejected / "bad.hl7.reason").symlink_to(outside / "planted.reason")
     (rejected / "bad.1.hl7").symlink_to(outside / "planted.hl7")
-    drop(tmp_path, "bad.hl7", b"")
+    drop(tmp_path, "bad.hl7", b"\xff not utf-8")
     h.start()
     h.next_poll()
     assert listing(outside) == []  # nothing written outside, through either link
-    assert listing(rejected) == ["bad.1.hl7", "bad.2.hl7", "bad.2.hl7.reason", "bad.hl7.reason"]
-    assert (rejected / "bad.2.hl7.reason").read_text().startswith("empty message\n")
-    assert oct(os.stat(rejected / "bad.2.hl7.reason").st_mode & 0o777) == "0o600"
+    [moved] = [n for n in listing(rejected) if not n.endswith(".reason") and n != "bad.1.hl7"]
+    assert re.fullmatch("bad" + UNIQUE + r"\.hl7", moved)
+    assert sorted(listing(rejected)) == sorted(["bad.1.hl7", moved, f"{moved}.reason", "bad.hl7.reason"])
+    assert (rejected / f"{moved}.reason").read_text().startswith("undecodable")
+    assert oct(os.stat(rejected / f"{moved}.reason").st_mode & 0o777) == "0o600"
     assert (rejected / "bad.hl7.reason").is_symlink() and (rejected / "bad.1.hl7").is_symlink()
 
 
@@ -423,13 +437,14 @@ def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(tmp_path: 
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
     h = Harness(tmp_path, AutoIngest(), archive="", error_directory="")
     drop(tmp_path, "a.hl7", adt("A"))
-    drop(tmp_path, "b.hl7", b"")
+    drop(tmp_path, "b.hl7", b"\xff")
     h.start()
     h.next_poll()
     base = tmp_path / "var" / "filedrop" / "drop"
     assert listing(base / "archive") == ["a.hl7"]
     assert listing(base / "rejected") == ["b.hl7", "b.hl7.reason"]
-    assert {oct(os.stat(base / d).st_mode & 0o777) for d in ("archive", "rejected")} == {"0o700"}
+    assert listing(base / "processing") == []
+    assert {oct(os.stat(base / d).st_mode & 0o777) for d in ("archive", "rejected", "processing")} == {"0o700"}
     assert listing(tmp_path / "in") == []
 
 
@@ -500,12 +515,12 @@ def test_the_directory_descriptors_are_closed_on_stop(tmp_path: Path) -> None:
     drop(tmp_path, "a.hl7", adt("A"))
     h.start()
     h.next_poll()
-    assert len(os.listdir("/proc/self/fd")) == before + 3  # drop, archive, rejected
+    assert len(os.listdir("/proc/self/fd")) == before + 4  # drop, processing, archive, rejected
     assert h.listener.stop().called
     assert len(os.listdir("/proc/self/fd")) == before
     h.listener.start()  # a new lease: opened again
     h.next_poll()
-    assert len(os.listdir("/proc/self/fd")) == before + 3
+    assert len(os.listdir("/proc/self/fd")) == before + 4
     h.listener.stop()
     assert len(os.listdir("/proc/self/fd")) == before
 
@@ -533,3 +548,225 @@ def test_a_large_batch_file_is_split_on_a_thread_not_the_reactor(tmp_path: Path)
     assert len(batch) >= 64 * 1024 > len(small)
     assert on_thread.count("build_inbound") == 1  # the big file's; the small one is cheaper in place
     assert len(ingest.calls) == 2
+
+
+# -- red team, issue 23 ("Safe edges"), items 1, 2, 6, 8, 12, 13 --------------------------------
+
+class _ReplaceDuringCommit:
+    """The real writer, but while the first file's commit is in flight a writer renames a new file
+    over the same name in the drop (the documented way to deliver)."""
+
+    def __init__(self, writer: IngestWriter, action: Any) -> None:
+        self.writer, self.action = writer, action
+
+    def submit(self, item: Inbound) -> Deferred[str]:
+        d = self.writer.submit(item)
+        action, self.action = self.action, None
+        if action is not None:
+            action()
+        return d
+
+
+class FileDropRedTeamStoreTests(_RealStore):
+    @inlineCallbacks
+    def test_a_file_replaced_under_the_same_name_during_the_commit_is_staged_too(self) -> Any:
+        """Red team 1: RACE-B renamed over victim.hl7 while RACE-A committed was archived unstaged."""
+        def replace() -> None:
+            (self.tmp / "in" / ".victim.tmp").write_bytes(adt("RACE-B"))
+            os.rename(self.tmp / "in" / ".victim.tmp", self.tmp / "in" / "victim.hl7")
+
+        listener, _ = self._listener(wrap=lambda writer: _ReplaceDuringCommit(writer, replace))
+        drop(self.tmp, "victim.hl7", adt("RACE-A"))
+        yield listener.poll()
+        assert (yield listener.poll()) == 1
+        assert [r[1] for r in rows(self.store_config.path)] == ["RACE-A"]
+        assert listing(self.tmp / "in") == ["victim.hl7"]  # RACE-B: still in the drop, not archived unseen
+        yield listener.poll()
+        assert (yield listener.poll()) == 1
+        assert [r[1] for r in rows(self.store_config.path)] == ["RACE-A", "RACE-B"]
+        archived = {(self.tmp / "archive" / n).read_bytes() for n in listing(self.tmp / "archive")}
+        assert archived == {adt("RACE-A"), adt("RACE-B")} and listing(self.tmp / "in") == []
+
+    @inlineCallbacks
+    def test_a_file_left_in_processing_by_a_crash_is_taken_first_and_staged_once(self) -> Any:
+        listener, writer = self._listener()
+        message_id = file_message_id("drop", "a.hl7", adt("A"))
+        # The previous run claimed a.hl7 and committed it, then crashed before archiving it.
+        yield writer.submit(Inbound(connection="drop", payload=adt("A").decode(), control_id="A",
+                                    message_id=message_id))
+        processing(self.tmp).mkdir(mode=0o700)
+        (processing(self.tmp) / "a.hl7").write_bytes(adt("A"))
+        os.utime(processing(self.tmp) / "a.hl7", ns=(2_000_000_000_000_000_000,) * 2)
+        drop(self.tmp, "b.hl7", adt("B"), mtime=1_000_000_000_000_000_000)  # older, but not claimed yet
+        yield listener.poll()
+        assert (yield listener.poll()) == 2
+        assert [r[1] for r in rows(self.store_config.path)] == ["A", "B"]  # A once, and first
+        assert listing(processing(self.tmp)) == [] and listing(self.tmp / "archive") == ["a.hl7", "b.hl7"]
+
+    @inlineCallbacks
+    def test_a_partial_dot_temp_file_is_never_staged_and_the_renamed_file_is_whole(self) -> Any:
+        """Red team 8: `.adt.hl7.Xa12Bc` matched `*` and was staged truncated; the rename then failed."""
+        listener, _ = self._listener(pattern="*")
+        partial_body = adt("PARTIAL")[:-10]
+        for name in (".adt.hl7.Xa12Bc", "adt.hl7.part", "adt.hl7.filepart", "adt.hl7.tmp", "adt.hl7~"):
+            drop(self.tmp, name, partial_body)
+        for _ in range(3):
+            yield listener.poll()
+        assert rows(self.store_config.path) == [] and listing(self.tmp / "rejected") == []
+        (self.tmp / "in" / ".adt.hl7.Xa12Bc").write_bytes(adt("PARTIAL"))
+        os.rename(self.tmp / "in" / ".adt.hl7.Xa12Bc", self.tmp / "in" / "adt.hl7")
+        yield listener.poll()
+        yield listener.poll()
+        assert [r[3] for r in rows(self.store_config.path)] == [adt("PARTIAL").decode()]
+
+
+def test_temp_names_are_skipped_whatever_the_pattern_says(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest(), pattern="*")
+    for name in (".adt.hl7.Xa12Bc", ".hidden.hl7", "a.hl7.part", "a.hl7.PART", "a.filepart", "a.partial",
+                 "a.hl7.tmp", "a.hl7~"):
+        drop(tmp_path, name, adt("PARTIAL"))
+    drop(tmp_path, "whole.hl7", adt("W"))
+    h.start()
+    for _ in range(3):
+        h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["W"]
+    assert len(listing(tmp_path / "in")) == 8 and listing(tmp_path / "rejected") == []
+
+
+def test_an_empty_file_waits_for_its_writer_and_is_staged_whole(tmp_path: Path) -> None:
+    """Red team 8: `msg.py X > drop/x.hl7` (the shell creates, python writes later) was rejected empty."""
+    h = Harness(tmp_path, AutoIngest())
+    path = drop(tmp_path, "x.hl7", b"")
+    h.start()
+    for _ in range(5):
+        h.next_poll()
+    assert h.ingest.calls == [] and listing(tmp_path / "in") == ["x.hl7"] and listing(tmp_path / "rejected") == []
+    path.write_bytes(adt("X"))
+    h.next_poll()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["X"]
+
+
+def test_an_empty_file_is_rejected_only_after_the_grace_and_blocks_no_other(tmp_path: Path) -> None:
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "empty.hl7", b"", mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "later.hl7", adt("L"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["L"] and listing(tmp_path / "in") == ["empty.hl7"]
+    h.clock.advance(EMPTY_GRACE_SECONDS - h.listener.config.poll_seconds * 2)
+    assert listing(tmp_path / "in") == ["empty.hl7"]
+    h.clock.advance(h.listener.config.poll_seconds * 2)
+    assert listing(tmp_path / "rejected") == ["empty.hl7", "empty.hl7.reason"]
+
+
+def test_a_255_byte_name_dropped_twice_is_archived_and_the_next_file_follows(tmp_path: Path) -> None:
+    """Red team 2a: `stem.1.hl7` was over NAME_MAX; ENAMETOOLONG at every poll, after1.hl7 never taken."""
+    h = Harness(tmp_path, AutoIngest(), max_message_bytes=4096)
+    long_name = "L" * 251 + ".hl7"
+    drop(tmp_path, long_name, adt("FIRST"))
+    h.start()
+    h.next_poll()
+    drop(tmp_path, long_name, adt("SECOND"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "after1.hl7", adt("AFTER"), mtime=2_000_000_000_000_000_000)
+    h.next_poll()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["FIRST", "SECOND", "AFTER"]
+    assert listing(tmp_path / "in") == [] and len(listing(tmp_path / "archive")) == 3
+    assert {(tmp_path / "archive" / n).read_bytes() for n in listing(tmp_path / "archive")} == {
+        adt("FIRST"), adt("SECOND"), adt("AFTER")}
+
+
+def test_a_feed_that_always_writes_one_name_never_runs_out_of_archive_names(tmp_path: Path) -> None:
+    """Red team 2b: ADT.hl7 and ADT.1.hl7 .. ADT.9999.hl7 in the archive stalled the connection."""
+    (tmp_path / "archive").mkdir()
+    for n in range(10_000):
+        (tmp_path / "archive" / (f"ADT.{n}.hl7" if n else "ADT.hl7")).touch()
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "ADT.hl7", adt("NEW"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "next.hl7", adt("NEXT"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["NEW", "NEXT"]
+    assert listing(tmp_path / "in") == [] and len(listing(tmp_path / "archive")) == 10_002
+
+
+def test_an_archive_that_refuses_every_derived_name_gets_the_message_id(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """However a name is refused (ENAMETOOLONG on an odd file system), a staged file never stalls."""
+    import errno
+
+    import listeners.filedrop as filedrop
+
+    real = filedrop.move_exclusive
+
+    def picky(src: int, name: str, dst: int, **kw: Any) -> str:
+        if kw.get("as_name") is None and kw.get("companion") is None:
+            raise OSError(errno.ENAMETOOLONG, "File name too long")
+        return real(src, name, dst, **kw)
+
+    monkeypatch.setattr(filedrop, "move_exclusive", picky)
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
+    drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
+    h.start()
+    h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["A", "B"]
+    assert listing(tmp_path / "archive") == sorted(f"{file_message_id('drop', n, adt(c))}.hl7"
+                                                    for n, c in (("a.hl7", "A"), ("b.hl7", "B")))
+
+
+def test_a_rejected_file_with_a_250_byte_name_leaves_the_drop(tmp_path: Path) -> None:
+    """Red team 12: `<name>.reason` was over NAME_MAX: `cannot move rejected ...: OSError` every poll."""
+    h = Harness(tmp_path, AutoIngest())
+    name = "S" * 250 + ".hl7"
+    (tmp_path / "in" / name).symlink_to(secret(tmp_path))
+    drop(tmp_path, "good.hl7", adt("G"))
+    h.start()
+    h.next_poll()
+    assert listing(tmp_path / "in") == [] and [item.control_id for item, _ in h.ingest.calls] == ["G"]
+    [moved, reason] = listing(tmp_path / "rejected")
+    assert reason == moved + ".reason" and moved.endswith(".hl7") and (tmp_path / "rejected" / moved).is_symlink()
+    assert f"file: {name}\n" in (tmp_path / "rejected" / reason).read_text()  # the whole name, on record
+
+
+def test_newlines_and_escapes_in_a_name_are_escaped_in_the_reason_and_the_log(tmp_path: Path) -> None:
+    """Red team 13: a name with newlines forged `connection:`/`rejected_at:` lines; ESC reached the log raw."""
+    from twisted.logger import capturedLogs, formatEvent
+
+    h = Harness(tmp_path, AutoIngest())
+    evil = "evil.hl7\nconnection: other\nfile: innocent.hl7\nrejected_at: 1999-01-01T00:00:00Z\n.hl7"
+    (tmp_path / "in" / evil).symlink_to(secret(tmp_path))
+    drop(tmp_path, "esc\x1b[31mred.hl7", adt("E"))
+    with capturedLogs() as events:
+        h.start()
+        h.next_poll()
+    [reason] = [n for n in listing(tmp_path / "rejected") if n.endswith(".reason")]
+    lines = (tmp_path / "rejected" / reason).read_text().splitlines()
+    assert lines[:3] == ["not a regular file (symlink): never read", "connection: drop",
+                         "file: evil.hl7\\x0aconnection: other\\x0afile: innocent.hl7\\x0arejected_at: "
+                         "1999-01-01T00:00:00Z\\x0a.hl7"]
+    assert len(lines) == 4 and lines[3].startswith("rejected_at: 20")
+    text = [formatEvent(e) for e in events]
+    assert any("esc\\x1b[31mred.hl7" in t for t in text) and any("evil.hl7\\x0aconnection" in t for t in text)
+    assert not any("\x1b" in t or "\n" in t for t in text)
+
+
+def test_a_symlink_above_the_archive_is_never_written_through(tmp_path: Path) -> None:
+    """Red team 6: `drop/sub` swapped for a link; the next poll created target/archive through it."""
+    target = tmp_path / "target"
+    target.mkdir()
+    h = Harness(tmp_path, AutoIngest(), archive=str(tmp_path / "in" / "sub" / "archive"),
+                error_directory=str(tmp_path / "rejected"))
+    drop(tmp_path, "one.hl7", adt("ONE"))
+    h.start()
+    h.next_poll()
+    assert listing(tmp_path / "in" / "sub" / "archive") == ["one.hl7"]
+    (tmp_path / "in" / "sub").rename(tmp_path / "in" / "sub.old")
+    (tmp_path / "in" / "sub").symlink_to(target)
+    drop(tmp_path, "authorized_keys.hl7", adt("TWO"))
+    for _ in range(4):
+        h.next_poll()
+    assert listing(target) == []  # nothing created or moved through the link
+    assert [item.control_id for item, _ in h.ingest.calls] == ["ONE"]
+    assert "authorized_keys.hl7" in listing(tmp_path / "in")
