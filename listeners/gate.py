@@ -39,8 +39,10 @@ __all__ = ["LeaderGate", "Unbound", "until"]
 
 _log = Logger(namespace="stageline.gate")
 RETRY_FIRST = 0.25
-RETRY_MAX = 2.0
-"""Seconds between bind attempts of one unbound inbound: RETRY_FIRST, doubling, at most RETRY_MAX."""
+RETRY_MAX = 0.8
+"""Seconds between bind attempts of one unbound inbound: RETRY_FIRST, doubling, at most RETRY_MAX, so
+a freed port is served within a second (a bind attempt is one cheap syscall; it is logged only when
+its outcome or reason changes)."""
 
 
 @dataclass
