@@ -20,6 +20,7 @@ __all__ = [
     "HL7Header",
     "HL7HeaderError",
     "HeaderErrorReason",
+    "MAX_CONTROL_ID_CHARS",
     "HL7_CHARSETS",
     "charset_to_codec",
     "parse_header",
@@ -32,6 +33,10 @@ _SEPARATOR_BYTES = frozenset(string.punctuation.encode("ascii"))
 _LEADING_NOISE = b" \t\r\n"
 _UTF8_BOM = codecs.BOM_UTF8
 
+MAX_CONTROL_ID_CHARS = 199
+"""The longest MSH-10 accepted (HL7 v2.7's length; the stored control_id column holds 199). A
+longer one is refused with AR and not echoed, so no ACK carries a sender's 50 KB field back."""
+
 
 class HeaderErrorReason(StrEnum):
     """Machine-readable reason a header was rejected (goes into logs, metrics and ERR)."""
@@ -42,6 +47,7 @@ class HeaderErrorReason(StrEnum):
     BAD_ENCODING_CHARACTERS = "bad_encoding_characters"
     DUPLICATE_ENCODING_CHARACTERS = "duplicate_encoding_characters"
     MISSING_CONTROL_ID = "missing_control_id"
+    CONTROL_ID_TOO_LONG = "control_id_too_long"
     UNKNOWN_CHARSET = "unknown_charset"
     UNDECODABLE = "undecodable"
 
@@ -194,6 +200,9 @@ def parse_header(
     control_id = _field(fields, 10)
     if not control_id.strip():
         raise HL7HeaderError(HeaderErrorReason.MISSING_CONTROL_ID, "MSH-10 is empty")
+    if len(control_id) > MAX_CONTROL_ID_CHARS:  # refused, and not echoed: an ACK stays small
+        raise HL7HeaderError(HeaderErrorReason.CONTROL_ID_TOO_LONG,
+                             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}")
     return HL7Header(
         field_separator=fs,
         encoding_characters=enc_chars,
@@ -282,7 +291,7 @@ def _charset_guess(raw_fields: list[bytes]) -> str:
     # raw_fields[0] is "MSH"; MSH-1 is the separator itself, so MSH-n is raw_fields[n - 1].
     candidates = [f.decode("ascii", "replace") for f in raw_fields[17:]]
     for candidate in candidates:
-        if candidate.strip() and charset_to_codec(candidate.strip()) is not None:
+        if candidate.strip() and codec_for(candidate.strip()) is not None:
             return candidate
     return candidates[0] if candidates else ""
 
@@ -302,13 +311,15 @@ def _field(fields: list[str], n: int) -> str:
 def _resolve_codec(charset: str, repetition: str, default: str, strict: bool) -> str:
     # The whole value first: a charset name such as "8859/1" may itself contain a character
     # the sender uses as a separator. Otherwise the first repetition is the message charset.
-    codec = charset_to_codec(charset)
+    # Table 0211 values and the Python aliases of their codecs (``latin-1``, ``utf8``), the same
+    # allowlist as an HTTP Content-Type and the config (`include.charsets.codec_for`).
+    codec = codec_for(charset)
     if codec is not None:
         return codec
     first = charset.split(repetition)[0].strip()
     if not first:
         return default
-    codec = charset_to_codec(first)
+    codec = codec_for(first)
     if codec is not None:
         return codec
     if strict:

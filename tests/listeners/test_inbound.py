@@ -12,7 +12,7 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from listeners.connections import InboundConfig
-from listeners.hl7msg import parse_header
+from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.inbound import PayloadRejected, build_inbound, lane_rule
 from listeners.ingest import Inbound
 from listeners.metrics import Metrics
@@ -78,10 +78,15 @@ def test_the_mllp_header_parse_is_reused_and_validated_like_any_other_input() ->
     assert reasons[0] == reasons[1] and "NUL" in reasons[0] and "DOE" not in reasons[0]
 
 
-def test_an_overlong_control_id_is_not_stored_as_the_key() -> None:
+def test_an_overlong_control_id_is_refused_naming_the_limit() -> None:
+    """Over 199 characters MSH-10 cannot be the stored key, and an ACK must not echo it: refused
+    (it used to be staged with a NULL control_id while the AA echoed it whole; red team net 7)."""
     data = adt("X" * 250)
-    assert build_inbound(data, connection="c", charset="utf-8").control_id is None
-    assert build_inbound(data, connection="c", charset="utf-8", header=parse_header(data)).control_id is None
+    with pytest.raises(PayloadRejected, match="control_id_too_long: MSH-10 is 250 characters, limit 199"):
+        build_inbound(data, connection="c", charset="utf-8")
+    with pytest.raises(HL7HeaderError):
+        parse_header(data)
+    assert build_inbound(adt("X" * 199), connection="c", charset="utf-8").control_id == "X" * 199
 
 
 # -- every transport decides the same way ------------------------------------------------------

@@ -546,3 +546,61 @@ def test_every_answer_is_counted_by_its_code_protocol_level_ones_included() -> N
     assert value("stageline_open_connections") == 1
     assert metrics.registry.get_sample_value("stageline_inbound_connection_info",
                                              {"connection": "in", "kind": "mllp"}) == 1
+
+
+# -- issue 23, red team (network) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["latin-1", "ISO-8859-1", "utf8", "big5", "8859/1"])
+def test_msh18_python_aliases_of_allowed_codecs_are_accepted(alias: str) -> None:
+    """MSH-18 takes the same allowlist as a Content-Type or the config (`codec_for`): a Python
+    alias of a table-0211 codec is accepted (it used to get AR unknown_charset; red team net 6)."""
+    handler = Recorder()
+    proto, transport = connect(make_factory(handler))
+    proto.dataReceived(frame(adt("CS1", charset=alias)))
+    assert len(handler.calls) == 1
+    handler.fire(0)
+    assert msa(acks(transport, "latin-1")[0]) == ("AA", "CS1")
+
+
+def test_msh18_outside_the_allowlist_is_still_refused() -> None:
+    handler = Recorder()
+    proto, transport = connect(make_factory(handler))
+    proto.dataReceived(frame(adt("CS2", charset="punycode")))
+    assert handler.calls == []
+    assert msa(acks(transport)[0]) == ("AR", "CS2")
+
+
+def test_a_control_id_over_199_characters_gets_ar_without_the_echo() -> None:
+    """An MSH-10 longer than the stored column is refused naming the limit, and MSA-2 stays empty:
+    an ACK never carries a sender's 50 KB field back (red team net 1 and 7)."""
+    handler = Recorder()
+    proto, transport = connect(make_factory(handler))
+    proto.dataReceived(frame(adt("L" * 50_000)) + frame(adt("L" * 199)))
+    assert len(handler.calls) == 1  # only the 199-character one
+    handler.fire(0)
+    first, second = acks(transport)
+    assert msa(first) == ("AR", "")
+    assert "MSH-10 is 50000 characters, limit 199" in str(first.segment("ERR")) + str(first.segment("MSA"))
+    assert len(transport.value()) < 2000
+    assert msa(second) == ("AA", "L" * 199)
+
+
+def test_unread_answers_pause_reading_and_a_peer_that_never_reads_is_aborted() -> None:
+    """The transport pauses its producer (the protocol) when its unsent bytes pass its buffer
+    size: reading stops, and after the idle timeout the peer is aborted (red team net 1)."""
+    clock = MemoryReactorClock()
+    handler = Recorder()
+    proto, transport = connect(make_factory(handler, clock, idle_timeout_seconds=5.0))
+    assert transport.producer is proto and transport.streaming
+    proto.pauseProducing()  # what Twisted does once 64 KB of answers are unsent
+    assert transport.producerState == "paused"
+    clock.advance(4.9)
+    assert not transport.disconnecting
+    proto.resumeProducing()  # the peer read them
+    assert transport.producerState == "producing"
+    clock.advance(10)  # (the idle timer may close it cleanly; the write timer must not abort it)
+    proto2, transport2 = connect(make_factory(handler, clock, idle_timeout_seconds=5.0))
+    proto2.pauseProducing()
+    clock.advance(5.0)
+    assert transport2.disconnecting
