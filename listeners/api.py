@@ -419,11 +419,22 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
     messages:read_body (and is a `body_read` audit event), replay/requeue messages:write; the audit
     events name the token's entry. Nothing of a message is logged."""
     read, write = Permission.MESSAGES_READ, Permission.MESSAGES_WRITE
+    mask = operator.LaneMask()  # a viewer's lane keys (usually the MRN): keyed digests (docs/api.md)
+
+    def masked(request: Request, work: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`work` as the caller may see it: lane keys masked unless it may read bodies."""
+        if auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is None:
+            return work
+        return lambda store: mask.apply(work(store))
 
     def find(request: Request) -> Any:
         filters = operator.Filters.from_query(_args(request))
         filters.params()  # out-of-range figures: 400 before any work
-        return _deferred(request, lambda store: {"messages": operator.find(store, filters)}, state)
+        if filters.lane_key is not None and \
+                auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None:
+            # a viewer's lane filter would tell whether a guessed MRN has messages
+            return _json(request, 403, {"error": f"lane_key filters need {Permission.MESSAGES_READ_BODY.value}"})
+        return _deferred(request, masked(request, lambda store: {"messages": operator.find(store, filters)}), state)
 
     def show(ref: str) -> Callable[[Request], Any]:
         def handler(request: Request) -> Any:
@@ -436,8 +447,8 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
                     return _json(request, denial.status, {"error": f"bodies need {Permission.MESSAGES_READ_BODY.value}"})
                 reader = operator.Reader(auth.label_for(request.getHeader(b"authorization")), "api")
             cold = ParquetArchive(state.archive_path) if state.archive_path else None
-            return _deferred(request, lambda s: operator.show(
-                s, operator.resolve(s, ref, parquet=cold), parquet=cold, reader=reader).__dict__, state)
+            return _deferred(request, masked(request, lambda s: operator.show(
+                s, operator.resolve(s, ref, parquet=cold), parquet=cold, reader=reader).__dict__), state)
         return handler
 
     def replay(ref: str) -> Callable[[Request], Any]:

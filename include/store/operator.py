@@ -20,10 +20,19 @@ Bodies are PHI, read on purpose and on the record: `show` gives a message's meta
 lists, its stage rows and its trail) without any body unless it is given a `reader`, and then
 writes a `body_read` event (who, via which surface, on the store's clock) before it returns one.
 A store that cannot record the read gives no body.
+
+Patient identifiers in metadata are masked for a reader without the body permission: a lane key
+(usually PID-3, the MRN) becomes ``lane:`` and 12 hex digits of an HMAC under a key of the
+serving process (`LaneMask`), so rows of one lane still group together but the MRN cannot be
+read, nor guessed by hashing candidate MRNs. The control id (MSH-10, a message's id, not a
+patient's) stays.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -45,6 +54,35 @@ BODY_READ = "body_read"
 """The audit event of one read of a message's bodies."""
 REPLAY_FROM = ("inbound", "outbound")
 STATUSES = ("pending", "in_flight", "done", "error", "dead", "unrouted")
+
+
+LANE_FIELDS = frozenset({"lane_key"})
+"""Metadata fields that name a patient (a lane key is usually PID-3, the MRN): masked by `LaneMask`
+for a reader without the body permission."""
+
+
+class LaneMask:
+    """Replaces every lane key in a document with ``lane:<12 hex>``, an HMAC-SHA256 of it under a
+    random key that never leaves this object (one per serving process): equal lanes give equal
+    masks, so a viewer can still group a lane's messages, but no one can get the MRN back or test a
+    guessed one without the key. Masks change when the process restarts and differ between nodes."""
+
+    PREFIX = "lane:"
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    def digest(self, lane: str) -> str:
+        return self.PREFIX + hmac.new(self._key, str(lane).encode(), hashlib.sha256).hexdigest()[:12]
+
+    def apply(self, doc: Any) -> Any:
+        """`doc` (dicts, lists and dataclass-free JSON values) with each `LANE_FIELDS` value masked."""
+        if isinstance(doc, dict):
+            return {k: (self.digest(v) if k in LANE_FIELDS and v is not None else self.apply(v))
+                    for k, v in doc.items()}
+        if isinstance(doc, (list, tuple)):
+            return [self.apply(v) for v in doc]
+        return doc
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ reactor serves while the client waits.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -102,6 +104,37 @@ class PhiOverTheApi(unittest.TestCase):
             self.assertEqual((code, story["inbound"]["payload"]), (200, BODY))
         code, doc = yield defer.ensureDeferred(self.get("/messages/adt-1?body=maybe", OPERATOR_TOKEN))
         self.assertEqual((code, doc), (400, {"error": "body must be 1 or 0, got 'maybe'"}))
+
+    @defer.inlineCallbacks
+    def test_a_viewer_sees_lane_keys_masked_stable_per_lane_and_cannot_filter_by_one(self):
+        # red team (issue 23, item 19): viewer metadata carried lane_key, usually PID-3 (the MRN)
+        epoch = acquire_permanent(self.store, node_id="solo:1:aa")
+        with self.store.transaction() as tx:
+            rowlease.stage_inbound(tx, [
+                {"message_id": f"adt-{n}", "control_id": f"C{n}", "connection": "adt-in", "lane_key": lane,
+                 "charset": None, "payload": BODY} for n, lane in ((2, "P77"), (3, "P88"))],
+                epoch=epoch, node_id="solo:1:aa")
+        code, found = yield defer.ensureDeferred(self.get("/messages", VIEWER_TOKEN))
+        self.assertEqual(code, 200)
+        lanes = {m["message_id"]: m["lane_key"] for m in found["messages"]}
+        self.assertEqual(set(lanes), {"adt-1", "adt-2", "adt-3"})
+        self.assertTrue(all(re.fullmatch(r"lane:[0-9a-f]{12}", v) for v in lanes.values()), lanes)
+        self.assertEqual(lanes["adt-1"], lanes["adt-2"])  # one lane: one mask, so grouping still works
+        self.assertNotEqual(lanes["adt-1"], lanes["adt-3"])
+        self.assertNotIn("P77", json.dumps(found))
+        code, story = yield defer.ensureDeferred(self.get("/messages/adt-1", VIEWER_TOKEN))
+        self.assertEqual((code, story["inbound"]["lane_key"], story["inbound"]["control_id"]),
+                         (200, lanes["adt-1"], MRN))  # the control id (a message's id) stays
+        self.assertNotIn('"P77"', json.dumps(story))
+        self.assertNotEqual(lanes["adt-1"], "lane:" + hashlib.sha256(b"P77").hexdigest()[:12])  # keyed
+        code, doc = yield defer.ensureDeferred(self.get("/messages?lane_key=P77", VIEWER_TOKEN))
+        self.assertEqual((code, doc), (403, {"error": "lane_key filters need messages:read_body"}))
+        for token in (OPERATOR_TOKEN, ADMIN_TOKEN):  # who may read bodies sees the lane as it is
+            code, found = yield defer.ensureDeferred(self.get("/messages?lane_key=P77", token))
+            self.assertEqual((code, sorted(m["message_id"] for m in found["messages"])), (200, ["adt-1", "adt-2"]))
+            self.assertEqual({m["lane_key"] for m in found["messages"]}, {"P77"})
+            code, story = yield defer.ensureDeferred(self.get("/messages/adt-1", token))
+            self.assertEqual((code, story["inbound"]["lane_key"]), (200, "P77"))
 
     # --- 2. every body read is audited ------------------------------------------------------------
 
