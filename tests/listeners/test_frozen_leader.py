@@ -176,9 +176,11 @@ def _lease(store_config) -> dict:
     return _query(store_config, "SELECT owner, epoch FROM leader_lease WHERE id = 1")[0]
 
 
-def _received_under(store_config, epoch: int) -> int:
-    """Rows the store took in under `epoch` (their 'received' events carry the writer's epoch)."""
-    return _query(store_config, "SELECT count(*) AS n FROM message_events WHERE event = 'received' AND epoch = %(e)s",
+def _received_under(store_config, epoch: int, *, later: bool = False) -> int:
+    """Rows the store took in under `epoch` (or any later one): their 'received' events carry the
+    writer's epoch."""
+    op = ">" if later else "="
+    return _query(store_config, f"SELECT count(*) AS n FROM message_events WHERE event = 'received' AND epoch {op} %(e)s",
                   e=epoch)[0]["n"]
 
 
@@ -216,7 +218,9 @@ class FreezeRun:
     standby_after_wake_s: float
 
 
-def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config) -> FreezeRun:
+def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config, *, a_rejoins: bool = True) -> FreezeRun:
+    """Stream, freeze A past the lease TTL, wake it. `a_rejoins`: wait for A to report standby
+    (else only for it to answer again: on a shared address either node may lead afterwards)."""
     old_epoch = _lease(store_config)["epoch"]
     ports = [port_a] if port_a == port_b else [port_a, port_b]
     sender = RetryingSender(ports, prefix="F")
@@ -240,7 +244,11 @@ def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config)
 
     a.signal(signal.SIGCONT)
     woke_at = time.monotonic()
-    wait_for(lambda: (_status(a) or {}).get("role") == "standby", timeout=15, interval=0.05, what="A to rejoin as a standby")
+    if a_rejoins:
+        wait_for(lambda: (_status(a) or {}).get("role") == "standby", timeout=15, interval=0.05,
+                 what="A to rejoin as a standby")
+    else:
+        wait_for(lambda: _status(a) is not None, timeout=15, interval=0.05, what="A to answer again")
     standby_after = time.monotonic() - woke_at
     time.sleep(3.0)  # the stream goes on after the wake: A must stay out, B must keep serving
     probe.join(20)
@@ -248,7 +256,7 @@ def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config)
                      watch.stop(), standby_after)
 
 
-def _assert_fenced_and_lossless(run: FreezeRun, a: Daemon, b: Daemon, port_a: int, store_config) -> None:
+def _assert_fenced_and_lossless(run: FreezeRun, store_config) -> None:
     never = run.sender.finish()
     assert never == [], f"the sender gave up on {never}"
     staged = _staged(store_config)
@@ -256,16 +264,13 @@ def _assert_fenced_and_lossless(run: FreezeRun, a: Daemon, b: Daemon, port_a: in
     assert lost == [], f"{len(lost)} AA'd message(s) not in the store"
     # the woken node committed nothing under its old epoch after the standby took over
     assert run.old_epoch_rows_at_takeover > 0, "the old leader's rows carry its epoch (else this proves nothing)"
-    assert _received_under(store_config, run.new_epoch) > 0
+    assert _received_under(store_config, run.old_epoch, later=True) > 0
     assert _received_under(store_config, run.old_epoch) == run.old_epoch_rows_at_takeover
-    assert _lease(store_config) == {"owner": "node-b:2:bb", "epoch": run.new_epoch}
     assert run.two_leaders == [], f"both nodes said they lead at {len(run.two_leaders)} sample(s)"
     # what the frozen node read while frozen: answered AA only if stored; its connection closed
     assert run.probe.closed_at is not None, "the woken node left the connection it read while frozen open"
     if run.probe.answer == "AA":
         assert "Z000001" in staged, "AA for a message the woken node did not commit"
-    assert (a.status()["role"], b.status()["role"]) == ("standby", "primary")
-    assert run.standby_after_wake_s <= HEARTBEAT + 1.0
 
 
 def test_a_frozen_leader_on_its_own_address_fences_on_waking_and_the_standby_serves(tmp_path, pg_config_fresh):
@@ -277,8 +282,43 @@ def test_a_frozen_leader_on_its_own_address_fences_on_waking_and_the_standby_ser
               f"first AA {first_aa:.2f}s after it, A standby {run.standby_after_wake_s:.2f}s after SIGCONT, "
               f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries")
         assert first_aa is not None and first_aa <= TTL + 3.0
-        _assert_fenced_and_lossless(run, a, b, port_a, pg_config_fresh)
+        _assert_fenced_and_lossless(run, pg_config_fresh)
+        assert _lease(pg_config_fresh) == {"owner": "node-b:2:bb", "epoch": run.new_epoch}
+        assert (a.status()["role"], b.status()["role"]) == ("standby", "primary")
+        assert run.standby_after_wake_s <= HEARTBEAT + 1.0
         assert not port_open(port_a), "the woken node still holds its MLLP port"
+        # what HAProxy asks: only the serving leader answers 200
+        assert (a.get("/leader", token=None)[0], b.get("/leader", token=None)[0]) == (503, 200)
+    finally:
+        for d in (a, b):
+            d.signal(signal.SIGCONT)
+            d.stop()
+
+
+def test_a_frozen_leader_sharing_the_address_is_served_again_within_three_seconds_of_waking(tmp_path, pg_config_fresh):
+    """Both nodes on one address (one host, one config): while A is frozen it still holds the port,
+    so the standby that takes the lease cannot bind. It retries (and steps down past its grace); once
+    A wakes, fences and closes the port, a node binds it and the sender gets AA within 3 s."""
+    a, b, port, _ = _start_pair(tmp_path, pg_config_fresh, shared_port=True)
+    try:
+        run = _freeze_leader(a, b, port, port, pg_config_fresh, a_rejoins=False)
+        wait_for(lambda: run.sender.first_aa_after(run.woke_at) is not None, timeout=10, interval=0.05,
+                 what="AA again after the frozen node woke")
+        again = run.sender.first_aa_after(run.woke_at)
+        leader = _lease(pg_config_fresh)
+        print(f"frozen leader, shared address: lease taken {run.takeover_s:.2f}s after SIGSTOP, AA again "
+              f"{again:.2f}s after SIGCONT (frozen {FROZEN}s), leader now {leader['owner']} epoch {leader['epoch']}, "
+              f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries")
+        # B took the lease while A still held the port: it could not bind, retried, and stepped down
+        # past its grace (3 heartbeats) rather than lead serving nothing
+        assert "cannot bind inbound adt-in" in b.output() and "stepping down" in b.output()
+        assert again <= 3.0
+        _assert_fenced_and_lossless(run, pg_config_fresh)
+        assert leader["epoch"] >= run.new_epoch
+        roles = sorted((_status(n) or {}).get("role") for n in (a, b))
+        assert roles == ["primary", "standby"], roles
+        codes = sorted(n.get("/leader", token=None)[0] for n in (a, b))
+        assert codes == [200, 503], codes
     finally:
         for d in (a, b):
             d.signal(signal.SIGCONT)
