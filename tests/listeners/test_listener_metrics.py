@@ -129,7 +129,7 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
             for kind in ("mllp", "tcp", "http"):
                 assert over(kind, locked, "locked") == "AE", kind
                 read_bytes[kind] += size[kind](locked)
-            (drop / "locked.hl7").write_bytes(locked)  # left in place and retried each poll while locked
+            (drop / "locked.hl7").write_bytes(locked)  # claimed, then retried each poll while locked
 
             def file_ae() -> float:
                 return samples(d.get("/metrics")[1].decode()).get(
@@ -139,7 +139,8 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
         finally:
             blocker.execute("ROLLBACK")
             blocker.close()
-        wait_for(lambda: not (drop / "locked.hl7").exists(), timeout=20, interval=0.05, what="locked.hl7 staged")
+        wait_for(lambda: (tmp_path / "archive" / "locked.hl7").exists(), timeout=20, interval=0.05,
+                 what="locked.hl7 staged and archived")
 
         # a connection held open shows in the gauge of each network kind
         held = {kind: socket.create_connection(("127.0.0.1", ports[kind]), timeout=5) for kind in ports}
