@@ -7,13 +7,17 @@ are errors (a typo must not fall back to a default). The runtime dataclasses the
 A `code` hook must live in the pipeline config directory's `code/` folder: the config dir is
 code, nothing else is. So a hook naming a standard-library or builtin module (``os:system``,
 ``subprocess:run``, ``builtins:eval``) is refused here without any I/O, and with the directory
-known (``context={"code_dir": ...}``) a module not found in it is refused too.
+known (``context={"code_dir": ...}``) a module not found in it is refused too, and so is a hook
+whose dotted module file is missing or whose source binds no such function at top level (read
+with `ast`, never imported: checking a config runs none of its code).
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal, Union
 from urllib.parse import urlsplit
@@ -85,7 +89,56 @@ def check_code_spec(value: str, code_dir: str | os.PathLike[str] | None = None) 
     if code_dir is not None and hook_module_path(module, code_dir) is None:
         raise ValueError(f"module {module!r} not found in {code_dir} (a code hook may only import from "
                          "<config>/code/: put it there as <module>.py or a package)")
+    if code_dir is not None:
+        why = _hook_function_missing(module, value.partition(":")[2], Path(code_dir))
+        if why:
+            raise ValueError(why)
     return value
+
+
+def _hook_function_missing(module: str, function: str, code_dir: Path) -> str | None:
+    """Why `module:function` cannot be found in `code_dir` without importing anything (None: found,
+    or not decidable, e.g. a `from x import *`): the dotted module's file must exist inside
+    `code_dir`, and its source must define or import `function` at top level."""
+    parts = module.split(".")
+    base = code_dir / Path(*parts)
+    source = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+    if source is None:
+        return (f"module {module!r} not found in {code_dir}: no {Path(*parts)}.py or {Path(*parts)}/__init__.py "
+                "(a code hook may only import from <config>/code/)")
+    try:
+        if code_dir.resolve() not in source.resolve().parents:
+            return f"module {module!r} lies outside {code_dir} through a symbolic link"
+        from include.schema.reading import read_config_bytes
+
+        tree = ast.parse(read_config_bytes(source, limit=4 * 1024 * 1024), filename=str(source))
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"module {module!r} ({source}) cannot be read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    names: set[str] = set()
+    for node in _module_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None  # not decidable without importing
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    if function not in names:
+        return f"module {module!r} ({source}) defines no {function!r} at top level"
+    return None
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run at import, into if/try/with/for blocks but not into functions or classes."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _module_level(getattr(node, block, []) or [])
+            for handler in getattr(node, "handlers", []) or []:
+                yield from _module_level(handler.body)
 
 
 Name = Annotated[str, AfterValidator(_name)]

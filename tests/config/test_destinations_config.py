@@ -128,11 +128,32 @@ def test_a_code_hook_must_be_found_in_the_code_dir_when_it_is_known(tmp_path: Pa
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     spec = {"name": "a", "kind": "file", "directory": "/x"}
+    (tmp_path / "pkg" / "sub.py").write_text("from lab_hooks import fix as f\n")
     parsed = parse_destinations([{**spec, "code": "lab_hooks:fix"}, {**spec, "name": "b", "code": "pkg.sub:f"}],
                                 code_dir=tmp_path)
     assert parsed["a"].code == "lab_hooks:fix"
     with pytest.raises(DestinationConfigError, match=r"destination\[0\]\.code: module 'pytest' not found in"):
         parse_destinations([{**spec, "code": "pytest:main"}], code_dir=tmp_path)
+
+
+@pytest.mark.parametrize("code, message", [
+    ("pkg.missing:f", "module 'pkg.missing' not found in {d}: no pkg/missing.py or pkg/missing/__init__.py"),
+    ("hk:nope", "module 'hk' ({d}/hk.py) defines no 'nope' at top level"),
+    ("broken:f", "module 'broken' ({d}/broken.py) cannot be read"),
+])
+def test_a_hook_whose_submodule_or_function_is_missing_is_refused_without_importing_it(tmp_path, code, message):
+    """Red team item 17: `pkg.missing:f` and `hk:nope` passed `config check` and failed at delivery."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "hk.py").write_text("raise SystemExit('imported!')\nif True:\n    def maybe(m):\n        return m\n"
+                                    "def f(m):\n    def nope(x):\n        return x\n    return m\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    spec = {"name": "a", "kind": "file", "directory": "/x"}
+    with pytest.raises(DestinationConfigError) as caught:
+        parse_destinations([{**spec, "code": code}], code_dir=tmp_path)
+    assert message.format(d=tmp_path) in str(caught.value)
+    for fine in ("hk:f", "hk:maybe"):  # found in the source; the module was never run
+        assert parse_destinations([{**spec, "code": fine}], code_dir=tmp_path)["a"].code == fine
 
 
 def test_missing_tls_files_are_reported_when_files_are_checked(tmp_path: Path) -> None:
