@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -453,3 +454,26 @@ def test_the_page_escapes_what_the_store_holds():
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "no live leader" in page
     assert "; archived 1970-01-01 00:00:00.000Z" in page  # retention archived it: the page says so
     assert page.count("<script>") == 1  # the page's own
+
+
+def test_a_viewer_sees_lane_keys_masked_and_may_not_filter_by_lane(view):
+    """Lane keys are usually PID-3, the MRN (issue 23, red team item 19): Airflow's Viewer sees a
+    keyed digest, the same for one lane, and may not filter by lane; an Admin sees the lane."""
+    server, _, _ = view
+    port = server.port
+    viewer, admin = token_for(port, "viewer"), token_for(port, "admin")
+    status, found, _ = http(port, "GET", "/stageline/api/messages?control_id=VIEW1", token=admin)
+    lane = found["messages"][0]["lane_key"]
+    assert status == 200 and lane and not lane.startswith("lane:")
+    status, found, _ = http(port, "GET", "/stageline/api/messages?control_id=VIEW1", token=viewer)
+    masked = found["messages"][0]["lane_key"]
+    assert status == 200 and re.fullmatch(r"lane:[0-9a-f]{12}", masked) and lane not in json.dumps(found)
+    status, story, _ = http(port, "GET", "/stageline/api/messages/VIEW1", token=viewer)
+    assert status == 200 and story["inbound"]["lane_key"] == masked and story["inbound"]["control_id"] == "VIEW1"
+    status, page, _ = http(port, "GET", "/stageline/?show=VIEW1", cookie=f"_token={viewer}")
+    assert status == 200 and masked in page and f"lane {lane}," not in page
+    status, doc, _ = http(port, "GET", f"/stageline/api/messages?lane_key={lane}", token=viewer)
+    assert (status, doc) == (403, {"detail": "lane filters need the OP or ADMIN role"})
+    assert http(port, "GET", f"/stageline/?lane_key={lane}", cookie=f"_token={viewer}")[0] == 403
+    status, found, _ = http(port, "GET", f"/stageline/api/messages?lane_key={lane}", token=admin)
+    assert status == 200 and {m["lane_key"] for m in found["messages"]} == {lane}

@@ -26,6 +26,8 @@ trail) unless asked for (`body=1`) by a user who may read them: the auth manager
 "Stageline message bodies" (GET) and, under the SimpleAuthManager (which grants every custom view
 to VIEWER), the OP or ADMIN role. So Airflow's Viewer and User see metadata only; Op and Admin may
 read bodies, and each read is a `body_read` event naming the user (`reader:airflow <username>`).
+For a user who may not read bodies a lane key (usually the MRN) shows as a keyed digest
+(`lane:<12 hex>`, `include.store.operator.LaneMask`) and a lane filter is refused (403).
 
 The store is the service config's (`$STAGELINE_CONFIG` of the api-server's environment) via
 `StagelineStoreHook`, opened at the first request and kept for the process. Airflow builds every
@@ -95,6 +97,19 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
         return True
 
+    lanes = ops.LaneMask()  # lane keys (usually the MRN) for users who may not read bodies (docs/api.md)
+
+    def for_user(user: Any, doc: Any) -> Any:
+        """`doc` with lane keys masked unless `user` may read bodies."""
+        return doc if may_read_bodies(user) else lanes.apply(doc)
+
+    def lane_filter(user: Any, filters: ops.Filters) -> ops.Filters:
+        """`filters`; 403 for a lane filter from a user who may not read bodies (it would tell
+        whether a guessed MRN has messages)."""
+        if filters.lane_key is not None and not may_read_bodies(user):
+            raise HTTPException(403, "lane filters need the OP or ADMIN role")
+        return filters
+
     def body_reader(user: Any, asked: str | None) -> ops.Reader | None:
         """The audit trail's reader when bodies are asked for (`body=1`) and allowed; 403 when not allowed."""
         if not _flag(asked):
@@ -149,14 +164,15 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @app.get("/api/messages")
     @guarded
     def get_messages(request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
-        return {"messages": ops.find(store(), ops.Filters.from_query(request.query_params))}
+        filters = lane_filter(user, ops.Filters.from_query(request.query_params))
+        return for_user(user, {"messages": ops.find(store(), filters)})
 
     @app.get("/api/messages/{ref}")
     @guarded
     def get_message(ref: str, body: str | None = None, user: Any = Depends(reader)) -> dict[str, Any]:
         cold = parquet()
-        return ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold,
-                        reader=body_reader(user, body)).__dict__
+        return for_user(user, ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold,
+                                       reader=body_reader(user, body)).__dict__)
 
     @app.get("/api/dead")
     @guarded
@@ -205,6 +221,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         args = request.query_params
         filters = ops.Filters.from_query({**args, "limit": args.get("limit") or "20"})
         filters.params()  # out-of-range figures: 400 before any read
+        lane_filter(user, filters)
         body_for = body_reader(user, args.get("body"))
 
         def read() -> view_html.PageData:
@@ -214,11 +231,12 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
                 try:
                     cold = parquet()
                     shown = ops.show(s, ops.resolve(s, args["show"], parquet=cold), parquet=cold, reader=body_for)
+                    shown = ops.Story(**for_user(user, shown.__dict__))
                 except LookupError:
                     shown = None
             return view_html.PageData(
                 user=user.get_name(), may_operate=may(user, "POST"), cluster=cluster(), stages=ops.stages(s),
-                dead=ops.dead_letters(s), messages=ops.find(s, filters), filters=filters, shown=shown,
+                dead=ops.dead_letters(s), messages=for_user(user, ops.find(s, filters)), filters=filters, shown=shown,
                 shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"),
                 may_read_bodies=may_read_bodies(user))
 
