@@ -162,7 +162,8 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
         def over_file(data: bytes, name: str) -> str:
             (drop / name).write_bytes(data)
             rejected = archive / "rejected" / f"{name}.reason"
-            wait_for(lambda: not (drop / name).exists(), timeout=10, interval=0.02, what="file taken")
+            wait_for(lambda: (archive / name).exists() or (rejected.exists() and rejected.read_text().endswith("\n")),
+                     timeout=10, interval=0.02, what="file taken")  # claimed first: done once archived or refused
             return rejected.read_text().splitlines()[0] if rejected.exists() else "archived"
 
         assert over_mllp(bad) == f"AR {reason}"

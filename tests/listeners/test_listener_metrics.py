@@ -72,8 +72,11 @@ class Senders:
 
     def file(self, payload: bytes, name: str) -> str:
         (self.drop / name).write_bytes(payload)
-        wait_for(lambda: not (self.drop / name).exists(), timeout=20, interval=0.05, what=f"{name} taken")
-        return "AR" if (self.drop.parent / "archive" / "rejected" / name).exists() else "AA"
+        archive = self.drop.parent / "archive"
+        reason = archive / "rejected" / f"{name}.reason"  # claimed first: done once archived or its reason is written
+        wait_for(lambda: (archive / name).exists() or (reason.exists() and reason.read_text().endswith("\n")),
+                 timeout=20, interval=0.05, what=f"{name} taken")
+        return "AR" if reason.exists() else "AA"
 
 
 def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_path):
