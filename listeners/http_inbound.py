@@ -33,7 +33,7 @@ from io import BytesIO
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet import threads
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -41,6 +41,7 @@ from twisted.web.http import _escape
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from listeners import access_log, batchgate
 from listeners.connections import InboundConfig
 from listeners.guard import guard_channels
 from listeners.inbound import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
@@ -138,10 +139,16 @@ class InboundResource(Resource):
         # A large body (a batch of thousands of messages is split, each validated) is built on a
         # thread, so the reactor's turn stays short whatever the body holds; requests on one
         # connection are handled one at a time, so nothing is reordered.
-        built = threads.deferToThread(build)
-        built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
-                           errbackArgs=(request, conn, gone))
-        built.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
+        # Large bodies take turns process-wide (listeners/batchgate.py) until answered: splitting
+        # one holds many times its size until it is committed.
+        def work() -> Deferred[None]:
+            built = threads.deferToThread(build)
+            built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
+                               errbackArgs=(request, conn, gone))
+            return built
+
+        answered = batchgate.batch_gate.run(len(body), work)
+        answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
         return NOT_DONE_YET
 
     def _not_built(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
@@ -157,11 +164,13 @@ class InboundResource(Resource):
             request.write(body)
             request.finish()
 
-    def _submit(self, request: Request, conn: InboundConfig, gone: list[bool], item: Inbound | InboundBatch) -> None:
+    def _submit(self, request: Request, conn: InboundConfig, gone: list[bool],
+                item: Inbound | InboundBatch) -> Deferred[None]:
         d = maybeDeferred(self.ingest.submit, item)
         d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
                        errbackArgs=(request, conn, gone))
         d.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
+        return d
 
     def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool],
                    item: Inbound | InboundBatch) -> None:
@@ -248,6 +257,7 @@ class _InboundRequest(Request):
         self.channel.transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        access_log.log_refused(self, 413, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
 
 
@@ -256,7 +266,7 @@ def _access_path(inbound: InboundResource) -> Any:
     may carry anything)."""
     def shown(path: bytes) -> str:
         conn = inbound.connection_for(path)
-        return f"/messages/{conn.name}" if conn is not None else "/<unknown>"
+        return f"/messages/{conn.name}" if conn is not None else access_log.UNKNOWN_PATH
     return shown
 
 

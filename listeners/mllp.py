@@ -31,6 +31,7 @@ from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from listeners import batchgate
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7batch import starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
@@ -381,7 +382,9 @@ class MLLPProtocol(OrderedReplyProtocol):
             self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
             return
         assert self.peer is not None
-        d = maybeDeferred(self._batch_handler, payload, self.peer)
+        # Large batches take turns process-wide (listeners/batchgate.py): splitting one holds many
+        # times its size until it is committed. This connection reads nothing while it waits.
+        d = batchgate.batch_gate.run(len(payload), self._batch_handler, payload, self.peer)
 
         def timed_out() -> None:
             _log.error("handler timed out for a batch from {peer}; answering AE", peer=self.peer_text)

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from twisted.internet.defer import maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -30,7 +30,8 @@ from twisted.python.failure import Failure
 from listeners.connections import TCP_FRAMINGS, InboundConfig
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.ingest import InboundBatch
-from listeners.offload import off_reactor
+from listeners import batchgate
+from listeners.offload import OFFLOAD_BYTES, off_reactor
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory
 
 if TYPE_CHECKING:
@@ -213,12 +214,21 @@ class TCPProtocol(OrderedReplyProtocol):
     def _on_frame(self, payload: bytes) -> None:
         factory = self.factory
         factory.count_received(len(payload))
-        slot = Slot()
+        # A large frame (a batch) stops reading until it is answered, as an MLLP batch does: what
+        # waits for its turn at the gate is one frame per connection, never a queue of them.
+        slot = Slot(weight=self._max_in_flight if len(payload) >= OFFLOAD_BYTES else 1)
         self.enqueue(slot)
+        # Large frames take turns process-wide (listeners/batchgate.py) until answered.
+        batchgate.batch_gate.run(len(payload), self._build_and_submit, payload, slot)
+
+    def _build_and_submit(self, payload: bytes, slot: Slot) -> Deferred[None]:
+        """Build and submit one frame; fires once it is answered (or refused)."""
+        factory = self.factory
         # A large frame (a batch of thousands of messages) is split off the reactor (listeners/offload.py).
         built = off_reactor(factory.clock, len(payload), build_inbound, payload, connection=self._config.name,
                             charset=self._config.charset, lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
         built.addCallbacks(self._submit, self._refused, callbackArgs=(slot,), errbackArgs=(slot, len(payload)))
+        return built
 
     def _refused(self, failure: Failure, slot: Slot, size: int) -> None:
         if not failure.check(PayloadRejected):
@@ -230,12 +240,13 @@ class TCPProtocol(OrderedReplyProtocol):
                   size=size, connection=self._config.name, peer=self.peer_text, reason=str(failure.value))
         self.answer(slot, self._nak(str(failure.value), "AR"))
 
-    def _submit(self, item: Any, slot: Slot) -> None:
+    def _submit(self, item: Any, slot: Slot) -> Deferred[None]:
         d = maybeDeferred(self.factory.ingest.submit, item)
         if isinstance(item, InboundBatch):  # one answer for the batch: its id and how many it staged
             d.addCallback(lambda batch_id, n=len(item.items): f"{batch_id} ({n} messages)")
         self.await_answer(d, slot, self.factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
         d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
+        return d
 
     def _on_oversize(self, size: int) -> None:
         limit = self._config.max_message_bytes
