@@ -4,7 +4,11 @@ Twisted's `Site` writes one line per request to the daemon's log with the whole 
 `GET /messages?control_id=MRN-0042` or `GET /messages/MRN-0042` would put an identifier in a log
 file that no permission guards. The formatter here writes the request's shape instead: each query
 field's name (when it is one the site knows) with its value replaced by `...`, and the path with the
-segments that name a message replaced by a placeholder (the caller says which).
+segments that name a message replaced by a placeholder (the caller says which); a path that
+matches no route is written as `UNKNOWN_PATH` (a path a client made up may carry anything).
+
+A request refused from its headers alone (401/403/413 before its body) never reaches `Request.finish`,
+so Twisted writes no line for it; `log_refused` writes its line, redacted the same way.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import Any
 from twisted.web.http import Request, _escape
 
 REDACTED = "..."
+UNKNOWN_PATH = "/<unknown>"
+"""How an access or refusal line shows a path that matches no route."""
 
 
 def redact_query(query: bytes, known: Collection[str] = ()) -> str:
@@ -48,3 +54,17 @@ def formatter(*, path: Callable[[bytes], str] | None = None,
                 f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"')
 
     return line
+
+
+def log_refused(request: Request, status: int, sent: int) -> None:
+    """The access line of a request answered before Twisted parsed it whole (its body refused from
+    its headers): the method, path and protocol come from the channel, which has read them."""
+    channel = request.channel
+    request.method = getattr(channel, "_command", None) or b"-"
+    request.uri = getattr(channel, "_path", None) or b"-"
+    request.clientproto = getattr(channel, "_version", None) or b"-"
+    request.code = status
+    request.sentLength = sent
+    site = getattr(channel, "site", None)
+    if site is not None:
+        site.log(request)

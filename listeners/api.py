@@ -287,12 +287,20 @@ QUERY_FIELDS = frozenset({"control_id", "message_id", "lane_key", "connection", 
 _FIXED = {b"dead", b"requeue", b"replay"}
 
 
+_ROUTES = frozenset({b"/", b"/health", b"/leader", b"/metrics", b"/stages", b"/messages", b"/messages/dead",
+                     b"/messages/requeue", b"/cluster/status", b"/cluster/nodes"})
+
+
 def redact_path(path: bytes) -> str:
-    """`/messages/MRN-0042/replay` as `/messages/{ref}/replay`: a message ref may be an identifier."""
+    """`/messages/MRN-0042/replay` as `/messages/{ref}/replay`: a message ref may be an identifier.
+    A path that matches no route is `/<unknown>`: a client may put anything in it."""
+    if path in _ROUTES:
+        return path.decode("ascii")
     parts = path.split(b"/")
-    if len(parts) > 2 and parts[1] == b"messages" and parts[2] and parts[2] not in _FIXED:
-        parts[2] = b"{ref}"
-    return b"/".join(parts).decode("ascii", "replace")
+    if len(parts) in (3, 4) and parts[1] == b"messages" and parts[2] and parts[2] not in _FIXED \
+            and (len(parts) == 3 or parts[3] == b"replay"):
+        return "/messages/{ref}" + ("/replay" if len(parts) == 4 else "")
+    return access_log.UNKNOWN_PATH
 
 
 class _ApiRequest(Request):
@@ -341,6 +349,7 @@ class _ApiRequest(Request):
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
             % (status, phrase, b"WWW-Authenticate: %s\r\n" % challenge if challenge else b"", len(body), body))
+        access_log.log_refused(self, status, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from twisted.internet import defer, threads
+from twisted.internet import defer, reactor, task, threads
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 from twisted.trial import unittest
 
@@ -178,6 +178,29 @@ class PhiOverTheApi(unittest.TestCase):
         self.assertIn("unknown token", logged)
         for text in (MRN, "adt-1", *PHI):
             self.assertNotIn(text, logged)
+
+    @defer.inlineCallbacks
+    def test_unknown_paths_are_logged_as_unknown_and_early_refusals_get_an_access_line(self):
+        """Issue 23, red team network items 5 and 8: a path no route matches is `/<unknown>` in the
+        access log and in the before-body refusal line; a request refused from its headers (401,
+        403, 413) still gets its one access line."""
+        events: list[LogEvent] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        for path in ("/zz/MRN-4444", "/messages//MRN-5555", "/messages/C1/extra/MRN-7777"):
+            yield defer.ensureDeferred(self.get(path, VIEWER_TOKEN))
+        head = b"POST /anything/MRN-12121 HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        answer, _, _ = yield threads.deferToThread(self.raw, head)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 401"), answer)
+        answer, _, _ = yield threads.deferToThread(self.raw, self.post_head(100_000_000, OPERATOR_TOKEN))
+        self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer)
+        yield task.deferLater(reactor, 0.1, lambda: None)
+        logged = "\n".join(formatEvent(e) + repr(e) for e in events)
+        self.assertNotIn("MRN-", logged)
+        self.assertGreaterEqual(logged.count('"GET /<unknown> HTTP/1.1" 404'), 2, logged)
+        self.assertIn("401 for /<unknown> from", logged)
+        self.assertIn('"POST /<unknown> HTTP/1.1" 401', logged)
+        self.assertIn('"POST /messages/requeue HTTP/1.1" 413', logged)
 
     # --- 4. the token and the size are checked before the body is read ----------------------------
 

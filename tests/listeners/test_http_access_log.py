@@ -64,3 +64,22 @@ def test_query_strings_paths_and_bodies_stay_out_of_the_log(node) -> None:
     assert '"POST /messages/web?<redacted> HTTP/1.1" 202' in log
     assert '"GET /messages/web?<redacted> HTTP/1.1" 405' in log
     assert '"POST /<unknown>?<redacted> HTTP/1.1" 404' in log
+
+
+def test_a_post_refused_from_its_headers_gets_its_access_line(node) -> None:
+    """A 413 answered from the Content-Length alone (the body never read) is still logged once,
+    redacted like any request (issue 23, red team network item 8)."""
+    import socket
+
+    d, port = node
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"POST /messages/web?mrn=MRN-SECRET-9 HTTP/1.1\r\nHost: x\r\nContent-Type: application/hl7-v2\r\n"
+                  b"Content-Length: 100000000\r\n\r\n")
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413"), answer
+    deadline = time.monotonic() + 5
+    while '" 413 ' not in d.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = d.output()
+    assert '"POST /messages/web?<redacted> HTTP/1.1" 413' in log
+    assert "SECRET-9" not in log
