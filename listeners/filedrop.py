@@ -30,8 +30,9 @@ Rules, in order of a poll:
   the writer (mtimes on network shares come from other hosts' clocks). Writers should still write
   under a temp name (above) and rename when done; the rule is the safety net.
 * **Claimed before it is read.** A stable file is first renamed (by directory descriptor) into
-  the connection's private ``processing`` directory (0700, outside the drop tree, on the archive's
-  side), and read, staged and archived from there. A writer that renames a new file over the same
+  the connection's private ``processing`` directory (0700, outside the drop tree:
+  ``<var dir>/filedrop/<connection>/processing``, or ``<archive>/.processing-<connection>`` with a
+  configured archive), and read, staged and archived from there. A writer that renames a new file over the same
   name meanwhile leaves it in the drop for the next poll: what is archived is always exactly what
   was staged. Files in ``processing`` (a crash, a failed submit) are taken first at the next poll.
 * **Order.** Stable files go oldest mtime first (then by name), one at a time. A failed submit
@@ -132,12 +133,11 @@ def default_error_directory(connection: str) -> Path:
 
 
 def default_processing(connection: str, archive: str | None = None) -> Path:
-    """Where a connection's files wait between claim and archive: beside the archive (a rename
-    needs the same file system), private to the connection."""
+    """Where a connection's files wait between claim and archive: beside the default archive, or
+    inside a configured one (writable by us and on its file system, as a rename needs)."""
     if not archive:
         return var_dir() / "filedrop" / connection / "processing"
-    path = Path(archive)
-    return path.parent / f".{path.name}.{connection}.processing"
+    return Path(archive) / f".processing-{connection}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +168,7 @@ class _Dirs:
     """The three directories as descriptors, opened once and re-checked at every poll."""
 
     def __init__(self, drop: Path, archive: Path, errors: Path, processing: Path) -> None:
-        self.paths = {"directory": drop, "processing": processing, "archive": archive, "error_directory": errors}
+        self.paths = {"directory": drop, "archive": archive, "error_directory": errors, "processing": processing}
         self.fds: dict[str, int] = {}
 
     def check(self) -> None:
@@ -180,7 +180,7 @@ class _Dirs:
                 continue
             if fd is not None:
                 os.close(self.fds.pop(key))
-                if key != "directory":
+                if key in ("archive", "error_directory"):  # processing is reopened (never through a link)
                     try:
                         what = kind(os.lstat(path))
                     except OSError:

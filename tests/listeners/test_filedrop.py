@@ -79,12 +79,13 @@ class Harness:
 
 
 def listing(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+    """The names in `path`, but the connection's own processing directory inside the archive."""
+    return sorted(p.name for p in path.iterdir() if p.name != ".processing-drop") if path.exists() else []
 
 
 def processing(tmp_path: Path) -> Path:
-    """Where the harness's connection keeps claimed files: beside its archive, private."""
-    return tmp_path / ".archive.drop.processing"
+    """Where the harness's connection keeps claimed files: inside its configured archive, private."""
+    return tmp_path / "archive" / ".processing-drop"
 
 
 UNIQUE = r"\.\d{8}T\d{6}Z-[0-9a-f]{8}"
@@ -594,7 +595,7 @@ class FileDropRedTeamStoreTests(_RealStore):
         # The previous run claimed a.hl7 and committed it, then crashed before archiving it.
         yield writer.submit(Inbound(connection="drop", payload=adt("A").decode(), control_id="A",
                                     message_id=message_id))
-        processing(self.tmp).mkdir(mode=0o700)
+        processing(self.tmp).mkdir(mode=0o700, parents=True)
         (processing(self.tmp) / "a.hl7").write_bytes(adt("A"))
         os.utime(processing(self.tmp) / "a.hl7", ns=(2_000_000_000_000_000_000,) * 2)
         drop(self.tmp, "b.hl7", adt("B"), mtime=1_000_000_000_000_000_000)  # older, but not claimed yet
