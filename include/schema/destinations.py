@@ -209,7 +209,7 @@ class FileModel(_Common):
     kind: Literal["file"]
     directory: Text
     suffix: str = ".hl7"
-    mode: int = Field(default=0o600, ge=0, le=0o777)
+    mode: int = Field(default=0o600, ge=0)  # at most 0o644: `_private_enough`, in octal
     batch: bool = False
 
     @field_validator("directory")
