@@ -263,7 +263,13 @@ def _http(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
 
 def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
     drop = FileDrop(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
-    return InboundService(conn, wiring, start=drop.start, stop=drop.stop)
+
+    def start() -> None:
+        if not drop.directory.is_dir():  # not mounted yet: unbound, so the leader retries or steps down
+            raise FileNotFoundError(f"file drop directory {drop.directory} is missing or not a directory")
+        drop.start()
+
+    return InboundService(conn, wiring, start=start, stop=drop.stop)
 
 
 def _database(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:

@@ -372,3 +372,25 @@ def events_by_writer(store_config) -> set[tuple[str, int]]:
             return {(r["node_id"], int(r["epoch"])) for r in cur.fetchall()}
     finally:
         store.close()
+
+
+def test_a_missing_file_drop_directory_is_an_unbound_inbound_until_it_appears(tmp_path):
+    from listeners.endpoints import inbound_service
+
+    clock: Any = MemoryReactorClock()
+    clock.getThreadPool = lambda: None  # no poll runs on this clock
+    metrics = Metrics()
+    wiring = Wiring(ingest=FakeIngest(), metrics=metrics, reactor=clock, bound_ports={})  # type: ignore[arg-type]
+    drop = tmp_path / "mnt" / "in"
+    conn = InboundConfig("drop", "file", directory=str(drop), archive=str(tmp_path / "archive"),
+                         error_directory=str(tmp_path / "rejected"))
+    gate = LeaderGate(is_leader=lambda: True, connections=lambda: (conn,), build=lambda c: inbound_service(c, wiring),
+                      drain=lambda s: succeed(True), reactor=clock, supervise_seconds=0.05, grace_seconds=60)
+    gate.startService()
+    clock.advance(0.05)
+    [unbound] = gate.unbound()
+    assert unbound["name"] == "drop" and "missing" in unbound["reason"] and not gate.serving
+    drop.mkdir(parents=True)  # mounted
+    for _ in range(20):
+        clock.advance(0.05)
+    assert gate.serving and gate.unbound() == [] and gate.bound == 1
