@@ -16,6 +16,11 @@ dialect only. The connection is opened off the reactor (libpq's connect blocks) 
 the next batch after a failure; a statement that fails because of the connection fails its batch
 (the caller answers "resend later"), one the server refuses for its data comes back as the
 driver's own exception class, so `Dialect.is_refusal` reads it as it reads the store's.
+
+Durability as the store's own sessions (`include.store.durability`, docs/store.md): the connection
+is opened with `synchronous_commit` pinned on (this is the session whose commit an `AA` follows) and
+refused on a server with `fsync = off` unless allowed; and while the store's periodic recheck finds
+the server unsafe (`Store.durability_refusal`), every batch fails (`AE`) without being sent.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from include.store import Store
+from include.store.durability import UnsafeDurability, postgres_refusal, postgres_synchronous_commit
 from include.store.rowlease import lone_message
 
 __all__ = ["PgStager", "numbered"]
@@ -83,6 +89,8 @@ class PgStager:
         self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
         self._queries = {name: _Query(name, store.sql(name)) for name in self.QUERIES}
         self._is_refusal = store.dialect.is_refusal
+        self._store = store
+        self._allow_unsafe = store.config.allow_unsafe_durability
         self._conn: _Connection | None = None
         self._waiting: list[Deferred[_Connection]] = []  # for the connection being opened
         self._closed = False
@@ -92,6 +100,8 @@ class PgStager:
     def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred[dict[str, int] | None]:
         """`rowlease.stage_inbound` for PostgreSQL: {message_id: row id} for the rows written (a
         message_id already staged is skipped), or None when `epoch` is no longer current."""
+        if (unsafe := self._store.durability_refusal()) is not None:
+            return fail(unsafe)  # the server may lose this commit: not sent, answered AE
         if (lone := lone_message(rows)) is not None:  # no JSON to unpack
             d = self._run("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
         else:
@@ -162,7 +172,7 @@ class PgStager:
 
         def work() -> None:
             try:
-                pgconn = _open(self._conninfo, queries)
+                pgconn = _open(self._conninfo, queries, allow_unsafe=self._allow_unsafe)
             except BaseException as exc:
                 self._reactor.callFromThread(opened, exc)
             else:
@@ -172,8 +182,9 @@ class PgStager:
         return d
 
 
-def _open(conninfo: dict[str, Any], queries: list[_Query]) -> Any:
-    """A libpq connection, its statements prepared, switched to non-blocking mode (in a thread)."""
+def _open(conninfo: dict[str, Any], queries: list[_Query], *, allow_unsafe: bool = False) -> Any:
+    """A libpq connection, durability pinned and checked (`_pin_durability`), its statements
+    prepared, switched to non-blocking mode (in a thread)."""
     import psycopg
     from psycopg import errors, pq
     from psycopg.conninfo import make_conninfo
@@ -184,6 +195,7 @@ def _open(conninfo: dict[str, Any], queries: list[_Query]) -> Any:
         pgconn.finish()
         raise psycopg.OperationalError(f"connection failed: {message}")
     try:
+        _pin_durability(pgconn, allow_unsafe=allow_unsafe)
         for query in queries:
             result = pgconn.prepare(query.name, query.sql.encode())
             if result.status != pq.ExecStatus.COMMAND_OK:
@@ -193,6 +205,28 @@ def _open(conninfo: dict[str, Any], queries: list[_Query]) -> Any:
         pgconn.finish()
         raise
     return pgconn
+
+
+def _pin_durability(pgconn: Any, *, allow_unsafe: bool) -> None:
+    """`include.store.durability.check_connection` for a bare libpq connection: synchronous_commit
+    set on where the server, database or role says otherwise (a synchronous standby's level kept),
+    and `UnsafeDurability` on a server with fsync off unless `allow_unsafe`."""
+    from psycopg import errors, pq
+
+    def one(sql: bytes) -> list[str]:
+        result = pgconn.exec_(sql)
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            raise errors.error_from_result(result)
+        return [(result.get_value(0, i) or b"").decode() for i in range(result.nfields)]
+
+    fsync, current, standbys = one(b"SELECT current_setting('fsync'), current_setting('synchronous_commit'), "
+                                   b"current_setting('synchronous_standby_names')")
+    if (wanted := postgres_synchronous_commit(current, standbys)) is not None:
+        assert wanted == "on"  # the only value it asks for: no parameter to pass
+        one(b"SELECT set_config('synchronous_commit', 'on', false)")
+    reason = postgres_refusal(fsync)
+    if reason is not None and not allow_unsafe:
+        raise UnsafeDurability(reason)
 
 
 @implementer(IReadWriteDescriptor)

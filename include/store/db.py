@@ -241,6 +241,11 @@ class Store:
                 log.warning("store durability restored: transactions accepted again")
         self._checked_at = self.clock()
 
+    def durability_refusal(self) -> UnsafeDurability | None:
+        """What a commit must raise now: the last check's refusal once `check_durability` was
+        called (listenerd), else None. For a writer with its own connection (listeners.pgcommit)."""
+        return self._unsafe if self._strict else None
+
     @property
     def durability_problem(self) -> str | None:
         """Why the server may lose commits, as last found (None: durable, or allowed)."""

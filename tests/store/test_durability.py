@@ -269,3 +269,83 @@ def test_sqlserver_durability_query_parses_as_tsql() -> None:
     text = durability_queries("sqlserver")["durability_settings"]
     tree = sqlglot.parse_one(text, read="tsql")
     assert "sys.databases" in tree.sql(dialect="tsql") and "DB_NAME()" in text
+
+
+def pg_show(pgconn: Any, name: str) -> str:
+    return pgconn.exec_(f"SHOW {name}".encode()).get_value(0, 0).decode()
+
+
+def test_the_ingest_writers_own_connection_runs_with_synchronous_commit_on(server, config) -> None:
+    # listenerd's group commit on PostgreSQL goes through its own libpq connection
+    # (listeners.pgcommit), not the store's pool: it too must not inherit the server's `off`.
+    from listeners import pgcommit
+
+    store = Store(config)
+    try:
+        conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
+    finally:
+        store.close()
+    pgconn = pgcommit._open(conninfo, [], allow_unsafe=False)
+    try:
+        assert pg_show(pgconn, "synchronous_commit") == "on"
+    finally:
+        pgconn.finish()
+    reload(server, fsync="off")
+    with pytest.raises(UnsafeDurability, match="fsync = off"):
+        pgcommit._open(conninfo, [], allow_unsafe=False)
+    pgconn = pgcommit._open(conninfo, [], allow_unsafe=True)
+    pgconn.finish()
+
+
+def test_listenerd_stops_acking_once_fsync_is_turned_off_under_it(server, config, tmp_path) -> None:
+    """End to end (red team item 10): a running listenerd on a durable server answers AA; after
+    `ALTER SYSTEM SET fsync = off` + reload it answers AE within a recheck interval (plus a
+    heartbeat), the refused message is not stored, and /cluster/status, /metrics and the log say
+    why. Before: AA went on for good. Takes about a minute (the recheck's interval)."""
+    import time
+
+    from hl7.client import MLLPClient
+
+    from include.lab.listenerd import Daemon
+    from include.lab.postgres_server import free_port
+    from include.store import db
+    from tests.support.hostile import adt
+
+    def ack_of(answer: str | bytes) -> str:
+        return answer.decode() if isinstance(answer, bytes) else answer
+
+    store = Store(config)
+    try:
+        migrate(store, cluster_name="test-cluster")
+    finally:
+        store.close()
+    mllp = free_port()
+    d = Daemon(tmp_path / "node", config, node_id="solo:1:dw",
+               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp}]).start()
+    try:
+        with MLLPClient("127.0.0.1", mllp) as client:
+            assert "MSA|AA|DUR0" in ack_of(client.send_message(adt("DUR0").decode()))
+            reload(server, fsync="off")
+            turned_off = time.monotonic()
+            answers: list[str] = []
+            while time.monotonic() - turned_off < db.DURABILITY_RECHECK_SECONDS + 20:
+                n = len(answers) + 1
+                ack = ack_of(client.send_message(adt(f"DUR{n}").decode()))
+                answers.append("AE" if f"MSA|AE|DUR{n}" in ack else "AA" if f"MSA|AA|DUR{n}" in ack else ack)
+                if answers[-1] == "AE":
+                    break
+                time.sleep(2)
+            took = time.monotonic() - turned_off
+        assert answers[-1] == "AE", answers
+        assert took <= db.DURABILITY_RECHECK_SECONDS + 15, took  # the recheck, plus at most a heartbeat
+        status = d.status()
+        assert status["store_durable"] is False and "fsync = off" in status["durability_problem"]
+        code, metrics = d.get("/metrics")
+        assert code == 200 and b"\nstageline_store_durable 0.0" in metrics
+        assert "store durability lost" in d.output()
+    finally:
+        d.stop()
+    refused = f"DUR{len(answers)}"
+    with psycopg.connect(server.conninfo("durable")) as conn:
+        stored = {r[0] for r in conn.execute("SELECT control_id FROM stage_inbound")}
+    assert "DUR0" in stored and refused not in stored
