@@ -20,8 +20,11 @@ __all__ = ["ANSWER_SECONDS", "ClusterModel", "RetentionModel", "RetentionOverrid
 ANSWER_SECONDS = 60.0
 """Within this a sender gets its answer (listenerd's MLLP handler timeout, `listeners/mllp.py`)."""
 
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Days = Annotated[float, Field(gt=0, allow_inf_nan=False, description="days (fractions allowed)")]
+Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
+"""A period: above zero, at most a day (more is a typo: a lease or timeout nobody would wait out)."""
+LoopSeconds = Annotated[float, Field(ge=0.05, le=3600, allow_inf_nan=False)]
+"""The period of a loop that writes to the store: below 0.05 s it is a busy loop on the database."""
+Days = Annotated[float, Field(gt=0, le=36_500, allow_inf_nan=False, description="days (fractions allowed)")]
 
 
 class StoreModel(Strict):
@@ -66,9 +69,9 @@ class ClusterModel(Strict):
     enabled: bool = False
     cluster_name: str = Field("stageline", pattern=r"\S")
     node_id: str = Field("", description="default: host:pid:random, unique per process")
-    heartbeat_seconds: Seconds = 10.0
+    heartbeat_seconds: LoopSeconds = 10.0
     node_timeout_seconds: Seconds = 30.0
-    reclaim_interval_seconds: Seconds = 30.0
+    reclaim_interval_seconds: LoopSeconds = 30.0
     leader_lease_ttl_seconds: Seconds = 30.0
     leader_fence_timeout_seconds: Seconds = 20.0
     unbound_grace_seconds: Seconds | None = Field(

@@ -258,3 +258,17 @@ def test_a_long_connection_name_and_an_absurd_lane_key_are_refused(tmp_path):
     assert any("inbound[1].lane_key: " in p and "above 999" in p for p in found), found
     conf_dir(tmp_path, f'[[inbound]]\nname = "{"n" * 64}"\nkind = "mllp"\nlane_key = "PID-3.1"\n')
     assert problems(conf) == []
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("[cluster]\nheartbeat_seconds = 0.001", "cluster.heartbeat_seconds: must be >= 0.05"),
+    ("[cluster]\nreclaim_interval_seconds = 1e-9", "cluster.reclaim_interval_seconds: must be >= 0.05"),
+    ("[cluster]\nnode_timeout_seconds = 1e12", "cluster.node_timeout_seconds: must be <= 86400"),
+    ("[retention]\ninbound_days = 1e9", "retention.inbound_days: must be <= 36500"),
+])
+def test_a_service_loop_that_would_spin_or_an_absurd_period_is_refused(tmp_path, setting, message):
+    conf = conf_dir(tmp_path, "")
+    service = tmp_path / "stageline.toml"
+    service.write_text(f'[store]\npath = "{tmp_path / "s.db"}"\n{setting}\n')
+    found = problems(conf, service_config=service)
+    assert [p for p in found if p.startswith(f"{service}: {message}")], found
