@@ -9,12 +9,18 @@
     faults    leader-sigkill, leader-sigterm (the node is restarted after: always two nodes),
               leader-db-cut (through the node's proxy; restored once the other node leads),
               task-sigkill (the running stage_deliver job task process), spark-restart (SIGKILL +
-              start), postgres-restart (`pg_ctl restart -m fast`)
+              start), postgres-restart (`pg_ctl restart -m fast`), pause-leader (SIGSTOP for
+              `--pause` s, longer than the lease TTL, then SIGCONT: a stalled VM), bind-conflict
+              (another process holds the standby's MLLP port when the leader stops; the leader is
+              restarted at once, as systemd would). `--shared-port`: both nodes on one MLLP port
+              (one host, one address), as in issue 24's first run
 
 Each fault: `--before` s of stream, the fault, `--after` s of stream, then the stream pauses and
 the lab drains (≤ `--drain` s) before the next fault. Per fault:
 
-    failover   fault → a leader (another node, for leader faults) holds its MLLP port
+    failover   fault → a leader (another node, for leader faults) answers `GET /leader` 200 (holds
+               the lease, not fenced, every inbound bound)
+    out of VIP pause-leader: SIGSTOP → HAProxy marks the frozen node DOWN (its kernel still accepts)
     AA again   fault → every connection has an `AA` again after its last failed send (slowest)
     1st deliv  fault → the first message *sent* after the fault reaches the receiver
     every lane fault → every lane has delivered a message sent after the fault (the slowest lane)
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -75,6 +82,7 @@ class FaultResult:
     inversions: int = 0
     p50_s: float | None = None
     p99_s: float | None = None
+    out_of_vip_s: float | None = None
     examples: dict[str, list[str]] = field(default_factory=dict)
     duplicate_causes: dict[str, int] = field(default_factory=dict)
 
@@ -172,10 +180,103 @@ def node_and_scheduler_kill(lab: Lab) -> tuple[float, float | None, str]:
     return _leader_fault(lab, lambda node: lab.signal_node(node, signal.SIGKILL))
 
 
+PAUSE_SECONDS = 10.0  # --pause: the freeze (issue 24's run), well past the lease TTL (2.5 s)
+OUT_OF_VIP: dict[str, float | None] = {}  # fault name → SIGSTOP → HAProxy marks the frozen node DOWN
+
+
+def _other_serving(lab: Lab, old) -> object | None:
+    """A node other than `old` answering `GET /leader` 200 (never asks `old`: it may be frozen)."""
+    serving = [n for n in lab.nodes.values() if n is not old and n.is_leader()]
+    return serving[0] if len(serving) == 1 else None
+
+
+def pause_leader(lab: Lab) -> tuple[float, float | None, str]:
+    """SIGSTOP the leader for PAUSE_SECONDS (past the lease TTL), then SIGCONT. Its sockets stay open
+    and its kernel still completes handshakes: HAProxy must drop it by its `GET /leader` check; the
+    standby takes over once the lease expires; the woken node fences and rejoins as a standby (on a
+    shared port the standby cannot bind until then: it retries and steps down, and whichever node
+    leads next binds as soon as the port is free)."""
+    old = lab.wait_leader()
+    t0 = time.time()
+    lab.pause_node(old)
+    out_of_vip = failover = None
+    while time.time() - t0 < PAUSE_SECONDS:
+        if out_of_vip is None and lab.haproxy:
+            try:
+                if lab.vip_servers().get(old.name, "").startswith("DOWN"):
+                    out_of_vip = time.time() - t0
+            except OSError:
+                pass
+        if failover is None and _other_serving(lab, old) is not None:
+            failover = time.time() - t0
+        time.sleep(0.05)
+    lab.resume_node(old)
+    woke = time.time()
+    wait_for(lambda: _role(old) == "standby" or old.is_leader(), timeout=30, interval=0.05,
+             what="the woken node to fence and rejoin")
+    rejoined = time.time() - woke
+    serving = wait_for(lab.leader, timeout=30, interval=0.05, what="a serving leader after the wake")
+    served_after_wake = time.time() - woke
+    if failover is None:  # shared port: nobody could bind while the frozen node held it
+        failover = time.time() - t0
+    OUT_OF_VIP["pause-leader"] = out_of_vip
+    return t0, failover, (f"{old.name} frozen {PAUSE_SECONDS:.0f} s; out of the VIP after "
+                          f"{'%.1f s' % out_of_vip if out_of_vip is not None else 'NEVER'}; woken node "
+                          f"{'rejoined' if not old.is_leader() else 'leads again'} {rejoined:.1f} s after SIGCONT; "
+                          f"{serving.name} serving {served_after_wake:.1f} s after SIGCONT")
+
+
+def _role(node) -> str | None:
+    try:
+        return node.daemon.status().get("role")
+    except (OSError, ValueError):  # just woken: its API may drop what queued while it was frozen
+        return None
+
+
+_HOLD_PORT = ("import socket, sys, time\n"
+              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+              "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(8)\n"
+              "while True: time.sleep(60)\n")
+
+
+def bind_conflict(lab: Lab) -> tuple[float, float | None, str]:
+    """Another process holds the standby's MLLP port when it is promoted: the leader is stopped
+    (SIGTERM) and restarted at once (systemd's Restart=always); the standby takes the lease, cannot
+    bind, retries and steps down within its grace; the restarted node then leads and serves."""
+    old = lab.wait_leader()
+    standby = next(n for n in lab.nodes.values() if n is not old)
+    steps_before = standby.daemon.output().count("stepping down")
+    if lab.shared_mllp_port:  # the standby binds the shared port within a heartbeat of the stop: no gap to hold it
+        raise RuntimeError("bind-conflict needs per-node ports (run without --shared-port)")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_PORT, str(standby.mllp_port)])
+    wait_for(lambda: _port_taken(standby.mllp_port), timeout=10, interval=0.05, what="the port holder")
+    t0 = time.time()
+    try:
+        lab.signal_node(old, signal.SIGTERM)
+        lab.restart_node(old)
+        serving = wait_for(lab.leader, timeout=60, interval=0.02, what="a serving leader")
+        failover = time.time() - t0
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait(5)
+    stepped = standby.daemon.output().count("stepping down") - steps_before
+    return t0, failover, (f"{standby.name}'s port held; {standby.name} stepped down {stepped}x; "
+                          f"{serving.name} serving {failover:.1f} s after {old.name}'s SIGTERM")
+
+
+def _port_taken(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
     "leader-sigkill": leader_sigkill, "leader-sigterm": leader_sigterm, "leader-db-cut": leader_db_cut,
     "task-sigkill": task_sigkill, "spark-restart": spark_restart, "postgres-restart": postgres_restart,
     "spark-worker-kill": spark_worker_kill, "node-and-scheduler-kill": node_and_scheduler_kill,
+    "pause-leader": pause_leader, "bind-conflict": bind_conflict,
 }
 DEFAULT_FAULTS = ("leader-sigkill", "leader-sigterm", "leader-db-cut", "task-sigkill", "spark-restart",
                   "postgres-restart")
@@ -257,7 +358,7 @@ def dead_letters(lab: Lab) -> int:
 def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> tuple[list[FaultResult], dict]:
     lab = Lab(timings=Timings(linger=args.linger), echo=lambda line: None if args.quiet else echo(line),
               keep_workdir=args.keep, schedulers=args.schedulers, spark_workers=args.spark_workers,
-              second_spark=args.second_spark)
+              second_spark=args.second_spark, shared_mllp_port=args.shared_port)
     results: list[FaultResult] = []
     summary: dict = {}
     stream: Stream | None = None
@@ -290,7 +391,8 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             echo(f"run {run}: {name} at {time.strftime('%H:%M:%S', time.localtime(t0))} ({note})")
             time.sleep(args.after)
             stream.pause()
-            r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note)
+            r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note,
+                            out_of_vip_s=OUT_OF_VIP.pop(name, None))
             r.drained_s = drain(lab, stream, timeout=args.drain)
             r.aa_again_s = aa_again(stream, t0, t0 + args.after)
             deliveries = lab.deliveries()
@@ -363,9 +465,9 @@ def _s(value: float | None) -> str:
 
 
 def table(results: list[FaultResult]) -> str:
-    lines = ["| run | fault | failover s | AA again s | 1st delivery s | every lane s | sent | AA'd | lost | dup | inv | "
+    lines = ["| run | fault | failover s | out of VIP s | AA again s | 1st delivery s | every lane s | sent | AA'd | lost | dup | inv | "
              "p50 s | p99 s | drained s | end state |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         state = ", ".join(f"{k} {v}" for k, v in sorted(r.end_state.items())) or "clean"
         if r.dead_letters:
@@ -376,7 +478,7 @@ def table(results: list[FaultResult]) -> str:
             state += f"; exited and restarted: {', '.join(r.restarted)}"
         if r.note.startswith("FAULT FAILED"):
             state += f"; {r.note}"
-        lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "
+        lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.out_of_vip_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "
                      f"{_s(r.every_lane_s)} | "
                      f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
                      f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |")
@@ -384,6 +486,7 @@ def table(results: list[FaultResult]) -> str:
 
 
 def main() -> None:
+    global PAUSE_SECONDS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1, help="full runs, each on a fresh lab")
     ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
@@ -401,11 +504,16 @@ def main() -> None:
     ap.add_argument("--after", type=float, default=30.0, help="seconds of stream after each fault")
     ap.add_argument("--drain", type=float, default=180.0, help="seconds to wait for the drain after each fault")
     ap.add_argument("--linger", type=float, default=5.0, help="STAGELINE_STAGE_LINGER_SECONDS of the stage tasks")
+    ap.add_argument("--pause", type=float, default=PAUSE_SECONDS, help="pause-leader: seconds the leader is frozen")
+    ap.add_argument("--shared-port", action="store_true",
+                    help="both nodes on one MLLP port (one host, one address): the standby cannot bind while "
+                         "a frozen leader holds it")
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON ('-': stdout)")
     ap.add_argument("--keep", action="store_true", help="keep the lab's work dir (logs) after each run")
     ap.add_argument("--quiet", action="store_true", help="no lab start-up lines")
     args = ap.parse_args()
     args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    PAUSE_SECONDS = args.pause
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown:
         ap.error(f"unknown fault(s): {', '.join(unknown)} (known: {', '.join(FAULTS)})")

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,11 +78,14 @@ class Node:
         return self.pid is not None
 
     def is_leader(self) -> bool:
+        """Serving leader: `GET /leader` answers 200 (lease held, not fenced, every inbound bound).
+        A frozen node does not answer within the second: not the leader."""
         if not self.alive():
             return False
         try:
-            return bool(self.daemon.status().get("is_leader")) and port_open(self.mllp_port)
-        except (OSError, ValueError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.daemon.api_port}/leader", timeout=1.0) as resp:
+                return resp.status == 200
+        except (OSError, ValueError):  # 503 (HTTPError), refused, timed out
             return False
 
 
@@ -103,6 +107,9 @@ class Lab:
     """A second Spark Connect server (the connection's `servers`): the stages are spread over both
     and move to the other when one stops answering. Default: on with local[*], off on a standalone
     master (two applications would split its cores)."""
+    shared_mllp_port: bool = False
+    """Both nodes on one MLLP address (one host, one port: only the leader can hold it), as two
+    nodes sharing a VIP address; default: each node its own port."""
     restart_policy: bool = True
     """Restart an exited Airflow component, the recorder or HAProxy, as compose's
     `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
@@ -117,6 +124,7 @@ class Lab:
         self.spark = None  # include.spark.ConnectServer
         self.spark_cluster = None  # include.lab.spark_cluster.SparkCluster, with spark_workers
         self.vip_port = free_port()
+        self.haproxy_stats_port = free_port()
         self.receiver_port = free_port()
         self.spark_port = free_port()
         if self.second_spark is None:
@@ -155,6 +163,16 @@ class Lab:
     def leader(self) -> Node | None:
         leaders = [n for n in self.nodes.values() if n.is_leader()]
         return leaders[0] if len(leaders) == 1 else None
+
+    def vip_servers(self) -> dict[str, str]:
+        """HAProxy's view of the MLLP backend: node name → status (UP, DOWN, "UP 1/2", ...)."""
+        import csv
+        import io
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.haproxy_stats_port}/;csv", timeout=2) as resp:
+            rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
+            return {r["svname"].removeprefix("node-"): r["status"] for r in rows
+                    if r["pxname"] == "mllp_leader" and r["svname"].startswith("node-")}
 
     def wait_leader(self, timeout: float = 30.0) -> Node:
         return wait_for(self.leader, timeout=timeout, interval=0.05, what="a leader bound to its MLLP port")
@@ -219,6 +237,8 @@ class Lab:
         """Every TCP port the lab listens on (for a caller that checks they are all released)."""
         out = {"vip": self.vip_port, "recorder": self.receiver_port, "spark-connect": self.spark_port,
                "airflow-api": self.airflow_port}
+        if self.haproxy:
+            out["haproxy-stats"] = self.haproxy_stats_port
         if self.pg is not None:
             out["postgresql"] = self.pg.port
         for n in self.nodes.values():
@@ -308,6 +328,7 @@ class Lab:
         self.stack.stop(timeout=15)
         for node in self.nodes.values():
             try:
+                node.daemon.signal(signal.SIGCONT)  # a paused node cannot act on SIGTERM
                 node.daemon.stop(timeout=10)
             except Exception as exc:  # noqa: BLE001 — keep stopping the rest
                 self.echo(f"  stopping listenerd {node.name}: {exc}")
@@ -341,6 +362,13 @@ class Lab:
         except subprocess.TimeoutExpired:
             node.daemon.kill()
         node.daemon.log.close()
+
+    def pause_node(self, node: Node) -> None:
+        """SIGSTOP: what a stalled VM or a swap storm looks like (its sockets stay open)."""
+        node.daemon.signal(signal.SIGSTOP)
+
+    def resume_node(self, node: Node) -> None:
+        node.daemon.signal(signal.SIGCONT)
 
     def restart_node(self, node: Node) -> None:
         """Start a stopped node again (a new incarnation: a new node id, same config and ports)."""
@@ -475,7 +503,7 @@ class Lab:
     def _node(self, name: str) -> Node:
         assert self.pg is not None
         proxy = TcpProxy(self.pg.host, self.pg.port).start()
-        port = free_port()
+        port = self.nodes["a"].mllp_port if self.shared_mllp_port and "a" in self.nodes else free_port()
         return Node(name, port, proxy, self._daemon(name, port, proxy, 1))
 
     def _write_haproxy_config(self) -> Path:
@@ -504,6 +532,13 @@ defaults
 frontend mllp_vip
     bind 127.0.0.1:{self.vip_port}
     default_backend mllp_leader
+
+frontend stats
+    mode http
+    bind 127.0.0.1:{self.haproxy_stats_port}
+    timeout client 30s
+    stats enable
+    stats uri /
 
 backend mllp_leader
     balance first
