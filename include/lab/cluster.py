@@ -42,6 +42,55 @@ CLUSTER_NAME = "lab"
 STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
 
 
+def haproxy_config(vip_port: int, stats_port: int, servers: list[tuple[str, int, int]], *, inter_ms: int = 500) -> str:
+    """deploy/haproxy.cfg's MLLP VIP on loopback: `balance first`, each server (name, MLLP port, API
+    port) checked by `GET /leader` on its API port (200 on the serving leader only; a frozen leader's
+    kernel would still pass a TCP connect to its MLLP port), a status page (CSV at `/;csv`)."""
+    lines = "\n".join(f"    server {name} 127.0.0.1:{mllp} check port {api}" for name, mllp, api in servers)
+    return f"""global
+    maxconn 4096
+
+defaults
+    mode tcp
+    timeout connect 3s
+    timeout client 6m
+    timeout server 6m
+    # a frozen node never answers: out within inter x fall + timeout check
+    timeout check {max(100, inter_ms * 4 // 5)}ms
+    retries 2
+    option redispatch
+    # no on-marked-down shutdown-sessions: see deploy/haproxy.cfg
+    default-server inter {inter_ms}ms fall 2 rise 1
+
+frontend mllp_vip
+    bind 127.0.0.1:{vip_port}
+    default_backend mllp_leader
+
+frontend stats
+    mode http
+    bind 127.0.0.1:{stats_port}
+    timeout client 30s
+    stats enable
+    stats uri /
+
+backend mllp_leader
+    balance first
+    option httpchk GET /leader
+    http-check expect status 200
+{lines}
+"""
+
+
+def vip_servers(stats_port: int, backend: str = "mllp_leader") -> dict[str, str]:
+    """HAProxy's view of a backend from its CSV status page: server name → status (UP, DOWN, ...)."""
+    import csv
+    import io
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{stats_port}/;csv", timeout=2) as resp:
+        rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
+        return {r["svname"]: r["status"] for r in rows if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
 @dataclass(frozen=True)
 class Timings:
     """The lab's fast cluster timings (issue 8's measurement) and the stage tasks' idle linger."""
@@ -166,13 +215,7 @@ class Lab:
 
     def vip_servers(self) -> dict[str, str]:
         """HAProxy's view of the MLLP backend: node name → status (UP, DOWN, "UP 1/2", ...)."""
-        import csv
-        import io
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.haproxy_stats_port}/;csv", timeout=2) as resp:
-            rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
-            return {r["svname"].removeprefix("node-"): r["status"] for r in rows
-                    if r["pxname"] == "mllp_leader" and r["svname"].startswith("node-")}
+        return {name.removeprefix("node-"): status for name, status in vip_servers(self.haproxy_stats_port).items()}
 
     def wait_leader(self, timeout: float = 30.0) -> Node:
         return wait_for(self.leader, timeout=timeout, interval=0.05, what="a leader bound to its MLLP port")
@@ -507,45 +550,11 @@ class Lab:
         return Node(name, port, proxy, self._daemon(name, port, proxy, 1))
 
     def _write_haproxy_config(self) -> Path:
-        """deploy/haproxy.cfg's VIP, on loopback: `balance first`, each node checked by `GET /leader`
-        on its API port (200 on the serving leader only; a frozen leader's kernel would still pass a
-        TCP connect to its MLLP port, so that check is not used)."""
-        inter = self.timings.haproxy_check_ms
-        servers = "\n".join(f"    server node-{n.name} 127.0.0.1:{n.mllp_port} check port {n.daemon.api_port}"
-                            for n in self.nodes.values())
+        """deploy/haproxy.cfg's VIP, on loopback (see `haproxy_config`)."""
         path = self.workdir / "haproxy.cfg"
-        path.write_text(f"""global
-    maxconn 4096
-
-defaults
-    mode tcp
-    timeout connect 3s
-    timeout client 6m
-    timeout server 6m
-    # a frozen node never answers: out within inter x fall + timeout check
-    timeout check {max(100, inter * 4 // 5)}ms
-    retries 2
-    option redispatch
-    # no on-marked-down shutdown-sessions: see deploy/haproxy.cfg
-    default-server inter {inter}ms fall 2 rise 1
-
-frontend mllp_vip
-    bind 127.0.0.1:{self.vip_port}
-    default_backend mllp_leader
-
-frontend stats
-    mode http
-    bind 127.0.0.1:{self.haproxy_stats_port}
-    timeout client 30s
-    stats enable
-    stats uri /
-
-backend mllp_leader
-    balance first
-    option httpchk GET /leader
-    http-check expect status 200
-{servers}
-""")
+        path.write_text(haproxy_config(self.vip_port, self.haproxy_stats_port,
+                                       [(f"node-{n.name}", n.mllp_port, n.daemon.api_port) for n in self.nodes.values()],
+                                       inter_ms=self.timings.haproxy_check_ms))
         return path
 
     def _start_spark_into(self, errors: list[BaseException]) -> None:

@@ -10,8 +10,10 @@ addresses), every AA is a stored row, and no two nodes lead at once."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from include.lab.cluster import HAPROXY, haproxy_config, vip_servers
 from include.lab.listenerd import Daemon
 from include.lab.postgres_server import free_port, wait_for
 from include.stack import port_open
@@ -188,6 +191,31 @@ def _staged(store_config) -> set[str]:
     return {r["control_id"] for r in _query(store_config, "SELECT control_id FROM stage_inbound")}
 
 
+class VipWatch(threading.Thread):
+    """Polls HAProxy's status page every 100 ms: when each server was last seen changing state."""
+
+    def __init__(self, stats_port: int) -> None:
+        super().__init__(daemon=True)
+        self.stats_port = stats_port
+        self.seen: list[tuple[float, dict[str, str]]] = []
+        self._quit = threading.Event()
+
+    def run(self) -> None:
+        while not self._quit.is_set():
+            try:
+                self.seen.append((time.monotonic(), vip_servers(self.stats_port)))
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+    def first(self, server: str, prefix: str, after: float) -> float | None:
+        return next((at - after for at, view in self.seen if at >= after and view.get(server, "").startswith(prefix)), None)
+
+    def stop(self) -> None:
+        self._quit.set()
+        self.join(5)
+
+
 def _start_pair(tmp_path, store_config, *, shared_port: bool) -> tuple[Daemon, Daemon, int, int]:
     port_a = free_port()
     port_b = port_a if shared_port else free_port()
@@ -218,11 +246,12 @@ class FreezeRun:
     standby_after_wake_s: float
 
 
-def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config, *, a_rejoins: bool = True) -> FreezeRun:
+def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config, *, a_rejoins: bool = True,
+                   sender_ports: list[int] | None = None) -> FreezeRun:
     """Stream, freeze A past the lease TTL, wake it. `a_rejoins`: wait for A to report standby
     (else only for it to answer again: on a shared address either node may lead afterwards)."""
     old_epoch = _lease(store_config)["epoch"]
-    ports = [port_a] if port_a == port_b else [port_a, port_b]
+    ports = sender_ports or ([port_a] if port_a == port_b else [port_a, port_b])
     sender = RetryingSender(ports, prefix="F")
     sender.start()
     wait_for(lambda: len(sender.acked) >= 20, timeout=15, what="traffic through the leader")
@@ -323,3 +352,44 @@ def test_a_frozen_leader_sharing_the_address_is_served_again_within_three_second
         for d in (a, b):
             d.signal(signal.SIGCONT)
             d.stop()
+
+
+@pytest.mark.skipif(shutil.which(HAPROXY) is None, reason=f"{HAPROXY} not installed (scripts/setup.sh)")
+def test_a_frozen_leader_leaves_the_vip_within_three_seconds_and_senders_through_it_get_aa(tmp_path, pg_config_fresh):
+    """Issue 24's lab run: nodes on their own addresses behind HAProxy, the sender only knows the
+    VIP. With the old TCP-connect check HAProxy kept the frozen node UP (its kernel still accepted)
+    and `balance first` sent every sender to it; with `GET /leader` it is DOWN within ~1.4 s."""
+    a, b, port_a, port_b = _start_pair(tmp_path, pg_config_fresh, shared_port=False)
+    vip, stats = free_port(), free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config(vip, stats, [("node-a", port_a, a.api_port), ("node-b", port_b, b.api_port)]))
+    with open(tmp_path / "haproxy.log", "wb") as log:
+        haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    watch = VipWatch(stats)
+    try:
+        wait_for(lambda: port_open(vip), timeout=10, what="the VIP")
+        wait_for(lambda: vip_servers(stats).get("node-a") == "UP" and vip_servers(stats).get("node-b", "").startswith("DOWN"),
+                 timeout=10, what="HAProxy to see A as the only serving node")
+        watch.start()
+        run = _freeze_leader_through(a, b, vip, port_a, pg_config_fresh)
+        down = watch.first("node-a", "DOWN", run.frozen_at)
+        b_up = watch.first("node-b", "UP", run.frozen_at)
+        first_aa = run.sender.first_aa_after(run.frozen_at)
+        print(f"frozen leader behind HAProxy: A DOWN in the VIP {down:.2f}s after SIGSTOP, B UP {b_up:.2f}s, "
+              f"first AA through the VIP {first_aa:.2f}s after SIGSTOP (lease taken {run.takeover_s:.2f}s)")
+        assert down is not None and down <= 3.0, f"the frozen leader stayed in the VIP ({down})"
+        assert first_aa is not None and first_aa <= TTL + 3.0
+        _assert_fenced_and_lossless(run, pg_config_fresh)
+        assert not watch.first("node-a", "UP", run.woke_at + 0.5), "the woken node came back into the VIP"
+    finally:
+        watch.stop()
+        haproxy.terminate()
+        haproxy.wait(10)
+        for d in (a, b):
+            d.signal(signal.SIGCONT)
+            d.stop()
+
+
+def _freeze_leader_through(a: Daemon, b: Daemon, vip: int, port_a: int, store_config) -> FreezeRun:
+    """`_freeze_leader` with the sender on the VIP only (the frozen-side probe still reaches A's own port)."""
+    return _freeze_leader(a, b, port_a, port_a, store_config, sender_ports=[vip])
