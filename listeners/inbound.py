@@ -151,6 +151,11 @@ def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | 
                 parse_header(data, default_encoding=codec)  # raises the reason MLLP gives
             except HL7HeaderError as exc:
                 raise PayloadRejected(str(exc)) from None
+        else:
+            segment = _bare_segment(data)
+            if segment is not None:
+                raise PayloadRejected(f"starts with an HL7 {segment} segment but no MSH: the message's segments "
+                                      "arrived apart (CRLF segment ends with newline framing?)")
     if header is not None and header.text is not None:
         text, codec, control_id = header.text, header.encoding, header.control_id
     else:
@@ -217,6 +222,31 @@ def _key(value: str) -> str | None:
 
 _LEADING = b" \t\r\n"
 _MISPLACED = re.compile(rb"[\r\n](?:MSH|FHS|BHS)")
+
+
+_SEGMENT_START = re.compile(rb"([A-Z][A-Z0-9]{2})\|")
+# HL7 v2 segments a message body carries (chapters 2-15, the common ones) and any Z-segment: a
+# payload that starts with one of these is a piece of a message. Other "XYZ|" openings stay opaque
+# data (a pipe-delimited export of one's own).
+_BODY_SEGMENTS = frozenset("""
+    ACC AIG AIL AIP AIS AL1 ARQ AUT BLG BPO BPX BTX CON CSR CTD CTI DB1 DG1 DRG EVN FT1 GT1 IAM IN1 IN2
+    IN3 IPC MFE MFI MRG MSA NK1 NTE OBR OBX ODS ODT ORC PD1 PDA PR1 PRA PRB PRD PV1 PV2 QAK QPD QRD RCP
+    RDF RDT RF1 RGS RXA RXC RXD RXE RXG RXO RXR SAC SCH SFT SPM STF TQ1 TQ2 TXA UB1 UB2 ERR ROL PID
+    """.split())
+
+
+def _bare_segment(data: bytes) -> str | None:
+    """The id of the HL7 segment `data` starts with (after a BOM and blank lines), if it looks like
+    one (``PID|``, ``OBX|``…): such a payload is a piece of a message, not a message of its own.
+    MSH, FHS and BHS are not asked about here (they start a message or a batch)."""
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    while start < len(data) and data[start] in _LEADING:
+        start += 1
+    m = _SEGMENT_START.match(data, start)
+    if m is None:
+        return None
+    segment = m.group(1).decode("ascii")
+    return segment if segment in _BODY_SEGMENTS or segment.startswith("Z") else None
 
 
 def _is_hl7(data: bytes) -> bool:

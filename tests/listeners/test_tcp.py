@@ -506,3 +506,24 @@ def test_a_clean_stop_reads_nothing_more_but_still_answers_what_was_read() -> No
     assert transport.producerState == "paused"
     factory.close_all()
     assert transport.disconnecting
+
+
+def test_crlf_segments_with_newline_framing_get_a_nak_for_the_bare_segment_line() -> None:
+    """A sender ending segments with CRLF on a newline-framed connection splits each message into
+    lines: the PID line alone is not stored as an opaque message with an ACK, it gets a NAK naming
+    the likely cause (issue 23, red team network item 7)."""
+    ingest = FakeIngest()
+    proto, transport = connect(make_factory(ingest, max_message_bytes=1024))
+    proto.dataReceived(adt("CRLF1").replace(b"\r", b"\r\n") + b"\r\n")
+    assert len(ingest.calls) == 1  # the MSH line (a message of one segment); the PID line is refused
+    ingest.fire(0)
+    nak = lines(transport)[1]
+    assert nak.startswith("NAK starts with an HL7 PID segment but no MSH"), nak
+    assert "123" not in nak and "DOE" not in nak
+
+
+def test_opaque_lines_that_are_not_hl7_segments_are_still_staged() -> None:
+    ingest = FakeIngest()
+    proto, _ = connect(make_factory(ingest, max_message_bytes=1024))
+    proto.dataReceived(b"ABC|1|2\nhello\n")
+    assert len(ingest.calls) == 2
