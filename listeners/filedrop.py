@@ -362,7 +362,8 @@ class FileDrop(PollingInbound):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         text = f"{reason}\nconnection: {self.config.name}\nfile: {printable(name)}\nrejected_at: {stamp}\n"
         try:
-            target = yield self._run(self._move, name, entry.where, "error_directory", text.encode())
+            target = yield self._run(self._move, name, entry.where, "error_directory",
+                                    text.encode("utf-8", "backslashreplace"))
         except OSError as exc:
             error = f"{type(exc).__name__} (errno {exc.errno})"
             if error != self._move_error:
