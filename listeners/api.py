@@ -8,7 +8,8 @@ Tokens and message bodies are never logged. The `[api]` format is in docs/api.md
 
 Message bodies are PHI: a message's metadata needs `messages:read`, its bodies
 `messages:read_body` (operator and admin, not viewer), asked for on purpose (`?body=1`), and each
-such read is a `body_read` audit event naming the token's entry. A request with a body is checked
+such read is a `body_read` audit event naming the token's entry. Without `messages:read_body` a
+lane key (usually the MRN) is shown as a keyed digest and may not be filtered by (docs/api.md). A request with a body is checked
 (token, permission, size) as soon as its headers are in, before any of the body is read. The access
 log shows query fields without their values and `/messages/{ref}` without the ref.
 """
