@@ -382,9 +382,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
             return
         assert self.peer is not None
-        # Large batches take turns process-wide (listeners/batchgate.py): splitting one holds many
-        # times its size until it is committed. This connection reads nothing while it waits.
-        d = batchgate.batch_gate.run(len(payload), self._batch_handler, payload, self.peer)
+        peer = self.peer
 
         def timed_out() -> None:
             _log.error("handler timed out for a batch from {peer}; answering AE", peer=self.peer_text)
@@ -401,9 +399,19 @@ class MLLPProtocol(OrderedReplyProtocol):
                        error=failure.type.__name__ if failure.type else "unknown")
             self._reply(slot, AckCode.AE, self._fallback_ack("batch not stored; resend later", code=AckCode.AE))
 
-        self.await_answer(d, slot, self._config.handler_timeout_seconds, timed_out)
-        d.addCallbacks(done, failed)
-        d.addErrback(self._internal_error, slot)
+        def start() -> Deferred[None] | None:
+            if not self._connected:  # the sender left while it waited: nothing stored, it resends
+                return None
+            d = maybeDeferred(self._batch_handler, payload, peer)
+            # The reply timeout counts from here: a turn's wait is bounded by the batches ahead.
+            self.await_answer(d, slot, self._config.handler_timeout_seconds, timed_out)
+            d.addCallbacks(done, failed)
+            d.addErrback(self._internal_error, slot)
+            return d
+
+        # Large batches take turns process-wide (listeners/batchgate.py): splitting one holds many
+        # times its size until it is committed. This connection reads nothing while it waits.
+        batchgate.batch_gate.run(len(payload), start)
 
     def _on_oversize(self, event: Oversize) -> None:
         limit = self._config.max_message_bytes

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -224,6 +224,8 @@ class TCPProtocol(OrderedReplyProtocol):
     def _build_and_submit(self, payload: bytes, slot: Slot) -> Deferred[None]:
         """Build and submit one frame; fires once it is answered (or refused)."""
         factory = self.factory
+        if not self._connected:  # the sender left while the frame waited its turn: it resends
+            return succeed(None)
         # A large frame (a batch of thousands of messages) is split off the reactor (listeners/offload.py).
         built = off_reactor(factory.clock, len(payload), build_inbound, payload, connection=self._config.name,
                             charset=self._config.charset, lane_of=factory.lane_of, hl7_only=self._config.hl7_only)

@@ -150,3 +150,32 @@ def test_tcp_a_second_large_frame_waits_and_its_connection_stops_reading(gate: B
     assert len(submitted) == 2 and gate.waiting == 0
     assert transports[0].value().startswith(struct.pack(">I", len(transports[0].value()) - 4)) or \
         b"ACK batch-1" in transports[0].value()
+
+
+def test_mllp_the_reply_timeout_counts_from_the_batch_turn_and_a_gone_sender_is_skipped(gate: BatchGate) -> None:
+    clock = MemoryReactorClock()
+    calls: list[Deferred[bytes]] = []
+
+    def batch_handler(payload: bytes, peer: object) -> Deferred[bytes]:
+        d: Deferred[bytes] = Deferred()
+        calls.append(d)
+        return d
+
+    factory = MLLPFactory(lambda *a: None, config=MLLPConfig(handler_timeout_seconds=10), clock=clock,  # type: ignore[arg-type]
+                          batch_handler=batch_handler)
+    big = hl7_batch(16000, "W")
+    protos = []
+    for _ in range(3):
+        proto = factory.buildProtocol(PEER)
+        transport = StringTransport(peerAddress=PEER)
+        proto.makeConnection(transport)
+        proto.dataReceived(frame(big))
+        protos.append((proto, transport))
+    clock.advance(9)
+    calls[0].callback(b"MSH|^~\\&|A|B|C|D|20260101||ACK|1|P|2.5\rMSA|AA|W\r")
+    clock.advance(9)  # the second has waited 18 s in all, 9 s since its turn: no AE yet
+    assert len(calls) == 2 and b"MSA|AE" not in protos[1][1].value()
+    protos[2][0].connectionLost(None)  # the third's sender leaves while it waits
+    calls[1].callback(b"MSH|^~\\&|A|B|C|D|20260101||ACK|2|P|2.5\rMSA|AA|W\r")
+    assert b"MSA|AA" in protos[1][1].value()
+    assert len(calls) == 2 and gate.in_work == 0  # never handed over
