@@ -40,7 +40,7 @@ from include.transforms_config import MapField, Transform, parse_transforms
 from listeners.api import Role
 from listeners.connections import parse_connections
 
-__all__ = ["EXIT_PROBLEMS", "KNOWN_FILES", "Problem", "Report", "check_dir", "main"]
+__all__ = ["EXIT_PROBLEMS", "KNOWN_FILES", "Problem", "Report", "check_dir", "main", "sqlite_store_dir"]
 
 CONNECTIONS = "connections.toml"
 SERVICE = cfgmod.DEFAULT_CONFIG
@@ -167,7 +167,14 @@ def _store_dir(service: Path) -> Path | None:
         store = cfgmod.load(service).store
     except Exception:  # noqa: BLE001 - reported by the service config's own step
         return None
-    return Path(store.path).resolve().parent if store.backend == "sqlite" else None
+    return sqlite_store_dir(store)
+
+
+def sqlite_store_dir(store: Any) -> Path | None:
+    """The directory of a SQLite store's file (None: another backend, or no file: `:memory:`, a URI)."""
+    if store.backend != "sqlite" or not store.path or store.path == ":memory:" or store.path.startswith("file:"):
+        return None
+    return Path(store.path).resolve().parent
 
 
 def _pipeline(base: Path, report: Report, transforms: list[tuple[int, Transform]]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -182,10 +181,9 @@ class ListenerNode(SequentialMultiService):
         routes, destinations, transforms, lookups, unknown files; a missing connections.toml is a
         problem, not "no connections"); any problem is logged, one line each with file and key,
         and the old config stays."""
-        from listeners.config_check import check_dir
+        from listeners.config_check import check_dir, sqlite_store_dir
 
-        store = self.config.store
-        store_dir = Path(store.path).resolve().parent if store.backend == "sqlite" else None
+        store_dir = sqlite_store_dir(self.config.store)
 
         def work() -> tuple[ListenerConfig, int]:
             report = check_dir(self.config_dir, lookups_unverified_ok=True, store_dir=store_dir,

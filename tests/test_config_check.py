@@ -208,7 +208,8 @@ def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(t
 
 def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sqlite_config_fresh):
     """Red team item 11: a broken routes.toml, an unknown route.toml or a missing connections.toml
-    was "config reloaded" (the last one as zero connections, every listener closed)."""
+    was "config reloaded" (the last one as zero connections, every listener closed); item 3: a
+    reload that points a file drop at the store's directory is refused too."""
     import signal
 
     from include.lab.listenerd import Daemon
@@ -219,6 +220,8 @@ def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sql
     d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
                inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
     conf = d.workdir / "config"
+    store = Path(sqlite_config_fresh.path)
+    saved = (conf / "connections.toml").read_text()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         cases = [(lambda: (conf / "routes.toml").write_text('[[route]]\nname = 5\ndestinations = ["x"]\n'),
@@ -227,7 +230,11 @@ def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sql
                   f"{conf / 'route.toml'}: ", lambda: (conf / "route.toml").unlink()),
                  (lambda: (conf / "connections.toml").rename(conf / "saved.bak"),
                   f"{conf / 'connections.toml'}: missing: a reload needs connections.toml",
-                  lambda: (conf / "saved.bak").rename(conf / "connections.toml"))]
+                  lambda: (conf / "saved.bak").rename(conf / "connections.toml")),
+                 (lambda: (conf / "connections.toml").write_text(
+                     saved + f'\n[[inbound]]\nname = "eats-the-store"\nkind = "file"\ndirectory = "{store.parent}"\n'),
+                  f"{conf / 'connections.toml'}: inbound[1].directory: {store.parent} ",
+                  lambda: (conf / "connections.toml").write_text(saved))]
         for n, (breaks, line, mends) in enumerate(cases, start=1):
             breaks()
             d.signal(signal.SIGHUP)
