@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     log_each_answer(options["log-level"] == "debug")
     if not config_ok(options):
         sys.exit(2)
+    cfgmod.private_var_dir()  # the store, the token and the drops' archives: 0700 whatever the umask
     try:
         node = makeService(options)
     except ConfigProblems as exc:  # the check above passed, but the files changed since, or a rule of its own
