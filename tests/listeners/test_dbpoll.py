@@ -124,7 +124,7 @@ def test_a_database_connection_loads_with_its_source(tmp_path: Path) -> None:
     (('key_column = "id"', 'mark = "UPDATE outbox SET status = 1 WHERE id = :key"'),
      'mark and reject belong to strategy = "mark"'),
     (('database = "lis"', 'port = 5432'), "database.database: required, not set"),
-    (('poll_seconds = 2', 'poll_seconds = 0'), "poll_seconds: must be > 0"),
+    (('poll_seconds = 2', 'poll_seconds = 0'), "poll_seconds: must be >= 0.05"),
 ])
 def test_bad_database_settings_are_refused_at_load_naming_the_setting(tmp_path: Path, change: tuple[str, str],
                                                                      error: str) -> None:
