@@ -238,9 +238,9 @@ def _service(path: Path, report: Report, names: list[str]) -> None:
     configured is a problem (a PHI retention policy that silently applies to nothing)."""
     config = cfgmod.load(path)
     report.counts["service config"] = 1
-    if "inbound connections" not in report.counts or any(p.file == report.directory / CONNECTIONS
-                                                          for p in report.problems):
-        return  # the connections are not known: nothing to compare with
+    if not (report.directory / CONNECTIONS).is_file() or any(p.file == report.directory / CONNECTIONS
+                                                              for p in report.problems):
+        return  # the connections are not known (no file, or a broken one): nothing to compare with
     for name in sorted(set(config.retention.connections) - set(names)):
         report.problems.append(ConfigProblem(path, f"retention.connections.{name}",
                                              f"no inbound connection {name!r} in {CONNECTIONS} (configured: "
