@@ -305,6 +305,9 @@ def store_lookup_tables(service_config: str | None) -> tuple[set[str] | None, st
     from include.store import Store
     from include.store.lookups import read_all
 
+    why = unreadable(cfgmod.config_path(service_config))
+    if why is not None:  # reported by check_dir; reading it here could block (a fifo) or never end
+        return None, "the service config " + why.split(";")[0]
     try:
         cfg = cfgmod.load(service_config)
         if cfg.store.backend == "sqlite" and not Path(cfg.store.path).exists():

@@ -272,3 +272,12 @@ def test_a_service_loop_that_would_spin_or_an_absurd_period_is_refused(tmp_path,
     service.write_text(f'[store]\npath = "{tmp_path / "s.db"}"\n{setting}\n')
     found = problems(conf, service_config=service)
     assert [p for p in found if p.startswith(f"{service}: {message}")], found
+
+
+def test_a_fifo_service_config_is_a_problem_line_not_a_hang(tmp_path):
+    conf = conf_dir(tmp_path, "")
+    os.mkfifo(tmp_path / "stageline.toml")
+    done = subprocess.run([sys.executable, "-m", "listeners.config_check", str(conf), "--service-config",
+                           str(tmp_path / "stageline.toml")], capture_output=True, text=True, timeout=20, cwd=ROOT)
+    assert done.returncode == EXIT_PROBLEMS, done.stdout + done.stderr
+    assert f"{tmp_path / 'stageline.toml'}: not a regular file (a fifo)" in done.stdout
