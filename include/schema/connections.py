@@ -426,16 +426,18 @@ def _shared_drops(inbound: list[InboundModel], base: Any, var: Any) -> list[tupl
     every file back in: each file must be one message."""
     files = [(i, c, [Path(p) for p in file_paths(c, base, var)]) for i, c in enumerate(inbound)
              if c.kind == "file" and c.directory]
+    drops: dict[Path, InboundModel] = {}
     bad = []
-    for i, conn, (drop, archive, rejected) in files:
-        for j, other, (other_drop, _, _) in files:
-            if j == i:
-                continue
-            if j < i and drop == other_drop:
-                bad.append((f"inbound[{i}].directory", f"{drop} is also the drop directory of connection "
-                                                       f"{other.name!r}: each file would be staged twice"))
-            for key, path in (("archive", archive), ("error_directory", rejected)):
-                if path == other_drop or path.is_relative_to(other_drop):
-                    bad.append((f"inbound[{i}].{key}", f"{path} is (or lies inside) the drop directory of "
-                                                       f"connection {other.name!r}: its files would be staged again"))
+    for i, conn, (drop, _, _) in files:  # linear: a map of drop directories, each path's parents looked up
+        if drop in drops:
+            bad.append((f"inbound[{i}].directory", f"{drop} is also the drop directory of connection "
+                                                   f"{drops[drop].name!r}: each file would be staged twice"))
+        else:
+            drops[drop] = conn
+    for i, conn, (_, archive, rejected) in files:
+        for key, path in (("archive", archive), ("error_directory", rejected)):
+            other = next((drops[p] for p in (path, *path.parents) if p in drops and drops[p] is not conn), None)
+            if other is not None:
+                bad.append((f"inbound[{i}].{key}", f"{path} is (or lies inside) the drop directory of "
+                                                   f"connection {other.name!r}: its files would be staged again"))
     return bad
