@@ -21,7 +21,7 @@ from include.schema.rules import validate as validate_model
 from include.schema.service import ANSWER_SECONDS as ANSWER_SECONDS  # re-exported: listeners read it here
 from include.schema.service import ServiceFile
 
-PASSWORD_ENV = "STAGELINE_STORE_PASSWORD"
+PASSWORD_ENV = "STAGELINE_STORE_PASSWORD"  # noqa: S105  the variable's name, not a password
 CONFIG_ENV = "STAGELINE_CONFIG"
 DEFAULT_CONFIG = "stageline.toml"
 VAR_ENV = "STAGELINE_VAR"

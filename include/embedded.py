@@ -193,7 +193,7 @@ def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = Non
 
 def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310  http:// URLs of our own loopback services
             return resp.status == 200
     except OSError:
         return False
@@ -209,14 +209,14 @@ def _stage_runs_waiting(password: str) -> bool:
     sent would wait on that (about ten seconds after the processes are up) instead of moving."""
     base = f"http://127.0.0.1:{AIRFLOW_PORT}"
     try:
-        login = urllib.request.Request(f"{base}/auth/token", method="POST", headers={"Content-Type": "application/json"},
+        login = urllib.request.Request(f"{base}/auth/token", method="POST", headers={"Content-Type": "application/json"},  # noqa: S310  loopback http://
                                        data=json.dumps({"username": "admin", "password": password}).encode())
-        with urllib.request.urlopen(login, timeout=5) as resp:
+        with urllib.request.urlopen(login, timeout=5) as resp:  # noqa: S310  loopback http://
             token = json.load(resp)["access_token"]
-        query = urllib.request.Request(
+        query = urllib.request.Request(  # noqa: S310  loopback http://
             f"{base}/api/v2/dags/~/dagRuns/~/taskInstances?task_id=wait_for_work&state=running&limit=100",
             headers={"Authorization": f"Bearer {token}"})
-        with urllib.request.urlopen(query, timeout=5) as resp:
+        with urllib.request.urlopen(query, timeout=5) as resp:  # noqa: S310  loopback http://
             waiting = {ti["dag_id"] for ti in json.load(resp)["task_instances"]}
     except (OSError, ValueError, KeyError):
         return False
@@ -277,7 +277,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         if port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST):
             raise RuntimeError(f"port {demo.RECEIVER_PORT} (the demo receiver's) is already in use")
         echo("migrating Airflow's metadata DB (first run: about a minute) ...")
-        subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,
+        subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,  # noqa: S603  fixed argv
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         from include.spark import start_connect_server, stop_connect_server
 

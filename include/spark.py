@@ -182,7 +182,7 @@ def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.
         command += ["--conf", f"{key}={value}"]
     env = {**os.environ, **(env or {}), "SPARK_HOME": str(home)}
     log = open(log_path, "ab")
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603  argv built here from config values, never a shell
                                start_new_session=True)  # its own group: signals to us do not reach it
     server = ConnectServer(process=process, port=port, host=host, log_path=log_path, _log=log)
     deadline = time.monotonic() + timeout
@@ -502,7 +502,7 @@ def _connect_client(spark: SparkSession | None) -> Any:
 def _release_quietly(client: object) -> None:
     try:
         client.release_session()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - best effort: the server may be gone
+    except Exception:  # noqa: BLE001, S110 - best effort: the server may be gone
         pass
 
 

@@ -35,7 +35,7 @@ class Stack:
     def start(self, proc: Proc) -> None:
         log = open(self.log_dir / f"{proc.name}.log", "ab")
         self.echo(f"  starting {proc.name:<16} (log: {self.log_dir / (proc.name + '.log')})")
-        proc.popen = subprocess.Popen(proc.argv, cwd=self.cwd, env={**os.environ, **proc.env}, stdout=log,
+        proc.popen = subprocess.Popen(proc.argv, cwd=self.cwd, env={**os.environ, **proc.env}, stdout=log,  # noqa: S603  argv lists built in code, never a shell
                                       stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         started = time.monotonic()

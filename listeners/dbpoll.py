@@ -157,7 +157,7 @@ class SourceDatabase:
         if conn is not None:
             try:
                 conn.close()
-            except Exception:
+            except Exception:  # noqa: S110  closing a broken connection is best effort
                 pass
 
 

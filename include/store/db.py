@@ -321,7 +321,7 @@ class Store:
             self._local.conn = None
             try:
                 conn.close()
-            except Exception:
+            except Exception:  # noqa: S110  closing a broken connection is best effort
                 pass
             raise
 
@@ -339,7 +339,7 @@ class Store:
         if conn is not None:
             try:
                 conn.close()
-            except Exception:
+            except Exception:  # noqa: S110  closing a broken connection is best effort
                 pass
         try:
             return self.dialect.connect(self.config)

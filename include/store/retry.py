@@ -42,7 +42,7 @@ def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECON
         except give_up_on:
             raise
         except Exception as exc:  # noqa: BLE001
-            wait = pause * random.uniform(1 - JITTER, 1 + JITTER)
+            wait = pause * random.uniform(1 - JITTER, 1 + JITTER)  # noqa: S311  jitter, not a secret
             if clock() + wait > deadline:
                 raise
             log.info("%s failed (%s); trying again in %.1f s", what, type(exc).__name__, wait)
