@@ -87,13 +87,13 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
     with listenerd(tmp_path / "node", store_config, node_id="solo:1:batch-e2e", receivers=(ehr, lab), inbound=[
             {"name": "batch-mllp", "kind": "mllp", "port": mllp_port, "lane_key": "PID-3.1"},
             {"name": "batch-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1,
-             "lane_key": "PID-3.1"}]) as daemon:
+             "archive": str(tmp_path / "archive"), "lane_key": "PID-3.1"}]) as daemon:
         nightly = tmp_path / "out" / "nightly"
         nightly.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, nightly=nightly)
 
         (drop / "adt-results.hl7").write_bytes(batch("file", FILE_BATCH))
-        wait_for(lambda: (drop / "archive" / "adt-results.hl7").exists(), timeout=20, what="the batch file staged")
+        wait_for(lambda: (tmp_path / "archive" / "adt-results.hl7").exists(), timeout=20, what="the batch file staged")
         ack = send_mllp(mllp_port, batch("mllp", MLLP_BATCH))
         assert (str(ack.segment("MSA")(1)), str(ack.segment("MSA")(2))) == ("AA", "B-mllp")
 
