@@ -245,7 +245,7 @@ def bind_conflict(lab: Lab) -> tuple[float, float | None, str]:
     bind, retries and steps down within its grace; the restarted node then leads and serves."""
     old = lab.wait_leader()
     standby = next(n for n in lab.nodes.values() if n is not old)
-    steps_before = standby.daemon.output().count("stepping down")
+    steps_before = standby.daemon.output().count("stepping down: inbound")
     if lab.shared_mllp_port:  # the standby binds the shared port within a heartbeat of the stop: no gap to hold it
         raise RuntimeError("bind-conflict needs per-node ports (run without --shared-port)")
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_PORT, str(standby.mllp_port)])
@@ -260,7 +260,7 @@ def bind_conflict(lab: Lab) -> tuple[float, float | None, str]:
         if holder is not None and holder.poll() is None:
             holder.kill()
             holder.wait(5)
-    stepped = standby.daemon.output().count("stepping down") - steps_before
+    stepped = standby.daemon.output().count("stepping down: inbound") - steps_before
     return t0, failover, (f"{standby.name}'s port held; {standby.name} stepped down {stepped}x; "
                           f"{serving.name} serving {failover:.1f} s after {old.name}'s SIGTERM")
 
