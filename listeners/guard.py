@@ -45,6 +45,8 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.server import Site
 
+from include.cidrs import source_network
+
 __all__ = ["GuardedChannel", "GuardedFactory", "GuardedProtocol", "PeerLimits", "Refusals", "guard_channels",
            "source_allowed", "source_networks"]
 
@@ -65,7 +67,7 @@ class PeerLimits:
     allowed_sources: tuple[str, ...] = ()  # CIDRs a peer may connect from; empty: any
 
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network  # as include.cidrs.Network
 
 
 def source_networks(cidrs: tuple[str, ...] | list[str]) -> tuple[Network, ...]:
@@ -73,7 +75,7 @@ def source_networks(cidrs: tuple[str, ...] | list[str]) -> tuple[Network, ...]:
     networks = []
     for cidr in cidrs:
         try:
-            networks.append(ipaddress.ip_network(str(cidr).strip(), strict=False))
+            networks.append(source_network(str(cidr), strict=False))  # the config check refuses host bits
         except ValueError:
             raise ValueError(f"allowed_sources: {str(cidr)[:60]!r} is not a CIDR such as 10.0.0.0/8") from None
     return tuple(networks)

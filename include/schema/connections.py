@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from include.charsets import HL7_CHARSETS, codec_for
+from include.cidrs import source_network
 from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
 from include.schema.rules import Rules
@@ -213,9 +214,11 @@ class InboundModel(Strict):
         bad = []
         for i, cidr in enumerate(value):
             try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError:
-                bad.append((f"[{i}]", "not a CIDR such as 10.1.2.0/24 or 192.0.2.7"))
+                source_network(cidr)
+            except ValueError as exc:
+                hint = " (host bits set: name the network, e.g. 10.1.2.0/24, or one address)" \
+                    if "host bits" in str(exc) else ""
+                bad.append((f"[{i}]", f"not a CIDR such as 10.1.2.0/24 or 192.0.2.7{hint}"))
         Rules.raise_if(bad)
         return value
 
@@ -257,7 +260,7 @@ class InboundModel(Strict):
             mtls = self.tls is not None and self.tls.require_client_cert
             if not (mtls or self.allow_unauthenticated_senders):
                 for i, cidr in enumerate(self.allowed_sources):
-                    net = ipaddress.ip_network(cidr, strict=False)
+                    net = source_network(cidr)
                     if net.prefixlen < MIN_PREFIX[net.version]:
                         bad.append((f"allowed_sources[{i}]", f"{net} lets (nearly) every address in, so it does not "
                                     f"authenticate senders (the widest counted is /{MIN_PREFIX[net.version]} for "

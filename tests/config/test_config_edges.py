@@ -136,7 +136,8 @@ MLLP_ANY = '[[inbound]]\nname = "adt-in"\nkind = "mllp"\nhost = "0.0.0.0"\nport 
 
 
 @pytest.mark.parametrize("cidrs, bad", [(["0.0.0.0/0", "::/0"], [0, 1]), (["10.0.0.0/8", "0.0.0.0/1"], [1]),
-                                        (["2001:db8::/32", "fc00::/7"], [1])])
+                                        (["2001:db8::/32", "fc00::/7"], [1]),
+                                        (["::ffff:0:0/96", "::ffff:10.0.0.0/104"], [0])])
 def test_an_allowlist_wider_than_a_slash_8_does_not_authenticate_senders(tmp_path, cidrs, bad):
     conf = conf_dir(tmp_path, MLLP_ANY + f"allowed_sources = {cidrs!r}\n".replace("'", '"'))
     found = problems(conf)
@@ -147,8 +148,15 @@ def test_an_allowlist_wider_than_a_slash_8_does_not_authenticate_senders(tmp_pat
     assert problems(conf) == []  # said explicitly: accepted
 
 
+def test_a_cidr_with_host_bits_is_an_error_not_a_wider_network(tmp_path):
+    """`10.1.2.3/8` is a typo for /28 or /32 far more often than a wish to let in all of 10/8."""
+    conf = conf_dir(tmp_path, MLLP_ANY + 'allowed_sources = ["10.1.2.3/8", "10.1.2.0/28"]\n')
+    found = problems(conf)
+    assert len(found) == 1 and "inbound[0].allowed_sources[0]" in found[0] and "host bits" in found[0], found
+
+
 def test_a_narrow_allowlist_still_counts(tmp_path):
-    conf = conf_dir(tmp_path, MLLP_ANY + 'allowed_sources = ["10.0.0.0/8", "192.0.2.7", "2001:db8::/16"]\n')
+    conf = conf_dir(tmp_path, MLLP_ANY + 'allowed_sources = ["10.0.0.0/8", "192.0.2.7", "2001::/16"]\n')
     assert problems(conf) == []
 
 

@@ -169,3 +169,12 @@ def test_source_matching(host: str, cidrs: list[str], allowed: bool) -> None:
 def test_a_bad_cidr_is_named() -> None:
     with pytest.raises(ValueError, match="'10.0.0/33'"):
         source_networks(["10.0.0/33"])
+
+
+def test_an_ipv4_mapped_allowlist_entry_matches_ipv4_peers_as_the_guard_sees_them() -> None:
+    """The guard compares an IPv4-mapped peer as its IPv4 address, so a mapped entry must be read as
+    the IPv4 network it maps, or it would never match anyone."""
+    from listeners.guard import source_allowed, source_networks
+    networks = source_networks(["::ffff:127.0.0.0/104"])
+    assert source_allowed("127.0.0.1", networks) and source_allowed("::ffff:127.0.0.9", networks)
+    assert not source_allowed("10.0.0.1", networks)
