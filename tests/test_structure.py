@@ -28,7 +28,7 @@ SOURCES = {"include": ROOT / "include", "listeners": ROOT / "listeners", "spark_
 LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "stageline_airflow": 2, "dags": 3}
 """A module imports only its own package and the packages of lower layers."""
 CONFIG_MODULES = ("include.config", "include.hl7path", "include.conditions", "include.routes_config", "include.destinations_config",
-                  "include.transforms_config", "include.stage_config", "include.charsets", "include.schema",
+                  "include.transforms_config", "include.stage_config", "include.charsets", "include.cidrs", "include.schema",
                   *(f"include.schema.{p.stem}" for p in (Path(__file__).resolve().parents[1] / "include" / "schema").glob("*.py")
                     if p.stem != "__init__"))
 """The bottom of `include`: plain config parsing, no store, no Spark, no other `include` module."""
