@@ -262,12 +262,16 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
     def pauseProducing(self) -> None:
         """The transport holds more unsent answers than its buffer size: read nothing more until
         the peer has read them, and cut it off if it reads none of them within the write timeout."""
-        if self._write_blocked or not self._connected:
+        if not self._connected:
             return
-        self._write_blocked = True
-        self._sync_reading()
-        seconds = self._idle_timeout or WRITE_TIMEOUT_SECONDS
-        self._write_stall = self._clock.callLater(seconds, self._cut_off_stalled_reader, seconds)
+        if not self._write_blocked:
+            self._write_blocked = True
+            seconds = self._idle_timeout or WRITE_TIMEOUT_SECONDS
+            self._write_stall = self._clock.callLater(seconds, self._cut_off_stalled_reader, seconds)
+        # Each write past the buffer size asks again: pause reading even if we think it is paused,
+        # since the guard's bandwidth throttle resumes the transport when its allowance refills.
+        self._paused = True
+        cast("ITCPTransport", self.transport).pauseProducing()
 
     def resumeProducing(self) -> None:
         """The peer read its answers: reading may go on."""

@@ -604,3 +604,14 @@ def test_unread_answers_pause_reading_and_a_peer_that_never_reads_is_aborted() -
     proto2.pauseProducing()
     clock.advance(5.0)
     assert transport2.disconnecting
+
+
+def test_a_write_past_the_buffer_pauses_reading_again_after_someone_else_resumed_it() -> None:
+    """The guard's bandwidth throttle resumes the transport when its allowance refills; the next
+    write past the buffer size (Twisted calls pauseProducing again) must stop reading again."""
+    clock = MemoryReactorClock()
+    proto, transport = connect(make_factory(Recorder(), clock, idle_timeout_seconds=5.0))
+    proto.pauseProducing()
+    transport.resumeProducing()  # the guard's throttle ends
+    proto.pauseProducing()
+    assert transport.producerState == "paused"
