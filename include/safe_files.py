@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 __all__ = ["UnsafePath", "Identity", "open_dir", "identity", "still_same_dir", "create_exclusive",
            "read_regular", "candidate_names", "move_exclusive", "NotRegular", "TooLarge", "printable",
-           "NAME_MAX"]
+           "NAME_MAX", "unlink_quietly"]
 
 NAME_MAX = 255
 
@@ -154,7 +154,7 @@ def create_exclusive(dir_fd: int, name: str, data: bytes = b"", *, mode: int = 0
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        _unlink(dir_fd, name)
+        unlink_quietly(dir_fd, name)
         raise
     os.close(fd)
 
@@ -272,14 +272,14 @@ def move_exclusive(src_dir_fd: int, name: str, dst_dir_fd: int, *, companion: tu
             create_exclusive(dst_dir_fd, candidate)
         except FileExistsError:
             if extra is not None:
-                _unlink(dst_dir_fd, extra)
+                unlink_quietly(dst_dir_fd, extra)
             continue
         try:
             os.rename(name, candidate, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         except BaseException:
-            _unlink(dst_dir_fd, candidate)
+            unlink_quietly(dst_dir_fd, candidate)
             if extra is not None:
-                _unlink(dst_dir_fd, extra)
+                unlink_quietly(dst_dir_fd, extra)
             raise
         return candidate
     raise FileExistsError(errno.EEXIST, f"no free name for {printable(name)} after {tries} tries", name)
@@ -292,7 +292,8 @@ def _limited(names: Iterator[str], n: int) -> Iterator[str]:
         yield name
 
 
-def _unlink(dir_fd: int, name: str) -> None:
+def unlink_quietly(dir_fd: int, name: str) -> None:
+    """Remove `name` in the directory `dir_fd` if it is there (a temp file's cleanup)."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:

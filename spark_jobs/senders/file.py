@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import quote
 
 from include.destinations_config import FileDestination
-from include.safe_files import open_dir
+from include.safe_files import open_dir, unlink_quietly
 from spark_jobs.senders.common import DeliveryResult, describe_error, payload_codec
 
 __all__ = ["FileSend", "batch_file", "send_file", "send_file_lanes"]
@@ -139,7 +139,7 @@ def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str])
     renamed: dict[int, list[_Staged]] = {}
     for st in staged:
         if st.lane in stopped or flushed is not None:
-            _unlink(st.dir_fd, st.tmp)
+            unlink_quietly(st.dir_fd, st.tmp)
             if st.lane not in stopped:
                 results[st.lane][st.index] = DeliveryResult.retry(f"{st.send.dest.name}: flushing files: {flushed}")
                 stopped.add(st.lane)
@@ -147,7 +147,7 @@ def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str])
         try:
             os.replace(st.tmp, st.final, src_dir_fd=st.dir_fd, dst_dir_fd=st.dir_fd)
         except OSError as exc:
-            _unlink(st.dir_fd, st.tmp)
+            unlink_quietly(st.dir_fd, st.tmp)
             results[st.lane][st.index] = DeliveryResult.retry(
                 f"{st.send.dest.name}: writing {st.final}: {describe_error(exc)}")
             stopped.add(st.lane)
@@ -218,7 +218,7 @@ def _write_temp(item: FileSend, dirs: dict[str, int | str]) -> tuple[int, str, s
         finally:
             os.close(fd)
     except OSError as exc:
-        _unlink(dir_fd, tmp)
+        unlink_quietly(dir_fd, tmp)
         return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
     return dir_fd, tmp, name, len(data)
 
@@ -243,10 +243,3 @@ def _flush_data(dir_fds: set[int]) -> str | None:
     except OSError as exc:
         return describe_error(exc)
     return None
-
-
-def _unlink(dir_fd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
