@@ -109,7 +109,7 @@ class ListenerNode(SequentialMultiService):
                                archive_path=config.retention.archive_path, fenced=lambda: self.lease.fenced,
                                serving=lambda: self.gate.serving, unbound=self.gate.unbound,
                                aside_seconds=lambda: self.lease.aside_seconds)
-        self.api = ListeningService("api", api_settings.host, api_port or api_settings.port,
+        self.api = ListeningService("api", api_settings.host, api_settings.port if api_port is None else api_port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
                                     on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))
         for svc in (self.api, self.stores, self.lease, self.ingest, self.heartbeat, self.gate):
@@ -138,6 +138,7 @@ class ListenerNode(SequentialMultiService):
 
     def _api_bound(self, port: int) -> None:
         self.api_port = port
+        _log.info("API listening on port {port}", port=port)  # the actual port, when --api-port 0 asked for any
 
     # -- config: the node's own concern ------------------------------------------------------
 
