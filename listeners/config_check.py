@@ -99,7 +99,7 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
     transforms: list[tuple[int, Transform]] = []
     steps: list[tuple[Path, Callable[[], Any]]] = [
         (base / CONNECTIONS, lambda: _connections(base, report, store_dir=store_dir, required=connections_required,
-                                                   names=names)),
+                                                   names=names, service=service)),
         (base, lambda: _pipeline(base, report, transforms)),
         (base / LOOKUPS, lambda: _lookups(base, transforms, store_tables, store_note, report,
                                           unverified_ok=lookups_unverified_ok)),
@@ -124,7 +124,7 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
 # -- the files -----------------------------------------------------------------------------------
 
 def _connections(base: Path, report: Report, *, store_dir: str | Path | None, required: bool,
-                 names: list[str]) -> None:
+                 names: list[str], service: Path | None = None) -> None:
     path = base / CONNECTIONS
     report.counts["inbound connections"] = 0
     if not path.exists():
@@ -133,6 +133,7 @@ def _connections(base: Path, report: Report, *, store_dir: str | Path | None, re
                                                            "file means no inbound connections)"))
         return
     raw = _toml(path)
+    report.problems.extend(_service_dir_drops(path, base, raw, service))  # beside any other problem
     model, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role],
                                        store_dir=Path(store_dir) if store_dir is not None else None)
     names.extend(c.name for c in inbound)
@@ -142,6 +143,28 @@ def _connections(base: Path, report: Report, *, store_dir: str | Path | None, re
             report.warnings.append(ConfigProblem(
                 path, f"inbound[{i}].directory", f"{conn.directory} does not exist (yet): connection {conn.name!r} "
                 "polls nothing until it does (a mount that comes later is fine; a typo is not)"))
+
+
+def _service_dir_drops(path: Path, base: Path, raw: Any, service: Path | None) -> list[ConfigProblem]:
+    """A file connection on the service config's directory would stage stageline.toml (and whatever
+    secrets sit beside it) and move it away; one whose archive or error directory is that directory
+    would write partner-named files among them. Read from the raw tables, so it is reported beside
+    every other problem of the file."""
+    entries = raw.get("inbound") if isinstance(raw, dict) else None
+    if service is None or not isinstance(entries, list):
+        return []
+    home = service.resolve().parent
+    out = []
+    for i, conn in enumerate(entries):
+        if not isinstance(conn, dict) or conn.get("kind") != "file":
+            continue
+        for key in ("directory", "archive", "error_directory"):
+            value = conn.get(key)
+            if isinstance(value, str) and value and (base / value).resolve() == home:
+                out.append(ConfigProblem(path, f"inbound[{i}].{key}", f"{value} is the directory of the service "
+                                         f"config ({service}); a file connection would stage and move it: use a "
+                                         f"directory of its own (connection {conn.get('name')!r})"))
+    return out
 
 
 def _unreadable_files(base: Path, service: Path | None, report: Report) -> bool:

@@ -19,10 +19,12 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from include.charsets import HL7_CHARSETS, codec_for
 from include.cidrs import source_network
+from include.schema.filedrop_paths import processing_dir
 from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
 from include.schema.rules import Rules
@@ -43,6 +45,9 @@ PollSeconds = Annotated[float, Field(ge=0.05, le=3600, allow_inf_nan=False)]
 """A poll interval: below 0.05 s a poll is a busy loop (and a file is taken while it is written)."""
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Count = Annotated[int, Field(gt=0, le=1_000_000)]
+UNION_MAX = {4: 2 ** 24, 6: 2 ** 112}
+"""The most addresses all `allowed_sources` entries of one version may admit together (one /8, one
+/16 of IPv6): judged on the union, or 256 /8 entries would admit every IPv4 address."""
 NAME_MAX = 64
 LANE_INDEX_MAX = 999
 MIN_PREFIX = {4: 8, 6: 16}
@@ -236,6 +241,24 @@ class InboundModel(Strict):
                 raise ValueError(f"lane_key {value!r}: an index above {LANE_INDEX_MAX} is no HL7 field")
         return value
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _kind_keys_always(cls, data: Any, handler: Any) -> Any:
+        """A key of another kind is reported beside the fields' own problems (every problem at once):
+        when a field fails, the after-validator below never runs, so the raw table is judged here."""
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            extra = _other_kind_keys(data)
+            if not extra:
+                raise
+            errors: list[InitErrorDetails] = [
+                {"type": e["type"] if e["type"] != "value_error" else PydanticCustomError("value_error", e["msg"]),
+                 "loc": e["loc"], "input": e.get("input"), **({"ctx": e["ctx"]} if "ctx" in e else {})}
+                for e in exc.errors(include_url=False)]
+            errors.append({"type": "value_error", "loc": (), "input": data, "ctx": {"error": Rules(extra)}})
+            raise ValidationError.from_exception_data(exc.title, errors) from None
+
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> InboundModel:
         bad: list[tuple[str, str]] = []
@@ -266,6 +289,8 @@ class InboundModel(Strict):
                                     f"authenticate senders (the widest counted is /{MIN_PREFIX[net.version]} for "
                                     f"IPv{net.version}); list the senders' networks, or set "
                                     "allow_unauthenticated_senders = true if anyone may really send"))
+                if not bad:
+                    bad += _union_too_wide(self.allowed_sources)
             if not (mtls or self.allowed_sources or self.allow_unauthenticated_senders):
                 bad.append(("allowed_sources", f"a non-loopback bind ({self.kind} on {self.host}) needs "
                                                "authenticated senders: tls.require_client_cert = true (mTLS) or "
@@ -273,6 +298,36 @@ class InboundModel(Strict):
                                                "allow_unauthenticated_senders = true"))
         Rules.raise_if(bad)
         return self
+
+
+def _other_kind_keys(data: Any) -> list[tuple[str, str]]:
+    """Keys of the raw table that mean nothing for its `kind` (as `ONLY_FOR` says)."""
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        return []
+    kind = data["kind"]
+    if kind not in ("mllp", "tcp", "file", "http", "database"):
+        return []
+    return [(key, "only for " + " or ".join(f'kind = "{k}"' for k in ONLY_FOR[key]) +
+             f"; a {kind} connection would ignore it") for key in sorted(data) if key in ONLY_FOR
+            and kind not in ONLY_FOR[key]]
+
+
+def _union_too_wide(cidrs: list[str]) -> list[tuple[str, str]]:
+    """The entries together, per IP version (IPv4-mapped entries as IPv4, as the guard compares a
+    peer): many narrow entries can add up to everyone."""
+    nets: dict[int, list[Any]] = {4: [], 6: []}
+    for cidr in cidrs:
+        net = source_network(cidr)
+        nets[net.version].append(net)
+    bad = []
+    for version, listed in nets.items():
+        total = sum(n.num_addresses for n in ipaddress.collapse_addresses(listed))
+        if total > UNION_MAX[version]:
+            widest = "/8" if version == 4 else "/16"
+            bad.append(("allowed_sources", f"the IPv{version} entries together admit {total} addresses, more than "
+                        f"one {widest} ({UNION_MAX[version]}), so they do not authenticate senders; list the "
+                        "senders' networks, or set allow_unauthenticated_senders = true if anyone may really send"))
+    return bad
 
 
 def file_paths(conn: InboundModel, base: str | Path | None, var: str | Path | None) -> tuple[str, str, str]:
@@ -335,7 +390,46 @@ def _protected_trees(conn: InboundModel, directory: Path, archive: Path, rejecte
             bad.append((key, f"{path} {what} {label} ({root}); a file connection would stage and move "
                              "Stageline's own files: use a directory of its own"))
             break
+        else:
+            bad += _system_tree(key, path)
     return bad
+
+
+SYSTEM_TREES = ("/", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/root",
+                "/home", "/proc", "/sys", "/dev", "/var/lib", "/run")
+"""System directories no file connection may be (or contain): it would stage /etc/shadow or a
+user's files and move them away. Their subdirectories are allowed (a drop under /home/partner or
+/var/lib/stageline is normal), except those of SYSTEM_INSIDE."""
+SYSTEM_INSIDE = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
+                 "/dev")
+"""System trees nothing of a file connection may lie inside either: the OS's own files and devices."""
+
+
+def _system_roots(names: tuple[str, ...]) -> dict[Path, str]:
+    """Each name and what it resolves to (/bin is /usr/bin on a merged-/usr system), plus any other
+    /lib* directory of this host."""
+    extra = tuple(str(p) for p in Path("/").glob("lib*")) if names is SYSTEM_TREES or names is SYSTEM_INSIDE else ()
+    roots: dict[Path, str] = {}
+    for name in (*names, *extra):
+        roots.setdefault(Path(name), name)
+        try:
+            roots.setdefault(Path(name).resolve(), name)
+        except OSError:
+            pass
+    return roots
+
+
+def _system_tree(key: str, path: Path) -> list[tuple[str, str]]:
+    for root, name in _system_roots(SYSTEM_TREES).items():
+        if path == root or root.is_relative_to(path):
+            what = "is" if path == root else "contains"
+            return [(key, f"{path} {what} the system directory {name}; a file connection would stage and move "
+                          "the system's files: use a directory of its own")]
+    for root, name in _system_roots(SYSTEM_INSIDE).items():
+        if path.is_relative_to(root):
+            return [(key, f"{path} lies inside the system directory {name}; a file connection would stage and "
+                          "move the system's files: use a directory of its own")]
+    return []
 
 
 def _through_symlinks(conn: InboundModel, base: Any) -> list[tuple[str, str]]:
@@ -419,6 +513,7 @@ class ConnectionsFile(Strict):
                 bad.append((f"inbound[{i}].name", f"duplicate connection name {conn.name!r}"))
             seen.add(conn.name)
         bad += _shared_drops(self.inbound, _ctx(info, "base"), _ctx(info, "var"))
+        bad += _tls_dirs(self, _ctx(info, "base"), _ctx(info, "var"))
         Rules.raise_if(bad)
         return self
 
@@ -443,4 +538,52 @@ def _shared_drops(inbound: list[InboundModel], base: Any, var: Any) -> list[tupl
             if other is not None:
                 bad.append((f"inbound[{i}].{key}", f"{path} is (or lies inside) the drop directory of "
                                                    f"connection {other.name!r}: its files would be staged again"))
+    reserved: dict[Path, tuple[InboundModel, str]] = {}
+    for _, conn, (_, archive, rejected) in files:  # another's archive, error or processing dir is no drop
+        for key, path in (("processing", processing_dir(conn.name, archive)), ("archive", archive),
+                          ("error_directory", rejected)):
+            reserved.setdefault(path, (conn, key))
+    for i, conn, (drop, _, _) in files:
+        hit = next((reserved[p] for p in (drop, *drop.parents) if p in reserved  # drop == archive: said above
+                    and (reserved[p][1] == "processing" or (reserved[p][0] is not conn and p != drop))), None)
+        if hit is not None:
+            what = "processing directory" if hit[1] == "processing" else hit[1]
+            bad.append((f"inbound[{i}].directory", f"{drop} is (or lies inside) the {what} of connection "
+                                                   f"{hit[0].name!r} ({_where(hit, files)}): its files would be "
+                                                   "staged twice"))
+    return bad
+
+
+def _where(hit: tuple[InboundModel, str], files: list[Any]) -> str:
+    conn, key = hit
+    for _, c, (_, archive, rejected) in files:
+        if c is conn:
+            return str(processing_dir(c.name, archive) if key == "processing" else
+                       archive if key == "archive" else rejected)
+    return ""
+
+
+def _tls_dirs(model: ConnectionsFile, base: Any, var: Any) -> list[tuple[str, str]]:
+    """A file connection on (or moving files into) the directory of a configured TLS certificate,
+    key or CA would stage the private key and move it away: refused."""
+    root = Path(base) if base is not None else Path(".")
+    tls = [(f"inbound[{i}].tls", c.tls) for i, c in enumerate(model.inbound) if c.tls is not None]
+    if model.api.tls is not None:
+        tls.append(("api.tls", model.api.tls))
+    dirs: dict[Path, str] = {}
+    for where, t in tls:
+        for key in ("cert", "key", "ca"):
+            value = getattr(t, key)
+            if value:
+                dirs.setdefault((root / value).resolve().parent, f"{where}.{key}")
+    bad = []
+    for i, conn in enumerate(model.inbound):
+        if conn.kind != "file" or not conn.directory:
+            continue
+        for key, path in zip(("directory", "archive", "error_directory"),
+                             (Path(p) for p in file_paths(conn, base, var)), strict=True):
+            if path in dirs:
+                bad.append((f"inbound[{i}].{key}", f"{path} is the directory of the TLS file {dirs[path]}; a file "
+                                                   "connection would stage and move the key and certificates: use "
+                                                   "a directory of its own"))
     return bad

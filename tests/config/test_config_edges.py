@@ -156,7 +156,7 @@ def test_a_cidr_with_host_bits_is_an_error_not_a_wider_network(tmp_path):
 
 
 def test_a_narrow_allowlist_still_counts(tmp_path):
-    conf = conf_dir(tmp_path, MLLP_ANY + 'allowed_sources = ["10.0.0.0/8", "192.0.2.7", "2001::/16"]\n')
+    conf = conf_dir(tmp_path, MLLP_ANY + 'allowed_sources = ["10.0.0.0/8", "10.1.2.7", "2001::/16"]\n')
     assert problems(conf) == []
 
 
