@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 __all__ = ["UnsafePath", "Identity", "open_dir", "identity", "still_same_dir", "create_exclusive",
            "read_regular", "candidate_names", "move_exclusive", "NotRegular", "TooLarge", "printable",
-           "NAME_MAX", "unlink_quietly"]
+           "NAME_MAX", "unlink_quietly", "write_exclusive", "private_dir"]
 
 NAME_MAX = 255
 
@@ -283,6 +283,33 @@ def move_exclusive(src_dir_fd: int, name: str, dst_dir_fd: int, *, companion: tu
             raise
         return candidate
     raise FileExistsError(errno.EEXIST, f"no free name for {printable(name)} after {tries} tries", name)
+
+
+def write_exclusive(dst_dir_fd: int, name: str, data: bytes, *, tries: int = 100) -> str:
+    """Write `data` as a new file (``O_EXCL``, 0600, fsynced) under `name` or a free variant of
+    it (`candidate_names`); the name used. Used to archive exactly the bytes that were staged:
+    a copy, so a writer still holding the original open cannot add to what is archived."""
+    for candidate in _limited(candidate_names(name, limit=_name_max(dst_dir_fd)), tries):
+        try:
+            create_exclusive(dst_dir_fd, candidate, data, sync=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(errno.EEXIST, f"no free name for {printable(name)} after {tries} tries", name)
+
+
+def private_dir(fd: int, path: str | os.PathLike[str]) -> str | None:
+    """Make the open directory `fd` private to us: UnsafePath when another uid owns it; when we
+    own it and group or others have any access, chmod 0700 and return a warning naming its old mode."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not this daemon's uid "
+                                      f"{os.geteuid()}; not used", str(path))
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return None
+    os.fchmod(fd, 0o700)
+    return f"{path} was mode {mode:04o}; tightened to 0700"
 
 
 def _limited(names: Iterator[str], n: int) -> Iterator[str]:

@@ -33,8 +33,16 @@ Rules, in order of a poll:
   the connection's private ``processing`` directory (0700, outside the drop tree:
   ``<var dir>/filedrop/<connection>/processing``, or ``<archive>/.processing-<connection>`` with a
   configured archive), and read, staged and archived from there. A writer that renames a new file over the same
-  name meanwhile leaves it in the drop for the next poll: what is archived is always exactly what
-  was staged. Files in ``processing`` (a crash, a failed submit) are taken first at the next poll.
+  name meanwhile leaves it in the drop for the next poll. ``processing`` must be ours: owned by
+  the daemon's uid (else the connection takes no file, with an error naming it) and tightened to
+  0700, with a warning, when group or others had access. Files in ``processing`` (a crash, a
+  failed submit) are taken first at the next poll; one that keeps changing there (a writer still
+  holds it open) for ``UNSETTLED_SECONDS`` is set aside to the error directory with a reason.
+* **What is archived is exactly what was staged.** The archive gets a new file (``O_EXCL``,
+  0600, fsynced) holding the staged bytes, never the claimed file itself: a writer that kept its
+  descriptor open cannot add to it. The claimed file is then unlinked, or, when it changed after
+  it was read, moved to the error directory ("changed after it was read: N bytes staged, M on
+  disk"). A crash between the copy and the unlink leaves a second archive copy (suffixed name).
 * **Order.** Stable files go oldest mtime first (then by name), one at a time. A failed submit
   stops the poll, so later files never overtake an earlier one; all are retried next poll.
 * **Exactly one row per file.** The message_id is sha256(connection NUL file name NUL content),
@@ -82,7 +90,8 @@ from twisted.python.failure import Failure
 
 from include.config import var_dir
 from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind, move_exclusive, open_dir,
-                                printable, read_regular, still_same_dir)
+                                printable, private_dir, read_regular, still_same_dir, unlink_quietly,
+                                write_exclusive)
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
@@ -93,11 +102,14 @@ if TYPE_CHECKING:
     from listeners.metrics import Metrics
 
 __all__ = ["FileDrop", "RunBlocking", "default_archive", "default_error_directory", "default_processing",
-           "file_message_id", "EMPTY_GRACE_SECONDS", "TEMP_SUFFIXES", "in_progress"]
+           "file_message_id", "EMPTY_GRACE_SECONDS", "UNSETTLED_SECONDS", "TEMP_SUFFIXES", "in_progress"]
 
 _log = Logger(namespace="stageline.filedrop")
 
 EMPTY_GRACE_SECONDS = 60.0
+UNSETTLED_SECONDS = 30.0
+"""How long a claimed file in ``processing`` may keep changing (someone still holds it open and
+writes) before it is set aside to the error directory, so it stops holding back the drop."""
 """How long a file may stay empty (its writer not started yet) before it is rejected as empty."""
 
 TEMP_SUFFIXES = (".tmp", ".part", ".filepart", ".partial", "~")
@@ -186,7 +198,16 @@ class _Dirs:
                     except OSError:
                         what = "gone"
                     raise UnsafePath(0, f"{key} {path} was replaced (now: {what}); not used", str(path))
-            self.fds[key] = open_dir(path, create=key != "directory", mode=0o700)
+            fd = open_dir(path, create=key != "directory", mode=0o700)
+            if key == "processing":  # claimed files must be ours alone: nobody else may add to them
+                try:
+                    warning = private_dir(fd, path)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if warning:
+                    _log.warn("file drop processing directory {warning}", warning=warning)
+            self.fds[key] = fd
 
     def fd(self, key: str) -> int:
         return self.fds[key]
@@ -226,6 +247,7 @@ class FileDrop(PollingInbound):
         self._counters = metrics.listener(config.name, "file") if metrics is not None else None
         self._seen: dict[Identity, tuple[int, int]] = {}  # by identity: a claimed file keeps its own
         self._empty_since: dict[Identity, float] = {}
+        self._unsettled_since: dict[Identity, float] = {}  # claimed files still changing
         self._scan_error: str | None = None
         self._move_error: str | None = None
         self._dirs = _Dirs(self.directory, self.archive, self.errors, self.processing)
@@ -233,6 +255,7 @@ class FileDrop(PollingInbound):
     def _on_start(self) -> None:
         self._seen = {}  # stability is re-proven after every (re)start
         self._empty_since = {}
+        self._unsettled_since = {}
 
     def _on_stop(self) -> Any:
         self._dirs.close()
@@ -265,7 +288,15 @@ class FileDrop(PollingInbound):
         ready = [e for e in ready if e.size or e.where != "directory"
                  or now - self._empty_since[e.identity] >= EMPTY_GRACE_SECONDS]
         ready.sort(key=lambda e: (e.where != "processing", e.mtime_ns, e.name))
-        if any(e.where == "processing" for e in regular if e not in ready):
+        unsettled = [e for e in regular if e.where == "processing" and e not in ready]
+        self._unsettled_since = {e.identity: self._unsettled_since.get(e.identity, now) for e in unsettled}
+        for entry in unsettled:  # still written to after it was claimed: set aside after a bound
+            if now - self._unsettled_since[entry.identity] >= UNSETTLED_SECONDS:
+                self._count_received(0)
+                yield self._reject(entry, f"kept changing in processing for over {UNSETTLED_SECONDS:.0f} s "
+                                          "(a writer still holds it open): never staged")
+                self._unsettled_since.pop(entry.identity, None)
+        if any(e.identity in self._unsettled_since for e in unsettled):
             ready = [e for e in ready if e.where == "processing"]  # claimed files drain first
         for entry in ready:
             if not self._running:
@@ -339,7 +370,7 @@ class FileDrop(PollingInbound):
             return None
         self._count_ack("AA")
         try:
-            target = yield self._run(self._archive, name, read.message_id)
+            target = yield self._run(self._archive, entry, read)
         except OSError as exc:
             # Committed but not moved: the next poll re-reads it, stage_inbound skips it, moves it.
             error = f"{type(exc).__name__} (errno {exc.errno})"
@@ -430,15 +461,36 @@ class FileDrop(PollingInbound):
             raise _Changed(entry.name)
         return _Read(data, file_message_id(self.config.name, entry.name, data))
 
-    def _archive(self, name: str, message_id: str) -> str:
-        """Move a staged file from processing to the archive; under ``<message_id>.hl7`` when the
-        file system refuses every name made from its own."""
+    def _archive(self, entry: _Entry, read: _Read) -> str:
+        """Archive exactly the staged bytes as a new file (under ``<message_id>.hl7`` when the file
+        system refuses every name made from the file's own), then drop the claimed file: unlinked
+        when it is still what was read, else (a writer kept its descriptor open and wrote on) moved
+        to the error directory with a reason. A rename would carry on any later writes."""
+        self._dirs.check()
         try:
-            return self._move(name, "processing", "archive", None)
+            target = write_exclusive(self._dirs.fd("archive"), entry.name, read.data)
         except OSError as exc:
             if exc.errno not in _NAME_ERRORS:
                 raise
-        return self._move(name, "processing", "archive", None, f"{message_id}.hl7")
+            target = write_exclusive(self._dirs.fd("archive"), f"{read.message_id}.hl7", read.data)
+        processing = self._dirs.fd("processing")
+        try:
+            st = os.stat(entry.name, dir_fd=processing, follow_symlinks=False)
+        except FileNotFoundError:
+            return target
+        if (Identity.of(st), st.st_size, st.st_mtime_ns) == (entry.identity, len(read.data), entry.mtime_ns):
+            unlink_quietly(processing, entry.name)
+            return target
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        text = (f"changed after it was read: {len(read.data)} bytes staged (archived as {printable(target)}), "
+                f"{st.st_size} on disk\nconnection: {self.config.name}\nfile: {printable(entry.name)}\n"
+                f"rejected_at: {stamp}\n")
+        moved = self._move(entry.name, "processing", "error_directory", text.encode("utf-8", "backslashreplace"))
+        _log.warn("{file} on {connection} changed after it was read ({staged} bytes staged, {now} on disk); "
+                  "the staged bytes are archived, the file moved to {target}", file=printable(entry.name),
+                  connection=self.config.name, staged=len(read.data), now=st.st_size,
+                  target=printable(str(self.errors / moved)))
+        return target
 
     def _move(self, name: str, source: str, into: str, reason: bytes | None, as_name: str | None = None) -> str:
         """Rename `name` out of `source` into `into`; a `.reason` first when given."""

@@ -189,3 +189,43 @@ def test_printable_escapes_newlines_escapes_and_undecodable_bytes() -> None:
     assert printable("rtl\u202egnp.hl7") == "rtl\\u202egnp.hl7"
     assert printable("plain é.hl7") == "plain é.hl7"
     assert printable("a\\b") == "a\\\\b"
+
+
+def test_write_exclusive_writes_a_new_0600_file_and_never_overwrites(tmp_path):
+    from include.safe_files import write_exclusive
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "a.hl7").write_bytes(b"theirs")
+        (tmp_path / "b.hl7").symlink_to(tmp_path / "elsewhere")
+        first = write_exclusive(fd, "a.hl7", b"staged")
+        second = write_exclusive(fd, "b.hl7", b"staged")
+    finally:
+        os.close(fd)
+    assert first != "a.hl7" and first.startswith("a.") and (tmp_path / "a.hl7").read_bytes() == b"theirs"
+    assert second != "b.hl7" and not (tmp_path / "elsewhere").exists()
+    assert (tmp_path / first).read_bytes() == b"staged"
+    assert oct((tmp_path / first).stat().st_mode & 0o777) == "0o600"
+
+
+def test_private_dir_tightens_ours_and_refuses_anothers(tmp_path):
+    from include.safe_files import UnsafePath, private_dir
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    os.chmod(ours, 0o777)
+    fd = os.open(ours, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert private_dir(fd, ours) == f"{ours} was mode 0777; tightened to 0700"
+        assert private_dir(fd, ours) is None
+    finally:
+        os.close(fd)
+    assert oct(ours.stat().st_mode & 0o777) == "0o700"
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        fd = os.open(theirs, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(UnsafePath, match="owned by uid 65534"):
+                private_dir(fd, theirs)
+        finally:
+            os.close(fd)

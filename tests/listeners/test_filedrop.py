@@ -699,14 +699,14 @@ def test_an_archive_that_refuses_every_derived_name_gets_the_message_id(tmp_path
 
     import listeners.filedrop as filedrop
 
-    real = filedrop.move_exclusive
+    real = filedrop.write_exclusive
 
-    def picky(src: int, name: str, dst: int, **kw: Any) -> str:
-        if kw.get("as_name") is None and kw.get("companion") is None:
+    def picky(dst: int, name: str, data: bytes, **kw: Any) -> str:
+        if not name.endswith(".hl7") or len(name) != 36:  # only <message_id>.hl7 is accepted
             raise OSError(errno.ENAMETOOLONG, "File name too long")
-        return real(src, name, dst, **kw)
+        return real(dst, name, data, **kw)
 
-    monkeypatch.setattr(filedrop, "move_exclusive", picky)
+    monkeypatch.setattr(filedrop, "write_exclusive", picky)
     h = Harness(tmp_path, AutoIngest())
     drop(tmp_path, "a.hl7", adt("A"), mtime=1_000_000_000_000_000_000)
     drop(tmp_path, "b.hl7", adt("B"), mtime=2_000_000_000_000_000_000)
@@ -771,3 +771,105 @@ def test_a_symlink_above_the_archive_is_never_written_through(tmp_path: Path) ->
     assert listing(target) == []  # nothing created or moved through the link
     assert [item.control_id for item, _ in h.ingest.calls] == ["ONE"]
     assert "authorized_keys.hl7" in listing(tmp_path / "in")
+
+
+# -- second red-team pass (issue 23): processing is ours; archived is exactly what was staged ----
+
+def test_a_writer_holding_the_file_open_cannot_add_to_the_archive(tmp_path: Path) -> None:
+    """L2: the partner's fd stayed open and kept appending after the file was staged; the archive
+    held 772 bytes for 52 staged. The archive is now a fresh copy of the staged bytes."""
+    h = Harness(tmp_path, AutoIngest())
+    path = drop(tmp_path, "hold.hl7", adt("H"))
+    with open(path, "ab") as writer:
+        h.start()
+        h.next_poll()
+        [(item, _)] = h.ingest.calls
+        writer.write(b"NTE|1||appended after staging\r" * 20)
+        writer.flush()
+    archived = tmp_path / "archive" / "hold.hl7"
+    assert archived.read_bytes() == adt("H") == item.payload.encode()
+    assert oct(archived.stat().st_mode & 0o777) == "0o600"
+    assert listing(processing(tmp_path)) == []
+
+
+def test_a_file_that_grows_between_read_and_commit_is_archived_as_staged_and_set_aside(tmp_path: Path) -> None:
+    """L2: grown after the read, before the archive: the archive gets the staged bytes, the grown
+    original goes to rejected with a reason that says so."""
+    h = Harness(tmp_path)
+    drop(tmp_path, "grow.hl7", adt("G"))
+    h.start()
+    h.next_poll()
+    [(item, _)] = h.ingest.calls
+    with open(processing(tmp_path) / "grow.hl7", "ab") as writer:  # the partner's fd, still open
+        writer.write(b"NTE|1||late\r")
+    h.ingest.fire(0)
+    staged = len(adt("G"))
+    assert (tmp_path / "archive" / "grow.hl7").read_bytes() == adt("G")
+    assert listing(tmp_path / "rejected") == ["grow.hl7", "grow.hl7.reason"]
+    assert (tmp_path / "rejected" / "grow.hl7").read_bytes() == adt("G") + b"NTE|1||late\r"
+    reason = (tmp_path / "rejected" / "grow.hl7.reason").read_text().splitlines()[0]
+    assert reason.startswith(f"changed after it was read: {staged} bytes staged")
+    assert reason.endswith(f"{staged + 12} on disk")
+    assert listing(processing(tmp_path)) == []
+
+
+def test_an_existing_processing_directory_of_ours_is_tightened_to_0700_with_a_warning(tmp_path: Path) -> None:
+    """M4: a processing directory left at 0777 let a partner write into claimed files."""
+    from twisted.logger import capturedLogs, formatEvent
+
+    processing(tmp_path).mkdir(parents=True)
+    os.chmod(processing(tmp_path), 0o777)
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"))
+    with capturedLogs() as events:
+        h.start()
+        h.next_poll()
+    assert oct(processing(tmp_path).stat().st_mode & 0o777) == "0o700"
+    assert any("was mode 0777; tightened to 0700" in formatEvent(e) for e in events)
+    assert listing(tmp_path / "archive") == ["a.hl7"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another uid")
+def test_a_processing_directory_owned_by_another_uid_refuses_the_connection(tmp_path: Path) -> None:
+    """M4: someone else's processing directory is never used: the drop takes no file, and says why."""
+    from twisted.logger import capturedLogs, formatEvent
+
+    processing(tmp_path).mkdir(parents=True)
+    os.chown(processing(tmp_path), 65534, 65534)
+    h = Harness(tmp_path, AutoIngest())
+    drop(tmp_path, "a.hl7", adt("A"))
+    with capturedLogs() as events:
+        h.start()
+        h.next_poll()
+    assert h.ingest.calls == [] and listing(tmp_path / "in") == ["a.hl7"]
+    assert any("owned by uid 65534" in formatEvent(e) and "not used" in formatEvent(e) for e in events)
+
+
+def test_a_claimed_file_that_keeps_changing_is_set_aside_and_the_drop_goes_on(tmp_path: Path) -> None:
+    """M4: a file in processing appended to at every poll stalled the whole drop for ever; after
+    UNSETTLED_SECONDS it goes to rejected with a reason and the waiting files are staged."""
+    from listeners.filedrop import UNSETTLED_SECONDS
+
+    h = Harness(tmp_path, AutoIngest())
+    processing(tmp_path).mkdir(parents=True, mode=0o700)
+    stall = processing(tmp_path) / "stall.hl7"
+    stall.write_bytes(adt("S"))
+    drop(tmp_path, "b.hl7", adt("B"))
+    h.start()
+    polls = 0
+    while polls * h.listener.config.poll_seconds < UNSETTLED_SECONDS - h.listener.config.poll_seconds:
+        with open(stall, "ab") as f:
+            f.write(b"NTE|1||x\r")
+        h.next_poll()
+        polls += 1
+        assert h.ingest.calls == []  # within the bound, the claimed file still goes first
+    for _ in range(3):
+        if stall.exists():
+            with open(stall, "ab") as f:
+                f.write(b"NTE|1||x\r")
+        h.next_poll()
+    assert [item.control_id for item, _ in h.ingest.calls] == ["B"]
+    assert listing(tmp_path / "rejected") == ["stall.hl7", "stall.hl7.reason"]
+    reason = (tmp_path / "rejected" / "stall.hl7.reason").read_text()
+    assert reason.startswith("kept changing in processing for over 30 s")
+    assert listing(tmp_path / "archive") == ["b.hl7"]
