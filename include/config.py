@@ -131,9 +131,24 @@ def var_dir() -> Path:
 
 def private_var_dir() -> Path:
     """`var_dir()`, created 0700 if missing: it holds the SQLite store (PHI), the API token and the
-    file drops' archives, none of them for other users. An existing one keeps its mode."""
+    file drops' archives, none of them for other users. An existing one of ours that group or
+    others may enter is tightened to 0700 with a warning naming its old mode (one owned by another
+    uid is only warned about)."""
+    import logging
+    import stat
+
     var = var_dir()
     var.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = var.stat()
+    old = stat.S_IMODE(st.st_mode)
+    if old & 0o077 and not var.is_symlink():
+        log = logging.getLogger(__name__)
+        if st.st_uid == os.geteuid():
+            os.chmod(var, 0o700)
+            log.warning("var dir %s was mode %04o, open to others: tightened to 0700", var, old)
+        else:
+            log.warning("var dir %s is mode %04o and owned by uid %d, not ours: left as is; chmod 700 it",
+                        var, old, st.st_uid)
     return var
 
 

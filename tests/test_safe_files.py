@@ -211,7 +211,7 @@ def test_private_dir_tightens_ours_and_refuses_anothers(tmp_path):
     from include.safe_files import UnsafePath, private_dir
     ours = tmp_path / "ours"
     ours.mkdir()
-    os.chmod(ours, 0o777)
+    os.chmod(ours, 0o777)  # noqa: S103 - the loose mode under test
     fd = os.open(ours, os.O_RDONLY | os.O_DIRECTORY)
     try:
         assert private_dir(fd, ours) == f"{ours} was mode 0777; tightened to 0700"

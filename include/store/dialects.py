@@ -15,7 +15,7 @@ from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Callable
 
-from include.config import StoreConfig
+from include.config import StoreConfig, var_dir
 from include.store.queries import to_pyformat
 
 log = logging.getLogger(__name__)
@@ -82,16 +82,56 @@ SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")
 """The files SQLite keeps beside a database; it creates each with the database file's own mode."""
 
 
+_LEFT_OPEN_WARNED: set[str] = set()
+
+
+def private_store_dir(db: Path) -> None:
+    """The directory holding the SQLite store, when group or others have any access to it: made
+    0700 with a warning naming it and its old mode, but only when it is ours (our uid, not a sticky
+    /tmp-like one, not `/` or the home directory) and either Stageline's var dir or holding nothing
+    but this store's files. A shared directory is never changed: a warning says so (once)."""
+    parent = db.parent
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # a symlink or gone: not ours to change
+    try:
+        st = os.fstat(fd)
+        old = stat.S_IMODE(st.st_mode)
+        if not old & 0o077:
+            return
+        where = parent.resolve()
+        store_files = {db.name, *(db.name + suffix for suffix in SQLITE_COMPANIONS)}
+        if st.st_uid != os.geteuid():
+            why = f"owned by uid {st.st_uid}, not ours"
+        elif old & stat.S_ISVTX or where in (Path("/"), Path.home().resolve()):
+            why = "a shared directory"
+        elif where != var_dir() and not set(os.listdir(fd)) <= store_files:
+            why = "it holds other files than the store's"
+        else:
+            os.fchmod(fd, 0o700)
+            log.warning("SQLite store directory %s was mode %04o, open to others: tightened to 0700", parent, old)
+            return
+        if str(where) not in _LEFT_OPEN_WARNED:
+            _LEFT_OPEN_WARNED.add(str(where))
+            log.warning("SQLite store directory %s is mode %04o, open to others; left as is (%s): "
+                        "chmod 700 it, or give the store a directory of its own", parent, old, why)
+    finally:
+        os.close(fd)
+
+
 def private_sqlite_file(path: str | os.PathLike[str]) -> None:
     """Make sure the SQLite store at `path` (every staged body: PHI) is readable by its owner only,
     whatever the umask: a missing directory is created 0700 and a missing database file 0600
     (``O_CREAT|O_EXCL|O_NOFOLLOW``) before SQLite opens it — SQLite then gives its `-wal`, `-shm`
     and `-journal` the database's mode. An existing store, or a companion file, that others may read
-    (made by an older version) is tightened to 0600 with a warning. Not for `:memory:`/URIs."""
+    (made by an older version) is tightened to 0600 with a warning, and its directory to 0700 when
+    that is safe (`private_store_dir`). Not for `:memory:`/URIs."""
     db = Path(path)
     if str(path) == ":memory:" or str(path).startswith("file:"):
         return
     db.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_store_dir(db)
     try:
         fd = os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:

@@ -818,7 +818,7 @@ def test_an_existing_processing_directory_of_ours_is_tightened_to_0700_with_a_wa
     from twisted.logger import capturedLogs, formatEvent
 
     processing(tmp_path).mkdir(parents=True)
-    os.chmod(processing(tmp_path), 0o777)
+    os.chmod(processing(tmp_path), 0o777)  # noqa: S103 - the loose mode under test
     h = Harness(tmp_path, AutoIngest())
     drop(tmp_path, "a.hl7", adt("A"))
     with capturedLogs() as events:

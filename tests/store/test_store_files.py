@@ -94,3 +94,71 @@ def test_the_var_dir_is_created_private(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv(VAR_ENV, str(tmp_path / "state" / "var"))
     assert private_var_dir() == tmp_path / "state" / "var"
     assert mode(tmp_path / "state" / "var") == 0o700
+
+
+def open_store(db: Path) -> None:
+    store = Store(StoreConfig(path=str(db), pool_size=1))
+    try:
+        with store.transaction(write=False) as tx:
+            tx.conn.execute("SELECT 1")
+    finally:
+        store.close()
+
+
+def test_an_existing_0755_store_directory_of_its_own_is_tightened_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Second red-team pass L3: an existing var/ at 0755 was left as is, silently."""
+    data = tmp_path / "data"
+    data.mkdir()
+    open_store(data / "s.db")  # the store, its WAL and shm: nothing else
+    os.chmod(data, 0o755)  # noqa: S103 - the loose mode under test
+    with caplog.at_level(logging.WARNING, logger="include.store.dialects"):
+        open_store(data / "s.db")
+    assert mode(data) == 0o700
+    assert f"SQLite store directory {data} was mode 0755" in caplog.text and "tightened to 0700" in caplog.text
+
+
+def test_the_var_dir_holding_the_store_is_tightened_even_with_other_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from include.config import VAR_ENV
+
+    var = tmp_path / "var"
+    var.mkdir(mode=0o755)
+    os.chmod(var, 0o755)  # noqa: S103 - the loose mode under test
+    (var / "api-token").write_text("x")
+    monkeypatch.setenv(VAR_ENV, str(var))
+    with caplog.at_level(logging.WARNING, logger="include.store.dialects"):
+        open_store(var / "stageline.db")
+    assert mode(var) == 0o700 and "was mode 0755" in caplog.text
+
+
+@pytest.mark.parametrize("shared_mode", [0o755, 0o1777])
+def test_a_shared_store_directory_is_never_changed_only_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, shared_mode: int) -> None:
+    """Other files beside the store (a home directory, a project dir), or a sticky /tmp-like one:
+    chmod would break someone else, so it only says so."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("someone else's")
+    if shared_mode & 0o1000:
+        (shared / "notes.txt").unlink()  # sticky: left alone even holding nothing else
+    os.chmod(shared, shared_mode)
+    with caplog.at_level(logging.WARNING, logger="include.store.dialects"):
+        open_store(shared / "s.db")
+    assert mode(shared) == shared_mode
+    assert f"SQLite store directory {shared} is mode {shared_mode:04o}" in caplog.text and "left as is" in caplog.text
+    assert mode(shared / "s.db") == 0o600
+
+
+def test_an_existing_0755_var_dir_is_tightened_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from include.config import VAR_ENV, private_var_dir
+
+    var = tmp_path / "var"
+    var.mkdir()
+    os.chmod(var, 0o755)  # noqa: S103 - the loose mode under test
+    monkeypatch.setenv(VAR_ENV, str(var))
+    with caplog.at_level(logging.WARNING, logger="include.config"):
+        assert private_var_dir() == var
+    assert mode(var) == 0o700
+    assert f"var dir {var} was mode 0755" in caplog.text
