@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import InitErrorDetails
 
 from include.charsets import HL7_CHARSETS, codec_for
 from include.cidrs import source_network
@@ -253,11 +253,14 @@ class InboundModel(Strict):
             if not extra:
                 raise
             errors: list[InitErrorDetails] = [
-                {"type": e["type"] if e["type"] != "value_error" else PydanticCustomError("value_error", e["msg"]),
-                 "loc": e["loc"], "input": e.get("input"), **({"ctx": e["ctx"]} if "ctx" in e else {})}
+                {"type": e["type"], "loc": e["loc"], "input": e.get("input"), **({"ctx": e["ctx"]} if "ctx" in e else {})}
                 for e in exc.errors(include_url=False)]
             errors.append({"type": "value_error", "loc": (), "input": data, "ctx": {"error": Rules(extra)}})
-            raise ValidationError.from_exception_data(exc.title, errors) from None
+            try:
+                both = ValidationError.from_exception_data(exc.title, errors)
+            except Exception:  # noqa: BLE001 - an error pydantic cannot rebuild: its own errors still stand
+                raise exc from None
+            raise both from None
 
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo) -> InboundModel:

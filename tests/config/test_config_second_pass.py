@@ -192,6 +192,16 @@ def test_a_type_error_and_a_key_of_another_kind_are_reported_together(tmp_path):
     assert any("inbound[0].directory: only for kind = \"file\"" in p for p in found), found
 
 
+def test_a_nested_rule_keeps_its_key_beside_a_key_of_another_kind(tmp_path):
+    keys = keys_dir(tmp_path)
+    (tmp_path / "in").mkdir()
+    conf = conf_dir(tmp_path, file_conn("f", str(tmp_path / "in"), f'tls = {{ cert = "{keys / "cert.pem"}", '
+                                        f'key = "{keys / "key.pem"}", require_client_cert = true }}'))
+    found = problems(conf)
+    assert any("inbound[0].tls.ca: require_client_cert needs ca" in p for p in found), found
+    assert any("inbound[0].tls: only for kind" in p for p in found), found
+
+
 # -- a real listenerd ---------------------------------------------------------------------------
 
 def test_listenerd_with_a_drop_on_its_tls_key_directory_exits_2_and_moves_nothing(tmp_path):
