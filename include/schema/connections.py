@@ -411,7 +411,7 @@ SYSTEM_INSIDE = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/
 def _system_roots(names: tuple[str, ...]) -> dict[Path, str]:
     """Each name and what it resolves to (/bin is /usr/bin on a merged-/usr system), plus any other
     /lib* directory of this host."""
-    extra = tuple(str(p) for p in Path("/").glob("lib*")) if names is SYSTEM_TREES or names is SYSTEM_INSIDE else ()
+    extra = tuple(str(p) for p in Path("/").glob("lib*"))
     roots: dict[Path, str] = {}
     for name in (*names, *extra):
         roots.setdefault(Path(name), name)
