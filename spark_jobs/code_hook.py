@@ -64,7 +64,10 @@ def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
                             f"code hook {spec!r}: must be 'module:function'")
     root = Path(code_dir).resolve()
     if str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # so a hook module may import its siblings in code/
+        # Last, so a hook module may import its siblings in code/ but a file there never shadows the
+        # standard library or an installed package for the rest of the process (code/json.py would
+        # otherwise be every later `import json`).
+        sys.path.append(str(root))
     top = module_name.split(".", 1)[0]
     loaded = sys.modules.get(top)
     if loaded is None:

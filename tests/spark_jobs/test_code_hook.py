@@ -4,6 +4,7 @@ message in Spark, through Arrow; a raising message dead-letters alone."""
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 
 import hl7
@@ -32,6 +33,12 @@ def tag(message):
     return message
 '''
 _names = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _own_sys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's code/ dirs leave sys.path with it (processes spawned later inherit sys.path)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
 
 
 def hook_module(tmp_path: Path) -> tuple[str, str]:
@@ -88,6 +95,21 @@ def test_a_module_of_the_code_dir_named_like_a_loaded_one_is_refused_not_shadowe
     (code / "json.py").write_text("def dumps(m):\n    return m\n")
     with pytest.raises(CodeHookError, match=r"module 'json' is already loaded from outside"):
         check_hooks({"ehr": "json:dumps"}, str(code))
+
+
+def test_the_code_dir_never_shadows_the_standard_library_for_the_rest_of_the_process(tmp_path: Path) -> None:
+    """code/ goes last on sys.path: a code/json.py must not become every later `import json` (a
+    process spawned from this one inherits sys.path and imported code/json.py as json before)."""
+    import importlib.machinery
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "json.py").write_text("def dumps(m):\n    return m\n")
+    name = f"user_hook_{next(_names)}"
+    (code / f"{name}.py").write_text(HOOK)
+    check_hooks({"ehr": f"{name}:tag"}, str(code))
+    assert sys.path[-1] == str(code.resolve())
+    found = importlib.machinery.PathFinder.find_spec("json", sys.path)
+    assert found is not None and found.origin is not None and not found.origin.startswith(str(tmp_path))
 
 
 def test_a_package_hook_in_the_code_dir_loads(tmp_path: Path) -> None:
