@@ -77,6 +77,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     # retention's archive (archive.sql) and the database-poll watermarks (watermarks.sql)
     "archived": 1, "conns": ",adt-in,", "within": 0, "batch": "inbound-e3-20261124T055130-ab12cd34",
     "kind": "inbound", "row_count": 5000, "ref": "MSG00042", "watermark": json.dumps(1042), "batch_id": "f" * 32,
+    "part": "day=2026-11-24/connection=adt-in",
 }
 
 
