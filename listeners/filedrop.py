@@ -31,8 +31,8 @@ Rules, in order of a poll:
   under a temp name (above) and rename when done; the rule is the safety net.
 * **Claimed before it is read.** A stable file is first renamed (by directory descriptor) into
   the connection's private ``processing`` directory (0700, outside the drop tree:
-  ``<var dir>/filedrop/<connection>/processing``, or ``<archive>/.processing-<connection>`` with a
-  configured archive), and read, staged and archived from there. A writer that renames a new file over the same
+  ``<archive>/.processing-<connection>``, by default ``<var dir>/filedrop/<connection>/archive/
+  .processing-<connection>``; `include.schema.filedrop_paths`), and read, staged and archived from there. A writer that renames a new file over the same
   name meanwhile leaves it in the drop for the next poll. ``processing`` must be ours: owned by
   the daemon's uid (else the connection takes no file, with an error naming it) and tightened to
   0700, with a warning, when group or others had access. Files in ``processing`` (a crash, a
@@ -92,6 +92,7 @@ from include.config import var_dir
 from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind, move_exclusive, open_dir,
                                 printable, private_dir, read_regular, still_same_dir, unlink_quietly,
                                 write_exclusive)
+from include.schema.filedrop_paths import processing_dir
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
@@ -145,11 +146,9 @@ def default_error_directory(connection: str) -> Path:
 
 
 def default_processing(connection: str, archive: str | None = None) -> Path:
-    """Where a connection's files wait between claim and archive: beside the default archive, or
-    inside a configured one (writable by us and on its file system, as a rename needs)."""
-    if not archive:
-        return var_dir() / "filedrop" / connection / "processing"
-    return Path(archive) / f".processing-{connection}"
+    """Where a connection's files wait between claim and archive: inside its archive (writable by us
+    and on its file system, as a rename needs); the one rule the config check also keeps drops off."""
+    return processing_dir(connection, archive or default_archive(connection))
 
 
 @dataclass(frozen=True, slots=True)

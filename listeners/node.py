@@ -185,10 +185,12 @@ class ListenerNode(SequentialMultiService):
         from listeners.config_check import check_dir, sqlite_store_dir
 
         store_dir = sqlite_store_dir(self.config.store)
+        source = self.config.source
+        service = source if source is not None and source.exists() else None  # no file: the defaults
 
         def work() -> tuple[ListenerConfig, int]:
             report = check_dir(self.config_dir, lookups_unverified_ok=True, store_dir=store_dir,
-                               connections_required=True)
+                               service_config=service, connections_required=True)
             if not report.ok:
                 raise ConfigProblems(report.problems)
             new = load_config_dir(self.config_dir, store_dir=store_dir, required=True)

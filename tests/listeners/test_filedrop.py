@@ -444,8 +444,9 @@ def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(tmp_path: 
     base = tmp_path / "var" / "filedrop" / "drop"
     assert listing(base / "archive") == ["a.hl7"]
     assert listing(base / "rejected") == ["b.hl7", "b.hl7.reason"]
-    assert listing(base / "processing") == []
-    assert {oct(os.stat(base / d).st_mode & 0o777) for d in ("archive", "rejected", "processing")} == {"0o700"}
+    assert listing(base / "archive" / ".processing-drop") == []
+    assert {oct(os.stat(base / d).st_mode & 0o777)
+            for d in ("archive", "rejected", "archive/.processing-drop")} == {"0o700"}
     assert listing(tmp_path / "in") == []
 
 
