@@ -45,7 +45,7 @@ from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel, _GenericHTTPChannelProtocol
 from twisted.web.server import Site
 
-from include.cidrs import source_network
+from include.cidrs import Network, source_network
 
 __all__ = ["GuardedChannel", "GuardedFactory", "GuardedProtocol", "PeerLimits", "Refusals", "guard_channels",
            "source_allowed", "source_networks"]
@@ -66,8 +66,6 @@ class PeerLimits:
     log_interval_seconds: float = 60.0
     allowed_sources: tuple[str, ...] = ()  # CIDRs a peer may connect from; empty: any
 
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network  # as include.cidrs.Network
 
 
 def source_networks(cidrs: tuple[str, ...] | list[str]) -> tuple[Network, ...]:
