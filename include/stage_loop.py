@@ -136,9 +136,14 @@ def budget_seconds() -> float:
 
 
 def follow_seconds(config: ServiceConfig) -> float:
-    """How long a task whose leader went away waits for the next one: two lease TTLs (a crashed
-    leader's lease must expire before a standby acquires), at least MIN_FOLLOW_SECONDS."""
-    return max(MIN_FOLLOW_SECONDS, 2 * config.cluster.leader_lease_ttl_seconds)
+    """How long a task whose leader went away waits for the next one, at least MIN_FOLLOW_SECONDS:
+    two lease TTLs (a crashed leader's lease must expire before a standby acquires), or a
+    step-down's backoff plus a TTL (issue 24: a leader that cannot bind releases the lease; when no
+    other node can lead — the old one frozen on a shared address — the same node takes it again
+    after its backoff, and a task that gave up sooner would cost a new run's ~5 s of scheduling)."""
+    cluster = config.cluster
+    return max(MIN_FOLLOW_SECONDS, 2 * cluster.leader_lease_ttl_seconds,
+               cluster.step_down_backoff() + cluster.leader_lease_ttl_seconds)
 
 
 def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,

@@ -115,7 +115,7 @@ def test_following_a_new_leader_runs_its_recovery_once_and_returns_its_epoch(sto
     ticks = iter(range(0, 1000, 3))  # each read of the clock: 3 s later
     with keeper(store, old) as watch:
         assert watch.wait(2.0)
-        # no live leader: it asks until the follow window (2 lease TTLs, at least 5 s) has passed
+        # no live leader: it asks until the follow window (`follow_seconds`, at least 5 s) has passed
         assert follow_leader(config, store, old, watch, clock=lambda: float(next(ticks))) is None
     assert statuses(store) == {"in_flight": 3}  # nobody recovers without a leader
     leader(store, "b")
@@ -146,3 +146,21 @@ def test_a_hung_batch_is_given_up_its_rows_swept_and_the_task_told_to_end(store)
         watch.owner = "task-1.1"  # a new batch is watched afresh
         time.sleep(0.5)
         assert watch.hung == "task-1.0" and told == ["task-1.0"]
+
+
+def test_the_follow_window_outlasts_a_step_down_backoff():
+    """Issue 24: a leader that cannot bind steps down and takes the lease again only after its
+    backoff; a stage task that stopped following sooner would end its run and cost the next run's
+    scheduling in the middle of the failover."""
+    from dataclasses import replace
+
+    from include.config import ClusterConfig, ServiceConfig
+    from include.stage_loop import MIN_FOLLOW_SECONDS, follow_seconds
+
+    lab = replace(ClusterConfig(), enabled=True, heartbeat_seconds=0.5, leader_fence_timeout_seconds=1.5,
+                  leader_lease_ttl_seconds=2.5)
+    assert follow_seconds(ServiceConfig(cluster=lab)) == 5.0 + 2.5  # default backoff 2 TTLs, plus a TTL
+    slow_backoff = replace(lab, step_down_backoff_seconds=30.0)
+    assert follow_seconds(ServiceConfig(cluster=slow_backoff)) == 32.5
+    quick = replace(lab, leader_lease_ttl_seconds=0.5, step_down_backoff_seconds=0.5)
+    assert follow_seconds(ServiceConfig(cluster=quick)) == MIN_FOLLOW_SECONDS
