@@ -5,7 +5,7 @@ dag-processor / api-server / triggerer, the demo receiver, listenerd) in a tempo
 `--count` demo messages of each kind and waits until every one is delivered (so Spark has run each
 stage's job and Airflow has run task processes), lets it settle for `--settle` seconds, then sums the
 proportional set size (PSS, `/proc/<pid>/smaps_rollup`) over the whole process tree of `stageline up`
-and prints it per component. The figure the README states; the target is ≤ 1 GiB.
+and prints it per component. The figure docs/performance.md states; the target is ≤ 1 GiB.
 
     uv run python bench/stack_memory.py [--count 4] [--settle 20] [--samples 5]
 """

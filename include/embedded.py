@@ -7,7 +7,7 @@ metadata DB, DAGs unpaused) → the demo MLLP receiver standing in for the EHR
 Progress is shown while starting; Ctrl-C stops everything in reverse order. State and the demo's
 deliveries live under `var/` (`$STAGELINE_VAR`).
 
-Sized for a small machine (`bench/stack_memory.py` measures it; the README states the figure):
+Sized for a small machine (`bench/stack_memory.py` measures it; docs/performance.md states the figure):
 Airflow runs at most `EMBEDDED_PARALLELISM` tasks at once — what the Stageline DAGs need, not
 Airflow's default of 32, whose LocalExecutor keeps a forked worker per slot — with one api-server
 worker and one DAG-parsing process; no triggerer, since no Stageline task defers (start
