@@ -15,8 +15,9 @@ The job's Spark session comes from the `stageline_spark` connection: the stage's
 Spark Connect server (or its standby), or a classic `local[*]` session (docs/pipeline.md).
 
 Scheduled `@continuous` (one run at a time, the next starts when one ends): a message waits
-about 1 s plus one task start (~1 s) before the route job starts, where a 30 s interval
-schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pipeline.md.
+for the sensor's next poke plus one task start before the route job starts, where a 30 s interval
+schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pipeline.md and
+docs/performance.md.
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 On SQLite the write lock is everyone's: while a claim or a finalize holds it, listenerd's group
 commits, the lease renewal and every other stage wait (invariant 13). A fixed row cap cannot bound
-that wait — the same 10,000 rows take 60 ms on a quiet file and seconds on a busy one — so each
+that wait — the same rows take milliseconds on a quiet file and seconds on a busy one
+(docs/performance.md) — so each
 stage keeps a `BatchSize`: after every batch it is told how many rows the batch claimed and how long
 the batch's longest write transaction held the store (`Store.longest_write`, which also counts a
 Spark JDBC landing write on SQLite, held by another process), and it scales the next

@@ -1,7 +1,7 @@
 """Spark sessions for the stage jobs: classic `local[*]` or a client of a long-lived Spark Connect server.
 
-A classic session starts a JVM per job (7–9 s here); a warm Spark Connect server takes that cost
-once, and each job pays only the client's connect and its own work. JDBC drivers come from
+A classic session starts a JVM per job (seconds: docs/performance.md); a warm Spark Connect server
+takes that cost once, and each job pays only the client's connect and its own work. JDBC drivers come from
 Debian's packages (`/usr/share/java`), never from Maven: the hosts have no route to Maven Central.
 With Spark Connect the *server* loads the drivers, so they are given to `start_connect_server`.
 
@@ -309,7 +309,7 @@ def stage_session_id(name: str) -> str:
     """The Spark Connect session id every task of one stage (`name`: its DAG id) reopens.
 
     A new Connect session pays for its first Python job (Spark starts a Python worker daemon per
-    session: 3–4 s here, most of a deliver round's cost after a failover); a stage task that reopens
+    session: most of a deliver round's cost after a failover, docs/performance.md); a stage task that reopens
     the session its predecessor left — a retry after a killed task, the next run — finds those
     workers warm. One stage runs one task at a time (`max_active_runs=1`), so one id per stage.
     """
@@ -406,7 +406,7 @@ class StageSession:
                 fresh.interruptAll()  # a killed predecessor's operations, still running on this session
             # Setting the session's conf is a round trip: the server answers, not only listens. No
             # job here: after a killed predecessor it would wait for the executor slots its
-            # interrupted tasks still hold (3 s measured), which the first real batch waits for anyway.
+            # interrupted tasks still hold (docs/performance.md), which the first real batch waits for anyway.
             for key, value in {**SMALL_BATCH_CONF, **self._conf}.items():
                 if key.startswith("spark.sql."):
                     fresh.conf.set(key, value)

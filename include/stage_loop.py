@@ -1,7 +1,7 @@
 """How a stage task runs: micro-batch after micro-batch, following leadership (invariants 5 and 8).
 
-A DAG run costs seconds of scheduling and task starts (~5 s measured: run start, leader check,
-recovery, sensor, task start, Spark session) before its job begins. A stage under steady traffic
+A DAG run costs seconds of scheduling and task starts (run start, leader check, recovery, sensor,
+task start, Spark session; docs/performance.md) before its job begins. A stage under steady traffic
 would pay that per batch, and a failover would pay it again before delivery resumed. So one stage
 task keeps going:
 
@@ -20,15 +20,15 @@ task keeps going:
               schedule starts the next one
 
 Why the budget is hours, not minutes: a hand-over between runs costs seconds of scheduling and task
-starts (~5–8 s measured) during which nothing of the stage moves, so at the rated rate each one leaves
-a backlog of a thousand or more messages and a minute whose p99 is that gap. Ended every four
+starts during which nothing of the stage moves, so at the rated rate each one leaves a backlog
+and a minute whose p99 is that gap (docs/performance.md). Ended every four
 minutes, the hand-overs built a backlog that snowballed under SQLite's lock (issue 22). A run now
 ends on a change that needs a new one — config, leadership — or after STAGE_TIME_BUDGET_SECONDS.
 
 Why follow inside the task rather than end and let the next run start: the guarantee is the same —
 every claim and finalize is fenced by the epoch the lease named when it was read, exactly as with
 a new run's leader check — but delivery resumes about a heartbeat after the new leader is elected
-instead of ~5 s of Airflow scheduling later (docs/pipeline.md, "Failover"). The invariants are
+instead of a new run's Airflow scheduling later (docs/pipeline.md, "Failover"). The invariants are
 numbered as in docs/invariants.md.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LINGER_SECONDS = 120.0
 LINGER_ENV = "STAGELINE_STAGE_LINGER_SECONDS"
 """Seconds a stage task waits for more work after its last batch before its run ends. Waiting is
-cheap (one indexed probe per POLL_SECONDS, a Spark session kept open); a new run is not (~5 s of
+cheap (one indexed probe per POLL_SECONDS, a Spark session kept open); a new run is not (seconds of
 scheduling, a task start and a session before the next message moves). Two minutes keep a lull of
 a minute or so at steady-state latency; the run still ends within STAGE_TIME_BUDGET_SECONDS."""
 STAGE_TIME_BUDGET_SECONDS = 6 * 3600.0
@@ -140,7 +140,7 @@ def follow_seconds(config: ServiceConfig) -> float:
     two lease TTLs (a crashed leader's lease must expire before a standby acquires), or a
     step-down's backoff plus a TTL (issue 24: a leader that cannot bind releases the lease; when no
     other node can lead — the old one frozen on a shared address — the same node takes it again
-    after its backoff, and a task that gave up sooner would cost a new run's ~5 s of scheduling)."""
+    after its backoff, and a task that gave up sooner would cost a new run's seconds of scheduling)."""
     cluster = config.cluster
     return max(MIN_FOLLOW_SECONDS, 2 * cluster.leader_lease_ttl_seconds,
                cluster.step_down_backoff() + cluster.leader_lease_ttl_seconds)

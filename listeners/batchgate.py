@@ -2,9 +2,9 @@
 
 Each batch within the limits is fine alone, but splitting one holds many times its size in Python
 objects (its messages, their rows) until it is committed: sixteen 1 MB batches on sixteen MLLP
-connections at once took listenerd from 80 to 212 MB, ten 1 MB HTTP batch POSTs to 168 MB (issue
-23, red team network item 2). So a large input (`OFFLOAD_BYTES` or more) waits for its turn here
-before its work starts, while at most `budget_bytes` of them are in work (one is always let
+connections at once, or ten 1 MB HTTP batch POSTs, multiplied listenerd's memory (issue 23, red team
+network item 2; the figures: docs/performance.md). So a large input (`OFFLOAD_BYTES` or more)
+waits for its turn here before its work starts, while at most `budget_bytes` of them are in work (one is always let
 through, however large). Small inputs, the common case, never wait.
 
 The queue is bounded without a limit of its own: a stream connection reads nothing while its batch

@@ -204,7 +204,7 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         metrics.received.labels(conn.name).inc()
-        # A 4 MB batch is ~1 s of splitting: off the reactor (listeners/offload.py), as is its ACK batch.
+        # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
         built = off_reactor(wiring.reactor, len(data), build_inbound, data, connection=conn.name,
                             charset=conn.charset, lane_of=lane_of)
         return built.addCallbacks(submit, refused)

@@ -1,8 +1,8 @@
 """Work proportional to a large input, off the reactor thread.
 
-Splitting and validating a 4 MB HL7 batch of 40,000 messages costs about a second of Python; on
-the reactor that second is a second of silence for every other sender, `/health` and the lease
-(invariant 10). `off_reactor` runs such work in the reactor's thread pool and hands the result
+Splitting and validating a large HL7 batch is Python work in proportion to its size
+(docs/performance.md); on the reactor that time is silence for every other sender, `/health` and
+the lease (invariant 10). `off_reactor` runs such work in the reactor's thread pool and hands the result
 back to the reactor; small inputs, the common case, run at once (a thread hand-over costs more
 than they do). The work must be pure: no reactor, no writer, no shared state.
 """
@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 __all__ = ["OFFLOAD_BYTES", "off_reactor"]
 
 OFFLOAD_BYTES = 64 * 1024
-"""Inputs of this size or more go to a thread: about 10 ms of splitting, or 700 batch messages."""
+"""Inputs of this size or more go to a thread (what splitting this much costs: docs/performance.md)."""
 
 
 def off_reactor(reactor: Any, size: int, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred:

@@ -164,8 +164,8 @@ def split_regex(sep: Column) -> Column:
     ``split`` runs Java's ``String.split``, which compiles the regex on every call unless it is a
     backslash plus one non-alphanumeric character; such a pair is always a literal in Java regex
     and HL7 separators are punctuation, so this is both safe and the fast path (a compiled
-    ``\\Q..\\E`` per split was 40% of the route job's time). An alphanumeric separator falls back
-    to ``\\Q..\\E`` quoting.
+    ``\\Q..\\E`` per split was a large share of the route job's time: docs/performance.md). An
+    alphanumeric separator falls back to ``\\Q..\\E`` quoting.
     """
     return (
         F.when(sep == "", F.lit(_NEVER_MATCHES))

@@ -47,7 +47,7 @@ def render_json(units: Column) -> Column:
     The JSON text is assembled with string functions: a string value is its text in quotes, and
     only a value holding a character JSON escapes (quote, backslash, control characters — rare
     outside MSH-2 and decoded escapes) goes through ``to_json``. Building a VARIANT per value and
-    serialising it was about 2× slower; the output is the same bytes.
+    serialising it was slower (docs/performance.md); the output is the same bytes.
     """
     # One entry per segment: its fields split once, whether any of it needs JSON escaping, whether
     # it has structure below the field, and its unit's separators — copied once per unit out of

@@ -10,7 +10,7 @@ Code tables hold tens to a few thousand entries, so the literal wins over a join
 rule a per-row expression, whereas a join would have to explode the keys each rule needs, shuffle
 them back per message and re-split the message between rules. The literal is one JSON string
 folded into a constant map by the optimizer (not ``create_map``, which costs two plan nodes per
-entry); a 5,000-entry table measured ~500k lookups/s on one core. Tables above
+entry; its lookup rate: docs/performance.md). Tables above
 :data:`include.transforms_config.MAX_LOOKUP_ENTRIES` are refused at config load: at that size the plan itself gets heavy
 and a broadcast join in a stage of its own is the better tool.
 
@@ -37,9 +37,8 @@ rules; only the rendering reads it back from Spark's binary row format (Spark 4.
 configuration at every field or element read from it, so the renderers read each unit's
 separators once). Within a rule, lambdas nest at most one level per path level, because Spark's
 analyzer slows down steeply with lambda depth; the plan's size is most of a job's fixed cost
-(analysis, and the plan text Spark builds for its listeners: ~0.3 s per transform job here).
-Measured over Spark Connect, warm, 2 cores shared with other work (+-30%): ~10k rows/s per core
-for the bench's ``ehr``/``lab`` rules, ~5k rows/s per core to JSON.
+(analysis, and the plan text Spark builds for its listeners). That cost and the rows per second per
+core, to HL7 and to JSON: docs/performance.md.
 Constants of letters, digits and spaces skip escaping (no message could use those as separators).
 """
 

@@ -163,8 +163,8 @@ class SqliteDialect(Dialect):
         conn.execute("PRAGMA journal_mode = WAL")
         # A checkpoint that catches up restarts the WAL at its start, but the file keeps the size of
         # its longest stretch — a long reader (an operator's query, a backup) holds checkpoints back
-        # and the WAL grows meanwhile; cap what it keeps once reset (issue 22: 66 MB after one long
-        # transaction; between two auto-checkpoints it takes ~4 MB).
+        # and the WAL grows meanwhile; cap what it keeps once reset (issue 22; the sizes measured:
+        # docs/performance.md).
         conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT_BYTES}")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")

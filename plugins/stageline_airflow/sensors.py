@@ -101,7 +101,7 @@ class WorkPendingSensor(_StoreSensor):
     waits again). A change of leader does not end the wait: while no lease is live it waits on,
     and under a new epoch it watches that epoch's work — the job task then follows the new leader
     itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the
-    ~5 s of scheduling a new run would cost in the middle of a failover.
+    seconds of scheduling a new run would cost in the middle of a failover.
 
     :param stage: the staged table whose due rows are this DAG's work (`inbound` for routing).
     :param leader: the leader check's XCom (`leader_check.output`).
