@@ -12,7 +12,7 @@ import ipaddress
 __all__ = ["Network", "source_network"]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 
 
 def source_network(cidr: str, *, strict: bool = True) -> Network:

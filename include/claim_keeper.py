@@ -47,6 +47,8 @@ class ClaimKeeper:
     :param on_hung: called once, with the owner, when a batch is found hung.
     """
 
+    _batch: tuple[str | None, float]  # the batch in flight and when this keeper first saw it
+
     def __init__(self, store: Store, table: StagedTable, *, epoch: int, clustered: bool,
                  check_seconds: float, lease_seconds: float, reclaim_seconds: float,
                  max_attempts: int, max_batch_seconds: float | None = None,
@@ -152,7 +154,7 @@ class ClaimKeeper:
 
     def _run(self) -> None:
         now = self._clock()
-        self._batch: tuple[str | None, float] = (self.owner, now)
+        self._batch = (self.owner, now)
         due = {"check": now, "renew": now + self.renew_seconds, "sweep": now}
         steps = {"check": (self.check, self.check_seconds), "renew": (self.renew, self.renew_seconds),
                  "sweep": (self.sweep, self.reclaim_seconds)}
@@ -164,6 +166,6 @@ class ClaimKeeper:
                     due[name] = now + every
                     try:
                         step()
-                    except Exception as exc:  # noqa: BLE001 - the next tick tries again
+                    except Exception as exc:  # the next tick tries again
                         log.warning("stage keeper: %s failed: %s: %s", name, type(exc).__name__, exc)
             self._closing.wait(max(0.0, min(due.values()) - self._clock()))

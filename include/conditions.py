@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
@@ -111,7 +111,7 @@ class Not:
     condition: Condition
 
 
-Condition = Union[Leaf, SegmentPresent, Connection, AllOf, AnyOf, Not]
+Condition = Leaf | SegmentPresent | Connection | AllOf | AnyOf | Not
 _PARSED = (Leaf, SegmentPresent, Connection, AllOf, AnyOf, Not)
 
 
@@ -171,7 +171,7 @@ def check_java_regex(value: str, fail: Callable[[str], Exception]) -> None:
         raise fail(f"bad regex {value!r}: (?P..), (?#..) and (?(..) are not Java regex syntax")
 
 
-def _string_list(value: Any) -> bool:
+def _string_list(value: Any) -> TypeGuard[Sequence[str]]:
     return (not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence) and bool(value)
             and all(isinstance(v, str) for v in value))
 

@@ -33,7 +33,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pydantic import BaseModel
+
 from include.hl7path import value as hl7_value
+from include.schema import ConfigProblem
 from include.schema.destinations import (
     KIND_MODELS,
     DestinationsFile,
@@ -134,6 +137,8 @@ def parse_destinations(config: Any, *, code_dir: str | os.PathLike[str] | None =
     parsed: dict[str, Destination] = {}
     for index, spec in enumerate(specs or []):
         key = f"destination[{index}]"
+        model: Destination | BaseModel | None
+        found: list[ConfigProblem]
         if isinstance(spec, Destination):
             model, found = spec, []
         else:

@@ -8,6 +8,7 @@ default, missing or empty values are None, escapes returned raw.
 from __future__ import annotations
 
 import re
+import string
 from dataclasses import dataclass
 
 __all__ = ["FieldPath", "FieldPathError", "parse_path", "value"]
@@ -22,6 +23,7 @@ _PATH_RE = re.compile(
     """,
     re.VERBOSE,
 )
+_ALNUM = string.ascii_letters + string.digits
 _GRAMMAR_HINT = "expected SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT, e.g. 'PID-3[2].1'"
 
 
@@ -61,13 +63,13 @@ def parse_path(path: str) -> FieldPath:
     match = _PATH_RE.fullmatch(path)
     if match is None:
         raise FieldPathError(f"invalid HL7 field path {path!r}: {_diagnose(path)}")
-    parts = {k: (int(v) if v is not None and k != "segment" else v) for k, v in match.groupdict().items()}
+    parts = {k: (int(v) if v is not None else None) for k, v in match.groupdict().items() if k != "segment"}
     for name in ("occurrence", "field", "repetition", "component", "subcomponent"):
         if parts[name] == 0:
             raise FieldPathError(f"invalid HL7 field path {path!r}: {name} index 0, indices are 1-based")
     parsed = FieldPath(
-        segment=parts["segment"],
-        field=parts["field"],
+        segment=match["segment"],
+        field=int(match["field"]),  # the grammar requires it
         occurrence=parts["occurrence"] or 1,
         repetition=parts["repetition"],
         component=parts["component"],
@@ -89,7 +91,7 @@ def _diagnose(path: str) -> str:
         return "empty path"
     if path != path.strip():
         return "surrounding whitespace"
-    head = re.match(r"[A-Za-z0-9]*", path).group(0)
+    head = path[:len(path) - len(path.lstrip(_ALNUM))]
     if len(head) < 3 or not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2}", head[:3]):
         return f"segment id must be 3 characters (a letter, then letters or digits); {_GRAMMAR_HINT}"
     if head[:3] != head[:3].upper():
@@ -115,7 +117,8 @@ def value(message: str | None, path: str | FieldPath) -> str | None:
     fs = text[3]
     first = text.split("\r", 1)[0].split("\n", 1)[0]
     enc = first[4:].split(fs, 1)[0]
-    cs, rs, _esc, ss = (enc + "\0\0\0\0")[:4]
+    padded = enc + "\0\0\0\0"
+    cs, rs, ss = padded[0], padded[1], padded[3]
     seen = 0
     for segment in _SEGMENTS.split(text):
         if segment[:3] != p.segment or segment[3:4] not in (fs, ""):

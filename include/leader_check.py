@@ -78,7 +78,7 @@ def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ah
     due = False
     with store.transaction(write=False) as tx:
         for table in reversed(tables):  # its own table first: the likeliest to have work
-            row = tx.one("work_pending", table=table)
+            row = tx.row("work_pending", table=table)
             if int(row["epoch"]) != epoch or (require_live and not row["live"]):
                 return None
             if row["due"]:

@@ -98,7 +98,7 @@ def parse_routes(routes: Any) -> list[Route]:
     for index, spec in enumerate(specs or []):
         key = f"route[{index}]"
         if isinstance(spec, Route):
-            route: Route | None = spec
+            route = spec
         elif not isinstance(spec, Mapping):
             problems.append(problem(key, f"must be a table, got {type_name(spec)}"))
             continue

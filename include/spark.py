@@ -390,7 +390,7 @@ class StageSession:
                     self.spark = self._open(remote)
                     self.remote = remote
                     return True
-                except Exception as exc:  # noqa: BLE001 - a server still starting: ask again
+                except Exception as exc:  # a server still starting: ask again
                     _log.info("Spark Connect at %s not ready yet: %s", remote, type(exc).__name__)
             if time.monotonic() >= deadline:
                 return False
@@ -422,11 +422,12 @@ class StageSession:
         others = [r for r in self.remotes if r != self.remote]
         if not others or not self._session_id:
             return None
-        thread = threading.Thread(target=self._warm, args=(others,), name="spark-connect-warm", daemon=True)
+        thread = threading.Thread(target=self._warm, args=(others, self._session_id), name="spark-connect-warm",
+                                  daemon=True)
         thread.start()
         return thread
 
-    def _warm(self, remotes: Sequence[str]) -> None:
+    def _warm(self, remotes: Sequence[str], session_id: str) -> None:
         def identity(batches: Iterator[Any]) -> Iterator[Any]:
             yield from batches
 
@@ -435,10 +436,10 @@ class StageSession:
                 continue
             spark = None
             try:
-                spark = SparkSession.builder.remote(with_session_id(remote, self._session_id)).create()
+                spark = SparkSession.builder.remote(with_session_id(remote, session_id)).create()
                 bound_connect_retries(spark, seconds=STANDBY_RETRY_SECONDS)
                 spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
-            except Exception as exc:  # noqa: BLE001 - warming is best effort
+            except Exception as exc:  # warming is best effort
                 _log.info("Spark Connect at %s not warmed: %s", remote.split("/;")[0], type(exc).__name__)
             finally:
                 close_session(spark, timeout=0.5, release=False)
@@ -495,14 +496,14 @@ def _connect_client(spark: SparkSession | None) -> Any:
         return None
     try:
         return spark.client
-    except Exception:  # noqa: BLE001 - classic sessions raise ONLY_SUPPORTED_WITH_SPARK_CONNECT
+    except Exception:  # classic sessions raise ONLY_SUPPORTED_WITH_SPARK_CONNECT
         return None
 
 
 def _release_quietly(client: object) -> None:
     try:
         client.release_session()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001, S110 - best effort: the server may be gone
+    except Exception:  # noqa: S110 - best effort: the server may be gone
         pass
 
 

@@ -230,7 +230,7 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                         try:
                             history(stage=stage, owner=owner, run_id=job_run_id, epoch=epoch,
                                     seconds=clock() - batch_started, counts=counts)
-                        except Exception as exc:  # noqa: BLE001 - history must not fail the stage
+                        except Exception as exc:  # history must not fail the stage
                             log.warning("%s run %s: batch history not written: %s", stage, job_run_id,
                                         type(exc).__name__)
                     totals["batches"] += 1
@@ -277,7 +277,7 @@ def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *
                 if lease.epoch != epoch:
                     housekeeping.recover(store, lease.epoch, lease.owner)
                 return lease.epoch
-        except Exception as exc:  # noqa: BLE001 - the database may be restarting; keep asking until the deadline
+        except Exception as exc:  # the database may be restarting; keep asking until the deadline
             log.info("waiting for a live leader: %s: %s", type(exc).__name__, exc)
         if clock() >= deadline:
             return None
@@ -293,5 +293,6 @@ def _longest_write(store: Any) -> float:
 
 def _summary(outcome: Any) -> dict[str, Any]:
     """An outcome dataclass as XCom-sized plain data: id tuples become counts."""
-    fields_ = dataclasses.asdict(outcome) if dataclasses.is_dataclass(outcome) else dict(outcome)
+    is_instance = dataclasses.is_dataclass(outcome) and not isinstance(outcome, type)
+    fields_ = dataclasses.asdict(outcome) if is_instance else dict(outcome)
     return {k: len(v) if isinstance(v, (tuple, list)) else v for k, v in fields_.items()}

@@ -9,9 +9,10 @@ Tokens and message bodies are never logged. The `[api]` format is in docs/api.md
 Message bodies are PHI: a message's metadata needs `messages:read`, its bodies
 `messages:read_body` (operator and admin, not viewer), asked for on purpose (`?body=1`), and each
 such read is a `body_read` audit event naming the token's entry. Without `messages:read_body` a
-lane key (usually the MRN) is shown as a keyed digest and may not be filtered by (docs/api.md). A request with a body is checked
-(token, permission, size) as soon as its headers are in, before any of the body is read. The access
-log shows query fields without their values and `/messages/{ref}` without the ref.
+lane key (usually the MRN) is shown as a keyed digest and may not be filtered by (docs/api.md). A
+request with a body is checked (token, permission, size) as soon as its headers are in, before any
+of the body is read. The access log shows query fields without their values and `/messages/{ref}`
+without the ref.
 """
 from __future__ import annotations
 
@@ -216,8 +217,9 @@ class ApiSettings:
         model = _api_model(api, base)
         tls = None
         if model.tls is not None:
-            tls = TLSConfig(**{k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
-                               for k, v in model.tls.model_dump().items()})
+            paths: dict[str, Any] = {k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+                                     for k, v in model.tls.model_dump().items()}
+            tls = TLSConfig(**paths)
         return cls(host=model.host, port=model.port, tls=tls, allow_insecure_bind=model.allow_insecure_bind)
 
 
@@ -311,12 +313,13 @@ class _ApiRequest(Request):
 
     _refused = False
     _received = 0
+    content: BytesIO  # gotLength sets it before any body arrives
 
     def gotLength(self, length: int | None) -> None:
         self.content = BytesIO()  # never a temp file
         if length == 0:  # no body: the endpoint checks the token as for any GET
             return
-        auth: ApiAuth = self.channel.site.auth
+        auth: ApiAuth = self.channel.site.auth  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         denial = auth.check(self.requestHeaders.getRawHeaders(b"authorization", [None])[0], BODY_PERMISSION)
         if denial is not None:
             self._refuse(denial.status, denial.reason, challenge=denial.challenge(),
@@ -346,7 +349,9 @@ class _ApiRequest(Request):
                  peer=_peer(self), reason=reason)
         phrase = {401: b"Unauthorized", 403: b"Forbidden", 413: b"Payload Too Large"}[status]
         body = json.dumps({"error": error or reason}).encode()
-        self.channel.transport.write(
+        transport = self.channel.transport
+        assert transport is not None  # the request's headers just came in on it
+        transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
             % (status, phrase, b"WWW-Authenticate: %s\r\n" % challenge if challenge else b"", len(body), body))
@@ -454,7 +459,9 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
                 if denial is not None:
                     log.info("api: {status} for a message's bodies from {peer}: {reason}", status=denial.status,
                              peer=_peer(request), reason=denial.reason)
-                    return _json(request, denial.status, {"error": f"bodies need {Permission.MESSAGES_READ_BODY.value}"})
+                    return _json(
+                        request, denial.status, {"error": f"bodies need {Permission.MESSAGES_READ_BODY.value}"}
+                    )
                 reader = operator.Reader(auth.label_for(request.getHeader(b"authorization")), "api")
             cold = ParquetArchive(state.archive_path) if state.archive_path else None
             return _deferred(request, masked(request, lambda s: operator.show(
@@ -474,7 +481,7 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         body = _body(request)
         actor = auth.label_for(request.getHeader(b"authorization"))
 
-        def work(store: Any) -> dict:
+        def work(store: Any) -> dict[str, Any]:
             return {"requeued": operator.requeue_dead(
                 store, str(body.get("stage", "outbound")), ids=[int(i) for i in body.get("ids", [])],
                 destination=body.get("destination"), lane_key=body.get("lane"), actor=f"api {actor}",
@@ -511,7 +518,8 @@ def _flag(value: str | None) -> bool:
 
 def _body(request: Request) -> dict[str, Any]:
     try:
-        doc = json.loads(request.content.read() or b"{}")
+        raw = request.content.read() if request.content is not None else b""
+        doc = json.loads(raw or b"{}")
     except ValueError:
         raise ValueError("the body must be a JSON object") from None
     if not isinstance(doc, dict):
@@ -543,7 +551,7 @@ def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) ->
         elif failure.check(ValueError):
             answer(400, {"error": str(failure.value)})
         else:
-            log.warn("api: {path}: {error}", path=redact_path(request.path), error=failure.type.__name__)
+            log.warn("api: {path}: {error}", path=redact_path(request.path), error=type(failure.value).__name__)
             answer(503, {"error": "store unavailable"})
 
     def run() -> Any:

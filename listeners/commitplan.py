@@ -23,9 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = ["BatchPart", "CommitPlan", "Entry"]
+
+
+class _Batch(Protocol):
+    """What a `BatchPart` reads of its batch (`listeners.ingest.InboundBatch`)."""
+
+    @property
+    def connection(self) -> str: ...
+    @property
+    def batch_id(self) -> str: ...
+    @property
+    def control_id(self) -> str | None: ...
+    def rows(self, lo: int = 0, hi: int | None = None) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +45,7 @@ class BatchPart:
     """Messages ``lo`` to ``hi`` (from 0) of an HL7 batch (`listeners.ingest.InboundBatch`) larger
     than one commit's row cap: one unit of one commit."""
 
-    batch: Any
+    batch: _Batch
     lo: int
     hi: int
 
@@ -139,12 +151,11 @@ class CommitPlan:
         messages were committed before it failed), and drops them from the plan."""
         finished: list[tuple[Entry, Any]] = []
         for (entry, piece), outcome in zip(taken, outcomes):
-            if piece.__class__ is BatchPart:
-                if outcome is None:
-                    entry.done = piece.hi
-                    entry.since = now
-                    if entry.done < entry.rows:
-                        continue
+            if piece.__class__ is BatchPart and outcome is None:
+                entry.done = piece.hi
+                entry.since = now
+                if entry.done < entry.rows:
+                    continue
             finished.append((entry, outcome))
         if finished:
             gone = {id(e) for e, _ in finished}

@@ -67,8 +67,8 @@ class InboundConfig:
     host: str = "127.0.0.1"
     port: int = 0
     directory: str = ""              # file: polled directory
-    archive: str = ""                # file: where ingested files go (default <var>/filedrop/<name>/archive)
-    error_directory: str = ""        # file: where refused files go, with a .reason (default <var>/filedrop/<name>/rejected)
+    archive: str = ""  # file: where ingested files go (default <var>/filedrop/<name>/archive)
+    error_directory: str = ""  # file: where refused files go, with a .reason (default <var>/filedrop/<name>/rejected)
     pattern: str = "*"               # file: glob of files to ingest
     poll_seconds: float = 1.0        # file
     framing: str = "newline"         # tcp: newline | length (4-byte big-endian length prefix)
@@ -105,8 +105,9 @@ def inbound_from(model: InboundModel, base: Path, var: Path | None = None) -> In
     values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources"})
     values["allowed_sources"] = tuple(model.allowed_sources)
     if model.tls is not None:
-        values["tls"] = TLSConfig(**{k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
-                                     for k, v in model.tls.model_dump().items()})
+        tls: dict[str, Any] = {k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+                               for k, v in model.tls.model_dump().items()}
+        values["tls"] = TLSConfig(**tls)
     if model.database is not None:
         src = model.database.model_dump()
         if src["backend"] == "sqlite":
@@ -179,8 +180,15 @@ def load_config_dir(directory: str | Path, *, store_dir: str | Path | None = Non
         text = read_config_bytes(path)
     except FileNotFoundError:
         if required:
-            raise ConnectionConfigError([ConfigProblem(path, "", "missing: a reload needs connections.toml "
-                                                                 "(an empty file means no inbound connections)")])
+            raise ConnectionConfigError(
+                [
+                    ConfigProblem(
+                        path,
+                        "",
+                        "missing: a reload needs connections.toml (an empty file means no inbound connections)",
+                    )
+                ]
+            ) from None
         text = b""
     except ConfigProblems as exc:
         raise ConnectionConfigError(exc.problems) from None

@@ -53,7 +53,7 @@ from include.store.queries import to_pyformat
 from listeners.connections import DatabaseSource, InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
-from listeners.ingest import Inbound, RowRefused
+from listeners.ingest import Inbound, InboundBatch, RowRefused
 from listeners.polling import PollingInbound, RunBlocking
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ class DbPoll(PollingInbound):
         if len({row_message_id(self.config.name, k) for k in keys}) < len(keys):  # one id for two rows: one lost
             self._problem(f"key_column {self.src.key_column!r} repeats a value in one poll: it must be unique")
             return 0
-        items: list[Inbound | str] = [self._inbound(row, key) for row, key in zip(rows, keys)]
+        items: list[Inbound | InboundBatch | str] = [self._inbound(row, key) for row, key in zip(rows, keys)]
         try:
             archived: set[str] = yield self._run(self._archived, [i.message_id for i in items
                                                                   if isinstance(i, Inbound)])
@@ -283,7 +283,7 @@ class DbPoll(PollingInbound):
                   rejected=f", passed over {len(rejected)}" if rejected else "")
         return passed
 
-    def _inbound(self, row: dict[str, Any], key: Any) -> Inbound | str:
+    def _inbound(self, row: dict[str, Any], key: Any) -> Inbound | InboundBatch | str:
         """The row as an `Inbound`, or why it cannot be staged."""
         self._count_received()
         column = self.src.message_column

@@ -10,11 +10,12 @@ framing and answering live in the transport modules, validation in `listeners.in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
+from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
@@ -37,7 +38,7 @@ from listeners.stream import Intake
 from listeners.tcp import TCPFactory
 from listeners.tls import listen
 
-__all__ = ["Wiring", "InboundService", "ListeningService", "inbound_service", "mllp_batch_handler", "mllp_handler"]
+__all__ = ["InboundService", "ListeningService", "Wiring", "inbound_service", "mllp_batch_handler", "mllp_handler"]
 
 _log = Logger(namespace="stageline.endpoints")
 
@@ -64,11 +65,15 @@ class Wiring:
 
 def peer_limits(conn: InboundConfig) -> PeerLimits:
     """An inbound connection's peer limits (`listeners.guard`), from its settings."""
-    return PeerLimits(max_connections=conn.max_connections, max_connections_per_peer=conn.max_connections_per_peer,
-                      connect_rate_per_peer=conn.connect_rate_per_peer, frame_timeout_seconds=conn.frame_timeout_seconds,
-                      handshake_timeout_seconds=conn.handshake_timeout_seconds,
-                      max_bytes_per_second_per_peer=conn.max_bytes_per_second_per_peer,
-                      allowed_sources=tuple(conn.allowed_sources))
+    return PeerLimits(
+        max_connections=conn.max_connections,
+        max_connections_per_peer=conn.max_connections_per_peer,
+        connect_rate_per_peer=conn.connect_rate_per_peer,
+        frame_timeout_seconds=conn.frame_timeout_seconds,
+        handshake_timeout_seconds=conn.handshake_timeout_seconds,
+        max_bytes_per_second_per_peer=conn.max_bytes_per_second_per_peer,
+        allowed_sources=tuple(conn.allowed_sources),
+    )
 
 
 class ListeningService(Service):
@@ -88,14 +93,30 @@ class ListeningService(Service):
         self.listening = listen(self._reactor, self.host, self.port, self.factory, self.tls, guard=self._guard)
         super().startService()
         if self._on_bound is not None:
-            self._on_bound(self.listening.getHost().port)
+            self._on_bound(bound_port(self.listening))
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
         port, self.listening = self.listening, None
-        if port is None or not port.connected:
-            return defer.succeed(None)
-        return defer.maybeDeferred(port.stopListening)
+        return stop_listening(port)
+
+
+def bound_port(port: IListeningPort) -> int:
+    """The TCP port a listening port is bound to (the one the OS chose for port 0)."""
+    address = port.getHost()
+    assert isinstance(address, (IPv4Address, IPv6Address))  # every listener here is TCP
+    return address.port
+
+
+def stop_listening(port: IListeningPort | None) -> Deferred[None]:
+    """Stop `port` if it still listens: fires once it has (`maybeDeferred(port.stopListening)`)."""
+    if port is None or not getattr(port, "connected", False):  # tcp.Port's flag; IListeningPort lacks it
+        return defer.succeed(None)
+    try:
+        stopped = port.stopListening()
+    except Exception:
+        return defer.fail()
+    return stopped if stopped is not None else defer.succeed(None)
 
 
 class InboundService(Service):
@@ -120,9 +141,10 @@ class InboundService(Service):
         conn = self.conn
         try:
             if self._intake is not None:
-                self._port = listen(self._wiring.reactor, conn.host, conn.port, self._intake, conn.tls,
+                factory = cast(IProtocolFactory, self._intake)  # stream factories and the HTTP site are
+                self._port = listen(self._wiring.reactor, conn.host, conn.port, factory, conn.tls,
                                     guard=self._wiring.guard(conn.name, peer_limits(conn)))
-                self._wiring.bound_ports[conn.name] = self._port.getHost().port
+                self._wiring.bound_ports[conn.name] = bound_port(self._port)
             elif self._start_polling is not None:
                 self._start_polling()
             self.bound = True
@@ -138,7 +160,7 @@ class InboundService(Service):
             return self._stop_polling() if self._stop_polling is not None else defer.succeed(None)
         self._wiring.bound_ports.pop(self.conn.name, None)
         port, self._port = self._port, None
-        d = defer.maybeDeferred(port.stopListening) if port is not None and port.connected else defer.succeed(None)
+        d = stop_listening(port)
         self._intake.stop_reading()
         return d
 

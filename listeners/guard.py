@@ -125,6 +125,8 @@ class GuardedProtocol(ProtocolWrapper):
     """One connection behind the guard: watches its progress, is the one closed when it stalls."""
 
     factory: GuardedFactory
+    # The connection below: TCP or TLS, a push producer that can abort (Twisted says only ITransport).
+    transport: Any
 
     def __init__(self, factory: GuardedFactory, wrapped: Any, host: str) -> None:
         super().__init__(factory, wrapped)
@@ -143,7 +145,7 @@ class GuardedProtocol(ProtocolWrapper):
     def inner(self) -> Any:
         """The innermost protocol (below TLS and Twisted's HTTP proxy), found once."""
         if self._inner is None:
-            p = self.wrappedProtocol
+            p: Any = self.wrappedProtocol
             while p is not None and not hasattr(type(p), "receiving"):  # (wrappers' __getattr__ would ask us)
                 p = getattr(p, "wrappedProtocol", None) or getattr(p, "_channel", None)
             self._inner = p
@@ -220,7 +222,7 @@ class GuardedProtocol(ProtocolWrapper):
             evict()  # leave the listener's registry now, not on the next reactor turn
         self.transport.abortConnection()
 
-    def connectionLost(self, reason: Failure | None = None) -> None:  # type: ignore[override]
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._forget()
         super().connectionLost(reason)
 
@@ -241,7 +243,7 @@ class GuardedProtocol(ProtocolWrapper):
         self.started_at = None
 
 
-class GuardedFactory(WrappingFactory):
+class GuardedFactory(WrappingFactory[GuardedProtocol]):
     """Admits connections to `wrapped` per peer (module docstring); `tls`: `wrapped` is a TLS factory."""
 
     protocol = GuardedProtocol

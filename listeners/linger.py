@@ -28,11 +28,11 @@ def close_after_answers(transport: Any, clock: IReactorTime, *, linger_seconds: 
         return
     half_close = getattr(transport, "loseWriteConnection", None)
     tls = half_close is None or ISSLTransport.providedBy(transport)
-    if tls:  # no half-close: TLS's orderly shutdown, which would wait for the peer's close_notify
-        transport.loseConnection()
-    else:
+    if half_close is not None and not tls:
         half_close()
         transport.resumeProducing()  # drain input so the final close is not a reset
+    else:  # no half-close: TLS's orderly shutdown, which would wait for the peer's close_notify
+        transport.loseConnection()
     deadline = clock.seconds() + linger_seconds
     sock = _socket_of(transport)
 
@@ -58,7 +58,7 @@ def _socket_of(transport: Any) -> Any:
 def _flushed(transport: Any) -> bool:
     """Twisted's own write buffer is empty (FileDescriptor internals; False where unknown)."""
     try:
-        return len(transport.dataBuffer) - transport.offset + transport._tempDataLen == 0
+        return bool(len(transport.dataBuffer) - transport.offset + transport._tempDataLen == 0)
     except (AttributeError, TypeError):
         return False
 
@@ -70,4 +70,5 @@ def _unacknowledged(transport: Any) -> int | None:
         out = fcntl.ioctl(fileno, termios.TIOCOUTQ, struct.pack("i", 0))  # SIOCOUTQ on Linux
     except (AttributeError, OSError, ValueError):
         return None
-    return struct.unpack("i", out)[0]
+    unsent: int = struct.unpack("i", out)[0]
+    return unsent

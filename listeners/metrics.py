@@ -9,6 +9,7 @@ counted as the ``AA``/``AE``/``AR`` they mean), and open connections (always 0 f
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,10 +21,13 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.received = Counter("stageline_messages_received_total", "Messages received, per inbound connection",
                                 ["connection"], registry=r)
-        self.received_bytes = Counter("stageline_received_bytes_total",
-                                      "Message bytes read (content, without framing; a message refused for its size before "
-                                      "it is read counts 0), per inbound connection",
-                                      ["connection"], registry=r)
+        self.received_bytes = Counter(
+            "stageline_received_bytes_total",
+            "Message bytes read (content, without framing; a message refused for its size before "
+            "it is read counts 0), per inbound connection",
+            ["connection"],
+            registry=r,
+        )
         self.inbound_info = Gauge("stageline_inbound_connection_info", "1 per configured inbound connection, "
                                   "with its kind (mllp, tcp, http, file)", ["connection", "kind"], registry=r)
         self.acks = Counter("stageline_acks_total", "Acknowledgements sent, per connection and code (AA/AE/AR)",
@@ -50,24 +54,37 @@ class Metrics:
         self.config_version = Gauge("stageline_config_version", "Shared config version loaded", registry=r)
         self.elections = Counter("stageline_election_outcomes_total", "Lease elector step outcomes",
                                  ["outcome"], registry=r)
-        self.refusals = Counter("stageline_connections_refused_total",
-                                "Connections refused or closed by a listener's peer limits, per connection and reason "
-                                "(connect_rate, peer_connections, listener_full, evicted_for_new_connection, "
-                                "frame_timeout, handshake_timeout; throttled: reading paused for bandwidth)", ["connection", "reason"], registry=r)
-        self.store_durable = Gauge("stageline_store_durable", "1 while the store's server keeps what it commits; 0 when a "
-                                   "recheck found it may lose commits (fsync turned off): every commit is refused (AE)",
-                                   registry=r)
+        self.refusals = Counter(
+            "stageline_connections_refused_total",
+            "Connections refused or closed by a listener's peer limits, per connection and reason "
+            "(connect_rate, peer_connections, listener_full, evicted_for_new_connection, "
+            "frame_timeout, handshake_timeout; throttled: reading paused for bandwidth)",
+            ["connection", "reason"],
+            registry=r,
+        )
+        self.store_durable = Gauge(
+            "stageline_store_durable",
+            "1 while the store's server keeps what it commits; 0 when a "
+            "recheck found it may lose commits (fsync turned off): every commit is refused (AE)",
+            registry=r,
+        )
         self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
                                     ["operation"], registry=r)
-        self.store_busy = Counter("stageline_store_busy_retries_total",
-                                  "Group commits tried again because the store was busy (SQLite's write lock held "
-                                  "past the busy timeout); each ends AA once its turn comes, within 40 s of its oldest message",
-                                  registry=r)
+        self.store_busy = Counter(
+            "stageline_store_busy_retries_total",
+            "Group commits tried again because the store was busy (SQLite's write lock held "
+            "past the busy timeout); each ends AA once its turn comes, within 40 s of its oldest message",
+            registry=r,
+        )
 
         self.stage_backlog = Gauge("stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)",
                                    ["stage"], registry=r)
-        self.stage_oldest = Gauge("stageline_stage_oldest_pending_seconds",
-                                  "Age of the oldest row due or backing off, per stage (0: none)", ["stage"], registry=r)
+        self.stage_oldest = Gauge(
+            "stageline_stage_oldest_pending_seconds",
+            "Age of the oldest row due or backing off, per stage (0: none)",
+            ["stage"],
+            registry=r,
+        )
         self.stage_in_flight = Gauge("stageline_stage_in_flight", "Rows claimed by a stage task, per stage",
                                      ["stage"], registry=r)
         self.stage_dead = Gauge("stageline_stage_dead_letters", "Dead letters, per stage", ["stage"], registry=r)
@@ -83,7 +100,7 @@ class Metrics:
         self.inbound_info.labels(connection, kind).set(1)
         return ListenerCounters(self, connection)
 
-    def set_stages(self, overview: dict[str, dict]) -> None:
+    def set_stages(self, overview: dict[str, dict[str, Any]]) -> None:
         """Publish `include.store.operator.stages` (only the leader does; a standby clears them)."""
         for stage, s in overview.items():
             self.stage_backlog.labels(stage).set(s["backlog"])

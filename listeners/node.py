@@ -24,6 +24,7 @@ from twisted.application.service import MultiService
 from twisted.internet import defer, threads
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from include.config import ServiceConfig
 from include.schema import ConfigProblems
@@ -128,13 +129,17 @@ class ListenerNode(SequentialMultiService):
         yield super().stopService()
         _log.info("listenerd {node} stopped", node=self.identity.node_id)
 
-    def _step_down(self) -> Deferred:
+    def _step_down(self) -> Deferred[bool]:
         """The gate could not serve an inbound past its grace: release the lease, and take none for
         `[cluster] step_down_backoff_seconds` so a node that can serve leads (docs/listenerd.md)."""
         self.metrics.step_downs.inc()
         d = self.lease.step_down(self.config.cluster.step_down_backoff())
-        d.addBoth(lambda r: (self.heartbeat.publish(), r)[1])
-        return d
+
+        def publish(result: bool | Failure) -> bool | Failure:
+            self.heartbeat.publish()
+            return result
+
+        return d.addBoth(publish)
 
     def _api_bound(self, port: int) -> None:
         self.api_port = port
@@ -173,11 +178,11 @@ class ListenerNode(SequentialMultiService):
         d.addCallbacks(self.metrics.set_stages,
                        lambda f: _log.warn("stage gauges not read: {err}", err=type(f.value).__name__))
 
-    def reload(self) -> Deferred:
+    def reload(self) -> Deferred[None]:
         """SIGHUP: reload the config dir here and bump the shared version so peers reload too."""
         return self._reload(bump=True)
 
-    def _reload(self, *, bump: bool, version: int | None = None) -> Deferred:
+    def _reload(self, *, bump: bool, version: int | None = None) -> Deferred[None]:
         """The same whole-dir check as a start (`listeners.config_check.check_dir`: connections,
         routes, destinations, transforms, lookups, unknown files; a missing connections.toml is a
         problem, not "no connections"); any problem is logged, one line each with file and key,
@@ -197,10 +202,10 @@ class ListenerNode(SequentialMultiService):
             if bump:
                 assert self.stores.store is not None
                 with self.stores.store.transaction() as tx:
-                    return new, int(tx.one("config_bump")["config_version"])
+                    return new, int(tx.row("config_bump")["config_version"])
             return new, version if version is not None else self.config_version
 
-        def apply(result: tuple[ListenerConfig, int]) -> Deferred:
+        def apply(result: tuple[ListenerConfig, int]) -> Deferred[None]:
             new, new_version = result
             changed = new.config_hash != self.listeners.config_hash
             self.listeners, self.config_version = new, new_version
@@ -219,21 +224,19 @@ class ListenerNode(SequentialMultiService):
             for problem in problems:
                 _log.error("config reload refused: {problem}", problem=str(problem))
 
-        d = threads.deferToThread(work)
-        d.addCallbacks(apply, refused)
-        return d
+        return threads.deferToThread(work).addCallbacks(apply, refused)
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGHUP, lambda *_: self.reactor.callFromThread(self.reload))
 
     # -- control plane -----------------------------------------------------------------------
 
-    def _nodes_doc(self) -> Deferred:
+    def _nodes_doc(self) -> Deferred[dict[str, Any]]:
         if not self.config.cluster.enabled:
             return defer.succeed(single_node_nodes(self.identity))
         timeout = self.config.cluster.node_timeout_seconds
 
-        def read() -> dict:
+        def read() -> dict[str, Any]:
             store = self.stores.store
             assert store is not None
             return cluster_nodes(store, node_timeout_seconds=timeout)  # config_mismatch included

@@ -19,7 +19,7 @@ OFFLOAD_BYTES = 64 * 1024
 """Inputs of this size or more go to a thread (what splitting this much costs: docs/performance.md)."""
 
 
-def off_reactor(reactor: Any, size: int, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred:
+def off_reactor(reactor: Any, size: int, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
     """`work(*args, **kwargs)` as a Deferred: in `reactor`'s thread pool when `size` (bytes, or a
     like measure) reaches `OFFLOAD_BYTES` and the reactor has one; at once otherwise."""
     pool = getattr(reactor, "getThreadPool", None)

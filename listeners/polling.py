@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any, Callable, cast
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorThreads, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -20,7 +20,7 @@ from listeners.connections import InboundConfig
 
 __all__ = ["PollingInbound", "RunBlocking"]
 
-RunBlocking = Callable[..., Deferred]
+RunBlocking = Callable[..., Deferred[Any]]
 """``run_blocking(f, *args) -> Deferred`` runs ``f(*args)`` off the reactor thread."""
 
 
@@ -39,7 +39,8 @@ class PollingInbound:
 
             reactor = cast(IReactorTime, global_reactor)
         if run_blocking is None:
-            run_blocking = partial(deferToThreadPool, reactor, reactor.getThreadPool())  # type: ignore[attr-defined]
+            threads = cast(IReactorThreads, reactor)  # a real reactor: it has a thread pool too
+            run_blocking = partial(deferToThreadPool, threads, threads.getThreadPool())
         self.config = config
         self._what = what
         self._poll_log = log
@@ -47,7 +48,7 @@ class PollingInbound:
         self._run = run_blocking
         self._running = False
         self._call: IDelayedCall | None = None
-        self._polling: Deferred | None = None
+        self._polling: Deferred[Any] | None = None
         self._stop_waiters: list[Deferred[None]] = []
 
     @property

@@ -18,12 +18,12 @@ class NodeState:
     metrics: Metrics
     is_leader: Callable[[], bool]
     config_version: Callable[[], int]
-    nodes: Callable[[], Deferred]  # fires with the /cluster/nodes document
+    nodes: Callable[[], Deferred[Any]]  # fires with the /cluster/nodes document
     store: Callable[[], Any] = lambda: None  # the node's store (None before it opens), for /messages
     archive_path: str = ""  # [retention] archive_path: /messages/<ref> reads the Parquet archive too
     fenced: Callable[[], bool] = lambda: False  # holds an epoch it stopped acting on (fence tripped)
     serving: Callable[[], bool] = lambda: True  # every configured inbound bound (the leader gate)
-    unbound: Callable[[], list[dict[str, Any]]] = lambda: []  # inbound the leader is retrying, and why
+    unbound: Callable[[], list[dict[str, Any]]] = list  # inbound the leader is retrying, and why
     aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
 
     def __post_init__(self) -> None:

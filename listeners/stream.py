@@ -189,9 +189,12 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
     units = 0
     """Messages completed on this connection (`listeners.guard` watches it)."""
 
+    # The connection: TCP, TLS or the guard's wrapper, a push producer that can abort (Twisted says
+    # only ITransport).
+    transport: Any
+
     def __init__(self, *, clock: IReactorTime, idle_timeout_seconds: float | None, max_in_flight: int) -> None:
         self._clock = clock
-        self.callLater = clock.callLater  # TimeoutMixin schedules through this
         self._idle_timeout = idle_timeout_seconds
         self._max_in_flight = max_in_flight
         self._slots: deque[Slot] = deque()
@@ -206,6 +209,10 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._overdue_check: IDelayedCall | None = None  # one per connection, not one per message
         self._write_blocked = False  # the transport's unsent bytes are over its buffer size
         self._write_stall: IDelayedCall | None = None  # cuts off a peer that does not read its answers
+
+    def callLater(self, period: float, func: Callable[[], object]) -> IDelayedCall:
+        """TimeoutMixin schedules through this: on this connection's clock, not the global reactor."""
+        return self._clock.callLater(period, func)
 
     @property
     def in_flight(self) -> int:
@@ -271,7 +278,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         # Each write past the buffer size asks again: pause reading even if we think it is paused,
         # since the guard's bandwidth throttle resumes the transport when its allowance refills.
         self._paused = True
-        cast("ITCPTransport", self.transport).pauseProducing()
+        self.transport.pauseProducing()
 
     def resumeProducing(self) -> None:
         """The peer read its answers: reading may go on."""
@@ -306,10 +313,10 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         want = self._draining or self._write_blocked or self._owed >= self._max_in_flight
         if want and not self._paused:
             self._paused = True
-            cast("ITCPTransport", self.transport).pauseProducing()
+            self.transport.pauseProducing()
         elif not want and self._paused and self._connected:
             self._paused = False
-            cast("ITCPTransport", self.transport).resumeProducing()
+            self.transport.resumeProducing()
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self._accepting = False
@@ -337,7 +344,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._accepting = False
         if self._connected and not self._paused:
             self._paused = True
-            cast("ITCPTransport", self.transport).pauseProducing()
+            self.transport.pauseProducing()
 
     def timeoutConnection(self) -> None:
         if self._slots:  # the sender is idle because it waits on us; the reply timeout bounds that

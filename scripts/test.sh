@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Quickstart, part 2: set up, lint (ruff with its security rules: pyproject.toml [tool.ruff.lint];
-# a finding fails the run before any test starts), then run the whole test suite (it starts its
-# own throwaway PostgreSQL).
+# Quickstart, part 2: set up, lint (ruff: pyproject.toml [tool.ruff.lint]), type-check (mypy:
+# [tool.mypy]) — a finding of either fails the run before any test starts — then run the whole
+# test suite (it starts its own throwaway PostgreSQL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$HOME/.local/bin:$PATH"
 uv run --locked ruff check .
+uv run --locked mypy
 exec uv run --locked pytest "$@"

@@ -17,9 +17,10 @@ hook naming an installed or standard-library module (``os:system``, ``subprocess
 at config check (`include.schema.destinations.check_code_spec`) and here again before anything is
 imported — the top-level module is looked up in that folder alone, and a module of that name
 already loaded from elsewhere is refused, not reused. On a Spark cluster that folder must exist at
-the same path on the workers (the config directory is shared or deployed alike). A module is imported once per Python worker: restart the Spark server (or the stage task's
-session) after changing it. A module that cannot be imported fails the whole run before anything
-is claimed (`check_hooks`): a configuration error, not a message's.
+the same path on the workers (the config directory is shared or deployed alike). A module is
+imported once per Python worker: restart the Spark server (or the stage task's session) after
+changing it. A module that cannot be imported fails the whole run before anything is claimed
+(`check_hooks`): a configuration error, not a message's.
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ class CodeHookError(ValueError):
 
 def _inside(module: Any, root: Path) -> bool:
     """Whether a loaded module's file (or a namespace package's every path) is under `root`."""
-    files = [getattr(module, "__file__", None)] if getattr(module, "__file__", None) else \
-        list(getattr(module, "__path__", []) or [])
+    file: str | None = getattr(module, "__file__", None)
+    files: list[str] = [file] if file else list(getattr(module, "__path__", []) or [])
     return bool(files) and all(root in Path(f).resolve().parents for f in files)
 
 
@@ -74,7 +75,7 @@ def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
         importlib.invalidate_caches()  # a module (or the folder) added since this process last looked
         sys.path_importer_cache.pop(str(root), None)
         found = importlib.machinery.PathFinder.find_spec(top, [str(root)])
-        if found is None or found.loader is None and not found.submodule_search_locations:
+        if found is None or (found.loader is None and not found.submodule_search_locations):
             raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r}: no module {top!r} in "
                                 f"{root} (a code hook may only import from <config>/code/)")
         module = importlib.util.module_from_spec(found)
@@ -110,8 +111,9 @@ def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
     function = getattr(module, function_name, None)
     if not callable(function):
         raise CodeHookError(f"code hook {spec!r}: module {module_name!r} has no function {function_name!r}")
-    _LOADED[key] = function
-    return function
+    hook: Callable[[Any], Any] = function
+    _LOADED[key] = hook
+    return hook
 
 
 def check_hooks(hooks: Mapping[str, str], code_dir: str | None) -> None:
@@ -150,7 +152,8 @@ def _run_batches(batches: Iterator[pa.RecordBatch], *, hooks: dict[str, str],
     functions = {dest: load_hook(spec, code_dir) for dest, spec in hooks.items()}
     for batch in batches:
         columns = batch.to_pydict()
-        payloads, types = [], []
+        payloads: list[str | None] = []
+        types: list[str] = []
         for dest, payload, content_type in zip(columns["destination"], columns["payload"], columns["content_type"]):
             try:
                 payloads.append(call_hook(functions[dest], hooks[dest], payload))

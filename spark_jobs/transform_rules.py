@@ -201,7 +201,9 @@ def _fold(specs: Sequence[Transform], payload: Column, tables: Mapping[str, tupl
         numbers = F.array(*(F.lit(n) for n in range(len(numbered), len(numbered) + len(spec.rules))))
         numbered.extend(spec.rules)
         cond = destination == F.lit(spec.destination)
-        steps = F.when(cond, numbers.cast("array<int>")) if steps is None else steps.when(cond, numbers.cast("array<int>"))
+        steps = (
+            F.when(cond, numbers.cast("array<int>")) if steps is None else steps.when(cond, numbers.cast("array<int>"))
+        )
 
     def merge(units: Column, k: Column) -> Column:
         step: Column | None = None
@@ -211,7 +213,8 @@ def _fold(specs: Sequence[Transform], payload: Column, tables: Mapping[str, tupl
         return units if step is None else step.otherwise(units)
 
     # A destination without a spec has no steps (NULL): aggregate gives NULL, nothing is parsed.
-    return F.aggregate(steps, F.when(steps.isNotNull(), _parse_units(payload)), merge)  # type: ignore[union-attr]
+    assert steps is not None  # the caller folds at least one spec
+    return F.aggregate(steps, F.when(steps.isNotNull(), _parse_units(payload)), merge)
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,9 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
     """
     def on_unit(u: Column, i: Column, seps: Column) -> Column:
         # A batch's later messages get control ids of their own: the unit index joins the seed.
-        unit_ctx = replace(ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string"))))
+        unit_ctx = replace(
+            ctx, seed=F.when(i == 0, ctx.seed).otherwise(F.concat(ctx.seed, F.lit("#"), i.cast("string")))
+        )
         out = u.withField("segments", _apply_rule(rule, u["segments"], seps, tables, unit_ctx))
         error = _rule_error(rule, u["segments"], seps, tables)
         if error is not None:
@@ -435,12 +440,22 @@ def _add_segment(rule: AddSegment, segs: Column, seps: Column) -> Column:
     if rule.after is None and rule.before is None:
         return F.concat(segs, F.array(text))
     anchor = rule.after or rule.before
-    indices = F.transform(segs, lambda s, i: F.when(_is_segment(s, anchor, seps), i))
+    assert anchor is not None  # one of them is set: checked above
+
+    def anchor_index(s: Column, i: Column) -> Column:
+        return F.when(_is_segment(s, anchor, seps), i)
+
+    indices = F.transform(segs, anchor_index)
     at = F.array_max(indices) if rule.after else F.try_element_at(F.filter(indices, lambda i: i.isNotNull()), F.lit(1))
 
     def insert(index: Column) -> Column:
-        placed = (lambda s: F.array(s, text)) if rule.after else (lambda s: F.array(text, s))
-        return F.flatten(F.transform(segs, lambda s, i: F.when(i == index, placed(s)).otherwise(F.array(s))))
+        def placed(s: Column) -> Column:
+            return F.array(s, text) if rule.after else F.array(text, s)
+
+        def expand(s: Column, i: Column) -> Column:
+            return F.when(i == index, placed(s)).otherwise(F.array(s))
+
+        return F.flatten(F.transform(segs, expand))
 
     return let(at, insert)
 
@@ -459,13 +474,21 @@ def _compute(segs: Column, source: FieldPath, target: FieldPath, seps: Column, f
         return F.when(v != "", fn(v))
 
     def put(s: Column, r: Column) -> Column:
-        return F.when(r.isNull(), s).otherwise(_write(s, target, _structural_escape(r, target, seps), seps, pad=r != ""))
+        return F.when(r.isNull(), s).otherwise(
+            _write(s, target, _structural_escape(r, target, seps), seps, pad=r != "")
+        )
 
     if each:
-        return F.transform(segs, lambda s: F.when(
-            _is_segment(s, target.segment, seps), let(result(_read(s, source, seps)), lambda r: put(s, r))).otherwise(s))
+        return F.transform(
+            segs,
+            lambda s: F.when(
+                _is_segment(s, target.segment, seps), let(result(_read(s, source, seps)), lambda r: put(s, r))
+            ).otherwise(s),
+        )
     source_seg = F.try_element_at(segs, _occurrence_index(segs, source, seps) + 1)
-    return let(result(_read(source_seg, source, seps)), lambda r: _edit_segments(segs, target, seps, lambda s: put(s, r)))
+    return let(
+        result(_read(source_seg, source, seps)), lambda r: _edit_segments(segs, target, seps, lambda s: put(s, r))
+    )
 
 
 def _function(rule: StringFunction | FormatDate, seps: Column) -> Callable[[Column], Column]:

@@ -1,7 +1,11 @@
-"""ruff with its security rules guards the code (pyproject.toml [tool.ruff.lint]; scripts/test.sh
-runs the same check before pytest): the tree is clean, and the findings that matter most — a shell
-command line, `eval`/`exec`, `pickle`, TLS without verification, SQL built from a string — are
-caught wherever they appear, tests included."""
+"""The tools in the test command guard the code (scripts/test.sh runs both before pytest):
+
+- ruff with its security rules (pyproject.toml [tool.ruff.lint]): the tree is clean, and the
+  findings that matter most — a shell command line, `eval`/`exec`, `pickle`, TLS without
+  verification, SQL built from a string — are caught wherever they appear, tests included.
+- mypy (pyproject.toml [tool.mypy]): the shipped tree type-checks, strictly in the store, the
+  listener daemon and the stage jobs (an unannotated function there fails), plainly elsewhere.
+"""
 from __future__ import annotations
 
 import subprocess
@@ -12,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise"]
+MYPY = [sys.executable, "-m", "mypy", "--no-error-summary"]
 
 
 def ruff_on(source: str, as_path: str) -> str:
@@ -33,7 +38,8 @@ HAZARDS = {
     "S102": "def run(code: str) -> None:\n    exec(code)\n",
     "S301": "import pickle\n\ndef load(data: bytes) -> object:\n    return pickle.loads(data)\n",
     "S501": "import requests\n\ndef get(url: str) -> object:\n    return requests.get(url, verify=False, timeout=5)\n",
-    "S608": "def q(cur, name: str) -> None:\n    cur.execute(f\"SELECT * FROM stage_inbound WHERE connection = '{name}'\")\n",
+    "S608": "def q(cur, name: str) -> None:\n"
+            "    cur.execute(f\"SELECT * FROM stage_inbound WHERE connection = '{name}'\")\n",
 }
 
 
@@ -47,8 +53,47 @@ def test_a_new_security_hazard_fails_the_lint(rule: str, where: str) -> None:
     assert rule in findings, findings
 
 
-def test_the_test_command_lints_before_it_tests() -> None:
+@pytest.fixture(scope="module")
+def shadow_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A mypy cache of the tests' own: results for a stand-in file never reach the tree's cache."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def mypy_on(source: str, as_path: str, tmp_path: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    """mypy on the existing file `as_path` with `source` in its place (so that module's overrides
+    apply to it)."""
+    shadow = tmp_path / "shadow.py"
+    shadow.write_text(source)
+    return subprocess.run([*MYPY, "--cache-dir", str(cache), "--shadow-file", as_path, str(shadow), as_path],
+                          text=True, capture_output=True, cwd=ROOT, timeout=600)
+
+
+def test_the_tree_passes_mypy() -> None:
+    done = subprocess.run(MYPY, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+UNTYPED = "\n\ndef helper(value):\n    return value\n"
+
+
+@pytest.mark.parametrize(("path", "strict"), [("include/store/retry.py", True), ("listeners/offload.py", True),
+                                              ("spark_jobs/hl7_fields.py", True), ("include/batch_size.py", False)])
+def test_an_unannotated_function_fails_mypy_where_it_is_strict(path: str, strict: bool, tmp_path: Path,
+                                                               shadow_cache: Path) -> None:
+    done = mypy_on((ROOT / path).read_text() + UNTYPED, path, tmp_path, shadow_cache)
+    assert ("[no-untyped-def]" in done.stdout) is strict, done.stdout[-4000:] + done.stderr[-2000:]
+    assert (done.returncode != 0) is strict
+
+
+def test_a_type_error_fails_mypy_outside_the_strict_packages_too(tmp_path: Path, shadow_cache: Path) -> None:
+    path = "include/batch_size.py"
+    done = mypy_on((ROOT / path).read_text() + "\n\ndef half(n: int) -> int:\n    return n / 2\n", path, tmp_path,
+                   shadow_cache)
+    assert done.returncode != 0 and "[return-value]" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_test_command_lints_and_type_checks_before_it_tests() -> None:
     script = (ROOT / "scripts" / "test.sh").read_text()
-    lint = script.index("ruff check .")
-    assert lint < script.index("pytest"), script
+    lint, types = script.index("ruff check ."), script.index("--locked mypy")
+    assert lint < types < script.index("pytest"), script
     assert "set -e" in script

@@ -59,7 +59,7 @@ NETWORK_KEYS = ("host", "port", "idle_timeout_seconds", "max_connections", "max_
                 "connect_rate_per_peer", "frame_timeout_seconds", "handshake_timeout_seconds",
                 "max_bytes_per_second_per_peer", "allow_insecure_bind", "allowed_sources",
                 "allow_unauthenticated_senders", "tls")
-ONLY_FOR = {**{k: ("file",) for k in FILE_KEYS}, **{k: NETWORK_KINDS for k in NETWORK_KEYS},
+ONLY_FOR = {**dict.fromkeys(FILE_KEYS, ("file",)), **dict.fromkeys(NETWORK_KEYS, NETWORK_KINDS),
             "poll_seconds": ("file", "database"), "framing": ("tcp",), "batch_ack": ("mllp",)}
 """Keys that mean something for some kinds only: set on another kind they would be silently ignored."""
 
@@ -252,13 +252,16 @@ class InboundModel(Strict):
             extra = _other_kind_keys(data)
             if not extra:
                 raise
-            errors: list[InitErrorDetails] = [
-                {"type": e["type"], "loc": e["loc"], "input": e.get("input"), **({"ctx": e["ctx"]} if "ctx" in e else {})}
-                for e in exc.errors(include_url=False)]
+            errors: list[InitErrorDetails] = []
+            for e in exc.errors(include_url=False):
+                detail: InitErrorDetails = {"type": e["type"], "loc": e["loc"], "input": e.get("input")}
+                if "ctx" in e:
+                    detail["ctx"] = e["ctx"]
+                errors.append(detail)
             errors.append({"type": "value_error", "loc": (), "input": data, "ctx": {"error": Rules(extra)}})
             try:
                 both = ValidationError.from_exception_data(exc.title, errors)
-            except Exception:  # noqa: BLE001 - an error pydantic cannot rebuild: its own errors still stand
+            except Exception:  # an error pydantic cannot rebuild: its own errors still stand
                 raise exc from None
             raise both from None
 
@@ -505,7 +508,7 @@ class ConnectionsFile(Strict):
     """`connections.toml`: the inbound connections listenerd binds, and its control plane."""
 
     inbound: list[InboundModel] = Field(default_factory=list)
-    api: ApiModel = Field(default_factory=ApiModel)
+    api: ApiModel = Field(default_factory=ApiModel)  # type: ignore[arg-type]  # as in service.ServiceFile
 
     @model_validator(mode="after")
     def _unique(self, info: ValidationInfo) -> ConnectionsFile:

@@ -9,13 +9,15 @@ its key) that can still be raised from one sentence where a caller has only that
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from include.schema import ConfigProblem, ConfigProblems, problems_from
 
 __all__ = ["ConfigProblemsError", "choose", "problem", "type_name", "validate_item", "validate_list"]
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigProblemsError(ConfigProblems):
@@ -55,8 +57,8 @@ def validate_list(value: Any, key: str) -> tuple[list[Any] | None, list[ConfigPr
     return list(value), []
 
 
-def validate_item(model: type[BaseModel], data: Any, key: str,
-                  context: dict[str, Any] | None = None) -> tuple[BaseModel | None, list[ConfigProblem]]:
+def validate_item(model: type[M], data: Any, key: str,
+                  context: dict[str, Any] | None = None) -> tuple[M | None, list[ConfigProblem]]:
     """`data` validated as `model`; its problems keyed under `key` instead of raised."""
     try:
         return model.model_validate(data, context=context), []
@@ -64,8 +66,13 @@ def validate_item(model: type[BaseModel], data: Any, key: str,
         return None, problems_from(exc, prefix=key)
 
 
-def choose(value: Any, key: str, tag: str, models: Mapping[str, type[BaseModel]],
-           pick: Callable[[Mapping[str, Any]], Any] | None = None) -> tuple[type[BaseModel] | None, list[ConfigProblem]]:
+def choose(
+    value: Any,
+    key: str,
+    tag: str,
+    models: Mapping[str, type[BaseModel]],
+    pick: Callable[[Mapping[str, Any]], Any] | None = None,
+) -> tuple[type[BaseModel] | None, list[ConfigProblem]]:
     """The model for one table, chosen by its `tag` key (or by `pick`); a problem if none fits."""
     if not isinstance(value, Mapping):
         return None, [problem(key, f"must be a table, got {type_name(value)}")]

@@ -8,6 +8,7 @@ about, relative to the table) and `validate` turns each into its own `ConfigProb
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -42,11 +43,22 @@ def _join(base: str, sub: str) -> str:
 
 _TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
                dict: "a table", type(None): "nothing"}
-_EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-             "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
-             "bool_parsing": "true or false", "string_type": "a string", "list_type": "an array",
-             "tuple_type": "an array", "dict_type": "a table", "model_type": "a table", "model_attributes_type": "a table",
-             "datetime_type": "a date-time"}
+_EXPECTED = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "list_type": "an array",
+    "tuple_type": "an array",
+    "dict_type": "a table",
+    "model_type": "a table",
+    "model_attributes_type": "a table",
+    "datetime_type": "a date-time",
+}
 
 
 _PATTERNS = {r"^[A-Za-z0-9_-]+$": "a non-empty name of letters, digits, - and _",
@@ -54,7 +66,7 @@ _PATTERNS = {r"^[A-Za-z0-9_-]+$": "a non-empty name of letters, digits, - and _"
              r"^[0-9a-fA-F]{64}$": "64 hex digits"}
 
 
-def _message(err: dict[str, Any], value: Any) -> str:
+def _message(err: Mapping[str, Any], value: Any) -> str:
     """pydantic's message in the words of a TOML file: what the key must be, and what it got."""
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind in _EXPECTED:

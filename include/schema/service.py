@@ -110,9 +110,11 @@ class RetentionModel(Strict):
 class ServiceFile(Strict):
     """`stageline.toml`: the node's store, cluster and retention settings."""
 
-    store: StoreModel = Field(default_factory=StoreModel)
-    cluster: ClusterModel = Field(default_factory=ClusterModel)
-    retention: RetentionModel = Field(default_factory=RetentionModel)
+    # (mypy cannot infer a model class as Field's factory: the overloads take one of no argument or
+    # of the validated data, and a model's constructor takes both)
+    store: StoreModel = Field(default_factory=StoreModel)  # type: ignore[arg-type]
+    cluster: ClusterModel = Field(default_factory=ClusterModel)  # type: ignore[arg-type]
+    retention: RetentionModel = Field(default_factory=RetentionModel)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
     def _cluster_rules(self) -> ServiceFile:

@@ -12,7 +12,7 @@ docs/rules.md.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -289,7 +289,7 @@ class _Function(_Each):
 
     @model_validator(mode="after")
     def _target(self) -> _Function:
-        source = getattr(self, "source")
+        source = getattr(self, "source")  # noqa: B009 (each subclass declares it, under its own alias)
         if self.each and self.to is not None and parse_path(self.to).segment != parse_path(source).segment:
             raise ValueError(f"'each' works within one segment occurrence, so the path and 'to' must name the "
                              f"same segment (got {parse_path(source).segment} and {parse_path(self.to).segment})")
@@ -350,10 +350,13 @@ def op_of(rule: Any) -> str | None:
     return ops[0] if len(ops) == 1 else None
 
 
-RuleModel = Annotated[
-    Union[tuple(Annotated[model, Tag(op)] for op, model in RULE_MODELS.items())],  # type: ignore[valid-type]
-    Discriminator(op_of),
-]
+if TYPE_CHECKING:  # a union built from RULE_MODELS at import: a type checker cannot read it
+    RuleModel = Any
+else:
+    RuleModel = Annotated[
+        Union[tuple(Annotated[model, Tag(op)] for op, model in RULE_MODELS.items())],  # noqa: UP007 (built at run time)
+        Discriminator(op_of),
+    ]
 
 
 class TransformHead(Strict):
@@ -367,7 +370,7 @@ class TransformHead(Strict):
 class TransformModel(TransformHead):
     """A `[[transform]]` table, for the published JSON Schema."""
 
-    rules: list[RuleModel] = []  # type: ignore[assignment]
+    rules: list[RuleModel] = []
 
 
 class TransformsFile(Strict):

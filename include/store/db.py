@@ -108,6 +108,14 @@ class Tx:
         rows = self.all(name, params, table=table)
         return rows[0] if rows else None
 
+    def row(self, name: str, params: Mapping[str, Any] | None = None, *,
+            table: StagedTable | None = None) -> dict[str, Any]:
+        """The row of a statement that always returns one (an aggregate, a read of the lease row)."""
+        found = self.one(name, params, table=table)
+        if found is None:
+            raise LookupError(f"statement {name} returned no row")
+        return found
+
     def execute(self, name: str, params: Mapping[str, Any] | None = None, *,
                 table: StagedTable | None = None) -> int:
         started = time.perf_counter()

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 NOW_MS_SQLITE = "(CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))"
 
 
-def _dict_row_sqlite(cursor: sqlite3.Cursor, row: tuple) -> dict[str, Any]:
+def _dict_row_sqlite(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
     return {d[0]: v for d, v in zip(cursor.description, row)}
 
 
@@ -32,10 +32,10 @@ def split_sqlite_script(script: str) -> list[str]:
     for line in script.splitlines(keepends=True):
         buf += line
         if sqlite3.complete_statement(buf):
-            if buf.strip() and not all(l.strip().startswith("--") or not l.strip() for l in buf.splitlines()):
+            if buf.strip() and not all(part.strip().startswith("--") or not part.strip() for part in buf.splitlines()):
                 statements.append(buf.strip())
             buf = ""
-    if buf.strip() and any(l.strip() and not l.strip().startswith("--") for l in buf.splitlines()):
+    if buf.strip() and any(part.strip() and not part.strip().startswith("--") for part in buf.splitlines()):
         statements.append(buf.strip())
     return statements
 

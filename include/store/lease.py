@@ -62,7 +62,7 @@ class LeaseState:
 
 def read_lease(store: Store) -> LeaseState:
     with store.transaction(write=False) as tx:
-        row = tx.one("lease_read")
+        row = tx.row("lease_read")
     return _state(row)
 
 
@@ -76,7 +76,7 @@ def _state(row: dict[str, Any]) -> LeaseState:
 def acquire_permanent(store: Store, *, node_id: str) -> int:
     """Single-node mode: this process is leader for good; a new epoch fences the previous process."""
     with store.transaction() as tx:
-        return int(tx.one("lease_acquire_permanent", {"owner": node_id})["epoch"])
+        return int(tx.row("lease_acquire_permanent", {"owner": node_id})["epoch"])
 
 
 class LeaderElector:
@@ -141,7 +141,7 @@ class LeaderElector:
         try:
             with self.store.transaction() as tx:
                 tx.one("step_timeout", {"ms": int(self.fence_timeout * 1000)})
-                cur = tx.one("lease_read_locked")
+                cur = tx.row("lease_read_locked")
                 owner, epoch, live = cur["owner"], int(cur["epoch"]), bool(cur["live"])
                 if self._epoch is not None:
                     if owner != self.node_id or epoch != self._epoch:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from include.store import queries
 from include.store.db import Store
@@ -42,7 +43,7 @@ def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
     for version, description, sql in queries.migrations(store.backend):
         with store.transaction() as tx:
             tx.one("migrate_lock")
-            current = tx.one("schema_version_current")["version"]
+            current = tx.row("schema_version_current")["version"]
             if current >= version:
                 continue
             tx.script(sql)
@@ -56,11 +57,11 @@ def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
                            cluster_id=identity["cluster_id"], cluster_name=identity["cluster_name"])
 
 
-def check_identity(store: Store, *, cluster_name: str) -> dict:
+def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
     """Refuse a store that is unmigrated, too new, or owned by another cluster."""
     try:
         with store.transaction(write=False) as tx:
-            version = tx.one("schema_version_current")["version"]
+            version = tx.row("schema_version_current")["version"]
             identity = tx.one("identity_get")
     except Exception as exc:  # missing tables look different on every driver
         raise SchemaError(f"the {store.backend} store has no Stageline schema yet; run `stageline db migrate` "

@@ -104,10 +104,12 @@ class Filters:
     def from_query(cls, args: Mapping[str, str]) -> Filters:
         """Filters from a query string's fields (`control_id=…&status=dead&limit=20`); empty ones are
         "any", unknown ones ignored (listenerd's `GET /messages`, the Airflow UI's Stageline view)."""
-        texts = {k: args[k] for k in ("control_id", "message_id", "lane_key", "connection", "destination", "status")
-                 if args.get(k)}
+        fields = ("control_id", "message_id", "lane_key", "connection", "destination", "status")
+        texts: dict[str, Any] = {k: args[k] for k in fields if args.get(k)}
         try:
-            ints = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if args.get(k)}
+            ints: dict[str, Any] = {
+                k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if args.get(k)
+            }
         except ValueError as exc:
             raise ValueError(f"not a number: {exc}") from None
         return cls(**texts, **ints)
@@ -236,23 +238,23 @@ def _story(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = No
             inbound = parquet.inbound(inbound_id)
         if inbound is None:
             raise LookupError(f"no inbound row {inbound_id}")
-        cold = parquet is not None
         story = Story(inbound,
-                      _merged(tx.all("message_routed", {"id": inbound_id}), tx.all("archived_routed", {"id": inbound_id}),
-                              parquet.routed(inbound_id) if cold else None),
+                      _merged(tx.all("message_routed", {"id": inbound_id}),
+                              tx.all("archived_routed", {"id": inbound_id}),
+                              parquet.routed(inbound_id) if parquet is not None else None),
                       _merged(tx.all("message_outbound", {"id": inbound_id}),
                               tx.all("archived_outbound", {"id": inbound_id}),
-                              parquet.outbound(inbound_id) if cold else None),
+                              parquet.outbound(inbound_id) if parquet is not None else None),
                       _merged(tx.all("message_trail", {"message_id": inbound["message_id"]}),
                               tx.all("archived_trail", {"message_id": inbound["message_id"]}),
-                              parquet.trail(inbound["message_id"]) if cold else None))
+                              parquet.trail(inbound["message_id"]) if parquet is not None else None))
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})
         if inbound.get("batch_id") is not None:  # hot while any of its messages is, then archived
             key = {"batch_id": inbound["batch_id"]}
             story.hl7_batch = tx.one("message_batch", key) or tx.one("archived_batch", key) or \
-                (parquet.hl7_batch(inbound["batch_id"]) if cold else None)
+                (parquet.hl7_batch(inbound["batch_id"]) if parquet is not None else None)
         return story
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from airflow.plugins_manager import AirflowPlugin
 from fastapi import HTTPException, Request  # here: FastAPI resolves the handlers' annotations in this module
@@ -63,24 +63,22 @@ OPERATOR_ROLES = ("OP", "ADMIN")
 def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     """The view's FastAPI app (mount it at `URL_PREFIX`); `hook` reaches the store (default: a
     `StagelineStoreHook` on the service config)."""
-    from fastapi import Body, Depends, FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
-
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
     from airflow.api_fastapi.core_api.security import get_user
-
-    from stageline_airflow import view_html
-    from stageline_airflow.hooks import StagelineStoreHook
+    from fastapi import Body, Depends, FastAPI
+    from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from include.parquet_archive import ParquetArchive
     from include.store import operator as ops
     from include.store.membership import cluster_nodes
+    from stageline_airflow import view_html
+    from stageline_airflow.hooks import StagelineStoreHook
 
     store_hook = hook or StagelineStoreHook()
     app = FastAPI(title="Stageline", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def may(user: Any, method: str) -> bool:
+    def may(user: Any, method: Literal["GET", "POST"]) -> bool:
         manager = get_auth_manager()
         if not manager.is_authorized_custom_view(method=method, resource_name=RESOURCE, user=user):
             return False

@@ -165,10 +165,10 @@ def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str])
         for st in done:
             results[st.lane][st.index] = DeliveryResult.success(
                 f"{st.send.dest.name}: wrote {st.final} ({st.size} bytes)")
-    for li, lane in enumerate(results):  # after a failure nothing later in the lane counts as sent
-        for i, r in enumerate(lane):
+    for outcomes in results:  # after a failure nothing later in the lane counts as sent
+        for i, r in enumerate(outcomes):
             if r is not None and not r.ok:
-                lane[i + 1:] = [None] * (len(lane) - i - 1)
+                outcomes[i + 1:] = [None] * (len(outcomes) - i - 1)
                 break
     return results
 

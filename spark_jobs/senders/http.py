@@ -72,10 +72,12 @@ def send_http(dest: HttpDestination, payload: str, content_type: str, idempotenc
 
 def _http_connect(dest: HttpDestination) -> http.client.HTTPConnection:
     parts = urlsplit(dest.url)
+    host = parts.hostname
+    assert host is not None  # the config refuses a URL without one
     if parts.scheme == "https":
         context = ssl_context(dest.tls) if dest.tls is not None else ssl.create_default_context()
-        return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=dest.timeout_seconds, context=context)
-    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=dest.timeout_seconds)
+        return http.client.HTTPSConnection(host, parts.port, timeout=dest.timeout_seconds, context=context)
+    return http.client.HTTPConnection(host, parts.port, timeout=dest.timeout_seconds)
 
 
 def _body_excerpt(body: bytes) -> str:
