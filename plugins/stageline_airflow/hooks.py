@@ -12,7 +12,10 @@ so the password can live in Airflow's secrets instead of the task's environment:
 Each field the connection sets wins over the file (and over the environment, for the password):
 host → `[store].server`, port → `port`, login → `username`, schema → `database` (the database, as
 in Airflow's PostgreSQL connections), password → the password. The backend and every other setting
-stay the file's. No such connection: the file and the environment alone, as before.
+stay the file's. No such connection: the file and the environment alone, as before. The
+connection type `stageline` and its form in the connections UI (those fields, named as in
+`[store]`) are registered by the provider info (`provider_info.py`), once the `stageline`
+distribution is installed.
 
 A task makes one hook and keeps it: the config is read and the store (with its connection pool)
 opened at the first use, then reused — a sensor's pokes and a stage task's micro-batches share one
@@ -126,6 +129,8 @@ class StagelineSparkHook(BaseHook):
 
     Why not `@task.pyspark` itself: it opens its session before the task's code runs, on the one
     server the connection names, retrying a dead one for minutes, and releases it at the end.
+
+    No `conn_type` of its own: the connection is one of the Spark provider's types, and its form is theirs.
 
     :param spark_conn_id: the Airflow connection.
     """
