@@ -83,7 +83,11 @@ def token_for(port: int, user: str) -> str:
 @pytest.fixture(scope="module")
 def airflow_home(tmp_path_factory) -> dict[str, str]:
     """A throwaway AIRFLOW_HOME with a migrated metadata DB (SQLite), shared by the module's api-servers."""
-    var = tmp_path_factory.mktemp("airflow-view")
+    return migrated_airflow_home(tmp_path_factory.mktemp("airflow-view"))
+
+
+def migrated_airflow_home(var: Path) -> dict[str, str]:
+    """The environment of an AIRFLOW_HOME under `var` with its metadata DB (SQLite) migrated."""
     env = airflow_env(var, var / "stageline.toml")  # the stack's settings; port and users below
     home = Path(env["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
