@@ -103,9 +103,9 @@ class StagelineStoreHook(BaseHook):
 
 def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
     """`store` with the connection's host, port, login, schema (database) and password, where set."""
-    fields = {"server": conn.host, "port": conn.port, "username": conn.login, "database": conn.schema,
-              "password": conn.password}
-    return replace(store, **{name: value for name, value in fields.items() if value})
+    return replace(store, server=conn.host or store.server, port=conn.port or store.port,
+                   username=conn.login or store.username, database=conn.schema or store.database,
+                   password=conn.password or store.password)
 
 
 SPREAD_ORDER = ("stage_route", "stage_transform", "stage_deliver")
