@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from include.config import StoreConfig
-from include.lab.postgres_server import PostgresServer
+from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.lease import acquire_permanent
 from include.store.migrate import migrate

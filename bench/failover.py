@@ -1,6 +1,6 @@
 """Failover of the whole pipeline: each fault in turn under a steady stream, on a two-node lab.
 
-    lab       include/lab/cluster.py: PostgreSQL, two listenerd (heartbeat 0.5 s, fence 1.5 s, lease TTL
+    lab       include/app/lab/two_nodes.py: PostgreSQL, two listenerd (heartbeat 0.5 s, fence 1.5 s, lease TTL
               2.5 s) behind an HAProxy VIP, Airflow (scheduler, dag-processor, triggerer,
               api-server; LocalExecutor on a PostgreSQL metadata DB), Spark Connect, a recording
               MLLP receiver; one MLLP destination, one FIFO lane per patient
@@ -52,8 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from include.lab.cluster import Lab, Timings  # noqa: E402
-from include.lab.postgres_server import wait_for  # noqa: E402
+from include.app.lab.two_nodes import Lab, Timings  # noqa: E402
+from include.app.lab.postgres_server import wait_for  # noqa: E402
 from tests.support.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
 
 CLOCK = "host wall clock (time.time())"

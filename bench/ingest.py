@@ -32,9 +32,9 @@ import psycopg
 from hl7.mllp import open_hl7_connection
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import PostgresServer, free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
 from listeners.connections import InboundConfig

@@ -36,7 +36,7 @@ from hl7.client import MLLPClient  # noqa: E402
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.stack_store import StackOnStore, percentile  # noqa: E402
-from include.lab.postgres_server import wait_for  # noqa: E402
+from include.app.lab.postgres_server import wait_for  # noqa: E402
 
 
 def main() -> None:

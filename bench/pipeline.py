@@ -47,7 +47,7 @@ from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
 from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
 from include.destinations_config import parse_destinations  # noqa: E402
-from include.lab.postgres_server import PostgresServer, free_port  # noqa: E402
+from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.routes_config import parse_routes  # noqa: E402
 from include.stage_config import passthrough_destinations  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402

@@ -721,9 +721,9 @@ def wait_drained(on_store: StackOnStore, timeout: float) -> float:
 
 
 def ports_in_use(port: int) -> list[int]:
-    from include import demo
-    from include.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT
-    from include.stack import port_open
+    from include.app import demo
+    from include.app.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT
+    from include.app.supervisor import port_open
 
     return [p for p in (AIRFLOW_PORT, SPARK_CONNECT_PORT, port, 8470, demo.RECEIVER_PORT) if port_open(p)]
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from include.lab.postgres_server import wait_for
+from include.app.lab.postgres_server import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGELINE = Path(sys.executable).parent / "stageline"

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import psycopg
 
 from bench.stack import EmbeddedStack
-from include.lab.postgres_server import PostgresServer
+from include.app.lab.postgres_server import PostgresServer
 from include.store.dialects import NOW_MS_SQLITE
 
 

@@ -79,11 +79,13 @@ def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
                      if name not in specified and dest.lane == "destination" and not dest.code)
 
 
-def pipeline_dir() -> Path:
+def pipeline_dir(service_config: str | os.PathLike[str] | None = None) -> Path:
+    """`$STAGELINE_PIPELINE_DIR`, else `config/` beside the service config (`service_config`, else
+    the one `include.config.config_path` finds)."""
     configured = os.environ.get(PIPELINE_DIR_ENV)
     if configured:
         return Path(configured).resolve()
-    return config_path().resolve().parent / "config"
+    return config_path(service_config).resolve().parent / "config"
 
 
 def load(directory: Path | None = None) -> PipelineConfig:

@@ -37,7 +37,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from include.parquet_archive import ParquetArchive
 from include.store import operator
 from include.schema import ConfigProblems
-from include.schema.connections import ApiModel
+from include.schema.connections import DEFAULT_API_PORT, ApiModel
 from include.schema.rules import validate
 from listeners import access_log
 from listeners.connections import ConnectionConfigError, TLSConfig
@@ -46,7 +46,7 @@ from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from listeners.state import NodeState
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8470
+DEFAULT_PORT = DEFAULT_API_PORT
 MIN_TOKEN_LENGTH = 16
 REALM = "stageline"
 MAX_BODY_BYTES = 64 * 1024

@@ -17,8 +17,8 @@ routes would never load). Whatever a loader raises becomes a problem line: no in
 traceback. `listenerd` runs the same check at start (exit 2, the same lines) and `stageline up`
 before it starts anything; `stageline config check` exits 2 on any problem.
 
-This lives with the listeners because `connections.toml` and `[api]` are theirs; the CLI runs it as
-`python -m listeners.config_check` (include/ does not import listeners).
+This lives with the listeners because `connections.toml` and `[api]` are theirs; the CLI
+(`include.app.cli`, above the listeners) calls `main`.
 """
 from __future__ import annotations
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.directory is None:
             from include.stage_config import pipeline_dir
 
-            args.directory = str(pipeline_dir())
+            args.directory = str(pipeline_dir(args.service_config))
         tables, note = (None, "--no-store") if args.no_store else store_lookup_tables(args.service_config)
         report = check_dir(args.directory, store_tables=tables, store_note=note, service_config=args.service_config)
     except Exception as exc:  # noqa: BLE001 - a line and the exit code, never a traceback

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 
 from include.config import StoreConfig
-from include.lab.postgres_server import PostgresServer
+from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.migrate import migrate
 

@@ -27,10 +27,10 @@ import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.embedded import airflow_env
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.embedded import airflow_env
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store, operator
 from include.stage_loop import claim_owner
 from include.store import rowlease

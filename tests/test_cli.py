@@ -12,13 +12,13 @@ import hl7
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.demo import read_received
+from include.app.demo import read_received
 from include.store import Store, lookups
 from include.store.lease import LeaderElector
 from include.store.membership import NodeIdentity, heartbeat
 from tests.conftest import CLUSTER, pg_config
 
-STAGELINE = [sys.executable, "-m", "include.cli"]
+STAGELINE = [sys.executable, "-m", "include.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -225,7 +225,7 @@ def test_up_takes_the_users_service_config_and_config_dir(tmp_path):
 
 
 def test_the_banner_and_readiness_read_ports_from_the_config_dir(tmp_path):
-    from include.embedded import DEFAULT_API_PORT, endpoints_of
+    from include.app.embedded import DEFAULT_API_PORT, endpoints_of
 
     checkout = endpoints_of(ROOT / "config")
     assert (checkout.api_port, checkout.inbound[0]) == (8470, ("adt-in", "mllp", "127.0.0.1:2575"))

@@ -33,7 +33,7 @@ import pytest
 import yaml
 from stageline_airflow import tasks
 
-from include.lab.spark_cluster import SparkCluster
+from include.app.lab.spark_cluster import SparkCluster
 from include import config as cfgmod
 from include import stage_config
 from include import spark as spark_consts
@@ -775,7 +775,7 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
     container_home = env_of(service)["SPARK_HOME"]
     home = str(Path(spark_consts.spark_home()))
     port = _free_port()
-    # The compose file's standalone master, here: a master and a worker from include/lab/spark_cluster.py.
+    # The compose file's standalone master, here: a master and a worker from include/app/lab/spark_cluster.py.
     cluster = SparkCluster(tmp_path / "spark", workers=1, cores=1, memory="2g").start()  # executors take 1g
     assert option(argv_of(service), "--master") == "spark://spark-master:7077"
     argv = [a.replace(container_home, home).replace("spark://spark-master:7077", cluster.master_url)
@@ -829,7 +829,7 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
 def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
     """The init script on an empty server, then the migrate job's own command with its own
     environment (hosts and /app paths moved to this machine), with password authentication on."""
-    from include.lab.postgres_server import PG_BIN, PostgresServer
+    from include.app.lab.postgres_server import PG_BIN, PostgresServer
 
     if not (PG_BIN / "initdb").exists() or not (PG_BIN / "psql").exists():
         pytest.skip(f"no PostgreSQL server binaries under {PG_BIN}")

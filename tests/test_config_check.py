@@ -159,8 +159,8 @@ def test_stageline_up_refuses_a_broken_config_dir_before_starting_anything(tmp_p
 # -- listenerd: start and SIGHUP reload go through the same schema ------------------------------
 
 def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_traceback(tmp_path, sqlite_config_fresh):
-    from include.lab.listenerd import Daemon
-    from include.lab.postgres_server import free_port
+    from include.app.lab.listenerd import Daemon
+    from include.app.lab.postgres_server import free_port
 
     port = free_port()
     d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", inbound=[
@@ -184,9 +184,9 @@ def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_tra
 def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(tmp_path, sqlite_config_fresh):
     import signal
 
-    from include.lab.listenerd import Daemon
-    from include.lab.postgres_server import free_port, wait_for
-    from include.stack import port_open
+    from include.app.lab.listenerd import Daemon
+    from include.app.lab.postgres_server import free_port, wait_for
+    from include.app.supervisor import port_open
 
     port = free_port()
     d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
@@ -212,9 +212,9 @@ def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sql
     reload that points a file drop at the store's directory is refused too."""
     import signal
 
-    from include.lab.listenerd import Daemon
-    from include.lab.postgres_server import free_port, wait_for
-    from include.stack import port_open
+    from include.app.lab.listenerd import Daemon
+    from include.app.lab.postgres_server import free_port, wait_for
+    from include.app.supervisor import port_open
 
     port = free_port()
     d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from include import embedded
+from include.app import embedded
 from include.config import ServiceConfig, StoreConfig
 
 
@@ -86,7 +86,7 @@ def test_the_banner_prints_the_secrets_when_asked(tmp_path: Path) -> None:
 def test_stageline_up_offers_show_secrets() -> None:
     from click.testing import CliRunner
 
-    from include.cli import cli
+    from include.app.cli import cli
 
     result = CliRunner().invoke(cli, ["up", "--help"])
     assert result.exit_code == 0 and "--show-secrets" in result.output
@@ -98,7 +98,7 @@ def _secret_under_a_full_disk(path: Path) -> str:
     import subprocess
     import sys
 
-    code = ("import resource, signal, sys; from pathlib import Path; from include import embedded\n"
+    code = ("import resource, signal, sys; from pathlib import Path; from include.app import embedded\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
             "try:\n    embedded._secret(Path(sys.argv[1]))\nexcept OSError as e:\n    print('OSError', e.errno)\n"
             "else:\n    print('written')\n")

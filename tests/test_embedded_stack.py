@@ -16,8 +16,8 @@ from pathlib import Path
 import hl7
 import psutil
 
-from include.demo import read_received
-from include.lab.postgres_server import wait_for
+from include.app.demo import read_received
+from include.app.lab.postgres_server import wait_for
 from tests.support.memory import summary, tree_memory
 
 ROOT = Path(__file__).resolve().parents[1]

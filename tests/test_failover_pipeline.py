@@ -1,5 +1,5 @@
 """The whole pipeline survives a leader crash under the real scheduler: on the two-node lab
-(`include/lab/cluster.py`: two listenerd behind HAProxy, Airflow on PostgreSQL, Spark Connect, a recording
+(`include/app/lab/two_nodes.py`: two listenerd behind HAProxy, Airflow on PostgreSQL, Spark Connect, a recording
 MLLP receiver), a stream that resends anything not `AA`'d runs through the VIP, the leader's
 listenerd is SIGKILLed mid-stream, and every `AA`'d message must still reach the receiver, in lane
 order; the first message sent after the crash must arrive within the failover time + 5 s
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from include.lab.cluster import HAPROXY, Lab, Timings
-from include.lab.postgres_server import wait_for
-from include.stack import port_open
+from include.app.lab.two_nodes import HAPROXY, Lab, Timings
+from include.app.lab.postgres_server import wait_for
+from include.app.supervisor import port_open
 from tests.support.stream import Stream, Verdict, judge
 
 pytestmark = [

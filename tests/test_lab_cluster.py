@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from include.lab import recorder
-from include.lab.cluster import HAPROXY
-from include.lab.postgres_server import wait_for
+from include.app.lab import recorder
+from include.app.lab.two_nodes import HAPROXY
+from include.app.lab.postgres_server import wait_for
 from tests.support.stream import Stream, judge
 
 pytestmark = [
@@ -50,7 +50,7 @@ def kill_tree(proc: psutil.Process) -> None:
 
 def test_stageline_lab_up_survives_losing_the_leader_and_a_scheduler_at_once(tmp_path: Path) -> None:
     log = open(tmp_path / "lab.log", "w+")
-    lab = subprocess.Popen([sys.executable, "-m", "include.cli", "lab", "up"], cwd=ROOT, stdout=log,
+    lab = subprocess.Popen([sys.executable, "-m", "include.app.cli", "lab", "up"], cwd=ROOT, stdout=log,
                            stderr=subprocess.STDOUT, text=True)
     stream = None
     everything: list[psutil.Process] = []

@@ -1,10 +1,13 @@
 """The structure holds: imports flow one way and no module imports itself in a circle.
 
     config / HL7 (include: config, pipeline config, hl7path)
-      ← store (include.store) and the rest of include (leader check, housekeeping, stage loop, CLI, lab)
+      ← store (include.store) and the rest of include (leader check, housekeeping, stage loop)
         ← listeners, spark_jobs (neither imports the other)
-          ← the Airflow plugin (plugins/stageline_airflow)
+          ← the app (include.app: CLI, embedded stack, demo, lab), the Airflow plugin
+            (plugins/stageline_airflow) (neither imports the other)
             ← the DAG files
+
+`include.app` lives inside `include` but is a layer of its own: the rest of `include` never imports it.
 
 Every module's imports are read with `ast` — those inside functions and under `TYPE_CHECKING`
 too, since a lazy import is still a dependency — and resolved to the project's own modules.
@@ -25,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"include": ROOT / "include", "listeners": ROOT / "listeners", "spark_jobs": ROOT / "spark_jobs",
            "stageline_airflow": ROOT / "plugins" / "stageline_airflow", "dags": ROOT / "dags"}
 """Top-level package → its directory (the plugin is imported as `stageline_airflow`, from `plugins/`)."""
-LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "stageline_airflow": 2, "dags": 3}
-"""A module imports only its own package and the packages of lower layers."""
+LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "include.app": 2, "stageline_airflow": 2, "dags": 3}
+"""A module imports only its own package and the packages of lower layers; a module belongs to the
+longest package here that holds it (`include.app.cli` to `include.app`, `include.store` to `include`)."""
 CONFIG_MODULES = ("include.config", "include.hl7path", "include.conditions", "include.routes_config", "include.destinations_config",
                   "include.transforms_config", "include.stage_config", "include.charsets", "include.cidrs", "include.schema",
                   *(f"include.schema.{p.stem}" for p in (Path(__file__).resolve().parents[1] / "include" / "schema").glob("*.py")
@@ -123,14 +127,25 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def layer_package(module: str) -> str:
+    """The package of LAYERS that `module` belongs to: the longest one that holds it."""
+    parts = module.split(".")
+    while ".".join(parts) not in LAYERS:
+        parts.pop()
+    return ".".join(parts)
+
+
 def upward_imports(edges: dict[str, set[str]]) -> list[str]:
     """`module → target` for every import that goes up (or sideways) in LAYERS, or into tests/bench."""
     wrong = []
     for module, targets in sorted(edges.items()):
-        top = module.split(".")[0]
+        own = layer_package(module)
         for target in sorted(targets):
-            other = target.split(".")[0]
-            if other in NOT_SHIPPED or (other != top and LAYERS[other] >= LAYERS[top]):
+            if target.split(".")[0] in NOT_SHIPPED:
+                wrong.append(f"{module} → {target}")
+                continue
+            other = layer_package(target)
+            if other != own and LAYERS[other] >= LAYERS[own]:
                 wrong.append(f"{module} → {target}")
     return wrong
 
@@ -149,6 +164,7 @@ def edges() -> dict[str, set[str]]:
 
 def test_every_package_is_read(edges):
     assert {name.split(".")[0] for name in edges} == set(SOURCES)
+    assert {layer_package(name) for name in edges} == set(LAYERS)
     assert "include.stage_loop" in edges["stageline_airflow.tasks"]  # imports are being read at all
 
 
@@ -178,7 +194,7 @@ def test_loading_the_pipeline_config_imports_no_spark_and_no_store():
 # the checks themselves, on a tree made to break every rule
 
 
-def test_the_checks_see_a_cycle_an_upward_import_a_lazy_one_and_a_config_module_reaching_out(tmp_path):
+def test_the_checks_see_a_cycle_an_upward_import_a_lazy_one_the_app_imported_from_below_and_a_config_module_reaching_out(tmp_path):
     def write(relative: str, text: str = "") -> None:
         path = tmp_path / relative
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,12 +205,17 @@ def test_the_checks_see_a_cycle_an_upward_import_a_lazy_one_and_a_config_module_
     write("include/store.py", "from include.a import x\n")
     write("include/a.py", "from . import store\n\ndef later():\n    from spark_jobs import job\n")
     write("include/b.py", "import tests.support\n")
+    write("include/c.py", "def later():\n    from include.app import cli\n")
+    write("include/app/__init__.py")
+    write("include/app/cli.py", "from include import config\nfrom spark_jobs import job\n")
     write("spark_jobs/__init__.py")
     write("spark_jobs/job.py", "from include.b import helper\n")
+    write("spark_jobs/other.py", "from include.app import cli\n")
     sources = {"include": tmp_path / "include", "spark_jobs": tmp_path / "spark_jobs"}
 
     found = graph(sources)
 
     assert cycles(found) == [["include.a", "include.store"]]
-    assert upward_imports(found) == ["include.a → spark_jobs.job", "include.b → tests"]
+    assert upward_imports(found) == ["include.a → spark_jobs.job", "include.b → tests", "include.c → include.app.cli",
+                                     "spark_jobs.other → include.app.cli"]
     assert config_imports(found, ["include.config"]) == ["include.config → include.store"]

@@ -29,11 +29,13 @@ from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
 from include.schema.rules import Rules
 
-__all__ = ["API_ROLES", "ApiModel", "ApiTokenModel", "ConnectionsFile", "DatabaseSourceModel", "InboundModel",
-           "TLSModel", "file_paths", "is_loopback"]
+__all__ = ["API_ROLES", "DEFAULT_API_PORT", "ApiModel", "ApiTokenModel", "ConnectionsFile", "DatabaseSourceModel",
+           "InboundModel", "TLSModel", "file_paths", "is_loopback"]
 
 API_ROLES = ("viewer", "operator", "admin")
 NETWORK_KINDS = ("mllp", "tcp", "http")
+DEFAULT_API_PORT = 8470
+"""`[api].port` when a connections.toml does not set it."""
 _NAME = r"^[A-Za-z0-9_-]+$"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
@@ -490,7 +492,7 @@ class ApiModel(Strict):
     """`[api]`: the control plane's bind, TLS and tokens (every node, leader or standby)."""
 
     host: str = Field("127.0.0.1", min_length=1)
-    port: Port = 8470
+    port: Port = DEFAULT_API_PORT
     tls: TLSModel | None = None
     allow_insecure_bind: bool = False
     tokens: list[ApiTokenModel] = Field(default_factory=list)

@@ -177,7 +177,7 @@ def test_trend_and_growth_need_enough_points() -> None:
     (["airflow api_server -- host:127.0.0.1 port:8080"], "api-server"),
     (["airflow worker -- LocalExecutor: <idle>"], "executor slot"),
     (["airflow worker -- 01a21b01-9f62-71b7-9ca1-f46b921650bd"], "task runner"),
-    (["/work/main/.venv/bin/python", "-m", "include.cli", "demo", "receive", "--port", "2576"], "demo-receiver"),
+    (["/work/main/.venv/bin/python", "-m", "include.app.cli", "demo", "receive", "--port", "2576"], "demo-receiver"),
     (["/work/main/.venv/bin/python", "/work/main/.venv/bin/stageline", "up", "--service-config", "x"], "stageline up"),
 ])
 def test_processes_are_grouped_by_what_they_run(argv: list[str], group: str) -> None:

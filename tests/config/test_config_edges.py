@@ -88,7 +88,7 @@ def test_the_var_dirs_own_filedrop_defaults_are_allowed(tmp_path):
 
 def test_listenerd_with_a_drop_on_its_config_and_store_dirs_exits_2_and_moves_nothing(tmp_path):
     from include.config import StoreConfig
-    from include.lab.listenerd import Daemon
+    from include.app.lab.listenerd import Daemon
     from include.store import Store
     from include.store.migrate import migrate
 

@@ -206,7 +206,7 @@ def test_a_nested_rule_keeps_its_key_beside_a_key_of_another_kind(tmp_path):
 
 def test_listenerd_with_a_drop_on_its_tls_key_directory_exits_2_and_moves_nothing(tmp_path):
     from include.config import StoreConfig
-    from include.lab.listenerd import Daemon
+    from include.app.lab.listenerd import Daemon
     from include.store import Store
     from include.store.migrate import migrate
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import wait_for
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import wait_for
 from include.spark import classic_spark_connection
-from include.stack import port_open
+from include.app.supervisor import port_open
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
 from tests.spark_jobs.test_senders import MllpReceiver
 

@@ -310,7 +310,7 @@ outbound_days = 30
         ["lab-0", "lab-1"]  # the 30-day connection stays hot
     assert rows(store, "SELECT count(*) AS n FROM archive_inbound") == [{"n": 0}]
     assert sorted(p.name for p in next((archive / "inbound").iterdir()).iterdir()) == ["connection=adt-in"]
-    show = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(config), "messages", "show",
+    show = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(config), "messages", "show",
                            "adt-1", "--json"], capture_output=True, text=True, cwd=DAGS.parent, timeout=120)
     assert show.returncode == 0, show.stderr
     story = json.loads(show.stdout)

@@ -18,8 +18,8 @@ from typing import Any
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port
 from include.store import Store, lookups
 from tests.dags.e2e import listenerd, run_stages
 from tests.dags.stores import rows
@@ -28,7 +28,7 @@ from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
 
 
 def stageline(service_config: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(service_config), *args],
+    done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(service_config), *args],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -129,6 +129,6 @@ def test_operator_commands_refuse_bad_input_with_a_clear_error(store_config: Sto
                            (["messages", "requeue", "--reason", "x"], "name the dead letters"),
                            (["messages", "find", "--since", "yesterday"], "not an ISO date/time"),
                            (["messages", "replay", "1", "--from", "routed", "--reason", "x"], "Invalid value")):
-        done = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", svc, *args],
+        done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", svc, *args],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and expected in done.stderr, (args, done.stderr)

@@ -19,8 +19,8 @@ import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.lab.listenerd import store_toml
-from include.lab.postgres_server import free_port, wait_for
+from include.app.lab.listenerd import store_toml
+from include.app.lab.postgres_server import free_port, wait_for
 from include.store import Store, lookups, rowlease
 from include.store.lease import acquire_permanent
 from tests.dags.e2e import dag_results, listenerd, run_dags, run_stages

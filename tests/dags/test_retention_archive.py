@@ -193,7 +193,7 @@ def test_stageline_messages_show_prints_an_archived_message(store, store_config,
         cfg.write_text(f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
                        f'database = "{c.database}"\nusername = "{c.username}"\n'
                        f'[cluster]\ncluster_name = "{CLUSTER}"\n')
-    proc = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(cfg), "messages",
+    proc = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages",
                            "show", "c2", "--body"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

@@ -194,7 +194,7 @@ def test_an_archived_message_names_its_batch_as_a_hot_one_does(store, store_conf
     cfg = write_service_config(tmp_path, store_config, cluster=False)
 
     def show_c2() -> str:
-        proc = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(cfg), "messages",
+        proc = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages",
                                "show", "C2"], capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 0, proc.stderr
         [line] = [x for x in proc.stdout.splitlines() if x.startswith("  in batch ")]

@@ -18,7 +18,7 @@ import pytest
 from hl7.client import MLLPClient
 
 from include.config import StoreConfig
-from include.lab.postgres_server import PostgresServer, free_port
+from include.app.lab.postgres_server import PostgresServer, free_port
 from include.store import Store, lookups
 from include.store.migrate import migrate
 from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config

@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 from hl7.client import MLLPClient
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from tests.support.hostile import adt
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import urllib.request
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import wait_for
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import wait_for
 
 
 def test_api_port_zero_binds_a_free_port_not_the_default(tmp_path, sqlite_config_fresh):

@@ -16,9 +16,9 @@ import hl7
 import pytest
 from hl7.mllp import open_hl7_connection
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import adt
 

@@ -20,9 +20,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from listeners.connections import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler

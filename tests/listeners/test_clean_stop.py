@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ResendingSender, adt
 

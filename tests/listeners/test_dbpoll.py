@@ -22,7 +22,7 @@ from twisted.python.threadpool import ThreadPool
 from twisted.trial import unittest as trial
 
 from include.config import StoreConfig
-from include.lab.postgres_server import PostgresServer
+from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import ConnectionConfigError, DatabaseSource, InboundConfig, load_config_dir

@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import PostgresServer, wait_for
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import PostgresServer, wait_for
 from include.store import Store
 from listeners.dbpoll import row_message_id
 from tests.listeners.test_dbpoll import hl7, source_db  # noqa: F401  (the fixture)

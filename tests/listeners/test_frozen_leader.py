@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from include.lab.cluster import HAPROXY, haproxy_config, vip_servers
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.two_nodes import HAPROXY, haproxy_config, vip_servers
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
 

@@ -31,9 +31,9 @@ from typing import Any
 import pytest
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import PostgresServer, free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
 from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config

@@ -17,9 +17,9 @@ import pytest
 from hl7.mllp import open_hl7_connection
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
 

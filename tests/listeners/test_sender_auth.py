@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 
 from include.config import StoreConfig
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
 from listeners.guard import source_allowed, source_networks

@@ -20,9 +20,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import globalLogPublisher
 
-from include.lab.listenerd import Daemon
-from include.lab.postgres_server import free_port, wait_for
-from include.stack import port_open
+from include.app.lab.listenerd import Daemon
+from include.app.lab.postgres_server import free_port, wait_for
+from include.app.supervisor import port_open
 from include.store import Store
 from include.store.lease import LeaderElector, Outcome, read_lease
 from listeners.connections import InboundConfig

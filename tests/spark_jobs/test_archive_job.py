@@ -143,7 +143,7 @@ def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spar
 
 
 def _show(config: Path, ref: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(config), "messages", "show",
+    return subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(config), "messages", "show",
                            ref, *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 

@@ -17,7 +17,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
 from include.config import StoreConfig
-from include.lab.postgres_server import free_port
+from include.app.lab.postgres_server import free_port
 from include.routes_config import parse_routes
 from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
@@ -497,7 +497,7 @@ RENEW_CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from pathlib import Path
     from include.config import StoreConfig
-    from include.lab.postgres_server import free_port
+    from include.app.lab.postgres_server import free_port
     from include.spark import session_lost, spark_session, stage_session, start_connect_server, stop_connect_server
     from include.store import Store
     from spark_jobs import route_job, stage_io
@@ -551,7 +551,7 @@ STANDBY_CHILD = textwrap.dedent("""
     import json, os, signal, sys, time
     from pathlib import Path
     from include.config import StoreConfig
-    from include.lab.postgres_server import free_port
+    from include.app.lab.postgres_server import free_port
     from include.spark import StageSession, session_lost, stage_session_id, start_connect_server, stop_connect_server
     from include.store import Store
     from spark_jobs import route_job, stage_io

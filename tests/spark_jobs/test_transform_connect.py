@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from include.lab.postgres_server import free_port
+from include.app.lab.postgres_server import free_port
 from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
 from tests.spark_jobs.test_transform_rules import BATCH, EHR_RULES, LOOKUPS, ROUTED

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from include.claim_keeper import ClaimKeeper
-from include.lab.postgres_server import wait_for
+from include.app.lab.postgres_server import wait_for
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector

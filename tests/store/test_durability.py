@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from include.config import StoreConfig
-from include.lab.postgres_server import PostgresServer
+from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.durability import (UnsafeDurability, check_connection, durability_queries, postgres_refusal,
                                       postgres_synchronous_commit, sqlserver_refusal)
@@ -191,7 +191,7 @@ def test_fsync_on_passes_the_check(server, config) -> None:
 
 
 def test_listenerd_refuses_to_start_on_a_server_with_fsync_off(server, config, tmp_path) -> None:
-    from include.lab.listenerd import Daemon
+    from include.app.lab.listenerd import Daemon
 
     store = Store(replace(config, allow_unsafe_durability=True))
     try:
@@ -306,8 +306,8 @@ def test_listenerd_stops_acking_once_fsync_is_turned_off_under_it(server, config
 
     from hl7.client import MLLPClient
 
-    from include.lab.listenerd import Daemon
-    from include.lab.postgres_server import free_port
+    from include.app.lab.listenerd import Daemon
+    from include.app.lab.postgres_server import free_port
     from include.store import db
     from tests.support.hostile import adt
 

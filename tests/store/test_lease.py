@@ -10,7 +10,7 @@ from collections import defaultdict
 import psycopg
 import pytest
 
-from include.lab.postgres_server import wait_for
+from include.app.lab.postgres_server import wait_for
 from include.store import Store
 from include.store.lease import LeaderElector, Outcome, read_lease
 from tests.store.workers import compete

@@ -5,7 +5,7 @@ import pytest
 
 from include.store.membership import (NodeIdentity, cluster_nodes, cluster_status, heartbeat, leave,
                                       single_node_nodes)
-from include.lab.postgres_server import wait_for
+from include.app.lab.postgres_server import wait_for
 from include.store.lease import LeaderElector
 
 NODE_KEYS = {"node_id", "host", "pid", "status", "started_at", "last_seen", "is_leader"}

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from include.lab.postgres_server import wait_for
+from include.app.lab.postgres_server import wait_for
 from include.store import INBOUND, OUTBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector, acquire_permanent

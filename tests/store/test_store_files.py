@@ -25,7 +25,7 @@ def mode(path: Path) -> int:
 def test_db_migrate_under_umask_022_makes_a_private_var_and_store(tmp_path: Path) -> None:
     cfg = tmp_path / "stageline.toml"
     cfg.write_text('[store]\npath = "var/stageline.db"\n')
-    done = subprocess.run([sys.executable, "-m", "include.cli", "--service-config", str(cfg), "db", "migrate"],
+    done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "db", "migrate"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60,
                           preexec_fn=lambda: os.umask(0o022))
     assert done.returncode == 0, done.stderr

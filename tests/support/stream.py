@@ -5,7 +5,7 @@ connection sends its lanes round-robin, one message at a time, and resends a mes
 anything but `AA` (a NAK, a timeout, a dropped connection) with the *same* control id until it is
 `AA`'d, then moves on. So a control id delivered twice is a duplicate, and a lane's sequence
 numbers must arrive in order. Times are host wall clock (`time.time()`), the clock the recorder
-(`include/lab/recorder.py`) stamps deliveries with.
+(`include/app/lab/recorder.py`) stamps deliveries with.
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ import hl7
 from hl7.client import MLLPClient
 from hl7.mllp import InvalidBlockError, start_hl7_server
 
-ROOT = Path(__file__).resolve().parents[1]
+from include.app import ROOT
+
 PIPELINE_DIR = ROOT / "config"
 """The embedded stack's pipeline config (`$STAGELINE_PIPELINE_DIR` of its Airflow)."""
 RECEIVER_HOST = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""include/stack.py's stop: nothing a stack process started may outlive it — not a child in a
+"""include/app/supervisor.py's stop: nothing a stack process started may outlive it — not a child in a
 process group of its own, not one started while the process was being stopped (as the scheduler
 starts a task runner)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from include.stack import Proc, Stack
+from include.app.supervisor import Proc, Stack
 
 # On SIGTERM: start a straggler in a process group of its own, record its pid, then exit.
 LATE_CHILD = """

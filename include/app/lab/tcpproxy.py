@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from include.lab.postgres_server import free_port
+from include.app.lab.postgres_server import free_port
 
 
 class TcpProxy:

@@ -1,11 +1,11 @@
 """An MLLP receiver that records every delivery, duplicates included, for failover measurements.
 
-The demo receiver (`include/demo.py`) de-duplicates on MSH-10 as an EHR would, which hides exactly
+The demo receiver (`include/app/demo.py`) de-duplicates on MSH-10 as an EHR would, which hides exactly
 what a failover benchmark must count. This one appends one JSON line per delivered message —
 `{"t": <host wall clock>, "control_id": MSH-10, "lane": PID-3.1}` — flushes it, and only then
 answers `AA` (MSA-2 = MSH-10), so a recorded line is a delivery the pipeline saw acknowledged.
 
-    python -m include.lab.recorder --port 2576 --out deliveries.jsonl
+    python -m include.app.lab.recorder --port 2576 --out deliveries.jsonl
 """
 from __future__ import annotations
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import click
 
 from include import config as cfgmod
+from include.app.cli_common import InputError, _emit, _load, _open_checked
+from include.app.cli_messages import messages, stages
+from include.app.demo import RECEIVER_PORT
 from include.store import Store
 from include.store import lookups as lookup_tables
 from include.store.lease import read_lease
 from include.store.membership import NodeIdentity, cluster_nodes, cluster_status, single_node_nodes
-from include.cli_common import InputError, _emit, _load, _open_checked
-from include.cli_messages import messages, stages
 from include.store.migrate import ClusterIdentityError, migrate
 
 
@@ -204,17 +205,12 @@ def config_group() -> None:
 
 
 def run_config_check(directory: Path | None, service_config: str | None) -> int:
-    """`python -m listeners.config_check` (include/ does not import listeners, so it runs the check
-    the way it runs listenerd): prints every problem; the exit code, 0 when there is none."""
-    import os
-    import subprocess
+    """The check `listenerd` runs at start (`listeners.config_check`): prints every problem; the
+    exit code, 0 when there is none. Without a directory, the pipeline dir beside the service config."""
+    from listeners import config_check
 
-    from include.stack import python_module
-
-    argv = python_module("listeners.config_check", *([str(directory)] if directory else []),
-                         *(["--service-config", str(Path(service_config).resolve())] if service_config else []))
-    env = {**os.environ, **({cfgmod.CONFIG_ENV: str(Path(service_config).resolve())} if service_config else {})}
-    return subprocess.run(argv, env=env).returncode  # noqa: S603  fixed argv: this interpreter, a module of ours
+    service = str(Path(service_config).resolve()) if service_config else None
+    return config_check.main([*([str(directory)] if directory else []), *(["--service-config", service] if service else [])])
 
 
 @config_group.command("check")
@@ -260,7 +256,7 @@ def up(service_config: str | None, no_stack: bool, config_dir: Path | None, loca
     ctx = click.get_current_context()
     service_config = local_config or service_config
     ctx.obj = service_config
-    from include.demo import PIPELINE_DIR
+    from include.app.demo import PIPELINE_DIR
 
     if run_config_check(config_dir or PIPELINE_DIR, service_config):
         raise click.ClickException("the config dir has problems (listed above); nothing was started")
@@ -268,7 +264,7 @@ def up(service_config: str | None, no_stack: bool, config_dir: Path | None, loca
     ctx.invoke(cluster_status_cmd)
     if no_stack:
         return
-    from include.embedded import up as run_stack
+    from include.app.embedded import up as run_stack
 
     cfg = _load(service_config)
     sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), config_dir=config_dir, echo=click.echo,
@@ -286,7 +282,7 @@ def demo() -> None:
 @click.option("--count", default=5, show_default=True, help="messages of each kind")
 def demo_send(host: str, port: int, count: int) -> None:
     """Send sample ADT, ORU and ORM messages over MLLP and show each ACK."""
-    from include.demo import send_samples
+    from include.app.demo import send_samples
 
     for control_id, kind, code in send_samples(host, port, count=count):
         click.echo(f"{control_id:<14} {kind:<8} {code}")
@@ -295,9 +291,9 @@ def demo_send(host: str, port: int, count: int) -> None:
 
 def _deliveries_hint() -> str:
     """Where `stageline up`'s deliveries land, in one line."""
+    from include.app.demo import delivery_locations
+    from include.app.embedded import AIRFLOW_PORT
     from include.config import var_dir
-    from include.demo import delivery_locations
-    from include.embedded import AIRFLOW_PORT
     from include.stage_config import PipelineConfigError
 
     try:
@@ -310,14 +306,14 @@ def _deliveries_hint() -> str:
 
 @demo.command("receive")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=2576, show_default=True, help="0: any free port (printed at start)")
+@click.option("--port", default=RECEIVER_PORT, show_default=True, help="0: any free port (printed at start)")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="directory for received.hl7 (created if missing)")
 def demo_receive(host: str, port: int, out_dir: Path) -> None:
     """A demo MLLP receiver (the EHR of the example config): ACKs every message with AA and
     appends it to OUT/received.hl7 — one segment per line, a blank line after each message, a
     re-delivered MSH-10 is ACKed but not written twice. Runs until Ctrl-C / SIGTERM."""
-    from include.demo import run_receiver
+    from include.app.demo import run_receiver
 
     try:
         run_receiver(host, port, out_dir, echo=click.echo)
@@ -345,7 +341,7 @@ def lab_up(schedulers: int, spark_workers: int, keep: bool) -> None:
     import signal
     import threading
 
-    from include.lab.cluster import Lab
+    from include.app.lab.two_nodes import Lab
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -11,10 +11,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from include.app import ROOT
+from include.app.lab.postgres_server import free_port, wait_for
 from include.config import StoreConfig
-from include.lab.postgres_server import free_port, wait_for
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def toml_value(value: object) -> str:

@@ -28,11 +28,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from include import demo
+from include.app import ROOT, demo
+from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import VAR_ENV, ServiceConfig, StoreConfig, private_var_dir
-from include.stack import Proc, Stack, port_open, python_module
+from include.schema.connections import DEFAULT_API_PORT
 
-ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW_PORT = 8080
 SPARK_CONNECT_PORT = 15002
 
@@ -122,9 +122,6 @@ SPARK_DRIVER_JAVA_OPTIONS = ("-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -
 the default G1 sizes itself to 1/64 of the machine's memory at start); C1 alone compiles the small
 jobs' code with a fraction of C2's memory."""
 SMALL_MACHINE_ENV = {"MALLOC_ARENA_MAX": "2"}
-
-DEFAULT_API_PORT = 8470
-"""listenerd's `[api].port` default (listeners.api.DEFAULT_PORT; include/ does not import listeners)."""
 
 
 @dataclass(frozen=True)
@@ -294,7 +291,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
                 if name == "airflow-api-server" else (lambda: True)
             stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
         stack.start(Proc("demo-receiver", python_module(
-            "include.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
+            "include.app.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
             "--out", str(demo.receiver_dir(var))), env=SMALL_MACHINE_ENV, ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
         api_port = ends.api_port
         stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from include.lab.postgres_server import free_port
+from include.app.lab.postgres_server import free_port
 from include.spark import spark_home
 
 

@@ -29,14 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from include.app import ROOT
+from include.app.lab import recorder
+from include.app.lab.listenerd import Daemon, toml_value
+from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.app.lab.tcpproxy import TcpProxy
+from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import StoreConfig
-from include.lab import recorder
-from include.lab.listenerd import Daemon, toml_value
-from include.lab.postgres_server import PostgresServer, free_port, wait_for
-from include.lab.tcpproxy import TcpProxy
-from include.stack import Proc, Stack, port_open, python_module
 
-ROOT = Path(__file__).resolve().parents[2]
 HAPROXY = os.environ.get("STAGELINE_HAPROXY", "/usr/sbin/haproxy")
 CLUSTER_NAME = "lab"
 STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
@@ -171,7 +171,7 @@ class Lab:
         self.nodes: dict[str, Node] = {}
         self.stack = Stack(self.workdir / "log", cwd=ROOT, echo=self.echo)
         self.spark = None  # include.spark.ConnectServer
-        self.spark_cluster = None  # include.lab.spark_cluster.SparkCluster, with spark_workers
+        self.spark_cluster = None  # include.app.lab.spark_cluster.SparkCluster, with spark_workers
         self.vip_port = free_port()
         self.haproxy_stats_port = free_port()
         self.receiver_port = free_port()
@@ -312,7 +312,7 @@ class Lab:
         spark_thread = threading.Thread(target=self._start_spark_into, args=(spark_error,), daemon=True)
         spark_thread.start()
         airflow_migrate = self._migrate_proc = self._airflow_migrate() if self.airflow else None
-        self.stack.start(Proc("recorder", python_module("include.lab.recorder", "--port", str(self.receiver_port),
+        self.stack.start(Proc("recorder", python_module("include.app.lab.recorder", "--port", str(self.receiver_port),
                                                         "--out", str(self.deliveries_path)),
                               ready=lambda: port_open(self.receiver_port)))
         for name in ("a", "b"):
@@ -478,7 +478,7 @@ class Lab:
         master = "local[*]"
         if self.spark_workers:
             if self.spark_cluster is None:
-                from include.lab.spark_cluster import SparkCluster
+                from include.app.lab.spark_cluster import SparkCluster
 
                 self.spark_cluster = SparkCluster(self.workdir / "log" / "spark-cluster", workers=self.spark_workers,
                                                   cores=1, memory="1g").start()
@@ -566,7 +566,7 @@ class Lab:
             errors.append(exc)
 
     def airflow_env(self) -> dict[str, str]:
-        from include import embedded
+        from include.app import embedded
         from include.spark import spark_connect_connection
 
         var = self.workdir / "var"

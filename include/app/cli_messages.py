@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from include.cli_common import InputError, _load, _open_checked
+from include.app.cli_common import InputError, _load, _open_checked
 from include.parquet_archive import ParquetArchive
 from include.store import operator as ops
 

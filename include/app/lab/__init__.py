@@ -1,6 +1,6 @@
 """The lab: a Stageline cluster built from plain processes on one host, and the parts it is made of.
 
-    cluster.py          `Lab`: two `listenerd` nodes behind an HAProxy VIP, PostgreSQL, Airflow,
+    two_nodes.py        `Lab`: two `listenerd` nodes behind an HAProxy VIP, PostgreSQL, Airflow,
                         Spark Connect and a recording receiver, with one method per fault
     listenerd.py        `Daemon`: one `listenerd` process (its config written, started, stopped by PID)
     postgres_server.py  `PostgresServer`: a throwaway PostgreSQL (`initdb` + `pg_ctl`); `free_port`, `wait_for`
