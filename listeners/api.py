@@ -34,7 +34,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from include.parquet_archive import ParquetArchive
+from include.store.parquet_archive import ParquetArchive
 from include.store import operator
 from include.schema import ConfigProblems
 from include.schema.connections import DEFAULT_API_PORT, ApiModel

@@ -45,7 +45,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from include.parquet_archive import ParquetArchive, partition_dirs
+from include.store.parquet_archive import ParquetArchive, partition_dirs
 from include.store import Store
 from include.store.lease import read_lease
 

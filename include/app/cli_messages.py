@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from include.app.cli_common import InputError, _load, _open_checked
-from include.parquet_archive import ParquetArchive
+from include.store.parquet_archive import ParquetArchive
 from include.store import operator as ops
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable, Store
 
 if TYPE_CHECKING:
-    from include.parquet_archive import ParquetArchive
+    from include.store.parquet_archive import ParquetArchive
 
 FIND_LIMIT = 50
 MAX_FIND_LIMIT = 1000

@@ -69,7 +69,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from fastapi import Body, Depends, FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
-    from include.parquet_archive import ParquetArchive
+    from include.store.parquet_archive import ParquetArchive
     from include.store import operator as ops
     from include.store.membership import cluster_nodes
     from stageline_airflow import view_html

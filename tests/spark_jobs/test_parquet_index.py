@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from include.parquet_archive import INDEXED_MARK, ParquetArchive, partition_name
+from include.store.parquet_archive import INDEXED_MARK, ParquetArchive, partition_name
 from include.store import Store
 from include.store import operator
 from include.store.lease import acquire_permanent

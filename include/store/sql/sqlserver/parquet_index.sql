@@ -1,4 +1,4 @@
--- The Parquet archive's lookup index (migration 0014, spark_jobs/archive_job.py, include/parquet_archive.py).
+-- The Parquet archive's lookup index (migration 0014, spark_jobs/archive_job.py, include/store/parquet_archive.py).
 -- parquet_index_*: in the fenced transaction that notes a batch written, while its rows are still in
 -- the archive table (read through its export_batch index), the keys it holds; parquet_partition_add:
 -- each partition directory it wrote. parquet_find_*: the partition directories holding a key, read
