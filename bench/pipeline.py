@@ -6,8 +6,8 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     Spark     one Spark Connect server on local[*], started here and warmed by one small run
     route     route_job's phases, batch after batch until the backlog is empty
     transform transform_job's phases, likewise (config/transforms.toml-like rules, lookup table)
-    deliver   deliver.run to file destinations (atomic writes, two flushes per partition)
-    mllp      deliver.run of `--mllp-rows` rows over 20 lanes to an MLLP receiver that ACKs each
+    deliver   deliver_job.run to file destinations (atomic writes, two flushes per partition)
+    mllp      deliver_job.run of `--mllp-rows` rows over 20 lanes to an MLLP receiver that ACKs each
               message (bench/peers/hl7_asyncio_server.py --mode ack), concurrency as the stage task
     peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
@@ -55,7 +55,7 @@ from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
 from listeners.ingest import new_message_id  # noqa: E402
-from spark_jobs import deliver, route_job, stage_io, transform_job  # noqa: E402
+from spark_jobs import deliver_job, route_job, stage_io, transform_job  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [
     {"name": "adt-to-ehr", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
@@ -153,7 +153,7 @@ def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: 
             cur.execute("INSERT INTO outbound_bodies (id, payload) SELECT o.id, %(p)s FROM stage_outbound o "
                         "WHERE o.destination = 'ehr-mllp'", {"p": payloads[0]})
         started = time.perf_counter()
-        summary = deliver.run(store, spark, destinations=dests, owner="bench/mllp", epoch=epoch, max_lanes=5000,
+        summary = deliver_job.run(store, spark, destinations=dests, owner="bench/mllp", epoch=epoch, max_lanes=5000,
                               concurrency=4, time_budget_seconds=300)
         took = time.perf_counter() - started
     finally:
@@ -284,7 +284,7 @@ def main() -> None:
             overheads.append(time.perf_counter() - t)
         transform_job.run(store, spark, specs=SPECS, destinations=dests, owner="bench/warm-t", epoch=epoch,
                           run_id="warm-t")
-        deliver.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
+        deliver_job.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
 
         if args.warm_messages:
             started = time.perf_counter()
@@ -326,7 +326,7 @@ def main() -> None:
         deliver_line = "deliver:   skipped"
         if args.deliver_seconds:
             started = time.perf_counter()
-            summary = deliver.run(store, spark, destinations=dests, owner="bench/deliver", epoch=epoch,
+            summary = deliver_job.run(store, spark, destinations=dests, owner="bench/deliver", epoch=epoch,
                                   max_lanes=5000, time_budget_seconds=args.deliver_seconds)
             deliver_s = time.perf_counter() - started
             deliver_line = (f"deliver:   {len(summary.done):,} rows to files in {deliver_s:.1f} s = "

@@ -7,7 +7,7 @@
    re-pended before anything newer in their lanes can be claimed.
 3. **wait_for_work** — hold the run until `stage_outbound` has a due row (pending, or failed and
    past its backoff); an idle five minutes, or a change of leader, ends the run *skipped*.
-4. **deliver** — `spark_jobs/deliver.py`: rounds of lane heads (one row per lane, per-lane FIFO),
+4. **deliver** — `spark_jobs/deliver_job.py`: rounds of lane heads (one row per lane, per-lane FIFO),
    sent from Spark partitions to MLLP / file / HTTP destinations (`destinations.toml`) with an
    idempotency key; each round finalized fenced: done, retry with exponential backoff, or dead
    letter after the destination's `max_attempts`. A failing head holds only its own lane. Rounds

@@ -209,13 +209,13 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     Sends run in Spark (lanes spread over partitions) unless `$STAGELINE_DELIVER_IN_PROCESS` is
     set, which sends from the task process itself (no Spark; for a tiny single node).
     """
-    from spark_jobs import deliver
+    from spark_jobs import deliver_job
 
     loaded = stage_config.fingerprint()
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver.run(
+    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver_job.run(
         b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
         loaded=loaded, most=None)

@@ -1,7 +1,7 @@
 """The senders against real receivers: python-hl7's asyncio MLLP server and a ThreadingHTTPServer,
 each in a background thread, and real files (the config and lane keys: tests/config/test_destinations_config.py).
 
-`MllpReceiver` and `HttpReceiver` are reused by test_deliver.py.
+`MllpReceiver` and `HttpReceiver` are reused by test_deliver_job.py.
 """
 from __future__ import annotations
 

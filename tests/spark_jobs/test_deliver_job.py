@@ -18,7 +18,7 @@ from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
 from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.destinations_config import lane_key, parse_destinations
-from spark_jobs import deliver
+from spark_jobs import deliver_job
 from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers
     HttpReceiver,
     MllpReceiver,
@@ -105,7 +105,7 @@ def statuses(store: Store) -> dict[str, str]:
 
 
 def run(store: Store, spark: SparkSession | None, epoch: int, config: Any, **kwargs: Any) -> DeliverOutcome:
-    return deliver.run(store, spark, destinations=config, owner=f"{NODE}/deliver", epoch=epoch, **kwargs)
+    return deliver_job.run(store, spark, destinations=config, owner=f"{NODE}/deliver", epoch=epoch, **kwargs)
 
 
 # --- pure: deliver_lanes ----------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_deliver_lanes_sends_each_row_and_reports_unknown_destinations_as_retrya
                 "idempotency_key": "k1", "attempts": 1},
                {"id": 2, "destination": "gone", "lane_key": "gone", "payload": "b", "content_type": None,
                 "idempotency_key": "k2", "attempts": 1}]
-    assert list(deliver.deliver_lanes(claimed, dests)) == [
+    assert list(deliver_job.deliver_lanes(claimed, dests)) == [
         {"id": 1, "destination": "archive", "ok": True, "retryable": False, "detail": "archive: wrote k1.hl7 (1 bytes)"},
         {"id": 2, "destination": "gone", "ok": False, "retryable": True,
          "detail": "destination 'gone' is not configured"},
@@ -131,7 +131,7 @@ def test_a_lane_with_several_rows_stops_at_its_first_failure(http_receiver, conc
     claimed = [{"id": i, "destination": "api", "lane_key": lane, "payload": "x", "content_type": "text/plain",
                 "idempotency_key": f"{lane}{i}", "attempts": 1}
                for i, lane in [(3, "b"), (1, "a"), (2, "a"), (4, "b")]]
-    outcomes = {o["id"]: o for o in deliver.deliver_lanes(claimed, dests, concurrency=concurrency)}
+    outcomes = {o["id"]: o for o in deliver_job.deliver_lanes(claimed, dests, concurrency=concurrency)}
     assert {i: (o["ok"], o["retryable"]) for i, o in outcomes.items()} == {
         1: (False, True), 2: (False, True), 3: (True, False), 4: (True, False)}
     assert outcomes[2]["detail"] == "not attempted: message 1 earlier in the lane failed"
@@ -145,9 +145,9 @@ def test_a_round_past_its_time_box_sends_each_lane_head_and_leaves_the_rest(http
     claimed = [{"id": i, "destination": "api", "lane_key": lane, "payload": "x", "content_type": "text/plain",
                 "idempotency_key": f"{lane}{i}", "attempts": 1}
                for i, lane in [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")]]
-    outcomes = {o["id"]: o for o in deliver.deliver_lanes(claimed, dests, deadline=time.time() - 1)}
+    outcomes = {o["id"]: o for o in deliver_job.deliver_lanes(claimed, dests, deadline=time.time() - 1)}
     assert {i: o["ok"] for i, o in outcomes.items()} == {1: True, 2: True, 3: False, 4: False, 5: False}
-    assert outcomes[3]["detail"] == f"{NOT_ATTEMPTED}: {deliver.ROUND_OVER}"  # released, attempt not counted
+    assert outcomes[3]["detail"] == f"{NOT_ATTEMPTED}: {deliver_job.ROUND_OVER}"  # released, attempt not counted
     assert sorted(receiver.keys) == ["a1", "b2"]
 
 
@@ -251,8 +251,8 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_the_next_leader_redeli
     (head,) = insert_outbound(store, [{"message_id": "m1", "control_id": "C1", "destination": "archive",
                                        "idempotency_key": "k1", "lane_key": "archive", "payload": hl7_message("C1")}])
     old = acquire_permanent(store, node_id="old")
-    assert deliver.claim(store, owner="old/run", epoch=old, max_lanes=10) == [head]
-    outcomes = list(deliver.deliver_lanes(deliver.fetch_claimed(store, owner="old/run", epoch=old, ids=[head]),
+    assert deliver_job.claim(store, owner="old/run", epoch=old, max_lanes=10) == [head]
+    outcomes = list(deliver_job.deliver_lanes(deliver_job.fetch_claimed(store, owner="old/run", epoch=old, ids=[head]),
                                           parse_destinations(config)))
     assert [o["ok"] for o in outcomes] == [True]
     new = acquire_permanent(store, node_id="new")
@@ -314,12 +314,12 @@ def test_spark_deliver_returns_one_outcome_per_claimed_row(spark: SparkSession, 
     claimed = spark.createDataFrame([
         (1, "archive", "archive", "MSH|x", "application/hl7-v2", "k1", 1, "m1", "C1"),
         (2, "gone", "gone", "y", None, "k2", 3, "m2", None),
-    ], deliver.CLAIMED_SCHEMA)
+    ], deliver_job.CLAIMED_SCHEMA)
     expected = spark.createDataFrame([
         (1, "archive", True, False, "archive: wrote k1.hl7 (5 bytes)"),
         (2, "gone", False, True, "destination 'gone' is not configured"),
-    ], deliver.OUTCOME_SCHEMA)
-    assertDataFrameEqual(deliver.spark_deliver(claimed, dests, partitions=2), expected)
+    ], deliver_job.OUTCOME_SCHEMA)
+    assertDataFrameEqual(deliver_job.spark_deliver(claimed, dests, partitions=2), expected)
     assert (tmp_path / "k1.hl7").read_text() == "MSH|x"
 
 
@@ -342,7 +342,7 @@ def test_a_batch_file_destination_writes_one_hl7_batch_file_per_round_in_lane_or
             claimed.append({"id": 2 * n + (dest == "single") + 1, "destination": dest, "payload": payload,
                             "lane_key": lane_key(dests[dest], payload), "content_type": "application/hl7-v2",
                             "idempotency_key": f"{dest}-{n}", "attempts": 1})
-    outcomes = list(deliver.deliver_lanes(claimed, dests))
+    outcomes = list(deliver_job.deliver_lanes(claimed, dests))
     assert sorted(o["id"] for o in outcomes) == list(range(1, 13)) and all(o["ok"] for o in outcomes)
     [written] = list((tmp_path / "batches").iterdir())
     split = split_batch(written.read_bytes())
@@ -351,5 +351,5 @@ def test_a_batch_file_destination_writes_one_hl7_batch_file_per_round_in_lane_or
     assert split.header.receiving_application == "nightly" and split.header.fhs_control_id
     assert all("a batch of 6 messages" in o["detail"] for o in outcomes if o["destination"] == "nightly")
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == [f"single-{n}.hl7" for n in range(6)]
-    list(deliver.deliver_lanes(claimed, dests))  # a re-delivery of the same round
+    list(deliver_job.deliver_lanes(claimed, dests))  # a re-delivery of the same round
     assert [p.name for p in (tmp_path / "batches").iterdir()] == [written.name]
