@@ -13,7 +13,7 @@ grammar a transform rule's ``when`` uses; the reference is docs/rules.md. A rout
 ``when`` matches every message. A ``catch_all`` route (no ``when``) matches exactly the messages
 no other route matched; a message no route matches at all is ``unrouted``.
 
-The Spark side (:mod:`spark_jobs.route_rules`, :mod:`spark_jobs.conditions`) compiles the
+The Spark side (:mod:`spark_jobs.route_rules`, :mod:`spark_jobs.condition_columns`) compiles the
 conditions into Columns. Plain Python, no Spark: a config loader checks routes without a
 session. The schema is `include.schema.routes` (strict pydantic); every problem of the file is
 reported at once, keyed ``route[1].when`` (and where in the condition tree).

@@ -17,7 +17,7 @@ from pyspark.sql import functions as F
 
 from include.conditions import uses_connection
 from include.routes_config import PENDING, UNROUTED, Condition, Route, parse_condition, parse_routes
-from spark_jobs.conditions import compile_condition as compile_over
+from spark_jobs.condition_columns import compile_condition as compile_over
 from spark_jobs.hl7_fields import let, with_message
 
 __all__ = ["compile_condition", "route"]

@@ -78,7 +78,7 @@ from include.transforms_config import (
     Transform,
     parse_transforms,
 )
-from spark_jobs.conditions import compile_condition
+from spark_jobs.condition_columns import compile_condition
 from spark_jobs.hl7_fields import let, split_regex
 from spark_jobs.hl7_json import render_json
 

@@ -1,4 +1,4 @@
-"""The condition grammar in Spark (spark_jobs/conditions.py): quantifiers over segments and
+"""The condition grammar in Spark (spark_jobs/condition_columns.py): quantifiers over segments and
 repetitions, segment presence, ne, the inbound connection, catch-all routes; one compiler for
 routes and transform `when` (validation: tests/config/test_conditions_config.py)."""
 
