@@ -234,7 +234,7 @@ def _api_model(api: Any, base: Path | None) -> ApiModel:
 # --- the resource tree -----------------------------------------------------------------------------
 
 def make_api(state: NodeState, auth: ApiAuth) -> Site:
-    """The control-plane site; bind it with `listeners.tls.listen(reactor, host, port, site, tls)`."""
+    """The control-plane site; bind it with `listeners.server_tls.listen(reactor, host, port, site, tls)`."""
 
     def health(request: Request) -> bytes:
         return _json(request, 200, {"status": "ok", "node_id": state.node_id, "role": state.status()["role"]})

@@ -36,7 +36,7 @@ from listeners.mllp import MLLPConfig, MLLPFactory
 from listeners.offload import off_reactor
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory
-from listeners.tls import listen
+from listeners.server_tls import listen
 
 __all__ = ["InboundService", "ListeningService", "Wiring", "inbound_service", "mllp_batch_handler", "mllp_handler"]
 
@@ -57,7 +57,7 @@ class Wiring:
     epoch: Callable[[], int | None] = lambda: None  # the lease epoch this node leads under, None if not
 
     def guard(self, name: str, limits: PeerLimits) -> Callable[[IProtocolFactory, bool], IProtocolFactory]:
-        """What `listeners.tls.listen` wraps a listener's factory in: its peer limits."""
+        """What `listeners.server_tls.listen` wraps a listener's factory in: its peer limits."""
         refusals = self.refusals or Refusals(self.metrics, self.reactor, interval=limits.log_interval_seconds)
         return lambda factory, tls: GuardedFactory(factory, limits, name=name, clock=self.reactor,
                                                    refusals=refusals, tls=tls)

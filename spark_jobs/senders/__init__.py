@@ -2,7 +2,7 @@
 
 Plain Python on purpose — no Twisted, no store, no Spark — so it imports inside Spark's Python
 workers. The destination config is `include.destinations_config`; one module per transport
-(`mllp`, `file`, `http`), the per-process connection cache in `pool`, client TLS in `tls`, and
+(`mllp`, `file`, `http`), the per-process connection cache in `pool`, client TLS in `client_tls`, and
 what they share (`DeliveryResult`, the payload's codec, error text) in `common`.
 
 Every send returns a `DeliveryResult(ok, retryable, detail)` and never raises: an exception

@@ -43,7 +43,7 @@ from listeners.api import (
 from listeners.connections import ConnectionConfigError, TLSConfig
 from listeners.metrics import CONTENT_TYPE, Metrics
 from listeners.state import NodeState
-from listeners.tls import listen
+from listeners.server_tls import listen
 
 VIEWER_TOKEN = "viewer-token-0123456789abcdef"
 OPERATOR_TOKEN = "operator-token-0123456789abcdef"
@@ -68,7 +68,7 @@ TWO_NODES = {
 }
 
 
-# --- shared helpers (test_tls imports these) -------------------------------------------------------
+# --- shared helpers (test_server_tls imports these) -------------------------------------------------------
 
 def node_state(*, clustered: bool = False, leader: bool = True, node_id: str = "host:1234:ab12cd34",
                nodes: Callable[[], defer.Deferred] | None = None, config_version: int = 7) -> NodeState:

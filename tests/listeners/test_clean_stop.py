@@ -100,7 +100,7 @@ def test_idle_plain_tls_tcp_and_http_connections_do_not_hold_up_a_clean_stop(tmp
     import http.client
     import ssl
 
-    from tests.listeners.test_tls import make_pki
+    from tests.listeners.test_server_tls import make_pki
 
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")

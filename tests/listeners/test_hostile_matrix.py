@@ -92,7 +92,7 @@ def _store(backend: str, tmp: Path, request: pytest.FixtureRequest) -> Iterator[
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    from tests.listeners.test_tls import make_pki
+    from tests.listeners.test_server_tls import make_pki
 
     backend = request.param
     tmp = tmp_path_factory.mktemp(f"matrix-{backend}")

@@ -27,7 +27,7 @@ from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
 from listeners.node import API_LIMITS
-from tests.listeners.test_tls import make_pki
+from tests.listeners.test_server_tls import make_pki
 from tests.support import hostile
 from tests.support.hostile import Peer
 

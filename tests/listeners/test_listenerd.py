@@ -247,7 +247,7 @@ def test_a_non_loopback_bind_without_tls_refuses_to_start(tmp_path, store_config
 def test_mllp_over_mutual_tls_accepts_only_clients_with_a_trusted_certificate(tmp_path, store_config):
     import ssl
 
-    from tests.listeners.test_tls import make_pki
+    from tests.listeners.test_server_tls import make_pki
 
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")

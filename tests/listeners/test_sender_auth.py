@@ -23,7 +23,7 @@ from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
 from listeners.guard import source_allowed, source_networks
-from tests.listeners.test_tls import make_pki
+from tests.listeners.test_server_tls import make_pki
 from tests.support import hostile
 
 DENY, ALLOW = ["10.0.0.0/8"], ["127.0.0.0/8"]

@@ -26,7 +26,7 @@ from include.destinations_config import FileDestination, HttpDestination, MllpDe
 from spark_jobs.senders import close_connections, send
 from spark_jobs.senders.common import DeliveryResult
 from spark_jobs.senders.file import FileSend, send_file_lanes
-from tests.listeners.test_tls import make_pki
+from tests.listeners.test_server_tls import make_pki
 
 # An MLLP receiver's answer to one message: an ACK text to send back, None to stay silent, or
 # HANG_UP to close the connection without answering.

@@ -28,7 +28,7 @@ from zope.interface import implementer
 
 from listeners.api import ApiAuth, ApiSettings, make_api
 from listeners.connections import ConnectionConfigError, TLSConfig
-from listeners.tls import TLSConfigError, server_tls_options
+from listeners.server_tls import TLSConfigError, server_tls_options
 from tests.listeners.test_api import ENV, TOKENS_CONFIG, VIEWER_TOKEN, agent, fetch, node_state, serve
 
 # --- a throwaway PKI ---------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _tls_errors(failure: Failure) -> list[str]:
 
 @pytest.mark.usefixtures("pki_on_class")
 # Twisted's client side (optionsForClientTLS with a client certificate) still hands pyOpenSSL its own
-# X509/PKey types; the server side (listeners.tls) passes cryptography objects and warns about nothing.
+# X509/PKey types; the server side (listeners.server_tls) passes cryptography objects and warns about nothing.
 @pytest.mark.filterwarnings("ignore:Passing pyOpenSSL (X509|PKey) objects is deprecated:DeprecationWarning")
 class TLSHandshakeTests(unittest.TestCase):
     pki: PKI
