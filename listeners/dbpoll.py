@@ -12,7 +12,7 @@ One poll, in order:
    watermark strategy, ``:watermark`` = the connection's high-water mark, read from the Stageline
    store (``inbound_watermarks``) at every poll, so a new leader starts where the old one stopped.
 2. **Stage.** Every row becomes an `Inbound` through the one inbound path every transport takes
-   (:func:`listeners.inbound.build_inbound`, then the group-commit writer). Its message id is
+   (:func:`listeners.validation.build_inbound`, then the group-commit writer). Its message id is
    derived from the connection and the row's key (:func:`row_message_id`), and ``stage_inbound``
    skips a message id already staged — in the same statement that would write the row (and a row
    whose message retention has since archived is not submitted at all). That is
@@ -52,7 +52,7 @@ from include.store import Store
 from include.store.queries import to_pyformat
 from listeners.connections import DatabaseSource, InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
 from listeners.ingest import Inbound, InboundBatch, RowRefused
 from listeners.polling import PollingInbound, RunBlocking
 

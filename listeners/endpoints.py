@@ -5,7 +5,7 @@ Taking an inbound service down has two steps so a clean stop loses and duplicate
 `stop_intake` (stop listening and polling, stop reading open connections) before the last commits
 are drained, and `close` after their answers are written — or at once (`abort`) when the lease is
 lost. `stopService` alone does both at once. The services only wire a transport to its listener:
-framing and answering live in the transport modules, validation in `listeners.inbound`.
+framing and answering live in the transport modules, validation in `listeners.validation`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, bui
 from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
 from listeners.http_inbound import make_inbound_site
-from listeners.inbound import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
+from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
                                rejection_reason)
 from listeners.ingest import InboundBatch
 from listeners.metrics import Metrics

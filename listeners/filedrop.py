@@ -55,7 +55,7 @@ Rules, in order of a poll:
   is shortened with a digest of the whole name. Should the file system still refuse the name,
   the file is archived as ``<message_id>.hl7``. Names are escaped (``\x0a``, ``\x1b``, ...) in
   ``.reason`` files and in the log.
-* **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.inbound.build_inbound`
+* **Rejects.** Over ``max_message_bytes``, refused by :func:`listeners.validation.build_inbound`
   (malformed HL7, undecodable in ``charset`` or MSH-18, NUL characters, a batch that does not add
   up, ...), refused by the store itself, or not a regular file: moved to the connection's
   ``error_directory`` with a ``<name>.reason`` text file beside it; nothing staged. The reason is
@@ -95,7 +95,7 @@ from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind
 from include.schema.filedrop_paths import processing_dir
 from listeners.connections import InboundConfig
 from listeners.ingest import RowRefused
-from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.offload import OFFLOAD_BYTES
 from listeners.polling import PollingInbound, RunBlocking
 

@@ -3,7 +3,7 @@
 A sender may wrap messages in a batch — a file of them (FHS … FTS), one or more batches (BHS …
 BTS), or both — on any transport. :func:`split_batch` checks the envelope and cuts it into the
 messages' bytes, untouched; each message is then validated like a message sent alone
-(:func:`listeners.inbound.build_inbound`). What is checked here, each refusal naming its reason:
+(:func:`listeners.validation.build_inbound`). What is checked here, each refusal naming its reason:
 
 * the envelope's separators (FHS-1/FHS-2, BHS-1/BHS-2) as MSH-1/MSH-2 are checked;
 * segment order: FHS only first, FTS only last, nothing but a message between BHS and BTS, and no

@@ -21,7 +21,7 @@ Content-Length over the limit is answered with 413 as soon as the headers are in
 the body, and the connection is closed; a chunked body is cut off the same way once it passes the
 limit. The access log shows the path's connection and ``?<redacted>`` for any query string, never
 a body. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
-payload declaring a known MSH-18 is decoded with that (see :func:`listeners.inbound.build_inbound`).
+payload declaring a known MSH-18 is decoded with that (see :func:`listeners.validation.build_inbound`).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from listeners import access_log, batchgate
 from listeners.connections import InboundConfig
 from listeners.guard import guard_channels
-from listeners.inbound import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
+from listeners.validation import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
                                rejection_reason)
 from listeners.ingest import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.linger import close_after_answers

@@ -14,7 +14,7 @@ connection registry are :mod:`listeners.stream`'s, shared with MLLP). A message 
 the rest of the line is discarded first (memory stays bounded), with length framing the declared
 length alone decides and the body is never read. Undecodable bytes get a NAK and nothing is
 staged. The protocol only frames and hands over: decoding and validation live in
-:func:`listeners.inbound.build_inbound` (shared by every transport), staging in the ``ingest`` object.
+:func:`listeners.validation.build_inbound` (shared by every transport), staging in the ``ingest`` object.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners.connections import TCP_FRAMINGS, InboundConfig
-from listeners.inbound import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.ingest import InboundBatch
 from listeners import batchgate
 from listeners.offload import OFFLOAD_BYTES, off_reactor

@@ -1,6 +1,6 @@
 """The HL7 parsers fuzzed: the header parse (listeners/hl7msg.py), the batch split
 (listeners/hl7batch.py) and the one decision every transport makes on received bytes
-(`listeners.inbound.build_inbound`). Any input: a result or the documented refusal
+(`listeners.validation.build_inbound`). Any input: a result or the documented refusal
 (`HL7HeaderError`, `BatchError`, `PayloadRejected`), never another exception; what comes out is
 no bigger than what went in; and the worst 100 KiB of each kind takes under 0.5 s, linearly."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from listeners.hl7batch import BatchError, split_batch
 from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.inbound import Inbound, InboundBatch, PayloadRejected, build_inbound
+from listeners.validation import Inbound, InboundBatch, PayloadRejected, build_inbound
 from tests.fuzz.budget import FUZZ, WORST_BYTES, WORST_SECONDS, linear, seconds
 
 # Charset names a sender could put in MSH-18: table 0211, aliases, and names Python has as codecs

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from listeners.connections import ConnectionConfigError, load_config_dir
-from listeners.inbound import lane_rule
+from listeners.validation import lane_rule
 
 
 def write(tmp_path: Path, body: str) -> Path:

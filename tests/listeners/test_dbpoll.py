@@ -268,7 +268,7 @@ class DbPollStoreTests(trial.TestCase):
         pool.start()
         self.addCleanup(pool.stop)
         conn = InboundConfig(name="lab-db", kind="database", lane_key="PID-3", database=src)
-        from listeners.inbound import lane_rule
+        from listeners.validation import lane_rule
 
         poller = DbPoll(writer, conn, store=lambda: self.store, epoch=lambda: self.epoch,
                         lane_of=lane_rule("PID-3"), reactor=MemoryReactorClock(),

@@ -9,7 +9,7 @@ from pyspark.sql import SparkSession
 from include.store import Store, rowlease
 from include.store.lease import acquire_permanent
 from listeners.filedrop import file_message_id
-from listeners.inbound import build_inbound, lane_rule
+from listeners.validation import build_inbound, lane_rule
 from listeners.ingest import InboundBatch
 from tests.spark_jobs.test_route_job import NODE, rows, run_once
 

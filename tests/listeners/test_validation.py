@@ -13,7 +13,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from listeners.connections import InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.inbound import PayloadRejected, build_inbound, lane_rule
+from listeners.validation import PayloadRejected, build_inbound, lane_rule
 from listeners.ingest import Inbound
 from listeners.metrics import Metrics
 
@@ -199,7 +199,7 @@ def _staged(ingest: AutoIngest) -> tuple[Any, ...]:
 def test_the_charset_column_is_one_form_whichever_transport_parsed_the_header() -> None:
     """MLLP hands its own header parse over, file/TCP/HTTP let build_inbound parse: both store the
     Python codec name (never the raw MSH-18 text)."""
-    from listeners.inbound import build_inbound as build
+    from listeners.validation import build_inbound as build
 
     data = "MSH|^~\\&|A|B|C|D|||ADT^A01|C1|P|2.5||||||8859/1\rPID|1||P1||M\xfcller\r".encode("latin-1")
     mllp = build(data, connection="mllp", charset="UTF-8", header=parse_header(data, default_encoding="utf_8"))
