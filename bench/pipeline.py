@@ -54,7 +54,7 @@ from include.spark import close_session, spark_session, start_connect_server, st
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
-from listeners.ingest import new_message_id  # noqa: E402
+from listeners.group_commit import new_message_id  # noqa: E402
 from spark_jobs import deliver_job, route_job, stage_io, transform_job  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [

@@ -56,7 +56,7 @@ class StoreConfig:
     """Start even on a server that may lose acknowledged commits (PostgreSQL `fsync = off`, SQL
     Server `DELAYED_DURABILITY = FORCED`); never for production."""
     """How long after its oldest message arrived listenerd may still retry a group commit that met
-    SQLite's write lock busy (`listeners.ingest`); 0: answer `AE` at the first busy timeout."""
+    SQLite's write lock busy (`listeners.group_commit`); 0: answer `AE` at the first busy timeout."""
 
     @property
     def effective_port(self) -> int:

@@ -29,7 +29,7 @@ __all__ = ["BatchPart", "CommitPlan", "Entry"]
 
 
 class _Batch(Protocol):
-    """What a `BatchPart` reads of its batch (`listeners.ingest.InboundBatch`)."""
+    """What a `BatchPart` reads of its batch (`listeners.group_commit.InboundBatch`)."""
 
     @property
     def connection(self) -> str: ...
@@ -42,7 +42,7 @@ class _Batch(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BatchPart:
-    """Messages ``lo`` to ``hi`` (from 0) of an HL7 batch (`listeners.ingest.InboundBatch`) larger
+    """Messages ``lo`` to ``hi`` (from 0) of an HL7 batch (`listeners.group_commit.InboundBatch`) larger
     than one commit's row cap: one unit of one commit."""
 
     batch: _Batch

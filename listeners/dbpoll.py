@@ -53,7 +53,7 @@ from include.store.queries import to_pyformat
 from listeners.connections import DatabaseSource, InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
-from listeners.ingest import Inbound, InboundBatch, RowRefused
+from listeners.group_commit import Inbound, InboundBatch, RowRefused
 from listeners.polling import PollingInbound, RunBlocking
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from listeners.hl7msg import HL7Header
 from listeners.http_inbound import make_inbound_site
 from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
                                rejection_reason)
-from listeners.ingest import InboundBatch
+from listeners.group_commit import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory
 from listeners.offload import off_reactor

@@ -94,7 +94,7 @@ from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind
                                 write_exclusive)
 from include.schema.filedrop_paths import processing_dir
 from listeners.connections import InboundConfig
-from listeners.ingest import RowRefused
+from listeners.group_commit import RowRefused
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.offload import OFFLOAD_BYTES
 from listeners.polling import PollingInbound, RunBlocking

@@ -46,7 +46,7 @@ from listeners.connections import InboundConfig
 from listeners.guard import guard_channels
 from listeners.validation import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
                                rejection_reason)
-from listeners.ingest import Inbound, InboundBatch, IngestRejected, RowRefused
+from listeners.group_commit import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.linger import close_after_answers
 from listeners.offload import OFFLOAD_BYTES
 from listeners.stream import describe_peer

@@ -36,7 +36,7 @@ from listeners.connections import ListenerConfig, load_config_dir
 from listeners.endpoints import ListeningService, Wiring, inbound_service
 from listeners.gate import LeaderGate
 from listeners.guard import PeerLimits, Refusals
-from listeners.ingest import IngestService
+from listeners.group_commit import IngestService
 from listeners.metrics import Metrics
 from listeners.state import NodeState
 

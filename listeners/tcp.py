@@ -29,7 +29,7 @@ from twisted.python.failure import Failure
 
 from listeners.connections import TCP_FRAMINGS, InboundConfig
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
-from listeners.ingest import InboundBatch
+from listeners.group_commit import InboundBatch
 from listeners import batchgate
 from listeners.offload import OFFLOAD_BYTES, off_reactor
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory

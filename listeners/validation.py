@@ -24,7 +24,7 @@ from include.hl7path import parse_path
 from include.hl7path import value as hl7_value
 from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.ingest import (BatchIncomplete, Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused,
+from listeners.group_commit import (BatchIncomplete, Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused,
                               StoreUnavailable, new_message_id)
 
 __all__ = [

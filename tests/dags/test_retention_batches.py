@@ -23,7 +23,7 @@ from include.store.lease import acquire_permanent
 from include.store.migrate import latest_version, migrate
 from listeners.filedrop import file_message_id
 from listeners.validation import build_inbound
-from listeners.ingest import InboundBatch
+from listeners.group_commit import InboundBatch
 from tests.conftest import CLUSTER
 from tests.dags.stores import age, execute, rows, seed_inbound, write_service_config
 

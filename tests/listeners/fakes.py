@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from twisted.internet.defer import Deferred
 
-from listeners.ingest import Inbound
+from listeners.group_commit import Inbound
 
 
 class FakeIngest:

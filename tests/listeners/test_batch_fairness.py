@@ -29,7 +29,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
-from listeners.ingest import IngestWriter, ReactorIngestWriter
+from listeners.group_commit import IngestWriter, ReactorIngestWriter
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory, frame
 

@@ -29,7 +29,7 @@ from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
 from listeners.hl7ack import AckDecision
 from listeners.hl7batch import BatchError, split_batch, starts_batch
 from listeners.validation import BatchRejected, PayloadRejected, build_inbound, lane_rule
-from listeners.ingest import Inbound, InboundBatch
+from listeners.group_commit import Inbound, InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp import MLLPConfig, MLLPFactory, frame
 

@@ -27,7 +27,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import ConnectionConfigError, DatabaseSource, InboundConfig, load_config_dir
 from listeners.dbpoll import DbPoll, SourceDatabase, row_message_id
-from listeners.ingest import IngestWriter
+from listeners.group_commit import IngestWriter
 from listeners.metrics import Metrics
 
 _sources = itertools.count()

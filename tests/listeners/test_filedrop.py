@@ -22,7 +22,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections import InboundConfig
 from listeners.filedrop import EMPTY_GRACE_SECONDS, FileDrop, file_message_id
-from listeners.ingest import Inbound, IngestWriter, NotLeader, RowRefused
+from listeners.group_commit import Inbound, IngestWriter, NotLeader, RowRefused
 from listeners.metrics import Metrics
 from tests.listeners.fakes import FakeIngest
 

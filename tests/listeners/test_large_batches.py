@@ -14,8 +14,8 @@ from twisted.internet.epollreactor import EPollReactor
 
 from include.store import Store
 from listeners.commitplan import BatchPart, CommitPlan, Entry
-from listeners.ingest import BatchIncomplete, BatchTooLarge, Inbound, InboundBatch, RowRefused, StoreUnavailable
-from tests.listeners.test_ingest import KINDS, Writer, run_until
+from listeners.group_commit import BatchIncomplete, BatchTooLarge, Inbound, InboundBatch, RowRefused, StoreUnavailable
+from tests.listeners.test_group_commit import KINDS, Writer, run_until
 
 
 def one(cid: str, lane: str | None = None) -> Inbound:
@@ -161,7 +161,7 @@ def test_a_batch_over_max_batch_messages_is_refused_whole_with_ar(writer):
 def test_a_later_part_that_fails_says_what_was_stored_and_a_resend_stages_only_the_rest(writer):
     """The store refuses message 800 (part 7 of 125 each): the first 750 stay stored, the answer says so; the
     same batch re-sent (the bytes fixed, as a sender would) lands the rest, nothing twice."""
-    from tests.listeners.test_ingest import refuse_poison
+    from tests.listeners.test_group_commit import refuse_poison
     refuse_poison(writer.store)
     batch = big("F", 1250, poison=800)
     [outcome] = settle_all(writer, [batch])

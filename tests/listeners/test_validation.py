@@ -14,7 +14,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from listeners.connections import InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.validation import PayloadRejected, build_inbound, lane_rule
-from listeners.ingest import Inbound
+from listeners.group_commit import Inbound
 from listeners.metrics import Metrics
 
 PEER = IPv4Address("TCP", "127.0.0.1", 50000)

@@ -19,7 +19,7 @@ from twisted.internet.epollreactor import EPollReactor
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.ingest import (Inbound, InboundBatch, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter,
+from listeners.group_commit import (Inbound, InboundBatch, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter,
                               RowRefused, StoreUnavailable)
 from listeners.metrics import Metrics
 from listeners.pgcommit import PgStager, numbered
@@ -273,7 +273,7 @@ def test_no_busy_retry_starts_that_would_end_after_the_oldest_message_waited_its
     import sqlite3
     from dataclasses import replace
 
-    from listeners.ingest import LOCKED_RETRY_SECONDS
+    from listeners.group_commit import LOCKED_RETRY_SECONDS
 
     config = replace(sqlite_config_fresh, busy_timeout_ms=100)
     writer = Writer("thread", config)
@@ -411,18 +411,18 @@ def test_a_store_that_cannot_be_reached_fails_each_batch_as_unavailable(pg_confi
 
 def test_a_fault_inside_the_writer_answers_the_batch_and_the_writer_goes_on(reactor_writer, monkeypatch):
     w = reactor_writer
-    import listeners.ingest as ingest
+    import listeners.group_commit as group_commit
 
-    real = ingest._GroupCommit.statements
+    real = group_commit._GroupCommit.statements
 
     def broken(self):  # the split logic fails after its first statement
         steps = real(self)
         yield next(steps)
         raise KeyError("bug")
 
-    monkeypatch.setattr(ingest._GroupCommit, "statements", broken)
+    monkeypatch.setattr(group_commit._GroupCommit, "statements", broken)
     assert all(isinstance(o, StoreUnavailable) for o in w.commit(items(2, set())))
-    monkeypatch.setattr(ingest._GroupCommit, "statements", real)
+    monkeypatch.setattr(group_commit._GroupCommit, "statements", real)
     assert w.commit([Inbound(connection="c", control_id="A", payload="MSH|a")]) == [None]
 
 
@@ -446,7 +446,7 @@ def test_message_ids_are_time_ordered_version_7_uuids():
     import time
     import uuid
 
-    from listeners.ingest import new_message_id
+    from listeners.group_commit import new_message_id
 
     first = [new_message_id() for _ in range(2000)]
     time.sleep(0.002)
