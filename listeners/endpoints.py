@@ -27,7 +27,7 @@ from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, bui
                               message_header)
 from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
-from listeners.http_inbound import make_inbound_site
+from listeners.http_listener import make_inbound_site
 from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
                                rejection_reason)
 from listeners.group_commit import InboundBatch

@@ -1,4 +1,4 @@
-"""HTTP inbound fuzzed (listeners/http_inbound.py, the real Site over a StringTransport) and the
+"""HTTP inbound fuzzed (listeners/http_listener.py, the real Site over a StringTransport) and the
 charset allowlist (`include.charsets.codec_for`) it decides with. Any request — method, path,
 Content-Type (charset included), body, cut anywhere — gets a JSON answer with a 2xx/4xx status,
 never a 500 or a traceback; any name gives an allowed codec or None; and a 1.6 MB punycode body
@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 
 from include.charsets import ALLOWED_CODECS, codec_for
 from listeners.connections import InboundConfig
-from listeners.http_inbound import _content_type, make_inbound_site
+from listeners.http_listener import _content_type, make_inbound_site
 from tests.fuzz.budget import FEW, FUZZ, WORST_BYTES, linear, seconds
 from tests.fuzz.test_hl7_fuzz import CHARSETS, message_bytes
 

@@ -140,7 +140,7 @@ def _via_tcp(data: bytes) -> tuple[Any, ...]:
 
 
 def _via_http(data: bytes) -> tuple[Any, ...]:
-    from listeners.http_inbound import make_inbound_site
+    from listeners.http_listener import make_inbound_site
 
     ingest = AutoIngest()
     http = InboundConfig(**{**CONN.__dict__, "kind": "http"})
