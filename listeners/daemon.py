@@ -20,7 +20,7 @@ from twisted.python import usage
 from include import config as cfgmod
 from include.schema import ConfigProblems
 from listeners.config_check import check_dir, store_lookup_tables
-from listeners.mllp import log_each_answer
+from listeners.mllp_listener import log_each_answer
 from listeners.node import ListenerNode
 
 __all__ = ["Options", "main", "makeService"]

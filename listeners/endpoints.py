@@ -32,7 +32,7 @@ from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_inb
                                rejection_reason)
 from listeners.group_commit import InboundBatch
 from listeners.metrics import Metrics
-from listeners.mllp import MLLPConfig, MLLPFactory
+from listeners.mllp_listener import MLLPConfig, MLLPFactory
 from listeners.offload import off_reactor
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory

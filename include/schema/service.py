@@ -18,7 +18,7 @@ from include.schema.rules import Rules
 __all__ = ["ANSWER_SECONDS", "ClusterModel", "RetentionModel", "RetentionOverride", "ServiceFile", "StoreModel"]
 
 ANSWER_SECONDS = 60.0
-"""Within this a sender gets its answer (listenerd's MLLP handler timeout, `listeners/mllp.py`)."""
+"""Within this a sender gets its answer (listenerd's MLLP handler timeout, `listeners/mllp_listener.py`)."""
 
 Seconds = Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]
 """A period: above zero, at most a day (more is a typo: a lease or timeout nobody would wait out)."""

@@ -1,4 +1,4 @@
-"""The stream framings fuzzed: MLLP (listeners/mllp.py), newline and 4-byte length prefix
+"""The stream framings fuzzed: MLLP (listeners/mllp_listener.py), newline and 4-byte length prefix
 (listeners/tcp.py). Any bytes, cut anywhere: the same events as the whole stream, never an
 exception, memory bounded by the message limit, and time linear in the input (a 100 KiB stream of
 the worst kind for each decoder in under 0.5 s)."""
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from listeners.mllp import Garbage, Message, MLLPDecoder, Oversize, frame
+from listeners.mllp_listener import Garbage, Message, MLLPDecoder, Oversize, frame
 from listeners.tcp import Frame, LengthDecoder, NewlineDecoder
 from listeners.tcp import Oversize as TCPOversize
 from tests.fuzz.budget import FUZZ, WORST_BYTES, WORST_SECONDS, linear, seconds

@@ -12,7 +12,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.mllp import (
+from listeners.mllp_listener import (
     Garbage,
     Message,
     MLLPConfig,

@@ -31,7 +31,7 @@ from listeners.connections import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
 from listeners.group_commit import IngestWriter, ReactorIngestWriter
 from listeners.metrics import Metrics
-from listeners.mllp import MLLPConfig, MLLPFactory, frame
+from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
 
 
 class Node:

@@ -31,7 +31,7 @@ from listeners.hl7batch import BatchError, split_batch, starts_batch
 from listeners.validation import BatchRejected, PayloadRejected, build_inbound, lane_rule
 from listeners.group_commit import Inbound, InboundBatch
 from listeners.metrics import Metrics
-from listeners.mllp import MLLPConfig, MLLPFactory, frame
+from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
 
 
 def msh(control_id: str, *, enc: str = "^~\\&", kind: str = "ADT^A01") -> str:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from listeners.mllp import (
+from listeners.mllp_listener import (
     Garbage,
     GarbageReason,
     Message,

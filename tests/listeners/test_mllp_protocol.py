@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 from zope.interface import provider
 
 from listeners.hl7ack import AckCode, AckDecision
-from listeners.mllp import (
+from listeners.mllp_listener import (
     Message,
     MLLPConfig,
     MLLPDecoder,

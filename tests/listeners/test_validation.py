@@ -112,7 +112,7 @@ TRANSPORT_CASES = {
 
 def _via_mllp(data: bytes) -> tuple[Any, ...]:
     from listeners.endpoints import Wiring, mllp_handler
-    from listeners.mllp import MLLPDecoder, MLLPFactory, Message, frame
+    from listeners.mllp_listener import MLLPDecoder, MLLPFactory, Message, frame
 
     ingest = AutoIngest()
     wiring = Wiring(ingest=ingest, metrics=Metrics(), reactor=MemoryReactorClock(), bound_ports={})
