@@ -37,7 +37,7 @@ from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
 from include.store.migrate import migrate
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ACK_TIMEOUT = 30.0

@@ -40,7 +40,7 @@ from include.schema import ConfigProblems
 from include.schema.connections import DEFAULT_API_PORT, ApiModel
 from include.schema.rules import validate
 from listeners import access_log
-from listeners.connections import ConnectionConfigError, TLSConfig
+from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.guard import guard_channels
 from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from listeners.state import NodeState

@@ -38,7 +38,7 @@ from include.store.lookups import LookupTableError, read_table_file
 from include.routes_config import Route, parse_routes
 from include.transforms_config import MapField, Transform, parse_transforms
 from listeners.api import Role
-from listeners.connections import parse_connections
+from listeners.connections_config import parse_connections
 
 __all__ = ["EXIT_PROBLEMS", "KNOWN_FILES", "Problem", "Report", "check_dir", "main", "sqlite_store_dir"]
 

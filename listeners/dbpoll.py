@@ -50,7 +50,7 @@ from twisted.python.failure import Failure
 
 from include.store import Store
 from include.store.queries import to_pyformat
-from listeners.connections import DatabaseSource, InboundConfig
+from listeners.connections_config import DatabaseSource, InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
 from listeners.group_commit import Inbound, InboundBatch, RowRefused

@@ -19,7 +19,7 @@ from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
-from listeners.connections import InboundConfig, TLSConfig
+from listeners.connections_config import InboundConfig, TLSConfig
 from listeners.dbpoll import DbPoll
 from listeners.filedrop import FileDrop
 from listeners.guard import GuardedFactory, PeerLimits, Refusals

@@ -93,7 +93,7 @@ from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind
                                 printable, private_dir, read_regular, still_same_dir, unlink_quietly,
                                 write_exclusive)
 from include.schema.filedrop_paths import processing_dir
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.group_commit import RowRefused
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.offload import OFFLOAD_BYTES

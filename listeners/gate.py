@@ -32,7 +32,7 @@ from twisted.internet import defer
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.logger import Logger
 
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.endpoints import InboundService
 
 __all__ = ["LeaderGate", "Unbound", "until"]

@@ -42,7 +42,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners import access_log, batchgate
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.guard import guard_channels
 from listeners.validation import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
                                rejection_reason)

@@ -32,7 +32,7 @@ from include.store import operator
 from include.store.membership import NodeIdentity, cluster_nodes, single_node_nodes
 from listeners.api import ApiAuth, ApiSettings, make_api
 from listeners.cluster import Beat, HeartbeatService, LeaseService, StoreService
-from listeners.connections import ListenerConfig, load_config_dir
+from listeners.connections_config import ListenerConfig, load_config_dir
 from listeners.endpoints import ListeningService, Wiring, inbound_service
 from listeners.gate import LeaderGate
 from listeners.guard import PeerLimits, Refusals

@@ -16,7 +16,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 
 __all__ = ["PollingInbound", "RunBlocking"]
 

@@ -20,7 +20,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.internet.ssl import Certificate, CertificateOptions, TLSVersion, trustRootFromCertificates
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
-from listeners.connections import ConnectionConfigError, TLSConfig
+from listeners.connections_config import ConnectionConfigError, TLSConfig
 
 MINIMUM_TLS_VERSION = TLSVersion.TLSv1_2
 

@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from listeners.connections import TCP_FRAMINGS, InboundConfig
+from listeners.connections_config import TCP_FRAMINGS, InboundConfig
 from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.group_commit import InboundBatch
 from listeners import batchgate

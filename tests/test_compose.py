@@ -3,7 +3,7 @@
 There is no Docker engine where these tests run, so the cluster itself never starts here. What is
 checked instead: the compose file's structure (services, image, dependencies, environment, the
 two nodes being identical), that every file the services point at exists and loads with
-Stageline's own loaders (`include/config.py`, `listeners/connections.py`, `listeners/api.py`,
+Stageline's own loaders (`include/config.py`, `listeners/connections_config.py`, `listeners/api.py`,
 `include/stage_config.py`),
 that the HAProxy VIP asks each node's `GET /leader` (not a TCP connect), and — where the tools exist — the
 parts that can run outside a container: `haproxy -c`, HAProxy's failover between two stand-in nodes
@@ -38,7 +38,7 @@ from include import config as cfgmod
 from include import stage_config
 from include import spark as spark_consts
 from listeners.api import ApiAuth, ApiSettings
-from listeners.connections import load_config_dir
+from listeners.connections_config import load_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yaml"

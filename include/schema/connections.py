@@ -8,7 +8,7 @@ Validation context (`context=` of `include.schema.rules.validate`):
           rejected directories go by default, outside the partner-writable drop tree.
 ``roles`` the API roles a token may name (default `API_ROLES`).
 ``store_dir`` the SQLite store's directory, when known: no file inbound may poll it or move files into it.
-The runtime structures (`listeners.connections.InboundConfig`, `listeners.api.ApiSettings`) are built
+The runtime structures (`listeners.connections_config.InboundConfig`, `listeners.api.ApiSettings`) are built
 from these models; docs/config-reference.md describes every key.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from listeners.config_check import EXIT_PROBLEMS, check_dir
-from listeners.connections import ConnectionConfigError, load_config_dir
+from listeners.connections_config import ConnectionConfigError, load_config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from include import config as cfgmod
 from include.schema import ConfigProblems
 from include.schema.json_schema import schema
-from listeners.connections import load_config_dir
+from listeners.connections_config import load_config_dir
 
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

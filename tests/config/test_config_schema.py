@@ -16,7 +16,7 @@ import pytest
 from include.schema.json_schema import FILES as SCHEMA_FILES
 from include.schema.json_schema import schema_text
 from listeners.config_check import EXIT_PROBLEMS, check_dir
-from listeners.connections import ConnectionConfigError, load_config_dir
+from listeners.connections_config import ConnectionConfigError, load_config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGELINE = Path(sys.executable).parent / "stageline"
@@ -333,11 +333,11 @@ def test_every_runtime_setting_has_its_key_in_the_schema_and_back():
     from include import config as cfgmod
     from include.schema import connections as conn_schema
     from include.schema import service
-    from listeners import connections
+    from listeners import connections_config
 
-    pairs = [(connections.InboundConfig, conn_schema.InboundModel, set()),
-             (connections.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
-             (connections.TLSConfig, conn_schema.TLSModel, set()),
+    pairs = [(connections_config.InboundConfig, conn_schema.InboundModel, set()),
+             (connections_config.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
+             (connections_config.TLSConfig, conn_schema.TLSModel, set()),
              (cfgmod.StoreConfig, service.StoreModel, {"password"}),
              (cfgmod.ClusterConfig, service.ClusterModel, set()),
              (cfgmod.RetentionConfig, service.RetentionModel, set())]

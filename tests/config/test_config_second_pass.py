@@ -130,7 +130,7 @@ def test_a_drop_on_another_connections_processing_directory_is_refused(tmp_path)
 
 
 def test_the_processing_rule_is_the_one_listenerd_uses(tmp_path):
-    from listeners.connections import load_config_dir
+    from listeners.connections_config import load_config_dir
     from listeners.filedrop import default_processing
 
     conf = conf_dir(tmp_path, file_conn("f1", str(tmp_path / "in")) + file_conn("f2", str(tmp_path / "in2"),

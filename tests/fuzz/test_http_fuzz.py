@@ -17,7 +17,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 
 from include.charsets import ALLOWED_CODECS, codec_for
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.http_listener import _content_type, make_inbound_site
 from tests.fuzz.budget import FEW, FUZZ, WORST_BYTES, linear, seconds
 from tests.fuzz.test_hl7_fuzz import CHARSETS, message_bytes

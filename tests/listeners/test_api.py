@@ -40,7 +40,7 @@ from listeners.api import (
     Role,
     make_api,
 )
-from listeners.connections import ConnectionConfigError, TLSConfig
+from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.metrics import CONTENT_TYPE, Metrics
 from listeners.state import NodeState
 from listeners.server_tls import listen

@@ -27,7 +27,7 @@ from twisted.internet.epollreactor import EPollReactor
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
 from listeners.group_commit import IngestWriter, ReactorIngestWriter
 from listeners.metrics import Metrics

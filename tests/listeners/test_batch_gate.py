@@ -15,7 +15,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from listeners import batchgate
 from listeners.batchgate import BatchGate
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
 from listeners.offload import OFFLOAD_BYTES
 from listeners.tcp import TCPFactory

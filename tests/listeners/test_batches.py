@@ -24,7 +24,7 @@ from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
 from listeners.hl7ack import AckDecision
 from listeners.hl7batch import BatchError, split_batch, starts_batch

@@ -25,7 +25,7 @@ from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.connections import ConnectionConfigError, DatabaseSource, InboundConfig, load_config_dir
+from listeners.connections_config import ConnectionConfigError, DatabaseSource, InboundConfig, load_config_dir
 from listeners.dbpoll import DbPoll, SourceDatabase, row_message_id
 from listeners.group_commit import IngestWriter
 from listeners.metrics import Metrics

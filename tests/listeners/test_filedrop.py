@@ -20,7 +20,7 @@ from twisted.trial import unittest as trial
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.filedrop import EMPTY_GRACE_SECONDS, FileDrop, file_message_id
 from listeners.group_commit import Inbound, IngestWriter, NotLeader, RowRefused
 from listeners.metrics import Metrics

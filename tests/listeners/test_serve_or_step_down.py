@@ -25,7 +25,7 @@ from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
 from include.store.lease import LeaderElector, Outcome, read_lease
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.endpoints import InboundService, Wiring
 from listeners.gate import RETRY_FIRST, RETRY_MAX, LeaderGate
 from listeners.metrics import Metrics

@@ -27,7 +27,7 @@ from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 from listeners.api import ApiAuth, ApiSettings, make_api
-from listeners.connections import ConnectionConfigError, TLSConfig
+from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.server_tls import TLSConfigError, server_tls_options
 from tests.listeners.test_api import ENV, TOKENS_CONFIG, VIEWER_TOKEN, agent, fetch, node_state, serve
 

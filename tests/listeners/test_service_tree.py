@@ -16,7 +16,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.plugin import getPlugins
 
 from listeners import daemon
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.endpoints import InboundService, Wiring, inbound_service
 from listeners.gate import LeaderGate
 from listeners.metrics import Metrics

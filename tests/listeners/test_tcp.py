@@ -22,7 +22,7 @@ from zope.interface import provider
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.group_commit import Inbound, IngestWriter, NotLeader, StoreUnavailable
 from listeners.metrics import Metrics
 from listeners.tcp import (

@@ -11,7 +11,7 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
-from listeners.connections import InboundConfig
+from listeners.connections_config import InboundConfig
 from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.validation import PayloadRejected, build_inbound, lane_rule
 from listeners.group_commit import Inbound

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from listeners.connections import ConnectionConfigError, load_config_dir
+from listeners.connections_config import ConnectionConfigError, load_config_dir
 from listeners.validation import lane_rule
 
 
