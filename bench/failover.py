@@ -33,6 +33,10 @@ the lab drains (≤ `--drain` s) before the next fault. Per fault:
                that died, and those that exited and were restarted by the lab's restart policy
                (compose's `restart: unless-stopped`)
 
+Per run, `bench/referee.py` watches the whole run every 0.1 s: two nodes answering `GET /leader` 200 in
+the same round, and any audit event committed under an epoch after the next one took over (both
+should be 0).
+
 All times are host wall clock (`time.time()`): the sender, the receiver and PostgreSQL share one host.
 
     uv run python bench/failover.py [--runs 1] [--faults leader-sigkill,...] [--rate 60] [--json out.json]
@@ -54,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from include.app.lab.two_nodes import Lab, Timings  # noqa: E402
 from include.app.lab.postgres_server import wait_for  # noqa: E402
+from bench.referee import Referee  # noqa: E402
 from tests.support.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
 
 CLOCK = "host wall clock (time.time())"
@@ -364,6 +369,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
     stream: Stream | None = None
     try:
         lab.start()
+        referee = Referee(lab).start()
         host, port = lab.mllp_address
         stream = Stream(host, port, rate=args.rate, lanes=args.lanes, connections=args.connections,
                         prefix=f"R{run}").start()
@@ -407,6 +413,8 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             _restart_dead(lab)
         drain(lab, stream, timeout=args.drain)  # a last chance for anything late: "lost" is final
         stream.stop()
+        ruling = referee.stop()
+        echo(f"run {run}: referee: {ruling.line()}")
         deliveries = lab.deliveries()
 
         def in_window(window: tuple[float, float]) -> Callable[[Sent], bool]:
@@ -424,7 +432,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         summary = {"run": run, "baseline": _lat(base), "faulted": _lat(whole),
                    "total": {"sent": everything.sent, "acked": everything.acked, "lost": len(everything.lost),
                              "duplicated": len(everything.duplicated), "inversions": len(everything.inversions)},
-                   "workdir": str(lab.workdir) if args.keep else None}
+                   "referee": asdict(ruling), "referee_line": ruling.line(), "workdir": str(lab.workdir) if args.keep else None}
     finally:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand the lab
         try:
@@ -539,6 +547,9 @@ def main() -> None:
                 v = s[key]
                 print(f"| {s['run']} | {label} | {v['messages']} | {v['p50_s']:.1f} | {v['p99_s']:.1f} | "
                       f"{v['max_s']:.1f} | {v['lost']} | {v['duplicated']} | {v['inversions']} |", file=out)
+    for s in summaries:
+        if "referee_line" in s:
+            print(f"  run {s['run']} referee: {s['referee_line']}", file=out)
     for r in results:
         if r.examples:
             print(f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
