@@ -50,6 +50,7 @@ DEFAULT_PORT = DEFAULT_API_PORT
 MIN_TOKEN_LENGTH = 16
 REALM = "stageline"
 MAX_BODY_BYTES = 64 * 1024
+MAX_NAME_BYTES = 200  # an inbound name in `GET /leader?inbound=` (config names are far shorter)
 """The largest request body the API takes (a replay or requeue is a few hundred bytes); more is 413,
 answered from the headers alone."""
 
@@ -240,7 +241,11 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
         return _json(request, 200, {"status": "ok", "node_id": state.node_id, "role": state.status()["role"]})
 
     def leader(request: Request) -> bytes:
-        code, doc = state.leader()  # in memory: no database round trip (a load balancer's health check)
+        names = (request.args or {}).get(b"inbound") or []
+        if len(names) > 1 or any(len(n) > MAX_NAME_BYTES for n in names):
+            return _json(request, 400, {"error": "at most one inbound name, of at most 200 bytes"})
+        inbound = names[0].decode("utf-8", "replace") if names else None
+        code, doc = state.leader(inbound)  # in memory: no database round trip (a load balancer's health check)
         return _json(request, code, doc)
 
     def status(request: Request) -> bytes:
@@ -284,7 +289,7 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     return guard_channels(site)
 
 
-QUERY_FIELDS = frozenset({"control_id", "message_id", "lane_key", "connection", "destination", "status",
+QUERY_FIELDS = frozenset({"inbound", "control_id", "message_id", "lane_key", "connection", "destination", "status",
                           "since_ms", "until_ms", "before_id", "limit", "body"})
 """The query fields the API reads: the access log names these (never their values), others not at all."""
 _FIXED = {b"dead", b"requeue", b"replay"}
@@ -364,6 +369,15 @@ class _ApiSite(Site):
         super().__init__(root, requestFactory=_ApiRequest,
                          logFormatter=access_log.formatter(path=redact_path, known=QUERY_FIELDS))
         self.auth = auth
+
+    def log(self, request: Request) -> None:
+        """No access line for a load balancer's health checks that were answered (`GET /health`,
+        `GET /leader`: several a second per balancer, they would drown the rest); what they report
+        is logged where it changes (the leader gate's state lines). Anything else is logged."""
+        if request.method in (b"GET", b"HEAD") and request.path in (b"/health", b"/leader") \
+                and request.code in (200, 404, 503):
+            return
+        super().log(request)
 
 
 def _json(request: Request, code: int, doc: dict[str, Any]) -> bytes:

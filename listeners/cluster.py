@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from include.config import ClusterConfig, StoreConfig
 from include.store import Store, rowlease
 from include.store.lease import ElectionResult, LeaderElector, Outcome, acquire_permanent
-from include.store.membership import NodeIdentity, heartbeat, leave
+from include.store.membership import NodeIdentity, heartbeat, leave, live_peers
 from include.store.migrate import check_identity
 from listeners.metrics import Metrics
 
@@ -118,10 +118,26 @@ class LeaseService(Service):
         super().startService()
 
     def step(self) -> ElectionResult | None:
-        """One election step (blocking: run it off the reactor thread)."""
+        """One election step (blocking: run it off the reactor thread). A node standing aside after a
+        step-down ends its backoff early once no other node is live: nobody else would take the lease."""
         assert self.elector is not None
         with self._stepping:
-            return self.elector.step()
+            elector = self.elector
+            if isinstance(elector, LeaderElector) and elector.aside_seconds > 0 and not self._live_peers():
+                _log.warn("no other live node: ending the step-down backoff early ({s:.1f}s left)",
+                          s=elector.aside_seconds)
+                elector.end_stand_aside()
+            return elector.step()
+
+    def live_peers(self) -> Deferred[list[str]]:
+        """The other active nodes whose heartbeat is within `node_timeout_seconds` (off the reactor)."""
+        return threads.deferToThread(self._live_peers)
+
+    def _live_peers(self) -> list[str]:
+        store = self._stores.store
+        if store is None:
+            return []
+        return live_peers(store, self._node.node_id, node_timeout_seconds=self._cluster.node_timeout_seconds)
 
     def step_down(self, backoff_seconds: float) -> Deferred[bool]:
         """Release the lease now (the epoch moves on with the next leader) and take none for

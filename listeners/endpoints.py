@@ -125,7 +125,8 @@ class InboundService(Service):
     the leader gate logs it and retries)."""
 
     def __init__(self, conn: InboundConfig, wiring: Wiring, *, intake: Intake | None = None,
-                 start: Callable[[], None] | None = None, stop: Callable[[], Deferred[None]] | None = None) -> None:
+                 start: Callable[[], None] | None = None, stop: Callable[[], Deferred[None]] | None = None,
+                 failure: Callable[[], str | None] | None = None, proven: Callable[[], bool] | None = None) -> None:
         self.setName(conn.name)
         self.conn = conn
         self._wiring = wiring
@@ -135,6 +136,18 @@ class InboundService(Service):
         self._port: IListeningPort | None = None
         self.bound = False
         self.bind_error: str | None = None  # why the last start did not bind (the gate logs and retries it)
+        self._failure = failure  # a polled directory's: why its last poll failed after it bound
+        self._proven = proven  # a polled directory's: a poll has done its work since it was bound
+
+    def failing(self) -> str | None:
+        """Why this bound inbound cannot do its work now (a polled directory that went away after it
+        bound); None while it can. The gate then treats it as unbound: retried, reported, and past the
+        grace a reason to step down."""
+        return self._failure() if self.bound and self._failure is not None else None
+
+    def proven(self) -> bool:
+        """Bound and shown to work (a listening port: at once; a polled directory: after a good poll)."""
+        return self.bound and (self._proven is None or self._proven())
 
     def startService(self) -> None:
         super().startService()
@@ -287,11 +300,13 @@ def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
     drop = FileDrop(wiring.ingest, conn, lane_of=lane_of, metrics=wiring.metrics, reactor=wiring.reactor)
 
     def start() -> None:
-        if not drop.directory.is_dir():  # not mounted yet: unbound, so the leader retries or steps down
-            raise FileNotFoundError(f"file drop directory {drop.directory} is missing or not a directory")
+        try:  # not mounted yet, replaced, a symlink: unbound, so the leader retries or steps down
+            drop.open_dirs()
+        except OSError as exc:
+            raise OSError(exc.errno, f"file drop {drop.directory} is missing or unusable: {exc.strerror or exc}") from exc
         drop.start()
 
-    return InboundService(conn, wiring, start=start, stop=drop.stop)
+    return InboundService(conn, wiring, start=start, stop=drop.stop, failure=drop.failure, proven=drop.proven)
 
 
 def _database(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:

@@ -249,9 +249,25 @@ class FileDrop(PollingInbound):
         self._unsettled_since: dict[Identity, float] = {}  # claimed files still changing
         self._scan_error: str | None = None
         self._move_error: str | None = None
+        self._good_polls = 0
         self._dirs = _Dirs(self.directory, self.archive, self.errors, self.processing)
 
+    def open_dirs(self) -> None:
+        """Open (and check) the four directories now, as every poll does: what a bind attempt does, so
+        that a missing, replaced or symlinked directory is an unbound inbound, not a silent poller."""
+        self._dirs.check()
+
+    def failure(self) -> str | None:
+        """Why the last poll could not do its work (the directory gone or replaced, a claimed file that
+        cannot be archived or moved aside); None after a poll that could."""
+        return self._scan_error or self._move_error
+
+    def proven(self) -> bool:
+        """A poll since the last start did its work (no scan or move error)."""
+        return self._good_polls > 0 and self.failure() is None
+
     def _on_start(self) -> None:
+        self._good_polls = 0
         self._seen = {}  # stability is re-proven after every (re)start
         self._empty_since = {}
         self._unsettled_since = {}
@@ -304,6 +320,8 @@ class FileDrop(PollingInbound):
             if outcome is None:
                 break  # not stored: keep the order, retry everything next poll
             archived += outcome
+        if self._move_error is None:
+            self._good_polls += 1
         return archived
 
     @inlineCallbacks

@@ -5,7 +5,9 @@ this node holds the lease (invariant 4, docs/invariants.md).
         leader, nothing bound → build one endpoint service per configured connection and start them
         leader, one unbound   → try it again when its backoff is due (RETRY_FIRST doubling to RETRY_MAX)
         ... unbound past grace → clustered: step down (the ordered stop below, then the lease released
-                                 with a re-acquire backoff); single node: keep retrying, loudly
+                                 with a re-acquire backoff) — unless `may_step_down` says handing over
+                                 cannot help (no other live node; or every node seems unable to serve
+                                 it): then, like a single node, keep what is bound and retry, loudly
         not leader, bound     → stop listening, drop open connections, stop file polling, at once
     gate stopping  (a clean stop) → the order that loses and duplicates nothing:
         stop intake everywhere → finish the queued commits (`drain`) → close after the answers
@@ -56,6 +58,8 @@ class Unbound:
     next_try: float = 0.0
     attempts: int = 1
     past_grace: bool = False
+    ask_after: float = 0.0  # reactor seconds: when a kept inbound asks again whether to hand over
+    kept_because: str | None = None
 
     def doc(self, now: float) -> dict[str, Any]:
         return {"name": self.name, "reason": self.reason,
@@ -70,14 +74,18 @@ class LeaderGate(MultiService):
                  build: Callable[[InboundConfig], InboundService], drain: Callable[[float], Deferred[bool]],
                  reactor: Any, supervise_seconds: float = 0.1, drain_seconds: float = 10.0,
                  on_change: Callable[[int], None] = lambda bound: None, grace_seconds: float = 30.0,
-                 step_down: Callable[[], Deferred[Any]] | None = None,
+                 step_down: Callable[[list[str]], Deferred[Any]] | None = None,
+                 may_step_down: Callable[[list[str]], Deferred[str | None]] | None = None,
                  on_bind: Callable[[str, bool, bool], None] = lambda name, bound, failed: None) -> None:
         """:param connections: the inbound connections of the config in force.
         :param build: a fresh (unstarted) endpoint service for one of them.
         :param drain: fires True once every queued commit is done (False at the timeout).
         :param on_change: told how many connections are bound after each change.
         :param grace_seconds: how long an inbound may stay unbound before `step_down`.
-        :param step_down: releases the lease (a cluster); None (a single node): retry forever.
+        :param step_down: releases the lease (a cluster), told the unbound names; None (a single node):
+            retry forever.
+        :param may_step_down: asked before a step-down: None to go ahead, else why handing over cannot
+            help (the inbound is then kept and retried, and asked about again a grace later).
         :param on_bind: told (name, bound, failed) at each bind attempt and unbind."""
         super().__init__()
         self.setName("leader-gate")
@@ -93,8 +101,11 @@ class LeaderGate(MultiService):
         self._changing: Deferred[None] | None = None
         self.grace_seconds = grace_seconds
         self._step_down = step_down
+        self._may_step_down = may_step_down
         self._on_bind = on_bind
         self._unbound: dict[str, Unbound] = {}
+        self._failing_since: dict[str, float] = {}  # bound inbounds that failed at work, until they work
+        self._logged_failure: dict[str, str] = {}  # the last failure logged per inbound (one line per change)
         self.step_downs = 0
         self.up = False
 
@@ -106,6 +117,13 @@ class LeaderGate(MultiService):
     def serving(self) -> bool:
         """Bound and serving every configured inbound (what `GET /leader` needs besides the lease)."""
         return self.up and self._changing is None and not self._unbound
+
+    def serves(self, name: str) -> bool | None:
+        """Whether the configured inbound `name` is bound now (None: no such inbound configured)."""
+        if all(conn.name != name for conn in self._connections()):
+            return None
+        return self.up and self._changing is None and any(
+            isinstance(svc, InboundService) and svc.name == name and svc.bound for svc in self)
 
     def unbound(self) -> list[dict[str, Any]]:
         """The inbound connections this leader is retrying: name, reason, since (for /cluster/status)."""
@@ -162,10 +180,37 @@ class LeaderGate(MultiService):
         elif not leader and self.up:
             _log.warn("not the leader any more: unbinding inbound connections")
             self._change(self._abort())
-        elif leader and self._unbound:
-            self._retry()
+        elif leader and self.up:
+            failing = [(svc, why) for svc in self if isinstance(svc, InboundService) and (why := svc.failing())]
+            if failing:
+                self._change(self._lose(failing))
+                return
+            self._note_working()
             if self._unbound:
-                self._check_grace()
+                self._retry()
+                if self._unbound:
+                    self._check_grace()
+
+    def _note_working(self) -> None:
+        """An inbound that failed at work and has worked since it was bound again is healthy again."""
+        for name in list(self._failing_since):
+            svc = next((s for s in self if isinstance(s, InboundService) and s.name == name and s.bound), None)
+            if svc is not None and svc.proven():
+                since = self._failing_since.pop(name)
+                self._logged_failure.pop(name, None)
+                _log.info("inbound {name} works again after {s:.1f}s", name=name, s=self._reactor.seconds() - since)
+
+    @inlineCallbacks
+    def _lose(self, failing: list[tuple[InboundService, str]]) -> Any:
+        """A bound inbound that stopped working (a polled directory gone): taken down and handled as
+        unbound from the moment it first failed, so a flapping one still reaches its grace."""
+        now = self._reactor.seconds()
+        for svc, why in failing:
+            yield svc.stop_intake()
+            svc.close(True)
+            yield svc.disownServiceParent()
+            since = self._failing_since.setdefault(svc.name, now)
+            self._failed(svc.conn, why, since=since)
 
     def _change(self, d: Deferred[None]) -> Deferred[None]:
         done: Deferred[None] = Deferred()
@@ -201,21 +246,28 @@ class LeaderGate(MultiService):
             return False
         self._on_bind(conn.name, True, False)
         was = self._unbound.pop(conn.name, None)
-        if was is not None:
+        if conn.name not in self._failing_since:
+            self._logged_failure.pop(conn.name, None)
+        if was is not None and conn.name not in self._failing_since:
             _log.info("inbound {name} bound after {s:.1f}s unbound ({n} attempt(s))", name=conn.name,
                       s=self._reactor.seconds() - was.since, n=was.attempts + 1)
         return True
 
-    def _failed(self, conn: InboundConfig, reason: str) -> None:
+    def _failed(self, conn: InboundConfig, reason: str, *, since: float | None = None) -> None:
         self._on_bind(conn.name, False, True)
         now = self._reactor.seconds()
         was = self._unbound.get(conn.name)
         if was is None:
-            self._unbound[conn.name] = Unbound(conn.name, reason, since=now, next_try=now + RETRY_FIRST)
+            since = self._failing_since.get(conn.name, now) if since is None else since
+            self._unbound[conn.name] = Unbound(conn.name, reason, since=since, next_try=now + RETRY_FIRST)
+            if self._logged_failure.get(conn.name) == reason:
+                return  # flapping with the same reason: said already
+            self._logged_failure[conn.name] = reason
             then = (f"stepping down if still unbound after {self.grace_seconds:g}s" if self._step_down is not None
                     else "single node: retrying until it binds")
-            _log.error("cannot bind inbound {name} ({kind} {host}:{port}): {err}; retrying every {lo:g}-{hi:g}s, "
-                       "{then}", name=conn.name, kind=conn.kind, host=conn.host, port=conn.port, err=reason,
+            where = conn.directory if conn.kind == "file" else "" if conn.kind == "database" else f"{conn.host}:{conn.port}"
+            _log.error("cannot bind inbound {name} ({kind} {where}): {err}; retrying every {lo:g}-{hi:g}s, "
+                       "{then}", name=conn.name, kind=conn.kind, where=where, err=reason,
                        lo=RETRY_FIRST, hi=RETRY_MAX, then=then)
             return
         was.attempts += 1
@@ -237,18 +289,42 @@ class LeaderGate(MultiService):
 
     def _check_grace(self) -> None:
         now = self._reactor.seconds()
-        late = sorted(u.name for u in self._unbound.values() if now - u.since >= self.grace_seconds)
+        late = sorted(u.name for u in self._unbound.values()
+                      if now - u.since >= self.grace_seconds and now >= u.ask_after)
         if not late:
             return
         if self._step_down is not None:
-            self._change(self._stand_down(late))
+            self._change(self._consider(late))
             return
-        for name in late:
-            u = self._unbound[name]
-            if not u.past_grace:
-                u.past_grace = True
-                _log.critical("NOT SERVING inbound {name}: unbound for {s:.0f}s ({err}); a single node has no one "
-                              "to hand over to, so it keeps retrying", name=name, s=now - u.since, err=u.reason)
+        self._keep(late, "a single node has no one to hand over to", again=float("inf"))
+
+    @inlineCallbacks
+    def _consider(self, names: list[str]) -> Any:
+        """Step down for `names`, unless handing over cannot help (`may_step_down`)."""
+        why = None
+        if self._may_step_down is not None:
+            try:
+                why = yield self._may_step_down(names)
+            except Exception as exc:  # the peers could not be read: hand over, as without the check
+                _log.warn("cannot tell whether another node could serve ({err}); stepping down", err=type(exc).__name__)
+        if why is None:
+            yield self._stand_down(names)
+        else:
+            self._keep(names, why, again=self.grace_seconds)
+
+    def _keep(self, names: list[str], why: str, *, again: float) -> None:
+        """Past the grace but kept: keep retrying; say so loudly once per reason."""
+        now = self._reactor.seconds()
+        for name in names:
+            u = self._unbound.get(name)
+            if u is None:
+                continue
+            u.ask_after = now + again
+            if not u.past_grace or u.kept_because != why:
+                u.past_grace, u.kept_because = True, why
+                _log.critical("NOT SERVING inbound {name}: unbound for {s:.0f}s ({err}); {why}, so it keeps retrying "
+                              "and serves the inbound connections it did bind", name=name, s=now - u.since,
+                              err=u.reason, why=why)
 
     @inlineCallbacks
     def _stand_down(self, names: list[str]) -> Any:
@@ -260,7 +336,7 @@ class LeaderGate(MultiService):
         yield self._ordered_stop()
         assert self._step_down is not None
         try:
-            released = yield self._step_down()
+            released = yield self._step_down(names)
         except Exception as exc:
             _log.error("lease release failed on step-down ({err}); it ages out instead", err=type(exc).__name__)
         else:
@@ -279,6 +355,8 @@ class LeaderGate(MultiService):
         for name in self._unbound:
             self._on_bind(name, False, False)
         self._unbound.clear()
+        self._failing_since.clear()
+        self._logged_failure.clear()
         services = [svc for svc in self if isinstance(svc, InboundService)]
         for svc in services:
             self._on_bind(svc.name, False, False)

@@ -83,6 +83,7 @@ class ListenerNode(SequentialMultiService):
         self.leader_config_hash: str | None = None
         self._stages_gauged_at = float("-inf")
         self.bound_ports: dict[str, int] = {}  # inbound name -> bound port (useful with port 0)
+        self._stepped_down_for: dict[str, float] = {}  # inbound name -> monotonic time of our step-down for it
         self.api_port: int | None = api_port  # overrides [api].port when given
 
         node_id = self.identity.node_id
@@ -103,13 +104,14 @@ class ListenerNode(SequentialMultiService):
                                reactor=reactor, supervise_seconds=supervise_seconds, drain_seconds=drain_seconds,
                                on_change=self.metrics.bound.set, grace_seconds=cluster.unbound_grace(),
                                step_down=self._step_down if cluster.enabled else None,
+                               may_step_down=self._may_step_down if cluster.enabled else None,
                                on_bind=self.metrics.inbound_bind)
         self.state = NodeState(node_id=node_id, clustered=cluster.enabled, metrics=self.metrics,
                                is_leader=lambda: self.lease.is_leader, config_version=lambda: self.config_version,
                                nodes=self._nodes_doc, store=lambda: self.stores.store,
                                archive_path=config.retention.archive_path, fenced=lambda: self.lease.fenced,
                                serving=lambda: self.gate.serving, unbound=self.gate.unbound,
-                               aside_seconds=lambda: self.lease.aside_seconds)
+                               aside_seconds=lambda: self.lease.aside_seconds, serves=self.gate.serves)
         self.api = ListeningService("api", api_settings.host, api_settings.port if api_port is None else api_port,
                                     make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
                                     on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))
@@ -129,10 +131,35 @@ class ListenerNode(SequentialMultiService):
         yield super().stopService()
         _log.info("listenerd {node} stopped", node=self.identity.node_id)
 
-    def _step_down(self) -> Deferred[bool]:
+    def _may_step_down(self, names: list[str]) -> Deferred[str | None]:
+        """Why handing the lease over cannot help (None: step down). Not when no other node is live (a
+        lone node would only take the lease back after its backoff, serving nothing meanwhile), and
+        not twice for the same inbound within `_step_down_memory()`: leading again means every other
+        node stood aside or failed it too, and a node that keeps the lease at least serves the
+        inbound connections it can bind instead of the lease going round (docs/listenerd.md)."""
+        now = time.monotonic()
+        recent = [n for n in names if now - self._stepped_down_for.get(n, float("-inf")) < self._step_down_memory()]
+        if recent and len(recent) == len(names):
+            ago = now - max(self._stepped_down_for[n] for n in recent)
+            return defer.succeed(f"this node stepped down for it {ago:.0f}s ago and leads again: no node seems able "
+                                 "to serve it")
+        d = self.lease.live_peers()
+        d.addCallback(lambda peers: None if peers else "no other live node to hand over to")
+        return d
+
+    def _step_down_memory(self) -> float:
+        """How long a step-down is remembered: long enough to span the lease going round every node once
+        (each holding it for a grace and standing aside for a backoff), short enough that a lasting
+        fix elsewhere (an inbound that came back, then broke again) is met with a step-down again."""
+        c = self.config.cluster
+        return 3 * (c.unbound_grace() + c.step_down_backoff() + c.leader_lease_ttl_seconds)
+
+    def _step_down(self, names: list[str]) -> Deferred[bool]:
         """The gate could not serve an inbound past its grace: release the lease, and take none for
         `[cluster] step_down_backoff_seconds` so a node that can serve leads (docs/listenerd.md)."""
         self.metrics.step_downs.inc()
+        now = time.monotonic()
+        self._stepped_down_for.update({name: now for name in names})
         d = self.lease.step_down(self.config.cluster.step_down_backoff())
 
         def publish(result: bool | Failure) -> bool | Failure:

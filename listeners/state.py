@@ -25,6 +25,7 @@ class NodeState:
     serving: Callable[[], bool] = lambda: True  # every configured inbound bound (the leader gate)
     unbound: Callable[[], list[dict[str, Any]]] = list  # inbound the leader is retrying, and why
     aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
+    serves: Callable[[str], bool | None] = lambda name: None  # one inbound bound? (None: not configured)
 
     def __post_init__(self) -> None:
         self.metrics.store_durable.set_function(lambda: 0.0 if self.durability_problem() else 1.0)
@@ -47,15 +48,31 @@ class NodeState:
             doc["standing_aside_seconds"] = round(aside, 3)
         return doc
 
-    def leader(self) -> tuple[int, dict[str, Any]]:
+    def leader(self, inbound: str | None = None) -> tuple[int, dict[str, Any]]:
         """`GET /leader`: 200 only on the node that holds the lease, has not fenced and serves every
-        inbound; else 503 and why. In-memory only: a load balancer polls it every second or so."""
+        inbound; else 503 and why. In-memory only: a load balancer polls it every second or so.
+
+        `GET /leader?inbound=<name>`: the same for that one inbound — what a load balancer in front of
+        that inbound's port asks, so that a leader which serves it is kept in the VIP even while
+        another inbound (a file drop whose share is down on every node) is not bound; 404 for a
+        name that is not configured."""
         doc: dict[str, Any] = {"node_id": self.node_id}
+        if inbound is not None:
+            doc["inbound"] = inbound
         if self.fenced():
             return 503, {**doc, "leader": False, "reason": "fenced"}
         if not self.is_leader():
             reason = "standing_aside" if self.aside_seconds() > 0 else "standby"
             return 503, {**doc, "leader": False, "reason": reason}
+        if inbound is not None:
+            serves = self.serves(inbound)
+            if serves is None:
+                return 404, {**doc, "leader": True, "reason": "unknown inbound"}
+            if not serves:
+                unbound = [u["name"] for u in self.unbound()]
+                return 503, {**doc, "leader": False, "reason": "unbound" if inbound in unbound else "binding",
+                             "unbound": unbound}
+            return 200, {**doc, "leader": True}
         unbound = self.unbound()
         if unbound or not self.serving():
             return 503, {**doc, "leader": False, "reason": "unbound" if unbound else "binding",

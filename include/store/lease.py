@@ -183,6 +183,10 @@ class LeaderElector:
         self._aside_until = self._clock() + seconds
         return self.release()
 
+    def end_stand_aside(self) -> None:
+        """End a step-down's backoff now (no other node is live to take the lease)."""
+        self._aside_until = float("-inf")
+
     def _drop(self) -> None:
         self._epoch = None
         self._renewed_at = None

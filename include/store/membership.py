@@ -42,6 +42,14 @@ def leave(store: Store, node_id: str) -> None:
         tx.execute("node_leave", {"node_id": node_id})
 
 
+def live_peers(store: Store, node_id: str, *, node_timeout_seconds: float) -> list[str]:
+    """The other active nodes whose heartbeat is within `node_timeout_seconds` (DB clock): the nodes
+    that could take the lease if this one let it go."""
+    with store.transaction(write=False) as tx:
+        rows = tx.all("nodes_list", {"node_timeout": float(node_timeout_seconds)})
+    return sorted(r["node_id"] for r in rows if r["fresh"] and r["node_id"] != node_id)
+
+
 def cluster_nodes(store: Store, *, node_timeout_seconds: float) -> dict[str, Any]:
     """The `/cluster/nodes` document for a clustered store (also what the Airflow UI's Stageline
     view shows): the nodes, the derived leader, the lease (owner, epoch, expiry) and the active

@@ -339,9 +339,12 @@ def test_a_frozen_leader_sharing_the_address_is_served_again_within_three_second
         print(f"frozen leader, shared address: lease taken {run.takeover_s:.2f}s after SIGSTOP, AA again "
               f"{again:.2f}s after SIGCONT (frozen {FROZEN}s), leader now {leader['owner']} epoch {leader['epoch']}, "
               f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries")
-        # B took the lease while A still held the port: it could not bind, retried, and stepped down
-        # past its grace (3 heartbeats) rather than lead serving nothing
-        assert "cannot bind inbound adt-in" in b.output() and "stepping down: inbound adt-in" in b.output()
+        # B took the lease while A still held the port: it could not bind and retried. Past its grace
+        # (3 heartbeats) it stepped down — or, when A's heartbeat was already older than the node
+        # timeout (A frozen), kept the lease: no other live node could have taken it
+        out = b.output()
+        assert "cannot bind inbound adt-in" in out
+        assert "stepping down: inbound adt-in" in out or "no other live node to hand over to" in out
         assert again <= 3.0
         _assert_fenced_and_lossless(run, pg_config_fresh)
         assert leader["epoch"] >= run.new_epoch

@@ -63,8 +63,36 @@ def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fre
         assert get(node.api_port, "/leader", method="HEAD")[0] == 200
         assert get(node.api_port, "/leader", method="POST")[0] == 405
         assert get(node.api_port, "/cluster/status")[0] == 401  # the rest of the API still needs a token
+        # per inbound: what a load balancer in front of one port asks
+        assert get(node.api_port, "/leader?inbound=adt-in")[:2] == (
+            200, {"node_id": "solo:1:aa", "inbound": "adt-in", "leader": True})
+        assert get(node.api_port, "/leader?inbound=nope")[:2] == (
+            404, {"node_id": "solo:1:aa", "inbound": "nope", "leader": True, "reason": "unknown inbound"})
+        assert get(node.api_port, "/leader?inbound=a&inbound=b")[0] == 400
+        assert get(node.api_port, "/leader?inbound=" + "x" * 201)[0] == 400
+        # health checks leave no access line (several a second per balancer); other requests do
+        for _ in range(5):
+            get(node.api_port, "/health")
+            get(node.api_port, "/leader")
+        get(node.api_port, "/cluster/status")
+        wait_for(lambda: '"GET /cluster/status HTTP/1.1" 401' in node.output(), timeout=5, what="the access line")
+        out = node.output()
+        assert '"GET /health HTTP/1.1" 200' not in out and '"GET /leader HTTP/1.1" 200' not in out
+        assert '"GET /leader?inbound=...&inbound=... HTTP/1.1" 400' in out  # a malformed one is logged
     finally:
         node.stop()
+
+
+def test_leader_per_inbound_follows_that_inbound_only():
+    serves = {"adt-in": True, "drop": False}
+    kept = state(serving=lambda: False, unbound=lambda: [{"name": "drop", "reason": "missing"}],
+                 serves=lambda name: serves.get(name))
+    assert kept.leader() == (503, {"node_id": "n1", "leader": False, "reason": "unbound", "unbound": ["drop"]})
+    assert kept.leader("adt-in") == (200, {"node_id": "n1", "inbound": "adt-in", "leader": True})
+    assert kept.leader("drop")[0] == 503 and kept.leader("drop")[1]["reason"] == "unbound"
+    assert kept.leader("other")[0] == 404
+    standby = state(is_leader=lambda: False, serves=lambda name: True)
+    assert standby.leader("adt-in")[0] == 503 and standby.leader("adt-in")[1]["reason"] == "standby"
 
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5

@@ -83,13 +83,20 @@ class Harness:
                                build=lambda conn: Endpoint(conn, wiring, self), drain=self.drain,
                                reactor=self.clock, supervise_seconds=0.05, grace_seconds=grace,
                                step_down=self.step_down if clustered else None,
+                               may_step_down=self.may_step_down if clustered else None,
                                on_bind=self.metrics.inbound_bind)
+        self.why_not: str | None = None  # what may_step_down answers
+        self.asked: list[float] = []
 
     def drain(self, seconds: float) -> Deferred[bool]:
         self.events.append("drain")
         return succeed(True)
 
-    def step_down(self) -> Deferred[bool]:
+    def may_step_down(self, names: list[str]) -> Deferred[str | None]:
+        self.asked.append(self.clock.seconds())
+        return succeed(self.why_not)
+
+    def step_down(self, names: list[str]) -> Deferred[bool]:
         self.step_downs += 1
         self.events.append("release lease")
         self.leader = False  # what the elector's release does to is_leader
@@ -179,6 +186,23 @@ def test_a_clustered_leader_steps_down_past_the_grace_after_an_ordered_stop():
     assert h.metric('stageline_inbound_bound{connection="b"} 0.0')
     h.run(5.0)
     assert h.step_downs == 1 and h.events[-1] == "release lease"  # not leading: nothing binds again
+
+
+def test_a_leader_keeps_the_lease_while_handing_over_cannot_help_and_asks_again_a_grace_later(gate_log):
+    h = Harness(clustered=True, grace=1.0)
+    h.why_not = "no other live node to hand over to"
+    h.gate.startService()
+    h.run(1.2)
+    assert h.step_downs == 0 and h.gate.up and h.events == ["bind b"]  # b still served
+    assert len(h.asked) == 1
+    loud = [t for level, t in gate_log if level == "critical"]
+    assert len(loud) == 1 and "no other live node to hand over to" in loud[0] and "keeps retrying" in loud[0]
+    h.run(1.0)
+    assert len(h.asked) == 2 and h.step_downs == 0  # asked again a grace later; nothing new logged
+    assert len([t for level, t in gate_log if level == "critical"]) == 1
+    h.why_not = None  # a node that could serve came up
+    h.run(1.0)
+    assert h.step_downs == 1 and h.events[-1] == "release lease"
 
 
 # --- the elector's step-down: release, then no acquiring for the backoff (real SQLite) --------------
@@ -304,10 +328,18 @@ def test_a_leader_whose_port_is_held_steps_down_and_a_node_that_can_serve_takes_
         wait_for(lambda: a.status()["is_leader"], timeout=15, interval=0.02, what="node A to lead")
         elected = time.monotonic()
         a_epoch = read_epoch(pg_config_fresh)
-        wait_for(lambda: not a.status()["is_leader"], timeout=GRACE + 5, interval=0.02, what="node A to step down")
+        # a standby that can serve (its own port is free): what makes a step-down worth it
+        b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
+                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}]).start()
+        wait_for(lambda: b.status()["role"] == "standby", timeout=15, interval=0.02, what="node B to stand by")
+        b_live = time.monotonic()
+        wait_for(lambda: not a.status()["is_leader"], timeout=GRACE + 10, interval=0.02, what="node A to step down")
         stepped = time.monotonic() - elected
-        print(f"bind conflict: node A stepped down {stepped:.2f}s after its election (grace {GRACE}s)")
-        assert stepped <= GRACE + 1.0
+        print(f"bind conflict: node A stepped down {stepped:.2f}s after its election, "
+              f"{time.monotonic() - b_live:.2f}s after node B stood by (grace {GRACE}s)")
+        # past its grace A asks whether anyone could take over; with B live it hands over at once
+        # (before B was live it kept the lease and asked again a grace later)
+        assert time.monotonic() - b_live <= GRACE + 1.0
         assert "stepping down: inbound adt-in unbound" in a.output()
         wait_for(lambda: "stepped down: lease released" in a.output(), timeout=5, what="the release logged")
         code, doc = leader(a)
@@ -315,17 +347,11 @@ def test_a_leader_whose_port_is_held_steps_down_and_a_node_that_can_serve_takes_
         assert a.status()["standing_aside_seconds"] > 0
         assert "stageline_step_downs_total 1.0" in metrics(a)
 
-        # the lease is free and A does not take it back during its backoff
-        time.sleep(2 * HEARTBEAT + 0.5)
-        lease = read_lease_state(pg_config_fresh)
-        assert not lease.live and lease.epoch == a_epoch and not a.status()["is_leader"]
-
-        b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}]).start()
         wait_for(lambda: leader(b)[0] == 200 and port_open(port_b), timeout=10, interval=0.02,
                  what="node B to lead and serve")
         b_epoch = read_epoch(pg_config_fresh)
         assert b_epoch == a_epoch + 1
+        assert a.status()["standing_aside_seconds"] > 0  # B is live: A's backoff runs its course
         sender = Sender(port_b, prefix="B")
         sender.start()
         time.sleep(1.0)
@@ -389,8 +415,110 @@ def test_a_missing_file_drop_directory_is_an_unbound_inbound_until_it_appears(tm
     gate.startService()
     clock.advance(0.05)
     [unbound] = gate.unbound()
-    assert unbound["name"] == "drop" and "missing" in unbound["reason"] and not gate.serving
+    assert unbound["name"] == "drop" and "missing or unusable" in unbound["reason"] and not gate.serving
     drop.mkdir(parents=True)  # mounted
     for _ in range(20):
         clock.advance(0.05)
     assert gate.serving and gate.unbound() == [] and gate.bound == 1
+
+
+def test_a_lone_clustered_node_keeps_the_lease_and_serves_within_1s_of_its_port_freeing(tmp_path, pg_config_fresh):
+    """No other node is live: a step-down would leave the lease unowned for a backoff, so the node keeps
+    it, says why, and binds as soon as the port frees (as a single node does)."""
+    port = free_port()
+    holder = hold(port)
+    node = Daemon(tmp_path / "a", pg_config_fresh, node_id="lone-a:1:aa", cluster=CLUSTER,
+                  inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    try:
+        wait_for(lambda: "no other live node to hand over to" in node.output(), timeout=GRACE + 10,
+                 what="the kept lease logged")
+        assert node.status()["is_leader"] and "standing_aside_seconds" not in node.status()
+        assert "stageline_step_downs_total 0.0" in metrics(node)
+        assert leader(node)[1]["reason"] == "unbound"
+        holder.close()
+        t0 = time.monotonic()
+        wait_for(lambda: leader(node)[0] == 200, timeout=5, interval=0.02, what="/leader 200")
+        took = time.monotonic() - t0
+        print(f"lone clustered node: bound {took:.2f}s after the port was freed")
+        assert took <= 1.0
+        assert send_one(port, "LONE-1") == "AA"
+    finally:
+        holder.close()
+        node.stop()
+
+
+def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_rest_is_served(tmp_path,
+                                                                                           pg_config_fresh):
+    """Every node's file-drop share is missing (the same mount on every node): each node steps down for
+    it at most once, then the next leader keeps the lease and serves its MLLP inbound; a load balancer
+    asking `/leader?inbound=adt-in` keeps that node in the VIP while `/leader` reports the drop."""
+    nodes = []
+    try:
+        for name in ("a", "b"):
+            port = free_port()
+            nodes.append((Daemon(tmp_path / name, pg_config_fresh, node_id=f"node-{name}:1:{name}{name}",
+                                 cluster=CLUSTER, inbound=[
+                                     {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port},
+                                     {"name": "drop", "kind": "file", "directory": str(tmp_path / "mnt" / "in"),
+                                      "archive": str(tmp_path / name / "archive"),
+                                      "error_directory": str(tmp_path / name / "rejected")}]).start(), port))
+
+        def settled() -> bool:  # (a node that led before its peer was live kept the lease for a grace first)
+            return any(leader_of(d, "adt-in")[0] == 200 and "no node seems able to serve it" in d.output()
+                       for d, _ in nodes)
+
+        def leader_of(d: Daemon, inbound: str) -> tuple[int, dict]:
+            code, body = d.get(f"/leader?inbound={inbound}", token=None)
+            return code, json.loads(body)
+
+        wait_for(settled, timeout=3 * (GRACE + BACKOFF) + 10, interval=0.1, what="a leader that keeps the lease")
+        [(serving, port)] = [(d, p) for d, p in nodes if d.status()["is_leader"]]
+        epoch = read_epoch(pg_config_fresh)
+        assert send_one(port, "KEPT-1") == "AA"
+        assert leader_of(serving, "drop")[0] == 503
+        code, doc = leader(serving)
+        assert code == 503 and doc["unbound"] == ["drop"]
+        assert leader_of(serving, "nope")[0] == 404
+        time.sleep(GRACE + BACKOFF)  # it stays put: no more step-downs, the same epoch
+        assert serving.status()["is_leader"] and read_epoch(pg_config_fresh) == epoch
+        downs = [float(line.split()[-1]) for d, _ in nodes for line in metrics(d).splitlines()
+                 if line.startswith("stageline_step_downs_total")]
+        print(f"no node can bind the drop: step-downs per node {downs}")
+        assert all(n <= 1.0 for n in downs) and sum(downs) >= 1.0
+        assert send_one(port, "KEPT-2") == "AA"
+    finally:
+        for d, _ in nodes:
+            d.stop()
+
+
+def test_a_file_drop_that_breaks_after_it_bound_is_reported_unbound_and_taken_again_once_back(tmp_path,
+                                                                                             sqlite_config_fresh):
+    """The drop's directory is removed, then replaced by a symlink, while the node leads: the inbound is
+    reported unbound (status, /leader, metric) from the poll that failed, and serves again once the
+    real directory is back."""
+    drop = tmp_path / "in"
+    drop.mkdir()
+    node = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="solo:1:dd",
+                  inbound=[{"name": "drop", "kind": "file", "directory": str(drop), "poll_seconds": 0.2,
+                            "archive": str(tmp_path / "archive"), "error_directory": str(tmp_path / "rejected")}]
+                  ).start()
+    try:
+        wait_for(lambda: leader(node)[0] == 200, timeout=10, what="the drop bound")
+        drop.rmdir()
+        wait_for(lambda: node.status()["unbound"], timeout=5, interval=0.05, what="the lost drop reported")
+        assert leader(node)[1]["unbound"] == ["drop"]
+        assert 'stageline_inbound_bound{connection="drop"} 0.0' in metrics(node)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "F3.hl7").write_text(adt("F3").replace("\n", "\r"))
+        drop.symlink_to(elsewhere)  # a link where the directory was: never followed
+        time.sleep(1.5)
+        assert node.status()["unbound"] and (elsewhere / "F3.hl7").exists()
+        drop.unlink()
+        drop.mkdir()
+        (drop / "F4.hl7").write_text(adt("F4").replace("\n", "\r"))
+        wait_for(lambda: leader(node)[0] == 200 and not (drop / "F4.hl7").exists(), timeout=10, interval=0.05,
+                 what="the drop serving again and F4 taken")
+        assert node.output().count("cannot bind inbound drop") == 1 or "still unbound" in node.output()
+    finally:
+        node.stop()

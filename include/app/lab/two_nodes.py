@@ -75,7 +75,7 @@ frontend stats
 
 backend mllp_leader
     balance first
-    option httpchk GET /leader
+    option httpchk GET /leader?inbound=adt-in
     http-check expect status 200
 {lines}
 """
