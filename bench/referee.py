@@ -1,6 +1,6 @@
 """The failover bench's referee: never two serving leaders, never a write under a superseded epoch.
 
-It watches a lab (`include/lab/cluster.py`) for a whole run, every POLL_SECONDS, from its own thread:
+It watches a lab (`include/app/lab/two_nodes.py`) for a whole run, every POLL_SECONDS, from its own thread:
 
     leaders   every node's `GET /leader` at once (one request per node, concurrently): two 200s in
               one round are two nodes serving as leader at the same moment. A frozen node does not

@@ -31,6 +31,7 @@ from typing import Any
 from twisted.internet import defer, threads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web import http
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -370,7 +371,7 @@ class _ApiSite(Site):
                          logFormatter=access_log.formatter(path=redact_path, known=QUERY_FIELDS))
         self.auth = auth
 
-    def log(self, request: Request) -> None:
+    def log(self, request: http.Request) -> None:
         """No access line for a load balancer's health checks that were answered (`GET /health`,
         `GET /leader`: several a second per balancer, they would drown the rest); what they report
         is logged where it changes (the leader gate's state lines). Anything else is logged."""

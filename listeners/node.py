@@ -143,9 +143,10 @@ class ListenerNode(SequentialMultiService):
             ago = now - max(self._stepped_down_for[n] for n in recent)
             return defer.succeed(f"this node stepped down for it {ago:.0f}s ago and leads again: no node seems able "
                                  "to serve it")
-        d = self.lease.live_peers()
-        d.addCallback(lambda peers: None if peers else "no other live node to hand over to")
-        return d
+        def why_not(peers: list[str]) -> str | None:
+            return None if peers else "no other live node to hand over to"
+
+        return self.lease.live_peers().addCallback(why_not)
 
     def _step_down_memory(self) -> float:
         """How long a step-down is remembered: long enough to span the lease going round every node once
