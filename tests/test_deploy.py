@@ -49,13 +49,20 @@ def test_the_vip_config_passes_haproxy_check(config: str):
 @pytest.mark.parametrize("config", ["haproxy/hosts.cfg", "haproxy.cfg"])
 def test_every_vip_backend_asks_leader_on_the_api_port(config: str):
     """Issue 24: a TCP check on the data port passes on a frozen leader (its kernel still accepts);
-    each backend asks `GET /leader` (200 on the serving leader only) on the API port, 8470."""
+    each backend asks `GET /leader?inbound=<the MLLP inbound>` (200 on the leader serving that inbound
+    only) on the API port, 8470 — per inbound, so one that no node can bind does not empty the VIP."""
+    import tomllib
+
+    inbound = {c["name"] for c in tomllib.loads((DEPLOY / "config" / "connections.toml").read_text())["inbound"]
+               if c["kind"] == "mllp"}
     text = (DEPLOY / config).read_text()
     backends = [block for block in text.split("\nbackend ")[1:]]
     assert backends
     for block in backends:
         lines = [line.split("#", 1)[0].strip() for line in block.split("\n\n", 1)[0].splitlines()]
-        assert "option httpchk GET /leader" in lines and "http-check expect status 200" in lines, block
+        checks = [line for line in lines if line.startswith("option httpchk ")]
+        assert [c.removeprefix("option httpchk GET /leader?inbound=") in inbound for c in checks] == [True], block
+        assert "http-check expect status 200" in lines, block
         servers = [line for line in lines if line.startswith("server ")]
         assert servers and all(" check port 8470" in line for line in servers), servers
 
