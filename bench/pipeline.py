@@ -4,8 +4,8 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     store     a throwaway PostgreSQL cluster (fsync and synchronous_commit on) or a SQLite file
     backlog   `bench/hl7_corpus.py` messages staged in stage_inbound (lane = PID-3.1)
     Spark     one Spark Connect server on local[*], started here and warmed by one small run
-    route     route_job's phases, batch after batch until the backlog is empty
-    transform transform_job's phases, likewise (config/transforms.toml-like rules, lookup table)
+    route     the route stage's phases (`spark_jobs.stage_job`), batch after batch until the backlog is empty
+    transform the transform stage's phases, likewise (config/transforms.toml-like rules, lookup table)
     deliver   deliver_job.run to file destinations (atomic writes, two flushes per partition)
     mllp      deliver_job.run of `--mllp-rows` rows over 20 lanes to an MLLP receiver that ACKs each
               message (bench/peers/hl7_asyncio_server.py --mode ack), concurrency as the stage task
@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +56,9 @@ from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
 from listeners.group_commit import new_message_id  # noqa: E402
-from spark_jobs import deliver_job, route_job, stage_io, transform_job  # noqa: E402
+from include.store.stages import ROUTE, TRANSFORM, Stage  # noqa: E402
+from spark_jobs import deliver_job, stage_job, transform_job  # noqa: E402
+from spark_jobs.route_job import routed_rows  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [
     {"name": "adt-to-ehr", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
@@ -113,22 +116,23 @@ class Phases:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
 
 
-def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, job: Any,
+def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, stage: Stage,
           transform: Callable[[Any, str], Any], **finalize_args: Any) -> int:
-    """Run `job` (route_job or transform_job) batch after batch until nothing is claimed, timing
-    its real steps; `transform(claimed_frame, run_id)` is the job's pure transform."""
+    """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed, timing the steps
+    of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the stage's pure transform."""
     done = 0
     while True:
-        run = f"{job.__name__.rsplit('.', 1)[-1]}-{phases.batches}"
+        run = f"{stage.name}_job-{phases.batches}"
         owner = f"bench/{run}"
-        ids = phases.time("claim", lambda: job.claim(store, owner=owner, epoch=epoch, batch_size=batch))
+        ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=batch))
         if not ids:
             return done
-        small = stage_io.is_small(ids)
-        phases.time("spark", lambda: job.land(store, transform(
-            job.extract(store, spark, owner=owner, epoch=epoch, small=small, ids=ids), run), small=small))
-        out = phases.time("finalize", lambda: job.finalize(store, run_id=run, owner=owner, epoch=epoch,
-                                                           claimed_ids=ids, **finalize_args))
+        small = stage_job.is_small(ids)
+        phases.time("spark", lambda: stage_job.land(store, transform(
+            stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run),
+            stage.landing, small=small))
+        out = phases.time("finalize", lambda: stage_job.finalize(store, stage, run_id=run, owner=owner, epoch=epoch,
+                                                                 claimed_ids=ids, **finalize_args))
         assert not out.not_finished, out.not_finished[:5]
         done += len(ids)
         phases.batches += 1
@@ -170,7 +174,7 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
     results = [p for p in payloads if "|ORU^" in p.split("\r", 1)[0]]
     oru = [results[i % len(results)] for i in range(n)]
     frame = spark.createDataFrame([(i, i, "lab", p, f"m{i}", f"C{i}", "bench") for i, p in enumerate(oru)],
-                                  transform_job.CLAIMED_SCHEMA).cache()
+                                  TRANSFORM.schema).cache()
     frame.count()  # uploaded and cached once: the runs below time the transform alone
     code_dir = str(ROOT / "bench" / "code")
     no_lab = [s for s in SPECS if s["destination"] != "lab"]
@@ -206,8 +210,8 @@ def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
     """Route and transform `payloads` into Spark's noop sink twice (no store I/O): a fresh JVM
     interprets Spark's expression code until its JIT has compiled it, which the first large batch
     otherwise pays for (--warm-messages)."""
-    inbound = spark.createDataFrame([(i, "bench", p) for i, p in enumerate(payloads)], route_job.CLAIMED_SCHEMA)
-    routed = inbound.transform(route_job.transform, parse_routes(ROUTES), run_id="warm")
+    inbound = spark.createDataFrame([(i, "bench", p) for i, p in enumerate(payloads)], ROUTE.schema)
+    routed = inbound.transform(routed_rows, parse_routes(ROUTES), run_id="warm")
     claimed = routed.where("status = 'pending'").join(inbound.withColumnRenamed("id", "source_id"), "source_id").select(
         "source_id", "destination", "payload", "connection")
     claimed = claimed.selectExpr("source_id AS id", "source_id", "destination", "payload",
@@ -279,11 +283,12 @@ def main() -> None:
                                              "lane_key": "warm", "charset": None, "payload": p}],
                                        epoch=epoch, node_id="bench")
             t = time.perf_counter()
-            route_job.run(store, spark, routes=parse_routes(ROUTES), owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}",
-                          batch_size=1)
+            stage_job.run_stage_job(ROUTE, store, spark, transform=partial(routed_rows, routes=parse_routes(ROUTES)),
+                                    owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}", batch_size=1)
             overheads.append(time.perf_counter() - t)
-        transform_job.run(store, spark, specs=SPECS, destinations=dests, owner="bench/warm-t", epoch=epoch,
-                          run_id="warm-t")
+        stage_job.run_stage_job(TRANSFORM, store, spark, transform=transform_job.checked(store, SPECS, dests),
+                                passthrough=passthrough_destinations(SPECS, dests), owner="bench/warm-t", epoch=epoch,
+                                run_id="warm-t")
         deliver_job.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
 
         if args.warm_messages:
@@ -303,8 +308,8 @@ def main() -> None:
             routed_before = count(store, "SELECT count(*) FROM stage_routed")
             started = time.perf_counter()
             passthrough = passthrough_destinations(SPECS, dests)
-            routed_msgs = drain(store, spark, epoch, args.batch, phases, route_job,
-                                lambda frame, run: frame.transform(route_job.transform, parse_routes(ROUTES), run_id=run),
+            routed_msgs = drain(store, spark, epoch, args.batch, phases, ROUTE,
+                                lambda frame, run: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run),
                                 passthrough=passthrough)
             route_s = time.perf_counter() - started
             n_routed = count(store, "SELECT count(*) FROM stage_routed") - routed_before
@@ -315,7 +320,7 @@ def main() -> None:
 
             tphases = Phases()
             started = time.perf_counter()
-            transformed = drain(store, spark, epoch, args.batch, tphases, transform_job,
+            transformed = drain(store, spark, epoch, args.batch, tphases, TRANSFORM,
                                 lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
                                                                    run_id=run),
                                 passthrough=passthrough)

@@ -23,4 +23,6 @@ from __future__ import annotations
 from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-dag = stage_dag("stage_deliver", waits_for="outbound", job_id="deliver", job=tasks.run_deliver_stage, doc_md=__doc__)
+from include.store.stages import DELIVER
+
+dag = stage_dag(DELIVER, job=tasks.run_deliver_stage, doc_md=__doc__)

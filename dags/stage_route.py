@@ -24,4 +24,6 @@ from __future__ import annotations
 from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-dag = stage_dag("stage_route", waits_for="inbound", job_id="route", job=tasks.run_route_stage, doc_md=__doc__)
+from include.store.stages import ROUTE
+
+dag = stage_dag(ROUTE, job=tasks.run_route_stage, doc_md=__doc__)

@@ -21,4 +21,6 @@ from __future__ import annotations
 from stageline_airflow import tasks
 from stageline_airflow.stage_dag import stage_dag
 
-dag = stage_dag("stage_transform", waits_for="routed", job_id="transform", job=tasks.run_transform_stage, doc_md=__doc__)
+from include.store.stages import TRANSFORM
+
+dag = stage_dag(TRANSFORM, job=tasks.run_transform_stage, doc_md=__doc__)

@@ -24,7 +24,7 @@ LEAST_ROWS = 1_000
 """Never smaller than this: a backlog must still drain faster than the rated rate fills it, even when
 a fixed cost (an fsync, a WAL checkpoint) makes every commit look slow — a batch a second of 1,000
 rows is five times the rated 200 msg/s. It is also where a stage's small-batch path ends
-(`spark_jobs.stage_io.SMALL_BATCH_ROWS`), whose writes this process times itself."""
+(`spark_jobs.stage_job.SMALL_BATCH_ROWS`), whose writes this process times itself."""
 GROWTH = 1.5
 
 

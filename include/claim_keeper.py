@@ -73,7 +73,7 @@ class ClaimKeeper:
         self.reason: str | None = None
         self._clock = clock
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"stageline-keeper-{table.stage}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"stageline-keeper-{table.key}", daemon=True)
 
     def __enter__(self) -> ClaimKeeper:
         self._thread.start()
@@ -111,7 +111,7 @@ class ClaimKeeper:
                                           owner=keep.rstrip("."), max_attempts=self.max_attempts)
         if recovered:
             log.info("re-pended %d %s row(s) held by claimers that have ended (%s…)", recovered,
-                     self.table.stage, prefix)
+                     self.table.key, prefix)
         return recovered
 
     def renew(self) -> int:
@@ -125,10 +125,10 @@ class ClaimKeeper:
     def sweep(self) -> int:
         """Re-pend this stage's rows whose row lease expired; how many."""
         with self.store.transaction() as tx:
-            swept = sweep_expired(tx, self.table, owner=f"keeper:{self.table.stage}", epoch=self.epoch,
+            swept = sweep_expired(tx, self.table, owner=f"keeper:{self.table.key}", epoch=self.epoch,
                                   max_attempts=self.max_attempts)
         if swept:
-            log.info("re-pended %d %s row(s) whose row lease expired", swept, self.table.stage)
+            log.info("re-pended %d %s row(s) whose row lease expired", swept, self.table.key)
         return swept
 
     def _stop(self, reason: str) -> bool:

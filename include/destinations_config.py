@@ -11,7 +11,7 @@ A destination spec, as loaded from TOML/JSON config::
 
 The schema is `include.schema.destinations` (strict pydantic models: types, ranges, unknown
 keys); every problem of the file is reported at once, keyed ``destination[2].port``. `max_attempts`,
-`backoff_seconds` and `max_backoff_seconds` are the retry policy `include.store.stages` applies to
+`backoff_seconds` and `max_backoff_seconds` are the retry policy `include.store.finalize` applies to
 a failed delivery; `permanent_ack_codes` says which MLLP answers are final (see
 `spark_jobs.senders.mllp`).
 

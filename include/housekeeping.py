@@ -54,7 +54,7 @@ def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
     """
     counts: dict[str, int] = {}
     for table in STAGED_TABLES:
-        counts[table.stage] = _batches(
+        counts[table.key] = _batches(
             lambda: _sweep(store, table, epoch=epoch, owner=owner or "airflow", limit=limit),
             limit=limit, max_batches=max_batches)
     if any(counts.values()):
@@ -101,7 +101,7 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     Each such connection is its own pass; the stage's default pass skips every overridden one.
     """
     ages = _ages(older_than_seconds)
-    overrides = {name: _ages(per, keys=STAGES) for name, per in (connections or {}).items()}
+    overrides = {name: _ages(per, keys=TABLE_KEYS) for name, per in (connections or {}).items()}
     if any("," in name for name in overrides):
         raise ValueError(f"a connection name must not contain ',': {sorted(overrides)}")
     counts: dict[str, int] = {}
@@ -110,8 +110,8 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
         ages[BATCHES] = ages["inbound"]
     # downstream first: an inbound row waits for its routed rows, and for outbound rows that send
     # its body (pass-through rows have none of their own), so those go in the same run
-    steps = [(t.stage, t.purge) for t in reversed(STAGED_TABLES)] + [(EVENTS, "purge_events")]
-    steps.insert(steps.index((INBOUND.stage, INBOUND.purge)) + 1,  # after the inbound rows it waits for
+    steps = [(t.key, t.purge) for t in reversed(STAGED_TABLES)] + [(EVENTS, "purge_events")]
+    steps.insert(steps.index((INBOUND.key, INBOUND.purge)) + 1,  # after the inbound rows it waits for
                  (BATCHES, "purge_inbound_batches"))
     for key, purge in steps:
         for age, scope in _passes(key, ages, overrides):
@@ -129,7 +129,8 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     return counts
 
 
-STAGES = tuple(t.stage for t in STAGED_TABLES)
+TABLE_KEYS = tuple(t.key for t in STAGED_TABLES)
+"""The staged tables' retention keys (`inbound`, `routed`, `outbound`): per-connection ones apply to these."""
 
 
 def _passes(key: str, ages: Mapping[str, float],
@@ -137,7 +138,7 @@ def _passes(key: str, ages: Mapping[str, float],
     """The (age, connection scope) passes of one retention key: one per connection with its own age
     for a stage (`within` 1: only its rows), then the default one skipping those (`within` 0).
     The scope is None for the keys that are not per connection (events, batches)."""
-    if key not in STAGES:
+    if key not in TABLE_KEYS:
         return [(ages[key], None)] if key in ages else []
     own = sorted(name for name, per in overrides.items() if key in per)
     passes: list[tuple[float, dict[str, Any] | None]] = [
@@ -148,7 +149,7 @@ def _passes(key: str, ages: Mapping[str, float],
 
 
 def _ages(older_than_seconds: float | Mapping[str, float], *, keys: tuple[str, ...] | None = None) -> dict[str, float]:
-    keys = list(keys) if keys is not None else [t.stage for t in STAGED_TABLES] + [EVENTS]
+    keys = list(keys) if keys is not None else [t.key for t in STAGED_TABLES] + [EVENTS]
     if isinstance(older_than_seconds, Mapping):
         unknown = sorted(set(older_than_seconds) - set(keys))
         if unknown:

@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from include.config import ClusterConfig
-from include.store import STAGED_TABLES, StagedTable, Store
+from include.store import Store
 from include.store.lease import read_lease
 from include.store.migrate import check_identity
+from include.store.stages import STAGES, stage_named
 
 
 @dataclass(frozen=True)
@@ -62,19 +63,19 @@ def check_leadership(store: Store, cluster: ClusterConfig) -> LeaderCheck:
 
 
 def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ahead: bool = False) -> bool | None:
-    """Whether `stage` has rows due to be claimed: True / False, or None when the run must stop
-    waiting — `epoch` is no longer current, or (`require_live`, a cluster) the lease has lapsed.
+    """Whether the stage named `stage` (`include.store.stages`) has rows due to be claimed in its
+    input table: True / False, or None when the run must stop waiting — `epoch` is no longer
+    current, or (`require_live`, a cluster) the lease has lapsed. An unknown stage is a ValueError.
 
-    `ahead` also counts rows due in the stages before this one (for `outbound`: inbound and routed
-    too): work on its way. A waiting stage run starts its job then, so the job task is already
-    running when the rows reach its table — the task start (seconds under a real scheduler) is paid
-    once, side by side for all three stages, instead of once per hop.
+    `ahead` also counts rows due in the inputs of the stages before this one (for `deliver`:
+    inbound and routed too): work on its way. A waiting stage run starts its job then, so the job
+    task is already running when the rows reach its table — the task start (seconds under a real
+    scheduler) is paid once, side by side for all three stages, instead of once per hop.
 
     A waiting run polls this every second or so, on one store kept open for the whole wait.
     """
-    tables = [stage_table(stage)]
-    if ahead:
-        tables = list(STAGED_TABLES[:STAGED_TABLES.index(tables[0]) + 1])
+    this = stage_named(stage)
+    tables = [s.input for s in STAGES[:STAGES.index(this) + 1]] if ahead else [this.input]
     due = False
     with store.transaction(write=False) as tx:
         for table in reversed(tables):  # its own table first: the likeliest to have work
@@ -86,10 +87,3 @@ def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ah
                 break
     return due
 
-
-def stage_table(stage: str) -> StagedTable:
-    """The staged table named `stage` (`inbound`, `routed`, `outbound`); ValueError if none is."""
-    for table in STAGED_TABLES:
-        if table.stage == stage:
-            return table
-    raise ValueError(f"unknown stage {stage!r}; known: {[t.stage for t in STAGED_TABLES]}")

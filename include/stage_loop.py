@@ -169,7 +169,7 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     the run (the pipeline config changed: the next run loads and checks it). Returns counts summed
     over batches (the XCom), the epochs worked under, and why the task stopped early if it did.
     """
-    from include.store.stages import StaleEpoch
+    from include.store.finalize import StaleEpoch
 
     follow = follow or follow_leader
     linger = linger_seconds()

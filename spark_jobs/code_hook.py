@@ -146,7 +146,7 @@ def call_hook(function: Callable[[Any], Any], spec: str, payload: str) -> str:
 def _run_batches(batches: Iterator[pa.RecordBatch], *, hooks: dict[str, str],
                  code_dir: str | None) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: payload := hook(payload); a failing message gets a NULL payload and its
-    reason in content_type (what `include.store.stages.finalize_transform` dead-letters)."""
+    reason in content_type (what `include.store.finalize.finalize_transform` dead-letters)."""
     import pyarrow as pa
 
     functions = {dest: load_hook(spec, code_dir) for dest, spec in hooks.items()}

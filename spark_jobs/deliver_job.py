@@ -6,7 +6,7 @@ One round:
               of each due lane (a prefix, cut before anything held), stranded heads of a dead
               leader re-pended first
     extract   the claimed rows (`read_claimed`: a local frame for a small claim, a Spark JDBC read
-              for a large one — `spark_jobs.stage_io`)
+              for a large one — `spark_jobs.stage_job`)
     deliver   `spark_deliver`: repartition by lane, `mapInPandas` → `deliver_lanes` → `send()`;
               an outcomes frame (id, destination, ok, retryable, detail) is collected. A
               partition's file lanes are written together: two disk flushes for all of them, not
@@ -17,6 +17,10 @@ One round:
               retryable → error with the destination's backoff, or dead after its
               `max_attempts`; permanent → dead at once; not attempted (an earlier row of its lane
               failed this round) → pending again, the attempt not counted
+
+The stage's record is `include.store.stages.DELIVER` (its input table, read query and schema, its
+finalize; no landing table: outcomes are collected, not landed). It claims lane heads, not a
+batch, and repeats rounds, so it is its own job rather than `stage_job.run_stage_job`.
 
 `run()` repeats rounds until no lane head is due or its time budget is spent, so one job run
 drains a backlog lane by lane, each lane in id order. Within a round a lane's rows are sent one
@@ -41,10 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from include.destinations_config import Destination, FileDestination, parse_destinations
-from include.store import OUTBOUND, Store
+from include.store import Store
 from include.store.retry import until_done, with_retries
 from include.store.rowlease import claim_lane_heads
-from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
+from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
+from include.store.stages import DELIVER
 from spark_jobs.senders import send
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE
 from spark_jobs.senders.file import FileSend, batch_file, send_file_lanes
@@ -70,10 +75,8 @@ __all__ = [
     "spark_deliver",
 ]
 
-CLAIMED_COLUMNS = ("id", "destination", "lane_key", "payload", "content_type", "idempotency_key", "attempts",
-                   "message_id", "control_id")
-CLAIMED_SCHEMA = ("id BIGINT, destination STRING, lane_key STRING, payload STRING, content_type STRING, "
-                  "idempotency_key STRING, attempts INT, message_id STRING, control_id STRING")
+CLAIMED_COLUMNS = tuple(DELIVER.columns)
+CLAIMED_SCHEMA = DELIVER.schema
 OUTCOME_COLUMNS = ("id", "destination", "ok", "retryable", "detail")
 OUTCOME_SCHEMA = "id BIGINT, destination STRING, ok BOOLEAN, retryable BOOLEAN, detail STRING"
 NO_OUTCOME = "no delivery outcome came back from Spark"
@@ -221,7 +224,7 @@ def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds
     """Claim the first `per_lane` rows of up to `max_lanes` lanes, at most `max_rows` in all, in their
     own transaction; their ids."""
     with store.transaction() as tx:
-        rows = claim_lane_heads(tx, OUTBOUND, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds,
+        rows = claim_lane_heads(tx, DELIVER.input, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds,
                                 per_lane=per_lane, max_rows=max_rows)
     return [int(r["id"]) for r in rows]
 
@@ -230,7 +233,7 @@ def fetch_claimed(store: Store, *, owner: str, epoch: int, ids: Iterable[int]) -
     """The claimed rows still ours, in id order (plain SQL, read-only)."""
     wanted = {int(i) for i in ids}
     with store.transaction(write=False) as tx:
-        found = tx.all("deliver_read_claimed", {"owner": owner, "epoch": int(epoch)})
+        found = tx.all(DELIVER.read_query, {"owner": owner, "epoch": int(epoch)})
     return sorted(({c: r[c] for c in CLAIMED_COLUMNS} for r in found if int(r["id"]) in wanted),
                   key=lambda r: int(r["id"]))
 
@@ -239,10 +242,9 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
     """The claimed rows as a Spark frame with CLAIMED_SCHEMA: read here and handed over as a local
     frame for a small claim, a Spark JDBC read of `deliver_read_claimed` (bounded by owner + epoch)
     for a large one."""
-    from spark_jobs import stage_io
+    from spark_jobs import stage_job
 
-    return stage_io.read_claimed(store, spark, "deliver_read_claimed", CLAIMED_SCHEMA, owner=owner, epoch=epoch,
-                                 small=stage_io.is_small(list(ids)))
+    return stage_job.read_claimed(store, spark, DELIVER, owner=owner, epoch=epoch, small=stage_job.is_small(list(ids)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +320,7 @@ def _fail_quietly(store: Store, ids: list[int], *, owner: str, epoch: int, dests
     more."""
     def hand_back() -> None:
         with store.transaction() as tx:
-            heads = tx.all("deliver_read_claimed", {"owner": owner, "epoch": int(epoch)})
+            heads = tx.all(DELIVER.read_query, {"owner": owner, "epoch": int(epoch)})
         wanted = set(ids)
         outcomes = [{"id": int(r["id"]), "destination": r["destination"], "ok": False, "retryable": True,
                      "detail": detail} for r in heads if int(r["id"]) in wanted]

@@ -55,7 +55,10 @@ class StagedTable:
     """A staged table the row-lease primitives may touch (the whitelist for `{table}`)."""
 
     name: str
-    stage: str
+    key: str
+    """Its short name (`inbound`, `routed`, `outbound`): the `stage` column of its audit events, its
+    retention key, its row in `stageline stages`. A stage that claims from it has a name of its own
+    (`include.store.stages`: `route` claims from `inbound`)."""
     has_destination: bool
     purge: str
     """The retention query of this table (each repeats its own finished predicate; inbound and
@@ -149,7 +152,7 @@ class Tx:
             rows = self.all(name, params, table=table)
             self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
             return rows
-        return self._fetch(name, text, {**params, "ev_stage": table.stage, "ev_event": event, "ev_from": from_status,
+        return self._fetch(name, text, {**params, "ev_stage": table.key, "ev_event": event, "ev_from": from_status,
                                   "ev_epoch": epoch, "ev_node": node_id})
 
     def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
@@ -162,7 +165,7 @@ class Tx:
         if not rows:
             return
         self.execute("record_events_for", {"ids": self.dialect.id_list([r["id"] for r in rows]),
-                                           "stage": table.stage, "event": event, "from_status": from_status,
+                                           "stage": table.key, "event": event, "from_status": from_status,
                                            "epoch": epoch, "node_id": node_id}, table=table)
 
 

@@ -33,6 +33,12 @@ def read_all(tx: Tx) -> dict[str, dict[str, str]]:
     return tables
 
 
+def load_all(store: Store) -> dict[str, dict[str, str]]:
+    """Every lookup table, read in a transaction of its own (`read_all`)."""
+    with store.transaction(write=False) as tx:
+        return read_all(tx)
+
+
 def list_tables(tx: Tx) -> list[dict[str, object]]:
     """Name, entry count and last change (epoch seconds) of each table."""
     return [dict(r) for r in tx.all("lookup_tables")]

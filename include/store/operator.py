@@ -344,7 +344,7 @@ def stages(store: Store, *, window_seconds: float = 300.0) -> dict[str, dict[str
         for table in STAGED_TABLES:
             row = tx.one("stage_overview", {"window_ms": int(window_seconds * 1000)}, table=table) or {}
             oldest = row.get("oldest_ms")
-            out[table.stage] = {
+            out[table.key] = {
                 "backlog": int(row.get("backlog") or 0),
                 "oldest_pending_seconds": round((int(row["now_ms"]) - int(oldest)) / 1000, 1) if oldest else None,
                 "in_flight": int(row.get("in_flight") or 0), "dead": int(row.get("dead") or 0),
@@ -376,7 +376,7 @@ def recent_batches(store: Store, *, stage: str | None = None, limit: int = 20) -
 
 def table_of(stage: str) -> StagedTable:
     for table in (INBOUND, ROUTED, OUTBOUND):
-        if stage in (table.stage, table.name):
+        if stage in (table.key, table.name):
             return table
     raise ValueError(f"unknown stage {stage!r}: inbound, routed or outbound")
 
@@ -384,6 +384,6 @@ def table_of(stage: str) -> StagedTable:
 def _events(tx: Any, table: StagedTable, ids: list[int], *, event: str, from_status: str | None, actor: str,
             detail: str) -> None:
     if ids:
-        tx.execute("operator_events", {"ids": tx.dialect.id_list(ids), "stage": table.stage, "event": event,
+        tx.execute("operator_events", {"ids": tx.dialect.id_list(ids), "stage": table.key, "event": event,
                                        "from_status": from_status, "actor": f"operator:{actor}",
                                        "detail": detail[:2000]}, table=table)

@@ -1,286 +1,114 @@
-"""The store side of the Spark stage jobs: the fenced finalizes, and queries Spark runs itself.
+"""The pipeline's stages, each declared once: what it claims, how it reads, where it lands, how it ends.
 
-A stage job claims in plain SQL, lets Spark read the claimed rows and append its results to a
-landing table keyed by the run, then calls a finalize here in ONE short transaction: join the
-epoch fence, check the epoch, finish the sources, move their landed rows to the next stage, record
-the audit events and clear the landing rows. Either all of it commits or none of it does, so a
-stale leader's job lands nothing (invariant 3) and a re-run lands no duplicates (invariant 5).
-The deliver stage lands no rows: its finalize turns one round's send outcomes into row states
-(`finalize_deliveries`). Invariants: docs/invariants.md.
+    route      stage_inbound  → landing_routed   → stage_routed     (finalize_route)
+    transform  stage_routed   → landing_outbound → stage_outbound   (finalize_transform)
+    deliver    stage_outbound lane heads → destinations, no landing  (finalize_deliveries)
+
+A `Stage` is read by everything that works on a stage: the Spark job (`spark_jobs.stage_job.
+run_stage_job` claims from `input`, reads with `read_query`/`schema`, lands into `landing`, calls
+`finalize`), the Airflow plugin (the DAG `stage_<name>`, its task `<name>`, its claim keeper), the leader check (`work_pending`: which table is this stage's work, which stages come
+before it) and the batch history (`stage_batches.stage` is the stage's name). A stage has this one
+name; its input table has its own (`StagedTable.key`: `inbound`, `routed`, `outbound`), which the
+audit trail, retention and `stageline stages` use.
+
+Why here, in the store: the record is read where Spark must not be imported — when Airflow parses
+a DAG file, by the leader check, by the CLI — and everything in it is the store's (tables, named
+queries, fenced finalizes). A Spark type string (`schema`) is only text. The stage's pure
+transform is Spark code and lives in its job module (`spark_jobs/route_job.py`,
+`spark_jobs/transform_job.py`), which `run_stage_job` is handed with the record. Adding a stage:
+docs/stages.md, "Adding a stage".
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from include.store import queries
-from include.store.db import INBOUND, OUTBOUND, ROUTED, Store, Tx
-from include.store.rowlease import fail_batch, finish_batch, release_batch
+from include.store.db import INBOUND, OUTBOUND, ROUTED, StagedTable, Store
+from include.store.finalize import (DeliverOutcome, RouteOutcome, TransformOutcome, finalize_deliveries,
+                                    finalize_route, finalize_transform)
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
 
-class StaleEpoch(RuntimeError):
-    """The job's epoch is no longer the lease's: its results must not land."""
+@dataclass(frozen=True)
+class Landing:
+    """A stage's landing table: scratch rows keyed by run, appended by Spark, moved by the finalize.
+
+    Its named queries follow the table's name: `<table>_insert` (a small batch's rows, as JSON),
+    `<table>_delete` (one run's rows) and `<table>_delete_sources` (earlier runs' leftovers).
+    """
+
+    table: str
+    columns: tuple[str, ...]
+
+    def discard(self, store: Store, run_id: str) -> int:
+        """Delete one run's landing rows (its own transaction): cleanup after a failed or fenced run."""
+        with store.transaction() as tx:
+            return tx.execute(f"{self.table}_delete", {"run_id": run_id})
 
 
 @dataclass(frozen=True)
-class RouteOutcome:
-    """What one route run changed; ids in ascending order.
+class Stage:
+    """One stage of the pipeline (module docstring)."""
 
-    `not_finished`: claimed sources this run could not finish — its row lease was lost to the sweep
-    (another run owns them now) or Spark landed nothing for them. They stay as they are and come
-    back through the sweep; none of their landed rows moved. `outbound`: the outbound rows of
-    pass-through rows, which were routed straight to `done` (`finalize_route`).
-    """
-
-    run_id: str
-    claimed: tuple[int, ...] = ()
-    routed: tuple[int, ...] = ()
-    done: tuple[int, ...] = ()
-    unrouted: tuple[int, ...] = ()
-    not_finished: tuple[int, ...] = ()
-    outbound: tuple[int, ...] = ()
-
-
-def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
-                   passthrough: Collection[str] = ()) -> RouteOutcome:
-    """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
-
-    Raises StaleEpoch when `epoch` is no longer current; the caller's transaction then rolls
-    back and nothing lands. Sources are finished first, so only sources this transaction really
-    finished (their rows now locked by it) get routed rows: a source whose claim was lost lands
-    nothing even if Spark landed rows for it.
-
-    A row bound for a `passthrough` destination (nothing to compute: no spec, no hook, one lane)
-    is routed straight to `done` and gets its outbound row here, so the transform stage never
-    claims and finishes it. Not while the destination has routed rows still open (routed before a
-    config change made it a pass-through): its new rows then queue behind them, in lane order.
-    """
-    tx.fence()
-    if tx.one("epoch_current", {"epoch": epoch}) is None:
-        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
-    claimed = {int(i) for i in claimed_ids}
-    params = {"run_id": run_id}
-    unrouted_ids = claimed & {int(r["source_id"]) for r in tx.all("route_unrouted_ids", params)}
-    pending_ids = claimed & {int(r["source_id"]) for r in tx.all("route_pending_ids", params)}
-    pending_ids -= unrouted_ids  # route() never emits both for one source; never mark one twice
-    done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
-    unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
-    direct: set[str] = set()
-    if passthrough and done:
-        names = tx.dialect.text_list(sorted(passthrough))
-        direct = set(passthrough) - {r["destination"] for r in tx.all("route_passthrough_open", {"names": names})}
-    rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done),
-                                                   "direct": tx.dialect.text_list(sorted(direct))},
-                         table=ROUTED, event="routed", from_status=None, epoch=epoch, node_id=owner,
-                         ids_only=not direct) if done else []
-    rows.sort(key=lambda r: r["id"])
-    passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
-    # no body of their own: a pass-through row's body is its inbound row's (docs/store.md "Bodies")
-    outbound = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
-                             event="transformed", from_status=None, epoch=epoch, node_id=owner,
-                             ids_only=True) if passed else []
-    tx.execute("landing_routed_delete", params)
-    finished = sorted({*done, *unrouted})
-    if finished:  # leftovers of earlier runs that died after landing these same sources
-        tx.execute("landing_routed_delete_sources", {"ids": tx.dialect.id_list(finished)})
-    return RouteOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), routed=tuple(int(r["id"]) for r in rows),
-                        done=tuple(done), unrouted=tuple(unrouted),
-                        outbound=tuple(sorted(int(r["id"]) for r in outbound)),
-                        not_finished=tuple(sorted(claimed - set(finished))))
-
-
-@dataclass(frozen=True)
-class TransformOutcome:
-    """What one transform run changed; ids in ascending order.
-
-    `done`: routed rows finished, with one outbound row each (`outbound`). `failed`: routed rows
-    whose message could not be transformed (not HL7): dead-lettered with the reason.
-    `not_finished`: claimed rows this run could not finish (row lease lost, or nothing landed).
-    """
-
-    run_id: str
-    claimed: tuple[int, ...] = ()
-    outbound: tuple[int, ...] = ()
-    done: tuple[int, ...] = ()
-    failed: tuple[int, ...] = ()
-    not_finished: tuple[int, ...] = ()
-
-
-UNTRANSFORMABLE = "cannot transform: the payload is not an HL7 v2 message (no MSH, FHS or BHS header)"
-
-
-def dead_letter_reason(detail: str | None) -> str:
-    """Why a landed row with a NULL payload is dead: its content_type carries the reason a rule or a
-    code hook gave (docs/rules.md); a plain content type there means the rules could not read it."""
-    if detail and not detail.startswith("application/"):
-        return detail[:400]
-    return UNTRANSFORMABLE
-
-
-def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
-                       passthrough: Collection[str] = ()) -> TransformOutcome:
-    """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
-
-    Same contract as finalize_route: StaleEpoch rolls everything back; only rows this transaction
-    finished get outbound rows. A landed NULL payload (the rules could not read the message)
-    dead-letters its routed row instead of delivering it untransformed. Claimed rows bound for a
-    `passthrough` destination (no spec, one lane for the destination: nothing to compute) were
-    never given to Spark: they move here, in SQL; their body stays the inbound one.
-    """
-    tx.fence()
-    if tx.one("epoch_current", {"epoch": epoch}) is None:
-        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
-    claimed = {int(i) for i in claimed_ids}
-    params = {"run_id": run_id}
-    landed_rows = tx.all("transform_landed", params)
-    landed = {int(r["routed_id"]): bool(r["ok"]) for r in landed_rows}
-    passing: set[int] = set()
-    unlanded = claimed - landed.keys()  # Spark lands nothing for a pass-through row
-    if passthrough and unlanded:
-        passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
-            "ids": tx.dialect.id_list(sorted(unlanded)), "names": tx.dialect.text_list(sorted(passthrough))})}
-    reasons = {int(r["routed_id"]): dead_letter_reason(r["detail"]) for r in landed_rows if not r["ok"]}
-    ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
-    bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
-    done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
-    by_reason: dict[str, list[int]] = {}
-    for i in bad_ids:
-        by_reason.setdefault(reasons[i], []).append(i)
-    failed = sorted(f for reason, ids in sorted(by_reason.items())
-                    for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason))
-    transformed = [i for i in done if i not in passing]
-    rows = tx.transition("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)},
-                         table=OUTBOUND, event="transformed", from_status=None, epoch=epoch,
-                         node_id=owner, ids_only=True) if transformed else []
-    if rows:  # each new row's body, once (docs/store.md "Bodies")
-        tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
-    passed = [i for i in done if i in passing]
-    moved = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
-                          event="transformed", from_status=None, epoch=epoch, node_id=owner,
-                          ids_only=True) if passed else []
-    rows = sorted(rows + moved, key=lambda r: r["id"])
-    tx.execute("landing_outbound_delete", params)
-    finished = sorted({*done, *failed})
-    if finished:
-        tx.execute("landing_outbound_delete_sources", {"ids": tx.dialect.id_list(finished)})
-    return TransformOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), outbound=tuple(int(r["id"]) for r in rows),
-                            done=tuple(done), failed=tuple(failed),
-                            not_finished=tuple(sorted(claimed - set(finished))))
-
-
-NOT_ATTEMPTED = "not attempted"
-"""How a deliver outcome's detail starts when its row was not sent: an earlier row of its lane failed."""
-# A row whose destination is not configured (removed, renamed) waits for the config to be fixed:
-# retried with the default backoff, never dead-lettered for it.
-UNCONFIGURED_MAX_ATTEMPTS = 2**31 - 1
-UNCONFIGURED_BACKOFF = (5.0, 300.0)
-
-
-class RetryPolicy(Protocol):
-    """A destination's retry settings, all the deliver finalize needs of it
-    (`include.destinations_config.Destination` is one; the store does not import the senders)."""
+    name: str
+    """`route`, `transform`, `deliver`: the DAG `stage_<name>` and its job task `<name>`."""
+    input: StagedTable
+    """The staged table it claims from; its due rows are the stage's work."""
+    read_query: str
+    """The read-only named query of a run's claimed rows (bounded by owner + epoch)."""
+    schema: str
+    """Spark's customSchema of those rows (SQLite's INTEGER would arrive as a 32-bit int)."""
+    landing: Landing | None
+    """Where its Spark job appends results; None when it lands none (deliver collects outcomes)."""
+    finalize: Callable[..., Any]
+    """Its fenced finalize (`include.store.finalize`): all of a run lands, or none of it."""
+    outcome: Callable[..., Any]
+    """What a run returns; `outcome(run_id=…)` is a run that claimed nothing."""
 
     @property
-    def max_attempts(self) -> int: ...
+    def dag_id(self) -> str:
+        return f"stage_{self.name}"
 
     @property
-    def backoff_seconds(self) -> float: ...
+    def columns(self) -> list[str]:
+        """The claimed rows' columns, in `schema` order."""
+        return [c.strip().split()[0] for c in self.schema.split(",")]
 
-    @property
-    def max_backoff_seconds(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class DeliverOutcome:
-    """What one deliver finalize (or a whole run, summed with `+`) changed; ids ascending.
-
-    `retrying`: failed attempts now `error`, due again after their backoff. `dead`: given up
-    (permanent failure, or `max_attempts` reached). `released`: claimed but not tried because an
-    earlier row of the lane failed; pending again. `not_finished`: outcomes that did not land
-    because the row was no longer this claimer's (its row lease was swept, another claimer has it).
-    """
-
-    rounds: int = 0
-    claimed: tuple[int, ...] = ()
-    done: tuple[int, ...] = ()
-    released: tuple[int, ...] = ()
-    retrying: tuple[int, ...] = ()
-    dead: tuple[int, ...] = ()
-    not_finished: tuple[int, ...] = ()
-
-    def __add__(self, other: DeliverOutcome) -> DeliverOutcome:
-        merged: dict[str, Any] = {"rounds": self.rounds + other.rounds}
-        for f in fields(self):
-            if f.name != "rounds":
-                merged[f.name] = tuple(sorted({*getattr(self, f.name), *getattr(other, f.name)}))
-        return DeliverOutcome(**merged)
+    def read_sql(self, store: Store, *, owner: str, epoch: int) -> str:
+        """`read_query` for Spark's JDBC `query`, the run's owner and epoch written in (`inline_query`)."""
+        return inline_query(store, self.read_query, {"owner": owner, "epoch": int(epoch)})
 
 
-def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
-                        destinations: Mapping[str, RetryPolicy]) -> DeliverOutcome:
-    """Land one deliver round's outcomes in ONE fenced transaction; StaleEpoch (nothing lands) if deposed.
-
-    An outcome is a mapping (or a Spark Row) with id, destination, ok, retryable, detail. ok →
-    `done`. Not attempted (detail starts with NOT_ATTEMPTED) → pending again, the attempt not
-    counted. Retryable → `fail_batch` with the destination's max_attempts and backoff (`dead` once
-    attempts reach max_attempts; an unconfigured destination waits, never dies for it). Permanent →
-    `dead` now. Failures are grouped by (destination, detail) so an outage costs one statement per
-    destination, not one per row; the detail becomes `last_error` and the audit event's detail.
-    """
-    by_id: dict[int, dict[str, Any]] = {}
-    for raw in outcomes:
-        o = raw.asDict() if hasattr(raw, "asDict") else dict(raw)
-        i = int(o["id"])
-        if i not in by_id or (o["ok"] and not by_id[i]["ok"]):  # a Spark task retry: any success counts
-            by_id[i] = o
-    ok_ids = sorted(i for i, o in by_id.items() if o["ok"])
-    untried = sorted(i for i, o in by_id.items() if not o["ok"] and (o.get("detail") or "").startswith(NOT_ATTEMPTED))
-    groups: dict[tuple[str, bool, str], list[int]] = {}
-    for i, o in sorted(by_id.items()):
-        if not o["ok"] and i not in untried:
-            groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
-    with store.transaction() as tx:
-        tx.fence()
-        if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
-            raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
-        done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
-        released = release_batch(tx, OUTBOUND, untried, owner=owner, epoch=epoch)
-        failed: list[dict[str, Any]] = []
-        for (name, retryable, detail), ids in groups.items():
-            dest = destinations.get(name)
-            if not retryable:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}",
-                                     max_attempts=0)
-            elif dest is None:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=UNCONFIGURED_MAX_ATTEMPTS, backoff_seconds=UNCONFIGURED_BACKOFF[0],
-                                     max_backoff_seconds=UNCONFIGURED_BACKOFF[1])
-            else:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
-                                     max_backoff_seconds=dest.max_backoff_seconds)
-    landed = set(done) | set(released) | {int(r["id"]) for r in failed}
-    return DeliverOutcome(
-        claimed=tuple(sorted(by_id)),
-        done=tuple(sorted(done)),
-        released=tuple(released),
-        retrying=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "error")),
-        dead=tuple(sorted(int(r["id"]) for r in failed if r["status"] == "dead")),
-        not_finished=tuple(sorted(set(by_id) - landed)),
-    )
+ROUTE = Stage(
+    "route", INBOUND, "route_read_claimed", "id BIGINT, connection STRING, payload STRING",
+    Landing("landing_routed", ("run_id", "source_id", "destination", "route_name", "status")),
+    finalize_route, RouteOutcome)
+TRANSFORM = Stage(
+    "transform", ROUTED, "transform_read_claimed",
+    "id BIGINT, source_id BIGINT, destination STRING, payload STRING, message_id STRING, control_id STRING, "
+    "connection STRING",
+    Landing("landing_outbound", ("run_id", "source_id", "routed_id", "destination", "content_type", "lane_key",
+                                 "payload", "message_id", "control_id")),
+    finalize_transform, TransformOutcome)
+DELIVER = Stage(
+    "deliver", OUTBOUND, "deliver_read_claimed",
+    "id BIGINT, destination STRING, lane_key STRING, payload STRING, content_type STRING, idempotency_key STRING, "
+    "attempts INT, message_id STRING, control_id STRING",
+    None, finalize_deliveries, DeliverOutcome)
+STAGES = (ROUTE, TRANSFORM, DELIVER)
+"""In pipeline order: a stage's work comes from the stages before it."""
 
 
-LANDING_DELETES = {"landing_routed": "landing_routed_delete", "landing_outbound": "landing_outbound_delete"}
-
-
-def discard_landing(store: Store, *, run_id: str, table: str = "landing_routed") -> int:
-    """Delete one run's landing rows (its own transaction): cleanup after a failed or fenced run."""
-    with store.transaction() as tx:
-        return tx.execute(LANDING_DELETES[table], {"run_id": run_id})
+def stage_named(name: str) -> Stage:
+    """The stage called `name`; ValueError if none is."""
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise ValueError(f"unknown stage {name!r}; known: {[s.name for s in STAGES]}")
 
 
 def inline_query(store: Store, name: str, params: Mapping[str, Any]) -> str:

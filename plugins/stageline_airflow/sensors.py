@@ -32,8 +32,9 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from stageline_airflow.hooks import StagelineStoreHook
 
-from include.leader_check import check_leadership, stage_table, work_pending
+from include.leader_check import check_leadership, work_pending
 from include.store.lease import read_lease
+from include.store.stages import stage_named
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -103,7 +104,7 @@ class WorkPendingSensor(_StoreSensor):
     itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the
     seconds of scheduling a new run would cost in the middle of a failover.
 
-    :param stage: the staged table whose due rows are this DAG's work (`inbound` for routing).
+    :param stage: the stage whose work this is (`route`: due rows in its input, `stage_inbound`).
     :param leader: the leader check's XCom (`leader_check.output`).
     :param config_path: as for `LeaderCheckSensor`.
     """
@@ -117,7 +118,7 @@ class WorkPendingSensor(_StoreSensor):
                  mode: str = "poke", **kwargs: Any) -> None:
         super().__init__(config_path=config_path, poke_interval=poke_interval, timeout=timeout,
                          soft_fail=soft_fail, mode=mode, **kwargs)
-        stage_table(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
+        stage_named(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
         self.stage = stage
         self.leader = leader
         self._epoch: int | None = None

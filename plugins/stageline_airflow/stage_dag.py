@@ -1,6 +1,9 @@
 """The one shape every stage DAG has, so `dags/stage_*.py` are a docstring and one call.
 
-    leader_check → recover → wait_for_work (the stage's input table) → <job>
+    leader_check → recover → wait_for_work (the stage's input table) → <stage name>
+
+Each stage is its record (`include.store.stages`): the DAG is `stage_<name>`, its job task `<name>`,
+it waits for due rows in the stage's input table (or in the inputs of the stages before it).
 
 Scheduled `@continuous`, one run at a time: a run waits for work, then its job task runs
 micro-batches until it has been idle a while, following leadership (`include.stage_loop`); the next run
@@ -19,6 +22,7 @@ from airflow.sdk import DAG, task
 from stageline_airflow import tasks
 
 from include import stage_loop
+from include.store.stages import Stage
 from stageline_airflow.hooks import StagelineSparkHook
 from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 
@@ -36,13 +40,10 @@ WORK_POKE_INTERVAL = timedelta(seconds=0.5)
 """Work staged inbound starts all three stage jobs within half a second (`WorkPendingSensor`)."""
 
 
-def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
-    """Build a stage DAG whose job task `job_id` calls `job(epoch, run_id, spark=…, dag_id=…, try_number=…)`.
-
-    :param waits_for: the stage (staged table) whose due rows are this DAG's work.
-    """
+def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
+    """Build the DAG of `stage`, whose job task calls `job(epoch, run_id, spark=…, dag_id=…, try_number=…)`."""
     with DAG(
-        dag_id,
+        stage.dag_id,
         schedule="@continuous",
         start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
         catchup=False,
@@ -61,12 +62,12 @@ def stage_dag(dag_id: str, *, waits_for: str, job_id: str, job: Callable[..., di
         @task
         def recover(leader: dict, ti=None) -> dict:
             """On-promotion recovery (once per epoch) and the claims earlier runs of this DAG left."""
-            return tasks.recover_stage_step(leader, waits_for=waits_for, dag_id=ti.dag_id, run_id=ti.run_id)
+            return tasks.recover_stage_step(leader, stage=stage.name, dag_id=ti.dag_id, run_id=ti.run_id)
 
-        wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=waits_for, leader=leader.output,
+        wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=stage.name, leader=leader.output,
                                           timeout=timedelta(minutes=5), poke_interval=WORK_POKE_INTERVAL)
 
-        @task(task_id=job_id, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY, execution_timeout=JOB_TIMEOUT)
+        @task(task_id=stage.name, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY, execution_timeout=JOB_TIMEOUT)
         def run_job(leader: dict, ti=None) -> dict:
             """Run the stage job under the leader's epoch, on the stage's Spark session."""
             with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(name=ti.dag_id,

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,10 @@ from include import housekeeping, stage_config, stage_loop
 from include.batch_size import BatchSize
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
-from include.leader_check import stage_table
 from include.stage_loop import Batch, claim_owner
-from include.store import INBOUND, OUTBOUND, ROUTED, rowlease
 from include.store import lookups as lookup_store
+from include.store import rowlease
+from include.store.stages import DELIVER, ROUTE, TRANSFORM, Stage, stage_named
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,13 @@ def recover_step(leader: Leader) -> int | None:
         return housekeeping.recover(hook.get_conn(), int(leader["epoch"]), leader.get("owner"))
 
 
-def recover_stage_step(leader: Leader, *, waits_for: str, dag_id: str, run_id: str) -> dict[str, int | None]:
+def recover_stage_step(leader: Leader, *, stage: str, dag_id: str, run_id: str) -> dict[str, int | None]:
     """A stage run's recovery before it waits for work: the epoch's on-promotion recovery, then the
     claims earlier runs of this DAG left behind (a killed task's rows: in flight, so not yet work
     its `wait_for_work` would see). Safe because the previous run of the DAG has ended
     (`max_active_runs=1`); this run has claimed nothing yet."""
     epoch = int(leader["epoch"])
-    table = stage_table(waits_for)
+    table = stage_named(stage).input
     with StagelineStoreHook() as hook:
         store = hook.get_conn()
         promoted = housekeeping.recover(store, epoch, leader.get("owner"))
@@ -143,7 +144,7 @@ def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000
             return run(session.spark)
 
 
-def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_route", try_number: int = 1,
+def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = ROUTE.dag_id, try_number: int = 1,
                     batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
     """Route micro-batches from `epoch` on (`include.stage_loop`): claim inbound rows, route, finalize fenced.
 
@@ -151,31 +152,37 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage
     under the old epoch lands nothing and the task carries on under the new leader's epoch (or
     ends, reporting it, when no leader is live in time).
     """
-    from spark_jobs import route_job
+    from spark_jobs.route_job import routed_rows
+    from spark_jobs.stage_job import run_stage_job
 
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
-    passthrough = config.passthrough  # once per task, like the routes
-    return _micro_batches("route", dag_id, run_id, try_number, epoch, spark, lambda b: route_job.run(
-        b.store, b.spark, routes=config.routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
-        batch_size=b.limit or batch_size, passthrough=passthrough), loaded=loaded, most=batch_size)
+    routes = partial(routed_rows, routes=config.routes)  # once per task, like the pass-through destinations
+
+    def batch(b: Batch) -> Any:
+        return run_stage_job(ROUTE, b.store, b.spark, transform=routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
+                             batch_size=b.limit or batch_size, passthrough=config.passthrough)
+
+    return _micro_batches(ROUTE, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
 
 
-def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_transform",
+def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = TRANSFORM.dag_id,
                         try_number: int = 1, batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
     """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
-    from spark_jobs import transform_job
+    from spark_jobs.stage_job import run_stage_job
+    from spark_jobs.transform_job import checked
 
     loaded = stage_config.fingerprint()
     config = stage_config.load()
     lookups = LookupCache()
 
     def batch(b: Batch) -> Any:
-        return transform_job.run(b.store, b.spark, specs=config.transforms, destinations=config.destinations,
-                                 owner=b.owner, epoch=b.epoch, run_id=b.run_id, batch_size=b.limit or batch_size,
-                                 lookups=lookups.get(b.store), code_dir=str(config.code_dir))
+        transform = checked(b.store, config.transforms, config.destinations, lookups=lookups.get(b.store),
+                            code_dir=str(config.code_dir))
+        return run_stage_job(TRANSFORM, b.store, b.spark, transform=transform, owner=b.owner, epoch=b.epoch,
+                             run_id=b.run_id, batch_size=b.limit or batch_size, passthrough=config.passthrough)
 
-    return _micro_batches("transform", dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded,
+    return _micro_batches(TRANSFORM, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded,
                           most=batch_size)
 
 
@@ -191,18 +198,16 @@ class LookupCache:
         self._next_check = 0.0
 
     def get(self, store: Any) -> dict[str, dict[str, str]]:
-        from spark_jobs import transform_job
-
         now = self._clock()
         if self._tables is None or now >= self._next_check:
             self._next_check = now + LOOKUP_CHECK_SECONDS
             seen = lookup_store.fingerprint(store)
             if self._tables is None or seen != self._seen:
-                self._tables, self._seen = transform_job.read_lookups(store), seen
+                self._tables, self._seen = lookup_store.load_all(store), seen
         return self._tables
 
 
-def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "stage_deliver", try_number: int = 1,
+def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = DELIVER.dag_id, try_number: int = 1,
                       max_lanes: int = DELIVER_MAX_LANES) -> dict[str, Any]:
     """Deliver rounds of lane prefixes under `epoch` (see `_micro_batches`).
 
@@ -215,17 +220,13 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = "sta
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches("deliver", dag_id, run_id, try_number, epoch, spark, lambda b: deliver_job.run(
+    return _micro_batches(DELIVER, dag_id, run_id, try_number, epoch, spark, lambda b: deliver_job.run(
         b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
         concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
         loaded=loaded, most=None)
 
 
-STAGE_TABLES = {"route": INBOUND, "transform": ROUTED, "deliver": OUTBOUND}
-"""The staged table each stage claims from."""
-
-
-def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
+def _micro_batches(stage: Stage, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
                    job: stage_loop.Job, *, loaded: str, most: int | None, **kwargs: Any) -> dict[str, Any]:
     """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
     `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place).
@@ -243,15 +244,15 @@ def _micro_batches(stage: str, dag_id: str, run_id: str, try_number: int, epoch:
             kwargs.setdefault("size", BatchSize.for_backend(hook.config.store.backend, most=most))
         kwargs.setdefault("history", lambda **batch: operator.record_batch(
             hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch))
-        return stage_loop.run_stage(stage, dag_id, run_id, try_number, epoch, job,
+        return stage_loop.run_stage(stage.name, dag_id, run_id, try_number, epoch, job,
                                     config=hook.config, store=hook.get_conn(),
                                     keeper=lambda config, store, term_epoch: claim_keeper(
                                         config, store, stage=stage, epoch=term_epoch), **kwargs)
 
 
-def claim_keeper(config: ServiceConfig, store: Any, *, stage: str, epoch: int) -> ClaimKeeper:
-    """The watch beside a stage task (`include.claim_keeper`), timed by the service config."""
-    table = STAGE_TABLES[stage]
+def claim_keeper(config: ServiceConfig, store: Any, *, stage: Stage, epoch: int) -> ClaimKeeper:
+    """The watch beside a stage task (`include.claim_keeper`) on the stage's input, timed by the service config."""
+    table = stage.input
     return ClaimKeeper(store, table, epoch=epoch, clustered=config.cluster.enabled,
                        check_seconds=config.cluster.heartbeat_seconds, lease_seconds=config.store.lease_ttl_seconds,
                        reclaim_seconds=config.cluster.reclaim_interval_seconds,

@@ -126,8 +126,9 @@ def test_continuous_dags_wait_for_work_instead_of_spinning(dag_bag, file_name):
     [wait] = waits
     assert wait.soft_fail is True and wait.poke_interval <= 2
     assert "recover" in wait.upstream_task_ids  # recovered rows count as work
-    stage_job = {"stage_route": "route", "stage_transform": "transform", "stage_deliver": "deliver"}[dag.dag_id]
-    assert wait.downstream_task_ids == {stage_job}  # the job starts only once there is work
+    stage = {"stage_route": "route", "stage_transform": "transform", "stage_deliver": "deliver"}[dag.dag_id]
+    assert wait.downstream_task_ids == {stage}  # the job starts only once there is work
+    assert wait.stage == stage  # one name: the DAG's stage, its job task, the work it waits for
 
 
 @pytest.mark.parametrize("file_name", DAG_FILES)

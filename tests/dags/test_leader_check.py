@@ -81,36 +81,36 @@ def test_a_store_of_another_cluster_is_an_error_not_a_skip(store):
 
 def test_work_is_pending_only_while_a_row_is_due_under_the_current_epoch(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
-    assert work_pending(store, epoch, "inbound", require_live=False) is False
+    assert work_pending(store, epoch, "route", require_live=False) is False
     [row] = seed_inbound(store, 1)
-    assert work_pending(store, epoch, "inbound", require_live=False) is True
-    assert work_pending(store, epoch, "routed", require_live=False) is False
+    assert work_pending(store, epoch, "route", require_live=False) is True
+    assert work_pending(store, epoch, "transform", require_live=False) is False
     with store.transaction() as tx:
         rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=1)
-    assert work_pending(store, epoch, "inbound", require_live=False) is False  # claimed: in flight, not due
+    assert work_pending(store, epoch, "route", require_live=False) is False  # claimed: in flight, not due
     with store.transaction() as tx:
         rl.fail_batch(tx, INBOUND, [row], owner="w", epoch=epoch, error="boom", max_attempts=5,
                       backoff_seconds=3600)
-    assert work_pending(store, epoch, "inbound", require_live=False) is False  # backing off
+    assert work_pending(store, epoch, "route", require_live=False) is False  # backing off
     age(store, "stage_inbound", "next_attempt_at", f"id = {row}", 7200)
-    assert work_pending(store, epoch, "inbound", require_live=False) is True  # backoff over: due again
+    assert work_pending(store, epoch, "route", require_live=False) is True  # backoff over: due again
     acquire_permanent(store, node_id="solo:2:bb")
     # leadership moved: stop waiting
-    assert work_pending(store, epoch, "inbound", require_live=False) is None
+    assert work_pending(store, epoch, "route", require_live=False) is None
 
 
 def test_work_ahead_counts_rows_due_in_the_stages_before(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     seed_inbound(store, 1)
-    assert work_pending(store, epoch, "outbound", require_live=False) is False
-    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is True
-    assert work_pending(store, epoch, "routed", require_live=False, ahead=True) is True
+    assert work_pending(store, epoch, "deliver", require_live=False) is False
+    assert work_pending(store, epoch, "deliver", require_live=False, ahead=True) is True
+    assert work_pending(store, epoch, "transform", require_live=False, ahead=True) is True
     with store.transaction() as tx:
         rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=1)
     # in flight upstream is not due anywhere: nothing to start for
-    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is False
+    assert work_pending(store, epoch, "deliver", require_live=False, ahead=True) is False
     acquire_permanent(store, node_id="solo:2:bb")
-    assert work_pending(store, epoch, "outbound", require_live=False, ahead=True) is None
+    assert work_pending(store, epoch, "deliver", require_live=False, ahead=True) is None
 
 
 def test_in_a_cluster_work_stops_being_pending_when_the_leader_lease_lapses(pg_config_fresh):
@@ -119,16 +119,18 @@ def test_in_a_cluster_work_stops_being_pending_when_the_leader_lease_lapses(pg_c
         leader = elector(store, "node-a")
         epoch = leader.step().epoch
         seed_inbound(store, 1)
-        assert work_pending(store, epoch, "inbound", require_live=True) is True
+        assert work_pending(store, epoch, "route", require_live=True) is True
         leader.release()  # same epoch, but nobody leads: wait no longer
-        assert work_pending(store, epoch, "inbound", require_live=True) is None
-        assert work_pending(store, epoch, "inbound", require_live=False) is True
+        assert work_pending(store, epoch, "route", require_live=True) is None
+        assert work_pending(store, epoch, "route", require_live=False) is True
     finally:
         store.close()
 
 
 def test_work_pending_refuses_an_unknown_stage(store):
     with pytest.raises(ValueError, match="unknown stage"):
-        work_pending(store, 0, "inbund", require_live=False)
+        work_pending(store, 0, "rout", require_live=False)
+    with pytest.raises(ValueError, match="unknown stage"):  # a table is not a stage
+        work_pending(store, 0, "inbound", require_live=False)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from include import stage_loop
-from include.store.stages import StaleEpoch
+from include.store.finalize import StaleEpoch
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,7 @@ def test_a_sensors_pokes_share_one_store_opened_and_closed_by_its_task(sqlite_to
     setup = Store(StagelineStoreHook().config.store)
     try:
         epoch = acquire_permanent(setup, node_id="solo:1:aa")
-        sensor = WorkPendingSensor(task_id="wait_for_work", stage="inbound", leader={"epoch": epoch},
+        sensor = WorkPendingSensor(task_id="wait_for_work", stage="route", leader={"epoch": epoch},
                                    poke_interval=0, timeout=60)
         poked_with: list[Store] = []
         poke = sensor.poke

@@ -15,7 +15,7 @@ def test_the_wait_for_work_outlives_a_change_of_leader_and_watches_the_new_epoch
     try:
         old = elector(store, "node-a")
         first = old.step().epoch
-        sensor = WorkPendingSensor(task_id="wait_for_work", stage="inbound", leader={"epoch": first})
+        sensor = WorkPendingSensor(task_id="wait_for_work", stage="route", leader={"epoch": first})
         sensor._hook = hook  # as `execute` sets it; the pokes below are the ones it would make
         assert sensor.poke({}) is False  # nothing due yet
         old.release()  # the leader stops: nobody leads for a moment

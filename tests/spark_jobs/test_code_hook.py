@@ -14,6 +14,7 @@ from pyspark.testing import assertDataFrameEqual
 
 from include.destinations_config import parse_destinations
 from include.stage_config import passthrough_destinations
+from include.store.stages import TRANSFORM
 from spark_jobs import transform_job
 from spark_jobs.code_hook import CodeHookError, apply_code_hooks, call_hook, check_hooks
 from tests.spark_jobs.hl7_samples import ADT_A01
@@ -143,7 +144,7 @@ def test_outbound_rows_run_the_native_rules_first_then_the_hook(spark: SparkSess
     dests = parse_destinations([{"name": "ehr", "kind": "file", "directory": str(tmp_path), "code": spec}])
     assert passthrough_destinations([], dests) == frozenset()  # a hook is work: never pass-through
     claimed = spark.createDataFrame([(10, 1, "ehr", adt("P1"), "m1", "C1", "mllp-in"),
-                                     (11, 2, "ehr", adt("BAD"), "m2", "C2", "mllp-in")], transform_job.CLAIMED_SCHEMA)
+                                     (11, 2, "ehr", adt("BAD"), "m2", "C2", "mllp-in")], TRANSFORM.schema)
     specs = [{"destination": "ehr", "rules": [{"set": "MSH-6", "value": "RULED"}]}]
     got = claimed.transform(transform_job.outbound_rows, specs, {}, dests, run_id="r1", code_dir=code_dir)
     want = adt("P1").replace("|EHR|CITY|", "|HOOKED|RULED|")

@@ -16,7 +16,7 @@ from include.store import Store
 from include.store.lease import acquire_permanent
 from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
-from include.store.stages import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
+from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.destinations_config import lane_key, parse_destinations
 from spark_jobs import deliver_job
 from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers

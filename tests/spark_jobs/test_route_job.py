@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from functools import partial
 from typing import Any
 
 import pytest
@@ -22,8 +23,10 @@ from include.routes_config import parse_routes
 from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
 from include.store.lease import acquire_permanent
-from include.store.stages import RouteOutcome, StaleEpoch
-from spark_jobs import route_job, stage_io
+from include.store.finalize import RouteOutcome, StaleEpoch
+from include.store.stages import ROUTE
+from spark_jobs import stage_job
+from spark_jobs.route_job import routed_rows
 from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,16 +129,22 @@ def expected_routed(spark: SparkSession, ids: dict[int, int]) -> DataFrame:
     return spark.createDataFrame(data, ROUTED_SCHEMA)
 
 
+def route_run(store: Store, spark: SparkSession, *, owner: str, epoch: int, run_id: str, **kwargs: Any) -> RouteOutcome:
+    """One route run with ROUTES, as the stage task makes it (`run_stage_job` with the route transform)."""
+    return stage_job.run_stage_job(ROUTE, store, spark, transform=partial(routed_rows, routes=ROUTES), owner=owner,
+                                   epoch=epoch, run_id=run_id, **kwargs)
+
+
 def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> RouteOutcome:
-    return route_job.run(store, spark, routes=ROUTES, owner=f"{NODE}/{run}", epoch=epoch, run_id=run, **kwargs)
+    return route_run(store, spark, owner=f"{NODE}/{run}", epoch=epoch, run_id=run, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: SparkSession) -> None:
-    claimed = spark.createDataFrame([(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], route_job.CLAIMED_SCHEMA)
-    actual = route_job.transform(claimed, ROUTES, run_id="r1")
+    claimed = spark.createDataFrame([(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], ROUTE.schema)
+    actual = routed_rows(claimed, ROUTES, run_id="r1")
     expected = spark.createDataFrame([
         ("r1", 1, "ehr", "adt", "pending"),
         ("r1", 1, "archive", "adt", "pending"),
@@ -249,9 +258,9 @@ def test_batches_are_claimed_in_arrival_order_and_the_rest_wait(store: Store, sp
 
 
 def test_claimed_ids_split_into_even_contiguous_ranges() -> None:
-    assert stage_io.id_ranges([9, 1, 7, 3, 5, 2], rows=2, most=4) == [(1, 2), (3, 5), (7, 9)]
-    assert stage_io.id_ranges(range(1, 11), rows=2, most=2) == [(1, 5), (6, 10)]
-    assert stage_io.id_ranges([4, 8, 15], rows=5_000, most=4) == [(4, 15)]  # too few rows for two
+    assert stage_job.id_ranges([9, 1, 7, 3, 5, 2], rows=2, most=4) == [(1, 2), (3, 5), (7, 9)]
+    assert stage_job.id_ranges(range(1, 11), rows=2, most=2) == [(1, 5), (6, 10)]
+    assert stage_job.id_ranges([4, 8, 15], rows=5_000, most=4) == [(4, 15)]  # too few rows for two
 
 
 def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
@@ -261,15 +270,15 @@ def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
     epoch = acquire_permanent(store, node_id=NODE)
     stage_messages(store, epoch)
     owner = f"{NODE}/run-1"
-    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=20)  # 10 more stay pending
-    route_job.claim(store, owner=f"{NODE}/other", epoch=epoch, batch_size=5)  # within the ranges, not ours
-    frame = stage_io.read_claimed(store, spark, "route_read_claimed", route_job.CLAIMED_SCHEMA, owner=owner,
-                                  epoch=epoch, ids=claimed, rows_per_partition=3, max_partitions=4)
+    claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=20)  # 10 more stay pending
+    stage_job.claim(store, ROUTE, owner=f"{NODE}/other", epoch=epoch, batch_size=5)  # within the ranges, not ours
+    frame = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch, ids=claimed, rows_per_partition=3,
+                                   max_partitions=4)
     assert frame.rdd.getNumPartitions() == 4
     assert sorted(r["id"] for r in frame.collect()) == sorted(claimed)
 
-    route_job.land(store, frame.transform(route_job.transform, ROUTES, run_id="run-1"))
-    outcome = route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+    stage_job.land(store, frame.transform(routed_rows, ROUTES, run_id="run-1"), ROUTE.landing)
+    outcome = stage_job.finalize(store, ROUTE, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
     assert outcome.not_finished == () and sorted(outcome.claimed) == sorted(claimed)
 
 
@@ -278,14 +287,14 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_leaves_sources_in_flig
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/run-1"
-    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
-    route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
-                   .transform(route_job.transform, ROUTES, run_id="run-1"))
+    claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
+    stage_job.land(store, stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch)
+                   .transform(routed_rows, ROUTES, run_id="run-1"), ROUTE.landing)
     assert landing_count(store) > 0
 
     newer = acquire_permanent(store, node_id="node-b")  # another leader took over meanwhile
     with pytest.raises(StaleEpoch):
-        route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+        stage_job.finalize(store, ROUTE, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
 
     assert newer == epoch + 1
     assert routed_triples(store) == []
@@ -301,11 +310,11 @@ def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_du
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/run-1"
-    route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
-    landed = route_job.extract(store, spark, owner=owner, epoch=epoch).transform(
-        route_job.transform, ROUTES, run_id="run-1")
-    route_job.land(store, landed)
-    route_job.land(store, landed)  # and a retried Spark task landed everything twice
+    stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
+    landed = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
+        routed_rows, ROUTES, run_id="run-1")
+    stage_job.land(store, landed, ROUTE.landing)
+    stage_job.land(store, landed, ROUTE.landing)  # and a retried Spark task landed everything twice
     # ... the process dies here. The restarted node takes a new epoch and recovers the stranded rows.
     restarted = acquire_permanent(store, node_id=NODE)
     with store.transaction() as tx:
@@ -325,12 +334,12 @@ def test_landing_twice_in_one_run_still_routes_each_destination_once(store: Stor
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch, range(7))
     owner = f"{NODE}/run-1"
-    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
-    landed = route_job.extract(store, spark, owner=owner, epoch=epoch).transform(
-        route_job.transform, ROUTES, run_id="run-1")
-    route_job.land(store, landed)
-    route_job.land(store, landed)
-    outcome = route_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+    claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
+    landed = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
+        routed_rows, ROUTES, run_id="run-1")
+    stage_job.land(store, landed, ROUTE.landing)
+    stage_job.land(store, landed, ROUTE.landing)
+    outcome = stage_job.finalize(store, ROUTE, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
     assert routed_triples(store) == expected_triples(ids)
     assert len(outcome.routed) == len(expected_triples(ids))
     assert landing_count(store) == 0
@@ -341,13 +350,13 @@ def test_a_lost_claim_lands_nothing_and_its_sources_are_routed_by_the_next_run(
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/slow"
-    claimed = route_job.claim(store, owner=owner, epoch=epoch, batch_size=100, lease_seconds=0.0)
-    route_job.land(store, route_job.extract(store, spark, owner=owner, epoch=epoch)
-                   .transform(route_job.transform, ROUTES, run_id="slow"))
+    claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100, lease_seconds=0.0)
+    stage_job.land(store, stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch)
+                   .transform(routed_rows, ROUTES, run_id="slow"), ROUTE.landing)
     with store.transaction() as tx:  # the slow run's row leases ran out: the sweep re-pends its rows
         assert rowlease.sweep_expired(tx, INBOUND, owner=NODE, epoch=epoch) == N_MESSAGES
 
-    late = route_job.finalize(store, run_id="slow", owner=owner, epoch=epoch, claimed_ids=claimed)
+    late = stage_job.finalize(store, ROUTE, run_id="slow", owner=owner, epoch=epoch, claimed_ids=claimed)
 
     assert late == RouteOutcome(run_id="slow", claimed=tuple(sorted(claimed)), not_finished=tuple(sorted(claimed)))
     assert routed_triples(store) == []
@@ -368,13 +377,12 @@ CONNECT_CHILD = textwrap.dedent("""
     from include.config import StoreConfig
     from include.spark import spark_session
     from include.store import Store
-    from spark_jobs import route_job, stage_io
-    from tests.spark_jobs.test_route_job import ROUTES, stage_messages, N_MESSAGES
+    from tests.spark_jobs.test_route_job import route_run, stage_messages, N_MESSAGES
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     t1 = time.perf_counter()
     spark = spark_session(remote=url)
-    first = route_job.run(store, spark, routes=ROUTES, owner="connect/run-1", epoch=epoch, run_id="run-1")
+    first = route_run(store, spark, owner="connect/run-1", epoch=epoch, run_id="run-1")
     t2 = time.perf_counter()
     overhead = []
     for _ in range(3):  # a job's fixed cost on a warm server: new client session, one tiny query
@@ -385,7 +393,7 @@ CONNECT_CHILD = textwrap.dedent("""
         overhead.append(time.perf_counter() - start)
     stage_messages(store, epoch, range(N_MESSAGES, 2 * N_MESSAGES))
     start = time.perf_counter()
-    second = route_job.run(store, spark, routes=ROUTES, owner="connect/run-2", epoch=epoch, run_id="run-2")
+    second = route_run(store, spark, owner="connect/run-2", epoch=epoch, run_id="run-2")
     t3 = time.perf_counter() - start
     spark.stop()
     print(json.dumps({"first": len(first.routed), "second": len(second.routed), "imports": t1 - t0,
@@ -430,8 +438,7 @@ KILLED_SERVER_CHILD = textwrap.dedent("""
     from include.config import StoreConfig
     from include.spark import spark_session, stage_session
     from include.store import Store
-    from spark_jobs import route_job, stage_io
-    from tests.spark_jobs.test_route_job import ROUTES
+    from tests.spark_jobs.test_route_job import route_run
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     spark = spark_session(remote=url)
@@ -441,7 +448,7 @@ KILLED_SERVER_CHILD = textwrap.dedent("""
         sys.stdin.readline()  # the parent kills the server, then answers
         started = time.monotonic()
         try:
-            route_job.run(store, spark, routes=ROUTES, owner="connect/killed", epoch=epoch, run_id="killed")
+            route_run(store, spark, owner="connect/killed", epoch=epoch, run_id="killed")
             error = None
         except Exception as exc:
             error = type(exc).__name__
@@ -500,8 +507,7 @@ RENEW_CHILD = textwrap.dedent("""
     from include.app.lab.postgres_server import free_port
     from include.spark import session_lost, spark_session, stage_session, start_connect_server, stop_connect_server
     from include.store import Store
-    from spark_jobs import route_job, stage_io
-    from tests.spark_jobs.test_route_job import ROUTES
+    from tests.spark_jobs.test_route_job import route_run
     path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     port = free_port()
@@ -514,12 +520,12 @@ RENEW_CHILD = textwrap.dedent("""
             os.killpg(servers[0].process.pid, signal.SIGKILL)
             servers[0].process.wait(timeout=30)
             try:
-                route_job.run(store, session.spark, routes=ROUTES, owner="connect/lost", epoch=epoch, run_id="lost")
+                route_run(store, session.spark, owner="connect/lost", epoch=epoch, run_id="lost")
             except Exception as exc:
                 result["lost"] = session_lost(exc)
             servers.append(start_connect_server(port, log_dir=logs, master="local[1]", conf=fast_jvm))
             result["renewed"] = session.renew(timeout=60)
-            outcome = route_job.run(store, session.spark, routes=ROUTES, owner="connect/renewed", epoch=epoch,
+            outcome = route_run(store, session.spark, owner="connect/renewed", epoch=epoch,
                                     run_id="renewed")
             result["claimed"] = len(outcome.claimed)
     finally:
@@ -554,8 +560,7 @@ STANDBY_CHILD = textwrap.dedent("""
     from include.app.lab.postgres_server import free_port
     from include.spark import StageSession, session_lost, stage_session_id, start_connect_server, stop_connect_server
     from include.store import Store
-    from spark_jobs import route_job, stage_io
-    from tests.spark_jobs.test_route_job import ROUTES
+    from tests.spark_jobs.test_route_job import route_run
     path, epoch, logs = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     fast_jvm = {"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
@@ -575,12 +580,12 @@ STANDBY_CHILD = textwrap.dedent("""
         servers[0].process.wait(timeout=30)
         killed = time.monotonic()
         try:
-            route_job.run(store, session.spark, routes=ROUTES, owner="connect/lost", epoch=epoch, run_id="lost")
+            route_run(store, session.spark, owner="connect/lost", epoch=epoch, run_id="lost")
         except Exception as exc:
             result["lost"] = session_lost(exc)
         result["renewed"] = session.renew(timeout=5)
         result["renewed_on"] = [s.url for s in servers].index(session.remote)
-        outcome = route_job.run(store, session.spark, routes=ROUTES, owner="connect/standby", epoch=epoch,
+        outcome = route_run(store, session.spark, owner="connect/standby", epoch=epoch,
                                 run_id="standby")
         result["claimed"] = len(outcome.claimed)
         result["seconds"] = time.monotonic() - killed

@@ -22,13 +22,12 @@ CHILD = textwrap.dedent("""
     from include.config import StoreConfig
     from include.spark import spark_session, stage_session
     from include.store import Store
-    from spark_jobs import route_job
-    from tests.spark_jobs.test_route_job import ROUTES
+    from tests.spark_jobs.test_route_job import route_run
     url, path, epoch = sys.argv[1], sys.argv[2], int(sys.argv[3])
     store = Store(StoreConfig(backend="sqlite", path=path))
     with stage_session(spark_session(remote=url)) as session:
         session.spark.conf.set("spark.sql.shuffle.partitions", "4")
-        outcome = route_job.run(store, session.spark, routes=ROUTES, owner="standalone", epoch=epoch, run_id="s1")
+        outcome = route_run(store, session.spark, owner="standalone", epoch=epoch, run_id="s1")
     print("claimed", len(outcome.claimed), flush=True)
 """)
 

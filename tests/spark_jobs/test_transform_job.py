@@ -12,11 +12,12 @@ from pyspark.testing import assertDataFrameEqual
 
 from include.store import ROUTED, Store, lookups, rowlease
 from include.store.lease import acquire_permanent
-from include.store.stages import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
+from include.store.finalize import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
 from include.destinations_config import parse_destinations
 from include.stage_config import passthrough_destinations
 from include.transforms_config import TransformConfigError
-from spark_jobs import transform_job
+from include.store.stages import TRANSFORM
+from spark_jobs import stage_job, transform_job
 from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
 
 NODE = "node-a"
@@ -73,8 +74,11 @@ def load_lookups(store: Store) -> None:
 
 
 def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> TransformOutcome:
-    return transform_job.run(store, spark, specs=SPECS, destinations=DESTINATIONS, owner=f"{NODE}/{run}",
-                             epoch=epoch, run_id=run, **kwargs)
+    """One transform run, as the stage task makes it: the config checked before the claim (lookup
+    tables read from the store), then `run_stage_job`."""
+    transform = transform_job.checked(store, SPECS, DESTINATIONS)
+    return stage_job.run_stage_job(TRANSFORM, store, spark, transform=transform, owner=f"{NODE}/{run}", epoch=epoch,
+                                   run_id=run, passthrough=passthrough_destinations(SPECS, DESTINATIONS), **kwargs)
 
 
 ROUTED_ROWS = [
@@ -90,7 +94,7 @@ ROUTED_ROWS = [
 
 def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: SparkSession) -> None:
     claimed = spark.createDataFrame(
-        [(10 + i, s, d, p, m, f"C{i}", "mllp-in") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], transform_job.CLAIMED_SCHEMA)
+        [(10 + i, s, d, p, m, f"C{i}", "mllp-in") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], TRANSFORM.schema)
     got = claimed.transform(transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS,
                             run_id="r1")
     hl7, js = "application/hl7-v2", "application/json"
@@ -148,14 +152,14 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing(store: Store, spark: Spark
     load_lookups(store)
     insert_routed(store, ROUTED_ROWS[:3])
     owner = f"{NODE}/run-1"
-    claimed = transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
-    landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+    claimed = stage_job.claim(store, TRANSFORM, owner=owner, epoch=epoch, batch_size=100)
+    landing = stage_job.read_claimed(store, spark, TRANSFORM, owner=owner, epoch=epoch).transform(
         transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
-    transform_job.land(store, landing)
+    stage_job.land(store, landing, TRANSFORM.landing)
     acquire_permanent(store, node_id="node-b")
 
     with pytest.raises(StaleEpoch):
-        transform_job.finalize(store, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
+        stage_job.finalize(store, TRANSFORM, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
 
     assert outbound(store) == []
     assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
@@ -168,11 +172,11 @@ def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_du
     load_lookups(store)
     ids = insert_routed(store, ROUTED_ROWS)
     owner = f"{NODE}/run-1"
-    transform_job.claim(store, owner=owner, epoch=epoch, batch_size=100)
-    landing = transform_job.extract(store, spark, owner=owner, epoch=epoch).transform(
+    stage_job.claim(store, TRANSFORM, owner=owner, epoch=epoch, batch_size=100)
+    landing = stage_job.read_claimed(store, spark, TRANSFORM, owner=owner, epoch=epoch).transform(
         transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
-    transform_job.land(store, landing)
-    transform_job.land(store, landing)
+    stage_job.land(store, landing, TRANSFORM.landing)
+    stage_job.land(store, landing, TRANSFORM.landing)
     restarted = acquire_permanent(store, node_id=NODE)  # the process died; a new epoch recovers
     with store.transaction() as tx:
         assert rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted) == len(ids)

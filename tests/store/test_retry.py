@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from include.store.retry import JITTER, until_done, with_retries
-from include.store.stages import StaleEpoch
+from include.store.finalize import StaleEpoch
 
 
 class Outage:

@@ -181,7 +181,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "names": d.text_list([fill.PASSTHROUGH]), "direct": d.text_list([fill.PASSTHROUGH]),
         "prefix": "airflow:stage_deliver:", "keep": "airflow:stage_deliver:r2#1.",
         "table_name": "table3", "entries": json.dumps([{"code": f"c{j}", "value": f"v{j}"} for j in range(100)]),
-        "stage": (table or OUTBOUND).stage, "event": "done", "from_status": "in_flight",
+        "stage": (table or OUTBOUND).key, "event": "done", "from_status": "in_flight",
         # the operator's: a search by control id, a message's page, a requeue of dead letters
         "destination": "ehr", "since_ms": None, "until_ms": None, "before_id": None,
         "id": inbound_id, "new_id": fill.INBOUND_LAST + 1, "new_message_id": fill_message_id(inbound_id) + "~r1",
@@ -193,7 +193,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "row_count": fill.EXPORT_ROWS, "ref": f"MSG{inbound_id:09d}", "watermark": "1042",
         "batch_id": f"b{inbound_id // 10:09d}", "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
         # what `audited` adds around a transition (Tx.transition)
-        "ev_stage": (table or OUTBOUND).stage, "ev_event": "done", "ev_from": "in_flight", "ev_epoch": fill.EPOCH,
+        "ev_stage": (table or OUTBOUND).key, "ev_event": "done", "ev_from": "in_flight", "ev_epoch": fill.EPOCH,
         "ev_node": fill.OWNERS.get(ids_table.name),
     }
     if name == "messages_find":  # `stageline messages find --control-id …`: the other filters open

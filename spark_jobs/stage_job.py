@@ -1,0 +1,193 @@
+"""One run of a stage job, any stage: claim → extract → transform → land → finalize.
+
+    claim      one SQL statement outside Spark, in lane order (`rowlease.claim_batch` on the stage's
+               input table): never inside a Spark read, whose schema probe would run it twice
+    extract    Spark JDBC read of exactly the rows the run claimed, bounded by owner + epoch (the
+               stage's read query with its parameters inlined); given the claimed ids, one
+               partition per id range (`id_ranges`: up to READ_PARTITIONS of at least
+               READ_PARTITION_ROWS), so the transform and the landing write after it run on that
+               many cores instead of one
+    transform  the stage's pure DataFrame → DataFrame function, handed in by the caller
+    land       Spark JDBC append into the stage's landing table (it exists up front: Spark cannot
+               create tables on SQLite); each partition in its own transaction
+    finalize   the stage's fenced finalize, ONE transaction (`include.store.finalize`)
+
+What a stage is — its tables, read query, schema, finalize — is its record
+(`include.store.stages.Stage`); this module is the one place that runs it. With nothing to claim
+Spark is not touched. On a failure after the claim the run's landing rows are dropped and its
+claimed rows handed back at once (`release_quietly`); a run whose process dies leaves them in
+flight until the next task of the stage DAG recovers them (`ClaimKeeper.recover_abandoned`) or,
+unrenewed, their short row lease expires.
+
+Small batches (at most SMALL_BATCH_ROWS claimed rows — the steady trickle of a live feed) take a
+shorter path with the same result: the claimed rows are read with the store's own connection and
+handed to Spark as a local frame, and the landing rows are collected and inserted in one
+statement. That saves the two JDBC round trips Spark makes per read (schema probe + read) and the
+separate Spark job of a JDBC write (docs/stages.md). The transform itself always runs in Spark.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+
+from include.spark import jdbc_options
+from include.store import Store, StagedTable
+from include.store.finalize import StaleEpoch
+from include.store.retry import with_retries
+from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_batch, fail_batch
+from include.store.stages import Landing, Stage
+
+log = logging.getLogger(__name__)
+
+WRITE_BATCH_ROWS = 2_000
+SMALL_BATCH_ROWS = 1_000
+READ_PARTITION_ROWS = 5_000
+READ_PARTITIONS = 4
+
+Transform = Callable[..., DataFrame]
+"""A stage's pure transform, called `transform(claimed, run_id=…)`: claimed rows → landing rows."""
+
+
+def run_stage_job(stage: Stage, store: Store, spark: SparkSession, *, transform: Transform, owner: str,
+                  epoch: int, run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None,
+                  **finalize_args: Any) -> Any:
+    """One run of `stage`: claim up to `batch_size` due rows, read them, `transform` them, land the
+    result and finalize it fenced by `epoch` (module docstring); the stage's outcome.
+
+    `owner` must be unique per run: the read selects the claimed rows by it. `finalize_args` go to
+    the stage's finalize (e.g. `passthrough`). A StaleEpoch propagates untouched: the finalize
+    already dropped the landing rows, and the claim belongs to the new leader's recovery.
+    """
+    if stage.landing is None:
+        raise ValueError(f"stage {stage.name} lands nothing: it runs its own job")
+    claimed_ids = claim(store, stage, owner=owner, epoch=epoch, batch_size=batch_size,
+                        lease_seconds=lease_seconds)
+    if not claimed_ids:
+        return stage.outcome(run_id=run_id)
+    small = is_small(claimed_ids)
+    try:
+        claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=claimed_ids)
+        land(store, transform(claimed, run_id=run_id), stage.landing, small=small)
+        outcome = finalize(store, stage, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
+                           **finalize_args)
+    except StaleEpoch:
+        raise
+    except BaseException as exc:
+        discard_quietly(store, stage.landing, run_id)
+        release_quietly(store, stage.input, claimed_ids, owner=owner, epoch=epoch, error=exc)
+        raise
+    log.info("%s run %s: %s", stage.name, run_id, ", ".join(
+        f"{key} {len(value)}" for key, value in vars(outcome).items() if isinstance(value, tuple)))
+    return outcome
+
+
+def claim(store: Store, stage: Stage, *, owner: str, epoch: int, batch_size: int,
+          lease_seconds: float | None = None) -> list[int]:
+    """Claim up to `batch_size` due rows of the stage's input for `owner`, in lane order; their ids."""
+    with store.transaction() as tx:
+        rows = claim_batch(tx, stage.input, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
+    return [int(r["id"]) for r in rows]
+
+
+def is_small(claimed_ids: Sequence[int]) -> bool:
+    """Whether a claim takes the small-batch path (module docstring)."""
+    return len(claimed_ids) <= SMALL_BATCH_ROWS
+
+
+def read_claimed(store: Store, spark: SparkSession, stage: Stage, *, owner: str, epoch: int, small: bool = False,
+                 ids: Sequence[int] = (), rows_per_partition: int = READ_PARTITION_ROWS,
+                 max_partitions: int = READ_PARTITIONS) -> DataFrame:
+    """The rows `owner` claimed under `epoch`, via the stage's read-only query, as `stage.schema`.
+
+    `small`: the rows are read here and sent to Spark as a local frame.
+    """
+    if small:
+        with store.transaction(write=False) as tx:
+            found = tx.all(stage.read_query, {"owner": owner, "epoch": int(epoch)})
+        return spark.createDataFrame([tuple(r[c] for c in stage.columns) for r in found], stage.schema)
+    query = stage.read_sql(store, owner=owner, epoch=epoch)
+    ranges = id_ranges(ids, rows=rows_per_partition, most=max_partitions) if ids else []
+    if len(ranges) < 2:
+        return (spark.read.format("jdbc").options(**jdbc_options(store.config))
+                .option("query", query).option("customSchema", stage.schema).option("fetchsize", "1000")
+                .load())
+    # One partition (own connection, own query) per id range: the transform and the landing write
+    # then run on as many cores as there are ranges, not on one.
+    return spark.read.jdbc(jdbc_options(store.config)["url"], f"({query}) claimed",
+                           predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
+                           properties={**jdbc_options(store.config), "customSchema": stage.schema,
+                                       "fetchsize": "1000"})
+
+
+def id_ranges(ids: Sequence[int], *, rows: int = READ_PARTITION_ROWS, most: int = READ_PARTITIONS) -> list[tuple[int, int]]:
+    """Split claimed ids into at most `most` contiguous ranges of at least `rows` ids each (as even
+    as the ids allow): disjoint, and together they hold every id."""
+    ordered = sorted(int(i) for i in ids)
+    parts = max(1, min(most, len(ordered) // max(rows, 1)))
+    bounds = [len(ordered) * k // parts for k in range(parts + 1)]
+    return [(ordered[a], ordered[b - 1]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def land(store: Store, frame: DataFrame, landing: Landing, *, batch_rows: int = WRITE_BATCH_ROWS,
+         small: bool = False) -> None:
+    """Append `frame` to the landing table over JDBC, or (`small`) collect it and insert it here.
+
+    SQLite admits one writer at a time, so it gets one writing connection; a server database gets
+    one per partition.
+    """
+    if small:
+        landed = [dict(zip(landing.columns, r)) for r in frame.select(*landing.columns).collect()]
+        if landed:
+            with store.transaction() as tx:
+                tx.execute(f"{landing.table}_insert", {"rows": json.dumps(landed)})
+        return
+    writer = (frame.select(*landing.columns).write.format("jdbc").options(**jdbc_options(store.config))
+              .option("dbtable", landing.table).option("batchsize", str(batch_rows)).mode("append"))
+    if store.backend == "sqlite":
+        writer = writer.option("numPartitions", "1")
+    started = time.perf_counter()
+    writer.save()
+    if store.backend == "sqlite":  # the JVM's transaction held SQLite's one write lock (its upper bound)
+        store.note_hold(time.perf_counter() - started)
+
+
+def finalize(store: Store, stage: Stage, *, run_id: str, **finalize_args: Any) -> Any:
+    """The stage's fenced finalize in one transaction; under a stale epoch drop the run's landing
+    rows (nothing of it may land) and re-raise."""
+    try:
+        with store.transaction() as tx:
+            return stage.finalize(tx, run_id=run_id, **finalize_args)
+    except StaleEpoch:
+        if stage.landing is not None:
+            stage.landing.discard(store, run_id)
+        raise
+
+
+def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
+                    error: BaseException) -> None:
+    """After a failed run, hand its claimed rows back at once (best effort) instead of leaving them
+    in flight — holding their lanes — until the sweep: due again now, the failure in `last_error`
+    and an `attempt_failed` event; after SWEEP_MAX_ATTEMPTS claims `dead`, as the sweep would.
+    A database that is briefly gone (a restart) is waited for (`with_retries`). Fenced like every
+    write: under a stale epoch it changes nothing."""
+    detail = f"stage run failed: {type(error).__name__}: {error}"[:400]
+
+    def hand_back() -> None:
+        with store.transaction() as tx:
+            fail_batch(tx, table, ids, owner=owner, epoch=epoch, error=detail, max_attempts=SWEEP_MAX_ATTEMPTS,
+                       backoff_seconds=0.0, max_backoff_seconds=0.0)
+
+    with_retries(hand_back, what=f"hand back {len(ids)} claimed rows of {table.name}")
+
+
+def discard_quietly(store: Store, landing: Landing, run_id: str) -> None:
+    """Best effort: the original error matters more, and the next finalize of these rows cleans up."""
+    try:
+        landing.discard(store, run_id)
+    except Exception:
+        log.warning("run %s: could not drop its rows from %s", run_id, landing.table, exc_info=True)
