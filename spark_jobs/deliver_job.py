@@ -13,7 +13,7 @@ One round:
               two per file (`senders.file.send_file_lanes`); a file destination with
               ``batch = true`` gets one HL7 batch file of all its rows in the partition
               (`senders.file.batch_file`)
-    finalize  `include.store.stages.finalize_deliveries`, ONE fenced transaction: ok → done;
+    finalize  `include.store.finalize.finalize_deliveries`, ONE fenced transaction: ok → done;
               retryable → error with the destination's backoff, or dead after its
               `max_attempts`; permanent → dead at once; not attempted (an earlier row of its lane
               failed this round) → pending again, the attempt not counted
@@ -216,7 +216,7 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
 
 
 # ---------------------------------------------------------------------------------------------
-# store side: claim and read (the finalize is `include.store.stages.finalize_deliveries`)
+# store side: claim and read (the finalize is `include.store.finalize.finalize_deliveries`)
 
 
 def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None,
