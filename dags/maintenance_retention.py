@@ -27,7 +27,9 @@ from airflow.sdk import dag, task
 from stageline_airflow import tasks
 from stageline_airflow.sensors import LeaderCheckSensor
 
-FREQUENT_DAGS = ("stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim")
+from include.store.stages import STAGES
+
+FREQUENT_DAGS = (*(stage.dag_id for stage in STAGES), "maintenance_reclaim")
 AIRFLOW_METADATA_KEEP = timedelta(hours=24)
 
 

@@ -22,6 +22,14 @@ class StaleEpoch(RuntimeError):
     """The job's epoch is no longer the lease's: its results must not land."""
 
 
+def check_epoch(tx: Tx, epoch: int, *, what: str, landed: str = "nothing landed") -> None:
+    """Join the epoch fence and check that `epoch` is still the lease's, first in every finalize;
+    StaleEpoch if not (the caller's transaction then rolls back: nothing of `what` lands)."""
+    tx.fence()
+    if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
+        raise StaleEpoch(f"{what}: epoch {epoch} is no longer current; {landed}")
+
+
 @dataclass(frozen=True)
 class RouteOutcome:
     """What one route run changed; ids in ascending order.
@@ -55,9 +63,7 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
     claims and finishes it. Not while the destination has routed rows still open (routed before a
     config change made it a pass-through): its new rows then queue behind them, in lane order.
     """
-    tx.fence()
-    if tx.one("epoch_current", {"epoch": epoch}) is None:
-        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
+    check_epoch(tx, epoch, what=f"run {run_id}")
     claimed = {int(i) for i in claimed_ids}
     params = {"run_id": run_id}
     unrouted_ids = claimed & {int(r["source_id"]) for r in tx.all("route_unrouted_ids", params)}
@@ -127,9 +133,7 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     `passthrough` destination (no spec, one lane for the destination: nothing to compute) were
     never given to Spark: they move here, in SQL; their body stays the inbound one.
     """
-    tx.fence()
-    if tx.one("epoch_current", {"epoch": epoch}) is None:
-        raise StaleEpoch(f"run {run_id}: epoch {epoch} is no longer current; nothing landed")
+    check_epoch(tx, epoch, what=f"run {run_id}")
     claimed = {int(i) for i in claimed_ids}
     params = {"run_id": run_id}
     landed_rows = tx.all("transform_landed", params)
@@ -240,9 +244,7 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
         if not o["ok"] and i not in untried:
             groups.setdefault((o.get("destination") or "", bool(o["retryable"]), o.get("detail") or ""), []).append(i)
     with store.transaction() as tx:
-        tx.fence()
-        if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
-            raise StaleEpoch(f"deliver {owner}: epoch {epoch} is no longer current; {len(by_id)} outcomes not landed")
+        check_epoch(tx, epoch, what=f"deliver {owner}", landed=f"{len(by_id)} outcomes not landed")
         done = finish_batch(tx, OUTBOUND, ok_ids, owner=owner, epoch=epoch, status="done")
         released = release_batch(tx, OUTBOUND, untried, owner=owner, epoch=epoch)
         failed: list[dict[str, Any]] = []
