@@ -157,11 +157,11 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = ROUTE.
 
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
-    routes = partial(routed_rows, routes=config.routes)  # once per task, like the pass-through destinations
+    routes, passthrough = partial(routed_rows, routes=config.routes), config.passthrough  # once per task
 
     def batch(b: Batch) -> Any:
         return run_stage_job(ROUTE, b.store, b.spark, transform=routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
-                             batch_size=b.limit or batch_size, passthrough=config.passthrough)
+                             batch_size=b.limit or batch_size, passthrough=passthrough)
 
     return _micro_batches(ROUTE, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
 
@@ -174,13 +174,13 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = TR
 
     loaded = stage_config.fingerprint()
     config = stage_config.load()
-    lookups = LookupCache()
+    lookups, passthrough = LookupCache(), config.passthrough
 
-    def batch(b: Batch) -> Any:
+    def batch(b: Batch) -> Any:  # checked before each claim: the lookup tables may have changed
         transform = checked(b.store, config.transforms, config.destinations, lookups=lookups.get(b.store),
                             code_dir=str(config.code_dir))
         return run_stage_job(TRANSFORM, b.store, b.spark, transform=transform, owner=b.owner, epoch=b.epoch,
-                             run_id=b.run_id, batch_size=b.limit or batch_size, passthrough=config.passthrough)
+                             run_id=b.run_id, batch_size=b.limit or batch_size, passthrough=passthrough)
 
     return _micro_batches(TRANSFORM, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded,
                           most=batch_size)
