@@ -1,19 +1,15 @@
 """The transform stage's pure transform: routed rows → outbound rows, each rewritten for its destination.
 
-The stage itself is the record `include.store.stages.TRANSFORM` (stage_routed → landing_outbound
-→ stage_outbound, finalized by `include.store.finalize.finalize_transform`), run by
-`spark_jobs.stage_job.run_stage_job` with the transform `checked()` returns:
-
-    run_stage_job(TRANSFORM, store, spark, transform=checked(store, specs, destinations, lookups=…),
-                  owner=owner, epoch=epoch, run_id=run_id, passthrough=passthrough)
+The stage is the record `include.store.stages.TRANSFORM` (stage_routed → landing_outbound →
+stage_outbound, `finalize_transform`), run by `spark_jobs.stage_job.run_stage_job` with the
+transform `checked()` returns — the specs checked against the lookup tables and the code hooks
+imported before anything is claimed, so a rule naming a missing table claims nothing.
 
 `outbound_rows()`: each row's outbound lane key from its destination's lane rule (read from the
 message as routed), then the destination's transform rules (`spark_jobs.transform_rules`), then its
 code hook if it names one (`spark_jobs.code_hook`). A message the rules cannot read lands with a
 NULL payload and is dead-lettered by the finalize. Rows bound for a pass-through destination
 (`include.stage_config.passthrough_destinations`) are left out: the finalize moves them in SQL.
-`checked()` validates the specs against the lookup tables and imports the code hooks before
-anything is claimed, so a rule naming a missing table claims nothing.
 """
 from __future__ import annotations
 
