@@ -10,12 +10,13 @@ saves, per group commit, the two thread hand-overs (a wake-up of the writer thre
 `callFromThread` back) and the connection-pool checkout around the statement — most of what one
 message alone cost (docs/listenerd.md, "Group commit").
 
-The SQL is the store's own (`Store.sql`): the same named queries, the same parameters. What
-`include.store.rowlease.stage_inbound` does around the statement is mirrored in `stage`, for this
-dialect only. The connection is opened off the reactor (libpq's connect blocks) and reopened on
-the next batch after a failure; a statement that fails because of the connection fails its batch
-(the caller answers "resend later"), one the server refuses for its data comes back as the
-driver's own exception class, so `Dialect.is_refusal` reads it as it reads the store's.
+What to send is the store's alone: `include.store.rowlease.staging` chooses the statements, gives
+their parameters and reads their rows, here as in `rowlease.stage_inbound`. This module is only the
+transport: the store's named queries prepared once, each result's rows loaded by psycopg's own
+adapters. The connection is opened off the reactor (libpq's connect blocks) and reopened on the
+next batch after a failure; a statement that fails because of the connection fails its batch (the
+caller answers "resend later"), one the server refuses for its data comes back as the driver's own
+exception class, so `Dialect.is_refusal` reads it as it reads the store's.
 
 Durability as the store's own sessions (`include.store.durability`, docs/store.md): the connection
 is opened with `synchronous_commit` pinned on (this is the session whose commit an `AA` follows) and
@@ -24,13 +25,12 @@ the server unsafe (`Store.durability_refusal`), every batch fails (`AE`) without
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReadWriteDescriptor
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -38,7 +38,7 @@ from zope.interface import implementer
 
 from include.store import Store
 from include.store.durability import UnsafeDurability, postgres_refusal, postgres_synchronous_commit
-from include.store.rowlease import lone_message
+from include.store.rowlease import ONE_STATEMENT_STAGING, Staged, Statement, staging
 
 __all__ = ["PgStager", "numbered"]
 
@@ -62,6 +62,17 @@ def numbered(sql: str) -> tuple[str, list[str]]:
     return _PARAM.sub(sub, sql), names
 
 
+def _rows(result: Any) -> list[dict[str, Any]]:
+    """A libpq result's rows as the store's cursors give them (dicts of Python values, loaded by
+    psycopg's own adapters), so `rowlease.staging` reads them as it reads the store's."""
+    from psycopg.adapt import Transformer
+
+    names = [result.fname(i).decode() for i in range(result.nfields)]
+    loader = Transformer()
+    loader.set_pgresult(result)
+    return loader.load_rows(0, result.ntuples, lambda values: dict(zip(names, values)))
+
+
 class _Query:
     """One prepared statement: its name on the connection and its parameters' order."""
 
@@ -80,14 +91,13 @@ class PgStager:
     statement at a time and waits for its outcome before the next.
     """
 
-    QUERIES = ("stage_inbound", "stage_inbound_one", "epoch_current")
-
     def __init__(self, store: Store, reactor: Any) -> None:
         if not store.dialect.atomic_staging or store.backend != "postgres":
             raise ValueError("PgStager needs PostgreSQL, whose stage_inbound is one self-contained statement")
         self._reactor = reactor
         self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
-        self._queries = {name: _Query(name, store.sql(name)) for name in self.QUERIES}
+        self._queries = {name: _Query(name, store.sql(name)) for name in ONE_STATEMENT_STAGING
+                         if store.has_query(name)}
         self._is_refusal = store.dialect.is_refusal
         self._store = store
         self._allow_unsafe = store.config.allow_unsafe_durability
@@ -97,30 +107,28 @@ class PgStager:
 
     # -- what the writer calls ----------------------------------------------------------------
 
-    def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred[dict[str, int] | None]:
-        """`rowlease.stage_inbound` for PostgreSQL: {message_id: row id} for the rows written (a
+    def stage(self, rows: list[dict[str, Any]], *, epoch: int, node_id: str) -> Deferred[Staged]:
+        """`rowlease.stage_inbound` on this connection: the store's statements (`rowlease.staging`)
+        sent in turn, each one's rows handed back; {message_id: row id} for the rows written (a
         message_id already staged is skipped), or None when `epoch` is no longer current."""
         if (unsafe := self._store.durability_refusal()) is not None:
             return fail(unsafe)  # the server may lose this commit: not sent, answered AE
-        if (lone := lone_message(rows)) is not None:  # no JSON to unpack
-            d = self._run("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
-        else:
-            d = self._run("stage_inbound", {"messages": json.dumps(rows), "epoch": epoch, "node_id": node_id})
+        return self._next(staging(self._store, rows, epoch=epoch, node_id=node_id), None)
 
-        def staged(result: Any) -> Any:
-            n = result.ntuples
-            if not n:  # stale epoch, or every message was a re-delivery of one already staged
-                return self._run("epoch_current", {"epoch": epoch}).addCallback(lambda r: {} if r.ntuples else None)
-            column = {result.fname(i): i for i in range(result.nfields)}
-            if (result.get_value(0, column[b"bodies_written"]) != b"t"
-                    or result.get_value(0, column[b"events_recorded"]) != b"t"):
-                # The dialect promised one self-contained statement; never ACK what it did not write.
-                raise RuntimeError("stage_inbound no longer writes bodies and events itself on PostgreSQL")
-            ids, message_ids = column[b"id"], column[b"message_id"]
-            value = result.get_value
-            return {value(r, message_ids).decode(): int(value(r, ids)) for r in range(n)}
-
-        return d.addCallback(staged)
+    def _next(self, steps: Generator[Statement, Any, Staged], result: list[dict[str, Any]] | None,
+              ) -> Deferred[Staged]:
+        """Send `staging`'s next statement (`result`: the rows of the one before), or give its outcome."""
+        try:
+            step = steps.send(result)
+        except StopIteration as done:
+            return succeed(done.value)
+        except Exception:
+            return fail()
+        if step.name not in self._queries:
+            # Only PostgreSQL's self-contained statements may run here, each in autocommit; never
+            # ACK what a follow-up statement of another transaction would have had to finish.
+            return fail(RuntimeError(f"{step.name} is not part of PostgreSQL's one-statement staging"))
+        return self._run(step.name, step.params).addCallback(lambda r: self._next(steps, _rows(r)))
 
     def close(self) -> None:
         """Drop the connection (a statement in flight fails); the stager takes no more work."""

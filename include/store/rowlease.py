@@ -14,9 +14,9 @@ them; every other transition appends to `message_events`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Generator, NamedTuple
 
-from include.store.db import INBOUND, OUTBOUND, STAGED_TABLES, StagedTable, Tx
+from include.store.db import INBOUND, OUTBOUND, STAGED_TABLES, StagedTable, Store, Tx
 
 Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")
@@ -169,47 +169,88 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     return total
 
 
-def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> dict[str, int] | None:
-    """Stage received messages under `epoch` (the listener's group commit).
+Staged = dict[str, int] | None
+"""What staging gave: {message_id: row id} for the rows written, or None when the epoch was stale."""
+
+
+ONE_STATEMENT_STAGING = ("stage_inbound", "stage_inbound_one", "epoch_current")
+"""The only statements `staging` runs where the dialect's staging is self-contained
+(`Dialect.atomic_staging`): the staging statement itself, and the epoch check after it."""
+
+
+class Statement(NamedTuple):
+    """One named query `staging` wants run, its parameters, and whether its rows are read back."""
+
+    name: str
+    params: dict[str, Any]
+    table: StagedTable | None = None
+    reads: bool = True
+
+
+def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> Staged:
+    """Stage received messages under `epoch` (the listener's group commit) in `tx`: `staging`'s
+    statements, run in this one transaction."""
+    steps = staging(tx.store, messages, epoch=epoch, node_id=node_id)
+    result: list[Row] | int | None = None
+    try:
+        while True:
+            step = steps.send(result)
+            if step.reads:
+                result = tx.all(step.name, step.params, table=step.table)
+            else:
+                result = tx.execute(step.name, step.params, table=step.table)
+    except StopIteration as done:
+        return done.value
+
+
+def staging(store: Store, messages: list[Row], *, epoch: int, node_id: str,
+            ) -> Generator[Statement, Any, Staged]:
+    """The statements that stage received messages under `epoch`, without a connection: yields
+    each `Statement` and is sent back the rows it returned (a list of dicts, as the store's
+    cursors give them); returns `Staged`. Both writers drive it: `stage_inbound` in one
+    transaction, and on PostgreSQL `listeners.pgcommit` on its own connection, one statement at a
+    time in autocommit — which is sound only because there the staging statement is
+    self-contained (`Dialect.atomic_staging`) and the epoch check after it only reads.
 
     `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload; a
     batch's messages also carry batch_id and batch_seq (from 1), and its first one the batch's
     record (batch_size, batch_fhs, batch_bhs, batch_declared), written to `inbound_batches` in the
-    same transaction: a batch lands whole or not at all. Returns {message_id: row id} for the rows
-    written (a message_id already staged is skipped, which makes re-reading a file after a crash
-    harmless), or None when `epoch` is no longer
-    current — then nothing is written. The epoch is checked by the insert itself rather than
-    under the fence lock: an inbound row staged just as leadership moved is still a durable,
-    valid message, and skipping the lock saves the hot path a round trip. PostgreSQL writes the
-    bodies (`inbound_bodies`) and the audit events in the same statement; elsewhere they follow in
-    the same transaction. A lone message outside a batch takes the dialect's `stage_inbound_one`
-    where it has one (PostgreSQL: the same statement without the JSON).
+    same transaction: a batch lands whole or not at all. A message_id already staged is skipped,
+    which makes re-reading a file after a crash harmless. Under a stale epoch nothing is written.
+    The epoch is checked by the insert itself rather than under the fence lock: an inbound row
+    staged just as leadership moved is still a durable, valid message, and skipping the lock saves
+    the hot path a round trip. PostgreSQL writes the bodies (`inbound_bodies`) and the audit events
+    in the same statement; elsewhere they follow, in the same transaction. A lone message outside
+    a batch takes the dialect's `stage_inbound_one` where it has one (PostgreSQL: the same
+    statement without the JSON).
     """
     if not messages:
-        return {} if tx.one("epoch_current", {"epoch": epoch}) else None
-    lone = lone_message(messages) if tx.store.has_query("stage_inbound_one") else None
+        return {} if (yield Statement("epoch_current", {"epoch": epoch})) else None
+    lone = lone_message(messages) if store.has_query("stage_inbound_one") else None
     if lone is not None:  # its statement writes bodies and events itself: no JSON wanted below
         batch = ""
-        rows = tx.all("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
+        rows = yield Statement("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
     else:
         batch = json.dumps(messages)
-        rows = tx.all("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
+        rows = yield Statement("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
-        return {} if tx.one("epoch_current", {"epoch": epoch}) else None
+        return {} if (yield Statement("epoch_current", {"epoch": epoch})) else None
+    ids = store.dialect.id_list([r["id"] for r in rows])
     # Any batch message, not only a first one: a large batch is committed in parts
     # (listeners/commitplan.py), and a later part's events name the batch its first part recorded.
     batched = not (rows[0]["bodies_written"] and rows[0]["events_recorded"]) and any(
         m.get("batch_id") is not None for m in messages)
     if not rows[0]["bodies_written"]:
-        tx.execute("stage_inbound_bodies", {"messages": batch, "ids": tx.dialect.id_list([r["id"] for r in rows])})
+        yield Statement("stage_inbound_bodies", {"messages": batch, "ids": ids}, reads=False)
         if batched:
-            tx.execute("stage_inbound_batches", {"messages": batch})
+            yield Statement("stage_inbound_batches", {"messages": batch}, reads=False)
     if not rows[0]["events_recorded"]:
         if batched:  # the events name the batch (its row is written above)
-            tx.execute("stage_inbound_events", {"ids": tx.dialect.id_list([r["id"] for r in rows]), "epoch": epoch,
-                                                "node_id": node_id})
-        else:
-            tx.record_events(rows, table=INBOUND, event="received", from_status=None, epoch=epoch, node_id=node_id)
+            yield Statement("stage_inbound_events", {"ids": ids, "epoch": epoch, "node_id": node_id}, reads=False)
+        else:  # as `Tx.record_events` writes them
+            yield Statement("record_events_for", {"ids": ids, "stage": INBOUND.stage, "event": "received",
+                                                  "from_status": None, "epoch": epoch, "node_id": node_id},
+                            table=INBOUND, reads=False)
     return {r["message_id"]: int(r["id"]) for r in rows}
 
 
