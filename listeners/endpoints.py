@@ -28,8 +28,8 @@ from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, bui
 from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
 from listeners.http_listener import make_inbound_site
-from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, lane_rule,
-                               rejection_reason)
+from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_batch, build_inbound, codec_name,
+                                  lane_rule, rejection_reason)
 from listeners.group_commit import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp_listener import MLLPConfig, MLLPFactory
@@ -240,7 +240,7 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         metrics.received.labels(conn.name).inc()
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
-        built = off_reactor(wiring.reactor, len(data), build_inbound, data, connection=conn.name,
+        built = off_reactor(wiring.reactor, len(data), build_batch, data, connection=conn.name,
                             charset=conn.charset, lane_of=lane_of)
         return built.addCallbacks(submit, refused)
 
@@ -252,8 +252,7 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
                   control_id=(head.control_id if head else "")[:64] or "-", reason=str(exc))
         return answer(head, AckCode.AR, str(exc))
 
-    def submit(batch: Any) -> Deferred[bytes]:
-        assert isinstance(batch, InboundBatch)
+    def submit(batch: InboundBatch) -> Deferred[bytes]:
         envelope: BatchHeader = batch.envelope
         first = batch.items[0] if batch.items else None
         text, codec = (first.payload, first.charset or "ascii") if first else ("", "ascii")

@@ -33,6 +33,7 @@ __all__ = [
     "IngestSink",
     "LaneOf",
     "PayloadRejected",
+    "build_batch",
     "build_inbound",
     "ACCEPTED_CHARSETS",
     "codec_name",
@@ -123,7 +124,7 @@ def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf
     the store cannot hold is refused here, so it never reaches (and never fails) a group commit.
     """
     if header is None and starts_batch(data):
-        return _build_batch(data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id)
+        return build_batch(data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id)
     return _build_one(data, connection=connection, charset=charset, lane_of=lane_of, message_id=message_id,
                       header=header, hl7_only=hl7_only)
 
@@ -186,9 +187,11 @@ def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | 
                    charset=codec, **extra)
 
 
-def _build_batch(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None,
-                 batch_id: str | None) -> InboundBatch:
-    """A batch's messages, each validated as if sent alone; any refusal refuses the batch."""
+def build_batch(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None,
+                batch_id: str | None = None) -> InboundBatch:
+    """`build_inbound` for bytes already known to be an HL7 batch (`starts_batch`: MLLP tells a
+    batch frame apart as it frames it, to answer it whole): its messages, each validated as if sent
+    alone; any refusal refuses the batch (`BatchRejected`)."""
     try:
         split = split_batch(data)
     except BatchError as exc:
