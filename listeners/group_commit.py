@@ -255,9 +255,16 @@ class _Intake:
     """What both writers do on the reactor: refuse a batch over `max_batch_messages`, recognise a
     re-send (`listeners.resend`), queue an `Entry`, and answer what a commit finished."""
 
-    max_batch: int
-    max_batch_messages: int
-    resends: ResendMemory
+    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
+                 reactor: Any, max_batch: int, max_batch_messages: int, resends: ResendMemory | None) -> None:
+        self.store = store
+        self.node_id = node_id
+        self._epoch = epoch
+        self.metrics = metrics
+        self._reactor = reactor
+        self.max_batch = max_batch
+        self.max_batch_messages = max_batch_messages
+        self.resends = resends if resends is not None else ResendMemory()
 
     def _entry(self, item: Unit) -> Entry | Deferred:
         """The entry to queue for `item`, or (a batch over the limit) its Deferred, failed already."""
@@ -293,14 +300,8 @@ class IngestWriter(_Intake):
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
                  reactor, max_batch: int = MAX_ROWS_PER_COMMIT, locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
                  max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
-        self.store = store
-        self.node_id = node_id
-        self._epoch = epoch
-        self.metrics = metrics
-        self._reactor = reactor
-        self.max_batch = max_batch
-        self.max_batch_messages = max_batch_messages
-        self.resends = resends if resends is not None else ResendMemory()
+        super().__init__(store, node_id=node_id, epoch=epoch, metrics=metrics, reactor=reactor, max_batch=max_batch,
+                         max_batch_messages=max_batch_messages, resends=resends)
         self.locked_retry_seconds = locked_retry_seconds
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
@@ -419,14 +420,8 @@ class ReactorIngestWriter(_Intake):
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
                  reactor: Any, max_batch: int = MAX_ROWS_PER_COMMIT, stager: PgStager | None = None,
                  max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
-        self.store = store
-        self.node_id = node_id
-        self._epoch = epoch
-        self.metrics = metrics
-        self._reactor = reactor
-        self.max_batch = max_batch
-        self.max_batch_messages = max_batch_messages
-        self.resends = resends if resends is not None else ResendMemory()
+        super().__init__(store, node_id=node_id, epoch=epoch, metrics=metrics, reactor=reactor, max_batch=max_batch,
+                         max_batch_messages=max_batch_messages, resends=resends)
         self._stager = stager if stager is not None else PgStager(store, reactor)
         self._plan = CommitPlan(max_batch)
         self._busy = False  # a commit is in flight (or is about to start)

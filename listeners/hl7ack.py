@@ -377,21 +377,8 @@ def message_header(text: str, *, encoding: str) -> HL7Header:
     """The `HL7Header` of one staged message's text (a batch member, already validated), to
     answer it inside an ACK batch."""
     msh = _msh_fields(text)
-    enc = _nth(msh, 2)
-    return HL7Header(
-        field_separator=text[3] if len(text) > 3 else DEFAULT_FIELD_SEPARATOR,
-        encoding_characters=enc or DEFAULT_ENCODING_CHARACTERS,
-        sending_application=_nth(msh, 3),
-        sending_facility=_nth(msh, 4),
-        receiving_application=_nth(msh, 5),
-        receiving_facility=_nth(msh, 6),
-        message_type=_nth(msh, 9),
-        control_id=_nth(msh, 10),
-        processing_id=_nth(msh, 11),
-        version=_nth(msh, 12),
-        charset=_nth(msh, 18),
-        encoding=encoding,
-    )
+    return HL7Header.of_fields(msh, field_separator=text[3] if len(text) > 3 else DEFAULT_FIELD_SEPARATOR,
+                               encoding_characters=_nth(msh, 2) or DEFAULT_ENCODING_CHARACTERS, encoding=encoding)
 
 
 def build_ack_batch(

@@ -86,6 +86,17 @@ class HL7Header:
     encoding: str  # Python codec used to decode the message (and encode its ACK)
     text: str | None = field(default=None, repr=False, compare=False)  # the decoded message (complete parses)
 
+    @classmethod
+    def of_fields(cls, msh: list[str], *, field_separator: str, encoding_characters: str, encoding: str,
+                  text: str | None = None) -> HL7Header:
+        """The header an MSH segment's fields give: ``msh[n - 1]`` is MSH-n (MSH-1 being the
+        separator itself), a field past the end is empty."""
+        f = msh if len(msh) >= 18 else [*msh, *[""] * (18 - len(msh))]
+        return cls(field_separator=field_separator, encoding_characters=encoding_characters,
+                   sending_application=f[2], sending_facility=f[3], receiving_application=f[4],
+                   receiving_facility=f[5], message_type=f[8], control_id=f[9], processing_id=f[10],
+                   version=f[11], charset=f[17], encoding=encoding, text=text)
+
     @property
     def component_separator(self) -> str:
         return self.encoding_characters[0]
@@ -203,21 +214,8 @@ def parse_header(
     if len(control_id) > MAX_CONTROL_ID_CHARS:  # refused, and not echoed: an ACK stays small
         raise HL7HeaderError(HeaderErrorReason.CONTROL_ID_TOO_LONG,
                              f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}")
-    return HL7Header(
-        field_separator=fs,
-        encoding_characters=enc_chars,
-        sending_application=_field(fields, 3),
-        sending_facility=_field(fields, 4),
-        receiving_application=_field(fields, 5),
-        receiving_facility=_field(fields, 6),
-        message_type=_field(fields, 9),
-        control_id=control_id,
-        processing_id=_field(fields, 11),
-        version=_field(fields, 12),
-        charset=charset,
-        encoding=_codec_name(encoding),
-        text=text if complete else None,
-    )
+    return HL7Header.of_fields(fields, field_separator=fs, encoding_characters=enc_chars,
+                               encoding=_codec_name(encoding), text=text if complete else None)
 
 
 def _ascii_control_id(raw_fields: list[bytes]) -> str:
