@@ -252,8 +252,9 @@ class _GroupCommit:
 
 
 class _Intake:
-    """What both writers do on the reactor: refuse a batch over `max_batch_messages`, recognise a
-    re-send (`listeners.resend`), queue an `Entry`, and answer what a commit finished."""
+    """What both writers share: their settings, and on the reactor `submit` (refuse a batch over
+    `max_batch_messages`, recognise a re-send (`listeners.resend`), hand an `Entry` to the writer's
+    own `_enqueue`) and answering what a commit finished."""
 
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
                  reactor: Any, max_batch: int, max_batch_messages: int, resends: ResendMemory | None) -> None:
@@ -266,8 +267,9 @@ class _Intake:
         self.max_batch_messages = max_batch_messages
         self.resends = resends if resends is not None else ResendMemory()
 
-    def _entry(self, item: Unit) -> Entry | Deferred:
-        """The entry to queue for `item`, or (a batch over the limit) its Deferred, failed already."""
+    def submit(self, item: Unit) -> Deferred:
+        """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
+        commit, or fails with an `IngestRejected` subclass."""
         if item.__class__ is InboundBatch and len(item.items) > self.max_batch_messages:  # type: ignore[union-attr]
             n = len(item.items)  # type: ignore[union-attr]
             _log.warn("refusing a batch of {n} messages on {connection}: more than max_batch_messages ({limit})",
@@ -277,7 +279,11 @@ class _Intake:
         item = self.resends.recall(item)
         # Cancelled = answered without an outcome (the handler's timeout): a re-send is recognised.
         d: Deferred = Deferred(canceller=lambda _: self.resends.remember(item))
-        return Entry.of(item, d, time.monotonic(), max_rows=self.max_batch)
+        self._enqueue(Entry.of(item, d, time.monotonic(), max_rows=self.max_batch))
+        return d
+
+    def _enqueue(self, entry: Entry) -> None:
+        raise NotImplementedError
 
     def _answer(self, finished: list[tuple[Entry, Outcome]]) -> None:
         for entry, outcome in finished:
@@ -313,17 +319,11 @@ class IngestWriter(_Intake):
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: Unit) -> Deferred:
-        """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
-        commit, or fails with an `IngestRejected` subclass."""
-        entry = self._entry(item)
-        if isinstance(entry, Deferred):
-            return entry
+    def _enqueue(self, entry: Entry) -> None:
         with self._lock:
             self._pending += 1
             self._idle.clear()
         self._queue.put(entry)
-        return entry.d
 
     def drain(self, timeout: float) -> bool:
         """Wait (off the reactor) until every submitted message has been committed or rejected."""
@@ -431,17 +431,11 @@ class ReactorIngestWriter(_Intake):
     def start(self) -> None:
         self._stager.open()
 
-    def submit(self, item: Unit) -> Deferred:
-        """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
-        commit, or fails with an `IngestRejected` subclass."""
-        entry = self._entry(item)
-        if isinstance(entry, Deferred):
-            return entry
+    def _enqueue(self, entry: Entry) -> None:
         self._plan.add(entry)
         if not self._busy:
             self._busy = True
             self._reactor.callLater(0, self._next_batch)
-        return entry.d
 
     @property
     def idle(self) -> bool:
