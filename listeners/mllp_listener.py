@@ -339,7 +339,7 @@ class MLLPProtocol(OrderedReplyProtocol):
     def _on_message(self, payload: bytes) -> None:
         if self.factory is not None:
             self.factory.count_received(len(payload))
-        if starts_batch(payload):
+        if starts_batch(payload):  # told apart once: the batch handler builds it as a batch
             self._on_batch(payload)
             return
         try:
