@@ -200,7 +200,8 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> S
             else:
                 result = tx.execute(step.name, step.params, table=step.table)
     except StopIteration as done:
-        return done.value
+        staged: Staged = done.value
+        return staged
 
 
 def staging(store: Store, messages: list[Row], *, epoch: int, node_id: str,

@@ -19,7 +19,7 @@ from include.config import StoreConfig
 from include.store import Store
 from include.store import rowlease as rl
 from include.store.lease import acquire_permanent
-from listeners.ingest import Inbound, InboundBatch
+from listeners.group_commit import Inbound, InboundBatch
 from listeners.pgcommit import PgStager
 from tests.conftest import TEMPLATE_DB, pg_config
 
