@@ -249,7 +249,7 @@ def staging(store: Store, messages: list[Row], *, epoch: int, node_id: str,
         if batched:  # the events name the batch (its row is written above)
             yield Statement("stage_inbound_events", {"ids": ids, "epoch": epoch, "node_id": node_id}, reads=False)
         else:  # as `Tx.record_events` writes them
-            yield Statement("record_events_for", {"ids": ids, "stage": INBOUND.stage, "event": "received",
+            yield Statement("record_events_for", {"ids": ids, "stage": INBOUND.key, "event": "received",
                                                   "from_status": None, "epoch": epoch, "node_id": node_id},
                             table=INBOUND, reads=False)
     return {r["message_id"]: int(r["id"]) for r in rows}
