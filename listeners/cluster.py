@@ -199,9 +199,7 @@ class HeartbeatService(TimerService):
         self._config_version = config_version
 
     def _beat(self) -> Deferred[None]:
-        d = threads.deferToThread(self._beat_blocking)
-        d.addCallbacks(self._after_beat, self._beat_failed)
-        return d
+        return threads.deferToThread(self._beat_blocking).addCallbacks(self._after_beat, self._beat_failed)
 
     def _beat_blocking(self) -> Beat:
         store = self._stores.store
@@ -209,9 +207,9 @@ class HeartbeatService(TimerService):
         result = self._lease.step()
         heartbeat(store, self._node, is_leader=self._lease.is_leader, config_hash=self._config_hash())
         with store.transaction(write=False) as tx:
-            version = int(tx.one("identity_get")["config_version"])
+            version = int(tx.row("identity_get")["config_version"])
             row = tx.one("leader_config_hash")
-        if result is not None and result.outcome is Outcome.ELECTED:
+        if result is not None and result.outcome is Outcome.ELECTED and result.epoch is not None:
             with store.transaction() as tx:
                 recovered = rowlease.recover_on_promotion(tx, owner=self._node.node_id, epoch=result.epoch)
             _log.info("elected leader, epoch {epoch}; recovered {n} in-flight row(s) of older epochs",
@@ -230,7 +228,7 @@ class HeartbeatService(TimerService):
 
     def _beat_failed(self, failure: Failure) -> None:
         self._metrics.store_errors.labels("heartbeat").inc()
-        _log.warn("heartbeat failed: {err}; leader fence continues to run", err=failure.type.__name__)
+        _log.warn("heartbeat failed: {err}; leader fence continues to run", err=type(failure.value).__name__)
         self.publish()
 
     def publish(self) -> None:

@@ -74,7 +74,8 @@ def listen(reactor: Any, host: str, port: int, factory: IProtocolFactory, tls: T
         factory = TLSMemoryBIOFactory(server_tls_options(tls), False, factory)
     if guard is not None:
         factory = guard(factory, tls is not None)
-    return reactor.listenTCP(port, factory, backlog=backlog, interface=host)
+    listening: IListeningPort = reactor.listenTCP(port, factory, backlog=backlog, interface=host)
+    return listening
 
 
 def _read(path: str, what: str) -> bytes:
@@ -110,4 +111,5 @@ def _private_key(path: str) -> PrivateKeyTypes:
 
 
 def _spki(public_key: Any) -> bytes:
-    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    der: bytes = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return der

@@ -74,14 +74,15 @@ def delivery_locations(var: Path, pipeline_dir: Path | None = None) -> list[tupl
     `include.stage_config.PipelineConfigError` when the config cannot be read.
     """
     from include import stage_config
+    from include.destinations_config import FileDestination, MllpDestination
 
     where: list[tuple[str, str]] = []
     for name, dest in stage_config.load(pipeline_dir or PIPELINE_DIR).destinations.items():
-        if dest.kind == "mllp" and (dest.host, dest.port) == (RECEIVER_HOST, RECEIVER_PORT):
+        if isinstance(dest, MllpDestination) and (dest.host, dest.port) == (RECEIVER_HOST, RECEIVER_PORT):
             where.append((name, str(receiver_dir(var) / RECEIVED_FILE)))
-        elif dest.kind == "mllp":
+        elif isinstance(dest, MllpDestination):
             where.append((name, f"MLLP {dest.host}:{dest.port}"))
-        elif dest.kind == "file":
+        elif isinstance(dest, FileDestination):
             where.append((name, dest.directory.rstrip("/") + "/"))
         else:
             where.append((name, getattr(dest, "url", dest.kind)))

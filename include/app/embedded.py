@@ -247,9 +247,10 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo, pipeline_dir: Path) -
             store.close()
         echo(f"lookup tables from {lookups}: " + ", ".join(f"{name} ({count})" for name, count in imported))
     from include import stage_config
+    from include.destinations_config import FileDestination
 
     for dest in stage_config.load(pipeline_dir).destinations.values():
-        if dest.kind == "file" and Path(dest.directory).is_relative_to(var):
+        if isinstance(dest, FileDestination) and Path(dest.directory).is_relative_to(var):
             Path(dest.directory).mkdir(parents=True, exist_ok=True)
     return demo.delivery_locations(var, pipeline_dir)
 

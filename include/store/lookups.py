@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from include.store.db import Store, Tx
 
@@ -39,7 +40,7 @@ def load_all(store: Store) -> dict[str, dict[str, str]]:
         return read_all(tx)
 
 
-def list_tables(tx: Tx) -> list[dict[str, object]]:
+def list_tables(tx: Tx) -> list[dict[str, Any]]:
     """Name, entry count and last change (epoch seconds) of each table."""
     return [dict(r) for r in tx.all("lookup_tables")]
 

@@ -60,7 +60,7 @@ class ParquetArchive:
 
         text = str(ref)
         condition = (ds.field("message_id") == text) | (ds.field("control_id") == text)
-        lookups = [("parquet_find_by_text", {"kind": "inbound", "ref": text}),
+        lookups: list[tuple[str, dict[str, Any]]] = [("parquet_find_by_text", {"kind": "inbound", "ref": text}),
                    ("parquet_find_by_control", {"ref": text})]
         if text.isdigit():
             condition = condition | (ds.field("id") == int(text))
@@ -140,7 +140,8 @@ class ParquetArchive:
 
         location = f"{self.path}/{kind}"
         if "://" in location:
-            return pafs.FileSystem.from_uri(location.replace("s3a://", "s3://", 1))
+            filesystem, path = pafs.FileSystem.from_uri(location.replace("s3a://", "s3://", 1))
+            return filesystem, path
         return pafs.LocalFileSystem(), location
 
     def ensure_indexed(self, *, epoch: int) -> dict[str, int] | None:
@@ -231,7 +232,7 @@ def _files(filesystem: Any, directories: list[str]) -> list[str]:
     a directory gone since it was indexed holds none."""
     import pyarrow.fs as pafs
 
-    files = []
+    files: list[str] = []
     for directory in directories:
         infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
         files.extend(i.path for i in infos if i.type == pafs.FileType.File

@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from include.app import ROOT
 from include.app.lab import recorder
@@ -36,6 +37,10 @@ from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import StoreConfig
+
+if TYPE_CHECKING:
+    from include.app.lab.spark_cluster import SparkCluster
+    from include.spark import ConnectServer
 
 HAPROXY = os.environ.get("STAGELINE_HAPROXY", "/usr/sbin/haproxy")
 CLUSTER_NAME = "lab"
@@ -166,29 +171,30 @@ class Lab:
 
     def __post_init__(self) -> None:
         self._own_workdir = self.workdir is None
-        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="stageline-lab-")).resolve()
+        self.dir: Path = Path(self.workdir or tempfile.mkdtemp(prefix="stageline-lab-")).resolve()
+        self.workdir = self.dir
         self.pg: PostgresServer | None = None
         self.nodes: dict[str, Node] = {}
-        self.stack = Stack(self.workdir / "log", cwd=ROOT, echo=self.echo)
-        self.spark = None  # include.spark.ConnectServer
-        self.spark_cluster = None  # include.app.lab.spark_cluster.SparkCluster, with spark_workers
+        self.stack = Stack(self.dir / "log", cwd=ROOT, echo=self.echo)
+        self.spark: ConnectServer | None = None
+        self.spark_cluster: SparkCluster | None = None  # with spark_workers
         self.vip_port = free_port()
         self.haproxy_stats_port = free_port()
         self.receiver_port = free_port()
         self.spark_port = free_port()
         if self.second_spark is None:
             self.second_spark = not self.spark_workers
-        self.spark_b = None  # include.spark.ConnectServer, with second_spark
+        self.spark_b: ConnectServer | None = None  # with second_spark
         self.spark_b_port = free_port() if self.second_spark else None
         self.airflow_port = free_port()
-        self.pipeline_dir = self.workdir / "pipeline"
-        self.deliveries_path = self.workdir / "deliveries.jsonl"
-        self.service_config = self.workdir / "stageline.toml"
+        self.pipeline_dir = self.dir / "pipeline"
+        self.deliveries_path = self.dir / "deliveries.jsonl"
+        self.service_config = self.dir / "stageline.toml"
         self.restarts: list[tuple[float, str, int | None]] = []
         """(wall clock, process name, its exit code) for every restart the restart policy made."""
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self._migrate_proc: subprocess.Popen | None = None
+        self._migrate_proc: subprocess.Popen[bytes] | None = None
 
     # --- addresses and state -------------------------------------------------------------------
 
@@ -273,7 +279,7 @@ class Lab:
         lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}"
                   + (f" and sc://127.0.0.1:{self.spark_b_port}" if self.spark_b_port else ""),
                   f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
-                  f"logs                {self.workdir / 'log'}"]
+                  f"logs                {self.dir / 'log'}"]
         return "\n".join(lines)
 
     def ports(self) -> dict[str, int]:
@@ -300,7 +306,7 @@ class Lab:
 
     def _start(self) -> None:
         started = time.monotonic()
-        self.echo(f"lab in {self.workdir}")
+        self.echo(f"lab in {self.dir}")
         self.pg = PostgresServer(settings={"max_connections": "300"}).start()
         for db in ("stageline", "airflow"):
             self.pg.execute(f"CREATE DATABASE {db}")
@@ -330,7 +336,7 @@ class Lab:
         self.echo(f"  spark-connect             ready on {self.spark_port}")
         if airflow_migrate is not None:
             if airflow_migrate.wait() != 0:
-                raise RuntimeError(f"airflow db migrate failed; see {self.workdir / 'log' / 'airflow-migrate.log'}")
+                raise RuntimeError(f"airflow db migrate failed; see {self.dir / 'log' / 'airflow-migrate.log'}")
             self._start_airflow()
         if self.restart_policy:
             self._watchdog = threading.Thread(target=self._watch, name="lab-watchdog", daemon=True)
@@ -387,7 +393,7 @@ class Lab:
             self.pg.stop()
             self.pg = None
         if self._own_workdir and not self.keep_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> Lab:
         return self.start()
@@ -400,6 +406,7 @@ class Lab:
     def signal_node(self, node: Node, sig: int) -> None:
         """Send `sig` to a node's listenerd and wait for it to exit (SIGKILL after 20 s)."""
         node.daemon.signal(sig)
+        assert node.daemon.proc is not None  # a node that runs
         try:
             node.daemon.proc.wait(20)
         except subprocess.TimeoutExpired:
@@ -480,10 +487,10 @@ class Lab:
             if self.spark_cluster is None:
                 from include.app.lab.spark_cluster import SparkCluster
 
-                self.spark_cluster = SparkCluster(self.workdir / "log" / "spark-cluster", workers=self.spark_workers,
+                self.spark_cluster = SparkCluster(self.dir / "log" / "spark-cluster", workers=self.spark_workers,
                                                   cores=1, memory="1g").start()
             master = self.spark_cluster.master_url
-        self.spark = start_connect_server(self.spark_port, log_dir=self.workdir / "log" / "spark-connect",
+        self.spark = start_connect_server(self.spark_port, log_dir=self.dir / "log" / "spark-connect",
                                           master=master)
 
     def start_spark_b(self) -> None:
@@ -491,7 +498,7 @@ class Lab:
         from include.spark import start_connect_server
 
         assert self.spark_b_port is not None
-        self.spark_b = start_connect_server(self.spark_b_port, log_dir=self.workdir / "log" / "spark-connect-b",
+        self.spark_b = start_connect_server(self.spark_b_port, log_dir=self.dir / "log" / "spark-connect-b",
                                             master="local[*]")
 
     def restart_postgres(self) -> None:
@@ -538,7 +545,7 @@ class Lab:
         """A node's daemon; a restart keeps its API port, where HAProxy asks `GET /leader`."""
         store = StoreConfig(backend="postgres", server="127.0.0.1", port=proxy.port, database="stageline",
                             username=self.store_config.username, pool_size=5)
-        return Daemon(self.workdir / f"node-{name}", store, node_id=f"node-{name}:{incarnation}",
+        return Daemon(self.dir / f"node-{name}", store, node_id=f"node-{name}:{incarnation}",
                       cluster=self.timings.cluster(), api_port=api_port or free_port(),
                       inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
                                 "lane_key": "PID-3.1"}])
@@ -551,7 +558,7 @@ class Lab:
 
     def _write_haproxy_config(self) -> Path:
         """deploy/haproxy.cfg's VIP, on loopback (see `haproxy_config`)."""
-        path = self.workdir / "haproxy.cfg"
+        path = self.dir / "haproxy.cfg"
         path.write_text(haproxy_config(self.vip_port, self.haproxy_stats_port,
                                        [(f"node-{n.name}", n.mllp_port, n.daemon.api_port) for n in self.nodes.values()],
                                        inter_ms=self.timings.haproxy_check_ms))
@@ -569,7 +576,7 @@ class Lab:
         from include.app import embedded
         from include.spark import spark_connect_connection
 
-        var = self.workdir / "var"
+        var = self.dir / "var"
         assert self.pg is not None
         db = f"postgresql+psycopg2://{self.pg.user}@{self.pg.host}:{self.pg.port}/airflow"
         env = embedded.airflow_env(var, self.service_config)
@@ -599,8 +606,8 @@ class Lab:
         return [str(Path(sys.executable).parent / "airflow"), *args]
 
     def _airflow_migrate(self) -> subprocess.Popen:
-        (self.workdir / "log").mkdir(parents=True, exist_ok=True)
-        log = open(self.workdir / "log" / "airflow-migrate.log", "ab")
+        (self.dir / "log").mkdir(parents=True, exist_ok=True)
+        log = open(self.dir / "log" / "airflow-migrate.log", "ab")
         return subprocess.Popen(self._airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **self.airflow_env()},
                                 stdout=log, stderr=subprocess.STDOUT)
 
