@@ -237,21 +237,14 @@ def staging(store: Store, messages: list[Row], *, epoch: int, node_id: str,
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
         return {} if (yield Statement("epoch_current", {"epoch": epoch})) else None
     ids = store.dialect.id_list([r["id"] for r in rows])
-    # Any batch message, not only a first one: a large batch is committed in parts
-    # (listeners/commitplan.py), and a later part's events name the batch its first part recorded.
-    batched = not (rows[0]["bodies_written"] and rows[0]["events_recorded"]) and any(
-        m.get("batch_id") is not None for m in messages)
     if not rows[0]["bodies_written"]:
         yield Statement("stage_inbound_bodies", {"messages": batch, "ids": ids}, reads=False)
-        if batched:
+        if any(m.get("batch_id") is not None for m in messages):  # its first message carries the record
             yield Statement("stage_inbound_batches", {"messages": batch}, reads=False)
     if not rows[0]["events_recorded"]:
-        if batched:  # the events name the batch (its row is written above)
-            yield Statement("stage_inbound_events", {"ids": ids, "epoch": epoch, "node_id": node_id}, reads=False)
-        else:  # as `Tx.record_events` writes them
-            yield Statement("record_events_for", {"ids": ids, "stage": INBOUND.key, "event": "received",
-                                                  "from_status": None, "epoch": epoch, "node_id": node_id},
-                            table=INBOUND, reads=False)
+        # After the batch record: a batch message's event names its batch, a message of a large
+        # batch's later part (listeners/commitplan.py) too, from the record its first part wrote.
+        yield Statement("stage_inbound_events", {"ids": ids, "epoch": epoch, "node_id": node_id}, reads=False)
     return {r["message_id"]: int(r["id"]) for r in rows}
 
 
