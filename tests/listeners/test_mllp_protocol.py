@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import hl7
 import pytest
@@ -16,9 +15,8 @@ from twisted.internet.testing import (
     StringTransport,
     StringTransportWithDisconnection,
 )
-from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
+from twisted.logger import LogEvent, formatEvent
 from twisted.python.failure import Failure
-from zope.interface import provider
 
 from listeners.hl7ack import AckCode, AckDecision
 from listeners.mllp_listener import (
@@ -91,19 +89,6 @@ def acks(transport: StringTransport, encoding: str = "utf-8") -> list[hl7.Messag
 def msa(ack: hl7.Message) -> tuple[str, str]:
     segment = ack.segment("MSA")
     return str(segment[1]), str(segment[2])
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-
-    @provider(ILogObserver)
-    def observe(event: LogEvent) -> None:
-        events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    yield events
-    globalLogPublisher.removeObserver(observe)
 
 
 def test_handler_gets_the_exact_message_and_the_peer() -> None:

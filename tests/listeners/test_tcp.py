@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 import struct
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,10 +13,9 @@ from twisted.internet.defer import Deferred, inlineCallbacks, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import ILogObserver, LogEvent, formatEvent, globalLogPublisher
+from twisted.logger import LogEvent, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial import unittest as trial
-from zope.interface import provider
 
 from include.config import StoreConfig
 from include.store import Store
@@ -80,19 +78,6 @@ def frames(transport: StringTransport) -> list[str]:
         out.append(data[4 : 4 + n].decode())
         data = data[4 + n :]
     return out
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-
-    @provider(ILogObserver)
-    def observe(event: LogEvent) -> None:
-        events.append(event)
-
-    globalLogPublisher.addObserver(observe)
-    yield events
-    globalLogPublisher.removeObserver(observe)
 
 
 # -- decoders ----------------------------------------------------------------------------------
