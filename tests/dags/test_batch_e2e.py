@@ -17,7 +17,16 @@ from include.config import StoreConfig
 from include.app.lab.postgres_server import free_port, wait_for
 from include.store import Store
 from listeners.hl7batch import split_batch
-from tests.dags.e2e import listenerd, run_stages
+from tests.dags.e2e import (
+    LANE,
+    by_type,
+    file_destination,
+    listenerd,
+    mllp_destination,
+    mllp_inbound,
+    run_stages,
+    write_pipeline,
+)
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver
 
@@ -33,40 +42,11 @@ def batch(name: str, messages: list[tuple[str, str, str]]) -> bytes:
 
 
 def pipeline_config(directory: Path, *, ehr: int, lab: int, nightly: Path) -> None:
-    (directory / "routes.toml").write_text("""
-[[route]]
-name = "adt"
-destinations = ["ehr", "nightly"]
-when = { field = "MSH-9.1", op = "eq", value = "ADT" }
-
-[[route]]
-name = "results"
-destinations = ["lab", "nightly"]
-when = { field = "MSH-9.1", op = "eq", value = "ORU" }
-""")
-    (directory / "destinations.toml").write_text(f"""
-[[destination]]
-name = "ehr"
-kind = "mllp"
-host = "127.0.0.1"
-port = {ehr}
-lane = "PID-3.1"
-timeout_seconds = 5
-
-[[destination]]
-name = "lab"
-kind = "mllp"
-host = "127.0.0.1"
-port = {lab}
-lane = "PID-3.1"
-timeout_seconds = 5
-
-[[destination]]
-name = "nightly"
-kind = "file"
-directory = "{nightly}"
-batch = true
-""")
+    write_pipeline(
+        directory,
+        routes=[by_type("adt", "ADT", ["ehr", "nightly"]), by_type("results", "ORU", ["lab", "nightly"])],
+        destinations=[mllp_destination("ehr", ehr, lane=LANE), mllp_destination("lab", lab, lane=LANE),
+                      file_destination("nightly", nightly, batch=True)])
 
 
 def send_mllp(port: int, data: bytes) -> hl7.Message:
@@ -85,9 +65,9 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
     drop.mkdir()
     store = Store(store_config)
     with listenerd(tmp_path / "node", store_config, node_id="solo:1:batch-e2e", receivers=(ehr, lab), inbound=[
-            {"name": "batch-mllp", "kind": "mllp", "port": mllp_port, "lane_key": "PID-3.1"},
+            mllp_inbound("batch-mllp", mllp_port),
             {"name": "batch-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1,
-             "archive": str(tmp_path / "archive"), "lane_key": "PID-3.1"}]) as daemon:
+             "archive": str(tmp_path / "archive"), "lane_key": LANE}]) as daemon:
         nightly = tmp_path / "out" / "nightly"
         nightly.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, nightly=nightly)

@@ -15,13 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hl7.client import MLLPClient
-
 from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port
-from include.store import Store, lookups
-from tests.dags.e2e import listenerd, run_stages
+from include.store import Store
+from tests.dags.e2e import listenerd, load_patient_classes, mllp_inbound, run_stages, send
 from tests.dags.stores import rows
 from tests.dags.test_pipeline_e2e import field, messages, pipeline_config
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
@@ -47,18 +45,14 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
     mllp_port = free_port()
     store = Store(store_config)
     with listenerd(tmp_path / "node", store_config, node_id="solo:1:ops", receivers=(ehr, lab),
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
-                             "lane_key": "PID-3.1"}]) as daemon:
+                   inbound=[mllp_inbound("adt-in", mllp_port)]) as daemon:
         svc = daemon.workdir / "stageline.toml"
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
-        with store.transaction() as tx:
-            lookups.replace_table(tx, "patient_class", {"I": "IN", "O": "OUT"})
+        load_patient_classes(store)
         sent = messages()
-        with MLLPClient("127.0.0.1", mllp_port) as client:
-            for _, _, text in sent:
-                client.send_message(text)
+        send(mllp_port, [text for _, _, text in sent])
         run_stages(daemon)
         nak_orus = [c for c, patient, _ in sent if patient == "PNAK"]
         assert lab.control_ids.count(nak_orus[0]) == 2  # two attempts, then dead

@@ -15,15 +15,26 @@ from collections import defaultdict
 from pathlib import Path
 
 import hl7
-import pytest
-from hl7.client import MLLPClient
 
 from include.config import StoreConfig
 from include.app.lab.listenerd import store_toml
 from include.app.lab.postgres_server import free_port, wait_for
-from include.store import Store, lookups, rowlease
+from include.store import Store, rowlease
 from include.store.lease import acquire_permanent
-from tests.dags.e2e import dag_results, listenerd, run_dags, run_stages
+from tests.dags.e2e import (
+    LANE,
+    by_type,
+    dag_results,
+    file_destination,
+    listenerd,
+    load_patient_classes,
+    mllp_destination,
+    mllp_inbound,
+    run_dags,
+    run_stages,
+    send,
+    write_pipeline,
+)
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
 
@@ -58,55 +69,17 @@ def field(text: str, segment: str, index: int) -> str:
 
 
 def pipeline_config(directory: Path, *, ehr: int, lab: int, archive: Path) -> None:
-    (directory / "routes.toml").write_text("""
-[[route]]
-name = "adt"
-destinations = ["ehr", "archive"]
-when = { field = "MSH-9.1", op = "eq", value = "ADT" }
-
-[[route]]
-name = "results"
-destinations = ["lab", "archive"]
-when = { field = "MSH-9.1", op = "eq", value = "ORU" }
-""")
-    (directory / "destinations.toml").write_text(f"""
-[[destination]]
-name = "ehr"
-kind = "mllp"
-host = "127.0.0.1"
-port = {ehr}
-lane = "PID-3.1"
-timeout_seconds = 5
-
-[[destination]]
-name = "lab"
-kind = "mllp"
-host = "127.0.0.1"
-port = {lab}
-lane = "PID-3.1"
-timeout_seconds = 5
-max_attempts = 2
-backoff_seconds = 0
-max_backoff_seconds = 0
-
-[[destination]]
-name = "archive"
-kind = "file"
-directory = "{archive}"
-""")
-    (directory / "transforms.toml").write_text("""
-[[transform]]
-destination = "ehr"
-rules = [
-    { set = "MSH-5", value = "CORE" },
-    { map = "PV1-2", table = "patient_class" },
-    { drop_segment = "ZPI" },
-]
-
-[[transform]]
-destination = "lab"
-rules = [{ set = "MSH-5", value = "LIS" }]
-""")
+    write_pipeline(
+        directory,
+        routes=[by_type("adt", "ADT", ["ehr", "archive"]), by_type("results", "ORU", ["lab", "archive"])],
+        destinations=[
+            mllp_destination("ehr", ehr, lane=LANE),
+            mllp_destination("lab", lab, lane=LANE, max_attempts=2, backoff_seconds=0, max_backoff_seconds=0),
+            file_destination("archive", archive)],
+        transforms=[
+            {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "CORE"},
+                                             {"map": "PV1-2", "table": "patient_class"}, {"drop_segment": "ZPI"}]},
+            {"destination": "lab", "rules": [{"set": "MSH-5", "value": "LIS"}]}])
 
 
 def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_complete_audit_trail(
@@ -117,18 +90,14 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
     mllp_port = free_port()
     store = Store(store_config)
     with listenerd(tmp_path / "node", store_config, node_id="solo:1:e2e", receivers=(ehr, lab),
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
-                             "lane_key": "PID-3.1"}]) as daemon:
+                   inbound=[mllp_inbound("adt-in", mllp_port)]) as daemon:
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)  # a file destination never creates its directory (a missing mount)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
-        with store.transaction() as tx:
-            lookups.replace_table(tx, "patient_class", {"I": "IN", "O": "OUT"})
+        load_patient_classes(store)
 
         sent = messages()
-        with MLLPClient("127.0.0.1", mllp_port) as client:  # python-hl7's own client
-            acks = [hl7.parse(client.send_message(text).decode().strip("\x0b\x1c\r\n")) for _, _, text in sent]
-        assert [(str(a.segment("MSA")(1)), str(a.segment("MSA")(2))) for a in acks] == [("AA", c) for c, _, _ in sent]
+        assert send(mllp_port, [text for _, _, text in sent]) == [("AA", c) for c, _, _ in sent]
 
         started = time.perf_counter()
         results = run_stages(daemon)

@@ -15,14 +15,22 @@ from pathlib import Path
 
 import hl7
 import pytest
-from hl7.client import MLLPClient
 
 from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer, free_port
-from include.store import Store, lookups
+from include.store import Store
 from include.store.migrate import migrate
 from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config
-from tests.dags.e2e import listenerd, run_stages
+from tests.dags.e2e import (
+    file_destination,
+    listenerd,
+    load_patient_classes,
+    mllp_destination,
+    mllp_inbound,
+    run_stages,
+    send,
+    write_pipeline,
+)
 from tests.dags.stores import rows
 from tests.spark_jobs.test_senders import MllpReceiver
 
@@ -63,63 +71,22 @@ SENT = {  # control id -> (connection, text)
 
 
 def pipeline_config(directory: Path, *, ehr: int, alerts: int, lab: Path, archive: Path) -> None:
-    (directory / "routes.toml").write_text("""
-[[route]]
-name = "admissions"
-destinations = ["ehr"]
-when = { all = [{ field = "MSH-9.1", op = "eq", value = "ADT" }, { segment = "PV1" }] }
-
-[[route]]
-name = "lab-feed"
-destinations = ["lab"]
-when = { connection = "lab-in" }
-
-[[route]]
-name = "abnormal"
-destinations = ["alerts"]
-when = { field = "OBX-8", op = "in", value = ["H", "HH", "L", "LL"], segments = "any" }
-
-[[route]]
-name = "the-rest"
-destinations = ["archive"]
-catch_all = true
-""")
-    (directory / "destinations.toml").write_text(f"""
-[[destination]]
-name = "ehr"
-kind = "mllp"
-host = "127.0.0.1"
-port = {ehr}
-timeout_seconds = 5
-
-[[destination]]
-name = "alerts"
-kind = "mllp"
-host = "127.0.0.1"
-port = {alerts}
-timeout_seconds = 5
-
-[[destination]]
-name = "lab"
-kind = "file"
-directory = "{lab}"
-code = "lab_hooks:stamp"
-
-[[destination]]
-name = "archive"
-kind = "file"
-directory = "{archive}"
-""")
-    (directory / "transforms.toml").write_text("""
-[[transform]]
-destination = "ehr"
-rules = [
-    { set = "MSH-5", value = "WARDS", when = { field = "PV1-2", op = "eq", value = "I" } },
-    { map = "PV1-2", table = "patient_class", not_found = "dead_letter" },
-    { format_date = "PID-7", to_format = "yyyy-MM-dd" },
-    { set = "MSH-10", generate = "control_id", prefix = "SL" },
-]
-""")
+    write_pipeline(
+        directory,
+        routes=[
+            {"name": "admissions", "destinations": ["ehr"],
+             "when": {"all": [{"field": "MSH-9.1", "op": "eq", "value": "ADT"}, {"segment": "PV1"}]}},
+            {"name": "lab-feed", "destinations": ["lab"], "when": {"connection": "lab-in"}},
+            {"name": "abnormal", "destinations": ["alerts"],
+             "when": {"field": "OBX-8", "op": "in", "value": ["H", "HH", "L", "LL"], "segments": "any"}},
+            {"name": "the-rest", "destinations": ["archive"], "catch_all": True}],
+        destinations=[mllp_destination("ehr", ehr), mllp_destination("alerts", alerts),
+                      file_destination("lab", lab, code="lab_hooks:stamp"), file_destination("archive", archive)],
+        transforms=[{"destination": "ehr", "rules": [
+            {"set": "MSH-5", "value": "WARDS", "when": {"field": "PV1-2", "op": "eq", "value": "I"}},
+            {"map": "PV1-2", "table": "patient_class", "not_found": "dead_letter"},
+            {"format_date": "PID-7", "to_format": "yyyy-MM-dd"},
+            {"set": "MSH-10", "generate": "control_id", "prefix": "SL"}]}])
     (directory / "code").mkdir()
     (directory / "code" / "lab_hooks.py").write_text(HOOK)
 
@@ -157,17 +124,13 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
     store = Store(config)
     lab, archive = work / "out" / "lab", work / "out" / "archive"
     with listenerd(work / "node", config, node_id="solo:1:rules", receivers=(ehr, alerts),
-                   inbound=[{"name": n, "kind": "mllp", "host": "127.0.0.1", "port": p, "lane_key": "PID-3.1"}
-                            for n, p in ports.items()]) as daemon:
+                   inbound=[mllp_inbound(n, p) for n, p in ports.items()]) as daemon:
         lab.mkdir(parents=True)
         archive.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, alerts=alerts.port, lab=lab, archive=archive)
-        with store.transaction() as tx:
-            lookups.replace_table(tx, "patient_class", {"I": "IN", "O": "OUT"})
+        load_patient_classes(store)
         for control_id, (connection, text) in SENT.items():
-            with MLLPClient("127.0.0.1", ports[connection]) as client:
-                ack = hl7.parse(client.send_message(text).decode().strip("\x0b\x1c\r\n"))
-            assert (str(ack.segment("MSA")(1)), str(ack.segment("MSA")(2))) == ("AA", control_id)
+            assert send(ports[connection], [text]) == [("AA", control_id)]
         results = run_stages(daemon)
         assert all(state == "success" for r in results for state in r["states"].values()), results
     message_ids = {r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")}

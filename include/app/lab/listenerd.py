@@ -20,6 +20,8 @@ def toml_value(value: object) -> str:
     """TOML for the simple values test configs use (inline tables for dicts)."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):  # an array of inline tables, as rules and conditions are
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value)
 
 
