@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -48,15 +49,21 @@ def pg_config_fresh(pg_server: PostgresServer) -> Iterator[StoreConfig]:
     pg_server.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-@pytest.fixture
-def sqlite_config_fresh(tmp_path) -> StoreConfig:
-    config = StoreConfig(backend="sqlite", path=str(tmp_path / "stageline.db"))
+def migrated_sqlite(path: Path, **settings: Any) -> StoreConfig:
+    """A new SQLite store file at `path`, migrated and pinned to CLUSTER: for fixtures of any scope
+    (`settings`: other `StoreConfig` fields, e.g. a short busy timeout)."""
+    config = StoreConfig(backend="sqlite", path=str(path), **settings)
     store = Store(config)
     try:
         migrate(store, cluster_name=CLUSTER)
     finally:
         store.close()
     return config
+
+
+@pytest.fixture
+def sqlite_config_fresh(tmp_path) -> StoreConfig:
+    return migrated_sqlite(tmp_path / "stageline.db")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

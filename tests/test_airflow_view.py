@@ -36,8 +36,7 @@ from include.stage_loop import claim_owner
 from include.store import rowlease
 from include.store.db import INBOUND
 from include.store.lease import read_lease
-from include.store.migrate import migrate
-from tests.conftest import pg_config
+from tests.conftest import migrated_sqlite, pg_config
 from tests.support.hostile import adt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,12 +152,7 @@ def view(request, airflow_home, tmp_path_factory):
     inbound = [{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp, "lane_key": "PID-3.1"}]
     nodes: list[Daemon] = []
     if request.param == "sqlite":
-        store_config = StoreConfig(backend="sqlite", path=str(work / "stageline.db"))
-        s = Store(store_config)
-        try:
-            migrate(s, cluster_name="test-cluster")
-        finally:
-            s.close()
+        store_config = migrated_sqlite(work / "stageline.db")
         nodes.append(Daemon(work / "a", store_config, node_id="node-a:1:aa", inbound=inbound))
     else:
         store_config = request.getfixturevalue("pg_config_fresh_module")

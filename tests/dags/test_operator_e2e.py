@@ -19,7 +19,13 @@ from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port
 from include.store import Store
-from tests.dags.e2e import listenerd, load_patient_classes, mllp_inbound, run_stages, send
+from tests.dags.e2e import (
+    listenerd,
+    load_patient_classes,
+    mllp_inbound,
+    run_stages,
+    send,
+)
 from tests.dags.stores import rows
 from tests.dags.test_pipeline_e2e import field, messages, pipeline_config
 from tests.spark_jobs.test_senders import MllpReceiver, raw_ack

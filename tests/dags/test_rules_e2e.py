@@ -16,11 +16,9 @@ from pathlib import Path
 import hl7
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer, free_port
 from include.store import Store
-from include.store.migrate import migrate
-from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config
+from tests.conftest import TEMPLATE_DB, migrated_sqlite, pg_config
 from tests.dags.e2e import (
     file_destination,
     listenerd,
@@ -110,10 +108,7 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
     work = tmp_path_factory.mktemp(f"rules-{request.param}")
     server: PostgresServer | None = None
     if request.param == "sqlite":
-        config = StoreConfig(backend="sqlite", path=str(work / "stageline.db"))
-        store = Store(config)
-        migrate(store, cluster_name=CLUSTER)
-        store.close()
+        config = migrated_sqlite(work / "stageline.db")
     else:
         server = request.getfixturevalue("pg_server")
         name = f"rules{next(_dbs)}"

@@ -20,7 +20,9 @@ from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
+from tests.listeners.conftest import cluster_for
 from tests.listeners.hl7_traffic import adt
+from tests.listeners.test_ingest import refuse_poison
 
 GOOD_SENDERS, PER_SENDER, BAD = 8, 120, 120
 
@@ -34,24 +36,13 @@ BAD_KINDS = {
 @pytest.fixture
 def daemon(tmp_path, store_config):
     port = free_port()
-    cluster = None if store_config.backend == "sqlite" else {
-        "enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
-        "leader_lease_ttl_seconds": 2.5, "node_timeout_seconds": 2.0}
+    cluster = cluster_for(store_config)
     d = Daemon(tmp_path / "node", store_config, node_id="node-a:1:aa", cluster=cluster, inbound=[
         {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1"}]).start()
     d.mllp_port = port
     wait_for(lambda: port_open(port), timeout=15, what="leader to bind MLLP")
     yield d
     assert d.stop() == 0
-
-
-def refuse_poison(store: Store) -> None:
-    with store.transaction() as tx:
-        if store.backend == "postgres":
-            tx.script("ALTER TABLE inbound_bodies ADD CONSTRAINT no_poison CHECK (payload NOT LIKE '%POISON%')")
-        else:
-            tx.script("CREATE TRIGGER no_poison BEFORE INSERT ON inbound_bodies WHEN NEW.payload LIKE '%POISON%' "
-                      "BEGIN SELECT RAISE(ABORT, 'poison refused'); END;")
 
 
 async def send(port: int, messages: list[str]) -> list[tuple[str, str, str]]:

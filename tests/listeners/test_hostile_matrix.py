@@ -34,9 +34,7 @@ from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.supervisor import port_open
-from include.store import Store
-from include.store.migrate import migrate
-from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config
+from tests.conftest import TEMPLATE_DB, migrated_sqlite, pg_config
 from tests.support import hostile
 from tests.support.hostile import FS_CR, VT, Peer
 from tests.support.watch import Watch, fd_targets, fds_back
@@ -73,13 +71,7 @@ class Node:
 
 def _store(backend: str, tmp: Path, request: pytest.FixtureRequest) -> Iterator[StoreConfig]:
     if backend == "sqlite":
-        config = StoreConfig(backend="sqlite", path=str(tmp / "stageline.db"))
-        store = Store(config)
-        try:
-            migrate(store, cluster_name=CLUSTER)
-        finally:
-            store.close()
-        yield config
+        yield migrated_sqlite(tmp / "stageline.db")
         return
     server: PostgresServer = request.getfixturevalue("pg_server")
     name = f"hostile_matrix_{os.getpid()}"

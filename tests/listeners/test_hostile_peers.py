@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
-from include.store.migrate import migrate
 from listeners.node import API_LIMITS
+from tests.conftest import migrated_sqlite
 from tests.listeners.test_server_tls import make_pki
 from tests.support import hostile
 from tests.support.hostile import Peer
+from tests.support.watch import fd_targets
 
 HONEST_MESSAGES, HONEST_INTERVAL = 20, 0.1
 MAX_MESSAGE_BYTES = 65536
@@ -46,9 +46,8 @@ IDLE_TIMEOUT_SECONDS = 1.0  # the "secure-idle" listener's: TLS peers silent aft
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict[str, int], ssl.SSLContext, Store]]:
     tmp = tmp_path_factory.mktemp("hostile")
-    config = StoreConfig(backend="sqlite", path=str(tmp / "stageline.db"))
+    config = migrated_sqlite(tmp / "stageline.db")
     store = Store(config)
-    migrate(store, cluster_name="test-cluster")
     (tmp / "pki").mkdir()
     pki = make_pki(tmp / "pki")
     ports = {kind: free_port() for kind in ("mllp", "tls", "tls-idle", "tcp", "http")}
@@ -83,16 +82,6 @@ def rss_mb(pid: int) -> float:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def fd_targets(pid: int) -> dict[str, str]:
-    targets = {}
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            targets[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            pass
-    return targets
 
 
 def release_seconds(kind: str) -> float:

@@ -12,22 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
-from include.store import Store
-from include.store.migrate import migrate
+from tests.conftest import migrated_sqlite
 from tests.support import hostile
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
     tmp = tmp_path_factory.mktemp("accesslog")
-    config = StoreConfig(backend="sqlite", path=str(tmp / "stageline.db"))
-    store = Store(config)
-    migrate(store, cluster_name="test-cluster")
-    store.close()
+    config = migrated_sqlite(tmp / "stageline.db")
     port = free_port()
     d = Daemon(tmp / "node", config, node_id="solo:1:al", inbound=[
         {"name": "web", "kind": "http", "port": port}]).start()

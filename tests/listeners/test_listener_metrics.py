@@ -13,12 +13,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
-from include.store import Store
-from include.store.migrate import migrate
+from tests.conftest import migrated_sqlite
 from tests.listeners.hl7_traffic import adt
 
 LIMIT = 512  # every connection's max_message_bytes
@@ -81,10 +79,7 @@ class Senders:
 
 def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_path):
     db = tmp_path / "store.db"
-    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
-    s = Store(cfg)
-    migrate(s, cluster_name="test-cluster")
-    s.close()
+    cfg = migrated_sqlite(db, busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     ports = {kind: free_port() for kind in ("mllp", "tcp", "http")}
     drop = tmp_path / "drop"
     drop.mkdir()

@@ -21,6 +21,8 @@ from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
+from tests.conftest import migrated_sqlite
+from tests.listeners.conftest import cluster_for
 from tests.listeners.hl7_traffic import ack_fields, adt
 
 VT, FS, CR = b"\x0b", b"\x1c", b"\r"
@@ -40,9 +42,7 @@ def staged(store_config: StoreConfig, where: str = "1=1") -> list[dict]:
 @pytest.fixture
 def daemon(tmp_path, store_config):
     port = free_port()
-    cluster = None if store_config.backend == "sqlite" else {
-        "enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
-        "leader_lease_ttl_seconds": 2.5, "node_timeout_seconds": 2.0}
+    cluster = cluster_for(store_config)
     d = Daemon(tmp_path / "node", store_config, node_id="node-a:1:aa", cluster=cluster, inbound=[
         {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1",
          "max_message_bytes": 65536, "idle_timeout_seconds": 30}]).start()
@@ -177,12 +177,7 @@ def test_bad_input_matrix(daemon, store_config, name, wire, expected):
 
 def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
     db = tmp_path / "store.db"
-    cfg = StoreConfig(backend="sqlite", path=str(db), busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
-    from include.store.migrate import migrate
-
-    s = Store(cfg)
-    migrate(s, cluster_name="test-cluster")
-    s.close()
+    cfg = migrated_sqlite(db, busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     port = free_port()
     d = Daemon(tmp_path / "node", cfg, node_id="solo:1:aa",
                inbound=[{"name": "in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()

@@ -16,13 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import wait_for
 from include.app.supervisor import port_open
-from include.store import Store
-from include.store.migrate import migrate
 from listeners.guard import source_allowed, source_networks
+from tests.conftest import migrated_sqlite
 from tests.listeners.test_server_tls import make_pki
 from tests.support import hostile
 
@@ -47,10 +45,7 @@ def distinct_ports(names: tuple[str, ...]) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict[str, int], object]]:
     tmp = tmp_path_factory.mktemp("senders")
-    config = StoreConfig(backend="sqlite", path=str(tmp / "stageline.db"))
-    store = Store(config)
-    migrate(store, cluster_name="test-cluster")
-    store.close()
+    config = migrated_sqlite(tmp / "stageline.db")
     (tmp / "pki").mkdir()
     pki = make_pki(tmp / "pki")
     tls = {"cert": str(pki.server_cert), "key": str(pki.server_key)}

@@ -16,12 +16,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
-from include.store import Store
-from include.store.migrate import migrate
+from tests.conftest import migrated_sqlite
 from tests.support.watch import rss_mb
 
 IDLE_TIMEOUT = 2.0
@@ -36,10 +34,7 @@ def message(cid: str) -> bytes:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dict[str, int]]]:
     tmp = tmp_path_factory.mktemp("unread")
-    config = StoreConfig(backend="sqlite", path=str(tmp / "stageline.db"))
-    store = Store(config)
-    migrate(store, cluster_name="test-cluster")
-    store.close()
+    config = migrated_sqlite(tmp / "stageline.db")
     ports = {"mllp": free_port(), "tcp": free_port()}
     common = {"idle_timeout_seconds": IDLE_TIMEOUT}
     d = Daemon(tmp / "node", config, node_id="solo:1:aa", inbound=[
