@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
@@ -13,6 +13,9 @@ from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
 from include.store import Store
 from include.store.migrate import migrate
+
+if TYPE_CHECKING:
+    from include.lab.listenerd import Daemon
 
 CLUSTER = "test-cluster"
 TEMPLATE_DB = "stageline_template"
@@ -59,6 +62,16 @@ def migrated_sqlite(path: Path, **settings: Any) -> StoreConfig:
     finally:
         store.close()
     return config
+
+
+def refused_start(daemon: Daemon) -> str:
+    """Start `daemon`, which must refuse its config: exit code 2 within 30 s. Its output."""
+    daemon.start(wait=False)
+    try:
+        assert daemon.proc is not None and daemon.proc.wait(30) == 2
+    finally:
+        daemon.stop()
+    return daemon.output()
 
 
 @pytest.fixture

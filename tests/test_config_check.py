@@ -161,18 +161,14 @@ def test_stageline_up_refuses_a_broken_config_dir_before_starting_anything(tmp_p
 def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_traceback(tmp_path, sqlite_config_fresh):
     from include.app.lab.listenerd import Daemon
     from include.app.lab.postgres_server import free_port
+    from tests.conftest import refused_start
 
     port = free_port()
     d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", inbound=[
         {"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": port, "allow_insecure_bind": "no",
          "allowed_sources": ["10.0.0.0/8"]},
         {"name": "text", "kind": "mllp", "port": str(port)}])
-    d.start(wait=False)
-    try:
-        assert d.proc.wait(30) == 2
-    finally:
-        d.stop()
-    out = d.output()
+    out = refused_start(d)
     path = d.workdir / "config" / "connections.toml"
     assert f"listenerd: configuration error: {path}: inbound[0].allow_insecure_bind: must be true or false, " \
            "got a string (connection 'open')" in out

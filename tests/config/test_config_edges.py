@@ -87,28 +87,16 @@ def test_the_var_dirs_own_filedrop_defaults_are_allowed(tmp_path):
 
 
 def test_listenerd_with_a_drop_on_its_config_and_store_dirs_exits_2_and_moves_nothing(tmp_path):
-    from include.config import StoreConfig
     from include.app.lab.listenerd import Daemon
-    from include.store import Store
-    from include.store.migrate import migrate
+    from tests.conftest import migrated_sqlite, refused_start
 
     store = tmp_path / "data" / "store.db"
     store.parent.mkdir()
-    config = StoreConfig(backend="sqlite", path=str(store))
-    opened = Store(config)
-    try:
-        migrate(opened, cluster_name="test-cluster")
-    finally:
-        opened.close()
+    config = migrated_sqlite(store)
     d = Daemon(tmp_path / "node", config, node_id="n:1:a", inbound=[
         {"name": "cfgdir", "kind": "file", "directory": ".", "poll_seconds": 0.1},
         {"name": "storedir", "kind": "file", "directory": str(store.parent), "poll_seconds": 0.1}])
-    d.start(wait=False)
-    try:
-        assert d.proc.wait(30) == 2
-    finally:
-        d.stop()
-    out = d.output()
+    out = refused_start(d)
     conf = d.workdir / "config"
     assert f"{conf / 'connections.toml'}: inbound[0].directory: {conf} is the config dir" in out
     assert f"{conf / 'connections.toml'}: inbound[1].directory: {store.parent} is the store's directory" in out

@@ -205,28 +205,16 @@ def test_a_nested_rule_keeps_its_key_beside_a_key_of_another_kind(tmp_path):
 # -- a real listenerd ---------------------------------------------------------------------------
 
 def test_listenerd_with_a_drop_on_its_tls_key_directory_exits_2_and_moves_nothing(tmp_path):
-    from include.config import StoreConfig
     from include.app.lab.listenerd import Daemon
-    from include.store import Store
-    from include.store.migrate import migrate
+    from tests.conftest import migrated_sqlite, refused_start
 
     keys = keys_dir(tmp_path)
     store = tmp_path / "data" / "store.db"
     store.parent.mkdir()
-    config = StoreConfig(backend="sqlite", path=str(store))
-    opened = Store(config)
-    try:
-        migrate(opened, cluster_name="test-cluster")
-    finally:
-        opened.close()
+    config = migrated_sqlite(store)
     d = Daemon(tmp_path / "node", config, node_id="n:1:a", inbound=[
         {"name": "m", "kind": "mllp", "port": 0, "tls": {"cert": str(keys / "cert.pem"), "key": str(keys / "key.pem")}},
         {"name": "keys", "kind": "file", "directory": str(keys), "poll_seconds": 0.1}])
-    d.start(wait=False)
-    try:
-        assert d.proc.wait(30) == 2
-    finally:
-        d.stop()
-    out = d.output()
+    out = refused_start(d)
     assert f"inbound[1].directory: {keys} is the directory of the TLS file inbound[0].tls.cert" in out, out
     assert sorted(p.name for p in keys.iterdir()) == ["ca.pem", "cert.pem", "key.pem"]  # nothing moved
