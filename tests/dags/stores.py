@@ -72,11 +72,13 @@ def elector(store: Store, node: str) -> LeaderElector:
     return LeaderElector(store, node_id=node, ttl_seconds=600, fence_timeout_seconds=300)
 
 
-def finished_messages(store: Store, epoch: int, prefix: str, connection: str, n: int = 2) -> list[int]:
-    """`n` messages of `connection` taken all the way (inbound, routed, outbound done); the outbound
-    rows are transformed ones, with a body of their own."""
+def finished_messages(store: Store, epoch: int, prefix: str, connection: str | None, n: int = 2) -> list[int]:
+    """`n` messages of `connection` (None: `seed_inbound`'s) taken all the way (inbound, routed,
+    outbound done, every transition an audit event); the outbound rows are transformed ones, with a
+    body of their own."""
     ids = seed_inbound(store, n, prefix=prefix)
-    execute(store, f"UPDATE stage_inbound SET connection = '{connection}' WHERE message_id LIKE '{prefix}%'")
+    if connection is not None:
+        execute(store, f"UPDATE stage_inbound SET connection = '{connection}' WHERE message_id LIKE '{prefix}%'")
     with store.transaction() as tx:
         rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=n)
         rl.finish_batch(tx, INBOUND, ids, owner="w", epoch=epoch)

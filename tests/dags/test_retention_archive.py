@@ -12,12 +12,12 @@ import pytest
 
 from include import housekeeping
 from include.housekeeping import retention
-from include.store import INBOUND, OUTBOUND, ROUTED, Store
+from include.store import INBOUND, Store
 from include.store import operator as ops
 from include.store import rowlease as rl
 from include.store.lease import acquire_permanent
 from tests.conftest import CLUSTER
-from tests.dags.stores import age, execute, rows, seed_inbound
+from tests.dags.stores import age, execute, finished_messages, rows, seed_inbound
 
 DAY = 86_400.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,21 +27,7 @@ EVERYTHING = {"inbound": DAY, "routed": DAY, "outbound": DAY, "events": DAY}
 def _history(store: Store, epoch: int, n: int = 3) -> list[int]:
     """`n` messages taken all the way: inbound done, one routed row and one delivered outbound row
     each (with its body), every transition an audit event; all of it two days old."""
-    ids = seed_inbound(store, n, prefix="msg-")
-    with store.transaction() as tx:
-        rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=n)
-        rl.finish_batch(tx, INBOUND, ids, owner="w", epoch=epoch)
-    for i, source in enumerate(ids):
-        execute(store, "INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name) "
-                       f"VALUES ({source}, 'msg-{i}', 'c{i}', 'ehr', 'adt')")
-        execute(store, "INSERT INTO stage_outbound (source_id, message_id, control_id, destination, "
-                       f"idempotency_key) VALUES ({source}, 'msg-{i}', 'c{i}', 'ehr', 'msg-{i}-ehr')")
-    execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|OUT|' || message_id "
-                   "FROM stage_outbound")
-    for table in (ROUTED, OUTBOUND):
-        with store.transaction() as tx:
-            claimed = [r["id"] for r in rl.claim_batch(tx, table, owner="w", epoch=epoch, limit=n)]
-            rl.finish_batch(tx, table, claimed, owner="w", epoch=epoch)
+    ids = finished_messages(store, epoch, "msg-", None, n)
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
     age(store, "message_events", "at", "1 = 1", 2 * DAY)
