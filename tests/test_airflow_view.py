@@ -38,6 +38,7 @@ from include.store.db import INBOUND
 from include.store.lease import read_lease
 from tests.conftest import migrated_sqlite, pg_config
 from tests.support.hostile import adt
+from tests.support.queries import rows_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = {"enabled": True, "cluster_name": "test-cluster", "heartbeat_seconds": 1.0,
@@ -204,16 +205,8 @@ def pg_config_fresh_module(pg_server):
 
 
 def audit_events(store_config: StoreConfig) -> list[dict]:
-    s = Store(store_config)
-    try:
-        with s.transaction(write=False) as tx:
-            cur = tx.conn.cursor()
-            cur.execute("SELECT event, stage, control_id, node_id, detail FROM message_events "
-                        "WHERE node_id LIKE 'operator:%' ORDER BY id")
-            cols = [c[0] for c in cur.description]
-            return [dict(r) if isinstance(r, dict) else dict(zip(cols, r)) for r in cur.fetchall()]
-    finally:
-        s.close()
+    return rows_of(store_config, "SELECT event, stage, control_id, node_id, detail FROM message_events "
+                                 "WHERE node_id LIKE 'operator:%' ORDER BY id")
 
 
 def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):

@@ -11,6 +11,9 @@ from include.config import StoreConfig
 from include.store import INBOUND, OUTBOUND, ROUTED, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector
+from tests.support.queries import rows
+
+__all__ = ["rows"]  # the DAG tests read rows from here
 
 CLUSTER = "test-cluster"  # the name tests/conftest.py migrates every store with
 
@@ -40,13 +43,6 @@ def seed_inbound(store: Store, n: int, *, prefix: str = "m") -> list[int]:
         cur.execute("INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound "
                     "WHERE id NOT IN (SELECT id FROM inbound_bodies)")
     return [r["id"] for r in rows(store, f"SELECT id FROM stage_inbound WHERE message_id LIKE '{prefix}%' ORDER BY id")]
-
-
-def rows(store: Store, sql: str) -> list[dict]:
-    with store.transaction(write=False) as tx:
-        cur = tx.conn.cursor()
-        cur.execute(sql)
-        return [dict(r) for r in cur.fetchall()]
 
 
 def execute(store: Store, sql: str) -> None:

@@ -29,6 +29,7 @@ from listeners.connections_config import ConnectionConfigError, DatabaseSource, 
 from listeners.dbpoll import DbPoll, SourceDatabase, row_message_id
 from listeners.group_commit import IngestWriter
 from listeners.metrics import Metrics
+from tests.support.queries import rows_of
 
 _sources = itertools.count()
 
@@ -65,15 +66,8 @@ def source(server: PostgresServer, db: str, **overrides: Any) -> DatabaseSource:
 
 
 def staged(config: StoreConfig) -> list[dict[str, Any]]:
-    store = Store(config)
-    try:
-        with store.transaction(write=False) as tx:
-            cur = tx.conn.cursor()
-            cur.execute("SELECT message_id, control_id, connection, lane_key, payload FROM inbound_messages "
-                        "ORDER BY id")
-            return [dict(r) for r in cur.fetchall()]
-    finally:
-        store.close()
+    return rows_of(config, "SELECT message_id, control_id, connection, lane_key, payload FROM inbound_messages "
+                           "ORDER BY id")
 
 
 # -- settings ------------------------------------------------------------------------------------

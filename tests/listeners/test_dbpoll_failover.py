@@ -16,6 +16,7 @@ from include.app.lab.postgres_server import PostgresServer, wait_for
 from include.store import Store
 from listeners.dbpoll import row_message_id
 from tests.listeners.test_dbpoll import hl7, source_db  # noqa: F401  (the fixture)
+from tests.support.queries import rows_of
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
 CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
@@ -69,16 +70,9 @@ class Feeder(threading.Thread):
 
 def received(store_config: Any) -> list[dict[str, Any]]:
     """Each staged row's message id and the node whose 'received' event staged it."""
-    store = Store(store_config)
-    try:
-        with store.transaction(write=False) as tx:
-            cur = tx.conn.cursor()
-            cur.execute("SELECT i.message_id, e.node_id FROM stage_inbound i "
-                        "JOIN message_events e ON e.row_id = i.id AND e.stage = 'inbound' AND e.event = 'received' "
-                        "ORDER BY i.id")
-            return [dict(r) for r in cur.fetchall()]
-    finally:
-        store.close()
+    return rows_of(store_config, "SELECT i.message_id, e.node_id FROM stage_inbound i "
+                                 "JOIN message_events e ON e.row_id = i.id AND e.stage = 'inbound' "
+                                 "AND e.event = 'received' ORDER BY i.id")
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
