@@ -27,9 +27,9 @@ from include.config import StoreConfig
 from include.spark import classic_spark_connection
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
-from include.store.lease import LeaderElector, acquire_permanent
+from include.store.lease import acquire_permanent
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
-from tests.dags.stores import age, finished_messages, rows, seed_inbound, status_of, write_service_config
+from tests.dags.stores import age, elector, finished_messages, rows, seed_inbound, status_of, write_service_config
 
 DAY = 86_400.0
 
@@ -59,22 +59,24 @@ def xcom(dr: DagRun, task_id: str) -> Any:
         return None if row is None else XComModel.deserialize_value(row)
 
 
+def service(config: StoreConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, cluster: bool) -> Iterator[Store]:
+    """The DAGs' service config (`$STAGELINE_CONFIG`) on `config`, and an open store of it."""
+    monkeypatch.setenv("STAGELINE_CONFIG", str(write_service_config(tmp_path, config, cluster=cluster)))
+    store = Store(config)
+    yield store
+    store.close()
+
+
 @pytest.fixture
 def sqlite_service(airflow_db: Path, sqlite_config_fresh: StoreConfig, tmp_path: Path,
                    monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    monkeypatch.setenv("STAGELINE_CONFIG", str(write_service_config(tmp_path, sqlite_config_fresh, cluster=False)))
-    store = Store(sqlite_config_fresh)
-    yield store
-    store.close()
+    yield from service(sqlite_config_fresh, tmp_path, monkeypatch, cluster=False)
 
 
 @pytest.fixture
 def cluster_service(airflow_db: Path, pg_config_fresh: StoreConfig, tmp_path: Path,
                     monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
-    monkeypatch.setenv("STAGELINE_CONFIG", str(write_service_config(tmp_path, pg_config_fresh, cluster=True)))
-    store = Store(pg_config_fresh)
-    yield store
-    store.close()
+    yield from service(pg_config_fresh, tmp_path, monkeypatch, cluster=True)
 
 
 def test_reclaim_run_repends_expired_and_stale_epoch_rows_on_a_single_node(sqlite_service):
@@ -102,14 +104,21 @@ def test_reclaim_run_repends_expired_and_stale_epoch_rows_on_a_single_node(sqlit
                             key=lambda e: e["row_id"])
 
 
+def claims_left_by(store: Store, node: str, n: int, *, owner: str, lease_seconds: float) -> int:
+    """`n` inbound rows claimed by `owner` under `node`'s epoch, then `node` releases its lease
+    (stops); that epoch."""
+    left = elector(store, node)
+    epoch = left.step().epoch
+    seed_inbound(store, n)
+    with store.transaction() as tx:
+        rl.claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=n, lease_seconds=lease_seconds)
+    left.release()
+    return epoch
+
+
 def test_without_a_live_leader_the_whole_run_ends_skipped_and_touches_nothing(cluster_service):
     store = cluster_service
-    old = LeaderElector(store, node_id="node-a", ttl_seconds=600, fence_timeout_seconds=300)
-    epoch = old.step().epoch
-    seed_inbound(store, 3)
-    with store.transaction() as tx:
-        rl.claim_batch(tx, INBOUND, owner="job", epoch=epoch, limit=3, lease_seconds=0)
-    old.release()  # node-a stopped; no standby has taken over yet
+    claims_left_by(store, "node-a", 3, owner="job", lease_seconds=0)  # node-a stopped; no standby yet
     dag = load_dag("maintenance_reclaim")
     sensor = dag.get_task("leader_check")
     sensor.timeout, sensor.poke_interval = 1.0, 0.3  # the shipped 10 s bound, shortened for the test
@@ -127,13 +136,8 @@ def test_without_a_live_leader_the_whole_run_ends_skipped_and_touches_nothing(cl
 
 def test_under_a_live_cluster_leader_the_run_works_under_its_epoch(cluster_service):
     store = cluster_service
-    previous = LeaderElector(store, node_id="node-a", ttl_seconds=600, fence_timeout_seconds=300)
-    e1 = previous.step().epoch
-    seed_inbound(store, 2)
-    with store.transaction() as tx:
-        rl.claim_batch(tx, INBOUND, owner="node-a-job", epoch=e1, limit=2, lease_seconds=3600)
-    previous.release()
-    leader = LeaderElector(store, node_id="node-b", ttl_seconds=600, fence_timeout_seconds=300)
+    claims_left_by(store, "node-a", 2, owner="node-a-job", lease_seconds=3600)
+    leader = elector(store, "node-b")
     e2 = leader.step().epoch
 
     dr = run(load_dag("maintenance_reclaim"))

@@ -30,6 +30,17 @@ outbound_days = 30
 """
 
 
+def two_connections_two_days_old(store: Store) -> int:
+    """Two messages of each of `adt-in` and `lab-in` taken all the way, every stage's row two days
+    old; the epoch they were moved under."""
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    finished_messages(store, epoch, "adt-", "adt-in")
+    finished_messages(store, epoch, "lab-", "lab-in")
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    return epoch
+
+
 def _messages(store: Store, table: str) -> list[str]:
     return [r["message_id"] for r in rows(store, f"SELECT message_id FROM {table} ORDER BY id")]
 
@@ -40,11 +51,7 @@ def _run(store: Store, epoch: int, text: str) -> dict[str, int]:
 
 
 def test_a_connections_own_periods_keep_its_rows_in_every_stage_longer(store):
-    epoch = acquire_permanent(store, node_id="solo:1:aa")
-    finished_messages(store, epoch, "adt-", "adt-in")
-    finished_messages(store, epoch, "lab-", "lab-in")
-    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
-        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    epoch = two_connections_two_days_old(store)
 
     deleted = _run(store, epoch, CONFIG)
 
@@ -64,11 +71,7 @@ def test_a_connections_own_periods_keep_its_rows_in_every_stage_longer(store):
 
 
 def test_a_connection_may_keep_one_stage_shorter_and_the_others_by_default(store):
-    epoch = acquire_permanent(store, node_id="solo:1:aa")
-    finished_messages(store, epoch, "adt-", "adt-in")
-    finished_messages(store, epoch, "lab-", "lab-in")
-    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
-        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    epoch = two_connections_two_days_old(store)
     text = ("[retention]\ninbound_days = 7\nrouted_days = 7\noutbound_days = 7\n"
             "[retention.connections.adt-in]\noutbound_days = 1\n")
 
@@ -82,11 +85,7 @@ def test_a_connection_may_keep_one_stage_shorter_and_the_others_by_default(store
 def test_the_retention_task_reads_the_periods_from_the_service_config(store, store_config, tmp_path, monkeypatch):
     from stageline_airflow import tasks
 
-    epoch = acquire_permanent(store, node_id="solo:1:aa")
-    finished_messages(store, epoch, "adt-", "adt-in")
-    finished_messages(store, epoch, "lab-", "lab-in")
-    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
-        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    epoch = two_connections_two_days_old(store)
     path = write_service_config(tmp_path, store_config, cluster=False)
     path.write_text(path.read_text() + CONFIG)
     monkeypatch.setenv("STAGELINE_CONFIG", str(path))
@@ -125,11 +124,7 @@ def test_retention_defaults_and_overrides_load():
 
 
 def test_routed_and_outbound_rows_find_their_connection_once_their_inbound_row_is_archived(store):
-    epoch = acquire_permanent(store, node_id="solo:1:aa")
-    finished_messages(store, epoch, "adt-", "adt-in")
-    finished_messages(store, epoch, "lab-", "lab-in")
-    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
-        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    epoch = two_connections_two_days_old(store)
     text = ("[retention]\ninbound_days = 1\nrouted_days = 1\noutbound_days = 1\n"
             "[retention.connections.adt-in]\nrouted_days = 30\noutbound_days = 30\n")
 
