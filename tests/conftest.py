@@ -15,7 +15,7 @@ from include.store import Store
 from include.store.migrate import migrate
 
 if TYPE_CHECKING:
-    from include.lab.listenerd import Daemon
+    from include.app.lab.listenerd import Daemon
 
 CLUSTER = "test-cluster"
 TEMPLATE_DB = "stageline_template"
