@@ -22,7 +22,7 @@ from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.conftest import cluster_for
 from tests.listeners.hl7_traffic import adt
-from tests.listeners.test_ingest import refuse_poison
+from tests.listeners.test_group_commit import refuse_poison
 
 GOOD_SENDERS, PER_SENDER, BAD = 8, 120, 120
 
