@@ -32,6 +32,7 @@ from include.app import ROOT, demo
 from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import VAR_ENV, ServiceConfig, StoreConfig, private_var_dir
 from include.schema.connections import DEFAULT_API_PORT
+from include.store.stages import STAGES
 
 AIRFLOW_PORT = 8080
 SPARK_CONNECT_PORT = 15002
@@ -196,7 +197,7 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
+STAGE_DAGS = tuple(stage.dag_id for stage in STAGES)
 PIPELINE_READY_SECONDS = 120.0
 
 

@@ -34,6 +34,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 
 from include.config import ServiceConfig, StoreConfig, load
 from include.store import Store
+from include.store.stages import STAGES
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -108,8 +109,8 @@ def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
                    password=conn.password or store.password)
 
 
-SPREAD_ORDER = ("stage_route", "stage_transform", "stage_deliver")
-"""The stages are spread over the Spark Connect servers in this order (with two: route and deliver
+SPREAD_ORDER = tuple(stage.dag_id for stage in STAGES)
+"""The stages are spread over the Spark Connect servers in pipeline order (with two: route and deliver
 on the first, transform on the second), so every server runs jobs and is warm for a stage that
 moves to it."""
 

@@ -37,6 +37,7 @@ from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import StoreConfig
+from include.store.stages import STAGES
 
 if TYPE_CHECKING:
     from include.app.lab.spark_cluster import SparkCluster
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 HAPROXY = os.environ.get("STAGELINE_HAPROXY", "/usr/sbin/haproxy")
 CLUSTER_NAME = "lab"
-STAGE_DAGS = ("stage_route", "stage_transform", "stage_deliver")
+STAGE_DAGS = tuple(stage.dag_id for stage in STAGES)
 
 
 def haproxy_config(vip_port: int, stats_port: int, servers: list[tuple[str, int, int]], *, inter_ms: int = 500) -> str:
@@ -445,8 +446,7 @@ class Lab:
         import psutil
         import psycopg
 
-        task_id = task_id or {"stage_route": "route", "stage_transform": "transform",
-                              "stage_deliver": "deliver"}.get(dag_id, dag_id)
+        task_id = task_id or next((stage.name for stage in STAGES if stage.dag_id == dag_id), dag_id)
         assert self.pg is not None
         with psycopg.connect(self.pg.conninfo("airflow"), autocommit=True, connect_timeout=5) as conn:
             rows = conn.execute("SELECT id::text, pid FROM task_instance WHERE dag_id = %s AND task_id = %s"
