@@ -401,7 +401,7 @@ DELETE FROM message_events
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 RETURNING id
 
--- Route stage (spark_jobs/route_job.py, include/store/stages.py). Spark reads the claimed rows
+-- Route stage (include/store/stages.py ROUTE, finalize.py finalize_route). Spark reads the claimed rows
 -- with route_read_claimed (its parameters inlined as literals: a JDBC `query` takes none), appends
 -- its results to landing_routed, and one fenced transaction finalizes with the queries below.
 
