@@ -12,9 +12,9 @@ name; its input table has its own (`StagedTable.key`: `inbound`, `routed`, `outb
 audit trail, retention and `stageline stages` use.
 
 Why here, in the store: the record is read where Spark must not be imported — when Airflow parses
-a DAG file, by the leader check, by the CLI — and everything in it is the store's (tables, named
-queries, fenced finalizes). A Spark type string (`schema`) is only text. The stage's pure
-transform is Spark code and lives in its job module (`spark_jobs/route_job.py`,
+a DAG file, by the leader check, by the embedded stack and the lab — and everything in it is the
+store's (tables, named queries, fenced finalizes); a Spark type string (`schema`) is only text. The
+stage's pure transform is Spark code and lives in its job module (`spark_jobs/route_job.py`,
 `spark_jobs/transform_job.py`), which `run_stage_job` is handed with the record. Adding a stage:
 docs/stages.md, "Adding a stage".
 """
