@@ -353,3 +353,18 @@ def test_a_batch_file_destination_writes_one_hl7_batch_file_per_round_in_lane_or
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == [f"single-{n}.hl7" for n in range(6)]
     list(deliver_job.deliver_lanes(claimed, dests))  # a re-delivery of the same round
     assert [p.name for p in (tmp_path / "batches").iterdir()] == [written.name]
+
+
+def test_the_deliver_stage_is_not_run_as_a_batch_job_and_claims_nothing_when_asked(store: Store) -> None:
+    """Its record lands nothing (outcomes are collected, not landed): the generic stage job refuses it
+    before claiming, so its lane heads stay due for `deliver_job.run`."""
+    from include.store.stages import DELIVER
+    from spark_jobs.stage_job import run_stage_job
+
+    epoch = acquire_permanent(store, node_id=NODE)
+    dests = parse_destinations([{"name": "ehr", "kind": "file", "directory": "/nonexistent", "lane": "PID-3.1"}])
+    insert_outbound(store, backlog(dests)[:2])
+    with pytest.raises(ValueError, match="lands nothing"):
+        run_stage_job(DELIVER, store, None, transform=lambda claimed, run_id: claimed,  # type: ignore[arg-type]
+                      owner=f"{NODE}/batch", epoch=epoch, run_id="r1")
+    assert {r["status"] for r in rows(store, "SELECT status FROM stage_outbound")} == {"pending"}
