@@ -18,8 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
+from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
 from include.store.migrate import migrate

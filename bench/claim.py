@@ -16,8 +16,8 @@ import time
 
 import psycopg
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
+from include.config import StoreConfig
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector

@@ -56,9 +56,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from include.app.lab.two_nodes import Lab, Timings  # noqa: E402
-from include.app.lab.postgres_server import wait_for  # noqa: E402
 from bench.referee import Referee  # noqa: E402
+from include.app.lab.postgres_server import wait_for  # noqa: E402
+from include.app.lab.two_nodes import Lab, Timings  # noqa: E402
 from tests.support.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
 
 CLOCK = "host wall clock (time.time())"
@@ -133,7 +133,7 @@ def leader_db_cut(lab: Lab) -> tuple[float, float | None, str]:
 def task_sigkill(lab: Lab) -> tuple[float, float | None, str]:
     lab.running_task("stage_deliver")
     t0 = time.time()
-    ti_id, pid = lab.kill_stage_task("stage_deliver")
+    _ti_id, pid = lab.kill_stage_task("stage_deliver")
     if time.time() - t0 > 0.5:  # no job task was running at once: the fault is when it was killed
         t0 = time.time()
     return t0, None, f"stage_deliver pid {pid}"
@@ -226,7 +226,7 @@ def pause_leader(lab: Lab) -> tuple[float, float | None, str]:
         failover = time.time() - t0
     OUT_OF_VIP["pause-leader"] = out_of_vip
     return t0, failover, (f"{old.name} frozen {PAUSE_SECONDS:.0f} s; out of the VIP after "
-                          f"{'%.1f s' % out_of_vip if out_of_vip is not None else 'NEVER'}; woken node "
+                          f"{f'{out_of_vip:.1f} s' if out_of_vip is not None else 'NEVER'}; woken node "
                           f"{'rejoined' if not old.is_leader() else 'leads again'} {rejoined:.1f} s after SIGCONT; "
                           f"{serving.name} serving {served_after_wake:.1f} s after SIGCONT")
 
@@ -307,7 +307,7 @@ def drain(lab: Lab, stream: Stream, *, timeout: float) -> float | None:
             if any(s.control_id not in delivered for s in stream.acked()):
                 return False
             return not any(not k.endswith(":dead") for k in lab.backlog())
-        except Exception:  # noqa: BLE001 — the store may be unreachable right now (a fault): not drained
+        except Exception:  # the store may be unreachable right now (a fault): not drained
             return False
 
     try:
@@ -392,7 +392,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             dead_before = [p for p, pid in lab.processes().items() if pid is None]
             try:
                 t0, failover, note = FAULTS[name](lab)
-            except Exception as exc:  # noqa: BLE001 — report the fault as not injected, go on
+            except Exception as exc:  # report the fault as not injected, go on
                 t0, failover, note = time.time(), None, f"FAULT FAILED: {type(exc).__name__}: {exc}"
             echo(f"run {run}: {name} at {time.strftime('%H:%M:%S', time.localtime(t0))} ({note})")
             time.sleep(args.after)
@@ -429,10 +429,21 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         faulted_from = results[0].window[0] if results else time.time()
         whole = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= faulted_from)
         everything = judge(stream.ledger, deliveries, select=lambda s: s.first_try >= warm_start)
-        summary = {"run": run, "baseline": _lat(base), "faulted": _lat(whole),
-                   "total": {"sent": everything.sent, "acked": everything.acked, "lost": len(everything.lost),
-                             "duplicated": len(everything.duplicated), "inversions": len(everything.inversions)},
-                   "referee": asdict(ruling), "referee_line": ruling.line(), "workdir": str(lab.workdir) if args.keep else None}
+        summary = {
+            "run": run,
+            "baseline": _lat(base),
+            "faulted": _lat(whole),
+            "total": {
+                "sent": everything.sent,
+                "acked": everything.acked,
+                "lost": len(everything.lost),
+                "duplicated": len(everything.duplicated),
+                "inversions": len(everything.inversions),
+            },
+            "referee": asdict(ruling),
+            "referee_line": ruling.line(),
+            "workdir": str(lab.workdir) if args.keep else None,
+        }
     finally:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand the lab
         try:
@@ -445,7 +456,13 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
 
 
 def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent], staged: dict[str, int]) -> None:
-    r.sent, r.acked, r.lost, r.duplicated, r.inversions = v.sent, v.acked, len(v.lost), len(v.duplicated), len(v.inversions)
+    r.sent, r.acked, r.lost, r.duplicated, r.inversions = (
+        v.sent,
+        v.acked,
+        len(v.lost),
+        len(v.duplicated),
+        len(v.inversions),
+    )
     r.p50_s = percentile(v.latencies, 0.5) if v.latencies else None
     r.p99_s = percentile(v.latencies, 0.99) if v.latencies else None
     r.examples = {k: getattr(v, k)[:5] for k in ("lost", "duplicated", "inversions") if getattr(v, k)}
@@ -473,9 +490,11 @@ def _s(value: float | None) -> str:
 
 
 def table(results: list[FaultResult]) -> str:
-    lines = ["| run | fault | failover s | out of VIP s | AA again s | 1st delivery s | every lane s | sent | AA'd | lost | dup | inv | "
-             "p50 s | p99 s | drained s | end state |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | fault | failover s | out of VIP s | AA again s | 1st delivery s | every lane s | sent | AA'd | "
+        "lost | dup | inv | p50 s | p99 s | drained s | end state |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         state = ", ".join(f"{k} {v}" for k, v in sorted(r.end_state.items())) or "clean"
         if r.dead_letters:
@@ -486,10 +505,12 @@ def table(results: list[FaultResult]) -> str:
             state += f"; exited and restarted: {', '.join(r.restarted)}"
         if r.note.startswith("FAULT FAILED"):
             state += f"; {r.note}"
-        lines.append(f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.out_of_vip_s)} | {_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | "
-                     f"{_s(r.every_lane_s)} | "
-                     f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
-                     f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |")
+        lines.append(
+            f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.out_of_vip_s)} | {_s(r.aa_again_s)} | "
+            f"{_s(r.first_delivery_s)} | {_s(r.every_lane_s)} | "
+            f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
+            f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |"
+        )
     return "\n".join(lines)
 
 
@@ -555,8 +576,11 @@ def main() -> None:
             print(f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
                   file=out)
         if r.duplicate_causes:
-            print(f"  run {r.run} {r.fault}: duplicates " + ", ".join(f"{n} {why}" for why, n in r.duplicate_causes.items()),
-                  file=out)
+            print(
+                f"  run {r.run} {r.fault}: duplicates "
+                + ", ".join(f"{n} {why}" for why, n in r.duplicate_causes.items()),
+                file=out,
+            )
     if args.json:
         doc = json.dumps({"clock": CLOCK, "args": vars(args), "faults": [asdict(r) for r in results],
                           "runs": summaries}, indent=2, default=str)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,10 +30,10 @@ from pathlib import Path
 import psycopg
 from hl7.mllp import open_hl7_connection
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.supervisor import port_open
+from include.config import StoreConfig
 from include.store import Store
 from include.store.migrate import migrate
 from listeners.connections_config import InboundConfig
@@ -71,8 +70,12 @@ def drive(port: int, connections: int, seconds: float, tag: str, window: int = 1
     async def run() -> tuple[int, list[float], float]:
         latencies: list[float] = []
         start = time.perf_counter()
-        counts = await asyncio.gather(*[one_connection(port, f"{tag}{connections}c{i}", start + seconds, latencies, window)
-                                        for i in range(connections)])
+        counts = await asyncio.gather(
+            *[
+                one_connection(port, f"{tag}{connections}c{i}", start + seconds, latencies, window)
+                for i in range(connections)
+            ]
+        )
         return sum(counts), latencies, time.perf_counter() - start
 
     total, latencies, elapsed = asyncio.run(run())
@@ -180,7 +183,10 @@ def main() -> None:
         print(f"  honest throughput beside them: {loud['rate'] / quiet['rate']:.0%} of alone; "
               f"listenerd peak RSS {hostile['rss']:.0f} MB")
     acked = sum(r["n"] for r in results["listenerd"].values())
-    print(f"  listenerd CPU {cpu_per_msg * 1e6:.0f} us/msg; peak RSS {rss:.0f} MB; {staged:,} rows staged for {acked:,} ACKed in the timed runs (+ warm-up)")
+    print(
+        f"  listenerd CPU {cpu_per_msg * 1e6:.0f} us/msg; peak RSS {rss:.0f} MB; "
+        f"{staged:,} rows staged for {acked:,} ACKed in the timed runs (+ warm-up)"
+    )
 
 
 if __name__ == "__main__":

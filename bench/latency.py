@@ -4,8 +4,9 @@ Starts the README's stack (`stageline up`: SQLite store, Spark Connect, Airflow 
 dag-processor / api-server / triggerer, listenerd, the demo MLLP receiver) in a temporary var dir,
 warms it with a few messages, then sends `bench/hl7_corpus.py` messages over MLLP at `--rate`
 messages/s for `--seconds` (python-hl7's client on `--connections` connections, each paced at its
-share of the rate, each message ACKed before that connection's next). Routes and destinations are `config/`: ADT to the demo EHR receiver (MLLP, lane per
-patient) and the file archive, ORU/ORM to the archive.
+share of the rate, each message ACKed before that connection's next). Routes and destinations are
+`config/`: ADT to the demo EHR receiver (MLLP, lane per patient) and the file archive, ORU/ORM to
+the archive.
 
 Latency per delivery, on the database clock: `stage_inbound.created_at` (the commit before the
 ACK) → `stage_outbound.updated_at` of its `done` row. Also per stage: → routed, → transformed.

@@ -35,10 +35,11 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,27 +47,40 @@ sys.path.insert(0, str(ROOT))
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
 from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
+from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
 from include.destinations_config import parse_destinations  # noqa: E402
-from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.routes_config import parse_routes  # noqa: E402
-from include.stage_config import passthrough_destinations  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
+from include.stage_config import passthrough_destinations  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
-from listeners.group_commit import new_message_id  # noqa: E402
 from include.store.stages import ROUTE, TRANSFORM, Stage  # noqa: E402
+from listeners.group_commit import new_message_id  # noqa: E402
 from spark_jobs import deliver_job, stage_job, transform_job  # noqa: E402
 from spark_jobs.route_job import routed_rows  # noqa: E402
 
 ROUTES: list[dict[str, Any]] = [
-    {"name": "adt-to-ehr", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
-    {"name": "results", "destinations": ["lab", "archive"],
-     "when": {"any": [{"field": "MSH-9.1", "op": "eq", "value": "ORU"},
-                      {"field": "MSH-9.1", "op": "eq", "value": "ORM"}]}},
-    {"name": "inpatients", "destinations": ["bedboard"],
-     "when": {"all": [{"field": "PV1-2", "op": "eq", "value": "I"}, {"not": {"field": "PID-8", "op": "eq", "value": "U"}}]}},
+    {
+        "name": "adt-to-ehr",
+        "destinations": ["ehr", "archive"],
+        "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"},
+    },
+    {
+        "name": "results",
+        "destinations": ["lab", "archive"],
+        "when": {
+            "any": [{"field": "MSH-9.1", "op": "eq", "value": "ORU"}, {"field": "MSH-9.1", "op": "eq", "value": "ORM"}]
+        },
+    },
+    {
+        "name": "inpatients",
+        "destinations": ["bedboard"],
+        "when": {
+            "all": [{"field": "PV1-2", "op": "eq", "value": "I"}, {"not": {"field": "PID-8", "op": "eq", "value": "U"}}]
+        },
+    },
 ]
 SPECS: list[dict[str, Any]] = [
     {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "EHR"}, {"set": "MSH-6", "value": "MAIN"},
@@ -294,7 +308,9 @@ def main() -> None:
         if args.warm_messages:
             started = time.perf_counter()
             warm_jit(spark, corpus(args.warm_messages, seed=2), dests)
-            print(f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s")
+            print(
+                f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
+            )
 
         payloads = corpus(args.messages, seed=1)
         started = time.perf_counter()
@@ -365,9 +381,14 @@ def main() -> None:
         both = routed_msgs / (route_s + transform_s)
         durable_cell = f"{durable_rate:,.0f} msg/s" if durable_rate else "(postgres only)"
         versus = f", {both / durable_rate:.2f}× the durable peer" if durable_rate else ""
-        print("\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7, in memory) | durable peer (python-hl7 + SQL) |")
+        print(
+            "\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7, in memory) "
+            "| durable peer (python-hl7 + SQL) |"
+        )
         print("|---|---|---|---|")
-        print(f"| route | {routed_msgs / route_s:,.0f} msg/s (finalize {phases.seconds['finalize'] / route_s:.0%}) | | |")
+        print(
+            f"| route | {routed_msgs / route_s:,.0f} msg/s (finalize {phases.seconds['finalize'] / route_s:.0%}) | | |"
+        )
         print(f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s, "
               f"finalize {tphases.seconds['finalize'] / transform_s:.0%}) | | |")
         print(f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer{versus}) | "

@@ -37,11 +37,11 @@ Every minute one row (also a JSON line in `<work>/soak.jsonl`; its path is print
 
 and a detail line: RSS per process group of the stack's process tree (listenerd, spark driver,
 spark python, scheduler, dag-processor, api-server, executor slot, task runner, ...: its largest
-process, and (×n) when it has several; the JSON line has the sums too), the store's size (SQLite: the db file and its -wal file;
-PostgreSQL: the database and the WAL bytes written in the minute), and every `--sizes-every`
-minutes the largest tables with their indexes and bytes per row (SQLite: the dbstat virtual table,
-which reads every page, hence not every minute; PostgreSQL: pg_total_relation_size /
-pg_indexes_size and dead tuples, every minute).
+process, and (×n) when it has several; the JSON line has the sums too), the store's size (SQLite:
+the db file and its -wal file; PostgreSQL: the database and the WAL bytes written in the minute),
+and every `--sizes-every` minutes the largest tables with their indexes and bytes per row (SQLite:
+the dbstat virtual table, which reads every page, hence not every minute; PostgreSQL:
+pg_total_relation_size / pg_indexes_size and dead tuples, every minute).
 
 After the last minute it waits up to `--drain-timeout` for every row to finish (one more row,
 "drain"), counts what became of every message sent (delivered, not delivered, ACKed AA but never
@@ -68,9 +68,10 @@ import threading
 import time
 from array import array
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -275,8 +276,11 @@ class Deliveries:
     def sample(self, conn: Any) -> list[float]:
         ms = self.on_store.ms
         param = "%s" if self.on_store.pg is not None else "?"
-        rows = conn.execute(f"SELECT o.id, o.status, {ms('i.created_at')}, {ms('o.updated_at')} FROM stage_outbound o"
-                            f" JOIN stage_inbound i ON i.id = o.source_id WHERE o.id >= {param}", (self.low,)).fetchall()
+        rows = conn.execute(
+            f"SELECT o.id, o.status, {ms('i.created_at')}, {ms('o.updated_at')} FROM stage_outbound o"
+            f" JOIN stage_inbound i ON i.id = o.source_id WHERE o.id >= {param}",
+            (self.low,),
+        ).fetchall()
         latencies = []
         unfinished = []
         top = self.prev_top
@@ -590,17 +594,41 @@ class Soak:
         failed = self.failed.new()
         rss = rss_by_group(on_store.stack.pid)
         return {
-            "minute": minute, "phase": phase, "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "sent": acks.get("sent", 0), "acks": {k: acks.get(k, 0) for k in ("AA", *NEGATIVE_ACKS)},
+            "minute": minute,
+            "phase": phase,
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "sent": acks.get("sent", 0),
+            "acks": {k: acks.get(k, 0) for k in ("AA", *NEGATIVE_ACKS)},
             "ack_p99_ms": round(percentile(ack_ms, 0.99), 1) if ack_ms else None,
-            "backlog": rows, "oldest_s": {k: None if v is None else round(v, 1) for k, v in oldest.items()},
-            "delivered": {"n": len(lat), **({"p50": round(statistics.median(lat), 3), "p99": round(percentile(lat, 0.99), 3),
-                                             "max": round(max(lat), 3)} if lat else {"p50": None, "p99": None, "max": None})},
-            "lock_waits": logs.lock_waits, "longest_write_ms": logs.longest_write_ms or None, "lock_errors": logs.lock_errors, "lock_error_lines": logs.lock_error_lines,
-            "slow_statements": len(logs.slow), "slowest": [[n, t] for t, n in sorted(logs.slow, reverse=True)[:3]],
-            "failed_tasks": len(failed) if failed is not None else 0, "failed_task_tries": failed or [],
-            "rss": rss, "rss_max": {g: v["max"] for g, v in rss.items()},
-            "db_bytes": db_bytes, "wal_bytes": wal_bytes, "tables": tables, "dead_tuples": dead, "pg_top": top,
+            "backlog": rows,
+            "oldest_s": {k: None if v is None else round(v, 1) for k, v in oldest.items()},
+            "delivered": {
+                "n": len(lat),
+                **(
+                    {
+                        "p50": round(statistics.median(lat), 3),
+                        "p99": round(percentile(lat, 0.99), 3),
+                        "max": round(max(lat), 3),
+                    }
+                    if lat
+                    else {"p50": None, "p99": None, "max": None}
+                ),
+            },
+            "lock_waits": logs.lock_waits,
+            "longest_write_ms": logs.longest_write_ms or None,
+            "lock_errors": logs.lock_errors,
+            "lock_error_lines": logs.lock_error_lines,
+            "slow_statements": len(logs.slow),
+            "slowest": [[n, t] for t, n in sorted(logs.slow, reverse=True)[:3]],
+            "failed_tasks": len(failed) if failed is not None else 0,
+            "failed_task_tries": failed or [],
+            "rss": rss,
+            "rss_max": {g: v["max"] for g, v in rss.items()},
+            "db_bytes": db_bytes,
+            "wal_bytes": wal_bytes,
+            "tables": tables,
+            "dead_tuples": dead,
+            "pg_top": top,
         }
 
     def record(self, row: dict) -> None:
@@ -646,12 +674,20 @@ def format_row(r: dict, *, pg: bool) -> str:
     if r["tables"]:
         biggest = sorted(r["tables"].items(), key=lambda kv: -kv[1]["bytes"])[:5]
         dead = r.get("dead_tuples") or {}
-        lines.append(f"{'':>6}tables MiB (of which indexes; bytes/row{'; dead tuples' if pg else ''}): " + " · ".join(
-            f"{t} {v['bytes'] / MIB:.1f} ({v['index_bytes'] / MIB:.1f}; "
-            f"{v['bytes'] / v['rows'] if v['rows'] else 0:.0f}{'; ' + str(dead.get(t, 0)) if pg else ''})" for t, v in biggest))
+        lines.append(
+            f"{'':>6}tables MiB (of which indexes; bytes/row{'; dead tuples' if pg else ''}): "
+            + " · ".join(
+                f"{t} {v['bytes'] / MIB:.1f} ({v['index_bytes'] / MIB:.1f}; "
+                f"{v['bytes'] / v['rows'] if v['rows'] else 0:.0f}{'; ' + str(dead.get(t, 0)) if pg else ''})"
+                for t, v in biggest
+            )
+        )
     if r["slowest"] or r.get("longest_write_ms"):
-        lines.append(f"{'':>6}slow statements: " + (", ".join(f"{n} {t:.0f} ms" for n, t in r["slowest"]) or "none")
-                     + (f"; longest write transaction {r['longest_write_ms']:.0f} ms" if r.get("longest_write_ms") else ""))
+        lines.append(
+            f"{'':>6}slow statements: "
+            + (", ".join(f"{n} {t:.0f} ms" for n, t in r["slowest"]) or "none")
+            + (f"; longest write transaction {r['longest_write_ms']:.0f} ms" if r.get("longest_write_ms") else "")
+        )
     for s in r.get("pg_top") or []:
         lines.append(f"{'':>6}pg_stat_statements: max {s['max_ms']:>5.0f} ms, mean {s['mean_ms']:>6.1f} ms, "
                      f"{s['calls']:>6} calls: {s['query'][:90]}")
@@ -779,9 +815,25 @@ def main() -> int:
         print(HEADER, flush=True)
         clock = Clock(time.monotonic() + 0.5, args.minutes)
         end = clock.t0 + args.minutes * 60
-        threads = [threading.Thread(target=sender, name=f"sender-{k}", daemon=True, kwargs=dict(
-            k=k, connections=args.connections, rate=args.rate, clock=clock, end=end, ledger=soak.ledger, stop=stop,
-            port=args.port, ack_timeout=args.ack_timeout)) for k in range(args.connections)]
+        threads = [
+            threading.Thread(
+                target=sender,
+                name=f"sender-{k}",
+                daemon=True,
+                kwargs={
+                    "k": k,
+                    "connections": args.connections,
+                    "rate": args.rate,
+                    "clock": clock,
+                    "end": end,
+                    "ledger": soak.ledger,
+                    "stop": stop,
+                    "port": args.port,
+                    "ack_timeout": args.ack_timeout,
+                },
+            )
+            for k in range(args.connections)
+        ]
         for t in threads:
             t.start()
         for m in range(1, args.minutes + 1):
@@ -805,8 +857,11 @@ def main() -> int:
 
     lat = soak.latencies
     print(f"\ndrained {drained:.0f} s after the last minute; per-minute rows in {out}; work dir {work}")
-    print(f"sent {totals['sent']:,}: AA {totals['AA']:,}, AE {totals['AE']:,}, AR {totals['AR']:,}, "
-          f"timeouts {totals['timeout']:,}, connection errors {totals['conn_error']:,}, unanswered {totals['unanswered']:,}")
+    print(
+        f"sent {totals['sent']:,}: AA {totals['AA']:,}, AE {totals['AE']:,}, AR {totals['AR']:,}, "
+        f"timeouts {totals['timeout']:,}, connection errors {totals['conn_error']:,}, "
+        f"unanswered {totals['unanswered']:,}"
+    )
     print(f"staged {totals['staged']:,} (lost: ACKed AA, not staged {totals['lost']:,}; staged without an AA "
           f"{totals['staged_without_aa']:,}; staged twice {totals['duplicates_staged']:,}); delivered "
           f"{totals['delivered']:,}, not delivered {totals['not_delivered']:,} (dead rows {totals['dead']:,}, "

@@ -44,8 +44,9 @@ How each kind of failure is judged (all bounds in `Limits`):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 STAGES = ("inbound", "routed", "outbound")
 NEGATIVE_ACKS = ("AE", "AR", "timeout", "conn_error")
@@ -234,8 +235,15 @@ def verdict(rows: Sequence[dict], totals: dict, limits: Limits) -> Verdict:
         series.append((f"table {t} (bytes per row)", values, 0.0, " B/row", 1.0) if by_row
                       else (f"table {t} (bytes)", values, limits.table_min_bytes, " MiB", MIB))
     for t in sorted({t for r in window for t in (r.get("dead_tuples") or {})}):
-        series.append((f"dead tuples of {t}", [r["dead_tuples"][t] for r in window if t in (r.get("dead_tuples") or {})],
-                       limits.dead_tuple_floor, "", 1.0))
+        series.append(
+            (
+                f"dead tuples of {t}",
+                [r["dead_tuples"][t] for r in window if t in (r.get("dead_tuples") or {})],
+                limits.dead_tuple_floor,
+                "",
+                1.0,
+            )
+        )
     short = [what for what, ys, *_ in series if len(ys) < limits.min_growth_points]
     for what, ys, floor, unit, scale in series:
         line = growth_failure(what, ys, limit=limits.growth_limit, floor=floor, unit=unit, scale=scale,

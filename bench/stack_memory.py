@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.stack import STAGELINE, EmbeddedStack  # noqa: E402
-from include.app.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT  # noqa: E402
 from include.app import demo  # noqa: E402
+from include.app.embedded import AIRFLOW_PORT, SPARK_CONNECT_PORT  # noqa: E402
 from include.app.lab.postgres_server import wait_for  # noqa: E402
 from include.app.supervisor import port_open  # noqa: E402
 from tests.support.memory import summary, tree_memory  # noqa: E402

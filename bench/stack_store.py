@@ -10,8 +10,9 @@ keeps epoch milliseconds, PostgreSQL's `timestamptz` (`ms()` turns a column into
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import psycopg
 
@@ -23,7 +24,7 @@ from include.store.dialects import NOW_MS_SQLITE
 def percentile(values: Sequence[float], q: float) -> float:
     """The `q` quantile (0..1) of `values`, nearest rank."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class StackOnStore:

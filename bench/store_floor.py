@@ -13,8 +13,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from include.store import db
 
@@ -76,10 +77,18 @@ def bare_floor(conninfo: str, rows: int, *, runs: int = 3) -> list[str]:
               f"SELECT g, 'd' || (g % 3), 'pending' FROM generate_series(1, {int(rows)}) g")
     steps = [  # (kind, statement, empty the tables first); the update changes the rows inserted before it
         ("insert (primary key only)", insert, True),
-        ("insert + one event row", f"WITH ins AS ({insert} RETURNING id) "
-                                   "INSERT INTO floor_events (row_id, event) SELECT id, 'routed' FROM ins", True),
-        ("status update + one event row", "WITH up AS (UPDATE floor_rows SET status = 'done' RETURNING id) "
-                                          "INSERT INTO floor_events (row_id, event) SELECT id, 'finished' FROM up", False),
+        (
+            "insert + one event row",
+            f"WITH ins AS ({insert} RETURNING id) "
+            "INSERT INTO floor_events (row_id, event) SELECT id, 'routed' FROM ins",
+            True,
+        ),
+        (
+            "status update + one event row",
+            "WITH up AS (UPDATE floor_rows SET status = 'done' RETURNING id) "
+            "INSERT INTO floor_events (row_id, event) SELECT id, 'finished' FROM up",
+            False,
+        ),
     ]
     times: dict[str, list[float]] = {kind: [] for kind, _, _ in steps}
     with psycopg.connect(conninfo, autocommit=True) as conn:

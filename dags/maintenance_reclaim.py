@@ -16,7 +16,7 @@ Code: `include/housekeeping.py`, `plugins/stageline_airflow/tasks.py`.
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from airflow.sdk import dag, task
 from stageline_airflow import tasks
@@ -25,7 +25,7 @@ from stageline_airflow.sensors import LeaderCheckSensor
 
 @dag(
     schedule=timedelta(minutes=1),
-    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2025, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=5),

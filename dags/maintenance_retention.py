@@ -20,7 +20,7 @@
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import dag, task
@@ -35,7 +35,7 @@ AIRFLOW_METADATA_KEEP = timedelta(hours=24)
 
 @dag(
     schedule=timedelta(minutes=30),
-    start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2025, 1, 1, tzinfo=UTC),
     catchup=False,
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=25),

@@ -12,8 +12,8 @@ UTF-16/32 and bare "UNICODE" are left out on purpose: they are not ASCII-compati
 from __future__ import annotations
 
 import codecs
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 __all__ = ["ALLOWED_CODECS", "HL7_CHARSETS", "charset_to_codec", "codec_for"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard, Union
+from typing import Any, TypeGuard
 
 from include.hl7path import FieldPath, FieldPathError, parse_path
 

@@ -17,8 +17,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from include.store import INBOUND, STAGED_TABLES, StagedTable, Store
-from include.store import rowlease
+from include.store import INBOUND, STAGED_TABLES, StagedTable, Store, rowlease
 from include.store.lease import read_lease
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from include.schema.items import ConfigProblemsError, problem, type_name, validate_item, validate_list
-from include.schema.routes import RouteModel, RoutesFile
-from include.schema.transforms import condition
 from include.conditions import (
     OPS,
     AllOf,
@@ -40,6 +37,9 @@ from include.conditions import (
     SegmentPresent,
 )
 from include.conditions import parse_condition as _parse_condition
+from include.schema.items import ConfigProblemsError, problem, type_name, validate_item, validate_list
+from include.schema.routes import RouteModel, RoutesFile
+from include.schema.transforms import condition
 
 __all__ = [
     "OPS",

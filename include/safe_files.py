@@ -27,9 +27,24 @@ import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["UnsafePath", "Identity", "open_dir", "identity", "still_same_dir", "create_exclusive",
-           "read_regular", "candidate_names", "move_exclusive", "NotRegular", "TooLarge", "printable",
-           "NAME_MAX", "unlink_quietly", "write_exclusive", "private_dir"]
+__all__ = [
+    "NAME_MAX",
+    "Identity",
+    "NotRegular",
+    "TooLarge",
+    "UnsafePath",
+    "candidate_names",
+    "create_exclusive",
+    "identity",
+    "move_exclusive",
+    "open_dir",
+    "printable",
+    "private_dir",
+    "read_regular",
+    "still_same_dir",
+    "unlink_quietly",
+    "write_exclusive",
+]
 
 NAME_MAX = 255
 

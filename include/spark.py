@@ -16,16 +16,16 @@ import json
 import logging
 import os
 import signal
-import sys
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Mapping
+from typing import IO, Any
 from urllib.parse import quote
 
 # Spark's Python workers (UDFs, mapInPandas) must run this interpreter — the project's venv with

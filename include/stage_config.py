@@ -24,9 +24,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from include.config import VAR_ENV, config_path, var_dir
@@ -202,6 +202,13 @@ def _resolved(spec: Any, base: Path) -> Any:
     directory = spec["directory"].replace(f"${{{VAR_ENV}}}", f"${VAR_ENV}")
     directory = directory.replace(f"${VAR_ENV}", str(var_dir()))
     if "$" in directory:
-        raise PipelineConfigError([ConfigProblem(base / FILES["destination"], f"destination {spec.get('name')!r}.directory",
-                                                 f"only ${VAR_ENV} may be used, got {spec['directory']!r}")])
+        raise PipelineConfigError(
+            [
+                ConfigProblem(
+                    base / FILES["destination"],
+                    f"destination {spec.get('name')!r}.directory",
+                    f"only ${VAR_ENV} may be used, got {spec['directory']!r}",
+                )
+            ]
+        )
     return {**spec, "directory": str((base / directory).resolve())}

@@ -38,8 +38,9 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol
+from typing import Any, Protocol
 
 from include import housekeeping
 from include.batch_size import BatchSize
@@ -110,7 +111,7 @@ class Watch(Protocol):
     def recover_abandoned(self, *, prefix: str, keep: str) -> int: ...
 
 
-Keeper = Callable[[ServiceConfig, Any, int], ContextManager[Watch]]
+Keeper = Callable[[ServiceConfig, Any, int], AbstractContextManager[Watch]]
 """(config, store, epoch) → the watch for one term (one epoch) of the task."""
 
 

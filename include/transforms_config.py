@@ -86,7 +86,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Union
+from typing import Any
 
 from include.conditions import Condition
 from include.hl7path import FieldPath, parse_path
@@ -115,26 +115,26 @@ from include.schema.transforms import (
 
 __all__ = [
     "DATE_HL7",
-    "STRING_FUNCTIONS",
-    "AddSegment",
-    "Concat",
-    "DeadLetter",
-    "FormatDate",
-    "Generate",
-    "StringFunction",
     "ENVELOPE_SEGMENTS",
     "HEADER_SEGMENTS",
     "HL7_CONTENT_TYPE",
     "JSON_CONTENT_TYPE",
     "MAX_LOOKUP_ENTRIES",
     "OUTPUTS",
+    "STRING_FUNCTIONS",
+    "AddSegment",
     "ClearField",
+    "Concat",
     "CopyField",
+    "DeadLetter",
     "DropSegment",
+    "FormatDate",
+    "Generate",
     "MapField",
     "RenameSegment",
     "Rule",
     "SetField",
+    "StringFunction",
     "Transform",
     "TransformConfigError",
     "TransformsFile",
@@ -287,8 +287,8 @@ class DeadLetter:
     when: Condition | None = None
 
 
-Rule = Union[SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment, AddSegment, StringFunction,
-             FormatDate, Concat, Generate, DeadLetter]
+Rule = (SetField | CopyField | ClearField | MapField | DropSegment | RenameSegment | AddSegment | StringFunction
+        | FormatDate | Concat | Generate | DeadLetter)
 _RULE_CLASSES = (SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment, AddSegment, StringFunction,
                  FormatDate, Concat, Generate, DeadLetter)
 

@@ -35,11 +35,11 @@ from twisted.web import http
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from include.store.parquet_archive import ParquetArchive
-from include.store import operator
 from include.schema import ConfigProblems
 from include.schema.connections import DEFAULT_API_PORT, ApiModel
 from include.schema.rules import validate
+from include.store import operator
+from include.store.parquet_archive import ParquetArchive
 from listeners import access_log
 from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.guard import guard_channels

@@ -14,8 +14,9 @@ docs/invariants.md); these services only give it a lifetime and a clock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from twisted.application.internet import TimerService
 from twisted.application.service import Service

@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from include import config as cfgmod
+from include.routes_config import Route, parse_routes
 from include.schema import ConfigProblem, ConfigProblems
 from include.schema.reading import read_toml, unreadable
 from include.stage_config import CODE_DIR, FILES
 from include.stage_config import load as load_pipeline
 from include.store.lookups import LookupTableError, read_table_file
-from include.routes_config import Route, parse_routes
 from include.transforms_config import MapField, Transform, parse_transforms
 from listeners.api import Role
 from listeners.connections_config import parse_connections
@@ -112,7 +112,7 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
             step()
         except ConfigProblems as exc:
             report.add(exc.problems, where)
-        except Exception as exc:  # noqa: BLE001 - any loader's surprise is a problem line, never a traceback
+        except Exception as exc:  # any loader's surprise is a problem line, never a traceback
             report.problems.append(ConfigProblem(where, "", f"cannot be checked: {type(exc).__name__}: {exc}"))
     unique: dict[str, ConfigProblem] = {}
     for problem in report.problems:
@@ -134,7 +134,7 @@ def _connections(base: Path, report: Report, *, store_dir: str | Path | None, re
         return
     raw = _toml(path)
     report.problems.extend(_service_dir_drops(path, base, raw, service))  # beside any other problem
-    model, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role],
+    _model, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role],
                                        store_dir=Path(store_dir) if store_dir is not None else None)
     names.extend(c.name for c in inbound)
     report.counts["inbound connections"] = len(inbound)
@@ -188,7 +188,7 @@ def _store_dir(service: Path) -> Path | None:
     service config is broken, which its own check reports)."""
     try:
         store = cfgmod.load(service).store
-    except Exception:  # noqa: BLE001 - reported by the service config's own step
+    except Exception:  # reported by the service config's own step
         return None
     return sqlite_store_dir(store)
 
@@ -235,11 +235,13 @@ def _each_table(base: Path) -> tuple[list[tuple[int, Route]], set[str], list[tup
         for i, spec in enumerate(tables(kind)):
             try:
                 out += [(i, item) for item in parse([spec])]
-            except Exception:  # noqa: BLE001, S112 - reported by the whole-file load already
+            except Exception:  # noqa: S112 - reported by the whole-file load already
                 continue
         return out
 
-    names = {spec["name"] for spec in tables("destination") if isinstance(spec, dict) and isinstance(spec.get("name"), str)}
+    names = {
+        spec["name"] for spec in tables("destination") if isinstance(spec, dict) and isinstance(spec.get("name"), str)
+    }
     return alone("route", parse_routes), names, alone("transform", parse_transforms)
 
 
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             args.directory = str(pipeline_dir(args.service_config))
         tables, note = (None, "--no-store") if args.no_store else store_lookup_tables(args.service_config)
         report = check_dir(args.directory, store_tables=tables, store_note=note, service_config=args.service_config)
-    except Exception as exc:  # noqa: BLE001 - a line and the exit code, never a traceback
+    except Exception as exc:  # a line and the exit code, never a traceback
         print(f"config cannot be checked: {type(exc).__name__}: {exc}")
         return EXIT_PROBLEMS
     for problem in report.problems:

@@ -13,8 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from twisted.logger import FilteringLogObserver, Logger, LogLevel, LogLevelFilterPredicate, globalLogBeginner
-from twisted.logger import textFileLogObserver
+from twisted.logger import (
+    FilteringLogObserver,
+    Logger,
+    LogLevel,
+    LogLevelFilterPredicate,
+    globalLogBeginner,
+    textFileLogObserver,
+)
 from twisted.python import usage
 
 from include import config as cfgmod
@@ -57,8 +63,12 @@ def config_ok(options: Options | dict[str, Any]) -> bool:
     with file and key); False when there is any. Lookup tables a transform names are looked for in
     the store too; an unreadable store leaves them unchecked here (starting the node reports the store)."""
     tables, _ = store_lookup_tables(options["service-config"])
-    report = check_dir(options["config"], store_tables=tables, lookups_unverified_ok=tables is None,
-                       service_config=cfgmod.config_path(options["service-config"]) if _service_given(options) else None)
+    report = check_dir(
+        options["config"],
+        store_tables=tables,
+        lookups_unverified_ok=tables is None,
+        service_config=cfgmod.config_path(options["service-config"]) if _service_given(options) else None,
+    )
     for problem in report.problems:
         print(f"listenerd: configuration error: {problem}", file=sys.stderr)
     return report.ok

@@ -41,7 +41,8 @@ import hashlib
 import json
 import os
 import sqlite3
-from typing import TYPE_CHECKING, Any, Callable, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.defer import Deferred, DeferredList, inlineCallbacks, succeed
 from twisted.internet.interfaces import IReactorTime
@@ -51,10 +52,10 @@ from twisted.python.failure import Failure
 from include.store import Store
 from include.store.queries import to_pyformat
 from listeners.connections_config import DatabaseSource, InboundConfig
-from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
 from listeners.group_commit import Inbound, InboundBatch, RowRefused
+from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.polling import PollingInbound, RunBlocking
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, rejection_reason
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics

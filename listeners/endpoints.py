@@ -9,34 +9,50 @@ framing and answering live in the transport modules, validation in `listeners.va
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 from twisted.application.service import Service
 from twisted.internet import defer
-from twisted.internet.defer import Deferred
 from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 
 from listeners.connections_config import InboundConfig, TLSConfig
 from listeners.dbpoll import DbPoll
 from listeners.filedrop import FileDrop
+from listeners.group_commit import InboundBatch
 from listeners.guard import GuardedFactory, PeerLimits, Refusals
-from listeners.hl7ack import (AckCode, AckDecision, batch_header, build_ack, build_ack_batch, build_fallback_ack,
-                              message_header)
+from listeners.hl7ack import (
+    AckCode,
+    AckDecision,
+    batch_header,
+    build_ack,
+    build_ack_batch,
+    build_fallback_ack,
+    message_header,
+)
 from listeners.hl7batch import BatchHeader
 from listeners.hl7msg import HL7Header
 from listeners.http_listener import make_inbound_site
-from listeners.validation import (IngestSink, LaneOf, PayloadRejected, build_batch, build_inbound, codec_name,
-                                  lane_rule, rejection_reason)
-from listeners.group_commit import InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp_listener import MLLPConfig, MLLPFactory
 from listeners.offload import off_reactor
+from listeners.server_tls import listen
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory
-from listeners.server_tls import listen
+from listeners.validation import (
+    IngestSink,
+    LaneOf,
+    PayloadRejected,
+    build_batch,
+    build_inbound,
+    codec_name,
+    lane_rule,
+    rejection_reason,
+)
 
 __all__ = ["InboundService", "ListeningService", "Wiring", "inbound_service", "mllp_batch_handler", "mllp_handler"]
 
@@ -302,7 +318,9 @@ def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
         try:  # not mounted yet, replaced, a symlink: unbound, so the leader retries or steps down
             drop.open_dirs()
         except OSError as exc:
-            raise OSError(exc.errno, f"file drop {drop.directory} is missing or unusable: {exc.strerror or exc}") from exc
+            raise OSError(
+                exc.errno, f"file drop {drop.directory} is missing or unusable: {exc.strerror or exc}"
+            ) from exc
         drop.start()
 
     return InboundService(conn, wiring, start=start, stop=drop.stop, failure=drop.failure, proven=drop.proven)

@@ -32,12 +32,13 @@ Rules, in order of a poll:
 * **Claimed before it is read.** A stable file is first renamed (by directory descriptor) into
   the connection's private ``processing`` directory (0700, outside the drop tree:
   ``<archive>/.processing-<connection>``, by default ``<var dir>/filedrop/<connection>/archive/
-  .processing-<connection>``; `include.schema.filedrop_paths`), and read, staged and archived from there. A writer that renames a new file over the same
-  name meanwhile leaves it in the drop for the next poll. ``processing`` must be ours: owned by
-  the daemon's uid (else the connection takes no file, with an error naming it) and tightened to
-  0700, with a warning, when group or others had access. Files in ``processing`` (a crash, a
-  failed submit) are taken first at the next poll; one that keeps changing there (a writer still
-  holds it open) for ``UNSETTLED_SECONDS`` is set aside to the error directory with a reason.
+  .processing-<connection>``; `include.schema.filedrop_paths`), and read, staged and archived from
+  there. A writer that renames a new file over the same name meanwhile leaves it in the drop for the
+  next poll. ``processing`` must be ours: owned by the daemon's uid (else the connection takes no
+  file, with an error naming it) and tightened to 0700, with a warning, when group or others had
+  access. Files in ``processing`` (a crash, a failed submit) are taken first at the next poll; one
+  that keeps changing there (a writer still holds it open) for ``UNSETTLED_SECONDS`` is set aside to
+  the error directory with a reason.
 * **What is archived is exactly what was staged.** The archive gets a new file (``O_EXCL``,
   0600, fsynced) holding the staged bytes, never the claimed file itself: a writer that kept its
   descriptor open cannot add to it. The claimed file is then unlinked, or, when it changed after
@@ -89,21 +90,43 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from include.config import var_dir
-from include.safe_files import (Identity, NotRegular, TooLarge, UnsafePath, kind, move_exclusive, open_dir,
-                                printable, private_dir, read_regular, still_same_dir, unlink_quietly,
-                                write_exclusive)
+from include.safe_files import (
+    Identity,
+    NotRegular,
+    TooLarge,
+    UnsafePath,
+    kind,
+    move_exclusive,
+    open_dir,
+    printable,
+    private_dir,
+    read_regular,
+    still_same_dir,
+    unlink_quietly,
+    write_exclusive,
+)
 from include.schema.filedrop_paths import processing_dir
 from listeners.connections_config import InboundConfig
 from listeners.group_commit import RowRefused
-from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 from listeners.offload import OFFLOAD_BYTES
 from listeners.polling import PollingInbound, RunBlocking
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
 
-__all__ = ["FileDrop", "RunBlocking", "default_archive", "default_error_directory", "default_processing",
-           "file_message_id", "EMPTY_GRACE_SECONDS", "UNSETTLED_SECONDS", "TEMP_SUFFIXES", "in_progress"]
+__all__ = [
+    "EMPTY_GRACE_SECONDS",
+    "TEMP_SUFFIXES",
+    "UNSETTLED_SECONDS",
+    "FileDrop",
+    "RunBlocking",
+    "default_archive",
+    "default_error_directory",
+    "default_processing",
+    "file_message_id",
+    "in_progress",
+]
 
 _log = Logger(namespace="stageline.filedrop")
 

@@ -265,7 +265,9 @@ class LeaderGate(MultiService):
             self._logged_failure[conn.name] = reason
             then = (f"stepping down if still unbound after {self.grace_seconds:g}s" if self._step_down is not None
                     else "single node: retrying until it binds")
-            where = conn.directory if conn.kind == "file" else "" if conn.kind == "database" else f"{conn.host}:{conn.port}"
+            where = (
+                conn.directory if conn.kind == "file" else "" if conn.kind == "database" else f"{conn.host}:{conn.port}"
+            )
             _log.error("cannot bind inbound {name} ({kind} {where}): {err}; retrying every {lo:g}-{hi:g}s, "
                        "{then}", name=conn.name, kind=conn.kind, where=where, err=reason,
                        lo=RETRY_FIRST, hi=RETRY_MAX, then=then)

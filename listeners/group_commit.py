@@ -16,9 +16,10 @@ One refused row fails alone (invariant 9, docs/invariants.md): when the store re
 its data (`Dialect.is_refusal`: a value or a constraint), the batch is split in halves and each half
 recommitted, left first (ids stay in arrival order), until every refused row stands alone; those
 fail with `RowRefused`, the rest commit. An HL7 batch (`InboundBatch`), or one part of a large
-one, is one unit of the split: its messages commit together, or it fails whole. k refused rows in n cost about 2k·log2(n) statements, never
-more than 2n-1. A connection-level failure (database down) or a stale epoch is not split: it fails
-the rest of the batch at once, as retrying pieces against a dead store only adds delay.
+one, is one unit of the split: its messages commit together, or it fails whole. k refused rows in n
+cost about 2k·log2(n) statements, never more than 2n-1. A connection-level failure (database down)
+or a stale epoch is not split: it fails the rest of the batch at once, as retrying pieces against a
+dead store only adds delay.
 
 A message answered without an outcome (the handler's timeout cancelled its Deferred) or with a
 failure after which it may have landed is remembered (`listeners.resend`): its re-send gets the
@@ -30,9 +31,9 @@ import os
 import queue
 import threading
 import time
-from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet import threads
@@ -52,10 +53,11 @@ _log = Logger(namespace="stageline.ingest")
 
 
 LOCKED_RETRY_SECONDS = StoreConfig.busy_retry_seconds
-"""The default of `[store].busy_retry_seconds`: how long after its oldest message arrived a group commit may still be trying while SQLite's write
-lock is busy: a new try starts only if it would end by then (a try waits up to
-`[store].busy_timeout_ms`), so every answer — `AA` once the turn comes — goes out well inside the
-MLLP handler's 60 s timeout, never an `AE` for a message that is committed after it."""
+"""The default of `[store].busy_retry_seconds`: how long after its oldest message arrived a group
+commit may still be trying while SQLite's write lock is busy: a new try starts only if it would
+end by then (a try waits up to `[store].busy_timeout_ms`), so every answer — `AA` once the turn
+comes — goes out well inside the MLLP handler's 60 s timeout, never an `AE` for a message that is
+committed after it."""
 
 
 class IngestRejected(Exception):

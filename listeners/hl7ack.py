@@ -13,9 +13,8 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import StrEnum
-
 from typing import TYPE_CHECKING
 
 from listeners.hl7msg import HL7Header
@@ -24,16 +23,16 @@ if TYPE_CHECKING:
     from listeners.hl7batch import BatchHeader
 
 __all__ = [
-    "AckCode",
-    "AckDecision",
     "DEFAULT_ENCODING_CHARACTERS",
     "ERROR_TEXT",
+    "AckCode",
+    "AckDecision",
     "batch_header",
     "build_ack",
     "build_ack_batch",
     "build_fallback_ack",
-    "message_header",
     "escape",
+    "message_header",
     "new_control_id",
 ]
 
@@ -318,8 +317,8 @@ def _timestamp(now: datetime | None, *, utc_offset: bool = True) -> str:
     if now is None:
         stamp = _now_stamp()
     else:
-        moment = now if now.tzinfo is not None else now.replace(tzinfo=timezone.utc)
-        stamp = moment.astimezone(timezone.utc).strftime("%Y%m%d%H%M%S")
+        moment = now if now.tzinfo is not None else now.replace(tzinfo=UTC)
+        stamp = moment.astimezone(UTC).strftime("%Y%m%d%H%M%S")
     return stamp + ("+0000" if utc_offset else "")
 
 
@@ -331,7 +330,7 @@ def _now_stamp() -> str:
     global _stamp_cache
     second = int(time.time())
     if _stamp_cache[0] != second:
-        _stamp_cache = (second, datetime.fromtimestamp(second, timezone.utc).strftime("%Y%m%d%H%M%S"))
+        _stamp_cache = (second, datetime.fromtimestamp(second, UTC).strftime("%Y%m%d%H%M%S"))
     return _stamp_cache[1]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["BatchError", "BatchHeader", "SplitBatch", "ENVELOPE", "split_batch", "starts_batch"]
+__all__ = ["ENVELOPE", "BatchError", "BatchHeader", "SplitBatch", "split_batch", "starts_batch"]
 
 ENVELOPE = (b"FHS", b"BHS")
 _NOISE = b" \t\r\n"
@@ -127,9 +127,9 @@ def split_batch(data: bytes) -> SplitBatch:
         first = first[len(_BOM):]
     fs, enc = _separators(first, first[:3].decode())
     head = _fields(first, fs)
-    header_fields = dict(field_separator=chr(fs), encoding_characters=enc, sending_application=_field(head, 3),
-                         sending_facility=_field(head, 4), receiving_application=_field(head, 5),
-                         receiving_facility=_field(head, 6))
+    header_fields = {"field_separator": chr(fs), "encoding_characters": enc, "sending_application": _field(head, 3),
+                         "sending_facility": _field(head, 4), "receiving_application": _field(head, 5),
+                         "receiving_facility": _field(head, 6)}
     fhs_id = _field(head, 11) if first.startswith(b"FHS") else ""
     bhs_ids: list[str] = []
     messages: list[bytes] = []

@@ -17,11 +17,11 @@ from enum import StrEnum
 from include.charsets import HL7_CHARSETS, charset_to_codec, codec_for
 
 __all__ = [
+    "HL7_CHARSETS",
+    "MAX_CONTROL_ID_CHARS",
     "HL7Header",
     "HL7HeaderError",
     "HeaderErrorReason",
-    "MAX_CONTROL_ID_CHARS",
-    "HL7_CHARSETS",
     "charset_to_codec",
     "parse_header",
 ]

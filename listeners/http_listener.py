@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from functools import partial
 from collections.abc import Iterable, Mapping
+from functools import partial
 from io import BytesIO
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +43,20 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners import access_log, batchgate
 from listeners.connections_config import InboundConfig
-from listeners.guard import guard_channels
-from listeners.validation import (ACCEPTED_CHARSETS, IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name,
-                               rejection_reason)
 from listeners.group_commit import Inbound, InboundBatch, IngestRejected, RowRefused
+from listeners.guard import guard_channels
 from listeners.linger import close_after_answers
 from listeners.offload import OFFLOAD_BYTES
 from listeners.stream import describe_peer
+from listeners.validation import (
+    ACCEPTED_CHARSETS,
+    IngestSink,
+    LaneOf,
+    PayloadRejected,
+    build_inbound,
+    codec_name,
+    rejection_reason,
+)
 
 if TYPE_CHECKING:
     from listeners.metrics import ListenerCounters, Metrics

@@ -35,8 +35,8 @@ from listeners.cluster import Beat, HeartbeatService, LeaseService, StoreService
 from listeners.connections_config import ListenerConfig, load_config_dir
 from listeners.endpoints import ListeningService, Wiring, inbound_service
 from listeners.gate import LeaderGate
-from listeners.guard import PeerLimits, Refusals
 from listeners.group_commit import IngestService
+from listeners.guard import PeerLimits, Refusals
 from listeners.metrics import Metrics
 from listeners.state import NodeState
 
@@ -160,7 +160,7 @@ class ListenerNode(SequentialMultiService):
         `[cluster] step_down_backoff_seconds` so a node that can serve leads (docs/listenerd.md)."""
         self.metrics.step_downs.inc()
         now = time.monotonic()
-        self._stepped_down_for.update({name: now for name in names})
+        self._stepped_down_for.update(dict.fromkeys(names, now))
         d = self.lease.step_down(self.config.cluster.step_down_backoff())
 
         def publish(result: bool | Failure) -> bool | Failure:

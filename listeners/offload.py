@@ -8,7 +8,8 @@ than they do). The work must be pure: no reactor, no writer, no shared state.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import threads
 from twisted.internet.defer import Deferred, maybeDeferred

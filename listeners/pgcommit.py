@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import Any, Callable, Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import IReadWriteDescriptor

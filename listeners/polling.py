@@ -7,8 +7,9 @@ The daemon calls ``start()`` when this node wins the lease and ``stop()`` when i
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorThreads, IReactorTime

@@ -20,9 +20,10 @@ import dataclasses
 import hashlib
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["ResendMemory", "RESEND_WINDOW_SECONDS"]
+__all__ = ["RESEND_WINDOW_SECONDS", "ResendMemory"]
 
 RESEND_WINDOW_SECONDS = 600.0
 """How long a re-send is recognised: well past any sender's ACK timeout and retry interval."""

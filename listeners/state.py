@@ -2,8 +2,9 @@
 (one `nodes` read, done off the reactor thread)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from twisted.internet.defer import Deferred
 

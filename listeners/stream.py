@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol as TypingProtocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Protocol as TypingProtocol
 
 from twisted.internet import tcp
 from twisted.internet.defer import Deferred
@@ -37,8 +38,6 @@ from listeners.guard import GuardedProtocol
 from listeners.linger import close_after_answers
 
 if TYPE_CHECKING:
-    from twisted.internet.interfaces import ITCPTransport
-
     from listeners.metrics import ListenerCounters
 
 __all__ = ["WRITE_TIMEOUT_SECONDS", "Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer",

@@ -27,12 +27,12 @@ from twisted.internet.interfaces import IAddress, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from listeners.connections_config import TCP_FRAMINGS, InboundConfig
-from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
-from listeners.group_commit import InboundBatch
 from listeners import batchgate
+from listeners.connections_config import TCP_FRAMINGS, InboundConfig
+from listeners.group_commit import InboundBatch
 from listeners.offload import OFFLOAD_BYTES, off_reactor
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory
+from listeners.validation import IngestSink, LaneOf, PayloadRejected, build_inbound, codec_name, rejection_reason
 
 if TYPE_CHECKING:
     from listeners.metrics import Metrics
@@ -43,9 +43,9 @@ __all__ = [
     "LengthDecoder",
     "NewlineDecoder",
     "Oversize",
+    "TCPEvent",
     "TCPFactory",
     "TCPProtocol",
-    "TCPEvent",
     "encode_reply",
 ]
 
@@ -245,7 +245,8 @@ class TCPProtocol(OrderedReplyProtocol):
     def _submit(self, item: Any, slot: Slot) -> Deferred[None]:
         d = maybeDeferred(self.factory.ingest.submit, item)
         if isinstance(item, InboundBatch):  # one answer for the batch: its id and how many it staged
-            d.addCallback(lambda batch_id, n=len(item.items): f"{batch_id} ({n} messages)")
+            count = len(item.items)
+            d.addCallback(lambda batch_id: f"{batch_id} ({count} messages)")
         self.await_answer(d, slot, self.factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
         d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
         return d

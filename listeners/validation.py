@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Callable, Protocol as TypingProtocol
+from collections.abc import Callable
+from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -22,12 +23,21 @@ from twisted.python.failure import Failure
 from include.charsets import HL7_CHARSETS, codec_for
 from include.hl7path import parse_path
 from include.hl7path import value as hl7_value
+from listeners.group_commit import (
+    BatchIncomplete,
+    Inbound,
+    InboundBatch,
+    IngestRejected,
+    NotLeader,
+    RowRefused,
+    StoreUnavailable,
+    new_message_id,
+)
 from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
-from listeners.group_commit import (BatchIncomplete, Inbound, InboundBatch, IngestRejected, NotLeader, RowRefused,
-                              StoreUnavailable, new_message_id)
 
 __all__ = [
+    "ACCEPTED_CHARSETS",
     "MAX_KEY_CHARS",
     "BatchRejected",
     "IngestSink",
@@ -35,7 +45,6 @@ __all__ = [
     "PayloadRejected",
     "build_batch",
     "build_inbound",
-    "ACCEPTED_CHARSETS",
     "codec_name",
     "lane_rule",
     "rejection_reason",
@@ -231,11 +240,84 @@ _SEGMENT_START = re.compile(rb"([A-Z][A-Z0-9]{2})\|")
 # HL7 v2 segments a message body carries (chapters 2-15, the common ones) and any Z-segment: a
 # payload that starts with one of these is a piece of a message. Other "XYZ|" openings stay opaque
 # data (a pipe-delimited export of one's own).
-_BODY_SEGMENTS = frozenset("""
-    ACC AIG AIL AIP AIS AL1 ARQ AUT BLG BPO BPX BTX CON CSR CTD CTI DB1 DG1 DRG EVN FT1 GT1 IAM IN1 IN2
-    IN3 IPC MFE MFI MRG MSA NK1 NTE OBR OBX ODS ODT ORC PD1 PDA PR1 PRA PRB PRD PV1 PV2 QAK QPD QRD RCP
-    RDF RDT RF1 RGS RXA RXC RXD RXE RXG RXO RXR SAC SCH SFT SPM STF TQ1 TQ2 TXA UB1 UB2 ERR ROL PID
-    """.split())
+_BODY_SEGMENTS = frozenset(
+    [
+        "ACC",
+        "AIG",
+        "AIL",
+        "AIP",
+        "AIS",
+        "AL1",
+        "ARQ",
+        "AUT",
+        "BLG",
+        "BPO",
+        "BPX",
+        "BTX",
+        "CON",
+        "CSR",
+        "CTD",
+        "CTI",
+        "DB1",
+        "DG1",
+        "DRG",
+        "EVN",
+        "FT1",
+        "GT1",
+        "IAM",
+        "IN1",
+        "IN2",
+        "IN3",
+        "IPC",
+        "MFE",
+        "MFI",
+        "MRG",
+        "MSA",
+        "NK1",
+        "NTE",
+        "OBR",
+        "OBX",
+        "ODS",
+        "ODT",
+        "ORC",
+        "PD1",
+        "PDA",
+        "PR1",
+        "PRA",
+        "PRB",
+        "PRD",
+        "PV1",
+        "PV2",
+        "QAK",
+        "QPD",
+        "QRD",
+        "RCP",
+        "RDF",
+        "RDT",
+        "RF1",
+        "RGS",
+        "RXA",
+        "RXC",
+        "RXD",
+        "RXE",
+        "RXG",
+        "RXO",
+        "RXR",
+        "SAC",
+        "SCH",
+        "SFT",
+        "SPM",
+        "STF",
+        "TQ1",
+        "TQ2",
+        "TXA",
+        "UB1",
+        "UB2",
+        "ERR",
+        "ROL",
+        "PID",
+    ]
+)
 
 
 def _bare_segment(data: bytes) -> str | None:

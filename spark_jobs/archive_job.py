@@ -45,9 +45,9 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from include.store.parquet_archive import ParquetArchive, partition_dirs
 from include.store import Store
 from include.store.lease import read_lease
+from include.store.parquet_archive import ParquetArchive, partition_dirs
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,9 @@ def export_batch(store: Store, spark: SparkSession, *, epoch: int, path: str, ki
             keys = [r[0] for r in rows]  # the key is the first column of every kind
             found = verify(spark, path=path, kind=kind, batch=batch, keys=keys)
             if found != len(rows):
-                raise ExportMismatch(f"Parquet batch {batch} holds {found} of its {len(rows)} row(s): kept in the store")
+                raise ExportMismatch(
+                    f"Parquet batch {batch} holds {found} of its {len(rows)} row(s): kept in the store"
+                )
         mark_written(store, epoch=epoch, batch=batch, kind=kind, parts=parts)
     deleted = delete(store, epoch=epoch, kind=kind, batch=batch, limit=batch_size)
     with store.transaction() as tx:

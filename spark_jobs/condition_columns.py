@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
-from include.conditions import AllOf, AnyOf, Condition, Connection, Leaf, Not, SegmentPresent
+from include.conditions import AllOf, Condition, Connection, Leaf, Not, SegmentPresent
 from include.hl7path import FieldPath
 from spark_jobs.hl7_fields import let
 

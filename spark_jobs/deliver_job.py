@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 from include.destinations_config import Destination, FileDestination, parse_destinations
 from include.store import Store
+from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.store.retry import until_done, with_retries
 from include.store.rowlease import claim_lane_heads
-from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.store.stages import DELIVER
 from spark_jobs.senders import send
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE
@@ -181,8 +181,12 @@ def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
         failed: Mapping[str, Any] | None = None
         for row, result in zip(lane, results):
             if result is None:
-                yield _outcome(row, ok=False, retryable=True,
-                               detail=f"{NOT_ATTEMPTED}: message {failed['id'] if failed else '?'} earlier in the lane failed")
+                yield _outcome(
+                    row,
+                    ok=False,
+                    retryable=True,
+                    detail=f"{NOT_ATTEMPTED}: message {failed['id'] if failed else '?'} earlier in the lane failed",
+                )
             else:
                 if not result.ok:
                     failed = row
@@ -224,8 +228,16 @@ def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds
     """Claim the first `per_lane` rows of up to `max_lanes` lanes, at most `max_rows` in all, in their
     own transaction; their ids."""
     with store.transaction() as tx:
-        rows = claim_lane_heads(tx, DELIVER.input, owner=owner, epoch=epoch, limit=max_lanes, lease_seconds=lease_seconds,
-                                per_lane=per_lane, max_rows=max_rows)
+        rows = claim_lane_heads(
+            tx,
+            DELIVER.input,
+            owner=owner,
+            epoch=epoch,
+            limit=max_lanes,
+            lease_seconds=lease_seconds,
+            per_lane=per_lane,
+            max_rows=max_rows,
+        )
     return [int(r["id"]) for r in rows]
 
 

@@ -126,8 +126,9 @@ def _field_json(f: Column, seps: Column, special: Column) -> Column:
         return F.concat(F.lit("["), F.array_join(F.transform(items, item), ","), F.lit("]"))
 
     def component(c: Column) -> Column:
-        return F.when(has(c, "ss"), F.concat(F.lit('["'), F.replace(c, seps["ss"], F.lit('","')), F.lit('"]'))).otherwise(
-            quoted(c))
+        return F.when(
+            has(c, "ss"), F.concat(F.lit('["'), F.replace(c, seps["ss"], F.lit('","')), F.lit('"]'))
+        ).otherwise(quoted(c))
 
     def repetition(r: Column) -> Column:
         return F.when(has(r, "cs") | has(r, "ss"), array(F.split(r, seps["cs_re"], -1), component)).otherwise(quoted(r))

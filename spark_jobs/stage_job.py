@@ -36,7 +36,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 
 from include.spark import jdbc_options
-from include.store import Store, StagedTable
+from include.store import StagedTable, Store
 from include.store.finalize import StaleEpoch
 from include.store.retry import with_retries
 from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_batch, fail_batch
@@ -124,7 +124,9 @@ def read_claimed(store: Store, spark: SparkSession, stage: Stage, *, owner: str,
                                        "fetchsize": "1000"})
 
 
-def id_ranges(ids: Sequence[int], *, rows: int = READ_PARTITION_ROWS, most: int = READ_PARTITIONS) -> list[tuple[int, int]]:
+def id_ranges(
+    ids: Sequence[int], *, rows: int = READ_PARTITION_ROWS, most: int = READ_PARTITIONS
+) -> list[tuple[int, int]]:
     """Split claimed ids into at most `most` contiguous ranges of at least `rows` ids each (as even
     as the ids allow): disjoint, and together they hold every id."""
     ordered = sorted(int(i) for i in ids)

@@ -11,12 +11,12 @@ from pathlib import Path
 import hl7
 from hl7.client import MLLPClient
 
-from include.config import StoreConfig
 from include.app.demo import read_received
+from include.config import StoreConfig
 from include.store import Store, lookups
 from include.store.lease import LeaderElector
 from include.store.membership import NodeIdentity, heartbeat
-from tests.conftest import CLUSTER, pg_config
+from tests.conftest import CLUSTER
 
 STAGELINE = [sys.executable, "-m", "include.app.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,8 +253,8 @@ def _body_reads(store: Store) -> list[dict]:
 
 
 def test_messages_show_prints_bodies_only_with_body_and_records_the_os_user(tmp_path, store_config):
-    import pwd
     import os
+    import pwd
 
     from include.store import rowlease
     from include.store.lease import acquire_permanent

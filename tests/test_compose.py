@@ -13,7 +13,6 @@ script followed by the migrate job's own command against a throwaway PostgreSQL 
 from __future__ import annotations
 
 import json
-
 import os
 import re
 import secrets
@@ -26,17 +25,18 @@ import sys
 import threading
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
 from stageline_airflow import tasks
 
-from include.app.lab.spark_cluster import SparkCluster
 from include import config as cfgmod
-from include import stage_config
 from include import spark as spark_consts
+from include import stage_config
+from include.app.lab.spark_cluster import SparkCluster
 from listeners.api import ApiAuth, ApiSettings
 from listeners.connections_config import load_config_dir
 
@@ -235,7 +235,9 @@ def test_depends_on_targets_exist_and_form_no_cycle(services):
                 condition = deps[target].get("condition", "service_started")
                 assert condition in ("service_started", "service_healthy", "service_completed_successfully")
                 if condition == "service_healthy":
-                    assert "healthcheck" in services[target], f"{name} waits for {target} healthy: it has no healthcheck"
+                    assert "healthcheck" in services[target], (
+                        f"{name} waits for {target} healthy: it has no healthcheck"
+                    )
                 if condition == "service_completed_successfully":
                     assert services[target].get("restart", "no") == "no", f"{target} is one-shot: restart must be no"
         graph[name] = targets
@@ -308,7 +310,9 @@ def test_airflow_services_are_configured_alike_for_the_stage_tasks(services):
                 "AIRFLOW_CONN_" + tasks.SPARK_CONN_ID.upper()):
         values = {env[key] for env in envs.values()}
         assert len(values) == 1, f"{key} differs between Airflow components: {values}"
-    assert all(referenced_vars(env["AIRFLOW__API_AUTH__JWT_SECRET"]) for env in envs.values()), "JWT secret is a literal"
+    assert all(referenced_vars(env["AIRFLOW__API_AUTH__JWT_SECRET"]) for env in envs.values()), (
+        "JWT secret is a literal"
+    )
 
 
 @pytest.fixture
@@ -406,7 +410,7 @@ def test_listenerd_gets_every_api_token_its_config_names(services, listener_conf
         for var in token_envs:
             assert referenced_vars(env.get(var, "")) == {var}, f"{name} lacks {var}"
     # and listenerd accepts them, as node.py reads them
-    auth = ApiAuth.from_config(listener_config.api, {var: FAKE_ENV["STAGELINE_API_TOKEN"] for var in token_envs})
+    auth = ApiAuth.from_config(listener_config.api, dict.fromkeys(token_envs, FAKE_ENV["STAGELINE_API_TOKEN"]))
     assert auth.configured
 
 
@@ -475,8 +479,10 @@ def test_haproxy_backends_name_both_nodes_and_ask_leader_on_the_api_port(data_po
         for name, args in servers.items():
             assert args[0] == f"{name}:{port}", f"{backend}/{name} forwards to {args[0]}"
             assert "check" in args, f"{backend}/{name} is not health-checked"
-            assert args[args.index("port") + 1] == str(api_port), \
-                f"{backend}/{name} must ask the API port {api_port} (a frozen leader's kernel still accepts on {data_port})"
+            assert args[args.index("port") + 1] == str(api_port), (
+                f"{backend}/{name} must ask the API port {api_port} "
+                f"(a frozen leader's kernel still accepts on {data_port})"
+            )
         # /health answers 200 on a standby too, and a TCP connect passes on a frozen leader: /leader only
         assert "option httpchk GET /leader" in sections[backend], f"{backend} does not ask GET /leader"
         assert "http-check expect status 200" in sections[backend]
@@ -488,7 +494,9 @@ def test_haproxy_drops_a_silent_leader_within_two_seconds():
     server_defaults = next(line.split() for line in sections["defaults"] if line.startswith("default-server "))
     inter = _duration_ms(server_defaults[server_defaults.index("inter") + 1])
     fall = int(server_defaults[server_defaults.index("fall") + 1])
-    timeout_check = _duration_ms(next(line.split()[2] for line in sections["defaults"] if line.startswith("timeout check ")))
+    timeout_check = _duration_ms(
+        next(line.split()[2] for line in sections["defaults"] if line.startswith("timeout check "))
+    )
     assert timeout_check < inter, "a check that outlives the interval delays the next one"
     assert inter * fall + timeout_check <= 2000, (inter, fall, timeout_check)
     # MLLP: listenerd ends its own sessions when it stops leading (HAProxy cutting them raced a clean
@@ -557,7 +565,9 @@ class _StandIn:
                         first = b""
                     if first.startswith(b"GET /leader"):
                         status = b"200 OK" if stand_in.leading else b"503 Service Unavailable"
-                        self.request.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                        self.request.sendall(
+                            b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        )
                         return
                 self.request.sendall(reply.encode() + b"\n")
                 self.request.settimeout(20)
@@ -634,8 +644,10 @@ def local_haproxy(tmp_path, data_port, api_port) -> Iterator[tuple[dict[str, int
     vip = {"mllp": _free_port(), "api": _free_port(), "stats": _free_port()}
     text = HAPROXY_CFG.read_text()
     replacements = [
-        (rf"\blistenerd-a:{data_port}\b", f"127.0.0.2:{node_data}"), (rf"\blistenerd-b:{data_port}\b", f"127.0.0.3:{node_data}"),
-        (rf"\blistenerd-a:{api_port}\b", f"127.0.0.2:{node_api}"), (rf"\blistenerd-b:{api_port}\b", f"127.0.0.3:{node_api}"),
+        (rf"\blistenerd-a:{data_port}\b", f"127.0.0.2:{node_data}"),
+        (rf"\blistenerd-b:{data_port}\b", f"127.0.0.3:{node_data}"),
+        (rf"\blistenerd-a:{api_port}\b", f"127.0.0.2:{node_api}"),
+        (rf"\blistenerd-b:{api_port}\b", f"127.0.0.3:{node_api}"),
         (rf"\bcheck port {api_port}\b", f"check port {node_api}"),
         (rf"(?m)^(\s*bind) :{data_port}$", rf"\g<1> 127.0.0.1:{vip['mllp']}"),
         (rf"(?m)^(\s*bind) :{api_port}$", rf"\g<1> 127.0.0.1:{vip['api']}"),

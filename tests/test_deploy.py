@@ -56,7 +56,7 @@ def test_every_vip_backend_asks_leader_on_the_api_port(config: str):
     inbound = {c["name"] for c in tomllib.loads((DEPLOY / "config" / "connections.toml").read_text())["inbound"]
                if c["kind"] == "mllp"}
     text = (DEPLOY / config).read_text()
-    backends = [block for block in text.split("\nbackend ")[1:]]
+    backends = list(text.split("\nbackend ")[1:])
     assert backends
     for block in backends:
         lines = [line.split("#", 1)[0].strip() for line in block.split("\n\n", 1)[0].splitlines()]

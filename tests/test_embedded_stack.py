@@ -1,4 +1,5 @@
-"""The README's first command, on a user's own config dir (`--config`): `stageline up` brings the whole single-node stack up, demo messages
+"""The README's first command, on a user's own config dir (`--config`): `stageline up` brings the
+whole single-node stack up, demo messages
 sent over MLLP are routed, transformed and delivered by the real Airflow scheduler running the Spark
 stage jobs — to both destinations of `config/`: the file archive and the demo MLLP receiver standing
 in for the EHR — and Ctrl-C stops every process it started."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from include.app.lab.two_nodes import HAPROXY, Lab, Timings
 from include.app.lab.postgres_server import wait_for
+from include.app.lab.two_nodes import HAPROXY, Lab, Timings
 from include.app.supervisor import port_open
 from tests.support.stream import Stream, Verdict, judge
 

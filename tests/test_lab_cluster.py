@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from include.app.lab import recorder
-from include.app.lab.two_nodes import HAPROXY
 from include.app.lab.postgres_server import wait_for
+from include.app.lab.two_nodes import HAPROXY
 from tests.support.stream import Stream, judge
 
 pytestmark = [

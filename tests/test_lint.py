@@ -1,8 +1,9 @@
 """The tools in the test command guard the code (scripts/test.sh runs both before pytest):
 
-- ruff with its security rules (pyproject.toml [tool.ruff.lint]): the tree is clean, and the
-  findings that matter most — a shell command line, `eval`/`exec`, `pickle`, TLS without
-  verification, SQL built from a string — are caught wherever they appear, tests included.
+- ruff (pyproject.toml [tool.ruff.lint]): the tree is clean, and the findings that matter most — a
+  shell command line, `eval`/`exec`, `pickle`, TLS without verification, SQL built from a string —
+  are caught wherever they appear, tests included, beside the everyday ones (an unused import, a
+  mutable default, a line over 120 characters, unsorted imports).
 - mypy (pyproject.toml [tool.mypy]): the shipped tree type-checks, strictly in the store, the
   listener daemon and the stage jobs (an unannotated function there fails), plainly elsewhere.
 """
@@ -27,7 +28,7 @@ def ruff_on(source: str, as_path: str) -> str:
     return done.stdout + done.stderr
 
 
-def test_the_tree_passes_ruff_with_the_security_rules() -> None:
+def test_the_tree_passes_ruff() -> None:
     done = subprocess.run([*RUFF, "."], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
@@ -50,6 +51,20 @@ def test_a_new_security_hazard_fails_the_lint(rule: str, where: str) -> None:
     if rule == "S608" and where.startswith("tests/"):
         pytest.skip("tests build SQL from their own table names (S608 ignored under tests/)")
     findings = ruff_on(HAZARDS[rule], where)
+    assert rule in findings, findings
+
+
+EVERYDAY = {
+    "F401": "import os\n",
+    "B006": "def add(item: int, into: list[int] = []) -> list[int]:\n    return into\n",
+    "E501": f"NAME = {'x' * 120!r}\n",
+    "I001": "import sys\nimport os\n\nprint(os, sys)\n",
+}
+
+
+@pytest.mark.parametrize("rule", sorted(EVERYDAY))
+def test_an_everyday_finding_fails_the_lint(rule: str) -> None:
+    findings = ruff_on(EVERYDAY[rule], "include/new_module.py")
     assert rule in findings, findings
 
 

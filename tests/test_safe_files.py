@@ -8,8 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from include.safe_files import (NotRegular, TooLarge, UnsafePath, create_exclusive, move_exclusive, open_dir,
-                                printable, read_regular, still_same_dir)
+from include.safe_files import (
+    NotRegular,
+    TooLarge,
+    UnsafePath,
+    create_exclusive,
+    move_exclusive,
+    open_dir,
+    printable,
+    read_regular,
+    still_same_dir,
+)
 
 UNIQUE = r"\.\d{8}T\d{6}Z-[0-9a-f]{8}"
 

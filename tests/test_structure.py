@@ -31,10 +31,23 @@ SOURCES = {"include": ROOT / "include", "listeners": ROOT / "listeners", "spark_
 LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "include.app": 2, "stageline_airflow": 2, "dags": 3}
 """A module imports only its own package and the packages of lower layers; a module belongs to the
 longest package here that holds it (`include.app.cli` to `include.app`, `include.store` to `include`)."""
-CONFIG_MODULES = ("include.config", "include.hl7path", "include.conditions", "include.routes_config", "include.destinations_config",
-                  "include.transforms_config", "include.stage_config", "include.charsets", "include.cidrs", "include.schema",
-                  *(f"include.schema.{p.stem}" for p in (Path(__file__).resolve().parents[1] / "include" / "schema").glob("*.py")
-                    if p.stem != "__init__"))
+CONFIG_MODULES = (
+    "include.config",
+    "include.hl7path",
+    "include.conditions",
+    "include.routes_config",
+    "include.destinations_config",
+    "include.transforms_config",
+    "include.stage_config",
+    "include.charsets",
+    "include.cidrs",
+    "include.schema",
+    *(
+        f"include.schema.{p.stem}"
+        for p in (Path(__file__).resolve().parents[1] / "include" / "schema").glob("*.py")
+        if p.stem != "__init__"
+    ),
+)
 """The bottom of `include`: plain config parsing, no store, no Spark, no other `include` module."""
 NOT_SHIPPED = ("tests", "bench")
 
@@ -194,7 +207,9 @@ def test_loading_the_pipeline_config_imports_no_spark_and_no_store():
 # the checks themselves, on a tree made to break every rule
 
 
-def test_the_checks_see_a_cycle_an_upward_import_a_lazy_one_the_app_imported_from_below_and_a_config_module_reaching_out(tmp_path):
+def test_checks_see_a_cycle_an_upward_import_a_lazy_one_the_app_imported_from_below_and_a_config_module_reaching_out(
+    tmp_path,
+):
     def write(relative: str, text: str = "") -> None:
         path = tmp_path / relative
         path.parent.mkdir(parents=True, exist_ok=True)

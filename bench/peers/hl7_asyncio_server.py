@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import sys
 
-import hl7
 from hl7.mllp import start_hl7_server
 
 TABLE = ("CREATE TABLE IF NOT EXISTS inbound_stage (id bigserial PRIMARY KEY, channel text, control_id text, "

@@ -48,12 +48,12 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import hl7
 
 from include.hl7path import FieldPath
-from include.routes_config import PENDING, UNROUTED, AllOf, AnyOf, Condition, Leaf, Not, Route, parse_routes
+from include.routes_config import PENDING, UNROUTED, AllOf, Condition, Leaf, Not, Route, parse_routes
 from include.transforms_config import (
     HL7_CONTENT_TYPE,
     ClearField,
@@ -69,7 +69,7 @@ from include.transforms_config import (
 
 __all__ = ["route_messages", "run", "transform_messages"]
 
-Node = Union[str, hl7.Container]
+Node = str | hl7.Container
 """An element of the parsed tree: a python-hl7 container or a leaf string (its raw text)."""
 
 Lookups = Mapping[str, Mapping[str, str]]

@@ -53,7 +53,11 @@ def db_migrate(service_config: str | None, local_config: str | None = None) -> N
         raise click.ClickException(str(exc)) from exc
     finally:
         store.close()
-    where = cfg.store.path if cfg.store.backend == "sqlite" else f"{cfg.store.server}:{cfg.store.effective_port}/{cfg.store.database}"
+    where = (
+        cfg.store.path
+        if cfg.store.backend == "sqlite"
+        else f"{cfg.store.server}:{cfg.store.effective_port}/{cfg.store.database}"
+    )
     applied = ", ".join(map(str, report.applied)) or "none (already current)"
     click.echo(f"store {cfg.store.backend} at {where}: schema version {report.version}; applied: {applied}; "
                f"cluster {report.cluster_name!r} ({report.cluster_id})")
@@ -210,7 +214,9 @@ def run_config_check(directory: Path | None, service_config: str | None) -> int:
     from listeners import config_check
 
     service = str(Path(service_config).resolve()) if service_config else None
-    return config_check.main([*([str(directory)] if directory else []), *(["--service-config", service] if service else [])])
+    return config_check.main(
+        [*([str(directory)] if directory else []), *(["--service-config", service] if service else [])]
+    )
 
 
 @config_group.command("check")

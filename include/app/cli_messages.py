@@ -5,14 +5,14 @@ from __future__ import annotations
 import getpass
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 
 from include.app.cli_common import InputError, _load, _open_checked
-from include.store.parquet_archive import ParquetArchive
 from include.store import operator as ops
+from include.store.parquet_archive import ParquetArchive
 
 
 def _store(service_config: str | None) -> Any:
@@ -20,7 +20,7 @@ def _store(service_config: str | None) -> Any:
 
 
 def _when(ms: Any) -> str:
-    return datetime.fromtimestamp(int(ms) / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z" \
+    return datetime.fromtimestamp(int(ms) / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z" \
         if ms is not None else "-"
 
 
@@ -33,7 +33,7 @@ def _ms(text: str | None) -> int | None:
     except ValueError as exc:
         raise InputError(f"not an ISO date/time: {text!r} (e.g. 2026-11-24T08:00)") from exc
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
 
 

@@ -159,7 +159,7 @@ async def serve_receiver(host: str, port: int, out_dir: Path, *, echo: Callable[
                 text = block.decode("utf-8", errors="replace")
                 try:
                     ack = received.accept(text)
-                except Exception as exc:  # noqa: BLE001 — not HL7: nothing to ACK, drop the connection
+                except Exception as exc:  # not HL7: nothing to ACK, drop the connection
                     echo(f"not an HL7 message ({type(exc).__name__}: {exc}); closing the connection")
                     break
                 writer.writemessage(ack)

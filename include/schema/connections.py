@@ -24,9 +24,9 @@ from pydantic_core import InitErrorDetails
 
 from include.charsets import HL7_CHARSETS, codec_for
 from include.cidrs import source_network
-from include.schema.filedrop_paths import processing_dir
 from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
+from include.schema.filedrop_paths import processing_dir
 from include.schema.rules import Rules
 
 __all__ = ["API_ROLES", "DEFAULT_API_PORT", "ApiModel", "ApiTokenModel", "ConnectionsFile", "DatabaseSourceModel",

@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
@@ -27,8 +27,17 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
 
-__all__ = ["DestinationModel", "DestinationsFile", "FileModel", "HttpModel", "MllpModel", "TlsModel",
-           "KIND_MODELS", "check_code_spec", "hook_module_path"]
+__all__ = [
+    "KIND_MODELS",
+    "DestinationModel",
+    "DestinationsFile",
+    "FileModel",
+    "HttpModel",
+    "MllpModel",
+    "TlsModel",
+    "check_code_spec",
+    "hook_module_path",
+]
 
 # `module:function`: a dotted module path and a function name (spark_jobs/code_hook.py, docs/rules.md).
 CODE_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
@@ -113,7 +122,8 @@ def _hook_function_missing(module: str, function: str, code_dir: Path) -> str | 
 
         tree = ast.parse(read_config_bytes(source, limit=4 * 1024 * 1024), filename=str(source))
     except (OSError, SyntaxError, ValueError) as exc:
-        return f"module {module!r} ({source}) cannot be read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"module {module!r} ({source}) cannot be read: {why}"
     names: set[str] = set()
     for node in _module_level(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -276,7 +286,7 @@ class HttpModel(_Common):
 
 
 KIND_MODELS: dict[str, type[_Common]] = {"mllp": MllpModel, "file": FileModel, "http": HttpModel}
-DestinationModel = Annotated[Union[MllpModel, FileModel, HttpModel], Field(discriminator="kind")]
+DestinationModel = Annotated[MllpModel | FileModel | HttpModel, Field(discriminator="kind")]
 
 
 class DestinationsFile(Strict):

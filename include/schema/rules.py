@@ -7,8 +7,8 @@ about, relative to the table) and `validate` turns each into its own `ConfigProb
 """
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError

@@ -29,9 +29,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from include.config import StoreConfig
 from include.store import queries
@@ -186,8 +187,8 @@ class Store:
         self._checked_at = self.clock()  # when a connection last checked durability
         self._rechecking = threading.Lock()
         if config.backend == "postgres":
-            from psycopg_pool import ConnectionPool
             from psycopg.rows import dict_row
+            from psycopg_pool import ConnectionPool
 
             self._pool = ConnectionPool(
                 kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},

@@ -10,10 +10,10 @@ import os
 import re
 import sqlite3
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any
 
 from include.config import StoreConfig, var_dir
 from include.store.queries import to_pyformat

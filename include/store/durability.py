@@ -18,7 +18,7 @@ box, a throwaway store): then it is only logged.
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,15 @@ from include.store.queries import SQL_ROOT, parse_named, to_pyformat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STANDBY_LEVELS", "UnsafeDurability", "check_connection", "durability_queries", "postgres_synchronous_commit",
-           "postgres_refusal", "sqlserver_refusal"]
+__all__ = [
+    "STANDBY_LEVELS",
+    "UnsafeDurability",
+    "check_connection",
+    "durability_queries",
+    "postgres_refusal",
+    "postgres_synchronous_commit",
+    "sqlserver_refusal",
+]
 
 #: synchronous_commit values that wait for a synchronous standby when one is configured.
 STANDBY_LEVELS = frozenset({"on", "remote_write", "remote_apply"})
@@ -67,7 +74,7 @@ def sqlserver_refusal(delayed_durability: str | None) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def durability_queries(backend: str) -> dict[str, str]:
     """The named durability queries of a server dialect (`sql/durability/<backend>.sql`, apart from
     the store's catalogue: they exist only where there is a server to ask), in the driver's style."""

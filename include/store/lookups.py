@@ -114,7 +114,9 @@ def import_dir(store: Store, directory: Path) -> list[tuple[str, int]]:
 
 def _check(name: str, entries: Mapping[str, str]) -> None:
     if not NAME.fullmatch(name):
-        raise LookupTableError(f"table name {name!r}: letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
+        raise LookupTableError(
+            f"table name {name!r}: letters, digits, '_', '.', '-' (200 at most), not starting with a digit"
+        )
     for code, value in entries.items():
         if not isinstance(code, str) or not isinstance(value, str):
             raise LookupTableError(f"table {name!r}: codes and values must be strings ({code!r})")

@@ -33,8 +33,9 @@ import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable, Store
 

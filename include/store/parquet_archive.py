@@ -200,7 +200,9 @@ class ParquetArchive:
                     if tx.all("parquet_batch_indexed", {"batch": batch}):
                         continue
                     for part in sorted(entry["parts"]):
-                        tx.execute("parquet_partition_add", {"batch": batch, "kind": kind, "part": part, "epoch": epoch})
+                        tx.execute(
+                            "parquet_partition_add", {"batch": batch, "kind": kind, "part": part, "epoch": epoch}
+                        )
                     for key in entry["keys"]:
                         row_key, text_key, control_id = _index_key(kind, key)
                         tx.execute("parquet_index_add", {"kind": kind, "id": row_key, "ref": text_key,

@@ -8,7 +8,7 @@ and `{now}` from the dialect (SQLite's epoch-millisecond clock), never from inpu
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 SQL_ROOT = Path(__file__).parent / "sql"
@@ -33,7 +33,7 @@ def to_pyformat(sql: str) -> str:
     return _PARAM.sub(r"%(\1)s", sql.replace("%", "%%"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(dialect: str) -> dict[str, str]:
     return parse_named("\n".join(path.read_text() for path in sorted((SQL_ROOT / dialect).glob("*.sql"))))
 

@@ -41,7 +41,7 @@ def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECON
             result = step()
         except give_up_on:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             wait = pause * random.uniform(1 - JITTER, 1 + JITTER)  # noqa: S311  jitter, not a secret
             if clock() + wait > deadline:
                 raise
@@ -66,6 +66,6 @@ def with_retries(step: Callable[[], object], *, what: str, seconds: float = RETR
     except give_up_on:
         log.warning("%s: given up", what, exc_info=True)
         return False
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.warning("%s: still failing after %.0f s; a row lease runs out instead", what, seconds, exc_info=True)
         return False

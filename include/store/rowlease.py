@@ -14,9 +14,10 @@ them; every other transition appends to `message_events`.
 from __future__ import annotations
 
 import json
-from typing import Any, Generator, NamedTuple
+from collections.abc import Generator
+from typing import Any, NamedTuple
 
-from include.store.db import INBOUND, OUTBOUND, STAGED_TABLES, StagedTable, Store, Tx
+from include.store.db import OUTBOUND, STAGED_TABLES, StagedTable, Store, Tx
 
 Row = dict[str, Any]
 FINAL_STATUSES = ("done", "dead", "unrouted")

@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
-from stageline_airflow.hooks import StagelineStoreHook
-
 from include.leader_check import check_leadership, work_pending
 from include.store.lease import read_lease
 from include.store.stages import stage_named
+from stageline_airflow.hooks import StagelineStoreHook
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -98,11 +97,12 @@ class WorkPendingSensor(_StoreSensor):
 
     Polls `include.leader_check.work_pending(ahead=True)` on the task's one store: done as soon as a
     row is due in this stage or an earlier one (a message staged inbound wakes all three stages at
-    once, so each job task has started by the time the message reaches its table); **skipped** when the wait times out (an idle period: the next run starts at once and
-    waits again). A change of leader does not end the wait: while no lease is live it waits on,
-    and under a new epoch it watches that epoch's work — the job task then follows the new leader
-    itself (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the
-    seconds of scheduling a new run would cost in the middle of a failover.
+    once, so each job task has started by the time the message reaches its table); **skipped** when
+    the wait times out (an idle period: the next run starts at once and waits again). A change of
+    leader does not end the wait: while no lease is live it waits on, and under a new epoch it
+    watches that epoch's work — the job task then follows the new leader itself
+    (`include/stage_loop.py`: recovery, then claims under the new epoch), which saves the seconds of
+    scheduling a new run would cost in the middle of a failover.
 
     :param stage: the stage whose work this is (`route`: due rows in its input, `stage_inbound`).
     :param leader: the leader check's XCom (`leader_check.output`).

@@ -15,14 +15,14 @@ Nothing here reads a connection, file or database when a DAG file is parsed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, task
-from stageline_airflow import tasks
 
 from include import stage_loop
 from include.store.stages import Stage
+from stageline_airflow import tasks
 from stageline_airflow.hooks import StagelineSparkHook
 from stageline_airflow.sensors import LeaderCheckSensor, WorkPendingSensor
 
@@ -45,7 +45,7 @@ def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) 
     with DAG(
         stage.dag_id,
         schedule="@continuous",
-        start_date=datetime(2025, 1, 1, tzinfo=timezone.utc),
+        start_date=datetime(2025, 1, 1, tzinfo=UTC),
         catchup=False,
         max_active_runs=1,
         # a retry starts a fresh budget: room for every try, so none is cut off mid-batch (a hung

@@ -29,8 +29,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
-
 from include import housekeeping, stage_config, stage_loop
 from include.batch_size import BatchSize
 from include.claim_keeper import ClaimKeeper
@@ -39,6 +37,7 @@ from include.stage_loop import Batch, claim_owner
 from include.store import lookups as lookup_store
 from include.store import rowlease
 from include.store.stages import DELIVER, ROUTE, TRANSFORM, Stage, stage_named
+from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
 log = logging.getLogger(__name__)
 

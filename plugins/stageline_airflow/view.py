@@ -69,9 +69,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from fastapi import Body, Depends, FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
-    from include.store.parquet_archive import ParquetArchive
     from include.store import operator as ops
     from include.store.membership import cluster_nodes
+    from include.store.parquet_archive import ParquetArchive
     from stageline_airflow import view_html
     from stageline_airflow.hooks import StagelineStoreHook
 

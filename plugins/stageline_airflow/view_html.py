@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from html import escape
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -40,7 +40,7 @@ def e(value: Any) -> str:
 def when_ms(ms: Any) -> str:
     if ms is None:
         return "-"
-    return datetime.fromtimestamp(int(ms) / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    return datetime.fromtimestamp(int(ms) / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
 def when_s(seconds: Any) -> str:
@@ -165,6 +165,11 @@ def search_section(data: PageData) -> str:
 <p class="muted">newest first, at most {f.limit}; a row id, message id or control id opens one message</p></section>"""
 
 
+BATCHES_TABLE = ("<h3>Moved by these micro-batches</h3><table><thead><tr><th>stage</th><th>batch owner</th>"
+                 "<th>Airflow run</th><th>try</th><th>started</th><th>finished</th><th>claimed</th></tr></thead>"
+                 "<tbody>{batches}</tbody></table>")
+
+
 def message_section(data: PageData) -> str:
     if data.shown is None:
         return (f'<section id="message"><h2>Message</h2><p class="bad">no message {e(data.shown_ref)}</p></section>'
@@ -175,13 +180,18 @@ def message_section(data: PageData) -> str:
     replays = (action(f"api/messages/{quote(ref)}/replay", {"from": "inbound"}, "replay from inbound", may=may)
                + action(f"api/messages/{quote(ref)}/replay", {"from": "outbound"}, "replay from outbound (same bytes)",
                         may=may))
-    stage_rows = [f'<tr><td>inbound{archived(i)}</td><td>{i["id"]}</td><td>-</td><td>{e(i["status"])}</td><td>{i["attempts"]}</td>'
-                  f'<td>{when_ms(i["updated_ms"])}</td><td>{e(i["last_error"])}</td>'
-                  f'<td>{dead_row_action("inbound", i, may)}</td></tr>']
+    stage_rows = [
+        f"<tr><td>inbound{archived(i)}</td><td>{i['id']}</td><td>-</td><td>{e(i['status'])}</td><td>{i['attempts']}</td>"
+        f"<td>{when_ms(i['updated_ms'])}</td><td>{e(i['last_error'])}</td>"
+        f"<td>{dead_row_action('inbound', i, may)}</td></tr>"
+    ]
     for stage, rows in (("routed", s.routed), ("outbound", s.outbound)):
-        stage_rows += [f'<tr><td>{stage}{archived(r)}</td><td>{r["id"]}</td><td>{e(r["destination"])}</td><td>{e(r["status"])}</td>'
-                       f'<td>{r["attempts"]}</td><td>{when_ms(r["updated_ms"])}</td><td>{e(r["last_error"])}</td>'
-                       f'<td>{dead_row_action(stage, r, may)}</td></tr>' for r in rows]
+        stage_rows += [
+            f"<tr><td>{stage}{archived(r)}</td><td>{r['id']}</td><td>{e(r['destination'])}</td><td>{e(r['status'])}</td>"
+            f"<td>{r['attempts']}</td><td>{when_ms(r['updated_ms'])}</td><td>{e(r['last_error'])}</td>"
+            f"<td>{dead_row_action(stage, r, may)}</td></tr>"
+            for r in rows
+        ]
     delivered = "".join(f'<h4>as delivered to {e(o["destination"])} (outbound row {o["id"]})</h4>'
                         f'<pre class="hl7">{escape(hl7(o.get("payload")))}</pre>' for o in s.outbound)
     batches = "".join(
@@ -203,7 +213,7 @@ def message_section(data: PageData) -> str:
 <h3>History (message_events)</h3>
 <table id="trail"><thead><tr><th>at</th><th>stage</th><th>row</th><th>event</th><th>status</th><th>destination</th>
 <th>epoch</th><th>by</th><th>detail</th></tr></thead><tbody>{trail}</tbody></table>
-{f'<h3>Moved by these micro-batches</h3><table><thead><tr><th>stage</th><th>batch owner</th><th>Airflow run</th><th>try</th><th>started</th><th>finished</th><th>claimed</th></tr></thead><tbody>{batches}</tbody></table>' if batches else ""}
+{BATCHES_TABLE.format(batches=batches) if batches else ""}
 <h3>Bodies</h3>{bodies_part(data, delivered)}
 </section>"""
 

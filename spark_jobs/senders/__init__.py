@@ -42,7 +42,7 @@ def send(dest: Destination, *, payload: str, content_type: str, idempotency_key:
         if isinstance(dest, HttpDestination):
             return send_http(dest, payload, content_type, idempotency_key)
         return DeliveryResult.retry(f"destination {dest.name!r}: no sender for kind {dest.kind!r}")
-    except Exception as exc:  # noqa: BLE001 — a raise would fail the Spark task and re-send the partition
+    except Exception as exc:  # a raise would fail the Spark task and re-send the partition
         return DeliveryResult.retry(f"{dest.name}: internal error: {type(exc).__name__}: {exc}")
 
 

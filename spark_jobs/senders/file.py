@@ -21,8 +21,8 @@ single path can) and re-sends the rows, which rewrite the same names.
 from __future__ import annotations
 
 import ctypes
-import errno
 import ctypes.util
+import errno
 import hashlib
 import os
 import secrets

@@ -11,9 +11,9 @@ import ssl
 from urllib.parse import urlsplit
 
 from include.destinations_config import HttpDestination
+from spark_jobs.senders.client_tls import ssl_context
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE, DeliveryResult, describe_error, payload_codec, printable
 from spark_jobs.senders.pool import POOL, close_quietly, pool_key
-from spark_jobs.senders.client_tls import ssl_context
 
 __all__ = ["send_http"]
 

@@ -18,9 +18,9 @@ import time
 
 from include.destinations_config import ACK_CODES, MllpDestination
 from include.hl7path import value as hl7_value
+from spark_jobs.senders.client_tls import ssl_context
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE, DeliveryResult, describe_error, payload_codec, printable
 from spark_jobs.senders.pool import POOL, close_quietly, pool_key
-from spark_jobs.senders.client_tls import ssl_context
 
 __all__ = ["send_mllp"]
 

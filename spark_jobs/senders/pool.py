@@ -85,5 +85,5 @@ def close_quietly(conn: Any) -> None:
         return
     try:
         conn.close()
-    except Exception:  # noqa: BLE001, S110 — closing is best effort
+    except Exception:  # noqa: S110 — closing is best effort
         pass

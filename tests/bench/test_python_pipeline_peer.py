@@ -109,21 +109,21 @@ SPECS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def _spark_routes(spark: SparkSession, routes: list[dict[str, Any]]) -> list[tuple[Any, ...]]:  # noqa: F811
+def _spark_routes(spark: SparkSession, routes: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     schema = StructType([StructField("id", LongType()), StructField("payload", StringType())])
     frame = spark.createDataFrame(list(PAYLOADS.items()), schema)
     return sorted((tuple(r) for r in frame.transform(route, routes).collect()), key=repr)
 
 
 @pytest.mark.parametrize("routes", [CONFIG_ROUTES, ROUTES], ids=["config-routes", "all-operators"])
-def test_route_rows_equal_spark(spark: SparkSession, routes: list[dict[str, Any]]) -> None:  # noqa: F811
+def test_route_rows_equal_spark(spark: SparkSession, routes: list[dict[str, Any]]) -> None:
     ids = list(PAYLOADS)
     peer = sorted(((ids[i], d, n, s) for i, d, n, s in route_messages(list(PAYLOADS.values()), routes)), key=repr)
     assert peer == _spark_routes(spark, routes)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_transformed_payloads_equal_spark(spark: SparkSession, name: str) -> None:  # noqa: F811
+def test_transformed_payloads_equal_spark(spark: SparkSession, name: str) -> None:
     specs = SPECS[name]
     destinations = [s["destination"] for s in specs] + ["archive"]  # archive: no spec, passes through
     rows = [(i, d, p) for i, p in PAYLOADS.items() for d in destinations]

@@ -170,7 +170,8 @@ def test_trend_and_growth_need_enough_points() -> None:
 
 @pytest.mark.parametrize(("argv", "group"), [
     (["/work/main/.venv/bin/python", "-m", "listeners.daemon", "--service-config", "s.toml"], "listenerd"),
-    (["/usr/lib/jvm/java-17-openjdk-amd64/bin/java", "-cp", "x", "org.apache.spark.deploy.SparkSubmit"], "spark driver"),
+    (["/usr/lib/jvm/java-17-openjdk-amd64/bin/java", "-cp", "x", "org.apache.spark.deploy.SparkSubmit"],
+     "spark driver"),
     (["/work/main/.venv/bin/python", "-m", "pyspark.daemon", "pyspark.worker"], "spark python"),
     (["/work/main/.venv/bin/python", "/work/main/.venv/bin/airflow", "scheduler", "--skip-serve-logs"], "scheduler"),
     (["/work/main/.venv/bin/python", "/work/main/.venv/bin/airflow", "dag-processor"], "dag-processor"),

@@ -42,14 +42,19 @@ CONN_DOC, SERVICE_DOC = schema("connections"), schema("stageline")
 TARGETS = (  # (which file, path to the table, its properties)
     [("connections", ("inbound", 0), k, v) for k, v in properties(CONN_DOC, "InboundModel").items()]
     + [("connections", ("inbound", 0, "tls"), k, v) for k, v in properties(CONN_DOC, "TLSModel").items()]
-    + [("connections", ("inbound", 1, "database"), k, v) for k, v in properties(CONN_DOC, "DatabaseSourceModel").items()]
+    + [
+        ("connections", ("inbound", 1, "database"), k, v)
+        for k, v in properties(CONN_DOC, "DatabaseSourceModel").items()
+    ]
     + [("connections", ("api",), k, v) for k, v in properties(CONN_DOC, "ApiModel").items()]
     + [("connections", ("api", "tokens", 0), k, v) for k, v in properties(CONN_DOC, "ApiTokenModel").items()]
     + [("stageline", ("store",), k, v) for k, v in properties(SERVICE_DOC, "StoreModel").items()]
     + [("stageline", ("cluster",), k, v) for k, v in properties(SERVICE_DOC, "ClusterModel").items()]
     + [("stageline", ("retention",), k, v) for k, v in properties(SERVICE_DOC, "RetentionModel").items()]
-    + [("stageline", ("retention", "connections", "adt-in"), k, v)
-       for k, v in properties(SERVICE_DOC, "RetentionOverride").items()]
+    + [
+        ("stageline", ("retention", "connections", "adt-in"), k, v)
+        for k, v in properties(SERVICE_DOC, "RetentionOverride").items()
+    ]
 )
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)

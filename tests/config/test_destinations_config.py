@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from include.schema import ConfigProblems
 from include.destinations_config import (
     DestinationConfigError,
     FileDestination,
@@ -17,6 +16,7 @@ from include.destinations_config import (
     lane_key,
     parse_destinations,
 )
+from include.schema import ConfigProblems
 
 
 def hl7_message(control_id: str, patient: str) -> str:
@@ -53,7 +53,8 @@ def test_parse_destinations_accepts_a_table_keyed_by_name() -> None:
 @pytest.mark.parametrize(("spec", "error"), [
     ({"kind": "mllp", "host": "h", "port": 1}, r"destination\[0\]\.name: Field required"),
     ({"name": "x", "kind": "ftp"}, r"destination\[0\]\.kind: must be one of mllp, file, http, got 'ftp'"),
-    ({"name": "ehr", "kind": "mllp", "host": "h", "port": 70000}, r"destination\[0\]\.port: .*less than or equal to 65535"),
+    ({"name": "ehr", "kind": "mllp", "host": "h", "port": 70000},
+     r"destination\[0\]\.port: .*less than or equal to 65535"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": "2575"}, r"destination\[0\]\.port: .*valid integer"),
     ({"name": "ehr", "kind": "mllp", "host": "", "port": 1}, r"destination\[0\]\.host: must be a non-empty string"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "timeout_seconds": 0},
@@ -66,14 +67,16 @@ def test_parse_destinations_accepts_a_table_keyed_by_name() -> None:
      r"destination\[0\]\.tls\.key_file: needs tls.cert_file"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "directory": "/x"},
      r"destination\[0\]\.directory: unknown setting"),
-    ({"name": "a", "kind": "file", "directory": "relative/dir"}, r"destination\[0\]\.directory: must be an absolute path"),
+    ({"name": "a", "kind": "file", "directory": "relative/dir"},
+     r"destination\[0\]\.directory: must be an absolute path"),
     ({"name": "a", "kind": "file", "directory": "/x", "suffix": "/.hl7"}, r"destination\[0\]\.suffix: "),
     ({"name": "a", "kind": "file", "directory": "/x", "batch": "yes"}, r"destination\[0\]\.batch: .*valid boolean"),
     ({"name": "ehr", "kind": "mllp", "host": "h", "port": 1, "batch": True},
      r"destination\[0\]\.batch: unknown setting"),
     ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": 0},
      r"destination\[0\]\.max_attempts: .*greater than or equal to 1"),
-    ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": True}, r"destination\[0\]\.max_attempts: .*valid integer"),
+    ({"name": "a", "kind": "file", "directory": "/x", "max_attempts": True},
+     r"destination\[0\]\.max_attempts: .*valid integer"),
     ({"name": "a", "kind": "file", "directory": "/x", "backoff_seconds": 10, "max_backoff_seconds": 5},
      r"destination\[0\]\.max_backoff_seconds: must be >= backoff_seconds"),
     ({"name": "a", "kind": "file", "directory": "/x", "lane": "pid-3"},
@@ -83,7 +86,8 @@ def test_parse_destinations_accepts_a_table_keyed_by_name() -> None:
      r"destination\[0\]\.tls: needs an https:// url"),
     ({"name": "api", "kind": "http", "url": "http://x/y", "headers": {"Idempotency-Key": "k"}},
      r"destination\[0\]\.headers: may not set \['Idempotency-Key'\]"),
-    ({"name": "a", "kind": "file", "directory": "/x", "code": "hooks"}, r"destination\[0\]\.code: must be 'module:function'"),
+    ({"name": "a", "kind": "file", "directory": "/x", "code": "hooks"},
+     r"destination\[0\]\.code: must be 'module:function'"),
 ])
 def test_parse_destinations_errors_name_the_destination_and_the_setting(spec: dict[str, Any], error: str) -> None:
     with pytest.raises(DestinationConfigError, match=error) as caught:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from include import stage_config
-from include.conditions import AllOf, Connection, ConditionError, Leaf, Not, SegmentPresent, parse_condition
+from include.conditions import AllOf, ConditionError, Connection, Leaf, Not, SegmentPresent, parse_condition
 from include.destinations_config import DestinationConfigError, parse_destinations
 from include.hl7path import parse_path
 from include.routes_config import Route, RouteConfigError, parse_routes
@@ -120,15 +120,18 @@ def test_new_rules_parse_into_their_classes() -> None:
     ({"substring": "PID-3.1", "start": 0}, "rules[0].start: Input should be greater than or equal to 1"),
     ({"replace": "PID-3.1", "pattern": "("}, "rules[0].pattern: bad regex '('"),
     ({"upper": "PID-3.1", "to": "PV1-2", "each": True}, "'each' works within one segment occurrence"),
-    ({"format_date": "PID-7", "to_format": "yyyy-MM-dd bbb"}, "rules[0].to_format: pattern 'yyyy-MM-dd bbb' uses letters Spark does not know: b"),
-    ({"format_date": "PID-7", "on_error": "ignore"}, "rules[0].on_error: Input should be 'keep', 'clear' or 'dead_letter'"),
+    ({"format_date": "PID-7", "to_format": "yyyy-MM-dd bbb"},
+     "rules[0].to_format: pattern 'yyyy-MM-dd bbb' uses letters Spark does not know: b"),
+    ({"format_date": "PID-7", "on_error": "ignore"},
+     "rules[0].on_error: Input should be 'keep', 'clear' or 'dead_letter'"),
     ({"concat": ["PID-5.1", {"txt": " "}], "to": "PID-9"}, "rules[0].concat[1]: a constant is {text"),
     ({"concat": ["PID-5.1"]}, "rules[0].to: Field required"),
     ({"set": "MSH-10", "generate": "uuid"}, "rules[0].generate: Input should be 'timestamp' or 'control_id'"),
     ({"set": "MSH-10", "generate": "control_id", "prefix": "S-L"}, "rules[0].prefix: must be 0-12 letters or digits"),
     ({"set": "MSH-10", "value": "x", "generate": "control_id"}, "rules[0].value: give 'value' or 'generate', not both"),
     ({"map": "PV1-2", "table": "t", "not_found": "default"}, "'default' goes with not_found = 'default'"),
-    ({"map": "PV1-2", "table": "t", "not_found": "drop"}, "rules[0].not_found: Input should be 'keep', 'default', 'clear' or 'dead_letter'"),
+    ({"map": "PV1-2", "table": "t", "not_found": "drop"},
+     "rules[0].not_found: Input should be 'keep', 'default', 'clear' or 'dead_letter'"),
     ({"dead_letter": ""}, "rules[0].dead_letter: must be a non-empty string"),
 ])
 def test_bad_rules_name_destination_rule_and_key(rule: dict[str, Any], problem: str) -> None:
@@ -137,7 +140,9 @@ def test_bad_rules_name_destination_rule_and_key(rule: dict[str, Any], problem: 
 
 
 def test_a_destination_code_hook_is_module_colon_function() -> None:
-    [dest] = parse_destinations([{"name": "ehr", "kind": "file", "directory": "/tmp", "code": "hooks.ehr:fix"}]).values()
+    [dest] = parse_destinations(
+        [{"name": "ehr", "kind": "file", "directory": "/tmp", "code": "hooks.ehr:fix"}]
+    ).values()
     assert dest.code == "hooks.ehr:fix"
     for bad in ("hooks", "hooks:", "hooks.ehr:fix:x", "1hooks:fix", 5):
         with pytest.raises(DestinationConfigError, match=re.escape("destination[0].code: ")):
@@ -167,7 +172,8 @@ def test_pipeline_errors_name_the_file_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "code" / "h.py").write_text("def f(m):\n    return m\n")
     pipeline(tmp_path, transforms='[[transform]]\ndestination = "ehr"\noutput = "json"\n', code='code = "h:f"\n')
     with pytest.raises(PipelineConfigError, match=re.escape(
-            f"{tmp_path / 'transforms.toml'}: transform[0].output: transform for 'ehr': output 'json' and the destination's code hook")):
+            f"{tmp_path / 'transforms.toml'}: transform[0].output: transform for 'ehr': output 'json' "
+            "and the destination's code hook")):
         stage_config.load(tmp_path)
     pipeline(tmp_path, code='code = "h"\n')
     with pytest.raises(PipelineConfigError, match=re.escape(

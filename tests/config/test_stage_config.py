@@ -57,7 +57,8 @@ directory = "{directory}"
 
 def test_a_bad_route_fails_the_load_naming_the_file_so_no_stage_task_claims_anything(tmp_path: Path) -> None:
     write(tmp_path, '[[route]]\nname = "x"\ndestinations = []\n')
-    with pytest.raises(PipelineConfigError, match=r"routes\.toml: route\[0\]\.destinations: List should have at least 1 item"):
+    with pytest.raises(PipelineConfigError,
+                       match=r"routes\.toml: route\[0\]\.destinations: List should have at least 1 item"):
         stage_config.load(tmp_path)
 
 

@@ -77,8 +77,9 @@ def without_spark_sessions(monkeypatch) -> None:
     must not start inside the test process; the real sessions run in subprocesses)."""
     import contextlib
 
-    from include.spark import StageSession
     from stageline_airflow.hooks import StagelineSparkHook
+
+    from include.spark import StageSession
 
     @contextlib.contextmanager
     def no_session(self, *, name, conf):

@@ -15,15 +15,14 @@ import pytest
 
 from include import housekeeping
 from include.housekeeping import BATCHES, retention
-from include.store import INBOUND, Store
+from include.store import INBOUND, Store, queries
 from include.store import operator as ops
-from include.store import queries
 from include.store import rowlease as rl
 from include.store.lease import acquire_permanent
-from include.store.migrate import latest_version, migrate
+from include.store.migrate import migrate
 from listeners.filedrop import file_message_id
-from listeners.validation import build_inbound
 from listeners.group_commit import InboundBatch
+from listeners.validation import build_inbound
 from tests.conftest import CLUSTER
 from tests.dags.stores import age, execute, rows, seed_inbound, write_service_config
 
@@ -124,7 +123,7 @@ def test_a_batch_waits_for_its_inbound_rows_not_for_its_age_alone(store):
 
 def test_a_run_killed_between_archiving_a_batch_and_purging_it_reruns_to_the_same_archive(store, monkeypatch):
     epoch = acquire_permanent(store, node_id=NODE)
-    batch_id, ids = stage_batch(store, epoch)
+    _batch_id, ids = stage_batch(store, epoch)
     finish(store, epoch, ids)
     real_purge = housekeeping._purge
 

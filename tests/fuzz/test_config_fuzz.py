@@ -48,8 +48,12 @@ def to_toml(doc: dict[str, Any]) -> str:
                 tables.append(f"[[{name}]]\n" + "".join(f"{json.dumps(str(k))} = {toml_scalar(v)}\n"
                                                         for k, v in entry.items()))
         elif isinstance(val, dict):
-            plain = {k: v for k, v in val.items() if not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))}
-            tables.append(f"[{name}]\n" + "".join(f"{json.dumps(str(k))} = {toml_scalar(v)}\n" for k, v in plain.items()))
+            plain = {
+                k: v for k, v in val.items() if not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))
+            }
+            tables.append(
+                f"[{name}]\n" + "".join(f"{json.dumps(str(k))} = {toml_scalar(v)}\n" for k, v in plain.items())
+            )
             for k, v in val.items():
                 if k not in plain:
                     for entry in v:

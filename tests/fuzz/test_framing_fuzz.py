@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from listeners.mllp_listener import Garbage, Message, MLLPDecoder, Oversize, frame
+from listeners.mllp_listener import MLLPDecoder, frame
 from listeners.tcp import Frame, LengthDecoder, NewlineDecoder
 from listeners.tcp import Oversize as TCPOversize
 from tests.fuzz.budget import FUZZ, WORST_BYTES, WORST_SECONDS, linear, seconds

@@ -85,8 +85,14 @@ def requests(draw: st.DrawFn) -> bytes:
     method = draw(st.sampled_from(["POST"] * 8 + ["GET", "PUT", "DELETE", "OPTIONS", "HEAD"]))
     path = draw(st.sampled_from(["/messages/web"] * 6 + ["/messages/web/", "/messages/other", "/", "/messages/web?x=1",
                                  "/messages/%2e%2e", "/messages/web#f"]))
-    body = draw(st.one_of(message_bytes(), st.binary(max_size=64), st.sampled_from([VALID, VALID.replace(b"\r", b"\n")]),
-                          st.integers(LIMIT - 10, LIMIT * 2).map(lambda n: b"MSH|^~\\&|" + b"x" * n)))
+    body = draw(
+        st.one_of(
+            message_bytes(),
+            st.binary(max_size=64),
+            st.sampled_from([VALID, VALID.replace(b"\r", b"\n")]),
+            st.integers(LIMIT - 10, LIMIT * 2).map(lambda n: b"MSH|^~\\&|" + b"x" * n),
+        )
+    )
     head = f"{method} {path} HTTP/1.1\r\nHost: x\r\n"
     ctype = draw(content_types)
     if ctype is not None:
@@ -105,7 +111,7 @@ def requests(draw: st.DrawFn) -> bytes:
 @FUZZ
 @given(requests(), st.lists(st.integers(0, 10_000), max_size=8))
 def test_any_request_gets_a_json_answer_never_a_500(raw: bytes, cuts: list[int]) -> None:
-    transport, out = exchange(raw, [c % (len(raw) + 1) for c in cuts])
+    _transport, out = exchange(raw, [c % (len(raw) + 1) for c in cuts])
     for status in statuses(out):
         assert status in ANSWERS, out[:400]
     assert b"Traceback" not in out and b"<html" not in out.lower()
@@ -114,7 +120,7 @@ def test_any_request_gets_a_json_answer_never_a_500(raw: bytes, cuts: list[int])
 @FEW
 @given(st.binary(max_size=300))
 def test_garbage_bytes_on_the_http_port_never_crash_the_channel(raw: bytes) -> None:
-    transport, out = exchange(raw + b"\r\n\r\n", [])
+    _transport, out = exchange(raw + b"\r\n\r\n", [])
     for status in statuses(out):
         assert status in ANSWERS | {501}, out[:400]  # 501: a method twisted.web does not implement
 

@@ -42,8 +42,8 @@ from listeners.api import (
 )
 from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.metrics import CONTENT_TYPE, Metrics
-from listeners.state import NodeState
 from listeners.server_tls import listen
+from listeners.state import NodeState
 
 VIEWER_TOKEN = "viewer-token-0123456789abcdef"
 OPERATOR_TOKEN = "operator-token-0123456789abcdef"
@@ -168,7 +168,8 @@ def test_settings_allow_a_non_loopback_bind_with_tls_resolving_paths_in_the_conf
 
 @pytest.mark.parametrize(("api", "message"), [
     ({"tls": {"cert": "a.pem"}}, r"api\.tls\.key: required, not set"),
-    ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": True}}, r"api\.tls\.ca: require_client_cert needs ca"),
+    ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": True}},
+     r"api\.tls\.ca: require_client_cert needs ca"),
     ({"tls": {"cert": "a.pem", "key": "a.key", "password": "x"}}, r"api\.tls\.password: unknown setting"),
     ({"tls": {"cert": "a.pem", "key": "a.key", "require_client_cert": "yes"}}, r"true or false"),
     ({"tls": {"cert": "missing.pem", "key": "a.key"}}, r"api\.tls\.cert: no such file: .*missing\.pem"),

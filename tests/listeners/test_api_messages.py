@@ -82,7 +82,9 @@ def test_find_show_replay_and_requeue_over_the_api(node):
                                      "WHERE control_id = 'API2'")
         status, dead = call(d, "GET", "/messages/dead", d.token)
         assert status == 200 and [(g["stage"], g["n"]) for g in dead["dead_letters"]] == [("inbound", 1)]
-        assert call(d, "POST", "/messages/requeue", d.token, {"stage": "inbound", "lane": "P2", "reason": "x"})[0] == 403
+        assert (
+            call(d, "POST", "/messages/requeue", d.token, {"stage": "inbound", "lane": "P2", "reason": "x"})[0] == 403
+        )
         status, doc = call(d, "POST", "/messages/requeue", OPERATOR_TOKEN,
                            {"stage": "inbound", "lane": "P2", "reason": "route fixed"})
         assert status == 200 and len(doc["requeued"]) == 1

@@ -156,7 +156,7 @@ class PhiOverTheApi(unittest.TestCase):
         for token in (OPERATOR_TOKEN, ADMIN_TOKEN):
             self.assertNotIn(token, repr(events))
         # the reads are in the message's own trail too, for whoever looks at it next
-        code, story = yield defer.ensureDeferred(self.get("/messages/adt-1", VIEWER_TOKEN))
+        _code, story = yield defer.ensureDeferred(self.get("/messages/adt-1", VIEWER_TOKEN))
         self.assertEqual([t["event"] for t in story["trail"]], ["received", "body_read", "body_read"])
 
     # --- 3. access logs redact query strings ------------------------------------------------------
@@ -305,7 +305,7 @@ def test_resolving_an_unknown_ref_uses_only_index_probes(sqlite_config_fresh, mo
     for method in ("one", "all"):
         real = getattr(db.Tx, method)
 
-        def spy(self, name, *args, _real=real, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        def spy(self, name, *args, _real=real, **kwargs):
             asked.append(name)
             return _real(self, name, *args, **kwargs)
         monkeypatch.setattr(db.Tx, method, spy)

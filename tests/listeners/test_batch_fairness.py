@@ -18,8 +18,9 @@ import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from twisted.internet.epollreactor import EPollReactor

@@ -19,19 +19,19 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
+from include.config import StoreConfig
 from include.store import Store
 from listeners.connections_config import InboundConfig
 from listeners.endpoints import Wiring, mllp_batch_handler, mllp_handler
+from listeners.group_commit import Inbound, InboundBatch
 from listeners.hl7ack import AckDecision
 from listeners.hl7batch import BatchError, split_batch, starts_batch
-from listeners.validation import BatchRejected, PayloadRejected, build_inbound, lane_rule
-from listeners.group_commit import Inbound, InboundBatch
 from listeners.metrics import Metrics
 from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
+from listeners.validation import BatchRejected, PayloadRejected, build_inbound, lane_rule
 
 
 def msh(control_id: str, *, enc: str = "^~\\&", kind: str = "ADT^A01") -> str:
@@ -57,7 +57,11 @@ GOOD = batch(message("M1", "P1"), message("M2", "P2"), message("M3", "P1"))
 # -- the splitter and the shared decision ------------------------------------------------------------
 
 def test_a_batch_is_split_into_its_messages_bytes_untouched_with_its_identity() -> None:
-    assert starts_batch(GOOD) and starts_batch(b"\r\n" + GOOD[GOOD.index(b"BHS"):]) and not starts_batch(message("X", "P").encode())
+    assert (
+        starts_batch(GOOD)
+        and starts_batch(b"\r\n" + GOOD[GOOD.index(b"BHS") :])
+        and not starts_batch(message("X", "P").encode())
+    )
     split = split_batch(GOOD)
     assert split.messages == tuple(message(c, p).encode() for c, p in (("M1", "P1"), ("M2", "P2"), ("M3", "P1")))
     head = split.header
@@ -112,12 +116,12 @@ def test_each_message_gets_its_own_control_id_and_lane_and_a_file_gives_the_same
 
 def test_malformed_hl7_is_refused_and_other_text_is_opaque_unless_hl7_only() -> None:
     bad = message("X1", "P1", enc="^~").encode()
-    with pytest.raises(PayloadRejected, match="^bad_encoding_characters: MSH-2 must be 4 or 5 characters$"):
+    with pytest.raises(PayloadRejected, match=r"^bad_encoding_characters: MSH-2 must be 4 or 5 characters$"):
         build_inbound(bad, connection="c", charset="utf-8")
-    with pytest.raises(PayloadRejected, match="^msh_not_first: MSH is not the first segment$"):
+    with pytest.raises(PayloadRejected, match=r"^msh_not_first: MSH is not the first segment$"):
         build_inbound(b"hello\r" + message("X1", "P1").encode(), connection="c", charset="utf-8")
     assert isinstance(build_inbound(b'{"a": 1}', connection="c", charset="utf-8"), Inbound)
-    with pytest.raises(PayloadRejected, match="^no_msh: no MSH segment$"):
+    with pytest.raises(PayloadRejected, match=r"^no_msh: no MSH segment$"):
         build_inbound(b'{"a": 1}', connection="c", charset="utf-8", hl7_only=True)
 
 
@@ -173,13 +177,27 @@ def listenerd(tmp_path: Path, store_config: StoreConfig):
         "enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
         "leader_lease_ttl_seconds": 2.5, "node_timeout_seconds": 2.0}
     lane = {"lane_key": "PID-3.1"}
-    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:batch", cluster=cluster, inbound=[
-        {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"], **lane},
-        {"name": "in-each", "kind": "mllp", "port": ports["each"], "batch_ack": "messages", **lane},
-        {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **lane},
-        {"name": "in-http", "kind": "http", "port": ports["http"], **lane},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(archive), "error_directory": str(errors),
-         "poll_seconds": 0.1, **lane}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:batch",
+        cluster=cluster,
+        inbound=[
+            {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"], **lane},
+            {"name": "in-each", "kind": "mllp", "port": ports["each"], "batch_ack": "messages", **lane},
+            {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **lane},
+            {"name": "in-http", "kind": "http", "port": ports["http"], **lane},
+            {
+                "name": "in-file",
+                "kind": "file",
+                "directory": str(drop),
+                "archive": str(archive),
+                "error_directory": str(errors),
+                "poll_seconds": 0.1,
+                **lane,
+            },
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda port=port: port_open(port), timeout=20, what="bind")
@@ -286,8 +304,12 @@ def test_a_batch_over_the_frame_limit_is_refused_whole_and_the_connection_goes_o
 
     conn, ingest = InboundConfig("in", "mllp"), Ingest()
     wiring = Wiring(ingest=ingest, metrics=Metrics(), reactor=MemoryReactorClock(), bound_ports={})
-    factory = MLLPFactory(mllp_handler(conn, wiring, None), clock=wiring.reactor, config=MLLPConfig(max_message_bytes=200),
-                          batch_handler=mllp_batch_handler(conn, wiring, None))
+    factory = MLLPFactory(
+        mllp_handler(conn, wiring, None),
+        clock=wiring.reactor,
+        config=MLLPConfig(max_message_bytes=200),
+        batch_handler=mllp_batch_handler(conn, wiring, None),
+    )
     peer = IPv4Address("TCP", "127.0.0.1", 50000)
     proto, transport = factory.buildProtocol(peer), StringTransport(peerAddress=peer)
     proto.makeConnection(transport)

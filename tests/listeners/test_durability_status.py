@@ -1,6 +1,7 @@
 """A store whose server stopped keeping commits (fsync turned off at run time, found by the store's
-periodic recheck: tests/store/test_durability.py) is loud: `/cluster/status` says so and why (`store_durable: false`, `durability_problem`), and the
-`stageline_store_durable` gauge drops to 0 (issue 23, red team item 10)."""
+periodic recheck: tests/store/test_durability.py) is loud: `/cluster/status` says so and why
+(`store_durable: false`, `durability_problem`), and the `stageline_store_durable` gauge drops to 0
+(issue 23, red team item 10)."""
 from __future__ import annotations
 
 from typing import Any

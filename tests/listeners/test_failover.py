@@ -54,7 +54,7 @@ def acked_are_staged(sender: Sender, store_config) -> None:
 
 
 def test_only_the_leader_binds_and_both_report_the_same_leader(pair):
-    a, b, port, _, _ = pair
+    a, b, _port, _, _ = pair
     assert (a.status()["role"], b.status()["role"]) == ("primary", "standby")
     assert b"stageline_listeners_bound 0.0" in b.get("/metrics")[1]
     assert b"stageline_listeners_bound 1.0" in a.get("/metrics")[1]
@@ -67,7 +67,7 @@ def test_only_the_leader_binds_and_both_report_the_same_leader(pair):
 def handover_seconds(pair, prefix: str, act) -> float:
     """Traffic flows, `act()` hits the leader; seconds until the standby leads and holds the port.
     Checks afterwards that every message ACKed during the whole exercise was staged."""
-    a, b, port, _, store_config = pair
+    _a, b, port, _, store_config = pair
     sender = Sender(port, prefix=prefix)
     sender.start()
     time.sleep(1.0)
@@ -121,10 +121,12 @@ def test_a_partitioned_leader_fences_itself_before_the_standby_takes_over(pair):
 
 
 def test_sighup_reload_bumps_the_shared_config_version_and_every_node_converges(pair):
-    a, b, port, _, _ = pair
+    a, b, _port, _, _ = pair
     extra = free_port()
     conf = a.workdir / "config" / "connections.toml"
-    conf.write_text(conf.read_text() + f'\n[[inbound]]\nname = "orders-in"\nkind = "mllp"\nhost = "127.0.0.1"\nport = {extra}\n')
+    conf.write_text(
+        conf.read_text() + f'\n[[inbound]]\nname = "orders-in"\nkind = "mllp"\nhost = "127.0.0.1"\nport = {extra}\n'
+    )
     a.signal(signal.SIGHUP)
     wait_for(lambda: a.status()["config_version"] == 1 and b.status()["config_version"] == 1, timeout=10,
              what="both nodes on config version 1")

@@ -800,7 +800,7 @@ def test_a_file_that_grows_between_read_and_commit_is_archived_as_staged_and_set
     drop(tmp_path, "grow.hl7", adt("G"))
     h.start()
     h.next_poll()
-    [(item, _)] = h.ingest.calls
+    [(_item, _)] = h.ingest.calls
     with open(processing(tmp_path) / "grow.hl7", "ab") as writer:  # the partner's fd, still open
         writer.write(b"NTE|1||late\r")
     h.ingest.fire(0)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from include.app.lab.two_nodes import HAPROXY, haproxy_config, vip_servers
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
+from include.app.lab.two_nodes import HAPROXY, haproxy_config, vip_servers
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
@@ -183,8 +183,9 @@ def _received_under(store_config, epoch: int, *, later: bool = False) -> int:
     """Rows the store took in under `epoch` (or any later one): their 'received' events carry the
     writer's epoch."""
     op = ">" if later else "="
-    return _query(store_config, f"SELECT count(*) AS n FROM message_events WHERE event = 'received' AND epoch {op} %(e)s",
-                  e=epoch)[0]["n"]
+    return _query(
+        store_config, f"SELECT count(*) AS n FROM message_events WHERE event = 'received' AND epoch {op} %(e)s", e=epoch
+    )[0]["n"]
 
 
 def _staged(store_config) -> set[str]:
@@ -209,7 +210,9 @@ class VipWatch(threading.Thread):
             time.sleep(0.1)
 
     def first(self, server: str, prefix: str, after: float) -> float | None:
-        return next((at - after for at, view in self.seen if at >= after and view.get(server, "").startswith(prefix)), None)
+        return next(
+            (at - after for at, view in self.seen if at >= after and view.get(server, "").startswith(prefix)), None
+        )
 
     def stop(self) -> None:
         self._quit.set()
@@ -223,7 +226,9 @@ def _start_pair(tmp_path, store_config, *, shared_port: bool) -> tuple[Daemon, D
                inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}]).start()
     wait_for(lambda: a.status()["is_leader"] and port_open(port_a), timeout=15, what="node A to lead")
     if shared_port:  # one config dir, one address: only the leader can hold it (like one host's VIP)
-        b = Daemon(tmp_path / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config")
+        b = Daemon(
+            tmp_path / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
+        )
     else:
         b = Daemon(tmp_path / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER,
                    inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}])
@@ -372,8 +377,13 @@ def test_a_frozen_leader_leaves_the_vip_within_three_seconds_and_senders_through
     watch = VipWatch(stats)
     try:
         wait_for(lambda: port_open(vip), timeout=10, what="the VIP")
-        wait_for(lambda: vip_servers(stats).get("node-a") == "UP" and vip_servers(stats).get("node-b", "").startswith("DOWN"),
-                 timeout=10, what="HAProxy to see A as the only serving node")
+        wait_for(
+            lambda: (
+                vip_servers(stats).get("node-a") == "UP" and vip_servers(stats).get("node-b", "").startswith("DOWN")
+            ),
+            timeout=10,
+            what="HAProxy to see A as the only serving node",
+        )
         watch.start()
         run = _freeze_leader_through(a, b, vip, port_a, pg_config_fresh)
         down = watch.first("node-a", "DOWN", run.frozen_at)

@@ -9,8 +9,9 @@ test's own, iterated until the outcomes are in."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
@@ -19,8 +20,16 @@ from twisted.internet.epollreactor import EPollReactor
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
-from listeners.group_commit import (Inbound, InboundBatch, IngestRejected, IngestWriter, NotLeader, ReactorIngestWriter,
-                              RowRefused, StoreUnavailable)
+from listeners.group_commit import (
+    Inbound,
+    InboundBatch,
+    IngestRejected,
+    IngestWriter,
+    NotLeader,
+    ReactorIngestWriter,
+    RowRefused,
+    StoreUnavailable,
+)
 from listeners.metrics import Metrics
 from listeners.pgcommit import PgStager, numbered
 

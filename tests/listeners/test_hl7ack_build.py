@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import hl7
 import pytest
@@ -15,7 +15,7 @@ INBOUND = (
     b"|||AL|NE\r"
     b"PID|1||12345^^^HOSP^MR||DOE^JANE\r"
 )
-NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=timezone.utc)
+NOW = datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC)
 
 
 def parsed(ack: bytes, encoding: str = "utf-8") -> hl7.Message:
@@ -140,7 +140,7 @@ def test_latin1_charset_round_trips_in_the_ack() -> None:
     header = parse_header(text.encode("latin-1"))
     raw = build_ack(header, AckCode.AE, reason="Données refusées")
     assert "Zürich".encode("latin-1") in raw
-    assert "Zürich".encode("utf-8") not in raw
+    assert "Zürich".encode() not in raw
     ack = parsed(raw, encoding="latin-1")
     msh = ack.segment("MSH")
     assert (str(msh[3]), str(msh[4]), str(msh[6])) == ("RÉCEPTEUR", "Genève", "Zürich")

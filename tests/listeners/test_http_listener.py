@@ -23,8 +23,8 @@ from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections_config import InboundConfig
-from listeners.http_listener import make_inbound_site
 from listeners.group_commit import Inbound, IngestWriter, NotLeader, RowRefused, StoreUnavailable
+from listeners.http_listener import make_inbound_site
 from listeners.metrics import Metrics
 from tests.listeners.fakes import FakeIngest
 

@@ -7,7 +7,8 @@ First the plan in memory (`listeners.commitplan`), then both writers on real SQL
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from twisted.internet.epollreactor import EPollReactor
@@ -139,7 +140,9 @@ def test_a_batch_of_2_5_commits_worth_lands_in_parts_whole_in_order_and_named_in
     outcomes = settle_all(writer, [batch], between=[x, y])
     assert outcomes == ["batch-L", x.message_id, y.message_id]
     assert writer.statements in (10, 11)  # ten parts of 125; x and y ride along (or go alone)
-    rows = inbound(writer.store, "SELECT control_id, batch_seq FROM stage_inbound WHERE batch_id IS NOT NULL ORDER BY id")
+    rows = inbound(
+        writer.store, "SELECT control_id, batch_seq FROM stage_inbound WHERE batch_id IS NOT NULL ORDER BY id"
+    )
     assert rows == [(f"L{k}", k + 1) for k in range(1250)]
     assert inbound(writer.store, "SELECT batch_id, message_count FROM inbound_batches") == [("batch-L", 1250)]
     details = inbound(writer.store, "SELECT e.detail FROM message_events e JOIN stage_inbound s ON s.id = e.row_id "

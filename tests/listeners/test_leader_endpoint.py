@@ -20,8 +20,8 @@ from listeners.state import NodeState
 
 
 def state(**kw) -> NodeState:
-    base = dict(node_id="n1", clustered=True, metrics=Metrics(), is_leader=lambda: True,
-                config_version=lambda: 1, nodes=lambda: defer.succeed({}))
+    base = {"node_id": "n1", "clustered": True, "metrics": Metrics(), "is_leader": lambda: True,
+                "config_version": lambda: 1, "nodes": lambda: defer.succeed({})}
     return NodeState(**{**base, **kw})
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from twisted.internet.epollreactor import EPollReactor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from twisted.internet.epollreactor import EPollReactor
@@ -50,7 +50,7 @@ def received(client: socket.socket, reactor: EPollReactor, n: int) -> bytes:
 
 
 def test_an_answer_reaches_the_socket_without_waiting_for_a_reactor_turn(connected):
-    reactor, proto, client = connected
+    _reactor, proto, client = connected
     write_now(proto.transport, b"ACK-1")
     client.settimeout(2)
     assert client.recv(100) == b"ACK-1"  # no reactor.iterate in between

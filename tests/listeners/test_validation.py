@@ -12,10 +12,10 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 
 from listeners.connections_config import InboundConfig
-from listeners.hl7msg import HL7HeaderError, parse_header
-from listeners.validation import PayloadRejected, build_inbound, lane_rule
 from listeners.group_commit import Inbound
+from listeners.hl7msg import HL7HeaderError, parse_header
 from listeners.metrics import Metrics
+from listeners.validation import PayloadRejected, build_inbound, lane_rule
 
 PEER = IPv4Address("TCP", "127.0.0.1", 50000)
 CONN = InboundConfig("in", "mllp", lane_key="PID-3.1", poll_seconds=1.0)
@@ -112,7 +112,7 @@ TRANSPORT_CASES = {
 
 def _via_mllp(data: bytes) -> tuple[Any, ...]:
     from listeners.endpoints import Wiring, mllp_handler
-    from listeners.mllp_listener import MLLPDecoder, MLLPFactory, Message, frame
+    from listeners.mllp_listener import Message, MLLPDecoder, MLLPFactory, frame
 
     ingest = AutoIngest()
     wiring = Wiring(ingest=ingest, metrics=Metrics(), reactor=MemoryReactorClock(), bound_ports={})

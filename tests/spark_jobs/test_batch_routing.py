@@ -9,8 +9,8 @@ from pyspark.sql import SparkSession
 from include.store import Store, rowlease
 from include.store.lease import acquire_permanent
 from listeners.filedrop import file_message_id
-from listeners.validation import build_inbound, lane_rule
 from listeners.group_commit import InboundBatch
+from listeners.validation import build_inbound, lane_rule
 from tests.spark_jobs.test_route_job import NODE, rows, run_once
 
 MESSAGES = [  # (control id, type, patient): ADT and ORU mixed in one batch

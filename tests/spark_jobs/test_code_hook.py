@@ -60,7 +60,7 @@ def test_call_hook_renders_messages_and_strings_and_names_each_failure(tmp_path:
     check_hooks({"ehr": spec}, code_dir)
     import importlib
 
-    function = getattr(importlib.import_module(spec.split(":")[0]), "tag")
+    function = importlib.import_module(spec.split(":")[0]).tag
     assert call_hook(function, spec, adt("P1")) == adt("P1").replace("|EHR|CITY|", "|HOOKED|CITY|")
     assert call_hook(function, spec, adt("STR")) == adt("STR").replace("|EHR|CITY|", "|HOOKED|CITY|")
     with pytest.raises(ValueError, match=f"code hook {spec} raised ValueError: patient BAD is not wanted here"):

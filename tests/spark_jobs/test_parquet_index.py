@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from include.store.parquet_archive import INDEXED_MARK, ParquetArchive, partition_name
-from include.store import Store
-from include.store import operator
+from include.store import Store, operator
 from include.store.lease import acquire_permanent
+from include.store.parquet_archive import INDEXED_MARK, ParquetArchive, partition_name
 from spark_jobs import archive_job
 from tests.dags.stores import execute, rows
 from tests.spark_jobs.test_archive_job import ARCHIVES, HOLD, _archived, _count
@@ -33,7 +32,9 @@ def _needed(store: Store, root: Path, inbound_id: int, message_id: str) -> set[P
     """The files the index names for one message, across the kinds."""
     with store.transaction(write=False) as tx:
         found = [("inbound", r) for r in tx.all("parquet_find_by_row", {"kind": "inbound", "id": inbound_id})]
-        found += [(k, r) for k in ("routed", "outbound") for r in tx.all("parquet_find_by_row", {"kind": k, "id": inbound_id})]
+        found += [
+            (k, r) for k in ("routed", "outbound") for r in tx.all("parquet_find_by_row", {"kind": k, "id": inbound_id})
+        ]
         found += [("events", r) for r in tx.all("parquet_find_by_text", {"kind": "events", "ref": message_id})]
     return {f for kind, r in found for f in (root / kind / r["part"]).glob("*.parquet")}
 
@@ -61,7 +62,7 @@ def test_a_message_is_read_from_its_own_files_and_an_unknown_ref_opens_none(spar
         with pytest.raises(LookupError):
             operator.resolve(store, ref, parquet=parquet)
         assert ParquetArchive(str(root), store=store).inbound(ref) is None
-    with pytest.raises(Exception):  # what the unindexed reader does: opens (every) file
+    with pytest.raises(Exception):  # noqa: B017 - what the unindexed reader does: opens (every) file
         ParquetArchive(str(root)).inbound("no-such-message")
 
 
@@ -101,7 +102,9 @@ def test_a_symlink_planted_in_the_archive_tree_stops_the_write(spark, store, tmp
 
 
 def test_partition_directories_are_named_as_spark_names_them(spark, tmp_path):
-    frame = spark.createDataFrame([("2026-11-27", "odd:name/x=1", "b1", 1)], "day STRING, connection STRING, batch STRING, v INT")
+    frame = spark.createDataFrame(
+        [("2026-11-27", "odd:name/x=1", "b1", 1)], "day STRING, connection STRING, batch STRING, v INT"
+    )
     frame.write.partitionBy("day", "connection", "batch").parquet(str(tmp_path / "k"))
     [written] = [p.relative_to(tmp_path / "k").parent.as_posix() for p in (tmp_path / "k").rglob("*.parquet")]
     assert written == "/".join([partition_name("day", "2026-11-27"), partition_name("connection", "odd:name/x=1"),

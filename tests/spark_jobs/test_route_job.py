@@ -8,8 +8,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,13 +17,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 from pyspark.testing import assertDataFrameEqual
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import free_port
+from include.config import StoreConfig
 from include.routes_config import parse_routes
 from include.spark import jdbc_options
 from include.store import INBOUND, Store, rowlease
-from include.store.lease import acquire_permanent
 from include.store.finalize import RouteOutcome, StaleEpoch
+from include.store.lease import acquire_permanent
 from include.store.stages import ROUTE
 from spark_jobs import stage_job
 from spark_jobs.route_job import routed_rows
@@ -143,7 +143,9 @@ def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: 
 
 
 def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: SparkSession) -> None:
-    claimed = spark.createDataFrame([(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], ROUTE.schema)
+    claimed = spark.createDataFrame(
+        [(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], ROUTE.schema
+    )
     actual = routed_rows(claimed, ROUTES, run_id="r1")
     expected = spark.createDataFrame([
         ("r1", 1, "ehr", "adt", "pending"),
@@ -218,8 +220,11 @@ def test_rows_for_a_pass_through_destination_get_their_outbound_rows_from_the_ro
          f"m{number[r['source_id']]:03d}-archive", "archive", "pending", message(number[r["source_id"]])["payload"])
         for r in archive]
     assert [r["source_id"] for r in got] == sorted(r["source_id"] for r in got)  # arrival order
-    events = rows(store, "SELECT stage, event, to_status, count(*) AS n FROM message_events "
-                         "WHERE stage IN ('routed', 'outbound') GROUP BY stage, event, to_status ORDER BY stage, to_status")
+    events = rows(
+        store,
+        "SELECT stage, event, to_status, count(*) AS n FROM message_events "
+        "WHERE stage IN ('routed', 'outbound') GROUP BY stage, event, to_status ORDER BY stage, to_status",
+    )
     assert events == [
         {"stage": "outbound", "event": "transformed", "to_status": "pending", "n": len(archive)},
         {"stage": "routed", "event": "routed", "to_status": "done", "n": len(archive)},
@@ -233,7 +238,7 @@ def test_a_pass_through_destination_with_open_routed_rows_queues_new_rows_behind
     """Routed before `archive` became a pass-through, an open archive row keeps the route finalize from
     handing newer archive rows on: they would reach stage_outbound ahead of it."""
     epoch = acquire_permanent(store, node_id=NODE)
-    stage_messages(store, epoch, range(0, 1))  # ADT: ehr, archive, bedboard
+    stage_messages(store, epoch, range(1))  # ADT: ehr, archive, bedboard
     run_once(store, spark, epoch, "run-1")  # not yet a pass-through: its archive row stays pending
     stage_messages(store, epoch, range(7, 8))
 
@@ -428,9 +433,11 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
     assert (figures["first"], figures["second"]) == (len(expected_triples(ids)), len(expected_triples(more)))
     assert landing_count(store) == 0
     store.close()
-    print(f"\nSpark Connect: server start {startup:.1f} s; client imports {figures['imports']:.1f} s; "
-          f"first job {figures['first_job']:.2f} s; per-job overhead on a warm server "
-          f"{', '.join(f'{x:.2f}' for x in figures['overhead'])} s; a 30-message route job {figures['second_job']:.2f} s")
+    print(
+        f"\nSpark Connect: server start {startup:.1f} s; client imports {figures['imports']:.1f} s; "
+        f"first job {figures['first_job']:.2f} s; per-job overhead on a warm server "
+        f"{', '.join(f'{x:.2f}' for x in figures['overhead'])} s; a 30-message route job {figures['second_job']:.2f} s"
+    )
 
 
 KILLED_SERVER_CHILD = textwrap.dedent("""
@@ -626,7 +633,7 @@ class _SparkDown:
     def read(self) -> Any:
         raise RuntimeError("spark is down")
 
-    def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Spark's name
+    def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:  # Spark's name
         raise RuntimeError("spark is down")
 
 

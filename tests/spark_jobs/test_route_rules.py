@@ -179,9 +179,11 @@ def test_conditions_compare_accented_values_of_a_latin1_message(spark: SparkSess
     latin1 = ("MSH|^~\\&|PAS|HÔPITAL|EHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1\r"
               "PID|1||77^^^H^MR||MÜLLER^ÅSA\r")
     frame = spark.createDataFrame([(1, latin1)], "id BIGINT, payload STRING")
-    routes = [{"name": "muller", "destinations": ["ehr"], "when": eq("PID-5.1", "MÜLLER")},
-              {"name": "hopital", "destinations": ["archive"], "when": {"field": "MSH-4", "op": "regex", "value": "^HÔP"}},
-              {"name": "ascii-only", "destinations": ["lab"], "when": eq("PID-5.1", "MULLER")}]
+    routes = [
+        {"name": "muller", "destinations": ["ehr"], "when": eq("PID-5.1", "MÜLLER")},
+        {"name": "hopital", "destinations": ["archive"], "when": {"field": "MSH-4", "op": "regex", "value": "^HÔP"}},
+        {"name": "ascii-only", "destinations": ["lab"], "when": eq("PID-5.1", "MULLER")},
+    ]
     assertDataFrameEqual(frame.transform(route, routes),
                          routed(spark, [(1, "ehr", "muller"), (1, "archive", "hopital")]))
 

@@ -157,7 +157,7 @@ class HttpReceiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 — the http.server API
+            def do_POST(self) -> None:  # the http.server API
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 key = self.headers.get("Idempotency-Key")
                 receiver.requests.append(HttpRequest(self.path, key, self.headers.get("Content-Type"), body,
@@ -174,7 +174,7 @@ class HttpReceiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -8,9 +8,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import free_port
 from include.app.lab.spark_cluster import SparkCluster
+from include.config import StoreConfig
 from include.spark import start_connect_server, stop_connect_server
 from include.store import Store
 from include.store.lease import acquire_permanent

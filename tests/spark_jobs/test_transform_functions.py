@@ -132,10 +132,19 @@ def test_map_not_found_keeps_defaults_clears_or_dead_letters(spark: SparkSession
 
 def test_a_dead_letter_rule_and_format_date_on_error_stop_only_their_own_messages(spark: SparkSession) -> None:
     test_msg = MSG.replace("|P|2.5", "|T|2.5")
-    actual = run(spark, [
-        {"dead_letter": "test messages are not sent to production", "when": {"field": "MSH-11", "op": "eq", "value": "T"}},
-        {"format_date": "PID-7", "on_error": "dead_letter", "to_format": "yyyyMMdd"},
-    ], MSG, test_msg, MSG.replace("19610615", "1961-06-15"))
+    actual = run(
+        spark,
+        [
+            {
+                "dead_letter": "test messages are not sent to production",
+                "when": {"field": "MSH-11", "op": "eq", "value": "T"},
+            },
+            {"format_date": "PID-7", "on_error": "dead_letter", "to_format": "yyyyMMdd"},
+        ],
+        MSG,
+        test_msg,
+        MSG.replace("19610615", "1961-06-15"),
+    )
     assertDataFrameEqual(actual, rows(
         spark, MSG, ("test messages are not sent to production", None),
         ("dead-lettered: the value at PID-7 is not a date/time in format 'hl7'", None)))

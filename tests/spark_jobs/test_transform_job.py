@@ -10,13 +10,13 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.testing import assertDataFrameEqual
 
-from include.store import ROUTED, Store, lookups, rowlease
-from include.store.lease import acquire_permanent
-from include.store.finalize import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
 from include.destinations_config import parse_destinations
 from include.stage_config import passthrough_destinations
-from include.transforms_config import TransformConfigError
+from include.store import ROUTED, Store, lookups, rowlease
+from include.store.finalize import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
+from include.store.lease import acquire_permanent
 from include.store.stages import TRANSFORM
+from include.transforms_config import TransformConfigError
 from spark_jobs import stage_job, transform_job
 from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
 
@@ -135,7 +135,9 @@ def test_a_run_moves_routed_rows_to_outbound_in_order_and_dead_letters_unreadabl
         "idempotency_key": "m1-ehr", "lane_key": "ehr|PATID1234", "payload": ADT_FOR_EHR, "status": "pending"}
     assert by_key[(3, "archive")]["payload"] == NOT_HL7
     assert by_key[(4, "api")]["content_type"] == "application/json"
-    routed = {r["id"]: (r["status"], r["last_error"]) for r in rows(store, "SELECT id, status, last_error FROM stage_routed")}
+    routed = {
+        r["id"]: (r["status"], r["last_error"]) for r in rows(store, "SELECT id, status, last_error FROM stage_routed")
+    }
     assert routed == {i: ("dead", UNTRANSFORMABLE) if key == (3, "ehr") else ("done", None) for key, i in ids.items()}
     events = rows(store, "SELECT stage, event, to_status, count(*) AS n FROM message_events "
                          "GROUP BY stage, event, to_status ORDER BY stage, event")

@@ -151,16 +151,18 @@ def statements(dialect: str) -> list[str]:
                f"{d.ago(_history_age('n.i', 20_000))}, 100, '{{}}' FROM {d.series(20_000)}")
 
     # -- inbound: archived, hot history, open tail ------------------------------------------
-    out.append(f"INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, "
-               f"attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq, archived_at, "
-               f"export_batch) "
-               f"SELECT n.i, {mid('n.i')}, 'MSG' || {d.pad('n.i', 9)}, {conn('n.i')}, {lane_in('n.i')}, 'done', "
-               f"{EPOCH}, 1, {d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({ARCHIVED_INBOUND} - n.i) / {ARCHIVED_INBOUND}')}, "
-               f"{d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({ARCHIVED_INBOUND} - n.i) / {ARCHIVED_INBOUND}')}, "
-               f"NULL, 'UTF-8', {payload.format(d.pad('n.i', 9))}, NULL, NULL, "
-               f"{d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({ARCHIVED_INBOUND} - n.i) / {ARCHIVED_INBOUND}')}, "
-               f"CASE WHEN n.i <= {EXPORT_ROWS} THEN '{EXPORT_BATCH}' END "
-               f"FROM {d.series(ARCHIVED_INBOUND)}")
+    archived_age = f"{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({ARCHIVED_INBOUND} - n.i) / {ARCHIVED_INBOUND}"
+    out.append(
+        f"INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, "
+        f"attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq, archived_at, "
+        f"export_batch) "
+        f"SELECT n.i, {mid('n.i')}, 'MSG' || {d.pad('n.i', 9)}, {conn('n.i')}, {lane_in('n.i')}, 'done', "
+        f"{EPOCH}, 1, {d.ago(archived_age)}, {d.ago(archived_age)}, "
+        f"NULL, 'UTF-8', {payload.format(d.pad('n.i', 9))}, NULL, NULL, "
+        f"{d.ago(archived_age)}, "
+        f"CASE WHEN n.i <= {EXPORT_ROWS} THEN '{EXPORT_BATCH}' END "
+        f"FROM {d.series(ARCHIVED_INBOUND)}"
+    )
     k = f"(n.i + {ARCHIVED_INBOUND})"  # the inbound row's id
     open_from = N_INBOUND - INBOUND_OPEN
     out.append(
@@ -183,19 +185,21 @@ def statements(dialect: str) -> list[str]:
     out.append(f"INSERT INTO inbound_bodies (id, payload) SELECT {k}, {payload.format(d.pad(k, 9))} "
                f"FROM {d.series(N_INBOUND)}")
     # a batch record per hot batch, and older ones whose messages retention took already
-    out.append(f"INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
-               f"message_count, created_at) "
-               f"SELECT DISTINCT batch_id, connection, 'FHS1', 'BHS1', 10, 10, created_at FROM stage_inbound "
-               f"WHERE batch_id IS NOT NULL AND batch_seq = 1")
+    out.append("INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
+               "message_count, created_at) "
+               "SELECT DISTINCT batch_id, connection, 'FHS1', 'BHS1', 10, 10, created_at FROM stage_inbound "
+               "WHERE batch_id IS NOT NULL AND batch_seq = 1")
     out.append(f"INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
                f"message_count, created_at) "
                f"SELECT 'a' || {d.pad('n.i', 9)}, 'file-in', 'FHS0', 'BHS0', 10, 10, "
                f"{d.ago(f'{HISTORY_HOURS} * 3600 + n.i')} FROM {d.series(300)}")
-    out.append(f"INSERT INTO archive_inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, "
-               f"declared_count, message_count, created_at, archived_at) "
-               f"SELECT 'z' || {d.pad('n.i', 9)}, 'file-in', 'FHS0', 'BHS0', 10, 10, "
-               f"{d.ago(f'{HISTORY_HOURS} * 3600 + 86400 + n.i * 60')}, {d.ago(f'{HISTORY_HOURS} * 3600 + 86400 + n.i * 60')} "
-               f"FROM {d.series(6_000)}")
+    out.append(
+        f"INSERT INTO archive_inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, "
+        f"declared_count, message_count, created_at, archived_at) "
+        f"SELECT 'z' || {d.pad('n.i', 9)}, 'file-in', 'FHS0', 'BHS0', 10, 10, "
+        f"{d.ago(f'{HISTORY_HOURS} * 3600 + 86400 + n.i * 60')}, {d.ago(f'{HISTORY_HOURS} * 3600 + 86400 + n.i * 60')} "
+        f"FROM {d.series(6_000)}"
+    )
 
     # -- routed and outbound: FANOUT rows per finished inbound row ---------------------------
     # row r (1-based within the hot rows) belongs to inbound row INBOUND_FIRST + (r-1)/FANOUT and
@@ -292,12 +296,14 @@ def statements(dialect: str) -> list[str]:
                f"CASE WHEN n.i % 50 = 0 THEN 'unrouted' ELSE 'pending' END FROM {d.series(LANDED)}")
     out.append(f"INSERT INTO landing_routed (run_id, source_id, destination, route_name, status) "
                f"SELECT '{DEAD_RUN}', {INBOUND_FIRST} + n.i, 'ehr', 'r1', 'pending' FROM {d.series(500)}")
-    out.append(f"INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, "
-               f"payload, message_id, control_id) "
-               f"SELECT '{TRANSFORM_RUN}', r.source_id, r.id, r.destination, 'application/hl7-v2', "
-               f"COALESCE(r.lane_key, r.destination), "
-               f"CASE WHEN r.id % 40 = 0 THEN NULL ELSE 'MSH|transformed' END, r.message_id, r.control_id "
-               f"FROM stage_routed r WHERE r.id > {ROUTED_LAST - ROUTED_OPEN // 4} AND r.destination <> '{PASSTHROUGH}'")
+    out.append(
+        f"INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, "
+        f"payload, message_id, control_id) "
+        f"SELECT '{TRANSFORM_RUN}', r.source_id, r.id, r.destination, 'application/hl7-v2', "
+        f"COALESCE(r.lane_key, r.destination), "
+        f"CASE WHEN r.id % 40 = 0 THEN NULL ELSE 'MSH|transformed' END, r.message_id, r.control_id "
+        f"FROM stage_routed r WHERE r.id > {ROUTED_LAST - ROUTED_OPEN // 4} AND r.destination <> '{PASSTHROUGH}'"
+    )
 
     if dialect == "postgres":
         for table in ("stage_inbound", "stage_routed", "stage_outbound", "message_events", "stage_batches"):

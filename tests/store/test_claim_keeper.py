@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from include.claim_keeper import ClaimKeeper
 from include.app.lab.postgres_server import wait_for
+from include.claim_keeper import ClaimKeeper
 from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector
@@ -105,8 +105,16 @@ def test_following_a_new_leader_runs_its_recovery_once_and_returns_its_epoch(sto
     from include.config import ClusterConfig, ServiceConfig
     from include.stage_loop import follow_leader
 
-    config = ServiceConfig(store=store.config, cluster=replace(ClusterConfig(), enabled=True, leader_lease_ttl_seconds=1.0,
-                                                               leader_fence_timeout_seconds=0.6, heartbeat_seconds=0.2))
+    config = ServiceConfig(
+        store=store.config,
+        cluster=replace(
+            ClusterConfig(),
+            enabled=True,
+            leader_lease_ttl_seconds=1.0,
+            leader_fence_timeout_seconds=0.6,
+            heartbeat_seconds=0.2,
+        ),
+    )
     first = leader(store, "a", ttl=1.0, fence=0.6)
     old = first.epoch
     stage(store, old, 3, lanes=False)

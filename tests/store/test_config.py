@@ -33,7 +33,8 @@ def test_pinned_node_id_is_kept():
 
 
 @pytest.mark.parametrize("raw, words", [
-    (with_("cluster", leader_fence_timeout_seconds=6), ["heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds"]),
+    (with_("cluster", leader_fence_timeout_seconds=6),
+     ["heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds"]),
     (with_("cluster", heartbeat_seconds=4), ["heartbeat_seconds < leader_fence_timeout_seconds"]),
     (with_("cluster", node_timeout_seconds=2), ["node_timeout_seconds", "heartbeat_seconds"]),
     (with_("store", backend="sqlite"), ["[cluster].enabled", "postgres", "sqlserver"]),
@@ -107,5 +108,5 @@ def test_busy_retry_seconds_is_typed_and_defaults_to_forty(tmp_path):
     path.write_text('[store]\npath = "s.db"\n')
     assert load(path).store.busy_retry_seconds == 40.0
     path.write_text('[store]\npath = "s.db"\nbusy_retry_seconds = "40"\n')
-    with pytest.raises(ConfigError, match="store.busy_retry_seconds: must be a number, got a string"):
+    with pytest.raises(ConfigError, match=r"store.busy_retry_seconds: must be a number, got a string"):
         load(path)

@@ -16,11 +16,17 @@ from typing import Any
 import psycopg
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
+from include.config import StoreConfig
 from include.store import Store
-from include.store.durability import (UnsafeDurability, check_connection, durability_queries, postgres_refusal,
-                                      postgres_synchronous_commit, sqlserver_refusal)
+from include.store.durability import (
+    UnsafeDurability,
+    check_connection,
+    durability_queries,
+    postgres_refusal,
+    postgres_synchronous_commit,
+    sqlserver_refusal,
+)
 from include.store.migrate import migrate
 
 
@@ -98,7 +104,7 @@ def test_fsync_off_is_refused_unless_allowed(server, config) -> None:
     reload(server, fsync="off")
     store = Store(config)
     try:
-        with pytest.raises(UnsafeDurability, match="fsync = off.*allow_unsafe_durability"):
+        with pytest.raises(UnsafeDurability, match=r"fsync = off.*allow_unsafe_durability"):
             store.check_durability()
         with pytest.raises(UnsafeDurability):  # and from then on every transaction of that store
             with store.transaction():

@@ -107,7 +107,9 @@ def test_leader_with_a_hung_database_fences_before_its_lease_can_expire(store, s
     a = elector(store, "a", ttl=2.0, fence=1.0)
     renewed = time.monotonic()
     assert a.step().outcome is Outcome.ELECTED
-    blocker = psycopg.connect(f"host={pg_server.host} port={pg_server.port} user=postgres dbname={store_config.database}")
+    blocker = psycopg.connect(
+        f"host={pg_server.host} port={pg_server.port} user=postgres dbname={store_config.database}"
+    )
     blocker.execute("SELECT * FROM leader_lease WHERE id = 1 FOR UPDATE")  # the DB stops answering A
     errors: list[BaseException] = []
 

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from include.store.membership import (NodeIdentity, cluster_nodes, cluster_status, heartbeat, leave,
-                                      single_node_nodes)
 from include.app.lab.postgres_server import wait_for
 from include.store.lease import LeaderElector
+from include.store.membership import NodeIdentity, cluster_nodes, cluster_status, heartbeat, leave, single_node_nodes
 
 NODE_KEYS = {"node_id", "host", "pid", "status", "started_at", "last_seen", "is_leader"}
 
@@ -44,7 +43,9 @@ def test_a_stale_leader_flag_is_never_reported_and_the_freshest_flag_wins(store)
 
     def new_beats_later():  # failover window: two flags set, the fresher one wins
         heartbeat(store, new, is_leader=True)
-        return {n["node_id"]: n["last_seen"] for n in cluster_nodes(store, node_timeout_seconds=30)["nodes"]}[new.node_id] > before
+        return {n["node_id"]: n["last_seen"] for n in cluster_nodes(store, node_timeout_seconds=30)["nodes"]}[
+            new.node_id
+        ] > before
 
     wait_for(new_beats_later, timeout=5, what="a strictly later heartbeat")
     doc = cluster_nodes(store, node_timeout_seconds=30)

@@ -9,7 +9,6 @@ import pytest
 from include.config import StoreConfig
 from include.store import Store
 from include.store.migrate import ClusterIdentityError, SchemaError, check_identity, latest_version, migrate
-
 from tests.conftest import CLUSTER
 
 
@@ -74,7 +73,7 @@ def test_sqlite_store_runs_in_wal_with_full_sync_and_a_busy_timeout(sqlite_confi
     store = Store(sqlite_config_fresh)
     try:
         with store.transaction(write=False) as tx:
-            pragmas = {p: list(tx.conn.execute(f"PRAGMA {p}").fetchone().values())[0]
+            pragmas = {p: next(iter(tx.conn.execute(f"PRAGMA {p}").fetchone().values()))
                        for p in ("journal_mode", "synchronous", "busy_timeout")}
     finally:
         store.close()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from include.store.retry import JITTER, until_done, with_retries
 from include.store.finalize import StaleEpoch
+from include.store.retry import JITTER, until_done, with_retries
 
 
 class Outage:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from include.app.lab.postgres_server import wait_for
-from include.store import INBOUND, OUTBOUND, Store
+from include.store import INBOUND, Store
 from include.store import rowlease as rl
 from include.store.lease import LeaderElector, acquire_permanent
 from tests.store.workers import claim_until_empty
@@ -21,7 +21,9 @@ def seed_inbound(store: Store, n: int, *, lanes: int = 100) -> None:
             f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {int(n)}) "
             "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
             f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT) FROM g")
-        tx.conn.cursor().execute("INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound")
+        tx.conn.cursor().execute(
+            "INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound"
+        )
 
 
 def rows(store: Store, sql: str) -> list[dict]:
@@ -53,7 +55,9 @@ def test_four_concurrent_claimers_claim_nothing_twice_and_lose_nothing(store, st
     assert [err for _, _, err in outcomes if err] == []
     everything = [i for _, ids, _ in outcomes for i in ids]
     assert len(everything) == n and len(set(everything)) == n
-    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [{"status": "done", "n": n}]
+    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [
+        {"status": "done", "n": n}
+    ]
     events = rows(store, "SELECT count(*) AS n, count(DISTINCT row_id) AS d FROM message_events WHERE event = 'done'")
     assert events == [{"n": n, "d": n}]
     print(f"{store.backend}: claims per worker {sorted(len(ids) for _, ids, _ in outcomes)}")
@@ -152,7 +156,9 @@ def test_stranded_head_is_reclaimed_before_anything_newer_in_its_lane(store):
     heads = wait_for(claim, timeout=5, what="stranded head reclaimed")
     assert [(r["id"], r["attempts"]) for r in heads] == [(h1, 2)]
     assert rows(store, f"SELECT status FROM stage_inbound WHERE id = {h2}") == [{"status": "pending"}]
-    ev = rows(store, f"SELECT event, node_id, detail FROM message_events WHERE row_id = {h1} AND event = 'lease_expired'")
+    ev = rows(
+        store, f"SELECT event, node_id, detail FROM message_events WHERE row_id = {h1} AND event = 'lease_expired'"
+    )
     assert len(ev) == 1 and ev[0]["node_id"] == "new" and "old" in ev[0]["detail"]
 
 
@@ -174,7 +180,9 @@ def test_finish_under_a_stale_epoch_changes_nothing(store):
         assert insert_inbound(tx, epoch=e1, node_id="a", message_id="late", control_id="late",
                                  connection="c", payload="MSH|") is None
         assert rl.sweep_expired(tx, INBOUND, owner="a", epoch=e1) == 0
-    assert rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id") == before
+    assert (
+        rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id") == before
+    )
     assert rows(store, "SELECT count(*) AS n FROM message_events") == events_before
 
 
@@ -242,8 +250,9 @@ def test_a_claim_holds_a_lane_behind_its_stranded_row_and_lets_other_lanes_pass(
     lanes = {r["id"]: r["lane_key"] for r in rows(store, "SELECT id, lane_key FROM stage_inbound")}
     [dead_lane] = {lanes[i] for i in stranded}
     assert [r["id"] for r in nxt] == sorted(i for i, lane in lanes.items() if lane != dead_lane)
-    assert rows(store, f"SELECT count(*) AS n FROM stage_inbound WHERE lane_key = '{dead_lane}' AND status = 'pending'") \
-        == [{"n": 2}]
+    assert rows(
+        store, f"SELECT count(*) AS n FROM stage_inbound WHERE lane_key = '{dead_lane}' AND status = 'pending'"
+    ) == [{"n": 2}]
 
 
 def test_a_claim_holds_a_lane_behind_a_row_backing_off(store):

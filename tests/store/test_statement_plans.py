@@ -45,15 +45,15 @@ import json
 import re
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from include.config import StoreConfig
-from include.store import Store, queries
+from include.store import Store, queries, rowlease
 from include.store.db import INBOUND, OUTBOUND, ROUTED, STAGED_TABLES, StagedTable
-from include.store import rowlease
 from include.store.migrate import migrate
 from tests.conftest import CLUSTER, TEMPLATE_DB, pg_config
 from tests.store import plan_fill as fill
@@ -150,7 +150,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         ids = list(range(fill.OUTBOUND_LAST + 1, fill.OUTBOUND_LAST + 201))
     else:
         ids = fill.in_flight_ids(ids_table.name)
-    transform = name.startswith("transform_") or name.startswith("landing_outbound") or name == "passthrough_outbound_insert"
+    transform = name.startswith(("transform_", "landing_outbound")) or name == "passthrough_outbound_insert"
     inbound_id = fill.INBOUND_FIRST + 123_456
     new = [{"message_id": f"n{j:031d}", "control_id": f"NEW{j:06d}", "connection": "adt-in",
             "lane_key": None if j % 10 == 0 else f"PID-{j}", "charset": "UTF-8",
@@ -424,7 +424,9 @@ def pg_problems(planned: Planned, plan: dict[str, Any]) -> list[str]:
     return problems
 
 
-def plan_problems(planned: Planned, sql: str, params: dict[str, Any], *, analyzed: bool = True) -> tuple[list[str], str]:
+def plan_problems(
+    planned: Planned, sql: str, params: dict[str, Any], *, analyzed: bool = True
+) -> tuple[list[str], str]:
     """(problems, the plan as text) of one statement on a filled store."""
     if planned.dialect == "sqlite":
         rows = sqlite_plan(sqlite_stats(planned, analyzed=analyzed), sql, params)
@@ -524,28 +526,41 @@ def test_no_statement_probes_a_lane_null_safely(dialect: str) -> None:
 # The point of each statement rewritten for its plan, as it must read in every dialect (SQL Server's
 # filtered indexes are matched on the literal predicate, so the literal form matters there too).
 SHAPES: dict[str, tuple[str, ...]] = {
-    "claim_lane_heads": (r"e\.lane_key = o\.lane_key AND e\.id <= o\.id",
-                         r"o\.lane_key IS NULL\s+AND EXISTS \(SELECT 1 FROM \{table\} AS e\s+"
-                         r"WHERE e\.status IN \('in_flight', 'error'\)\s+AND e\.lane_key IS NULL AND e\.id <= o\.id"),
+    "claim_lane_heads": (
+        r"e\.lane_key = o\.lane_key AND e\.id <= o\.id",
+        r"o\.lane_key IS NULL\s+AND EXISTS \(SELECT 1 FROM \{table\} AS e\s+"
+        r"WHERE e\.status IN \('in_flight', 'error'\)\s+AND e\.lane_key IS NULL AND e\.id <= o\.id",
+    ),
     "sweep_expired": (r"ORDER BY lease_expires_at, id",),
     # SQL Server: one read through its own filtered index (two READ COMMITTED branches could miss a row)
-    "route_passthrough_open": (r"WHERE status IN \('pending', 'error'\)\s+AND destination|"
-                               r"WHERE status IN \('pending', 'in_flight', 'error'\)\s+AND destination",),
+    "route_passthrough_open": (
+        r"WHERE status IN \('pending', 'error'\)\s+AND destination|"
+        r"WHERE status IN \('pending', 'in_flight', 'error'\)\s+AND destination",
+    ),
     "archive_finished_inbound": (r"ORDER BY c\.updated_at, c\.id",),
     "archive_finished_routed": (r"ORDER BY c\.updated_at, c\.id",),
     "archive_finished_outbound": (r"ORDER BY c\.updated_at, c\.id",),
     # PostgreSQL's message_events_at is BRIN (no order): its events stay in id order (archive.sql)
     "archive_events": (r"ORDER BY c\.at, c\.id|ORDER BY c\.id\b",),
-    **{f"export_mark_{kind}": (r"export_batch IS NULL AND (x\.)?archived_at < ",
-                               r"ORDER BY (x\.)?archived_at, (x\.)?" + ("batch_id" if kind == "batches" else "id"))
-       for kind in ("inbound", "routed", "outbound", "events", "batches")},
-    "stage_overview": (r"FROM \{table\} WHERE status IN \('pending', 'error'\)\) AS backlog",
-                       r"FROM \{table\} WHERE status = 'in_flight'\) AS in_flight",
-                       r"FROM \{table\} WHERE status = 'dead'\) AS dead",
-                       r"status IN \('done', 'dead', 'unrouted'\) AND status IN \('done', 'dead'\) AND status = 'done'"),
+    **{
+        f"export_mark_{kind}": (
+            r"export_batch IS NULL AND (x\.)?archived_at < ",
+            r"ORDER BY (x\.)?archived_at, (x\.)?" + ("batch_id" if kind == "batches" else "id"),
+        )
+        for kind in ("inbound", "routed", "outbound", "events", "batches")
+    },
+    "stage_overview": (
+        r"FROM \{table\} WHERE status IN \('pending', 'error'\)\) AS backlog",
+        r"FROM \{table\} WHERE status = 'in_flight'\) AS in_flight",
+        r"FROM \{table\} WHERE status = 'dead'\) AS dead",
+        r"status IN \('done', 'dead', 'unrouted'\) AND status IN \('done', 'dead'\) AND status = 'done'",
+    ),
     "dead_ids": (r"WHERE t\.status = 'dead'",),
-    "dead_letters": (r"FROM stage_outbound WHERE status = 'dead'", r"FROM stage_routed WHERE status = 'dead'",
-                     r"FROM stage_inbound WHERE status = 'dead'"),
+    "dead_letters": (
+        r"FROM stage_outbound WHERE status = 'dead'",
+        r"FROM stage_routed WHERE status = 'dead'",
+        r"FROM stage_inbound WHERE status = 'dead'",
+    ),
 }
 
 

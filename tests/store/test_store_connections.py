@@ -112,7 +112,9 @@ def test_a_failed_transaction_rolls_back_and_its_connection_is_replaced(sqlite_c
         store.close()
 
 
-def test_a_wal_grown_behind_a_long_reader_is_cut_back_once_the_readers_are_gone(sqlite_config_fresh: StoreConfig) -> None:
+def test_a_wal_grown_behind_a_long_reader_is_cut_back_once_the_readers_are_gone(
+    sqlite_config_fresh: StoreConfig,
+) -> None:
     """Issue 22: a long reader holds checkpoints back and the WAL grows meanwhile; once it is gone
     and a checkpoint resets the WAL, the file shrinks to the store's limit instead of keeping the
     size of its longest stretch."""

@@ -25,7 +25,7 @@ def adt(control_id: str, patient: str = "P1") -> bytes:
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 class Peer(threading.Thread):
@@ -199,8 +199,10 @@ class Honest:
 
     def summary(self) -> str:
         lat = self.latencies
-        return (f"{self.accepted}/{len(self.sent)} accepted, p50 {statistics.median(lat) if lat else float('nan'):.3f} s, "
-                f"p99 {self.p99:.3f} s; failures {self.failures[:3]}")
+        return (
+            f"{self.accepted}/{len(self.sent)} accepted, p50 {statistics.median(lat) if lat else float('nan'):.3f} s, "
+            f"p99 {self.p99:.3f} s; failures {self.failures[:3]}"
+        )
 
 
 def send_honest(transport: Callable[[str], str], count: int, *, interval: float, prefix: str) -> Honest:

@@ -139,7 +139,7 @@ class Stream:
 
     def _sender(self, k: int, lanes: list[str]) -> None:
         interval = len(self._threads) / self.rate
-        seqs = {lane: 0 for lane in lanes}
+        seqs = dict.fromkeys(lanes, 0)
         link: _Link | None = None
         turn = 0
         next_at = time.time()
@@ -249,4 +249,4 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]

@@ -80,8 +80,11 @@ class SparkCluster:
                 worker.work_dir = work
                 self.processes.append(worker)
             for worker in self.processes[1:]:
-                self._wait(lambda w=worker: "Successfully registered with master" in w.log_path.read_text(errors="replace"),
-                           timeout, f"Spark {worker.name} to register")
+                self._wait(
+                    lambda w=worker: "Successfully registered with master" in w.log_path.read_text(errors="replace"),
+                    timeout,
+                    f"Spark {worker.name} to register",
+                )
         except BaseException:
             self.stop()
             raise

@@ -48,7 +48,7 @@ class TcpProxy:
         while not self._stop.is_set():
             try:
                 client, _ = self._server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             with self._lock:
                 self._conns.append(client)
@@ -69,7 +69,7 @@ class TcpProxy:
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break
