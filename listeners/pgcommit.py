@@ -63,15 +63,14 @@ def numbered(sql: str) -> tuple[str, list[str]]:
     return _PARAM.sub(sub, sql), names
 
 
-def _rows(result: Any) -> list[dict[str, Any]]:
+def _rows(result: Any, loader: Any) -> list[dict[str, Any]]:
     """A libpq result's rows as the store's cursors give them (dicts of Python values, loaded by
-    psycopg's own adapters), so `rowlease.staging` reads them as it reads the store's."""
-    from psycopg.adapt import Transformer
-
+    psycopg's own adapters: `loader`, a ``psycopg.adapt.Transformer``), so `rowlease.staging`
+    reads them as it reads the store's."""
     names = [result.fname(i).decode() for i in range(result.nfields)]
-    loader = Transformer()
     loader.set_pgresult(result)
-    return loader.load_rows(0, result.ntuples, lambda values: dict(zip(names, values)))
+    rows: list[dict[str, Any]] = loader.load_rows(0, result.ntuples, lambda values: dict(zip(names, values)))
+    return rows
 
 
 class _Query:
@@ -95,6 +94,7 @@ class PgStager:
     def __init__(self, store: Store, reactor: Any) -> None:
         if not store.dialect.atomic_staging or store.backend != "postgres":
             raise ValueError("PgStager needs PostgreSQL, whose stage_inbound is one self-contained statement")
+        from psycopg.adapt import Transformer
         self._reactor = reactor
         self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
         self._queries = {name: _Query(name, store.sql(name)) for name in ONE_STATEMENT_STAGING
@@ -105,6 +105,7 @@ class PgStager:
         self._conn: _Connection | None = None
         self._waiting: list[Deferred[_Connection]] = []  # for the connection being opened
         self._closed = False
+        self._loader = Transformer()  # reused: the reactor thread only, one result at a time
 
     # -- what the writer calls ----------------------------------------------------------------
 
@@ -129,7 +130,7 @@ class PgStager:
             # Only PostgreSQL's self-contained statements may run here, each in autocommit; never
             # ACK what a follow-up statement of another transaction would have had to finish.
             return fail(RuntimeError(f"{step.name} is not part of PostgreSQL's one-statement staging"))
-        return self._run(step.name, step.params).addCallback(lambda r: self._next(steps, _rows(r)))
+        return self._run(step.name, step.params).addCallback(lambda r: self._next(steps, _rows(r, self._loader)))
 
     def close(self) -> None:
         """Drop the connection (a statement in flight fails); the stager takes no more work."""

@@ -371,8 +371,8 @@ SELECT v.batch_id, v.connection, v.batch_fhs, v.batch_bhs, v.batch_declared, v.b
                     WHERE b.batch_id = v.batch_id COLLATE Latin1_General_100_BIN2)
 
 -- name: stage_inbound_events
--- The 'received' events of the rows stage_inbound has just written (:ids) when some came in a
--- batch: their detail names it ("batch <id>: message k of n").
+-- The 'received' events of the rows stage_inbound has just written (:ids); a batch message's
+-- detail names its batch ("batch <id>: message k of n"), anyone else's is empty.
 INSERT INTO message_events (stage, row_id, message_id, control_id, event, to_status, epoch, node_id, attempt,
                             detail)
 SELECT 'inbound', t.id, t.message_id, t.control_id, 'received', t.status, CAST(:epoch AS bigint), :node_id,
