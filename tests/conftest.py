@@ -3,14 +3,14 @@ fresh migrated stores on PostgreSQL and SQLite for each test."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
+from include.config import StoreConfig
 from include.store import Store
 from include.store.migrate import migrate
 

@@ -26,14 +26,13 @@ from urllib.parse import quote
 import pytest
 from hl7.client import MLLPClient
 
-from include.config import StoreConfig
 from include.app.embedded import airflow_env
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
-from include.store import Store, operator
+from include.config import StoreConfig
 from include.stage_loop import claim_owner
-from include.store import rowlease
+from include.store import Store, operator, rowlease
 from include.store.db import INBOUND
 from include.store.lease import read_lease
 from tests.conftest import migrated_sqlite, pg_config
@@ -58,7 +57,7 @@ def http(port: int, method: str, path: str, *, token: str | None = None, body: d
         headers["Cookie"] = cookie
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        def redirect_request(self, *args, **kwargs):
             return None
 
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers=headers,
@@ -253,7 +252,7 @@ def body_reads(store_config: StoreConfig, control_id: str) -> list[tuple[str, st
         with s.transaction(write=False) as tx:
             cur = tx.conn.cursor()
             cur.execute("SELECT node_id, detail FROM message_events WHERE event = 'body_read' AND control_id = "
-                        f"'{control_id}' ORDER BY id")  # noqa: S608 (a test's own constant)
+                        f"'{control_id}' ORDER BY id")  # a test's own constant
             return [(r["node_id"], r["detail"]) for r in cur.fetchall()]
     finally:
         s.close()
@@ -292,8 +291,12 @@ def test_bodies_are_for_op_and_admin_only_on_purpose_and_each_read_is_recorded(v
 
 def test_the_view_in_headless_chromium(view, tmp_path):
     from selenium import webdriver
-    from selenium.common.exceptions import (ElementClickInterceptedException, ElementNotInteractableException,
-                                            NoSuchElementException, StaleElementReferenceException)
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        ElementNotInteractableException,
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -417,8 +420,10 @@ def test_the_view_in_headless_chromium(view, tmp_path):
     try:
         with s.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute("SELECT status FROM stage_inbound WHERE message_id NOT LIKE '%~replay-%' AND control_id = 'VIEW2'")
-            assert [tuple(r.values())[0] if isinstance(r, dict) else r[0] for r in cur.fetchall()] == ["pending"]
+            cur.execute(
+                "SELECT status FROM stage_inbound WHERE message_id NOT LIKE '%~replay-%' AND control_id = 'VIEW2'"
+            )
+            assert [next(iter(r.values())) if isinstance(r, dict) else r[0] for r in cur.fetchall()] == ["pending"]
     finally:
         s.close()
 

@@ -125,7 +125,8 @@ def test_a_lookup_table_already_in_the_store_needs_no_csv(tmp_path):
     check = [str(STAGELINE), "config", "check", str(conf), "--service-config", str(tmp_path / "stageline.toml")]
     missing = subprocess.run(check, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "lookup table 'patient_class': no lookups/patient_class.csv" in missing.stdout
-    for argv in (["db", "migrate"], ["lookups", "import", "patient_class", str(ROOT / "config/lookups/patient_class.csv")]):
+    csv = str(ROOT / "config/lookups/patient_class.csv")
+    for argv in (["db", "migrate"], ["lookups", "import", "patient_class", csv]):
         subprocess.run([str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), *argv], check=True,
                        capture_output=True, timeout=60)
     found = subprocess.run(check, capture_output=True, text=True, timeout=60)
@@ -138,8 +139,21 @@ def test_listenerd_refuses_a_broken_config_dir_naming_every_problem(tmp_path):
     # a migrated store: the lookup tables a transform names are looked for there too (unreadable, unchecked)
     subprocess.run([str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), "db", "migrate"], check=True,
                    capture_output=True, timeout=60)
-    done = subprocess.run([sys.executable, "-m", "listeners.daemon", "--service-config", str(tmp_path / "stageline.toml"),
-                           "--config", str(conf)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "listeners.daemon",
+            "--service-config",
+            str(tmp_path / "stageline.toml"),
+            "--config",
+            str(conf),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert_every_problem(done.stderr, conf, prefix="listenerd: configuration error: ")
 

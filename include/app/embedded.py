@@ -207,8 +207,12 @@ def _stage_runs_waiting(password: str) -> bool:
     sent would wait on that (about ten seconds after the processes are up) instead of moving."""
     base = f"http://127.0.0.1:{AIRFLOW_PORT}"
     try:
-        login = urllib.request.Request(f"{base}/auth/token", method="POST", headers={"Content-Type": "application/json"},  # noqa: S310  loopback http://
-                                       data=json.dumps({"username": "admin", "password": password}).encode())
+        login = urllib.request.Request(  # noqa: S310  loopback http://
+            f"{base}/auth/token",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"username": "admin", "password": password}).encode(),
+        )
         with urllib.request.urlopen(login, timeout=5) as resp:  # noqa: S310  loopback http://
             token = json.load(resp)["access_token"]
         query = urllib.request.Request(  # noqa: S310  loopback http://
@@ -278,7 +282,7 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         echo("migrating Airflow's metadata DB (first run: about a minute) ...")
         subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,  # noqa: S603  fixed argv
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        from include.spark import start_connect_server, stop_connect_server
+        from include.spark import start_connect_server
 
         echo(f"  starting spark-connect     (log: {var / 'log' / 'spark-connect'})")
         spark = start_connect_server(SPARK_CONNECT_PORT, log_dir=var / "log" / "spark-connect",
@@ -292,13 +296,33 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
             ready = (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health")) \
                 if name == "airflow-api-server" else (lambda: True)
             stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
-        stack.start(Proc("demo-receiver", python_module(
-            "include.app.cli", "demo", "receive", "--host", demo.RECEIVER_HOST, "--port", str(demo.RECEIVER_PORT),
-            "--out", str(demo.receiver_dir(var))), env=SMALL_MACHINE_ENV, ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST)))
+        stack.start(
+            Proc(
+                "demo-receiver",
+                python_module(
+                    "include.app.cli",
+                    "demo",
+                    "receive",
+                    "--host",
+                    demo.RECEIVER_HOST,
+                    "--port",
+                    str(demo.RECEIVER_PORT),
+                    "--out",
+                    str(demo.receiver_dir(var)),
+                ),
+                env=SMALL_MACHINE_ENV,
+                ready=lambda: port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST),
+            )
+        )
         api_port = ends.api_port
-        stack.start(Proc("listenerd", python_module("listeners.daemon", "--service-config", str(service_config),
-                                                    "--config", str(config_dir)),
-                         env={"STAGELINE_API_TOKEN": token, **SMALL_MACHINE_ENV}, ready=lambda: port_open(api_port, ends.api_host)))
+        stack.start(
+            Proc(
+                "listenerd",
+                python_module("listeners.daemon", "--service-config", str(service_config), "--config", str(config_dir)),
+                env={"STAGELINE_API_TOKEN": token, **SMALL_MACHINE_ENV},
+                ready=lambda: port_open(api_port, ends.api_host),
+            )
+        )
         echo("  stage DAGs                waiting for their first runs ...")
         started = time.monotonic()
         while not _stage_runs_waiting(password):
@@ -326,8 +350,10 @@ def banner(cfg: ServiceConfig, config_dir: Path, ends: Endpoints, deliveries: li
     the API token only with `show_secrets` (a terminal's scrollback and a CI log outlive the run);
     otherwise where they are kept."""
     delivered = "\n                      ".join(f"{name:<8} → {place}" for name, place in deliveries)
-    inbound = "\n".join(f"  {kind.upper() + ' inbound':<19} {where:<19} ({name})" for name, kind, where in ends.inbound) \
+    inbound = (
+        "\n".join(f"  {kind.upper() + ' inbound':<19} {where:<19} ({name})" for name, kind, where in ends.inbound)
         or "  (no inbound connections configured)"
+    )
     if any(kind == "mllp" for _, kind, _ in ends.inbound):
         inbound += "\n                      try: uv run stageline demo send --port <the MLLP port>"
     login = password if show_secrets else f"<the password in {password_file}>"

@@ -6,10 +6,11 @@
 
 A `Stage` is read by everything that works on a stage: the Spark job (`spark_jobs.stage_job.
 run_stage_job` claims from `input`, reads with `read_query`/`schema`, lands into `landing`, calls
-`finalize`), the Airflow plugin (the DAG `stage_<name>`, its task `<name>`, its claim keeper), the leader check (`work_pending`: which table is this stage's work, which stages come
-before it) and the batch history (`stage_batches.stage` is the stage's name). A stage has this one
-name; its input table has its own (`StagedTable.key`: `inbound`, `routed`, `outbound`), which the
-audit trail, retention and `stageline stages` use.
+`finalize`), the Airflow plugin (the DAG `stage_<name>`, its task `<name>`, its claim keeper), the
+leader check (`work_pending`: which table is this stage's work, which stages come before it) and the
+batch history (`stage_batches.stage` is the stage's name). A stage has this one name; its input
+table has its own (`StagedTable.key`: `inbound`, `routed`, `outbound`), which the audit trail,
+retention and `stageline stages` use.
 
 Why here, in the store: the record is read where Spark must not be imported — when Airflow parses
 a DAG file, by the leader check, by the embedded stack and the lab — and everything in it is the
@@ -27,8 +28,14 @@ from typing import Any
 
 from include.store import queries
 from include.store.db import INBOUND, OUTBOUND, ROUTED, StagedTable, Store
-from include.store.finalize import (DeliverOutcome, RouteOutcome, TransformOutcome, finalize_deliveries,
-                                    finalize_route, finalize_transform)
+from include.store.finalize import (
+    DeliverOutcome,
+    RouteOutcome,
+    TransformOutcome,
+    finalize_deliveries,
+    finalize_route,
+    finalize_transform,
+)
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 

@@ -20,11 +20,11 @@ from typing import Any
 import hl7
 from hl7.client import MLLPClient
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon, toml_value
 from include.app.lab.postgres_server import wait_for
-from include.spark import classic_spark_connection
 from include.app.supervisor import port_open
+from include.config import StoreConfig
+from include.spark import classic_spark_connection
 from include.store import Store, lookups
 from tests.dags.conftest import DAG_TEST_SECONDS, DAGS, PLUGINS
 from tests.spark_jobs.test_senders import MllpReceiver

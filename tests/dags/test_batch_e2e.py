@@ -13,8 +13,8 @@ from pathlib import Path
 
 import hl7
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import free_port, wait_for
+from include.config import StoreConfig
 from include.store import Store
 from listeners.hl7batch import split_batch
 from tests.dags.e2e import (

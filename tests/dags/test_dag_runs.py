@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -336,7 +336,7 @@ def test_retention_run_purges_old_finished_rows_and_old_stage_dag_runs(sqlite_se
         rl.claim_batch(tx, INBOUND, owner="job", epoch=epoch, limit=3)
         rl.finish_batch(tx, INBOUND, ids[:3], owner="job", epoch=epoch)
     age(store, "stage_inbound", "updated_at", f"id IN ({ids[0]}, {ids[1]}, {ids[3]})", 8 * DAY)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     old_run = _stage_route_run_at(now - timedelta(days=2))
     recent_run = _stage_route_run_at(now - timedelta(minutes=5))
     assert states(old_run) == {"leader_check": "success", "recover": "success", "wait_for_work": "success",

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port
+from include.config import StoreConfig
 from include.store import Store
 from tests.dags.e2e import (
     listenerd,
@@ -113,7 +113,9 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
     events = rows(store, "SELECT message_id, event, node_id, detail FROM message_events "
                          "WHERE node_id LIKE 'operator:%' ORDER BY id")
     assert [(e["event"], e["node_id"]) for e in events] == (
-        [("requeued", "operator:tester")] * len(nak_orus) + [("replayed", "operator:tester"), ("staged", "operator:tester")])
+        [("requeued", "operator:tester")] * len(nak_orus)
+        + [("replayed", "operator:tester"), ("staged", "operator:tester")]
+    )
     assert all(e["detail"] == "lab receiver fixed (INC-7)" for e in events[:len(nak_orus)])
     assert events[-2]["message_id"] == original and "EHR lost it" in events[-2]["detail"]
     story = as_json(svc, "messages", "show", original)

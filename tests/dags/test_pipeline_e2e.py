@@ -16,9 +16,9 @@ from pathlib import Path
 
 import hl7
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import store_toml
 from include.app.lab.postgres_server import free_port, wait_for
+from include.config import StoreConfig
 from include.store import Store, rowlease
 from include.store.lease import acquire_permanent
 from tests.dags.e2e import (
@@ -107,7 +107,9 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
             for dag_id, job in (("stage_route", "route"), ("stage_transform", "transform"),
                                 ("stage_deliver", "deliver"))]
 
-    message_ids = {r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")}
+    message_ids = {
+        r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")
+    }
     by_patient: dict[str, list[str]] = defaultdict(list)
     for control_id, patient, _ in sent:
         by_patient[patient].append(control_id)
@@ -204,15 +206,31 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
     assert claimed == n  # killed before its finalize: the whole batch is stranded
     assert rows(store, "SELECT count(*) AS n FROM stage_routed") == [{"n": 0}]
 
-    wait_for(lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'"
-                                 + (" AND lease_expires_at > (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))"
-                                    if store.backend == "sqlite" else " AND lease_expires_at > now()"))[0]["n"] == 0,
-             timeout=lease + 10, what="the stranded row leases to expire (DB clock)")
+    wait_for(
+        lambda: (
+            rows(
+                store,
+                "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'"
+                + (
+                    " AND lease_expires_at > (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))"
+                    if store.backend == "sqlite"
+                    else " AND lease_expires_at > now()"
+                ),
+            )[0]["n"]
+            == 0
+        ),
+        timeout=lease + 10,
+        what="the stranded row leases to expire (DB clock)",
+    )
     results = dag_results(run_dags(service, pipeline, "maintenance_reclaim", "stage_route"))
     assert [r["states"].get("reclaim") or r["states"].get("route") for r in results] == ["success", "success"]
 
-    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [{"status": "done", "n": n}]
-    assert rows(store, "SELECT count(*) AS n, count(DISTINCT source_id) AS s FROM stage_routed") == [{"n": 2 * n, "s": n}]
+    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [
+        {"status": "done", "n": n}
+    ]
+    assert rows(store, "SELECT count(*) AS n, count(DISTINCT source_id) AS s FROM stage_routed") == [
+        {"n": 2 * n, "s": n}
+    ]
     assert rows(store, "SELECT count(*) AS n FROM landing_routed") == [{"n": 0}]
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'lease_expired'") == [{"n": n}]
     store.close()
@@ -226,8 +244,12 @@ def test_a_killed_route_jobs_claim_comes_back_when_the_next_task_starts_not_a_ro
 
     results = dag_results(run_dags(service, pipeline, "stage_route"))  # the next run: no sweep, no wait
     assert results[0]["states"]["route"] == "success"
-    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [{"status": "done", "n": n}]
-    assert rows(store, "SELECT count(*) AS n, count(DISTINCT source_id) AS s FROM stage_routed") == [{"n": 2 * n, "s": n}]
+    assert rows(store, "SELECT status, count(*) AS n FROM stage_inbound GROUP BY status") == [
+        {"status": "done", "n": n}
+    ]
+    assert rows(store, "SELECT count(*) AS n, count(DISTINCT source_id) AS s FROM stage_routed") == [
+        {"n": 2 * n, "s": n}
+    ]
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'recovered'") == [{"n": n}]
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'lease_expired'") == [{"n": 0}]
     store.close()

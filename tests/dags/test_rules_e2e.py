@@ -128,7 +128,9 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
             assert send(ports[connection], [text]) == [("AA", control_id)]
         results = run_stages(daemon)
         assert all(state == "success" for r in results for state in r["states"].values()), results
-    message_ids = {r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")}
+    message_ids = {
+        r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")
+    }
     yield Outcome(store=store, ehr=ehr.texts, alerts=alerts.texts,
                   lab={p.name: p.read_bytes().decode() for p in lab.iterdir()},
                   archive={p.name: p.read_bytes().decode() for p in archive.iterdir()}, message_ids=message_ids)
@@ -159,13 +161,16 @@ def test_when_rules_generated_control_ids_and_a_map_dead_letter(outcome: Outcome
     adt1, adt2 = got
     control_ids = [field(t, "MSH.F10") for t in got]
     assert all(c.startswith("SL") and len(c) == 20 for c in control_ids) and len(set(control_ids)) == 2
-    assert adt1 == SENT["ADT1"][1].replace("|STAGELINE|SL|", "|WARDS|SL|").replace("|ADT1|P|", f"|{control_ids[0]}|P|") \
-        .replace("19610615", "1961-06-15").replace("PV1|1|I", "PV1|1|IN")
+    assert adt1 == SENT["ADT1"][1].replace("|STAGELINE|SL|", "|WARDS|SL|").replace(
+        "|ADT1|P|", f"|{control_ids[0]}|P|"
+    ).replace("19610615", "1961-06-15").replace("PV1|1|I", "PV1|1|IN")
     assert adt2 == SENT["ADT2"][1].replace("|ADT2|P|", f"|{control_ids[1]}|P|") \
         .replace("19610615", "1961-06-15").replace("PV1|1|O", "PV1|1|OUT")  # when false: MSH-5 kept
     assert routed(outcome)[("ADT3", "ehr")][1:] == (
         "dead", "dead-lettered: the value at PV1-2 is not in lookup table 'patient_class'")
-    outbound = rows(outcome.store, "SELECT control_id, destination, status FROM stage_outbound WHERE destination = 'ehr'")
+    outbound = rows(
+        outcome.store, "SELECT control_id, destination, status FROM stage_outbound WHERE destination = 'ehr'"
+    )
     assert sorted((r["control_id"], r["status"]) for r in outbound) == [("ADT1", "done"), ("ADT2", "done")]
 
 

@@ -91,7 +91,9 @@ def test_one_sender_of_bad_messages_harms_none_of_eight_good_senders(daemon, sto
         counts = Counter(r["control_id"] for r in rows)
         assert counts == Counter(f"G{s}-{i}" for s in range(GOOD_SENDERS) for i in range(PER_SENDER))  # once each
         for s in range(GOOD_SENDERS):  # each sender's lane in its sending order
-            assert [r["control_id"] for r in rows if r["lane_key"] == f"P{s}"] == [f"G{s}-{i}" for i in range(PER_SENDER)]
+            assert [r["control_id"] for r in rows if r["lane_key"] == f"P{s}"] == [
+                f"G{s}-{i}" for i in range(PER_SENDER)
+            ]
         metrics = daemon.get("/metrics")[1].decode()
         assert f'stageline_acks_total{{code="AR",connection="adt-in"}} {float(BAD)}' in metrics
         assert 'stageline_acks_total{code="AE",connection="adt-in"} 0.0' in metrics
@@ -112,11 +114,17 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
     ports = {kind: free_port() for kind in ("mllp", "tcp", "http")}
     drop, archive = tmp_path / "drop", tmp_path / "archive"
     drop.mkdir()
-    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", inbound=[
-        {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"]},
-        {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"]},
-        {"name": "in-http", "kind": "http", "port": ports["http"]},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(archive), "poll_seconds": 0.1}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:aa",
+        inbound=[
+            {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"]},
+            {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"]},
+            {"name": "in-http", "kind": "http", "port": ports["http"]},
+            {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(archive), "poll_seconds": 0.1},
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")

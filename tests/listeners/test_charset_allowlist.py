@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from include.charsets import ALLOWED_CODECS
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
+from include.charsets import ALLOWED_CODECS
 from tests.conftest import migrated_sqlite
 from tests.support import hostile
 from tests.support.watch import Watch
@@ -88,9 +88,13 @@ def test_refused_charsets_are_counted_as_ar(node) -> None:
     d, ports = node
     post(ports["http"], b"hello", "rot13")
     _, metrics = d.get("/metrics")
-    line = next(line for line in metrics.decode().splitlines()
-                if line.startswith('stageline_acks_total{code="AR",connection="web"}')
-                or line.startswith('stageline_acks_total{connection="web",code="AR"}'))
+    line = next(
+        line
+        for line in metrics.decode().splitlines()
+        if line.startswith(
+            ('stageline_acks_total{code="AR",connection="web"}', 'stageline_acks_total{connection="web",code="AR"}')
+        )
+    )
     assert float(line.split()[-1]) >= 1
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import json
 import sqlite3
-from dataclasses import replace
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -21,8 +21,8 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 from twisted.trial import unittest as trial
 
-from include.config import StoreConfig
 from include.app.lab.postgres_server import PostgresServer
+from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections_config import ConnectionConfigError, DatabaseSource, InboundConfig, load_config_dir
@@ -106,9 +106,10 @@ def test_a_database_connection_loads_with_its_source(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("change,error", [
-    (('backend = "postgres"', 'backend = "oracle"'), "database.backend: must be one of 'postgres', 'sqlserver', 'sqlite'"),
-    (('username = "reader"', 'password = "secret"'), "database.password: a password in the config file is refused \\(put "
-                                                     "the password in an environment variable"),
+    (('backend = "postgres"', 'backend = "oracle"'),
+     "database.backend: must be one of 'postgres', 'sqlserver', 'sqlite'"),
+    (('username = "reader"', 'password = "secret"'),
+     "database.password: a password in the config file is refused \\(put the password in an environment variable"),
     (("WHERE id > :watermark ", ""), 'strategy = "watermark" needs :watermark in query'),
     (("SELECT id, hl7", "DELETE FROM outbox; SELECT id, hl7"), "query must be a SELECT"),
     (("LIMIT :limit", "LIMIT :n"), "query takes only :limit, :watermark, got :n"),
@@ -128,7 +129,8 @@ def test_bad_database_settings_are_refused_at_load_naming_the_setting(tmp_path: 
 
 
 def test_a_database_connection_without_its_source_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.database: a database connection needs an \[inbound.database\] table"):
+    with pytest.raises(ConnectionConfigError,
+                       match=r"inbound\[0\]\.database: a database connection needs an \[inbound.database\] table"):
         load_config_dir(write_conf(tmp_path, GOOD.split("[inbound.database]")[0]))
 
 

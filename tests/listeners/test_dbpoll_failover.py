@@ -77,7 +77,7 @@ def received(store_config: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_every_source_row_is_staged_exactly_once_across_a_leader_kill(tmp_path, pg_config_fresh, pg_server,
-                                                                       source_db, strategy):  # noqa: F811
+                                                                       source_db, strategy):
     conn = {"name": "lab-db", "kind": "database", "poll_seconds": 0.05, "lane_key": "PID-3",
             "database": {"backend": "postgres", "server": pg_server.host, "port": pg_server.port,
                          "database": source_db, "username": pg_server.user, "key_column": "id",

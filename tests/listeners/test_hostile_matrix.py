@@ -30,10 +30,10 @@ from typing import Any
 
 import pytest
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
 from include.app.supervisor import port_open
+from include.config import StoreConfig
 from tests.conftest import TEMPLATE_DB, migrated_sqlite, pg_config
 from tests.support import hostile
 from tests.support.hostile import FS_CR, VT, Peer

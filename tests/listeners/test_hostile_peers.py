@@ -56,7 +56,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
         {"name": "plain", "kind": "mllp", "port": ports["mllp"], **LIMITS},
         {"name": "secure", "kind": "mllp", "port": ports["tls"], "tls": tls, **LIMITS},
         {"name": "secure-idle", "kind": "mllp", "port": ports["tls-idle"], "tls": tls,
-         **{**LIMITS, "idle_timeout_seconds": IDLE_TIMEOUT_SECONDS}},
+         **LIMITS, "idle_timeout_seconds": IDLE_TIMEOUT_SECONDS},
         {"name": "raw", "kind": "tcp", "port": ports["tcp"], **LIMITS},
         {"name": "web", "kind": "http", "port": ports["http"], **LIMITS}]).start()
     ports["api"] = d.api_port

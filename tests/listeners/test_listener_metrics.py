@@ -42,7 +42,7 @@ class Senders:
                 chunk = s.recv(65536)
                 assert chunk, "connection closed without an answer"
                 reply += chunk
-        msa = [seg for seg in reply.strip(b"\x0b\x1c\r").split(b"\r") if seg.startswith(b"MSA|")][0]
+        msa = next(seg for seg in reply.strip(b"\x0b\x1c\r").split(b"\r") if seg.startswith(b"MSA|"))
         return msa.split(b"|")[1].decode()
 
     def tcp(self, payload: bytes) -> str:
@@ -103,8 +103,8 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
         big = adt("BIG", name="X" * LIMIT).encode()
         not_hl7 = b"HELLO, this is not HL7"
         # newline framing takes a trailing CR before the LF as part of the line end
-        size = {kind: len for kind in KINDS} | {"tcp": lambda m: len(m) - m.endswith(b"\r")}
-        read_bytes = {kind: 0 for kind in KINDS}  # bytes each transport read, as the counter defines them
+        size = dict.fromkeys(KINDS, len) | {"tcp": lambda m: len(m) - m.endswith(b"\r")}
+        read_bytes = dict.fromkeys(KINDS, 0)  # bytes each transport read, as the counter defines them
         answers = {kind: [] for kind in KINDS}
         for kind in KINDS:
             for i, m in enumerate(good):

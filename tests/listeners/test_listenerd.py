@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -16,10 +15,10 @@ import hl7
 import pytest
 from hl7.mllp import open_hl7_connection
 
-from include.config import StoreConfig
 from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
+from include.config import StoreConfig
 from include.store import Store
 from tests.conftest import migrated_sqlite
 from tests.listeners.conftest import cluster_for
@@ -33,7 +32,10 @@ def staged(store_config: StoreConfig, where: str = "1=1") -> list[dict]:
     try:
         with store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute(f"SELECT control_id, connection, lane_key, charset, payload FROM inbound_messages WHERE {where} ORDER BY id")
+            cur.execute(
+                "SELECT control_id, connection, lane_key, charset, payload FROM inbound_messages "
+                f"WHERE {where} ORDER BY id"
+            )
             return [dict(r) for r in cur.fetchall()]
     finally:
         store.close()
@@ -92,14 +94,20 @@ def test_mllp_send_command_line_client(daemon, store_config, tmp_path):
     out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--quiet",
                           "--loose", "127.0.0.1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--loose", "127.0.0.1"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--loose", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     acks = [ack_fields("MSH|" + part) for part in out.stdout.replace("\n", "\r").split("MSH|")[1:]]
     assert [code for code, _ in acks] == ["AA"] * 3
     assert [r["control_id"] for r in staged(store_config, "control_id LIKE 'CLI%'")] == ["CLI0", "CLI1", "CLI2"] * 2
 
 
-def _exchange(port: int, data: bytes | list[bytes], *, expect_acks: int, timeout: float = 10) -> tuple[list[bytes], bool]:
+def _exchange(
+    port: int, data: bytes | list[bytes], *, expect_acks: int, timeout: float = 10
+) -> tuple[list[bytes], bool]:
     """Send raw bytes (a list = separate writes), read `expect_acks` framed ACKs; report a close."""
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     for chunk in data if isinstance(data, list) else [data]:
@@ -111,7 +119,7 @@ def _exchange(port: int, data: bytes | list[bytes], *, expect_acks: int, timeout
     while len(acks) < expect_acks and time.monotonic() < deadline:
         try:
             chunk = s.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             break
         if not chunk:
             closed = True
@@ -124,7 +132,7 @@ def _exchange(port: int, data: bytes | list[bytes], *, expect_acks: int, timeout
         s.settimeout(1.0)
         try:
             closed = s.recv(1) == b""
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             closed = False
     s.close()
     return acks, closed
@@ -146,14 +154,22 @@ BAD_INPUT = [
     ("missing MSH-10", mllp(adt("").replace("|P|2.5.1", "|P|2.5.1", 1)), [("AR", "")]),
     # a header that cannot be decoded, but whose MSH-10 is plain ASCII: the reject names the message
     ("unknown charset in MSH-18", mllp(adt("C1", charset="KLINGON")), [("AR", "C1")]),
-    ("bytes invalid in the declared charset", mllp(adt("C2", charset="UNICODE UTF-8").encode().replace(b"DOE", b"D\xffE")), [("AR", "C2")]),
+    (
+        "bytes invalid in the declared charset",
+        mllp(adt("C2", charset="UNICODE UTF-8").encode().replace(b"DOE", b"D\xffE")),
+        [("AR", "C2")],
+    ),
     ("garbage before a frame", b"hello\x00\xff" + mllp(adt("G1")), [("AA", "G1")]),
     ("frame split byte by byte", [bytes([b]) for b in mllp(adt("S1"))], [("AA", "S1")]),
     ("two frames in one write", mllp(adt("T1")) + mllp(adt("T2")), [("AA", "T1"), ("AA", "T2")]),
     ("FS without CR", VT + adt("F1").encode() + FS + mllp(adt("F2")), [("AA", "F1"), ("AA", "F2")]),
     ("interrupted frame restarted", VT + b"MSH|^~\\&|half" + mllp(adt("R1")), [("AA", "R1")]),
     ("LF segment terminators", mllp(adt("L1", segment_end="\n")), [("AA", "L1")]),
-    ("8859/1 with a non-ASCII name", mllp(adt("I1", charset="8859/1", name="MÜLLER^ÅSA").encode("latin-1")), [("AA", "I1")]),
+    (
+        "8859/1 with a non-ASCII name",
+        mllp(adt("I1", charset="8859/1", name="MÜLLER^ÅSA").encode("latin-1")),
+        [("AA", "I1")],
+    ),
     ("oversize with a readable header", mllp(adt("O1") + "NTE|1||" + "x" * BIG + "\r"), [("AR", "O1")]),
     ("oversize with no header", mllp(b"y" * BIG), "close"),
 ]
@@ -278,7 +294,7 @@ def test_mllp_over_mutual_tls_accepts_only_clients_with_a_trusted_certificate(tm
             plain.sendall(mllp(adt("PLAIN1")))
             try:
                 reply = plain.recv(65536)
-            except (ConnectionResetError, socket.timeout):
+            except (TimeoutError, ConnectionResetError):
                 reply = b""
             assert b"MSA" not in reply
         assert [r["control_id"] for r in staged(store_config)] == ["TLS1"]

@@ -18,7 +18,7 @@ from twisted.internet.testing import (
 from twisted.logger import LogEvent, formatEvent
 from twisted.python.failure import Failure
 
-from listeners.hl7ack import AckCode, AckDecision
+from listeners.hl7ack import AckDecision
 from listeners.mllp_listener import (
     Message,
     MLLPConfig,

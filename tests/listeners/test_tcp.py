@@ -21,7 +21,7 @@ from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
 from listeners.connections_config import InboundConfig
-from listeners.group_commit import Inbound, IngestWriter, NotLeader, StoreUnavailable
+from listeners.group_commit import IngestWriter, NotLeader, StoreUnavailable
 from listeners.metrics import Metrics
 from listeners.tcp import (
     Frame,

@@ -12,12 +12,12 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.testing import assertDataFrameEqual
 
+from include.destinations_config import lane_key, parse_destinations
 from include.store import Store
+from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.store.lease import acquire_permanent
 from include.store.queries import to_pyformat
 from include.store.rowlease import recover_on_promotion
-from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
-from include.destinations_config import lane_key, parse_destinations
 from spark_jobs import deliver_job
 from tests.spark_jobs.test_senders import (  # noqa: F401 — fixtures and the real receivers
     HttpReceiver,
@@ -118,9 +118,20 @@ def test_deliver_lanes_sends_each_row_and_reports_unknown_destinations_as_retrya
                {"id": 2, "destination": "gone", "lane_key": "gone", "payload": "b", "content_type": None,
                 "idempotency_key": "k2", "attempts": 1}]
     assert list(deliver_job.deliver_lanes(claimed, dests)) == [
-        {"id": 1, "destination": "archive", "ok": True, "retryable": False, "detail": "archive: wrote k1.hl7 (1 bytes)"},
-        {"id": 2, "destination": "gone", "ok": False, "retryable": True,
-         "detail": "destination 'gone' is not configured"},
+        {
+            "id": 1,
+            "destination": "archive",
+            "ok": True,
+            "retryable": False,
+            "detail": "archive: wrote k1.hl7 (1 bytes)",
+        },
+        {
+            "id": 2,
+            "destination": "gone",
+            "ok": False,
+            "retryable": True,
+            "detail": "destination 'gone' is not configured",
+        },
     ]
 
 
@@ -258,7 +269,9 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_the_next_leader_redeli
     new = acquire_permanent(store, node_id="new")
     with pytest.raises(StaleEpoch):
         finalize_deliveries(store, outcomes, owner="old/run", epoch=old, destinations=parse_destinations(config))
-    assert rows(store, "SELECT status, claim_epoch FROM stage_outbound") == [{"status": "in_flight", "claim_epoch": old}]
+    assert rows(store, "SELECT status, claim_epoch FROM stage_outbound") == [
+        {"status": "in_flight", "claim_epoch": old}
+    ]
     assert rows(store, "SELECT count(*) AS n FROM message_events") == [{"n": 0}]
     assert run(store, None, old, config) == DeliverOutcome()  # a deposed leader claims nothing either
     with store.transaction() as tx:
@@ -280,7 +293,7 @@ def test_a_row_for_an_unconfigured_destination_waits_instead_of_dying(store, out
 class _BrokenSpark:
     """Stands in for a Spark session whose job fails (the failure path, not Spark itself, is under test)."""
 
-    def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 — Spark's name
+    def createDataFrame(self, *args: Any, **kwargs: Any) -> Any:  # Spark's name
         raise RuntimeError("spark is down")
 
 

@@ -69,8 +69,22 @@ class Daemon:
         env = {**os.environ, "STAGELINE_TEST_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         self.log = open(self.workdir / "listenerd.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "listeners.daemon", "--service-config", str(self.workdir / "stageline.toml"),
-             "--config", str(self.config_dir or self.workdir / "config"), "--api-port", str(self.api_port)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "listeners.daemon",
+                "--service-config",
+                str(self.workdir / "stageline.toml"),
+                "--config",
+                str(self.config_dir or self.workdir / "config"),
+                "--api-port",
+                str(self.api_port),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         if wait:
             wait_for(lambda: self.proc.poll() is not None or self.health(), timeout=30, what=f"{self.node_id} API")
             if self.proc.poll() is not None:

@@ -94,7 +94,11 @@ def vip_servers(stats_port: int, backend: str = "mllp_leader") -> dict[str, str]
 
     with urllib.request.urlopen(f"http://127.0.0.1:{stats_port}/;csv", timeout=2) as resp:
         rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
-        return {r["svname"]: r["status"] for r in rows if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")}
+        return {
+            r["svname"]: r["status"]
+            for r in rows
+            if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")
+        }
 
 
 @dataclass(frozen=True)
@@ -242,9 +246,13 @@ class Lab:
     def backlog(self) -> dict[str, int]:
         """Staged rows not finished, per `table:status` (empty when everything is delivered)."""
         rows = self.query(
-            "SELECT 'inbound:' || status AS k, count(*) AS n FROM stage_inbound WHERE status NOT IN ('done', 'unrouted') GROUP BY status"
-            " UNION ALL SELECT 'routed:' || status, count(*) FROM stage_routed WHERE status <> 'done' GROUP BY status"
-            " UNION ALL SELECT 'outbound:' || status, count(*) FROM stage_outbound WHERE status <> 'done' GROUP BY status")
+            "SELECT 'inbound:' || status AS k, count(*) AS n FROM stage_inbound"
+            " WHERE status NOT IN ('done', 'unrouted') GROUP BY status"
+            " UNION ALL SELECT 'routed:' || status, count(*) FROM stage_routed"
+            " WHERE status <> 'done' GROUP BY status"
+            " UNION ALL SELECT 'outbound:' || status, count(*) FROM stage_outbound"
+            " WHERE status <> 'done' GROUP BY status"
+        )
         return {r["k"]: int(r["n"]) for r in rows}
 
     def processes(self) -> dict[str, int | None]:
@@ -265,7 +273,9 @@ class Lab:
 
     def summary(self) -> str:
         """Where everything is, for a person (what `stageline lab up` would print)."""
-        lines = [f"MLLP VIP            127.0.0.1:{self.vip_port}" if self.haproxy else "MLLP VIP            (no HAProxy)"]
+        lines = [
+            f"MLLP VIP            127.0.0.1:{self.vip_port}" if self.haproxy else "MLLP VIP            (no HAProxy)"
+        ]
         for n in self.nodes.values():
             lines.append(f"listenerd {n.name}         MLLP 127.0.0.1:{n.mllp_port}, API http://127.0.0.1:{n.daemon.api_port}"
                          f", DB via proxy :{n.proxy.port} (pid {n.pid})")
@@ -292,7 +302,11 @@ class Lab:
         if self.pg is not None:
             out["postgresql"] = self.pg.port
         for n in self.nodes.values():
-            out |= {f"{n.name}-mllp": n.mllp_port, f"{n.name}-api": n.daemon.api_port, f"{n.name}-dbproxy": n.proxy.port}
+            out |= {
+                f"{n.name}-mllp": n.mllp_port,
+                f"{n.name}-api": n.daemon.api_port,
+                f"{n.name}-dbproxy": n.proxy.port,
+            }
         return out
 
     # --- start / stop --------------------------------------------------------------------------
@@ -380,7 +394,7 @@ class Lab:
             try:
                 node.daemon.signal(signal.SIGCONT)  # a paused node cannot act on SIGTERM
                 node.daemon.stop(timeout=10)
-            except Exception as exc:  # noqa: BLE001 — keep stopping the rest
+            except Exception as exc:  # keep stopping the rest
                 self.echo(f"  stopping listenerd {node.name}: {exc}")
             node.proxy.stop()
         from include.spark import stop_connect_server
@@ -559,9 +573,14 @@ class Lab:
     def _write_haproxy_config(self) -> Path:
         """deploy/haproxy.cfg's VIP, on loopback (see `haproxy_config`)."""
         path = self.dir / "haproxy.cfg"
-        path.write_text(haproxy_config(self.vip_port, self.haproxy_stats_port,
-                                       [(f"node-{n.name}", n.mllp_port, n.daemon.api_port) for n in self.nodes.values()],
-                                       inter_ms=self.timings.haproxy_check_ms))
+        path.write_text(
+            haproxy_config(
+                self.vip_port,
+                self.haproxy_stats_port,
+                [(f"node-{n.name}", n.mllp_port, n.daemon.api_port) for n in self.nodes.values()],
+                inter_ms=self.timings.haproxy_check_ms,
+            )
+        )
         return path
 
     def _start_spark_into(self, errors: list[BaseException]) -> None:
@@ -569,7 +588,7 @@ class Lab:
             self.start_spark()
             if self.second_spark:
                 self.start_spark_b()
-        except BaseException as exc:  # noqa: BLE001 — re-raised by the starting thread
+        except BaseException as exc:  # re-raised by the starting thread
             errors.append(exc)
 
     def airflow_env(self) -> dict[str, str]:
