@@ -148,14 +148,14 @@ def _passes(key: str, ages: Mapping[str, float],
 
 
 def _ages(older_than_seconds: float | Mapping[str, float], *, keys: tuple[str, ...] | None = None) -> dict[str, float]:
-    keys = list(keys) if keys is not None else [t.key for t in STAGED_TABLES] + [EVENTS]
+    known = list(keys) if keys is not None else [t.key for t in STAGED_TABLES] + [EVENTS]
     if isinstance(older_than_seconds, Mapping):
-        unknown = sorted(set(older_than_seconds) - set(keys))
+        unknown = sorted(set(older_than_seconds) - set(known))
         if unknown:
-            raise ValueError(f"unknown retention key(s) {unknown}; known: {keys}")
+            raise ValueError(f"unknown retention key(s) {unknown}; known: {known}")
         ages = {k: float(v) for k, v in older_than_seconds.items()}
     else:
-        ages = dict.fromkeys(keys, float(older_than_seconds))
+        ages = dict.fromkeys(known, float(older_than_seconds))
     negative = sorted(k for k, v in ages.items() if v < 0)
     if negative:
         raise ValueError(f"retention must not be negative: {negative}")

@@ -178,7 +178,7 @@ class _AckShape:
     plain: Callable[[str], str]
 
 
-_SHAPES: dict[tuple, _AckShape] = {}
+_SHAPES: dict[tuple[str | None, ...], _AckShape] = {}
 _MAX_SHAPES = 1024  # distinct sender/receiver/type combinations kept; cleared when exceeded
 
 

@@ -38,6 +38,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from include.store import Store
+from include.store.dialects import PostgresDialect
 from include.store.durability import UnsafeDurability, postgres_refusal, postgres_synchronous_commit
 from include.store.rowlease import ONE_STATEMENT_STAGING, Staged, Statement, staging
 
@@ -96,6 +97,7 @@ class PgStager:
             raise ValueError("PgStager needs PostgreSQL, whose stage_inbound is one self-contained statement")
         from psycopg.adapt import Transformer
         self._reactor = reactor
+        assert isinstance(store.dialect, PostgresDialect)  # checked just above: store.backend is postgres
         self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
         self._queries = {name: _Query(name, store.sql(name)) for name in ONE_STATEMENT_STAGING
                          if store.has_query(name)}

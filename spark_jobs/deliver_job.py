@@ -167,9 +167,10 @@ def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
         else:
             single.append(lane)
     groups = [sorted(rows, key=lambda r: int(r["id"])) for rows in batched.values()]  # lanes stay in order
-    sends = [[FileSend(dests[r["destination"]], r["payload"], r.get("content_type") or DEFAULT_CONTENT_TYPE,
-                       r["idempotency_key"]) for r in lane] for lane in single]  # type: ignore[arg-type]
-    sends += [[batch_file(dests[rows[0]["destination"]], rows)] for rows in groups]  # type: ignore[arg-type]
+    files = {name: d for name, d in dests.items() if isinstance(d, FileDestination)}  # every lane here is one
+    sends = [[FileSend(files[r["destination"]], r["payload"], r.get("content_type") or DEFAULT_CONTENT_TYPE,
+                       r["idempotency_key"]) for r in lane] for lane in single]
+    sends += [[batch_file(files[rows[0]["destination"]], rows)] for rows in groups]
     results_all = send_file_lanes(sends)
     for rows, [result] in zip(groups, results_all[len(single):]):
         assert result is not None

@@ -36,7 +36,7 @@ from typing import Any
 
 from include.config import StoreConfig
 from include.store import queries
-from include.store.dialects import DIALECTS, Dialect
+from include.store.dialects import DIALECTS, Dialect, PostgresDialect
 from include.store.durability import UnsafeDurability, check_connection
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,9 @@ class Tx:
         started = time.perf_counter()
         cur = self.conn.cursor()
         cur.execute(self.sql(name, table), dict(params or {}))
-        self._timed(name, started, max(cur.rowcount, 0))
-        return cur.rowcount
+        rowcount: int = cur.rowcount
+        self._timed(name, started, max(rowcount, 0))
+        return rowcount
 
     def script(self, text: str) -> None:
         cur = self.conn.cursor()
@@ -190,6 +191,7 @@ class Store:
             from psycopg.rows import dict_row
             from psycopg_pool import ConnectionPool
 
+            assert isinstance(self.dialect, PostgresDialect)
             self._pool = ConnectionPool(
                 kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},
                 min_size=1, max_size=config.pool_size, open=True, name="stageline", timeout=30,

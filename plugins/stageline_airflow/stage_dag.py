@@ -74,5 +74,6 @@ def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) 
                                                                        conf=tasks.SPARK_TASK_CONF) as session:
                 return job(int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number)
 
-        recover(leader.output) >> wait_for_work >> run_job(leader.output)
+        # (TaskFlow passes an XComArg where the task function takes its value: Airflow's types do not say so)
+        recover(leader.output) >> wait_for_work >> run_job(leader.output)  # type: ignore[arg-type]
     return built
