@@ -209,7 +209,7 @@ class LeaderGate(MultiService):
             yield svc.stop_intake()
             svc.close(True)
             yield svc.disownServiceParent()
-            since = self._failing_since.setdefault(svc.name, now)
+            since = self._failing_since.setdefault(svc.conn.name, now)
             self._failed(svc.conn, why, since=since)
 
     def _change(self, d: Deferred[None]) -> Deferred[None]:
@@ -361,7 +361,7 @@ class LeaderGate(MultiService):
         self._logged_failure.clear()
         services = [svc for svc in self if isinstance(svc, InboundService)]
         for svc in services:
-            self._on_bind(svc.name, False, False)
+            self._on_bind(svc.conn.name, False, False)
         return services
 
     @inlineCallbacks

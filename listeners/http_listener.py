@@ -150,9 +150,8 @@ class InboundResource(Resource):
         # one holds many times its size until it is committed.
         def work() -> Deferred[None]:
             built = threads.deferToThread(build)
-            built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
-                               errbackArgs=(request, conn, gone))
-            return built
+            return built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
+                                      errbackArgs=(request, conn, gone))
 
         answered = batchgate.batch_gate.run(len(body), work)
         answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
@@ -174,10 +173,9 @@ class InboundResource(Resource):
     def _submit(self, request: Request, conn: InboundConfig, gone: list[bool],
                 item: Inbound | InboundBatch) -> Deferred[None]:
         d = maybeDeferred(self.ingest.submit, item)
-        d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
-                       errbackArgs=(request, conn, gone))
-        d.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
-        return d
+        answered = d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
+                                  errbackArgs=(request, conn, gone))
+        return answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
 
     def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool],
                    item: Inbound | InboundBatch) -> None:
@@ -223,10 +221,11 @@ class _InboundRequest(Request):
     _refused = False
     _conn: InboundConfig | None = None
     _received = 0
+    content: BytesIO  # gotLength sets it before any body arrives
 
     def gotLength(self, length: int | None) -> None:
         self.content = BytesIO()  # never a temp file: bodies are PHI and are bounded below
-        site = self.channel.site
+        site = self.channel.site  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         # The request line is only the channel's until the body is in; an unknown name
         # (conn None) gets its body discarded unread and a 404 once it is done.
         conn = site.inbound.connection_for(getattr(self.channel, "_path", b""))
@@ -259,9 +258,12 @@ class _InboundRequest(Request):
         reason = _too_large(size, conn.max_message_bytes)
         _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name,
                   peer=_peer(self), reason=reason)
-        self.channel.site.inbound._count(conn, received=self._received, code="AR")  # bytes read: 0 or up to the cut
+        site = self.channel.site  # type: ignore[attr-defined]  # Site.buildProtocol sets it
+        site.inbound._count(conn, received=self._received, code="AR")  # bytes read: 0 or up to the cut
         body = json.dumps({"error": reason}).encode()
-        self.channel.transport.write(
+        transport = self.channel.transport
+        assert transport is not None  # the request's headers just came in on it
+        transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
         access_log.log_refused(self, 413, len(body))  # one access line per request, refused early too

@@ -378,7 +378,8 @@ class MLLPProtocol(OrderedReplyProtocol):
         batch), in arrival order like any message."""
         slot = Slot("batch", weight=max(1, _messages_in(payload)))
         self.enqueue(slot)
-        if self._batch_handler is None:
+        handler = self._batch_handler
+        if handler is None:
             self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
             return
         assert self.peer is not None
@@ -402,12 +403,10 @@ class MLLPProtocol(OrderedReplyProtocol):
         def start() -> Deferred[None] | None:
             if not self._connected:  # the sender left while it waited: nothing stored, it resends
                 return None
-            d = maybeDeferred(self._batch_handler, payload, peer)
+            d = maybeDeferred(handler, payload, peer)
             # The reply timeout counts from here: a turn's wait is bounded by the batches ahead.
             self.await_answer(d, slot, self._config.handler_timeout_seconds, timed_out)
-            d.addCallbacks(done, failed)
-            d.addErrback(self._internal_error, slot)
-            return d
+            return d.addCallbacks(done, failed).addErrback(self._internal_error, slot)
 
         # Large batches take turns process-wide (listeners/batchgate.py): splitting one holds many
         # times its size until it is committed. This connection reads nothing while it waits.
@@ -560,7 +559,8 @@ class MLLPFactory(StreamFactory):
         self.clock = clock
         self.max_connections = self.config.max_connections
 
-    def buildProtocol(self, addr: IAddress) -> MLLPProtocol:
+    # (Twisted's Factory wants a protocol whose `factory` is any Factory; ours names its own)
+    def buildProtocol(self, addr: IAddress | None) -> MLLPProtocol:  # type: ignore[override]
         proto = MLLPProtocol(self.handler, config=self.config, clock=self.clock, batch_handler=self.batch_handler)
         proto.factory = self
         return proto

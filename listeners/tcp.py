@@ -248,8 +248,7 @@ class TCPProtocol(OrderedReplyProtocol):
             count = len(item.items)
             d.addCallback(lambda batch_id: f"{batch_id} ({count} messages)")
         self.await_answer(d, slot, self.factory.reply_timeout_seconds, lambda: self._timed_out_reply(slot))
-        d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
-        return d
+        return d.addCallbacks(self._committed, self._failed, callbackArgs=(slot,), errbackArgs=(slot,))
 
     def _on_oversize(self, size: int) -> None:
         limit = self._config.max_message_bytes
@@ -311,5 +310,6 @@ class TCPFactory(StreamFactory):
         self.max_connections = config.max_connections
         self.reply_timeout_seconds = reply_timeout_seconds
 
-    def buildProtocol(self, addr: IAddress) -> TCPProtocol:
+    # (Twisted's Factory wants a protocol whose `factory` is any Factory; ours names its own)
+    def buildProtocol(self, addr: IAddress | None) -> TCPProtocol:  # type: ignore[override]
         return TCPProtocol(self)
