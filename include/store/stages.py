@@ -72,7 +72,9 @@ class Stage:
     landing: Landing | None
     """Where its Spark job appends results; None when it lands none (deliver collects outcomes)."""
     finalize: Callable[..., Any]
-    """Its fenced finalize (`include.store.finalize`): all of a run lands, or none of it."""
+    """Its fenced finalize (`include.store.finalize`): all of a run lands, or none of it. A batch
+    stage's takes the run's transaction (`spark_jobs.stage_job.finalize`); deliver's takes one
+    round's send outcomes, from its own job."""
     outcome: Callable[..., Any]
     """What a run returns; `outcome(run_id=…)` is a run that claimed nothing."""
 
