@@ -170,7 +170,7 @@ def _rows(units: list[Piece]) -> list[dict[str, Any]]:
         if unit.__class__ is not Inbound:
             rows.extend(unit.rows())  # type: ignore[union-attr]
         else:
-            rows.append(unit.row())  # type: ignore[union-attr]
+            rows.append(unit.row())
     return rows
 
 
@@ -188,11 +188,13 @@ def _count(piece: Piece) -> int:
     if piece.__class__ is Inbound:
         return 1
     if piece.__class__ is BatchPart:
-        return piece.hi - piece.lo  # type: ignore[union-attr]
-    return len(piece.items)  # type: ignore[union-attr]
+        return piece.hi - piece.lo
+    return len(piece.items)  # type: ignore[union-attr]  # an InboundBatch: the other two are out above
 
 
 Outcome = IngestRejected | None  # per message: None = committed, else why not
+Steps = Generator[list[Piece], "Staged | BaseException | None", list[Outcome]]
+"""A group commit's statements (`_GroupCommit.statements`): sent each one's result, returns the outcomes."""
 Staged = dict[str, int] | None  # what one staging statement gave: rows written, or None = stale epoch
 
 
@@ -269,18 +271,18 @@ class _Intake:
         self.max_batch_messages = max_batch_messages
         self.resends = resends if resends is not None else ResendMemory()
 
-    def submit(self, item: Unit) -> Deferred:
+    def submit(self, item: Unit) -> Deferred[str]:
         """Queue one message (or batch); the Deferred fires with its message_id (batch_id) after
         commit, or fails with an `IngestRejected` subclass."""
-        if item.__class__ is InboundBatch and len(item.items) > self.max_batch_messages:  # type: ignore[union-attr]
-            n = len(item.items)  # type: ignore[union-attr]
+        if item.__class__ is InboundBatch and len(item.items) > self.max_batch_messages:
+            n = len(item.items)
             _log.warn("refusing a batch of {n} messages on {connection}: more than max_batch_messages ({limit})",
                       n=n, connection=item.connection, limit=self.max_batch_messages)
             return fail(BatchTooLarge(f"batch of {n} messages refused: at most {self.max_batch_messages} "
                                       "messages per batch; send it as smaller batches"))
         item = self.resends.recall(item)
         # Cancelled = answered without an outcome (the handler's timeout): a re-send is recognised.
-        d: Deferred = Deferred(canceller=lambda _: self.resends.remember(item))
+        d: Deferred[str] = Deferred(canceller=lambda _: self.resends.remember(item))
         self._enqueue(Entry.of(item, d, time.monotonic(), max_rows=self.max_batch))
         return d
 
@@ -306,12 +308,12 @@ class IngestWriter(_Intake):
     """The group commit in a writer thread, for every store (each statement blocks that thread)."""
 
     def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor, max_batch: int = MAX_ROWS_PER_COMMIT, locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
+                 reactor: Any, max_batch: int = MAX_ROWS_PER_COMMIT, locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
                  max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
         super().__init__(store, node_id=node_id, epoch=epoch, metrics=metrics, reactor=reactor, max_batch=max_batch,
                          max_batch_messages=max_batch_messages, resends=resends)
         self.locked_retry_seconds = locked_retry_seconds
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # entries, then _STOP
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
         self._pending = 0
         self._lock = threading.Lock()
@@ -331,7 +333,7 @@ class IngestWriter(_Intake):
         """Wait (off the reactor) until every submitted message has been committed or rejected."""
         return self._idle.wait(timeout)
 
-    def when_idle(self, seconds: float) -> Deferred:
+    def when_idle(self, seconds: float) -> Deferred[bool]:
         """`drain` as a Deferred (for the reactor): True once idle, False at `seconds`."""
         return threads.deferToThread(self.drain, seconds)
 
@@ -339,7 +341,7 @@ class IngestWriter(_Intake):
         self._queue.put(_STOP)
         self._thread.join(timeout)
 
-    def shutdown(self) -> Deferred:
+    def shutdown(self) -> Deferred[None]:
         """`stop` as a Deferred (for the reactor)."""
         return threads.deferToThread(self.stop)
 
@@ -382,7 +384,8 @@ class IngestWriter(_Intake):
             while True:
                 chunk = steps.send(self._stage_chunk(chunk, epoch, deadline))
         except StopIteration as done:
-            return done.value
+            outcomes: list[Outcome] = done.value
+            return outcomes
 
     def _stage_chunk(self, chunk: list[Piece], epoch: int, deadline: float) -> Staged | BaseException:
         """One staging statement; a busy store (SQLite's write lock held past its busy timeout) is
@@ -427,7 +430,7 @@ class ReactorIngestWriter(_Intake):
         self._stager = stager if stager is not None else PgStager(store, reactor)
         self._plan = CommitPlan(max_batch)
         self._busy = False  # a commit is in flight (or is about to start)
-        self._idle_waiters: list[Deferred] = []
+        self._idle_waiters: list[Deferred[bool]] = []
         self._stopped = False
 
     def start(self) -> None:
@@ -443,22 +446,22 @@ class ReactorIngestWriter(_Intake):
     def idle(self) -> bool:
         return not self._busy and not self._plan
 
-    def when_idle(self, seconds: float) -> Deferred:
+    def when_idle(self, seconds: float) -> Deferred[bool]:
         """True once every submitted message is committed or rejected, False at `seconds`."""
         if self.idle:
             return succeed(True)
-        d: Deferred = Deferred()
+        d: Deferred[bool] = Deferred()
         self._idle_waiters.append(d)
         timer = self._reactor.callLater(seconds, self._give_up, d)
         d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
         return d
 
-    def _give_up(self, d: Deferred) -> None:
+    def _give_up(self, d: Deferred[bool]) -> None:
         if d in self._idle_waiters:
             self._idle_waiters.remove(d)
             d.callback(False)
 
-    def shutdown(self) -> Deferred:
+    def shutdown(self) -> Deferred[None]:
         """Stop after the commit in flight (the node drained the listeners before)."""
         def close(_: object) -> None:
             self._stopped = True
@@ -488,14 +491,14 @@ class ReactorIngestWriter(_Intake):
         self._stage(taken, steps, epoch, next(steps))
         return True
 
-    def _stage(self, taken: list, steps: Generator, epoch: int, chunk: list[Piece]) -> None:
+    def _stage(self, taken: list[tuple[Entry, Piece]], steps: Steps, epoch: int, chunk: list[Piece]) -> None:
         try:
             d = self._stager.stage(_rows(chunk), epoch=epoch, node_id=self.node_id)
         except Exception as exc:
             d = fail(exc)
         d.addBoth(self._staged, taken, steps, epoch)
 
-    def _staged(self, staged: Any, taken: list, steps: Generator, epoch: int) -> None:
+    def _staged(self, staged: Any, taken: list[tuple[Entry, Piece]], steps: Steps, epoch: int) -> None:
         if isinstance(staged, Failure):
             staged = staged.value
         try:
@@ -508,7 +511,7 @@ class ReactorIngestWriter(_Intake):
         else:
             self._stage(taken, steps, epoch, chunk)
 
-    def _done(self, taken: list, outcomes: list[Outcome]) -> None:
+    def _done(self, taken: list[tuple[Entry, Piece]], outcomes: list[Outcome]) -> None:
         # What queued during this commit goes to the database before these answers go out, so it
         # waits for none of their writes; the idle signal (a clean stop's drain) only after them.
         finished = self._plan.settle(taken, outcomes, now=time.monotonic())
@@ -544,25 +547,27 @@ class IngestService(Service):
         threaded = self._threaded
         if threaded is None:
             threaded = not (store.backend == "postgres" and store.dialect.atomic_staging)
-        kind = IngestWriter if threaded else ReactorIngestWriter
-        extra = {"locked_retry_seconds": store.config.busy_retry_seconds} if kind is IngestWriter else {}
-        self.writer = kind(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
-                           reactor=self._reactor, **extra)
+        if threaded:
+            self.writer = IngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
+                                       reactor=self._reactor, locked_retry_seconds=store.config.busy_retry_seconds)
+        else:
+            self.writer = ReactorIngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
+                                              reactor=self._reactor)
         self.writer.start()
         super().startService()
 
-    def submit(self, item: Unit) -> Deferred:
+    def submit(self, item: Unit) -> Deferred[str]:
         """The writer's `submit`; only the leader's listeners call it, and only while this runs."""
         assert self.writer is not None
         return self.writer.submit(item)
 
-    def drain(self, seconds: float) -> Deferred:
+    def drain(self, seconds: float) -> Deferred[bool]:
         """Fires True once every submitted message is committed or rejected, False at `seconds`."""
         if self.writer is None:
             return succeed(True)
         return self.writer.when_idle(seconds)
 
-    def stopService(self) -> Deferred:
+    def stopService(self) -> Deferred[None]:
         super().stopService()
         writer, self.writer = self.writer, None
         return writer.shutdown() if writer is not None else succeed(None)
