@@ -241,12 +241,21 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     def health(request: Request) -> bytes:
         return _json(request, 200, {"status": "ok", "node_id": state.node_id, "role": state.status()["role"]})
 
+    unknown_asked: set[str] = set()
+
     def leader(request: Request) -> bytes:
-        names = (request.args or {}).get(b"inbound") or []
+        args = request.args or {}
+        names = args.get(b"inbound") or []
+        if set(args) - {b"inbound"}:
+            return _json(request, 400, {"error": "the only query field of /leader is inbound"})
         if len(names) > 1 or any(len(n) > MAX_NAME_BYTES for n in names):
             return _json(request, 400, {"error": "at most one inbound name, of at most 200 bytes"})
         inbound = names[0].decode("utf-8", "replace") if names else None
         code, doc = state.leader(inbound)  # in memory: no database round trip (a load balancer's health check)
+        if code == 404 and inbound not in unknown_asked and len(unknown_asked) < 16:
+            unknown_asked.add(inbound or "")  # a balancer asking for a renamed inbound empties its VIP: say so once
+            log.warn("GET /leader?inbound={name}: no such inbound connection here (a load balancer's check naming "
+                     "a renamed or misspelt inbound keeps every node out of its VIP)", name=ascii(inbound or ""))
         return _json(request, code, doc)
 
     def status(request: Request) -> bytes:
@@ -385,6 +394,9 @@ def _json(request: Request, code: int, doc: dict[str, Any]) -> bytes:
     body = json.dumps(doc).encode()  # before any header: a failure here leaves the response untouched
     request.setResponseCode(code)
     request.setHeader(b"content-type", b"application/json")
+    if request.method == b"HEAD":  # headers only (Twisted would drop the body and log that it did)
+        request.setHeader(b"content-length", str(len(body)).encode())
+        return b""
     return body
 
 

@@ -14,7 +14,7 @@ docs/invariants.md); these services only give it a lifetime and a clock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,14 +130,15 @@ class LeaseService(Service):
                 elector.end_stand_aside()
             return elector.step()
 
-    def live_peers(self) -> Deferred[list[str]]:
-        """The other active nodes whose heartbeat is within `node_timeout_seconds` (off the reactor)."""
+    def live_peers(self) -> Deferred[dict[str, frozenset[str]]]:
+        """The other active nodes whose heartbeat is within `node_timeout_seconds`, each with the
+        inbound names it could not bind when it last led (off the reactor)."""
         return threads.deferToThread(self._live_peers)
 
-    def _live_peers(self) -> list[str]:
+    def _live_peers(self) -> dict[str, frozenset[str]]:
         store = self._stores.store
         if store is None:
-            return []
+            return {}
         return live_peers(store, self._node.node_id, node_timeout_seconds=self._cluster.node_timeout_seconds)
 
     def step_down(self, backoff_seconds: float) -> Deferred[bool]:
@@ -186,8 +187,10 @@ class HeartbeatService(TimerService):
 
     def __init__(self, stores: StoreService, lease: LeaseService, node: NodeIdentity, *, seconds: float,
                  metrics: Metrics, config_hash: Callable[[], str], on_beat: Callable[[Beat], None],
-                 config_version: Callable[[], int], reactor: Any = None) -> None:
+                 config_version: Callable[[], int], reactor: Any = None,
+                 cannot_bind: Callable[[], Iterable[str]] = lambda: ()) -> None:
         super().__init__(seconds, self._beat)
+        self._cannot_bind = cannot_bind
         self.setName("heartbeat")
         if reactor is not None:
             self.clock = reactor
@@ -206,7 +209,8 @@ class HeartbeatService(TimerService):
         store = self._stores.store
         assert store is not None
         result = self._lease.step()
-        heartbeat(store, self._node, is_leader=self._lease.is_leader, config_hash=self._config_hash())
+        heartbeat(store, self._node, is_leader=self._lease.is_leader, config_hash=self._config_hash(),
+                  cannot_bind=self._cannot_bind())
         with store.transaction(write=False) as tx:
             version = int(tx.row("identity_get")["config_version"])
             row = tx.one("leader_config_hash")

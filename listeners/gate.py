@@ -105,6 +105,7 @@ class LeaderGate(MultiService):
         self._on_bind = on_bind
         self._unbound: dict[str, Unbound] = {}
         self._failing_since: dict[str, float] = {}  # bound inbounds that failed at work, until they work
+        self._working_since: dict[str, float] = {}  # ... and since when such an inbound works again
         self._logged_failure: dict[str, str] = {}  # the last failure logged per inbound (one line per change)
         self.step_downs = 0
         self.up = False
@@ -192,13 +193,21 @@ class LeaderGate(MultiService):
                     self._check_grace()
 
     def _note_working(self) -> None:
-        """An inbound that failed at work and has worked since it was bound again is healthy again."""
+        """An inbound that failed at work is healthy again once it has worked for a whole grace since
+        it was bound again: one that flaps (works a moment, fails again) keeps the clock of its first
+        failure, so it still reaches its grace."""
+        now = self._reactor.seconds()
         for name in list(self._failing_since):
             svc = next((s for s in self if isinstance(s, InboundService) and s.name == name and s.bound), None)
-            if svc is not None and svc.proven():
-                since = self._failing_since.pop(name)
-                self._logged_failure.pop(name, None)
-                _log.info("inbound {name} works again after {s:.1f}s", name=name, s=self._reactor.seconds() - since)
+            if svc is None or not svc.proven():
+                self._working_since.pop(name, None)
+                continue
+            if now - self._working_since.setdefault(name, now) < self.grace_seconds:
+                continue
+            since = self._failing_since.pop(name)
+            self._working_since.pop(name, None)
+            self._logged_failure.pop(name, None)
+            _log.info("inbound {name} works again after {s:.1f}s", name=name, s=now - since)
 
     @inlineCallbacks
     def _lose(self, failing: list[tuple[InboundService, str]]) -> Any:
@@ -210,6 +219,7 @@ class LeaderGate(MultiService):
             svc.close(True)
             yield svc.disownServiceParent()
             since = self._failing_since.setdefault(svc.conn.name, now)
+            self._working_since.pop(svc.conn.name, None)
             self._failed(svc.conn, why, since=since)
 
     def _change(self, d: Deferred[None]) -> Deferred[None]:
@@ -260,8 +270,8 @@ class LeaderGate(MultiService):
         if was is None:
             since = self._failing_since.get(conn.name, now) if since is None else since
             self._unbound[conn.name] = Unbound(conn.name, reason, since=since, next_try=now + RETRY_FIRST)
-            if self._logged_failure.get(conn.name) == reason:
-                return  # flapping with the same reason: said already
+            if conn.name in self._logged_failure:
+                return  # flapping: its first failure was said, and it is said when it works again
             self._logged_failure[conn.name] = reason
             then = (f"stepping down if still unbound after {self.grace_seconds:g}s" if self._step_down is not None
                     else "single node: retrying until it binds")
@@ -276,7 +286,8 @@ class LeaderGate(MultiService):
         was.delay = min(was.delay * 2, RETRY_MAX)
         was.next_try = now + was.delay
         if reason != was.reason:
-            _log.error("inbound {name} still unbound, now: {err}", name=conn.name, err=reason)
+            if conn.name not in self._failing_since:  # a flapping inbound's reasons alternate: said once
+                _log.error("inbound {name} still unbound, now: {err}", name=conn.name, err=reason)
             was.reason = reason
 
     def _retry(self) -> None:
@@ -358,6 +369,7 @@ class LeaderGate(MultiService):
             self._on_bind(name, False, False)
         self._unbound.clear()
         self._failing_since.clear()
+        self._working_since.clear()
         self._logged_failure.clear()
         services = [svc for svc in self if isinstance(svc, InboundService)]
         for svc in services:

@@ -83,7 +83,7 @@ class ListenerNode(SequentialMultiService):
         self.leader_config_hash: str | None = None
         self._stages_gauged_at = float("-inf")
         self.bound_ports: dict[str, int] = {}  # inbound name -> bound port (useful with port 0)
-        self._stepped_down_for: dict[str, float] = {}  # inbound name -> monotonic time of our step-down for it
+        self._cannot_bind: dict[str, float] = {}  # inbound name -> monotonic time it was last found unbindable
         self.api_port: int | None = api_port  # overrides [api].port when given
 
         node_id = self.identity.node_id
@@ -94,7 +94,8 @@ class ListenerNode(SequentialMultiService):
         self.heartbeat = HeartbeatService(self.stores, self.lease, self.identity,
                                           seconds=config.cluster.heartbeat_seconds, metrics=self.metrics,
                                           config_hash=lambda: self.listeners.config_hash, on_beat=self._after_beat,
-                                          config_version=lambda: self.config_version, reactor=reactor)
+                                          config_version=lambda: self.config_version, reactor=reactor,
+                                          cannot_bind=self._cannot_bind_now)
         wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports,
                         refusals=Refusals(self.metrics, reactor), store=lambda: self.stores.store,
                         epoch=lambda: self.lease.epoch)
@@ -105,7 +106,7 @@ class ListenerNode(SequentialMultiService):
                                on_change=self.metrics.bound.set, grace_seconds=cluster.unbound_grace(),
                                step_down=self._step_down if cluster.enabled else None,
                                may_step_down=self._may_step_down if cluster.enabled else None,
-                               on_bind=self.metrics.inbound_bind)
+                               on_bind=self._on_bind)
         self.state = NodeState(node_id=node_id, clustered=cluster.enabled, metrics=self.metrics,
                                is_leader=lambda: self.lease.is_leader, config_version=lambda: self.config_version,
                                nodes=self._nodes_doc, store=lambda: self.stores.store,
@@ -132,35 +133,47 @@ class ListenerNode(SequentialMultiService):
         _log.info("listenerd {node} stopped", node=self.identity.node_id)
 
     def _may_step_down(self, names: list[str]) -> Deferred[str | None]:
-        """Why handing the lease over cannot help (None: step down). Not when no other node is live (a
-        lone node would only take the lease back after its backoff, serving nothing meanwhile), and
-        not twice for the same inbound within `_step_down_memory()`: leading again means every other
-        node stood aside or failed it too, and a node that keeps the lease at least serves the
-        inbound connections it can bind instead of the lease going round (docs/listenerd.md)."""
+        """Why handing the lease over cannot help (None: step down), asked past the grace: when no other
+        node is live (a lone node would only take the lease back after its backoff, serving nothing
+        meanwhile), or every live one published that it could not bind these inbounds either when it
+        last led (a share down on every node: the node that keeps the lease at least serves the
+        inbounds it bound, instead of the lease going round). A node that restarted or never led
+        published nothing: it counts as able, so it is given the lease (docs/listenerd.md)."""
         now = time.monotonic()
-        recent = [n for n in names if now - self._stepped_down_for.get(n, float("-inf")) < self._step_down_memory()]
-        if recent and len(recent) == len(names):
-            ago = now - max(self._stepped_down_for[n] for n in recent)
-            return defer.succeed(f"this node stepped down for it {ago:.0f}s ago and leads again: no node seems able "
-                                 "to serve it")
-        def why_not(peers: list[str]) -> str | None:
-            return None if peers else "no other live node to hand over to"
+        self._cannot_bind.update(dict.fromkeys(names, now))  # published with the next heartbeat
+        wanted = set(names)
+
+        def why_not(peers: dict[str, frozenset[str]]) -> str | None:
+            if not peers:
+                return "no other live node to hand over to"
+            if all(wanted <= failed for failed in peers.values()):
+                return "every other live node could not bind it either when it last led"
+            return None
 
         return self.lease.live_peers().addCallback(why_not)
 
-    def _step_down_memory(self) -> float:
-        """How long a step-down is remembered: long enough to span the lease going round every node once
-        (each holding it for a grace and standing aside for a backoff), short enough that a lasting
-        fix elsewhere (an inbound that came back, then broke again) is met with a step-down again."""
+    def _cannot_bind_now(self) -> list[str]:
+        """The inbounds this node could not bind when it last led (published with each heartbeat),
+        forgotten after `_cannot_bind_memory()`: then the lease is offered to this node again."""
+        horizon = time.monotonic() - self._cannot_bind_memory()
+        known = dict(self._cannot_bind)  # one copy (atomic): the heartbeat asks from its thread
+        return sorted(name for name, at in known.items() if at >= horizon)
+
+    def _cannot_bind_memory(self) -> float:
+        """Long against a hand-over (each costs a grace and a gap): an inbound that no node can bind
+        makes the lease move at most once per this period (20 minutes at the defaults)."""
         c = self.config.cluster
-        return 3 * (c.unbound_grace() + c.step_down_backoff() + c.leader_lease_ttl_seconds)
+        return 10 * (c.unbound_grace() + c.step_down_backoff() + c.leader_lease_ttl_seconds)
+
+    def _on_bind(self, name: str, bound: bool, failed: bool) -> None:
+        self.metrics.inbound_bind(name, bound, failed)
+        if bound:
+            self._cannot_bind.pop(name, None)
 
     def _step_down(self, names: list[str]) -> Deferred[bool]:
         """The gate could not serve an inbound past its grace: release the lease, and take none for
         `[cluster] step_down_backoff_seconds` so a node that can serve leads (docs/listenerd.md)."""
         self.metrics.step_downs.inc()
-        now = time.monotonic()
-        self._stepped_down_for.update(dict.fromkeys(names, now))
         d = self.lease.step_down(self.config.cluster.step_down_backoff())
 
         def publish(result: bool | Failure) -> bool | Failure:

@@ -68,7 +68,7 @@ class NodeState:
         if inbound is not None:
             serves = self.serves(inbound)
             if serves is None:
-                return 404, {**doc, "leader": True, "reason": "unknown inbound"}
+                return 404, {**doc, "leader": False, "reason": "unknown inbound"}
             if not serves:
                 unbound = [u["name"] for u in self.unbound()]
                 return 503, {**doc, "leader": False, "reason": "unbound" if inbound in unbound else "binding",

@@ -7,8 +7,10 @@ lease row stays the authority on who may process; this view can lag it by one he
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +33,14 @@ class NodeIdentity:
         return cls(node_id, socket.gethostname(), os.getpid())
 
 
-def heartbeat(store: Store, node: NodeIdentity, *, is_leader: bool, config_hash: str | None = None) -> None:
+def heartbeat(store: Store, node: NodeIdentity, *, is_leader: bool, config_hash: str | None = None,
+              cannot_bind: Iterable[str] = ()) -> None:
+    """Upsert this node's row; `cannot_bind`: the inbound names it could not bind when it last led."""
+    names = sorted(set(cannot_bind))
     with store.transaction() as tx:
         tx.execute("node_heartbeat", {"node_id": node.node_id, "host": node.host, "pid": node.pid,
-                                      "is_leader": bool(is_leader), "config_hash": config_hash})
+                                      "is_leader": bool(is_leader), "config_hash": config_hash,
+                                      "cannot_bind": json.dumps(names) if names else None})
 
 
 def leave(store: Store, node_id: str) -> None:
@@ -42,12 +48,14 @@ def leave(store: Store, node_id: str) -> None:
         tx.execute("node_leave", {"node_id": node_id})
 
 
-def live_peers(store: Store, node_id: str, *, node_timeout_seconds: float) -> list[str]:
-    """The other active nodes whose heartbeat is within `node_timeout_seconds` (DB clock): the nodes
-    that could take the lease if this one let it go."""
+def live_peers(store: Store, node_id: str, *, node_timeout_seconds: float) -> dict[str, frozenset[str]]:
+    """The other active nodes whose heartbeat is within `node_timeout_seconds` (DB clock) — the nodes
+    that could take the lease if this one let it go — each with the inbound names it published as
+    not bindable when it last led (empty: it bound everything, or has not led since it started)."""
     with store.transaction(write=False) as tx:
         rows = tx.all("nodes_list", {"node_timeout": float(node_timeout_seconds)})
-    return sorted(r["node_id"] for r in rows if r["fresh"] and r["node_id"] != node_id)
+    return {r["node_id"]: frozenset(json.loads(r["cannot_bind"]) if r["cannot_bind"] else ())
+            for r in rows if r["fresh"] and r["node_id"] != node_id}
 
 
 def cluster_nodes(store: Store, *, node_timeout_seconds: float) -> dict[str, Any]:

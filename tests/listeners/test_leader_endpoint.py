@@ -67,17 +67,26 @@ def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fre
         assert get(node.api_port, "/leader?inbound=adt-in")[:2] == (
             200, {"node_id": "solo:1:aa", "inbound": "adt-in", "leader": True})
         assert get(node.api_port, "/leader?inbound=nope")[:2] == (
-            404, {"node_id": "solo:1:aa", "inbound": "nope", "leader": True, "reason": "unknown inbound"})
+            404, {"node_id": "solo:1:aa", "inbound": "nope", "leader": False, "reason": "unknown inbound"})
+        get(node.api_port, "/leader?inbound=nope")
+        wait_for(lambda: "GET /leader?inbound='nope': no such inbound" in node.output(), timeout=5,
+                 what="the unknown inbound said")
+        assert node.output().count("no such inbound connection here") == 1  # once per name
         assert get(node.api_port, "/leader?inbound=a&inbound=b")[0] == 400
         assert get(node.api_port, "/leader?inbound=" + "x" * 201)[0] == 400
+        assert get(node.api_port, "/leader?inbounds=adt-in")[0] == 400  # a misspelt field is not "every inbound"
         # health checks leave no access line (several a second per balancer); other requests do
         for _ in range(5):
             get(node.api_port, "/health")
             get(node.api_port, "/leader")
         get(node.api_port, "/cluster/status")
         wait_for(lambda: '"GET /cluster/status HTTP/1.1" 401' in node.output(), timeout=5, what="the access line")
+        for _ in range(3):
+            assert get(node.api_port, "/leader", method="HEAD")[0] == 200
+            assert get(node.api_port, "/health", method="HEAD")[0] == 200
         out = node.output()
         assert '"GET /health HTTP/1.1" 200' not in out and '"GET /leader HTTP/1.1" 200' not in out
+        assert "HEAD request" not in out and '"HEAD /leader' not in out  # no line, no Twisted warning
         assert '"GET /leader?inbound=...&inbound=... HTTP/1.1" 400' in out  # a malformed one is logged
     finally:
         node.stop()

@@ -67,6 +67,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "pid": 123,
     "is_leader": True,
     "config_hash": None,
+    "cannot_bind": None,
     "node_timeout": 30.0,
     "limit": 100,
     "lease_seconds": 60.0,

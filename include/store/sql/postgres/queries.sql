@@ -81,17 +81,17 @@ UPDATE leader_lease SET expires_at = now()
  WHERE id = 1 AND owner = :owner AND epoch = :epoch AND (expires_at IS NULL OR expires_at > now())
 
 -- name: node_heartbeat
-INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash)
-VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash)
+INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash, cannot_bind)
+VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash, :cannot_bind)
 ON CONFLICT (node_id) DO UPDATE
    SET status = 'active', last_seen = now(), is_leader = EXCLUDED.is_leader,
-       config_hash = EXCLUDED.config_hash
+       config_hash = EXCLUDED.config_hash, cannot_bind = EXCLUDED.cannot_bind
 
 -- name: node_leave
 UPDATE nodes SET status = 'left', is_leader = false, last_seen = now() WHERE node_id = :node_id
 
 -- name: nodes_list
-SELECT node_id, host, pid, status, is_leader, config_hash,
+SELECT node_id, host, pid, status, is_leader, config_hash, cannot_bind,
        extract(epoch FROM started_at)::float8 AS started_at,
        extract(epoch FROM last_seen)::float8 AS last_seen,
        (status = 'active' AND last_seen > now() - make_interval(secs => :node_timeout)) AS fresh

@@ -77,17 +77,17 @@ UPDATE leader_lease SET expires_at = {now}
  WHERE id = 1 AND owner = :owner AND epoch = :epoch AND (expires_at IS NULL OR expires_at > {now})
 
 -- name: node_heartbeat
-INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash)
-VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash)
+INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash, cannot_bind)
+VALUES (:node_id, :host, :pid, 'active', :is_leader, :config_hash, :cannot_bind)
 ON CONFLICT (node_id) DO UPDATE
    SET status = 'active', last_seen = {now}, is_leader = excluded.is_leader,
-       config_hash = excluded.config_hash
+       config_hash = excluded.config_hash, cannot_bind = excluded.cannot_bind
 
 -- name: node_leave
 UPDATE nodes SET status = 'left', is_leader = 0, last_seen = {now} WHERE node_id = :node_id
 
 -- name: nodes_list
-SELECT node_id, host, pid, status, is_leader, config_hash,
+SELECT node_id, host, pid, status, is_leader, config_hash, cannot_bind,
        started_at / 1000.0 AS started_at, last_seen / 1000.0 AS last_seen,
        (status = 'active' AND last_seen > {now} - CAST(:node_timeout * 1000 AS INTEGER)) AS fresh
   FROM nodes ORDER BY started_at, node_id

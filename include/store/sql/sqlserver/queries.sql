@@ -140,20 +140,20 @@ UPDATE leader_lease SET expires_at = SYSUTCDATETIME()
 -- The explicit COLLATE spares the comparison a collation conflict with the derived column.
 MERGE INTO nodes WITH (HOLDLOCK) AS n
 USING (SELECT :node_id AS node_id, :host AS host, :pid AS pid, :is_leader AS is_leader,
-              :config_hash AS config_hash) AS s
+              :config_hash AS config_hash, :cannot_bind AS cannot_bind) AS s
    ON n.node_id = s.node_id COLLATE Latin1_General_100_BIN2
  WHEN MATCHED THEN
       UPDATE SET status = 'active', last_seen = SYSUTCDATETIME(), is_leader = s.is_leader,
-                 config_hash = s.config_hash
+                 config_hash = s.config_hash, cannot_bind = s.cannot_bind
  WHEN NOT MATCHED THEN
-      INSERT (node_id, host, pid, status, is_leader, config_hash)
-      VALUES (s.node_id, s.host, s.pid, 'active', s.is_leader, s.config_hash);
+      INSERT (node_id, host, pid, status, is_leader, config_hash, cannot_bind)
+      VALUES (s.node_id, s.host, s.pid, 'active', s.is_leader, s.config_hash, s.cannot_bind);
 
 -- name: node_leave
 UPDATE nodes SET status = 'left', is_leader = 0, last_seen = SYSUTCDATETIME() WHERE node_id = :node_id
 
 -- name: nodes_list
-SELECT node_id, host, pid, status, is_leader, config_hash,
+SELECT node_id, host, pid, status, is_leader, config_hash, cannot_bind,
        CAST(DATEDIFF_BIG(millisecond, '1970-01-01', started_at) / 1000.0 AS float) AS started_at,
        CAST(DATEDIFF_BIG(millisecond, '1970-01-01', last_seen) / 1000.0 AS float) AS last_seen,
        CAST(CASE WHEN status = 'active'
