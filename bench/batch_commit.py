@@ -9,6 +9,7 @@ synchronous_commit on), and prints µs per row (median of `--repeat`).
 
     .venv/bin/python bench/batch_commit.py [--sizes 1000,10000,40000] [--repeat 3] [--backend both]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,20 @@ from include.store.rowlease import stage_inbound
 def batch_rows(n: int) -> list[dict]:
     """One batch of n small ADTs (~55 bytes each, as in the issue's 2.2 MB batch of 40,000)."""
     batch_id = uuid.uuid4().hex
-    rows = [{"message_id": uuid.uuid4().hex, "control_id": f"C{k}", "connection": "mllp-in", "lane_key": None,
-             "charset": "utf-8", "payload": f"MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C{k}|P|2.5\r",
-             "batch_id": batch_id, "batch_seq": k, "batch_size": n} for k in range(1, n + 1)]
+    rows = [
+        {
+            "message_id": uuid.uuid4().hex,
+            "control_id": f"C{k}",
+            "connection": "mllp-in",
+            "lane_key": None,
+            "charset": "utf-8",
+            "payload": f"MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C{k}|P|2.5\r",
+            "batch_id": batch_id,
+            "batch_seq": k,
+            "batch_size": n,
+        }
+        for k in range(1, n + 1)
+    ]
     rows[0].update(batch_fhs=None, batch_bhs="B1", batch_declared=n)
     return rows
 
@@ -75,8 +87,14 @@ def main() -> None:
     if args.backend in ("postgres", "both"):
         with PostgresServer() as server:
             server.execute("CREATE DATABASE bench")
-            config = StoreConfig(backend="postgres", server=server.host, port=server.port, database="bench",
-                                 username=server.user, pool_size=2)
+            config = StoreConfig(
+                backend="postgres",
+                server=server.host,
+                port=server.port,
+                database="bench",
+                username=server.user,
+                pool_size=2,
+            )
             report("postgres", run(config, sizes, args.repeat))
 
 

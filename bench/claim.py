@@ -7,6 +7,7 @@ watch is the ratio (target: >= 85%).
 
     uv run python bench/claim.py [--rows 100000] [--batch 1000] [--workers 1] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,9 @@ RAW_FINISH = "UPDATE stage_inbound SET status = 'done', lease_owner = NULL, upda
 def fresh_db(server: PostgresServer, name: str, rows: int) -> StoreConfig:
     server.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     server.execute(f"CREATE DATABASE {name}")
-    cfg = StoreConfig(backend="postgres", server=server.host, port=server.port, database=name,
-                      username=server.user, pool_size=8)
+    cfg = StoreConfig(
+        backend="postgres", server=server.host, port=server.port, database=name, username=server.user, pool_size=8
+    )
     store = Store(cfg)
     migrate(store, cluster_name="bench")
     store.close()
@@ -109,8 +111,10 @@ def main() -> None:
             cfg = fresh_db(server, "bench_raw", args.rows)
             results["raw"].append(args.rows / run_raw(cfg, args.batch, args.workers, server))
         store_rate, raw_rate = statistics.median(results["store"]), statistics.median(results["raw"])
-        print(f"claim+finish, PostgreSQL 15, {args.rows:,} rows, batch {args.batch}, {args.workers} worker(s), "
-              f"median of {args.repeat}")
+        print(
+            f"claim+finish, PostgreSQL 15, {args.rows:,} rows, batch {args.batch}, {args.workers} worker(s), "
+            f"median of {args.repeat}"
+        )
         print(f"  {'path':<36}{'rows/s':>12}")
         print(f"  {'store (fenced, row lease, audit)':<36}{store_rate:>12,.0f}")
         print(f"  {'raw SKIP LOCKED loop':<36}{raw_rate:>12,.0f}")

@@ -41,6 +41,7 @@ All times are host wall clock (`time.time()`): the sender, the receiver and Post
 
     uv run python bench/failover.py [--runs 1] [--faults leader-sigkill,...] [--rate 60] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,12 +95,17 @@ class FaultResult:
 
 # --- faults: each injects, recovers, and returns (fault time, failover seconds or None, note) -----
 
+
 def _leader_fault(lab: Lab, act: Callable) -> tuple[float, float | None, str]:
     old = lab.wait_leader()
     t0 = time.time()
     act(old)
-    new = wait_for(lambda: (lambda n: n if n is not None and n is not old else None)(lab.leader()),
-                   timeout=60, interval=0.02, what="another node to lead")
+    new = wait_for(
+        lambda: (lambda n: n if n is not None and n is not old else None)(lab.leader()),
+        timeout=60,
+        interval=0.02,
+        what="another node to lead",
+    )
     failover = time.time() - t0
     return t0, failover, f"{old.name}→{new.name}"
 
@@ -217,18 +223,28 @@ def pause_leader(lab: Lab) -> tuple[float, float | None, str]:
         time.sleep(0.05)
     lab.resume_node(old)
     woke = time.time()
-    wait_for(lambda: _role(old) == "standby" or old.is_leader(), timeout=30, interval=0.05,
-             what="the woken node to fence and rejoin")
+    wait_for(
+        lambda: _role(old) == "standby" or old.is_leader(),
+        timeout=30,
+        interval=0.05,
+        what="the woken node to fence and rejoin",
+    )
     rejoined = time.time() - woke
     serving = wait_for(lab.leader, timeout=30, interval=0.05, what="a serving leader after the wake")
     served_after_wake = time.time() - woke
     if failover is None:  # shared port: nobody could bind while the frozen node held it
         failover = time.time() - t0
     OUT_OF_VIP["pause-leader"] = out_of_vip
-    return t0, failover, (f"{old.name} frozen {PAUSE_SECONDS:.0f} s; out of the VIP after "
-                          f"{f'{out_of_vip:.1f} s' if out_of_vip is not None else 'NEVER'}; woken node "
-                          f"{'rejoined' if not old.is_leader() else 'leads again'} {rejoined:.1f} s after SIGCONT; "
-                          f"{serving.name} serving {served_after_wake:.1f} s after SIGCONT")
+    return (
+        t0,
+        failover,
+        (
+            f"{old.name} frozen {PAUSE_SECONDS:.0f} s; out of the VIP after "
+            f"{f'{out_of_vip:.1f} s' if out_of_vip is not None else 'NEVER'}; woken node "
+            f"{'rejoined' if not old.is_leader() else 'leads again'} {rejoined:.1f} s after SIGCONT; "
+            f"{serving.name} serving {served_after_wake:.1f} s after SIGCONT"
+        ),
+    )
 
 
 def _role(node) -> str | None:
@@ -238,10 +254,12 @@ def _role(node) -> str | None:
         return None
 
 
-_HOLD_PORT = ("import socket, sys, time\n"
-              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(8)\n"
-              "while True: time.sleep(60)\n")
+_HOLD_PORT = (
+    "import socket, sys, time\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(8)\n"
+    "while True: time.sleep(60)\n"
+)
 
 
 def bind_conflict(lab: Lab) -> tuple[float, float | None, str]:
@@ -266,8 +284,14 @@ def bind_conflict(lab: Lab) -> tuple[float, float | None, str]:
             holder.kill()
             holder.wait(5)
     stepped = standby.daemon.output().count("stepping down: inbound") - steps_before
-    return t0, failover, (f"{standby.name}'s port held; {standby.name} stepped down {stepped}x; "
-                          f"{serving.name} serving {failover:.1f} s after {old.name}'s SIGTERM")
+    return (
+        t0,
+        failover,
+        (
+            f"{standby.name}'s port held; {standby.name} stepped down {stepped}x; "
+            f"{serving.name} serving {failover:.1f} s after {old.name}'s SIGTERM"
+        ),
+    )
 
 
 def _port_taken(port: int) -> bool:
@@ -278,13 +302,25 @@ def _port_taken(port: int) -> bool:
 
 
 FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
-    "leader-sigkill": leader_sigkill, "leader-sigterm": leader_sigterm, "leader-db-cut": leader_db_cut,
-    "task-sigkill": task_sigkill, "spark-restart": spark_restart, "postgres-restart": postgres_restart,
-    "spark-worker-kill": spark_worker_kill, "node-and-scheduler-kill": node_and_scheduler_kill,
-    "pause-leader": pause_leader, "bind-conflict": bind_conflict,
+    "leader-sigkill": leader_sigkill,
+    "leader-sigterm": leader_sigterm,
+    "leader-db-cut": leader_db_cut,
+    "task-sigkill": task_sigkill,
+    "spark-restart": spark_restart,
+    "postgres-restart": postgres_restart,
+    "spark-worker-kill": spark_worker_kill,
+    "node-and-scheduler-kill": node_and_scheduler_kill,
+    "pause-leader": pause_leader,
+    "bind-conflict": bind_conflict,
 }
-DEFAULT_FAULTS = ("leader-sigkill", "leader-sigterm", "leader-db-cut", "task-sigkill", "spark-restart",
-                  "postgres-restart")
+DEFAULT_FAULTS = (
+    "leader-sigkill",
+    "leader-sigterm",
+    "leader-db-cut",
+    "task-sigkill",
+    "spark-restart",
+    "postgres-restart",
+)
 
 
 def _restart_dead(lab: Lab) -> None:
@@ -295,6 +331,7 @@ def _restart_dead(lab: Lab) -> None:
 
 
 # --- the run ------------------------------------------------------------------------------------
+
 
 def drain(lab: Lab, stream: Stream, *, timeout: float) -> float | None:
     """Seconds until every `AA`'d message is delivered and no staged row is pending, in flight or
@@ -354,16 +391,26 @@ def every_lane_after(stream: Stream, deliveries: list[dict], t0: float) -> float
 
 
 def dead_letters(lab: Lab) -> int:
-    return sum(int(r["n"]) for r in lab.query(
-        "SELECT count(*) AS n FROM stage_outbound WHERE status = 'dead' UNION ALL "
-        "SELECT count(*) FROM stage_routed WHERE status = 'dead' UNION ALL "
-        "SELECT count(*) FROM stage_inbound WHERE status = 'dead'"))
+    return sum(
+        int(r["n"])
+        for r in lab.query(
+            "SELECT count(*) AS n FROM stage_outbound WHERE status = 'dead' UNION ALL "
+            "SELECT count(*) FROM stage_routed WHERE status = 'dead' UNION ALL "
+            "SELECT count(*) FROM stage_inbound WHERE status = 'dead'"
+        )
+    )
 
 
 def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> tuple[list[FaultResult], dict]:
-    lab = Lab(timings=Timings(linger=args.linger), echo=lambda line: None if args.quiet else echo(line),
-              keep_workdir=args.keep, schedulers=args.schedulers, spark_workers=args.spark_workers,
-              second_spark=args.second_spark, shared_mllp_port=args.shared_port)
+    lab = Lab(
+        timings=Timings(linger=args.linger),
+        echo=lambda line: None if args.quiet else echo(line),
+        keep_workdir=args.keep,
+        schedulers=args.schedulers,
+        spark_workers=args.spark_workers,
+        second_spark=args.second_spark,
+        shared_mllp_port=args.shared_port,
+    )
     results: list[FaultResult] = []
     summary: dict = {}
     stream: Stream | None = None
@@ -371,14 +418,17 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         lab.start()
         referee = Referee(lab).start()
         host, port = lab.mllp_address
-        stream = Stream(host, port, rate=args.rate, lanes=args.lanes, connections=args.connections,
-                        prefix=f"R{run}").start()
+        stream = Stream(
+            host, port, rate=args.rate, lanes=args.lanes, connections=args.connections, prefix=f"R{run}"
+        ).start()
         warm_start = time.time()
         time.sleep(5)
         stream.pause()
         took = drain(lab, stream, timeout=300)
-        echo(f"run {run}: lab up (logs {lab.workdir / 'log'}); warm-up delivered "
-             f"{'in %.0f s' % (time.time() - warm_start) if took is not None else 'NOT within 300 s'}")
+        echo(
+            f"run {run}: lab up (logs {lab.workdir / 'log'}); warm-up delivered "
+            f"{'in %.0f s' % (time.time() - warm_start) if took is not None else 'NOT within 300 s'}"
+        )
         base_start = time.time()
         stream.resume()
         time.sleep(args.baseline)
@@ -397,8 +447,9 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             echo(f"run {run}: {name} at {time.strftime('%H:%M:%S', time.localtime(t0))} ({note})")
             time.sleep(args.after)
             stream.pause()
-            r = FaultResult(run, name, (start, 0.0), t0, failover_s=failover, note=note,
-                            out_of_vip_s=OUT_OF_VIP.pop(name, None))
+            r = FaultResult(
+                run, name, (start, 0.0), t0, failover_s=failover, note=note, out_of_vip_s=OUT_OF_VIP.pop(name, None)
+            )
             r.drained_s = drain(lab, stream, timeout=args.drain)
             r.aa_again_s = aa_again(stream, t0, t0 + args.after)
             deliveries = lab.deliveries()
@@ -420,8 +471,12 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         def in_window(window: tuple[float, float]) -> Callable[[Sent], bool]:
             return lambda s: window[0] <= s.first_try < window[1]
 
-        staged = {row["control_id"]: int(row["n"]) for row in lab.query(
-            "SELECT control_id, count(*) AS n FROM stage_inbound GROUP BY control_id HAVING count(*) > 1")}
+        staged = {
+            row["control_id"]: int(row["n"])
+            for row in lab.query(
+                "SELECT control_id, count(*) AS n FROM stage_inbound GROUP BY control_id HAVING count(*) > 1"
+            )
+        }
         for r in results:
             v = judge(stream.ledger, deliveries, select=in_window(r.window))
             _fill(r, v, stream.ledger, staged)
@@ -480,9 +535,15 @@ def _fill(r: FaultResult, v: Verdict, ledger: dict[str, Sent], staged: dict[str,
 
 
 def _lat(v: Verdict) -> dict:
-    return {"messages": v.acked, "p50_s": percentile(v.latencies, 0.5), "p99_s": percentile(v.latencies, 0.99),
-            "max_s": max(v.latencies) if v.latencies else float("nan"), "lost": len(v.lost),
-            "duplicated": len(v.duplicated), "inversions": len(v.inversions)}
+    return {
+        "messages": v.acked,
+        "p50_s": percentile(v.latencies, 0.5),
+        "p99_s": percentile(v.latencies, 0.99),
+        "max_s": max(v.latencies) if v.latencies else float("nan"),
+        "lost": len(v.lost),
+        "duplicated": len(v.duplicated),
+        "inversions": len(v.inversions),
+    }
 
 
 def _s(value: float | None) -> str:
@@ -518,13 +579,18 @@ def main() -> None:
     global PAUSE_SECONDS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1, help="full runs, each on a fresh lab")
-    ap.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
-                    help=f"comma-separated, in order (of: {', '.join(FAULTS)})")
+    ap.add_argument(
+        "--faults", default=",".join(DEFAULT_FAULTS), help=f"comma-separated, in order (of: {', '.join(FAULTS)})"
+    )
     ap.add_argument("--schedulers", type=int, default=1, help="Airflow HA schedulers (2: one per node)")
     ap.add_argument("--spark-workers", type=int, default=0, help="Spark standalone workers (0: local[*])")
-    ap.add_argument("--second-spark", action=argparse.BooleanOptionalAction, default=None,
-                    help="a second Spark Connect server the stages spread over (default: on with local[*], off "
-                         "with workers); spark-restart kills the first")
+    ap.add_argument(
+        "--second-spark",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a second Spark Connect server the stages spread over (default: on with local[*], off "
+        "with workers); spark-restart kills the first",
+    )
     ap.add_argument("--rate", type=float, default=60.0, help="messages per second (all connections)")
     ap.add_argument("--lanes", type=int, default=20)
     ap.add_argument("--connections", type=int, default=4)
@@ -534,9 +600,12 @@ def main() -> None:
     ap.add_argument("--drain", type=float, default=180.0, help="seconds to wait for the drain after each fault")
     ap.add_argument("--linger", type=float, default=5.0, help="STAGELINE_STAGE_LINGER_SECONDS of the stage tasks")
     ap.add_argument("--pause", type=float, default=PAUSE_SECONDS, help="pause-leader: seconds the leader is frozen")
-    ap.add_argument("--shared-port", action="store_true",
-                    help="both nodes on one MLLP port (one host, one address): the standby cannot bind while "
-                         "a frozen leader holds it")
+    ap.add_argument(
+        "--shared-port",
+        action="store_true",
+        help="both nodes on one MLLP port (one host, one address): the standby cannot bind while "
+        "a frozen leader holds it",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON ('-': stdout)")
     ap.add_argument("--keep", action="store_true", help="keep the lab's work dir (logs) after each run")
     ap.add_argument("--quiet", action="store_true", help="no lab start-up lines")
@@ -557,24 +626,35 @@ def main() -> None:
         results += r
         summaries.append(s)
     out = sys.stderr if args.json == "-" else sys.stdout
-    print(f"\nclock: {CLOCK}; rate {args.rate:.0f} msg/s, {args.lanes} lanes, {args.connections} connections; "
-          f"heartbeat 0.5 s, fence 1.5 s, lease TTL 2.5 s, linger {args.linger:.0f} s\n", file=out)
+    print(
+        f"\nclock: {CLOCK}; rate {args.rate:.0f} msg/s, {args.lanes} lanes, {args.connections} connections; "
+        f"heartbeat 0.5 s, fence 1.5 s, lease TTL 2.5 s, linger {args.linger:.0f} s\n",
+        file=out,
+    )
     print(table(results), file=out)
-    print("\n| run | inbound AA → delivered | messages | p50 s | p99 s | max s | lost | dup | inv |\n"
-          "|---|---|---|---|---|---|---|---|---|", file=out)
+    print(
+        "\n| run | inbound AA → delivered | messages | p50 s | p99 s | max s | lost | dup | inv |\n"
+        "|---|---|---|---|---|---|---|---|---|",
+        file=out,
+    )
     for s in summaries:
         for key, label in (("baseline", "before the first fault"), ("faulted", "whole faulted stream")):
             if key in s:
                 v = s[key]
-                print(f"| {s['run']} | {label} | {v['messages']} | {v['p50_s']:.1f} | {v['p99_s']:.1f} | "
-                      f"{v['max_s']:.1f} | {v['lost']} | {v['duplicated']} | {v['inversions']} |", file=out)
+                print(
+                    f"| {s['run']} | {label} | {v['messages']} | {v['p50_s']:.1f} | {v['p99_s']:.1f} | "
+                    f"{v['max_s']:.1f} | {v['lost']} | {v['duplicated']} | {v['inversions']} |",
+                    file=out,
+                )
     for s in summaries:
         if "referee_line" in s:
             print(f"  run {s['run']} referee: {s['referee_line']}", file=out)
     for r in results:
         if r.examples:
-            print(f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
-                  file=out)
+            print(
+                f"  run {r.run} {r.fault}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r.examples.items()),
+                file=out,
+            )
         if r.duplicate_causes:
             print(
                 f"  run {r.run} {r.fault}: duplicates "
@@ -582,8 +662,11 @@ def main() -> None:
                 file=out,
             )
     if args.json:
-        doc = json.dumps({"clock": CLOCK, "args": vars(args), "faults": [asdict(r) for r in results],
-                          "runs": summaries}, indent=2, default=str)
+        doc = json.dumps(
+            {"clock": CLOCK, "args": vars(args), "faults": [asdict(r) for r in results], "runs": summaries},
+            indent=2,
+            default=str,
+        )
         if args.json == "-":
             print(doc)
         else:

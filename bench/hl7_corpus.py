@@ -14,6 +14,7 @@ second, so generating the input never dominates a benchmark run.
     from bench.hl7_corpus import messages
     payloads = messages(100_000, seed=1)
 """
+
 from __future__ import annotations
 
 import random
@@ -23,23 +24,55 @@ __all__ = ["PATIENTS", "messages"]
 PATIENTS = 1000
 """Distinct PID-3 identifiers: lanes keyed on the patient repeat ~n/1000 times."""
 
-_LAST = ("SMITH", "JONES", "GARCIA", "NGUYEN", "MULLER", "ROSSI", "TANAKA", "OKAFOR", "DUBOIS", "KOWALSKI",
-         "SILVA", "HANSEN", "BROWN", "LEE", "PATEL", "COHEN")
+_LAST = (
+    "SMITH",
+    "JONES",
+    "GARCIA",
+    "NGUYEN",
+    "MULLER",
+    "ROSSI",
+    "TANAKA",
+    "OKAFOR",
+    "DUBOIS",
+    "KOWALSKI",
+    "SILVA",
+    "HANSEN",
+    "BROWN",
+    "LEE",
+    "PATEL",
+    "COHEN",
+)
 _FIRST = ("ADAM", "BEA", "CARLOS", "DANA", "ELIF", "FARID", "GRETA", "HUGO", "IRIS", "JONAS", "KEMAL", "LENA")
 _STREETS = ("1 MAIN ST", "22 ELM RD", "300 OAK AVE", "4 HARBOR WAY", "57 MILL LN", "9 STATION SQ")
-_CITIES = (("GREENSBORO", "NC", "27401"), ("SPRINGFIELD", "IL", "62701"), ("SALEM", "OR", "97301"),
-           ("DOVER", "DE", "19901"))
+_CITIES = (
+    ("GREENSBORO", "NC", "27401"),
+    ("SPRINGFIELD", "IL", "62701"),
+    ("SALEM", "OR", "97301"),
+    ("DOVER", "DE", "19901"),
+)
 _APPS = (("ADT1", "GOOD HEALTH HOSPITAL"), ("PAS", "NORTH CAMPUS"), ("EPIC", "SOUTH CAMPUS"))
 _WARDS = ("2000^2012^01", "3000^3104^02", "ICU^07^A", "ER^12^B")
 _DOCTORS = ("004777^ATTEND^AARON^A", "005112^KILDARE^JAMES", "006001^GREY^MEREDITH^E")
-_TESTS = (("2093-3", "Cholesterol", "mg/dL", "<200"), ("2571-8", "Triglyceride", "mg/dL", "<150"),
-          ("2085-9", "HDL", "mg/dL", ">40"), ("718-7", "Hemoglobin", "g/dL", "12-16"),
-          ("2345-7", "Glucose", "mg/dL", "70-99"), ("6690-2", "WBC", "10*3/uL", "4.5-11"))
+_TESTS = (
+    ("2093-3", "Cholesterol", "mg/dL", "<200"),
+    ("2571-8", "Triglyceride", "mg/dL", "<150"),
+    ("2085-9", "HDL", "mg/dL", ">40"),
+    ("718-7", "Hemoglobin", "g/dL", "12-16"),
+    ("2345-7", "Glucose", "mg/dL", "70-99"),
+    ("6690-2", "WBC", "10*3/uL", "4.5-11"),
+)
 _PANELS = ("24331-1^Lipid panel^LN", "58410-2^CBC panel^LN", "24323-8^Metabolic panel^LN")
 _ORDERS = ("71020^CHEST XRAY 2V^CPT", "70450^CT HEAD^CPT", "93000^ECG^CPT", "80061^LIPID PANEL^CPT")
 # Free text, a few with escape sequences (field, component, subcomponent, escape, highlight).
-_NOTES = ("fasting 12h", "see \\F\\ attached note", "ratio 3\\S\\1", "C:\\E\\lab\\E\\out",
-          "R\\T\\D approved", "\\H\\critical\\N\\ called to ward", "repeat in 3 months")
+_NOTES = (
+    "fasting 12h",
+    "see \\F\\ attached note",
+    "ratio 3\\S\\1",
+    "C:\\E\\lab\\E\\out",
+    "R\\T\\D approved",
+    "\\H\\critical\\N\\ called to ward",
+    "repeat in 3 months",
+)
 _FLAGS = ("N", "N", "N", "H", "L")
 _CLASSES = ("I", "O", "E", "O", "I")
 

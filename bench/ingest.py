@@ -16,6 +16,7 @@ flood of short connections, oversize and malformed frames), on a listener with t
 
     uv run python bench/ingest.py [--seconds 5] [--connections 1,4,16] [--hostile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,10 @@ from listeners.connections_config import InboundConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ACK_TIMEOUT = 30.0
-MESSAGE = ("MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
-           "EVN|A01|20261122101500\rPID|1||{pid}^^^HOSP^MR||DOE^JANE||19700101|F\rPV1|1|I|W1^101^A\r")
+MESSAGE = (
+    "MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+    "EVN|A01|20261122101500\rPID|1||{pid}^^^HOSP^MR||DOE^JANE||19700101|F\rPV1|1|I|W1^101^A\r"
+)
 
 
 async def one_connection(port: int, prefix: str, deadline: float, latencies: list[float], window: int) -> int:
@@ -80,14 +83,31 @@ def drive(port: int, connections: int, seconds: float, tag: str, window: int = 1
 
     total, latencies, elapsed = asyncio.run(run())
     latencies.sort()
-    return {"rate": total / elapsed, "p50": latencies[len(latencies) // 2] * 1000,
-            "p99": latencies[int(len(latencies) * 0.99)] * 1000, "n": total}
+    return {
+        "rate": total / elapsed,
+        "p50": latencies[len(latencies) // 2] * 1000,
+        "p99": latencies[int(len(latencies) * 0.99)] * 1000,
+        "n": total,
+    }
 
 
 def start_peer(mode: str, dsn: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench/peers/hl7_asyncio_server.py"), "--port", str(port),
-                             "--mode", mode, "--dsn", dsn], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "bench/peers/hl7_asyncio_server.py"),
+            "--port",
+            str(port),
+            "--mode",
+            mode,
+            "--dsn",
+            dsn,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc, port
 
@@ -108,9 +128,12 @@ def beside_hostile_peers(port: int, seconds: float) -> dict:
     """Honest throughput alone, then with the hostile peers of `tests/support/hostile.py` running."""
     quiet = drive(port, 4, seconds, "Q")
     oversize = InboundConfig(name="x", kind="mllp").max_message_bytes  # the listener's (default) limit
-    attackers = subprocess.Popen([sys.executable, "-m", "tests.support.hostile", "--port", str(port),
-                                  "--max-message-bytes", str(oversize)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, text=True)
+    attackers = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.hostile", "--port", str(port), "--max-message-bytes", str(oversize)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert attackers.stdout.readline().strip() == "ready"
         time.sleep(2.0)  # the pressure builds: slots held, loops running
@@ -132,14 +155,19 @@ def main() -> None:
     results: dict[str, dict[int, dict]] = {"listenerd": {}, "peer": {}, "strong": {}, "ceiling": {}}
     with PostgresServer() as pg, tempfile.TemporaryDirectory() as tmp:
         pg.execute("CREATE DATABASE ingest")
-        cfg = StoreConfig(backend="postgres", server=pg.host, port=pg.port, database="ingest",
-                          username=pg.user, pool_size=4)
+        cfg = StoreConfig(
+            backend="postgres", server=pg.host, port=pg.port, database="ingest", username=pg.user, pool_size=4
+        )
         store = Store(cfg)
         migrate(store, cluster_name="test-cluster")
         store.close()
         port = free_port()
-        daemon = Daemon(Path(tmp) / "node", cfg, node_id="bench:1:aa", inbound=[
-            {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 64}]).start()
+        daemon = Daemon(
+            Path(tmp) / "node",
+            cfg,
+            node_id="bench:1:aa",
+            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 64}],
+        ).start()
         try:
             wait_for(lambda: port_open(port), timeout=20, what="listenerd bind")
             drive(port, 4, 1.0, "warm")
@@ -164,8 +192,10 @@ def main() -> None:
                 proc.wait(10)
         with psycopg.connect(pg.conninfo("ingest")) as conn:
             staged = conn.execute("SELECT count(*) FROM stage_inbound WHERE connection = 'adt-in'").fetchone()[0]
-    print(f"MLLP ingest, PostgreSQL 15 (fsync, synchronous_commit on), {args.seconds:.0f}s per level, "
-          f"python-hl7 asyncio client in raw block mode, {args.window} message(s) outstanding per connection")
+    print(
+        f"MLLP ingest, PostgreSQL 15 (fsync, synchronous_commit on), {args.seconds:.0f}s per level, "
+        f"python-hl7 asyncio client in raw block mode, {args.window} message(s) outstanding per connection"
+    )
     print(f"  {'conns':>5}  {'server':<10}{'msg/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
     for c in levels:
         for name in ("listenerd", "peer", "strong", "ceiling"):
@@ -175,13 +205,17 @@ def main() -> None:
         print(f"         listenerd = {lr / pr:.2f}x peer, {lr / sr:.2f}x strong peer, {lr / cr:.0%} of ceiling")
     if args.hostile:
         quiet, loud = hostile["quiet"], hostile["loud"]
-        print(f"\nHonest sender beside hostile peers ({hostile['connections']}), listenerd default limits, "
-              f"4 connections from 127.0.0.1, {args.seconds:.0f}s each:")
+        print(
+            f"\nHonest sender beside hostile peers ({hostile['connections']}), listenerd default limits, "
+            f"4 connections from 127.0.0.1, {args.seconds:.0f}s each:"
+        )
         print(f"  {'':<22}{'msg/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
         for name, r in (("alone", quiet), ("beside hostile peers", loud)):
             print(f"  {name:<22}{r['rate']:>9,.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}")
-        print(f"  honest throughput beside them: {loud['rate'] / quiet['rate']:.0%} of alone; "
-              f"listenerd peak RSS {hostile['rss']:.0f} MB")
+        print(
+            f"  honest throughput beside them: {loud['rate'] / quiet['rate']:.0%} of alone; "
+            f"listenerd peak RSS {hostile['rss']:.0f} MB"
+        )
     acked = sum(r["n"] for r in results["listenerd"].values())
     print(
         f"  listenerd CPU {cpu_per_msg * 1e6:.0f} us/msg; peak RSS {rss:.0f} MB; "

@@ -20,6 +20,7 @@ its store; Airflow's metadata stays on SQLite.
 
     uv run python bench/latency.py [--rate 200] [--seconds 60] [--connections 4] [--idle 60] [--store sqlite|postgres]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,12 @@ def main() -> None:
             sent = time.perf_counter()
             with MLLPClient("127.0.0.1", 2575) as client:
                 client.send_message(payload)
-            wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] > before and outstanding() == 0,
-                     timeout=args.drain_timeout, interval=0.05, what="one message to be delivered")
+            wait_for(
+                lambda: query("SELECT count(*) FROM stage_inbound")[0][0] > before and outstanding() == 0,
+                timeout=args.drain_timeout,
+                interval=0.05,
+                what="one message to be delivered",
+            )
             return time.perf_counter() - sent
 
         total = int(args.rate * args.seconds)
@@ -77,15 +82,19 @@ def main() -> None:
         with MLLPClient("127.0.0.1", 2575) as client:
             for p in payloads[:20]:  # warm-up: every DAG runs its Spark job once
                 client.send_message(p)
-        wait_for(lambda: query("SELECT count(*) FROM stage_inbound")[0][0] == staged + 20 and outstanding() == 0,
-                 timeout=args.drain_timeout, interval=1, what="the warm-up messages to be delivered")
+        wait_for(
+            lambda: query("SELECT count(*) FROM stage_inbound")[0][0] == staged + 20 and outstanding() == 0,
+            timeout=args.drain_timeout,
+            interval=1,
+            what="the warm-up messages to be delivered",
+        )
         [[since]] = query("SELECT max(id) FROM stage_inbound")
         print(f"warm; sending {total:,} messages at {args.rate:.0f}/s", flush=True)
 
         t0 = time.perf_counter()
 
         def sender(k: int) -> None:
-            mine = payloads[20:][k::args.connections]
+            mine = payloads[20:][k :: args.connections]
             rate = args.rate / args.connections
             with MLLPClient("127.0.0.1", 2575) as client:
                 for i, p in enumerate(mine):
@@ -104,8 +113,8 @@ def main() -> None:
         wait_for(lambda: outstanding() == 0, timeout=args.drain_timeout, interval=1, what="the backlog to drain")
         drained_s = time.perf_counter() - t0
 
-        rows = query(f"""SELECT o.destination, {ms('i.created_at')}, {ms('r.created_at')}, {ms('o.created_at')},
-                                {ms('o.updated_at')}, o.status
+        rows = query(f"""SELECT o.destination, {ms("i.created_at")}, {ms("r.created_at")}, {ms("o.created_at")},
+                                {ms("o.updated_at")}, o.status
                            FROM stage_outbound o JOIN stage_routed r ON r.source_id = o.source_id
                                                                    AND r.destination = o.destination
                                                  JOIN stage_inbound i ON i.id = o.source_id
@@ -115,17 +124,22 @@ def main() -> None:
         to_routed = [(r[2] - r[1]) / 1000 for r in rows]
         to_outbound = [(r[3] - r[1]) / 1000 for r in rows]
         runs = query("SELECT count(*) FROM message_events WHERE event = 'routed'")
-        print(f"\n{len(rows):,} deliveries of {total:,} messages ({len(dead)} not done); all delivered "
-              f"{drained_s:.0f} s after the first send; {runs[0][0]:,} routed events")
+        print(
+            f"\n{len(rows):,} deliveries of {total:,} messages ({len(dead)} not done); all delivered "
+            f"{drained_s:.0f} s after the first send; {runs[0][0]:,} routed events"
+        )
         print("| inbound committed → | p50 | p99 | max |\n|---|---|---|---|")
-        for name, values in (("routed", to_routed), ("transformed (outbound row)", to_outbound),
-                             ("delivered", lat)):
-            print(f"| {name} | {statistics.median(values):.1f} s | {percentile(values, 0.99):.1f} s | "
-                  f"{max(values):.1f} s |")
+        for name, values in (("routed", to_routed), ("transformed (outbound row)", to_outbound), ("delivered", lat)):
+            print(
+                f"| {name} | {statistics.median(values):.1f} s | {percentile(values, 0.99):.1f} s | "
+                f"{max(values):.1f} s |"
+            )
         for dest in sorted({r[0] for r in rows}):
             d = [(r[4] - r[1]) / 1000 for r in rows if r[0] == dest and r[5] == "done"]
-            print(f"  {dest}: delivered p50 {statistics.median(d):.1f} s, p99 {percentile(d, 0.99):.1f} s "
-                  f"({len(d):,} deliveries)")
+            print(
+                f"  {dest}: delivered p50 {statistics.median(d):.1f} s, p99 {percentile(d, 0.99):.1f} s "
+                f"({len(d):,} deliveries)"
+            )
         time.sleep(args.idle)
         after_idle = one_delivery(singles[1])
         print(f"\nfirst message after the stack is up: {first:.1f} s; after {args.idle:.0f} s idle: {after_idle:.1f} s")

@@ -27,6 +27,7 @@ seconds per phase. Latency under the real scheduler: bench/latency.py.
     uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres] [--deliver-seconds 120]
                                     [--code-hook 20000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,18 +84,34 @@ ROUTES: list[dict[str, Any]] = [
     },
 ]
 SPECS: list[dict[str, Any]] = [
-    {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "EHR"}, {"set": "MSH-6", "value": "MAIN"},
-                                     {"map": "PV1-2", "table": "patient_class"}, {"drop_segment": "ZPI"}]},
-    {"destination": "lab", "rules": [{"set": "MSH-5", "value": "LIS"}, {"clear": "PID-19"},
-                                     {"set": "OBX-11", "value": "F", "each": True}]},
+    {
+        "destination": "ehr",
+        "rules": [
+            {"set": "MSH-5", "value": "EHR"},
+            {"set": "MSH-6", "value": "MAIN"},
+            {"map": "PV1-2", "table": "patient_class"},
+            {"drop_segment": "ZPI"},
+        ],
+    },
+    {
+        "destination": "lab",
+        "rules": [{"set": "MSH-5", "value": "LIS"}, {"clear": "PID-19"}, {"set": "OBX-11", "value": "F", "each": True}],
+    },
     {"destination": "bedboard", "output": "json", "rules": [{"copy": "PID-3.1", "to": "PID-2"}]},
 ]
 LOOKUPS = {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"}}
 
 
 def destinations(out: Path) -> dict[str, Any]:
-    specs = [{"name": name, "kind": "file", "directory": str(out / name),
-              **({"lane": "PID-3.1"} if name != "archive" else {})} for name in ("ehr", "lab", "bedboard", "archive")]
+    specs = [
+        {
+            "name": name,
+            "kind": "file",
+            "directory": str(out / name),
+            **({"lane": "PID-3.1"} if name != "archive" else {}),
+        }
+        for name in ("ehr", "lab", "bedboard", "archive")
+    ]
     for s in specs:
         Path(s["directory"]).mkdir(parents=True, exist_ok=True)
     return parse_destinations(specs)
@@ -104,12 +121,24 @@ def stage_backlog(store: Store, payloads: list[str], epoch: int) -> None:
     from include.hl7path import value
 
     for start in range(0, len(payloads), 5000):
-        chunk = payloads[start:start + 5000]
+        chunk = payloads[start : start + 5000]
         with store.transaction() as tx:
-            rowlease.stage_inbound(tx, [
-                {"message_id": new_message_id(), "control_id": value(p, "MSH-10"), "connection": "bench",
-                 "lane_key": value(p, "PID-3.1"), "charset": None, "payload": p} for i, p in enumerate(chunk)],
-                epoch=epoch, node_id="bench")
+            rowlease.stage_inbound(
+                tx,
+                [
+                    {
+                        "message_id": new_message_id(),
+                        "control_id": value(p, "MSH-10"),
+                        "connection": "bench",
+                        "lane_key": value(p, "PID-3.1"),
+                        "charset": None,
+                        "payload": p,
+                    }
+                    for i, p in enumerate(chunk)
+                ],
+                epoch=epoch,
+                node_id="bench",
+            )
 
 
 class Phases:
@@ -130,8 +159,16 @@ class Phases:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
 
 
-def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, stage: Stage,
-          transform: Callable[[Any, str], Any], **finalize_args: Any) -> int:
+def drain(
+    store: Store,
+    spark: Any,
+    epoch: int,
+    batch: int,
+    phases: Phases,
+    stage: Stage,
+    transform: Callable[[Any, str], Any],
+    **finalize_args: Any,
+) -> int:
     """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed, timing the steps
     of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the stage's pure transform."""
     done = 0
@@ -142,11 +179,23 @@ def drain(store: Store, spark: Any, epoch: int, batch: int, phases: Phases, stag
         if not ids:
             return done
         small = stage_job.is_small(ids)
-        phases.time("spark", lambda: stage_job.land(store, transform(
-            stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run),
-            stage.landing, small=small))
-        out = phases.time("finalize", lambda: stage_job.finalize(store, stage, run_id=run, owner=owner, epoch=epoch,
-                                                                 claimed_ids=ids, **finalize_args))
+        phases.time(
+            "spark",
+            lambda: stage_job.land(
+                store,
+                transform(
+                    stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run
+                ),
+                stage.landing,
+                small=small,
+            ),
+        )
+        out = phases.time(
+            "finalize",
+            lambda: stage_job.finalize(
+                store, stage, run_id=run, owner=owner, epoch=epoch, claimed_ids=ids, **finalize_args
+            ),
+        )
         assert not out.not_finished, out.not_finished[:5]
         done += len(ids)
         phases.batches += 1
@@ -157,28 +206,58 @@ def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: 
     import subprocess
 
     port = free_port()
-    peer = subprocess.Popen([sys.executable, str(ROOT / "bench/peers/hl7_asyncio_server.py"), "--port", str(port),
-                             "--mode", "ack"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench/peers/hl7_asyncio_server.py"), "--port", str(port), "--mode", "ack"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert peer.stdout is not None and peer.stdout.readline().strip() == "ready"
-        dests = parse_destinations([{"name": "ehr-mllp", "kind": "mllp", "host": "127.0.0.1", "port": port,
-                                     "timeout_seconds": 10, "lane": "PID-3.1"}])
+        dests = parse_destinations(
+            [
+                {
+                    "name": "ehr-mllp",
+                    "kind": "mllp",
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "timeout_seconds": 10,
+                    "lane": "PID-3.1",
+                }
+            ]
+        )
         with store.transaction() as tx:
             cur = tx.conn.cursor()
-            cur.execute("INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, lane_key) "
-                        "SELECT -g, 'mllp' || g, 'ehr-mllp', 'mllp' || g, 'ehr-mllp|P' || (g %% 20) "
-                        "FROM generate_series(1, %(n)s) g", {"n": n})
-            cur.execute("INSERT INTO outbound_bodies (id, payload) SELECT o.id, %(p)s FROM stage_outbound o "
-                        "WHERE o.destination = 'ehr-mllp'", {"p": payloads[0]})
+            cur.execute(
+                "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, lane_key) "
+                "SELECT -g, 'mllp' || g, 'ehr-mllp', 'mllp' || g, 'ehr-mllp|P' || (g %% 20) "
+                "FROM generate_series(1, %(n)s) g",
+                {"n": n},
+            )
+            cur.execute(
+                "INSERT INTO outbound_bodies (id, payload) SELECT o.id, %(p)s FROM stage_outbound o "
+                "WHERE o.destination = 'ehr-mllp'",
+                {"p": payloads[0]},
+            )
         started = time.perf_counter()
-        summary = deliver_job.run(store, spark, destinations=dests, owner="bench/mllp", epoch=epoch, max_lanes=5000,
-                              concurrency=4, time_budget_seconds=300)
+        summary = deliver_job.run(
+            store,
+            spark,
+            destinations=dests,
+            owner="bench/mllp",
+            epoch=epoch,
+            max_lanes=5000,
+            concurrency=4,
+            time_budget_seconds=300,
+        )
         took = time.perf_counter() - started
     finally:
         peer.terminate()
         peer.wait(10)
-    return (f"mllp:      {len(summary.done):,} rows over 20 lanes in {took:.1f} s = {len(summary.done) / took:,.0f} "
-            f"rows/s ({summary.rounds} rounds, {len(summary.retrying) + len(summary.dead)} failed)")
+    return (
+        f"mllp:      {len(summary.done):,} rows over 20 lanes in {took:.1f} s = {len(summary.done) / took:,.0f} "
+        f"rows/s ({summary.rounds} rounds, {len(summary.retrying) + len(summary.dead)} failed)"
+    )
 
 
 def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, Any], n: int) -> list[str]:
@@ -187,23 +266,29 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
 
     results = [p for p in payloads if "|ORU^" in p.split("\r", 1)[0]]
     oru = [results[i % len(results)] for i in range(n)]
-    frame = spark.createDataFrame([(i, i, "lab", p, f"m{i}", f"C{i}", "bench") for i, p in enumerate(oru)],
-                                  TRANSFORM.schema).cache()
+    frame = spark.createDataFrame(
+        [(i, i, "lab", p, f"m{i}", f"C{i}", "bench") for i, p in enumerate(oru)], TRANSFORM.schema
+    ).cache()
     frame.count()  # uploaded and cached once: the runs below time the transform alone
     code_dir = str(ROOT / "bench" / "code")
     no_lab = [s for s in SPECS if s["destination"] != "lab"]
     variants = {
         "native rules": (SPECS, dests),
         "code hook (same rules)": (no_lab, {**dests, "lab": dataclasses.replace(dests["lab"], code="bench_hooks:lab")}),
-        "code hook (parse + render only)": (no_lab, {**dests, "lab": dataclasses.replace(dests["lab"],
-                                                                                       code="bench_hooks:identity")}),
+        "code hook (parse + render only)": (
+            no_lab,
+            {**dests, "lab": dataclasses.replace(dests["lab"], code="bench_hooks:identity")},
+        ),
     }
     outputs: dict[str, list[str]] = {}
     rates: dict[str, float] = {}
     for name, (specs, variant_dests) in variants.items():
+
         def out() -> Any:
-            return frame.transform(transform_job.outbound_rows, specs, LOOKUPS, variant_dests, run_id="hook",
-                                   code_dir=code_dir)
+            return frame.transform(
+                transform_job.outbound_rows, specs, LOOKUPS, variant_dests, run_id="hook", code_dir=code_dir
+            )
+
         best = float("inf")
         for _ in range(2):
             started = time.perf_counter()
@@ -214,10 +299,13 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
     same = sum(a == b for a, b in zip(outputs["native rules"], outputs["code hook (same rules)"]))
     native = rates["native rules"]
     frame.unpersist()
-    return [f"code hook: {len(oru):,} ORU rows to `lab`, transform only (noop sink, best of 2; outputs identical "
-            f"on {same} of the first {len(outputs['native rules'])})",
-            "| lab transform | rows/s | vs native |", "|---|---|---|",
-            *(f"| {name} | {rate:,.0f} | {rate / native:.2f}× |" for name, rate in rates.items())]
+    return [
+        f"code hook: {len(oru):,} ORU rows to `lab`, transform only (noop sink, best of 2; outputs identical "
+        f"on {same} of the first {len(outputs['native rules'])})",
+        "| lab transform | rows/s | vs native |",
+        "|---|---|---|",
+        *(f"| {name} | {rate:,.0f} | {rate / native:.2f}× |" for name, rate in rates.items()),
+    ]
 
 
 def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
@@ -226,14 +314,25 @@ def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
     otherwise pays for (--warm-messages)."""
     inbound = spark.createDataFrame([(i, "bench", p) for i, p in enumerate(payloads)], ROUTE.schema)
     routed = inbound.transform(routed_rows, parse_routes(ROUTES), run_id="warm")
-    claimed = routed.where("status = 'pending'").join(inbound.withColumnRenamed("id", "source_id"), "source_id").select(
-        "source_id", "destination", "payload", "connection")
-    claimed = claimed.selectExpr("source_id AS id", "source_id", "destination", "payload",
-                                 "CAST(source_id AS STRING) AS message_id", "'C' AS control_id", "connection")
+    claimed = (
+        routed.where("status = 'pending'")
+        .join(inbound.withColumnRenamed("id", "source_id"), "source_id")
+        .select("source_id", "destination", "payload", "connection")
+    )
+    claimed = claimed.selectExpr(
+        "source_id AS id",
+        "source_id",
+        "destination",
+        "payload",
+        "CAST(source_id AS STRING) AS message_id",
+        "'C' AS control_id",
+        "connection",
+    )
     for _ in range(2):
         routed.write.format("noop").mode("overwrite").save()
-        claimed.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id="warm").write.format(
-            "noop").mode("overwrite").save()
+        claimed.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id="warm").write.format("noop").mode(
+            "overwrite"
+        ).save()
 
 
 def count(store: Store, sql: str) -> int:
@@ -248,18 +347,36 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--batch", type=int, default=20_000, help="rows claimed per route/transform run")
     parser.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
-    parser.add_argument("--deliver-seconds", type=float, default=120.0,
-                        help="time budget for delivering the outbound rows to files (0: skip)")
-    parser.add_argument("--mllp-rows", type=int, default=20_000,
-                        help="rows delivered to an MLLP receiver over 20 lanes (0: skip)")
-    parser.add_argument("--warm-messages", type=int, default=0, metavar="N",
-                        help="before timing, route and transform N other messages into Spark's noop sink, so the "
-                             "server's JIT has compiled the hot paths, as on a server that has been running (0: skip)")
-    parser.add_argument("--statements", action="store_true",
-                        help="also print the store's time per statement during route + transform, and the "
-                             "server's floor for the same number of row changes (bench/store_floor.py)")
-    parser.add_argument("--code-hook", type=int, default=0, metavar="ROWS",
-                        help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)")
+    parser.add_argument(
+        "--deliver-seconds",
+        type=float,
+        default=120.0,
+        help="time budget for delivering the outbound rows to files (0: skip)",
+    )
+    parser.add_argument(
+        "--mllp-rows", type=int, default=20_000, help="rows delivered to an MLLP receiver over 20 lanes (0: skip)"
+    )
+    parser.add_argument(
+        "--warm-messages",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before timing, route and transform N other messages into Spark's noop sink, so the "
+        "server's JIT has compiled the hot paths, as on a server that has been running (0: skip)",
+    )
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="also print the store's time per statement during route + transform, and the "
+        "server's floor for the same number of row changes (bench/store_floor.py)",
+    )
+    parser.add_argument(
+        "--code-hook",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -267,8 +384,14 @@ def main() -> None:
     if args.backend == "postgres":
         server = PostgresServer().start()
         server.execute("CREATE DATABASE bench")
-        cfg = StoreConfig(backend="postgres", server=server.host, port=server.port, database="bench",
-                          username=server.user, pool_size=8)
+        cfg = StoreConfig(
+            backend="postgres",
+            server=server.host,
+            port=server.port,
+            database="bench",
+            username=server.user,
+            pool_size=8,
+        )
     else:
         cfg = StoreConfig(backend="sqlite", path=str(work / "bench.db"))
     connect = None
@@ -293,16 +416,43 @@ def main() -> None:
         overheads = []
         for i, p in enumerate(extra):
             with store.transaction() as tx:
-                rowlease.stage_inbound(tx, [{"message_id": f"o{i}", "control_id": f"O{i}", "connection": "bench",
-                                             "lane_key": "warm", "charset": None, "payload": p}],
-                                       epoch=epoch, node_id="bench")
+                rowlease.stage_inbound(
+                    tx,
+                    [
+                        {
+                            "message_id": f"o{i}",
+                            "control_id": f"O{i}",
+                            "connection": "bench",
+                            "lane_key": "warm",
+                            "charset": None,
+                            "payload": p,
+                        }
+                    ],
+                    epoch=epoch,
+                    node_id="bench",
+                )
             t = time.perf_counter()
-            stage_job.run_stage_job(ROUTE, store, spark, transform=partial(routed_rows, routes=parse_routes(ROUTES)),
-                                    owner=f"bench/warm{i}", epoch=epoch, run_id=f"warm{i}", batch_size=1)
+            stage_job.run_stage_job(
+                ROUTE,
+                store,
+                spark,
+                transform=partial(routed_rows, routes=parse_routes(ROUTES)),
+                owner=f"bench/warm{i}",
+                epoch=epoch,
+                run_id=f"warm{i}",
+                batch_size=1,
+            )
             overheads.append(time.perf_counter() - t)
-        stage_job.run_stage_job(TRANSFORM, store, spark, transform=transform_job.checked(store, SPECS, dests),
-                                passthrough=passthrough_destinations(SPECS, dests), owner="bench/warm-t", epoch=epoch,
-                                run_id="warm-t")
+        stage_job.run_stage_job(
+            TRANSFORM,
+            store,
+            spark,
+            transform=transform_job.checked(store, SPECS, dests),
+            passthrough=passthrough_destinations(SPECS, dests),
+            owner="bench/warm-t",
+            epoch=epoch,
+            run_id="warm-t",
+        )
         deliver_job.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
 
         if args.warm_messages:
@@ -324,35 +474,61 @@ def main() -> None:
             routed_before = count(store, "SELECT count(*) FROM stage_routed")
             started = time.perf_counter()
             passthrough = passthrough_destinations(SPECS, dests)
-            routed_msgs = drain(store, spark, epoch, args.batch, phases, ROUTE,
-                                lambda frame, run: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run),
-                                passthrough=passthrough)
+            routed_msgs = drain(
+                store,
+                spark,
+                epoch,
+                args.batch,
+                phases,
+                ROUTE,
+                lambda frame, run: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run),
+                passthrough=passthrough,
+            )
             route_s = time.perf_counter() - started
             n_routed = count(store, "SELECT count(*) FROM stage_routed") - routed_before
             n_direct = count(store, "SELECT count(*) FROM stage_routed WHERE status = 'done'") - routed_before
-            print(f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows ({n_direct:,} to a pass-through "
-                  f"destination, handed on by the route finalize) in {route_s:.1f} s = "
-                  f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})")
+            print(
+                f"route:     {routed_msgs:,} messages → {n_routed:,} routed rows ({n_direct:,} to a pass-through "
+                f"destination, handed on by the route finalize) in {route_s:.1f} s = "
+                f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})"
+            )
 
             tphases = Phases()
             started = time.perf_counter()
-            transformed = drain(store, spark, epoch, args.batch, tphases, TRANSFORM,
-                                lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests,
-                                                                   run_id=run),
-                                passthrough=passthrough)
+            transformed = drain(
+                store,
+                spark,
+                epoch,
+                args.batch,
+                tphases,
+                TRANSFORM,
+                lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run),
+                passthrough=passthrough,
+            )
             transform_s = time.perf_counter() - started
-        print(f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
-              f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})")
+        print(
+            f"transform: {transformed:,} routed rows in {transform_s:.1f} s = {transformed / transform_s:,.0f} rows/s"
+            f" = {routed_msgs / transform_s:,.0f} msg/s ({tphases.batches} batches: {tphases.line()})"
+        )
 
         deliver_line = "deliver:   skipped"
         if args.deliver_seconds:
             started = time.perf_counter()
-            summary = deliver_job.run(store, spark, destinations=dests, owner="bench/deliver", epoch=epoch,
-                                  max_lanes=5000, time_budget_seconds=args.deliver_seconds)
+            summary = deliver_job.run(
+                store,
+                spark,
+                destinations=dests,
+                owner="bench/deliver",
+                epoch=epoch,
+                max_lanes=5000,
+                time_budget_seconds=args.deliver_seconds,
+            )
             deliver_s = time.perf_counter() - started
-            deliver_line = (f"deliver:   {len(summary.done):,} rows to files in {deliver_s:.1f} s = "
-                            f"{len(summary.done) / deliver_s:,.0f} rows/s ({summary.rounds} rounds of lane heads, "
-                            f"{len(summary.retrying) + len(summary.dead)} failed)")
+            deliver_line = (
+                f"deliver:   {len(summary.done):,} rows to files in {deliver_s:.1f} s = "
+                f"{len(summary.done) / deliver_s:,.0f} rows/s ({summary.rounds} rounds of lane heads, "
+                f"{len(summary.retrying) + len(summary.dead)} failed)"
+            )
         print(deliver_line)
         if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
@@ -362,8 +538,10 @@ def main() -> None:
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)
         peer_s = time.perf_counter() - started
         peer_rate = len(payloads) / peer_s
-        print(f"peer:      python-hl7 route + transform of {len(payloads):,} messages in {peer_s:.1f} s = "
-              f"{peer_rate:,.0f} msg/s ({peer_counts})")
+        print(
+            f"peer:      python-hl7 route + transform of {len(payloads):,} messages in {peer_s:.1f} s = "
+            f"{peer_rate:,.0f} msg/s ({peer_counts})"
+        )
 
         durable_rate = None
         if server is not None:
@@ -375,8 +553,10 @@ def main() -> None:
                 durable_counts = durable_pipeline.drain(conn, python_pipeline.Pipeline(ROUTES, SPECS, LOOKUPS))
                 durable_s = time.perf_counter() - started
             durable_rate = len(payloads) / durable_s
-            print(f"durable:   the same loop over staged tables, {len(payloads):,} messages in {durable_s:.1f} s = "
-                  f"{durable_rate:,.0f} msg/s ({durable_counts})")
+            print(
+                f"durable:   the same loop over staged tables, {len(payloads):,} messages in {durable_s:.1f} s = "
+                f"{durable_rate:,.0f} msg/s ({durable_counts})"
+            )
 
         both = routed_msgs / (route_s + transform_s)
         durable_cell = f"{durable_rate:,.0f} msg/s" if durable_rate else "(postgres only)"
@@ -389,12 +569,18 @@ def main() -> None:
         print(
             f"| route | {routed_msgs / route_s:,.0f} msg/s (finalize {phases.seconds['finalize'] / route_s:.0%}) | | |"
         )
-        print(f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s, "
-              f"finalize {tphases.seconds['finalize'] / transform_s:.0%}) | | |")
-        print(f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer{versus}) | "
-              f"{peer_rate:,.0f} msg/s | {durable_cell} |")
-        print(f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
-              f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |")
+        print(
+            f"| transform | {routed_msgs / transform_s:,.0f} msg/s ({transformed / transform_s:,.0f} rows/s, "
+            f"finalize {tphases.seconds['finalize'] / transform_s:.0%}) | | |"
+        )
+        print(
+            f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer{versus}) | "
+            f"{peer_rate:,.0f} msg/s | {durable_cell} |"
+        )
+        print(
+            f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
+            f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |"
+        )
         if hook_lines:
             print("\n" + "\n".join(hook_lines))
         if args.statements:

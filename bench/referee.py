@@ -16,6 +16,7 @@ It watches a lab (`include/app/lab/two_nodes.py`) for a whole run, every POLL_SE
 
 A database that is restarting (a fault) is simply asked again at the next poll.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,9 +42,10 @@ class Ruling:
     def line(self) -> str:
         span = f"{self.epochs[0]}→{self.epochs[-1]} ({len(self.epochs) - 1} takeovers)" if self.epochs else "none seen"
         late = sum(self.late_writes.values())
-        return (f"{self.rounds} rounds; two serving leaders in {len(self.two_leaders)} rounds; epochs {span}; "
-                f"writes under a superseded epoch after its takeover: {late}"
-                + (f" ({self.late_writes})" if late else ""))
+        return (
+            f"{self.rounds} rounds; two serving leaders in {len(self.two_leaders)} rounds; epochs {span}; "
+            f"writes under a superseded epoch after its takeover: {late}" + (f" ({self.late_writes})" if late else "")
+        )
 
 
 class Referee:
@@ -101,8 +103,9 @@ class Referee:
         for attempt in range(retries + 1):
             try:
                 if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self.lab.pg.conninfo("stageline"), autocommit=True,
-                                                 row_factory=dict_row, connect_timeout=2)
+                    self._conn = psycopg.connect(
+                        self.lab.pg.conninfo("stageline"), autocommit=True, row_factory=dict_row, connect_timeout=2
+                    )
                 return list(self._conn.execute(sql, params).fetchall())
             except psycopg.Error:
                 if self._conn is not None:

@@ -52,6 +52,7 @@ trends. Ctrl-C (or SIGTERM) stops the senders, the stack and the PostgreSQL serv
     uv run python bench/soak.py [--minutes 60] [--rate 200] [--connections 4] [--store sqlite|postgres]
     uv run python bench/soak.py --minutes 3 --rate 50     # a short try, end to end
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,8 +89,11 @@ PREFLIGHT = 20
 BENCH_ROLE = "soak_bench"
 """The PostgreSQL role the bench's own queries run as (left out of the statement statistics)."""
 MLLP_PORT = 2575
-PG_SETTINGS = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track_utility": "off",
-               "log_lock_waits": "on"}
+PG_SETTINGS = {
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track_utility": "off",
+    "log_lock_waits": "on",
+}
 
 # What a sender saw, one byte per message in the ledger.
 SENT, AA, AE, AR, TIMEOUT, CONN_ERROR = 1, 2, 3, 4, 5, 6
@@ -99,6 +103,7 @@ _CONTROL = re.compile(r"S(\d+)N(\d+)")
 
 
 # --- senders ------------------------------------------------------------------------------------
+
 
 def corpus_stream(first_seed: int, step: int) -> Iterator[tuple[int, int, bytes]]:
     """(seed, index, framed message) forever: chunks of `CHUNK` corpus messages with seeds
@@ -170,8 +175,18 @@ class Clock:
         return min(max(m, 1), self.minutes)
 
 
-def sender(k: int, *, connections: int, rate: float, clock: Clock, end: float, ledger: Ledger,
-           stop: threading.Event, port: int, ack_timeout: float) -> None:
+def sender(
+    k: int,
+    *,
+    connections: int,
+    rate: float,
+    clock: Clock,
+    end: float,
+    ledger: Ledger,
+    stop: threading.Event,
+    port: int,
+    ack_timeout: float,
+) -> None:
     """Connection `k`: message n is due at t0 + (n·connections + k)/rate; late ones go at once."""
     sock: socket.socket | None = None
     buf = b""
@@ -241,6 +256,7 @@ def send_and_wait(on_store: StackOnStore, count: int, *, port: int, timeout: flo
 
 # --- what each minute measures --------------------------------------------------------------------
 
+
 def backlog(on_store: StackOnStore, conn: Any) -> tuple[dict[str, int], dict[str, float | None]]:
     """Per stage: rows not finished, and the age (s, DB clock) of the oldest; each count through the
     stage's partial indexes (claimable: pending/error; in flight), so it costs the backlog, not the table."""
@@ -250,7 +266,8 @@ def backlog(on_store: StackOnStore, conn: Any) -> tuple[dict[str, int], dict[str
         n, first = 0, None
         for where in ("status IN ('pending', 'error')", "status = 'in_flight'"):
             [[count, created]] = conn.execute(
-                f"SELECT count(*), min({on_store.ms('created_at')}) FROM stage_{stage} WHERE {where}").fetchall()
+                f"SELECT count(*), min({on_store.ms('created_at')}) FROM stage_{stage} WHERE {where}"
+            ).fetchall()
             n += count
             if created is not None:
                 first = created if first is None else min(first, created)
@@ -312,6 +329,7 @@ INTERESTING = (LOCK_ERROR, LOCK_WAIT, SLOW_STATEMENT)
 @dataclass
 class LogScan:
     """The minute's lines of interest, from the bytes appended to the stack's logs since the last scan."""
+
     lock_waits: int = 0
     longest_write_ms: float = 0.0
     lock_errors: int = 0
@@ -421,7 +439,8 @@ class FailedTasks:
                     "SELECT id, try_number, dag_id, task_id, state FROM task_instance"
                     " WHERE state IN ('failed', 'up_for_retry')"
                     " UNION ALL SELECT task_instance_id, try_number, dag_id, task_id, state FROM task_instance_history"
-                    " WHERE state IN ('failed', 'up_for_retry')").fetchall()
+                    " WHERE state IN ('failed', 'up_for_retry')"
+                ).fetchall()
             finally:
                 conn.close()
         except sqlite3.Error:
@@ -514,8 +533,9 @@ def pg_tables(conn: Any) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
     """({table: {"bytes", "index_bytes", "rows"}}, {table: dead tuples}) from the server's statistics."""
     tables, dead = {}, {}
     for name, total, index, live, n_dead in conn.execute(
-            "SELECT relname, pg_total_relation_size(relid), pg_indexes_size(relid), n_live_tup, n_dead_tup"
-            " FROM pg_stat_user_tables").fetchall():
+        "SELECT relname, pg_total_relation_size(relid), pg_indexes_size(relid), n_live_tup, n_dead_tup"
+        " FROM pg_stat_user_tables"
+    ).fetchall():
         tables[name] = {"bytes": total, "index_bytes": index, "rows": live}
         dead[name] = n_dead
     return tables, dead
@@ -529,11 +549,14 @@ def pg_top_statements(conn: Any, limit: int = 3) -> list[dict[str, Any]]:
         f" WHERE d.datname = 'stageline' AND r.rolname <> '{BENCH_ROLE}' ORDER BY s.max_exec_time DESC LIMIT {limit}"
     ).fetchall()
     conn.execute("SELECT pg_stat_statements_reset()")
-    return [{"query": " ".join(q.split())[:160], "calls": calls, "mean_ms": round(mean, 1), "max_ms": round(mx, 1)}
-            for q, calls, mean, mx in rows]
+    return [
+        {"query": " ".join(q.split())[:160], "calls": calls, "mean_ms": round(mean, 1), "max_ms": round(mx, 1)}
+        for q, calls, mean, mx in rows
+    ]
 
 
 # --- the minute rows ------------------------------------------------------------------------------
+
 
 class Soak:
     def __init__(self, on_store: StackOnStore, args: argparse.Namespace, out: Path) -> None:
@@ -577,8 +600,10 @@ class Soak:
             if pg:
                 tables, dead = pg_tables(conn)
                 [[db_bytes]] = conn.execute("SELECT pg_database_size('stageline')").fetchall()
-                [[lsn, wal]] = conn.execute("SELECT pg_current_wal_lsn()::text, pg_wal_lsn_diff(pg_current_wal_lsn(),"
-                                            " %s::pg_lsn)", (self.wal_lsn or "0/0",)).fetchall()
+                [[lsn, wal]] = conn.execute(
+                    "SELECT pg_current_wal_lsn()::text, pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)",
+                    (self.wal_lsn or "0/0",),
+                ).fetchall()
                 wal_bytes = int(wal) if self.wal_lsn else None
                 self.wal_lsn = lsn
                 top = pg_top_statements(conn)
@@ -645,9 +670,11 @@ def _size(path: Path) -> int:
         return 0
 
 
-HEADER = (f"{'min':>5} {'sent':>6} {'AA':>6} {'AE':>3} {'AR':>3} {'tmo':>3} {'cerr':>4} {'ack99':>6} | "
-          f"{'backlog in / rt / out (oldest s)':<36} | {'dlvd':>6} {'p50':>5} {'p99':>5} {'max':>5} | "
-          f"{'lockw':>5} {'lockerr':>7} {'slow':>4} | {'fail':>4}")
+HEADER = (
+    f"{'min':>5} {'sent':>6} {'AA':>6} {'AE':>3} {'AR':>3} {'tmo':>3} {'cerr':>4} {'ack99':>6} | "
+    f"{'backlog in / rt / out (oldest s)':<36} | {'dlvd':>6} {'p50':>5} {'p99':>5} {'max':>5} | "
+    f"{'lockw':>5} {'lockerr':>7} {'slow':>4} | {'fail':>4}"
+)
 
 
 def _s(v: float | None) -> str:
@@ -660,11 +687,15 @@ def format_row(r: dict, *, pg: bool) -> str:
     label = "drain" if r["phase"] == "drain" else f"{r['minute']}{'w' if r['phase'] == 'warmup' else ''}"
     backlog_text = " / ".join(f"{b[s]}({_s(o[s])})" for s in STAGES)
     ack99 = "-" if r["ack_p99_ms"] is None else f"{r['ack_p99_ms']:.0f}"
-    lines = [f"{label:>5} {r['sent']:>6} {a['AA']:>6} {a['AE']:>3} {a['AR']:>3} {a['timeout']:>3} {a['conn_error']:>4} "
-             f"{ack99:>6} | {backlog_text:<36} | {d['n']:>6} {_s(d['p50']):>5} {_s(d['p99']):>5} {_s(d['max']):>5} | "
-             f"{r['lock_waits']:>5} {r['lock_errors']:>7} {r['slow_statements']:>4} | {r['failed_tasks']:>4}"]
-    rss = " · ".join(f"{g} {v['max'] / MIB:.0f}{' (×' + str(v['n']) + ')' if v['n'] > 1 else ''}"
-                     for g, v in sorted(r["rss"].items(), key=lambda kv: -kv[1]["max"]))
+    lines = [
+        f"{label:>5} {r['sent']:>6} {a['AA']:>6} {a['AE']:>3} {a['AR']:>3} {a['timeout']:>3} {a['conn_error']:>4} "
+        f"{ack99:>6} | {backlog_text:<36} | {d['n']:>6} {_s(d['p50']):>5} {_s(d['p99']):>5} {_s(d['max']):>5} | "
+        f"{r['lock_waits']:>5} {r['lock_errors']:>7} {r['slow_statements']:>4} | {r['failed_tasks']:>4}"
+    ]
+    rss = " · ".join(
+        f"{g} {v['max'] / MIB:.0f}{' (×' + str(v['n']) + ')' if v['n'] > 1 else ''}"
+        for g, v in sorted(r["rss"].items(), key=lambda kv: -kv[1]["max"])
+    )
     if pg:
         wal = "-" if r["wal_bytes"] is None else f"{r['wal_bytes'] / MIB:.1f} MiB written"
         store = f"db {r['db_bytes'] / MIB:.1f} MiB, WAL {wal}"
@@ -689,8 +720,10 @@ def format_row(r: dict, *, pg: bool) -> str:
             + (f"; longest write transaction {r['longest_write_ms']:.0f} ms" if r.get("longest_write_ms") else "")
         )
     for s in r.get("pg_top") or []:
-        lines.append(f"{'':>6}pg_stat_statements: max {s['max_ms']:>5.0f} ms, mean {s['mean_ms']:>6.1f} ms, "
-                     f"{s['calls']:>6} calls: {s['query'][:90]}")
+        lines.append(
+            f"{'':>6}pg_stat_statements: max {s['max_ms']:>5.0f} ms, mean {s['mean_ms']:>6.1f} ms, "
+            f"{s['calls']:>6} calls: {s['query'][:90]}"
+        )
     for line in r["lock_error_lines"]:
         lines.append(f"{'':>6}lock error: {line[:200]}")
     for t in r["failed_task_tries"][:3]:
@@ -700,6 +733,7 @@ def format_row(r: dict, *, pg: bool) -> str:
 
 # --- the end --------------------------------------------------------------------------------------
 
+
 def what_became(on_store: StackOnStore, ledger: Ledger, since: int) -> dict[str, int]:
     """Every message of the run: staged or not (against the ledger), delivered or not (its rows)."""
     param = "%s" if on_store.pg is not None else "?"
@@ -707,8 +741,9 @@ def what_became(on_store: StackOnStore, ledger: Ledger, since: int) -> dict[str,
     duplicates = other = 0
     last = since
     while True:
-        batch = on_store.query(f"SELECT id, control_id FROM stage_inbound WHERE id > {param} ORDER BY id LIMIT 50000",
-                               (last,))
+        batch = on_store.query(
+            f"SELECT id, control_id FROM stage_inbound WHERE id > {param} ORDER BY id LIMIT 50000", (last,)
+        )
         if not batch:
             break
         last = batch[-1][0]
@@ -728,18 +763,36 @@ def what_became(on_store: StackOnStore, ledger: Ledger, since: int) -> dict[str,
                 lost += 1
             elif outcome not in (0, AA) and staged[seed][index]:
                 staged_without_aa += 1
-    counts = {stage: dict(on_store.query(
-        f"SELECT status, count(*) FROM stage_{stage} WHERE {'id' if stage == 'inbound' else 'source_id'} > {param}"
-        " GROUP BY status", (since,))) for stage in STAGES}
+    counts = {
+        stage: dict(
+            on_store.query(
+                f"SELECT status, count(*) FROM stage_{stage} "
+                f"WHERE {'id' if stage == 'inbound' else 'source_id'} > {param}"
+                " GROUP BY status",
+                (since,),
+            )
+        )
+        for stage in STAGES
+    }
     [[not_delivered]] = on_store.query(
         f"SELECT count(*) FROM stage_inbound i WHERE i.id > {param} AND (i.status <> 'done'"
         " OR EXISTS (SELECT 1 FROM stage_routed r WHERE r.source_id = i.id AND r.status <> 'done')"
-        " OR EXISTS (SELECT 1 FROM stage_outbound o WHERE o.source_id = i.id AND o.status <> 'done'))", (since,))
+        " OR EXISTS (SELECT 1 FROM stage_outbound o WHERE o.source_id = i.id AND o.status <> 'done'))",
+        (since,),
+    )
     staged_n = sum(counts["inbound"].values())
-    return {"staged": staged_n, "delivered": staged_n - not_delivered, "not_delivered": not_delivered,
-            "lost": lost, "staged_without_aa": staged_without_aa, "duplicates_staged": duplicates,
-            "foreign_rows": other, "deliveries": counts["outbound"].get("done", 0),
-            "dead": sum(c.get("dead", 0) for c in counts.values()), "unrouted": counts["inbound"].get("unrouted", 0)}
+    return {
+        "staged": staged_n,
+        "delivered": staged_n - not_delivered,
+        "not_delivered": not_delivered,
+        "lost": lost,
+        "staged_without_aa": staged_without_aa,
+        "duplicates_staged": duplicates,
+        "foreign_rows": other,
+        "deliveries": counts["outbound"].get("done", 0),
+        "dead": sum(c.get("dead", 0) for c in counts.values()),
+        "unrouted": counts["inbound"].get("unrouted", 0),
+    }
 
 
 def wait_drained(on_store: StackOnStore, timeout: float) -> float:
@@ -777,8 +830,12 @@ def main() -> int:
     parser.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite")
     parser.add_argument("--drain-timeout", type=float, default=600.0, help="seconds to wait for the backlog to finish")
     parser.add_argument("--ack-timeout", type=float, default=30.0, help="seconds a sender waits for an ACK")
-    parser.add_argument("--sizes-every", type=int, default=0,
-                        help="SQLite: measure table sizes (dbstat) every N minutes (default: minutes / 12)")
+    parser.add_argument(
+        "--sizes-every",
+        type=int,
+        default=0,
+        help="SQLite: measure table sizes (dbstat) every N minutes (default: minutes / 12)",
+    )
     parser.add_argument("--port", type=int, default=MLLP_PORT, help="listenerd's MLLP port (config/connections.toml)")
     parser.add_argument("--work", type=Path, help="work dir (default: a new temp dir); kept after the run")
     args = parser.parse_args()
@@ -790,8 +847,13 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix=f"stageline-soak-{args.store}-"))
     work.mkdir(parents=True, exist_ok=True)
     out = work / "soak.jsonl"
-    on_store = StackOnStore(work, args.store, pg_settings=PG_SETTINGS if args.store == "postgres" else None,
-                            pg_setup=["CREATE EXTENSION pg_stat_statements"], bench_role=BENCH_ROLE)
+    on_store = StackOnStore(
+        work,
+        args.store,
+        pg_settings=PG_SETTINGS if args.store == "postgres" else None,
+        pg_setup=["CREATE EXTENSION pg_stat_statements"],
+        bench_role=BENCH_ROLE,
+    )
     soak = Soak(on_store, args, out)
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -800,18 +862,24 @@ def main() -> int:
     try:
         on_store.start()
         soak.logs.skip_to_end()  # the startup's lines are not the soak's
-        print(f"stack up in {on_store.stack.up_seconds:.0f} s on {args.store}; work dir {work} "
-              f"(logs: {on_store.stack.var / 'log'}, {on_store.stack.log_path})", flush=True)
+        print(
+            f"stack up in {on_store.stack.up_seconds:.0f} s on {args.store}; work dir {work} "
+            f"(logs: {on_store.stack.var / 'log'}, {on_store.stack.log_path})",
+            flush=True,
+        )
         send_and_wait(on_store, PREFLIGHT, port=args.port, timeout=args.drain_timeout)
         [[since]] = on_store.query("SELECT coalesce(max(id), 0) FROM stage_inbound")
         [[since_out]] = on_store.query("SELECT coalesce(max(id), 0) FROM stage_outbound")
         soak.deliveries = Deliveries(on_store, since_out)
         soak.prime()
         total = int(args.rate * args.minutes * 60)
-        print(f"pre-flight: {PREFLIGHT} messages delivered; sending {total:,} messages at {args.rate:g}/s on "
-              f"{args.connections} connection(s) for {args.minutes} min (warm-up {args.warmup_minutes} min, "
-              f"judged after; limits: p99 ≤ {limits.p99_s:g} s, backlog ≤ {limits.backlog_max:,.0f} rows)\n"
-              f"per-minute rows → {out}\n", flush=True)
+        print(
+            f"pre-flight: {PREFLIGHT} messages delivered; sending {total:,} messages at {args.rate:g}/s on "
+            f"{args.connections} connection(s) for {args.minutes} min (warm-up {args.warmup_minutes} min, "
+            f"judged after; limits: p99 ≤ {limits.p99_s:g} s, backlog ≤ {limits.backlog_max:,.0f} rows)\n"
+            f"per-minute rows → {out}\n",
+            flush=True,
+        )
         print(HEADER, flush=True)
         clock = Clock(time.monotonic() + 0.5, args.minutes)
         end = clock.t0 + args.minutes * 60
@@ -862,13 +930,17 @@ def main() -> int:
         f"timeouts {totals['timeout']:,}, connection errors {totals['conn_error']:,}, "
         f"unanswered {totals['unanswered']:,}"
     )
-    print(f"staged {totals['staged']:,} (lost: ACKed AA, not staged {totals['lost']:,}; staged without an AA "
-          f"{totals['staged_without_aa']:,}; staged twice {totals['duplicates_staged']:,}); delivered "
-          f"{totals['delivered']:,}, not delivered {totals['not_delivered']:,} (dead rows {totals['dead']:,}, "
-          f"unrouted {totals['unrouted']:,}); {totals['deliveries']:,} deliveries")
+    print(
+        f"staged {totals['staged']:,} (lost: ACKed AA, not staged {totals['lost']:,}; staged without an AA "
+        f"{totals['staged_without_aa']:,}; staged twice {totals['duplicates_staged']:,}); delivered "
+        f"{totals['delivered']:,}, not delivered {totals['not_delivered']:,} (dead rows {totals['dead']:,}, "
+        f"unrouted {totals['unrouted']:,}); {totals['deliveries']:,} deliveries"
+    )
     if lat:
-        print(f"delivered over the run: p50 {statistics.median(lat):.2f} s, p99 {percentile(lat, 0.99):.2f} s, "
-              f"max {max(lat):.2f} s")
+        print(
+            f"delivered over the run: p50 {statistics.median(lat):.2f} s, p99 {percentile(lat, 0.99):.2f} s, "
+            f"max {max(lat):.2f} s"
+        )
     with open(out, "a") as f:
         f.write(json.dumps({"totals": totals, "args": {k: str(v) for k, v in vars(args).items()}}) + "\n")
     v = verdict(soak.rows, totals, limits)

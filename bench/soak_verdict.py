@@ -41,6 +41,7 @@ How each kind of failure is judged (all bounds in `Limits`):
   table once retention purges as much as arrives, must not grow at all); PostgreSQL's dead tuples
   per table (autovacuum must keep up).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -94,8 +95,9 @@ class Verdict:
 
 def theil_sen_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """The median of the slopes between every pair of points (robust to outliers); 0 for < 2 points."""
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i])
-              for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]
+    ]
     return statistics.median(slopes) if slopes else 0.0
 
 
@@ -105,8 +107,9 @@ def thirds(ys: Sequence[float]) -> tuple[float, float]:
     return statistics.median(ys[:k]), statistics.median(ys[-k:])
 
 
-def trend_failure(what: str, xs: Sequence[float], ys: Sequence[float], *, rise_bound: float,
-                  unit: str = "", min_points: int = 6) -> str | None:
+def trend_failure(
+    what: str, xs: Sequence[float], ys: Sequence[float], *, rise_bound: float, unit: str = "", min_points: int = 6
+) -> str | None:
     """Why `ys` (over minutes `xs`) is a rising trend, or None: it must rise by more than
     `rise_bound` over the span by the Theil–Sen slope AND by the last third's median over the first's
     (by two thirds of the bound: the thirds' medians of a straight line are two thirds of its span apart)."""
@@ -116,14 +119,24 @@ def trend_failure(what: str, xs: Sequence[float], ys: Sequence[float], *, rise_b
     rise = theil_sen_slope(xs, ys) * span
     first, last = thirds(ys)
     if rise > rise_bound and last - first > rise_bound * 2 / 3:
-        return (f"{what} grows minute over minute: +{rise:.4g}{unit} over {span:g} min by its Theil–Sen slope, "
-                f"median {first:.4g}{unit} in the first third → {last:.4g}{unit} in the last "
-                f"(bound +{rise_bound:.4g}{unit})")
+        return (
+            f"{what} grows minute over minute: +{rise:.4g}{unit} over {span:g} min by its Theil–Sen slope, "
+            f"median {first:.4g}{unit} in the first third → {last:.4g}{unit} in the last "
+            f"(bound +{rise_bound:.4g}{unit})"
+        )
     return None
 
 
-def growth_failure(what: str, ys: Sequence[float], *, limit: float, floor: float, unit: str = "",
-                   scale: float = 1.0, min_points: int = 4) -> str | None:
+def growth_failure(
+    what: str,
+    ys: Sequence[float],
+    *,
+    limit: float,
+    floor: float,
+    unit: str = "",
+    scale: float = 1.0,
+    min_points: int = 4,
+) -> str | None:
     """Why `ys` (one window, oldest first) grew by more than `limit` (a fraction) and more than `floor`
     (absolute), comparing the medians of its first and last thirds; None if it did not, or too few points."""
     if len(ys) < min_points:
@@ -131,8 +144,10 @@ def growth_failure(what: str, ys: Sequence[float], *, limit: float, floor: float
     first, last = thirds(ys)
     if last - first > floor and last > first * (1 + limit):
         pct = (last / first - 1) * 100 if first > 0 else float("inf")
-        return (f"{what} grew {pct:.0f}% over the last half of the run "
-                f"({first / scale:.4g}{unit} → {last / scale:.4g}{unit}; limit {limit:.0%})")
+        return (
+            f"{what} grew {pct:.0f}% over the last half of the run "
+            f"({first / scale:.4g}{unit} → {last / scale:.4g}{unit}; limit {limit:.0%})"
+        )
     return None
 
 
@@ -177,27 +192,37 @@ def verdict(rows: Sequence[dict], totals: dict, limits: Limits) -> Verdict:
     fail = v.failures.append
 
     # Counts over the whole run.
-    for key, why in (("not_delivered", "message(s) not delivered after the drain"),
-                     ("lost", "message(s) ACKed AA but never staged (lost)"),
-                     ("dead", "row(s) dead-lettered"), ("unrouted", "message(s) unrouted")):
+    for key, why in (
+        ("not_delivered", "message(s) not delivered after the drain"),
+        ("lost", "message(s) ACKed AA but never staged (lost)"),
+        ("dead", "row(s) dead-lettered"),
+        ("unrouted", "message(s) unrouted"),
+    ):
         if totals.get(key):
             fail(f"{totals[key]:,} {why}")
     for key in NEGATIVE_ACKS:
         n = sum(r["acks"].get(key, 0) for r in rows)
         if n:
             fail(f"{n:,} {key} answer(s) to senders")
-    for key, why in (("lock_errors", "lock error line(s) in the stack's logs"),
-                     ("failed_tasks", "failed or retried Airflow task tr(ies)")):
+    for key, why in (
+        ("lock_errors", "lock error line(s) in the stack's logs"),
+        ("failed_tasks", "failed or retried Airflow task tr(ies)"),
+    ):
         n = sum(r.get(key) or 0 for r in rows)
         if n:
             fail(f"{n:,} {why}")
 
     # Bounds per minute (after the warm-up; the drain's deliveries count too).
     bounded = [r for r in rows if r.get("phase") in ("judged", "drain")]
-    for line in (bound_failures("delivered p99", [(_label(r), r["delivered"].get("p99")) for r in bounded],
-                                limits.p99_s, " s"),
-                 *(bound_failures(f"{stage} backlog (rows)", [(_label(r), r["backlog"].get(stage)) for r in bounded],
-                                  limits.backlog_max) for stage in STAGES)):
+    for line in (
+        bound_failures("delivered p99", [(_label(r), r["delivered"].get("p99")) for r in bounded], limits.p99_s, " s"),
+        *(
+            bound_failures(
+                f"{stage} backlog (rows)", [(_label(r), r["backlog"].get(stage)) for r in bounded], limits.backlog_max
+            )
+            for stage in STAGES
+        ),
+    ):
         if line:
             fail(line)
 
@@ -208,13 +233,25 @@ def verdict(rows: Sequence[dict], totals: dict, limits: Limits) -> Verdict:
     else:
         for stage in STAGES:
             pts = [(r["minute"], r["backlog"][stage]) for r in judged if r["backlog"].get(stage) is not None]
-            line = trend_failure(f"{stage} backlog", [p[0] for p in pts], [p[1] for p in pts],
-                                 rise_bound=limits.backlog_rise, unit=" rows", min_points=limits.min_trend_points)
+            line = trend_failure(
+                f"{stage} backlog",
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                rise_bound=limits.backlog_rise,
+                unit=" rows",
+                min_points=limits.min_trend_points,
+            )
             if line:
                 fail(line)
         pts = [(r["minute"], r["delivered"]["p99"]) for r in judged if r["delivered"].get("p99") is not None]
-        line = trend_failure("delivered p99", [p[0] for p in pts], [p[1] for p in pts],
-                             rise_bound=limits.p99_rise_s, unit=" s", min_points=limits.min_trend_points)
+        line = trend_failure(
+            "delivered p99",
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            rise_bound=limits.p99_rise_s,
+            unit=" s",
+            min_points=limits.min_trend_points,
+        )
         if line:
             fail(line)
 
@@ -223,17 +260,28 @@ def verdict(rows: Sequence[dict], totals: dict, limits: Limits) -> Verdict:
     series: list[tuple[str, list[float], float, str, float]] = []  # (what, values, floor, unit, scale)
     groups = sorted({g for r in window for g in (r.get("rss_max") or {})})
     for g in groups:
-        series.append((f"RSS of {g}", [r["rss_max"][g] for r in window if (r.get("rss_max") or {}).get(g)],
-                       limits.rss_floor, " MiB", MIB))
-    series.append(("WAL", [r["wal_bytes"] for r in window if r.get("wal_bytes") is not None],
-                   limits.wal_floor, " MiB", MIB))
+        series.append(
+            (
+                f"RSS of {g}",
+                [r["rss_max"][g] for r in window if (r.get("rss_max") or {}).get(g)],
+                limits.rss_floor,
+                " MiB",
+                MIB,
+            )
+        )
+    series.append(
+        ("WAL", [r["wal_bytes"] for r in window if r.get("wal_bytes") is not None], limits.wal_floor, " MiB", MIB)
+    )
     measured = [r["tables"] for r in window if r.get("tables")]
     for t in sorted({t for tables in measured for t in tables}):
         if not measured or (measured[-1].get(t) or {}).get("bytes", 0) < limits.table_min_bytes:
             continue
         values, by_row = table_series([tables[t] for tables in measured if t in tables], limit=limits.growth_limit)
-        series.append((f"table {t} (bytes per row)", values, 0.0, " B/row", 1.0) if by_row
-                      else (f"table {t} (bytes)", values, limits.table_min_bytes, " MiB", MIB))
+        series.append(
+            (f"table {t} (bytes per row)", values, 0.0, " B/row", 1.0)
+            if by_row
+            else (f"table {t} (bytes)", values, limits.table_min_bytes, " MiB", MIB)
+        )
     for t in sorted({t for r in window for t in (r.get("dead_tuples") or {})}):
         series.append(
             (
@@ -246,11 +294,20 @@ def verdict(rows: Sequence[dict], totals: dict, limits: Limits) -> Verdict:
         )
     short = [what for what, ys, *_ in series if len(ys) < limits.min_growth_points]
     for what, ys, floor, unit, scale in series:
-        line = growth_failure(what, ys, limit=limits.growth_limit, floor=floor, unit=unit, scale=scale,
-                              min_points=limits.min_growth_points)
+        line = growth_failure(
+            what,
+            ys,
+            limit=limits.growth_limit,
+            floor=floor,
+            unit=unit,
+            scale=scale,
+            min_points=limits.min_growth_points,
+        )
         if line:
             fail(line)
     if short:
-        v.notes.append(f"growth not judged for {len(short)} series (fewer than {limits.min_growth_points} "
-                       f"values in the last half): {', '.join(short[:6])}{' …' if len(short) > 6 else ''}")
+        v.notes.append(
+            f"growth not judged for {len(short)} series (fewer than {limits.min_growth_points} "
+            f"values in the last half): {', '.join(short[:6])}{' …' if len(short) > 6 else ''}"
+        )
     return v

@@ -1,6 +1,7 @@
 """The embedded single-node stack (`stageline up`) for the benchmarks that measure it whole
 (bench/latency.py, bench/stack_memory.py, bench/soak.py): started in a work dir of its own, waited for until its
 banner says it is up, stopped as a user stops it (Ctrl-C)."""
+
 from __future__ import annotations
 
 import os
@@ -43,11 +44,20 @@ class EmbeddedStack:
         config = self.work / "stageline.toml"
         config.write_text(self.service_toml)
         self._log = open(self.log_path, "w+")
-        self.proc = proc = subprocess.Popen([str(STAGELINE), "up", "--service-config", str(config)], cwd=ROOT,
-                                            env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = proc = subprocess.Popen(
+            [str(STAGELINE), "up", "--service-config", str(config)],
+            cwd=ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         started = time.perf_counter()
-        wait_for(lambda: proc.poll() is not None or "Stageline is up" in self.log_path.read_text(),
-                 timeout=timeout, interval=1, what="the stack")
+        wait_for(
+            lambda: proc.poll() is not None or "Stageline is up" in self.log_path.read_text(),
+            timeout=timeout,
+            interval=1,
+            what="the stack",
+        )
         if proc.poll() is not None:
             raise SystemExit(self.log_path.read_text())
         self.up_seconds = time.perf_counter() - started

@@ -9,6 +9,7 @@ and prints it per component. The figure docs/performance.md states; the target i
 
     uv run python bench/stack_memory.py [--count 4] [--settle 20] [--samples 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=4, help="demo messages of each kind (ADT, ORU, ORM)")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds after the last delivery before measuring")
     parser.add_argument("--samples", type=int, default=5, help="measurements, 2 s apart; the largest is reported")
-    parser.add_argument("--idle", type=float, default=0.0, help="then wait this long with no traffic (the stage "
-                        "tasks end after $STAGELINE_STAGE_LINGER_SECONDS, default 120) and measure again")
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="then wait this long with no traffic (the stage "
+        "tasks end after $STAGELINE_STAGE_LINGER_SECONDS, default 120) and measure again",
+    )
     args = parser.parse_args()
     busy = [p for p in (AIRFLOW_PORT, SPARK_CONNECT_PORT, 2575, 8470, demo.RECEIVER_PORT) if port_open(p)]
     if busy:
@@ -48,8 +54,14 @@ def main() -> None:
     try:
         stack.start()
         print(f"stack up in {stack.up_seconds:.0f} s", flush=True)
-        sent = subprocess.run([str(STAGELINE), "demo", "send", "--count", str(args.count)], cwd=ROOT, env=stack.env,
-                              capture_output=True, text=True, timeout=120)
+        sent = subprocess.run(
+            [str(STAGELINE), "demo", "send", "--count", str(args.count)],
+            cwd=ROOT,
+            env=stack.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert sent.returncode == 0, sent.stdout + sent.stderr
 
         def done() -> int:
@@ -78,8 +90,11 @@ def measure(pid: int, samples: int, when: str) -> None:
             best = procs
         time.sleep(2)
     print(summary(best))
-    print(f"\nembedded stack {when}: {len(best)} processes, {sum(p.pss_kib for p in best) / 1024:.0f} MiB PSS "
-          f"on {os.cpu_count()} CPU(s), {_mem_total_gib():.1f} GiB RAM", flush=True)
+    print(
+        f"\nembedded stack {when}: {len(best)} processes, {sum(p.pss_kib for p in best) / 1024:.0f} MiB PSS "
+        f"on {os.cpu_count()} CPU(s), {_mem_total_gib():.1f} GiB RAM",
+        flush=True,
+    )
 
 
 def _mem_total_gib() -> float:

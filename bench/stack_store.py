@@ -7,6 +7,7 @@ PostgreSQL server (initdb in a temp dir, fsync on; `settings` added to the serve
 metadata stays on SQLite either way. Timestamps compare on the database clock: SQLite's store
 keeps epoch milliseconds, PostgreSQL's `timestamptz` (`ms()` turns a column into milliseconds).
 """
+
 from __future__ import annotations
 
 import sqlite3
@@ -30,8 +31,15 @@ def percentile(values: Sequence[float], q: float) -> float:
 class StackOnStore:
     """`EmbeddedStack` on SQLite or a throwaway PostgreSQL server; `start()`, `stop()` (always safe)."""
 
-    def __init__(self, work: Path, store: str = "sqlite", *, pg_settings: dict[str, str] | None = None,
-                 pg_setup: Sequence[str] = (), bench_role: str | None = None) -> None:
+    def __init__(
+        self,
+        work: Path,
+        store: str = "sqlite",
+        *,
+        pg_settings: dict[str, str] | None = None,
+        pg_setup: Sequence[str] = (),
+        bench_role: str | None = None,
+    ) -> None:
         """`pg_setup`: statements run in the `stageline` database before the stack starts;
         `bench_role`: a superuser the bench's own queries run as (so the server's statistics can
         tell them from the stack's)."""
@@ -42,8 +50,10 @@ class StackOnStore:
         self.pg_setup = list(pg_setup)
         self.bench_role = bench_role
         if self.pg is not None:
-            toml = (f'[store]\nbackend = "postgres"\nserver = "{self.pg.host}"\nport = {self.pg.port}\n'
-                    f'database = "stageline"\nusername = "{self.pg.user}"\n')
+            toml = (
+                f'[store]\nbackend = "postgres"\nserver = "{self.pg.host}"\nport = {self.pg.port}\n'
+                f'database = "stageline"\nusername = "{self.pg.user}"\n'
+            )
         else:
             toml = '[store]\npath = "var/stageline.db"\n'
         self.stack = EmbeddedStack(work, toml)
@@ -100,6 +110,8 @@ class StackOnStore:
 
     def outstanding(self) -> int:
         """Staged rows not finished, over all three stages."""
-        return self.query("SELECT (SELECT count(*) FROM stage_inbound WHERE status NOT IN ('done', 'unrouted', 'dead'))"
-                          " + (SELECT count(*) FROM stage_routed WHERE status NOT IN ('done', 'dead'))"
-                          " + (SELECT count(*) FROM stage_outbound WHERE status NOT IN ('done', 'dead'))")[0][0]
+        return self.query(
+            "SELECT (SELECT count(*) FROM stage_inbound WHERE status NOT IN ('done', 'unrouted', 'dead'))"
+            " + (SELECT count(*) FROM stage_routed WHERE status NOT IN ('done', 'dead'))"
+            " + (SELECT count(*) FROM stage_outbound WHERE status NOT IN ('done', 'dead'))"
+        )[0][0]

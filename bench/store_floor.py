@@ -8,6 +8,7 @@ same kinds of change: a narrow row inserted into a table with only a primary key
 event row, and a status update — no lanes, no claim indexes, no fence. Their difference is the price
 of what the staged tables do beyond durability (lane order, claims, audit lookups).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -47,6 +48,7 @@ class StatementTimes:
                     inside[0] = False
                 self.rows[name] += max(result, 0) if isinstance(result, int) else len(result)  # rowcount -1: unknown
                 return result
+
             return run
 
         for name, method in originals.items():
@@ -59,8 +61,10 @@ class StatementTimes:
 
     def lines(self, *, top: int = 12) -> list[str]:
         total = sum(self.seconds.values())
-        out = [f"store statements during route + transform: {total:.2f} s in all",
-               f"  {'statement':<30}{'calls':>6}{'rows':>10}{'s':>8}{'us/row':>8}"]
+        out = [
+            f"store statements during route + transform: {total:.2f} s in all",
+            f"  {'statement':<30}{'calls':>6}{'rows':>10}{'s':>8}{'us/row':>8}",
+        ]
         for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:top]:
             rows = self.rows[name]
             per = f"{s / rows * 1e6:.1f}" if rows else "-"
@@ -73,8 +77,10 @@ def bare_floor(conninfo: str, rows: int, *, runs: int = 3) -> list[str]:
     configured), `rows` at a time in one transaction each, median of `runs`: µs per row."""
     import psycopg
 
-    insert = ("INSERT INTO floor_rows (source_id, destination, status) "
-              f"SELECT g, 'd' || (g % 3), 'pending' FROM generate_series(1, {int(rows)}) g")
+    insert = (
+        "INSERT INTO floor_rows (source_id, destination, status) "
+        f"SELECT g, 'd' || (g % 3), 'pending' FROM generate_series(1, {int(rows)}) g"
+    )
     steps = [  # (kind, statement, empty the tables first); the update changes the rows inserted before it
         ("insert (primary key only)", insert, True),
         (
@@ -92,10 +98,14 @@ def bare_floor(conninfo: str, rows: int, *, runs: int = 3) -> list[str]:
     ]
     times: dict[str, list[float]] = {kind: [] for kind, _, _ in steps}
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute("CREATE TABLE floor_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-                     "source_id bigint NOT NULL, destination text NOT NULL, status text NOT NULL)")
-        conn.execute("CREATE TABLE floor_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-                     "row_id bigint, event text, at timestamptz NOT NULL DEFAULT now())")
+        conn.execute(
+            "CREATE TABLE floor_rows (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "source_id bigint NOT NULL, destination text NOT NULL, status text NOT NULL)"
+        )
+        conn.execute(
+            "CREATE TABLE floor_events (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+            "row_id bigint, event text, at timestamptz NOT NULL DEFAULT now())"
+        )
         try:
             for _ in range(runs):
                 for kind, sql, empty_first in steps:

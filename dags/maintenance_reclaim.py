@@ -14,6 +14,7 @@ Invariant 5 (no loss): a claimed row whose claimer died comes back two ways.
 Every write is fenced by the epoch: if leadership moves mid-run, nothing lands.
 Code: `include/housekeeping.py`, `plugins/stageline_airflow/tasks.py`.
 """
+
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
@@ -30,8 +31,7 @@ from stageline_airflow.sensors import LeaderCheckSensor
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=5),
     tags=["stageline", "maintenance"],
-    default_args={"retries": 1, "retry_delay": timedelta(seconds=15),
-                  "execution_timeout": timedelta(minutes=4)},
+    default_args={"retries": 1, "retry_delay": timedelta(seconds=15), "execution_timeout": timedelta(minutes=4)},
     doc_md=__doc__,
 )
 def maintenance_reclaim() -> None:

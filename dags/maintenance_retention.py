@@ -18,6 +18,7 @@
    scheduled run. The worker needs `$STAGELINE_AIRFLOW_DB_CONN` when its metadata DB URL comes
    from `AIRFLOW__DATABASE__SQL_ALCHEMY_CONN` (see docs/pipeline.md).
 """
+
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
@@ -40,8 +41,7 @@ AIRFLOW_METADATA_KEEP = timedelta(hours=24)
     max_active_runs=1,
     dagrun_timeout=timedelta(minutes=25),
     tags=["stageline", "maintenance"],
-    default_args={"retries": 1, "retry_delay": timedelta(minutes=1),
-                  "execution_timeout": timedelta(minutes=20)},
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=1), "execution_timeout": timedelta(minutes=20)},
     doc_md=__doc__,
 )
 def maintenance_retention() -> None:

@@ -18,6 +18,7 @@ Spark Connect server (or its standby), or a classic `local[*]` session (docs/pip
 
 Scheduled `@continuous`, like `stage_route` (why: docs/pipeline.md).
 """
+
 from __future__ import annotations
 
 from stageline_airflow import tasks

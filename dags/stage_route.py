@@ -19,6 +19,7 @@ for the sensor's next poke plus one task start before the route job starts, wher
 schedule makes it wait 15 s on average and 30 s at worst. Measurements: docs/pipeline.md and
 docs/performance.md.
 """
+
 from __future__ import annotations
 
 from stageline_airflow import tasks

@@ -12,6 +12,7 @@ when batches run well inside the target. At steady traffic the batches are small
 never reached; it matters after a pause, a failover or a hand-over between runs, when a backlog
 would otherwise be claimed, landed and finalized in one long transaction.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -9,6 +9,7 @@ of the codecs that table maps to. Every codec here is a linear C decoder.
 UTF-16/32 and bare "UNICODE" are left out on purpose: they are not ASCII-compatible, so MLLP's
 0x0B/0x1C framing bytes can occur inside characters and the message cannot be framed safely.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -18,29 +19,31 @@ from types import MappingProxyType
 __all__ = ["ALLOWED_CODECS", "HL7_CHARSETS", "charset_to_codec", "codec_for"]
 
 #: HL7 table 0211 value (upper case, single spaces) -> canonical Python codec name.
-HL7_CHARSETS: Mapping[str, str] = MappingProxyType({
-    "ASCII": "ascii",
-    "ISO IR6": "ascii",
-    "8859/1": "iso8859-1",
-    "ISO IR100": "iso8859-1",
-    "8859/2": "iso8859-2",
-    "8859/3": "iso8859-3",
-    "8859/4": "iso8859-4",
-    "8859/5": "iso8859-5",
-    "8859/6": "iso8859-6",
-    "8859/7": "iso8859-7",
-    "8859/8": "iso8859-8",
-    "8859/9": "iso8859-9",
-    "8859/15": "iso8859-15",
-    "ISO IR87": "iso2022_jp",
-    "ISO IR159": "iso2022_jp_1",
-    "GB 18030-2000": "gb18030",
-    "KS X 1001": "euc_kr",
-    "BIG-5": "big5",
-    "UNICODE UTF-8": "utf-8",
-    # Not in table 0211 but sent by many real senders; harmless to accept.
-    "UTF-8": "utf-8",
-})
+HL7_CHARSETS: Mapping[str, str] = MappingProxyType(
+    {
+        "ASCII": "ascii",
+        "ISO IR6": "ascii",
+        "8859/1": "iso8859-1",
+        "ISO IR100": "iso8859-1",
+        "8859/2": "iso8859-2",
+        "8859/3": "iso8859-3",
+        "8859/4": "iso8859-4",
+        "8859/5": "iso8859-5",
+        "8859/6": "iso8859-6",
+        "8859/7": "iso8859-7",
+        "8859/8": "iso8859-8",
+        "8859/9": "iso8859-9",
+        "8859/15": "iso8859-15",
+        "ISO IR87": "iso2022_jp",
+        "ISO IR159": "iso2022_jp_1",
+        "GB 18030-2000": "gb18030",
+        "KS X 1001": "euc_kr",
+        "BIG-5": "big5",
+        "UNICODE UTF-8": "utf-8",
+        # Not in table 0211 but sent by many real senders; harmless to accept.
+        "UTF-8": "utf-8",
+    }
+)
 
 #: The canonical codec names (as `codecs.lookup(...).name` gives them) a charset may resolve to.
 ALLOWED_CODECS: frozenset[str] = frozenset(codecs.lookup(c).name for c in HL7_CHARSETS.values())

@@ -5,6 +5,7 @@ An IPv4-mapped IPv6 network (``::ffff:10.0.0.0/104``) is the IPv4 network it map
 compared (and judged for width) the same way — ``::ffff:0:0/96`` is every IPv4 address, not a
 narrow IPv6 /96.
 """
+
 from __future__ import annotations
 
 import ipaddress

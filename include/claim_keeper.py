@@ -22,6 +22,7 @@ store connection:
 A failed read or write is logged and tried again next tick: the batches' own fenced writes are
 what keeps the data safe; the watch only makes recovery prompt. Invariants: docs/invariants.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,11 +50,21 @@ class ClaimKeeper:
 
     _batch: tuple[str | None, float]  # the batch in flight and when this keeper first saw it
 
-    def __init__(self, store: Store, table: StagedTable, *, epoch: int, clustered: bool,
-                 check_seconds: float, lease_seconds: float, reclaim_seconds: float,
-                 max_attempts: int, max_batch_seconds: float | None = None,
-                 on_hung: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Store,
+        table: StagedTable,
+        *,
+        epoch: int,
+        clustered: bool,
+        check_seconds: float,
+        lease_seconds: float,
+        reclaim_seconds: float,
+        max_attempts: int,
+        max_batch_seconds: float | None = None,
+        on_hung: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.table = table
         self.epoch = epoch
@@ -107,11 +118,17 @@ class ClaimKeeper:
         """Re-pend at once the rows held by ended claimers: owners starting with `prefix` but not
         `keep` (`rowlease.recover_abandoned`); how many."""
         with self.store.transaction() as tx:
-            recovered = recover_abandoned(tx, self.table, prefix=prefix, keep=keep, epoch=self.epoch,
-                                          owner=keep.rstrip("."), max_attempts=self.max_attempts)
+            recovered = recover_abandoned(
+                tx,
+                self.table,
+                prefix=prefix,
+                keep=keep,
+                epoch=self.epoch,
+                owner=keep.rstrip("."),
+                max_attempts=self.max_attempts,
+            )
         if recovered:
-            log.info("re-pended %d %s row(s) held by claimers that have ended (%s…)", recovered,
-                     self.table.key, prefix)
+            log.info("re-pended %d %s row(s) held by claimers that have ended (%s…)", recovered, self.table.key, prefix)
         return recovered
 
     def renew(self) -> int:
@@ -125,8 +142,9 @@ class ClaimKeeper:
     def sweep(self) -> int:
         """Re-pend this stage's rows whose row lease expired; how many."""
         with self.store.transaction() as tx:
-            swept = sweep_expired(tx, self.table, owner=f"keeper:{self.table.key}", epoch=self.epoch,
-                                  max_attempts=self.max_attempts)
+            swept = sweep_expired(
+                tx, self.table, owner=f"keeper:{self.table.key}", epoch=self.epoch, max_attempts=self.max_attempts
+            )
         if swept:
             log.info("re-pended %d %s row(s) whose row lease expired", swept, self.table.key)
         return swept
@@ -147,8 +165,13 @@ class ClaimKeeper:
             return
         if now - self._batch[1] > self.max_batch_seconds:
             self.hung = owner
-            log.error("stage batch %s has run %.0f s (more than %.0f s): hung; its rows are no longer "
-                      "renewed and the task ends", owner, now - self._batch[1], self.max_batch_seconds)
+            log.error(
+                "stage batch %s has run %.0f s (more than %.0f s): hung; its rows are no longer "
+                "renewed and the task ends",
+                owner,
+                now - self._batch[1],
+                self.max_batch_seconds,
+            )
             if self.on_hung is not None:
                 self.on_hung(owner)
 
@@ -156,8 +179,11 @@ class ClaimKeeper:
         now = self._clock()
         self._batch = (self.owner, now)
         due = {"check": now, "renew": now + self.renew_seconds, "sweep": now}
-        steps = {"check": (self.check, self.check_seconds), "renew": (self.renew, self.renew_seconds),
-                 "sweep": (self.sweep, self.reclaim_seconds)}
+        steps = {
+            "check": (self.check, self.check_seconds),
+            "renew": (self.renew, self.renew_seconds),
+            "sweep": (self.sweep, self.reclaim_seconds),
+        }
         while not self._closing.is_set() and not self.stopped.is_set():
             now = self._clock()
             self._watch_batch(now)

@@ -129,8 +129,10 @@ def parse_condition(cond: Any, *, where: str = "when") -> Condition:
     if "field" in keys or ("op" in keys and "connection" not in keys):
         unknown = keys - _LEAF_KEYS
         if unknown:
-            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in field condition "
-                       "(allowed: field, op, value, segments, repetitions)")
+            raise fail(
+                f"unknown key(s) {sorted(map(str, unknown))} in field condition "
+                "(allowed: field, op, value, segments, repetitions)"
+            )
         return _parse_leaf(cond, fail)
     if "connection" in keys:
         unknown = keys - _CONNECTION_KEYS
@@ -142,12 +144,16 @@ def parse_condition(cond: Any, *, where: str = "when") -> Condition:
             raise fail(f"a segment condition has only the key 'segment', got {sorted(map(str, keys))}")
         segment = cond["segment"]
         if not isinstance(segment, str) or not _SEGMENT_ID.fullmatch(segment):
-            raise fail(f"'segment' must be a 3-character segment id (a letter, then upper-case letters or digits), "
-                       f"got {segment!r}")
+            raise fail(
+                f"'segment' must be a 3-character segment id (a letter, then upper-case letters or digits), "
+                f"got {segment!r}"
+            )
         return SegmentPresent(segment)
     if len(keys) != 1 or not keys <= {"all", "any", "not"}:
-        raise fail(f"expected exactly one of 'field', 'segment', 'connection', 'all', 'any', 'not', got keys "
-                   f"{sorted(map(str, keys))}")
+        raise fail(
+            f"expected exactly one of 'field', 'segment', 'connection', 'all', 'any', 'not', got keys "
+            f"{sorted(map(str, keys))}"
+        )
     (kind,) = keys
     inner = cond[kind]
     if kind == "not":
@@ -172,8 +178,12 @@ def check_java_regex(value: str, fail: Callable[[str], Exception]) -> None:
 
 
 def _string_list(value: Any) -> TypeGuard[Sequence[str]]:
-    return (not isinstance(value, (str, bytes, Mapping)) and isinstance(value, Sequence) and bool(value)
-            and all(isinstance(v, str) for v in value))
+    return (
+        not isinstance(value, (str, bytes, Mapping))
+        and isinstance(value, Sequence)
+        and bool(value)
+        and all(isinstance(v, str) for v in value)
+    )
 
 
 def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> Leaf:

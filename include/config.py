@@ -5,6 +5,7 @@ node refuses to start with every problem named by file and key, instead of misbe
 cluster on SQLite, a fence timeout that lets two leaders overlap, ...). The frozen dataclasses here
 are what the rest of the code reads. The store password is never read from the file.
 """
+
 from __future__ import annotations
 
 import os
@@ -99,6 +100,7 @@ class RetentionConfig:
     then the Parquet job moves it under `archive_path` (empty: no Parquet job, the archive tables
     keep everything). `connections` overrides the stage days per inbound connection.
     """
+
     inbound_days: float = 7.0
     routed_days: float = 7.0
     outbound_days: float = 7.0
@@ -113,8 +115,7 @@ class RetentionConfig:
 
     def connection_ages_seconds(self) -> dict[str, dict[str, float]]:
         """Per overridden connection, its own stage ages in seconds."""
-        return {name: {stage: days * 86_400.0 for stage, days in per.items()}
-                for name, per in self.connections.items()}
+        return {name: {stage: days * 86_400.0 for stage, days in per.items()} for name, per in self.connections.items()}
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,9 @@ def private_var_dir() -> Path:
             os.chmod(var, 0o700)
             log.warning("var dir %s was mode %04o, open to others: tightened to 0700", var, old)
         else:
-            log.warning("var dir %s is mode %04o and owned by uid %d, not ours: left as is; chmod 700 it",
-                        var, old, st.st_uid)
+            log.warning(
+                "var dir %s is mode %04o and owned by uid %d, not ours: left as is; chmod 700 it", var, old, st.st_uid
+            )
     return var
 
 
@@ -172,10 +174,16 @@ def parse(raw: Any, *, source: Path | None = None, env: Mapping[str, str] | None
     cluster = ClusterConfig(**c.model_dump())
     if not cluster.node_id:
         cluster = replace(cluster, node_id=derive_node_id())
-    retention = RetentionConfig(**{**r.model_dump(exclude={"connections"}), "archive_path": r.archive_path.strip(),
-                                   "connections": {name: {k.removesuffix("_days"): v for k, v in
-                                                          per.model_dump(exclude_none=True).items()}
-                                                   for name, per in r.connections.items()}})
+    retention = RetentionConfig(
+        **{
+            **r.model_dump(exclude={"connections"}),
+            "archive_path": r.archive_path.strip(),
+            "connections": {
+                name: {k.removesuffix("_days"): v for k, v in per.model_dump(exclude_none=True).items()}
+                for name, per in r.connections.items()
+            },
+        }
+    )
     return ServiceConfig(store=store, cluster=cluster, retention=retention, source=source)
 
 

@@ -26,6 +26,7 @@ groups lanes by `lane_key` alone and a failing head must block only its own dest
 Plain Python, no Spark and no I/O: the config loader, the stage jobs and Spark's Python workers
 (which unpickle these frozen dataclasses) all import it. The senders are `spark_jobs.senders`.
 """
+
 from __future__ import annotations
 
 import os
@@ -122,8 +123,9 @@ class HttpDestination(Destination):
     idle_timeout_seconds: float = 30.0
 
 
-def parse_destinations(config: Any, *, code_dir: str | os.PathLike[str] | None = None,
-                       check_files: bool = False) -> dict[str, Destination]:
+def parse_destinations(
+    config: Any, *, code_dir: str | os.PathLike[str] | None = None, check_files: bool = False
+) -> dict[str, Destination]:
     """Validate destination specs (a list of tables, or a table keyed by name) against the schema.
 
     Raises `DestinationConfigError` with every problem of every table. No I/O unless asked:
@@ -164,21 +166,36 @@ def _tls(model: TlsModel | None) -> TlsSettings | None:
 
 def _runtime(model: Any) -> Destination:
     """The frozen dataclass the stage jobs and senders use, from a validated model."""
-    common: dict[str, Any] = {"name": model.name, "max_attempts": model.max_attempts,
-                              "backoff_seconds": float(model.backoff_seconds),
-                              "max_backoff_seconds": float(model.max_backoff_seconds),
-                              "lane": model.lane, "code": model.code}
+    common: dict[str, Any] = {
+        "name": model.name,
+        "max_attempts": model.max_attempts,
+        "backoff_seconds": float(model.backoff_seconds),
+        "max_backoff_seconds": float(model.max_backoff_seconds),
+        "lane": model.lane,
+        "code": model.code,
+    }
     if isinstance(model, MllpModel):
-        return MllpDestination(**common, host=model.host, port=model.port,
-                               timeout_seconds=float(model.timeout_seconds), tls=_tls(model.tls),
-                               permanent_ack_codes=tuple(dict.fromkeys(model.permanent_ack_codes)),
-                               idle_timeout_seconds=float(model.idle_timeout_seconds))
+        return MllpDestination(
+            **common,
+            host=model.host,
+            port=model.port,
+            timeout_seconds=float(model.timeout_seconds),
+            tls=_tls(model.tls),
+            permanent_ack_codes=tuple(dict.fromkeys(model.permanent_ack_codes)),
+            idle_timeout_seconds=float(model.idle_timeout_seconds),
+        )
     if isinstance(model, FileModel):
-        return FileDestination(**common, directory=model.directory, suffix=model.suffix, mode=model.mode,
-                               batch=model.batch)
-    return HttpDestination(**common, url=model.url, timeout_seconds=float(model.timeout_seconds),
-                           headers=tuple(sorted(model.headers.items())), tls=_tls(model.tls),
-                           idle_timeout_seconds=float(model.idle_timeout_seconds))
+        return FileDestination(
+            **common, directory=model.directory, suffix=model.suffix, mode=model.mode, batch=model.batch
+        )
+    return HttpDestination(
+        **common,
+        url=model.url,
+        timeout_seconds=float(model.timeout_seconds),
+        headers=tuple(sorted(model.headers.items())),
+        tls=_tls(model.tls),
+        idle_timeout_seconds=float(model.idle_timeout_seconds),
+    )
 
 
 def lane_key(dest: Destination, payload: str | None) -> str:

@@ -5,6 +5,7 @@ Grammar and semantics are documented in `spark_jobs/hl7_fields.py`; `value()` fo
 rules: separators from the message's own header, MSH numbering per HL7, first repetition by
 default, missing or empty values are None, escapes returned raw.
 """
+
 from __future__ import annotations
 
 import re
@@ -75,8 +76,10 @@ def parse_path(path: str) -> FieldPath:
         component=parts["component"],
         subcomponent=parts["subcomponent"],
     )
-    if parsed.segment == "MSH" and parsed.field in (1, 2) and (
-        parsed.repetition is not None or parsed.component is not None
+    if (
+        parsed.segment == "MSH"
+        and parsed.field in (1, 2)
+        and (parsed.repetition is not None or parsed.component is not None)
     ):
         raise FieldPathError(
             f"invalid HL7 field path {path!r}: MSH-1 (field separator) and MSH-2 (encoding "
@@ -91,7 +94,7 @@ def _diagnose(path: str) -> str:
         return "empty path"
     if path != path.strip():
         return "surrounding whitespace"
-    head = path[:len(path) - len(path.lstrip(_ALNUM))]
+    head = path[: len(path) - len(path.lstrip(_ALNUM))]
     if len(head) < 3 or not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2}", head[:3]):
         return f"segment id must be 3 characters (a letter, then letters or digits); {_GRAMMAR_HINT}"
     if head[:3] != head[:3].upper():
@@ -99,7 +102,6 @@ def _diagnose(path: str) -> str:
     if len(head) > 3 or path[3:4] not in ("-", "["):
         return f"segment id must be followed by '-' and a field number; {_GRAMMAR_HINT}"
     return _GRAMMAR_HINT
-
 
 
 _SEGMENTS = re.compile(r"\r\n?|\n")

@@ -11,6 +11,7 @@ run's leader check returned (`include/leader_check.py`), does bounded work in sh
 is safe to repeat (Airflow retries) and does nothing under a stale epoch. Nothing here imports
 Airflow, so all of it is tested without a scheduler.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,9 @@ def recover(store: Store, epoch: int, owner: str | None) -> int | None:
     return recovered
 
 
-def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
-            max_batches: int = 100) -> dict[str, int]:
+def reclaim(
+    store: Store, epoch: int, owner: str | None, *, limit: int = 1000, max_batches: int = 100
+) -> dict[str, int]:
     """Re-pend in-flight rows whose row lease expired, in every staged table.
 
     Each batch of at most `limit` rows is its own short transaction; a table stops at a short
@@ -55,22 +57,35 @@ def reclaim(store: Store, epoch: int, owner: str | None, *, limit: int = 1000,
     for table in STAGED_TABLES:
         counts[table.key] = _batches(
             lambda: _sweep(store, table, epoch=epoch, owner=owner or "airflow", limit=limit),
-            limit=limit, max_batches=max_batches)
+            limit=limit,
+            max_batches=max_batches,
+        )
     if any(counts.values()):
         log.info("reclaim under epoch %s re-pended %s", epoch, counts)
     return counts
 
 
-ARCHIVE_QUERIES = {"inbound": "archive_finished_inbound", "routed": "archive_finished_routed",
-                   "outbound": "archive_finished_outbound", EVENTS: "archive_events",
-                   BATCHES: "archive_inbound_batches"}
+ARCHIVE_QUERIES = {
+    "inbound": "archive_finished_inbound",
+    "routed": "archive_finished_routed",
+    "outbound": "archive_finished_outbound",
+    EVENTS: "archive_events",
+    BATCHES: "archive_inbound_batches",
+}
 """Per retention key, the query that copies what its purge query deletes into the archive tables."""
 
 
-def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str, float], *,
-              batch: int = 5000, max_batches: int = 100, archive: bool = True,
-              archived: dict[str, int] | None = None,
-              connections: Mapping[str, Mapping[str, float]] | None = None) -> dict[str, int]:
+def retention(
+    store: Store,
+    epoch: int,
+    older_than_seconds: float | Mapping[str, float],
+    *,
+    batch: int = 5000,
+    max_batches: int = 100,
+    archive: bool = True,
+    archived: dict[str, int] | None = None,
+    connections: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, int]:
     """Archive, then delete, finished rows (done, dead, unrouted) older than each stage's retention.
 
     `older_than_seconds`: one age for every stage and the audit trail, or a mapping from stage
@@ -110,17 +125,23 @@ def retention(store: Store, epoch: int, older_than_seconds: float | Mapping[str,
     # downstream first: an inbound row waits for its routed rows, and for outbound rows that send
     # its body (pass-through rows have none of their own), so those go in the same run
     steps = [(t.key, t.purge) for t in reversed(STAGED_TABLES)] + [(EVENTS, "purge_events")]
-    steps.insert(steps.index((INBOUND.key, INBOUND.purge)) + 1,  # after the inbound rows it waits for
-                 (BATCHES, "purge_inbound_batches"))
+    steps.insert(
+        steps.index((INBOUND.key, INBOUND.purge)) + 1,  # after the inbound rows it waits for
+        (BATCHES, "purge_inbound_batches"),
+    )
     for key, purge in steps:
         for age, scope in _passes(key, ages, overrides):
             if archive:
                 copied[key] = copied.get(key, 0) + _batches(
                     lambda: _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch, scope=scope),
-                    limit=batch, max_batches=max_batches)
+                    limit=batch,
+                    max_batches=max_batches,
+                )
             counts[key] = counts.get(key, 0) + _batches(
                 lambda: _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive, scope=scope),
-                limit=batch, max_batches=max_batches)
+                limit=batch,
+                max_batches=max_batches,
+            )
     if archived is not None:
         archived.update(copied)
     if any(counts.values()) or any(copied.values()):
@@ -132,8 +153,9 @@ TABLE_KEYS = tuple(t.key for t in STAGED_TABLES)
 """The staged tables' retention keys (`inbound`, `routed`, `outbound`): per-connection ones apply to these."""
 
 
-def _passes(key: str, ages: Mapping[str, float],
-            overrides: Mapping[str, Mapping[str, float]]) -> list[tuple[float, dict[str, Any] | None]]:
+def _passes(
+    key: str, ages: Mapping[str, float], overrides: Mapping[str, Mapping[str, float]]
+) -> list[tuple[float, dict[str, Any] | None]]:
     """The (age, connection scope) passes of one retention key: one per connection with its own age
     for a stage (`within` 1: only its rows), then the default one skipping those (`within` 0).
     The scope is None for the keys that are not per connection (events, batches)."""
@@ -141,7 +163,8 @@ def _passes(key: str, ages: Mapping[str, float],
         return [(ages[key], None)] if key in ages else []
     own = sorted(name for name, per in overrides.items() if key in per)
     passes: list[tuple[float, dict[str, Any] | None]] = [
-        (overrides[name][key], {"conns": f",{name},", "within": 1}) for name in own]
+        (overrides[name][key], {"conns": f",{name},", "within": 1}) for name in own
+    ]
     if key in ages:
         passes.append((ages[key], {"conns": "," + "".join(f"{name}," for name in own), "within": 0}))
     return passes
@@ -175,12 +198,21 @@ def _batches(step: Callable[[], int], *, limit: int, max_batches: int) -> int:
 
 def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: int) -> int:
     with store.transaction() as tx:
-        return rowlease.sweep_expired(tx, table, owner=owner, epoch=epoch, limit=limit,
-                                      max_attempts=rowlease.reclaim_cap(table))
+        return rowlease.sweep_expired(
+            tx, table, owner=owner, epoch=epoch, limit=limit, max_attempts=rowlease.reclaim_cap(table)
+        )
 
 
-def _purge(store: Store, query: str, *, epoch: int, age: float, limit: int, archived: bool | None = None,
-           scope: Mapping[str, Any] | None = None) -> int:
+def _purge(
+    store: Store,
+    query: str,
+    *,
+    epoch: int,
+    age: float,
+    limit: int,
+    archived: bool | None = None,
+    scope: Mapping[str, Any] | None = None,
+) -> int:
     """One batch of a retention query (an archive copy or a purge); it returns the ids (batch ids) it
     wrote or deleted (a row count is not portable through a statement that also deletes the rows' bodies)."""
     params = {"epoch": epoch, "ms": int(age * 1000), "limit": int(limit)}

@@ -14,6 +14,7 @@ opened (in Airflow: `StagelineStoreHook`, once per task). What a run does under 
 given — recovery, the reclaim sweep, retention — is `include/housekeeping.py`. Nothing here
 imports Airflow, so all of it is tested without a scheduler.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,18 +49,29 @@ def check_leadership(store: Store, cluster: ClusterConfig) -> LeaderCheck:
     check_identity(store, cluster_name=cluster.cluster_name)
     lease = read_lease(store)
     if not cluster.enabled:
-        return LeaderCheck(True, lease.epoch, lease.owner,
-                           f"single node: permanent lease, epoch {lease.epoch} (owner {lease.owner or 'none yet'})")
+        return LeaderCheck(
+            True,
+            lease.epoch,
+            lease.owner,
+            f"single node: permanent lease, epoch {lease.epoch} (owner {lease.owner or 'none yet'})",
+        )
     if lease.live:
-        return LeaderCheck(True, lease.epoch, lease.owner,
-                           f"leader {lease.owner} holds epoch {lease.epoch}, "
-                           f"lease expires in {(lease.expires_at or lease.db_now) - lease.db_now:.1f} s (DB clock)")
+        return LeaderCheck(
+            True,
+            lease.epoch,
+            lease.owner,
+            f"leader {lease.owner} holds epoch {lease.epoch}, "
+            f"lease expires in {(lease.expires_at or lease.db_now) - lease.db_now:.1f} s (DB clock)",
+        )
     if lease.owner is None:
         return LeaderCheck(False, None, None, "no live leader: the lease has never been held")
     ago = lease.db_now - lease.expires_at if lease.expires_at is not None else 0.0
-    return LeaderCheck(False, None, None,
-                       f"no live leader: the lease of {lease.owner} (epoch {lease.epoch}) "
-                       f"expired {ago:.1f} s ago (DB clock)")
+    return LeaderCheck(
+        False,
+        None,
+        None,
+        f"no live leader: the lease of {lease.owner} (epoch {lease.epoch}) expired {ago:.1f} s ago (DB clock)",
+    )
 
 
 def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ahead: bool = False) -> bool | None:
@@ -75,7 +87,7 @@ def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ah
     A waiting run polls this every second or so, on one store kept open for the whole wait.
     """
     this = stage_named(stage)
-    tables = [s.input for s in STAGES[:STAGES.index(this) + 1]] if ahead else [this.input]
+    tables = [s.input for s in STAGES[: STAGES.index(this) + 1]] if ahead else [this.input]
     due = False
     with store.transaction(write=False) as tx:
         for table in reversed(tables):  # its own table first: the likeliest to have work
@@ -86,4 +98,3 @@ def work_pending(store: Store, epoch: int, stage: str, *, require_live: bool, ah
                 due = True
                 break
     return due
-

@@ -65,7 +65,6 @@ PENDING = "pending"
 UNROUTED = "unrouted"
 
 
-
 class RouteConfigError(ConfigProblemsError):
     """`routes.toml` breaks the schema: every problem, keyed ``route[1].when``."""
 
@@ -107,8 +106,12 @@ def parse_routes(routes: Any) -> list[Route]:
             problems += found
             if model is None:
                 continue
-            route = Route(name=model.name, destinations=tuple(dict.fromkeys(model.destinations)),
-                          when=None if model.when is None else condition(model.when), catch_all=model.catch_all)
+            route = Route(
+                name=model.name,
+                destinations=tuple(dict.fromkeys(model.destinations)),
+                when=None if model.when is None else condition(model.when),
+                catch_all=model.catch_all,
+            )
         if route.name in seen:
             problems.append(problem(f"{key}.name", f"duplicate route name {route.name!r}"))
         seen.add(route.name)

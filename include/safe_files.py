@@ -15,6 +15,7 @@ is refused, and a missing directory is created with ``mkdirat`` under its parent
 timestamp and a random token, an over-long name is shortened (its extension kept, a digest of the
 full name added), so a partner's choice of name can never leave "no free name".
 """
+
 from __future__ import annotations
 
 import errno
@@ -95,9 +96,10 @@ def open_dir(path: str | os.PathLike[str], *, create: bool = False, mode: int = 
                 child = _open_child(fd, part, create=create, mode=mode)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    here = ("/" if text.startswith("/") else "") + "/".join(parts[:i + 1])
-                    raise UnsafePath(exc.errno, f"{here} is a {_what(fd, part)}, not a directory: refused",
-                                     text) from None
+                    here = ("/" if text.startswith("/") else "") + "/".join(parts[: i + 1])
+                    raise UnsafePath(
+                        exc.errno, f"{here} is a {_what(fd, part)}, not a directory: refused", text
+                    ) from None
                 raise
             os.close(fd)
             fd = child
@@ -131,9 +133,15 @@ def _what(parent: int, name: str) -> str:
 def kind(st: os.stat_result) -> str:
     """A word for what an lstat found: "regular file", "symlink", "fifo", ..."""
     mode = st.st_mode
-    for test, word in ((stat.S_ISREG, "regular file"), (stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"),
-                       (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
+    for test, word in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
         if test(mode):
             return word
     return "special file"
@@ -164,7 +172,7 @@ def create_exclusive(dir_fd: int, name: str, data: bytes = b"", *, mode: int = 0
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
     except BaseException:
@@ -216,8 +224,7 @@ def printable(name: str) -> str:
         elif ch == "\\":
             out.append("\\\\")
         elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000
-                       else f"\\U{code:08x}")
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
         else:
             out.append(ch)
     return "".join(out)
@@ -266,8 +273,15 @@ def _name_max(dir_fd: int) -> int:
         return NAME_MAX
 
 
-def move_exclusive(src_dir_fd: int, name: str, dst_dir_fd: int, *, companion: tuple[str, bytes] | None = None,
-                   tries: int = 100, as_name: str | None = None) -> str:
+def move_exclusive(
+    src_dir_fd: int,
+    name: str,
+    dst_dir_fd: int,
+    *,
+    companion: tuple[str, bytes] | None = None,
+    tries: int = 100,
+    as_name: str | None = None,
+) -> str:
     """Rename `name` from `src_dir_fd` into `dst_dir_fd` under a name nobody holds; the name used.
 
     The target (`as_name`, by default `name`, or a variant of it: `candidate_names`) is claimed by
@@ -318,8 +332,11 @@ def private_dir(fd: int, path: str | os.PathLike[str]) -> str | None:
     own it and group or others have any access, chmod 0700 and return a warning naming its old mode."""
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
-        raise UnsafePath(errno.EPERM, f"{path} is owned by uid {st.st_uid}, not this daemon's uid "
-                                      f"{os.geteuid()}; not used", str(path))
+        raise UnsafePath(
+            errno.EPERM,
+            f"{path} is owned by uid {st.st_uid}, not this daemon's uid {os.geteuid()}; not used",
+            str(path),
+        )
     mode = stat.S_IMODE(st.st_mode)
     if not mode & 0o077:
         return None

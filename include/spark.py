@@ -9,6 +9,7 @@ Under Airflow a stage task's session comes from the Spark provider, on an Airflo
 value `spark_connect_connection` / `classic_spark_connection` build (the launchers set it), and
 runs inside `stage_session`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,9 +93,11 @@ def jdbc_options(config: StoreConfig) -> dict[str, str]:
         return options
     host, port, database = config.server, config.effective_port, config.database
     if backend == "postgres":
-        options["url"] = (f"jdbc:postgresql://{host}:{port}/{quote(database)}"
-                          f"?currentSchema={quote(config.schema)}&reWriteBatchedInserts=true"
-                          "&ApplicationName=stageline-spark")
+        options["url"] = (
+            f"jdbc:postgresql://{host}:{port}/{quote(database)}"
+            f"?currentSchema={quote(config.schema)}&reWriteBatchedInserts=true"
+            "&ApplicationName=stageline-spark"
+        )
     elif backend == "sqlserver":
         options["url"] = f"jdbc:jtds:sqlserver://{host}:{port}/{database};appName=stageline-spark"
     else:
@@ -105,8 +108,14 @@ def jdbc_options(config: StoreConfig) -> dict[str, str]:
     return options
 
 
-def spark_session(*, master: str | None = None, remote: str | None = None, app_name: str = "stageline",
-                  jars: Iterable[str] | None = None, conf: Mapping[str, str] | None = None) -> SparkSession:
+def spark_session(
+    *,
+    master: str | None = None,
+    remote: str | None = None,
+    app_name: str = "stageline",
+    jars: Iterable[str] | None = None,
+    conf: Mapping[str, str] | None = None,
+) -> SparkSession:
     """A Spark Connect client when `remote` ("sc://host:port") is given, else a classic session.
 
     Classic sessions get the JDBC driver jars through `spark.jars` (only when this call starts the
@@ -153,10 +162,18 @@ class ConnectServer:
         return self.process.pid
 
 
-def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.PathLike[str],
-                         jars: Iterable[str] | None = None, master: str = "local[*]", host: str = "127.0.0.1",
-                         conf: Mapping[str, str] | None = None, driver_memory: str | None = None,
-                         env: Mapping[str, str] | None = None, timeout: float = 90.0) -> ConnectServer:
+def start_connect_server(
+    port: int = DEFAULT_CONNECT_PORT,
+    *,
+    log_dir: str | os.PathLike[str],
+    jars: Iterable[str] | None = None,
+    master: str = "local[*]",
+    host: str = "127.0.0.1",
+    conf: Mapping[str, str] | None = None,
+    driver_memory: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 90.0,
+) -> ConnectServer:
     """Start a Spark Connect server in the foreground of a child process and wait until it listens.
 
     Runs what Spark's `sbin/start-connect-server.sh` runs — `spark-submit --class
@@ -169,11 +186,23 @@ def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"spark-connect-{port}.log"
     jar_list = list(jars) if jars is not None else driver_jars()
-    settings = {**SMALL_BATCH_CONF, "spark.connect.grpc.binding.port": str(port),
-                "spark.connect.grpc.binding.address": host, "spark.driver.host": "127.0.0.1",
-                "spark.driver.bindAddress": "127.0.0.1", **(conf or {})}
-    command = [str(home / "bin" / "spark-submit"), "--class", CONNECT_SERVER_CLASS,
-               "--name", "Spark Connect server", "--master", master]
+    settings = {
+        **SMALL_BATCH_CONF,
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.connect.grpc.binding.address": host,
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        **(conf or {}),
+    }
+    command = [
+        str(home / "bin" / "spark-submit"),
+        "--class",
+        CONNECT_SERVER_CLASS,
+        "--name",
+        "Spark Connect server",
+        "--master",
+        master,
+    ]
     if jar_list:
         command += ["--jars", ",".join(jar_list)]
     if driver_memory:
@@ -182,21 +211,31 @@ def start_connect_server(port: int = DEFAULT_CONNECT_PORT, *, log_dir: str | os.
         command += ["--conf", f"{key}={value}"]
     env = {**os.environ, **(env or {}), "SPARK_HOME": str(home)}
     log = open(log_path, "ab")
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,  # noqa: S603  argv built here from config values, never a shell
-                               start_new_session=True)  # its own group: signals to us do not reach it
+    process = subprocess.Popen(  # noqa: S603  argv built here from config values, never a shell
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # its own group: signals to us do not reach it
     server = ConnectServer(process=process, port=port, host=host, log_path=log_path, _log=log)
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
             _close(server)
-            raise RuntimeError(f"Spark Connect server exited with {process.returncode} before listening; "
-                               f"log {log_path}:\n{_tail(log_path)}")
+            raise RuntimeError(
+                f"Spark Connect server exited with {process.returncode} before listening; "
+                f"log {log_path}:\n{_tail(log_path)}"
+            )
         if _listening(host, port):
             return server
         if time.monotonic() > deadline:
             stop_connect_server(server)
-            raise TimeoutError(f"Spark Connect server did not listen on {host}:{port} within {timeout:.0f} s; "
-                               f"log {log_path}:\n{_tail(log_path)}")
+            raise TimeoutError(
+                f"Spark Connect server did not listen on {host}:{port} within {timeout:.0f} s; "
+                f"log {log_path}:\n{_tail(log_path)}"
+            )
         time.sleep(0.2)
 
 
@@ -269,9 +308,19 @@ def bound_connect_retries(spark: SparkSession, *, seconds: float = CONNECT_RETRY
         waited += initial_ms * multiplier**retries
         retries += 1
     others = [p for p in client.get_retry_policies() if not isinstance(p, DefaultPolicy)]
-    client.set_retry_policies([DefaultPolicy(max_retries=retries, initial_backoff=initial_ms,
-                                             backoff_multiplier=multiplier, max_backoff=int(seconds * 1000),
-                                             jitter=50, min_jitter_threshold=0)] + others)
+    client.set_retry_policies(
+        [
+            DefaultPolicy(
+                max_retries=retries,
+                initial_backoff=initial_ms,
+                backoff_multiplier=multiplier,
+                max_backoff=int(seconds * 1000),
+                jitter=50,
+                min_jitter_threshold=0,
+            )
+        ]
+        + others
+    )
 
 
 def close_session(spark: SparkSession | None, *, timeout: float = 3.0, release: bool = True) -> None:
@@ -289,8 +338,7 @@ def close_session(spark: SparkSession | None, *, timeout: float = 3.0, release: 
     if release:
         import threading
 
-        releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release",
-                                    daemon=True)
+        releaser = threading.Thread(target=_release_quietly, args=(client,), name="spark-connect-release", daemon=True)
         releaser.start()
         releaser.join(timeout)
     try:
@@ -346,8 +394,14 @@ class StageSession:
     end (the next task reopens it warm). Without one, a session is released when it closes.
     """
 
-    def __init__(self, spark: SparkSession | None, conf: Mapping[str, str] | None = None, *,
-                 remotes: Sequence[str] = (), name: str | None = None) -> None:
+    def __init__(
+        self,
+        spark: SparkSession | None,
+        conf: Mapping[str, str] | None = None,
+        *,
+        remotes: Sequence[str] = (),
+        name: str | None = None,
+    ) -> None:
         self.spark = spark
         client = _connect_client(spark)
         own = [f"sc://{client._builder.endpoint}"] if client is not None else []
@@ -361,8 +415,14 @@ class StageSession:
         return spark if isinstance(spark, StageSession) else cls(spark)
 
     @classmethod
-    def connect(cls, remotes: Sequence[str], conf: Mapping[str, str] | None = None, *, name: str | None = None,
-                timeout: float = RENEW_SECONDS) -> StageSession:
+    def connect(
+        cls,
+        remotes: Sequence[str],
+        conf: Mapping[str, str] | None = None,
+        *,
+        name: str | None = None,
+        timeout: float = RENEW_SECONDS,
+    ) -> StageSession:
         """A session on the first of `remotes` that answers (waiting up to `timeout` seconds)."""
         session = cls(None, conf, remotes=remotes, name=name)
         if not session.renew(timeout=timeout):
@@ -380,7 +440,7 @@ class StageSession:
         # The server just lost is asked last: another server answers at once, while a restarting
         # server may listen before it can serve.
         lost = self.remotes.index(self.remote) if self.remote in self.remotes else -1
-        order = self.remotes[lost + 1:] + self.remotes[:lost + 1]
+        order = self.remotes[lost + 1 :] + self.remotes[: lost + 1]
         deadline = time.monotonic() + timeout
         while True:
             for remote in order:
@@ -399,8 +459,7 @@ class StageSession:
     def _open(self, remote: str) -> SparkSession:
         url = with_session_id(remote, self._session_id) if self._session_id else remote
         fresh = SparkSession.builder.remote(url).create()
-        bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else
-                              CONNECT_RETRY_SECONDS)
+        bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else CONNECT_RETRY_SECONDS)
         try:
             if self._session_id:
                 fresh.interruptAll()  # a killed predecessor's operations, still running on this session
@@ -422,8 +481,9 @@ class StageSession:
         others = [r for r in self.remotes if r != self.remote]
         if not others or not self._session_id:
             return None
-        thread = threading.Thread(target=self._warm, args=(others, self._session_id), name="spark-connect-warm",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=self._warm, args=(others, self._session_id), name="spark-connect-warm", daemon=True
+        )
         thread.start()
         return thread
 
@@ -485,9 +545,18 @@ def classic_spark_connection(master: str = "local[*]") -> str:
     The connection's extras become the session's Spark conf (Spark provider): the Debian JDBC
     driver jars, this venv's Python for the workers, no UI.
     """
-    return json.dumps({"conn_type": "spark", "host": master, "extra": {
-        "spark.jars": ",".join(DRIVER_JARS.values()), "spark.pyspark.python": sys.executable,
-        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false"}})
+    return json.dumps(
+        {
+            "conn_type": "spark",
+            "host": master,
+            "extra": {
+                "spark.jars": ",".join(DRIVER_JARS.values()),
+                "spark.pyspark.python": sys.executable,
+                "spark.ui.enabled": "false",
+                "spark.ui.showConsoleProgress": "false",
+            },
+        }
+    )
 
 
 def _connect_client(spark: SparkSession | None) -> Any:
@@ -512,8 +581,12 @@ def session_lost(exc: BaseException) -> bool:
     reach): retrying on the same session cannot help, a new task with a new session can."""
     for e in _chain(exc):
         name = type(e).__name__
-        if name in ("RetriesExceeded", "SparkConnectGrpcException") or "SESSION_NOT_FOUND" in str(e) \
-                or "SESSION_CHANGED" in str(e) or "Session not found" in str(e):
+        if (
+            name in ("RetriesExceeded", "SparkConnectGrpcException")
+            or "SESSION_NOT_FOUND" in str(e)
+            or "SESSION_CHANGED" in str(e)
+            or "Session not found" in str(e)
+        ):
             return True
     return False
 

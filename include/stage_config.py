@@ -19,6 +19,7 @@ one is taken relative to the pipeline directory. Lookup tables live in the store
 Plain Python: imports no Spark (the parsers are plain modules under `include/`), so DAG files and
 the CLI can use it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,8 +66,9 @@ class PipelineConfig:
         return passthrough_destinations(self.transforms, self.destinations)
 
 
-def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
-                             destinations: Mapping[str, Destination]) -> frozenset[str]:
+def passthrough_destinations(
+    specs: Sequence[Mapping[str, Any] | Transform], destinations: Mapping[str, Destination]
+) -> frozenset[str]:
     """Destinations whose rows need nothing computed: no transform spec (the body passes byte for
     byte), no code hook, and one lane for the whole destination (no field to read).
 
@@ -75,8 +77,11 @@ def passthrough_destinations(specs: Sequence[Mapping[str, Any] | Transform],
     stage_routed as open rows (`finalize_transform(passthrough=…)`).
     """
     specified = {s.destination if isinstance(s, Transform) else s.get("destination") for s in specs}
-    return frozenset(name for name, dest in destinations.items()
-                     if name not in specified and dest.lane == "destination" and not dest.code)
+    return frozenset(
+        name
+        for name, dest in destinations.items()
+        if name not in specified and dest.lane == "destination" and not dest.code
+    )
 
 
 def pipeline_dir(service_config: str | os.PathLike[str] | None = None) -> Path:
@@ -112,8 +117,13 @@ def load(directory: Path | None = None) -> PipelineConfig:
             return empty
 
     routes = parsed("route", parse_routes, [])
-    destinations = parsed("destination", lambda specs: parse_destinations(
-        [_resolved(spec, base) for spec in specs], code_dir=base / CODE_DIR, check_files=True), {})
+    destinations = parsed(
+        "destination",
+        lambda specs: parse_destinations(
+            [_resolved(spec, base) for spec in specs], code_dir=base / CODE_DIR, check_files=True
+        ),
+        {},
+    )
     transforms = parsed("transform", parse_transforms, [])
     if not problems:
         problems += _cross_checks(base, routes, destinations, transforms)
@@ -122,24 +132,39 @@ def load(directory: Path | None = None) -> PipelineConfig:
     return PipelineConfig(directory=base, routes=routes, destinations=destinations, transforms=transforms)
 
 
-def _cross_checks(base: Path, routes: list[Route], destinations: dict[str, Destination],
-                  transforms: list[Transform]) -> list[ConfigProblem]:
+def _cross_checks(
+    base: Path, routes: list[Route], destinations: dict[str, Destination], transforms: list[Transform]
+) -> list[ConfigProblem]:
     """Names one file uses that another must define."""
     out = []
     for i, route in enumerate(routes):
         missing = [d for d in route.destinations if d not in destinations]
         if missing:
-            out.append(ConfigProblem(base / FILES["route"], f"route[{i}].destinations",
-                                     f"route {route.name!r} sends to {missing}, not configured in "
-                                     f"{FILES['destination']}"))
+            out.append(
+                ConfigProblem(
+                    base / FILES["route"],
+                    f"route[{i}].destinations",
+                    f"route {route.name!r} sends to {missing}, not configured in {FILES['destination']}",
+                )
+            )
     for i, t in enumerate(transforms):
         if t.destination not in destinations:
-            out.append(ConfigProblem(base / FILES["transform"], f"transform[{i}].destination",
-                                     f"transform for {t.destination!r}, not configured in {FILES['destination']}"))
+            out.append(
+                ConfigProblem(
+                    base / FILES["transform"],
+                    f"transform[{i}].destination",
+                    f"transform for {t.destination!r}, not configured in {FILES['destination']}",
+                )
+            )
         elif t.output == "json" and destinations[t.destination].code:
-            out.append(ConfigProblem(base / FILES["transform"], f"transform[{i}].output",
-                                     f"transform for {t.destination!r}: output 'json' and the destination's code "
-                                     "hook cannot be combined (the hook receives and returns HL7)"))
+            out.append(
+                ConfigProblem(
+                    base / FILES["transform"],
+                    f"transform[{i}].output",
+                    f"transform for {t.destination!r}: output 'json' and the destination's code "
+                    "hook cannot be combined (the hook receives and returns HL7)",
+                )
+            )
     return out
 
 

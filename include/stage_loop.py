@@ -31,6 +31,7 @@ a new run's leader check — but delivery resumes about a heartbeat after the ne
 instead of a new run's Airflow scheduling later (docs/pipeline.md, "Failover"). The invariants are
 numbered as in docs/invariants.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -143,15 +144,31 @@ def follow_seconds(config: ServiceConfig) -> float:
     other node can lead — the old one frozen on a shared address — the same node takes it again
     after its backoff, and a task that gave up sooner would cost a new run's seconds of scheduling)."""
     cluster = config.cluster
-    return max(MIN_FOLLOW_SECONDS, 2 * cluster.leader_lease_ttl_seconds,
-               cluster.step_down_backoff() + cluster.leader_lease_ttl_seconds)
+    return max(
+        MIN_FOLLOW_SECONDS,
+        2 * cluster.leader_lease_ttl_seconds,
+        cluster.step_down_backoff() + cluster.leader_lease_ttl_seconds,
+    )
 
 
-def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int, job: Job, *,
-              config: ServiceConfig, store: Any, keeper: Keeper, clock: Callable[[], float] = time.monotonic,
-              follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None,
-              session: Session | None = None, history: Callable[..., None] | None = None,
-              size: BatchSize | None = None, changed: Callable[[], bool] | None = None) -> dict[str, Any]:
+def run_stage(
+    stage: str,
+    dag_id: str,
+    run_id: str,
+    try_number: int,
+    epoch: int,
+    job: Job,
+    *,
+    config: ServiceConfig,
+    store: Any,
+    keeper: Keeper,
+    clock: Callable[[], float] = time.monotonic,
+    follow: Callable[[ServiceConfig, Any, int, Watch], int | None] | None = None,
+    session: Session | None = None,
+    history: Callable[..., None] | None = None,
+    size: BatchSize | None = None,
+    changed: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
     """Run `job(batch)` again and again in this one task, following leadership (module docstring).
 
     `config` and `store` are the task's (opened once per task by the caller, in Airflow
@@ -179,13 +196,17 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
     next_config_check = started + CONFIG_CHECK_SECONDS
     failures = 0
     n = -1
-    totals: dict[str, Any] = {"run_id": f"{run_id}#{try_number}", "epoch": epoch, "epochs": [epoch],
-                              "stale_epoch": False, "batches": 0}
+    totals: dict[str, Any] = {
+        "run_id": f"{run_id}#{try_number}",
+        "epoch": epoch,
+        "epochs": [epoch],
+        "stale_epoch": False,
+        "batches": 0,
+    }
     while True:  # one term per epoch
         idle_since: float | None = None
         with keeper(config, store, epoch) as watch:
-            watch.recover_abandoned(prefix=claim_owner(dag_id, ""),
-                                    keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
+            watch.recover_abandoned(prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#{try_number}."))
             while not watch.stopping():
                 n += 1
                 job_run_id = f"{run_id}#{try_number}.{n}"
@@ -193,12 +214,19 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 batch_started = clock()
                 _longest_write(store)  # from here on: this batch's
                 try:
-                    outcome = job(Batch(store, watch.owner, job_run_id, epoch, watch.stopping,
-                                        session.spark if session is not None else None,
-                                        size.limit if size is not None else None))
+                    outcome = job(
+                        Batch(
+                            store,
+                            watch.owner,
+                            job_run_id,
+                            epoch,
+                            watch.stopping,
+                            session.spark if session is not None else None,
+                            size.limit if size is not None else None,
+                        )
+                    )
                 except StaleEpoch:
-                    log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id,
-                                epoch)
+                    log.warning("%s run %s: epoch %s is no longer current; nothing landed", stage, job_run_id, epoch)
                     watch.reason = watch.reason or f"epoch {epoch} is no longer current"
                     break
                 except Exception as exc:
@@ -206,8 +234,12 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
 
                     failures += 1
                     if session_lost(exc):
-                        log.warning("%s run %s: the Spark session is gone (%s); waiting for the server",
-                                    stage, job_run_id, type(exc).__name__)
+                        log.warning(
+                            "%s run %s: the Spark session is gone (%s); waiting for the server",
+                            stage,
+                            job_run_id,
+                            type(exc).__name__,
+                        )
                         if session is None or not session.renew():
                             raise
                         log.warning("%s: a new Spark session; carrying on", stage)
@@ -216,8 +248,9 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                         raise
                     # The job handed its claimed rows back; a busy SQLite file or a database
                     # restart is usually gone a moment later: cheaper to retry here than as a new try.
-                    log.warning("%s run %s failed (%d in a row); trying again", stage, job_run_id, failures,
-                                exc_info=True)
+                    log.warning(
+                        "%s run %s failed (%d in a row); trying again", stage, job_run_id, failures, exc_info=True
+                    )
                     watch.wait(FAILURE_PAUSE_SECONDS)
                     continue
                 finally:
@@ -229,11 +262,18 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 if counts.get("claimed"):
                     if history is not None:
                         try:
-                            history(stage=stage, owner=owner, run_id=job_run_id, epoch=epoch,
-                                    seconds=clock() - batch_started, counts=counts)
+                            history(
+                                stage=stage,
+                                owner=owner,
+                                run_id=job_run_id,
+                                epoch=epoch,
+                                seconds=clock() - batch_started,
+                                counts=counts,
+                            )
                         except Exception as exc:  # history must not fail the stage
-                            log.warning("%s run %s: batch history not written: %s", stage, job_run_id,
-                                        type(exc).__name__)
+                            log.warning(
+                                "%s run %s: batch history not written: %s", stage, job_run_id, type(exc).__name__
+                            )
                     totals["batches"] += 1
                     for key, value in counts.items():
                         if isinstance(value, int) and not isinstance(value, bool) and key != "epoch":
@@ -247,8 +287,7 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
                 if changed is not None and now >= next_config_check:
                     next_config_check = now + CONFIG_CHECK_SECONDS
                     if changed():
-                        log.warning("%s: the pipeline config changed; this run ends so the next one loads it",
-                                    stage)
+                        log.warning("%s: the pipeline config changed; this run ends so the next one loads it", stage)
                         return {**totals, "stopped": "pipeline config changed"}
                 if idle_since is not None:
                     watch.wait(POLL_SECONDS)
@@ -261,8 +300,9 @@ def run_stage(stage: str, dag_id: str, run_id: str, try_number: int, epoch: int,
         totals["epochs"].append(epoch)
 
 
-def follow_leader(config: ServiceConfig, store: Any, epoch: int, watch: Watch, *,
-                  clock: Callable[[], float] = time.monotonic) -> int | None:
+def follow_leader(
+    config: ServiceConfig, store: Any, epoch: int, watch: Watch, *, clock: Callable[[], float] = time.monotonic
+) -> int | None:
     """Wait for a live leader after `epoch` stopped being usable; the epoch to carry on under, or
     None (no live leader within `follow_seconds`: the run ends, the next run's leader check waits).
 

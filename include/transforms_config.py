@@ -287,10 +287,34 @@ class DeadLetter:
     when: Condition | None = None
 
 
-Rule = (SetField | CopyField | ClearField | MapField | DropSegment | RenameSegment | AddSegment | StringFunction
-        | FormatDate | Concat | Generate | DeadLetter)
-_RULE_CLASSES = (SetField, CopyField, ClearField, MapField, DropSegment, RenameSegment, AddSegment, StringFunction,
-                 FormatDate, Concat, Generate, DeadLetter)
+Rule = (
+    SetField
+    | CopyField
+    | ClearField
+    | MapField
+    | DropSegment
+    | RenameSegment
+    | AddSegment
+    | StringFunction
+    | FormatDate
+    | Concat
+    | Generate
+    | DeadLetter
+)
+_RULE_CLASSES = (
+    SetField,
+    CopyField,
+    ClearField,
+    MapField,
+    DropSegment,
+    RenameSegment,
+    AddSegment,
+    StringFunction,
+    FormatDate,
+    Concat,
+    Generate,
+    DeadLetter,
+)
 
 
 @dataclass(frozen=True)
@@ -307,10 +331,7 @@ class Transform:
         return OUTPUTS[self.output]
 
 
-
-def parse_transforms(
-    specs: Any, *, lookups: Mapping[str, Mapping[str, str]] | None = None
-) -> list[Transform]:
+def parse_transforms(specs: Any, *, lookups: Mapping[str, Mapping[str, str]] | None = None) -> list[Transform]:
     """Validate a whole transform config (list of specs, one per destination) against the schema
     (`include.schema.transforms`); no Spark needed. Raises `TransformConfigError` with every
     problem of every table and rule, keyed ``transform[0].rules[3].length``.
@@ -320,9 +341,7 @@ def parse_transforms(
     is reachable.
     """
     if lookups is not None and not isinstance(lookups, Mapping):
-        raise TransformConfigError(
-            f"lookups must be a mapping of table name to mapping, got {type(lookups).__name__}"
-        )
+        raise TransformConfigError(f"lookups must be a mapping of table name to mapping, got {type(lookups).__name__}")
     items, problems = validate_list(specs, "transform")
     parsed: list[Transform] = []
     seen: set[str] = set()
@@ -398,8 +417,9 @@ def _rule(m: Any) -> Rule:
             value = {"keep": None, "clear": "", "dead_letter": None}.get(m.not_found, m.default)
             return MapField(p(m.path), m.table, value, m.each, dead_letter=m.not_found == "dead_letter")
         default = "keep" if m.default is None else m.default
-        return MapField(p(m.path), m.table, None if default == "keep" else "" if default == "clear" else default,
-                        m.each)
+        return MapField(
+            p(m.path), m.table, None if default == "keep" else "" if default == "clear" else default, m.each
+        )
     if isinstance(m, DropSegmentRule):
         return DropSegment(m.segment)
     if isinstance(m, RenameSegmentRule):
@@ -436,6 +456,11 @@ def _check_table(name: str, lookups: Mapping[str, Any], key: str) -> list[Config
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
         return [problem(key, f"lookup table {name!r}: keys and values must be strings")]
     if len(table) > MAX_LOOKUP_ENTRIES:
-        return [problem(key, f"lookup table {name!r} has {len(table)} entries, more than {MAX_LOOKUP_ENTRIES} "
-                             "(it is compiled into a map literal that every lookup scans)")]
+        return [
+            problem(
+                key,
+                f"lookup table {name!r} has {len(table)} entries, more than {MAX_LOOKUP_ENTRIES} "
+                "(it is compiled into a map literal that every lookup scans)",
+            )
+        ]
     return []

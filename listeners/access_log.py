@@ -10,6 +10,7 @@ matches no route is written as `UNKNOWN_PATH` (a path a client made up may carry
 A request refused from its headers alone (401/403/413 before its body) never reaches `Request.finish`,
 so Twisted writes no line for it; `log_refused` writes its line, redacted the same way.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
@@ -40,8 +41,9 @@ def redact_uri(uri: bytes, *, path: Callable[[bytes], str] | None = None, known:
     return shown + ("?" + redact_query(query, known) if sep else "")
 
 
-def formatter(*, path: Callable[[bytes], str] | None = None,
-              known: Collection[str] = ()) -> Callable[[str, Request], str]:
+def formatter(
+    *, path: Callable[[bytes], str] | None = None, known: Collection[str] = ()
+) -> Callable[[str, Request], str]:
     """An `IAccessLogFormatter` (Site's `logFormatter`): Twisted's combined format, with the URI
     redacted and no referrer (it may quote a URI of ours)."""
 
@@ -50,8 +52,10 @@ def formatter(*, path: Callable[[bytes], str] | None = None,
         ip = getattr(address, "host", "-")
         agent = _escape(request.getHeader(b"user-agent") or b"-")
         uri = redact_uri(request.uri or b"", path=path, known=known)
-        return (f'"{_escape(ip)}" - - {timestamp} "{_escape(request.method)} {_escape(uri)} '
-                f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"')
+        return (
+            f'"{_escape(ip)}" - - {timestamp} "{_escape(request.method)} {_escape(uri)} '
+            f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"'
+        )
 
     return line
 

@@ -14,6 +14,7 @@ request with a body is checked (token, permission, size) as soon as its headers 
 of the body is read. The access log shows query fields without their values and `/messages/{ref}`
 without the ref.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,10 +67,11 @@ class ApiConfigError(ConnectionConfigError):
 
 class Permission(StrEnum):
     """What a request may do; one member per permission an endpoint checks."""
-    MONITORING_READ = "monitoring:read"      # cluster posture, nodes, metrics: no PHI
-    MESSAGES_READ = "messages:read"          # find / show messages without bodies, dead letters, stages
+
+    MONITORING_READ = "monitoring:read"  # cluster posture, nodes, metrics: no PHI
+    MESSAGES_READ = "messages:read"  # find / show messages without bodies, dead letters, stages
     MESSAGES_READ_BODY = "messages:read_body"  # a message's bodies (PHI); each read is an audit event
-    MESSAGES_WRITE = "messages:write"        # replay, requeue (audit events name the token)
+    MESSAGES_WRITE = "messages:write"  # replay, requeue (audit events name the token)
 
 
 class Role(StrEnum):
@@ -80,13 +82,27 @@ class Role(StrEnum):
 
 # Every role reads monitoring and message metadata; bodies (PHI), replay and requeue are for
 # operators and admins: a viewer token (what a Prometheus scrape holds) never reads a body.
-ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType({
-    Role.VIEWER: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ}),
-    Role.OPERATOR: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_READ_BODY,
-                              Permission.MESSAGES_WRITE}),
-    Role.ADMIN: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ, Permission.MESSAGES_READ_BODY,
-                           Permission.MESSAGES_WRITE}),
-})
+ROLE_PERMISSIONS: Mapping[Role, frozenset[Permission]] = MappingProxyType(
+    {
+        Role.VIEWER: frozenset({Permission.MONITORING_READ, Permission.MESSAGES_READ}),
+        Role.OPERATOR: frozenset(
+            {
+                Permission.MONITORING_READ,
+                Permission.MESSAGES_READ,
+                Permission.MESSAGES_READ_BODY,
+                Permission.MESSAGES_WRITE,
+            }
+        ),
+        Role.ADMIN: frozenset(
+            {
+                Permission.MONITORING_READ,
+                Permission.MESSAGES_READ,
+                Permission.MESSAGES_READ_BODY,
+                Permission.MESSAGES_WRITE,
+            }
+        ),
+    }
+)
 BODY_PERMISSION = Permission.MESSAGES_WRITE
 """What a request that carries a body needs: only replay and requeue take one."""
 
@@ -94,6 +110,7 @@ BODY_PERMISSION = Permission.MESSAGES_WRITE
 @dataclass(frozen=True)
 class Denial:
     """Why a request is refused: the HTTP status, the RFC 6750 error code, and a log-safe reason."""
+
     status: int
     error: str
     reason: str
@@ -107,7 +124,7 @@ class Denial:
 class _Token:
     digest: bytes  # sha256 of the token: the plaintext is not kept
     role: Role
-    label: str     # for logs: the entry's name or where it came from, never the token
+    label: str  # for logs: the entry's name or where it came from, never the token
 
 
 class ApiAuth:
@@ -117,8 +134,12 @@ class ApiAuth:
     deployment (or a test) can narrow what a role may do.
     """
 
-    def __init__(self, tokens: Iterable[tuple[bytes, Role, str]] = (), *,
-                 role_permissions: Mapping[Role, frozenset[Permission]] = ROLE_PERMISSIONS) -> None:
+    def __init__(
+        self,
+        tokens: Iterable[tuple[bytes, Role, str]] = (),
+        *,
+        role_permissions: Mapping[Role, frozenset[Permission]] = ROLE_PERMISSIONS,
+    ) -> None:
         self._tokens = tuple(_Token(digest, role, label) for digest, role, label in tokens)
         self._role_permissions = role_permissions
 
@@ -132,8 +153,13 @@ class ApiAuth:
         return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
     @classmethod
-    def from_config(cls, api: Mapping[str, Any], env: Mapping[str, str], *,
-                    role_permissions: Mapping[Role, frozenset[Permission]] = ROLE_PERMISSIONS) -> ApiAuth:
+    def from_config(
+        cls,
+        api: Mapping[str, Any],
+        env: Mapping[str, str],
+        *,
+        role_permissions: Mapping[Role, frozenset[Permission]] = ROLE_PERMISSIONS,
+    ) -> ApiAuth:
         """Read `[[api.tokens]]`: each has `role` and one of `token_env` / `token_sha256` (the table's
         shape is checked by `include.schema.connections.ApiTokenModel`; the tokens themselves here)."""
         entries = api.get("tokens", []) if isinstance(api, Mapping) else api
@@ -198,14 +224,17 @@ def _digest_from_env(name: Any, env: Mapping[str, str], where: str) -> bytes:
     if len(value) < MIN_TOKEN_LENGTH:
         raise ApiConfigError(f"{where}: the token in {name} is shorter than {MIN_TOKEN_LENGTH} characters")
     if not _BEARER_TOKEN.fullmatch(value.encode()):
-        raise ApiConfigError(f"{where}: the token in {name} may hold only letters, digits and -._~+/ "
-                             "(with trailing =), so it can be sent as a bearer token")
+        raise ApiConfigError(
+            f"{where}: the token in {name} may hold only letters, digits and -._~+/ "
+            "(with trailing =), so it can be sent as a bearer token"
+        )
     return ApiAuth.digest(value)
 
 
 @dataclass(frozen=True)
 class ApiSettings:
     """Where the API listens. A non-loopback bind needs TLS unless `allow_insecure_bind`."""
+
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     tls: TLSConfig | None = None
@@ -219,8 +248,10 @@ class ApiSettings:
         model = _api_model(api, base)
         tls = None
         if model.tls is not None:
-            paths: dict[str, Any] = {k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
-                                     for k, v in model.tls.model_dump().items()}
+            paths: dict[str, Any] = {
+                k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+                for k, v in model.tls.model_dump().items()
+            }
             tls = TLSConfig(**paths)
         return cls(host=model.host, port=model.port, tls=tls, allow_insecure_bind=model.allow_insecure_bind)
 
@@ -234,6 +265,7 @@ def _api_model(api: Any, base: Path | None) -> ApiModel:
 
 
 # --- the resource tree -----------------------------------------------------------------------------
+
 
 def make_api(state: NodeState, auth: ApiAuth) -> Site:
     """The control-plane site; bind it with `listeners.server_tls.listen(reactor, host, port, site, tls)`."""
@@ -254,8 +286,11 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
         code, doc = state.leader(inbound)  # in memory: no database round trip (a load balancer's health check)
         if code == 404 and inbound not in unknown_asked and len(unknown_asked) < 16:
             unknown_asked.add(inbound or "")  # a balancer asking for a renamed inbound empties its VIP: say so once
-            log.warn("GET /leader?inbound={name}: no such inbound connection here (a load balancer's check naming "
-                     "a renamed or misspelt inbound keeps every node out of its VIP)", name=ascii(inbound or ""))
+            log.warn(
+                "GET /leader?inbound={name}: no such inbound connection here (a load balancer's check naming "
+                "a renamed or misspelt inbound keeps every node out of its VIP)",
+                name=ascii(inbound or ""),
+            )
         return _json(request, code, doc)
 
     def status(request: Request) -> bytes:
@@ -291,22 +326,54 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     root.putChild(b"cluster", cluster)
     root.putChild(b"metrics", _Endpoint(metrics, auth=auth, permission=read))
     root.putChild(b"messages", message_resources(state, auth))
-    root.putChild(b"stages", _Endpoint(lambda r: _deferred(r, lambda store: operator.stages(store), state),
-                                       auth=auth, permission=Permission.MESSAGES_READ))
+    root.putChild(
+        b"stages",
+        _Endpoint(
+            lambda r: _deferred(r, lambda store: operator.stages(store), state),
+            auth=auth,
+            permission=Permission.MESSAGES_READ,
+        ),
+    )
     site = _ApiSite(root, auth)
     site.displayTracebacks = False
     site.noisy = False
     return guard_channels(site)
 
 
-QUERY_FIELDS = frozenset({"inbound", "control_id", "message_id", "lane_key", "connection", "destination", "status",
-                          "since_ms", "until_ms", "before_id", "limit", "body"})
+QUERY_FIELDS = frozenset(
+    {
+        "inbound",
+        "control_id",
+        "message_id",
+        "lane_key",
+        "connection",
+        "destination",
+        "status",
+        "since_ms",
+        "until_ms",
+        "before_id",
+        "limit",
+        "body",
+    }
+)
 """The query fields the API reads: the access log names these (never their values), others not at all."""
 _FIXED = {b"dead", b"requeue", b"replay"}
 
 
-_ROUTES = frozenset({b"/", b"/health", b"/leader", b"/metrics", b"/stages", b"/messages", b"/messages/dead",
-                     b"/messages/requeue", b"/cluster/status", b"/cluster/nodes"})
+_ROUTES = frozenset(
+    {
+        b"/",
+        b"/health",
+        b"/leader",
+        b"/metrics",
+        b"/stages",
+        b"/messages",
+        b"/messages/dead",
+        b"/messages/requeue",
+        b"/cluster/status",
+        b"/cluster/nodes",
+    }
+)
 
 
 def redact_path(path: bytes) -> str:
@@ -315,8 +382,13 @@ def redact_path(path: bytes) -> str:
     if path in _ROUTES:
         return path.decode("ascii")
     parts = path.split(b"/")
-    if len(parts) in (3, 4) and parts[1] == b"messages" and parts[2] and parts[2] not in _FIXED \
-            and (len(parts) == 3 or parts[3] == b"replay"):
+    if (
+        len(parts) in (3, 4)
+        and parts[1] == b"messages"
+        and parts[2]
+        and parts[2] not in _FIXED
+        and (len(parts) == 3 or parts[3] == b"replay")
+    ):
         return "/messages/{ref}" + ("/replay" if len(parts) == 4 else "")
     return access_log.UNKNOWN_PATH
 
@@ -337,8 +409,12 @@ class _ApiRequest(Request):
         auth: ApiAuth = self.channel.site.auth  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         denial = auth.check(self.requestHeaders.getRawHeaders(b"authorization", [None])[0], BODY_PERMISSION)
         if denial is not None:
-            self._refuse(denial.status, denial.reason, challenge=denial.challenge(),
-                         error="unauthorized" if denial.status == 401 else "forbidden")
+            self._refuse(
+                denial.status,
+                denial.reason,
+                challenge=denial.challenge(),
+                error="unauthorized" if denial.status == 401 else "forbidden",
+            )
         elif length is not None and length > MAX_BODY_BYTES:
             self._refuse(413, f"a body of {length} bytes (the API takes at most {MAX_BODY_BYTES})")
 
@@ -360,8 +436,13 @@ class _ApiRequest(Request):
         self._refused = True
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after our answer
         path = redact_path(getattr(self.channel, "_path", b"").partition(b"?")[0])
-        log.info("api: {status} for {path} from {peer} before its body: {reason}", status=status, path=path,
-                 peer=_peer(self), reason=reason)
+        log.info(
+            "api: {status} for {path} from {peer} before its body: {reason}",
+            status=status,
+            path=path,
+            peer=_peer(self),
+            reason=reason,
+        )
         phrase = {401: b"Unauthorized", 403: b"Forbidden", 413: b"Payload Too Large"}[status]
         body = json.dumps({"error": error or reason}).encode()
         transport = self.channel.transport
@@ -369,23 +450,28 @@ class _ApiRequest(Request):
         transport.write(
             b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n%s"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-            % (status, phrase, b"WWW-Authenticate: %s\r\n" % challenge if challenge else b"", len(body), body))
+            % (status, phrase, b"WWW-Authenticate: %s\r\n" % challenge if challenge else b"", len(body), body)
+        )
         access_log.log_refused(self, status, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
 
 
 class _ApiSite(Site):
     def __init__(self, root: Resource, auth: ApiAuth) -> None:
-        super().__init__(root, requestFactory=_ApiRequest,
-                         logFormatter=access_log.formatter(path=redact_path, known=QUERY_FIELDS))
+        super().__init__(
+            root, requestFactory=_ApiRequest, logFormatter=access_log.formatter(path=redact_path, known=QUERY_FIELDS)
+        )
         self.auth = auth
 
     def log(self, request: http.Request) -> None:
         """No access line for a load balancer's health checks that were answered (`GET /health`,
         `GET /leader`: several a second per balancer, they would drown the rest); what they report
         is logged where it changes (the leader gate's state lines). Anything else is logged."""
-        if request.method in (b"GET", b"HEAD") and request.path in (b"/health", b"/leader") \
-                and request.code in (200, 404, 503):
+        if (
+            request.method in (b"GET", b"HEAD")
+            and request.path in (b"/health", b"/leader")
+            and request.code in (200, 404, 503)
+        ):
             return
         super().log(request)
 
@@ -421,8 +507,14 @@ class _Endpoint(_Directory):
     """One endpoint (GET unless `methods` says otherwise): 405 for other methods, then the
     permission check, then the handler."""
 
-    def __init__(self, handler: Callable[[Request], Any], *, auth: ApiAuth | None = None,
-                 permission: Permission | None = None, methods: tuple[bytes, ...] = (b"GET", b"HEAD")) -> None:
+    def __init__(
+        self,
+        handler: Callable[[Request], Any],
+        *,
+        auth: ApiAuth | None = None,
+        permission: Permission | None = None,
+        methods: tuple[bytes, ...] = (b"GET", b"HEAD"),
+    ) -> None:
         super().__init__()
         self._handler = handler
         self._auth = auth
@@ -438,11 +530,15 @@ class _Endpoint(_Directory):
             assert self._auth is not None
             denial = self._auth.check(request.getHeader(b"authorization"), self._permission)
             if denial is not None:
-                log.info("api: {status} for {path} from {peer}: {reason}", status=denial.status,
-                         path=redact_path(request.path), peer=_peer(request), reason=denial.reason)
+                log.info(
+                    "api: {status} for {path} from {peer}: {reason}",
+                    status=denial.status,
+                    path=redact_path(request.path),
+                    peer=_peer(request),
+                    reason=denial.reason,
+                )
                 request.setHeader(b"www-authenticate", denial.challenge())
-                return _json(request, denial.status, {"error": "unauthorized" if denial.status == 401
-                                                      else "forbidden"})
+                return _json(request, denial.status, {"error": "unauthorized" if denial.status == 401 else "forbidden"})
         try:
             return self._handler(request)
         except ValueError as exc:  # bad input the handler refused before any work
@@ -453,6 +549,7 @@ class _Endpoint(_Directory):
 
 
 # --- /messages and /stages: the operator's operations (include/store/operator.py) ------------------
+
 
 def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
     """GET /messages?control_id=…, GET /messages/dead, GET /messages/{ref}[?body=1], POST
@@ -472,8 +569,10 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
     def find(request: Request) -> Any:
         filters = operator.Filters.from_query(_args(request))
         filters.params()  # out-of-range figures: 400 before any work
-        if filters.lane_key is not None and \
-                auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None:
+        if (
+            filters.lane_key is not None
+            and auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None
+        ):
             # a viewer's lane filter would tell whether a guessed MRN has messages
             return _json(request, 403, {"error": f"lane_key filters need {Permission.MESSAGES_READ_BODY.value}"})
         return _deferred(request, masked(request, lambda store: {"messages": operator.find(store, filters)}), state)
@@ -484,24 +583,48 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
             if _flag(_args(request).get("body")):
                 denial = auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY)
                 if denial is not None:
-                    log.info("api: {status} for a message's bodies from {peer}: {reason}", status=denial.status,
-                             peer=_peer(request), reason=denial.reason)
+                    log.info(
+                        "api: {status} for a message's bodies from {peer}: {reason}",
+                        status=denial.status,
+                        peer=_peer(request),
+                        reason=denial.reason,
+                    )
                     return _json(
                         request, denial.status, {"error": f"bodies need {Permission.MESSAGES_READ_BODY.value}"}
                     )
                 reader = operator.Reader(auth.label_for(request.getHeader(b"authorization")), "api")
             cold = ParquetArchive(state.archive_path) if state.archive_path else None
-            return _deferred(request, masked(request, lambda s: operator.show(
-                s, operator.resolve(s, ref, parquet=cold), parquet=cold, reader=reader).__dict__), state)
+            return _deferred(
+                request,
+                masked(
+                    request,
+                    lambda s: (
+                        operator.show(s, operator.resolve(s, ref, parquet=cold), parquet=cold, reader=reader).__dict__
+                    ),
+                ),
+                state,
+            )
+
         return handler
 
     def replay(ref: str) -> Callable[[Request], Any]:
         def handler(request: Request) -> Any:
             body = _body(request)
             actor = auth.label_for(request.getHeader(b"authorization"))
-            return _deferred(request, lambda store: {"replayed": operator.replay(
-                store, [operator.resolve(store, ref)], source=str(body.get("from", "")), actor=f"api {actor}",
-                reason=_reason(body))}, state)
+            return _deferred(
+                request,
+                lambda store: {
+                    "replayed": operator.replay(
+                        store,
+                        [operator.resolve(store, ref)],
+                        source=str(body.get("from", "")),
+                        actor=f"api {actor}",
+                        reason=_reason(body),
+                    )
+                },
+                state,
+            )
+
         return handler
 
     def requeue(request: Request) -> Any:
@@ -509,17 +632,28 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         actor = auth.label_for(request.getHeader(b"authorization"))
 
         def work(store: Any) -> dict[str, Any]:
-            return {"requeued": operator.requeue_dead(
-                store, str(body.get("stage", "outbound")), ids=[int(i) for i in body.get("ids", [])],
-                destination=body.get("destination"), lane_key=body.get("lane"), actor=f"api {actor}",
-                reason=_reason(body))}
+            return {
+                "requeued": operator.requeue_dead(
+                    store,
+                    str(body.get("stage", "outbound")),
+                    ids=[int(i) for i in body.get("ids", [])],
+                    destination=body.get("destination"),
+                    lane_key=body.get("lane"),
+                    actor=f"api {actor}",
+                    reason=_reason(body),
+                )
+            }
+
         return _deferred(request, work, state)
 
     class Messages(_Endpoint):
         def getChild(self, path: bytes, request: Request) -> IResource:
             if path == b"dead":
-                return _Endpoint(lambda r: _deferred(r, lambda s: {"dead_letters": operator.dead_letters(s)}, state),
-                                 auth=auth, permission=read)
+                return _Endpoint(
+                    lambda r: _deferred(r, lambda s: {"dead_letters": operator.dead_letters(s)}, state),
+                    auth=auth,
+                    permission=read,
+                )
             if path == b"requeue":
                 return _Endpoint(requeue, auth=auth, permission=write, methods=(b"POST",))
             ref = path.decode("utf-8", "replace")

@@ -12,6 +12,7 @@ waits (the batch's answers are owed, `listeners.stream`), and an HTTP connection
 request at a time, so at most one waiting input per open connection. Turns are first come, first
 served. A waiting input whose wait is cancelled (its reply timeout) leaves the queue.
 """
+
 from __future__ import annotations
 
 from collections import deque

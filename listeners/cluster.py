@@ -11,6 +11,7 @@ the lease and the membership heartbeat.
 The lease state machine itself is `include.store.lease.LeaderElector` (invariant 2,
 docs/invariants.md); these services only give it a lifetime and a clock.
 """
+
 from __future__ import annotations
 
 import threading
@@ -111,9 +112,12 @@ class LeaseService(Service):
         store = self._stores.store
         assert store is not None, "the store service starts first"
         if self._cluster.enabled:
-            self.elector = LeaderElector(store, node_id=self._node.node_id,
-                                         ttl_seconds=self._cluster.leader_lease_ttl_seconds,
-                                         fence_timeout_seconds=self._cluster.leader_fence_timeout_seconds)
+            self.elector = LeaderElector(
+                store,
+                node_id=self._node.node_id,
+                ttl_seconds=self._cluster.leader_lease_ttl_seconds,
+                fence_timeout_seconds=self._cluster.leader_fence_timeout_seconds,
+            )
         else:
             self.elector = PermanentLease(store, self._node.node_id)
         super().startService()
@@ -125,8 +129,9 @@ class LeaseService(Service):
         with self._stepping:
             elector = self.elector
             if isinstance(elector, LeaderElector) and elector.aside_seconds > 0 and not self._live_peers():
-                _log.warn("no other live node: ending the step-down backoff early ({s:.1f}s left)",
-                          s=elector.aside_seconds)
+                _log.warn(
+                    "no other live node: ending the step-down backoff early ({s:.1f}s left)", s=elector.aside_seconds
+                )
                 elector.end_stand_aside()
             return elector.step()
 
@@ -185,10 +190,20 @@ class Beat:
 class HeartbeatService(TimerService):
     """Steps the elector and upserts this node's membership row every heartbeat_seconds."""
 
-    def __init__(self, stores: StoreService, lease: LeaseService, node: NodeIdentity, *, seconds: float,
-                 metrics: Metrics, config_hash: Callable[[], str], on_beat: Callable[[Beat], None],
-                 config_version: Callable[[], int], reactor: Any = None,
-                 cannot_bind: Callable[[], Iterable[str]] = lambda: ()) -> None:
+    def __init__(
+        self,
+        stores: StoreService,
+        lease: LeaseService,
+        node: NodeIdentity,
+        *,
+        seconds: float,
+        metrics: Metrics,
+        config_hash: Callable[[], str],
+        on_beat: Callable[[Beat], None],
+        config_version: Callable[[], int],
+        reactor: Any = None,
+        cannot_bind: Callable[[], Iterable[str]] = lambda: (),
+    ) -> None:
         super().__init__(seconds, self._beat)
         self._cannot_bind = cannot_bind
         self.setName("heartbeat")
@@ -209,16 +224,24 @@ class HeartbeatService(TimerService):
         store = self._stores.store
         assert store is not None
         result = self._lease.step()
-        heartbeat(store, self._node, is_leader=self._lease.is_leader, config_hash=self._config_hash(),
-                  cannot_bind=self._cannot_bind())
+        heartbeat(
+            store,
+            self._node,
+            is_leader=self._lease.is_leader,
+            config_hash=self._config_hash(),
+            cannot_bind=self._cannot_bind(),
+        )
         with store.transaction(write=False) as tx:
             version = int(tx.row("identity_get")["config_version"])
             row = tx.one("leader_config_hash")
         if result is not None and result.outcome is Outcome.ELECTED and result.epoch is not None:
             with store.transaction() as tx:
                 recovered = rowlease.recover_on_promotion(tx, owner=self._node.node_id, epoch=result.epoch)
-            _log.info("elected leader, epoch {epoch}; recovered {n} in-flight row(s) of older epochs",
-                      epoch=result.epoch, n=recovered or 0)
+            _log.info(
+                "elected leader, epoch {epoch}; recovered {n} in-flight row(s) of older epochs",
+                epoch=result.epoch,
+                n=recovered or 0,
+            )
         return Beat(result, version, row["config_hash"] if row else None)
 
     def _after_beat(self, beat: Beat) -> None:
@@ -226,8 +249,9 @@ class HeartbeatService(TimerService):
         if result is not None:
             self._metrics.elections.labels(result.outcome.value).inc()
             if result.outcome is Outcome.CONFLICT:
-                _log.warn("lost the leader lease (now {leader}, epoch {epoch})", leader=result.leader,
-                          epoch=result.epoch)
+                _log.warn(
+                    "lost the leader lease (now {leader}, epoch {epoch})", leader=result.leader, epoch=result.epoch
+                )
         self.publish()
         self._on_beat(beat)
 

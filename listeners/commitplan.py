@@ -19,6 +19,7 @@ What a batch keeps, split or not:
 
 Pure bookkeeping: no clock of its own, no threads, no database.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -144,8 +145,7 @@ class CommitPlan:
             used += n
         return whole + parts
 
-    def settle(self, taken: list[tuple[Entry, Any]], outcomes: Iterable[Any], *,
-               now: float) -> list[tuple[Entry, Any]]:
+    def settle(self, taken: list[tuple[Entry, Any]], outcomes: Iterable[Any], *, now: float) -> list[tuple[Entry, Any]]:
         """Apply one commit's outcomes (None = committed); returns the entries now answered, each
         with its outcome (None, or why not; a split batch's `entry.done` says how many of its
         messages were committed before it failed), and drops them from the plan."""
@@ -166,4 +166,3 @@ class CommitPlan:
         """Every waiting entry, dropped (no lease, writer stopped): the caller answers them."""
         entries, self.entries = self.entries, []
         return entries
-

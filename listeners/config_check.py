@@ -20,6 +20,7 @@ before it starts anything; `stageline config check` exits 2 on any problem.
 This lives with the listeners because `connections.toml` and `[api]` are theirs; the CLI
 (`include.app.cli`, above the listeners) calls `main`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,10 +74,16 @@ class Report:
         self.problems.extend(p._replace(file=p.file or file) for p in problems)
 
 
-def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = None,
-              store_note: str = "", lookups_unverified_ok: bool = False,
-              service_config: str | Path | None = None, store_dir: str | Path | None = None,
-              connections_required: bool = False) -> Report:
+def check_dir(
+    directory: str | Path,
+    *,
+    store_tables: Iterable[str] | None = None,
+    store_note: str = "",
+    lookups_unverified_ok: bool = False,
+    service_config: str | Path | None = None,
+    store_dir: str | Path | None = None,
+    connections_required: bool = False,
+) -> Report:
     """Check the config dir (and `service_config`, a stageline.toml, when given); `store_tables` are
     the lookup tables already in the store (None: the store was not read, `store_note` says why;
     then a table without a CSV is a problem unless `lookups_unverified_ok`). `store_dir` is the
@@ -98,11 +105,17 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
         store_dir = _store_dir(service)
     transforms: list[tuple[int, Transform]] = []
     steps: list[tuple[Path, Callable[[], Any]]] = [
-        (base / CONNECTIONS, lambda: _connections(base, report, store_dir=store_dir, required=connections_required,
-                                                   names=names, service=service)),
+        (
+            base / CONNECTIONS,
+            lambda: _connections(
+                base, report, store_dir=store_dir, required=connections_required, names=names, service=service
+            ),
+        ),
         (base, lambda: _pipeline(base, report, transforms)),
-        (base / LOOKUPS, lambda: _lookups(base, transforms, store_tables, store_note, report,
-                                          unverified_ok=lookups_unverified_ok)),
+        (
+            base / LOOKUPS,
+            lambda: _lookups(base, transforms, store_tables, store_note, report, unverified_ok=lookups_unverified_ok),
+        ),
         (base, lambda: _unknown_files(base, report)),
     ]
     if service is not None:
@@ -123,26 +136,47 @@ def check_dir(directory: str | Path, *, store_tables: Iterable[str] | None = Non
 
 # -- the files -----------------------------------------------------------------------------------
 
-def _connections(base: Path, report: Report, *, store_dir: str | Path | None, required: bool,
-                 names: list[str], service: Path | None = None) -> None:
+
+def _connections(
+    base: Path,
+    report: Report,
+    *,
+    store_dir: str | Path | None,
+    required: bool,
+    names: list[str],
+    service: Path | None = None,
+) -> None:
     path = base / CONNECTIONS
     report.counts["inbound connections"] = 0
     if not path.exists():
         if required:
-            report.problems.append(ConfigProblem(path, "", "missing: a reload needs connections.toml (an empty "
-                                                           "file means no inbound connections)"))
+            report.problems.append(
+                ConfigProblem(
+                    path, "", "missing: a reload needs connections.toml (an empty file means no inbound connections)"
+                )
+            )
         return
     raw = _toml(path)
     report.problems.extend(_service_dir_drops(path, base, raw, service))  # beside any other problem
-    _model, inbound = parse_connections(raw, base, file=path, roles=[r.value for r in Role],
-                                       store_dir=Path(store_dir) if store_dir is not None else None)
+    _model, inbound = parse_connections(
+        raw,
+        base,
+        file=path,
+        roles=[r.value for r in Role],
+        store_dir=Path(store_dir) if store_dir is not None else None,
+    )
     names.extend(c.name for c in inbound)
     report.counts["inbound connections"] = len(inbound)
     for i, conn in enumerate(inbound):
         if conn.kind == "file" and not Path(conn.directory).is_dir():
-            report.warnings.append(ConfigProblem(
-                path, f"inbound[{i}].directory", f"{conn.directory} does not exist (yet): connection {conn.name!r} "
-                "polls nothing until it does (a mount that comes later is fine; a typo is not)"))
+            report.warnings.append(
+                ConfigProblem(
+                    path,
+                    f"inbound[{i}].directory",
+                    f"{conn.directory} does not exist (yet): connection {conn.name!r} "
+                    "polls nothing until it does (a mount that comes later is fine; a typo is not)",
+                )
+            )
 
 
 def _service_dir_drops(path: Path, base: Path, raw: Any, service: Path | None) -> list[ConfigProblem]:
@@ -161,9 +195,15 @@ def _service_dir_drops(path: Path, base: Path, raw: Any, service: Path | None) -
         for key in ("directory", "archive", "error_directory"):
             value = conn.get(key)
             if isinstance(value, str) and value and (base / value).resolve() == home:
-                out.append(ConfigProblem(path, f"inbound[{i}].{key}", f"{value} is the directory of the service "
-                                         f"config ({service}); a file connection would stage and move it: use a "
-                                         f"directory of its own (connection {conn.get('name')!r})"))
+                out.append(
+                    ConfigProblem(
+                        path,
+                        f"inbound[{i}].{key}",
+                        f"{value} is the directory of the service "
+                        f"config ({service}); a file connection would stage and move it: use a "
+                        f"directory of its own (connection {conn.get('name')!r})",
+                    )
+                )
     return out
 
 
@@ -171,9 +211,13 @@ def _unreadable_files(base: Path, service: Path | None, report: Report) -> bool:
     """Every file the check would read that is no regular file of at most 1 MiB (a fifo, a device,
     /dev/zero through a link, a huge file) is a problem, and nothing is read: reading a fifo blocks
     for good and a device has no end."""
-    paths = [base / CONNECTIONS, *(base / name for name in FILES.values()), *sorted(base.glob("*.toml")),
-             *(sorted((base / LOOKUPS).glob("*.csv")) if (base / LOOKUPS).is_dir() else []),
-             *([service] if service is not None else [])]
+    paths = [
+        base / CONNECTIONS,
+        *(base / name for name in FILES.values()),
+        *sorted(base.glob("*.toml")),
+        *(sorted((base / LOOKUPS).glob("*.csv")) if (base / LOOKUPS).is_dir() else []),
+        *([service] if service is not None else []),
+    ]
     bad = False
     for path in dict.fromkeys(paths):
         why = unreadable(path)
@@ -215,13 +259,15 @@ def _pipeline(base: Path, report: Report, transforms: list[tuple[int, Transform]
         _references(base, routes, parsed, names, report)
         return
     transforms.extend(enumerate(config.transforms))
-    report.counts.update({"routes": len(config.routes), "destinations": len(config.destinations),
-                          "transforms": len(config.transforms)})
+    report.counts.update(
+        {"routes": len(config.routes), "destinations": len(config.destinations), "transforms": len(config.transforms)}
+    )
 
 
 def _each_table(base: Path) -> tuple[list[tuple[int, Route]], set[str], list[tuple[int, Transform]]]:
     """Each route and transform table parsed alone (those that parse, with their index), and every
     destination name written (a broken table's too, so routes naming it are not reported twice)."""
+
     def tables(kind: str) -> list[Any]:
         path = base / FILES[kind]
         try:
@@ -245,17 +291,32 @@ def _each_table(base: Path) -> tuple[list[tuple[int, Route]], set[str], list[tup
     return alone("route", parse_routes), names, alone("transform", parse_transforms)
 
 
-def _references(base: Path, routes: list[tuple[int, Route]], transforms: list[tuple[int, Transform]],
-                destinations: set[str], report: Report) -> None:
+def _references(
+    base: Path,
+    routes: list[tuple[int, Route]],
+    transforms: list[tuple[int, Transform]],
+    destinations: set[str],
+    report: Report,
+) -> None:
     for i, route in routes:
         for name in route.destinations:
             if name not in destinations:
-                report.problems.append(ConfigProblem(base / FILES["route"], f"route[{i}].destinations",
-                                                     f"{name!r} is not configured in {FILES['destination']}"))
+                report.problems.append(
+                    ConfigProblem(
+                        base / FILES["route"],
+                        f"route[{i}].destinations",
+                        f"{name!r} is not configured in {FILES['destination']}",
+                    )
+                )
     for i, t in transforms:
         if t.destination not in destinations:
-            report.problems.append(ConfigProblem(base / FILES["transform"], f"transform[{i}].destination",
-                                                 f"{t.destination!r} is not configured in {FILES['destination']}"))
+            report.problems.append(
+                ConfigProblem(
+                    base / FILES["transform"],
+                    f"transform[{i}].destination",
+                    f"{t.destination!r} is not configured in {FILES['destination']}",
+                )
+            )
 
 
 def _service(path: Path, report: Report, names: list[str]) -> None:
@@ -263,13 +324,19 @@ def _service(path: Path, report: Report, names: list[str]) -> None:
     configured is a problem (a PHI retention policy that silently applies to nothing)."""
     config = cfgmod.load(path)
     report.counts["service config"] = 1
-    if not (report.directory / CONNECTIONS).is_file() or any(p.file == report.directory / CONNECTIONS
-                                                              for p in report.problems):
+    if not (report.directory / CONNECTIONS).is_file() or any(
+        p.file == report.directory / CONNECTIONS for p in report.problems
+    ):
         return  # the connections are not known (no file, or a broken one): nothing to compare with
     for name in sorted(set(config.retention.connections) - set(names)):
-        report.problems.append(ConfigProblem(path, f"retention.connections.{name}",
-                                             f"no inbound connection {name!r} in {CONNECTIONS} (configured: "
-                                             f"{', '.join(names) or 'none'}); the override would apply to nothing"))
+        report.problems.append(
+            ConfigProblem(
+                path,
+                f"retention.connections.{name}",
+                f"no inbound connection {name!r} in {CONNECTIONS} (configured: "
+                f"{', '.join(names) or 'none'}); the override would apply to nothing",
+            )
+        )
 
 
 def _unknown_files(base: Path, report: Report) -> None:
@@ -282,15 +349,24 @@ def _unknown_files(base: Path, report: Report) -> None:
         said = [i for i, p in enumerate(report.problems) if p.file == path and not p.key]
         if said:  # the pipeline loader's "did you mean routes.toml?": add the list
             report.problems[said[0]] = report.problems[said[0]]._replace(
-                message=f"{report.problems[said[0]].message} ({known})")
+                message=f"{report.problems[said[0]].message} ({known})"
+            )
         else:
             report.problems.append(ConfigProblem(path, "", f"unknown config file ({known})"))
 
 
 # -- lookups -------------------------------------------------------------------------------------
 
-def _lookups(base: Path, transforms: list[tuple[int, Transform]], store_tables: Iterable[str] | None, store_note: str,
-             report: Report, *, unverified_ok: bool) -> None:
+
+def _lookups(
+    base: Path,
+    transforms: list[tuple[int, Transform]],
+    store_tables: Iterable[str] | None,
+    store_note: str,
+    report: Report,
+    *,
+    unverified_ok: bool,
+) -> None:
     directory = base / LOOKUPS
     files: set[str] = set()
     if directory.is_dir():
@@ -307,15 +383,23 @@ def _lookups(base: Path, transforms: list[tuple[int, Transform]], store_tables: 
     for n, t in transforms:
         for i, rule in enumerate(t.rules):
             if isinstance(rule, MapField) and rule.table not in known:
-                where = "not in the store either" if store_tables is not None else \
-                    f"and the store was not read{': ' + store_note if store_note else ''}"
-                report.problems.append(ConfigProblem(
-                    base / FILES["transform"], f"transform[{n}].rules[{i}].table",
-                    f"lookup table {rule.table!r}: no {LOOKUPS}/{rule.table}.csv, {where} "
-                    "(CSVs are imported by `stageline up` or `stageline lookups import|sync`)"))
+                where = (
+                    "not in the store either"
+                    if store_tables is not None
+                    else f"and the store was not read{': ' + store_note if store_note else ''}"
+                )
+                report.problems.append(
+                    ConfigProblem(
+                        base / FILES["transform"],
+                        f"transform[{n}].rules[{i}].table",
+                        f"lookup table {rule.table!r}: no {LOOKUPS}/{rule.table}.csv, {where} "
+                        "(CSVs are imported by `stageline up` or `stageline lookups import|sync`)",
+                    )
+                )
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def _toml(path: Path) -> dict[str, Any]:
     try:
@@ -350,8 +434,11 @@ def store_lookup_tables(service_config: str | None) -> tuple[set[str] | None, st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stageline config check", description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", default=None, help="the config dir (default: the pipeline dir)")
-    parser.add_argument("--service-config", default=None, help="stageline.toml: checked too, and its store is "
-                        "asked for lookup tables that have no CSV")
+    parser.add_argument(
+        "--service-config",
+        default=None,
+        help="stageline.toml: checked too, and its store is asked for lookup tables that have no CSV",
+    )
     parser.add_argument("--no-store", action="store_true", help="do not read the store")
     args = parser.parse_args(argv)
     try:

@@ -6,6 +6,7 @@ The file is checked by the typed models of `include.schema.connections` (every p
 with file and dotted key); the frozen dataclasses here, built from them, are what the listeners
 read. See docs/listenerd.md for the format with a complete example.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +36,7 @@ class ConnectionConfigError(ConfigProblems):
 class TLSConfig:
     cert: str = ""
     key: str = ""
-    ca: str = ""                     # client CAs; with require_client_cert this is mTLS
+    ca: str = ""  # client CAs; with require_client_cert this is mTLS
     require_client_cert: bool = False
 
 
@@ -43,20 +44,20 @@ class TLSConfig:
 class DatabaseSource:
     """A `kind = "database"` connection's source (`[inbound.database]`, listeners/dbpoll.py)."""
 
-    backend: str = "postgres"        # postgres | sqlserver | sqlite
+    backend: str = "postgres"  # postgres | sqlserver | sqlite
     server: str = "localhost"
-    port: int = 0                    # 0: the backend's default
-    database: str = ""               # the database name; sqlite: the file
+    port: int = 0  # 0: the backend's default
+    database: str = ""  # the database name; sqlite: the file
     username: str = ""
-    password_env: str = ""           # the environment variable holding the password (never the file)
-    query: str = ""                  # SELECT of the rows to stage, ordered by key_column
-    key_column: str = "id"           # unique per source row; gives the message id (and the watermark)
-    message_column: str = ""         # the column holding the message; empty = the whole row as JSON
-    strategy: str = "watermark"      # watermark (a high-water mark in the store) | mark (an UPDATE)
-    mark: str = ""                   # mark: the statement that marks one row read (`:key`)
-    reject: str = ""                 # mark: for a row that cannot be staged (default: mark)
-    start_after: int | str = 0       # watermark: the mark before the first poll
-    batch_size: int = 100            # at most this many rows a poll (`:limit`)
+    password_env: str = ""  # the environment variable holding the password (never the file)
+    query: str = ""  # SELECT of the rows to stage, ordered by key_column
+    key_column: str = "id"  # unique per source row; gives the message id (and the watermark)
+    message_column: str = ""  # the column holding the message; empty = the whole row as JSON
+    strategy: str = "watermark"  # watermark (a high-water mark in the store) | mark (an UPDATE)
+    mark: str = ""  # mark: the statement that marks one row read (`:key`)
+    reject: str = ""  # mark: for a row that cannot be staged (default: mark)
+    start_after: int | str = 0  # watermark: the mark before the first poll
+    batch_size: int = 100  # at most this many rows a poll (`:limit`)
     connect_timeout_seconds: float = 10.0
 
 
@@ -66,16 +67,16 @@ class InboundConfig:
     kind: str
     host: str = "127.0.0.1"
     port: int = 0
-    directory: str = ""              # file: polled directory
+    directory: str = ""  # file: polled directory
     archive: str = ""  # file: where ingested files go (default <var>/filedrop/<name>/archive)
     error_directory: str = ""  # file: where refused files go, with a .reason (default <var>/filedrop/<name>/rejected)
-    pattern: str = "*"               # file: glob of files to ingest
-    poll_seconds: float = 1.0        # file
-    framing: str = "newline"         # tcp: newline | length (4-byte big-endian length prefix)
-    lane_key: str = ""               # HL7 path (e.g. "PID-3.1") giving the row's lane; empty = none
-    hl7_only: bool = False           # tcp/http/file: refuse what is not HL7 v2 (MLLP always does)
-    batch_ack: str = "batch"         # mllp: a batch gets one ACK ("batch") or an ACK batch ("messages")
-    charset: str = "utf-8"           # used when a message does not declare MSH-18
+    pattern: str = "*"  # file: glob of files to ingest
+    poll_seconds: float = 1.0  # file
+    framing: str = "newline"  # tcp: newline | length (4-byte big-endian length prefix)
+    lane_key: str = ""  # HL7 path (e.g. "PID-3.1") giving the row's lane; empty = none
+    hl7_only: bool = False  # tcp/http/file: refuse what is not HL7 v2 (MLLP always does)
+    batch_ack: str = "batch"  # mllp: a batch gets one ACK ("batch") or an ACK batch ("messages")
+    charset: str = "utf-8"  # used when a message does not declare MSH-18
     max_message_bytes: int = 4 * 1024 * 1024
     idle_timeout_seconds: float = 300.0
     max_connections: int = 64
@@ -105,8 +106,10 @@ def inbound_from(model: InboundModel, base: Path, var: Path | None = None) -> In
     values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources"})
     values["allowed_sources"] = tuple(model.allowed_sources)
     if model.tls is not None:
-        tls: dict[str, Any] = {k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
-                               for k, v in model.tls.model_dump().items()}
+        tls: dict[str, Any] = {
+            k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
+            for k, v in model.tls.model_dump().items()
+        }
         values["tls"] = TLSConfig(**tls)
     if model.database is not None:
         src = model.database.model_dump()
@@ -140,27 +143,41 @@ def _with_names(problems: list[ConfigProblem], raw: Any) -> list[ConfigProblem]:
     out = []
     for p in problems:
         m = re.match(r"inbound\[(\d+)\]", p.key)
-        name = entries[int(m.group(1))].get("name") if m and int(m.group(1)) < len(entries) and \
-            isinstance(entries[int(m.group(1))], dict) else None
+        name = (
+            entries[int(m.group(1))].get("name")
+            if m and int(m.group(1)) < len(entries) and isinstance(entries[int(m.group(1))], dict)
+            else None
+        )
         out.append(p._replace(message=f"{p.message} (connection {name!r})") if isinstance(name, str) else p)
     return out
 
 
-def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, roles: Any = None,
-                      var: Path | None = None, store_dir: Path | None = None,
-                      ) -> tuple[ConnectionsFile, tuple[InboundConfig, ...]]:
+def parse_connections(
+    raw: Any,
+    directory: Path,
+    *,
+    file: Path | None = None,
+    roles: Any = None,
+    var: Path | None = None,
+    store_dir: Path | None = None,
+) -> tuple[ConnectionsFile, tuple[InboundConfig, ...]]:
     """Validate parsed `connections.toml` data; every problem at once as `ConnectionConfigError`.
     `store_dir` (the SQLite store's directory, when known) is kept out of every file connection."""
     from include.config import var_dir
 
     var = var_dir() if var is None else var
-    context = {"base": directory, "var": var, **({"roles": roles} if roles else {}),
-               **({"store_dir": store_dir} if store_dir is not None else {})}
+    context = {
+        "base": directory,
+        "var": var,
+        **({"roles": roles} if roles else {}),
+        **({"store_dir": store_dir} if store_dir is not None else {}),
+    }
     try:
         model = validate(ConnectionsFile, raw, file=file, context=context)
     except ConfigProblems as exc:
-        problems = exc.problems + [p._replace(file=file) for p in _names_twice(raw)
-                                   if p.key not in {q.key for q in exc.problems}]
+        problems = exc.problems + [
+            p._replace(file=file) for p in _names_twice(raw) if p.key not in {q.key for q in exc.problems}
+        ]
         raise ConnectionConfigError(_with_names(problems, raw)) from None
     twice = [p._replace(file=file) for p in _names_twice(raw)]
     if twice:
@@ -168,8 +185,9 @@ def parse_connections(raw: Any, directory: Path, *, file: Path | None = None, ro
     return model, tuple(inbound_from(c, directory, var) for c in model.inbound)
 
 
-def load_config_dir(directory: str | Path, *, store_dir: str | Path | None = None,
-                    required: bool = False) -> ListenerConfig:
+def load_config_dir(
+    directory: str | Path, *, store_dir: str | Path | None = None, required: bool = False
+) -> ListenerConfig:
     """Read and validate `<directory>/connections.toml` (a missing file: no inbound connections,
     unless `required`, as on a reload: then it is a problem); `ConnectionConfigError` lists every
     problem with file and key. The file is read only if it is a regular file of at most 1 MiB
@@ -196,7 +214,8 @@ def load_config_dir(directory: str | Path, *, store_dir: str | Path | None = Non
         raw = tomllib.loads(text.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConnectionConfigError([ConfigProblem(path, "", f"not valid TOML: {exc}")]) from None
-    _, inbound = parse_connections(raw, directory, file=path,
-                                   store_dir=Path(store_dir) if store_dir is not None else None)
+    _, inbound = parse_connections(
+        raw, directory, file=path, store_dir=Path(store_dir) if store_dir is not None else None
+    )
     digest = hashlib.sha256(text).hexdigest()[:16]
     return ListenerConfig(inbound=inbound, config_hash=digest, directory=directory, api=raw.get("api", {}))

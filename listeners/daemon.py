@@ -7,6 +7,7 @@ The one entry point: `makeService` builds the node's service tree (`listeners.no
 Exit codes: 0 after a clean stop, 2 for a configuration error, 1 when the node cannot start
 (store unreachable, foreign cluster, unmigrated store).
 """
+
 from __future__ import annotations
 
 import sys
@@ -92,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     # waits on the database many times a second; with the default 5 ms GIL switch interval each
     # wake-up can queue behind a busy reactor thread for that long.
     sys.setswitchinterval(0.0005)
-    observer = FilteringLogObserver(textFileLogObserver(sys.stdout),
-                                    [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))])
+    observer = FilteringLogObserver(
+        textFileLogObserver(sys.stdout), [LogLevelFilterPredicate(LogLevel.levelWithName(options["log-level"]))]
+    )
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     log_each_answer(options["log-level"] == "debug")
     if not config_ok(options):

@@ -34,6 +34,7 @@ A full batch is followed at once by the next poll (a backlog drains at the store
 one waits ``poll_seconds``. A source that cannot be reached is logged (once per distinct error)
 and retried every poll. All database work runs off the reactor thread.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,9 +104,13 @@ class SourceDatabase:
             import psycopg
             from psycopg.rows import dict_row
 
-            info: dict[str, Any] = {"host": src.server, "port": src.port or DEFAULT_PORTS["postgres"],
-                                    "dbname": src.database, "connect_timeout": max(1, int(src.connect_timeout_seconds)),
-                                    "application_name": "stageline-dbpoll"}
+            info: dict[str, Any] = {
+                "host": src.server,
+                "port": src.port or DEFAULT_PORTS["postgres"],
+                "dbname": src.database,
+                "connect_timeout": max(1, int(src.connect_timeout_seconds)),
+                "application_name": "stageline-dbpoll",
+            }
             if src.username:
                 info["user"] = src.username
             if password:
@@ -114,11 +119,23 @@ class SourceDatabase:
         if src.backend == "sqlserver":
             import pymssql
 
-            return pymssql.connect(server=src.server, port=str(src.port or DEFAULT_PORTS["sqlserver"]),
-                                   user=src.username, password=password or "", database=src.database,
-                                   as_dict=True, autocommit=False, login_timeout=int(src.connect_timeout_seconds))
-        conn = sqlite3.connect(f"file:{src.database}?mode=rw", uri=True, timeout=src.connect_timeout_seconds,
-                               check_same_thread=False, isolation_level="DEFERRED")
+            return pymssql.connect(
+                server=src.server,
+                port=str(src.port or DEFAULT_PORTS["sqlserver"]),
+                user=src.username,
+                password=password or "",
+                database=src.database,
+                as_dict=True,
+                autocommit=False,
+                login_timeout=int(src.connect_timeout_seconds),
+            )
+        conn = sqlite3.connect(
+            f"file:{src.database}?mode=rw",
+            uri=True,
+            timeout=src.connect_timeout_seconds,
+            check_same_thread=False,
+            isolation_level="DEFERRED",
+        )
         conn.row_factory = lambda cur, row: {d[0]: v for d, v in zip(cur.description, row)}
         return conn
 
@@ -165,10 +182,19 @@ class SourceDatabase:
 class DbPoll(PollingInbound):
     """Polls one ``kind = "database"`` connection's source while started."""
 
-    def __init__(self, ingest: IngestSink, config: InboundConfig, *, store: Callable[[], Store | None],
-                 epoch: Callable[[], int | None], lane_of: LaneOf | None = None, metrics: Metrics | None = None,
-                 reactor: IReactorTime | None = None, run_blocking: RunBlocking | None = None,
-                 source: SourceDatabase | None = None) -> None:
+    def __init__(
+        self,
+        ingest: IngestSink,
+        config: InboundConfig,
+        *,
+        store: Callable[[], Store | None],
+        epoch: Callable[[], int | None],
+        lane_of: LaneOf | None = None,
+        metrics: Metrics | None = None,
+        reactor: IReactorTime | None = None,
+        run_blocking: RunBlocking | None = None,
+        source: SourceDatabase | None = None,
+    ) -> None:
         """``store`` and ``epoch`` give the node's store and lease epoch (the watermark is written
         under it); ``reactor`` schedules the polls; ``run_blocking`` defaults to its thread pool."""
         if config.database is None:
@@ -196,8 +222,9 @@ class DbPoll(PollingInbound):
 
     def _problem(self, what: str) -> None:
         if what != self._error:
-            _log.warn("database poll of {connection}: {what}; retrying every poll", connection=self.config.name,
-                      what=what)
+            _log.warn(
+                "database poll of {connection}: {what}; retrying every poll", connection=self.config.name, what=what
+            )
         self._error = what
 
     @inlineCallbacks
@@ -233,15 +260,23 @@ class DbPoll(PollingInbound):
             return 0
         items: list[Inbound | InboundBatch | str] = [self._inbound(row, key) for row, key in zip(rows, keys)]
         try:
-            archived: set[str] = yield self._run(self._archived, [i.message_id for i in items
-                                                                  if isinstance(i, Inbound)])
+            archived: set[str] = yield self._run(
+                self._archived, [i.message_id for i in items if isinstance(i, Inbound)]
+            )
         except Exception as exc:
             self._problem(f"cannot read the archive ({type(exc).__name__})")
             return 0
         outcomes: list[tuple[bool, Any]] = yield DeferredList(
-            [succeed(i) if not isinstance(i, Inbound) else
-             succeed(i.message_id) if i.message_id in archived else self.ingest.submit(i) for i in items],
-            consumeErrors=True)
+            [
+                succeed(i)
+                if not isinstance(i, Inbound)
+                else succeed(i.message_id)
+                if i.message_id in archived
+                else self.ingest.submit(i)
+                for i in items
+            ],
+            consumeErrors=True,
+        )
         done: list[Any] = []
         rejected: list[Any] = []
         for key, item, (ok, result) in zip(keys, items, outcomes):
@@ -255,13 +290,21 @@ class DbPoll(PollingInbound):
                 reason = rejection_reason(result)[0]
             else:  # not staged for a reason of this node or store: stop here, read again next poll
                 self._count(rejection_reason(result)[1])
-                _log.warn("row {key} of {connection} not staged ({reason}); read again next poll",
-                          key=str(key)[:64], connection=self.config.name, reason=rejection_reason(result)[0])
+                _log.warn(
+                    "row {key} of {connection} not staged ({reason}); read again next poll",
+                    key=str(key)[:64],
+                    connection=self.config.name,
+                    reason=rejection_reason(result)[0],
+                )
                 break
             self._count("AR")
             rejected.append(key)
-            _log.warn("row {key} of {connection} cannot be staged: {reason}; passed over", key=str(key)[:64],
-                      connection=self.config.name, reason=reason)
+            _log.warn(
+                "row {key} of {connection} cannot be staged: {reason}; passed over",
+                key=str(key)[:64],
+                connection=self.config.name,
+                reason=reason,
+            )
         passed = len(done) + len(rejected)
         if passed == 0:
             return 0
@@ -269,19 +312,30 @@ class DbPoll(PollingInbound):
             if self.src.strategy == "watermark":
                 moved = yield self._run(self._write_watermark, keys[passed - 1], epoch)
                 if not moved:
-                    _log.warn("watermark of {connection} not moved: epoch {epoch} is no longer current",
-                              connection=self.config.name, epoch=epoch)
+                    _log.warn(
+                        "watermark of {connection} not moved: epoch {epoch} is no longer current",
+                        connection=self.config.name,
+                        epoch=epoch,
+                    )
                     return 0
             else:
                 yield self._run(self.source.mark, done, rejected)
         except Exception as exc:
-            _log.error("staged {n} row(s) of {connection} but cannot advance ({error}); they are read again "
-                       "and skipped as already staged", n=len(done), connection=self.config.name,
-                       error=str(exc) if isinstance(exc, SourceError) else type(exc).__name__)
+            _log.error(
+                "staged {n} row(s) of {connection} but cannot advance ({error}); they are read again "
+                "and skipped as already staged",
+                n=len(done),
+                connection=self.config.name,
+                error=str(exc) if isinstance(exc, SourceError) else type(exc).__name__,
+            )
             return 0
         self._full = passed == len(rows) == self.src.batch_size
-        _log.info("staged {n} row(s) of {connection}{rejected}", n=len(done), connection=self.config.name,
-                  rejected=f", passed over {len(rejected)}" if rejected else "")
+        _log.info(
+            "staged {n} row(s) of {connection}{rejected}",
+            n=len(done),
+            connection=self.config.name,
+            rejected=f", passed over {len(rejected)}" if rejected else "",
+        )
         return passed
 
     def _inbound(self, row: dict[str, Any], key: Any) -> Inbound | InboundBatch | str:
@@ -294,8 +348,13 @@ class DbPoll(PollingInbound):
             if value is None:
                 raise PayloadRejected(f"column {column} is NULL")
             if isinstance(value, (bytes, bytearray, memoryview)):
-                return build_inbound(bytes(value), connection=self.config.name, charset=self.config.charset,
-                                     lane_of=self.lane_of, message_id=message_id)
+                return build_inbound(
+                    bytes(value),
+                    connection=self.config.name,
+                    charset=self.config.charset,
+                    lane_of=self.lane_of,
+                    message_id=message_id,
+                )
             text = value if isinstance(value, str) else str(value)
             data = text.encode("utf-8", "surrogatepass")
             try:  # the driver has decoded the text already: keep it, and MSH-18's name for the record
@@ -303,8 +362,14 @@ class DbPoll(PollingInbound):
                 header = dataclasses.replace(header, text=text)
             except (HL7HeaderError, UnicodeDecodeError):
                 header = None
-            return build_inbound(data, connection=self.config.name, charset="utf-8", lane_of=self.lane_of,
-                                 message_id=message_id, header=header)
+            return build_inbound(
+                data,
+                connection=self.config.name,
+                charset="utf-8",
+                lane_of=self.lane_of,
+                message_id=message_id,
+                header=header,
+            )
         except PayloadRejected as exc:
             return str(exc)
 
@@ -314,8 +379,7 @@ class DbPoll(PollingInbound):
         if store is None or not message_ids:
             return set()
         with store.transaction(write=False) as tx:
-            return {r["message_id"] for r in tx.all("archived_message_ids",
-                                                     {"ids": tx.dialect.text_list(message_ids)})}
+            return {r["message_id"] for r in tx.all("archived_message_ids", {"ids": tx.dialect.text_list(message_ids)})}
 
     def _read_watermark(self) -> Any:
         store = self._store()
@@ -331,8 +395,10 @@ class DbPoll(PollingInbound):
             raise RuntimeError("no store")
         with store.transaction() as tx:
             tx.fence()
-            row = tx.one("watermark_set", {"connection": self.config.name, "epoch": epoch,
-                                           "watermark": json.dumps(key, default=str)})
+            row = tx.one(
+                "watermark_set",
+                {"connection": self.config.name, "epoch": epoch, "watermark": json.dumps(key, default=str)},
+            )
         return row is not None
 
     def _count_received(self) -> None:

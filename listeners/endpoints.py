@@ -7,6 +7,7 @@ are drained, and `close` after their answers are written — or at once (`abort`
 lost. `stopService` alone does both at once. The services only wire a transport to its listener:
 framing and answering live in the transport modules, validation in `listeners.validation`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -75,8 +76,9 @@ class Wiring:
     def guard(self, name: str, limits: PeerLimits) -> Callable[[IProtocolFactory, bool], IProtocolFactory]:
         """What `listeners.server_tls.listen` wraps a listener's factory in: its peer limits."""
         refusals = self.refusals or Refusals(self.metrics, self.reactor, interval=limits.log_interval_seconds)
-        return lambda factory, tls: GuardedFactory(factory, limits, name=name, clock=self.reactor,
-                                                   refusals=refusals, tls=tls)
+        return lambda factory, tls: GuardedFactory(
+            factory, limits, name=name, clock=self.reactor, refusals=refusals, tls=tls
+        )
 
 
 def peer_limits(conn: InboundConfig) -> PeerLimits:
@@ -95,9 +97,18 @@ def peer_limits(conn: InboundConfig) -> PeerLimits:
 class ListeningService(Service):
     """A listening port (TLS when configured) for as long as the service runs."""
 
-    def __init__(self, name: str, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-                 reactor: Any, on_bound: Callable[[int], None] | None = None,
-                 guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        factory: IProtocolFactory,
+        tls: TLSConfig | None,
+        *,
+        reactor: Any,
+        on_bound: Callable[[int], None] | None = None,
+        guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None,
+    ) -> None:
         self.setName(name)
         self.host, self.port, self.factory, self.tls = host, port, factory, tls
         self._guard = guard
@@ -140,9 +151,17 @@ class InboundService(Service):
     directory. A bind that fails leaves the others bound (`bound` stays False, `bind_error` says why;
     the leader gate logs it and retries)."""
 
-    def __init__(self, conn: InboundConfig, wiring: Wiring, *, intake: Intake | None = None,
-                 start: Callable[[], None] | None = None, stop: Callable[[], Deferred[None]] | None = None,
-                 failure: Callable[[], str | None] | None = None, proven: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        conn: InboundConfig,
+        wiring: Wiring,
+        *,
+        intake: Intake | None = None,
+        start: Callable[[], None] | None = None,
+        stop: Callable[[], Deferred[None]] | None = None,
+        failure: Callable[[], str | None] | None = None,
+        proven: Callable[[], bool] | None = None,
+    ) -> None:
         self.setName(conn.name)
         self.conn = conn
         self._wiring = wiring
@@ -171,8 +190,14 @@ class InboundService(Service):
         try:
             if self._intake is not None:
                 factory = cast(IProtocolFactory, self._intake)  # stream factories and the HTTP site are
-                self._port = listen(self._wiring.reactor, conn.host, conn.port, factory, conn.tls,
-                                    guard=self._wiring.guard(conn.name, peer_limits(conn)))
+                self._port = listen(
+                    self._wiring.reactor,
+                    conn.host,
+                    conn.port,
+                    factory,
+                    conn.tls,
+                    guard=self._wiring.guard(conn.name, peer_limits(conn)),
+                )
                 self._wiring.bound_ports[conn.name] = bound_port(self._port)
             elif self._start_polling is not None:
                 self._start_polling()
@@ -214,18 +239,22 @@ class InboundService(Service):
             self.close(True)
 
 
-def mllp_handler(conn: InboundConfig, wiring: Wiring,
-                 lane_of: LaneOf | None) -> Callable[[bytes, Any, HL7Header], Deferred[AckDecision]]:
+def mllp_handler(
+    conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None
+) -> Callable[[bytes, Any, HL7Header], Deferred[AckDecision]]:
     """MLLP's handover: validate like every transport, submit, map the commit outcome to an ACK
     decision (the protocol counts what it received and answered)."""
 
     def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
         try:
-            item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of,
-                                 header=header)
+            item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of, header=header)
         except PayloadRejected as exc:
-            _log.warn("rejecting message {control_id} on {connection}: {reason}",
-                      control_id=header.control_id[:64], connection=conn.name, reason=str(exc))
+            _log.warn(
+                "rejecting message {control_id} on {connection}: {reason}",
+                control_id=header.control_id[:64],
+                connection=conn.name,
+                reason=str(exc),
+            )
             return defer.succeed(AckDecision.reject(str(exc)))
 
         def failed(f: Any) -> AckDecision:
@@ -237,8 +266,9 @@ def mllp_handler(conn: InboundConfig, wiring: Wiring,
     return handle
 
 
-def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
-                       lane_of: LaneOf | None) -> Callable[[bytes, Any], Deferred[bytes]]:
+def mllp_batch_handler(
+    conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None
+) -> Callable[[bytes, Any], Deferred[bytes]]:
     """MLLP's handover of a batch in one frame: validate and split like every transport, submit it
     as one unit, answer per HL7 batch rules — one ACK for the batch (MSA-2 = its BHS-11, else
     FHS-11), or with ``batch_ack = "messages"`` an ACK batch of one AA per message. A refused or
@@ -246,8 +276,9 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
     large batch committed in parts, `listeners.commitplan`) which of its messages were."""
     metrics = wiring.metrics
 
-    def answer(envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "",
-               encoding: str = "ascii") -> bytes:
+    def answer(
+        envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "", encoding: str = "ascii"
+    ) -> bytes:
         metrics.acks.labels(conn.name, code.value).inc()
         if envelope is None:
             return build_fallback_ack(code, reason=reason)
@@ -256,16 +287,21 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         metrics.received.labels(conn.name).inc()
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
-        built = off_reactor(wiring.reactor, len(data), build_batch, data, connection=conn.name,
-                            charset=conn.charset, lane_of=lane_of)
+        built = off_reactor(
+            wiring.reactor, len(data), build_batch, data, connection=conn.name, charset=conn.charset, lane_of=lane_of
+        )
         return built.addCallbacks(submit, refused)
 
     def refused(f: Any) -> bytes:
         f.trap(PayloadRejected)
         exc = f.value
         head = getattr(exc, "header", None)
-        _log.warn("rejecting batch {control_id} on {connection}: {reason}", connection=conn.name,
-                  control_id=(head.control_id if head else "")[:64] or "-", reason=str(exc))
+        _log.warn(
+            "rejecting batch {control_id} on {connection}: {reason}",
+            connection=conn.name,
+            control_id=(head.control_id if head else "")[:64] or "-",
+            reason=str(exc),
+        )
         return answer(head, AckCode.AR, str(exc))
 
     def submit(batch: InboundBatch) -> Deferred[bytes]:
@@ -274,9 +310,10 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
         text, codec = (first.payload, first.charset or "ascii") if first else ("", "ascii")
 
         def acks() -> bytes:
-            return build_ack_batch(batch_header(envelope, first_message=text, encoding=codec),
-                                   [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA)
-                                    for i in batch.items])
+            return build_ack_batch(
+                batch_header(envelope, first_message=text, encoding=codec),
+                [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA) for i in batch.items],
+            )
 
         def ok(_: str) -> bytes | Deferred[bytes]:
             if conn.batch_ack == "messages":
@@ -294,10 +331,18 @@ def mllp_batch_handler(conn: InboundConfig, wiring: Wiring,
 
 
 def _mllp(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    factory = MLLPFactory(mllp_handler(conn, wiring, lane_of), clock=wiring.reactor, config=MLLPConfig(
-        max_message_bytes=conn.max_message_bytes, idle_timeout_seconds=conn.idle_timeout_seconds,
-        max_connections=conn.max_connections, default_encoding=codec_name(conn.charset)),
-        batch_handler=mllp_batch_handler(conn, wiring, lane_of), counters=wiring.metrics.listener(conn.name, "mllp"))
+    factory = MLLPFactory(
+        mllp_handler(conn, wiring, lane_of),
+        clock=wiring.reactor,
+        config=MLLPConfig(
+            max_message_bytes=conn.max_message_bytes,
+            idle_timeout_seconds=conn.idle_timeout_seconds,
+            max_connections=conn.max_connections,
+            default_encoding=codec_name(conn.charset),
+        ),
+        batch_handler=mllp_batch_handler(conn, wiring, lane_of),
+        counters=wiring.metrics.listener(conn.name, "mllp"),
+    )
     return InboundService(conn, wiring, intake=factory)
 
 
@@ -327,13 +372,24 @@ def _file(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> Inboun
 
 
 def _database(conn: InboundConfig, wiring: Wiring, lane_of: LaneOf | None) -> InboundService:
-    poll = DbPoll(wiring.ingest, conn, store=wiring.store, epoch=wiring.epoch, lane_of=lane_of,
-                  metrics=wiring.metrics, reactor=wiring.reactor)
+    poll = DbPoll(
+        wiring.ingest,
+        conn,
+        store=wiring.store,
+        epoch=wiring.epoch,
+        lane_of=lane_of,
+        metrics=wiring.metrics,
+        reactor=wiring.reactor,
+    )
     return InboundService(conn, wiring, start=poll.start, stop=poll.stop)
 
 
 _KINDS: dict[str, Callable[[InboundConfig, Wiring, LaneOf | None], InboundService]] = {
-    "mllp": _mllp, "tcp": _tcp, "http": _http, "file": _file, "database": _database,
+    "mllp": _mllp,
+    "tcp": _tcp,
+    "http": _http,
+    "file": _file,
+    "database": _database,
 }
 
 

@@ -71,6 +71,7 @@ Rules, in order of a poll:
 
 All file-system work (scan, read and hash, moves) runs off the reactor thread.
 """
+
 from __future__ import annotations
 
 import errno
@@ -243,9 +244,16 @@ class _Dirs:
 class FileDrop(PollingInbound):
     """Polls one ``kind = "file"`` connection's directory while started."""
 
-    def __init__(self, ingest: IngestSink, config: InboundConfig, *, lane_of: LaneOf | None = None,
-                 metrics: Metrics | None = None, reactor: IReactorTime | None = None,
-                 run_blocking: RunBlocking | None = None) -> None:
+    def __init__(
+        self,
+        ingest: IngestSink,
+        config: InboundConfig,
+        *,
+        lane_of: LaneOf | None = None,
+        metrics: Metrics | None = None,
+        reactor: IReactorTime | None = None,
+        run_blocking: RunBlocking | None = None,
+    ) -> None:
         """``reactor`` schedules the polls; ``run_blocking`` defaults to its thread pool."""
         if not config.directory:
             raise ValueError(f"{config.name}: a file connection needs directory")
@@ -308,8 +316,12 @@ class FileDrop(PollingInbound):
             reason = str(exc) if isinstance(exc, UnsafePath) else f"{type(exc).__name__} (errno {exc.errno})"
             if reason != self._scan_error:
                 log = _log.error if isinstance(exc, UnsafePath) else _log.warn
-                log("cannot poll {directory} for {connection}: {reason}",
-                    directory=str(self.directory), connection=self.config.name, reason=reason)
+                log(
+                    "cannot poll {directory} for {connection}: {reason}",
+                    directory=str(self.directory),
+                    connection=self.config.name,
+                    reason=reason,
+                )
             self._scan_error = reason
             return 0
         self._scan_error = None
@@ -321,18 +333,27 @@ class FileDrop(PollingInbound):
         ready = [e for e in regular if self._seen.get(e.identity) == (e.size, e.mtime_ns)]
         self._seen = {e.identity: (e.size, e.mtime_ns) for e in regular}
         now = self._clock.seconds()
-        self._empty_since = {e.identity: self._empty_since.get(e.identity, now) for e in regular
-                             if e.size == 0 and e.where == "directory"}
-        ready = [e for e in ready if e.size or e.where != "directory"
-                 or now - self._empty_since[e.identity] >= EMPTY_GRACE_SECONDS]
+        self._empty_since = {
+            e.identity: self._empty_since.get(e.identity, now)
+            for e in regular
+            if e.size == 0 and e.where == "directory"
+        }
+        ready = [
+            e
+            for e in ready
+            if e.size or e.where != "directory" or now - self._empty_since[e.identity] >= EMPTY_GRACE_SECONDS
+        ]
         ready.sort(key=lambda e: (e.where != "processing", e.mtime_ns, e.name))
         unsettled = [e for e in regular if e.where == "processing" and e not in ready]
         self._unsettled_since = {e.identity: self._unsettled_since.get(e.identity, now) for e in unsettled}
         for entry in unsettled:  # still written to after it was claimed: set aside after a bound
             if now - self._unsettled_since[entry.identity] >= UNSETTLED_SECONDS:
                 self._count_received(0)
-                yield self._reject(entry, f"kept changing in processing for over {UNSETTLED_SECONDS:.0f} s "
-                                          "(a writer still holds it open): never staged")
+                yield self._reject(
+                    entry,
+                    f"kept changing in processing for over {UNSETTLED_SECONDS:.0f} s "
+                    "(a writer still holds it open): never staged",
+                )
                 self._unsettled_since.pop(entry.identity, None)
         if any(e.identity in self._unsettled_since for e in unsettled):
             ready = [e for e in ready if e.where == "processing"]  # claimed files drain first
@@ -358,8 +379,12 @@ class FileDrop(PollingInbound):
                 self._seen.pop(entry.identity, None)  # gone: the next scan sees what is there now
                 return 0
             except OSError as exc:
-                _log.error("cannot claim {file} for {connection}: {error}", file=printable(name),
-                           connection=self.config.name, error=type(exc).__name__)
+                _log.error(
+                    "cannot claim {file} for {connection}: {error}",
+                    file=printable(name),
+                    connection=self.config.name,
+                    error=type(exc).__name__,
+                )
                 return None
             if not claimed:
                 return None  # its name is still in processing: that one goes first
@@ -383,13 +408,24 @@ class FileDrop(PollingInbound):
             self._seen.pop(entry.identity, None)
             return 0
         except OSError as exc:
-            _log.error("cannot read {file} for {connection}: {error}", file=printable(name),
-                       connection=self.config.name, error=type(exc).__name__)
+            _log.error(
+                "cannot read {file} for {connection}: {error}",
+                file=printable(name),
+                connection=self.config.name,
+                error=type(exc).__name__,
+            )
             return None
         self._count_received(len(read.data))
         try:
-            build = partial(build_inbound, read.data, connection=self.config.name, charset=self.config.charset,
-                            lane_of=self.lane_of, message_id=read.message_id, hl7_only=self.config.hl7_only)
+            build = partial(
+                build_inbound,
+                read.data,
+                connection=self.config.name,
+                charset=self.config.charset,
+                lane_of=self.lane_of,
+                message_id=read.message_id,
+                hl7_only=self.config.hl7_only,
+            )
             # A large file (an HL7 batch of thousands) is split and checked on a thread, like MLLP's.
             item = (yield self._run(build)) if len(read.data) >= OFFLOAD_BYTES else build()
         except PayloadRejected as exc:
@@ -404,9 +440,13 @@ class FileDrop(PollingInbound):
                 yield self._reject(entry, reason)
                 return 0
             self._count_ack(code)
-            _log.warn("file {file} on {connection} not stored ({reason}); left in {processing}",
-                      file=printable(name), connection=self.config.name, reason=reason,
-                      processing=str(self.processing))
+            _log.warn(
+                "file {file} on {connection} not stored ({reason}); left in {processing}",
+                file=printable(name),
+                connection=self.config.name,
+                reason=reason,
+                processing=str(self.processing),
+            )
             return None
         self._count_ack("AA")
         try:
@@ -415,15 +455,24 @@ class FileDrop(PollingInbound):
             # Committed but not moved: the next poll re-reads it, stage_inbound skips it, moves it.
             error = f"{type(exc).__name__} (errno {exc.errno})"
             if error != self._move_error:
-                _log.error("staged {file} on {connection} but cannot archive it: {error}; it waits in "
-                           "{processing}", file=printable(name), connection=self.config.name, error=error,
-                           processing=str(self.processing))
+                _log.error(
+                    "staged {file} on {connection} but cannot archive it: {error}; it waits in {processing}",
+                    file=printable(name),
+                    connection=self.config.name,
+                    error=error,
+                    processing=str(self.processing),
+                )
             self._move_error = error
             return None
         self._move_error = None
         self._seen.pop(entry.identity, None)
-        _log.info("staged {file} on {connection} as {message_id}; archived as {target}", file=printable(name),
-                  connection=self.config.name, message_id=read.message_id, target=printable(target))
+        _log.info(
+            "staged {file} on {connection} as {message_id}; archived as {target}",
+            file=printable(name),
+            connection=self.config.name,
+            message_id=read.message_id,
+            target=printable(target),
+        )
         return 1
 
     @inlineCallbacks
@@ -433,19 +482,29 @@ class FileDrop(PollingInbound):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         text = f"{reason}\nconnection: {self.config.name}\nfile: {printable(name)}\nrejected_at: {stamp}\n"
         try:
-            target = yield self._run(self._move, name, entry.where, "error_directory",
-                                    text.encode("utf-8", "backslashreplace"))
+            target = yield self._run(
+                self._move, name, entry.where, "error_directory", text.encode("utf-8", "backslashreplace")
+            )
         except OSError as exc:
             error = f"{type(exc).__name__} (errno {exc.errno})"
             if error != self._move_error:
-                _log.error("cannot move rejected {file} on {connection}: {error}", file=printable(name),
-                           connection=self.config.name, error=error)
+                _log.error(
+                    "cannot move rejected {file} on {connection}: {error}",
+                    file=printable(name),
+                    connection=self.config.name,
+                    error=error,
+                )
             self._move_error = error
             return
         self._move_error = None
         self._seen.pop(entry.identity, None)
-        _log.warn("rejected {file} on {connection}: {reason}; moved to {target}", file=printable(name),
-                  connection=self.config.name, reason=reason, target=printable(str(self.errors / target)))
+        _log.warn(
+            "rejected {file} on {connection}: {reason}; moved to {target}",
+            file=printable(name),
+            connection=self.config.name,
+            reason=reason,
+            target=printable(str(self.errors / target)),
+        )
 
     def _count_received(self, size: int) -> None:
         if self._counters is not None:
@@ -522,18 +581,30 @@ class FileDrop(PollingInbound):
             unlink_quietly(processing, entry.name)
             return target
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        text = (f"changed after it was read: {len(read.data)} bytes staged (archived as {printable(target)}), "
-                f"{st.st_size} on disk\nconnection: {self.config.name}\nfile: {printable(entry.name)}\n"
-                f"rejected_at: {stamp}\n")
+        text = (
+            f"changed after it was read: {len(read.data)} bytes staged (archived as {printable(target)}), "
+            f"{st.st_size} on disk\nconnection: {self.config.name}\nfile: {printable(entry.name)}\n"
+            f"rejected_at: {stamp}\n"
+        )
         moved = self._move(entry.name, "processing", "error_directory", text.encode("utf-8", "backslashreplace"))
-        _log.warn("{file} on {connection} changed after it was read ({staged} bytes staged, {now} on disk); "
-                  "the staged bytes are archived, the file moved to {target}", file=printable(entry.name),
-                  connection=self.config.name, staged=len(read.data), now=st.st_size,
-                  target=printable(str(self.errors / moved)))
+        _log.warn(
+            "{file} on {connection} changed after it was read ({staged} bytes staged, {now} on disk); "
+            "the staged bytes are archived, the file moved to {target}",
+            file=printable(entry.name),
+            connection=self.config.name,
+            staged=len(read.data),
+            now=st.st_size,
+            target=printable(str(self.errors / moved)),
+        )
         return target
 
     def _move(self, name: str, source: str, into: str, reason: bytes | None, as_name: str | None = None) -> str:
         """Rename `name` out of `source` into `into`; a `.reason` first when given."""
         self._dirs.check()
-        return move_exclusive(self._dirs.fd(source), name, self._dirs.fd(into), as_name=as_name,
-                              companion=(".reason", reason) if reason is not None else None)
+        return move_exclusive(
+            self._dirs.fd(source),
+            name,
+            self._dirs.fd(into),
+            as_name=as_name,
+            companion=(".reason", reason) if reason is not None else None,
+        )

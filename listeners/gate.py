@@ -21,6 +21,7 @@ Leading means serving (issue 24): a leader that cannot bind an inbound (port hel
 here yet, TLS key unreadable) retries it and, in a cluster, hands the lease to a node that can.
 One log line per state change (unbound, reason changed, bound again), never one per retry.
 """
+
 from __future__ import annotations
 
 import time
@@ -62,21 +63,34 @@ class Unbound:
     kept_because: str | None = None
 
     def doc(self, now: float) -> dict[str, Any]:
-        return {"name": self.name, "reason": self.reason,
-                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
-                "unbound_seconds": round(max(0.0, now - self.since), 3), "attempts": self.attempts}
+        return {
+            "name": self.name,
+            "reason": self.reason,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
+            "unbound_seconds": round(max(0.0, now - self.since), 3),
+            "attempts": self.attempts,
+        }
 
 
 class LeaderGate(MultiService):
     """Endpoint services, started on gaining the lease and stopped on losing it."""
 
-    def __init__(self, *, is_leader: Callable[[], bool], connections: Callable[[], Iterable[InboundConfig]],
-                 build: Callable[[InboundConfig], InboundService], drain: Callable[[float], Deferred[bool]],
-                 reactor: Any, supervise_seconds: float = 0.1, drain_seconds: float = 10.0,
-                 on_change: Callable[[int], None] = lambda bound: None, grace_seconds: float = 30.0,
-                 step_down: Callable[[list[str]], Deferred[Any]] | None = None,
-                 may_step_down: Callable[[list[str]], Deferred[str | None]] | None = None,
-                 on_bind: Callable[[str, bool, bool], None] = lambda name, bound, failed: None) -> None:
+    def __init__(
+        self,
+        *,
+        is_leader: Callable[[], bool],
+        connections: Callable[[], Iterable[InboundConfig]],
+        build: Callable[[InboundConfig], InboundService],
+        drain: Callable[[float], Deferred[bool]],
+        reactor: Any,
+        supervise_seconds: float = 0.1,
+        drain_seconds: float = 10.0,
+        on_change: Callable[[int], None] = lambda bound: None,
+        grace_seconds: float = 30.0,
+        step_down: Callable[[list[str]], Deferred[Any]] | None = None,
+        may_step_down: Callable[[list[str]], Deferred[str | None]] | None = None,
+        on_bind: Callable[[str, bool, bool], None] = lambda name, bound, failed: None,
+    ) -> None:
         """:param connections: the inbound connections of the config in force.
         :param build: a fresh (unstarted) endpoint service for one of them.
         :param drain: fires True once every queued commit is done (False at the timeout).
@@ -123,8 +137,11 @@ class LeaderGate(MultiService):
         """Whether the configured inbound `name` is bound now (None: no such inbound configured)."""
         if all(conn.name != name for conn in self._connections()):
             return None
-        return self.up and self._changing is None and any(
-            isinstance(svc, InboundService) and svc.name == name and svc.bound for svc in self)
+        return (
+            self.up
+            and self._changing is None
+            and any(isinstance(svc, InboundService) and svc.name == name and svc.bound for svc in self)
+        )
 
     def unbound(self) -> list[dict[str, Any]]:
         """The inbound connections this leader is retrying: name, reason, since (for /cluster/status)."""
@@ -156,8 +173,9 @@ class LeaderGate(MultiService):
             _log.error("commits still pending after {s}s; their senders get no ACK and resend", s=self.drain_seconds)
         for svc in services:
             svc.close(False)
-        closed = yield until(self._reactor, lambda: sum(s.open_connections() for s in services) == 0,
-                             timeout=self.drain_seconds)
+        closed = yield until(
+            self._reactor, lambda: sum(s.open_connections() for s in services) == 0, timeout=self.drain_seconds
+        )
         if not closed:
             for svc in services:
                 svc.close(True)
@@ -259,8 +277,12 @@ class LeaderGate(MultiService):
         if conn.name not in self._failing_since:
             self._logged_failure.pop(conn.name, None)
         if was is not None and conn.name not in self._failing_since:
-            _log.info("inbound {name} bound after {s:.1f}s unbound ({n} attempt(s))", name=conn.name,
-                      s=self._reactor.seconds() - was.since, n=was.attempts + 1)
+            _log.info(
+                "inbound {name} bound after {s:.1f}s unbound ({n} attempt(s))",
+                name=conn.name,
+                s=self._reactor.seconds() - was.since,
+                n=was.attempts + 1,
+            )
         return True
 
     def _failed(self, conn: InboundConfig, reason: str, *, since: float | None = None) -> None:
@@ -273,14 +295,24 @@ class LeaderGate(MultiService):
             if conn.name in self._logged_failure:
                 return  # flapping: its first failure was said, and it is said when it works again
             self._logged_failure[conn.name] = reason
-            then = (f"stepping down if still unbound after {self.grace_seconds:g}s" if self._step_down is not None
-                    else "single node: retrying until it binds")
+            then = (
+                f"stepping down if still unbound after {self.grace_seconds:g}s"
+                if self._step_down is not None
+                else "single node: retrying until it binds"
+            )
             where = (
                 conn.directory if conn.kind == "file" else "" if conn.kind == "database" else f"{conn.host}:{conn.port}"
             )
-            _log.error("cannot bind inbound {name} ({kind} {where}): {err}; retrying every {lo:g}-{hi:g}s, "
-                       "{then}", name=conn.name, kind=conn.kind, where=where, err=reason,
-                       lo=RETRY_FIRST, hi=RETRY_MAX, then=then)
+            _log.error(
+                "cannot bind inbound {name} ({kind} {where}): {err}; retrying every {lo:g}-{hi:g}s, {then}",
+                name=conn.name,
+                kind=conn.kind,
+                where=where,
+                err=reason,
+                lo=RETRY_FIRST,
+                hi=RETRY_MAX,
+                then=then,
+            )
             return
         was.attempts += 1
         was.delay = min(was.delay * 2, RETRY_MAX)
@@ -302,8 +334,9 @@ class LeaderGate(MultiService):
 
     def _check_grace(self) -> None:
         now = self._reactor.seconds()
-        late = sorted(u.name for u in self._unbound.values()
-                      if now - u.since >= self.grace_seconds and now >= u.ask_after)
+        late = sorted(
+            u.name for u in self._unbound.values() if now - u.since >= self.grace_seconds and now >= u.ask_after
+        )
         if not late:
             return
         if self._step_down is not None:
@@ -335,16 +368,25 @@ class LeaderGate(MultiService):
             u.ask_after = now + again
             if not u.past_grace or u.kept_because != why:
                 u.past_grace, u.kept_because = True, why
-                _log.critical("NOT SERVING inbound {name}: unbound for {s:.0f}s ({err}); {why}, so it keeps retrying "
-                              "and serves the inbound connections it did bind", name=name, s=now - u.since,
-                              err=u.reason, why=why)
+                _log.critical(
+                    "NOT SERVING inbound {name}: unbound for {s:.0f}s ({err}); {why}, so it keeps retrying "
+                    "and serves the inbound connections it did bind",
+                    name=name,
+                    s=now - u.since,
+                    err=u.reason,
+                    why=why,
+                )
 
     @inlineCallbacks
     def _stand_down(self, names: list[str]) -> Any:
         """A leader that cannot serve steps down: the ordered stop of what it did bind, then the lease
         released (with its re-acquire backoff) so a node that can serve leads."""
-        _log.error("stepping down: inbound {names} unbound for over {g:g}s; releasing the lease so that a node "
-                   "that can serve leads", names=", ".join(names), g=self.grace_seconds)
+        _log.error(
+            "stepping down: inbound {names} unbound for over {g:g}s; releasing the lease so that a node "
+            "that can serve leads",
+            names=", ".join(names),
+            g=self.grace_seconds,
+        )
         self.step_downs += 1
         yield self._ordered_stop()
         assert self._step_down is not None

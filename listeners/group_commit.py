@@ -25,6 +25,7 @@ A message answered without an outcome (the handler's timeout cancelled its Defer
 failure after which it may have landed is remembered (`listeners.resend`): its re-send gets the
 same message ids, so it is never staged twice and is answered AA.
 """
+
 from __future__ import annotations
 
 import os
@@ -87,8 +88,10 @@ class BatchIncomplete(IngestRejected):
     (`listeners.resend`) and stages only the messages that are missing."""
 
     def __init__(self, *, stored: int, total: int, why: BaseException) -> None:
-        super().__init__(f"batch partly stored: messages 1-{stored} of {total} stored, {stored + 1}-{total} "
-                         f"not ({type(why).__name__}); resend the batch: what is stored is not stored twice")
+        super().__init__(
+            f"batch partly stored: messages 1-{stored} of {total} stored, {stored + 1}-{total} "
+            f"not ({type(why).__name__}); resend the batch: what is stored is not stored twice"
+        )
         self.stored, self.total, self.why = stored, total, why
 
 
@@ -117,8 +120,14 @@ class Inbound:
 
     def row(self) -> dict[str, str | None]:
         """The row `stage_inbound` takes (what `dataclasses.asdict` gave, without its deep copy)."""
-        return {"connection": self.connection, "payload": self.payload, "control_id": self.control_id,
-                "lane_key": self.lane_key, "charset": self.charset, "message_id": self.message_id}
+        return {
+            "connection": self.connection,
+            "payload": self.payload,
+            "control_id": self.control_id,
+            "lane_key": self.lane_key,
+            "charset": self.charset,
+            "message_id": self.message_id,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +192,7 @@ MAX_BATCH_MESSAGES = 50_000
 """A larger HL7 batch is refused whole with AR (`BatchTooLarge`): what no sender needs, and what would
 hold its lanes for longer than a few seconds."""
 
+
 def _count(piece: Piece) -> int:
     """Rows (messages) a piece writes."""
     if piece.__class__ is Inbound:
@@ -236,9 +246,12 @@ class _GroupCommit:
                     # Only the error class: the driver's text may quote the refused value (PHI).
                     what = "batch refused" if items[lo].__class__ is not Inbound else "refused"
                     outcomes[lo] = RowRefused(f"{what} by the store ({type(exc).__name__}); not stored")
-                    _log.warn("store refused message {control_id} on {connection}: {err}",
-                              control_id=(items[lo].control_id or "-")[:64], connection=items[lo].connection,
-                              err=type(exc).__name__)
+                    _log.warn(
+                        "store refused message {control_id} on {connection}: {err}",
+                        control_id=(items[lo].control_id or "-")[:64],
+                        connection=items[lo].connection,
+                        err=type(exc).__name__,
+                    )
                 else:
                     mid = (lo + hi) // 2
                     ranges += [(mid, hi), (lo, mid)]
@@ -247,8 +260,12 @@ class _GroupCommit:
                 halt = NotLeader(f"epoch {self.epoch} is no longer current")
                 outcomes[lo:hi] = [halt] * (hi - lo)
         if refused:
-            _log.info("group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
-                      n=len(items), refused=refused, statements=statements)
+            _log.info(
+                "group commit of {n} message(s): {refused} refused alone, {statements} statement(s)",
+                n=len(items),
+                refused=refused,
+                statements=statements,
+            )
         if None in outcomes:  # something committed
             self._metrics.commit_seconds.observe(time.perf_counter() - started)
             self._metrics.commit_batch.observe(sum(_count(i) for i in items))
@@ -260,8 +277,18 @@ class _Intake:
     `max_batch_messages`, recognise a re-send (`listeners.resend`), hand an `Entry` to the writer's
     own `_enqueue`) and answering what a commit finished."""
 
-    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor: Any, max_batch: int, max_batch_messages: int, resends: ResendMemory | None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        epoch: Callable[[], int | None],
+        metrics: Metrics,
+        reactor: Any,
+        max_batch: int,
+        max_batch_messages: int,
+        resends: ResendMemory | None,
+    ) -> None:
         self.store = store
         self.node_id = node_id
         self._epoch = epoch
@@ -276,10 +303,18 @@ class _Intake:
         commit, or fails with an `IngestRejected` subclass."""
         if item.__class__ is InboundBatch and len(item.items) > self.max_batch_messages:
             n = len(item.items)
-            _log.warn("refusing a batch of {n} messages on {connection}: more than max_batch_messages ({limit})",
-                      n=n, connection=item.connection, limit=self.max_batch_messages)
-            return fail(BatchTooLarge(f"batch of {n} messages refused: at most {self.max_batch_messages} "
-                                      "messages per batch; send it as smaller batches"))
+            _log.warn(
+                "refusing a batch of {n} messages on {connection}: more than max_batch_messages ({limit})",
+                n=n,
+                connection=item.connection,
+                limit=self.max_batch_messages,
+            )
+            return fail(
+                BatchTooLarge(
+                    f"batch of {n} messages refused: at most {self.max_batch_messages} "
+                    "messages per batch; send it as smaller batches"
+                )
+            )
         item = self.resends.recall(item)
         # Cancelled = answered without an outcome (the handler's timeout): a re-send is recognised.
         d: Deferred[str] = Deferred(canceller=lambda _: self.resends.remember(item))
@@ -307,11 +342,29 @@ class _Intake:
 class IngestWriter(_Intake):
     """The group commit in a writer thread, for every store (each statement blocks that thread)."""
 
-    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor: Any, max_batch: int = MAX_ROWS_PER_COMMIT, locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
-                 max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
-        super().__init__(store, node_id=node_id, epoch=epoch, metrics=metrics, reactor=reactor, max_batch=max_batch,
-                         max_batch_messages=max_batch_messages, resends=resends)
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        epoch: Callable[[], int | None],
+        metrics: Metrics,
+        reactor: Any,
+        max_batch: int = MAX_ROWS_PER_COMMIT,
+        locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
+        max_batch_messages: int = MAX_BATCH_MESSAGES,
+        resends: ResendMemory | None = None,
+    ) -> None:
+        super().__init__(
+            store,
+            node_id=node_id,
+            epoch=epoch,
+            metrics=metrics,
+            reactor=reactor,
+            max_batch=max_batch,
+            max_batch_messages=max_batch_messages,
+            resends=resends,
+        )
         self.locked_retry_seconds = locked_retry_seconds
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # entries, then _STOP
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
@@ -401,8 +454,7 @@ class IngestWriter(_Intake):
                 if not self.store.dialect.is_conflict(exc) or time.monotonic() + busy > deadline:
                     return exc
                 self.metrics.store_busy.inc()
-                _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc),
-                          n=len(chunk))
+                _log.warn("store busy ({err}); the group commit of {n} unit(s) tries again", err=str(exc), n=len(chunk))
 
     def _fire(self, finished: list[tuple[Entry, Outcome]]) -> None:
         self._answer(finished)
@@ -422,11 +474,29 @@ class ReactorIngestWriter(_Intake):
     as the previous committed: a lone message waits for nothing.
     """
 
-    def __init__(self, store: Store, *, node_id: str, epoch: Callable[[], int | None], metrics: Metrics,
-                 reactor: Any, max_batch: int = MAX_ROWS_PER_COMMIT, stager: PgStager | None = None,
-                 max_batch_messages: int = MAX_BATCH_MESSAGES, resends: ResendMemory | None = None) -> None:
-        super().__init__(store, node_id=node_id, epoch=epoch, metrics=metrics, reactor=reactor, max_batch=max_batch,
-                         max_batch_messages=max_batch_messages, resends=resends)
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        epoch: Callable[[], int | None],
+        metrics: Metrics,
+        reactor: Any,
+        max_batch: int = MAX_ROWS_PER_COMMIT,
+        stager: PgStager | None = None,
+        max_batch_messages: int = MAX_BATCH_MESSAGES,
+        resends: ResendMemory | None = None,
+    ) -> None:
+        super().__init__(
+            store,
+            node_id=node_id,
+            epoch=epoch,
+            metrics=metrics,
+            reactor=reactor,
+            max_batch=max_batch,
+            max_batch_messages=max_batch_messages,
+            resends=resends,
+        )
         self._stager = stager if stager is not None else PgStager(store, reactor)
         self._plan = CommitPlan(max_batch)
         self._busy = False  # a commit is in flight (or is about to start)
@@ -463,9 +533,11 @@ class ReactorIngestWriter(_Intake):
 
     def shutdown(self) -> Deferred[None]:
         """Stop after the commit in flight (the node drained the listeners before)."""
+
         def close(_: object) -> None:
             self._stopped = True
             self._stager.close()
+
         return self.when_idle(10.0).addCallback(close)
 
     def _next_batch(self) -> None:
@@ -482,12 +554,16 @@ class ReactorIngestWriter(_Intake):
         """Send the commit's first statement (True), or fail it at once when there is no lease."""
         epoch = self._epoch()
         if epoch is None or self._stopped:
-            why = NotLeader("this node does not hold the leader lease") if epoch is None else \
-                StoreUnavailable("the ingest writer has stopped")
+            why = (
+                NotLeader("this node does not hold the leader lease")
+                if epoch is None
+                else StoreUnavailable("the ingest writer has stopped")
+            )
             self._answer(self._plan.settle(taken, [why] * len(taken), now=time.monotonic()))
             return False
-        steps = _GroupCommit([piece for _, piece in taken], epoch=epoch, dialect=self.store.dialect,
-                             metrics=self.metrics).statements()
+        steps = _GroupCommit(
+            [piece for _, piece in taken], epoch=epoch, dialect=self.store.dialect, metrics=self.metrics
+        ).statements()
         self._stage(taken, steps, epoch, next(steps))
         return True
 
@@ -530,8 +606,16 @@ class IngestService(Service):
     On PostgreSQL the writer runs on the reactor (`ReactorIngestWriter`); elsewhere, and with
     ``threaded=True``, in a thread of its own (`IngestWriter`)."""
 
-    def __init__(self, store: Callable[[], Store | None], *, node_id: str, epoch: Callable[[], int | None],
-                 metrics: Metrics, reactor: Any, threaded: bool | None = None) -> None:
+    def __init__(
+        self,
+        store: Callable[[], Store | None],
+        *,
+        node_id: str,
+        epoch: Callable[[], int | None],
+        metrics: Metrics,
+        reactor: Any,
+        threaded: bool | None = None,
+    ) -> None:
         self.setName("ingest")
         self._store = store
         self._node_id = node_id
@@ -548,11 +632,18 @@ class IngestService(Service):
         if threaded is None:
             threaded = not (store.backend == "postgres" and store.dialect.atomic_staging)
         if threaded:
-            self.writer = IngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
-                                       reactor=self._reactor, locked_retry_seconds=store.config.busy_retry_seconds)
+            self.writer = IngestWriter(
+                store,
+                node_id=self._node_id,
+                epoch=self._epoch,
+                metrics=self._metrics,
+                reactor=self._reactor,
+                locked_retry_seconds=store.config.busy_retry_seconds,
+            )
         else:
-            self.writer = ReactorIngestWriter(store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics,
-                                              reactor=self._reactor)
+            self.writer = ReactorIngestWriter(
+                store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics, reactor=self._reactor
+            )
         self.writer.start()
         super().startService()
 

@@ -31,6 +31,7 @@ The guard learns how far the protocol it wraps has got from three duck-typed att
 innermost protocol (below TLS, if any): `receiving` (part of a message is buffered), `units` (how
 many messages it has completed) and `in_flight` (messages received but not yet answered).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -47,8 +48,16 @@ from twisted.web.server import Site
 
 from include.cidrs import Network, source_network
 
-__all__ = ["GuardedChannel", "GuardedFactory", "GuardedProtocol", "PeerLimits", "Refusals", "guard_channels",
-           "source_allowed", "source_networks"]
+__all__ = [
+    "GuardedChannel",
+    "GuardedFactory",
+    "GuardedProtocol",
+    "PeerLimits",
+    "Refusals",
+    "guard_channels",
+    "source_allowed",
+    "source_networks",
+]
 
 _log = Logger(namespace="stageline.guard")
 
@@ -65,7 +74,6 @@ class PeerLimits:
     max_bytes_per_second_per_peer: float = 8 * 1024 * 1024
     log_interval_seconds: float = 60.0
     allowed_sources: tuple[str, ...] = ()  # CIDRs a peer may connect from; empty: any
-
 
 
 def source_networks(cidrs: tuple[str, ...] | list[str]) -> tuple[Network, ...]:
@@ -117,8 +125,13 @@ class Refusals:
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self._interval}
         unlogged = int(seen[1]) if seen is not None else 0
         self._last[key] = [now, 0]
-        _log.warn("{listener}: {reason} for peer {peer}{more}", listener=listener, reason=reason, peer=peer,
-                  more=f" ({unlogged} more since the last line)" if unlogged else "")
+        _log.warn(
+            "{listener}: {reason} for peer {peer}{more}",
+            listener=listener,
+            reason=reason,
+            peer=peer,
+            more=f" ({unlogged} more since the last line)" if unlogged else "",
+        )
 
 
 class GuardedProtocol(ProtocolWrapper):
@@ -166,8 +179,9 @@ class GuardedProtocol(ProtocolWrapper):
     def makeConnection(self, transport: Any) -> None:
         super().makeConnection(transport)
         if self.factory.tls and not self._gone:
-            self._handshake_timer = self.factory.clock.callLater(self.factory.limits.handshake_timeout_seconds,
-                                                                 self._handshake_check)
+            self._handshake_timer = self.factory.clock.callLater(
+                self.factory.limits.handshake_timeout_seconds, self._handshake_check
+            )
 
     def dataReceived(self, data: bytes) -> None:
         self.last_active = self.factory.clock.seconds()
@@ -183,8 +197,9 @@ class GuardedProtocol(ProtocolWrapper):
             if self._frame_timer is None:
                 self.started_at = self.last_active
                 self._units = getattr(self.inner(), "units", 0)
-                self._frame_timer = self.factory.clock.callLater(self.factory.limits.frame_timeout_seconds,
-                                                                 self._frame_check)
+                self._frame_timer = self.factory.clock.callLater(
+                    self.factory.limits.frame_timeout_seconds, self._frame_check
+                )
         elif self._frame_timer is not None:
             self._cancel_frame_timer()
 
@@ -196,8 +211,9 @@ class GuardedProtocol(ProtocolWrapper):
         units = getattr(self.inner(), "units", 0)
         if units != self._units:  # messages completed meanwhile: what is buffered now began since
             self._units, self.started_at = units, self.factory.clock.seconds()
-            self._frame_timer = self.factory.clock.callLater(self.factory.limits.frame_timeout_seconds,
-                                                             self._frame_check)
+            self._frame_timer = self.factory.clock.callLater(
+                self.factory.limits.frame_timeout_seconds, self._frame_check
+            )
             return
         self.close_for("frame_timeout")
 
@@ -249,8 +265,16 @@ class GuardedFactory(WrappingFactory[GuardedProtocol]):
     protocol = GuardedProtocol
     noisy = False  # no "Starting factory" lines: the wrapped factory's are enough
 
-    def __init__(self, wrapped: IProtocolFactory, limits: PeerLimits, *, name: str, clock: IReactorTime,
-                 refusals: Refusals, tls: bool = False) -> None:
+    def __init__(
+        self,
+        wrapped: IProtocolFactory,
+        limits: PeerLimits,
+        *,
+        name: str,
+        clock: IReactorTime,
+        refusals: Refusals,
+        tls: bool = False,
+    ) -> None:
         super().__init__(wrapped)
         self.limits, self.name, self.clock, self.refusals, self.tls = limits, name, clock, refusals, tls
         self.open: dict[GuardedProtocol, None] = {}  # admitted and not yet gone, oldest first
@@ -314,8 +338,7 @@ class GuardedFactory(WrappingFactory[GuardedProtocol]):
         tokens, at = self._buckets.get(host, (2 * rate, now))
         tokens = min(2 * rate, tokens + (now - at) * rate)
         if len(self._buckets) >= 10_000:  # keep the table bounded under a scan: drop full buckets
-            self._buckets = {h: v for h, v in self._buckets.items()
-                             if v[0] + (now - v[1]) * rate < 2 * rate}
+            self._buckets = {h: v for h, v in self._buckets.items() if v[0] + (now - v[1]) * rate < 2 * rate}
         if tokens < 1:
             self._buckets[host] = (tokens, now)
             return False

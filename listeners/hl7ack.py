@@ -183,9 +183,20 @@ _MAX_SHAPES = 1024  # distinct sender/receiver/type combinations kept; cleared w
 
 
 def _shape(header: HL7Header, sending_application: str | None, sending_facility: str | None) -> _AckShape:
-    key = (header.field_separator, header.encoding_characters, header.receiving_application,
-           header.receiving_facility, header.sending_application, header.sending_facility, header.message_type,
-           header.processing_id, header.version, header.charset, sending_application, sending_facility)
+    key = (
+        header.field_separator,
+        header.encoding_characters,
+        header.receiving_application,
+        header.receiving_facility,
+        header.sending_application,
+        header.sending_facility,
+        header.message_type,
+        header.processing_id,
+        header.version,
+        header.charset,
+        sending_application,
+        sending_facility,
+    )
     shape = _SHAPES.get(key)
     if shape is None:
         if len(_SHAPES) >= _MAX_SHAPES:
@@ -212,9 +223,16 @@ def _new_shape(header: HL7Header, sending_application: str | None, sending_facil
     tail = ["", raw(header.processing_id), raw(header.version)]
     if header.charset:
         tail += ["", "", "", "", "", raw(header.charset)]
-    return _AckShape(fs=fs, enc=enc, head=head, middle=fs.join(["", "", message_type, ""]),
-                     tail=fs.join(tail) + "\r", utc_offset="+" not in fs + enc,
-                     version=_version_tuple(header.version_id), plain=plain)
+    return _AckShape(
+        fs=fs,
+        enc=enc,
+        head=head,
+        middle=fs.join(["", "", message_type, ""]),
+        tail=fs.join(tail) + "\r",
+        utc_offset="+" not in fs + enc,
+        version=_version_tuple(header.version_id),
+        plain=plain,
+    )
 
 
 def build_fallback_ack(
@@ -345,6 +363,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 # -- batches (HL7 v2 section 2.10.3) ----------------------------------------------------------------
 
+
 def batch_header(
     envelope: BatchHeader,
     *,
@@ -376,8 +395,12 @@ def message_header(text: str, *, encoding: str) -> HL7Header:
     """The `HL7Header` of one staged message's text (a batch member, already validated), to
     answer it inside an ACK batch."""
     msh = _msh_fields(text)
-    return HL7Header.of_fields(msh, field_separator=text[3] if len(text) > 3 else DEFAULT_FIELD_SEPARATOR,
-                               encoding_characters=_nth(msh, 2) or DEFAULT_ENCODING_CHARACTERS, encoding=encoding)
+    return HL7Header.of_fields(
+        msh,
+        field_separator=text[3] if len(text) > 3 else DEFAULT_FIELD_SEPARATOR,
+        encoding_characters=_nth(msh, 2) or DEFAULT_ENCODING_CHARACTERS,
+        encoding=encoding,
+    )
 
 
 def build_ack_batch(
@@ -395,9 +418,22 @@ def build_ack_batch(
     raw = _strip_controls
     app = plain(sending_application) if sending_application is not None else raw(envelope.receiving_application)
     fac = plain(sending_facility) if sending_facility is not None else raw(envelope.receiving_facility)
-    bhs = fs.join(["BHS", enc, app, fac, raw(envelope.sending_application), raw(envelope.sending_facility),
-                   _timestamp(now, utc_offset="+" not in fs + enc), "", "", "", new_control_id(),
-                   raw(envelope.control_id)])
+    bhs = fs.join(
+        [
+            "BHS",
+            enc,
+            app,
+            fac,
+            raw(envelope.sending_application),
+            raw(envelope.sending_facility),
+            _timestamp(now, utc_offset="+" not in fs + enc),
+            "",
+            "",
+            "",
+            new_control_id(),
+            raw(envelope.control_id),
+        ]
+    )
     head = f"{bhs}\r".encode(envelope.encoding, errors="replace")
     tail = f"BTS{fs}{len(acks)}\r".encode(envelope.encoding, errors="replace")
     return head + b"".join(acks) + tail

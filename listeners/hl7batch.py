@@ -13,6 +13,7 @@ messages' bytes, untouched; each message is then validated like a message sent a
 Bytes only, no charset: the envelope segments are ASCII and a message's own MSH-18 decodes it.
 Segments end at CR, LF or CR LF (bytes that no supported charset uses inside a character).
 """
+
 from __future__ import annotations
 
 import re
@@ -72,14 +73,14 @@ def starts_batch(data: bytes) -> bool:
     start = len(_BOM) if data.startswith(_BOM) else 0
     while start < len(data) and data[start] in _NOISE:
         start += 1
-    return data[start:start + 3] in ENVELOPE
+    return data[start : start + 3] in ENVELOPE
 
 
 def _segments(data: bytes) -> list[tuple[int, int]]:
     """(start, end) of every non-blank segment."""
     out, pos = [], 0
     for m in _SEGMENT_END.finditer(data):
-        if data[pos:m.start()].strip(_NOISE):
+        if data[pos : m.start()].strip(_NOISE):
             out.append((pos, m.start()))
         pos = m.end()
     if data[pos:].strip(_NOISE):
@@ -120,16 +121,21 @@ def _count(fields: list[str], name: str) -> int | None:
 def split_batch(data: bytes) -> SplitBatch:
     """The batch's messages (each as its bytes, ending with CR) and its identity, or `BatchError`."""
     segments = _segments(data)
-    if not segments or data[segments[0][0]:segments[0][0] + 3] not in ENVELOPE:
+    if not segments or data[segments[0][0] : segments[0][0] + 3] not in ENVELOPE:
         raise BatchError("not a batch: the first segment is not FHS or BHS")
-    first = data[segments[0][0]:segments[0][1]]
+    first = data[segments[0][0] : segments[0][1]]
     if data.startswith(_BOM) and segments[0][0] == 0:
-        first = first[len(_BOM):]
+        first = first[len(_BOM) :]
     fs, enc = _separators(first, first[:3].decode())
     head = _fields(first, fs)
-    header_fields = {"field_separator": chr(fs), "encoding_characters": enc, "sending_application": _field(head, 3),
-                         "sending_facility": _field(head, 4), "receiving_application": _field(head, 5),
-                         "receiving_facility": _field(head, 6)}
+    header_fields = {
+        "field_separator": chr(fs),
+        "encoding_characters": enc,
+        "sending_application": _field(head, 3),
+        "sending_facility": _field(head, 4),
+        "receiving_application": _field(head, 5),
+        "receiving_facility": _field(head, 6),
+    }
     fhs_id = _field(head, 11) if first.startswith(b"FHS") else ""
     bhs_ids: list[str] = []
     messages: list[bytes] = []
@@ -192,8 +198,10 @@ def split_batch(data: bytes) -> SplitBatch:
                 raise fail("BTS without a batch")
             declared[-1] = _count(_fields(segment, fs), "BTS")
             if declared[-1] is not None and declared[-1] != in_batch[-1]:
-                raise fail(f"batch trailer count BTS-1={declared[-1]} but {in_batch[-1]} "
-                           f"message{'s' if in_batch[-1] != 1 else ''}")
+                raise fail(
+                    f"batch trailer count BTS-1={declared[-1]} but {in_batch[-1]} "
+                    f"message{'s' if in_batch[-1] != 1 else ''}"
+                )
             open_batch = False
             continue
         if name == b"FTS":

@@ -87,15 +87,27 @@ class HL7Header:
     text: str | None = field(default=None, repr=False, compare=False)  # the decoded message (complete parses)
 
     @classmethod
-    def of_fields(cls, msh: list[str], *, field_separator: str, encoding_characters: str, encoding: str,
-                  text: str | None = None) -> HL7Header:
+    def of_fields(
+        cls, msh: list[str], *, field_separator: str, encoding_characters: str, encoding: str, text: str | None = None
+    ) -> HL7Header:
         """The header an MSH segment's fields give: ``msh[n - 1]`` is MSH-n (MSH-1 being the
         separator itself), a field past the end is empty."""
         f = msh if len(msh) >= 18 else [*msh, *[""] * (18 - len(msh))]
-        return cls(field_separator=field_separator, encoding_characters=encoding_characters,
-                   sending_application=f[2], sending_facility=f[3], receiving_application=f[4],
-                   receiving_facility=f[5], message_type=f[8], control_id=f[9], processing_id=f[10],
-                   version=f[11], charset=f[17], encoding=encoding, text=text)
+        return cls(
+            field_separator=field_separator,
+            encoding_characters=encoding_characters,
+            sending_application=f[2],
+            sending_facility=f[3],
+            receiving_application=f[4],
+            receiving_facility=f[5],
+            message_type=f[8],
+            control_id=f[9],
+            processing_id=f[10],
+            version=f[11],
+            charset=f[17],
+            encoding=encoding,
+            text=text,
+        )
 
     @property
     def component_separator(self) -> str:
@@ -212,10 +224,17 @@ def parse_header(
     if not control_id.strip():
         raise HL7HeaderError(HeaderErrorReason.MISSING_CONTROL_ID, "MSH-10 is empty")
     if len(control_id) > MAX_CONTROL_ID_CHARS:  # refused, and not echoed: an ACK stays small
-        raise HL7HeaderError(HeaderErrorReason.CONTROL_ID_TOO_LONG,
-                             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}")
-    return HL7Header.of_fields(fields, field_separator=fs, encoding_characters=enc_chars,
-                               encoding=_codec_name(encoding), text=text if complete else None)
+        raise HL7HeaderError(
+            HeaderErrorReason.CONTROL_ID_TOO_LONG,
+            f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}",
+        )
+    return HL7Header.of_fields(
+        fields,
+        field_separator=fs,
+        encoding_characters=enc_chars,
+        encoding=_codec_name(encoding),
+        text=text if complete else None,
+    )
 
 
 def _ascii_control_id(raw_fields: list[bytes]) -> str:
@@ -248,9 +267,7 @@ def _field_separator(data: bytes, start: int) -> int:
         raise HL7HeaderError(HeaderErrorReason.BAD_FIELD_SEPARATOR, "MSH-1 missing")
     fs = data[start + 3]
     if fs not in _SEPARATOR_BYTES:
-        raise HL7HeaderError(
-            HeaderErrorReason.BAD_FIELD_SEPARATOR, "MSH-1 must be ASCII punctuation"
-        )
+        raise HL7HeaderError(HeaderErrorReason.BAD_FIELD_SEPARATOR, "MSH-1 must be ASCII punctuation")
     return fs
 
 
@@ -262,13 +279,9 @@ def _encoding_characters(data: bytes, start: int, fs: int) -> str:
     enc = data[start + 4 : end]
     overlong = end == limit and end < len(data) and data[end] not in (fs, 0x0D, 0x0A)
     if len(enc) not in (4, 5) or overlong:
-        raise HL7HeaderError(
-            HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be 4 or 5 characters"
-        )
+        raise HL7HeaderError(HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be 4 or 5 characters")
     if any(b not in _SEPARATOR_BYTES for b in enc):
-        raise HL7HeaderError(
-            HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be ASCII punctuation"
-        )
+        raise HL7HeaderError(HeaderErrorReason.BAD_ENCODING_CHARACTERS, "MSH-2 must be ASCII punctuation")
     if len(set(enc) | {fs}) != len(enc) + 1:
         raise HL7HeaderError(
             HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS,

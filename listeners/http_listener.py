@@ -23,6 +23,7 @@ limit. The access log shows the path's connection and ``?<redacted>`` for any qu
 a body. The charset is the Content-Type's ``charset`` parameter, else the connection's; an HL7
 payload declaring a known MSH-18 is decoded with that (see :func:`listeners.validation.build_inbound`).
 """
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,14 @@ class InboundResource(Resource):
 
     isLeaf = True
 
-    def __init__(self, ingest: IngestSink, connections: Iterable[InboundConfig], *,
-                 lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
-                 metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        ingest: IngestSink,
+        connections: Iterable[InboundConfig],
+        *,
+        lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         super().__init__()
         self.ingest = ingest
         self.connections: dict[str, InboundConfig] = {}
@@ -91,7 +97,8 @@ class InboundResource(Resource):
         self._lane_of = lane_of
         self.metrics = metrics
         self._counters: dict[str, ListenerCounters] = (
-            {name: metrics.listener(name, "http") for name in self.connections} if metrics is not None else {})
+            {name: metrics.listener(name, "http") for name in self.connections} if metrics is not None else {}
+        )
         self.draining = False  # a clean stop: take nothing new, answer what was taken
 
     def connection_for(self, path: bytes) -> InboundConfig | None:
@@ -99,7 +106,7 @@ class InboundResource(Resource):
         path = path.split(b"?", 1)[0]
         if not path.startswith(PREFIX):
             return None
-        name = path[len(PREFIX):]
+        name = path[len(PREFIX) :]
         if name.endswith(b"/"):
             name = name[:-1]
         return self.connections.get(name.decode("ascii", "replace"))
@@ -134,8 +141,14 @@ class InboundResource(Resource):
             return self._refuse(request, conn, 400, "empty message")
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
-        build = partial(build_inbound, body, connection=conn.name, charset=codec, lane_of=self.lane_of(conn.name),
-                        hl7_only=conn.hl7_only)
+        build = partial(
+            build_inbound,
+            body,
+            connection=conn.name,
+            charset=codec,
+            lane_of=self.lane_of(conn.name),
+            hl7_only=conn.hl7_only,
+        )
         if len(body) < OFF_REACTOR_BYTES:
             try:
                 item = build()
@@ -143,6 +156,7 @@ class InboundResource(Resource):
                 return self._refuse(request, conn, 400, str(exc))
             self._submit(request, conn, gone, item)
             return NOT_DONE_YET
+
         # A large body (a batch of thousands of messages is split, each validated) is built on a
         # thread, so the reactor's turn stays short whatever the body holds; requests on one
         # connection are handled one at a time, so nothing is reordered.
@@ -150,8 +164,9 @@ class InboundResource(Resource):
         # one holds many times its size until it is committed.
         def work() -> Deferred[None]:
             built = threads.deferToThread(build)
-            return built.addCallbacks(lambda item: self._submit(request, conn, gone, item), self._not_built,
-                                      errbackArgs=(request, conn, gone))
+            return built.addCallbacks(
+                lambda item: self._submit(request, conn, gone, item), self._not_built, errbackArgs=(request, conn, gone)
+            )
 
         answered = batchgate.batch_gate.run(len(body), work)
         answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
@@ -161,8 +176,11 @@ class InboundResource(Resource):
         if failure.check(PayloadRejected):
             body = self._refuse(request, conn, 400, str(failure.value))
         else:
-            _log.error("building a POST to {name} failed: {error}", name=conn.name,
-                       error=failure.type.__name__ if failure.type else "unknown")
+            _log.error(
+                "building a POST to {name} failed: {error}",
+                name=conn.name,
+                error=failure.type.__name__ if failure.type else "unknown",
+            )
             self._count(conn, code="AE")
             body = _json(request, 500, {"error": "internal error, resend later"})
         if not gone:
@@ -170,15 +188,18 @@ class InboundResource(Resource):
             request.write(body)
             request.finish()
 
-    def _submit(self, request: Request, conn: InboundConfig, gone: list[bool],
-                item: Inbound | InboundBatch) -> Deferred[None]:
+    def _submit(
+        self, request: Request, conn: InboundConfig, gone: list[bool], item: Inbound | InboundBatch
+    ) -> Deferred[None]:
         d = maybeDeferred(self.ingest.submit, item)
-        answered = d.addCallbacks(self._committed, self._failed, callbackArgs=(request, conn, gone, item),
-                                  errbackArgs=(request, conn, gone))
+        answered = d.addCallbacks(
+            self._committed, self._failed, callbackArgs=(request, conn, gone, item), errbackArgs=(request, conn, gone)
+        )
         return answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
 
-    def _committed(self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool],
-                   item: Inbound | InboundBatch) -> None:
+    def _committed(
+        self, message_id: object, request: Request, conn: InboundConfig, gone: list[bool], item: Inbound | InboundBatch
+    ) -> None:
         self._count(conn, code="AA")
         if gone:
             return
@@ -191,16 +212,26 @@ class InboundResource(Resource):
         reason, code = rejection_reason(failure)
         self._count(conn, code=code)
         # Only the exception type: its text may quote stored values.
-        _log.warn("POST to {name} from {peer} not stored: {error}", name=conn.name, peer=_peer(request),
-                  error=failure.type.__name__ if failure.type else "unknown")
+        _log.warn(
+            "POST to {name} from {peer} not stored: {error}",
+            name=conn.name,
+            peer=_peer(request),
+            error=failure.type.__name__ if failure.type else "unknown",
+        )
         if not gone:
             status = 400 if failure.check(RowRefused) else 503 if failure.check(IngestRejected) else 500
             _finish(request, status, {"error": reason})
 
-    def _refuse(self, request: Request, conn: InboundConfig, status: int, reason: str, *,
-                code: str = "AR", **extra: Any) -> bytes:
-        _log.warn("refusing POST to {name} from {peer}: {status} {reason}", name=conn.name,
-                  peer=_peer(request), status=status, reason=reason[:200])
+    def _refuse(
+        self, request: Request, conn: InboundConfig, status: int, reason: str, *, code: str = "AR", **extra: Any
+    ) -> bytes:
+        _log.warn(
+            "refusing POST to {name} from {peer}: {status} {reason}",
+            name=conn.name,
+            peer=_peer(request),
+            status=status,
+            reason=reason[:200],
+        )
         self._count(conn, code=code)
         return _json(request, status, {"error": reason, **extra})
 
@@ -256,8 +287,7 @@ class _InboundRequest(Request):
         conn = self._conn
         assert conn is not None
         reason = _too_large(size, conn.max_message_bytes)
-        _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name,
-                  peer=_peer(self), reason=reason)
+        _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name, peer=_peer(self), reason=reason)
         site = self.channel.site  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         site.inbound._count(conn, received=self._received, code="AR")  # bytes read: 0 or up to the cut
         body = json.dumps({"error": reason}).encode()
@@ -265,7 +295,8 @@ class _InboundRequest(Request):
         assert transport is not None  # the request's headers just came in on it
         transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
         access_log.log_refused(self, 413, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
 
@@ -273,9 +304,11 @@ class _InboundRequest(Request):
 def _access_path(inbound: InboundResource) -> Any:
     """An access-log path: a configured connection's, else a placeholder (a path a client made up
     may carry anything)."""
+
     def shown(path: bytes) -> str:
         conn = inbound.connection_for(path)
         return f"/messages/{conn.name}" if conn is not None else access_log.UNKNOWN_PATH
+
     return shown
 
 
@@ -290,16 +323,23 @@ def _access_line(inbound: InboundResource) -> Any:
         uri = shown(path) + ("?<redacted>" if sep else "")
         ip = getattr(request.getClientAddress(), "host", "-")
         agent = _escape(request.getHeader(b"user-agent") or b"-")
-        return (f'"{_escape(ip)}" - - {timestamp} "{_escape(request.method)} {uri} '
-                f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"')
+        return (
+            f'"{_escape(ip)}" - - {timestamp} "{_escape(request.method)} {uri} '
+            f'{_escape(request.clientproto)}" {request.code} {request.sentLength or "-"} "-" "{agent}"'
+        )
 
     return line
 
 
 class _InboundSite(Site):
     def __init__(self, inbound: InboundResource, **kwargs: Any) -> None:
-        super().__init__(inbound, requestFactory=_InboundRequest, parsePOSTFormSubmission=False,
-                         logFormatter=_access_line(inbound), **kwargs)
+        super().__init__(
+            inbound,
+            requestFactory=_InboundRequest,
+            parsePOSTFormSubmission=False,
+            logFormatter=_access_line(inbound),
+            **kwargs,
+        )
         self.inbound = inbound
         self._channels: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -339,9 +379,14 @@ class _InboundSite(Site):
         return found
 
 
-def make_inbound_site(ingest: IngestSink, connections: Iterable[InboundConfig], *,
-              lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
-              metrics: Metrics | None = None, reactor: IReactorTime | None = None) -> Site:
+def make_inbound_site(
+    ingest: IngestSink,
+    connections: Iterable[InboundConfig],
+    *,
+    lane_of: LaneOf | Mapping[str, LaneOf] | None = None,
+    metrics: Metrics | None = None,
+    reactor: IReactorTime | None = None,
+) -> Site:
     """A Site serving ``POST /messages/{name}`` for the given http connections.
 
     ``lane_of`` is one callable for all, or one per connection name. The idle timeout is the

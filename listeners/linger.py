@@ -8,6 +8,7 @@ peer closed its side or acknowledged everything we sent (Linux ``SIOCOUTQ``); a 
 any case. TLS has no half-close: it sends close_notify after the answers, and the socket is closed
 once the peer acknowledged them, without waiting for a close_notify an idle peer never sends.
 """
+
 from __future__ import annotations
 
 import fcntl

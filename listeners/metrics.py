@@ -6,6 +6,7 @@ each name its kind): messages received, bytes received, every answer by code (``
 ``AE`` not stored / resend, ``AR`` refused; raw TCP's ``ACK``/``NAK`` and HTTP's status codes are
 counted as the ``AA``/``AE``/``AR`` they mean), and open connections (always 0 for a file drop).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,8 +20,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.received = Counter("stageline_messages_received_total", "Messages received, per inbound connection",
-                                ["connection"], registry=r)
+        self.received = Counter(
+            "stageline_messages_received_total", "Messages received, per inbound connection", ["connection"], registry=r
+        )
         self.received_bytes = Counter(
             "stageline_received_bytes_total",
             "Message bytes read (content, without framing; a message refused for its size before "
@@ -28,32 +30,58 @@ class Metrics:
             ["connection"],
             registry=r,
         )
-        self.inbound_info = Gauge("stageline_inbound_connection_info", "1 per configured inbound connection, "
-                                  "with its kind (mllp, tcp, http, file)", ["connection", "kind"], registry=r)
-        self.acks = Counter("stageline_acks_total", "Acknowledgements sent, per connection and code (AA/AE/AR)",
-                            ["connection", "code"], registry=r)
+        self.inbound_info = Gauge(
+            "stageline_inbound_connection_info",
+            "1 per configured inbound connection, with its kind (mllp, tcp, http, file)",
+            ["connection", "kind"],
+            registry=r,
+        )
+        self.acks = Counter(
+            "stageline_acks_total",
+            "Acknowledgements sent, per connection and code (AA/AE/AR)",
+            ["connection", "code"],
+            registry=r,
+        )
         self.commit_seconds = Histogram(
-            "stageline_commit_seconds", "Group-commit transaction latency",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
-        self.commit_batch = Histogram("stageline_commit_batch_messages", "Messages per group commit",
-                                      buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000), registry=r)
+            "stageline_commit_seconds",
+            "Group-commit transaction latency",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.commit_batch = Histogram(
+            "stageline_commit_batch_messages",
+            "Messages per group commit",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=r,
+        )
         self.leader = Gauge("stageline_leader", "1 while this node holds a live, unfenced lease", registry=r)
         self.epoch = Gauge("stageline_epoch", "Leader epoch held by this node (0 when not leader)", registry=r)
         self.bound = Gauge("stageline_listeners_bound", "Inbound connections currently bound", registry=r)
-        self.inbound_bound = Gauge("stageline_inbound_bound", "1 while this leader has the inbound connection bound, "
-                                   "0 while it is retrying it (or not leading)", ["connection"], registry=r)
-        self.bind_failures = Counter("stageline_inbound_bind_failures_total",
-                                     "Failed bind attempts of an inbound connection (the leader retries them)",
-                                     ["connection"], registry=r)
-        self.step_downs = Counter("stageline_step_downs_total", "Times this node released the lease because an "
-                                  "inbound connection stayed unbound past the grace", registry=r)
-        self.connections = Gauge("stageline_open_connections", "Open inbound connections", ["connection"],
-                                 registry=r)
-        self.config_mismatch = Gauge("stageline_config_mismatch",
-                                     "1 when this node's config hash differs from the leader's", registry=r)
+        self.inbound_bound = Gauge(
+            "stageline_inbound_bound",
+            "1 while this leader has the inbound connection bound, 0 while it is retrying it (or not leading)",
+            ["connection"],
+            registry=r,
+        )
+        self.bind_failures = Counter(
+            "stageline_inbound_bind_failures_total",
+            "Failed bind attempts of an inbound connection (the leader retries them)",
+            ["connection"],
+            registry=r,
+        )
+        self.step_downs = Counter(
+            "stageline_step_downs_total",
+            "Times this node released the lease because an inbound connection stayed unbound past the grace",
+            registry=r,
+        )
+        self.connections = Gauge("stageline_open_connections", "Open inbound connections", ["connection"], registry=r)
+        self.config_mismatch = Gauge(
+            "stageline_config_mismatch", "1 when this node's config hash differs from the leader's", registry=r
+        )
         self.config_version = Gauge("stageline_config_version", "Shared config version loaded", registry=r)
-        self.elections = Counter("stageline_election_outcomes_total", "Lease elector step outcomes",
-                                 ["outcome"], registry=r)
+        self.elections = Counter(
+            "stageline_election_outcomes_total", "Lease elector step outcomes", ["outcome"], registry=r
+        )
         self.refusals = Counter(
             "stageline_connections_refused_total",
             "Connections refused or closed by a listener's peer limits, per connection and reason "
@@ -68,8 +96,9 @@ class Metrics:
             "recheck found it may lose commits (fsync turned off): every commit is refused (AE)",
             registry=r,
         )
-        self.store_errors = Counter("stageline_store_errors_total", "Store operations that failed",
-                                    ["operation"], registry=r)
+        self.store_errors = Counter(
+            "stageline_store_errors_total", "Store operations that failed", ["operation"], registry=r
+        )
         self.store_busy = Counter(
             "stageline_store_busy_retries_total",
             "Group commits tried again because the store was busy (SQLite's write lock held "
@@ -77,16 +106,18 @@ class Metrics:
             registry=r,
         )
 
-        self.stage_backlog = Gauge("stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)",
-                                   ["stage"], registry=r)
+        self.stage_backlog = Gauge(
+            "stageline_stage_backlog", "Rows due or backing off, per stage (the leader's view)", ["stage"], registry=r
+        )
         self.stage_oldest = Gauge(
             "stageline_stage_oldest_pending_seconds",
             "Age of the oldest row due or backing off, per stage (0: none)",
             ["stage"],
             registry=r,
         )
-        self.stage_in_flight = Gauge("stageline_stage_in_flight", "Rows claimed by a stage task, per stage",
-                                     ["stage"], registry=r)
+        self.stage_in_flight = Gauge(
+            "stageline_stage_in_flight", "Rows claimed by a stage task, per stage", ["stage"], registry=r
+        )
         self.stage_dead = Gauge("stageline_stage_dead_letters", "Dead letters, per stage", ["stage"], registry=r)
 
     def inbound_bind(self, connection: str, bound: bool, failed: bool) -> None:

@@ -292,16 +292,16 @@ class MLLPProtocol(OrderedReplyProtocol):
     kind = "MLLP"
     factory: MLLPFactory | None = None
 
-    def __init__(self, handler: Handler, *, config: MLLPConfig, clock: IReactorTime,
-                 batch_handler: BatchHandler | None = None) -> None:
-        super().__init__(clock=clock, idle_timeout_seconds=config.idle_timeout_seconds,
-                         max_in_flight=config.max_in_flight)
+    def __init__(
+        self, handler: Handler, *, config: MLLPConfig, clock: IReactorTime, batch_handler: BatchHandler | None = None
+    ) -> None:
+        super().__init__(
+            clock=clock, idle_timeout_seconds=config.idle_timeout_seconds, max_in_flight=config.max_in_flight
+        )
         self._handler = handler
         self._batch_handler = batch_handler
         self._config = config
-        self._decoder = MLLPDecoder(
-            max_message_bytes=config.max_message_bytes, prefix_bytes=config.prefix_bytes
-        )
+        self._decoder = MLLPDecoder(max_message_bytes=config.max_message_bytes, prefix_bytes=config.prefix_bytes)
 
     # -- inbound --------------------------------------------------------------------------
 
@@ -363,8 +363,7 @@ class MLLPProtocol(OrderedReplyProtocol):
         self.enqueue(slot)
         assert self.peer is not None
         d = maybeDeferred(self._handler, payload, self.peer, header)
-        self.await_answer(d, slot, self._config.handler_timeout_seconds,
-                          lambda: self._handler_timed_out(slot, header))
+        self.await_answer(d, slot, self._config.handler_timeout_seconds, lambda: self._handler_timed_out(slot, header))
         d.addCallbacks(
             self._handler_done,
             self._handler_failed,
@@ -396,8 +395,11 @@ class MLLPProtocol(OrderedReplyProtocol):
         def failed(failure: Failure) -> None:
             if slot.ready:
                 return
-            _log.error("batch handler failed for a batch from {peer}: {error}; answering AE", peer=self.peer_text,
-                       error=failure.type.__name__ if failure.type else "unknown")
+            _log.error(
+                "batch handler failed for a batch from {peer}: {error}; answering AE",
+                peer=self.peer_text,
+                error=failure.type.__name__ if failure.type else "unknown",
+            )
             self._reply(slot, AckCode.AE, self._fallback_ack("batch not stored; resend later", code=AckCode.AE))
 
         def start() -> Deferred[None] | None:
@@ -417,8 +419,12 @@ class MLLPProtocol(OrderedReplyProtocol):
         if self.factory is not None:
             self.factory.count_received(event.size)
         if starts_batch(event.prefix):  # a batch over the limit: refused whole, the connection stays
-            _log.warn("rejecting oversize batch ({size} bytes > {limit}) from {peer}", size=event.size, limit=limit,
-                      peer=self.peer_text)
+            _log.warn(
+                "rejecting oversize batch ({size} bytes > {limit}) from {peer}",
+                size=event.size,
+                limit=limit,
+                peer=self.peer_text,
+            )
             slot = Slot("batch")
             self.enqueue(slot)
             self._reply(slot, AckCode.AR, self._fallback_ack(f"batch too large: {event.size} bytes, limit {limit}"))
@@ -520,8 +526,11 @@ class MLLPProtocol(OrderedReplyProtocol):
                 sending_facility=self._config.sending_facility,
             )
         except Exception as exc:  # never let an ACK bug leave a slot unanswered
-            _log.critical("cannot build ACK for {control_id}: {error}",
-                          control_id=safe_id(header.control_id), error=type(exc).__name__)
+            _log.critical(
+                "cannot build ACK for {control_id}: {error}",
+                control_id=safe_id(header.control_id),
+                error=type(exc).__name__,
+            )
             code = AckCode.AE if decision.code is AckCode.AA else decision.code
             return self._fallback_ack("internal error", code=code)
 
@@ -575,6 +584,6 @@ def _batch_answer_code(ack: bytes) -> AckCode:
     """The code a batch answer is counted under: its first MSA-1 (an ACK batch: its first ACK's)."""
     at = ack.find(b"MSA|")
     try:
-        return AckCode(ack[at + 4:at + 6].decode("ascii")) if at >= 0 else AckCode.AA
+        return AckCode(ack[at + 4 : at + 6].decode("ascii")) if at >= 0 else AckCode.AA
     except ValueError:
         return AckCode.AA

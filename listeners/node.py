@@ -13,6 +13,7 @@ close), the heartbeat, the writer, then the lease is released and the node marke
 closed, and the API last (invariant 2, docs/invariants.md). The node itself owns only the config
 dir: loading it, SIGHUP reloads, and following the cluster's shared config version.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,16 @@ class SequentialMultiService(MultiService):
 
 
 class ListenerNode(SequentialMultiService):
-    def __init__(self, config: ServiceConfig, config_dir: str, *, reactor: Any = None,
-                 supervise_seconds: float = 0.1, drain_seconds: float = 10.0, api_port: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        config_dir: str,
+        *,
+        reactor: Any = None,
+        supervise_seconds: float = 0.1,
+        drain_seconds: float = 10.0,
+        api_port: int | None = None,
+    ) -> None:
         """Read and check the config dir and `[api]` (a bad one raises before anything runs) and
         wire the tree; `startService` does the I/O."""
         super().__init__()
@@ -89,33 +98,74 @@ class ListenerNode(SequentialMultiService):
         node_id = self.identity.node_id
         self.stores = StoreService(config.store, cluster_name=config.cluster.cluster_name)
         self.lease = LeaseService(self.stores, self.identity, config.cluster)
-        self.ingest = IngestService(lambda: self.stores.store, node_id=node_id, epoch=lambda: self.lease.epoch,
-                                    metrics=self.metrics, reactor=reactor)
-        self.heartbeat = HeartbeatService(self.stores, self.lease, self.identity,
-                                          seconds=config.cluster.heartbeat_seconds, metrics=self.metrics,
-                                          config_hash=lambda: self.listeners.config_hash, on_beat=self._after_beat,
-                                          config_version=lambda: self.config_version, reactor=reactor,
-                                          cannot_bind=self._cannot_bind_now)
-        wiring = Wiring(ingest=self.ingest, metrics=self.metrics, reactor=reactor, bound_ports=self.bound_ports,
-                        refusals=Refusals(self.metrics, reactor), store=lambda: self.stores.store,
-                        epoch=lambda: self.lease.epoch)
+        self.ingest = IngestService(
+            lambda: self.stores.store,
+            node_id=node_id,
+            epoch=lambda: self.lease.epoch,
+            metrics=self.metrics,
+            reactor=reactor,
+        )
+        self.heartbeat = HeartbeatService(
+            self.stores,
+            self.lease,
+            self.identity,
+            seconds=config.cluster.heartbeat_seconds,
+            metrics=self.metrics,
+            config_hash=lambda: self.listeners.config_hash,
+            on_beat=self._after_beat,
+            config_version=lambda: self.config_version,
+            reactor=reactor,
+            cannot_bind=self._cannot_bind_now,
+        )
+        wiring = Wiring(
+            ingest=self.ingest,
+            metrics=self.metrics,
+            reactor=reactor,
+            bound_ports=self.bound_ports,
+            refusals=Refusals(self.metrics, reactor),
+            store=lambda: self.stores.store,
+            epoch=lambda: self.lease.epoch,
+        )
         cluster = config.cluster
-        self.gate = LeaderGate(is_leader=lambda: self.lease.is_leader, connections=lambda: self.listeners.inbound,
-                               build=lambda conn: inbound_service(conn, wiring), drain=self.ingest.drain,
-                               reactor=reactor, supervise_seconds=supervise_seconds, drain_seconds=drain_seconds,
-                               on_change=self.metrics.bound.set, grace_seconds=cluster.unbound_grace(),
-                               step_down=self._step_down if cluster.enabled else None,
-                               may_step_down=self._may_step_down if cluster.enabled else None,
-                               on_bind=self._on_bind)
-        self.state = NodeState(node_id=node_id, clustered=cluster.enabled, metrics=self.metrics,
-                               is_leader=lambda: self.lease.is_leader, config_version=lambda: self.config_version,
-                               nodes=self._nodes_doc, store=lambda: self.stores.store,
-                               archive_path=config.retention.archive_path, fenced=lambda: self.lease.fenced,
-                               serving=lambda: self.gate.serving, unbound=self.gate.unbound,
-                               aside_seconds=lambda: self.lease.aside_seconds, serves=self.gate.serves)
-        self.api = ListeningService("api", api_settings.host, api_settings.port if api_port is None else api_port,
-                                    make_api(self.state, api_auth), api_settings.tls, reactor=reactor,
-                                    on_bound=self._api_bound, guard=wiring.guard("api", API_LIMITS))
+        self.gate = LeaderGate(
+            is_leader=lambda: self.lease.is_leader,
+            connections=lambda: self.listeners.inbound,
+            build=lambda conn: inbound_service(conn, wiring),
+            drain=self.ingest.drain,
+            reactor=reactor,
+            supervise_seconds=supervise_seconds,
+            drain_seconds=drain_seconds,
+            on_change=self.metrics.bound.set,
+            grace_seconds=cluster.unbound_grace(),
+            step_down=self._step_down if cluster.enabled else None,
+            may_step_down=self._may_step_down if cluster.enabled else None,
+            on_bind=self._on_bind,
+        )
+        self.state = NodeState(
+            node_id=node_id,
+            clustered=cluster.enabled,
+            metrics=self.metrics,
+            is_leader=lambda: self.lease.is_leader,
+            config_version=lambda: self.config_version,
+            nodes=self._nodes_doc,
+            store=lambda: self.stores.store,
+            archive_path=config.retention.archive_path,
+            fenced=lambda: self.lease.fenced,
+            serving=lambda: self.gate.serving,
+            unbound=self.gate.unbound,
+            aside_seconds=lambda: self.lease.aside_seconds,
+            serves=self.gate.serves,
+        )
+        self.api = ListeningService(
+            "api",
+            api_settings.host,
+            api_settings.port if api_port is None else api_port,
+            make_api(self.state, api_auth),
+            api_settings.tls,
+            reactor=reactor,
+            on_bound=self._api_bound,
+            guard=wiring.guard("api", API_LIMITS),
+        )
         for svc in (self.api, self.stores, self.lease, self.ingest, self.heartbeat, self.gate):
             svc.setServiceParent(self)
 
@@ -123,9 +173,12 @@ class ListenerNode(SequentialMultiService):
         super().startService()
         self.config_version = int(self.stores.identity["config_version"])
         cfg = self.config
-        _log.info("listenerd {node} started ({mode}); {n} inbound connection(s) configured",
-                  node=self.identity.node_id, mode="cluster" if cfg.cluster.enabled else "single node",
-                  n=len(self.listeners.inbound))
+        _log.info(
+            "listenerd {node} started ({mode}); {n} inbound connection(s) configured",
+            node=self.identity.node_id,
+            mode="cluster" if cfg.cluster.enabled else "single node",
+            n=len(self.listeners.inbound),
+        )
 
     @inlineCallbacks
     def stopService(self) -> Any:
@@ -194,14 +247,21 @@ class ListenerNode(SequentialMultiService):
         leader_hash = beat.leader_config_hash
         mismatch = bool(leader_hash and leader_hash != self.listeners.config_hash)
         if mismatch and leader_hash != self.leader_config_hash:
-            _log.error("CONFIG MISMATCH: this node's config dir hash {mine} differs from the leader's {theirs}; "
-                       "every node must run the same config", mine=self.listeners.config_hash, theirs=leader_hash)
+            _log.error(
+                "CONFIG MISMATCH: this node's config dir hash {mine} differs from the leader's {theirs}; "
+                "every node must run the same config",
+                mine=self.listeners.config_hash,
+                theirs=leader_hash,
+            )
         self.leader_config_hash = leader_hash
         self.metrics.config_mismatch.set(1 if mismatch else 0)
         self._gauge_stages()
         if beat.config_version > self.config_version:
-            _log.info("shared config version {v} > loaded {mine}: reloading the config dir", v=beat.config_version,
-                      mine=self.config_version)
+            _log.info(
+                "shared config version {v} > loaded {mine}: reloading the config dir",
+                v=beat.config_version,
+                mine=self.config_version,
+            )
             self._reload(bump=False, version=beat.config_version)
 
     def _gauge_stages(self) -> None:
@@ -216,8 +276,9 @@ class ListenerNode(SequentialMultiService):
             return
         self._stages_gauged_at = now
         d = threads.deferToThread(operator.stages, self.stores.store)
-        d.addCallbacks(self.metrics.set_stages,
-                       lambda f: _log.warn("stage gauges not read: {err}", err=type(f.value).__name__))
+        d.addCallbacks(
+            self.metrics.set_stages, lambda f: _log.warn("stage gauges not read: {err}", err=type(f.value).__name__)
+        )
 
     def reload(self) -> Deferred[None]:
         """SIGHUP: reload the config dir here and bump the shared version so peers reload too."""
@@ -235,8 +296,13 @@ class ListenerNode(SequentialMultiService):
         service = source if source is not None and source.exists() else None  # no file: the defaults
 
         def work() -> tuple[ListenerConfig, int]:
-            report = check_dir(self.config_dir, lookups_unverified_ok=True, store_dir=store_dir,
-                               service_config=service, connections_required=True)
+            report = check_dir(
+                self.config_dir,
+                lookups_unverified_ok=True,
+                store_dir=store_dir,
+                service_config=service,
+                connections_required=True,
+            )
             if not report.ok:
                 raise ConfigProblems(report.problems)
             new = load_config_dir(self.config_dir, store_dir=store_dir, required=True)
@@ -251,8 +317,12 @@ class ListenerNode(SequentialMultiService):
             changed = new.config_hash != self.listeners.config_hash
             self.listeners, self.config_version = new, new_version
             self.metrics.config_version.set(new_version)
-            _log.info("config reloaded (version {v}, hash {h}, {c})", v=new_version, h=new.config_hash,
-                      c="changed" if changed else "unchanged")
+            _log.info(
+                "config reloaded (version {v}, hash {h}, {c})",
+                v=new_version,
+                h=new.config_hash,
+                c="changed" if changed else "unchanged",
+            )
             # bound connections follow the new config: down now, up again on the gate's next tick
             return self.gate.unbind() if changed else defer.succeed(None)
 

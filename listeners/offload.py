@@ -6,6 +6,7 @@ the lease (invariant 10). `off_reactor` runs such work in the reactor's thread p
 back to the reactor; small inputs, the common case, run at once (a thread hand-over costs more
 than they do). The work must be pure: no reactor, no writer, no shared state.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -23,6 +23,7 @@ is opened with `synchronous_commit` pinned on (this is the session whose commit 
 refused on a server with `fsync = off` unless allowed; and while the store's periodic recheck finds
 the server unsafe (`Store.durability_refusal`), every batch fails (`AE`) without being sent.
 """
+
 from __future__ import annotations
 
 import os
@@ -96,11 +97,11 @@ class PgStager:
         if not store.dialect.atomic_staging or store.backend != "postgres":
             raise ValueError("PgStager needs PostgreSQL, whose stage_inbound is one self-contained statement")
         from psycopg.adapt import Transformer
+
         self._reactor = reactor
         assert isinstance(store.dialect, PostgresDialect)  # checked just above: store.backend is postgres
         self._conninfo = {**store.dialect.conninfo(store.config), "client_encoding": "UTF8"}
-        self._queries = {name: _Query(name, store.sql(name)) for name in ONE_STATEMENT_STAGING
-                         if store.has_query(name)}
+        self._queries = {name: _Query(name, store.sql(name)) for name in ONE_STATEMENT_STAGING if store.has_query(name)}
         self._is_refusal = store.dialect.is_refusal
         self._store = store
         self._allow_unsafe = store.config.allow_unsafe_durability
@@ -119,8 +120,11 @@ class PgStager:
             return fail(unsafe)  # the server may lose this commit: not sent, answered AE
         return self._next(staging(self._store, rows, epoch=epoch, node_id=node_id), None)
 
-    def _next(self, steps: Generator[Statement, Any, Staged], result: list[dict[str, Any]] | None,
-              ) -> Deferred[Staged]:
+    def _next(
+        self,
+        steps: Generator[Statement, Any, Staged],
+        result: list[dict[str, Any]] | None,
+    ) -> Deferred[Staged]:
         """Send `staging`'s next statement (`result`: the rows of the one before), or give its outcome."""
         try:
             step = steps.send(result)
@@ -154,8 +158,9 @@ class PgStager:
     def open(self) -> None:
         """Open the connection ahead of the first batch (a failure here is only retried then)."""
         if not self._closed and (self._conn is None or not self._conn.usable):
-            self._connection().addErrback(lambda f: _log.warn("staging connection not opened yet: {err}",
-                                                              err=f.type.__name__ if f.type else "?"))
+            self._connection().addErrback(
+                lambda f: _log.warn("staging connection not opened yet: {err}", err=f.type.__name__ if f.type else "?")
+            )
 
     def _connection(self) -> Deferred[_Connection]:
         """The connection, opened in a thread when there is none (libpq's connect blocks): one
@@ -231,8 +236,10 @@ def _pin_durability(pgconn: Any, *, allow_unsafe: bool) -> None:
             raise errors.error_from_result(result)
         return [(result.get_value(0, i) or b"").decode() for i in range(result.nfields)]
 
-    fsync, current, standbys = one(b"SELECT current_setting('fsync'), current_setting('synchronous_commit'), "
-                                   b"current_setting('synchronous_standby_names')")
+    fsync, current, standbys = one(
+        b"SELECT current_setting('fsync'), current_setting('synchronous_commit'), "
+        b"current_setting('synchronous_standby_names')"
+    )
     if (wanted := postgres_synchronous_commit(current, standbys)) is not None:
         assert wanted == "on"  # the only value it asks for: no parameter to pass
         one(b"SELECT set_config('synchronous_commit', 'on', false)")

@@ -5,6 +5,7 @@ The daemon calls ``start()`` when this node wins the lease and ``stop()`` when i
 (invariant 4). A poll in hand is never cut short: ``stop()`` fires once it is over, and a
 ``start()`` during it lets that poll reschedule itself rather than starting a second one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,8 +32,15 @@ class PollingInbound:
     Subclasses write ``poll()`` and may hook `_on_start`, `_next_delay` and `_on_stop`.
     """
 
-    def __init__(self, config: InboundConfig, *, what: str, log: Logger, reactor: IReactorTime | None,
-                 run_blocking: RunBlocking | None) -> None:
+    def __init__(
+        self,
+        config: InboundConfig,
+        *,
+        what: str,
+        log: Logger,
+        reactor: IReactorTime | None,
+        run_blocking: RunBlocking | None,
+    ) -> None:
         """``what`` names the poll in the log ("file drop poll"); ``reactor`` schedules the polls;
         ``run_blocking`` defaults to its thread pool."""
         if reactor is None:
@@ -101,9 +109,12 @@ class PollingInbound:
         self._polling.addErrback(self._poll_crashed).addBoth(self._poll_done)
 
     def _poll_crashed(self, failure: Failure) -> None:
-        self._poll_log.critical("{what} of {connection} crashed: {error}", what=self._what,
-                                connection=self.config.name,
-                                error=failure.type.__name__ if failure.type else "unknown")
+        self._poll_log.critical(
+            "{what} of {connection} crashed: {error}",
+            what=self._what,
+            connection=self.config.name,
+            error=failure.type.__name__ if failure.type else "unknown",
+        )
 
     def _poll_done(self, _: object) -> None:
         self._polling = None

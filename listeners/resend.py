@@ -14,6 +14,7 @@ Only such messages are remembered (a handful, not the feed), for a bounded time 
 digest is computed only for a message whose connection and control id are remembered. Reactor
 thread only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,13 @@ def _key(unit: Any) -> tuple[str, str | None, int]:
 class ResendMemory:
     """(connection, control id, message count) → [(body digest, message id, expiry)], oldest first."""
 
-    def __init__(self, *, window_seconds: float = RESEND_WINDOW_SECONDS, max_entries: int = MAX_REMEMBERED,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        window_seconds: float = RESEND_WINDOW_SECONDS,
+        max_entries: int = MAX_REMEMBERED,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_seconds = window_seconds
         self.max_entries = max_entries
         self._clock = clock

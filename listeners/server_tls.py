@@ -6,6 +6,7 @@ certificate, or with one from another CA, is refused during the handshake, befor
 application data is read. Files are loaded and checked eagerly so a bad path or a key that does not
 match its certificate stops the daemon at start with the file named, not at the first connection.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -60,9 +61,16 @@ def server_tls_options(tls: TLSConfig) -> CertificateOptions:
     return options
 
 
-def listen(reactor: Any, host: str, port: int, factory: IProtocolFactory, tls: TLSConfig | None, *,
-           backlog: int = 4096, guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None
-           ) -> IListeningPort:
+def listen(
+    reactor: Any,
+    host: str,
+    port: int,
+    factory: IProtocolFactory,
+    tls: TLSConfig | None,
+    *,
+    backlog: int = 4096,
+    guard: Callable[[IProtocolFactory, bool], IProtocolFactory] | None = None,
+) -> IListeningPort:
     """Bind `factory` on host:port, with TLS when `tls` is given (`reactor`: IReactorTCP).
 
     `guard(factory, tls)` wraps the (TLS) factory from outside, so it sees every connection before
@@ -103,8 +111,9 @@ def _private_key(path: str) -> PrivateKeyTypes:
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError as exc:  # encrypted: there is nowhere safe to keep its passphrase
-        raise TLSConfigError(f"tls.key {path}: the key is encrypted; give an unencrypted key "
-                             "(protect it with file permissions)") from exc
+        raise TLSConfigError(
+            f"tls.key {path}: the key is encrypted; give an unencrypted key (protect it with file permissions)"
+        ) from exc
     except (ValueError, crypto.Error) as exc:
         raise TLSConfigError(f"tls.key {path}: not a PEM private key") from exc
     return key

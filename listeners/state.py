@@ -1,5 +1,6 @@
 """What the control plane reads about this node: cheap in-memory posture, and the membership view
 (one `nodes` read, done off the reactor thread)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,8 +39,12 @@ class NodeState:
 
     def status(self) -> dict[str, Any]:
         """The /cluster/status document."""
-        doc = cluster_status(node_id=self.node_id, clustered=self.clustered, is_leader=self.is_leader(),
-                             config_version=self.config_version())
+        doc = cluster_status(
+            node_id=self.node_id,
+            clustered=self.clustered,
+            is_leader=self.is_leader(),
+            config_version=self.config_version(),
+        )
         problem = self.durability_problem()
         if problem:  # only then: the document of a healthy node stays as it was
             doc.update(store_durable=False, durability_problem=problem)
@@ -71,11 +76,19 @@ class NodeState:
                 return 404, {**doc, "leader": False, "reason": "unknown inbound"}
             if not serves:
                 unbound = [u["name"] for u in self.unbound()]
-                return 503, {**doc, "leader": False, "reason": "unbound" if inbound in unbound else "binding",
-                             "unbound": unbound}
+                return 503, {
+                    **doc,
+                    "leader": False,
+                    "reason": "unbound" if inbound in unbound else "binding",
+                    "unbound": unbound,
+                }
             return 200, {**doc, "leader": True}
         unbound = self.unbound()
         if unbound or not self.serving():
-            return 503, {**doc, "leader": False, "reason": "unbound" if unbound else "binding",
-                         "unbound": [u["name"] for u in unbound]}
+            return 503, {
+                **doc,
+                "leader": False,
+                "reason": "unbound" if unbound else "binding",
+                "unbound": [u["name"] for u in unbound],
+            }
         return 200, {**doc, "leader": True}

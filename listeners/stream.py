@@ -18,6 +18,7 @@ never drain). Without this, every answer written to a peer that never reads stay
 them all down in the two steps of a clean stop (`stop_reading`, then `close_all` after the answers)
 or at once (`disconnect_all`, on losing the lease). The HTTP site offers the same three calls.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,8 +41,16 @@ from listeners.linger import close_after_answers
 if TYPE_CHECKING:
     from listeners.metrics import ListenerCounters
 
-__all__ = ["WRITE_TIMEOUT_SECONDS", "Intake", "OrderedReplyProtocol", "Slot", "StreamFactory", "describe_peer",
-           "safe_id", "write_now"]
+__all__ = [
+    "WRITE_TIMEOUT_SECONDS",
+    "Intake",
+    "OrderedReplyProtocol",
+    "Slot",
+    "StreamFactory",
+    "describe_peer",
+    "safe_id",
+    "write_now",
+]
 
 WRITE_TIMEOUT_SECONDS = 300.0
 """How long a peer may leave its answers unread when its connection has no idle timeout."""
@@ -94,9 +103,14 @@ def write_now(transport: Any, data: bytes) -> None:
     """
     if type(transport) is GuardedProtocol:  # the guard only watches; TLS below it is another type
         transport = transport.transport
-    if (type(transport) is tcp.Server and transport.connected and not transport.disconnecting
-            and not transport._writeDisconnected and not transport._tempDataLen
-            and len(transport.dataBuffer) == transport.offset):
+    if (
+        type(transport) is tcp.Server
+        and transport.connected
+        and not transport.disconnecting
+        and not transport._writeDisconnected
+        and not transport._tempDataLen
+        and len(transport.dataBuffer) == transport.offset
+    ):
         sent = transport.writeSomeData(data)
         if isinstance(sent, int):
             if sent == len(data):
@@ -253,8 +267,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self.peer_text = describe_peer(self.peer)
         self._connected = True
         if self.factory is not None and not self.factory.register(self):
-            _log.warn("refusing {kind} connection {where}: max_connections reached", kind=self.kind,
-                      where=self.where())
+            _log.warn("refusing {kind} connection {where}: max_connections reached", kind=self.kind, where=self.where())
             self._connected = False
             self.close_transport()
             return
@@ -301,8 +314,12 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         self._write_stall = None
         if not self._connected or not self._write_blocked:
             return
-        _log.warn("closing {kind} connection {where}: it has read none of its answers for {seconds:.0f}s",
-                  kind=self.kind, where=self.where(), seconds=seconds)
+        _log.warn(
+            "closing {kind} connection {where}: it has read none of its answers for {seconds:.0f}s",
+            kind=self.kind,
+            where=self.where(),
+            seconds=seconds,
+        )
         self._accepting = False
         self.transport.abortConnection()  # a close would wait for the peer to read what is buffered
 
@@ -328,8 +345,12 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
         for slot in self._slots:
             slot.forget_deadline()
         if self._slots:
-            _log.info("{kind} connection {where} lost with {count} unanswered message(s)", kind=self.kind,
-                      where=self.where(), count=len(self._slots))
+            _log.info(
+                "{kind} connection {where} lost with {count} unanswered message(s)",
+                kind=self.kind,
+                where=self.where(),
+                count=len(self._slots),
+            )
         self._slots.clear()
         self._owed = 0
         self.end_of_stream()
@@ -381,8 +402,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
                 self.units += 1
             self.on_event(event)
 
-    def await_answer(self, d: Deferred[Any], slot: Slot, timeout: float | None,
-                     on_timeout: Callable[[], None]) -> None:
+    def await_answer(self, d: Deferred[Any], slot: Slot, timeout: float | None, on_timeout: Callable[[], None]) -> None:
         """Bound the wait for a handed-over message's outcome: `on_timeout` answers it at `timeout`.
 
         One timer per connection, set for the earliest deadline, rather than one per message."""

@@ -16,6 +16,7 @@ length alone decides and the body is never read. Undecodable bytes get a NAK and
 staged. The protocol only frames and hands over: decoding and validation live in
 :func:`listeners.validation.build_inbound` (shared by every transport), staging in the ``ingest`` object.
 """
+
 from __future__ import annotations
 
 import struct
@@ -55,6 +56,7 @@ DEFAULT_MAX_IN_FLIGHT = 64
 
 
 # -- framing ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -178,6 +180,7 @@ def encode_reply(text: str, framing: str) -> bytes:
 
 # -- protocol --------------------------------------------------------------------------------
 
+
 class TCPProtocol(OrderedReplyProtocol):
     """One raw TCP connection: frame, hand over, answer in arrival order after each commit."""
 
@@ -185,13 +188,15 @@ class TCPProtocol(OrderedReplyProtocol):
     factory: TCPFactory
 
     def __init__(self, factory: TCPFactory) -> None:
-        super().__init__(clock=factory.clock, idle_timeout_seconds=factory.config.idle_timeout_seconds or None,
-                         max_in_flight=factory.max_in_flight)
+        super().__init__(
+            clock=factory.clock,
+            idle_timeout_seconds=factory.config.idle_timeout_seconds or None,
+            max_in_flight=factory.max_in_flight,
+        )
         self.factory = factory
         self._config = factory.config
         decoder = LengthDecoder if self._config.framing == "length" else NewlineDecoder
-        self._decoder: NewlineDecoder | LengthDecoder = decoder(
-            max_message_bytes=self._config.max_message_bytes)
+        self._decoder: NewlineDecoder | LengthDecoder = decoder(max_message_bytes=self._config.max_message_bytes)
 
     def where(self) -> str:
         return f"to {self._config.name} from {self.peer_text}"
@@ -227,19 +232,36 @@ class TCPProtocol(OrderedReplyProtocol):
         if not self._connected:  # the sender left while the frame waited its turn: it resends
             return succeed(None)
         # A large frame (a batch of thousands of messages) is split off the reactor (listeners/offload.py).
-        built = off_reactor(factory.clock, len(payload), build_inbound, payload, connection=self._config.name,
-                            charset=self._config.charset, lane_of=factory.lane_of, hl7_only=self._config.hl7_only)
+        built = off_reactor(
+            factory.clock,
+            len(payload),
+            build_inbound,
+            payload,
+            connection=self._config.name,
+            charset=self._config.charset,
+            lane_of=factory.lane_of,
+            hl7_only=self._config.hl7_only,
+        )
         built.addCallbacks(self._submit, self._refused, callbackArgs=(slot,), errbackArgs=(slot, len(payload)))
         return built
 
     def _refused(self, failure: Failure, slot: Slot, size: int) -> None:
         if not failure.check(PayloadRejected):
-            _log.critical("cannot read a message on {connection} from {peer}: {error}", connection=self._config.name,
-                          peer=self.peer_text, error=failure.type.__name__ if failure.type else "unknown")
+            _log.critical(
+                "cannot read a message on {connection} from {peer}: {error}",
+                connection=self._config.name,
+                peer=self.peer_text,
+                error=failure.type.__name__ if failure.type else "unknown",
+            )
             self.answer(slot, self._nak("internal error, resend later", "AE"))
             return
-        _log.warn("rejecting {size}-byte message on {connection} from {peer}: {reason}",
-                  size=size, connection=self._config.name, peer=self.peer_text, reason=str(failure.value))
+        _log.warn(
+            "rejecting {size}-byte message on {connection} from {peer}: {reason}",
+            size=size,
+            connection=self._config.name,
+            peer=self.peer_text,
+            reason=str(failure.value),
+        )
         self.answer(slot, self._nak(str(failure.value), "AR"))
 
     def _submit(self, item: Any, slot: Slot) -> Deferred[None]:
@@ -252,8 +274,13 @@ class TCPProtocol(OrderedReplyProtocol):
 
     def _on_oversize(self, size: int) -> None:
         limit = self._config.max_message_bytes
-        _log.warn("rejecting oversize message ({size} bytes > {limit}) on {connection} from {peer}; closing",
-                  size=size, limit=limit, connection=self._config.name, peer=self.peer_text)
+        _log.warn(
+            "rejecting oversize message ({size} bytes > {limit}) on {connection} from {peer}; closing",
+            size=size,
+            limit=limit,
+            connection=self._config.name,
+            peer=self.peer_text,
+        )
         # newline framing read (and discarded) the line; length framing never reads the body
         self.factory.count_received(size if self._config.framing == "newline" else 0)
         self.stop_accepting()  # answer what came before, then this NAK, then close
@@ -271,14 +298,21 @@ class TCPProtocol(OrderedReplyProtocol):
             return
         reason, code = rejection_reason(failure)
         # Only the exception type: its text may quote stored values.
-        _log.warn("message on {connection} from {peer} not stored: {error}",
-                  connection=self._config.name, peer=self.peer_text,
-                  error=failure.type.__name__ if failure.type else "unknown")
+        _log.warn(
+            "message on {connection} from {peer} not stored: {error}",
+            connection=self._config.name,
+            peer=self.peer_text,
+            error=failure.type.__name__ if failure.type else "unknown",
+        )
         self.answer(slot, self._nak(reason, code))
 
     def _timed_out_reply(self, slot: Slot) -> None:
-        _log.error("no commit within {seconds}s for a message on {connection} from {peer}; answering NAK",
-                   seconds=self.factory.reply_timeout_seconds, connection=self._config.name, peer=self.peer_text)
+        _log.error(
+            "no commit within {seconds}s for a message on {connection} from {peer}; answering NAK",
+            seconds=self.factory.reply_timeout_seconds,
+            connection=self._config.name,
+            peer=self.peer_text,
+        )
         self.answer(slot, self._nak("not confirmed stored in time, resend it (recognised, never stored twice)", "AE"))
 
     def _nak(self, reason: str, code: str) -> bytes:
@@ -289,10 +323,17 @@ class TCPProtocol(OrderedReplyProtocol):
 class TCPFactory(StreamFactory):
     """Builds :class:`TCPProtocol` for one ``kind = "tcp"`` connection; the registry enforces max_connections."""
 
-    def __init__(self, ingest: IngestSink, config: InboundConfig, *, lane_of: LaneOf | None = None,
-                 metrics: Metrics | None = None, clock: IReactorTime | None = None,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 reply_timeout_seconds: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        ingest: IngestSink,
+        config: InboundConfig,
+        *,
+        lane_of: LaneOf | None = None,
+        metrics: Metrics | None = None,
+        clock: IReactorTime | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        reply_timeout_seconds: float | None = 60.0,
+    ) -> None:
         if config.framing not in TCP_FRAMINGS:
             raise ValueError(f"{config.name}: framing must be one of {TCP_FRAMINGS}, got {config.framing!r}")
         codec_name(config.charset)

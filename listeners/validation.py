@@ -9,6 +9,7 @@ whose text is safe to log and to send back; the transport answers it with its "r
 batch) alone, with the same text on every transport. :func:`rejection_reason` maps a failed
 commit to the answer the same way for all of them (invariant 9, docs/invariants.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -113,9 +114,16 @@ def unstorable(text: str) -> str | None:
     return f"message contains {what} (character offset {found.start()})"
 
 
-def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None,
-                  message_id: str | None = None, header: HL7Header | None = None,
-                  hl7_only: bool = False) -> Inbound | InboundBatch:
+def build_inbound(
+    data: bytes,
+    *,
+    connection: str,
+    charset: str,
+    lane_of: LaneOf | None = None,
+    message_id: str | None = None,
+    header: HL7Header | None = None,
+    hl7_only: bool = False,
+) -> Inbound | InboundBatch:
     """Decide what the received bytes are and build what to stage, or raise `PayloadRejected`.
 
     The one decision every transport makes (docs/listenerd.md, "The same bytes, the same answer"):
@@ -134,8 +142,15 @@ def build_inbound(data: bytes, *, connection: str, charset: str, lane_of: LaneOf
     """
     if header is None and starts_batch(data):
         return build_batch(data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id)
-    return _build_one(data, connection=connection, charset=charset, lane_of=lane_of, message_id=message_id,
-                      header=header, hl7_only=hl7_only)
+    return _build_one(
+        data,
+        connection=connection,
+        charset=charset,
+        lane_of=lane_of,
+        message_id=message_id,
+        header=header,
+        hl7_only=hl7_only,
+    )
 
 
 class BatchRejected(PayloadRejected):
@@ -146,8 +161,16 @@ class BatchRejected(PayloadRejected):
         self.header = header
 
 
-def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None, message_id: str | None,
-               header: HL7Header | None, hl7_only: bool) -> Inbound:
+def _build_one(
+    data: bytes,
+    *,
+    connection: str,
+    charset: str,
+    lane_of: LaneOf | None,
+    message_id: str | None,
+    header: HL7Header | None,
+    hl7_only: bool,
+) -> Inbound:
     control_id: str | None = None
     if header is None:
         codec = codec_name(charset)
@@ -164,8 +187,10 @@ def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | 
         else:
             segment = _bare_segment(data)
             if segment is not None:
-                raise PayloadRejected(f"starts with an HL7 {segment} segment but no MSH: the message's segments "
-                                      "arrived apart (CRLF segment ends with newline framing?)")
+                raise PayloadRejected(
+                    f"starts with an HL7 {segment} segment but no MSH: the message's segments "
+                    "arrived apart (CRLF segment ends with newline framing?)"
+                )
     if header is not None and header.text is not None:
         text, codec, control_id = header.text, header.encoding, header.control_id
     else:
@@ -186,18 +211,21 @@ def _build_one(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | 
         try:
             lane_key = lane_of(text)
         except Exception as exc:
-            _log.error("lane_of failed for a message on {connection}: {error}",
-                       connection=connection, error=type(exc).__name__)
+            _log.error(
+                "lane_of failed for a message on {connection}: {error}", connection=connection, error=type(exc).__name__
+            )
             raise PayloadRejected("internal error: lane key not computable") from None
         if lane_key is not None and (len(lane_key) > MAX_KEY_CHARS or unstorable(lane_key)):
             raise PayloadRejected(f"lane key longer than {MAX_KEY_CHARS} characters or not storable")
     extra = {"message_id": message_id} if message_id is not None else {}
-    return Inbound(connection=connection, payload=text, control_id=control_id, lane_key=lane_key,
-                   charset=codec, **extra)
+    return Inbound(
+        connection=connection, payload=text, control_id=control_id, lane_key=lane_key, charset=codec, **extra
+    )
 
 
-def build_batch(data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None,
-                batch_id: str | None = None) -> InboundBatch:
+def build_batch(
+    data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None, batch_id: str | None = None
+) -> InboundBatch:
     """`build_inbound` for bytes already known to be an HL7 batch (`starts_batch`: MLLP tells a
     batch frame apart as it frames it, to answer it whole): its messages, each validated as if sent
     alone; any refusal refuses the batch (`BatchRejected`)."""
@@ -213,14 +241,29 @@ def build_batch(data: bytes, *, connection: str, charset: str, lane_of: LaneOf |
         # crash gives the same message ids and stages nothing twice.
         own_id = _member_id(batch_id, seq)
         try:
-            items.append(_build_one(message, connection=connection, charset=charset, lane_of=lane_of,
-                                    message_id=own_id, header=None, hl7_only=True))
+            items.append(
+                _build_one(
+                    message,
+                    connection=connection,
+                    charset=charset,
+                    lane_of=lane_of,
+                    message_id=own_id,
+                    header=None,
+                    hl7_only=True,
+                )
+            )
         except PayloadRejected as exc:
             raise BatchRejected(f"message {seq} of {n}: {exc}", split.header) from None
     head = split.header
-    return InboundBatch(connection=connection, batch_id=batch_id, items=tuple(items),
-                        fhs_control_id=_key(head.fhs_control_id), bhs_control_id=_key(head.bhs_control_id),
-                        declared=split.declared, envelope=head)
+    return InboundBatch(
+        connection=connection,
+        batch_id=batch_id,
+        items=tuple(items),
+        fhs_control_id=_key(head.fhs_control_id),
+        bhs_control_id=_key(head.bhs_control_id),
+        declared=split.declared,
+        envelope=head,
+    )
 
 
 def _member_id(batch_id: str, seq: int) -> str:

@@ -29,6 +29,7 @@ the batch's partition directories (and Spark's `_temporary`) are checked with `l
 write, and one that is a symlink stops the batch (`UnsafeArchive`; its rows stay in the store), so a
 link planted in the archive tree cannot send rows, or Spark's overwrite, elsewhere.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,25 +54,112 @@ log = logging.getLogger(__name__)
 
 KINDS = ("routed", "outbound", "events", "batches", "inbound")
 """In export order: the inbound rows last, so the others still find their connection beside them."""
-TABLES = {"inbound": "archive_inbound", "routed": "archive_routed", "outbound": "archive_outbound",
-          "events": "archive_events", "batches": "archive_inbound_batches"}
+TABLES = {
+    "inbound": "archive_inbound",
+    "routed": "archive_routed",
+    "outbound": "archive_outbound",
+    "events": "archive_events",
+    "batches": "archive_inbound_batches",
+}
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "inbound": ("id", "message_id", "control_id", "connection", "lane_key", "status", "claim_epoch", "attempts",
-                "created_at", "updated_at", "last_error", "charset", "payload", "batch_id", "batch_seq",
-                "archived_at"),
-    "routed": ("id", "source_id", "message_id", "control_id", "destination", "route_name", "lane_key", "status",
-               "claim_epoch", "attempts", "created_at", "updated_at", "last_error", "archived_at"),
-    "outbound": ("id", "source_id", "message_id", "control_id", "destination", "content_type", "idempotency_key",
-                 "lane_key", "status", "claim_epoch", "attempts", "created_at", "updated_at", "last_error",
-                 "payload", "archived_at"),
-    "events": ("id", "at", "stage", "row_id", "message_id", "control_id", "destination", "event", "from_status",
-               "to_status", "epoch", "node_id", "attempt", "detail", "archived_at", "connection"),
-    "batches": ("batch_id", "connection", "fhs_control_id", "bhs_control_id", "declared_count", "message_count",
-                "created_at", "archived_at"),
+    "inbound": (
+        "id",
+        "message_id",
+        "control_id",
+        "connection",
+        "lane_key",
+        "status",
+        "claim_epoch",
+        "attempts",
+        "created_at",
+        "updated_at",
+        "last_error",
+        "charset",
+        "payload",
+        "batch_id",
+        "batch_seq",
+        "archived_at",
+    ),
+    "routed": (
+        "id",
+        "source_id",
+        "message_id",
+        "control_id",
+        "destination",
+        "route_name",
+        "lane_key",
+        "status",
+        "claim_epoch",
+        "attempts",
+        "created_at",
+        "updated_at",
+        "last_error",
+        "archived_at",
+    ),
+    "outbound": (
+        "id",
+        "source_id",
+        "message_id",
+        "control_id",
+        "destination",
+        "content_type",
+        "idempotency_key",
+        "lane_key",
+        "status",
+        "claim_epoch",
+        "attempts",
+        "created_at",
+        "updated_at",
+        "last_error",
+        "payload",
+        "archived_at",
+    ),
+    "events": (
+        "id",
+        "at",
+        "stage",
+        "row_id",
+        "message_id",
+        "control_id",
+        "destination",
+        "event",
+        "from_status",
+        "to_status",
+        "epoch",
+        "node_id",
+        "attempt",
+        "detail",
+        "archived_at",
+        "connection",
+    ),
+    "batches": (
+        "batch_id",
+        "connection",
+        "fhs_control_id",
+        "bhs_control_id",
+        "declared_count",
+        "message_count",
+        "created_at",
+        "archived_at",
+    ),
 }
 """The Parquet columns per kind (the archive table's, times in epoch milliseconds), then the partitions."""
-LONGS = {"id", "source_id", "claim_epoch", "attempts", "created_at", "updated_at", "archived_at", "batch_seq",
-         "at", "row_id", "epoch", "attempt", "declared_count", "message_count"}
+LONGS = {
+    "id",
+    "source_id",
+    "claim_epoch",
+    "attempts",
+    "created_at",
+    "updated_at",
+    "archived_at",
+    "batch_seq",
+    "at",
+    "row_id",
+    "epoch",
+    "attempt",
+    "declared_count",
+    "message_count",
+}
 DAY_OF = {"events": "at"}
 """The column a row's `day` partition comes from (default `created_at`)."""
 PARTITIONS = ("day", "connection", "batch")
@@ -101,8 +189,16 @@ def dataset(path: str, kind: str) -> str:
     return f"{path.rstrip('/')}/{kind}"
 
 
-def run(store: Store, spark: SparkSession, *, epoch: int, path: str, older_than_seconds: float,
-        batch_size: int = 5000, max_batches: int = 20) -> dict[str, int]:
+def run(
+    store: Store,
+    spark: SparkSession,
+    *,
+    epoch: int,
+    path: str,
+    older_than_seconds: float,
+    batch_size: int = 5000,
+    max_batches: int = 20,
+) -> dict[str, int]:
     """Move archived rows older than `older_than_seconds` to Parquet under `path`; rows moved per kind.
 
     Open batches of an earlier run come first; then each kind, at most `max_batches` batches of
@@ -116,16 +212,23 @@ def run(store: Store, spark: SparkSession, *, epoch: int, path: str, older_than_
     if indexed:
         log.info("Parquet archive %s written before store v14: lookup index built (%s)", path, indexed)
     for open_batch in _open_batches(store):
-        moved[open_batch["kind"]] += export_batch(store, spark, epoch=epoch, path=path, kind=open_batch["kind"],
-                                                   batch=open_batch["batch"], state=open_batch["state"],
-                                                   batch_size=batch_size)
+        moved[open_batch["kind"]] += export_batch(
+            store,
+            spark,
+            epoch=epoch,
+            path=path,
+            kind=open_batch["kind"],
+            batch=open_batch["batch"],
+            state=open_batch["state"],
+            batch_size=batch_size,
+        )
     for kind in KINDS:
         for _ in range(max_batches):
-            batch, marked = mark(store, epoch=epoch, kind=kind, older_than_seconds=older_than_seconds,
-                                 limit=batch_size)
+            batch, marked = mark(store, epoch=epoch, kind=kind, older_than_seconds=older_than_seconds, limit=batch_size)
             if marked:
-                moved[kind] += export_batch(store, spark, epoch=epoch, path=path, kind=kind, batch=batch,
-                                            state="marked", batch_size=batch_size)
+                moved[kind] += export_batch(
+                    store, spark, epoch=epoch, path=path, kind=kind, batch=batch, state="marked", batch_size=batch_size
+                )
             if marked < batch_size:
                 break
     if any(moved.values()):
@@ -138,23 +241,37 @@ def mark(store: Store, *, epoch: int, kind: str, older_than_seconds: float, limi
     batch = f"{kind}-e{epoch}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
     with store.transaction() as tx:
         tx.fence()
-        marked = len(tx.all(f"export_mark_{kind}", {"batch": batch, "epoch": epoch, "limit": int(limit),
-                                                    "ms": int(older_than_seconds * 1000)}))
+        marked = len(
+            tx.all(
+                f"export_mark_{kind}",
+                {"batch": batch, "epoch": epoch, "limit": int(limit), "ms": int(older_than_seconds * 1000)},
+            )
+        )
         if marked:
             tx.execute("export_open", {"batch": batch, "kind": kind, "row_count": marked, "epoch": epoch})
     return batch, marked
 
 
-def export_batch(store: Store, spark: SparkSession, *, epoch: int, path: str, kind: str, batch: str, state: str,
-                 batch_size: int = 5000) -> int:
+def export_batch(
+    store: Store,
+    spark: SparkSession,
+    *,
+    epoch: int,
+    path: str,
+    kind: str,
+    batch: str,
+    state: str,
+    batch_size: int = 5000,
+) -> int:
     """Write (unless `written`), verify, delete and close one batch; the rows deleted from the store."""
     if state == "marked":
         rows = extract(store, kind=kind, batch=batch)
         parts: list[str] = []
         if rows:
             framed = transform(spark.createDataFrame(rows, schema(kind)), kind=kind, batch=batch)
-            parts = partition_dirs(batch, [(r["day"], r["connection"])
-                                           for r in framed.select("day", "connection").distinct().collect()])
+            parts = partition_dirs(
+                batch, [(r["day"], r["connection"]) for r in framed.select("day", "connection").distinct().collect()]
+            )
             check_no_links(path, kind, parts)
             load(framed, path=path, kind=kind)
             keys = [r[0] for r in rows]  # the key is the first column of every kind
@@ -181,18 +298,24 @@ def extract(store: Store, *, kind: str, batch: str) -> list[tuple[Any, ...]]:
 def transform(frame: DataFrame, *, kind: str, batch: str) -> DataFrame:
     """Add the partition columns (pure): `day` (UTC, yyyy-MM-dd), `connection` (of the message), `batch`."""
     day_ms = F.col(DAY_OF.get(kind, "created_at"))
-    day = F.date_format(F.date_add(F.to_date(F.lit("1970-01-01")), F.floor(day_ms / DAY_MS).cast("int")),
-                        "yyyy-MM-dd")
+    day = F.date_format(F.date_add(F.to_date(F.lit("1970-01-01")), F.floor(day_ms / DAY_MS).cast("int")), "yyyy-MM-dd")
     known = [F.col("connection")] if "connection" in COLUMNS[kind] else []  # the row's own, when it has one
-    return (frame.withColumn("day", day)
-            .withColumn("connection", F.coalesce(*known, F.col("export_connection"), F.lit(UNKNOWN_CONNECTION)))
-            .withColumn("batch", F.lit(batch)).drop("export_connection"))
+    return (
+        frame.withColumn("day", day)
+        .withColumn("connection", F.coalesce(*known, F.col("export_connection"), F.lit(UNKNOWN_CONNECTION)))
+        .withColumn("batch", F.lit(batch))
+        .drop("export_connection")
+    )
 
 
 def load(frame: DataFrame, *, path: str, kind: str) -> None:
     """Write the batch, replacing exactly its own partitions (a batch written twice is there once)."""
-    (frame.write.mode("overwrite").option("partitionOverwriteMode", "dynamic")
-     .partitionBy(*PARTITIONS).parquet(dataset(path, kind)))
+    (
+        frame.write.mode("overwrite")
+        .option("partitionOverwriteMode", "dynamic")
+        .partitionBy(*PARTITIONS)
+        .parquet(dataset(path, kind))
+    )
 
 
 def verify(spark: SparkSession, *, path: str, kind: str, batch: str, keys: Sequence[Any]) -> int:
@@ -204,8 +327,13 @@ def verify(spark: SparkSession, *, path: str, kind: str, batch: str, keys: Seque
     """
     key = COLUMNS[kind][0]
     base = dataset(path, kind)
-    frame = (spark.read.option("basePath", base).parquet(f"{base}/day=*/connection=*/batch={batch}")
-             .where(F.col(key).isin(list(keys))).groupBy(key).count())
+    frame = (
+        spark.read.option("basePath", base)
+        .parquet(f"{base}/day=*/connection=*/batch={batch}")
+        .where(F.col(key).isin(list(keys)))
+        .groupBy(key)
+        .count()
+    )
     return frame.where(F.col("count") == 1).count()
 
 
@@ -238,8 +366,10 @@ def check_no_links(path: str, kind: str, parts: Sequence[str]) -> None:
         except FileNotFoundError:
             continue
         if stat.S_ISLNK(st.st_mode):
-            raise UnsafeArchive(f"{candidate} is a symlink: the Parquet archive is written only through real "
-                                f"directories; batch kept in the store")
+            raise UnsafeArchive(
+                f"{candidate} is a symlink: the Parquet archive is written only through real "
+                f"directories; batch kept in the store"
+            )
 
 
 def delete(store: Store, *, epoch: int, kind: str, batch: str, limit: int) -> int:

@@ -22,6 +22,7 @@ imported once per Python worker: restart the Spark server (or the stage task's s
 changing it. A module that cannot be imported fails the whole run before anything is claimed
 (`check_hooks`): a configuration error, not a message's.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -60,9 +61,12 @@ def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
     """`module_name` imported from `code_dir` and nowhere else (its top-level name found there
     alone, never on sys.path; a same-named module already loaded from elsewhere is refused)."""
     if not code_dir or CODE_SPEC.fullmatch(spec) is None:
-        raise CodeHookError(f"code hook {spec!r}: a code hook may only import from the pipeline config "
-                            "directory's code/ folder, and none is configured" if not code_dir else
-                            f"code hook {spec!r}: must be 'module:function'")
+        raise CodeHookError(
+            f"code hook {spec!r}: a code hook may only import from the pipeline config "
+            "directory's code/ folder, and none is configured"
+            if not code_dir
+            else f"code hook {spec!r}: must be 'module:function'"
+        )
     root = Path(code_dir).resolve()
     if str(root) not in sys.path:
         # Last, so a hook module may import its siblings in code/ but a file there never shadows the
@@ -76,8 +80,10 @@ def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
         sys.path_importer_cache.pop(str(root), None)
         found = importlib.machinery.PathFinder.find_spec(top, [str(root)])
         if found is None or (found.loader is None and not found.submodule_search_locations):
-            raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r}: no module {top!r} in "
-                                f"{root} (a code hook may only import from <config>/code/)")
+            raise CodeHookError(
+                f"code hook {spec!r}: cannot import {module_name!r}: no module {top!r} in "
+                f"{root} (a code hook may only import from <config>/code/)"
+            )
         module = importlib.util.module_from_spec(found)
         sys.modules[top] = module
         try:
@@ -87,8 +93,10 @@ def _import_from(module_name: str, code_dir: str | None, spec: str) -> Any:
             sys.modules.pop(top, None)
             raise
     elif not _inside(loaded, root):
-        raise CodeHookError(f"code hook {spec!r}: module {top!r} is already loaded from outside {root} "
-                            "(a code hook may only import from <config>/code/; rename the module)")
+        raise CodeHookError(
+            f"code hook {spec!r}: module {top!r} is already loaded from outside {root} "
+            "(a code hook may only import from <config>/code/; rename the module)"
+        )
     module = importlib.import_module(module_name)
     if not _inside(module, root):
         raise CodeHookError(f"code hook {spec!r}: module {module_name!r} is not in {root}")
@@ -106,8 +114,9 @@ def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
     except CodeHookError:
         raise
     except Exception as exc:
-        raise CodeHookError(f"code hook {spec!r}: cannot import {module_name!r} "
-                            f"(from {code_dir}): {type(exc).__name__}: {exc}") from exc
+        raise CodeHookError(
+            f"code hook {spec!r}: cannot import {module_name!r} (from {code_dir}): {type(exc).__name__}: {exc}"
+        ) from exc
     function = getattr(module, function_name, None)
     if not callable(function):
         raise CodeHookError(f"code hook {spec!r}: module {module_name!r} has no function {function_name!r}")
@@ -143,8 +152,9 @@ def call_hook(function: Callable[[Any], Any], spec: str, payload: str) -> str:
     return out if out.endswith("\r") else out + "\r"
 
 
-def _run_batches(batches: Iterator[pa.RecordBatch], *, hooks: dict[str, str],
-                 code_dir: str | None) -> Iterator[pa.RecordBatch]:
+def _run_batches(
+    batches: Iterator[pa.RecordBatch], *, hooks: dict[str, str], code_dir: str | None
+) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: payload := hook(payload); a failing message gets a NULL payload and its
     reason in content_type (what `include.store.finalize.finalize_transform` dead-letters)."""
     import pyarrow as pa

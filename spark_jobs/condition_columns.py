@@ -110,8 +110,9 @@ def _leaf(cond: Leaf, segments: Column, seps: Column) -> Column:
         if path.segment == "MSH" and path.field == 2:
             return test(field)
         if cond.repetitions is not None:
-            return _quantified(cond.repetitions, F.split(field, seps["rs_re"], -1),
-                               lambda rep: test(_descend(rep, path, seps)))
+            return _quantified(
+                cond.repetitions, F.split(field, seps["rs_re"], -1), lambda rep: test(_descend(rep, path, seps))
+            )
         rep = F.try_element_at(F.split(field, seps["rs_re"], -1), F.lit(path.repetition or 1))
         return test(_descend(rep, path, seps))
 

@@ -35,6 +35,7 @@ lease, stale epoch); the row is re-pended (sweep or promotion recovery) and sent
 send carries the row's idempotency key (see `spark_jobs.senders`). Under a stale epoch the
 finalize raises `StaleEpoch` and lands nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -105,13 +106,22 @@ def deliver_row(row: Mapping[str, Any], destinations: Mapping[str, Destination])
     dest = destinations.get(name)
     if dest is None:
         return _outcome(row, ok=False, retryable=True, detail=f"destination {name!r} is not configured")
-    result = send(dest, payload=row["payload"], content_type=row.get("content_type") or DEFAULT_CONTENT_TYPE,
-                  idempotency_key=row["idempotency_key"])
+    result = send(
+        dest,
+        payload=row["payload"],
+        content_type=row.get("content_type") or DEFAULT_CONTENT_TYPE,
+        idempotency_key=row["idempotency_key"],
+    )
     return _outcome(row, ok=result.ok, retryable=result.retryable, detail=result.detail)
 
 
-def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations, *,
-                  concurrency: int = 1, deadline: float | None = None) -> Iterator[dict[str, Any]]:
+def deliver_lanes(
+    rows: Iterable[Mapping[str, Any]],
+    destinations: Destinations,
+    *,
+    concurrency: int = 1,
+    deadline: float | None = None,
+) -> Iterator[dict[str, Any]]:
     """Send claimed rows lane by lane; yield one outcome per row.
 
     A claim hands over a prefix of each due lane (up to `per_lane` rows), so lanes are independent
@@ -130,8 +140,14 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
         out: list[dict[str, Any]] = []
         for row in lane:
             if out and not out[-1]["ok"]:
-                out.append(_outcome(row, ok=False, retryable=True,
-                                    detail=f"{NOT_ATTEMPTED}: message {out[-1]['id']} earlier in the lane failed"))
+                out.append(
+                    _outcome(
+                        row,
+                        ok=False,
+                        retryable=True,
+                        detail=f"{NOT_ATTEMPTED}: message {out[-1]['id']} earlier in the lane failed",
+                    )
+                )
             elif out and deadline is not None and time.time() > deadline:  # a lane's head always goes
                 out.append(_outcome(row, ok=False, retryable=True, detail=f"{NOT_ATTEMPTED}: {ROUND_OVER}"))
             else:
@@ -154,8 +170,9 @@ def deliver_lanes(rows: Iterable[Mapping[str, Any]], destinations: Destinations,
             yield from outcomes
 
 
-def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
-                        dests: Mapping[str, Destination]) -> Iterator[dict[str, Any]]:
+def _deliver_file_lanes(
+    lanes: list[list[Mapping[str, Any]]], dests: Mapping[str, Destination]
+) -> Iterator[dict[str, Any]]:
     """File lanes all at once: two flushes for the lot instead of two per file (`send_file_lanes`).
     A destination with ``batch = true`` gets all its rows here as ONE batch file instead."""
     batched: dict[str, list[Mapping[str, Any]]] = {}
@@ -168,15 +185,29 @@ def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
             single.append(lane)
     groups = [sorted(rows, key=lambda r: int(r["id"])) for rows in batched.values()]  # lanes stay in order
     files = {name: d for name, d in dests.items() if isinstance(d, FileDestination)}  # every lane here is one
-    sends = [[FileSend(files[r["destination"]], r["payload"], r.get("content_type") or DEFAULT_CONTENT_TYPE,
-                       r["idempotency_key"]) for r in lane] for lane in single]
+    sends = [
+        [
+            FileSend(
+                files[r["destination"]],
+                r["payload"],
+                r.get("content_type") or DEFAULT_CONTENT_TYPE,
+                r["idempotency_key"],
+            )
+            for r in lane
+        ]
+        for lane in single
+    ]
     sends += [[batch_file(files[rows[0]["destination"]], rows)] for rows in groups]
     results_all = send_file_lanes(sends)
-    for rows, [result] in zip(groups, results_all[len(single):]):
+    for rows, [result] in zip(groups, results_all[len(single) :]):
         assert result is not None
         for row in rows:
-            yield _outcome(row, ok=result.ok, retryable=result.retryable,
-                           detail=f"{result.detail}, a batch of {len(rows)} messages")
+            yield _outcome(
+                row,
+                ok=result.ok,
+                retryable=result.retryable,
+                detail=f"{result.detail}, a batch of {len(rows)} messages",
+            )
     lanes = single
     for lane, results in zip(lanes, results_all):
         failed: Mapping[str, Any] | None = None
@@ -194,8 +225,14 @@ def _deliver_file_lanes(lanes: list[list[Mapping[str, Any]]],
                 yield _outcome(row, ok=result.ok, retryable=result.retryable, detail=result.detail)
 
 
-def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions: int | None = None,
-                  concurrency: int = 1, round_seconds: float | None = None) -> DataFrame:
+def spark_deliver(
+    claimed: DataFrame,
+    destinations: Destinations,
+    *,
+    partitions: int | None = None,
+    concurrency: int = 1,
+    round_seconds: float | None = None,
+) -> DataFrame:
     """Deliver a frame of claimed rows (CLAIMED_COLUMNS) in Spark; returns the outcomes frame.
 
     Repartitioned by lane so lanes spread over the executors (each partition sends its lanes one
@@ -214,7 +251,8 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
         outcomes = list(deliver_lanes(records, dests, concurrency=concurrency, deadline=deadline))
         if outcomes:
             yield pd.DataFrame(outcomes, columns=list(OUTCOME_COLUMNS)).astype(
-                {"id": "int64", "ok": "bool", "retryable": "bool"})
+                {"id": "int64", "ok": "bool", "retryable": "bool"}
+            )
 
     spread = claimed.repartition(partitions, "lane_key") if partitions else claimed.repartition("lane_key")
     return spread.sortWithinPartitions("lane_key", "id").mapInPandas(deliver_batches, schema=OUTCOME_SCHEMA)
@@ -224,8 +262,16 @@ def spark_deliver(claimed: DataFrame, destinations: Destinations, *, partitions:
 # store side: claim and read (the finalize is `include.store.finalize.finalize_deliveries`)
 
 
-def claim(store: Store, *, owner: str, epoch: int, max_lanes: int, lease_seconds: float | None = None,
-          per_lane: int = 1, max_rows: int = DEFAULT_ROUND_ROWS) -> list[int]:
+def claim(
+    store: Store,
+    *,
+    owner: str,
+    epoch: int,
+    max_lanes: int,
+    lease_seconds: float | None = None,
+    per_lane: int = 1,
+    max_rows: int = DEFAULT_ROUND_ROWS,
+) -> list[int]:
     """Claim the first `per_lane` rows of up to `max_lanes` lanes, at most `max_rows` in all, in their
     own transaction; their ids."""
     with store.transaction() as tx:
@@ -247,8 +293,9 @@ def fetch_claimed(store: Store, *, owner: str, epoch: int, ids: Iterable[int]) -
     wanted = {int(i) for i in ids}
     with store.transaction(write=False) as tx:
         found = tx.all(DELIVER.read_query, {"owner": owner, "epoch": int(epoch)})
-    return sorted(({c: r[c] for c in CLAIMED_COLUMNS} for r in found if int(r["id"]) in wanted),
-                  key=lambda r: int(r["id"]))
+    return sorted(
+        ({c: r[c] for c in CLAIMED_COLUMNS} for r in found if int(r["id"]) in wanted), key=lambda r: int(r["id"])
+    )
 
 
 def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, ids: Iterable[int]) -> DataFrame:
@@ -264,11 +311,24 @@ def read_claimed(store: Store, spark: SparkSession, *, owner: str, epoch: int, i
 # the job
 
 
-def run(store: Store, spark: SparkSession | None, *, destinations: Destinations, owner: str, epoch: int,
-        max_lanes: int = 1000, per_lane: int = DEFAULT_PER_LANE, max_rows: int = DEFAULT_ROUND_ROWS,
-        round_seconds: float = DEFAULT_ROUND_SECONDS, time_budget_seconds: float = 240.0,
-        lease_seconds: float | None = None, partitions: int | None = None, concurrency: int = 1,
-        clock: Callable[[], float] = time.monotonic, stop: Callable[[], bool] = lambda: False) -> DeliverOutcome:
+def run(
+    store: Store,
+    spark: SparkSession | None,
+    *,
+    destinations: Destinations,
+    owner: str,
+    epoch: int,
+    max_lanes: int = 1000,
+    per_lane: int = DEFAULT_PER_LANE,
+    max_rows: int = DEFAULT_ROUND_ROWS,
+    round_seconds: float = DEFAULT_ROUND_SECONDS,
+    time_budget_seconds: float = 240.0,
+    lease_seconds: float | None = None,
+    partitions: int | None = None,
+    concurrency: int = 1,
+    clock: Callable[[], float] = time.monotonic,
+    stop: Callable[[], bool] = lambda: False,
+) -> DeliverOutcome:
     """Deliver rounds of lane heads until none is due or `time_budget_seconds` is spent.
 
     Destinations are validated before anything is claimed. `spark=None` sends in this process
@@ -285,58 +345,111 @@ def run(store: Store, spark: SparkSession | None, *, destinations: Destinations,
     deadline = clock() + time_budget_seconds
     total = DeliverOutcome()
     while not stop():
-        ids = claim(store, owner=owner, epoch=epoch, max_lanes=max_lanes, lease_seconds=lease_seconds,
-                    per_lane=per_lane, max_rows=max_rows)
+        ids = claim(
+            store,
+            owner=owner,
+            epoch=epoch,
+            max_lanes=max_lanes,
+            lease_seconds=lease_seconds,
+            per_lane=per_lane,
+            max_rows=max_rows,
+        )
         if not ids:
             break
         try:
-            outcomes = _deliver_round(store, spark, dests, owner=owner, epoch=epoch, ids=ids,
-                                      partitions=partitions, concurrency=concurrency, round_seconds=round_seconds)
+            outcomes = _deliver_round(
+                store,
+                spark,
+                dests,
+                owner=owner,
+                epoch=epoch,
+                ids=ids,
+                partitions=partitions,
+                concurrency=concurrency,
+                round_seconds=round_seconds,
+            )
         except BaseException as exc:
-            _fail_quietly(store, ids, owner=owner, epoch=epoch, dests=dests,
-                          detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400])
+            _fail_quietly(
+                store,
+                ids,
+                owner=owner,
+                epoch=epoch,
+                dests=dests,
+                detail=f"delivery round failed: {type(exc).__name__}: {exc}"[:400],
+            )
             raise
         # the round's sends happened: its outcomes wait out a database restart rather than be lost
         # (every row of the round sent again); a deposed leader's (StaleEpoch) are not retried
-        summary = until_done(lambda: finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests),
-                             what=f"deliver {owner}: finalize a round", give_up_on=(StaleEpoch,))
+        summary = until_done(
+            lambda: finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests),
+            what=f"deliver {owner}: finalize a round",
+            give_up_on=(StaleEpoch,),
+        )
         total = total + DeliverOutcome(rounds=1) + summary
-        log.info("deliver %s round %d: claimed %d, done %d, retrying %d, dead %d, not finished %d", owner,
-                 total.rounds, len(ids), len(summary.done), len(summary.retrying), len(summary.dead),
-                 len(summary.not_finished))
+        log.info(
+            "deliver %s round %d: claimed %d, done %d, retrying %d, dead %d, not finished %d",
+            owner,
+            total.rounds,
+            len(ids),
+            len(summary.done),
+            len(summary.retrying),
+            len(summary.dead),
+            len(summary.not_finished),
+        )
         if clock() >= deadline:
             break
     return total
 
 
-def _deliver_round(store: Store, spark: SparkSession | None, dests: Mapping[str, Destination], *, owner: str,
-                   epoch: int, ids: list[int], partitions: int | None, concurrency: int,
-                   round_seconds: float) -> list[dict[str, Any]]:
+def _deliver_round(
+    store: Store,
+    spark: SparkSession | None,
+    dests: Mapping[str, Destination],
+    *,
+    owner: str,
+    epoch: int,
+    ids: list[int],
+    partitions: int | None,
+    concurrency: int,
+    round_seconds: float,
+) -> list[dict[str, Any]]:
     """Outcomes for every claimed id; an id with no outcome (row vanished, Spark lost it) is retryable."""
     if spark is None:
         rows = fetch_claimed(store, owner=owner, epoch=epoch, ids=ids)
         outcomes = list(deliver_lanes(rows, dests, concurrency=concurrency, deadline=time.time() + round_seconds))
     else:
         frame = read_claimed(store, spark, owner=owner, epoch=epoch, ids=ids)
-        outcomes = [r.asDict() for r in spark_deliver(frame, dests, partitions=partitions, concurrency=concurrency,
-                                                      round_seconds=round_seconds).collect()]
+        outcomes = [
+            r.asDict()
+            for r in spark_deliver(
+                frame, dests, partitions=partitions, concurrency=concurrency, round_seconds=round_seconds
+            ).collect()
+        ]
     seen = {int(o["id"]) for o in outcomes}
-    outcomes += [{"id": i, "destination": None, "ok": False, "retryable": True, "detail": NO_OUTCOME}
-                 for i in ids if i not in seen]
+    outcomes += [
+        {"id": i, "destination": None, "ok": False, "retryable": True, "detail": NO_OUTCOME}
+        for i in ids
+        if i not in seen
+    ]
     return outcomes
 
 
-def _fail_quietly(store: Store, ids: list[int], *, owner: str, epoch: int, dests: Mapping[str, Destination],
-                  detail: str) -> None:
+def _fail_quietly(
+    store: Store, ids: list[int], *, owner: str, epoch: int, dests: Mapping[str, Destination], detail: str
+) -> None:
     """After a failed round, fail its claimed heads as retryable so their lanes move on; retried
     while the database is briefly gone (`with_retries`), never raising: the original error matters
     more."""
+
     def hand_back() -> None:
         with store.transaction() as tx:
             heads = tx.all(DELIVER.read_query, {"owner": owner, "epoch": int(epoch)})
         wanted = set(ids)
-        outcomes = [{"id": int(r["id"]), "destination": r["destination"], "ok": False, "retryable": True,
-                     "detail": detail} for r in heads if int(r["id"]) in wanted]
+        outcomes = [
+            {"id": int(r["id"]), "destination": r["destination"], "ok": False, "retryable": True, "detail": detail}
+            for r in heads
+            if int(r["id"]) in wanted
+        ]
         finalize_deliveries(store, outcomes, owner=owner, epoch=epoch, destinations=dests)
 
     with_retries(hand_back, what=f"deliver {owner}: hand back {len(ids)} claimed heads", give_up_on=(StaleEpoch,))
@@ -349,8 +462,13 @@ def _parsed(destinations: Destinations) -> dict[str, Destination]:
 
 
 def _outcome(row: Mapping[str, Any], *, ok: bool, retryable: bool, detail: str) -> dict[str, Any]:
-    return {"id": int(row["id"]), "destination": row.get("destination"), "ok": bool(ok),
-            "retryable": bool(retryable) and not ok, "detail": detail}
+    return {
+        "id": int(row["id"]),
+        "destination": row.get("destination"),
+        "ok": bool(ok),
+        "retryable": bool(retryable) and not ok,
+        "detail": detail,
+    }
 
 
 def _plain(record: Mapping[str, Any]) -> dict[str, Any]:

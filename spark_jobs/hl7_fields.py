@@ -111,9 +111,7 @@ def extract(parsed: Column, path: str | FieldPath, *, unescape: bool = False) ->
     fp = path if isinstance(path, FieldPath) else parse_path(path)
     name = F.lit(fp.segment)
     # A segment is its id alone or its id followed by the field separator ("OBX|..."), not "OBXZ".
-    matching = F.filter(
-        parsed["segments"], lambda s: (s == name) | s.startswith(F.concat(name, parsed["fs"]))
-    )
+    matching = F.filter(parsed["segments"], lambda s: (s == name) | s.startswith(F.concat(name, parsed["fs"])))
     segment = F.try_element_at(matching, F.lit(fp.occurrence))
 
     if fp.segment == "MSH" and fp.field == 1:

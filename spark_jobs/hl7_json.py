@@ -52,13 +52,26 @@ def render_json(units: Column) -> Column:
     # One entry per segment: its fields split once, whether any of it needs JSON escaping, whether
     # it has structure below the field, and its unit's separators — copied once per unit out of
     # Spark's binary row, where every read of a field costs a configuration lookup (Spark 4.2).
-    entries = F.flatten(F.transform(units, lambda u: let(_separators(u["seps"]), lambda seps: F.transform(
-        u["segments"], lambda s: F.struct(
-            F.split(s, seps["fs_re"], -1).alias("parts"),
-            s.rlike(_JSON_SPECIAL).alias("special"),
-            F.coalesce(_has(s, seps["rs"]) | _has(s, seps["cs"]) | _has(s, seps["ss"]) | _has(s, seps["esc"]),
-                       F.lit(False)).alias("structured"),
-            seps.alias("seps"))))))
+    entries = F.flatten(
+        F.transform(
+            units,
+            lambda u: let(
+                _separators(u["seps"]),
+                lambda seps: F.transform(
+                    u["segments"],
+                    lambda s: F.struct(
+                        F.split(s, seps["fs_re"], -1).alias("parts"),
+                        s.rlike(_JSON_SPECIAL).alias("special"),
+                        F.coalesce(
+                            _has(s, seps["rs"]) | _has(s, seps["cs"]) | _has(s, seps["ss"]) | _has(s, seps["esc"]),
+                            F.lit(False),
+                        ).alias("structured"),
+                        seps.alias("seps"),
+                    ),
+                ),
+            ),
+        )
+    )
     # NULL units (not HL7) give NULL.
     return F.concat(F.lit('{"segments":['), F.array_join(F.transform(entries, _segment_json), ","), F.lit("]}"))
 
@@ -66,8 +79,10 @@ def render_json(units: Column) -> Column:
 def _separators(seps: Column) -> Column:
     """The unit's separators, a separator MSH-2 omits NULL rather than "" (so ``contains`` alone
     tells whether text has it: NULL is never true), and the split regexes."""
-    return F.struct(*(F.nullif(seps[name], F.lit("")).alias(name) for name in ("fs", "cs", "rs", "esc", "ss")),
-                    *(seps[name].alias(name) for name in ("fs_re", "cs_re", "rs_re", "ss_re", "esc_re")))
+    return F.struct(
+        *(F.nullif(seps[name], F.lit("")).alias(name) for name in ("fs", "cs", "rs", "esc", "ss")),
+        *(seps[name].alias(name) for name in ("fs_re", "cs_re", "rs_re", "ss_re", "esc_re")),
+    )
 
 
 def _segment_json(entry: Column) -> Column:
@@ -84,10 +99,12 @@ def _segment_json(entry: Column) -> Column:
     # Header segments: field 1 is the separator itself, field 2 (element 2) the encoding
     # characters, both plain text; their other fields start at element 3.
     lead = F.when(header, F.array(_quote(seps["fs"]), _quote(F.element_at(parts, 2)))).otherwise(
-        F.array().cast("array<string>"))
+        F.array().cast("array<string>")
+    )
     rest = F.slice(parts, F.when(header, 3).otherwise(2), count)
     fields = F.when(~header & ~entry["structured"] & ~special, F.coalesce(joined, F.lit(""))).otherwise(
-        F.concat_ws(",", lead, F.transform(rest, lambda f: _field_json(f, seps, special))))
+        F.concat_ws(",", lead, F.transform(rest, lambda f: _field_json(f, seps, special)))
+    )
     return F.concat(F.lit('{"segment":'), _quote(segment_id), F.lit(',"fields":['), fields, F.lit("]}"))
 
 
@@ -116,6 +133,7 @@ def _field_json(f: Column, seps: Column, special: Column) -> Column:
     is built from its text with splits and replaces, no value looked at on its own; only the rest
     goes value by value, decoding escapes and escaping for JSON.
     """
+
     def has(text: Column, name: str) -> Column:
         return _has(text, seps[name])
 
@@ -144,6 +162,7 @@ def _field_by_value(f: Column, seps: Column, structured: Column) -> Column:
     Every level is split (a single element stays a string: ``[`` and ``]`` only around a level
     that has the separator or one below it), so the value code appears once in the plan.
     """
+
     def level(text: Column, nested: Column, sep_re: str, item: Callable[[Column], Column]) -> Column:
         joined = F.array_join(F.transform(F.split(text, seps[sep_re], -1), item), ",")
         return F.concat_ws("", F.when(nested, F.lit("[")), joined, F.when(nested, F.lit("]")))

@@ -18,6 +18,7 @@ Idempotent: stage_routed has UNIQUE (source_id, destination) and the finalize on
 sources it finishes itself, so a re-run after a crash between land and finalize lands no
 duplicates; the next finalize of those sources removes the dead run's landing rows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -73,6 +73,7 @@ def _match_routes(
     if not regular:
         matches = F.array(*(F.lit(True) for _ in routes)).cast("array<boolean>")
     else:
+
         def flags(m: Column) -> Column:
             conds = [F.lit(True) if r.when is None else _compile(r.when, m, connection) for r in regular]
             if len(conds) == len(routes):
@@ -101,6 +102,7 @@ def _fan_out(flagged: DataFrame, routes: Sequence[Route]) -> DataFrame:
     For each distinct destination the route name is a CASE over the routes that target it, in
     config order, so the first matching route wins and a destination appears at most once.
     """
+
     def matched(i: int) -> Column:
         return F.try_element_at("_matches", F.lit(i + 1))
 

@@ -25,6 +25,7 @@ handed to Spark as a local frame, and the landing rows are collected and inserte
 statement. That saves the two JDBC round trips Spark makes per read (schema probe + read) and the
 separate Spark job of a JDBC write (docs/stages.md). The transform itself always runs in Spark.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,9 +54,19 @@ Transform = Callable[..., DataFrame]
 """A stage's pure transform, called `transform(claimed, run_id=…)`: claimed rows → landing rows."""
 
 
-def run_stage_job(stage: Stage, store: Store, spark: SparkSession, *, transform: Transform, owner: str,
-                  epoch: int, run_id: str, batch_size: int = 10_000, lease_seconds: float | None = None,
-                  **finalize_args: Any) -> Any:
+def run_stage_job(
+    stage: Stage,
+    store: Store,
+    spark: SparkSession,
+    *,
+    transform: Transform,
+    owner: str,
+    epoch: int,
+    run_id: str,
+    batch_size: int = 10_000,
+    lease_seconds: float | None = None,
+    **finalize_args: Any,
+) -> Any:
     """One run of `stage`: claim up to `batch_size` due rows, read them, `transform` them, land the
     result and finalize it fenced by `epoch` (module docstring); the stage's outcome.
 
@@ -65,29 +76,34 @@ def run_stage_job(stage: Stage, store: Store, spark: SparkSession, *, transform:
     """
     if stage.landing is None:
         raise ValueError(f"stage {stage.name} lands nothing: it runs its own job")
-    claimed_ids = claim(store, stage, owner=owner, epoch=epoch, batch_size=batch_size,
-                        lease_seconds=lease_seconds)
+    claimed_ids = claim(store, stage, owner=owner, epoch=epoch, batch_size=batch_size, lease_seconds=lease_seconds)
     if not claimed_ids:
         return stage.outcome(run_id=run_id)
     small = is_small(claimed_ids)
     try:
         claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=claimed_ids)
         land(store, transform(claimed, run_id=run_id), stage.landing, small=small)
-        outcome = finalize(store, stage, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids,
-                           **finalize_args)
+        outcome = finalize(
+            store, stage, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids, **finalize_args
+        )
     except StaleEpoch:
         raise
     except BaseException as exc:
         discard_quietly(store, stage.landing, run_id)
         release_quietly(store, stage.input, claimed_ids, owner=owner, epoch=epoch, error=exc)
         raise
-    log.info("%s run %s: %s", stage.name, run_id, ", ".join(
-        f"{key} {len(value)}" for key, value in vars(outcome).items() if isinstance(value, tuple)))
+    log.info(
+        "%s run %s: %s",
+        stage.name,
+        run_id,
+        ", ".join(f"{key} {len(value)}" for key, value in vars(outcome).items() if isinstance(value, tuple)),
+    )
     return outcome
 
 
-def claim(store: Store, stage: Stage, *, owner: str, epoch: int, batch_size: int,
-          lease_seconds: float | None = None) -> list[int]:
+def claim(
+    store: Store, stage: Stage, *, owner: str, epoch: int, batch_size: int, lease_seconds: float | None = None
+) -> list[int]:
     """Claim up to `batch_size` due rows of the stage's input for `owner`, in lane order; their ids."""
     with store.transaction() as tx:
         rows = claim_batch(tx, stage.input, owner=owner, epoch=epoch, limit=batch_size, lease_seconds=lease_seconds)
@@ -99,9 +115,18 @@ def is_small(claimed_ids: Sequence[int]) -> bool:
     return len(claimed_ids) <= SMALL_BATCH_ROWS
 
 
-def read_claimed(store: Store, spark: SparkSession, stage: Stage, *, owner: str, epoch: int, small: bool = False,
-                 ids: Sequence[int] = (), rows_per_partition: int = READ_PARTITION_ROWS,
-                 max_partitions: int = READ_PARTITIONS) -> DataFrame:
+def read_claimed(
+    store: Store,
+    spark: SparkSession,
+    stage: Stage,
+    *,
+    owner: str,
+    epoch: int,
+    small: bool = False,
+    ids: Sequence[int] = (),
+    rows_per_partition: int = READ_PARTITION_ROWS,
+    max_partitions: int = READ_PARTITIONS,
+) -> DataFrame:
     """The rows `owner` claimed under `epoch`, via the stage's read-only query, as `stage.schema`.
 
     `small`: the rows are read here and sent to Spark as a local frame.
@@ -113,15 +138,22 @@ def read_claimed(store: Store, spark: SparkSession, stage: Stage, *, owner: str,
     query = stage.read_sql(store, owner=owner, epoch=epoch)
     ranges = id_ranges(ids, rows=rows_per_partition, most=max_partitions) if ids else []
     if len(ranges) < 2:
-        return (spark.read.format("jdbc").options(**jdbc_options(store.config))
-                .option("query", query).option("customSchema", stage.schema).option("fetchsize", "1000")
-                .load())
+        return (
+            spark.read.format("jdbc")
+            .options(**jdbc_options(store.config))
+            .option("query", query)
+            .option("customSchema", stage.schema)
+            .option("fetchsize", "1000")
+            .load()
+        )
     # One partition (own connection, own query) per id range: the transform and the landing write
     # then run on as many cores as there are ranges, not on one.
-    return spark.read.jdbc(jdbc_options(store.config)["url"], f"({query}) claimed",
-                           predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
-                           properties={**jdbc_options(store.config), "customSchema": stage.schema,
-                                       "fetchsize": "1000"})
+    return spark.read.jdbc(
+        jdbc_options(store.config)["url"],
+        f"({query}) claimed",
+        predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
+        properties={**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"},
+    )
 
 
 def id_ranges(
@@ -135,8 +167,9 @@ def id_ranges(
     return [(ordered[a], ordered[b - 1]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def land(store: Store, frame: DataFrame, landing: Landing, *, batch_rows: int = WRITE_BATCH_ROWS,
-         small: bool = False) -> None:
+def land(
+    store: Store, frame: DataFrame, landing: Landing, *, batch_rows: int = WRITE_BATCH_ROWS, small: bool = False
+) -> None:
     """Append `frame` to the landing table over JDBC, or (`small`) collect it and insert it here.
 
     SQLite admits one writer at a time, so it gets one writing connection; a server database gets
@@ -148,8 +181,14 @@ def land(store: Store, frame: DataFrame, landing: Landing, *, batch_rows: int = 
             with store.transaction() as tx:
                 tx.execute(f"{landing.table}_insert", {"rows": json.dumps(landed)})
         return
-    writer = (frame.select(*landing.columns).write.format("jdbc").options(**jdbc_options(store.config))
-              .option("dbtable", landing.table).option("batchsize", str(batch_rows)).mode("append"))
+    writer = (
+        frame.select(*landing.columns)
+        .write.format("jdbc")
+        .options(**jdbc_options(store.config))
+        .option("dbtable", landing.table)
+        .option("batchsize", str(batch_rows))
+        .mode("append")
+    )
     if store.backend == "sqlite":
         writer = writer.option("numPartitions", "1")
     started = time.perf_counter()
@@ -170,8 +209,9 @@ def finalize(store: Store, stage: Stage, *, run_id: str, **finalize_args: Any) -
         raise
 
 
-def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
-                    error: BaseException) -> None:
+def release_quietly(
+    store: Store, table: StagedTable, ids: list[int], *, owner: str, epoch: int, error: BaseException
+) -> None:
     """After a failed run, hand its claimed rows back at once (best effort) instead of leaving them
     in flight — holding their lanes — until the sweep: due again now, the failure in `last_error`
     and an `attempt_failed` event; after SWEEP_MAX_ATTEMPTS claims `dead`, as the sweep would.
@@ -181,8 +221,17 @@ def release_quietly(store: Store, table: StagedTable, ids: list[int], *, owner: 
 
     def hand_back() -> None:
         with store.transaction() as tx:
-            fail_batch(tx, table, ids, owner=owner, epoch=epoch, error=detail, max_attempts=SWEEP_MAX_ATTEMPTS,
-                       backoff_seconds=0.0, max_backoff_seconds=0.0)
+            fail_batch(
+                tx,
+                table,
+                ids,
+                owner=owner,
+                epoch=epoch,
+                error=detail,
+                max_attempts=SWEEP_MAX_ATTEMPTS,
+                backoff_seconds=0.0,
+                max_backoff_seconds=0.0,
+            )
 
     with_retries(hand_back, what=f"hand back {len(ids)} claimed rows of {table.name}")
 

@@ -11,6 +11,7 @@ code hook if it names one (`spark_jobs.code_hook`). A message the rules cannot r
 NULL payload and is dead-lettered by the finalize. Rows bound for a pass-through destination
 (`include.stage_config.passthrough_destinations`) are left out: the finalize moves them in SQL.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -54,9 +55,15 @@ def code_hooks(destinations: Mapping[str, Destination]) -> dict[str, str]:
     return {name: dest.code for name, dest in destinations.items() if dest.code}
 
 
-def outbound_rows(claimed: DataFrame, specs: Sequence[Mapping[str, Any] | Transform],
-                  lookups: Mapping[str, Mapping[str, str]], destinations: Mapping[str, Destination], *,
-                  run_id: str, code_dir: str | None = None) -> DataFrame:
+def outbound_rows(
+    claimed: DataFrame,
+    specs: Sequence[Mapping[str, Any] | Transform],
+    lookups: Mapping[str, Mapping[str, str]],
+    destinations: Mapping[str, Destination],
+    *,
+    run_id: str,
+    code_dir: str | None = None,
+) -> DataFrame:
     """Claimed routed rows → landing rows (pure; no I/O). NULL payload = not to be delivered: the
     rules could not read the message, or a rule or the destination's code hook (run after the
     rules, `spark_jobs.code_hook`, modules from `code_dir`) dead-lettered it, the reason then in
@@ -66,16 +73,34 @@ def outbound_rows(claimed: DataFrame, specs: Sequence[Mapping[str, Any] | Transf
     if passing:
         claimed = claimed.where(~F.col("destination").isin(passing))
     laned = claimed.withColumn("lane_key", lane_key(F.col("destination"), F.col("payload"), destinations))
-    rewritten = laned.transform(transform, specs, lookups, carry=("source_id", "message_id", "control_id", "lane_key"),
-                                message_id_col="message_id").transform(
-        apply_code_hooks, code_hooks(destinations), code_dir)
-    return rewritten.select(F.lit(run_id).alias("run_id"), "source_id", F.col("id").alias("routed_id"), "destination",
-                            "content_type", "lane_key", "payload", "message_id", "control_id")
+    rewritten = laned.transform(
+        transform,
+        specs,
+        lookups,
+        carry=("source_id", "message_id", "control_id", "lane_key"),
+        message_id_col="message_id",
+    ).transform(apply_code_hooks, code_hooks(destinations), code_dir)
+    return rewritten.select(
+        F.lit(run_id).alias("run_id"),
+        "source_id",
+        F.col("id").alias("routed_id"),
+        "destination",
+        "content_type",
+        "lane_key",
+        "payload",
+        "message_id",
+        "control_id",
+    )
 
 
-def checked(store: Store, specs: Sequence[Mapping[str, Any] | Transform], destinations: Mapping[str, Destination], *,
-            lookups: Mapping[str, Mapping[str, str]] | None = None,
-            code_dir: str | None = None) -> Callable[..., DataFrame]:
+def checked(
+    store: Store,
+    specs: Sequence[Mapping[str, Any] | Transform],
+    destinations: Mapping[str, Destination],
+    *,
+    lookups: Mapping[str, Mapping[str, str]] | None = None,
+    code_dir: str | None = None,
+) -> Callable[..., DataFrame]:
     """`outbound_rows` bound to this config, once it holds: the specs parsed against the lookup tables
     (`lookups`, or the store's read now) and the destinations' code hooks imported (from `code_dir`
     first). Call it before the claim: a config that cannot run claims nothing."""

@@ -178,8 +178,9 @@ def transform(
     return frame.select("id", "destination", content_type.alias("content_type"), payload.alias("payload"), *carry)
 
 
-def _fold(specs: Sequence[Transform], payload: Column, tables: Mapping[str, tuple[Column, bool]],
-          ctx: _Context) -> Column:
+def _fold(
+    specs: Sequence[Transform], payload: Column, tables: Mapping[str, tuple[Column, bool]], ctx: _Context
+) -> Column:
     """Each row's payload parsed into units, then its destination's rules applied in order; NULL for
     a destination without a spec.
 
@@ -227,8 +228,11 @@ class _Context:
 
 
 def _may_dead_letter(rule: Rule) -> bool:
-    return (isinstance(rule, DeadLetter) or (isinstance(rule, MapField) and rule.dead_letter)
-            or (isinstance(rule, FormatDate) and rule.on_error == "dead_letter"))
+    return (
+        isinstance(rule, DeadLetter)
+        or (isinstance(rule, MapField) and rule.dead_letter)
+        or (isinstance(rule, FormatDate) and rule.on_error == "dead_letter")
+    )
 
 
 def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Column, bool]], ctx: _Context) -> Column:
@@ -237,6 +241,7 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
     ``units`` must be an in-memory value (inside :func:`_fold`): a unit's separators are read at
     every use, which from Spark's binary row format would cost a configuration lookup each time.
     """
+
     def on_unit(u: Column, i: Column, seps: Column) -> Column:
         # A batch's later messages get control ids of their own: the unit index joins the seed.
         unit_ctx = replace(
@@ -257,7 +262,6 @@ def _apply_to_messages(units: Column, rule: Rule, tables: Mapping[str, tuple[Col
 def _render_hl7(units: Column) -> Column:
     """All segments, each ending with CR."""
     return F.concat(F.array_join(F.flatten(F.transform(units, lambda u: u["segments"])), "\r"), F.lit("\r"))
-
 
 
 def _tables(rules: Sequence[Rule], lookups: Mapping[str, Mapping[str, str]]) -> dict[str, tuple[Column, bool]]:
@@ -361,8 +365,9 @@ def _separators(header: Column) -> Column:
 # --- rules ----------------------------------------------------------------------------------
 
 
-def _apply_rule(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tuple[Column, bool]],
-                ctx: _Context) -> Column:
+def _apply_rule(
+    rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tuple[Column, bool]], ctx: _Context
+) -> Column:
     """One rule over one message's segment array."""
     if isinstance(rule, DeadLetter):
         return segs
@@ -416,6 +421,7 @@ def _rule_error(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tup
         reason = f"dead-lettered: the value at {rule.path} is not in lookup table {rule.table!r}"
         return F.when(_any_value(segs, rule.path, seps, missing, each=rule.each), F.lit(reason))
     if isinstance(rule, FormatDate) and rule.on_error == "dead_letter":
+
         def unreadable(v: Column) -> Column:
             return (v != "") & _parse_datetime(v, rule.from_format).isNull()
 
@@ -427,16 +433,21 @@ def _rule_error(rule: Rule, segs: Column, seps: Column, tables: Mapping[str, tup
 def _any_value(segs: Column, path: FieldPath, seps: Column, test: Callable[[Column], Column], *, each: bool) -> Column:
     """Whether ``test`` holds for the value at ``path`` (in any occurrence, with ``each``); never NULL."""
     if each:
-        return F.exists(segs, lambda s: _is_segment(s, path.segment, seps) & F.coalesce(test(_read(s, path, seps)),
-                                                                                       F.lit(False)))
+        return F.exists(
+            segs, lambda s: _is_segment(s, path.segment, seps) & F.coalesce(test(_read(s, path, seps)), F.lit(False))
+        )
     source = F.try_element_at(segs, _occurrence_index(segs, path, seps) + 1)
     return F.coalesce(test(_read(source, path, seps)), F.lit(False))
 
 
 def _add_segment(rule: AddSegment, segs: Column, seps: Column) -> Column:
     """Insert the segment (its standard separators translated to the message's own)."""
-    text = F.call_function("translate", F.lit(rule.text), F.lit("|^~\\&"),
-                           F.concat(seps["fs"], seps["cs"], seps["rs"], seps["esc"], seps["ss"]))
+    text = F.call_function(
+        "translate",
+        F.lit(rule.text),
+        F.lit("|^~\\&"),
+        F.concat(seps["fs"], seps["cs"], seps["rs"], seps["esc"], seps["ss"]),
+    )
     if rule.after is None and rule.before is None:
         return F.concat(segs, F.array(text))
     anchor = rule.after or rule.before
@@ -466,10 +477,12 @@ def _structural_escape(value: Column, target: FieldPath, seps: Column) -> Column
     return _escape(value, seps, ("fs", "rs", "cs", "ss")[:depth], escape_escape=False)
 
 
-def _compute(segs: Column, source: FieldPath, target: FieldPath, seps: Column, fn: Callable[[Column], Column], *,
-             each: bool) -> Column:
+def _compute(
+    segs: Column, source: FieldPath, target: FieldPath, seps: Column, fn: Callable[[Column], Column], *, each: bool
+) -> Column:
     """TARGET := fn(raw text at SOURCE). A missing or empty source, or fn giving NULL, leaves TARGET
     alone; fn giving "" clears it."""
+
     def result(v: Column) -> Column:
         return F.when(v != "", fn(v))
 
@@ -504,11 +517,21 @@ def _function(rule: StringFunction | FormatDate, seps: Column) -> Callable[[Colu
     if rule.op == "upper":
         return F.upper  # escape codes (\F\ \S\ \T\ \R\ \E\ \X..\) are upper case already
     if rule.op == "lower":
+
         def lower(v: Column) -> Column:
             # Literal text sits at even positions between escape characters, codes at odd ones.
             parts = F.split(v, seps["esc_re"], -1)
-            return F.array_join(F.transform(parts, lambda x, i: F.when(i == 0, F.lower(x)).when(
-                i % 2 == 0, F.concat(seps["esc"], F.lower(x))).otherwise(F.concat(seps["esc"], x))), "")
+            return F.array_join(
+                F.transform(
+                    parts,
+                    lambda x, i: (
+                        F.when(i == 0, F.lower(x))
+                        .when(i % 2 == 0, F.concat(seps["esc"], F.lower(x)))
+                        .otherwise(F.concat(seps["esc"], x))
+                    ),
+                ),
+                "",
+            )
 
         return lower
     if rule.op == "substring":
@@ -535,8 +558,20 @@ def _parse_datetime(v: Column, fmt: str) -> Column:
         g = F.regexp_extract(v, _HL7_DTM, i)
         return F.when(g != "", g).otherwise(F.lit(default))
 
-    iso = F.concat(part(1, ""), F.lit("-"), part(2, "01"), F.lit("-"), part(3, "01"), F.lit(" "), part(4, "00"),
-                   F.lit(":"), part(5, "00"), F.lit(":"), part(6, "00"), part(7, ""))
+    iso = F.concat(
+        part(1, ""),
+        F.lit("-"),
+        part(2, "01"),
+        F.lit("-"),
+        part(3, "01"),
+        F.lit(" "),
+        part(4, "00"),
+        F.lit(":"),
+        part(5, "00"),
+        F.lit(":"),
+        part(6, "00"),
+        part(7, ""),
+    )
     return F.when(v.rlike(_HL7_DTM), F.try_to_timestamp(iso, F.lit("yyyy-MM-dd HH:mm:ss[.SSSS]")))
 
 
@@ -549,8 +584,10 @@ def _concat(rule: Concat, segs: Column, seps: Column) -> Column:
         else:
             seg = F.try_element_at(segs, _occurrence_index(segs, part, seps) + 1)
             pieces.append(F.coalesce(_structural_escape(_read(seg, part, seps), rule.target, seps), F.lit("")))
-    return let(F.concat(*pieces), lambda v: _edit_segments(
-        segs, rule.target, seps, lambda s: _write(s, rule.target, v, seps, pad=v != "")))
+    return let(
+        F.concat(*pieces),
+        lambda v: _edit_segments(segs, rule.target, seps, lambda s: _write(s, rule.target, v, seps, pad=v != "")),
+    )
 
 
 def _generated(rule: Generate, ctx: _Context) -> Column:
@@ -728,9 +765,7 @@ def _put(text: Column, levels: Sequence[tuple[Column, Column, int]], value: Colu
     prefix = F.call_function("substring_index", text, sep, F.lit(index - 1))  # elements 1 .. index-1
     after = F.substr(text, F.length(prefix) + 2, F.lit(_REST))  # from element `index` on
     element = F.call_function("substring_index", after, sep, F.lit(1))
-    replaced = bound(
-        element, lambda e: F.concat(prefix, sep, put(e), F.substr(after, F.length(e) + 1, F.lit(_REST)))
-    )
+    replaced = bound(element, lambda e: F.concat(prefix, sep, put(e), F.substr(after, F.length(e) + 1, F.lit(_REST))))
     filler = F.call_function("repeat", sep, F.lit(index - 1) - separators)
     fresh, unaddressable = _fresh(rest, value)
     return (

@@ -1,5 +1,6 @@
 """Session fixtures: a throwaway PostgreSQL cluster (started and removed by the test run) and
 fresh migrated stores on PostgreSQL and SQLite for each test."""
+
 from __future__ import annotations
 
 import itertools
@@ -39,8 +40,15 @@ def pg_server() -> Iterator[PostgresServer]:
 
 def pg_config(server: PostgresServer, database: str, **overrides) -> StoreConfig:
     # The suite's server runs with fsync off (speed): say so, or listenerd refuses it (docs/store.md).
-    return StoreConfig(backend="postgres", server=server.host, port=server.port, database=database,
-                       username=server.user, pool_size=8, **{"allow_unsafe_durability": True, **overrides})
+    return StoreConfig(
+        backend="postgres",
+        server=server.host,
+        port=server.port,
+        database=database,
+        username=server.user,
+        pool_size=8,
+        **{"allow_unsafe_durability": True, **overrides},
+    )
 
 
 @pytest.fixture
@@ -81,8 +89,7 @@ def sqlite_config_fresh(tmp_path) -> StoreConfig:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_config(request) -> StoreConfig:
-    return request.getfixturevalue(f"{request.param}_config_fresh" if request.param == "sqlite"
-                                   else "pg_config_fresh")
+    return request.getfixturevalue(f"{request.param}_config_fresh" if request.param == "sqlite" else "pg_config_fresh")
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ SimpleAuthManager; no store behind it) answers `/ui/connections/hook_meta`, the 
 builds its connection form from, out of the installed `stageline` provider's info. The view is
 still found once, from the plugins folder, with no plugin import error beside it. The providers
 manager's side, in process: tests/dags/test_provider.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,18 +27,27 @@ def api_server(tmp_path_factory):
 
 
 def test_the_connections_form_offers_the_stageline_type_with_its_fields(api_server):
-    status, meta, _ = http(api_server.port, "GET", "/ui/connections/hook_meta",
-                           token=token_for(api_server.port, "admin"))
+    status, meta, _ = http(
+        api_server.port, "GET", "/ui/connections/hook_meta", token=token_for(api_server.port, "admin")
+    )
     assert status == 200, meta
     by_type = {m["connection_type"]: m for m in meta}
     assert "stageline" in by_type, sorted(by_type)
     stageline = by_type["stageline"]
     assert (stageline["hook_class_name"], stageline["hook_name"]) == (
-        "stageline_airflow.hooks.StagelineStoreHook", "Stageline store")
+        "stageline_airflow.hooks.StagelineStoreHook",
+        "Stageline store",
+    )
 
     shown = {field: stageline["standard_fields"][key] for field, key in STANDARD_FIELDS.items()}
-    assert shown == {field: {"hidden": False, "title": STORE_FORM["relabeling"].get(field),
-                             "placeholder": STORE_FORM["placeholders"][field]} for field in STANDARD_FIELDS}
+    assert shown == {
+        field: {
+            "hidden": False,
+            "title": STORE_FORM["relabeling"].get(field),
+            "placeholder": STORE_FORM["placeholders"][field],
+        }
+        for field in STANDARD_FIELDS
+    }
     assert shown["schema"]["title"] == "Database"  # the store's database, not its PostgreSQL schema
     assert stageline["extra_fields"] is None
 

@@ -8,6 +8,7 @@ the UI's nav, sees the cluster and a message's trail, requeues the dead letter a
 message; the audit events then name the Airflow user. The endpoints refuse a request without an
 Airflow user, and replay/requeue by a VIEWER. Screenshots: the test's tmp dir (paths printed),
 the clustered (PostgreSQL) run's copied to docs/img/ (`STAGELINE_VIEW_SCREENSHOTS=0` skips the copy)."""
+
 from __future__ import annotations
 
 import json
@@ -40,15 +41,22 @@ from tests.support.hostile import adt
 from tests.support.queries import rows_of
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = {"enabled": True, "cluster_name": "test-cluster", "heartbeat_seconds": 1.0,
-           "leader_fence_timeout_seconds": 4.0, "leader_lease_ttl_seconds": 6.0, "node_timeout_seconds": 5.0}
+CLUSTER = {
+    "enabled": True,
+    "cluster_name": "test-cluster",
+    "heartbeat_seconds": 1.0,
+    "leader_fence_timeout_seconds": 4.0,
+    "leader_lease_ttl_seconds": 6.0,
+    "node_timeout_seconds": 5.0,
+}
 PASSWORDS = {"admin": "admin-pw", "viewer": "viewer-pw"}
 DAG_RUN = "manual__2026-11-24T05:00:00+00:00"
 AIRFLOW_BIN = str(Path(sys.executable).parent / "airflow")
 
 
-def http(port: int, method: str, path: str, *, token: str | None = None, body: dict | None = None,
-         cookie: str | None = None) -> tuple[int, dict | str, dict]:
+def http(
+    port: int, method: str, path: str, *, token: str | None = None, body: dict | None = None, cookie: str | None = None
+) -> tuple[int, dict | str, dict]:
     """One request, no redirects followed: (status, JSON or text, headers)."""
     headers = {"Content-Type": "application/json"}
     if token:
@@ -60,8 +68,12 @@ def http(port: int, method: str, path: str, *, token: str | None = None, body: d
         def redirect_request(self, *args, **kwargs):
             return None
 
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, headers=headers,
-                                 data=json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method=method,
+        headers=headers,
+        data=json.dumps(body).encode() if body is not None else None,
+    )
     try:
         with urllib.request.build_opener(NoRedirect).open(req, timeout=30) as resp:
             status, raw, got = resp.status, resp.read(), dict(resp.headers)
@@ -91,16 +103,25 @@ def migrated_airflow_home(var: Path) -> dict[str, str]:
     home = Path(env["AIRFLOW_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     (home / "passwords.json").write_text(json.dumps(PASSWORDS))
-    env.update({
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
-        "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
-    })
+    env.update(
+        {
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+        }
+    )
     env.pop("AIRFLOW_CONN_STAGELINE_SPARK", None)
     started = time.monotonic()
-    subprocess.run([AIRFLOW_BIN, "db", "migrate"], cwd=ROOT, env={**os.environ, **env}, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    subprocess.run(
+        [AIRFLOW_BIN, "db", "migrate"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=600,
+    )
     print(f"\nairflow metadata DB migrated in {time.monotonic() - started:.1f} s")
     return env
 
@@ -110,17 +131,28 @@ class ApiServer:
 
     def __init__(self, env: dict[str, str], service_config: Path, log: Path) -> None:
         self.port = free_port()
-        self.env = {**os.environ, **env, "STAGELINE_CONFIG": str(service_config),
-                    "AIRFLOW__API__PORT": str(self.port),
-                    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/"}
+        self.env = {
+            **os.environ,
+            **env,
+            "STAGELINE_CONFIG": str(service_config),
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
+        }
         self.log_path = log
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ApiServer:
         self.log = open(self.log_path, "ab")
         started = time.monotonic()
-        self.proc = subprocess.Popen([AIRFLOW_BIN, "api-server", "--port", str(self.port)], cwd=ROOT, env=self.env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [AIRFLOW_BIN, "api-server", "--port", str(self.port)],
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
         def up() -> bool:
             if self.proc.poll() is not None:
                 return True  # exited: said below
@@ -157,8 +189,15 @@ def view(request, airflow_home, tmp_path_factory):
     else:
         store_config = request.getfixturevalue("pg_config_fresh_module")
         nodes.append(Daemon(work / "a", store_config, node_id="node-a:1:aa", cluster=CLUSTER, inbound=inbound))
-        nodes.append(Daemon(work / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER,
-                            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": free_port()}]))
+        nodes.append(
+            Daemon(
+                work / "b",
+                store_config,
+                node_id="node-b:2:bb",
+                cluster=CLUSTER,
+                inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": free_port()}],
+            )
+        )
     server = ApiServer(airflow_home, nodes[0].workdir / "stageline.toml", work / "api-server.log")
     try:
         nodes[0].start()
@@ -172,8 +211,10 @@ def view(request, airflow_home, tmp_path_factory):
         s = Store(store_config)
         try:
             with s.transaction() as tx:  # what a route that keeps failing leaves: a dead letter
-                tx.conn.cursor().execute("UPDATE stage_inbound SET status = 'dead', attempts = 5, "
-                                         "last_error = 'no route matched' WHERE control_id = 'VIEW2'")
+                tx.conn.cursor().execute(
+                    "UPDATE stage_inbound SET status = 'dead', attempts = 5, "
+                    "last_error = 'no route matched' WHERE control_id = 'VIEW2'"
+                )
             # a route micro-batch as a stage task runs one (no Spark here: no route matches VIEW0),
             # through the same primitives and history: the message's trail names the batch's owner
             epoch = read_lease(s).epoch
@@ -182,9 +223,17 @@ def view(request, airflow_home, tmp_path_factory):
             with s.transaction() as tx:
                 claimed = [r["id"] for r in rowlease.claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=1)]
                 rowlease.finish_batch(tx, INBOUND, claimed, owner=owner, epoch=epoch, status="unrouted")
-            operator.record_batch(s, stage="route", owner=owner, dag_id="stage_route", run_id=f"{DAG_RUN}#1.0",
-                                  try_number=1, epoch=epoch, seconds=time.monotonic() - started,
-                                  counts={"claimed": len(claimed), "routed": 0, "unrouted": len(claimed)})
+            operator.record_batch(
+                s,
+                stage="route",
+                owner=owner,
+                dag_id="stage_route",
+                run_id=f"{DAG_RUN}#1.0",
+                try_number=1,
+                epoch=epoch,
+                seconds=time.monotonic() - started,
+                counts={"claimed": len(claimed), "routed": 0, "unrouted": len(claimed)},
+            )
         finally:
             s.close()
         server.start()
@@ -204,17 +253,26 @@ def pg_config_fresh_module(pg_server):
 
 
 def audit_events(store_config: StoreConfig) -> list[dict]:
-    return rows_of(store_config, "SELECT event, stage, control_id, node_id, detail FROM message_events "
-                                 "WHERE node_id LIKE 'operator:%' ORDER BY id")
+    return rows_of(
+        store_config,
+        "SELECT event, stage, control_id, node_id, detail FROM message_events "
+        "WHERE node_id LIKE 'operator:%' ORDER BY id",
+    )
 
 
 def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):
     server, store_config, backend = view
     port = server.port
-    for method, path in (("GET", "/stageline/api/cluster"), ("GET", "/stageline/api/stages"),
-                         ("GET", "/stageline/api/messages?control_id=VIEW1"), ("GET", "/stageline/api/messages/VIEW1"),
-                         ("GET", "/stageline/api/dead"), ("GET", "/stageline/api/batches"),
-                         ("POST", "/stageline/api/requeue"), ("POST", "/stageline/api/messages/VIEW1/replay")):
+    for method, path in (
+        ("GET", "/stageline/api/cluster"),
+        ("GET", "/stageline/api/stages"),
+        ("GET", "/stageline/api/messages?control_id=VIEW1"),
+        ("GET", "/stageline/api/messages/VIEW1"),
+        ("GET", "/stageline/api/dead"),
+        ("GET", "/stageline/api/batches"),
+        ("POST", "/stageline/api/requeue"),
+        ("POST", "/stageline/api/messages/VIEW1/replay"),
+    ):
         body = {"stage": "inbound", "lane": "P2", "from": "inbound", "reason": "x"} if method == "POST" else None
         status, doc, _ = http(port, method, path, body=body)
         assert status == 401, (path, status, doc)
@@ -236,10 +294,18 @@ def test_the_endpoints_refuse_a_request_without_an_airflow_user(view):
         assert cluster["lease_expires_at"] > cluster["db_now"]
     status, found, _ = http(port, "GET", "/stageline/api/messages?control_id=VIEW1", token=viewer)
     assert status == 200 and [m["control_id"] for m in found["messages"]] == ["VIEW1"]
-    assert http(port, "POST", "/stageline/api/requeue", token=viewer,
-                body={"stage": "inbound", "lane": "P2", "reason": "x"})[0] == 403
-    assert http(port, "POST", "/stageline/api/messages/VIEW1/replay", token=viewer,
-                body={"from": "inbound", "reason": "x"})[0] == 403
+    assert (
+        http(
+            port, "POST", "/stageline/api/requeue", token=viewer, body={"stage": "inbound", "lane": "P2", "reason": "x"}
+        )[0]
+        == 403
+    )
+    assert (
+        http(
+            port, "POST", "/stageline/api/messages/VIEW1/replay", token=viewer, body={"from": "inbound", "reason": "x"}
+        )[0]
+        == 403
+    )
     admin = token_for(port, "admin")
     assert http(port, "POST", "/stageline/api/messages/VIEW1/replay", token=admin, body={"from": "inbound"})[0] == 400
     assert http(port, "GET", "/stageline/api/messages/NOPE", token=admin)[0] == 404
@@ -251,8 +317,10 @@ def body_reads(store_config: StoreConfig, control_id: str) -> list[tuple[str, st
     try:
         with s.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute("SELECT node_id, detail FROM message_events WHERE event = 'body_read' AND control_id = "
-                        f"'{control_id}' ORDER BY id")  # a test's own constant
+            cur.execute(
+                "SELECT node_id, detail FROM message_events WHERE event = 'body_read' AND control_id = "
+                f"'{control_id}' ORDER BY id"
+            )  # a test's own constant
             return [(r["node_id"], r["detail"]) for r in cur.fetchall()]
     finally:
         s.close()
@@ -306,11 +374,18 @@ def test_the_view_in_headless_chromium(view, tmp_path):
     base = f"http://127.0.0.1:{server.port}"
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,1000", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver", log_output=str(tmp_path / "chromedriver.log")),
-                              options=options)
+    driver = webdriver.Chrome(
+        service=Service("/usr/bin/chromedriver", log_output=str(tmp_path / "chromedriver.log")), options=options
+    )
     shots: list[Path] = []
 
     def shot(name: str, *, full: bool = False) -> None:
@@ -325,18 +400,29 @@ def test_the_view_in_headless_chromium(view, tmp_path):
             driver.set_window_size(1400, 1000)
 
     # a page replaced under a check (a search, an action's reload) only means: look again
-    wait = WebDriverWait(driver, 60, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException,
-                                                         ElementClickInterceptedException,
-                                                         ElementNotInteractableException))
+    wait = WebDriverWait(
+        driver,
+        60,
+        ignored_exceptions=(
+            NoSuchElementException,
+            StaleElementReferenceException,
+            ElementClickInterceptedException,
+            ElementNotInteractableException,
+        ),
+    )
 
     def done_says(word: str) -> bool:
         """Whether the action's banner says `word` (read in one script: the page may be reloading)."""
-        return word in driver.execute_script("const d = document.getElementById('done'); "
-                                             "return d && document.readyState === 'complete' ? d.textContent : '';")
+        return word in driver.execute_script(
+            "const d = document.getElementById('done'); "
+            "return d && document.readyState === 'complete' ? d.textContent : '';"
+        )
 
     def trail_events() -> list[str]:
-        return driver.execute_script("return Array.from(document.querySelectorAll('#trail td.event'), "
-                                     "td => td.textContent);")
+        return driver.execute_script(
+            "return Array.from(document.querySelectorAll('#trail td.event'), td => td.textContent);"
+        )
+
     try:
         # Airflow's login: the UI sends a browser without a session there
         driver.get(f"{base}/")
@@ -369,8 +455,12 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         driver.get(f"{base}/stageline/")
         wait.until(ec.presence_of_element_located((By.NAME, "control_id"))).send_keys("VIEW2")
         driver.find_element(By.CSS_SELECTOR, "form.search button").click()
-        wait.until(lambda d: "control_id=VIEW2" in d.current_url
-                   and [" VIEW2 " in r.text for r in d.find_elements(By.CSS_SELECTOR, "#search tbody tr")] == [True])
+        wait.until(
+            lambda d: (
+                "control_id=VIEW2" in d.current_url
+                and [" VIEW2 " in r.text for r in d.find_elements(By.CSS_SELECTOR, "#search tbody tr")] == [True]
+            )
+        )
         driver.find_element(By.CSS_SELECTOR, "#search tbody tr a").click()
         wait.until(ec.presence_of_element_located((By.ID, "trail")))
         assert trail_events() == ["received"], trail_events()  # staged by listenerd; nothing routed it since
@@ -433,19 +523,62 @@ def test_the_page_escapes_what_the_store_holds():
     from stageline_airflow.view_html import PageData, render
 
     hostile = "<script>alert(1)</script>"
-    message = {"id": 7, "message_id": "m7", "control_id": hostile, "connection": "adt-in", "lane_key": '"><b>',
-               "status": "dead", "attempts": 1, "charset": None, "created_ms": 0, "updated_ms": 0,
-               "last_error": hostile, "payload": f"MSH|^~\\&|{hostile}\rPID|1", "archived_ms": 0}
-    page = render(PageData(
-        user=hostile, may_operate=True,
-        cluster={"nodes": [], "leader_node_id": None, "lease_owner": None, "lease_expires_at": None, "epoch": 0,
-                 "db_now": 0.0, "config_mismatch": [], "clustered": True, "cluster_name": hostile},
-        stages={}, dead=[{"stage": "outbound", "destination": hostile, "reason": hostile, "n": 1, "oldest_ms": 0}],
-        messages=[{**message, "routed": 0, "delivered": 0, "dead": 1}], filters=operator.Filters(control_id=hostile),
-        shown=operator.Story(message, trail=[{"at_ms": 0, "stage": "inbound", "row_id": 7, "event": "received",
-                                              "from_status": None, "to_status": "pending", "destination": None,
-                                              "epoch": 1, "node_id": "n", "detail": hostile}]),
-        shown_ref="7", batches=[], done=hostile))
+    message = {
+        "id": 7,
+        "message_id": "m7",
+        "control_id": hostile,
+        "connection": "adt-in",
+        "lane_key": '"><b>',
+        "status": "dead",
+        "attempts": 1,
+        "charset": None,
+        "created_ms": 0,
+        "updated_ms": 0,
+        "last_error": hostile,
+        "payload": f"MSH|^~\\&|{hostile}\rPID|1",
+        "archived_ms": 0,
+    }
+    page = render(
+        PageData(
+            user=hostile,
+            may_operate=True,
+            cluster={
+                "nodes": [],
+                "leader_node_id": None,
+                "lease_owner": None,
+                "lease_expires_at": None,
+                "epoch": 0,
+                "db_now": 0.0,
+                "config_mismatch": [],
+                "clustered": True,
+                "cluster_name": hostile,
+            },
+            stages={},
+            dead=[{"stage": "outbound", "destination": hostile, "reason": hostile, "n": 1, "oldest_ms": 0}],
+            messages=[{**message, "routed": 0, "delivered": 0, "dead": 1}],
+            filters=operator.Filters(control_id=hostile),
+            shown=operator.Story(
+                message,
+                trail=[
+                    {
+                        "at_ms": 0,
+                        "stage": "inbound",
+                        "row_id": 7,
+                        "event": "received",
+                        "from_status": None,
+                        "to_status": "pending",
+                        "destination": None,
+                        "epoch": 1,
+                        "node_id": "n",
+                        "detail": hostile,
+                    }
+                ],
+            ),
+            shown_ref="7",
+            batches=[],
+            done=hostile,
+        )
+    )
     assert hostile not in page and '"><b>' not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "no live leader" in page
     assert "; archived 1970-01-01 00:00:00.000Z" in page  # retention archived it: the page says so

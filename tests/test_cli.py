@@ -1,4 +1,5 @@
 """The `stageline` command, run as a real subprocess against real stores."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(cfg: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*STAGELINE, "--service-config", str(cfg), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [*STAGELINE, "--service-config", str(cfg), *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert (proc.returncode == 0) is ok, proc.stderr
     return proc
 
@@ -42,16 +44,23 @@ def test_embedded_default_migrates_and_reports_single_node(tmp_path):
 def test_cluster_commands_on_postgres_show_the_live_leader(tmp_path, pg_config_fresh, monkeypatch):
     c = pg_config_fresh
     cfg = tmp_path / "stageline.toml"
-    cfg.write_text(f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\ndatabase = "{c.database}"\n'
-                   f'username = "{c.username}"\n[cluster]\nenabled = true\ncluster_name = "test-cluster"\n'
-                   'node_id = "node-a:1:aa"\nheartbeat_seconds = 1\nleader_fence_timeout_seconds = 2\n'
-                   'leader_lease_ttl_seconds = 3\nnode_timeout_seconds = 5\n')
+    cfg.write_text(
+        f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\ndatabase = "{c.database}"\n'
+        f'username = "{c.username}"\n[cluster]\nenabled = true\ncluster_name = "test-cluster"\n'
+        'node_id = "node-a:1:aa"\nheartbeat_seconds = 1\nleader_fence_timeout_seconds = 2\n'
+        "leader_lease_ttl_seconds = 3\nnode_timeout_seconds = 5\n"
+    )
     store = Store(c)
     LeaderElector(store, node_id="node-a:1:aa", ttl_seconds=30, fence_timeout_seconds=20).step()
     heartbeat(store, NodeIdentity.of("node-a:1:aa"), is_leader=True)
     store.close()
     assert json.loads(run(cfg, "cluster", "status").stdout) == {
-        "node_id": "node-a:1:aa", "clustered": True, "is_leader": True, "role": "primary", "config_version": 0}
+        "node_id": "node-a:1:aa",
+        "clustered": True,
+        "is_leader": True,
+        "role": "primary",
+        "config_version": 0,
+    }
     nodes = json.loads(run(cfg, "cluster", "nodes").stdout)
     assert nodes["leader_node_id"] == nodes["lease_owner"] == "node-a:1:aa"
 
@@ -75,8 +84,10 @@ def service_toml(tmp_path: Path, c: StoreConfig) -> Path:
     if c.backend == "sqlite":
         store = f'[store]\npath = "{c.path}"\n'
     else:
-        store = (f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
-                 f'database = "{c.database}"\nusername = "{c.username}"\n')
+        store = (
+            f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
+            f'database = "{c.database}"\nusername = "{c.username}"\n'
+        )
     cfg.write_text(store + f'[cluster]\ncluster_name = "{CLUSTER}"\n')
     return cfg
 
@@ -119,10 +130,16 @@ def test_lookups_import_list_show_sync_and_delete(tmp_path, store_config):
     (sync_dir / "notes.txt").write_text("not a table")
     out = run(cfg, "lookups", "sync", str(sync_dir)).stdout
     assert "'patient_class': 3 entries" in out and "'sex': 2 entries" in out
-    assert stored_tables(store_config) == {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"},
-                                           "sex": {"F": "female", "M": "male"}, "copy": expected}
-    assert [t["name"] for t in json.loads(run(cfg, "lookups", "list").stdout)["tables"]] == \
-        ["copy", "patient_class", "sex"]
+    assert stored_tables(store_config) == {
+        "patient_class": {"I": "IN", "O": "OUT", "E": "EMER"},
+        "sex": {"F": "female", "M": "male"},
+        "copy": expected,
+    }
+    assert [t["name"] for t in json.loads(run(cfg, "lookups", "list").stdout)["tables"]] == [
+        "copy",
+        "patient_class",
+        "sex",
+    ]
 
     assert "deleted (3 entries)" in run(cfg, "lookups", "delete", "copy").stdout
     assert set(stored_tables(store_config)) == {"patient_class", "sex"}
@@ -148,8 +165,9 @@ def test_lookups_bad_input_exits_2_with_a_clear_message_and_changes_nothing(tmp_
     assert "header 'code,value'" in fails("lookups", "import", "patient_class", swapped)
     duplicate = csv_file("dup.csv", "code,value\nI,IN\nI,X\n")
     assert "appears twice" in fails("lookups", "import", "patient_class", duplicate)
-    assert "line 3: expected 2 columns" in fails("lookups", "import", "patient_class",
-                                                 csv_file("cols.csv", "code,value\nI,IN\nO,OUT,extra\n"))
+    assert "line 3: expected 2 columns" in fails(
+        "lookups", "import", "patient_class", csv_file("cols.csv", "code,value\nI,IN\nO,OUT,extra\n")
+    )
     assert "UTF-8" in fails("lookups", "import", "patient_class", csv_file("latin1.csv", b"code,value\nI,\xe9\n"))
     assert "no entries" in fails("lookups", "import", "patient_class", csv_file("empty.csv", "code,value\n"))
     assert "must be 1" in fails("lookups", "import", "patient_class", csv_file("nocode.csv", "code,value\n,IN\n"))
@@ -178,19 +196,29 @@ def test_lookups_refuse_a_store_that_is_not_migrated(tmp_path):
 
 def test_demo_receiver_acks_with_aa_and_appends_each_message_once(tmp_path):
     out = tmp_path / "ehr"
-    receiver = subprocess.Popen([*STAGELINE, "demo", "receive", "--port", "0", "--out", str(out)], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    receiver = subprocess.Popen(
+        [*STAGELINE, "demo", "receive", "--port", "0", "--out", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         first = receiver.stdout.readline()
         port = int(re.search(r"127\.0\.0\.1:(\d+)", first).group(1))
-        template = ("MSH|^~\\&|DEMOADT|DEMOHOSP|EHR|MAIN|20250101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
-                    "PID|1||DP0^^^DEMOHOSP^MR||TEST^PATIENT\rPV1|1|IN\r")
+        template = (
+            "MSH|^~\\&|DEMOADT|DEMOHOSP|EHR|MAIN|20250101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+            "PID|1||DP0^^^DEMOHOSP^MR||TEST^PATIENT\rPV1|1|IN\r"
+        )
         acks = []
         with MLLPClient("127.0.0.1", port) as client:
             for cid in ("C1", "C2", "C1"):  # C1 again: a re-delivery
                 acks.append(hl7.parse(client.send_message(template.format(cid=cid)).decode().strip("\x0b\x1c\r\n")))
-        assert [(str(a.segment("MSA")[1]), str(a.segment("MSA")[2])) for a in acks] == \
-            [("AA", "C1"), ("AA", "C2"), ("AA", "C1")]
+        assert [(str(a.segment("MSA")[1]), str(a.segment("MSA")[2])) for a in acks] == [
+            ("AA", "C1"),
+            ("AA", "C2"),
+            ("AA", "C1"),
+        ]
         text = (out / "received.hl7").read_text()
         assert text.startswith("MSH|^~\\&|DEMOADT|DEMOHOSP|EHR|MAIN|") and "\r" not in text
         assert read_received(out / "received.hl7") == [template.format(cid="C1"), template.format(cid="C2")]
@@ -204,8 +232,13 @@ def test_demo_receiver_acks_with_aa_and_appends_each_message_once(tmp_path):
 def test_db_migrate_takes_service_config_after_the_subcommand_too(tmp_path):
     cfg = tmp_path / "stageline.toml"
     cfg.write_text('[store]\npath = "var/after.db"\n')
-    proc = subprocess.run([*STAGELINE, "db", "migrate", "--service-config", str(cfg)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [*STAGELINE, "db", "migrate", "--service-config", str(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "schema version" in proc.stdout and (tmp_path / "var" / "after.db").exists()
 
@@ -215,12 +248,22 @@ def test_up_takes_the_users_service_config_and_config_dir(tmp_path):
     cfg.write_text('[store]\npath = "var/mine.db"\n')
     conf = tmp_path / "myconf"
     conf.mkdir()
-    proc = subprocess.run([*STAGELINE, "up", "--no-stack", "--service-config", str(cfg), "--config", str(conf)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    proc = subprocess.run(
+        [*STAGELINE, "up", "--no-stack", "--service-config", str(cfg), "--config", str(conf)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "var" / "mine.db").exists()
-    missing = subprocess.run([*STAGELINE, "up", "--no-stack", "--config", str(tmp_path / "nope")],
-                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    missing = subprocess.run(
+        [*STAGELINE, "up", "--no-stack", "--config", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
@@ -231,7 +274,8 @@ def test_the_banner_and_readiness_read_ports_from_the_config_dir(tmp_path):
     assert (checkout.api_port, checkout.inbound[0]) == (8470, ("adt-in", "mllp", "127.0.0.1:2575"))
     (tmp_path / "connections.toml").write_text(
         '[api]\nport = 9471\n[[inbound]]\nname = "lab"\nkind = "mllp"\nport = 0\n'
-        '[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "/srv/in"\n')
+        '[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "/srv/in"\n'
+    )
     mine = endpoints_of(tmp_path)
     assert mine.api_port == 9471
     assert mine.inbound == (("lab", "mllp", "any free port (see var/log/listenerd)"), ("drop", "file", "/srv/in"))
@@ -247,8 +291,10 @@ PHI_BODY = f"MSH|^~\\&|ADT1|HOSP|EHR|CITY|20240101120000||ADT^A01|{MRN}|P|2.5\rP
 def _body_reads(store: Store) -> list[dict]:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
-        cur.execute("SELECT row_id, message_id, control_id, event, node_id, detail FROM message_events "
-                    "WHERE event = 'body_read' ORDER BY id")
+        cur.execute(
+            "SELECT row_id, message_id, control_id, event, node_id, detail FROM message_events "
+            "WHERE event = 'body_read' ORDER BY id"
+        )
         return [dict(r) for r in cur.fetchall()]
 
 
@@ -264,9 +310,21 @@ def test_messages_show_prints_bodies_only_with_body_and_records_the_os_user(tmp_
     try:
         epoch = acquire_permanent(store, node_id="solo:1:aa")
         with store.transaction() as tx:
-            row_id = rowlease.stage_inbound(tx, [{"message_id": "adt-1", "control_id": MRN, "connection": "adt-in",
-                                                  "lane_key": "P77", "charset": None, "payload": PHI_BODY}],
-                                            epoch=epoch, node_id="solo:1:aa")["adt-1"]
+            row_id = rowlease.stage_inbound(
+                tx,
+                [
+                    {
+                        "message_id": "adt-1",
+                        "control_id": MRN,
+                        "connection": "adt-in",
+                        "lane_key": "P77",
+                        "charset": None,
+                        "payload": PHI_BODY,
+                    }
+                ],
+                epoch=epoch,
+                node_id="solo:1:aa",
+            )["adt-1"]
         cfg = write_service_config(tmp_path, store_config, cluster=False)
 
         plain = run(cfg, "messages", "show", MRN).stdout
@@ -278,12 +336,25 @@ def test_messages_show_prints_bodies_only_with_body_and_records_the_os_user(tmp_
 
         shown = run(cfg, "messages", "show", MRN, "--body").stdout
         assert "PID|1||P77^^^HOSP^MR||DOE^JANE" in shown
-        assert json.loads(run(cfg, "messages", "show", "adt-1", "--body", "--json").stdout)["inbound"]["payload"] \
+        assert (
+            json.loads(run(cfg, "messages", "show", "adt-1", "--body", "--json").stdout)["inbound"]["payload"]
             == PHI_BODY
+        )
         me = pwd.getpwuid(os.getuid()).pw_name
-        assert _body_reads(store) == [
-            {"row_id": row_id, "message_id": "adt-1", "control_id": MRN, "event": "body_read",
-             "node_id": f"reader:cli {me}", "detail": "bodies read via cli"}] * 2
+        assert (
+            _body_reads(store)
+            == [
+                {
+                    "row_id": row_id,
+                    "message_id": "adt-1",
+                    "control_id": MRN,
+                    "event": "body_read",
+                    "node_id": f"reader:cli {me}",
+                    "detail": "bodies read via cli",
+                }
+            ]
+            * 2
+        )
     finally:
         store.close()
 

@@ -10,6 +10,7 @@ parts that can run outside a container: `haproxy -c`, HAProxy's failover between
 on loopback, `docker compose config`, the Spark Connect server command, and the PostgreSQL init
 script followed by the migrate job's own command against a throwaway PostgreSQL 15.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,10 +50,25 @@ INIT_SCRIPT = DEPLOY / "postgres-init.sh"
 APP = "/app"  # where the Dockerfile puts the repo
 
 SPARK_CLUSTER = ("spark-master", "spark-worker-a", "spark-worker-b")
-STAGELINE_SERVICES = ("stageline-migrate", "spark-connect", *SPARK_CLUSTER, "airflow-api-server", "airflow-scheduler",
-                      "airflow-scheduler-b", "airflow-dag-processor", "airflow-triggerer", "listenerd-a", "listenerd-b")
-AIRFLOW_SERVICES = ("airflow-api-server", "airflow-scheduler", "airflow-scheduler-b", "airflow-dag-processor",
-                    "airflow-triggerer")
+STAGELINE_SERVICES = (
+    "stageline-migrate",
+    "spark-connect",
+    *SPARK_CLUSTER,
+    "airflow-api-server",
+    "airflow-scheduler",
+    "airflow-scheduler-b",
+    "airflow-dag-processor",
+    "airflow-triggerer",
+    "listenerd-a",
+    "listenerd-b",
+)
+AIRFLOW_SERVICES = (
+    "airflow-api-server",
+    "airflow-scheduler",
+    "airflow-scheduler-b",
+    "airflow-dag-processor",
+    "airflow-triggerer",
+)
 LISTENERD = ("listenerd-a", "listenerd-b")
 STORE_USERS = ("stageline-migrate", *AIRFLOW_SERVICES, *LISTENERD)  # every process that opens the store
 
@@ -71,6 +87,7 @@ _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
@@ -95,6 +112,7 @@ def referenced_vars(value: str) -> set[str]:
 
 def interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's `${VAR}`, `${VAR:-default}` and `${VAR:?error}`, enough for this file."""
+
     def one(m: re.Match[str]) -> str:
         name, op, arg = m["name"], m["op"], m["arg"]
         if env.get(name):
@@ -102,6 +120,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         if op in (":-", "-"):
             return arg
         raise KeyError(f"{name} is required ({arg})")
+
     return _VAR.sub(one, value)
 
 
@@ -202,6 +221,7 @@ def api_port(listener_config) -> int:
 
 # ---- the compose file: services, image, dependencies ------------------------------------------
 
+
 def test_compose_defines_the_two_node_cluster(services):
     assert set(services) == {"postgres", "haproxy", *STAGELINE_SERVICES}
 
@@ -270,13 +290,15 @@ def test_migrate_job_runs_both_migrations_once(services):
 
 # ---- environment: what include/ reads is set where it is needed -------------------------------
 
+
 def test_store_users_get_the_service_config_and_password(services):
     for name in STORE_USERS:
         service, env = services[name], env_of(services[name])
         assert cfgmod.CONFIG_ENV in env, f"{name} lacks {cfgmod.CONFIG_ENV}"
         assert host_path(service, env[cfgmod.CONFIG_ENV]) == DEPLOY / "stageline.toml", name
-        assert referenced_vars(env.get(cfgmod.PASSWORD_ENV, "")) == {cfgmod.PASSWORD_ENV}, \
+        assert referenced_vars(env.get(cfgmod.PASSWORD_ENV, "")) == {cfgmod.PASSWORD_ENV}, (
             f"{name}: {cfgmod.PASSWORD_ENV} must come from the environment (.env), not a literal"
+        )
 
 
 def test_the_store_password_is_the_one_the_database_role_was_created_with(services):
@@ -305,9 +327,15 @@ def test_airflow_services_are_configured_alike_for_the_stage_tasks(services):
         assert cfgmod.VAR_ENV in env, name
         assert env[tasks.AIRFLOW_DB_CONN_ENV] == env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"], name
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"].startswith("http://airflow-api-server:"), name
-    for key in ("AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__API__SECRET_KEY", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
-                cfgmod.CONFIG_ENV, stage_config.PIPELINE_DIR_ENV, cfgmod.VAR_ENV,
-                "AIRFLOW_CONN_" + tasks.SPARK_CONN_ID.upper()):
+    for key in (
+        "AIRFLOW__API_AUTH__JWT_SECRET",
+        "AIRFLOW__API__SECRET_KEY",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+        cfgmod.CONFIG_ENV,
+        stage_config.PIPELINE_DIR_ENV,
+        cfgmod.VAR_ENV,
+        "AIRFLOW_CONN_" + tasks.SPARK_CONN_ID.upper(),
+    ):
         values = {env[key] for env in envs.values()}
         assert len(values) == 1, f"{key} differs between Airflow components: {values}"
     assert all(referenced_vars(env["AIRFLOW__API_AUTH__JWT_SECRET"]) for env in envs.values()), (
@@ -339,6 +367,7 @@ def test_file_deliveries_land_on_a_volume_the_task_and_the_spark_workers_share(s
     files = [d for d in cluster_pipeline.destinations.values() if d.kind == "file"]
     assert files
     for dest in files:
+
         def volume_for(service: dict[str, Any]) -> str | None:
             for volume in service.get("volumes", []):
                 source, target = str(volume).split(":")[:2]
@@ -348,10 +377,12 @@ def test_file_deliveries_land_on_a_volume_the_task_and_the_spark_workers_share(s
 
         shared = volume_for(scheduler)
         for name in ("spark-connect", "airflow-scheduler-b", "spark-worker-a", "spark-worker-b"):
-            assert shared is not None and shared == volume_for(services[name]), \
+            assert shared is not None and shared == volume_for(services[name]), (
                 f"{dest.name}: {dest.directory} is not on one volume mounted in the schedulers and {name}"
-        assert re.search(rf"mkdir -p [^\n]*{re.escape(dest.directory)}\b", dockerfile), \
+            )
+        assert re.search(rf"mkdir -p [^\n]*{re.escape(dest.directory)}\b", dockerfile), (
             f"{dest.name}: the image does not create {dest.directory}"
+        )
 
 
 def test_spark_connect_command_matches_include_spark(services):
@@ -389,6 +420,7 @@ def test_compose_interpolates_with_a_complete_env_and_refuses_without_it(compose
 
 # ---- the two listenerd nodes -------------------------------------------------------------------
 
+
 def test_both_listenerd_nodes_run_the_same_config(services):
     a, b = (services[name] for name in LISTENERD)
     for key in ("image", "build", "command", "environment", "volumes", "depends_on", "healthcheck"):
@@ -416,6 +448,7 @@ def test_listenerd_gets_every_api_token_its_config_names(services, listener_conf
 
 # ---- deploy/stageline.toml and deploy/config/ with Stageline's own loaders --------------------
 
+
 def test_cluster_service_config_loads_and_passes_the_rules():
     config = cfgmod.load(DEPLOY / "stageline.toml")
     store, cluster = config.store, config.cluster
@@ -434,7 +467,8 @@ def test_cluster_service_config_names_the_database_the_init_script_creates():
     assert re.search(rf"CREATE ROLE {config.store.username} LOGIN", init)
     assert re.search(rf"CREATE DATABASE {config.store.database} OWNER {config.store.username}\b", init)
     conn = yaml.safe_load(COMPOSE.read_text())["services"]["airflow-scheduler"]["environment"][
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"
+    ]
     user, database = re.search(r"://(\w+):.*/(\w+)$", conn).groups()
     assert re.search(rf"CREATE DATABASE {database} OWNER {user}\b", init)
 
@@ -462,6 +496,7 @@ def test_cluster_config_dir_loads_with_listenerds_loader(listener_config):
 
 
 # ---- HAProxy: the VIP ---------------------------------------------------------------------------
+
 
 def _duration_ms(value: str) -> float:
     number, unit = re.fullmatch(r"(\d+)(ms|s)?", value).groups()
@@ -502,14 +537,19 @@ def test_haproxy_drops_a_silent_leader_within_two_seconds():
     # MLLP: listenerd ends its own sessions when it stops leading (HAProxy cutting them raced a clean
     # stop's last ACKs); the API port stays open on a standby, so its sessions are cut by HAProxy
     assert "shutdown-sessions" not in " ".join(sections["defaults"] + sections["backend mllp_leader"])
-    assert all("on-marked-down shutdown-sessions" in line for line in sections["backend api_leader"]
-               if line.startswith("server "))
+    assert all(
+        "on-marked-down shutdown-sessions" in line
+        for line in sections["backend api_leader"]
+        if line.startswith("server ")
+    )
 
 
 def test_haproxy_service_mounts_the_config_and_publishes_the_vip(services, data_port, api_port):
     haproxy = services["haproxy"]
-    assert any(target == "/usr/local/etc/haproxy/haproxy.cfg" and source == HAPROXY_CFG
-               for source, target in bind_mounts(haproxy))
+    assert any(
+        target == "/usr/local/etc/haproxy/haproxy.cfg" and source == HAPROXY_CFG
+        for source, target in bind_mounts(haproxy)
+    )
     published = {}
     for spec in haproxy["ports"]:
         host_ip, host_port, container_port = interpolate(str(spec), {}).split(":")
@@ -658,8 +698,10 @@ def local_haproxy(tmp_path, data_port, api_port) -> Iterator[tuple[dict[str, int
         assert count, f"deploy/haproxy.cfg no longer matches {pattern}"
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(text)
-    nodes = {name: _StandIn(name, host, node_data, node_api)
-             for name, host in (("listenerd-a", "127.0.0.2"), ("listenerd-b", "127.0.0.3"))}
+    nodes = {
+        name: _StandIn(name, host, node_data, node_api)
+        for name, host in (("listenerd-a", "127.0.0.2"), ("listenerd-b", "127.0.0.3"))
+    }
     with open(tmp_path / "haproxy.log", "wb") as log:
         proc = subprocess.Popen([binary, "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -704,8 +746,8 @@ def test_a_frozen_leader_leaves_the_vip_within_three_seconds(local_haproxy):
     a, b = nodes["listenerd-a"], nodes["listenerd-b"]
     a.lead()
     _until(lambda: _ask(vip["mllp"]) == "listenerd-a-mllp", timeout=10, what="the VIP to reach a's MLLP")
-    a.freeze()   # SIGSTOP: a's sockets stay bound and accepting, nothing answers
-    b.lead()     # the standby takes the lease (here at once; the check timing is what is measured)
+    a.freeze()  # SIGSTOP: a's sockets stay bound and accepting, nothing answers
+    b.lead()  # the standby takes the lease (here at once; the check timing is what is measured)
     frozen_at = time.monotonic()
     _until(lambda: _ask(vip["mllp"]) == "listenerd-b-mllp", timeout=10, what="the VIP to leave the frozen leader")
     _until(lambda: _ask(vip["api"]) == "listenerd-b-api", timeout=10, what="the API VIP to leave the frozen leader")
@@ -721,11 +763,12 @@ def test_a_leader_that_answers_503_gets_no_senders(local_haproxy):
     a.lead()
     b.lead()
     _until(lambda: _ask(vip["mllp"]) == "listenerd-a-mllp", timeout=10, what="the VIP to reach a (first server)")
-    a.leading = False   # port still bound, /leader 503
+    a.leading = False  # port still bound, /leader 503
     _until(lambda: _ask(vip["mllp"]) == "listenerd-b-mllp", timeout=5, what="the VIP to leave a node answering 503")
 
 
 # ---- optional: the real compose loader ----------------------------------------------------------
+
 
 def _compose_command() -> list[str] | None:
     """`docker compose` (v2) if this machine has it, or $STAGELINE_COMPOSE_BIN (a standalone v2 binary)."""
@@ -751,15 +794,28 @@ def test_docker_compose_config_accepts_the_file():
     if command is None:
         pytest.skip("no Docker Compose v2 here (no `docker compose` plugin, no STAGELINE_COMPOSE_BIN)")
     base_env = {k: v for k, v in os.environ.items() if k not in FAKE_ENV}
-    ok = subprocess.run([*command, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                        env={**base_env, **FAKE_ENV}, cwd=ROOT, timeout=60)
+    ok = subprocess.run(
+        [*command, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        env={**base_env, **FAKE_ENV},
+        cwd=ROOT,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
-    missing = subprocess.run([*command, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                             env=base_env, cwd=ROOT, timeout=60)
+    missing = subprocess.run(
+        [*command, "-f", str(COMPOSE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        env=base_env,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert missing.returncode != 0 and "is missing a value" in missing.stderr, "secrets must be required"
 
 
 # ---- the Dockerfile ----------------------------------------------------------------------------
+
 
 def test_dockerfile_mirrors_setup_sh():
     text = DOCKERFILE.read_text()
@@ -780,6 +836,7 @@ def test_dockerfile_mirrors_setup_sh():
 
 # ---- real processes where they can run here -----------------------------------------------------
 
+
 def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
     if shutil.which("java") is None:
         pytest.skip("no java here: the Spark Connect command is not started")
@@ -790,16 +847,30 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
     # The compose file's standalone master, here: a master and a worker from include/app/lab/spark_cluster.py.
     cluster = SparkCluster(tmp_path / "spark", workers=1, cores=1, memory="2g").start()  # executors take 1g
     assert option(argv_of(service), "--master") == "spark://spark-master:7077"
-    argv = [a.replace(container_home, home).replace("spark://spark-master:7077", cluster.master_url)
-            for a in argv_of(service)]
-    confs = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(port),
-             "spark.sql.warehouse.dir": str(tmp_path / "warehouse"), "spark.driver.host": "127.0.0.1"}
+    argv = [
+        a.replace(container_home, home).replace("spark://spark-master:7077", cluster.master_url)
+        for a in argv_of(service)
+    ]
+    confs = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.sql.warehouse.dir": str(tmp_path / "warehouse"),
+        "spark.driver.host": "127.0.0.1",
+    }
     argv = [f"{a.split('=', 1)[0]}={confs[a.split('=', 1)[0]]}" if a.split("=", 1)[0] in confs else a for a in argv]
     log = tmp_path / "spark-connect.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, "SPARK_HOME": home}, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env={**os.environ, "SPARK_HOME": home},
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
+
         def listening() -> bool:
             assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
             try:
@@ -810,9 +881,11 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
 
         _until(listening, timeout=120, what="the Spark Connect server to listen")
         # A client in its own process: a Connect session switches pyspark to Connect process-wide.
-        client = ("from pyspark.sql import SparkSession; "
-                  f"s = SparkSession.builder.remote('sc://127.0.0.1:{port}').getOrCreate(); "
-                  "print(s.range(7).count(), s.conf.get('spark.sql.session.timeZone'))")
+        client = (
+            "from pyspark.sql import SparkSession; "
+            f"s = SparkSession.builder.remote('sc://127.0.0.1:{port}').getOrCreate(); "
+            "print(s.range(7).count(), s.conf.get('spark.sql.session.timeZone'))"
+        )
         out = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.split() == ["7", "UTC"]
@@ -824,8 +897,10 @@ def test_spark_connect_command_starts_a_server_that_answers(services, tmp_path):
                 while link.is_symlink():
                     link = link.parent / os.readlink(link)
                     names.add(link.name)
-                assert any(f"Added JAR file:{p}" in loaded or f"Added JAR file://{p}" in loaded
-                           for p in (str(jar.parent / n) for n in names)), f"{jar} not on the server's classpath"
+                assert any(
+                    f"Added JAR file:{p}" in loaded or f"Added JAR file://{p}" in loaded
+                    for p in (str(jar.parent / n) for n in names)
+                ), f"{jar} not on the server's classpath"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
@@ -849,16 +924,27 @@ def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
 
     odd = {**FAKE_ENV, "STAGELINE_STORE_PASSWORD": "s'q\"d $x\\y " + secrets.token_hex(4)}  # quoting must hold
     with PostgresServer(settings={"fsync": "off"}) as server:
-        init_env = {**os.environ, "PATH": f"{PG_BIN}:{os.environ['PATH']}", "PGHOST": server.host,
-                    "PGPORT": str(server.port), "POSTGRES_USER": server.user, "POSTGRES_DB": "postgres",
-                    **{k: interpolate(v, odd) for k, v in env_of(services["postgres"]).items()
-                       if k not in ("POSTGRES_USER", "POSTGRES_DB")}}
+        init_env = {
+            **os.environ,
+            "PATH": f"{PG_BIN}:{os.environ['PATH']}",
+            "PGHOST": server.host,
+            "PGPORT": str(server.port),
+            "POSTGRES_USER": server.user,
+            "POSTGRES_DB": "postgres",
+            **{
+                k: interpolate(v, odd)
+                for k, v in env_of(services["postgres"]).items()
+                if k not in ("POSTGRES_USER", "POSTGRES_DB")
+            },
+        }
         init = subprocess.run(["bash", str(INIT_SCRIPT)], env=init_env, capture_output=True, text=True, timeout=60)
         assert init.returncode == 0, init.stderr
         # from now on: passwords, as in the image (the superuser keeps trust for the checks)
         (server.data / "pg_hba.conf").write_text(
-            f"host all {server.user} 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
+            f"host all {server.user} 127.0.0.1/32 trust\nhost all all 127.0.0.1/32 scram-sha-256\n"
+        )
         server.execute("SELECT pg_reload_conf()")
+
         def login(user: str, dbname: str, password: str) -> None:
             psycopg.connect(host=server.host, port=server.port, user=user, dbname=dbname, password=password).close()
 
@@ -872,8 +958,9 @@ def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
             login("airflow", "stageline", odd["AIRFLOW_DB_PASSWORD"])
 
         service_config = tmp_path / "stageline.toml"
-        text, count = re.subn(r'(?m)^server = "postgres"', f'server = "{server.host}"',
-                              (DEPLOY / "stageline.toml").read_text())
+        text, count = re.subn(
+            r'(?m)^server = "postgres"', f'server = "{server.host}"', (DEPLOY / "stageline.toml").read_text()
+        )
         text, count2 = re.subn(r"(?m)^port = 5432\b", f"port = {server.port}", text)
         assert count == count2 == 1
         service_config.write_text(text)
@@ -885,12 +972,18 @@ def test_init_script_and_migrate_job_work_on_postgres_15(services, tmp_path):
             if value.startswith(APP):  # a path, or a PYTHONPATH-style list of them
                 value = os.pathsep.join(str(host_path(migrate, part)) for part in value.split(":"))
             env[key] = value
-        env.update({cfgmod.CONFIG_ENV: str(service_config), "AIRFLOW_HOME": str(tmp_path / "airflow"),
-                    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+        env.update(
+            {
+                cfgmod.CONFIG_ENV: str(service_config),
+                "AIRFLOW_HOME": str(tmp_path / "airflow"),
+                "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+            }
+        )
         argv = argv_of(migrate)
         for attempt in (1, 2):  # the job runs on every `docker compose up`: it must be repeatable
-            run = subprocess.run(argv, env={**os.environ, **env}, cwd=tmp_path, capture_output=True, text=True,
-                                 timeout=300)
+            run = subprocess.run(
+                argv, env={**os.environ, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=300
+            )
             assert run.returncode == 0, f"attempt {attempt}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
             assert "cluster 'stageline-compose'" in run.stdout
 

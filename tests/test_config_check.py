@@ -1,6 +1,7 @@
 """`stageline config check [DIR]` lists every problem of a config dir at once, each with its file and
 key, and exits 2; the example config passes; `listenerd` and `stageline up` run the same check and
 refuse to start on a broken dir, before binding or migrating anything."""
+
 from __future__ import annotations
 
 import shutil
@@ -103,16 +104,21 @@ def assert_every_problem(output: str, conf: Path, prefix: str = "") -> None:
 def test_config_check_prints_every_problem_with_file_and_key_and_exits_2(tmp_path):
     conf = broken_dir(tmp_path)
     (tmp_path / "stageline.toml").write_text(f'[store]\npath = "{tmp_path / "none.db"}"\n')
-    done = subprocess.run([str(STAGELINE), "config", "check", str(conf), "--service-config",
-                           str(tmp_path / "stageline.toml")], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(STAGELINE), "config", "check", str(conf), "--service-config", str(tmp_path / "stageline.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert_every_problem(done.stdout, conf)
     assert done.stdout.splitlines()[-1].endswith(f"{len(EXPECTED)} problem(s)")
 
 
 def test_the_example_config_passes(tmp_path):
-    done = subprocess.run([str(STAGELINE), "config", "check", str(ROOT / "config")], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [str(STAGELINE), "config", "check", str(ROOT / "config")], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith(f"config OK: {ROOT / 'config'}: 1 inbound connections")
 
@@ -127,8 +133,12 @@ def test_a_lookup_table_already_in_the_store_needs_no_csv(tmp_path):
     assert missing.returncode == 2 and "lookup table 'patient_class': no lookups/patient_class.csv" in missing.stdout
     csv = str(ROOT / "config/lookups/patient_class.csv")
     for argv in (["db", "migrate"], ["lookups", "import", "patient_class", csv]):
-        subprocess.run([str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), *argv], check=True,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), *argv],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     found = subprocess.run(check, capture_output=True, text=True, timeout=60)
     assert found.returncode == 0, found.stdout
 
@@ -137,8 +147,12 @@ def test_listenerd_refuses_a_broken_config_dir_naming_every_problem(tmp_path):
     conf = broken_dir(tmp_path)
     (tmp_path / "stageline.toml").write_text(f'[store]\npath = "{tmp_path / "s.db"}"\n')
     # a migrated store: the lookup tables a transform names are looked for there too (unreadable, unchecked)
-    subprocess.run([str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), "db", "migrate"], check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [str(STAGELINE), "--service-config", str(tmp_path / "stageline.toml"), "db", "migrate"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -161,9 +175,13 @@ def test_listenerd_refuses_a_broken_config_dir_naming_every_problem(tmp_path):
 def test_stageline_up_refuses_a_broken_config_dir_before_starting_anything(tmp_path):
     conf = broken_dir(tmp_path)
     (tmp_path / "stageline.toml").write_text(f'[store]\npath = "{tmp_path / "s.db"}"\n')
-    done = subprocess.run([str(STAGELINE), "up", "--service-config", str(tmp_path / "stageline.toml"), "--config",
-                           str(conf)], capture_output=True, text=True, timeout=60,
-                          env={**__import__("os").environ, "STAGELINE_VAR": str(tmp_path / "var")})
+    done = subprocess.run(
+        [str(STAGELINE), "up", "--service-config", str(tmp_path / "stageline.toml"), "--config", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "STAGELINE_VAR": str(tmp_path / "var")},
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert_every_problem(done.stdout, conf)
     assert "nothing was started" in done.stderr
@@ -172,22 +190,39 @@ def test_stageline_up_refuses_a_broken_config_dir_before_starting_anything(tmp_p
 
 # -- listenerd: start and SIGHUP reload go through the same schema ------------------------------
 
+
 def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_traceback(tmp_path, sqlite_config_fresh):
     from include.app.lab.listenerd import Daemon
     from include.app.lab.postgres_server import free_port
     from tests.conftest import refused_start
 
     port = free_port()
-    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", inbound=[
-        {"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": port, "allow_insecure_bind": "no",
-         "allowed_sources": ["10.0.0.0/8"]},
-        {"name": "text", "kind": "mllp", "port": str(port)}])
+    d = Daemon(
+        tmp_path / "node",
+        sqlite_config_fresh,
+        node_id="n:1:a",
+        inbound=[
+            {
+                "name": "open",
+                "kind": "mllp",
+                "host": "0.0.0.0",
+                "port": port,
+                "allow_insecure_bind": "no",
+                "allowed_sources": ["10.0.0.0/8"],
+            },
+            {"name": "text", "kind": "mllp", "port": str(port)},
+        ],
+    )
     out = refused_start(d)
     path = d.workdir / "config" / "connections.toml"
-    assert f"listenerd: configuration error: {path}: inbound[0].allow_insecure_bind: must be true or false, " \
-           "got a string (connection 'open')" in out
-    assert f"listenerd: configuration error: {path}: inbound[1].port: must be an integer, got a string " \
-           "(connection 'text')" in out
+    assert (
+        f"listenerd: configuration error: {path}: inbound[0].allow_insecure_bind: must be true or false, "
+        "got a string (connection 'open')" in out
+    )
+    assert (
+        f"listenerd: configuration error: {path}: inbound[1].port: must be an integer, got a string "
+        "(connection 'text')" in out
+    )
     assert "Traceback" not in out
 
 
@@ -199,8 +234,12 @@ def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(t
     from include.app.supervisor import port_open
 
     port = free_port()
-    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        sqlite_config_fresh,
+        node_id="n:1:a",
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         conf = d.workdir / "config" / "connections.toml"
@@ -227,29 +266,47 @@ def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sql
     from include.app.supervisor import port_open
 
     port = free_port()
-    d = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a",
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        sqlite_config_fresh,
+        node_id="n:1:a",
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     conf = d.workdir / "config"
     store = Path(sqlite_config_fresh.path)
     saved = (conf / "connections.toml").read_text()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
-        cases = [(lambda: (conf / "routes.toml").write_text('[[route]]\nname = 5\ndestinations = ["x"]\n'),
-                  f"{conf / 'routes.toml'}: route[0].name: ", lambda: (conf / "routes.toml").unlink()),
-                 (lambda: (conf / "route.toml").write_text("[[route]]\n"),
-                  f"{conf / 'route.toml'}: ", lambda: (conf / "route.toml").unlink()),
-                 (lambda: (conf / "connections.toml").rename(conf / "saved.bak"),
-                  f"{conf / 'connections.toml'}: missing: a reload needs connections.toml",
-                  lambda: (conf / "saved.bak").rename(conf / "connections.toml")),
-                 (lambda: (conf / "connections.toml").write_text(
-                     saved + f'\n[[inbound]]\nname = "eats-the-store"\nkind = "file"\ndirectory = "{store.parent}"\n'),
-                  f"{conf / 'connections.toml'}: inbound[1].directory: {store.parent} ",
-                  lambda: (conf / "connections.toml").write_text(saved))]
+        cases = [
+            (
+                lambda: (conf / "routes.toml").write_text('[[route]]\nname = 5\ndestinations = ["x"]\n'),
+                f"{conf / 'routes.toml'}: route[0].name: ",
+                lambda: (conf / "routes.toml").unlink(),
+            ),
+            (
+                lambda: (conf / "route.toml").write_text("[[route]]\n"),
+                f"{conf / 'route.toml'}: ",
+                lambda: (conf / "route.toml").unlink(),
+            ),
+            (
+                lambda: (conf / "connections.toml").rename(conf / "saved.bak"),
+                f"{conf / 'connections.toml'}: missing: a reload needs connections.toml",
+                lambda: (conf / "saved.bak").rename(conf / "connections.toml"),
+            ),
+            (
+                lambda: (conf / "connections.toml").write_text(
+                    saved + f'\n[[inbound]]\nname = "eats-the-store"\nkind = "file"\ndirectory = "{store.parent}"\n'
+                ),
+                f"{conf / 'connections.toml'}: inbound[1].directory: {store.parent} ",
+                lambda: (conf / "connections.toml").write_text(saved),
+            ),
+        ]
         for n, (breaks, line, mends) in enumerate(cases, start=1):
             breaks()
             d.signal(signal.SIGHUP)
-            wait_for(lambda n=n: d.output().count("keeping the old config") >= n, timeout=15,
-                     what="the reload to be refused")
+            wait_for(
+                lambda n=n: d.output().count("keeping the old config") >= n, timeout=15, what="the reload to be refused"
+            )
             assert f"config reload refused: {line}" in d.output(), d.output()
             mends()
             assert d.status()["config_version"] == 0 and port_open(port)  # the old config still serves

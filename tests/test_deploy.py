@@ -2,6 +2,7 @@
 in deploy/systemd passes `systemd-analyze verify` (with the install root pointed at this checkout, so
 the executables it names exist), the VIP configs pass `haproxy -c`, and the Prometheus alert rules
 pass `promtool check rules` and their own `promtool test rules` cases."""
+
 from __future__ import annotations
 
 import shutil
@@ -22,10 +23,17 @@ def run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 def test_there_is_a_unit_for_each_process_of_a_node():
     names = {u.name for u in UNITS}
-    assert {"stageline-listenerd.service", "stageline-airflow-scheduler.service",
-            "stageline-airflow-dag-processor.service", "stageline-airflow-triggerer.service",
-            "stageline-airflow-api-server.service", "stageline-spark-master.service",
-            "stageline-spark-worker.service", "stageline-spark-connect.service", "stageline.target"} <= names
+    assert {
+        "stageline-listenerd.service",
+        "stageline-airflow-scheduler.service",
+        "stageline-airflow-dag-processor.service",
+        "stageline-airflow-triggerer.service",
+        "stageline-airflow-api-server.service",
+        "stageline-spark-master.service",
+        "stageline-spark-worker.service",
+        "stageline-spark-connect.service",
+        "stageline.target",
+    } <= names
     for unit in UNITS:
         if unit.suffix == ".service":
             assert "Restart=always" in unit.read_text(), f"{unit.name}: a killed process must come back"
@@ -53,8 +61,11 @@ def test_every_vip_backend_asks_leader_on_the_api_port(config: str):
     only) on the API port, 8470 — per inbound, so one that no node can bind does not empty the VIP."""
     import tomllib
 
-    inbound = {c["name"] for c in tomllib.loads((DEPLOY / "config" / "connections.toml").read_text())["inbound"]
-               if c["kind"] == "mllp"}
+    inbound = {
+        c["name"]
+        for c in tomllib.loads((DEPLOY / "config" / "connections.toml").read_text())["inbound"]
+        if c["kind"] == "mllp"
+    }
     text = (DEPLOY / config).read_text()
     backends = list(text.split("\nbackend ")[1:])
     assert backends

@@ -1,5 +1,6 @@
 """`stageline up`'s secrets: files 0600 from the first byte, and a banner that does not print them
 unless asked (issue 23)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def open_umask() -> Any:
     os.umask(old)
 
 
-def test_a_new_secret_file_is_0600_before_its_first_byte(tmp_path: Path, open_umask: None,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_secret_file_is_0600_before_its_first_byte(
+    tmp_path: Path, open_umask: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[int] = []
     real_write = os.write
 
@@ -63,11 +65,19 @@ def test_the_airflow_passwords_file_is_0600_when_rewritten(tmp_path: Path, open_
 
 def _banner(tmp_path: Path, *, show_secrets: bool) -> str:
     ends = embedded.Endpoints(api_host="127.0.0.1", api_port=8470, inbound=[("adt", "mllp", "127.0.0.1:2575")])
-    return embedded.banner(ServiceConfig(store=StoreConfig(path=str(tmp_path / "s.db"))), tmp_path, ends,
-                           [("ehr", "var/out/ehr")], tmp_path / "var", api_port=8470,
-                           password="PASSWORD-SECRET-1", password_file=tmp_path / ".admin_password",
-                           token="TOKEN-SECRET-2", token_from=str(tmp_path / "var" / ".api_token"),
-                           show_secrets=show_secrets)
+    return embedded.banner(
+        ServiceConfig(store=StoreConfig(path=str(tmp_path / "s.db"))),
+        tmp_path,
+        ends,
+        [("ehr", "var/out/ehr")],
+        tmp_path / "var",
+        api_port=8470,
+        password="PASSWORD-SECRET-1",
+        password_file=tmp_path / ".admin_password",
+        token="TOKEN-SECRET-2",
+        token_from=str(tmp_path / "var" / ".api_token"),
+        show_secrets=show_secrets,
+    )
 
 
 def test_the_banner_names_where_the_secrets_are_but_prints_neither(tmp_path: Path) -> None:
@@ -98,12 +108,19 @@ def _secret_under_a_full_disk(path: Path) -> str:
     import subprocess
     import sys
 
-    code = ("import resource, signal, sys; from pathlib import Path; from include.app import embedded\n"
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
-            "try:\n    embedded._secret(Path(sys.argv[1]))\nexcept OSError as e:\n    print('OSError', e.errno)\n"
-            "else:\n    print('written')\n")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
-                          cwd=Path(embedded.__file__).resolve().parents[1])
+    code = (
+        "import resource, signal, sys; from pathlib import Path; from include.app import embedded\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+        "try:\n    embedded._secret(Path(sys.argv[1]))\nexcept OSError as e:\n    print('OSError', e.errno)\n"
+        "else:\n    print('written')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(embedded.__file__).resolve().parents[1],
+    )
     return done.stdout.strip() + done.stderr
 
 

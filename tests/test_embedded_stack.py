@@ -3,6 +3,7 @@ whole single-node stack up, demo messages
 sent over MLLP are routed, transformed and delivered by the real Airflow scheduler running the Spark
 stage jobs — to both destinations of `config/`: the file archive and the demo MLLP receiver standing
 in for the EHR — and Ctrl-C stops every process it started."""
+
 from __future__ import annotations
 
 import os
@@ -38,15 +39,23 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
     env = {**os.environ, "STAGELINE_VAR": str(var)}
     out = open(tmp_path / "up.log", "w+")
     stageline = Path(sys.executable).parent / "stageline"
-    up = subprocess.Popen([str(stageline), "up", "--service-config", str(tmp_path / "stageline.toml"),
-                           "--config", str(mine)], cwd=ROOT,
-                          env=env, stdout=out, stderr=subprocess.STDOUT)
+    up = subprocess.Popen(
+        [str(stageline), "up", "--service-config", str(tmp_path / "stageline.toml"), "--config", str(mine)],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     started: list[psutil.Process] = []
     received_file = var / "out" / "ehr" / "received.hl7"
     archive = var / "out" / "archive"
     try:
-        wait_for(lambda: up.poll() is not None or "Stageline is up" in (tmp_path / "up.log").read_text(),
-                 timeout=400, interval=1, what="the stack")
+        wait_for(
+            lambda: up.poll() is not None or "Stageline is up" in (tmp_path / "up.log").read_text(),
+            timeout=400,
+            interval=1,
+            what="the stack",
+        )
         assert up.poll() is None, (tmp_path / "up.log").read_text()
         started = psutil.Process(up.pid).children(recursive=True)
         progress, banner = (tmp_path / "up.log").read_text().split("Stageline is up")
@@ -67,16 +76,26 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
         sent_adt: list[str] = []
         timings: list[str] = []
         for batch, label in enumerate(("cold: right after `stageline up`", "warm"), start=1):
-            sent = subprocess.run([str(stageline), "demo", "send", "--count", str(COUNT)], cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=60)
+            sent = subprocess.run(
+                [str(stageline), "demo", "send", "--count", str(COUNT)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert sent.returncode == 0 and sent.stdout.count(" AA") == 3 * COUNT, sent.stdout + sent.stderr
             hint = sent.stdout.splitlines()[-1]
             assert str(received_file) in hint and f"{archive}/" in hint and "Airflow UI" in hint, hint
-            sent_order += [line.split()[0] for line in sent.stdout.splitlines()[:3 * COUNT]]
+            sent_order += [line.split()[0] for line in sent.stdout.splitlines()[: 3 * COUNT]]
             sent_adt += [line.split()[0] for line in sent.stdout.splitlines() if " ADT^A01 " in line]
 
-            assert wait_for(lambda: routed() == [("archive", 3 * COUNT * batch), ("ehr", COUNT * batch)],
-                            timeout=240, interval=2, what="the scheduler to route the demo messages")
+            assert wait_for(
+                lambda: routed() == [("archive", 3 * COUNT * batch), ("ehr", COUNT * batch)],
+                timeout=240,
+                interval=2,
+                what="the scheduler to route the demo messages",
+            )
 
             def delivered() -> bool:
                 dead = query("SELECT control_id, destination, last_error FROM stage_outbound WHERE status = 'dead'")
@@ -87,16 +106,21 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
                 wait_for(delivered, timeout=300, interval=0.5, what="the scheduler to transform and deliver them")
             except TimeoutError:
                 rows = query("SELECT control_id, destination, status, attempts, last_error FROM stage_outbound")
-                raise AssertionError(f"stage_outbound: {rows}; stage_routed: "
-                                     f"{query('SELECT status, count(*) FROM stage_routed GROUP BY 1')}") from None
+                raise AssertionError(
+                    f"stage_outbound: {rows}; stage_routed: "
+                    f"{query('SELECT status, count(*) FROM stage_routed GROUP BY 1')}"
+                ) from None
             # from the last message staged (its ACK follows the commit) to each stage's last write
             last_sent, last_routed, last_landed = (
                 query(f"SELECT max(created_at) / 1000.0 FROM {table}")[0][0]
-                for table in ("stage_inbound", "stage_routed", "stage_outbound"))
+                for table in ("stage_inbound", "stage_routed", "stage_outbound")
+            )
             last_written = max(p.stat().st_mtime for p in [received_file, *archive.iterdir()])
-            timings.append(f"batch {batch} ({label}): last send → routed {last_routed - last_sent:.1f} s, "
-                           f"→ transformed {last_landed - last_sent:.1f} s, → last delivery written "
-                           f"{last_written - last_sent:.1f} s")
+            timings.append(
+                f"batch {batch} ({label}): last send → routed {last_routed - last_sent:.1f} s, "
+                f"→ transformed {last_landed - last_sent:.1f} s, → last delivery written "
+                f"{last_written - last_sent:.1f} s"
+            )
 
         inbound = dict(query("SELECT message_id, payload FROM inbound_messages"))
         outbound = query("SELECT message_id, control_id, destination FROM stage_outbound")

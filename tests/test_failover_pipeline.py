@@ -8,6 +8,7 @@ every process and port the lab used is gone.
 
 Select with `-m failover`, leave out with `-m "not failover"`.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -73,15 +74,23 @@ def leader_crash() -> Outcome:
         stream = Stream(*lab.mllp_address, rate=30, lanes=10, connections=3, prefix="T").start()
         time.sleep(3)
         stream.pause()  # warm-up: the first stage runs start Spark sessions; wait them out once
-        wait_for(lambda: {d["control_id"] for d in lab.deliveries()} >= {s.control_id for s in stream.acked()},
-                 timeout=150, interval=0.5, what="the warm-up messages to be delivered")
+        wait_for(
+            lambda: {d["control_id"] for d in lab.deliveries()} >= {s.control_id for s in stream.acked()},
+            timeout=150,
+            interval=0.5,
+            what="the warm-up messages to be delivered",
+        )
         stream.resume()
         time.sleep(STEADY_SECONDS)  # every stage back in its micro-batch loop: the steady stream the bound is about
         old = lab.wait_leader()
         t0 = time.time()
         lab.signal_node(old, signal.SIGKILL)
-        wait_for(lambda: (lambda n: n is not None and n is not old)(lab.leader()), timeout=30, interval=0.02,
-                 what="the standby to lead")
+        wait_for(
+            lambda: (lambda n: n is not None and n is not old)(lab.leader()),
+            timeout=30,
+            interval=0.02,
+            what="the standby to lead",
+        )
         failover = time.time() - t0
         lab.restart_node(old)
         time.sleep(10)
@@ -99,8 +108,13 @@ def leader_crash() -> Outcome:
         deliveries = lab.deliveries()
         post = {cid for cid, s in stream.ledger.items() if s.first_try >= t0}
         firsts = [d["t"] for d in deliveries if d["control_id"] in post]
-        outcome = Outcome(verdict=judge(stream.ledger, deliveries), failover_s=failover,
-                          first_delivery_s=min(firsts) - t0 if firsts else None, drained=ok, backlog=lab.backlog())
+        outcome = Outcome(
+            verdict=judge(stream.ledger, deliveries),
+            failover_s=failover,
+            first_delivery_s=min(firsts) - t0 if firsts else None,
+            drained=ok,
+            backlog=lab.backlog(),
+        )
         procs = _tree(lab.processes())
         ports = lab.ports()
     finally:
@@ -112,8 +126,10 @@ def leader_crash() -> Outcome:
     outcome.leftover_ports = sorted(f"{name}:{port}" for name, port in ports.items() if port_open(port))
     v = outcome.verdict
     first = "—" if outcome.first_delivery_s is None else f"{outcome.first_delivery_s:.1f} s"
-    print(f"\nleader SIGKILL: failover {outcome.failover_s:.1f} s, first post-crash delivery {first}; "
-          f"{v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions")
+    print(
+        f"\nleader SIGKILL: failover {outcome.failover_s:.1f} s, first post-crash delivery {first}; "
+        f"{v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions"
+    )
     return outcome
 
 
@@ -133,7 +149,8 @@ def test_after_a_leader_crash_delivery_resumes_within_seconds_of_the_failover(le
     first = leader_crash.first_delivery_s
     assert first is not None, "nothing sent after the crash was delivered"
     assert first <= leader_crash.failover_s + BOUND_SLACK, (
-        f"first post-crash delivery {first:.1f} s after the crash; failover took {leader_crash.failover_s:.1f} s")
+        f"first post-crash delivery {first:.1f} s after the crash; failover took {leader_crash.failover_s:.1f} s"
+    )
 
 
 def test_the_lab_leaves_no_process_or_port_behind(leader_crash: Outcome) -> None:

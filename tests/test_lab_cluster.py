@@ -7,6 +7,7 @@ delivered, in lane order. Ctrl-C then stops everything the command started.
 
 Select with `-m failover`, leave out with `-m "not failover"`.
 """
+
 from __future__ import annotations
 
 import re
@@ -50,13 +51,22 @@ def kill_tree(proc: psutil.Process) -> None:
 
 def test_stageline_lab_up_survives_losing_the_leader_and_a_scheduler_at_once(tmp_path: Path) -> None:
     log = open(tmp_path / "lab.log", "w+")
-    lab = subprocess.Popen([sys.executable, "-m", "include.app.cli", "lab", "up"], cwd=ROOT, stdout=log,
-                           stderr=subprocess.STDOUT, text=True)
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "include.app.cli", "lab", "up"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     stream = None
     everything: list[psutil.Process] = []
     try:
-        wait_for(lambda: lab.poll() is not None or "Ctrl-C stops everything" in (tmp_path / "lab.log").read_text(),
-                 timeout=400, interval=1, what="stageline lab up")
+        wait_for(
+            lambda: lab.poll() is not None or "Ctrl-C stops everything" in (tmp_path / "lab.log").read_text(),
+            timeout=400,
+            interval=1,
+            what="stageline lab up",
+        )
         text = (tmp_path / "lab.log").read_text()
         assert lab.poll() is None, text[-4000:]
         vip = int(re.search(r"MLLP VIP\s+127\.0\.0\.1:(\d+)", text).group(1))
@@ -69,25 +79,36 @@ def test_stageline_lab_up_survives_losing_the_leader_and_a_scheduler_at_once(tmp
         stream = Stream("127.0.0.1", vip, rate=20, lanes=8, connections=2, prefix="L").start()
         time.sleep(3)
         stream.pause()
-        wait_for(lambda: {d["control_id"] for d in recorder.read(deliveries)} >= {s.control_id for s in stream.acked()},
-                 timeout=240, interval=1, what="the first messages to be delivered through the VIP")
+        wait_for(
+            lambda: {d["control_id"] for d in recorder.read(deliveries)} >= {s.control_id for s in stream.acked()},
+            timeout=240,
+            interval=1,
+            what="the first messages to be delivered through the VIP",
+        )
         stream.resume()
         time.sleep(8)
 
         procs = tree.children(recursive=True)
         leader = [p for p in procs if "listeners.daemon" in cmdline(p) and "node-a" in cmdline(p)]
-        schedulers = sorted((p for p in procs if cmdline(p).endswith("airflow scheduler")),
-                            key=lambda p: p.create_time())
+        schedulers = sorted(
+            (p for p in procs if cmdline(p).endswith("airflow scheduler")), key=lambda p: p.create_time()
+        )
         assert len(leader) == 1 and len(schedulers) == 2, [cmdline(p) for p in procs]
         kill_tree(leader[0])
         kill_tree(schedulers[0])
         time.sleep(20)
         stream.pause()
-        wait_for(lambda: {d["control_id"] for d in recorder.read(deliveries)} >= {s.control_id for s in stream.acked()},
-                 timeout=240, interval=1, what="every AA'd message to be delivered after the crash")
+        wait_for(
+            lambda: {d["control_id"] for d in recorder.read(deliveries)} >= {s.control_id for s in stream.acked()},
+            timeout=240,
+            interval=1,
+            what="every AA'd message to be delivered after the crash",
+        )
         verdict = judge(stream.ledger, recorder.read(deliveries))
-        print(f"\nlab up: {verdict.acked} AA'd, {len(verdict.lost)} lost, {len(verdict.duplicated)} duplicated, "
-              f"{len(verdict.inversions)} inversions")
+        print(
+            f"\nlab up: {verdict.acked} AA'd, {len(verdict.lost)} lost, {len(verdict.duplicated)} duplicated, "
+            f"{len(verdict.inversions)} inversions"
+        )
         assert verdict.acked > 100 and not verdict.lost and not verdict.inversions
     finally:
         if stream is not None:

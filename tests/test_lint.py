@@ -7,6 +7,7 @@
 - mypy (pyproject.toml [tool.mypy]): the shipped tree type-checks, strictly in the store, the
   listener daemon and the stage jobs (an unannotated function there fails), plainly elsewhere.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -23,13 +24,26 @@ MYPY = [sys.executable, "-m", "mypy", "--no-error-summary"]
 def ruff_on(source: str, as_path: str) -> str:
     """ruff's findings for `source` as if it were the file `as_path` of this repo (its config and
     per-file ignores apply)."""
-    done = subprocess.run([*RUFF, "--stdin-filename", as_path, "-"], input=source, text=True,
-                          capture_output=True, cwd=ROOT, timeout=60)
+    done = subprocess.run(
+        [*RUFF, "--stdin-filename", as_path, "-"], input=source, text=True, capture_output=True, cwd=ROOT, timeout=60
+    )
     return done.stdout + done.stderr
 
 
 def test_the_tree_passes_ruff() -> None:
     done = subprocess.run([*RUFF, "."], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_the_tree_is_formatted_as_ruff_format_writes_it() -> None:
+    """One layout everywhere (`ruff format`, line length 120), so a diff shows only what changed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -40,12 +54,13 @@ HAZARDS = {
     "S301": "import pickle\n\ndef load(data: bytes) -> object:\n    return pickle.loads(data)\n",
     "S501": "import requests\n\ndef get(url: str) -> object:\n    return requests.get(url, verify=False, timeout=5)\n",
     "S608": "def q(cur, name: str) -> None:\n"
-            "    cur.execute(f\"SELECT * FROM stage_inbound WHERE connection = '{name}'\")\n",
+    "    cur.execute(f\"SELECT * FROM stage_inbound WHERE connection = '{name}'\")\n",
 }
 
 
-@pytest.mark.parametrize("where", ["listeners/new_module.py", "include/new_module.py",
-                                   "spark_jobs/new_job.py", "tests/test_new.py"])
+@pytest.mark.parametrize(
+    "where", ["listeners/new_module.py", "include/new_module.py", "spark_jobs/new_job.py", "tests/test_new.py"]
+)
 @pytest.mark.parametrize("rule", sorted(HAZARDS))
 def test_a_new_security_hazard_fails_the_lint(rule: str, where: str) -> None:
     if rule == "S608" and where.startswith("tests/"):
@@ -79,8 +94,13 @@ def mypy_on(source: str, as_path: str, tmp_path: Path, cache: Path) -> subproces
     apply to it)."""
     shadow = tmp_path / "shadow.py"
     shadow.write_text(source)
-    return subprocess.run([*MYPY, "--cache-dir", str(cache), "--shadow-file", as_path, str(shadow), as_path],
-                          text=True, capture_output=True, cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [*MYPY, "--cache-dir", str(cache), "--shadow-file", as_path, str(shadow), as_path],
+        text=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 def test_the_tree_passes_mypy() -> None:
@@ -91,10 +111,18 @@ def test_the_tree_passes_mypy() -> None:
 UNTYPED = "\n\ndef helper(value):\n    return value\n"
 
 
-@pytest.mark.parametrize(("path", "strict"), [("include/store/retry.py", True), ("listeners/offload.py", True),
-                                              ("spark_jobs/hl7_fields.py", True), ("include/batch_size.py", False)])
-def test_an_unannotated_function_fails_mypy_where_it_is_strict(path: str, strict: bool, tmp_path: Path,
-                                                               shadow_cache: Path) -> None:
+@pytest.mark.parametrize(
+    ("path", "strict"),
+    [
+        ("include/store/retry.py", True),
+        ("listeners/offload.py", True),
+        ("spark_jobs/hl7_fields.py", True),
+        ("include/batch_size.py", False),
+    ],
+)
+def test_an_unannotated_function_fails_mypy_where_it_is_strict(
+    path: str, strict: bool, tmp_path: Path, shadow_cache: Path
+) -> None:
     done = mypy_on((ROOT / path).read_text() + UNTYPED, path, tmp_path, shadow_cache)
     assert ("[no-untyped-def]" in done.stdout) is strict, done.stdout[-4000:] + done.stderr[-2000:]
     assert (done.returncode != 0) is strict
@@ -102,8 +130,9 @@ def test_an_unannotated_function_fails_mypy_where_it_is_strict(path: str, strict
 
 def test_a_type_error_fails_mypy_outside_the_strict_packages_too(tmp_path: Path, shadow_cache: Path) -> None:
     path = "include/batch_size.py"
-    done = mypy_on((ROOT / path).read_text() + "\n\ndef half(n: int) -> int:\n    return n / 2\n", path, tmp_path,
-                   shadow_cache)
+    done = mypy_on(
+        (ROOT / path).read_text() + "\n\ndef half(n: int) -> int:\n    return n / 2\n", path, tmp_path, shadow_cache
+    )
     assert done.returncode != 0 and "[return-value]" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 

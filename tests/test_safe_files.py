@@ -1,4 +1,5 @@
 """include/safe_files: the descriptor helpers every file Stageline reads or writes goes through."""
+
 from __future__ import annotations
 
 import os
@@ -105,6 +106,7 @@ def test_a_move_never_replaces_what_is_there(tmp_path: Path) -> None:
 
 # -- red team, issue 23: names that must never run out, links in the middle of a path ---------------
 
+
 def test_ten_thousand_clashing_names_cost_one_extra_try_not_ten_thousand(tmp_path: Path) -> None:
     """Red team 2b: a feed that always writes ADT.hl7 once filled ADT.1 .. ADT.9999 and then stalled."""
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -202,6 +204,7 @@ def test_printable_escapes_newlines_escapes_and_undecodable_bytes() -> None:
 
 def test_write_exclusive_writes_a_new_0600_file_and_never_overwrites(tmp_path):
     from include.safe_files import write_exclusive
+
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         (tmp_path / "a.hl7").write_bytes(b"theirs")
@@ -218,6 +221,7 @@ def test_write_exclusive_writes_a_new_0600_file_and_never_overwrites(tmp_path):
 
 def test_private_dir_tightens_ours_and_refuses_anothers(tmp_path):
     from include.safe_files import UnsafePath, private_dir
+
     ours = tmp_path / "ours"
     ours.mkdir()
     os.chmod(ours, 0o777)  # noqa: S103 - the loose mode under test

@@ -14,6 +14,7 @@ too, since a lazy import is still a dependency — and resolved to the project's
 Nothing is imported to read them. The last test imports the pipeline config in a fresh interpreter
 and looks at what came with it.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,8 +26,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"include": ROOT / "include", "listeners": ROOT / "listeners", "spark_jobs": ROOT / "spark_jobs",
-           "stageline_airflow": ROOT / "plugins" / "stageline_airflow", "dags": ROOT / "dags"}
+SOURCES = {
+    "include": ROOT / "include",
+    "listeners": ROOT / "listeners",
+    "spark_jobs": ROOT / "spark_jobs",
+    "stageline_airflow": ROOT / "plugins" / "stageline_airflow",
+    "dags": ROOT / "dags",
+}
 """Top-level package → its directory (the plugin is imported as `stageline_airflow`, from `plugins/`)."""
 LAYERS = {"include": 0, "listeners": 1, "spark_jobs": 1, "include.app": 2, "stageline_airflow": 2, "dags": 3}
 """A module imports only its own package and the packages of lower layers; a module belongs to the
@@ -166,8 +172,12 @@ def upward_imports(edges: dict[str, set[str]]) -> list[str]:
 def config_imports(edges: dict[str, set[str]], config_modules: Iterable[str]) -> list[str]:
     """Imports from the config modules into the rest of the project."""
     config_modules = set(config_modules)
-    return [f"{module} → {target}" for module in sorted(config_modules & set(edges))
-            for target in sorted(edges[module]) if target not in config_modules]
+    return [
+        f"{module} → {target}"
+        for module in sorted(config_modules & set(edges))
+        for target in sorted(edges[module])
+        if target not in config_modules
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +205,11 @@ def test_the_config_modules_import_no_store_and_nothing_else_of_the_project(edge
 
 
 def test_loading_the_pipeline_config_imports_no_spark_and_no_store():
-    code = ("import sys\nimport include.stage_config\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'airflow') "
-            "or m.startswith('include.store') or m.startswith('spark_jobs')))")
+    code = (
+        "import sys\nimport include.stage_config\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'airflow') "
+        "or m.startswith('include.store') or m.startswith('spark_jobs')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -231,6 +243,10 @@ def test_checks_see_a_cycle_an_upward_import_a_lazy_one_the_app_imported_from_be
     found = graph(sources)
 
     assert cycles(found) == [["include.a", "include.store"]]
-    assert upward_imports(found) == ["include.a → spark_jobs.job", "include.b → tests", "include.c → include.app.cli",
-                                     "spark_jobs.other → include.app.cli"]
+    assert upward_imports(found) == [
+        "include.a → spark_jobs.job",
+        "include.b → tests",
+        "include.c → include.app.cli",
+        "spark_jobs.other → include.app.cli",
+    ]
     assert config_imports(found, ["include.config"]) == ["include.config → include.store"]

@@ -1,6 +1,7 @@
 """include/app/supervisor.py's stop: nothing a stack process started may outlive it — not a child in a
 process group of its own, not one started while the process was being stopped (as the scheduler
 starts a task runner)."""
+
 from __future__ import annotations
 
 import sys
@@ -29,8 +30,14 @@ while True:
 def test_stop_ends_a_child_started_while_its_parent_was_stopping(tmp_path: Path):
     pid_file = tmp_path / "late.pid"
     stack = Stack(tmp_path / "log", cwd=tmp_path, echo=lambda _: None)
-    stack.start(Proc("spawner", [sys.executable, "-c", LATE_CHILD, str(pid_file)],
-                     ready=lambda: (tmp_path / "late.pid.ready").exists(), ready_timeout=30))
+    stack.start(
+        Proc(
+            "spawner",
+            [sys.executable, "-c", LATE_CHILD, str(pid_file)],
+            ready=lambda: (tmp_path / "late.pid.ready").exists(),
+            ready_timeout=30,
+        )
+    )
     stack.stop(timeout=5)
     late = int(pid_file.read_text())
     try:

@@ -1,5 +1,6 @@
 """The `lab` destination's native rules written as a code hook (bench/pipeline.py --code-hook):
 MSH-5 := LIS, PID-19 cleared, OBX-11 := F in every OBX — python-hl7 in, python-hl7 out."""
+
 from __future__ import annotations
 
 from typing import Any

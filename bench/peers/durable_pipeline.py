@@ -10,6 +10,7 @@ No lanes, no leader fence, no audit trail, no retries: the floor of "durable bet
     load(conn, payloads)             the backlog, in the peer's own tables
     drain(conn, pipeline, batch)     claim → process → insert → finish until nothing is pending
 """
+
 from __future__ import annotations
 
 from typing import Any

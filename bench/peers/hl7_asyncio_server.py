@@ -1,13 +1,14 @@
 """The peers for bench/ingest.py: python-hl7's own asyncio MLLP server (`hl7.mllp.start_hl7_server`).
 
-    --mode db        python-hl7 parse, one INSERT + COMMIT per message into PostgreSQL, then its ACK
-    --mode strong    the strong naive durable peer (../shared/peers/ack_after_insert_server.py):
-                     framing only (readblock), one INSERT + COMMIT, then an ACK built from MSH-10
-    --mode parse     python-hl7 parse and ACK only, no database
-    --mode ack       framing only and an AA for each message's MSH-10, no database (a fast receiver
-                     for bench/pipeline.py's MLLP delivery)
-    --mode ceiling   frame and answer a fixed ACK: no parsing, no database (the ceiling)
+--mode db        python-hl7 parse, one INSERT + COMMIT per message into PostgreSQL, then its ACK
+--mode strong    the strong naive durable peer (../shared/peers/ack_after_insert_server.py):
+                 framing only (readblock), one INSERT + COMMIT, then an ACK built from MSH-10
+--mode parse     python-hl7 parse and ACK only, no database
+--mode ack       framing only and an AA for each message's MSH-10, no database (a fast receiver
+                 for bench/pipeline.py's MLLP delivery)
+--mode ceiling   frame and answer a fixed ACK: no parsing, no database (the ceiling)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,10 @@ import sys
 
 from hl7.mllp import start_hl7_server
 
-TABLE = ("CREATE TABLE IF NOT EXISTS inbound_stage (id bigserial PRIMARY KEY, channel text, control_id text, "
-         "payload text, created timestamptz DEFAULT now())")
+TABLE = (
+    "CREATE TABLE IF NOT EXISTS inbound_stage (id bigserial PRIMARY KEY, channel text, control_id text, "
+    "payload text, created timestamptz DEFAULT now())"
+)
 INSERT = "INSERT INTO inbound_stage (channel, control_id, payload) VALUES ('in', %s, %s)"
 
 
@@ -26,8 +29,19 @@ def raw_ack(block: bytes) -> bytes:
     msh = block.split(b"\r", 1)[0]
     f = msh.split(msh[3:4])
     ctl = f[9] if len(f) > 9 else b""
-    return (b"MSH|^~\\&|ENGINE|SPIKE|" + f[2] + b"|" + f[3] + b"|20240101000000||ACK|" + ctl + b"|P|"
-            + (f[11] if len(f) > 11 else b"2.5") + b"\rMSA|AA|" + ctl + b"\r")
+    return (
+        b"MSH|^~\\&|ENGINE|SPIKE|"
+        + f[2]
+        + b"|"
+        + f[3]
+        + b"|20240101000000||ACK|"
+        + ctl
+        + b"|P|"
+        + (f[11] if len(f) > 11 else b"2.5")
+        + b"\rMSA|AA|"
+        + ctl
+        + b"\r"
+    )
 
 
 async def main() -> None:

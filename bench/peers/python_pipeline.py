@@ -42,6 +42,7 @@ mis-parsed by python-hl7; a segment that is just ``MSH``/``FHS``/``BHS`` after t
 ``hl7.parse`` raise (routing) or stays untouched (transform; Spark applies the rules to it); a
 segment id longer than three characters that starts like a header (``MSHX|``) is split like one.
 """
+
 from __future__ import annotations
 
 import json
@@ -229,9 +230,7 @@ def _read(segment: hl7.Segment, path: FieldPath, seps: _Seps) -> str | None:
 _Maker = Callable[[list[Node]], hl7.Container]  # a segment's create_field / _repetition / _component
 
 
-def _put(
-    node: Node, levels: Sequence[tuple[str, int]], value: str, pad: bool, makers: Sequence[_Maker]
-) -> Node:
+def _put(node: Node, levels: Sequence[tuple[str, int]], value: str, pad: bool, makers: Sequence[_Maker]) -> Node:
     """``node`` with the element at ``levels`` replaced by ``value`` (already escaped).
 
     Spark's ``_put`` on the tree: an existing element is replaced in place (a leaf becomes a
@@ -448,9 +447,7 @@ class _Transformer:
                     self._rule(rule, unit.message, unit.seps)
         if spec.output == "json":
             return _to_json(units)
-        return "".join(
-            str(u.message) if u.message is not None else "".join(s + "\r" for s in u.raw) for u in units
-        )
+        return "".join(str(u.message) if u.message is not None else "".join(s + "\r" for s in u.raw) for u in units)
 
     def _rule(self, rule: Rule, message: hl7.Message, seps: _Seps) -> None:
         if isinstance(rule, DropSegment):
@@ -584,8 +581,12 @@ def _field_json(field: Node, seps: _Seps) -> Any:
 class Pipeline:
     """Routes and transforms, validated once; `process` is one message through both."""
 
-    def __init__(self, routes: Sequence[Mapping[str, Any] | Route], specs: Sequence[Mapping[str, Any] | Transform],
-                 lookups: Lookups | None = None) -> None:
+    def __init__(
+        self,
+        routes: Sequence[Mapping[str, Any] | Route],
+        specs: Sequence[Mapping[str, Any] | Transform],
+        lookups: Lookups | None = None,
+    ) -> None:
         self.router = _Router(routes)
         self.transformer = _Transformer(specs, lookups)
 

@@ -9,6 +9,7 @@
 It may import `listeners` and `spark_jobs` (the CLI runs the config check that `listenerd` runs);
 nothing below imports it (tests/test_structure.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

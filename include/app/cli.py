@@ -1,4 +1,5 @@
 """`stageline` command line: store migration, cluster views, lookup tables and the demo."""
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,13 @@ from include.store.migrate import ClusterIdentityError, migrate
 
 
 @click.group()
-@click.option("--service-config", "service_config", envvar=cfgmod.CONFIG_ENV, default=None,
-              help="Path to stageline.toml (default: ./stageline.toml, or $STAGELINE_CONFIG).")
+@click.option(
+    "--service-config",
+    "service_config",
+    envvar=cfgmod.CONFIG_ENV,
+    default=None,
+    help="Path to stageline.toml (default: ./stageline.toml, or $STAGELINE_CONFIG).",
+)
 @click.pass_context
 def cli(ctx: click.Context, service_config: str | None) -> None:
     """Stageline: HL7-style integration engine on staged SQL tables, Airflow and Spark."""
@@ -36,8 +42,13 @@ def db() -> None:
 def _service_config_here(f):
     """`--service-config` after the subcommand too (`stageline db migrate --service-config X`);
     given in both places, the later one wins."""
-    return click.option("--service-config", "local_config", default=None, metavar="PATH",
-                        help="Path to stageline.toml (same as before the command).")(f)
+    return click.option(
+        "--service-config",
+        "local_config",
+        default=None,
+        metavar="PATH",
+        help="Path to stageline.toml (same as before the command).",
+    )(f)
 
 
 @db.command("migrate")
@@ -59,8 +70,10 @@ def db_migrate(service_config: str | None, local_config: str | None = None) -> N
         else f"{cfg.store.server}:{cfg.store.effective_port}/{cfg.store.database}"
     )
     applied = ", ".join(map(str, report.applied)) or "none (already current)"
-    click.echo(f"store {cfg.store.backend} at {where}: schema version {report.version}; applied: {applied}; "
-               f"cluster {report.cluster_name!r} ({report.cluster_id})")
+    click.echo(
+        f"store {cfg.store.backend} at {where}: schema version {report.version}; applied: {applied}; "
+        f"cluster {report.cluster_name!r} ({report.cluster_id})"
+    )
 
 
 @cli.group()
@@ -79,8 +92,14 @@ def cluster_status_cmd(service_config: str | None) -> None:
     finally:
         store.close()
     is_leader = lease.live and lease.owner == cfg.cluster.node_id
-    _emit(cluster_status(node_id=cfg.cluster.node_id, clustered=cfg.cluster.enabled, is_leader=is_leader,
-                         config_version=identity["config_version"]))
+    _emit(
+        cluster_status(
+            node_id=cfg.cluster.node_id,
+            clustered=cfg.cluster.enabled,
+            is_leader=is_leader,
+            config_version=identity["config_version"],
+        )
+    )
 
 
 @cluster.command("nodes")
@@ -114,8 +133,7 @@ def _lookups_store(service_config: str | None) -> Store:
 
 @lookups.command("import")
 @click.argument("name")
-@click.argument("csv_file", metavar="FILE.csv",
-                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("csv_file", metavar="FILE.csv", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.pass_obj
 def lookups_import(service_config: str | None, name: str, csv_file: Path) -> None:
     """Replace lookup table NAME with the `code,value` rows of FILE.csv."""
@@ -144,8 +162,14 @@ def lookups_list(service_config: str | None) -> None:
             rows = lookup_tables.list_tables(tx)
     finally:
         store.close()
-    _emit({"tables": [{"name": r["table_name"], "entries": int(r["entries"]), "updated_at": float(r["updated_at"])}
-                      for r in rows]})
+    _emit(
+        {
+            "tables": [
+                {"name": r["table_name"], "entries": int(r["entries"]), "updated_at": float(r["updated_at"])}
+                for r in rows
+            ]
+        }
+    )
 
 
 @lookups.command("show")
@@ -232,8 +256,13 @@ def config_check(service_config: str | None, directory: Path | None, local_confi
 
 
 @config_group.command("schema")
-@click.option("--file", "name", type=click.Choice(["connections", "stageline", "routes", "destinations", "transforms"]),
-              default=None, help="one file's schema (default: all five, as one JSON object by file)")
+@click.option(
+    "--file",
+    "name",
+    type=click.Choice(["connections", "stageline", "routes", "destinations", "transforms"]),
+    default=None,
+    help="one file's schema (default: all five, as one JSON object by file)",
+)
 def config_schema(name: str | None) -> None:
     """Print the JSON Schema of the config files, from the models that check them, for an editor
     to validate TOML as it is typed (docs/config-reference.md: taplo's `#:schema` directive)."""
@@ -249,15 +278,28 @@ def config_schema(name: str | None) -> None:
 
 @cli.command("up")
 @click.option("--no-stack", is_flag=True, help="Only migrate the store and show the cluster (no processes).")
-@click.option("--config", "config_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Config dir: listenerd's connections and the pipeline (routes, transforms, destinations, "
-                   "lookups). Default: the checkout's config/.")
-@click.option("--show-secrets", is_flag=True, help="Print the Airflow admin password and the API token in the "
-                                                     "banner (default: say which files hold them).")
+@click.option(
+    "--config",
+    "config_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Config dir: listenerd's connections and the pipeline (routes, transforms, destinations, "
+    "lookups). Default: the checkout's config/.",
+)
+@click.option(
+    "--show-secrets",
+    is_flag=True,
+    help="Print the Airflow admin password and the API token in the banner (default: say which files hold them).",
+)
 @_service_config_here
 @click.pass_obj
-def up(service_config: str | None, no_stack: bool, config_dir: Path | None, local_config: str | None = None,
-       show_secrets: bool = False) -> None:
+def up(
+    service_config: str | None,
+    no_stack: bool,
+    config_dir: Path | None,
+    local_config: str | None = None,
+    show_secrets: bool = False,
+) -> None:
     """Run Stageline on this node's config: the store, Spark Connect, Airflow and listenerd."""
     ctx = click.get_current_context()
     service_config = local_config or service_config
@@ -273,8 +315,15 @@ def up(service_config: str | None, no_stack: bool, config_dir: Path | None, loca
     from include.app.embedded import up as run_stack
 
     cfg = _load(service_config)
-    sys.exit(run_stack(cfg, Path(cfg.source or "stageline.toml").resolve(), config_dir=config_dir, echo=click.echo,
-                       show_secrets=show_secrets))
+    sys.exit(
+        run_stack(
+            cfg,
+            Path(cfg.source or "stageline.toml").resolve(),
+            config_dir=config_dir,
+            echo=click.echo,
+            show_secrets=show_secrets,
+        )
+    )
 
 
 @cli.group()
@@ -306,15 +355,22 @@ def _deliveries_hint() -> str:
         where = ", ".join(f"{name} → {place}" for name, place in delivery_locations(var_dir()))
     except PipelineConfigError as exc:
         where = f"see config/destinations.toml ({exc})"
-    return (f"deliveries (within about a minute): {where}; the stage runs are in the Airflow UI "
-            f"http://127.0.0.1:{AIRFLOW_PORT}")
+    return (
+        f"deliveries (within about a minute): {where}; the stage runs are in the Airflow UI "
+        f"http://127.0.0.1:{AIRFLOW_PORT}"
+    )
 
 
 @demo.command("receive")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=RECEIVER_PORT, show_default=True, help="0: any free port (printed at start)")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="directory for received.hl7 (created if missing)")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="directory for received.hl7 (created if missing)",
+)
 def demo_receive(host: str, port: int, out_dir: Path) -> None:
     """A demo MLLP receiver (the EHR of the example config): ACKs every message with AA and
     appends it to OUT/received.hl7 — one segment per line, a blank line after each message, a
@@ -354,8 +410,10 @@ def lab_up(schedulers: int, spark_workers: int, keep: bool) -> None:
     the_lab = Lab(schedulers=schedulers, spark_workers=spark_workers, keep_workdir=keep, echo=click.echo)
     try:
         the_lab.start()
-        click.echo("\n" + the_lab.summary() + "\n\nsend: uv run stageline demo send --port "
-                   f"{the_lab.vip_port}   (the VIP)\nCtrl-C stops everything.")
+        click.echo(
+            "\n" + the_lab.summary() + "\n\nsend: uv run stageline demo send --port "
+            f"{the_lab.vip_port}   (the VIP)\nCtrl-C stops everything."
+        )
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:

@@ -1,5 +1,6 @@
 """What every `stageline` command shares: loading the service config, opening a checked store,
 printing JSON, and the error for bad input."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """`stageline messages …` and `stageline stages`: the operator's questions — where is message X,
 why did it fail, send it again, what is stuck and since when (`include/store/operator.py`)."""
+
 from __future__ import annotations
 
 import getpass
@@ -20,8 +21,11 @@ def _store(service_config: str | None) -> Any:
 
 
 def _when(ms: Any) -> str:
-    return datetime.fromtimestamp(int(ms) / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z" \
-        if ms is not None else "-"
+    return (
+        datetime.fromtimestamp(int(ms) / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+        if ms is not None
+        else "-"
+    )
 
 
 def _ms(text: str | None) -> int | None:
@@ -45,6 +49,7 @@ def os_user() -> str:
     """The real user this process runs as (its uid, not $USER): who a body read is recorded against."""
     try:
         import pwd
+
         return pwd.getpwuid(os.getuid()).pw_name
     except (ImportError, KeyError):
         return getpass.getuser()
@@ -54,12 +59,14 @@ def _readable(payload: str | None) -> str:
     """An HL7 body one segment a line (segments end with CR)."""
     if payload is None:
         return "    (no body: purged by retention without an archive)"
-    return "\n".join(f"    {segment}" for segment in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r")
-                     if segment)
+    return "\n".join(
+        f"    {segment}" for segment in payload.replace("\r\n", "\r").replace("\n", "\r").split("\r") if segment
+    )
 
 
-actor_option = click.option("--actor", default=getpass.getuser, show_default="the OS user",
-                            help="Who does this (recorded in the audit trail).")
+actor_option = click.option(
+    "--actor", default=getpass.getuser, show_default="the OS user", help="Who does this (recorded in the audit trail)."
+)
 reason_option = click.option("--reason", required=True, help="Why (recorded in the audit trail).")
 
 
@@ -81,14 +88,38 @@ def messages() -> None:
 @click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
-def find_cmd(service_config: str | None, control_id: str | None, message_id: str | None, lane_key: str | None,
-             connection: str | None, destination: str | None, status: str | None, since: str | None,
-             until: str | None, before_id: int | None, limit: int, as_json: bool) -> None:
+def find_cmd(
+    service_config: str | None,
+    control_id: str | None,
+    message_id: str | None,
+    lane_key: str | None,
+    connection: str | None,
+    destination: str | None,
+    status: str | None,
+    since: str | None,
+    until: str | None,
+    before_id: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
     """Messages, newest first, narrowed by any of the options."""
     store = _store(service_config)
     try:
-        rows = ops.find(store, ops.Filters(control_id, message_id, lane_key, connection, destination, status,
-                                           _ms(since), _ms(until), before_id, limit))
+        rows = ops.find(
+            store,
+            ops.Filters(
+                control_id,
+                message_id,
+                lane_key,
+                connection,
+                destination,
+                status,
+                _ms(since),
+                _ms(until),
+                before_id,
+                limit,
+            ),
+        )
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -99,20 +130,28 @@ def find_cmd(service_config: str | None, control_id: str | None, message_id: str
     if not rows:
         click.echo("no messages match")
         return
-    click.echo(f"{'id':>8}  {'received (UTC)':<24}{'connection':<14}{'control id':<22}{'lane':<12}{'status':<10}"
-               f"{'routed':>7}{'delivered':>10}{'dead':>5}")
+    click.echo(
+        f"{'id':>8}  {'received (UTC)':<24}{'connection':<14}{'control id':<22}{'lane':<12}{'status':<10}"
+        f"{'routed':>7}{'delivered':>10}{'dead':>5}"
+    )
     for r in rows:
-        click.echo(f"{r['id']:>8}  {_when(r['created_ms']):<24}{r['connection'][:13]:<14}"
-                   f"{(r['control_id'] or '-')[:21]:<22}{(r['lane_key'] or '-')[:11]:<12}{r['status']:<10}"
-                   f"{r['routed']:>7}{r['delivered']:>10}{r['dead']:>5}")
+        click.echo(
+            f"{r['id']:>8}  {_when(r['created_ms']):<24}{r['connection'][:13]:<14}"
+            f"{(r['control_id'] or '-')[:21]:<22}{(r['lane_key'] or '-')[:11]:<12}{r['status']:<10}"
+            f"{r['routed']:>7}{r['delivered']:>10}{r['dead']:>5}"
+        )
     if len(rows) == limit:
         click.echo(f"(more: --before-id {rows[-1]['id']})")
 
 
 @messages.command("show")
 @click.argument("ref")
-@click.option("--body", "bodies", is_flag=True,
-              help="Also its bodies (PHI): recorded in the audit trail as a body_read event naming the OS user.")
+@click.option(
+    "--body",
+    "bodies",
+    is_flag=True,
+    help="Also its bodies (PHI): recorded in the audit trail as a body_read event naming the OS user.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) -> None:
@@ -136,39 +175,50 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
         click.echo(json.dumps(story.__dict__, indent=2, default=_json_default))
         return
     i = story.inbound
-    click.echo(f"message {i['message_id']} (inbound row {i['id']}), control id {i['control_id'] or '-'}\n"
-               f"  received {_when(i['created_ms'])} on {i['connection']}, lane {i['lane_key'] or '-'}, "
-               f"charset {i['charset'] or '-'}; status {i['status']} after {i['attempts']} attempt(s)"
-               + (f"; last error: {i['last_error']}" if i["last_error"] else "")
-               + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else ""))
+    click.echo(
+        f"message {i['message_id']} (inbound row {i['id']}), control id {i['control_id'] or '-'}\n"
+        f"  received {_when(i['created_ms'])} on {i['connection']}, lane {i['lane_key'] or '-'}, "
+        f"charset {i['charset'] or '-'}; status {i['status']} after {i['attempts']} attempt(s)"
+        + (f"; last error: {i['last_error']}" if i["last_error"] else "")
+        + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else "")
+    )
     if i.get("batch_id") is not None:
         click.echo(_hl7_batch_line(i, story.hl7_batch))
     if bodies:
         click.echo("  as received:")
         click.echo(_readable(i["payload"]))
     for r in story.routed:
-        click.echo(f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
-                   f"{r['attempts']} attempt(s)" + (f"; {r['last_error']}" if r["last_error"] else "")
-                   + (" (archived)" if r.get("archived_ms") is not None else ""))
+        click.echo(
+            f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
+            f"{r['attempts']} attempt(s)"
+            + (f"; {r['last_error']}" if r["last_error"] else "")
+            + (" (archived)" if r.get("archived_ms") is not None else "")
+        )
     for o in story.outbound:
-        click.echo(f"  outbound row {o['id']} → {o['destination']}: {o['status']}, {o['attempts']} attempt(s), "
-                   f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
-                   + (f"; {o['last_error']}" if o["last_error"] else "")
-                   + (" (archived)" if o.get("archived_ms") is not None else ""))
+        click.echo(
+            f"  outbound row {o['id']} → {o['destination']}: {o['status']}, {o['attempts']} attempt(s), "
+            f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
+            + (f"; {o['last_error']}" if o["last_error"] else "")
+            + (" (archived)" if o.get("archived_ms") is not None else "")
+        )
         if bodies:
             click.echo(_readable(o["payload"]))
     for b in story.batches:
-        click.echo(f"  moved by {b['stage']} batch {b['owner']} ({b['dag_id']}, run {b['run_id']}, try "
-                   f"{b['try_number']}): {_when(b['started_ms'])} → {_when(b['finished_ms'])}, claimed {b['claimed']}")
+        click.echo(
+            f"  moved by {b['stage']} batch {b['owner']} ({b['dag_id']}, run {b['run_id']}, try "
+            f"{b['try_number']}): {_when(b['started_ms'])} → {_when(b['finished_ms'])}, claimed {b['claimed']}"
+        )
     click.echo("  audit trail:")
     for e in story.trail:
-        click.echo(f"    {_when(e['at_ms'])}  {e['stage']:<8} row {e['row_id']:<6} {e['event']:<10} "
-                   f"{(e['from_status'] or '-')}→{e['to_status']}"
-                   + (f" [{e['destination']}]" if e["destination"] else "")
-                   + (f" epoch {e['epoch']}" if e["epoch"] is not None else "")
-                   + (f" by {e['node_id']}" if e["node_id"] else "")
-                   + (f": {e['detail']}" if e["detail"] else "")
-                   + (" (archived)" if e.get("archived_ms") is not None else ""))
+        click.echo(
+            f"    {_when(e['at_ms'])}  {e['stage']:<8} row {e['row_id']:<6} {e['event']:<10} "
+            f"{(e['from_status'] or '-')}→{e['to_status']}"
+            + (f" [{e['destination']}]" if e["destination"] else "")
+            + (f" epoch {e['epoch']}" if e["epoch"] is not None else "")
+            + (f" by {e['node_id']}" if e["node_id"] else "")
+            + (f": {e['detail']}" if e["detail"] else "")
+            + (" (archived)" if e.get("archived_ms") is not None else "")
+        )
     if not bodies:
         click.echo("  (bodies not shown: add --body; each read of them is recorded in the audit trail)")
 
@@ -178,18 +228,26 @@ def _hl7_batch_line(inbound: dict[str, Any], batch: dict[str, Any] | None) -> st
     line = f"  in batch {inbound['batch_id']}: message {inbound['batch_seq']}"
     if batch is None:  # its record is in neither table (an operator removed it from the archive)
         return line
-    return (line + f" of {batch['message_count']}"
-            + (f" (declared {batch['declared_count']})" if batch["declared_count"] is not None else "")
-            + f", FHS {batch['fhs_control_id'] or '-'}, BHS {batch['bhs_control_id'] or '-'}, "
-              f"received {_when(batch['created_ms'])} on {batch['connection']}"
-            + (f"; archived {_when(batch['archived_ms'])}" if batch["archived_ms"] is not None else ""))
+    return (
+        line
+        + f" of {batch['message_count']}"
+        + (f" (declared {batch['declared_count']})" if batch["declared_count"] is not None else "")
+        + f", FHS {batch['fhs_control_id'] or '-'}, BHS {batch['bhs_control_id'] or '-'}, "
+        f"received {_when(batch['created_ms'])} on {batch['connection']}"
+        + (f"; archived {_when(batch['archived_ms'])}" if batch["archived_ms"] is not None else "")
+    )
 
 
 @messages.command("replay")
 @click.argument("refs", nargs=-1, required=True)
-@click.option("--from", "source", type=click.Choice(ops.REPLAY_FROM), required=True,
-              help="inbound: stage it again (today's routes, transforms, destinations; behind its lane's queue). "
-                   "outbound: send the same bytes again (its place in its lane).")
+@click.option(
+    "--from",
+    "source",
+    type=click.Choice(ops.REPLAY_FROM),
+    required=True,
+    help="inbound: stage it again (today's routes, transforms, destinations; behind its lane's queue). "
+    "outbound: send the same bytes again (its place in its lane).",
+)
 @actor_option
 @reason_option
 @click.pass_obj
@@ -209,15 +267,27 @@ def replay_cmd(service_config: str | None, refs: tuple[str, ...], source: str, a
 
 @messages.command("requeue")
 @click.argument("ids", nargs=-1, type=int)
-@click.option("--stage", type=click.Choice(["inbound", "routed", "outbound"]), default="outbound",
-              show_default=True, help="Whose dead letters (row ids are this stage's).")
+@click.option(
+    "--stage",
+    type=click.Choice(["inbound", "routed", "outbound"]),
+    default="outbound",
+    show_default=True,
+    help="Whose dead letters (row ids are this stage's).",
+)
 @click.option("--destination", help="Every dead letter of this destination.")
 @click.option("--lane", "lane_key", help="Every dead letter of this lane.")
 @actor_option
 @reason_option
 @click.pass_obj
-def requeue_cmd(service_config: str | None, ids: tuple[int, ...], stage: str, destination: str | None,
-                lane_key: str | None, actor: str, reason: str) -> None:
+def requeue_cmd(
+    service_config: str | None,
+    ids: tuple[int, ...],
+    stage: str,
+    destination: str | None,
+    lane_key: str | None,
+    actor: str,
+    reason: str,
+) -> None:
     """Dead letters back to pending (attempts reset, same bytes, same place in their lane, so a dead
     lane drains in order). By row IDS, or all of a --destination and/or --lane."""
     if not ids and destination is None and lane_key is None:
@@ -230,8 +300,11 @@ def requeue_cmd(service_config: str | None, ids: tuple[int, ...], stage: str, de
     finally:
         store.close()
     skipped = sorted(set(chosen) - set(moved))
-    click.echo(f"requeued {len(moved)} {stage} row(s)" + (f": {', '.join(map(str, moved))}" if moved else "")
-               + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else ""))
+    click.echo(
+        f"requeued {len(moved)} {stage} row(s)"
+        + (f": {', '.join(map(str, moved))}" if moved else "")
+        + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else "")
+    )
 
 
 @messages.command("dead")
@@ -251,8 +324,10 @@ def dead_cmd(service_config: str | None, as_json: bool) -> None:
         click.echo("no dead letters")
         return
     for g in groups:
-        click.echo(f"{g['n']:>6}  {g['stage']:<9}{(g['destination'] or '-'):<16} since {_when(g['oldest_ms'])}  "
-                   f"{g['reason'] or '-'}")
+        click.echo(
+            f"{g['n']:>6}  {g['stage']:<9}{(g['destination'] or '-'):<16} since {_when(g['oldest_ms'])}  "
+            f"{g['reason'] or '-'}"
+        )
     click.echo("requeue with: stageline messages requeue --stage STAGE --destination NAME --reason WHY")
 
 
@@ -271,16 +346,19 @@ def stages(service_config: str | None, recent: int, as_json: bool) -> None:
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps({**overview, **({"batches": batches} if recent > 0 else {})}, indent=2,
-                              default=_json_default))
+        click.echo(
+            json.dumps({**overview, **({"batches": batches} if recent > 0 else {})}, indent=2, default=_json_default)
+        )
         return
     click.echo(f"{'stage':<10}{'backlog':>9}{'oldest s':>10}{'in flight':>11}{'dead':>7}{'done/min':>10}")
     for stage, s in overview.items():
         oldest = "-" if s["oldest_pending_seconds"] is None else f"{s['oldest_pending_seconds']:.1f}"
-        click.echo(f"{stage:<10}{s['backlog']:>9}{oldest:>10}{s['in_flight']:>11}{s['dead']:>7}"
-                   f"{s['finished_per_minute']:>10}")
+        click.echo(
+            f"{stage:<10}{s['backlog']:>9}{oldest:>10}{s['in_flight']:>11}{s['dead']:>7}{s['finished_per_minute']:>10}"
+        )
     for b in batches:
         seconds = (int(b["finished_ms"]) - int(b["started_ms"])) / 1000
-        click.echo(f"  {_when(b['finished_ms'])}  {b['stage']:<10} {seconds:6.2f} s  claimed {b['claimed']:>6}  "
-                   f"{b['dag_id']} {b['run_id']} try {b['try_number']}  {b['counts']}")
-
+        click.echo(
+            f"  {_when(b['finished_ms'])}  {b['stage']:<10} {seconds:6.2f} s  claimed {b['claimed']:>6}  "
+            f"{b['dag_id']} {b['run_id']} try {b['try_number']}  {b['counts']}"
+        )

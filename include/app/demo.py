@@ -17,6 +17,7 @@ A message whose MSH-10 is already in the file (a re-delivery: delivery is at-lea
 ACKed again but not written twice, as HL7 receivers de-duplicate on MSH-10; the receiver's log
 says so. `read_received()` parses the file back into messages.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,14 +41,20 @@ RECEIVER_PORT = 2576
 RECEIVED_FILE = "received.hl7"
 
 TEMPLATES = {
-    "ADT^A01": ("MSH|^~\\&|DEMOADT|DEMOHOSP|STAGELINE|HOSP|{ts}||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
-                "EVN|A01|{ts}\rPID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}||19800101|F\r"
-                "PV1|1|I|WARD1^101^A\r"),
-    "ORU^R01": ("MSH|^~\\&|DEMOLAB|DEMOHOSP|STAGELINE|HOSP|{ts}||ORU^R01^ORU_R01|{cid}|P|2.5.1\r"
-                "PID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}\rOBR|1|ORD{n}||2345-7^Glucose^LN\r"
-                "OBX|1|NM|2345-7^Glucose^LN||{value}|mg/dL|70-99|N|||F\r"),
-    "ORM^O01": ("MSH|^~\\&|DEMOCPOE|DEMOHOSP|STAGELINE|HOSP|{ts}||ORM^O01|{cid}|P|2.3\r"
-                "PID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}\rORC|NW|ORD{n}\rOBR|1|ORD{n}||71020^CHEST XRAY^CPT\r"),
+    "ADT^A01": (
+        "MSH|^~\\&|DEMOADT|DEMOHOSP|STAGELINE|HOSP|{ts}||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+        "EVN|A01|{ts}\rPID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}||19800101|F\r"
+        "PV1|1|I|WARD1^101^A\r"
+    ),
+    "ORU^R01": (
+        "MSH|^~\\&|DEMOLAB|DEMOHOSP|STAGELINE|HOSP|{ts}||ORU^R01^ORU_R01|{cid}|P|2.5.1\r"
+        "PID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}\rOBR|1|ORD{n}||2345-7^Glucose^LN\r"
+        "OBX|1|NM|2345-7^Glucose^LN||{value}|mg/dL|70-99|N|||F\r"
+    ),
+    "ORM^O01": (
+        "MSH|^~\\&|DEMOCPOE|DEMOHOSP|STAGELINE|HOSP|{ts}||ORM^O01|{cid}|P|2.3\r"
+        "PID|1||{pid}^^^DEMOHOSP^MR||TEST^PATIENT{n}\rORC|NW|ORD{n}\rOBR|1|ORD{n}||71020^CHEST XRAY^CPT\r"
+    ),
 }
 
 
@@ -147,8 +154,9 @@ def _control_id(message: hl7.Message) -> str:
     return _field(message, "MSH", 10).strip()
 
 
-async def serve_receiver(host: str, port: int, out_dir: Path, *, echo: Callable[[str], None] = print,
-                         stop: asyncio.Event | None = None) -> None:
+async def serve_receiver(
+    host: str, port: int, out_dir: Path, *, echo: Callable[[str], None] = print, stop: asyncio.Event | None = None
+) -> None:
     """Run the demo receiver until `stop` is set (or SIGTERM / SIGINT when `stop` is None)."""
     received = ReceivedFile(out_dir, echo=echo)
 
@@ -178,8 +186,7 @@ async def serve_receiver(host: str, port: int, out_dir: Path, *, echo: Callable[
             loop.add_signal_handler(signum, stop.set)
     server = await start_hl7_server(handle, host, port, encoding="utf-8", encoding_errors="replace")
     bound = server.sockets[0].getsockname()[1]
-    echo(f"demo receiver listening on {host}:{bound}, ACKing every message with AA, "
-         f"appending to {received.path}")
+    echo(f"demo receiver listening on {host}:{bound}, ACKing every message with AA, appending to {received.path}")
     try:
         async with server:
             await stop.wait()

@@ -15,6 +15,7 @@ worker and one DAG-parsing process; no triggerer, since no Stageline task defers
 collector (micro-batches of a few thousand rows need no more); and glibc limited to two malloc arenas
 per process, which keeps threaded processes from holding memory they have freed.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,7 +103,7 @@ def _write_all(fd: int, text: str) -> None:
     try:
         view = memoryview(text.encode())
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -117,8 +118,10 @@ EMBEDDED_PARALLELISM = 5
 """Airflow task slots: the three stage DAGs hold one each while they run (a sensor or the job), the
 two maintenance DAGs one each for seconds a minute (a manual run waits for one of those)."""
 SPARK_DRIVER_MEMORY = "512m"
-SPARK_DRIVER_JAVA_OPTIONS = ("-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
-                             "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=48m -Xss512k")
+SPARK_DRIVER_JAVA_OPTIONS = (
+    "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
+    "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=48m -Xss512k"
+)
 """The driver's heap starts small and is given back after a collection (the serial collector does;
 the default G1 sizes itself to 1/64 of the machine's memory at start); C1 alone compiles the small
 jobs' code with a fraction of C2's memory."""
@@ -217,7 +220,8 @@ def _stage_runs_waiting(password: str) -> bool:
             token = json.load(resp)["access_token"]
         query = urllib.request.Request(  # noqa: S310  loopback http://
             f"{base}/api/v2/dags/~/dagRuns/~/taskInstances?task_id=wait_for_work&state=running&limit=100",
-            headers={"Authorization": f"Bearer {token}"})
+            headers={"Authorization": f"Bearer {token}"},
+        )
         with urllib.request.urlopen(query, timeout=5) as resp:  # noqa: S310  loopback http://
             waiting = {ti["dag_id"] for ti in json.load(resp)["task_instances"]}
     except (OSError, ValueError, KeyError):
@@ -260,8 +264,9 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo, pipeline_dir: Path) -
     return demo.delivery_locations(var, pipeline_dir)
 
 
-def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print,
-       show_secrets: bool = False) -> int:
+def up(
+    cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print, show_secrets: bool = False
+) -> int:
     """The stack on `config_dir` (listenerd's connections and the pipeline: routes, transforms,
     destinations, lookups; default the checkout's `config/`). The banner names the files holding the
     admin password and the API token; it prints them only with `show_secrets`."""
@@ -280,21 +285,36 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         if port_open(demo.RECEIVER_PORT, demo.RECEIVER_HOST):
             raise RuntimeError(f"port {demo.RECEIVER_PORT} (the demo receiver's) is already in use")
         echo("migrating Airflow's metadata DB (first run: about a minute) ...")
-        subprocess.run(_airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **env}, check=True,  # noqa: S603  fixed argv
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(  # noqa: S603  fixed argv
+            _airflow("db", "migrate"),
+            cwd=ROOT,
+            env={**os.environ, **env},
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         from include.spark import start_connect_server
 
         echo(f"  starting spark-connect     (log: {var / 'log' / 'spark-connect'})")
-        spark = start_connect_server(SPARK_CONNECT_PORT, log_dir=var / "log" / "spark-connect",
-                                     driver_memory=SPARK_DRIVER_MEMORY, env=SMALL_MACHINE_ENV,
-                                     conf={"spark.driver.extraJavaOptions": SPARK_DRIVER_JAVA_OPTIONS})
+        spark = start_connect_server(
+            SPARK_CONNECT_PORT,
+            log_dir=var / "log" / "spark-connect",
+            driver_memory=SPARK_DRIVER_MEMORY,
+            env=SMALL_MACHINE_ENV,
+            conf={"spark.driver.extraJavaOptions": SPARK_DRIVER_JAVA_OPTIONS},
+        )
         stack.procs.append(Proc("spark-connect", [], popen=spark.process))
         echo("  spark-connect             ready")
-        for name, argv in (("airflow-api-server", _airflow("api-server")),
-                           ("airflow-scheduler", _airflow("scheduler", "--skip-serve-logs")),
-                           ("airflow-dag-processor", _airflow("dag-processor"))):
-            ready = (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health")) \
-                if name == "airflow-api-server" else (lambda: True)
+        for name, argv in (
+            ("airflow-api-server", _airflow("api-server")),
+            ("airflow-scheduler", _airflow("scheduler", "--skip-serve-logs")),
+            ("airflow-dag-processor", _airflow("dag-processor")),
+        ):
+            ready = (
+                (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health"))
+                if name == "airflow-api-server"
+                else (lambda: True)
+            )
             stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
         stack.start(
             Proc(
@@ -327,8 +347,10 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         started = time.monotonic()
         while not _stage_runs_waiting(password):
             if time.monotonic() - started > PIPELINE_READY_SECONDS:
-                echo(f"  stage DAGs                not waiting for work after {PIPELINE_READY_SECONDS:.0f} s "
-                     "(see the Airflow UI); starting anyway")
+                echo(
+                    f"  stage DAGs                not waiting for work after {PIPELINE_READY_SECONDS:.0f} s "
+                    "(see the Airflow UI); starting anyway"
+                )
                 break
             time.sleep(0.5)
         else:
@@ -337,15 +359,38 @@ def up(cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = No
         echo(f"\nstartup failed: {exc}")
         stack.stop()
         return 1
-    echo(banner(cfg, config_dir, ends, deliveries, var, api_port=api_port,
-                password=password, password_file=home / ".admin_password", token=token, token_from=token_from,
-                show_secrets=show_secrets))
+    echo(
+        banner(
+            cfg,
+            config_dir,
+            ends,
+            deliveries,
+            var,
+            api_port=api_port,
+            password=password,
+            password_file=home / ".admin_password",
+            token=token,
+            token_from=token_from,
+            show_secrets=show_secrets,
+        )
+    )
     return stack.wait()
 
 
-def banner(cfg: ServiceConfig, config_dir: Path, ends: Endpoints, deliveries: list[tuple[str, str]], var: Path, *,
-           api_port: int, password: str, password_file: Path, token: str, token_from: str,
-           show_secrets: bool = False) -> str:
+def banner(
+    cfg: ServiceConfig,
+    config_dir: Path,
+    ends: Endpoints,
+    deliveries: list[tuple[str, str]],
+    var: Path,
+    *,
+    api_port: int,
+    password: str,
+    password_file: Path,
+    token: str,
+    token_from: str,
+    show_secrets: bool = False,
+) -> str:
     """What `stageline up` prints once the stack is up: where everything is. The admin password and
     the API token only with `show_secrets` (a terminal's scrollback and a CI log outlive the run);
     otherwise where they are kept."""
@@ -367,5 +412,5 @@ Stageline is up (single node, {store_where(cfg.store)}, config {config_dir}).
   listenerd API       http://{ends.api_host}:{api_port}/cluster/status   (Authorization: Bearer {bearer})
   Spark Connect       sc://127.0.0.1:{SPARK_CONNECT_PORT}
   deliveries          {delivered}
-  logs                {var / 'log'}{hint}
+  logs                {var / "log"}{hint}
 Ctrl-C stops everything."""

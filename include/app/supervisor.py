@@ -1,6 +1,7 @@
 """A small supervisor for the embedded single-node stack: start named processes in order, wait for
 each to be ready, show progress, and stop everything (in reverse order, by PID) on Ctrl-C, SIGTERM
 or when any process dies."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,14 @@ class Stack:
     def start(self, proc: Proc) -> None:
         log = open(self.log_dir / f"{proc.name}.log", "ab")
         self.echo(f"  starting {proc.name:<16} (log: {self.log_dir / (proc.name + '.log')})")
-        proc.popen = subprocess.Popen(proc.argv, cwd=self.cwd, env={**os.environ, **proc.env}, stdout=log,  # noqa: S603  argv lists built in code, never a shell
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        proc.popen = subprocess.Popen(  # noqa: S603  argv lists built in code, never a shell
+            proc.argv,
+            cwd=self.cwd,
+            env={**os.environ, **proc.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         started = time.monotonic()
         while not proc.ready():

@@ -6,6 +6,7 @@ errors, never coerced. `check` turns pydantic's errors into `ConfigProblem` rows
 and the dotted key, so a loader can report all of them at once and a caller never sees a
 traceback. The JSON Schema of every file (`stageline config schema`) comes from the same models.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -67,8 +68,9 @@ def problems_from(exc: ValidationError, *, file: Path | None = None, prefix: str
     return out
 
 
-def check(model: type[M], data: Any, *, file: Path | None = None, prefix: str = "",
-          context: dict[str, Any] | None = None) -> M:
+def check(
+    model: type[M], data: Any, *, file: Path | None = None, prefix: str = "", context: dict[str, Any] | None = None
+) -> M:
     """`data` validated as `model`; `ConfigProblems` (every problem, with file and key) if it is not."""
     try:
         return model.model_validate(data, context=context)

@@ -11,6 +11,7 @@ Validation context (`context=` of `include.schema.rules.validate`):
 The runtime structures (`listeners.connections_config.InboundConfig`, `listeners.api.ApiSettings`) are built
 from these models; docs/config-reference.md describes every key.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -29,8 +30,18 @@ from include.schema import Strict
 from include.schema.filedrop_paths import processing_dir
 from include.schema.rules import Rules
 
-__all__ = ["API_ROLES", "DEFAULT_API_PORT", "ApiModel", "ApiTokenModel", "ConnectionsFile", "DatabaseSourceModel",
-           "InboundModel", "TLSModel", "file_paths", "is_loopback"]
+__all__ = [
+    "API_ROLES",
+    "DEFAULT_API_PORT",
+    "ApiModel",
+    "ApiTokenModel",
+    "ConnectionsFile",
+    "DatabaseSourceModel",
+    "InboundModel",
+    "TLSModel",
+    "file_paths",
+    "is_loopback",
+]
 
 API_ROLES = ("viewer", "operator", "admin")
 NETWORK_KINDS = ("mllp", "tcp", "http")
@@ -47,7 +58,7 @@ PollSeconds = Annotated[float, Field(ge=0.05, le=3600, allow_inf_nan=False)]
 """A poll interval: below 0.05 s a poll is a busy loop (and a file is taken while it is written)."""
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Count = Annotated[int, Field(gt=0, le=1_000_000)]
-UNION_MAX = {4: 2 ** 24, 6: 2 ** 112}
+UNION_MAX = {4: 2**24, 6: 2**112}
 """The most addresses all `allowed_sources` entries of one version may admit together (one /8, one
 /16 of IPv6): judged on the union, or 256 /8 entries would admit every IPv4 address."""
 NAME_MAX = 64
@@ -57,12 +68,28 @@ MIN_PREFIX = {4: 8, 6: 16}
 an IPv4 /8 (16 M addresses, the largest private range) or an IPv6 /16. A wider entry (`0.0.0.0/0`,
 `::/0`, `0.0.0.0/1`) lets (nearly) anyone in, so it needs `allow_unauthenticated_senders = true`."""
 FILE_KEYS = ("directory", "archive", "error_directory", "pattern", "allow_archive_in_directory")
-NETWORK_KEYS = ("host", "port", "idle_timeout_seconds", "max_connections", "max_connections_per_peer",
-                "connect_rate_per_peer", "frame_timeout_seconds", "handshake_timeout_seconds",
-                "max_bytes_per_second_per_peer", "allow_insecure_bind", "allowed_sources",
-                "allow_unauthenticated_senders", "tls")
-ONLY_FOR = {**dict.fromkeys(FILE_KEYS, ("file",)), **dict.fromkeys(NETWORK_KEYS, NETWORK_KINDS),
-            "poll_seconds": ("file", "database"), "framing": ("tcp",), "batch_ack": ("mllp",)}
+NETWORK_KEYS = (
+    "host",
+    "port",
+    "idle_timeout_seconds",
+    "max_connections",
+    "max_connections_per_peer",
+    "connect_rate_per_peer",
+    "frame_timeout_seconds",
+    "handshake_timeout_seconds",
+    "max_bytes_per_second_per_peer",
+    "allow_insecure_bind",
+    "allowed_sources",
+    "allow_unauthenticated_senders",
+    "tls",
+)
+ONLY_FOR = {
+    **dict.fromkeys(FILE_KEYS, ("file",)),
+    **dict.fromkeys(NETWORK_KEYS, NETWORK_KINDS),
+    "poll_seconds": ("file", "database"),
+    "framing": ("tcp",),
+    "batch_ack": ("mllp",),
+}
 """Keys that mean something for some kinds only: set on another kind they would be silently ignored."""
 
 
@@ -98,8 +125,7 @@ class TLSModel(Strict):
     cert: str = Field(min_length=1, description="PEM certificate (chain) file, relative to the config dir")
     key: str = Field(min_length=1, description="PEM private key file (unencrypted)")
     ca: str = Field("", description="PEM bundle of the CAs whose client certificates are accepted")
-    require_client_cert: bool = Field(False, description="mTLS: a client without a certificate signed by ca "
-                                                         "is refused")
+    require_client_cert: bool = Field(False, description="mTLS: a client without a certificate signed by ca is refused")
 
     @field_validator("cert", "key", "ca")
     @classmethod
@@ -119,15 +145,20 @@ class DatabaseSourceModel(Strict):
     backend: Literal["postgres", "sqlserver", "sqlite"] = "postgres"
     server: str = "localhost"
     port: Port = Field(0, description="0: the backend's default")
-    database: str = Field(min_length=1, description="the database name; sqlite: the file (relative to the "
-                                                    "config dir)")
+    database: str = Field(min_length=1, description="the database name; sqlite: the file (relative to the config dir)")
     username: str = ""
-    password_env: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
-                              description="the environment variable holding the password (never the file)")
+    password_env: str = Field(
+        "",
+        pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+        description="the environment variable holding the password (never the file)",
+    )
     query: str = Field(min_length=1, description="SELECT of the rows to stage, ordered by key_column")
     key_column: str = Field("id", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    message_column: str = Field("", pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
-                                description="the column holding the message; empty: the whole row as JSON")
+    message_column: str = Field(
+        "",
+        pattern=r"^([A-Za-z_][A-Za-z0-9_]*)?$",
+        description="the column holding the message; empty: the whole row as JSON",
+    )
     strategy: Literal["watermark", "mark"] = "watermark"
     mark: str = Field("", description="strategy mark: the UPDATE that marks one row read (:key)")
     reject: str = Field("", description="strategy mark: the UPDATE for a row that cannot be staged")
@@ -139,8 +170,15 @@ class DatabaseSourceModel(Strict):
     @classmethod
     def _no_password(cls, data: Any) -> Any:
         if isinstance(data, dict) and "password" in data:
-            Rules.raise_if([("password", "a password in the config file is refused (put the password in an "
-                                         "environment variable and name it in password_env)")])
+            Rules.raise_if(
+                [
+                    (
+                        "password",
+                        "a password in the config file is refused (put the password in an "
+                        "environment variable and name it in password_env)",
+                    )
+                ]
+            )
         return data
 
     @model_validator(mode="after")
@@ -151,23 +189,39 @@ class DatabaseSourceModel(Strict):
         allowed = {"watermark", "limit"} if self.strategy == "watermark" else {"limit"}
         params = set(_SQL_PARAM.findall(self.query))
         if params - allowed:
-            bad.append(("query", f"query takes only {', '.join(':' + p for p in sorted(allowed))}, "
-                                 f"got {', '.join(':' + p for p in sorted(params - allowed))}"))
+            bad.append(
+                (
+                    "query",
+                    f"query takes only {', '.join(':' + p for p in sorted(allowed))}, "
+                    f"got {', '.join(':' + p for p in sorted(params - allowed))}",
+                )
+            )
         if self.strategy == "watermark":
             if "watermark" not in params:
-                bad.append(("query", f"strategy = \"watermark\" needs :watermark in query, e.g. \"SELECT ... WHERE "
-                                     f"{self.key_column} > :watermark ORDER BY {self.key_column} LIMIT :limit\""))
+                bad.append(
+                    (
+                        "query",
+                        f'strategy = "watermark" needs :watermark in query, e.g. "SELECT ... WHERE '
+                        f'{self.key_column} > :watermark ORDER BY {self.key_column} LIMIT :limit"',
+                    )
+                )
             if self.mark or self.reject:
-                bad.append(("mark" if self.mark else "reject", "mark and reject belong to strategy = \"mark\""))
+                bad.append(("mark" if self.mark else "reject", 'mark and reject belong to strategy = "mark"'))
         else:
             for key in ("mark", "reject"):
                 statement = getattr(self, key)
                 if key == "reject" and not statement:
                     continue
-                if not re.match(r"\s*UPDATE\b", statement, re.IGNORECASE) or \
-                        set(_SQL_PARAM.findall(statement)) != {"key"}:
-                    bad.append((key, f"strategy = \"mark\" needs {key} = an UPDATE that takes only :key, e.g. "  # noqa: S608 (a message, not SQL)
-                                     f"\"UPDATE outbox SET status = 'sent' WHERE {self.key_column} = :key\""))
+                if not re.match(r"\s*UPDATE\b", statement, re.IGNORECASE) or set(_SQL_PARAM.findall(statement)) != {
+                    "key"
+                }:
+                    bad.append(
+                        (
+                            key,
+                            f'strategy = "mark" needs {key} = an UPDATE that takes only :key, e.g. '  # noqa: S608 (a message, not SQL)
+                            f"\"UPDATE outbox SET status = 'sent' WHERE {self.key_column} = :key\"",
+                        )
+                    )
         Rules.raise_if(bad)
         return self
 
@@ -175,16 +229,22 @@ class DatabaseSourceModel(Strict):
 class InboundModel(Strict):
     """One `[[inbound]]` connection."""
 
-    name: str = Field(pattern=_NAME, max_length=NAME_MAX,
-                      description=f"letters, digits, - and _ (at most {NAME_MAX}); unique in the file")
+    name: str = Field(
+        pattern=_NAME,
+        max_length=NAME_MAX,
+        description=f"letters, digits, - and _ (at most {NAME_MAX}); unique in the file",
+    )
     kind: Literal["mllp", "tcp", "file", "http", "database"]
     host: str = Field("127.0.0.1", min_length=1)
     port: Port = 0
     directory: str = Field("", description="file: the polled drop directory")
     archive: str = Field("", description="file: where ingested files go (default <var>/filedrop/<name>/archive)")
-    error_directory: str = Field("", description="file: where refused files go, with a .reason "
-                                                 "(default <archive>/rejected if archive is set, else "
-                                                 "<var>/filedrop/<name>/rejected)")
+    error_directory: str = Field(
+        "",
+        description="file: where refused files go, with a .reason "
+        "(default <archive>/rejected if archive is set, else "
+        "<var>/filedrop/<name>/rejected)",
+    )
     pattern: str = Field("*", min_length=1, description="file: glob of files to ingest")
     poll_seconds: PollSeconds = Field(1.0, description="file, database: seconds between polls (0.05 to 3600)")
     framing: Literal["newline", "length"] = "newline"
@@ -192,7 +252,7 @@ class InboundModel(Strict):
     hl7_only: bool = False
     batch_ack: Literal["batch", "messages"] = "batch"
     charset: str = Field("utf-8", description="used when a message does not declare MSH-18; HL7 table 0211")
-    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64, le=1024 ** 3, description="at most 1 GiB")
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64, le=1024**3, description="at most 1 GiB")
     idle_timeout_seconds: Seconds = 300.0
     max_connections: Count = 64
     max_connections_per_peer: Count = 16
@@ -211,8 +271,10 @@ class InboundModel(Strict):
     @classmethod
     def _charset(cls, value: str) -> str:
         if codec_for(value) is None:
-            raise ValueError(f"unknown charset; accepted (HL7 table 0211): {', '.join(HL7_CHARSETS)} "
-                             "(or a Python alias of one of these)")
+            raise ValueError(
+                f"unknown charset; accepted (HL7 table 0211): {', '.join(HL7_CHARSETS)} "
+                "(or a Python alias of one of these)"
+            )
         return value
 
     @field_validator("allowed_sources")
@@ -223,8 +285,11 @@ class InboundModel(Strict):
             try:
                 source_network(cidr)
             except ValueError as exc:
-                hint = " (host bits set: name the network, e.g. 10.1.2.0/24, or one address)" \
-                    if "host bits" in str(exc) else ""
+                hint = (
+                    " (host bits set: name the network, e.g. 10.1.2.0/24, or one address)"
+                    if "host bits" in str(exc)
+                    else ""
+                )
                 bad.append((f"[{i}]", f"not a CIDR such as 10.1.2.0/24 or 192.0.2.7{hint}"))
         Rules.raise_if(bad)
         return value
@@ -237,8 +302,11 @@ class InboundModel(Strict):
                 path = parse_path(value)
             except FieldPathError as exc:
                 raise ValueError(f"lane_key must be an HL7 field path such as 'PID-3.1': {exc}") from None
-            indices = [i for i in (path.field, path.occurrence, path.repetition, path.component, path.subcomponent)
-                       if i is not None]
+            indices = [
+                i
+                for i in (path.field, path.occurrence, path.repetition, path.component, path.subcomponent)
+                if i is not None
+            ]
             if max(indices, default=0) > LANE_INDEX_MAX:
                 raise ValueError(f"lane_key {value!r}: an index above {LANE_INDEX_MAX} is no HL7 field")
         return value
@@ -273,10 +341,15 @@ class InboundModel(Strict):
         if self.kind == "file" and not self.directory:
             bad.append(("directory", "a file connection needs directory"))
         if self.kind == "database" and self.database is None:
-            bad.append(("database", "a database connection needs an [inbound.database] table "
-                                    "(backend, database, query, key_column, strategy)"))
+            bad.append(
+                (
+                    "database",
+                    "a database connection needs an [inbound.database] table "
+                    "(backend, database, query, key_column, strategy)",
+                )
+            )
         if self.database is not None and self.kind != "database":
-            bad.append(("database", "[inbound.database] belongs to kind = \"database\" only"))
+            bad.append(("database", '[inbound.database] belongs to kind = "database" only'))
         if self.kind == "file" and self.directory:
             bad += _drop_tree(self, _ctx(info, "base"), _ctx(info, "var"), _ctx(info, "store_dir"))
         for key in sorted(self.model_fields_set & ONLY_FOR.keys()):
@@ -285,25 +358,40 @@ class InboundModel(Strict):
                 bad.append((key, f"only for {kinds}; a {self.kind} connection would ignore it"))
         if self.kind in NETWORK_KINDS and not is_loopback(self.host):
             if self.tls is None and not self.allow_insecure_bind:
-                bad.append(("host", f"refusing a non-loopback bind without TLS ({self.kind} on {self.host}:"
-                                    f"{self.port}); configure tls, or set allow_insecure_bind = true if the network "
-                                    "is otherwise protected"))
+                bad.append(
+                    (
+                        "host",
+                        f"refusing a non-loopback bind without TLS ({self.kind} on {self.host}:"
+                        f"{self.port}); configure tls, or set allow_insecure_bind = true if the network "
+                        "is otherwise protected",
+                    )
+                )
             mtls = self.tls is not None and self.tls.require_client_cert
             if not (mtls or self.allow_unauthenticated_senders):
                 for i, cidr in enumerate(self.allowed_sources):
                     net = source_network(cidr)
                     if net.prefixlen < MIN_PREFIX[net.version]:
-                        bad.append((f"allowed_sources[{i}]", f"{net} lets (nearly) every address in, so it does not "
-                                    f"authenticate senders (the widest counted is /{MIN_PREFIX[net.version]} for "
-                                    f"IPv{net.version}); list the senders' networks, or set "
-                                    "allow_unauthenticated_senders = true if anyone may really send"))
+                        bad.append(
+                            (
+                                f"allowed_sources[{i}]",
+                                f"{net} lets (nearly) every address in, so it does not "
+                                f"authenticate senders (the widest counted is /{MIN_PREFIX[net.version]} for "
+                                f"IPv{net.version}); list the senders' networks, or set "
+                                "allow_unauthenticated_senders = true if anyone may really send",
+                            )
+                        )
                 if not bad:
                     bad += _union_too_wide(self.allowed_sources)
             if not (mtls or self.allowed_sources or self.allow_unauthenticated_senders):
-                bad.append(("allowed_sources", f"a non-loopback bind ({self.kind} on {self.host}) needs "
-                                               "authenticated senders: tls.require_client_cert = true (mTLS) or "
-                                               "allowed_sources (the CIDRs senders connect from), or set "
-                                               "allow_unauthenticated_senders = true"))
+                bad.append(
+                    (
+                        "allowed_sources",
+                        f"a non-loopback bind ({self.kind} on {self.host}) needs "
+                        "authenticated senders: tls.require_client_cert = true (mTLS) or "
+                        "allowed_sources (the CIDRs senders connect from), or set "
+                        "allow_unauthenticated_senders = true",
+                    )
+                )
         Rules.raise_if(bad)
         return self
 
@@ -315,9 +403,16 @@ def _other_kind_keys(data: Any) -> list[tuple[str, str]]:
     kind = data["kind"]
     if kind not in ("mllp", "tcp", "file", "http", "database"):
         return []
-    return [(key, "only for " + " or ".join(f'kind = "{k}"' for k in ONLY_FOR[key]) +
-             f"; a {kind} connection would ignore it") for key in sorted(data) if key in ONLY_FOR
-            and kind not in ONLY_FOR[key]]
+    return [
+        (
+            key,
+            "only for "
+            + " or ".join(f'kind = "{k}"' for k in ONLY_FOR[key])
+            + f"; a {kind} connection would ignore it",
+        )
+        for key in sorted(data)
+        if key in ONLY_FOR and kind not in ONLY_FOR[key]
+    ]
 
 
 def _union_too_wide(cidrs: list[str]) -> list[tuple[str, str]]:
@@ -332,9 +427,14 @@ def _union_too_wide(cidrs: list[str]) -> list[tuple[str, str]]:
         total = sum(n.num_addresses for n in ipaddress.collapse_addresses(listed))
         if total > UNION_MAX[version]:
             widest = "/8" if version == 4 else "/16"
-            bad.append(("allowed_sources", f"the IPv{version} entries together admit {total} addresses, more than "
-                        f"one {widest} ({UNION_MAX[version]}), so they do not authenticate senders; list the "
-                        "senders' networks, or set allow_unauthenticated_senders = true if anyone may really send"))
+            bad.append(
+                (
+                    "allowed_sources",
+                    f"the IPv{version} entries together admit {total} addresses, more than "
+                    f"one {widest} ({UNION_MAX[version]}), so they do not authenticate senders; list the "
+                    "senders' networks, or set allow_unauthenticated_senders = true if anyone may really send",
+                )
+            )
     return bad
 
 
@@ -361,24 +461,32 @@ def _drop_tree(conn: InboundModel, base: Any, var: Any, store_dir: Any) -> list[
     elif not conn.allow_archive_in_directory:
         for key, path in (("archive", archive), ("error_directory", rejected)):
             if path == directory or path.is_relative_to(directory):
-                bad.append((key, f"{key} lies inside directory (the partner-writable drop tree); put it "
-                                 "elsewhere, or set allow_archive_in_directory = true"))
+                bad.append(
+                    (
+                        key,
+                        f"{key} lies inside directory (the partner-writable drop tree); put it "
+                        "elsewhere, or set allow_archive_in_directory = true",
+                    )
+                )
     bad += _protected_trees(conn, directory, archive, rejected, base, var, store_dir)
     bad += _through_symlinks(conn, base)
     return bad
 
 
-def _protected_trees(conn: InboundModel, directory: Path, archive: Path, rejected: Path, base: Any, var: Any,
-                     store_dir: Any) -> list[tuple[str, str]]:
+def _protected_trees(
+    conn: InboundModel, directory: Path, archive: Path, rejected: Path, base: Any, var: Any, store_dir: Any
+) -> list[tuple[str, str]]:
     """Stageline's own directories are not a drop tree: a drop directory that is, contains or lies
     inside the config dir, the var dir or the store's directory would stage (and move away) the
     config files, the node's secrets or the live database; an archive or error directory there
     would write partner-named files among them. The var dir's `filedrop/<name>/` (the defaults) is
     the exception for archive and error_directory. Inside the store's directory (a sibling of the
     database) is allowed: polling and moving touch only that one directory's own files."""
-    roots = [("the config dir", Path(base).resolve() if base is not None else None, True),
-             ("Stageline's var dir", Path(var).resolve() if var is not None else None, True),
-             ("the store's directory", Path(store_dir).resolve() if store_dir is not None else None, False)]
+    roots = [
+        ("the config dir", Path(base).resolve() if base is not None else None, True),
+        ("Stageline's var dir", Path(var).resolve() if var is not None else None, True),
+        ("the store's directory", Path(store_dir).resolve() if store_dir is not None else None, False),
+    ]
     own = Path(var).resolve() / "filedrop" / conn.name if var is not None else None
     bad = []
     for key, path in (("directory", directory), ("archive", archive), ("error_directory", rejected)):
@@ -395,21 +503,55 @@ def _protected_trees(conn: InboundModel, directory: Path, archive: Path, rejecte
                 what = "lies inside"
             else:
                 continue
-            bad.append((key, f"{path} {what} {label} ({root}); a file connection would stage and move "
-                             "Stageline's own files: use a directory of its own"))
+            bad.append(
+                (
+                    key,
+                    f"{path} {what} {label} ({root}); a file connection would stage and move "
+                    "Stageline's own files: use a directory of its own",
+                )
+            )
             break
         else:
             bad += _system_tree(key, path)
     return bad
 
 
-SYSTEM_TREES = ("/", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/root",
-                "/home", "/proc", "/sys", "/dev", "/var/lib", "/run")
+SYSTEM_TREES = (
+    "/",
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/boot",
+    "/root",
+    "/home",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/var/lib",
+    "/run",
+)
 """System directories no file connection may be (or contain): it would stage /etc/shadow or a
 user's files and move them away. Their subdirectories are allowed (a drop under /home/partner or
 /var/lib/stageline is normal), except those of SYSTEM_INSIDE."""
-SYSTEM_INSIDE = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/proc", "/sys",
-                 "/dev")
+SYSTEM_INSIDE = (
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/boot",
+    "/proc",
+    "/sys",
+    "/dev",
+)
 """System trees nothing of a file connection may lie inside either: the OS's own files and devices."""
 
 
@@ -431,12 +573,22 @@ def _system_tree(key: str, path: Path) -> list[tuple[str, str]]:
     for root, name in _system_roots(SYSTEM_TREES).items():
         if path == root or root.is_relative_to(path):
             what = "is" if path == root else "contains"
-            return [(key, f"{path} {what} the system directory {name}; a file connection would stage and move "
-                          "the system's files: use a directory of its own")]
+            return [
+                (
+                    key,
+                    f"{path} {what} the system directory {name}; a file connection would stage and move "
+                    "the system's files: use a directory of its own",
+                )
+            ]
     for root, name in _system_roots(SYSTEM_INSIDE).items():
         if path.is_relative_to(root):
-            return [(key, f"{path} lies inside the system directory {name}; a file connection would stage and "
-                          "move the system's files: use a directory of its own")]
+            return [
+                (
+                    key,
+                    f"{path} lies inside the system directory {name}; a file connection would stage and "
+                    "move the system's files: use a directory of its own",
+                )
+            ]
     return []
 
 
@@ -460,17 +612,25 @@ class ApiTokenModel(Strict):
 
     name: str = ""
     role: str = Field(description=f"one of {', '.join(API_ROLES)} (any case)")
-    token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                                  description="the environment variable holding the token")
+    token_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="the environment variable holding the token"
+    )
     token_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="the token's hex SHA-256")
 
     @model_validator(mode="before")
     @classmethod
     def _no_plaintext(cls, data: Any) -> Any:
         if isinstance(data, dict) and "token" in data:
-            Rules.raise_if([("token", "a plaintext token in the config file is refused; set token_env (an "
-                                      "environment variable holding the token) or token_sha256 (its hex SHA-256 "
-                                      "digest)")])
+            Rules.raise_if(
+                [
+                    (
+                        "token",
+                        "a plaintext token in the config file is refused; set token_env (an "
+                        "environment variable holding the token) or token_sha256 (its hex SHA-256 "
+                        "digest)",
+                    )
+                ]
+            )
         return data
 
     @field_validator("role")
@@ -500,9 +660,16 @@ class ApiModel(Strict):
     @model_validator(mode="after")
     def _bind(self) -> ApiModel:
         if self.tls is None and not self.allow_insecure_bind and not is_loopback(self.host):
-            Rules.raise_if([("host", f"refusing a non-loopback bind without TLS (API on {self.host}:{self.port}); "
-                                     "configure [api.tls], or set allow_insecure_bind = true if the network is "
-                                     "otherwise protected")])
+            Rules.raise_if(
+                [
+                    (
+                        "host",
+                        f"refusing a non-loopback bind without TLS (API on {self.host}:{self.port}); "
+                        "configure [api.tls], or set allow_insecure_bind = true if the network is "
+                        "otherwise protected",
+                    )
+                ]
+            )
         return self
 
 
@@ -530,35 +697,63 @@ def _shared_drops(inbound: list[InboundModel], base: Any, var: Any) -> list[tupl
     """Two file connections on one drop directory stage each file twice (or race for it), and an
     archive or error directory that is (or lies inside) another connection's drop directory feeds
     every file back in: each file must be one message."""
-    files = [(i, c, [Path(p) for p in file_paths(c, base, var)]) for i, c in enumerate(inbound)
-             if c.kind == "file" and c.directory]
+    files = [
+        (i, c, [Path(p) for p in file_paths(c, base, var)])
+        for i, c in enumerate(inbound)
+        if c.kind == "file" and c.directory
+    ]
     drops: dict[Path, InboundModel] = {}
     bad = []
     for i, conn, (drop, _, _) in files:  # linear: a map of drop directories, each path's parents looked up
         if drop in drops:
-            bad.append((f"inbound[{i}].directory", f"{drop} is also the drop directory of connection "
-                                                   f"{drops[drop].name!r}: each file would be staged twice"))
+            bad.append(
+                (
+                    f"inbound[{i}].directory",
+                    f"{drop} is also the drop directory of connection "
+                    f"{drops[drop].name!r}: each file would be staged twice",
+                )
+            )
         else:
             drops[drop] = conn
     for i, conn, (_, archive, rejected) in files:
         for key, path in (("archive", archive), ("error_directory", rejected)):
             other = next((drops[p] for p in (path, *path.parents) if p in drops and drops[p] is not conn), None)
             if other is not None:
-                bad.append((f"inbound[{i}].{key}", f"{path} is (or lies inside) the drop directory of "
-                                                   f"connection {other.name!r}: its files would be staged again"))
+                bad.append(
+                    (
+                        f"inbound[{i}].{key}",
+                        f"{path} is (or lies inside) the drop directory of "
+                        f"connection {other.name!r}: its files would be staged again",
+                    )
+                )
     reserved: dict[Path, tuple[InboundModel, str]] = {}
     for _, conn, (_, archive, rejected) in files:  # another's archive, error or processing dir is no drop
-        for key, path in (("processing", processing_dir(conn.name, archive)), ("archive", archive),
-                          ("error_directory", rejected)):
+        for key, path in (
+            ("processing", processing_dir(conn.name, archive)),
+            ("archive", archive),
+            ("error_directory", rejected),
+        ):
             reserved.setdefault(path, (conn, key))
     for i, conn, (drop, _, _) in files:
-        hit = next((reserved[p] for p in (drop, *drop.parents) if p in reserved  # drop == archive: said above
-                    and (reserved[p][1] == "processing" or (reserved[p][0] is not conn and p != drop))), None)
+        hit = next(
+            (
+                reserved[p]
+                for p in (drop, *drop.parents)
+                if p in reserved  # drop == archive: said above
+                and (reserved[p][1] == "processing" or (reserved[p][0] is not conn and p != drop))
+            ),
+            None,
+        )
         if hit is not None:
             what = "processing directory" if hit[1] == "processing" else hit[1]
-            bad.append((f"inbound[{i}].directory", f"{drop} is (or lies inside) the {what} of connection "
-                                                   f"{hit[0].name!r} ({_where(hit, files)}): its files would be "
-                                                   "staged twice"))
+            bad.append(
+                (
+                    f"inbound[{i}].directory",
+                    f"{drop} is (or lies inside) the {what} of connection "
+                    f"{hit[0].name!r} ({_where(hit, files)}): its files would be "
+                    "staged twice",
+                )
+            )
     return bad
 
 
@@ -566,8 +761,9 @@ def _where(hit: tuple[InboundModel, str], files: list[Any]) -> str:
     conn, key = hit
     for _, c, (_, archive, rejected) in files:
         if c is conn:
-            return str(processing_dir(c.name, archive) if key == "processing" else
-                       archive if key == "archive" else rejected)
+            return str(
+                processing_dir(c.name, archive) if key == "processing" else archive if key == "archive" else rejected
+            )
     return ""
 
 
@@ -588,10 +784,16 @@ def _tls_dirs(model: ConnectionsFile, base: Any, var: Any) -> list[tuple[str, st
     for i, conn in enumerate(model.inbound):
         if conn.kind != "file" or not conn.directory:
             continue
-        for key, path in zip(("directory", "archive", "error_directory"),
-                             (Path(p) for p in file_paths(conn, base, var)), strict=True):
+        for key, path in zip(
+            ("directory", "archive", "error_directory"), (Path(p) for p in file_paths(conn, base, var)), strict=True
+        ):
             if path in dirs:
-                bad.append((f"inbound[{i}].{key}", f"{path} is the directory of the TLS file {dirs[path]}; a file "
-                                                   "connection would stage and move the key and certificates: use "
-                                                   "a directory of its own"))
+                bad.append(
+                    (
+                        f"inbound[{i}].{key}",
+                        f"{path} is the directory of the TLS file {dirs[path]}; a file "
+                        "connection would stage and move the key and certificates: use "
+                        "a directory of its own",
+                    )
+                )
     return bad

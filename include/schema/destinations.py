@@ -11,6 +11,7 @@ known (``context={"code_dir": ...}``) a module not found in it is refused too, a
 whose dotted module file is missing or whose source binds no such function at top level (read
 with `ast`, never imported: checking a config runs none of its code).
 """
+
 from __future__ import annotations
 
 import ast
@@ -93,11 +94,15 @@ def check_code_spec(value: str, code_dir: str | os.PathLike[str] | None = None) 
     module = value.partition(":")[0]
     top = module.split(".", 1)[0]
     if top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "__main__":
-        raise ValueError(f"module {top!r} is Python's own, not a hook in the config directory's code/ folder "
-                         "(a code hook may only import from <config>/code/)")
+        raise ValueError(
+            f"module {top!r} is Python's own, not a hook in the config directory's code/ folder "
+            "(a code hook may only import from <config>/code/)"
+        )
     if code_dir is not None and hook_module_path(module, code_dir) is None:
-        raise ValueError(f"module {module!r} not found in {code_dir} (a code hook may only import from "
-                         "<config>/code/: put it there as <module>.py or a package)")
+        raise ValueError(
+            f"module {module!r} not found in {code_dir} (a code hook may only import from "
+            "<config>/code/: put it there as <module>.py or a package)"
+        )
     if code_dir is not None:
         why = _hook_function_missing(module, value.partition(":")[2], Path(code_dir))
         if why:
@@ -113,8 +118,10 @@ def _hook_function_missing(module: str, function: str, code_dir: Path) -> str | 
     base = code_dir / Path(*parts)
     source = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
     if source is None:
-        return (f"module {module!r} not found in {code_dir}: no {Path(*parts)}.py or {Path(*parts)}/__init__.py "
-                "(a code hook may only import from <config>/code/)")
+        return (
+            f"module {module!r} not found in {code_dir}: no {Path(*parts)}.py or {Path(*parts)}/__init__.py "
+            "(a code hook may only import from <config>/code/)"
+        )
     try:
         if code_dir.resolve() not in source.resolve().parents:
             return f"module {module!r} lies outside {code_dir} through a symbolic link"
@@ -234,8 +241,10 @@ class FileModel(_Common):
     def _private_enough(cls, value: int) -> int:
         # PHI files: the owner may read and write; group and other may at most read (0o644 at most).
         if value & ~0o644:
-            raise ValueError(f"{value:#o} grants write or execute to group or other (or execute to the owner); "
-                             "use 0o600 (the default), 0o640 or 0o644")
+            raise ValueError(
+                f"{value:#o} grants write or execute to group or other (or execute to the owner); "
+                "use 0o600 (the default), 0o640 or 0o644"
+            )
         return value
 
     @field_validator("suffix")

@@ -6,6 +6,7 @@ listeners) must know the same path to keep every other connection's drop off it:
 stage each claimed file a second time. One rule, here; tests/config/test_config_second_pass.py
 holds `listeners.filedrop.default_processing` to it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

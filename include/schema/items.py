@@ -6,6 +6,7 @@ pydantic's `destination.2.mllp.port`) and one bad table does not hide the next o
 The loaders' errors subclass `ConfigProblemsError`: they are `ConfigProblems` (every problem, with
 its key) that can still be raised from one sentence where a caller has only that.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -57,8 +58,9 @@ def validate_list(value: Any, key: str) -> tuple[list[Any] | None, list[ConfigPr
     return list(value), []
 
 
-def validate_item(model: type[M], data: Any, key: str,
-                  context: dict[str, Any] | None = None) -> tuple[M | None, list[ConfigProblem]]:
+def validate_item(
+    model: type[M], data: Any, key: str, context: dict[str, Any] | None = None
+) -> tuple[M | None, list[ConfigProblem]]:
     """`data` validated as `model`; its problems keyed under `key` instead of raised."""
     try:
         return model.model_validate(data, context=context), []

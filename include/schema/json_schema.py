@@ -7,6 +7,7 @@ both. The published copies are `docs/schema/<file>.json`, kept equal to these by
 says types, ranges, enums and unknown keys; rules that span keys or read files (a TLS cert that must
 exist, a bind that needs TLS) are checked by `stageline config check` only.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,12 @@ def schema(name: str) -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of `<name>.toml`."""
     module, model = FILES[name]
     doc = getattr(importlib.import_module(module), model).model_json_schema(mode="validation")
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": f"stageline/{name}.json",
-            "title": f"Stageline {name}.toml", **{k: v for k, v in doc.items() if k != "title"}}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"stageline/{name}.json",
+        "title": f"Stageline {name}.toml",
+        **{k: v for k, v in doc.items() if k != "title"},
+    }
 
 
 def schema_text(name: str) -> str:

@@ -6,6 +6,7 @@ block the reader for good and `/dev/zero` would fill memory, so each is a proble
 `stat` first (no open of a device or fifo), then the open is non-blocking and its descriptor is
 checked again with `fstat` (the path may have been swapped in between), and the read is bounded.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,17 @@ def unreadable(path: Path, *, limit: int = MAX_CONFIG_BYTES) -> str | None:
 
 def _kind(st: os.stat_result, limit: int) -> str | None:
     if not stat.S_ISREG(st.st_mode):
-        what = "a directory" if stat.S_ISDIR(st.st_mode) else "a fifo" if stat.S_ISFIFO(st.st_mode) else \
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
-            "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
+        what = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "a fifo"
+            if stat.S_ISFIFO(st.st_mode)
+            else "a device"
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+            else "a socket"
+            if stat.S_ISSOCK(st.st_mode)
+            else "not a file"
+        )
         return f"not a regular file ({what}); a config file is read only if it is one"
     if st.st_size > limit:
         return f"{st.st_size} bytes, more than the {limit} a config file may have"
@@ -56,8 +65,9 @@ def read_config_bytes(path: Path, *, limit: int = MAX_CONFIG_BYTES) -> bytes:
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise ConfigProblems([ConfigProblem(path, "", f"cannot be read: {exc.strerror or type(exc).__name__}")]) \
-            from None
+        raise ConfigProblems(
+            [ConfigProblem(path, "", f"cannot be read: {exc.strerror or type(exc).__name__}")]
+        ) from None
     try:
         why = _kind(os.fstat(fd), limit)
         if why is not None:
@@ -73,8 +83,9 @@ def read_config_bytes(path: Path, *, limit: int = MAX_CONFIG_BYTES) -> bytes:
             raise ConfigProblems([ConfigProblem(path, "", f"more than the {limit} bytes a config file may have")])
         return b"".join(chunks)
     except OSError as exc:
-        raise ConfigProblems([ConfigProblem(path, "", f"cannot be read: {exc.strerror or type(exc).__name__}")]) \
-            from None
+        raise ConfigProblems(
+            [ConfigProblem(path, "", f"cannot be read: {exc.strerror or type(exc).__name__}")]
+        ) from None
     finally:
         os.close(fd)
 

@@ -4,6 +4,7 @@ Strict types and unknown keys here; the `when` condition goes through the condit
 (`include.conditions`, a parser, not a schema) from a validator, so its errors are keyed
 ``route[1].when`` like every other problem. `include.routes_config.Route` is built from it.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any

@@ -5,6 +5,7 @@ A pydantic model validator can raise one error, keyed by the model as a whole. A
 rules at once, so a model validator raises `Rules` (every broken rule, each with the key it is
 about, relative to the table) and `validate` turns each into its own `ConfigProblem`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -41,8 +42,15 @@ def _join(base: str, sub: str) -> str:
     return f"{base}.{sub}"
 
 
-_TOML_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a float", list: "an array",
-               dict: "a table", type(None): "nothing"}
+_TOML_TYPES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    list: "an array",
+    dict: "a table",
+    type(None): "nothing",
+}
 _EXPECTED = {
     "int_type": "an integer",
     "int_parsing": "an integer",
@@ -61,9 +69,11 @@ _EXPECTED = {
 }
 
 
-_PATTERNS = {r"^[A-Za-z0-9_-]+$": "a non-empty name of letters, digits, - and _",
-             r"^[A-Za-z_][A-Za-z0-9_]*$": "an identifier (letters, digits and _, not starting with a digit)",
-             r"^[0-9a-fA-F]{64}$": "64 hex digits"}
+_PATTERNS = {
+    r"^[A-Za-z0-9_-]+$": "a non-empty name of letters, digits, - and _",
+    r"^[A-Za-z_][A-Za-z0-9_]*$": "an identifier (letters, digits and _, not starting with a digit)",
+    r"^[0-9a-fA-F]{64}$": "64 hex digits",
+}
 
 
 def _message(err: Mapping[str, Any], value: Any) -> str:
@@ -72,8 +82,12 @@ def _message(err: Mapping[str, Any], value: Any) -> str:
     if kind in _EXPECTED:
         got = _TOML_TYPES.get(type(value), type(value).__name__)
         return f"must be {_EXPECTED[kind]}, got {got}"
-    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
-              "less_than_equal": "<= {le}"}
+    bounds = {
+        "greater_than": "> {gt}",
+        "greater_than_equal": ">= {ge}",
+        "less_than": "< {lt}",
+        "less_than_equal": "<= {le}",
+    }
     if kind in bounds:
         plain = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in ctx.items()}
         return "must be " + bounds[kind].format(**plain)
@@ -107,8 +121,9 @@ def problems(exc: ValidationError, *, file: Path | None = None, prefix: str = ""
     return out
 
 
-def validate(model: type[M], data: Any, *, file: Path | None = None, prefix: str = "",
-             context: dict[str, Any] | None = None) -> M:
+def validate(
+    model: type[M], data: Any, *, file: Path | None = None, prefix: str = "", context: dict[str, Any] | None = None
+) -> M:
     """`data` validated as `model`; `ConfigProblems` (every problem, with file and key) if it is not."""
     try:
         return model.model_validate(data, context=context)

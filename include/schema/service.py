@@ -6,6 +6,7 @@ a cluster needs a server store, `heartbeat < fence timeout < lease TTL`, a node 
 than a heartbeat, `pool_size >= 2`, and busy retries that end before a sender's answer is due.
 `include.config` builds its frozen dataclasses from these; docs/config-reference.md describes every key.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -37,29 +38,47 @@ class StoreModel(Strict):
     database: str = Field("stageline", min_length=1)
     schema_: str = Field("public", alias="schema", pattern=r"^[A-Za-z0-9_]+$")
     username: str = "stageline"
-    pool_size: int = Field(5, ge=2, description="the heartbeat, the lease elector and the stage work each need "
-                                                "a connection")
+    pool_size: int = Field(
+        5, ge=2, description="the heartbeat, the lease elector and the stage work each need a connection"
+    )
     lease_ttl_seconds: Seconds = 15.0
     busy_timeout_ms: int = Field(10_000, gt=0)
     busy_retry_seconds: float = Field(40.0, ge=0, allow_inf_nan=False)
-    allow_unsafe_durability: bool = Field(False, description="start even on a server that may lose acknowledged "
-                                                             "commits (PostgreSQL fsync = off); never in production")
+    allow_unsafe_durability: bool = Field(
+        False,
+        description="start even on a server that may lose acknowledged "
+        "commits (PostgreSQL fsync = off); never in production",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _no_password(cls, data: object) -> object:
         if isinstance(data, dict) and "password" in data:
-            Rules.raise_if([("password", "unknown setting: the store password is read from "
-                                         "$STAGELINE_STORE_PASSWORD, never from the file")])
+            Rules.raise_if(
+                [
+                    (
+                        "password",
+                        "unknown setting: the store password is read from "
+                        "$STAGELINE_STORE_PASSWORD, never from the file",
+                    )
+                ]
+            )
         return data
 
     @model_validator(mode="after")
     def _answer_in_time(self) -> StoreModel:
         if self.busy_retry_seconds + self.busy_timeout_ms / 1000 >= ANSWER_SECONDS:
-            Rules.raise_if([("busy_retry_seconds", f"busy_retry_seconds + busy_timeout_ms / 1000 must be < "
-                                                   f"{ANSWER_SECONDS:.0f} (got {self.busy_retry_seconds} and "
-                                                   f"{self.busy_timeout_ms} ms): a sender's answer must go out "
-                                                   "before the MLLP handler's timeout")])
+            Rules.raise_if(
+                [
+                    (
+                        "busy_retry_seconds",
+                        f"busy_retry_seconds + busy_timeout_ms / 1000 must be < "
+                        f"{ANSWER_SECONDS:.0f} (got {self.busy_retry_seconds} and "
+                        f"{self.busy_timeout_ms} ms): a sender's answer must go out "
+                        "before the MLLP handler's timeout",
+                    )
+                ]
+            )
         return self
 
 
@@ -75,9 +94,11 @@ class ClusterModel(Strict):
     leader_lease_ttl_seconds: Seconds = 30.0
     leader_fence_timeout_seconds: Seconds = 20.0
     unbound_grace_seconds: Seconds | None = Field(
-        None, description="a leader steps down when an inbound stays unbound this long; default 3 x heartbeat_seconds")
+        None, description="a leader steps down when an inbound stays unbound this long; default 3 x heartbeat_seconds"
+    )
     step_down_backoff_seconds: Seconds | None = Field(
-        None, description="after a step-down, take no lease for this long; default 2 x leader_lease_ttl_seconds")
+        None, description="after a step-down, take no lease for this long; default 2 x leader_lease_ttl_seconds"
+    )
 
 
 class RetentionOverride(Strict):
@@ -102,8 +123,13 @@ class RetentionModel(Strict):
     @field_validator("connections")
     @classmethod
     def _names(cls, value: dict[str, RetentionOverride]) -> dict[str, RetentionOverride]:
-        Rules.raise_if([(name, "a connection name must be non-empty and contain no ','")
-                        for name in value if not name.strip() or "," in name])
+        Rules.raise_if(
+            [
+                (name, "a connection name must be non-empty and contain no ','")
+                for name in value
+                if not name.strip() or "," in name
+            ]
+        )
         return value
 
 
@@ -121,16 +147,29 @@ class ServiceFile(Strict):
         c, bad = self.cluster, []
         if c.enabled:
             if self.store.backend == "sqlite":
-                bad.append(("cluster.enabled", "[cluster].enabled = true needs [store].backend = \"postgres\" or "
-                                               "\"sqlserver\": a SQLite file cannot be shared between nodes"))
+                bad.append(
+                    (
+                        "cluster.enabled",
+                        '[cluster].enabled = true needs [store].backend = "postgres" or '
+                        '"sqlserver": a SQLite file cannot be shared between nodes',
+                    )
+                )
             if not (c.heartbeat_seconds < c.leader_fence_timeout_seconds < c.leader_lease_ttl_seconds):
-                bad.append(("cluster.leader_fence_timeout_seconds",
-                            "needs heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds (got "
-                            f"{c.heartbeat_seconds} / {c.leader_fence_timeout_seconds} / "
-                            f"{c.leader_lease_ttl_seconds}): a leader must fence itself before its lease can expire"))
+                bad.append(
+                    (
+                        "cluster.leader_fence_timeout_seconds",
+                        "needs heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds (got "
+                        f"{c.heartbeat_seconds} / {c.leader_fence_timeout_seconds} / "
+                        f"{c.leader_lease_ttl_seconds}): a leader must fence itself before its lease can expire",
+                    )
+                )
             if c.node_timeout_seconds <= c.heartbeat_seconds:
-                bad.append(("cluster.node_timeout_seconds",
-                            f"node_timeout_seconds ({c.node_timeout_seconds}) must be > heartbeat_seconds "
-                            f"({c.heartbeat_seconds}): otherwise a live node looks dead between beats"))
+                bad.append(
+                    (
+                        "cluster.node_timeout_seconds",
+                        f"node_timeout_seconds ({c.node_timeout_seconds}) must be > heartbeat_seconds "
+                        f"({c.heartbeat_seconds}): otherwise a live node looks dead between beats",
+                    )
+                )
         Rules.raise_if(bad)
         return self

@@ -9,6 +9,7 @@ models' validators so their errors carry keys too. `include.transforms_config` b
 dataclasses the Spark jobs use from these models; the grammar itself is documented there and in
 docs/rules.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,16 @@ from include.conditions import ConditionError, check_java_regex, parse_condition
 from include.hl7path import FieldPath, FieldPathError, parse_path
 from include.schema import Strict
 
-__all__ = ["RULE_MODELS", "RuleModel", "TransformHead", "TransformModel", "TransformsFile", "condition",
-           "op_of", "rule_path"]
+__all__ = [
+    "RULE_MODELS",
+    "RuleModel",
+    "TransformHead",
+    "TransformModel",
+    "TransformsFile",
+    "condition",
+    "op_of",
+    "rule_path",
+]
 
 ENVELOPE_SEGMENTS = ("FHS", "BHS", "BTS", "FTS")
 _SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
@@ -60,8 +69,10 @@ def rule_path(value: str, *, write: bool, each: bool) -> FieldPath:
     except FieldPathError as exc:
         raise ValueError(str(exc)) from None
     if path.segment in ENVELOPE_SEGMENTS:
-        raise ValueError(f"{value!r}: batch envelope segments ({', '.join(ENVELOPE_SEGMENTS)}) are preserved as "
-                         "they are; rules apply to the messages inside")
+        raise ValueError(
+            f"{value!r}: batch envelope segments ({', '.join(ENVELOPE_SEGMENTS)}) are preserved as "
+            "they are; rules apply to the messages inside"
+        )
     if write and path.segment == "MSH" and path.field in (1, 2):
         raise ValueError(f"{value!r}: MSH-1 and MSH-2 are the message's separators and cannot be written")
     if each and _EXPLICIT_OCCURRENCE.match(value):
@@ -99,7 +110,7 @@ def _anchor(value: str) -> str:
 
 
 def _date_pattern(value: str) -> str:
-    """"hl7" or a Spark datetime pattern whose letters Spark knows (a bad one would fail mid-job)."""
+    """ "hl7" or a Spark datetime pattern whose letters Spark knows (a bad one would fail mid-job)."""
     if value == "hl7":
         return value
     if not value:
@@ -109,8 +120,9 @@ def _date_pattern(value: str) -> str:
         raise ValueError(f"unbalanced quote in pattern {value!r}")
     bad = sorted({c for c in unquoted if c.isascii() and c.isalpha() and c not in _PATTERN_LETTERS})
     if bad:
-        raise ValueError(f"pattern {value!r} uses letters Spark does not know: {', '.join(bad)} "
-                         "(quote literal text with '...')")
+        raise ValueError(
+            f"pattern {value!r} uses letters Spark does not know: {', '.join(bad)} (quote literal text with '...')"
+        )
     return value
 
 
@@ -147,8 +159,10 @@ def _same_segment(to: str | None, source: str, info: ValidationInfo) -> None:
     if to is None or not _each(info):
         return
     if parse_path(to).segment != parse_path(source).segment:
-        raise ValueError(f"'each' works within one segment occurrence, so the path and 'to' must name the same "
-                         f"segment (got {parse_path(source).segment} and {parse_path(to).segment})")
+        raise ValueError(
+            f"'each' works within one segment occurrence, so the path and 'to' must name the same "
+            f"segment (got {parse_path(source).segment} and {parse_path(to).segment})"
+        )
 
 
 class SetRule(_Each):
@@ -242,8 +256,10 @@ class AddSegmentRule(_Rule):
     @classmethod
     def _one_segment(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Z][A-Z0-9]{2}(\|[^\r\n]*)?", value):
-            raise ValueError("must be one segment's text: its id, then '|' and its fields (no line breaks), e.g. "
-                             f"'ZST|1|A^B'; got {value!r}")
+            raise ValueError(
+                "must be one segment's text: its id, then '|' and its fields (no line breaks), e.g. "
+                f"'ZST|1|A^B'; got {value!r}"
+            )
         _segment(value[:3])
         return value
 
@@ -273,14 +289,23 @@ def _part(value: Any) -> TextPart | str:
     return value
 
 
-_PART_SCHEMA = {"anyOf": [{"type": "string", "description": "an HL7 field path (raw text)"},
-                          {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
-                           "additionalProperties": False}]}
+_PART_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "description": "an HL7 field path (raw text)"},
+        {
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    ]
+}
 
 
 class ConcatRule(_Rule):
     parts: list[Annotated[Any, PlainValidator(_part), WithJsonSchema(_PART_SCHEMA)]] = Field(
-        alias="concat", min_length=1)
+        alias="concat", min_length=1
+    )
     to: Write
 
 
@@ -291,8 +316,10 @@ class _Function(_Each):
     def _target(self) -> _Function:
         source = getattr(self, "source")  # noqa: B009 (each subclass declares it, under its own alias)
         if self.each and self.to is not None and parse_path(self.to).segment != parse_path(source).segment:
-            raise ValueError(f"'each' works within one segment occurrence, so the path and 'to' must name the "
-                             f"same segment (got {parse_path(source).segment} and {parse_path(self.to).segment})")
+            raise ValueError(
+                f"'each' works within one segment occurrence, so the path and 'to' must name the "
+                f"same segment (got {parse_path(source).segment} and {parse_path(self.to).segment})"
+            )
         return self
 
 
@@ -335,10 +362,21 @@ class DeadLetterRule(_Rule):
 
 
 RULE_MODELS: dict[str, type[_Rule]] = {
-    "set": SetRule, "copy": CopyRule, "clear": ClearRule, "map": MapRule, "drop_segment": DropSegmentRule,
-    "rename_segment": RenameSegmentRule, "add_segment": AddSegmentRule, "concat": ConcatRule,
-    "dead_letter": DeadLetterRule, "upper": UpperRule, "lower": LowerRule, "substring": SubstringRule,
-    "pad": PadRule, "replace": ReplaceRule, "format_date": FormatDateRule,
+    "set": SetRule,
+    "copy": CopyRule,
+    "clear": ClearRule,
+    "map": MapRule,
+    "drop_segment": DropSegmentRule,
+    "rename_segment": RenameSegmentRule,
+    "add_segment": AddSegmentRule,
+    "concat": ConcatRule,
+    "dead_letter": DeadLetterRule,
+    "upper": UpperRule,
+    "lower": LowerRule,
+    "substring": SubstringRule,
+    "pad": PadRule,
+    "replace": ReplaceRule,
+    "format_date": FormatDateRule,
 }
 
 

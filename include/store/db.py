@@ -23,6 +23,7 @@ off the reactor thread, and at least with each heartbeat): a server whose `fsync
 run time is noticed within that time, logged as an error at every recheck, shown by
 `durability_problem`, and every transaction fails (listenerd answers `AE`) until it is back on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,8 +90,9 @@ class Tx:
     def sql(self, name: str, table: StagedTable | None = None) -> str:
         return self.store.sql(name, table)
 
-    def all(self, name: str, params: Mapping[str, Any] | None = None, *,
-            table: StagedTable | None = None) -> list[dict[str, Any]]:
+    def all(
+        self, name: str, params: Mapping[str, Any] | None = None, *, table: StagedTable | None = None
+    ) -> list[dict[str, Any]]:
         return self._fetch(name, self.sql(name, table), dict(params or {}))
 
     def _fetch(self, name: str, text: str, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -107,21 +109,22 @@ class Tx:
         if took > SLOW_SECONDS:
             log.warning("slow statement %s took %.0f ms (%d rows)", name, took * 1000, rows)
 
-    def one(self, name: str, params: Mapping[str, Any] | None = None, *,
-            table: StagedTable | None = None) -> dict[str, Any] | None:
+    def one(
+        self, name: str, params: Mapping[str, Any] | None = None, *, table: StagedTable | None = None
+    ) -> dict[str, Any] | None:
         rows = self.all(name, params, table=table)
         return rows[0] if rows else None
 
-    def row(self, name: str, params: Mapping[str, Any] | None = None, *,
-            table: StagedTable | None = None) -> dict[str, Any]:
+    def row(
+        self, name: str, params: Mapping[str, Any] | None = None, *, table: StagedTable | None = None
+    ) -> dict[str, Any]:
         """The row of a statement that always returns one (an aggregate, a read of the lease row)."""
         found = self.one(name, params, table=table)
         if found is None:
             raise LookupError(f"statement {name} returned no row")
         return found
 
-    def execute(self, name: str, params: Mapping[str, Any] | None = None, *,
-                table: StagedTable | None = None) -> int:
+    def execute(self, name: str, params: Mapping[str, Any] | None = None, *, table: StagedTable | None = None) -> int:
         started = time.perf_counter()
         cur = self.conn.cursor()
         cur.execute(self.sql(name, table), dict(params or {}))
@@ -140,9 +143,18 @@ class Tx:
             self.execute("fence_shared")
             self._fenced = True
 
-    def transition(self, name: str, params: Mapping[str, Any], *, table: StagedTable, event: str,
-                   from_status: str | None, epoch: int | None, node_id: str | None,
-                   ids_only: bool = False) -> list[dict[str, Any]]:
+    def transition(
+        self,
+        name: str,
+        params: Mapping[str, Any],
+        *,
+        table: StagedTable,
+        event: str,
+        from_status: str | None,
+        epoch: int | None,
+        node_id: str | None,
+        ids_only: bool = False,
+    ) -> list[dict[str, Any]]:
         """Run transition query `name` and append one audit event per row it moved; the rows
         (with `ids_only`, at least their ids: a caller that needs no more is not sent more).
 
@@ -154,11 +166,29 @@ class Tx:
             rows = self.all(name, params, table=table)
             self.record_events(rows, table=table, event=event, from_status=from_status, epoch=epoch, node_id=node_id)
             return rows
-        return self._fetch(name, text, {**params, "ev_stage": table.key, "ev_event": event, "ev_from": from_status,
-                                  "ev_epoch": epoch, "ev_node": node_id})
+        return self._fetch(
+            name,
+            text,
+            {
+                **params,
+                "ev_stage": table.key,
+                "ev_event": event,
+                "ev_from": from_status,
+                "ev_epoch": epoch,
+                "ev_node": node_id,
+            },
+        )
 
-    def record_events(self, rows: list[dict[str, Any]], *, table: StagedTable, event: str,
-                      from_status: str | None, epoch: int | None, node_id: str | None) -> None:
+    def record_events(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        table: StagedTable,
+        event: str,
+        from_status: str | None,
+        epoch: int | None,
+        node_id: str | None,
+    ) -> None:
         """Append one audit event per row just transitioned (rows as returned by a transition query).
 
         The events are built by the database from the rows themselves (`record_events_for`: state,
@@ -166,9 +196,18 @@ class Tx:
         """
         if not rows:
             return
-        self.execute("record_events_for", {"ids": self.dialect.id_list([r["id"] for r in rows]),
-                                           "stage": table.key, "event": event, "from_status": from_status,
-                                           "epoch": epoch, "node_id": node_id}, table=table)
+        self.execute(
+            "record_events_for",
+            {
+                "ids": self.dialect.id_list([r["id"] for r in rows]),
+                "stage": table.key,
+                "event": event,
+                "from_status": from_status,
+                "epoch": epoch,
+                "node_id": node_id,
+            },
+            table=table,
+        )
 
 
 class Store:
@@ -194,8 +233,13 @@ class Store:
             assert isinstance(self.dialect, PostgresDialect)
             self._pool = ConnectionPool(
                 kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},
-                min_size=1, max_size=config.pool_size, open=True, name="stageline", timeout=30,
-                configure=self._pin_durability)
+                min_size=1,
+                max_size=config.pool_size,
+                open=True,
+                name="stageline",
+                timeout=30,
+                configure=self._pin_durability,
+            )
 
     @property
     def backend(self) -> str:
@@ -268,8 +312,7 @@ class Store:
     def _recheck_durability(self, conn: Any) -> None:
         """Check durability again on `conn` (idle, just taken) if DURABILITY_RECHECK_SECONDS have
         passed since the last check; one thread at a time, the others go on."""
-        if not self._strict or self.backend == "sqlite" or \
-                self.clock() - self._checked_at < DURABILITY_RECHECK_SECONDS:
+        if not self._strict or self.backend == "sqlite" or self.clock() - self._checked_at < DURABILITY_RECHECK_SECONDS:
             return
         if not self._rechecking.acquire(blocking=False):
             return
@@ -302,8 +345,10 @@ class Store:
             try:
                 conn = free.get(timeout=POOL_WAIT_SECONDS)
             except queue.Empty:
-                raise TimeoutError(f"no free SQLite connection in {POOL_WAIT_SECONDS:.0f} s "
-                                   f"(all {self.config.pool_size} in transactions)") from None
+                raise TimeoutError(
+                    f"no free SQLite connection in {POOL_WAIT_SECONDS:.0f} s "
+                    f"(all {self.config.pool_size} in transactions)"
+                ) from None
             try:
                 if conn is None:  # its predecessor broke and could not be replaced then
                     conn = self.dialect.connect(self.config)

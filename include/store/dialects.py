@@ -2,6 +2,7 @@
 how to connect, how a write transaction starts, how a script is split, how a list of ids is passed,
 which driver errors mean "lost a race" (the elector's `conflict`), and which mean "the statement's
 data was refused" (a value or constraint: retrying the same rows fails again, other rows may pass)."""
+
 from __future__ import annotations
 
 import json
@@ -114,8 +115,13 @@ def private_store_dir(db: Path) -> None:
             return
         if str(where) not in _LEFT_OPEN_WARNED:
             _LEFT_OPEN_WARNED.add(str(where))
-            log.warning("SQLite store directory %s is mode %04o, open to others; left as is (%s): "
-                        "chmod 700 it, or give the store a directory of its own", parent, old, why)
+            log.warning(
+                "SQLite store directory %s is mode %04o, open to others; left as is (%s): "
+                "chmod 700 it, or give the store a directory of its own",
+                parent,
+                old,
+                why,
+            )
     finally:
         os.close(fd)
 
@@ -145,8 +151,9 @@ def private_sqlite_file(path: str | os.PathLike[str]) -> None:
         except FileNotFoundError:
             continue
         if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
-            log.warning("SQLite store file %s was mode %o, readable by others: tightened to 600",
-                        name, stat.S_IMODE(st.st_mode))
+            log.warning(
+                "SQLite store file %s was mode %o, readable by others: tightened to 600", name, stat.S_IMODE(st.st_mode)
+            )
             try:
                 os.chmod(name, 0o600, follow_symlinks=False)
             except FileNotFoundError:
@@ -156,8 +163,9 @@ def private_sqlite_file(path: str | os.PathLike[str]) -> None:
 class SqliteDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
         private_sqlite_file(cfg.path)
-        conn = sqlite3.connect(cfg.path, isolation_level=None, timeout=cfg.busy_timeout_ms / 1000,
-                               check_same_thread=False)
+        conn = sqlite3.connect(
+            cfg.path, isolation_level=None, timeout=cfg.busy_timeout_ms / 1000, check_same_thread=False
+        )
         conn.row_factory = _dict_row_sqlite
         conn.execute(f"PRAGMA busy_timeout = {int(cfg.busy_timeout_ms)}")
         conn.execute("PRAGMA journal_mode = WAL")
@@ -191,14 +199,22 @@ class PostgresDialect(Dialect):
         return psycopg.connect(**self.conninfo(cfg), row_factory=dict_row, autocommit=False)
 
     def conninfo(self, cfg: StoreConfig) -> dict[str, Any]:
-        info: dict[str, Any] = {"host": cfg.server, "port": cfg.effective_port, "dbname": cfg.database,
-                                "user": cfg.username, "application_name": "stageline",
-                                # jit off: the claim's estimated cost trips JIT compilation on every
-                                # micro-batch, tens of ms spent on short statements
-                                "options": f"-c search_path={cfg.schema} -c jit=off", "connect_timeout": 10,
-                                # notice a silently dead server within ~15 s instead of hanging
-                                "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
-                                "keepalives_count": 3}
+        info: dict[str, Any] = {
+            "host": cfg.server,
+            "port": cfg.effective_port,
+            "dbname": cfg.database,
+            "user": cfg.username,
+            "application_name": "stageline",
+            # jit off: the claim's estimated cost trips JIT compilation on every
+            # micro-batch, tens of ms spent on short statements
+            "options": f"-c search_path={cfg.schema} -c jit=off",
+            "connect_timeout": 10,
+            # notice a silently dead server within ~15 s instead of hanging
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
         if cfg.password:
             info["password"] = cfg.password
         return info
@@ -225,9 +241,16 @@ class SqlServerDialect(Dialect):
     def connect(self, cfg: StoreConfig) -> Any:
         import pymssql
 
-        return pymssql.connect(server=cfg.server, port=str(cfg.effective_port), user=cfg.username,
-                               password=cfg.password or "", database=cfg.database, as_dict=True,
-                               autocommit=False, login_timeout=10)
+        return pymssql.connect(
+            server=cfg.server,
+            port=str(cfg.effective_port),
+            user=cfg.username,
+            password=cfg.password or "",
+            database=cfg.database,
+            as_dict=True,
+            autocommit=False,
+            login_timeout=10,
+        )
 
     def begin(self, conn: Any, *, write: bool) -> None:
         # pymssql opens transactions itself; LOCK_TIMEOUT is per session, so undo an elector's bound
@@ -248,7 +271,14 @@ class SqlServerDialect(Dialect):
         # (245 conversion, 515 NULL, 547 constraint, 2601/2627 unique, 2628/8152 truncation)
         number = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
         return isinstance(exc, (pymssql.DataError, pymssql.IntegrityError)) or number in (
-            245, 515, 547, 2601, 2627, 2628, 8152)
+            245,
+            515,
+            547,
+            2601,
+            2627,
+            2628,
+            8152,
+        )
 
 
 DIALECTS: dict[str, Dialect] = {

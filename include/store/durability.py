@@ -15,6 +15,7 @@ still drop the commit. So on every new connection:
 A refusal is :class:`UnsafeDurability`, unless ``[store] allow_unsafe_durability = true`` (a test
 box, a throwaway store): then it is only logged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,18 +60,22 @@ def postgres_synchronous_commit(current: str, standby_names: str) -> str | None:
 def postgres_refusal(fsync: str) -> str | None:
     """Why a PostgreSQL server may lose committed data, or None."""
     if (fsync or "").strip().lower() != "on":
-        return ("PostgreSQL runs with fsync = off: a crash of the server can lose or corrupt commits that "
-                "listenerd has acknowledged. Turn fsync on, or set [store] allow_unsafe_durability = true "
-                "for a store whose data may be lost")
+        return (
+            "PostgreSQL runs with fsync = off: a crash of the server can lose or corrupt commits that "
+            "listenerd has acknowledged. Turn fsync on, or set [store] allow_unsafe_durability = true "
+            "for a store whose data may be lost"
+        )
     return None
 
 
 def sqlserver_refusal(delayed_durability: str | None) -> str | None:
     """Why a SQL Server database may lose committed data, or None."""
     if (delayed_durability or "").strip().upper() == "FORCED":
-        return ("SQL Server database has DELAYED_DURABILITY = FORCED: commits are acknowledged before their "
-                "log is on disk. Run ALTER DATABASE ... SET DELAYED_DURABILITY = DISABLED, or set "
-                "[store] allow_unsafe_durability = true for a store whose data may be lost")
+        return (
+            "SQL Server database has DELAYED_DURABILITY = FORCED: commits are acknowledged before their "
+            "log is on disk. Run ALTER DATABASE ... SET DELAYED_DURABILITY = DISABLED, or set "
+            "[store] allow_unsafe_durability = true for a store whose data may be lost"
+        )
     return None
 
 

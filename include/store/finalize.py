@@ -8,6 +8,7 @@ stale leader's job lands nothing (invariant 3) and a re-run lands no duplicates 
 The deliver stage lands no rows: its finalize turns one round's send outcomes into row states
 (`finalize_deliveries`). Invariants: docs/invariants.md.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
@@ -49,8 +50,9 @@ class RouteOutcome:
     outbound: tuple[int, ...] = ()
 
 
-def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
-                   passthrough: Collection[str] = ()) -> RouteOutcome:
+def finalize_route(
+    tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int], passthrough: Collection[str] = ()
+) -> RouteOutcome:
     """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
 
     Raises StaleEpoch when `epoch` is no longer current; the caller's transaction then rolls
@@ -75,24 +77,50 @@ def finalize_route(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: 
     if passthrough and done:
         names = tx.dialect.text_list(sorted(passthrough))
         direct = set(passthrough) - {r["destination"] for r in tx.all("route_passthrough_open", {"names": names})}
-    rows = tx.transition("route_finalize_insert", {**params, "ids": tx.dialect.id_list(done),
-                                                   "direct": tx.dialect.text_list(sorted(direct))},
-                         table=ROUTED, event="routed", from_status=None, epoch=epoch, node_id=owner,
-                         ids_only=not direct) if done else []
+    rows = (
+        tx.transition(
+            "route_finalize_insert",
+            {**params, "ids": tx.dialect.id_list(done), "direct": tx.dialect.text_list(sorted(direct))},
+            table=ROUTED,
+            event="routed",
+            from_status=None,
+            epoch=epoch,
+            node_id=owner,
+            ids_only=not direct,
+        )
+        if done
+        else []
+    )
     rows.sort(key=lambda r: r["id"])
     passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
     # no body of their own: a pass-through row's body is its inbound row's (docs/store.md "Bodies")
-    outbound = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
-                             event="transformed", from_status=None, epoch=epoch, node_id=owner,
-                             ids_only=True) if passed else []
+    outbound = (
+        tx.transition(
+            "passthrough_outbound_insert",
+            {"ids": tx.dialect.id_list(passed)},
+            table=OUTBOUND,
+            event="transformed",
+            from_status=None,
+            epoch=epoch,
+            node_id=owner,
+            ids_only=True,
+        )
+        if passed
+        else []
+    )
     tx.execute("landing_routed_delete", params)
     finished = sorted({*done, *unrouted})
     if finished:  # leftovers of earlier runs that died after landing these same sources
         tx.execute("landing_routed_delete_sources", {"ids": tx.dialect.id_list(finished)})
-    return RouteOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), routed=tuple(int(r["id"]) for r in rows),
-                        done=tuple(done), unrouted=tuple(unrouted),
-                        outbound=tuple(sorted(int(r["id"]) for r in outbound)),
-                        not_finished=tuple(sorted(claimed - set(finished))))
+    return RouteOutcome(
+        run_id=run_id,
+        claimed=tuple(sorted(claimed)),
+        routed=tuple(int(r["id"]) for r in rows),
+        done=tuple(done),
+        unrouted=tuple(unrouted),
+        outbound=tuple(sorted(int(r["id"]) for r in outbound)),
+        not_finished=tuple(sorted(claimed - set(finished))),
+    )
 
 
 @dataclass(frozen=True)
@@ -123,8 +151,9 @@ def dead_letter_reason(detail: str | None) -> str:
     return UNTRANSFORMABLE
 
 
-def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int],
-                       passthrough: Collection[str] = ()) -> TransformOutcome:
+def finalize_transform(
+    tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int], passthrough: Collection[str] = ()
+) -> TransformOutcome:
     """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
 
     Same contract as finalize_route: StaleEpoch rolls everything back; only rows this transaction
@@ -141,8 +170,13 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     passing: set[int] = set()
     unlanded = claimed - landed.keys()  # Spark lands nothing for a pass-through row
     if passthrough and unlanded:
-        passing = {int(r["id"]) for r in tx.all("transform_passthrough_ids", {
-            "ids": tx.dialect.id_list(sorted(unlanded)), "names": tx.dialect.text_list(sorted(passthrough))})}
+        passing = {
+            int(r["id"])
+            for r in tx.all(
+                "transform_passthrough_ids",
+                {"ids": tx.dialect.id_list(sorted(unlanded)), "names": tx.dialect.text_list(sorted(passthrough))},
+            )
+        }
     reasons = {int(r["routed_id"]): dead_letter_reason(r["detail"]) for r in landed_rows if not r["ok"]}
     ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
     bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
@@ -150,26 +184,56 @@ def finalize_transform(tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_i
     by_reason: dict[str, list[int]] = {}
     for i in bad_ids:
         by_reason.setdefault(reasons[i], []).append(i)
-    failed = sorted(f for reason, ids in sorted(by_reason.items())
-                    for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason))
+    failed = sorted(
+        f
+        for reason, ids in sorted(by_reason.items())
+        for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason)
+    )
     transformed = [i for i in done if i not in passing]
-    rows = tx.transition("transform_finalize_insert", {**params, "ids": tx.dialect.id_list(transformed)},
-                         table=OUTBOUND, event="transformed", from_status=None, epoch=epoch,
-                         node_id=owner, ids_only=True) if transformed else []
+    rows = (
+        tx.transition(
+            "transform_finalize_insert",
+            {**params, "ids": tx.dialect.id_list(transformed)},
+            table=OUTBOUND,
+            event="transformed",
+            from_status=None,
+            epoch=epoch,
+            node_id=owner,
+            ids_only=True,
+        )
+        if transformed
+        else []
+    )
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
     passed = [i for i in done if i in passing]
-    moved = tx.transition("passthrough_outbound_insert", {"ids": tx.dialect.id_list(passed)}, table=OUTBOUND,
-                          event="transformed", from_status=None, epoch=epoch, node_id=owner,
-                          ids_only=True) if passed else []
+    moved = (
+        tx.transition(
+            "passthrough_outbound_insert",
+            {"ids": tx.dialect.id_list(passed)},
+            table=OUTBOUND,
+            event="transformed",
+            from_status=None,
+            epoch=epoch,
+            node_id=owner,
+            ids_only=True,
+        )
+        if passed
+        else []
+    )
     rows = sorted(rows + moved, key=lambda r: r["id"])
     tx.execute("landing_outbound_delete", params)
     finished = sorted({*done, *failed})
     if finished:
         tx.execute("landing_outbound_delete_sources", {"ids": tx.dialect.id_list(finished)})
-    return TransformOutcome(run_id=run_id, claimed=tuple(sorted(claimed)), outbound=tuple(int(r["id"]) for r in rows),
-                            done=tuple(done), failed=tuple(failed),
-                            not_finished=tuple(sorted(claimed - set(finished))))
+    return TransformOutcome(
+        run_id=run_id,
+        claimed=tuple(sorted(claimed)),
+        outbound=tuple(int(r["id"]) for r in rows),
+        done=tuple(done),
+        failed=tuple(failed),
+        not_finished=tuple(sorted(claimed - set(finished))),
+    )
 
 
 NOT_ATTEMPTED = "not attempted"
@@ -220,8 +284,9 @@ class DeliverOutcome:
         return DeliverOutcome(**merged)
 
 
-def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int,
-                        destinations: Mapping[str, RetryPolicy]) -> DeliverOutcome:
+def finalize_deliveries(
+    store: Store, outcomes: Iterable[Any], *, owner: str, epoch: int, destinations: Mapping[str, RetryPolicy]
+) -> DeliverOutcome:
     """Land one deliver round's outcomes in ONE fenced transaction; StaleEpoch (nothing lands) if deposed.
 
     An outcome is a mapping (or a Spark Row) with id, destination, ok, retryable, detail. ok →
@@ -251,16 +316,33 @@ def finalize_deliveries(store: Store, outcomes: Iterable[Any], *, owner: str, ep
         for (name, retryable, detail), ids in groups.items():
             dest = destinations.get(name)
             if not retryable:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}",
-                                     max_attempts=0)
+                failed += fail_batch(
+                    tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}", max_attempts=0
+                )
             elif dest is None:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=UNCONFIGURED_MAX_ATTEMPTS, backoff_seconds=UNCONFIGURED_BACKOFF[0],
-                                     max_backoff_seconds=UNCONFIGURED_BACKOFF[1])
+                failed += fail_batch(
+                    tx,
+                    OUTBOUND,
+                    ids,
+                    owner=owner,
+                    epoch=epoch,
+                    error=detail,
+                    max_attempts=UNCONFIGURED_MAX_ATTEMPTS,
+                    backoff_seconds=UNCONFIGURED_BACKOFF[0],
+                    max_backoff_seconds=UNCONFIGURED_BACKOFF[1],
+                )
             else:
-                failed += fail_batch(tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=detail,
-                                     max_attempts=dest.max_attempts, backoff_seconds=dest.backoff_seconds,
-                                     max_backoff_seconds=dest.max_backoff_seconds)
+                failed += fail_batch(
+                    tx,
+                    OUTBOUND,
+                    ids,
+                    owner=owner,
+                    epoch=epoch,
+                    error=detail,
+                    max_attempts=dest.max_attempts,
+                    backoff_seconds=dest.backoff_seconds,
+                    max_backoff_seconds=dest.max_backoff_seconds,
+                )
     landed = set(done) | set(released) | {int(r["id"]) for r in failed}
     return DeliverOutcome(
         claimed=tuple(sorted(by_id)),

@@ -17,6 +17,7 @@ always trips before the lease can expire (fence_timeout < ttl) and a fenced lead
 by the time a standby can acquire. Each acquisition bumps the epoch: the fencing token every staged
 write checks.
 """
+
 from __future__ import annotations
 
 import time
@@ -68,10 +69,15 @@ def read_lease(store: Store) -> LeaseState:
 
 
 def _state(row: dict[str, Any]) -> LeaseState:
-    return LeaseState(owner=row["owner"], epoch=int(row["epoch"]), acquired_at=row["acquired_at"],
-                      expires_at=row["expires_at"],
-                      live=bool(row["live"]), db_now=float(row["db_now"]),
-                      recovered_epoch=int(row["recovered_epoch"]))
+    return LeaseState(
+        owner=row["owner"],
+        epoch=int(row["epoch"]),
+        acquired_at=row["acquired_at"],
+        expires_at=row["expires_at"],
+        live=bool(row["live"]),
+        db_now=float(row["db_now"]),
+        recovered_epoch=int(row["recovered_epoch"]),
+    )
 
 
 def acquire_permanent(store: Store, *, node_id: str) -> int:
@@ -81,8 +87,15 @@ def acquire_permanent(store: Store, *, node_id: str) -> int:
 
 
 class LeaderElector:
-    def __init__(self, store: Store, *, node_id: str, ttl_seconds: float, fence_timeout_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        node_id: str,
+        ttl_seconds: float,
+        fence_timeout_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not fence_timeout_seconds < ttl_seconds:
             raise ValueError("fence_timeout_seconds must be < ttl_seconds")
         self.store = store
@@ -135,8 +148,9 @@ class LeaderElector:
     def _step(self) -> ElectionResult:
         if self._epoch is None and self.aside_seconds > 0:
             state = read_lease(self.store)  # stepped down: watch, never acquire, until the backoff ends
-            return ElectionResult(Outcome.STANDING_ASIDE, state.epoch, state.owner if state.live else None,
-                                  state.expires_at)
+            return ElectionResult(
+                Outcome.STANDING_ASIDE, state.epoch, state.owner if state.live else None, state.expires_at
+            )
         started = self._clock()
         params = {"owner": self.node_id, "ttl": self.ttl}
         try:

@@ -5,6 +5,7 @@ reader sees either the old table or the new one, never half of each; a stage tas
 once, at its first micro-batch (code tables are small). Tables come from `code,value` CSV files
 (`read_table_file`, `import_dir`: the CLI's `lookups import|sync`, the embedded stack's start-up).
 """
+
 from __future__ import annotations
 
 import csv
@@ -90,7 +91,8 @@ def read_table_file(name: str, path: Path) -> dict[str, str]:
     """Check the table name and read `path` (`code,value` rows); LookupTableError names the file."""
     if not NAME.fullmatch(name):
         raise LookupTableError(
-            f"{path}: table name {name!r}: use letters, digits, '_', '.', '-' (200 at most), not starting with a digit")
+            f"{path}: table name {name!r}: use letters, digits, '_', '.', '-' (200 at most), not starting with a digit"
+        )
     try:
         entries = read_csv(path)
     except LookupTableError as exc:
@@ -98,8 +100,10 @@ def read_table_file(name: str, path: Path) -> dict[str, str]:
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise LookupTableError(f"{path}: cannot read it as UTF-8 CSV: {exc}") from None
     if not entries:
-        raise LookupTableError(f"{path}: no entries after the header line (to remove table "
-                               f"{name!r}, use `stageline lookups delete {name}`)")
+        raise LookupTableError(
+            f"{path}: no entries after the header line (to remove table "
+            f"{name!r}, use `stageline lookups delete {name}`)"
+        )
     return entries
 
 

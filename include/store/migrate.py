@@ -5,6 +5,7 @@ apply it exactly once. The first migrate writes the cluster identity (a random c
 configured `cluster_name`); afterwards a node configured for another cluster is refused, so two
 clusters can never share — and corrupt — one store by mistake.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -53,8 +54,12 @@ def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
         tx.one("migrate_lock")
         tx.execute("identity_insert", {"cluster_id": str(uuid.uuid4()), "cluster_name": cluster_name})
     identity = check_identity(store, cluster_name=cluster_name)
-    return MigrationReport(applied=applied, version=latest_version(store.backend),
-                           cluster_id=identity["cluster_id"], cluster_name=identity["cluster_name"])
+    return MigrationReport(
+        applied=applied,
+        version=latest_version(store.backend),
+        cluster_id=identity["cluster_id"],
+        cluster_name=identity["cluster_name"],
+    )
 
 
 def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
@@ -64,20 +69,26 @@ def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
             version = tx.row("schema_version_current")["version"]
             identity = tx.one("identity_get")
     except Exception as exc:  # missing tables look different on every driver
-        raise SchemaError(f"the {store.backend} store has no Stageline schema yet; run `stageline db migrate` "
-                          f"({type(exc).__name__}: {exc})") from exc
+        raise SchemaError(
+            f"the {store.backend} store has no Stageline schema yet; run `stageline db migrate` "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     expected = latest_version(store.backend)
     if version < expected:
-        raise SchemaError(f"the store is at schema version {version}, this code needs {expected}; "
-                          "run `stageline db migrate`")
+        raise SchemaError(
+            f"the store is at schema version {version}, this code needs {expected}; run `stageline db migrate`"
+        )
     if version > expected:
-        raise SchemaError(f"the store is at schema version {version}, newer than this code ({expected}); "
-                          "upgrade Stageline on this node")
+        raise SchemaError(
+            f"the store is at schema version {version}, newer than this code ({expected}); "
+            "upgrade Stageline on this node"
+        )
     if identity is None:
         raise SchemaError("the store has no cluster identity; run `stageline db migrate`")
     if identity["cluster_name"] != cluster_name:
         raise ClusterIdentityError(
             f"this store belongs to cluster {identity['cluster_name']!r} (cluster id {identity['cluster_id']}), "
             f"but this node's [cluster].cluster_name is {cluster_name!r}; refusing to start. Point [store] at "
-            "the right database or fix cluster_name.")
+            "the right database or fix cluster_name."
+        )
     return identity

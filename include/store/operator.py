@@ -27,6 +27,7 @@ serving process (`LaneMask`), so rows of one lane still group together but the M
 read, nor guessed by hashing candidate MRNs. The control id (MSH-10, a message's id, not a
 patient's) stays.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,8 +80,9 @@ class LaneMask:
     def apply(self, doc: Any) -> Any:
         """`doc` (dicts, lists and dataclass-free JSON values) with each `LANE_FIELDS` value masked."""
         if isinstance(doc, dict):
-            return {k: (self.digest(v) if k in LANE_FIELDS and v is not None else self.apply(v))
-                    for k, v in doc.items()}
+            return {
+                k: (self.digest(v) if k in LANE_FIELDS and v is not None else self.apply(v)) for k, v in doc.items()
+            }
         if isinstance(doc, (list, tuple)):
             return [self.apply(v) for v in doc]
         return doc
@@ -161,8 +163,10 @@ def resolve(store: Store, ref: str, *, parquet: ParquetArchive | None = None) ->
     parquet = parquet.indexed(store) if parquet is not None else None
     if ref.isdigit():
         with store.transaction(write=False) as tx:
-            if tx.one("message_inbound", {"id": int(ref)}) is not None or \
-                    tx.one("archived_inbound", {"id": int(ref)}) is not None:
+            if (
+                tx.one("message_inbound", {"id": int(ref)}) is not None
+                or tx.one("archived_inbound", {"id": int(ref)}) is not None
+            ):
                 return int(ref)
     with store.transaction(write=False) as tx:  # each an index probe: an unknown ref reads no table
         for name in ("inbound_ref_by_message_id", "inbound_ref_by_control_id", "archived_inbound_ref"):
@@ -175,8 +179,9 @@ def resolve(store: Store, ref: str, *, parquet: ParquetArchive | None = None) ->
     raise LookupError(f"no message {ref!r} (tried row id, message id and control id, hot and archived)")
 
 
-def _merged(hot: list[dict[str, Any]], archived: list[dict[str, Any]],
-            parquet: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def _merged(
+    hot: list[dict[str, Any]], archived: list[dict[str, Any]], parquet: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Hot rows, archived ones and those in Parquet by id; a row in more than one (archived, not yet
     purged) shows as the hottest. An archived row carries `archived_ms`; a hot one None."""
     rows = {r["id"]: {**r, "archived_ms": None} for r in hot}
@@ -198,8 +203,9 @@ class Reader:
         return f"reader:{self.surface} {self.who}"[:400]
 
 
-def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None,
-         reader: Reader | None = None) -> Story:
+def show(
+    store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None, reader: Reader | None = None
+) -> Story:
     """One message's whole story, from the hot tables, retention's archive tables and the Parquet
     archive (`parquet`, when given) alike: a message whose rows and events were archived, purged
     and moved to Parquet reads the same as one still hot.
@@ -215,47 +221,74 @@ def show(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None
 
 def without_bodies(story: Story) -> Story:
     """`story` with every body field removed (the inbound row's, each outbound row's)."""
+
     def strip(row: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in row.items() if k not in BODY_FIELDS}
-    return Story(strip(story.inbound), [strip(r) for r in story.routed], [strip(o) for o in story.outbound],
-                 list(story.trail), list(story.batches), story.hl7_batch)
+
+    return Story(
+        strip(story.inbound),
+        [strip(r) for r in story.routed],
+        [strip(o) for o in story.outbound],
+        list(story.trail),
+        list(story.batches),
+        story.hl7_batch,
+    )
 
 
 def record_body_read(store: Store, inbound: Mapping[str, Any], reader: Reader) -> None:
     """Commit one `body_read` event for the message `inbound` (its row as `show` read it)."""
     with store.transaction() as tx:
-        tx.execute("body_read_event", {"id": int(inbound["id"]), "message_id": inbound["message_id"],
-                                       "control_id": inbound.get("control_id"),
-                                       "status": inbound.get("status") or "unknown", "actor": reader.actor,
-                                       "detail": f"bodies read via {reader.surface}"})
+        tx.execute(
+            "body_read_event",
+            {
+                "id": int(inbound["id"]),
+                "message_id": inbound["message_id"],
+                "control_id": inbound.get("control_id"),
+                "status": inbound.get("status") or "unknown",
+                "actor": reader.actor,
+                "detail": f"bodies read via {reader.surface}",
+            },
+        )
 
 
 def _story(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = None) -> Story:
     with store.transaction(write=False) as tx:
         inbound = tx.one("message_inbound", {"id": inbound_id})
-        inbound = {**inbound, "archived_ms": None} if inbound is not None else \
-            tx.one("archived_inbound", {"id": inbound_id})
+        inbound = (
+            {**inbound, "archived_ms": None} if inbound is not None else tx.one("archived_inbound", {"id": inbound_id})
+        )
         if inbound is None and parquet is not None:
             inbound = parquet.inbound(inbound_id)
         if inbound is None:
             raise LookupError(f"no inbound row {inbound_id}")
-        story = Story(inbound,
-                      _merged(tx.all("message_routed", {"id": inbound_id}),
-                              tx.all("archived_routed", {"id": inbound_id}),
-                              parquet.routed(inbound_id) if parquet is not None else None),
-                      _merged(tx.all("message_outbound", {"id": inbound_id}),
-                              tx.all("archived_outbound", {"id": inbound_id}),
-                              parquet.outbound(inbound_id) if parquet is not None else None),
-                      _merged(tx.all("message_trail", {"message_id": inbound["message_id"]}),
-                              tx.all("archived_trail", {"message_id": inbound["message_id"]}),
-                              parquet.trail(inbound["message_id"]) if parquet is not None else None))
+        story = Story(
+            inbound,
+            _merged(
+                tx.all("message_routed", {"id": inbound_id}),
+                tx.all("archived_routed", {"id": inbound_id}),
+                parquet.routed(inbound_id) if parquet is not None else None,
+            ),
+            _merged(
+                tx.all("message_outbound", {"id": inbound_id}),
+                tx.all("archived_outbound", {"id": inbound_id}),
+                parquet.outbound(inbound_id) if parquet is not None else None,
+            ),
+            _merged(
+                tx.all("message_trail", {"message_id": inbound["message_id"]}),
+                tx.all("archived_trail", {"message_id": inbound["message_id"]}),
+                parquet.trail(inbound["message_id"]) if parquet is not None else None,
+            ),
+        )
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})
         if inbound.get("batch_id") is not None:  # hot while any of its messages is, then archived
             key = {"batch_id": inbound["batch_id"]}
-            story.hl7_batch = tx.one("message_batch", key) or tx.one("archived_batch", key) or \
-                (parquet.hl7_batch(inbound["batch_id"]) if parquet is not None else None)
+            story.hl7_batch = (
+                tx.one("message_batch", key)
+                or tx.one("archived_batch", key)
+                or (parquet.hl7_batch(inbound["batch_id"]) if parquet is not None else None)
+            )
         return story
 
 
@@ -263,8 +296,10 @@ def replay(store: Store, inbound_ids: list[int], *, source: str, actor: str, rea
     """Replay messages from `source` (`inbound`: a new inbound row each; `outbound`: their finished
     deliveries back to pending). Returns the new inbound row ids, or the outbound row ids requeued."""
     if source not in REPLAY_FROM:
-        raise ValueError(f"replay --from must be one of {', '.join(REPLAY_FROM)} (see `stageline messages "
-                         f"replay --help`), got {source!r}")
+        raise ValueError(
+            f"replay --from must be one of {', '.join(REPLAY_FROM)} (see `stageline messages "
+            f"replay --help`), got {source!r}"
+        )
     if source == "outbound":
         with store.transaction(write=False) as tx:
             ids = [int(o["id"]) for i in inbound_ids for o in tx.all("message_outbound", {"id": i})]
@@ -275,42 +310,82 @@ def replay(store: Store, inbound_ids: list[int], *, source: str, actor: str, rea
             original = tx.one("message_inbound", {"id": inbound_id})
             if original is None:
                 raise LookupError(f"no inbound row {inbound_id}")
-            n = 1 + sum(1 for e in tx.all("message_trail", {"message_id": original["message_id"]})
-                        if e["event"] == "replayed" and e["stage"] == "inbound")
+            n = 1 + sum(
+                1
+                for e in tx.all("message_trail", {"message_id": original["message_id"]})
+                if e["event"] == "replayed" and e["stage"] == "inbound"
+            )
             new_message_id = f"{original['message_id']}~replay-{n}"
             [row] = tx.all("replay_inbound", {"id": inbound_id, "new_message_id": new_message_id})
             tx.execute("replay_inbound_body", {"id": inbound_id, "new_id": row["id"]})
-            _events(tx, INBOUND, [inbound_id], event="replayed", from_status=original["status"], actor=actor,
-                    detail=f"as {new_message_id} (row {row['id']}): {reason}")
-            _events(tx, INBOUND, [int(row["id"])], event="staged", from_status=None, actor=actor,
-                    detail=f"replay of {original['message_id']} (row {inbound_id}): {reason}")
+            _events(
+                tx,
+                INBOUND,
+                [inbound_id],
+                event="replayed",
+                from_status=original["status"],
+                actor=actor,
+                detail=f"as {new_message_id} (row {row['id']}): {reason}",
+            )
+            _events(
+                tx,
+                INBOUND,
+                [int(row["id"])],
+                event="staged",
+                from_status=None,
+                actor=actor,
+                detail=f"replay of {original['message_id']} (row {inbound_id}): {reason}",
+            )
             created.append(int(row["id"]))
     return created
 
 
-def dead_ids(store: Store, table: StagedTable, *, destination: str | None = None,
-             lane_key: str | None = None) -> list[int]:
+def dead_ids(
+    store: Store, table: StagedTable, *, destination: str | None = None, lane_key: str | None = None
+) -> list[int]:
     with store.transaction(write=False) as tx:
-        return [int(r["id"]) for r in tx.all("dead_ids", {"destination": destination, "lane_key": lane_key},
-                                             table=table)]
+        return [
+            int(r["id"]) for r in tx.all("dead_ids", {"destination": destination, "lane_key": lane_key}, table=table)
+        ]
 
 
-def requeue(store: Store, table: StagedTable, ids: list[int], *, actor: str, reason: str,
-            statuses: tuple[str, ...] = ("dead",), event: str = "requeued") -> list[int]:
+def requeue(
+    store: Store,
+    table: StagedTable,
+    ids: list[int],
+    *,
+    actor: str,
+    reason: str,
+    statuses: tuple[str, ...] = ("dead",),
+    event: str = "requeued",
+) -> list[int]:
     """Rows of `table` among `ids` in one of `statuses` back to pending (attempts reset, same body
     and place in their lane); one audit event each. Returns the ids moved."""
     if not ids:
         return []
     with store.transaction() as tx:
-        moved = [int(r["id"]) for r in tx.all("requeue_rows", {"ids": tx.dialect.id_list(ids),
-                                                               "statuses": tx.dialect.text_list(statuses)},
-                                              table=table)]
+        moved = [
+            int(r["id"])
+            for r in tx.all(
+                "requeue_rows",
+                {"ids": tx.dialect.id_list(ids), "statuses": tx.dialect.text_list(statuses)},
+                table=table,
+            )
+        ]
         _events(tx, table, moved, event=event, from_status="/".join(statuses), actor=actor, detail=reason)
     return sorted(moved)
 
 
-def requeue_dead(store: Store, stage: str, *, ids: list[int] | None = None, destination: str | None = None,
-                 lane_key: str | None = None, actor: str, reason: str) -> list[int]:
+def requeue_dead(
+    store: Store,
+    stage: str,
+    *,
+    ids: list[int] | None = None,
+    destination: str | None = None,
+    lane_key: str | None = None,
+    actor: str,
+    reason: str,
+) -> list[int]:
     """Dead letters of `stage` back to pending: the rows `ids`, else every dead letter of
     `destination` and/or `lane_key` (one of them is required). Returns the ids moved."""
     table = table_of(stage)
@@ -331,8 +406,16 @@ def dead_letters(store: Store) -> list[dict[str, Any]]:
         if row["control_id"]:
             reason = reason.replace(row["control_id"], "<control id>")
         key = (row["stage"], row["destination"], reason)
-        group = groups.setdefault(key, {"stage": row["stage"], "destination": row["destination"], "reason": reason,
-                                        "n": 0, "oldest_ms": row["updated_ms"]})
+        group = groups.setdefault(
+            key,
+            {
+                "stage": row["stage"],
+                "destination": row["destination"],
+                "reason": reason,
+                "n": 0,
+                "oldest_ms": row["updated_ms"],
+            },
+        )
         group["n"] += 1
         group["oldest_ms"] = min(group["oldest_ms"], row["updated_ms"])
     return sorted(groups.values(), key=lambda g: (-g["n"], g["stage"], g["destination"] or "", g["reason"]))
@@ -348,19 +431,41 @@ def stages(store: Store, *, window_seconds: float = 300.0) -> dict[str, dict[str
             out[table.key] = {
                 "backlog": int(row.get("backlog") or 0),
                 "oldest_pending_seconds": round((int(row["now_ms"]) - int(oldest)) / 1000, 1) if oldest else None,
-                "in_flight": int(row.get("in_flight") or 0), "dead": int(row.get("dead") or 0),
-                "finished_per_minute": round(int(row.get("finished_recently") or 0) * 60 / window_seconds, 1)}
+                "in_flight": int(row.get("in_flight") or 0),
+                "dead": int(row.get("dead") or 0),
+                "finished_per_minute": round(int(row.get("finished_recently") or 0) * 60 / window_seconds, 1),
+            }
     return out
 
 
-def record_batch(store: Store, *, stage: str, owner: str, dag_id: str, run_id: str, try_number: int,
-                 epoch: int | None, seconds: float, counts: dict[str, Any]) -> None:
+def record_batch(
+    store: Store,
+    *,
+    stage: str,
+    owner: str,
+    dag_id: str,
+    run_id: str,
+    try_number: int,
+    epoch: int | None,
+    seconds: float,
+    counts: dict[str, Any],
+) -> None:
     """One micro-batch that claimed rows, into `stage_batches` (the Airflow UI shows one long task)."""
     with store.transaction() as tx:
-        tx.execute("batch_record", {"stage": stage, "owner": owner, "dag_id": dag_id, "run_id": run_id,
-                                    "try_number": int(try_number), "epoch": epoch,
-                                    "duration_ms": int(seconds * 1000), "claimed": int(counts.get("claimed") or 0),
-                                    "counts": json.dumps(counts, default=str)[:2000]})
+        tx.execute(
+            "batch_record",
+            {
+                "stage": stage,
+                "owner": owner,
+                "dag_id": dag_id,
+                "run_id": run_id,
+                "try_number": int(try_number),
+                "epoch": epoch,
+                "duration_ms": int(seconds * 1000),
+                "claimed": int(counts.get("claimed") or 0),
+                "counts": json.dumps(counts, default=str)[:2000],
+            },
+        )
 
 
 MAX_BATCHES = 500
@@ -382,9 +487,19 @@ def table_of(stage: str) -> StagedTable:
     raise ValueError(f"unknown stage {stage!r}: inbound, routed or outbound")
 
 
-def _events(tx: Any, table: StagedTable, ids: list[int], *, event: str, from_status: str | None, actor: str,
-            detail: str) -> None:
+def _events(
+    tx: Any, table: StagedTable, ids: list[int], *, event: str, from_status: str | None, actor: str, detail: str
+) -> None:
     if ids:
-        tx.execute("operator_events", {"ids": tx.dialect.id_list(ids), "stage": table.key, "event": event,
-                                       "from_status": from_status, "actor": f"operator:{actor}",
-                                       "detail": detail[:2000]}, table=table)
+        tx.execute(
+            "operator_events",
+            {
+                "ids": tx.dialect.id_list(ids),
+                "stage": table.key,
+                "event": event,
+                "from_status": from_status,
+                "actor": f"operator:{actor}",
+                "detail": detail[:2000],
+            },
+            table=table,
+        )

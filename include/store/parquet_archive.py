@@ -12,6 +12,7 @@ pyarrow datasets with a filter on the key columns, so only the matching row grou
 rows come back shaped like the `archived_*` queries of `archive.sql` (times in epoch ms, an
 `archived_ms`), so the operator code merges them like the archive tables' rows.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ _ALL = None
 """`_rows`' `parts` when every file of the kind is to be read (no index)."""
 INDEXED_MARK = "_stageline_indexed"
 """A file at the archive's root: every batch in it is in the store's lookup index (`reindex` ran)."""
-_HIVE_ESCAPED = set('"#%\'*/:=?\\{[]^') | {chr(c) for c in range(1, 32)} | {chr(127)}
+_HIVE_ESCAPED = set("\"#%'*/:=?\\{[]^") | {chr(c) for c in range(1, 32)} | {chr(127)}
 
 
 def partition_name(column: str, value: str | None) -> str:
@@ -38,8 +39,12 @@ def partition_name(column: str, value: str | None) -> str:
 
 def partition_dirs(batch: str, values: list[tuple[str | None, str | None]]) -> list[str]:
     """`day=…/connection=…/batch=…` of each (day, connection) a batch writes, sorted."""
-    return sorted({f"{partition_name('day', d)}/{partition_name('connection', c)}/{partition_name('batch', batch)}"
-                   for d, c in values})
+    return sorted(
+        {
+            f"{partition_name('day', d)}/{partition_name('connection', c)}/{partition_name('batch', batch)}"
+            for d, c in values
+        }
+    )
 
 
 class ParquetArchive:
@@ -60,8 +65,10 @@ class ParquetArchive:
 
         text = str(ref)
         condition = (ds.field("message_id") == text) | (ds.field("control_id") == text)
-        lookups: list[tuple[str, dict[str, Any]]] = [("parquet_find_by_text", {"kind": "inbound", "ref": text}),
-                   ("parquet_find_by_control", {"ref": text})]
+        lookups: list[tuple[str, dict[str, Any]]] = [
+            ("parquet_find_by_text", {"kind": "inbound", "ref": text}),
+            ("parquet_find_by_control", {"ref": text}),
+        ]
         if text.isdigit():
             condition = condition | (ds.field("id") == int(text))
             lookups.append(("parquet_find_by_row", {"kind": "inbound", "id": int(text)}))
@@ -71,26 +78,40 @@ class ParquetArchive:
     def routed(self, inbound_id: int) -> list[dict[str, Any]]:
         import pyarrow.dataset as ds
 
-        return self._rows("routed", ds.field("source_id") == int(inbound_id), lease_owner=True,
-                          parts=self._parts([("parquet_find_by_row", {"kind": "routed", "id": int(inbound_id)})]))
+        return self._rows(
+            "routed",
+            ds.field("source_id") == int(inbound_id),
+            lease_owner=True,
+            parts=self._parts([("parquet_find_by_row", {"kind": "routed", "id": int(inbound_id)})]),
+        )
 
     def outbound(self, inbound_id: int) -> list[dict[str, Any]]:
         import pyarrow.dataset as ds
 
-        return self._rows("outbound", ds.field("source_id") == int(inbound_id), lease_owner=True,
-                          parts=self._parts([("parquet_find_by_row", {"kind": "outbound", "id": int(inbound_id)})]))
+        return self._rows(
+            "outbound",
+            ds.field("source_id") == int(inbound_id),
+            lease_owner=True,
+            parts=self._parts([("parquet_find_by_row", {"kind": "outbound", "id": int(inbound_id)})]),
+        )
 
     def trail(self, message_id: str) -> list[dict[str, Any]]:
         import pyarrow.dataset as ds
 
-        return self._rows("events", ds.field("message_id") == message_id,
-                          parts=self._parts([("parquet_find_by_text", {"kind": "events", "ref": message_id})]))
+        return self._rows(
+            "events",
+            ds.field("message_id") == message_id,
+            parts=self._parts([("parquet_find_by_text", {"kind": "events", "ref": message_id})]),
+        )
 
     def hl7_batch(self, batch_id: str) -> dict[str, Any] | None:
         import pyarrow.dataset as ds
 
-        found = self._rows("batches", ds.field("batch_id") == batch_id,
-                           parts=self._parts([("parquet_find_by_text", {"kind": "batches", "ref": batch_id})]))
+        found = self._rows(
+            "batches",
+            ds.field("batch_id") == batch_id,
+            parts=self._parts([("parquet_find_by_text", {"kind": "batches", "ref": batch_id})]),
+        )
         return found[0] if found else None
 
     def _parts(self, lookups: list[tuple[str, dict[str, Any]]]) -> list[str] | None:
@@ -103,8 +124,9 @@ class ParquetArchive:
                 parts.update(r["part"] for r in tx.all(name, params))
         return sorted(parts)
 
-    def _rows(self, kind: str, condition: Any, *, lease_owner: bool = False,
-              parts: list[str] | None = _ALL) -> list[dict[str, Any]]:
+    def _rows(
+        self, kind: str, condition: Any, *, lease_owner: bool = False, parts: list[str] | None = _ALL
+    ) -> list[dict[str, Any]]:
         """Matching rows of one kind, newest export of each key once, ordered by key; only the files
         of `parts` (partition directories under the kind) when given."""
         import pyarrow as pa
@@ -122,8 +144,9 @@ class ParquetArchive:
             files = _files(filesystem, [f"{location}/{p}" for p in parts])
             if not files:
                 return []
-            dataset = ds.dataset(files, format="parquet", filesystem=filesystem, partitioning=partitioning,
-                                 partition_base_dir=location)
+            dataset = ds.dataset(
+                files, format="parquet", filesystem=filesystem, partitioning=partitioning, partition_base_dir=location
+            )
         key = "batch_id" if kind == "batches" else "id"
         rows: dict[Any, dict[str, Any]] = {}
         for row in dataset.to_table(filter=condition).to_pylist():
@@ -160,8 +183,12 @@ class ParquetArchive:
 
             fd = open_dir(root, create=True, mode=0o755)  # Spark (maybe another user) writes here next
             try:
-                create_exclusive(fd, INDEXED_MARK, b"every batch of this archive is in the store's parquet_index "
-                                                   b"(store v14)\n", mode=0o644)
+                create_exclusive(
+                    fd,
+                    INDEXED_MARK,
+                    b"every batch of this archive is in the store's parquet_index (store v14)\n",
+                    mode=0o644,
+                )
             except FileExistsError:
                 pass
             finally:
@@ -176,8 +203,13 @@ class ParquetArchive:
 
         if self.store is None:
             raise ValueError("reindex needs the store (ParquetArchive(path, store=...))")
-        keys = {"inbound": ("id", "message_id", "control_id"), "routed": ("source_id",), "outbound": ("source_id",),
-                "events": ("message_id",), "batches": ("batch_id",)}
+        keys = {
+            "inbound": ("id", "message_id", "control_id"),
+            "routed": ("source_id",),
+            "outbound": ("source_id",),
+            "events": ("message_id",),
+            "batches": ("batch_id",),
+        }
         done: dict[str, int] = {}
         partitioning = ds.partitioning(pa.schema([(p, pa.string()) for p in PARTITIONS]), flavor="hive")
         for kind, columns in keys.items():
@@ -205,8 +237,17 @@ class ParquetArchive:
                         )
                     for key in entry["keys"]:
                         row_key, text_key, control_id = _index_key(kind, key)
-                        tx.execute("parquet_index_add", {"kind": kind, "id": row_key, "ref": text_key,
-                                                         "control_id": control_id, "batch": batch, "epoch": epoch})
+                        tx.execute(
+                            "parquet_index_add",
+                            {
+                                "kind": kind,
+                                "id": row_key,
+                                "ref": text_key,
+                                "control_id": control_id,
+                                "batch": batch,
+                                "epoch": epoch,
+                            },
+                        )
                         done[kind] += 1
         return done
 
@@ -237,6 +278,11 @@ def _files(filesystem: Any, directories: list[str]) -> list[str]:
     files: list[str] = []
     for directory in directories:
         infos = filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
-        files.extend(i.path for i in infos if i.type == pafs.FileType.File
-                     and not i.base_name.startswith((".", "_")) and i.base_name.endswith(".parquet"))
+        files.extend(
+            i.path
+            for i in infos
+            if i.type == pafs.FileType.File
+            and not i.base_name.startswith((".", "_"))
+            and i.base_name.endswith(".parquet")
+        )
     return sorted(files)

@@ -5,6 +5,7 @@ Each query starts with `-- name: <name>`; parameters are written `:name` in ever
 into the driver's style here, once. `{table}`/`{dest}` are filled from the staged-table catalogue
 and `{now}` from the dialect (SQLite's epoch-millisecond clock), never from input.
 """
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@ they would free stay claimed — holding their lanes — until a row lease runs 
 deliver round's finalize (`until_done`): the round's messages were sent, and outcomes lost to a
 restart would send them all again. Nothing else in the store retries; callers see every failure.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,15 @@ JITTER = 0.5
 busy SQLite file) do not all come back in the same millisecond."""
 
 
-def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECONDS,
-               give_up_on: tuple[type[BaseException], ...] = (),
-               sleep: Callable[[float], None] = time.sleep,
-               clock: Callable[[], float] = time.monotonic) -> T:
+def until_done(
+    step: Callable[[], T],
+    *,
+    what: str,
+    seconds: float = RETRY_SECONDS,
+    give_up_on: tuple[type[BaseException], ...] = (),
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
     """`step()`'s result, run again while it fails until `seconds` have passed (backoff 0.1 s
     doubling to 2 s, with jitter); then its last error is raised. An exception of `give_up_on` is
     raised at once."""
@@ -54,10 +60,15 @@ def until_done(step: Callable[[], T], *, what: str, seconds: float = RETRY_SECON
         return result
 
 
-def with_retries(step: Callable[[], object], *, what: str, seconds: float = RETRY_SECONDS,
-                 give_up_on: tuple[type[BaseException], ...] = (),
-                 sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> bool:
+def with_retries(
+    step: Callable[[], object],
+    *,
+    what: str,
+    seconds: float = RETRY_SECONDS,
+    give_up_on: tuple[type[BaseException], ...] = (),
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
     """`until_done` for a caller already handling a failure that matters more: whether it
     succeeded, never an Exception raised."""
     try:

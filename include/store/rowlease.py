@@ -11,6 +11,7 @@ finalize moves landed rows and finishes the sources in one transaction). Claims 
 row by row — the row itself carries owner, epoch and attempts, and the finishing event records
 them; every other transition appends to `message_events`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ def reclaim_cap(table: StagedTable) -> int:
     return UNLIMITED_ATTEMPTS if table is OUTBOUND else SWEEP_MAX_ATTEMPTS
 
 
-def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
-                lease_seconds: float | None = None) -> list[Row]:
+def claim_batch(
+    tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int, lease_seconds: float | None = None
+) -> list[Row]:
     """Claim up to `limit` due rows in id order, skipping rows another claimer holds — and rows
     whose lane has an earlier row in flight or backing off.
 
@@ -48,13 +50,26 @@ def claim_batch(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: in
     is claimed twice — but may interleave a lane's rows.
     """
     tx.fence()
-    return _by_id(tx.all("claim_batch", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                         "lease_seconds": _lease(tx, lease_seconds)}, table=table))
+    return _by_id(
+        tx.all(
+            "claim_batch",
+            {"owner": owner, "epoch": epoch, "limit": int(limit), "lease_seconds": _lease(tx, lease_seconds)},
+            table=table,
+        )
+    )
 
 
-def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int,
-                     lease_seconds: float | None = None, per_lane: int = 1,
-                     max_rows: int = NO_LIMIT) -> list[Row]:
+def claim_lane_heads(
+    tx: Tx,
+    table: StagedTable,
+    *,
+    owner: str,
+    epoch: int,
+    limit: int,
+    lease_seconds: float | None = None,
+    per_lane: int = 1,
+    max_rows: int = NO_LIMIT,
+) -> list[Row]:
     """Claim the head — or the first `per_lane` rows — of up to `limit` lanes (per-lane FIFO),
     at most `max_rows` rows in all (round-robin over the lanes, each lane keeps a prefix).
 
@@ -66,9 +81,20 @@ def claim_lane_heads(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limi
     """
     sweep_expired(tx, table, owner=owner, epoch=epoch, limit=1_000_000, max_attempts=UNLIMITED_ATTEMPTS)
     tx.fence()
-    return _by_id(tx.all("claim_lane_heads", {"owner": owner, "epoch": epoch, "limit": int(limit),
-                                              "per_lane": int(per_lane), "max_rows": int(max_rows),
-                                              "lease_seconds": _lease(tx, lease_seconds)}, table=table))
+    return _by_id(
+        tx.all(
+            "claim_lane_heads",
+            {
+                "owner": owner,
+                "epoch": epoch,
+                "limit": int(limit),
+                "per_lane": int(per_lane),
+                "max_rows": int(max_rows),
+                "lease_seconds": _lease(tx, lease_seconds),
+            },
+            table=table,
+        )
+    )
 
 
 def release_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int) -> list[int]:
@@ -80,50 +106,93 @@ def release_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epo
     return sorted(int(r["id"]) for r in rows)
 
 
-def finish_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int,
-                 status: str = "done", error: str | None = None) -> list[int]:
+def finish_batch(
+    tx: Tx,
+    table: StagedTable,
+    ids: list[int],
+    *,
+    owner: str,
+    epoch: int,
+    status: str = "done",
+    error: str | None = None,
+) -> list[int]:
     """Mark claimed rows finished; returns the ids that landed (none under a stale epoch)."""
     if status not in FINAL_STATUSES:
         raise ValueError(f"finish status must be one of {FINAL_STATUSES}, got {status!r}")
     if not ids:
         return []
     tx.fence()
-    rows = tx.transition("finish_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
-                                          "status": status, "error": error},
-                         table=table, event=status, from_status="in_flight", epoch=epoch, node_id=owner,
-                         ids_only=True)
+    rows = tx.transition(
+        "finish_batch",
+        {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch, "status": status, "error": error},
+        table=table,
+        event=status,
+        from_status="in_flight",
+        epoch=epoch,
+        node_id=owner,
+        ids_only=True,
+    )
     return sorted(int(r["id"]) for r in rows)
 
 
-def fail_batch(tx: Tx, table: StagedTable, ids: list[int], *, owner: str, epoch: int, error: str,
-               max_attempts: int, backoff_seconds: float = 1.0, max_backoff_seconds: float = 300.0) -> list[Row]:
+def fail_batch(
+    tx: Tx,
+    table: StagedTable,
+    ids: list[int],
+    *,
+    owner: str,
+    epoch: int,
+    error: str,
+    max_attempts: int,
+    backoff_seconds: float = 1.0,
+    max_backoff_seconds: float = 300.0,
+) -> list[Row]:
     """Record a failed attempt: `error` with exponential backoff, or `dead` after `max_attempts`."""
     if not ids:
         return []
     tx.fence()
-    rows = tx.transition("fail_batch", {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch,
-                                        "error": error, "max_attempts": int(max_attempts),
-                                        "backoff_seconds": float(backoff_seconds),
-                                        "max_backoff_seconds": float(max_backoff_seconds)},
-                         table=table, event="attempt_failed", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition(
+        "fail_batch",
+        {
+            "ids": tx.dialect.id_list(ids),
+            "owner": owner,
+            "epoch": epoch,
+            "error": error,
+            "max_attempts": int(max_attempts),
+            "backoff_seconds": float(backoff_seconds),
+            "max_backoff_seconds": float(max_backoff_seconds),
+        },
+        table=table,
+        event="attempt_failed",
+        from_status="in_flight",
+        epoch=epoch,
+        node_id=owner,
+    )
     return _by_id(rows)
 
 
-def sweep_expired(tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000,
-                  max_attempts: int = SWEEP_MAX_ATTEMPTS) -> int:
+def sweep_expired(
+    tx: Tx, table: StagedTable, *, owner: str, epoch: int, limit: int = 1000, max_attempts: int = SWEEP_MAX_ATTEMPTS
+) -> int:
     """Re-pend in-flight rows whose row lease expired (the recurring, lease-gated sweep).
 
     A row that has already been claimed `max_attempts` times goes to `dead` instead: a batch that
     kills every job that claims it (a poison message) must not be retried forever.
     """
     tx.fence()
-    rows = tx.transition("sweep_expired", {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
-                         table=table, event="lease_expired", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition(
+        "sweep_expired",
+        {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
+        table=table,
+        event="lease_expired",
+        from_status="in_flight",
+        epoch=epoch,
+        node_id=owner,
+    )
     return len(rows)
 
 
-def renew_claims(tx: Tx, table: StagedTable, *, owner: str, epoch: int,
-                 lease_seconds: float | None = None) -> int:
+def renew_claims(tx: Tx, table: StagedTable, *, owner: str, epoch: int, lease_seconds: float | None = None) -> int:
     """Extend the row lease of every row `owner` holds under `epoch`; how many were renewed.
 
     A live claimer calls this well within its lease, so its rows never expire under a long batch
@@ -131,12 +200,21 @@ def renew_claims(tx: Tx, table: StagedTable, *, owner: str, epoch: int,
     again one short lease later. Fenced: under a stale epoch nothing is renewed.
     """
     tx.fence()
-    return tx.execute("renew_claims", {"owner": owner, "epoch": epoch, "lease_seconds": _lease(tx, lease_seconds)},
-                      table=table)
+    return tx.execute(
+        "renew_claims", {"owner": owner, "epoch": epoch, "lease_seconds": _lease(tx, lease_seconds)}, table=table
+    )
 
 
-def recover_abandoned(tx: Tx, table: StagedTable, *, prefix: str, keep: str, epoch: int, owner: str,
-                      max_attempts: int = SWEEP_MAX_ATTEMPTS) -> int:
+def recover_abandoned(
+    tx: Tx,
+    table: StagedTable,
+    *,
+    prefix: str,
+    keep: str,
+    epoch: int,
+    owner: str,
+    max_attempts: int = SWEEP_MAX_ATTEMPTS,
+) -> int:
     """Re-pend, lease-blind, the rows claimed by owners starting with `prefix` except those
     starting with `keep` (the caller's own); how many.
 
@@ -145,9 +223,15 @@ def recover_abandoned(tx: Tx, table: StagedTable, *, prefix: str, keep: str, epo
     Fenced; a row already claimed `max_attempts` times goes to `dead`, as with the sweep.
     """
     tx.fence()
-    rows = tx.transition("recover_abandoned", {"prefix": prefix, "keep": keep, "epoch": epoch,
-                                               "max_attempts": int(max_attempts)},
-                         table=table, event="recovered", from_status="in_flight", epoch=epoch, node_id=owner)
+    rows = tx.transition(
+        "recover_abandoned",
+        {"prefix": prefix, "keep": keep, "epoch": epoch, "max_attempts": int(max_attempts)},
+        table=table,
+        event="recovered",
+        from_status="in_flight",
+        epoch=epoch,
+        node_id=owner,
+    )
     return len(rows)
 
 
@@ -164,8 +248,15 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     tx.fence()
     total = 0
     for table in STAGED_TABLES:
-        rows = tx.transition("recover_stale_epoch", {"epoch": epoch}, table=table, event="recovered",
-                             from_status="in_flight", epoch=epoch, node_id=owner)
+        rows = tx.transition(
+            "recover_stale_epoch",
+            {"epoch": epoch},
+            table=table,
+            event="recovered",
+            from_status="in_flight",
+            epoch=epoch,
+            node_id=owner,
+        )
         total += len(rows)
     return total
 
@@ -205,8 +296,13 @@ def stage_inbound(tx: Tx, messages: list[Row], *, epoch: int, node_id: str) -> S
         return staged
 
 
-def staging(store: Store, messages: list[Row], *, epoch: int, node_id: str,
-            ) -> Generator[Statement, Any, Staged]:
+def staging(
+    store: Store,
+    messages: list[Row],
+    *,
+    epoch: int,
+    node_id: str,
+) -> Generator[Statement, Any, Staged]:
     """The statements that stage received messages under `epoch`, without a connection: yields
     each `Statement` and is sent back the rows it returned (a list of dicts, as the store's
     cursors give them); returns `Staged`. Both writers drive it: `stage_inbound` in one

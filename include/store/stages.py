@@ -19,6 +19,7 @@ stage's pure transform is Spark code and lives in its job module (`spark_jobs/ro
 `spark_jobs/transform_job.py`), which `run_stage_job` is handed with the record. Adding a stage:
 docs/stages.md, "Adding a stage".
 """
+
 from __future__ import annotations
 
 import re
@@ -93,21 +94,47 @@ class Stage:
 
 
 ROUTE = Stage(
-    "route", INBOUND, "route_read_claimed", "id BIGINT, connection STRING, payload STRING",
+    "route",
+    INBOUND,
+    "route_read_claimed",
+    "id BIGINT, connection STRING, payload STRING",
     Landing("landing_routed", ("run_id", "source_id", "destination", "route_name", "status")),
-    finalize_route, RouteOutcome)
+    finalize_route,
+    RouteOutcome,
+)
 TRANSFORM = Stage(
-    "transform", ROUTED, "transform_read_claimed",
+    "transform",
+    ROUTED,
+    "transform_read_claimed",
     "id BIGINT, source_id BIGINT, destination STRING, payload STRING, message_id STRING, control_id STRING, "
     "connection STRING",
-    Landing("landing_outbound", ("run_id", "source_id", "routed_id", "destination", "content_type", "lane_key",
-                                 "payload", "message_id", "control_id")),
-    finalize_transform, TransformOutcome)
+    Landing(
+        "landing_outbound",
+        (
+            "run_id",
+            "source_id",
+            "routed_id",
+            "destination",
+            "content_type",
+            "lane_key",
+            "payload",
+            "message_id",
+            "control_id",
+        ),
+    ),
+    finalize_transform,
+    TransformOutcome,
+)
 DELIVER = Stage(
-    "deliver", OUTBOUND, "deliver_read_claimed",
+    "deliver",
+    OUTBOUND,
+    "deliver_read_claimed",
     "id BIGINT, destination STRING, lane_key STRING, payload STRING, content_type STRING, idempotency_key STRING, "
     "attempts INT, message_id STRING, control_id STRING",
-    None, finalize_deliveries, DeliverOutcome)
+    None,
+    finalize_deliveries,
+    DeliverOutcome,
+)
 STAGES = (ROUTE, TRANSFORM, DELIVER)
 """In pipeline order: a stage's work comes from the stages before it."""
 

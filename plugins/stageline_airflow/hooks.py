@@ -21,6 +21,7 @@ A task makes one hook and keeps it: the config is read and the store (with its c
 opened at the first use, then reused — a sensor's pokes and a stage task's micro-batches share one
 store — and closed by `close()` or when the `with` block ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,9 @@ class StagelineStoreHook(BaseHook):
     conn_type = "stageline"
     hook_name = "Stageline store"
 
-    def __init__(self, stageline_conn_id: str = default_conn_name, *,
-                 config_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, stageline_conn_id: str = default_conn_name, *, config_path: str | os.PathLike[str] | None = None
+    ) -> None:
         super().__init__()
         self.stageline_conn_id = stageline_conn_id
         self.config_path = config_path
@@ -96,17 +98,25 @@ class StagelineStoreHook(BaseHook):
             conn = self.get_connection(self.stageline_conn_id)
         except AirflowNotFoundException:
             return None
-        self.log.info("store settings from Airflow connection %r: %s", self.stageline_conn_id,
-                      ", ".join(name for name in ("host", "port", "login", "schema", "password")
-                                if getattr(conn, name)) or "none")
+        self.log.info(
+            "store settings from Airflow connection %r: %s",
+            self.stageline_conn_id,
+            ", ".join(name for name in ("host", "port", "login", "schema", "password") if getattr(conn, name))
+            or "none",
+        )
         return conn
 
 
 def store_settings(store: StoreConfig, conn: Connection) -> StoreConfig:
     """`store` with the connection's host, port, login, schema (database) and password, where set."""
-    return replace(store, server=conn.host or store.server, port=conn.port or store.port,
-                   username=conn.login or store.username, database=conn.schema or store.database,
-                   password=conn.password or store.password)
+    return replace(
+        store,
+        server=conn.host or store.server,
+        port=conn.port or store.port,
+        username=conn.login or store.username,
+        database=conn.schema or store.database,
+        password=conn.password or store.password,
+    )
 
 
 SPREAD_ORDER = tuple(stage.dag_id for stage in STAGES)

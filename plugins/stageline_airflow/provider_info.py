@@ -13,6 +13,7 @@ the placeholders say where that comes from; `extra` is hidden because nothing re
 
 Plain data and no imports at module level: Airflow calls it in every process that lists providers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,16 +46,18 @@ def get_provider_info() -> dict[str, Any]:
         "package-name": PACKAGE,
         "name": "Stageline",
         "description": "Stageline's stage DAGs' hooks and sensors, the `stageline` store connection type "
-                       "and the Stageline view in the Airflow UI.",
+        "and the Stageline view in the Airflow UI.",
         "versions": [version(PACKAGE)],
         "integrations": [{"integration-name": "Stageline", "tags": ["software"]}],
         "hooks": [{"integration-name": "Stageline", "python-modules": ["stageline_airflow.hooks"]}],
         "sensors": [{"integration-name": "Stageline", "python-modules": ["stageline_airflow.sensors"]}],
-        "connection-types": [{
-            "connection-type": CONN_TYPE,
-            "hook-class-name": "stageline_airflow.hooks.StagelineStoreHook",
-            "hook-name": "Stageline store",
-            "ui-field-behaviour": STORE_FORM,
-        }],
+        "connection-types": [
+            {
+                "connection-type": CONN_TYPE,
+                "hook-class-name": "stageline_airflow.hooks.StagelineStoreHook",
+                "hook-name": "Stageline store",
+                "ui-field-behaviour": STORE_FORM,
+            }
+        ],
         "plugins": [{"name": "stageline", "plugin-class": "stageline_airflow.view.StagelineViewPlugin"}],
     }

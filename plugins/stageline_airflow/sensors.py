@@ -23,6 +23,7 @@ cluster fail the sensor (and Airflow's retries apply), so a misconfiguration is 
 
 Both sensors open the store once per task (`StagelineStoreHook`, in `execute`) and poke on it.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -78,12 +79,24 @@ class LeaderCheckSensor(_StoreSensor):
     template_fields = ("config_path",)
     ui_color = "#fde9c4"
 
-    def __init__(self, *, config_path: str | None = None,
-                 poke_interval: timedelta | float = DEFAULT_POKE_INTERVAL,
-                 timeout: timedelta | float = DEFAULT_TIMEOUT, soft_fail: bool = True,
-                 mode: str = "poke", **kwargs: Any) -> None:
-        super().__init__(config_path=config_path, poke_interval=poke_interval, timeout=timeout,
-                         soft_fail=soft_fail, mode=mode, **kwargs)
+    def __init__(
+        self,
+        *,
+        config_path: str | None = None,
+        poke_interval: timedelta | float = DEFAULT_POKE_INTERVAL,
+        timeout: timedelta | float = DEFAULT_TIMEOUT,
+        soft_fail: bool = True,
+        mode: str = "poke",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            config_path=config_path,
+            poke_interval=poke_interval,
+            timeout=timeout,
+            soft_fail=soft_fail,
+            mode=mode,
+            **kwargs,
+        )
 
     def poke(self, context: Context) -> PokeReturnValue:
         check = check_leadership(self.hook.get_conn(), self.hook.config.cluster)
@@ -112,12 +125,26 @@ class WorkPendingSensor(_StoreSensor):
     template_fields = ("leader", "config_path")
     ui_color = "#e4f0e8"
 
-    def __init__(self, *, stage: str, leader: Any, config_path: str | None = None,
-                 poke_interval: timedelta | float = timedelta(seconds=1),
-                 timeout: timedelta | float = timedelta(minutes=5), soft_fail: bool = True,
-                 mode: str = "poke", **kwargs: Any) -> None:
-        super().__init__(config_path=config_path, poke_interval=poke_interval, timeout=timeout,
-                         soft_fail=soft_fail, mode=mode, **kwargs)
+    def __init__(
+        self,
+        *,
+        stage: str,
+        leader: Any,
+        config_path: str | None = None,
+        poke_interval: timedelta | float = timedelta(seconds=1),
+        timeout: timedelta | float = timedelta(minutes=5),
+        soft_fail: bool = True,
+        mode: str = "poke",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            config_path=config_path,
+            poke_interval=poke_interval,
+            timeout=timeout,
+            soft_fail=soft_fail,
+            mode=mode,
+            **kwargs,
+        )
         stage_named(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
         self.stage = stage
         self.leader = leader

@@ -12,6 +12,7 @@ comes from the `stageline_spark` connection (`tasks.SPARK_CONN_ID`) through `Sta
 the stage's sticky Spark Connect session, on a standby server when the first stops answering.
 Nothing here reads a connection, file or database when a DAG file is parsed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -52,26 +53,32 @@ def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) 
         # batch ends its try within minutes: `tasks.HUNG_BATCH_SECONDS`)
         dagrun_timeout=JOB_TIMEOUT * (JOB_RETRIES + 1) + timedelta(minutes=20),
         tags=["stageline", "stage"],
-        default_args={"retries": 1, "retry_delay": timedelta(seconds=5),
-                      "execution_timeout": timedelta(minutes=8)},
+        default_args={"retries": 1, "retry_delay": timedelta(seconds=5), "execution_timeout": timedelta(minutes=8)},
         doc_md=doc_md,
     ) as built:
-        leader = LeaderCheckSensor(task_id="leader_check", timeout=timedelta(minutes=1),
-                                   poke_interval=LEADER_POKE_INTERVAL)
+        leader = LeaderCheckSensor(
+            task_id="leader_check", timeout=timedelta(minutes=1), poke_interval=LEADER_POKE_INTERVAL
+        )
 
         @task
         def recover(leader: dict, ti=None) -> dict:
             """On-promotion recovery (once per epoch) and the claims earlier runs of this DAG left."""
             return tasks.recover_stage_step(leader, stage=stage.name, dag_id=ti.dag_id, run_id=ti.run_id)
 
-        wait_for_work = WorkPendingSensor(task_id="wait_for_work", stage=stage.name, leader=leader.output,
-                                          timeout=timedelta(minutes=5), poke_interval=WORK_POKE_INTERVAL)
+        wait_for_work = WorkPendingSensor(
+            task_id="wait_for_work",
+            stage=stage.name,
+            leader=leader.output,
+            timeout=timedelta(minutes=5),
+            poke_interval=WORK_POKE_INTERVAL,
+        )
 
         @task(task_id=stage.name, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY, execution_timeout=JOB_TIMEOUT)
         def run_job(leader: dict, ti=None) -> dict:
             """Run the stage job under the leader's epoch, on the stage's Spark session."""
-            with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(name=ti.dag_id,
-                                                                       conf=tasks.SPARK_TASK_CONF) as session:
+            with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(
+                name=ti.dag_id, conf=tasks.SPARK_TASK_CONF
+            ) as session:
                 return job(int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number)
 
         # (TaskFlow passes an XComArg where the task function takes its value: Airflow's types do not say so)

@@ -16,6 +16,7 @@ only inside the `run_*_stage` functions (the DAG processor never loads pyspark).
 session comes from the `stageline_spark` connection (`SPARK_CONN_ID`, through
 `hooks.StagelineSparkHook`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -90,8 +91,14 @@ def recover_stage_step(leader: Leader, *, stage: str, dag_id: str, run_id: str) 
         promoted = housekeeping.recover(store, epoch, leader.get("owner"))
         with store.transaction() as tx:
             abandoned = rowlease.recover_abandoned(
-                tx, table, prefix=claim_owner(dag_id, ""), keep=claim_owner(dag_id, f"{run_id}#"), epoch=epoch,
-                owner=claim_owner(dag_id, run_id), max_attempts=rowlease.reclaim_cap(table))
+                tx,
+                table,
+                prefix=claim_owner(dag_id, ""),
+                keep=claim_owner(dag_id, f"{run_id}#"),
+                epoch=epoch,
+                owner=claim_owner(dag_id, run_id),
+                max_attempts=rowlease.reclaim_cap(table),
+            )
     if abandoned:
         log.info("%s: re-pended %d row(s) still claimed by earlier runs of this DAG", dag_id, abandoned)
     return {"promotion": promoted, "abandoned": abandoned}
@@ -103,8 +110,7 @@ def reclaim_step(leader: Leader, *, limit: int = 1000) -> dict[str, int]:
         return housekeeping.reclaim(hook.get_conn(), int(leader["epoch"]), leader.get("owner"), limit=limit)
 
 
-def retention_step(leader: Leader, ages: Mapping[str, timedelta] | None = None, *,
-                   batch: int = 5000) -> dict[str, int]:
+def retention_step(leader: Leader, ages: Mapping[str, timedelta] | None = None, *, batch: int = 5000) -> dict[str, int]:
     """Archive, then delete, finished rows and audit events older than their retention; the rows deleted.
 
     The periods are the service config's `[retention]` (read now, when the task runs), per-connection
@@ -112,10 +118,10 @@ def retention_step(leader: Leader, ages: Mapping[str, timedelta] | None = None, 
     """
     with StagelineStoreHook() as hook:
         config = hook.config.retention
-        older = ({key: age.total_seconds() for key, age in ages.items()} if ages is not None
-                 else config.ages_seconds())
-        return housekeeping.retention(hook.get_conn(), int(leader["epoch"]), older, batch=batch,
-                                      connections=config.connection_ages_seconds())
+        older = {key: age.total_seconds() for key, age in ages.items()} if ages is not None else config.ages_seconds()
+        return housekeeping.retention(
+            hook.get_conn(), int(leader["epoch"]), older, batch=batch, connections=config.connection_ages_seconds()
+        )
 
 
 def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000) -> dict[str, int] | None:
@@ -133,18 +139,32 @@ def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000
             return None
 
         def run(session: Any) -> dict[str, int]:
-            return archive_job.run(hook.get_conn(), session, epoch=int(leader["epoch"]), path=retention.archive_path,
-                                   older_than_seconds=retention.archive_days * 86_400.0, batch_size=batch)
+            return archive_job.run(
+                hook.get_conn(),
+                session,
+                epoch=int(leader["epoch"]),
+                path=retention.archive_path,
+                older_than_seconds=retention.archive_days * 86_400.0,
+                batch_size=batch,
+            )
 
         if spark is not None:
             return run(spark)
-        with StagelineSparkHook(SPARK_CONN_ID).stage_session(name="maintenance_retention",
-                                                             conf=SPARK_TASK_CONF) as session:
+        with StagelineSparkHook(SPARK_CONN_ID).stage_session(
+            name="maintenance_retention", conf=SPARK_TASK_CONF
+        ) as session:
             return run(session.spark)
 
 
-def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = ROUTE.dag_id, try_number: int = 1,
-                    batch_size: int = ROUTE_BATCH_SIZE) -> dict[str, Any]:
+def run_route_stage(
+    epoch: int,
+    run_id: str,
+    *,
+    spark: Any,
+    dag_id: str = ROUTE.dag_id,
+    try_number: int = 1,
+    batch_size: int = ROUTE_BATCH_SIZE,
+) -> dict[str, Any]:
     """Route micro-batches from `epoch` on (`include.stage_loop`): claim inbound rows, route, finalize fenced.
 
     Returns counts, not ids, for the XCom. A change of leader is followed, not raised: the batch
@@ -159,14 +179,30 @@ def run_route_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = ROUTE.
     routes, passthrough = partial(routed_rows, routes=config.routes), config.passthrough  # once per task
 
     def batch(b: Batch) -> Any:
-        return run_stage_job(ROUTE, b.store, b.spark, transform=routes, owner=b.owner, epoch=b.epoch, run_id=b.run_id,
-                             batch_size=b.limit or batch_size, passthrough=passthrough)
+        return run_stage_job(
+            ROUTE,
+            b.store,
+            b.spark,
+            transform=routes,
+            owner=b.owner,
+            epoch=b.epoch,
+            run_id=b.run_id,
+            batch_size=b.limit or batch_size,
+            passthrough=passthrough,
+        )
 
     return _micro_batches(ROUTE, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
 
 
-def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = TRANSFORM.dag_id,
-                        try_number: int = 1, batch_size: int = TRANSFORM_BATCH_SIZE) -> dict[str, Any]:
+def run_transform_stage(
+    epoch: int,
+    run_id: str,
+    *,
+    spark: Any,
+    dag_id: str = TRANSFORM.dag_id,
+    try_number: int = 1,
+    batch_size: int = TRANSFORM_BATCH_SIZE,
+) -> dict[str, Any]:
     """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
     from spark_jobs.stage_job import run_stage_job
     from spark_jobs.transform_job import checked
@@ -176,13 +212,22 @@ def run_transform_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = TR
     lookups, passthrough = LookupCache(), config.passthrough
 
     def batch(b: Batch) -> Any:  # checked before each claim: the lookup tables may have changed
-        transform = checked(b.store, config.transforms, config.destinations, lookups=lookups.get(b.store),
-                            code_dir=str(config.code_dir))
-        return run_stage_job(TRANSFORM, b.store, b.spark, transform=transform, owner=b.owner, epoch=b.epoch,
-                             run_id=b.run_id, batch_size=b.limit or batch_size, passthrough=passthrough)
+        transform = checked(
+            b.store, config.transforms, config.destinations, lookups=lookups.get(b.store), code_dir=str(config.code_dir)
+        )
+        return run_stage_job(
+            TRANSFORM,
+            b.store,
+            b.spark,
+            transform=transform,
+            owner=b.owner,
+            epoch=b.epoch,
+            run_id=b.run_id,
+            batch_size=b.limit or batch_size,
+            passthrough=passthrough,
+        )
 
-    return _micro_batches(TRANSFORM, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded,
-                          most=batch_size)
+    return _micro_batches(TRANSFORM, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
 
 
 class LookupCache:
@@ -206,8 +251,15 @@ class LookupCache:
         return self._tables
 
 
-def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = DELIVER.dag_id, try_number: int = 1,
-                      max_lanes: int = DELIVER_MAX_LANES) -> dict[str, Any]:
+def run_deliver_stage(
+    epoch: int,
+    run_id: str,
+    *,
+    spark: Any,
+    dag_id: str = DELIVER.dag_id,
+    try_number: int = 1,
+    max_lanes: int = DELIVER_MAX_LANES,
+) -> dict[str, Any]:
     """Deliver rounds of lane prefixes under `epoch` (see `_micro_batches`).
 
     Sends run in Spark (lanes spread over partitions) unless `$STAGELINE_DELIVER_IN_PROCESS` is
@@ -219,14 +271,42 @@ def run_deliver_stage(epoch: int, run_id: str, *, spark: Any, dag_id: str = DELI
     config = stage_config.load()
     if os.environ.get(DELIVER_IN_PROCESS_ENV):
         spark = None
-    return _micro_batches(DELIVER, dag_id, run_id, try_number, epoch, spark, lambda b: deliver_job.run(
-        b.store, b.spark, destinations=config.destinations, owner=b.owner, epoch=b.epoch, max_lanes=max_lanes,
-        concurrency=DELIVER_CONCURRENCY, time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS, stop=b.stop),
-        loaded=loaded, most=None)
+    return _micro_batches(
+        DELIVER,
+        dag_id,
+        run_id,
+        try_number,
+        epoch,
+        spark,
+        lambda b: deliver_job.run(
+            b.store,
+            b.spark,
+            destinations=config.destinations,
+            owner=b.owner,
+            epoch=b.epoch,
+            max_lanes=max_lanes,
+            concurrency=DELIVER_CONCURRENCY,
+            time_budget_seconds=DELIVER_ROUND_BUDGET_SECONDS,
+            stop=b.stop,
+        ),
+        loaded=loaded,
+        most=None,
+    )
 
 
-def _micro_batches(stage: Stage, dag_id: str, run_id: str, try_number: int, epoch: int, spark: Any,
-                   job: stage_loop.Job, *, loaded: str, most: int | None, **kwargs: Any) -> dict[str, Any]:
+def _micro_batches(
+    stage: Stage,
+    dag_id: str,
+    run_id: str,
+    try_number: int,
+    epoch: int,
+    spark: Any,
+    job: stage_loop.Job,
+    *,
+    loaded: str,
+    most: int | None,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """The stage task's loop (`include.stage_loop.run_stage`) on the task's store, with the real
     `ClaimKeeper`; `spark` a session or the DAG's `include.spark.StageSession` (renewed in place).
     Batches are capped by time as well as `most` rows (`include.batch_size`; `most=None`: the job
@@ -241,22 +321,39 @@ def _micro_batches(stage: Stage, dag_id: str, run_id: str, try_number: int, epoc
     with StagelineStoreHook() as hook:
         if most is not None:
             kwargs.setdefault("size", BatchSize.for_backend(hook.config.store.backend, most=most))
-        kwargs.setdefault("history", lambda **batch: operator.record_batch(
-            hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch))
-        return stage_loop.run_stage(stage.name, dag_id, run_id, try_number, epoch, job,
-                                    config=hook.config, store=hook.get_conn(),
-                                    keeper=lambda config, store, term_epoch: claim_keeper(
-                                        config, store, stage=stage, epoch=term_epoch), **kwargs)
+        kwargs.setdefault(
+            "history",
+            lambda **batch: operator.record_batch(hook.get_conn(), dag_id=dag_id, try_number=try_number, **batch),
+        )
+        return stage_loop.run_stage(
+            stage.name,
+            dag_id,
+            run_id,
+            try_number,
+            epoch,
+            job,
+            config=hook.config,
+            store=hook.get_conn(),
+            keeper=lambda config, store, term_epoch: claim_keeper(config, store, stage=stage, epoch=term_epoch),
+            **kwargs,
+        )
 
 
 def claim_keeper(config: ServiceConfig, store: Any, *, stage: Stage, epoch: int) -> ClaimKeeper:
     """The watch beside a stage task (`include.claim_keeper`) on the stage's input, timed by the service config."""
     table = stage.input
-    return ClaimKeeper(store, table, epoch=epoch, clustered=config.cluster.enabled,
-                       check_seconds=config.cluster.heartbeat_seconds, lease_seconds=config.store.lease_ttl_seconds,
-                       reclaim_seconds=config.cluster.reclaim_interval_seconds,
-                       max_attempts=rowlease.reclaim_cap(table), max_batch_seconds=HUNG_BATCH_SECONDS,
-                       on_hung=end_hung_task)
+    return ClaimKeeper(
+        store,
+        table,
+        epoch=epoch,
+        clustered=config.cluster.enabled,
+        check_seconds=config.cluster.heartbeat_seconds,
+        lease_seconds=config.store.lease_ttl_seconds,
+        reclaim_seconds=config.cluster.reclaim_interval_seconds,
+        max_attempts=rowlease.reclaim_cap(table),
+        max_batch_seconds=HUNG_BATCH_SECONDS,
+        on_hung=end_hung_task,
+    )
 
 
 def end_hung_task(owner: str) -> None:
@@ -273,8 +370,9 @@ def end_hung_task(owner: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,
-                           tables: Sequence[str] = METADATA_TABLES, batch_size: int = 10_000) -> str:
+def metadata_clean_command(
+    *, dag_ids: Sequence[str], keep: timedelta, tables: Sequence[str] = METADATA_TABLES, batch_size: int = 10_000
+) -> str:
     """A bash script that runs `airflow db clean` for the frequent stage DAGs' old runs.
 
     Rows older than `keep` before the run's `run_after` go (deleting a dag_run cascades to its task
@@ -287,23 +385,38 @@ def metadata_clean_command(*, dag_ids: Sequence[str], keep: timedelta,
     seconds = int(keep.total_seconds())
     if seconds <= 0:
         raise ValueError("keep must be positive")
-    args = ["airflow", "db", "clean", "--clean-before-timestamp", "__BEFORE__",
-            "--tables", ",".join(tables), "--dag-ids", ",".join(dag_ids),
-            "--batch-size", str(int(batch_size)), "--skip-archive", "--yes"]
+    args = [
+        "airflow",
+        "db",
+        "clean",
+        "--clean-before-timestamp",
+        "__BEFORE__",
+        "--tables",
+        ",".join(tables),
+        "--dag-ids",
+        ",".join(dag_ids),
+        "--batch-size",
+        str(int(batch_size)),
+        "--skip-archive",
+        "--yes",
+    ]
     command = shlex.join(args).replace(
-        "__BEFORE__", f"'{{{{ (dag_run.run_after - macros.timedelta(seconds={seconds})).isoformat() }}}}'")
+        "__BEFORE__", f"'{{{{ (dag_run.run_after - macros.timedelta(seconds={seconds})).isoformat() }}}}'"
+    )
     blocked = "airflow-db-not-allowed:///"
-    return "\n".join([
-        "set -eu",
-        # the project's own `airflow` when the worker's PATH lacks the venv (not run under `uv run`)
-        f'export PATH="$PATH:{Path(sys.executable).parent}"',
-        f'if [ -n "${{{AIRFLOW_DB_CONN_ENV}:-}}" ]; then',
-        f'  export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW_DB_CONN_ENV}"',
-        f'elif [ "${{AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
-        "  unset AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
-        "fi",
-        f'if [ "${{AIRFLOW__CORE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
-        "  unset AIRFLOW__CORE__SQL_ALCHEMY_CONN",
-        "fi",
-        command,
-    ])
+    return "\n".join(
+        [
+            "set -eu",
+            # the project's own `airflow` when the worker's PATH lacks the venv (not run under `uv run`)
+            f'export PATH="$PATH:{Path(sys.executable).parent}"',
+            f'if [ -n "${{{AIRFLOW_DB_CONN_ENV}:-}}" ]; then',
+            f'  export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW_DB_CONN_ENV}"',
+            f'elif [ "${{AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
+            "  unset AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+            "fi",
+            f'if [ "${{AIRFLOW__CORE__SQL_ALCHEMY_CONN:-}}" = "{blocked}" ]; then',
+            "  unset AIRFLOW__CORE__SQL_ALCHEMY_CONN",
+            "fi",
+            command,
+        ]
+    )

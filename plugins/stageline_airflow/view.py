@@ -33,6 +33,7 @@ The store is the service config's (`$STAGELINE_CONFIG` of the api-server's envir
 `StagelineStoreHook`, opened at the first request and kept for the process. Airflow builds every
 plugin in every component it starts, so the app is built at its first request, not at import.
 """
+
 from __future__ import annotations
 
 import functools
@@ -88,8 +89,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 
     def may_read_bodies(user: Any) -> bool:
         manager = get_auth_manager()
-        if not (may(user, "GET") and
-                manager.is_authorized_custom_view(method="GET", resource_name=BODY_RESOURCE, user=user)):
+        if not (
+            may(user, "GET") and manager.is_authorized_custom_view(method="GET", resource_name=BODY_RESOURCE, user=user)
+        ):
             return False
         if isinstance(manager, SimpleAuthManager):
             return str(getattr(user, "role", "") or "").upper() in OPERATOR_ROLES
@@ -139,7 +141,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 
     def cluster() -> dict[str, Any]:
         return cluster_nodes(store(), node_timeout_seconds=store_hook.config.cluster.node_timeout_seconds) | {
-            "clustered": store_hook.config.cluster.enabled, "cluster_name": store_hook.config.cluster.cluster_name}
+            "clustered": store_hook.config.cluster.enabled,
+            "cluster_name": store_hook.config.cluster.cluster_name,
+        }
 
     @app.exception_handler(LookupError)
     def not_found(request: Request, exc: LookupError) -> Response:
@@ -169,8 +173,12 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @guarded
     def get_message(ref: str, body: str | None = None, user: Any = Depends(reader)) -> dict[str, Any]:
         cold = parquet()
-        return for_user(user, ops.show(store(), ops.resolve(store(), ref, parquet=cold), parquet=cold,
-                                       reader=body_reader(user, body)).__dict__)
+        return for_user(
+            user,
+            ops.show(
+                store(), ops.resolve(store(), ref, parquet=cold), parquet=cold, reader=body_reader(user, body)
+            ).__dict__,
+        )
 
     @app.get("/api/dead")
     @guarded
@@ -185,8 +193,13 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @app.post("/api/messages/{ref}/replay")
     @guarded
     def post_replay(ref: str, body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
-        replayed = ops.replay(store(), [ops.resolve(store(), ref)], source=str(body.get("from", "")),
-                              actor=actor(user), reason=_reason(body))
+        replayed = ops.replay(
+            store(),
+            [ops.resolve(store(), ref)],
+            source=str(body.get("from", "")),
+            actor=actor(user),
+            reason=_reason(body),
+        )
         log.info("stageline view: %s replayed a message from %s", user.get_name(), body.get("from"))
         return {"replayed": replayed}
 
@@ -197,9 +210,15 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             ids = [int(i) for i in body.get("ids") or []]
         except (TypeError, ValueError):
             raise ValueError("ids must be row ids (numbers)") from None
-        moved = ops.requeue_dead(store(), str(body.get("stage") or "outbound"), ids=ids,
-                                 destination=body.get("destination") or None, lane_key=body.get("lane") or None,
-                                 actor=actor(user), reason=_reason(body))
+        moved = ops.requeue_dead(
+            store(),
+            str(body.get("stage") or "outbound"),
+            ids=ids,
+            destination=body.get("destination") or None,
+            lane_key=body.get("lane") or None,
+            actor=actor(user),
+            reason=_reason(body),
+        )
         log.info("stageline view: %s requeued %d %s row(s)", user.get_name(), len(moved), body.get("stage"))
         return {"requeued": moved}
 
@@ -233,13 +252,23 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
                 except LookupError:
                     shown = None
             return view_html.PageData(
-                user=user.get_name(), may_operate=may(user, "POST"), cluster=cluster(), stages=ops.stages(s),
-                dead=ops.dead_letters(s), messages=for_user(user, ops.find(s, filters)), filters=filters, shown=shown,
-                shown_ref=args.get("show"), batches=ops.recent_batches(s, limit=20), done=args.get("done"),
-                may_read_bodies=may_read_bodies(user))
+                user=user.get_name(),
+                may_operate=may(user, "POST"),
+                cluster=cluster(),
+                stages=ops.stages(s),
+                dead=ops.dead_letters(s),
+                messages=for_user(user, ops.find(s, filters)),
+                filters=filters,
+                shown=shown,
+                shown_ref=args.get("show"),
+                batches=ops.recent_batches(s, limit=20),
+                done=args.get("done"),
+                may_read_bodies=may_read_bodies(user),
+            )
 
-        return HTMLResponse(view_html.render(await run_in_threadpool(guarded(read))),
-                            headers={"cache-control": "no-store"})
+        return HTMLResponse(
+            view_html.render(await run_in_threadpool(guarded(read))), headers={"cache-control": "no-store"}
+        )
 
     return app
 
@@ -247,6 +276,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 def guarded(handler: Callable[..., T]) -> Callable[..., T]:
     """`handler` with a failing store answered 503 (its error's type logged, never its text: it may
     quote a message); bad input (ValueError) and unknown messages (LookupError) pass on."""
+
     @functools.wraps(handler)
     def run(*args: Any, **kwargs: Any) -> T:
         try:
@@ -256,6 +286,7 @@ def guarded(handler: Callable[..., T]) -> Callable[..., T]:
         except Exception as exc:
             log.warning("stageline view: the store failed: %s", type(exc).__name__)
             raise HTTPException(503, "store unavailable") from None
+
     return run
 
 
@@ -292,5 +323,12 @@ class StagelineViewPlugin(AirflowPlugin):
 
     name = "stageline"
     fastapi_apps = [{"name": "Stageline view", "app": _LazyApp(), "url_prefix": URL_PREFIX}]
-    external_views = [{"name": "Stageline", "href": f"{URL_PREFIX}/", "url_route": "stageline",
-                       "destination": "nav", "category": None}]
+    external_views = [
+        {
+            "name": "Stageline",
+            "href": f"{URL_PREFIX}/",
+            "url_route": "stageline",
+            "destination": "nav",
+            "category": None,
+        }
+    ]

@@ -4,6 +4,7 @@ latest micro-batches. Every value from the store is escaped. The only script pos
 forms as JSON to the view's own endpoints (a cross-site form cannot send JSON) and reloads.
 A message's bodies (PHI) are on the page only when asked for (`&body=1`) by a user who may read
 them; the link says that the read is recorded."""
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def when_s(seconds: Any) -> str:
 
 
 def archived(row: dict[str, Any]) -> str:
-    """" (archived)" for a row retention has moved to the archive (`archived_ms`), else ""."""
+    """ " (archived)" for a row retention has moved to the archive (`archived_ms`), else ""."""
     return ' <span class="muted">(archived)</span>' if row.get("archived_ms") is not None else ""
 
 
@@ -79,9 +80,11 @@ def action(url: str, fields: dict[str, Any], label: str, *, may: bool, extra: st
     if not may:
         return '<span class="muted">(OP role needed)</span>'
     hidden = f'<input type="hidden" name="payload" value="{escape(json.dumps(fields))}">'
-    return (f'<form class="action" method="post" action="{escape(url)}">{hidden}{extra}'
-            f'<input name="reason" placeholder="reason (audit trail)" required size="22">'
-            f'<button type="submit">{escape(label)}</button></form>')
+    return (
+        f'<form class="action" method="post" action="{escape(url)}">{hidden}{extra}'
+        f'<input name="reason" placeholder="reason (audit trail)" required size="22">'
+        f'<button type="submit">{escape(label)}</button></form>'
+    )
 
 
 def cluster_section(c: dict[str, Any]) -> str:
@@ -96,17 +99,19 @@ def cluster_section(c: dict[str, Any]) -> str:
     mismatch = c.get("config_mismatch") or []
     rows = "".join(
         f'<tr class="{"leader" if n["is_leader"] else ""}"><td>{e(n["node_id"])}</td><td>{e(n["host"])}</td>'
-        f'<td>{e(n["pid"])}</td><td>{e(n["status"])}</td><td>{when_s(n["last_seen"])}</td>'
-        f'<td>{"leader" if n["is_leader"] else ""}</td>'
-        f'<td>{"<span class=bad>differs from the leader</span>" if n["node_id"] in mismatch else "ok"}</td></tr>'
-        for n in c.get("nodes", []))
+        f"<td>{e(n['pid'])}</td><td>{e(n['status'])}</td><td>{when_s(n['last_seen'])}</td>"
+        f"<td>{'leader' if n['is_leader'] else ''}</td>"
+        f"<td>{'<span class=bad>differs from the leader</span>' if n['node_id'] in mismatch else 'ok'}</td></tr>"
+        for n in c.get("nodes", [])
+    )
     return f"""<section id="cluster"><h2>Cluster <small>{e(c.get("cluster_name"))},
  {"clustered" if c.get("clustered") else "single node"}</small></h2>
 <dl class="facts"><dt>leader</dt><dd id="leader">{e(c.get("leader_node_id"))}</dd>
 <dt>epoch</dt><dd id="epoch">{e(c.get("epoch"))}</dd>
 <dt>lease owner</dt><dd>{e(c.get("lease_owner"))}</dd><dt>lease expires</dt><dd>{lease}</dd>
-<dt>config mismatch</dt><dd id="mismatch">{('<span class="bad">' + e(", ".join(mismatch)) + "</span>")
-                                           if mismatch else "none"}</dd></dl>
+<dt>config mismatch</dt><dd id="mismatch">{
+        ('<span class="bad">' + e(", ".join(mismatch)) + "</span>") if mismatch else "none"
+    }</dd></dl>
 <table><thead><tr><th>node</th><th>host</th><th>pid</th><th>status</th><th>last seen</th><th></th><th>config</th>
 </tr></thead><tbody>{rows or '<tr><td colspan="7">no node has joined this store yet</td></tr>'}</tbody></table>
 </section>"""
@@ -121,7 +126,9 @@ def stages_section(stages: dict[str, dict[str, Any]]) -> str:
         f'<tr><td>{e(name)}</td><td class="n">{s["backlog"]}</td>'
         f'<td class="n">{age(s["oldest_pending_seconds"])}</td>'
         f'<td class="n">{s["in_flight"]}</td><td class="n{" bad" if s["dead"] else ""}">{s["dead"]}</td>'
-        f'<td class="n">{s["finished_per_minute"]}</td></tr>' for name, s in stages.items())
+        f'<td class="n">{s["finished_per_minute"]}</td></tr>'
+        for name, s in stages.items()
+    )
     return f"""<section id="stages"><h2>Stages</h2><table><thead><tr><th>stage</th><th>backlog</th>
 <th>oldest pending</th><th>in flight</th><th>dead letters</th><th>done / min (5 min)</th></tr></thead>
 <tbody>{rows}</tbody></table></section>"""
@@ -131,13 +138,21 @@ def dead_section(dead: list[dict[str, Any]], may: bool) -> str:
     rows = []
     for g in dead:
         if g["destination"]:
-            act = action("api/requeue", {"stage": g["stage"], "destination": g["destination"]},
-                         f"requeue all dead {g['stage']} → {g['destination']}", may=may)
+            act = action(
+                "api/requeue",
+                {"stage": g["stage"], "destination": g["destination"]},
+                f"requeue all dead {g['stage']} → {g['destination']}",
+                may=may,
+            )
         else:
-            act = (f'<a href="?{escape(urlencode({"status": "dead"}))}#search">find them</a>'
-                   ' <span class="muted">(requeue each from its message)</span>')
-        rows.append(f'<tr><td>{e(g["stage"])}</td><td>{e(g["destination"])}</td><td>{e(g["reason"])}</td>'
-                    f'<td class="n">{g["n"]}</td><td>{when_ms(g["oldest_ms"])}</td><td>{act}</td></tr>')
+            act = (
+                f'<a href="?{escape(urlencode({"status": "dead"}))}#search">find them</a>'
+                ' <span class="muted">(requeue each from its message)</span>'
+            )
+        rows.append(
+            f"<tr><td>{e(g['stage'])}</td><td>{e(g['destination'])}</td><td>{e(g['reason'])}</td>"
+            f'<td class="n">{g["n"]}</td><td>{when_ms(g["oldest_ms"])}</td><td>{act}</td></tr>'
+        )
     body = "".join(rows) or '<tr><td colspan="6">no dead letters</td></tr>'
     return f"""<section id="dead"><h2>Dead letters</h2><table><thead><tr><th>stage</th><th>destination</th>
 <th>reason</th><th>n</th><th>since</th><th></th></tr></thead><tbody>{body}</tbody></table></section>"""
@@ -147,15 +162,22 @@ def search_section(data: PageData) -> str:
     f = data.filters
     fields = "".join(
         f'<label>{label} <input name="{name}" value="{escape(getattr(f, name) or "")}" size="14"></label>'
-        for name, label in (("control_id", "control id"), ("message_id", "message id"), ("lane_key", "lane"),
-                            ("connection", "connection"), ("destination", "destination")))
-    options = "".join(f'<option{" selected" if f.status == s else ""}>{s}</option>' for s in STATUSES)
+        for name, label in (
+            ("control_id", "control id"),
+            ("message_id", "message id"),
+            ("lane_key", "lane"),
+            ("connection", "connection"),
+            ("destination", "destination"),
+        )
+    )
+    options = "".join(f"<option{' selected' if f.status == s else ''}>{s}</option>" for s in STATUSES)
     rows = "".join(
         f'<tr><td><a href="?{escape(urlencode({"show": m["id"]}))}#message">{m["id"]}</a></td>'
-        f'<td>{when_ms(m["created_ms"])}</td><td>{e(m["connection"])}</td><td>{e(m["control_id"])}</td>'
+        f"<td>{when_ms(m['created_ms'])}</td><td>{e(m['connection'])}</td><td>{e(m['control_id'])}</td>"
         f'<td>{e(m["lane_key"])}</td><td>{e(m["status"])}</td><td class="n">{m["routed"]}</td>'
         f'<td class="n">{m["delivered"]}</td><td class="n{" bad" if m["dead"] else ""}">{m["dead"]}</td></tr>'
-        for m in data.messages)
+        for m in data.messages
+    )
     return f"""<section id="search"><h2>Messages</h2>
 <form method="get" class="search">{fields}<label>status <select name="status"><option value="">any</option>
 {options}</select></label><button type="submit">find</button></form>
@@ -165,21 +187,26 @@ def search_section(data: PageData) -> str:
 <p class="muted">newest first, at most {f.limit}; a row id, message id or control id opens one message</p></section>"""
 
 
-BATCHES_TABLE = ("<h3>Moved by these micro-batches</h3><table><thead><tr><th>stage</th><th>batch owner</th>"
-                 "<th>Airflow run</th><th>try</th><th>started</th><th>finished</th><th>claimed</th></tr></thead>"
-                 "<tbody>{batches}</tbody></table>")
+BATCHES_TABLE = (
+    "<h3>Moved by these micro-batches</h3><table><thead><tr><th>stage</th><th>batch owner</th>"
+    "<th>Airflow run</th><th>try</th><th>started</th><th>finished</th><th>claimed</th></tr></thead>"
+    "<tbody>{batches}</tbody></table>"
+)
 
 
 def message_section(data: PageData) -> str:
     if data.shown is None:
-        return (f'<section id="message"><h2>Message</h2><p class="bad">no message {e(data.shown_ref)}</p></section>'
-                if data.shown_ref else "")
+        return (
+            f'<section id="message"><h2>Message</h2><p class="bad">no message {e(data.shown_ref)}</p></section>'
+            if data.shown_ref
+            else ""
+        )
     s, may = data.shown, data.may_operate
     i = s.inbound
     ref = str(i["id"])
-    replays = (action(f"api/messages/{quote(ref)}/replay", {"from": "inbound"}, "replay from inbound", may=may)
-               + action(f"api/messages/{quote(ref)}/replay", {"from": "outbound"}, "replay from outbound (same bytes)",
-                        may=may))
+    replays = action(f"api/messages/{quote(ref)}/replay", {"from": "inbound"}, "replay from inbound", may=may) + action(
+        f"api/messages/{quote(ref)}/replay", {"from": "outbound"}, "replay from outbound (same bytes)", may=may
+    )
     stage_rows = [
         f"<tr><td>inbound{archived(i)}</td><td>{i['id']}</td><td>-</td><td>{e(i['status'])}</td><td>{i['attempts']}</td>"
         f"<td>{when_ms(i['updated_ms'])}</td><td>{e(i['last_error'])}</td>"
@@ -192,17 +219,22 @@ def message_section(data: PageData) -> str:
             f"<td>{dead_row_action(stage, r, may)}</td></tr>"
             for r in rows
         ]
-    delivered = "".join(f'<h4>as delivered to {e(o["destination"])} (outbound row {o["id"]})</h4>'
-                        f'<pre class="hl7">{escape(hl7(o.get("payload")))}</pre>' for o in s.outbound)
+    delivered = "".join(
+        f"<h4>as delivered to {e(o['destination'])} (outbound row {o['id']})</h4>"
+        f'<pre class="hl7">{escape(hl7(o.get("payload")))}</pre>'
+        for o in s.outbound
+    )
     batches = "".join(
-        f'<tr><td>{e(b["stage"])}</td><td>{e(b["owner"])}</td><td>{run_link(b)}</td><td>{b["try_number"]}</td>'
+        f"<tr><td>{e(b['stage'])}</td><td>{e(b['owner'])}</td><td>{run_link(b)}</td><td>{b['try_number']}</td>"
         f'<td>{when_ms(b["started_ms"])}</td><td>{when_ms(b["finished_ms"])}</td><td class="n">{b["claimed"]}</td></tr>'
-        for b in s.batches)
+        for b in s.batches
+    )
     trail = "".join(
-        f'<tr><td>{when_ms(t["at_ms"])}{archived(t)}</td><td>{e(t["stage"])}</td><td>{e(t["row_id"])}</td>'
+        f"<tr><td>{when_ms(t['at_ms'])}{archived(t)}</td><td>{e(t['stage'])}</td><td>{e(t['row_id'])}</td>"
         f'<td class="event">{e(t["event"])}</td><td>{e(t["from_status"])} → {e(t["to_status"])}</td>'
-        f'<td>{e(t["destination"])}</td><td>{e(t["epoch"])}</td><td>{e(t["node_id"])}</td><td>{e(t["detail"])}</td></tr>'
-        for t in s.trail)
+        f"<td>{e(t['destination'])}</td><td>{e(t['epoch'])}</td><td>{e(t['node_id'])}</td><td>{e(t['detail'])}</td></tr>"
+        for t in s.trail
+    )
     return f"""<section id="message" data-id="{i["id"]}"><h2>Message {e(i["message_id"])} <small>inbound row {i["id"]},
  control id {e(i["control_id"])}</small></h2>
 <p>received {when_ms(i["created_ms"])} on <b>{e(i["connection"])}</b>, lane {e(i["lane_key"])},
@@ -226,8 +258,10 @@ def bodies_part(data: PageData, delivered: str) -> str:
         return f'<h4>as received</h4><pre class="hl7">{escape(hl7(i["payload"]))}</pre>{delivered}'
     if data.may_read_bodies:
         link = escape(urlencode({"show": i["id"], "body": 1}))
-        return (f'<p><a id="show-bodies" href="?{link}#message">show the bodies</a> '
-                '<span class="muted">(patient data: your read is recorded in the audit trail)</span></p>')
+        return (
+            f'<p><a id="show-bodies" href="?{link}#message">show the bodies</a> '
+            '<span class="muted">(patient data: your read is recorded in the audit trail)</span></p>'
+        )
     return '<p class="muted">bodies (patient data) need the OP or ADMIN role</p>'
 
 
@@ -239,10 +273,12 @@ def dead_row_action(stage: str, row: dict[str, Any], may: bool) -> str:
 
 def batches_section(batches: list[dict[str, Any]]) -> str:
     rows = "".join(
-        f'<tr><td>{when_ms(b["finished_ms"])}</td><td>{e(b["stage"])}</td>'
+        f"<tr><td>{when_ms(b['finished_ms'])}</td><td>{e(b['stage'])}</td>"
         f'<td class="n">{(int(b["finished_ms"]) - int(b["started_ms"])) / 1000:.2f} s</td>'
         f'<td class="n">{b["claimed"]}</td><td>{run_link(b)}</td><td>{b["try_number"]}</td><td>{e(b["epoch"])}</td>'
-        f'<td><code>{e(b["counts"])}</code></td></tr>' for b in batches)
+        f"<td><code>{e(b['counts'])}</code></td></tr>"
+        for b in batches
+    )
     return f"""<section id="batches"><h2>Recent micro-batches</h2><table><thead><tr><th>finished</th><th>stage</th>
 <th>took</th><th>claimed</th><th>Airflow run</th><th>try</th><th>epoch</th><th>counts</th></tr></thead>
 <tbody>{rows or '<tr><td colspan="8">no micro-batch has run yet</td></tr>'}</tbody></table></section>"""

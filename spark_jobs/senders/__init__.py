@@ -20,6 +20,7 @@ Idempotency (a re-delivery can always happen: at-least-once, invariant 5 in docs
   same file with the same bytes. Pollers must ignore dot-files (`.stageline-*.tmp`).
 * HTTP: `Idempotency-Key: <key>` on every POST.
 """
+
 from __future__ import annotations
 
 from include.destinations_config import Destination, FileDestination, HttpDestination, MllpDestination

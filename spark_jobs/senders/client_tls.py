@@ -3,6 +3,7 @@
 An `SSLContext` does not pickle into Spark, so the config carries plain settings and each worker
 builds (and caches) its own context.
 """
+
 from __future__ import annotations
 
 import ssl

@@ -3,6 +3,7 @@
 A `DeliveryResult` lands in `stage_outbound.last_error` and the audit trail, so its detail is
 clipped and printable, and it never carries the message body.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -17,11 +18,25 @@ MAX_DETAIL_CHARS = 500
 
 # HL7 table 0211 (MSH-18) → Python codec; the same table the listener accepts.
 _HL7_CHARSETS: dict[str, str] = {
-    "ASCII": "ascii", "ISO IR6": "ascii", "8859/1": "iso8859_1", "ISO IR100": "iso8859_1",
-    "8859/2": "iso8859_2", "8859/3": "iso8859_3", "8859/4": "iso8859_4", "8859/5": "iso8859_5",
-    "8859/6": "iso8859_6", "8859/7": "iso8859_7", "8859/8": "iso8859_8", "8859/9": "iso8859_9",
-    "8859/15": "iso8859_15", "ISO IR87": "iso2022_jp", "ISO IR159": "iso2022_jp_1",
-    "GB 18030-2000": "gb18030", "KS X 1001": "euc_kr", "BIG-5": "big5", "UNICODE UTF-8": "utf_8",
+    "ASCII": "ascii",
+    "ISO IR6": "ascii",
+    "8859/1": "iso8859_1",
+    "ISO IR100": "iso8859_1",
+    "8859/2": "iso8859_2",
+    "8859/3": "iso8859_3",
+    "8859/4": "iso8859_4",
+    "8859/5": "iso8859_5",
+    "8859/6": "iso8859_6",
+    "8859/7": "iso8859_7",
+    "8859/8": "iso8859_8",
+    "8859/9": "iso8859_9",
+    "8859/15": "iso8859_15",
+    "ISO IR87": "iso2022_jp",
+    "ISO IR159": "iso2022_jp_1",
+    "GB 18030-2000": "gb18030",
+    "KS X 1001": "euc_kr",
+    "BIG-5": "big5",
+    "UNICODE UTF-8": "utf_8",
     "UTF-8": "utf_8",
 }
 
@@ -78,4 +93,4 @@ def printable(text: str) -> str:
 
 
 def _clip(detail: str) -> str:
-    return detail if len(detail) <= MAX_DETAIL_CHARS else detail[:MAX_DETAIL_CHARS - 1] + "…"
+    return detail if len(detail) <= MAX_DETAIL_CHARS else detail[: MAX_DETAIL_CHARS - 1] + "…"

@@ -18,6 +18,7 @@ rename in lane order, ONE fsync per directory (the renames are on disk). Nothing
 before both flushes, so a crash loses no acknowledged file; it can leave temp files behind (as the
 single path can) and re-sends the rows, which rewrite the same names.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -149,7 +150,8 @@ def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str])
         except OSError as exc:
             unlink_quietly(st.dir_fd, st.tmp)
             results[st.lane][st.index] = DeliveryResult.retry(
-                f"{st.send.dest.name}: writing {st.final}: {describe_error(exc)}")
+                f"{st.send.dest.name}: writing {st.final}: {describe_error(exc)}"
+            )
             stopped.add(st.lane)
             continue
         renamed.setdefault(st.dir_fd, []).append(st)
@@ -158,17 +160,19 @@ def _send_lanes(lanes: Sequence[Sequence[FileSend]], dirs: dict[str, int | str])
             os.fsync(dir_fd)  # the renames are on disk
         except OSError as exc:
             failed = DeliveryResult.retry(
-                f"{done[0].send.dest.name}: syncing {done[0].send.dest.directory}: {describe_error(exc)}")
+                f"{done[0].send.dest.name}: syncing {done[0].send.dest.directory}: {describe_error(exc)}"
+            )
             for st in done:
                 results[st.lane][st.index] = failed
             continue
         for st in done:
             results[st.lane][st.index] = DeliveryResult.success(
-                f"{st.send.dest.name}: wrote {st.final} ({st.size} bytes)")
+                f"{st.send.dest.name}: wrote {st.final} ({st.size} bytes)"
+            )
     for outcomes in results:  # after a failure nothing later in the lane counts as sent
         for i, r in enumerate(outcomes):
             if r is not None and not r.ok:
-                outcomes[i + 1:] = [None] * (len(outcomes) - i - 1)
+                outcomes[i + 1 :] = [None] * (len(outcomes) - i - 1)
                 break
     return results
 
@@ -204,8 +208,12 @@ def _write_temp(item: FileSend, dirs: dict[str, int | str]) -> tuple[int, str, s
         return DeliveryResult.retry(f"{dest.name}: {dir_fd}")
     tmp = f".stageline-{secrets.token_hex(8)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     dest.mode & FILE_MODE_BITS, dir_fd=dir_fd)
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+            dest.mode & FILE_MODE_BITS,
+            dir_fd=dir_fd,
+        )
     except OSError as exc:
         return DeliveryResult.retry(f"{dest.name}: writing {name}: {describe_error(exc)}")
     try:
@@ -214,7 +222,7 @@ def _write_temp(item: FileSend, dirs: dict[str, int | str]) -> tuple[int, str, s
             os.fchmod(fd, dest.mode & FILE_MODE_BITS)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
     except OSError as exc:

@@ -4,6 +4,7 @@
 request would get the same answer). Keep-alive connections are reused through
 `spark_jobs.senders.pool` when the response was read to its end.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -17,7 +18,7 @@ from spark_jobs.senders.pool import POOL, close_quietly, pool_key
 
 __all__ = ["send_http"]
 
-MAX_HTTP_BODY_BYTES = 64 << 10   # read at most this much of a response (only an excerpt is kept)
+MAX_HTTP_BODY_BYTES = 64 << 10  # read at most this much of a response (only an excerpt is kept)
 
 
 def send_http(dest: HttpDestination, payload: str, content_type: str, idempotency_key: str) -> DeliveryResult:
@@ -29,8 +30,12 @@ def send_http(dest: HttpDestination, payload: str, content_type: str, idempotenc
         return DeliveryResult.permanent(f"{dest.name}: payload cannot be encoded as {codec}: position {exc.start}")
     parts = urlsplit(dest.url)
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    headers = {**dict(dest.headers), "Content-Type": content_type or DEFAULT_CONTENT_TYPE,
-               "Idempotency-Key": idempotency_key, "Content-Length": str(len(body))}
+    headers = {
+        **dict(dest.headers),
+        "Content-Type": content_type or DEFAULT_CONTENT_TYPE,
+        "Idempotency-Key": idempotency_key,
+        "Content-Length": str(len(body)),
+    }
     key = pool_key(dest)
     conn = POOL.take(key, dest.idle_timeout_seconds)
     reused = conn is not None

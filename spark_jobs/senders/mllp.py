@@ -11,6 +11,7 @@ Idempotency: MLLP has no header for a key. The message goes out unchanged, so it
 same on every attempt; receivers de-duplicate on MSH-10 (HL7's own rule). Connections are reused
 through `spark_jobs.senders.pool`; only a well-formed ACK for the very message sent keeps one.
 """
+
 from __future__ import annotations
 
 import socket
@@ -24,7 +25,7 @@ from spark_jobs.senders.pool import POOL, close_quietly, pool_key
 
 __all__ = ["send_mllp"]
 
-MAX_ACK_BYTES = 1 << 20          # an ACK larger than this is not an ACK
+MAX_ACK_BYTES = 1 << 20  # an ACK larger than this is not an ACK
 START_BLOCK, END_BLOCK, CARRIAGE_RETURN = b"\x0b", b"\x1c", b"\x0d"
 
 
@@ -42,8 +43,9 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
     try:
         frame = START_BLOCK + payload.encode(codec) + END_BLOCK + CARRIAGE_RETURN
     except UnicodeEncodeError as exc:
-        return DeliveryResult.permanent(f"{dest.name}: message {control_id} cannot be encoded as {codec} "
-                                        f"(MSH-18): position {exc.start}")
+        return DeliveryResult.permanent(
+            f"{dest.name}: message {control_id} cannot be encoded as {codec} (MSH-18): position {exc.start}"
+        )
     key = pool_key(dest)
     sock = POOL.take(key, dest.idle_timeout_seconds)
     reused = sock is not None
@@ -63,8 +65,9 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
             if reused:  # an idle connection the peer dropped: once more on a fresh one
                 reused = False
                 continue
-            return DeliveryResult.retry(f"{dest.name}: connection lost before the ACK for {control_id}: "
-                                        f"{_describe(exc)}")
+            return DeliveryResult.retry(
+                f"{dest.name}: connection lost before the ACK for {control_id}: {_describe(exc)}"
+            )
         except TimeoutError:  # socket.timeout is TimeoutError
             close_quietly(sock)
             return DeliveryResult.retry(f"{dest.name}: no ACK for {control_id} within {dest.timeout_seconds:g} s")
@@ -100,7 +103,7 @@ def _read_block(sock: socket.socket, deadline: float) -> bytes:
             start = buf.find(START_BLOCK)
             if start < 0 or start > end:
                 raise ValueError("ACK frame without a start block (VT)")
-            return bytes(buf[start + 1:end])
+            return bytes(buf[start + 1 : end])
         if len(buf) > MAX_ACK_BYTES:
             raise ValueError(f"ACK frame larger than {MAX_ACK_BYTES} bytes")
         remaining = deadline - time.monotonic()
@@ -125,8 +128,9 @@ def _judge_ack(dest: MllpDestination, ack: bytes, codec: str, control_id: str) -
     if not code:
         return DeliveryResult.retry(f"{dest.name}: answer to {control_id} is not an HL7 ACK (no MSA-1)"), False
     if acked != control_id:
-        return DeliveryResult.retry(f"{dest.name}: {code} acknowledges control id {printable(acked)!r}, "
-                                    f"expected {control_id!r}"), False
+        return DeliveryResult.retry(
+            f"{dest.name}: {code} acknowledges control id {printable(acked)!r}, expected {control_id!r}"
+        ), False
     if code in ("AA", "CA"):
         return DeliveryResult.success(f"{dest.name}: {code} for {control_id}"), True
     if code in dest.permanent_ack_codes:

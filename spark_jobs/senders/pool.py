@@ -10,6 +10,7 @@ connection turns out dead while sending, the message is sent once more on a fres
 (the receiver may then see it twice — the idempotency rules in `spark_jobs.senders` cover that).
 `idle_timeout_seconds: 0` disables reuse.
 """
+
 from __future__ import annotations
 
 import http.client

@@ -1,5 +1,6 @@
 """The durable benchmark peer (bench/peers/durable_pipeline.py) on a real PostgreSQL: it must do the
 in-memory peer's work exactly, and leave every row durable and finished, or the comparison is void."""
+
 from __future__ import annotations
 
 import psycopg

@@ -9,6 +9,7 @@ python-hl7 alone differs from Spark the peer adapts (see its module docstring).
 
 One local SparkSession for the run (the spark_jobs fixture), one Spark job per comparison.
 """
+
 from __future__ import annotations
 
 import tomllib
@@ -32,44 +33,57 @@ CONFIG_ROUTES: list[dict[str, Any]] = tomllib.loads((ROOT / "config" / "routes.t
 EXTRA: dict[int, str] = {
     # Batch file, LF endings: rules apply per message, the envelope passes through.
     20: "FHS|^~\\&|SND|FAC|RCV|RFAC|20240107\nBHS|^~\\&|SND|FAC|RCV|RFAC|20240107\n"
-        "MSH|^~\\&|LAB|FAC|EHR|CITY|20240107||ORU^R01|B1|P|2.5\nPID|1||111^^^LAB^MR\n"
-        "OBX|1|ST|A^a||one||||||F\nOBX|2|ST|B^b||two|||H|||F\nZPI|1|x\n"
-        "MSH|^~\\&|LAB|FAC|EHR|CITY|20240107||ORU^R01|B2|P|2.5\nPID|1||222^^^LAB^MR\n"
-        "OBX|1|ST|C^c||three|||N|||F\nBTS|2\nFTS|1\n",
+    "MSH|^~\\&|LAB|FAC|EHR|CITY|20240107||ORU^R01|B1|P|2.5\nPID|1||111^^^LAB^MR\n"
+    "OBX|1|ST|A^a||one||||||F\nOBX|2|ST|B^b||two|||H|||F\nZPI|1|x\n"
+    "MSH|^~\\&|LAB|FAC|EHR|CITY|20240107||ORU^R01|B2|P|2.5\nPID|1||222^^^LAB^MR\n"
+    "OBX|1|ST|C^c||three|||N|||F\nBTS|2\nFTS|1\n",
     # Two messages concatenated without an envelope, CRLF, the second with its own separators.
     21: "MSH|^~\\&|ADT1|FAC|EHR|CITY|20240108||ADT^A08|C1|P|2.5\r\nPID|1||5^^^F^MR||A^B\r\nPV1|1|O\r\n"
-        "MSH#*~\\&#ADT1#FAC#EHR#CITY#20240108##ADT*A08#C2#P#2.5\r\nPID#1##6***F*MR##C*D\r\n",
+    "MSH#*~\\&#ADT1#FAC#EHR#CITY#20240108##ADT*A08#C2#P#2.5\r\nPID#1##6***F*MR##C*D\r\n",
     # MSH-2 declares only '^': '~' and '&' are text, and nothing can be escaped.
-    22: "MSH|^|APP|FAC|EHR|CITY|20240109||ADT^A01|U1|P|2.3\rPID|1||a~b^c&d^^x||X~Y^Z|\\F\\\r"
-        "PV1|1|I\rZPD|1|k~v\r",
+    22: "MSH|^|APP|FAC|EHR|CITY|20240109||ADT^A01|U1|P|2.3\rPID|1||a~b^c&d^^x||X~Y^Z|\\F\\\rPV1|1|I\rZPD|1|k~v\r",
     # Leading and blank lines, trailing spaces (also at the very end, after the last segment).
     23: "\r\nMSH|^~\\&|APP|FAC|EHR|CITY|20240110||ADT^A01^ADT_A01|T1|P|2.5\r\r"
-        "PID|1||9^^^H^MR||N^M  \rPV1|1|E\rZPI|1|x  ",
+    "PID|1||9^^^H^MR||N^M  \rPV1|1|E\rZPI|1|x  ",
     # Bare segments (id only) are still segments: rules pad them, drop and rename find them.
-    24: "MSH|^~\\&|LAB|FAC|EHR|CITY|20240111||ORU^R01|Z1|P|2.5\rPID|1||7^^^H^MR\rOBX\r"
-        "OBX|2|ST|X^x||v|||L\rZPD\r",
+    24: "MSH|^~\\&|LAB|FAC|EHR|CITY|20240111||ORU^R01|Z1|P|2.5\rPID|1||7^^^H^MR\rOBX\rOBX|2|ST|X^x||v|||L\rZPD\r",
     # Already-decoded non-ASCII text.
     25: "MSH|^~\\&|APP|FAC|EHR|CITY|20240112||ADT^A08|N1|P|2.5\r"
-        "PID|1||9^^^FAC^MR~8^^^X&1.2&ISO^SS||Müller^Zoë^É||||||Straße 1^^Köln\rNTE|1||東京 — naïve ☃\r",
+    "PID|1||9^^^FAC^MR~8^^^X&1.2&ISO^SS||Müller^Zoë^É||||||Straße 1^^Köln\rNTE|1||東京 — naïve ☃\r",
     # v2.7 MSH-2 with the truncation character: five encoding characters, '#' is plain text.
     26: "MSH|^~\\&#|LAB|FAC|EHR|CITY|20240113||ORU^R01^ORU_R01|V1|P|2.7\rPID|1||4#2^^^H^MR\r"
-        "OBX|1|ST|A^a||x#y|||H|||F\r",
+    "OBX|1|ST|A^a||x#y|||H|||F\r",
 }
 PAYLOADS: dict[int, str | None] = {**CORPUS, **EXTRA, **{100 + i: m for i, m in enumerate(corpus(300, seed=7))}}
 
 # Every leaf operator and combinator, routes sharing destinations, and a catch-all.
 ROUTES: list[dict[str, Any]] = [
-    {"name": "adt-inpatient", "destinations": ["ehr", "bed-board"],
-     "when": {"all": [{"field": "MSH-9.1", "op": "eq", "value": "ADT"},
-                      {"not": {"field": "PV1-2", "op": "in", "value": ["O", "E"]}}]}},
-    {"name": "labs", "destinations": ["lab", "ehr"],
-     "when": {"any": [{"field": "MSH-9", "op": "regex", "value": "^OR[UM]\\^"},
-                      {"field": "OBX[2]-8", "op": "exists"}]}},
+    {
+        "name": "adt-inpatient",
+        "destinations": ["ehr", "bed-board"],
+        "when": {
+            "all": [
+                {"field": "MSH-9.1", "op": "eq", "value": "ADT"},
+                {"not": {"field": "PV1-2", "op": "in", "value": ["O", "E"]}},
+            ]
+        },
+    },
+    {
+        "name": "labs",
+        "destinations": ["lab", "ehr"],
+        "when": {
+            "any": [{"field": "MSH-9", "op": "regex", "value": "^OR[UM]\\^"}, {"field": "OBX[2]-8", "op": "exists"}]
+        },
+    },
     {"name": "second-id", "destinations": ["mpi"], "when": {"field": "PID-3[2].4.2", "op": "exists"}},
     {"name": "hash-senders", "destinations": ["legacy"], "when": {"field": "MSH-1", "op": "eq", "value": "#"}},
-    {"name": "z-segments", "destinations": ["lab", "zeta"],
-     "when": {"any": [{"field": "ZPI-1", "op": "exists"},
-                      {"field": "ZPD-1", "op": "regex", "value": "(?i)CONSENT"}]}},
+    {
+        "name": "z-segments",
+        "destinations": ["lab", "zeta"],
+        "when": {
+            "any": [{"field": "ZPI-1", "op": "exists"}, {"field": "ZPD-1", "op": "regex", "value": "(?i)CONSENT"}]
+        },
+    },
     {"name": "everything", "destinations": ["audit"]},
 ]
 
@@ -101,9 +115,16 @@ SPECS: dict[str, list[dict[str, Any]]] = {
     "hl7": [{"destination": "ehr", "rules": EHR_RULES}],
     "json": [{"destination": "lake", "output": "json", "rules": EHR_RULES}],
     "mixed": [
-        {"destination": "ehr", "rules": [{"set": "PID-9", "value": "a|b^c~d\\e&f#g*h$i+j?k.l"},
-                                          {"copy": "MSH-2", "to": "PID-20"}, {"copy": "MSH-1", "to": "PID-21"},
-                                          {"set": "PID-13.1.2", "value": "S"}, {"set": "PV1-2", "value": ""}]},
+        {
+            "destination": "ehr",
+            "rules": [
+                {"set": "PID-9", "value": "a|b^c~d\\e&f#g*h$i+j?k.l"},
+                {"copy": "MSH-2", "to": "PID-20"},
+                {"copy": "MSH-1", "to": "PID-21"},
+                {"set": "PID-13.1.2", "value": "S"},
+                {"set": "PV1-2", "value": ""},
+            ],
+        },
         {"destination": "lake", "output": "json"},  # no rules: the plain JSON rendering
     ],
 }
@@ -127,8 +148,9 @@ def test_transformed_payloads_equal_spark(spark: SparkSession, name: str) -> Non
     specs = SPECS[name]
     destinations = [s["destination"] for s in specs] + ["archive"]  # archive: no spec, passes through
     rows = [(i, d, p) for i, p in PAYLOADS.items() for d in destinations]
-    schema = StructType([StructField(c, t) for c, t in (("id", LongType()), ("destination", StringType()),
-                                                         ("payload", StringType()))])
+    schema = StructType(
+        [StructField(c, t) for c, t in (("id", LongType()), ("destination", StringType()), ("payload", StringType()))]
+    )
     frame = spark.createDataFrame(rows, schema).transform(transform, specs, LOOKUPS)
     expected = {(r["id"], r["destination"]): (r["content_type"], r["payload"]) for r in frame.collect()}
     peer = transform_messages([(d, p) for _i, d, p in rows], specs, LOOKUPS)
@@ -145,8 +167,11 @@ def test_run_loop_agrees_with_the_two_stages() -> None:
     """run() reuses the routing parse for the first transform: same bytes as parsing afresh."""
     payloads = list(PAYLOADS.values())
     routes = CONFIG_ROUTES + ROUTES[:2]  # no catch-all: some messages stay unrouted
-    specs = [*SPECS["hl7"], {"destination": "lab", "rules": EHR_RULES[-6:]},
-             {"destination": "archive", "output": "json"}]
+    specs = [
+        *SPECS["hl7"],
+        {"destination": "lab", "rules": EHR_RULES[-6:]},
+        {"destination": "archive", "output": "json"},
+    ]
     rows = route_messages(payloads, routes)
     routed = [(i, d) for i, d, _n, status in rows if status == "pending"]
     outputs = transform_messages([(d, payloads[i]) for i, d in routed], specs, LOOKUPS)

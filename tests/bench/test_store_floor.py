@@ -1,6 +1,7 @@
 """bench/store_floor.py: the per-statement times `bench/pipeline.py --statements` prints must name
 the store's own statements with the rows they touched, and the floor must come from real row
 changes on the server; otherwise the ceiling it is quoted for is not measured."""
+
 from __future__ import annotations
 
 from bench.store_floor import StatementTimes, bare_floor
@@ -18,9 +19,22 @@ def test_statement_times_count_each_named_statement_and_its_rows(pg_config_fresh
         times = StatementTimes()
         with times.recording():
             with store.transaction() as tx:
-                rl.stage_inbound(tx, [{"message_id": f"m{i}", "control_id": f"c{i}", "connection": "x",
-                                       "lane_key": None, "charset": None, "payload": "MSH|^~\\&|A"} for i in range(7)],
-                                 epoch=epoch, node_id="n1")
+                rl.stage_inbound(
+                    tx,
+                    [
+                        {
+                            "message_id": f"m{i}",
+                            "control_id": f"c{i}",
+                            "connection": "x",
+                            "lane_key": None,
+                            "charset": None,
+                            "payload": "MSH|^~\\&|A",
+                        }
+                        for i in range(7)
+                    ],
+                    epoch=epoch,
+                    node_id="n1",
+                )
             with store.transaction() as tx:
                 claimed = rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=5)
         with store.transaction() as tx:  # after recording: not counted

@@ -2,6 +2,7 @@
 (issue 23): the loaders answer with problems naming the file and that key, or load — never another
 exception. A value whose type the key's JSON Schema does not allow is always a problem at that key
 (`"no"` for a boolean, `"2575"` for a port: never coerced, never truthy)."""
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,32 @@ from include.schema import ConfigProblems
 from include.schema.json_schema import schema
 from listeners.connections_config import load_config_dir
 
-FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 CONNECTIONS = {
     "inbound": [
-        {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": 2575,
-         "tls": {"cert": "pki/server.pem", "key": "pki/server.key", "ca": "pki/ca.pem"}},
-        {"name": "lab-db", "kind": "database",
-         "database": {"backend": "postgres", "database": "lis", "query": "SELECT id FROM t WHERE id > :watermark "
-                                                                          "LIMIT :limit"}},
+        {
+            "name": "adt-in",
+            "kind": "mllp",
+            "host": "127.0.0.1",
+            "port": 2575,
+            "tls": {"cert": "pki/server.pem", "key": "pki/server.key", "ca": "pki/ca.pem"},
+        },
+        {
+            "name": "lab-db",
+            "kind": "database",
+            "database": {
+                "backend": "postgres",
+                "database": "lis",
+                "query": "SELECT id FROM t WHERE id > :watermark LIMIT :limit",
+            },
+        },
     ],
     "api": {"host": "127.0.0.1", "port": 8470, "tokens": [{"role": "viewer", "token_env": "TOKEN"}]},
 }
@@ -58,7 +75,7 @@ TARGETS = (  # (which file, path to the table, its properties)
 )
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
-scalars = st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(), text)
+scalars = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(), text)
 values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(text, scalars, max_size=3))
 
 
@@ -89,10 +106,12 @@ def json_type(value: Any) -> str:
 
 def toml_string(value: str) -> str:
     """A TOML basic string: controls, quote and backslash escaped, everything else as is."""
+
     def char(c: str) -> str:
         if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F:
             return f"\\u{ord(c):04x}"
         return c
+
     return '"' + "".join(char(c) for c in value) + '"'
 
 
@@ -112,8 +131,11 @@ def toml_value(value: Any) -> str:
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     """`data` as TOML: tables and arrays of tables as sections, everything else inline."""
-    plain = [f"{toml_string(k)} = {toml_value(v)}" for k, v in data.items()
-             if not isinstance(v, dict) and not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))]
+    plain = [
+        f"{toml_string(k)} = {toml_value(v)}"
+        for k, v in data.items()
+        if not isinstance(v, dict) and not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))
+    ]
     out = ([f"[{prefix}]"] if prefix else []) + plain
     for k, v in data.items():
         key = f"{prefix}.{toml_string(k)}" if prefix else toml_string(k)
@@ -172,7 +194,7 @@ def target(path: tuple[Any, ...], key: str) -> tuple[str, tuple[Any, ...], str, 
 @FUZZ
 @given(target=st.sampled_from(TARGETS), value=values)
 @example(target=target(("inbound", 0), "allow_insecure_bind"), value="no")  # issue 23: "no" was truthy
-@example(target=target(("inbound", 0), "port"), value="2575")               # issue 23: a TypeError traceback
+@example(target=target(("inbound", 0), "port"), value="2575")  # issue 23: a TypeError traceback
 @example(target=target(("store",), "pool_size"), value=True)
 def test_any_value_for_any_key_is_a_problem_at_that_key_or_loads(tmp_path, target, value):
     file, path, key, prop = target
@@ -194,5 +216,6 @@ def test_any_value_for_any_key_is_a_problem_at_that_key_or_loads(tmp_path, targe
         problems = []
     if json_types(prop) and json_type(value) not in json_types(prop):
         where = dotted(path, key)
-        assert any(p.key == where or p.key.startswith(where + ".") or p.key.startswith(where + "[")
-                   for p in problems), (where, value, [str(p) for p in problems])
+        assert any(
+            p.key == where or p.key.startswith(where + ".") or p.key.startswith(where + "[") for p in problems
+        ), (where, value, [str(p) for p in problems])

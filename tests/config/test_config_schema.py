@@ -5,6 +5,7 @@ file and dotted key, exit code 2 and no traceback; the published JSON Schemas ar
 
 Each case of issue 23's table that concerns config is a test here (they all said `config OK`, or
 crashed, before)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -33,8 +34,13 @@ def conf_dir(tmp_path: Path, connections: str, **files: str) -> Path:
 
 def check(conf: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """The real entry point, as `stageline config check` runs it."""
-    return subprocess.run([sys.executable, "-m", "listeners.config_check", str(conf), "--no-store", *extra],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "listeners.config_check", str(conf), "--no-store", *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 def lines(done: subprocess.CompletedProcess[str]) -> list[str]:
@@ -48,23 +54,31 @@ def test_allow_insecure_bind_no_is_a_type_error_not_a_yes(tmp_path):
     conf = conf_dir(tmp_path, MLLP_ANY + 'allow_insecure_bind = "no"\nallowed_sources = ["10.0.0.0/8"]\n')
     done = check(conf)
     assert done.returncode == EXIT_PROBLEMS, done.stdout
-    assert f"{conf / 'connections.toml'}: inbound[0].allow_insecure_bind: must be true or false, got a string " \
-           "(connection 'adt-in')" in done.stdout
+    assert (
+        f"{conf / 'connections.toml'}: inbound[0].allow_insecure_bind: must be true or false, got a string "
+        "(connection 'adt-in')" in done.stdout
+    )
     with pytest.raises(ConnectionConfigError):  # what listenerd loads: refused, so nothing is bound
         load_config_dir(conf)
 
 
 def test_a_port_given_as_text_is_a_typed_error_with_exit_2_and_no_traceback(tmp_path):
     conf = conf_dir(tmp_path, '[[inbound]]\nname = "adt-in"\nkind = "mllp"\nport = "2575"\n')
-    for done in (check(conf), subprocess.run([str(STAGELINE), "config", "check", str(conf)], capture_output=True,
-                                             text=True, timeout=60, cwd=tmp_path)):
+    for done in (
+        check(conf),
+        subprocess.run(
+            [str(STAGELINE), "config", "check", str(conf)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        ),
+    ):
         assert done.returncode == 2, done.stdout + done.stderr
         assert f"{conf / 'connections.toml'}: inbound[0].port: must be an integer, got a string" in done.stdout
         assert "Traceback" not in done.stdout + done.stderr
 
 
 def test_the_issues_quiet_mistakes_are_all_reported_together_with_file_and_key(tmp_path):
-    conf = conf_dir(tmp_path, '''
+    conf = conf_dir(
+        tmp_path,
+        """
 [[inbound]]
 name = "adt-in"
 kind = "mllp"
@@ -78,7 +92,9 @@ name = "drop"
 kind = "file"
 directory = "in"
 poll_seconds = 0
-''', **{"route.toml": '[[route]]\nname = "x"\ndestinations = ["y"]\n'})
+""",
+        **{"route.toml": '[[route]]\nname = "x"\ndestinations = ["y"]\n'},
+    )
     done = check(conf)
     assert done.returncode == 2
     path = conf / "connections.toml"
@@ -100,8 +116,11 @@ poll_seconds = 0
 @pytest.mark.parametrize("charset", ["klingon", "punycode", "base64", "rot13", "zlib", "utf-16"])
 def test_a_charset_outside_hl7_table_0211_is_refused(tmp_path, charset):
     conf = conf_dir(tmp_path, f'[[inbound]]\nname = "a"\nkind = "tcp"\ncharset = "{charset}"\n')
-    with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.charset: unknown charset; accepted \(HL7 "
-                                                    r"table 0211\): ASCII.*UNICODE UTF-8"):
+    with pytest.raises(
+        ConnectionConfigError,
+        match=r"inbound\[0\]\.charset: unknown charset; accepted \(HL7 "
+        r"table 0211\): ASCII.*UNICODE UTF-8",
+    ):
         load_config_dir(conf)
 
 
@@ -118,23 +137,30 @@ def pki(conf: Path) -> dict[str, str]:
     return {"cert": "pki/server.pem", "key": "pki/server.key", "ca": "pki/ca.pem"}
 
 
-@pytest.mark.parametrize("extra, mtls, ok", [
-    ("", False, False),                                                      # TLS, but anyone may send
-    ('allowed_sources = ["10.1.0.0/16", "192.0.2.7", "2001:db8::/32"]\n', False, True),
-    ("allow_unauthenticated_senders = true\n", False, True),
-    ("", True, True),                                                        # mTLS
-])
+@pytest.mark.parametrize(
+    "extra, mtls, ok",
+    [
+        ("", False, False),  # TLS, but anyone may send
+        ('allowed_sources = ["10.1.0.0/16", "192.0.2.7", "2001:db8::/32"]\n', False, True),
+        ("allow_unauthenticated_senders = true\n", False, True),
+        ("", True, True),  # mTLS
+    ],
+)
 def test_a_non_loopback_network_inbound_needs_authenticated_senders(tmp_path, extra, mtls, ok):
     conf = tmp_path / "conf"
     tls = "[inbound.tls]\n" + "".join(f'{k} = "{v}"\n' for k, v in pki(conf).items())
     conf_dir(tmp_path, MLLP_ANY + extra + tls + ("require_client_cert = true\n" if mtls else ""))
     if ok:
         [conn] = load_config_dir(conf).inbound
-        assert conn.host == "0.0.0.0" and conn.allowed_sources == (("10.1.0.0/16", "192.0.2.7", "2001:db8::/32")
-                                                                   if extra.startswith("allowed") else ())
+        assert conn.host == "0.0.0.0" and conn.allowed_sources == (
+            ("10.1.0.0/16", "192.0.2.7", "2001:db8::/32") if extra.startswith("allowed") else ()
+        )
     else:
-        with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.allowed_sources: a non-loopback bind \(mllp "
-                                                        r"on 0\.0\.0\.0\) needs authenticated senders"):
+        with pytest.raises(
+            ConnectionConfigError,
+            match=r"inbound\[0\]\.allowed_sources: a non-loopback bind \(mllp "
+            r"on 0\.0\.0\.0\) needs authenticated senders",
+        ):
             load_config_dir(conf)
 
 
@@ -154,14 +180,19 @@ def test_a_non_loopback_bind_without_tls_and_without_senders_reports_both_rules(
 
 
 def test_allowed_sources_must_be_cidrs(tmp_path):
-    conf = conf_dir(tmp_path, MLLP_ANY + 'allow_insecure_bind = true\nallowed_sources = ["10.0.0.0/8", "10.0.0.0/33", '
-                                         '"partner-host", 7]\n')
+    conf = conf_dir(
+        tmp_path,
+        MLLP_ANY + 'allow_insecure_bind = true\nallowed_sources = ["10.0.0.0/8", "10.0.0.0/33", "partner-host", 7]\n',
+    )
     with pytest.raises(ConnectionConfigError) as info:
         load_config_dir(conf)
     assert [(p.key, p.message.split(" (")[0]) for p in info.value.problems] == [
-        ("inbound[0].allowed_sources[3]", "must be a string, got an integer")]
-    conf = conf_dir(tmp_path, MLLP_ANY + 'allow_insecure_bind = true\nallowed_sources = ["10.0.0.0/8", "10.0.0.0/33", '
-                                         '"partner-host"]\n')
+        ("inbound[0].allowed_sources[3]", "must be a string, got an integer")
+    ]
+    conf = conf_dir(
+        tmp_path,
+        MLLP_ANY + 'allow_insecure_bind = true\nallowed_sources = ["10.0.0.0/8", "10.0.0.0/33", "partner-host"]\n',
+    )
     with pytest.raises(ConnectionConfigError) as info:
         load_config_dir(conf)
     assert [p.key for p in info.value.problems] == ["inbound[0].allowed_sources[1]", "inbound[0].allowed_sources[2]"]
@@ -172,13 +203,17 @@ def test_tls_files_must_exist_as_readable_regular_files_relative_to_the_config_d
     conf = tmp_path / "conf"
     files = pki(conf)
     (conf / "pki" / "dir.pem").mkdir()
-    body = '[[inbound]]\nname = "a"\nkind = "mllp"\n[inbound.tls]\ncert = "pki/dir.pem"\nkey = "pki/server.key"\n' \
-           'ca = "pki/none.pem"\nrequire_client_cert = true\n'
+    body = (
+        '[[inbound]]\nname = "a"\nkind = "mllp"\n[inbound.tls]\ncert = "pki/dir.pem"\nkey = "pki/server.key"\n'
+        'ca = "pki/none.pem"\nrequire_client_cert = true\n'
+    )
     conf_dir(tmp_path, body)
     with pytest.raises(ConnectionConfigError) as info:
         load_config_dir(conf)
     assert [(p.key, p.message.split(":")[0]) for p in info.value.problems] == [
-        ("inbound[0].tls.cert", "not a regular file"), ("inbound[0].tls.ca", "no such file")]
+        ("inbound[0].tls.cert", "not a regular file"),
+        ("inbound[0].tls.ca", "no such file"),
+    ]
     conf_dir(tmp_path, body.replace("pki/dir.pem", files["cert"]).replace("pki/none.pem", files["ca"]))
     tls = load_config_dir(conf).inbound[0].tls
     assert tls is not None and tls.cert == str((conf / "pki/server.pem").resolve()) and tls.require_client_cert
@@ -190,24 +225,37 @@ def test_a_file_inbounds_archive_and_rejected_default_outside_the_drop_tree(tmp_
     [conn] = load_config_dir(conf).inbound
     var = (tmp_path / "var").resolve()
     assert (conn.directory, conn.archive, conn.error_directory) == (
-        str((tmp_path / "in").resolve()), str(var / "filedrop/drop/archive"), str(var / "filedrop/drop/rejected"))
+        str((tmp_path / "in").resolve()),
+        str(var / "filedrop/drop/archive"),
+        str(var / "filedrop/drop/rejected"),
+    )
 
 
-@pytest.mark.parametrize("setting, key", [('archive = "../in/archive"', "archive"),
-                                          ('error_directory = "../in/sub/rejected"', "error_directory"),
-                                          ('archive = "../in"', "archive")])
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ('archive = "../in/archive"', "archive"),
+        ('error_directory = "../in/sub/rejected"', "error_directory"),
+        ('archive = "../in"', "archive"),
+    ],
+)
 def test_an_archive_or_rejected_directory_inside_the_drop_tree_is_refused_unless_allowed(tmp_path, setting, key):
     body = f'[[inbound]]\nname = "drop"\nkind = "file"\ndirectory = "../in"\n{setting}\n'
     conf = conf_dir(tmp_path, body)
-    with pytest.raises(ConnectionConfigError, match=rf"inbound\[0\]\.{key}: {key} lies inside directory \(the "
-                                                    r"partner-writable drop tree\)"):
+    with pytest.raises(
+        ConnectionConfigError,
+        match=rf"inbound\[0\]\.{key}: {key} lies inside directory \(the "
+        r"partner-writable drop tree\)",
+    ):
         load_config_dir(conf)
     conf_dir(tmp_path, body + "allow_archive_in_directory = true\n")
     assert load_config_dir(conf).inbound[0].directory == str((tmp_path / "in").resolve())
 
 
 def test_every_wrong_setting_of_one_file_is_reported_at_once(tmp_path):
-    conf = conf_dir(tmp_path, '''
+    conf = conf_dir(
+        tmp_path,
+        """
 [api]
 port = "8470"
 allow_insecure_bind = 1
@@ -227,28 +275,49 @@ kind = "database"
 [inbound.database]
 backend = "oracle"
 batch_size = -1
-''')
+""",
+    )
     done = check(conf)
     assert done.returncode == 2
     keys = [line.split(": ")[1] for line in lines(done)]
-    assert sorted(keys) == sorted([
-        "inbound[0].framing", "inbound[0].lane_key", "inbound[0].hl7_only", "inbound[0].max_connections",
-        "inbound[1].name", "inbound[1].database.backend", "inbound[1].database.database", "inbound[1].database.query",
-        "inbound[1].database.batch_size", "api.port", "api.allow_insecure_bind", "api.colour"]), done.stdout
+    assert sorted(keys) == sorted(
+        [
+            "inbound[0].framing",
+            "inbound[0].lane_key",
+            "inbound[0].hl7_only",
+            "inbound[0].max_connections",
+            "inbound[1].name",
+            "inbound[1].database.backend",
+            "inbound[1].database.database",
+            "inbound[1].database.query",
+            "inbound[1].database.batch_size",
+            "api.port",
+            "api.allow_insecure_bind",
+            "api.colour",
+        ]
+    ), done.stdout
 
 
 def test_the_service_config_is_checked_with_the_config_dir(tmp_path):
     conf = conf_dir(tmp_path, "")
     service = tmp_path / "stageline.toml"
-    service.write_text('[store]\nbackend = "postgres"\npool_size = "5"\nallow_unsafe_durability = "yes"\n'
-                       'busy_timeout_ms = -1\n[cluster]\nenabled = true\nheartbeat_seconds = 0\n'
-                       '[retention]\ninbound_days = 0\n[retention.connections.adt-in]\nevents_days = 3\n[stores]\n')
+    service.write_text(
+        '[store]\nbackend = "postgres"\npool_size = "5"\nallow_unsafe_durability = "yes"\n'
+        "busy_timeout_ms = -1\n[cluster]\nenabled = true\nheartbeat_seconds = 0\n"
+        "[retention]\ninbound_days = 0\n[retention.connections.adt-in]\nevents_days = 3\n[stores]\n"
+    )
     done = check(conf, "--service-config", str(service))
     assert done.returncode == 2
     found = {line.split(": ")[1] for line in lines(done) if line.startswith(str(service))}
-    assert found == {"store.pool_size", "store.allow_unsafe_durability", "store.busy_timeout_ms",
-                     "cluster.heartbeat_seconds", "retention.inbound_days", "retention.connections.adt-in.events_days",
-                     "stores"}, done.stdout
+    assert found == {
+        "store.pool_size",
+        "store.allow_unsafe_durability",
+        "store.busy_timeout_ms",
+        "cluster.heartbeat_seconds",
+        "retention.inbound_days",
+        "retention.connections.adt-in.events_days",
+        "stores",
+    }, done.stdout
     service.write_text('[store]\nbackend = "postgres"\nallow_unsafe_durability = true\n')
     assert check(conf, "--service-config", str(service)).returncode == 0
 
@@ -258,8 +327,10 @@ def test_an_unknown_toml_file_in_the_config_dir_is_an_error_naming_the_known_one
     conf = conf_dir(tmp_path, "", **{name: "[[route]]\n"})
     report = check_dir(conf, store_tables=set())
     assert [(p.file.name, p.key) for p in report.problems] == [(name, "")]
-    assert "connections.toml, routes.toml, destinations.toml, transforms.toml, stageline.toml" in \
-        report.problems[0].message
+    assert (
+        "connections.toml, routes.toml, destinations.toml, transforms.toml, stageline.toml"
+        in report.problems[0].message
+    )
 
 
 def test_other_files_of_a_config_dir_are_not_problems(tmp_path):
@@ -278,7 +349,8 @@ def test_a_loader_that_blows_up_is_a_problem_line_not_a_traceback(tmp_path, monk
     monkeypatch.setattr(cc, "parse_connections", boom)
     report = check_dir(conf_dir(tmp_path, ""), store_tables=set())
     assert [str(p) for p in report.problems] == [
-        f"{(tmp_path / 'conf' / 'connections.toml').resolve()}: cannot be checked: RuntimeError: unexpected"]
+        f"{(tmp_path / 'conf' / 'connections.toml').resolve()}: cannot be checked: RuntimeError: unexpected"
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMA_FILES))
@@ -298,27 +370,40 @@ def test_config_schema_prints_every_files_schema(tmp_path):
     assert sorted(doc) == sorted(SCHEMA_FILES)
     inbound = doc["connections"]["$defs"]["InboundModel"]
     assert inbound["additionalProperties"] is False
-    assert inbound["properties"]["port"] == {"default": 0, "maximum": 65535, "minimum": 0, "title": "Port",
-                                             "type": "integer"}
+    assert inbound["properties"]["port"] == {
+        "default": 0,
+        "maximum": 65535,
+        "minimum": 0,
+        "title": "Port",
+        "type": "integer",
+    }
     assert inbound["properties"]["kind"]["enum"] == ["mllp", "tcp", "file", "http", "database"]
-    one = subprocess.run([str(STAGELINE), "config", "schema", "--file", "stageline"], capture_output=True, text=True,
-                         timeout=60)
+    one = subprocess.run(
+        [str(STAGELINE), "config", "schema", "--file", "stageline"], capture_output=True, text=True, timeout=60
+    )
     assert json.loads(one.stdout)["properties"].keys() == {"store", "cluster", "retention"}
 
 
 def test_the_shipped_and_deploy_config_dirs_pass(tmp_path):
     for conf in (ROOT / "config", ROOT / "deploy" / "config"):
-        report = check_dir(conf, store_tables=None, lookups_unverified_ok=True,
-                           service_config=conf.parent / "stageline.toml" if (conf.parent / "stageline.toml").exists()
-                           else None)
+        report = check_dir(
+            conf,
+            store_tables=None,
+            lookups_unverified_ok=True,
+            service_config=conf.parent / "stageline.toml" if (conf.parent / "stageline.toml").exists() else None,
+        )
         assert report.ok, [str(p) for p in report.problems]
 
 
 def test_every_command_refuses_a_bad_service_config_with_every_problem_and_exit_2(tmp_path):
     service = tmp_path / "stageline.toml"
     service.write_text('[store]\npool_size = "5"\nbackend = "mysql"\n')
-    done = subprocess.run([str(STAGELINE), "--service-config", str(service), "cluster", "status"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [str(STAGELINE), "--service-config", str(service), "cluster", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert f"{service}: store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'" in done.stderr
     assert f"{service}: store.pool_size: must be an integer, got a string" in done.stderr
@@ -335,12 +420,14 @@ def test_every_runtime_setting_has_its_key_in_the_schema_and_back():
     from include.schema import service
     from listeners import connections_config
 
-    pairs = [(connections_config.InboundConfig, conn_schema.InboundModel, set()),
-             (connections_config.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
-             (connections_config.TLSConfig, conn_schema.TLSModel, set()),
-             (cfgmod.StoreConfig, service.StoreModel, {"password"}),
-             (cfgmod.ClusterConfig, service.ClusterModel, set()),
-             (cfgmod.RetentionConfig, service.RetentionModel, set())]
+    pairs = [
+        (connections_config.InboundConfig, conn_schema.InboundModel, set()),
+        (connections_config.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
+        (connections_config.TLSConfig, conn_schema.TLSModel, set()),
+        (cfgmod.StoreConfig, service.StoreModel, {"password"}),
+        (cfgmod.ClusterConfig, service.ClusterModel, set()),
+        (cfgmod.RetentionConfig, service.RetentionModel, set()),
+    ]
     for runtime, model, not_in_file in pairs:
         keys = {info.alias or name for name, info in model.model_fields.items()}
         assert {f.name for f in fields(runtime)} - not_in_file == keys, runtime.__name__

@@ -30,8 +30,7 @@ print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & set({list(FOR
 
 
 def test_importing_the_config_modules_and_loading_the_example_config_imports_no_spark() -> None:
-    out = subprocess.run([sys.executable, "-c", NO_SPARK_CHILD], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([sys.executable, "-c", NO_SPARK_CHILD], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
@@ -46,19 +45,23 @@ def test_the_example_config_loads_parsed_and_typed() -> None:
 
 def write(directory: Path, routes: str, destinations: str = "") -> Path:
     (directory / "routes.toml").write_text(routes)
-    (directory / "destinations.toml").write_text(destinations or f"""
+    (directory / "destinations.toml").write_text(
+        destinations
+        or f"""
 [[destination]]
 name = "archive"
 kind = "file"
 directory = "{directory}"
-""")
+"""
+    )
     return directory
 
 
 def test_a_bad_route_fails_the_load_naming_the_file_so_no_stage_task_claims_anything(tmp_path: Path) -> None:
     write(tmp_path, '[[route]]\nname = "x"\ndestinations = []\n')
-    with pytest.raises(PipelineConfigError,
-                       match=r"routes\.toml: route\[0\]\.destinations: List should have at least 1 item"):
+    with pytest.raises(
+        PipelineConfigError, match=r"routes\.toml: route\[0\]\.destinations: List should have at least 1 item"
+    ):
         stage_config.load(tmp_path)
 
 
@@ -125,10 +128,12 @@ def test_every_problem_of_every_pipeline_file_is_reported_at_once_with_file_and_
     (tmp_path / "destinations.toml").write_text(
         '[[destination]]\nname = "ehr"\nkind = "mllp"\nhost = "h"\nport = "2575"\nidle_timeout_seconds = -5\n'
         'code = "os:system"\n'
-        f'[[destination]]\nname = "out"\nkind = "file"\ndirectory = "{tmp_path}"\nmode = 4095\n')
+        f'[[destination]]\nname = "out"\nkind = "file"\ndirectory = "{tmp_path}"\nmode = 4095\n'
+    )
     (tmp_path / "transforms.toml").write_text(
         '[[transform]]\ndestination = "ehr"\nrules = [{ pad = "PID-3.1", length = 0, side = "middle" },'
-        ' { set = "MSH-5" }]\n')
+        ' { set = "MSH-5" }]\n'
+    )
     with pytest.raises(PipelineConfigError) as caught:
         stage_config.load(tmp_path)
     got = [(p.file.name if p.file else None, p.key) for p in caught.value.problems]

@@ -5,6 +5,7 @@ at collection time, before any test module of this directory imports it. `dag.te
 metadata DB (it syncs the DAG folder's bundle and records the run) but no scheduler, API server
 or executor: tasks run in-process against an in-process Execution API.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,19 +28,21 @@ if "airflow" in sys.modules:  # pragma: no cover - a guard against test-ordering
 
 AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="stageline-airflow-"))
 atexit.register(shutil.rmtree, AIRFLOW_HOME, ignore_errors=True)
-os.environ.update({
-    "AIRFLOW_HOME": str(AIRFLOW_HOME),
-    "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
-    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-    "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS),
-    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME / 'airflow.db'}",
-    "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-    "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
-    # A stage task ends as soon as its work is done (no lingering for more): dag.test() runs one at a time.
-    "STAGELINE_STAGE_LINGER_SECONDS": "0",
-})
+os.environ.update(
+    {
+        "AIRFLOW_HOME": str(AIRFLOW_HOME),
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME / 'airflow.db'}",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+        # A stage task ends as soon as its work is done (no lingering for more): dag.test() runs one at a time.
+        "STAGELINE_STAGE_LINGER_SECONDS": "0",
+    }
+)
 # Under Airflow the plugins folder is put on sys.path by airflow.settings; DagBag imports and the
 # tests' own imports must not depend on that having happened first.
 if str(PLUGINS) not in sys.path:

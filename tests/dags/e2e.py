@@ -6,6 +6,7 @@ its messages, its routes and destinations, and what it asserts.
 The DAGs run in a subprocess, one per call (one JVM, kept out of the test session); each run's
 seconds go to the session summary (tests/dags/conftest.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,10 +50,20 @@ for dag_id in sys.argv[3:]:
 
 
 def run_dags(service_config: Path, pipeline_dir: Path, *dag_ids: str, **popen: Any) -> subprocess.Popen:
-    env = {**os.environ, "STAGELINE_CONFIG": str(service_config), "STAGELINE_PIPELINE_DIR": str(pipeline_dir),
-           "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[2]")}
-    return subprocess.Popen([sys.executable, "-c", RUN_DAGS, str(PLUGINS), str(DAGS), *dag_ids], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    env = {
+        **os.environ,
+        "STAGELINE_CONFIG": str(service_config),
+        "STAGELINE_PIPELINE_DIR": str(pipeline_dir),
+        "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[2]"),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", RUN_DAGS, str(PLUGINS), str(DAGS), *dag_ids],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def dag_results(proc: subprocess.Popen, *, timeout: float = 600) -> list[dict[str, Any]]:
@@ -70,8 +81,14 @@ def run_stages(daemon: Daemon, *dag_ids: str) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def listenerd(workdir: Path, store: StoreConfig, *, node_id: str, inbound: list[dict[str, Any]],
-              receivers: Sequence[MllpReceiver] = ()) -> Iterator[Daemon]:
+def listenerd(
+    workdir: Path,
+    store: StoreConfig,
+    *,
+    node_id: str,
+    inbound: list[dict[str, Any]],
+    receivers: Sequence[MllpReceiver] = (),
+) -> Iterator[Daemon]:
     """A single-node `listenerd` with every MLLP port of `inbound` bound; on exit it stops, and so
     do `receivers` (the destinations the test started for it), whatever the test raised."""
     daemon = Daemon(workdir=workdir, store=store, node_id=node_id, inbound=inbound)
@@ -103,18 +120,30 @@ def file_destination(name: str, directory: Path, **options: Any) -> dict[str, An
 
 def by_type(name: str, message_type: str, destinations: Sequence[str]) -> dict[str, Any]:
     """A `[[route]]` of the messages whose MSH-9.1 is `message_type`."""
-    return {"name": name, "destinations": list(destinations),
-            "when": {"field": "MSH-9.1", "op": "eq", "value": message_type}}
+    return {
+        "name": name,
+        "destinations": list(destinations),
+        "when": {"field": "MSH-9.1", "op": "eq", "value": message_type},
+    }
 
 
-def write_pipeline(directory: Path, *, routes: Sequence[dict[str, Any]], destinations: Sequence[dict[str, Any]],
-                   transforms: Sequence[dict[str, Any]] = ()) -> None:
+def write_pipeline(
+    directory: Path,
+    *,
+    routes: Sequence[dict[str, Any]],
+    destinations: Sequence[dict[str, Any]],
+    transforms: Sequence[dict[str, Any]] = (),
+) -> None:
     """Write a pipeline config dir: routes.toml, destinations.toml and (if any) transforms.toml,
     one dict per table, in the order given."""
     for kind, tables in (("route", routes), ("destination", destinations), ("transform", transforms)):
         if tables:
-            (directory / f"{kind}s.toml").write_text("".join(
-                f"\n[[{kind}]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in table.items()) for table in tables))
+            (directory / f"{kind}s.toml").write_text(
+                "".join(
+                    f"\n[[{kind}]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in table.items())
+                    for table in tables
+                )
+            )
 
 
 def load_patient_classes(store: Store) -> None:

@@ -4,6 +4,7 @@ stage_route, stage_transform and stage_deliver (Spark local) → python-hl7 MLLP
 message by its own route (ADT to the ADT route, ORU to the results route), in lane order, and a
 `batch = true` file destination writes them back as ONE batch file; every message's audit trail
 names the batch it came in (docs/listenerd.md, "Batches")."""
+
 from __future__ import annotations
 
 import socket
@@ -35,18 +36,27 @@ MLLP_BATCH = [("A3", "ADT^A03", "P1"), ("R3", "ORU^R01", "P3")]
 
 
 def batch(name: str, messages: list[tuple[str, str, str]]) -> bytes:
-    body = "".join(f"MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||{kind}|{cid}|P|2.5.1\r"
-                   f"PID|1||{patient}^^^HOSP^MR||DOE^JANE\rPV1|1|O\r" for cid, kind, patient in messages)
-    return (f"FHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||F-{name}\r"
-            f"BHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||B-{name}\r{body}BTS|{len(messages)}\rFTS|1\r").encode()
+    body = "".join(
+        f"MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||{kind}|{cid}|P|2.5.1\r"
+        f"PID|1||{patient}^^^HOSP^MR||DOE^JANE\rPV1|1|O\r"
+        for cid, kind, patient in messages
+    )
+    return (
+        f"FHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||F-{name}\r"
+        f"BHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||B-{name}\r{body}BTS|{len(messages)}\rFTS|1\r"
+    ).encode()
 
 
 def pipeline_config(directory: Path, *, ehr: int, lab: int, nightly: Path) -> None:
     write_pipeline(
         directory,
         routes=[by_type("adt", "ADT", ["ehr", "nightly"]), by_type("results", "ORU", ["lab", "nightly"])],
-        destinations=[mllp_destination("ehr", ehr, lane=LANE), mllp_destination("lab", lab, lane=LANE),
-                      file_destination("nightly", nightly, batch=True)])
+        destinations=[
+            mllp_destination("ehr", ehr, lane=LANE),
+            mllp_destination("lab", lab, lane=LANE),
+            file_destination("nightly", nightly, batch=True),
+        ],
+    )
 
 
 def send_mllp(port: int, data: bytes) -> hl7.Message:
@@ -59,15 +69,29 @@ def send_mllp(port: int, data: bytes) -> hl7.Message:
 
 
 def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_message_each_with_trails_naming_the_batch(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
     ehr, lab = MllpReceiver().start(), MllpReceiver().start()
     mllp_port, drop = free_port(), tmp_path / "drop"
     drop.mkdir()
     store = Store(store_config)
-    with listenerd(tmp_path / "node", store_config, node_id="solo:1:batch-e2e", receivers=(ehr, lab), inbound=[
+    with listenerd(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:batch-e2e",
+        receivers=(ehr, lab),
+        inbound=[
             mllp_inbound("batch-mllp", mllp_port),
-            {"name": "batch-file", "kind": "file", "directory": str(drop), "poll_seconds": 0.1,
-             "archive": str(tmp_path / "archive"), "lane_key": LANE}]) as daemon:
+            {
+                "name": "batch-file",
+                "kind": "file",
+                "directory": str(drop),
+                "poll_seconds": 0.1,
+                "archive": str(tmp_path / "archive"),
+                "lane_key": LANE,
+            },
+        ],
+    ) as daemon:
         nightly = tmp_path / "out" / "nightly"
         nightly.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, nightly=nightly)
@@ -83,14 +107,18 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
         assert [set(r["states"].values()) for r in results] == [{"success"}] * 3
 
     sent = FILE_BATCH + MLLP_BATCH
-    inbound = rows(store, "SELECT id, message_id, control_id, connection, batch_id, batch_seq, status "
-                          "FROM stage_inbound ORDER BY id")
+    inbound = rows(
+        store,
+        "SELECT id, message_id, control_id, connection, batch_id, batch_seq, status FROM stage_inbound ORDER BY id",
+    )
     assert [(r["control_id"], r["connection"], r["batch_seq"], r["status"]) for r in inbound] == [
-        (cid, "batch-file", n, "done") for n, (cid, _, _) in enumerate(FILE_BATCH, 1)] + [
-        (cid, "batch-mllp", n, "done") for n, (cid, _, _) in enumerate(MLLP_BATCH, 1)]
+        (cid, "batch-file", n, "done") for n, (cid, _, _) in enumerate(FILE_BATCH, 1)
+    ] + [(cid, "batch-mllp", n, "done") for n, (cid, _, _) in enumerate(MLLP_BATCH, 1)]
     batches = {b["connection"]: b for b in rows(store, "SELECT * FROM inbound_batches")}
     assert {c: (b["fhs_control_id"], b["bhs_control_id"], b["message_count"]) for c, b in batches.items()} == {
-        "batch-file": ("F-file", "B-file", 4), "batch-mllp": ("F-mllp", "B-mllp", 2)}
+        "batch-file": ("F-file", "B-file", 4),
+        "batch-mllp": ("F-mllp", "B-mllp", 2),
+    }
 
     # each message by its own route, each lane (patient) in the order sent
     def lanes(texts: list[str]) -> dict[str, list[str]]:
@@ -123,7 +151,11 @@ def test_a_batch_file_and_an_mllp_batch_reach_their_routes_destinations_one_mess
         assert first["detail"] == f"batch {row['batch_id']}: message {row['batch_seq']} of {size}"
         to = "ehr" if row["control_id"].startswith("A") else "lab"
         assert sorted(e for e in events if e[0] == "outbound" and e[2] == "done") == [
-            ("outbound", to, "done"), ("outbound", "nightly", "done")]
-    print(f"\n{store.backend}: 2 batches ({len(sent)} messages) route → transform → deliver via dag.test(): "
-          f"{elapsed:.1f} s")
+            ("outbound", to, "done"),
+            ("outbound", "nightly", "done"),
+        ]
+    print(
+        f"\n{store.backend}: 2 batches ({len(sent)} messages) route → transform → deliver via dag.test(): "
+        f"{elapsed:.1f} s"
+    )
     store.close()

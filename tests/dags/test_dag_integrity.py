@@ -1,5 +1,6 @@
 """Every DAG file parses like configuration: no connection, Variable, database, service config or
 Spark at parse time, the project's DAG conventions hold, and the leader check comes first."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ class ParseTimeAccess(AssertionError):
 def _refuse(what: str):
     def refuse(*args: object, **kwargs: object) -> None:
         raise ParseTimeAccess(f"{what} touched at parse time")
+
     return refuse
 
 
@@ -67,8 +69,9 @@ def test_every_dag_file_imports_without_errors(dag_bag):
 
 
 def test_the_expected_dags_exist(dag_bag):
-    assert {"stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim",
-            "maintenance_retention"} <= set(dag_bag.dag_ids)
+    assert {"stage_route", "stage_transform", "stage_deliver", "maintenance_reclaim", "maintenance_retention"} <= set(
+        dag_bag.dag_ids
+    )
 
 
 @pytest.mark.parametrize("file_name", DAG_FILES)
@@ -158,7 +161,8 @@ def test_parsing_the_dags_imports_neither_spark_nor_the_route_job():
         "('include.spark', 'spark_jobs.route_job', 'spark_jobs.route_rules'))\n"
         "print(len(bag.dags), loaded)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=os.environ.copy(), capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == f"{len(DAG_FILES)} []"

@@ -1,5 +1,6 @@
 """Whole DAG runs with `dag.test()` against real stores: the leader gate, recovery, the reclaim
 sweep, retention and Airflow's own metadata cleaning, asserted on task states, XComs and rows."""
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,9 @@ def states(dr: DagRun) -> dict[str, str]:
 
 def xcom(dr: DagRun, task_id: str) -> Any:
     with create_session() as session:
-        row = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id,
-                                                 key="return_value")).first()
+        row = session.scalars(
+            XComModel.get_many(run_id=dr.run_id, dag_ids=dr.dag_id, task_ids=task_id, key="return_value")
+        ).first()
         return None if row is None else XComModel.deserialize_value(row)
 
 
@@ -68,14 +70,16 @@ def service(config: StoreConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.fixture
-def sqlite_service(airflow_db: Path, sqlite_config_fresh: StoreConfig, tmp_path: Path,
-                   monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+def sqlite_service(
+    airflow_db: Path, sqlite_config_fresh: StoreConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Store]:
     yield from service(sqlite_config_fresh, tmp_path, monkeypatch, cluster=False)
 
 
 @pytest.fixture
-def cluster_service(airflow_db: Path, pg_config_fresh: StoreConfig, tmp_path: Path,
-                    monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+def cluster_service(
+    airflow_db: Path, pg_config_fresh: StoreConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Store]:
     yield from service(pg_config_fresh, tmp_path, monkeypatch, cluster=True)
 
 
@@ -84,8 +88,7 @@ def test_reclaim_run_repends_expired_and_stale_epoch_rows_on_a_single_node(sqlit
     e1 = acquire_permanent(store, node_id="solo:1:aa")
     ids = seed_inbound(store, 6)
     with store.transaction() as tx:  # the previous process: its claims outlive it
-        stale = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="solo:1:aa", epoch=e1, limit=2,
-                                                 lease_seconds=3600)]
+        stale = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="solo:1:aa", epoch=e1, limit=2, lease_seconds=3600)]
     e2 = acquire_permanent(store, node_id="solo:2:bb")
     with store.transaction() as tx:
         expired = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="job", epoch=e2, limit=2, lease_seconds=0)]
@@ -99,9 +102,11 @@ def test_reclaim_run_repends_expired_and_stale_epoch_rows_on_a_single_node(sqlit
     assert xcom(dr, "reclaim") == {"inbound": len(expired), "routed": 0, "outbound": 0}
     assert status_of(store) == {i: "in_flight" if i in live else "pending" for i in ids}
     events = rows(store, "SELECT row_id, event, epoch FROM message_events ORDER BY row_id")
-    assert events == sorted([{"row_id": i, "event": "recovered", "epoch": e2} for i in stale]
-                            + [{"row_id": i, "event": "lease_expired", "epoch": e2} for i in expired],
-                            key=lambda e: e["row_id"])
+    assert events == sorted(
+        [{"row_id": i, "event": "recovered", "epoch": e2} for i in stale]
+        + [{"row_id": i, "event": "lease_expired", "epoch": e2} for i in expired],
+        key=lambda e: e["row_id"],
+    )
 
 
 def claims_left_by(store: Store, node: str, n: int, *, owner: str, lease_seconds: float) -> int:
@@ -145,8 +150,9 @@ def test_under_a_live_cluster_leader_the_run_works_under_its_epoch(cluster_servi
     assert states(dr) == {"leader_check": "success", "recover": "success", "reclaim": "success"}
     assert xcom(dr, "leader_check") == {"epoch": e2, "owner": "node-b"}
     assert set(status_of(store).values()) == {"pending"}
-    assert rows(store, "SELECT DISTINCT event, epoch, node_id FROM message_events") == \
-        [{"event": "recovered", "epoch": e2, "node_id": "node-b"}]
+    assert rows(store, "SELECT DISTINCT event, epoch, node_id FROM message_events") == [
+        {"event": "recovered", "epoch": e2, "node_id": "node-b"}
+    ]
 
 
 def test_a_store_without_schema_fails_the_run_instead_of_skipping_it(airflow_db, tmp_path, monkeypatch):
@@ -163,8 +169,9 @@ def test_a_store_without_schema_fails_the_run_instead_of_skipping_it(airflow_db,
     assert dr.state == "failed"
 
 
-def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlite_service, monkeypatch,
-                                                                           without_spark_sessions):
+def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(
+    sqlite_service, monkeypatch, without_spark_sessions
+):
     store = sqlite_service
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     seed_inbound(store, 2)
@@ -178,14 +185,17 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(sqlit
 
     dr = run(load_dag("stage_route"))
 
-    assert states(dr) == {"leader_check": "success", "recover": "success", "wait_for_work": "success",
-                          "route": "success"}
+    assert states(dr) == {
+        "leader_check": "success",
+        "recover": "success",
+        "wait_for_work": "success",
+        "route": "success",
+    }
     assert calls == [(epoch, dr.run_id, "stage_route", 1)]
     assert xcom(dr, "route") == {"claimed": 2, "routed": 2}
 
 
-def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch,
-                                                                 without_spark_sessions):
+def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch, without_spark_sessions):
     acquire_permanent(sqlite_service, node_id="solo:1:aa")
     monkeypatch.setattr(tasks, "run_route_stage", _refuse_route)
     dag = load_dag("stage_route")
@@ -194,8 +204,12 @@ def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service,
 
     dr = run(dag)
 
-    assert states(dr) == {"leader_check": "success", "recover": "success", "wait_for_work": "skipped",
-                          "route": "skipped"}
+    assert states(dr) == {
+        "leader_check": "success",
+        "recover": "success",
+        "wait_for_work": "skipped",
+        "route": "skipped",
+    }
     assert dr.state == "success"
 
 
@@ -240,35 +254,70 @@ def test_a_route_run_moves_messages_through_spark_end_to_end(sqlite_service, tmp
     store = sqlite_service
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     with store.transaction() as tx:
-        staged = rl.stage_inbound(tx, [
-            {"message_id": "adt-1", "control_id": "MSG1", "connection": "mllp-in", "lane_key": None,
-             "charset": None, "payload": ADT},
-            {"message_id": "oru-1", "control_id": "MSG2", "connection": "mllp-in", "lane_key": None,
-             "charset": None, "payload": ORU}], epoch=epoch, node_id="solo:1:aa")
+        staged = rl.stage_inbound(
+            tx,
+            [
+                {
+                    "message_id": "adt-1",
+                    "control_id": "MSG1",
+                    "connection": "mllp-in",
+                    "lane_key": None,
+                    "charset": None,
+                    "payload": ADT,
+                },
+                {
+                    "message_id": "oru-1",
+                    "control_id": "MSG2",
+                    "connection": "mllp-in",
+                    "lane_key": None,
+                    "charset": None,
+                    "payload": ORU,
+                },
+            ],
+            epoch=epoch,
+            node_id="solo:1:aa",
+        )
     (tmp_path / "routes.toml").write_text(ROUTES_TOML)
     (tmp_path / "destinations.toml").write_text(DESTINATIONS_TOML)
-    env = {**os.environ, "STAGELINE_PIPELINE_DIR": str(tmp_path),
-           "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[1]")}
+    env = {
+        **os.environ,
+        "STAGELINE_PIPELINE_DIR": str(tmp_path),
+        "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[1]"),
+    }
 
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", RUN_STAGE_ROUTE, str(PLUGINS), str(DAGS)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_STAGE_ROUTE, str(PLUGINS), str(DAGS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     DAG_TEST_SECONDS.append(("stage_route with Spark, subprocess", time.perf_counter() - started))
 
     assert out.returncode == 0, out.stderr[-4000:]
     [line] = [text for text in out.stdout.splitlines() if text.startswith("STATES ")]
     assert json.loads(line.removeprefix("STATES ")) == {
-        "leader_check": "success", "recover": "success", "wait_for_work": "success", "route": "success"}
+        "leader_check": "success",
+        "recover": "success",
+        "wait_for_work": "success",
+        "route": "success",
+    }
     assert status_of(store) == {staged["adt-1"]: "done", staged["oru-1"]: "unrouted"}
     # no transforms and one lane per destination: both are pass-through destinations, so the route
     # finalize routes them straight to done and creates their outbound rows
     routed = rows(store, "SELECT source_id, destination, route_name, status FROM stage_routed ORDER BY destination")
-    assert routed == [{"source_id": staged["adt-1"], "destination": d, "route_name": "adt", "status": "done"}
-                      for d in ("archive", "ehr")]
-    outbound = rows(store, "SELECT source_id, destination, lane_key, status, payload FROM outbound_messages "
-                           "ORDER BY destination")
-    assert outbound == [{"source_id": staged["adt-1"], "destination": d, "lane_key": d, "status": "pending",
-                         "payload": ADT} for d in ("archive", "ehr")]
+    assert routed == [
+        {"source_id": staged["adt-1"], "destination": d, "route_name": "adt", "status": "done"}
+        for d in ("archive", "ehr")
+    ]
+    outbound = rows(
+        store, "SELECT source_id, destination, lane_key, status, payload FROM outbound_messages ORDER BY destination"
+    )
+    assert outbound == [
+        {"source_id": staged["adt-1"], "destination": d, "lane_key": d, "status": "pending", "payload": ADT}
+        for d in ("archive", "ehr")
+    ]
     [owner] = {r["node_id"] for r in rows(store, "SELECT node_id FROM message_events WHERE event <> 'received'")}
     assert owner.startswith("airflow:stage_route:") and owner.endswith("#1.0")  # try 1, first batch
 
@@ -288,7 +337,9 @@ def test_a_retention_run_moves_old_messages_through_the_archive_tables_to_parque
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
     archive = tmp_path / "parquet"
     config = Path(os.environ["STAGELINE_CONFIG"])
-    config.write_text(config.read_text() + f'''
+    config.write_text(
+        config.read_text()
+        + f'''
 [retention]
 inbound_days = 1
 routed_days = 1
@@ -299,23 +350,50 @@ archive_path = "{archive}"
 inbound_days = 30
 routed_days = 30
 outbound_days = 30
-''')
+'''
+    )
     env = {**os.environ, "AIRFLOW_CONN_STAGELINE_SPARK": classic_spark_connection("local[1]")}
 
-    out = subprocess.run([sys.executable, "-c", RUN_RETENTION, str(PLUGINS), str(DAGS)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_RETENTION, str(PLUGINS), str(DAGS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
     assert out.returncode == 0, out.stderr[-4000:]
     [line] = [text for text in out.stdout.splitlines() if text.startswith("STATES ")]
     assert json.loads(line.removeprefix("STATES ")) == {
-        "leader_check": "success", "recover": "success", "purge": "success", "archive_parquet": "success",
-        "clean_airflow_metadata": "success"}
-    assert [r["message_id"] for r in rows(store, "SELECT message_id FROM stage_inbound ORDER BY id")] == \
-        ["lab-0", "lab-1"]  # the 30-day connection stays hot
+        "leader_check": "success",
+        "recover": "success",
+        "purge": "success",
+        "archive_parquet": "success",
+        "clean_airflow_metadata": "success",
+    }
+    assert [r["message_id"] for r in rows(store, "SELECT message_id FROM stage_inbound ORDER BY id")] == [
+        "lab-0",
+        "lab-1",
+    ]  # the 30-day connection stays hot
     assert rows(store, "SELECT count(*) AS n FROM archive_inbound") == [{"n": 0}]
     assert sorted(p.name for p in next((archive / "inbound").iterdir()).iterdir()) == ["connection=adt-in"]
-    show = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(config), "messages", "show",
-                           "adt-1", "--json"], capture_output=True, text=True, cwd=DAGS.parent, timeout=120)
+    show = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "include.app.cli",
+            "--service-config",
+            str(config),
+            "messages",
+            "show",
+            "adt-1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=DAGS.parent,
+        timeout=120,
+    )
     assert show.returncode == 0, show.stderr
     story = json.loads(show.stdout)
     assert story["inbound"]["message_id"] == "adt-1" and story["inbound"]["archived_ms"] is not None
@@ -324,8 +402,7 @@ outbound_days = 30
 
 def _stage_route_run_at(when: datetime) -> DagRun:
     """A stage_route run recorded at `when` (the Spark route task marked done without running)."""
-    return run(load_dag("stage_route"), logical_date=when, run_after=when,
-               mark_success_pattern="wait_for_work|route")
+    return run(load_dag("stage_route"), logical_date=when, run_after=when, mark_success_pattern="wait_for_work|route")
 
 
 def test_retention_run_purges_old_finished_rows_and_old_stage_dag_runs(sqlite_service):
@@ -339,20 +416,30 @@ def test_retention_run_purges_old_finished_rows_and_old_stage_dag_runs(sqlite_se
     now = datetime.now(UTC)
     old_run = _stage_route_run_at(now - timedelta(days=2))
     recent_run = _stage_route_run_at(now - timedelta(minutes=5))
-    assert states(old_run) == {"leader_check": "success", "recover": "success", "wait_for_work": "success",
-                               "route": "success"}
+    assert states(old_run) == {
+        "leader_check": "success",
+        "recover": "success",
+        "wait_for_work": "success",
+        "route": "success",
+    }
 
     dr = run(load_dag("maintenance_retention"))
 
-    assert states(dr) == {"leader_check": "success", "recover": "success", "purge": "success",
-                          "archive_parquet": "success", "clean_airflow_metadata": "success"}
+    assert states(dr) == {
+        "leader_check": "success",
+        "recover": "success",
+        "purge": "success",
+        "archive_parquet": "success",
+        "clean_airflow_metadata": "success",
+    }
     assert xcom(dr, "archive_parquet") is None  # no [retention] archive_path: no Spark, nothing moved
     assert xcom(dr, "purge") == {"inbound": 2, "inbound_batches": 0, "routed": 0, "outbound": 0, "events": 0}
     assert status_of(store) == {ids[2]: "done", ids[3]: "pending"}  # recent done, and old but unfinished
     with create_session() as session:
         kept = set(session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "stage_route")))
-        old_tis = session.scalar(select(func.count()).select_from(TaskInstance)
-                                 .where(TaskInstance.run_id == old_run.run_id))
+        old_tis = session.scalar(
+            select(func.count()).select_from(TaskInstance).where(TaskInstance.run_id == old_run.run_id)
+        )
     assert old_run.run_id not in kept and recent_run.run_id in kept
     assert old_tis == 0
 
@@ -363,20 +450,25 @@ echo "conn=${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-<unset>} core=${AIRFLOW__CORE_
 BLOCKED = "airflow-db-not-allowed:///"
 
 
-@pytest.mark.parametrize("own_url, expected", [
-    ("postgresql://airflow@db/airflow", "conn=postgresql://airflow@db/airflow core=<unset>"),
-    (None, "conn=<unset> core=<unset>"),  # airflow.cfg / _CMD / the SQLite default apply
-])
+@pytest.mark.parametrize(
+    "own_url, expected",
+    [
+        ("postgresql://airflow@db/airflow", "conn=postgresql://airflow@db/airflow core=<unset>"),
+        (None, "conn=<unset> core=<unset>"),  # airflow.cfg / _CMD / the SQLite default apply
+    ],
+)
 def test_metadata_clean_script_gets_past_airflow_3s_blocked_db_url(tmp_path, own_url, expected):
     """Inside a real worker the task's env carries Airflow 3's blocked URL; the script must not."""
     fake = tmp_path / "airflow"
     fake.write_text(FAKE_AIRFLOW)
     fake.chmod(0o755)
-    script = tasks.metadata_clean_command(dag_ids=["stage_route", "maintenance_reclaim"],
-                                             keep=timedelta(hours=24))
+    script = tasks.metadata_clean_command(dag_ids=["stage_route", "maintenance_reclaim"], keep=timedelta(hours=24))
     rendered = re.sub(r"\{\{.*?\}\}", "2026-01-01T00:00:00+00:00", script)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": BLOCKED,
-           "AIRFLOW__CORE__SQL_ALCHEMY_CONN": BLOCKED}
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": BLOCKED,
+        "AIRFLOW__CORE__SQL_ALCHEMY_CONN": BLOCKED,
+    }
     if own_url:
         env["STAGELINE_AIRFLOW_DB_CONN"] = own_url
     out = subprocess.run(["bash", "-c", rendered], env=env, capture_output=True, text=True, timeout=30)
@@ -384,4 +476,5 @@ def test_metadata_clean_script_gets_past_airflow_3s_blocked_db_url(tmp_path, own
     assert out.stdout.strip() == (
         f"{expected} args=db clean --clean-before-timestamp 2026-01-01T00:00:00+00:00 "
         "--tables dag_run,task_instance,xcom --dag-ids stage_route,maintenance_reclaim "
-        "--batch-size 10000 --skip-archive --yes")
+        "--batch-size 10000 --skip-archive --yes"
+    )

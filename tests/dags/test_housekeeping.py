@@ -1,5 +1,6 @@
 """Housekeeping under a leader's epoch (`include/housekeeping.py`) on real SQLite and PostgreSQL
 stores, without Airflow: recovery once per epoch, the reclaim sweep, retention."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,8 +61,11 @@ def test_reclaim_repends_expired_row_leases_in_bounded_batches(store):
         expired = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=5, lease_seconds=0)]
         live = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=3, lease_seconds=3600)]
 
-    assert reclaim(store, epoch, "solo:1:aa", limit=2, max_batches=1) == \
-        {"inbound": 2, "routed": 0, "outbound": 0}  # the cap bounds one run's work
+    assert reclaim(store, epoch, "solo:1:aa", limit=2, max_batches=1) == {
+        "inbound": 2,
+        "routed": 0,
+        "outbound": 0,
+    }  # the cap bounds one run's work
     assert reclaim(store, epoch, "solo:1:aa", limit=2) == {"inbound": 3, "routed": 0, "outbound": 0}
     assert status_of(store) == {i: "pending" if i in expired else "in_flight" for i in ids}
     assert set(live) == {i for i, s in status_of(store).items() if s == "in_flight"}
@@ -109,8 +113,7 @@ def test_retention_purges_only_old_finished_rows_in_batches(store):
     age(store, "message_events", "at", f"row_id IN ({','.join(map(str, done_old))}) AND stage = 'inbound'", 31 * DAY)
     events_before = rows(store, "SELECT count(*) AS n FROM message_events")[0]["n"]
 
-    deleted = retention(store, epoch, {"inbound": 7 * DAY, "routed": 7 * DAY, "events": 30 * DAY},
-                                   batch=3)
+    deleted = retention(store, epoch, {"inbound": 7 * DAY, "routed": 7 * DAY, "events": 30 * DAY}, batch=3)
     assert deleted == {"inbound": 8, "inbound_batches": 0, "routed": 0, "events": 5}
     assert sorted(status_of(store)) == sorted(done_new + in_flight_old + pending_old)
     assert rows(store, "SELECT count(*) AS n FROM message_events")[0]["n"] == events_before - 5
@@ -130,8 +133,10 @@ def test_retention_keeps_an_inbound_body_its_open_routed_rows_read_and_deletes_b
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     old, other = seed_inbound(store, 2)
     _finish(store, [old, other], "done", epoch=epoch)
-    execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, status) "
-                   f"VALUES ({old}, 'm0', 'ehr', 'pending')")
+    execute(
+        store,
+        f"INSERT INTO stage_routed (source_id, message_id, destination, status) VALUES ({old}, 'm0', 'ehr', 'pending')",
+    )
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
     # `old` stays: its routed row reads it
     assert retention(store, epoch, {"inbound": DAY}) == {"inbound": 1, "inbound_batches": 0}
@@ -148,14 +153,22 @@ def test_retention_keeps_an_inbound_body_a_pass_through_outbound_row_sends_until
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     shared, copied = seed_inbound(store, 2)
     _finish(store, [shared, copied], "done", epoch=epoch)
-    execute(store, "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, status) "
-                   f"VALUES ({shared}, 'm0', 'archive', 'm0-archive', 'done'), "
-                   f"({copied}, 'm1', 'ehr', 'm1-ehr', 'done')")
-    execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'rewritten' FROM stage_outbound "
-                   "WHERE destination = 'ehr'")
+    execute(
+        store,
+        "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, status) "
+        f"VALUES ({shared}, 'm0', 'archive', 'm0-archive', 'done'), "
+        f"({copied}, 'm1', 'ehr', 'm1-ehr', 'done')",
+    )
+    execute(
+        store,
+        "INSERT INTO outbound_bodies (id, payload) SELECT id, 'rewritten' FROM stage_outbound "
+        "WHERE destination = 'ehr'",
+    )
     [inbound_body] = rows(store, f"SELECT payload FROM inbound_bodies WHERE id = {shared}")
     assert [r["payload"] for r in rows(store, "SELECT payload FROM outbound_messages ORDER BY id")] == [
-        inbound_body["payload"], "rewritten"]
+        inbound_body["payload"],
+        "rewritten",
+    ]
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
 
     # `shared` stays: its outbound row's body is its own
@@ -167,9 +180,14 @@ def test_retention_keeps_an_inbound_body_a_pass_through_outbound_row_sends_until
     # a run purges downstream first: the outbound rows go (archived with the body they send), then
     # the inbound row they kept
     assert retention(store, epoch, {"inbound": DAY, "outbound": DAY}) == {
-        "inbound": 1, "inbound_batches": 0, "outbound": 2}
+        "inbound": 1,
+        "inbound_batches": 0,
+        "outbound": 2,
+    }
     assert [r["payload"] for r in rows(store, "SELECT payload FROM archive_outbound ORDER BY id")] == [
-        inbound_body["payload"], "rewritten"]
+        inbound_body["payload"],
+        "rewritten",
+    ]
     assert status_of(store) == {}
     assert rows(store, "SELECT count(*) AS n FROM inbound_bodies") == [{"n": 0}]
 
@@ -177,15 +195,19 @@ def test_retention_keeps_an_inbound_body_a_pass_through_outbound_row_sends_until
 def test_retention_purges_every_staged_table(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     [source] = seed_inbound(store, 1)
-    execute(store, "INSERT INTO stage_routed (source_id, message_id, destination, status) "
-                   f"VALUES ({source}, 'm0', 'ehr', 'done')")
-    execute(store, "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, "
-                   "status) VALUES (1, 'm0', 'ehr', 'k1', 'dead')")
+    execute(
+        store,
+        f"INSERT INTO stage_routed (source_id, message_id, destination, status) VALUES ({source}, 'm0', 'ehr', 'done')",
+    )
+    execute(
+        store,
+        "INSERT INTO stage_outbound (source_id, message_id, destination, idempotency_key, "
+        "status) VALUES (1, 'm0', 'ehr', 'k1', 'dead')",
+    )
     execute(store, "INSERT INTO outbound_bodies (id, payload) SELECT id, 'x' FROM stage_outbound")
     for table in (ROUTED, OUTBOUND):
         age(store, table.name, "updated_at", "1 = 1", 2 * DAY)
-    assert retention(store, epoch, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 1, "outbound": 1,
-                                            "events": 0}
+    assert retention(store, epoch, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 1, "outbound": 1, "events": 0}
     assert status_of(store) == {source: "pending"}
     assert rows(store, "SELECT count(*) AS n FROM outbound_bodies") == [{"n": 0}]  # gone with its row
 
@@ -196,8 +218,7 @@ def test_retention_under_a_stale_epoch_deletes_nothing(store):
     _finish(store, ids, "done", epoch=e1)
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
     acquire_permanent(store, node_id="solo:2:bb")
-    assert retention(store, e1, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0,
-                                         "events": 0}
+    assert retention(store, e1, DAY) == {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0, "events": 0}
     assert len(status_of(store)) == 2
 
 

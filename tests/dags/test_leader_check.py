@@ -1,5 +1,6 @@
 """The leader check (`include/leader_check.py`) on real SQLite and PostgreSQL stores, without
 Airflow: who may run a stage, and whether a waiting run has work."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -89,8 +90,7 @@ def test_work_is_pending_only_while_a_row_is_due_under_the_current_epoch(store):
         rl.claim_batch(tx, INBOUND, owner="w", epoch=epoch, limit=1)
     assert work_pending(store, epoch, "route", require_live=False) is False  # claimed: in flight, not due
     with store.transaction() as tx:
-        rl.fail_batch(tx, INBOUND, [row], owner="w", epoch=epoch, error="boom", max_attempts=5,
-                      backoff_seconds=3600)
+        rl.fail_batch(tx, INBOUND, [row], owner="w", epoch=epoch, error="boom", max_attempts=5, backoff_seconds=3600)
     assert work_pending(store, epoch, "route", require_live=False) is False  # backing off
     age(store, "stage_inbound", "next_attempt_at", f"id = {row}", 7200)
     assert work_pending(store, epoch, "route", require_live=False) is True  # backoff over: due again
@@ -132,5 +132,3 @@ def test_work_pending_refuses_an_unknown_stage(store):
         work_pending(store, 0, "rout", require_live=False)
     with pytest.raises(ValueError, match="unknown stage"):  # a table is not a stage
         work_pending(store, 0, "inbound", require_live=False)
-
-

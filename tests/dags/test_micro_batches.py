@@ -2,6 +2,7 @@
 claiming while work comes, lingers while idle, stops at its budget, stops claiming under an epoch
 the moment leadership moves and follows the new leader (or ends when none is live). The jobs it
 runs and the real ClaimKeeper are tested on real stores elsewhere; here they are stand-ins."""
+
 from __future__ import annotations
 
 import threading
@@ -74,8 +75,14 @@ class FakeKeeper:
         return self.stopped.is_set()
 
 
-def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper | None = None,
-         next_leader: int | None = None):
+def loop(
+    job,
+    clock: Clock,
+    monkeypatch,
+    linger: float = 3.0,
+    keeper: FakeKeeper | None = None,
+    next_leader: int | None = None,
+):
     """Run the loop from epoch 7; when it stops, `next_leader` is the epoch the follow step finds."""
     monkeypatch.setenv(stage_loop.LINGER_ENV, str(linger))
     keeper = keeper or FakeKeeper(clock)
@@ -90,8 +97,19 @@ def loop(job, clock: Clock, monkeypatch, linger: float = 3.0, keeper: FakeKeeper
         assert watch.stopping() or watch.reason
         return next_leader
 
-    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, with_owner_check, config=None,
-                                  store="store", clock=clock, keeper=keeper, follow=follow)
+    result = stage_loop.run_stage(
+        "route",
+        "stage_route",
+        "run1",
+        1,
+        7,
+        with_owner_check,
+        config=None,
+        store="store",
+        clock=clock,
+        keeper=keeper,
+        follow=follow,
+    )
     result["_batch_epochs"] = epochs
     return result
 
@@ -110,8 +128,16 @@ def test_it_keeps_claiming_while_work_comes_and_stops_after_lingering_idle(monke
         return Outcome(claimed=tuple(range(n)), done=tuple(range(n)))
 
     result = loop(job, clock, monkeypatch)
-    assert result == {"run_id": "run1#1", "epoch": 7, "epochs": [7], "stale_epoch": False, "batches": 3,
-                      "claimed": 9, "done": 9, "_batch_epochs": [7] * len(owners)}
+    assert result == {
+        "run_id": "run1#1",
+        "epoch": 7,
+        "epochs": [7],
+        "stale_epoch": False,
+        "batches": 3,
+        "claimed": 9,
+        "done": 9,
+        "_batch_epochs": [7] * len(owners),
+    }
     assert len(set(owners)) == len(owners)  # each batch claims as its own owner
     assert owners[0] == "airflow:stage_route:run1#1.0" and owners[1] == "airflow:stage_route:run1#1.1"
     assert 3.0 <= clock.now - 3.0 <= 4.0  # ended one linger after the last batch (at ~3.0 s)
@@ -139,8 +165,17 @@ def test_a_stale_epoch_with_no_live_leader_to_follow_ends_the_run_at_once(monkey
         return Outcome(claimed=(1, 2), done=(1, 2))
 
     result = loop(job, clock, monkeypatch)
-    assert result == {"run_id": "run1#1", "epoch": 7, "epochs": [7], "stale_epoch": True, "batches": 1,
-                      "claimed": 2, "done": 2, "stopped": "epoch 7 is no longer current", "_batch_epochs": [7, 7]}
+    assert result == {
+        "run_id": "run1#1",
+        "epoch": 7,
+        "epochs": [7],
+        "stale_epoch": True,
+        "batches": 1,
+        "claimed": 2,
+        "done": 2,
+        "stopped": "epoch 7 is no longer current",
+        "_batch_epochs": [7, 7],
+    }
     assert len(calls) == 2
 
 
@@ -201,16 +236,38 @@ def test_a_lost_spark_session_is_renewed_in_the_task_and_the_next_batch_uses_the
 
     session = FakeSession(renews=True)
     clock = Clock()
-    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
-                                  clock=clock, keeper=FakeKeeper(clock), session=session)
+    result = stage_loop.run_stage(
+        "route",
+        "stage_route",
+        "run1",
+        1,
+        7,
+        job,
+        config=None,
+        store="store",
+        clock=clock,
+        keeper=FakeKeeper(clock),
+        session=session,
+    )
     assert result["claimed"] == 1 and session.renewed == 1
     assert seen == ["session-1", "session-2", "session-2"]
 
     seen.clear()
     gone = FakeSession(renews=False)  # the server stayed away: the task fails, Airflow retries it
     with pytest.raises(SparkConnectGrpcException):
-        stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
-                             clock=clock, keeper=FakeKeeper(clock), session=gone)
+        stage_loop.run_stage(
+            "route",
+            "stage_route",
+            "run1",
+            1,
+            7,
+            job,
+            config=None,
+            store="store",
+            clock=clock,
+            keeper=FakeKeeper(clock),
+            session=gone,
+        )
 
 
 def test_a_leadership_change_seen_while_idle_ends_the_run_within_a_poll_not_a_linger(monkeypatch):
@@ -276,11 +333,23 @@ def test_each_batch_that_claimed_is_handed_to_the_history_with_its_owner_and_dur
         recorded.append(batch)
         raise RuntimeError("the history table is gone")  # must not fail the stage
 
-    result = stage_loop.run_stage("route", "stage_route", "run1", 2, 7, job, config=None, store="store",
-                                  clock=clock, keeper=FakeKeeper(clock), history=history)
+    result = stage_loop.run_stage(
+        "route",
+        "stage_route",
+        "run1",
+        2,
+        7,
+        job,
+        config=None,
+        store="store",
+        clock=clock,
+        keeper=FakeKeeper(clock),
+        history=history,
+    )
     assert result["claimed"] == 2
-    assert [(b["stage"], b["owner"], b["run_id"], b["epoch"], b["seconds"], b["counts"]["claimed"])
-            for b in recorded] == [("route", "airflow:stage_route:run1#2.0", "run1#2.0", 7, 0.25, 2)]
+    assert [
+        (b["stage"], b["owner"], b["run_id"], b["epoch"], b["seconds"], b["counts"]["claimed"]) for b in recorded
+    ] == [("route", "airflow:stage_route:run1#2.0", "run1#2.0", 7, 0.25, 2)]
 
 
 def test_a_budget_from_the_environment_shortens_the_run_but_never_lengthens_it(monkeypatch):
@@ -307,8 +376,19 @@ def test_the_run_ends_when_the_pipeline_config_changes_on_disk(monkeypatch):
         clock.now += 1.0
         return Outcome(claimed=(1,), done=(1,))
 
-    result = stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store="store",
-                                  clock=clock, keeper=keeper, changed=changed)
+    result = stage_loop.run_stage(
+        "route",
+        "stage_route",
+        "run1",
+        1,
+        7,
+        job,
+        config=None,
+        store="store",
+        clock=clock,
+        keeper=keeper,
+        changed=changed,
+    )
     assert result["stopped"] == "pipeline config changed"
     assert 30.0 <= clock.now <= 30.0 + stage_loop.CONFIG_CHECK_SECONDS + 1.0
     assert all(b - a >= stage_loop.CONFIG_CHECK_SECONDS for a, b in zip(asked, asked[1:]))  # a stat call every few s
@@ -344,8 +424,19 @@ def test_a_batch_that_held_the_store_too_long_makes_the_next_claim_smaller(monke
         n = min(backlog.pop(0), batch.limit or 10_000)
         return Outcome(claimed=tuple(range(n)))
 
-    stage_loop.run_stage("route", "stage_route", "run1", 1, 7, job, config=None, store=store,
-                         clock=Clock(), keeper=FakeKeeper(Clock()), size=size)
+    stage_loop.run_stage(
+        "route",
+        "stage_route",
+        "run1",
+        1,
+        7,
+        job,
+        config=None,
+        store=store,
+        clock=Clock(),
+        keeper=FakeKeeper(Clock()),
+        size=size,
+    )
     assert limits[0] == 10_000
     assert limits[1] == 2_000
     assert limits[1] < limits[2] < limits[3] < limits[4] <= 10_000
@@ -373,12 +464,17 @@ def test_a_task_whose_batch_hung_ends_even_if_it_ignores_sigterm(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    script = ("import signal, sys, time; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/plugins'];"
-              "signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-              "from stageline_airflow import tasks; tasks.HUNG_EXIT_SECONDS = 0.5;"
-              "tasks.end_hung_task('airflow:stage_route:r#1.7'); time.sleep(30)")
+    script = (
+        "import signal, sys, time; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/plugins'];"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        "from stageline_airflow import tasks; tasks.HUNG_EXIT_SECONDS = 0.5;"
+        "tasks.end_hung_task('airflow:stage_route:r#1.7'); time.sleep(30)"
+    )
     done = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, timeout=60)
     assert done.returncode == 70, done.stderr.decode()[-2000:]
-    ignored = subprocess.run([sys.executable, "-c", script.replace("signal.SIG_IGN", "signal.SIG_DFL"), str(root)],
-                             capture_output=True, timeout=60)
+    ignored = subprocess.run(
+        [sys.executable, "-c", script.replace("signal.SIG_IGN", "signal.SIG_DFL"), str(root)],
+        capture_output=True,
+        timeout=60,
+    )
     assert ignored.returncode == -signal.SIGTERM

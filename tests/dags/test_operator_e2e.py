@@ -7,6 +7,7 @@ fix the receiver and requeue the dead lane, replay one message from inbound; a s
 delivers the requeued lane in its order and the replayed message again, and every operator action
 is in the audit trail with who and why.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,12 @@ from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
 
 
 def stageline(service_config: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(service_config), *args],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "include.app.cli", "--service-config", str(service_config), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -43,15 +48,24 @@ def as_json(service_config: Path, *args: str) -> Any:
 
 
 def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
     lab_broken = [True]
     ehr = MllpReceiver().start()
-    lab = MllpReceiver(answer=lambda t: raw_ack("AE" if lab_broken[0] and field(t, "PID", 3).startswith("PNAK")
-                                                else "AA", field(t, "MSH", 10))).start()
+    lab = MllpReceiver(
+        answer=lambda t: raw_ack(
+            "AE" if lab_broken[0] and field(t, "PID", 3).startswith("PNAK") else "AA", field(t, "MSH", 10)
+        )
+    ).start()
     mllp_port = free_port()
     store = Store(store_config)
-    with listenerd(tmp_path / "node", store_config, node_id="solo:1:ops", receivers=(ehr, lab),
-                   inbound=[mllp_inbound("adt-in", mllp_port)]) as daemon:
+    with listenerd(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:ops",
+        receivers=(ehr, lab),
+        inbound=[mllp_inbound("adt-in", mllp_port)],
+    ) as daemon:
         svc = daemon.workdir / "stageline.toml"
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)
@@ -75,10 +89,15 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
         assert [(g["stage"], g["destination"], g["n"]) for g in groups] == [("outbound", "lab", len(nak_orus))]
         assert "AE" in groups[0]["reason"]
         story = as_json(svc, "messages", "show", nak_orus[0])
-        assert sorted((o["destination"], o["status"]) for o in story["outbound"]) == [("archive", "done"),
-                                                                                     ("lab", "dead")]
+        assert sorted((o["destination"], o["status"]) for o in story["outbound"]) == [
+            ("archive", "done"),
+            ("lab", "dead"),
+        ]
         assert [e["event"] for e in story["trail"] if e["destination"] == "lab" and e["stage"] == "outbound"] == [
-            "transformed", "attempt_failed", "attempt_failed"]
+            "transformed",
+            "attempt_failed",
+            "attempt_failed",
+        ]
         # which Airflow runs moved it: one batch per stage that touched it, linked by the claim owner
         assert {b["stage"] for b in story["batches"]} == {"route", "transform", "deliver"}
         assert {b["dag_id"] for b in story["batches"]} == {"stage_route", "stage_transform", "stage_deliver"}
@@ -92,11 +111,21 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
 
         # fix the receiver, requeue the dead lane, replay one ADT from inbound
         lab_broken[0] = False
-        out = stageline(svc, "messages", "requeue", "--destination", "lab", "--actor", "tester",
-                        "--reason", "lab receiver fixed (INC-7)")
+        out = stageline(
+            svc,
+            "messages",
+            "requeue",
+            "--destination",
+            "lab",
+            "--actor",
+            "tester",
+            "--reason",
+            "lab receiver fixed (INC-7)",
+        )
         assert out.startswith(f"requeued {len(nak_orus)} outbound row(s)")
-        out = stageline(svc, "messages", "replay", "ADT000", "--from", "inbound", "--actor", "tester",
-                        "--reason", "EHR lost it")
+        out = stageline(
+            svc, "messages", "replay", "ADT000", "--from", "inbound", "--actor", "tester", "--reason", "EHR lost it"
+        )
         assert "new inbound row(s)" in out
         lab_before, ehr_before = len(lab.control_ids), len(ehr.control_ids)
         run_stages(daemon)
@@ -104,19 +133,28 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
     assert lab.control_ids[lab_before:] == nak_orus  # the dead lane drained, in its order
     assert ehr.control_ids[ehr_before:] == ["ADT000"]  # the replay, delivered again
     assert all(field(t, "MSH", 5) == "CORE" for t in ehr.texts)  # today's transform applied to the replay
-    assert as_json(svc, "stages") == {stage: {"backlog": 0, "oldest_pending_seconds": None, "in_flight": 0,
-                                              "dead": 0, "finished_per_minute": s["finished_per_minute"]}
-                                      for stage, s in as_json(svc, "stages").items()}
+    assert as_json(svc, "stages") == {
+        stage: {
+            "backlog": 0,
+            "oldest_pending_seconds": None,
+            "in_flight": 0,
+            "dead": 0,
+            "finished_per_minute": s["finished_per_minute"],
+        }
+        for stage, s in as_json(svc, "stages").items()
+    }
     inbound = {r["message_id"]: r for r in rows(store, "SELECT message_id, control_id, status FROM stage_inbound")}
     [original] = [m for m, r in inbound.items() if r["control_id"] == "ADT000" and "~" not in m]
     assert inbound[f"{original}~replay-1"]["status"] == "done"
-    events = rows(store, "SELECT message_id, event, node_id, detail FROM message_events "
-                         "WHERE node_id LIKE 'operator:%' ORDER BY id")
+    events = rows(
+        store,
+        "SELECT message_id, event, node_id, detail FROM message_events WHERE node_id LIKE 'operator:%' ORDER BY id",
+    )
     assert [(e["event"], e["node_id"]) for e in events] == (
         [("requeued", "operator:tester")] * len(nak_orus)
         + [("replayed", "operator:tester"), ("staged", "operator:tester")]
     )
-    assert all(e["detail"] == "lab receiver fixed (INC-7)" for e in events[:len(nak_orus)])
+    assert all(e["detail"] == "lab receiver fixed (INC-7)" for e in events[: len(nak_orus)])
     assert events[-2]["message_id"] == original and "EHR lost it" in events[-2]["detail"]
     story = as_json(svc, "messages", "show", original)
     assert any(e["event"] == "replayed" and e["node_id"] == "operator:tester" for e in story["trail"])
@@ -127,10 +165,16 @@ def test_operator_commands_refuse_bad_input_with_a_clear_error(store_config: Sto
     daemon = Daemon(workdir=tmp_path / "node", store=store_config, node_id="solo:1:ops")
     daemon.write_config()
     svc = str(daemon.workdir / "stageline.toml")
-    for args, expected in ((["messages", "show", "no-such-message"], "no message 'no-such-message'"),
-                           (["messages", "requeue", "--reason", "x"], "name the dead letters"),
-                           (["messages", "find", "--since", "yesterday"], "not an ISO date/time"),
-                           (["messages", "replay", "1", "--from", "routed", "--reason", "x"], "Invalid value")):
-        done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", svc, *args],
-                              capture_output=True, text=True, timeout=60)
+    for args, expected in (
+        (["messages", "show", "no-such-message"], "no message 'no-such-message'"),
+        (["messages", "requeue", "--reason", "x"], "name the dead letters"),
+        (["messages", "find", "--since", "yesterday"], "not an ISO date/time"),
+        (["messages", "replay", "1", "--from", "routed", "--reason", "x"], "Invalid value"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "include.app.cli", "--service-config", svc, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 2 and expected in done.stderr, (args, done.stderr)

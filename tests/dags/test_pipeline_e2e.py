@@ -6,6 +6,7 @@ that patient's lane. And: a route job SIGKILLed mid-batch loses nothing and dupl
 the sweep (maintenance_reclaim) re-pends its rows.
 
 Each DAG sequence runs in one subprocess (one JVM, kept out of this test session)."""
+
 from __future__ import annotations
 
 import os
@@ -43,15 +44,19 @@ N_MESSAGES = 24
 
 
 def adt(n: int, patient: str) -> str:
-    return (f"MSH|^~\\&|ADT1|HOSP|STAGELINE|SL|20240101120000||ADT^A01^ADT_A01|ADT{n:03d}|P|2.5.1\r"
-            f"EVN|A01|20240101120000\rPID|1||{patient}^^^HOSP^MR||DOE^JOHN{n}\rPV1|1|{'IO'[n % 2]}\r"
-            "ZPI|1|loyalty^GOLD\r")
+    return (
+        f"MSH|^~\\&|ADT1|HOSP|STAGELINE|SL|20240101120000||ADT^A01^ADT_A01|ADT{n:03d}|P|2.5.1\r"
+        f"EVN|A01|20240101120000\rPID|1||{patient}^^^HOSP^MR||DOE^JOHN{n}\rPV1|1|{'IO'[n % 2]}\r"
+        "ZPI|1|loyalty^GOLD\r"
+    )
 
 
 def oru(n: int, patient: str) -> str:
-    return (f"MSH|^~\\&|LAB|LABFAC|STAGELINE|SL|20240101120000||ORU^R01^ORU_R01|ORU{n:03d}|P|2.5.1\r"
-            f"PID|1||{patient}^^^HOSP^MR||DOE^JOHN{n}\rOBR|1|ORD{n}\r"
-            f"OBX|1|NM|2345-7^Glucose^LN||{80 + n}|mg/dL|70-99|N|||F\r")
+    return (
+        f"MSH|^~\\&|LAB|LABFAC|STAGELINE|SL|20240101120000||ORU^R01^ORU_R01|ORU{n:03d}|P|2.5.1\r"
+        f"PID|1||{patient}^^^HOSP^MR||DOE^JOHN{n}\rOBR|1|ORD{n}\r"
+        f"OBX|1|NM|2345-7^Glucose^LN||{80 + n}|mg/dL|70-99|N|||F\r"
+    )
 
 
 def messages() -> list[tuple[str, str, str]]:
@@ -75,22 +80,38 @@ def pipeline_config(directory: Path, *, ehr: int, lab: int, archive: Path) -> No
         destinations=[
             mllp_destination("ehr", ehr, lane=LANE),
             mllp_destination("lab", lab, lane=LANE, max_attempts=2, backoff_seconds=0, max_backoff_seconds=0),
-            file_destination("archive", archive)],
+            file_destination("archive", archive),
+        ],
         transforms=[
-            {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "CORE"},
-                                             {"map": "PV1-2", "table": "patient_class"}, {"drop_segment": "ZPI"}]},
-            {"destination": "lab", "rules": [{"set": "MSH-5", "value": "LIS"}]}])
+            {
+                "destination": "ehr",
+                "rules": [
+                    {"set": "MSH-5", "value": "CORE"},
+                    {"map": "PV1-2", "table": "patient_class"},
+                    {"drop_segment": "ZPI"},
+                ],
+            },
+            {"destination": "lab", "rules": [{"set": "MSH-5", "value": "LIS"}]},
+        ],
+    )
 
 
 def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_complete_audit_trail(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
     ehr = MllpReceiver().start()
-    lab = MllpReceiver(answer=lambda t: raw_ack("AE" if field(t, "PID", 3).startswith("PNAK") else "AA",
-                                                field(t, "MSH", 10))).start()
+    lab = MllpReceiver(
+        answer=lambda t: raw_ack("AE" if field(t, "PID", 3).startswith("PNAK") else "AA", field(t, "MSH", 10))
+    ).start()
     mllp_port = free_port()
     store = Store(store_config)
-    with listenerd(tmp_path / "node", store_config, node_id="solo:1:e2e", receivers=(ehr, lab),
-                   inbound=[mllp_inbound("adt-in", mllp_port)]) as daemon:
+    with listenerd(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:e2e",
+        receivers=(ehr, lab),
+        inbound=[mllp_inbound("adt-in", mllp_port)],
+    ) as daemon:
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)  # a file destination never creates its directory (a missing mount)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
@@ -104,8 +125,12 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
         elapsed = time.perf_counter() - started
         assert [(r["dag_id"], r["states"]) for r in results] == [
             (dag_id, {"leader_check": "success", "recover": "success", "wait_for_work": "success", job: "success"})
-            for dag_id, job in (("stage_route", "route"), ("stage_transform", "transform"),
-                                ("stage_deliver", "deliver"))]
+            for dag_id, job in (
+                ("stage_route", "route"),
+                ("stage_transform", "transform"),
+                ("stage_deliver", "deliver"),
+            )
+        ]
 
     message_ids = {
         r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")
@@ -125,7 +150,8 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
         control_id = field(text, "MSH", 10)
         n = int(control_id[3:])
         assert text == adt(n, PATIENTS[n % 4]).replace("|STAGELINE|SL|", "|CORE|SL|", 1).replace(
-            f"PV1|1|{'IO'[n % 2]}", f"PV1|1|{['IN', 'OUT'][n % 2]}").replace("ZPI|1|loyalty^GOLD\r", "")
+            f"PV1|1|{'IO'[n % 2]}", f"PV1|1|{['IN', 'OUT'][n % 2]}"
+        ).replace("ZPI|1|loyalty^GOLD\r", "")
     # lab: ORU in lane order; the NAKing patient's lane: each message twice (max_attempts 2), in order
     lab_ids = lab.control_ids
     for patient, ids in by_patient.items():
@@ -153,45 +179,75 @@ def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_co
     first_adt = per_message[message_ids["ADT000"]]
     # archive is a pass-through destination: the route finalize routes it straight to done and
     # creates its outbound row; ehr has rules and goes through the transform stage
-    assert sorted(first_adt, key=repr) == sorted([
-        ("inbound", None, "received", "pending"), ("inbound", None, "done", "done"),
-        ("routed", "archive", "routed", "done"), ("routed", "ehr", "routed", "pending"),
-        ("routed", "ehr", "done", "done"),
-        ("outbound", "archive", "transformed", "pending"), ("outbound", "ehr", "transformed", "pending"),
-        ("outbound", "archive", "done", "done"), ("outbound", "ehr", "done", "done")], key=repr)
+    assert sorted(first_adt, key=repr) == sorted(
+        [
+            ("inbound", None, "received", "pending"),
+            ("inbound", None, "done", "done"),
+            ("routed", "archive", "routed", "done"),
+            ("routed", "ehr", "routed", "pending"),
+            ("routed", "ehr", "done", "done"),
+            ("outbound", "archive", "transformed", "pending"),
+            ("outbound", "ehr", "transformed", "pending"),
+            ("outbound", "archive", "done", "done"),
+            ("outbound", "ehr", "done", "done"),
+        ],
+        key=repr,
+    )
     for dest in ("archive", "ehr"):  # in the order it happened
         stages = [e[0] for e in first_adt if e[1] in (None, dest)]
         assert stages == sorted(stages, key=["inbound", "routed", "outbound"].index), dest
     nak_oru = message_ids["ORU003"]
     assert [e for e in per_message[nak_oru] if e[0] == "outbound" and e[1] == "lab"] == [
-        ("outbound", "lab", "transformed", "pending"), ("outbound", "lab", "attempt_failed", "error"),
-        ("outbound", "lab", "attempt_failed", "dead")]
-    print(f"\n{store.backend}: {N_MESSAGES} messages route → transform → deliver via dag.test(): "
-          f"{elapsed:.1f} s (three DAG runs in one process, JVM start included)")
+        ("outbound", "lab", "transformed", "pending"),
+        ("outbound", "lab", "attempt_failed", "error"),
+        ("outbound", "lab", "attempt_failed", "dead"),
+    ]
+    print(
+        f"\n{store.backend}: {N_MESSAGES} messages route → transform → deliver via dag.test(): "
+        f"{elapsed:.1f} s (three DAG runs in one process, JVM start included)"
+    )
     store.close()
 
 
-def kill_route_job_mid_batch(store_config: StoreConfig, tmp_path: Path, *, lease: float,
-                             n: int) -> tuple[Path, Path, Store]:
+def kill_route_job_mid_batch(
+    store_config: StoreConfig, tmp_path: Path, *, lease: float, n: int
+) -> tuple[Path, Path, Store]:
     """Stage `n` messages, start `stage_route` and SIGKILL it (its task process and Spark JVM) once
     its job has claimed; returns the service config, the pipeline dir and an open store."""
     service = tmp_path / "stageline.toml"
-    service.write_text(store_toml(store_config) + f"lease_ttl_seconds = {lease}\n"
-                       '[cluster]\nenabled = false\ncluster_name = "test-cluster"\n')
+    service.write_text(
+        store_toml(store_config) + f"lease_ttl_seconds = {lease}\n"
+        '[cluster]\nenabled = false\ncluster_name = "test-cluster"\n'
+    )
     pipeline = tmp_path / "config"
     pipeline.mkdir()
     pipeline_config(pipeline, ehr=9, lab=9, archive=tmp_path / "archive")
     store = Store(store_config)
     epoch = acquire_permanent(store, node_id="solo:1:kill")
     with store.transaction() as tx:
-        rowlease.stage_inbound(tx, [
-            {"message_id": f"m{i}", "control_id": f"C{i}", "connection": "mllp-in",
-             "lane_key": PATIENTS[i % 4], "charset": None, "payload": adt(i, PATIENTS[i % 4])}
-            for i in range(n)], epoch=epoch, node_id="solo:1:kill")
+        rowlease.stage_inbound(
+            tx,
+            [
+                {
+                    "message_id": f"m{i}",
+                    "control_id": f"C{i}",
+                    "connection": "mllp-in",
+                    "lane_key": PATIENTS[i % 4],
+                    "charset": None,
+                    "payload": adt(i, PATIENTS[i % 4]),
+                }
+                for i in range(n)
+            ],
+            epoch=epoch,
+            node_id="solo:1:kill",
+        )
     proc = run_dags(service, pipeline, "stage_route", start_new_session=True)
     try:
-        wait_for(lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] > 0,
-                 timeout=120, what="the route job to claim its batch")
+        wait_for(
+            lambda: rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] > 0,
+            timeout=120,
+            what="the route job to claim its batch",
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the task process and its Spark JVM
         proc.communicate(timeout=30)
@@ -199,7 +255,8 @@ def kill_route_job_mid_batch(store_config: StoreConfig, tmp_path: Path, *, lease
 
 
 def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
     lease, n = 4.0, 3000
     service, pipeline, store = kill_route_job_mid_batch(store_config, tmp_path, lease=lease, n=n)
     claimed = rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"]
@@ -237,7 +294,8 @@ def test_a_route_job_killed_mid_batch_loses_nothing_and_duplicates_nothing(
 
 
 def test_a_killed_route_jobs_claim_comes_back_when_the_next_task_starts_not_a_row_lease_later(
-        airflow_db, store_config: StoreConfig, tmp_path: Path) -> None:
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
     n = 2000  # a row lease of 600 s: none expires in this test
     service, pipeline, store = kill_route_job_mid_batch(store_config, tmp_path, lease=600, n=n)
     assert rows(store, "SELECT count(*) AS n FROM stage_inbound WHERE status = 'in_flight'")[0]["n"] == n

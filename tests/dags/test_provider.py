@@ -6,6 +6,7 @@ api-server: tests/test_airflow_provider.py.
 
 These read the installed distribution's metadata: after a change to pyproject.toml's entry points
 or wheel packages, `uv sync` (scripts/setup.sh) reinstalls it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,9 @@ def stageline_form() -> dict:
 
 
 def test_the_installed_distribution_hands_airflow_the_provider_info():
-    points = [ep for ep in importlib.metadata.distribution("stageline").entry_points
-              if ep.group == "apache_airflow_provider"]
+    points = [
+        ep for ep in importlib.metadata.distribution("stageline").entry_points if ep.group == "apache_airflow_provider"
+    ]
     assert [ep.value for ep in points] == [ENTRY_POINT], STALE
     assert points[0].load() is provider_info.get_provider_info
 
@@ -46,8 +48,9 @@ def test_the_package_comes_with_the_install_not_only_with_the_plugins_folder(tmp
     """A worker whose Airflow has no plugins folder still imports `stageline_airflow` (the wheel maps it)."""
     probe = "import json, stageline_airflow.provider_info as m; print(json.dumps(m.__name__))"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH, cwd outside the checkout
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, f"{STALE}\n{done.stderr[-2000:]}"
     assert json.loads(done.stdout) == "stageline_airflow.provider_info"
 
@@ -60,7 +63,11 @@ def test_airflow_lists_the_stageline_provider_its_connection_type_hook_and_view(
     hook = ProvidersManagerTaskRuntime().hooks["stageline"]
     assert hook is not None, "Airflow could not import the stageline connection type's hook"
     assert (hook.hook_class_name, hook.connection_id_attribute_name, hook.hook_name, hook.package_name) == (
-        "stageline_airflow.hooks.StagelineStoreHook", "stageline_conn_id", "Stageline store", "stageline")
+        "stageline_airflow.hooks.StagelineStoreHook",
+        "stageline_conn_id",
+        "Stageline store",
+        "stageline",
+    )
 
     plugins = {p.name: p.plugin_class for p in ProvidersManager().plugins}
     assert plugins.get("stageline") == "stageline_airflow.view.StagelineViewPlugin"
@@ -78,12 +85,22 @@ def test_each_connection_type_is_the_one_its_hook_declares():
 
 def test_the_form_names_each_field_after_the_store_setting_it_fills():
     form = stageline_form()
-    conn = Connection(conn_id="stageline_store", conn_type="stageline", host="db.example.org", port=15432,
-                      login="svc_stageline", schema="hl7", password="from-airflow-secrets")
+    conn = Connection(
+        conn_id="stageline_store",
+        conn_type="stageline",
+        host="db.example.org",
+        port=15432,
+        login="svc_stageline",
+        schema="hl7",
+        password="from-airflow-secrets",
+    )
     default = StoreConfig()
     filled = store_settings(default, conn)
-    landed = {f.name: getattr(filled, f.name) for f in dataclasses.fields(StoreConfig)
-              if getattr(filled, f.name) != getattr(default, f.name)}
+    landed = {
+        f.name: getattr(filled, f.name)
+        for f in dataclasses.fields(StoreConfig)
+        if getattr(filled, f.name) != getattr(default, f.name)
+    }
     assert set(landed) == {"server", "port", "username", "database", "password"}
 
     assert form["relabeling"] == {"host": "Server", "login": "Username", "schema": "Database"}
@@ -101,6 +118,9 @@ def test_the_form_names_each_field_after_the_store_setting_it_fills():
 
 def test_the_form_hides_only_what_the_hook_does_not_read():
     assert stageline_form()["hidden_fields"] == ["extra"]
-    with_extra = Connection(conn_id="stageline_store", conn_type="stageline",
-                            extra=json.dumps({"server": "elsewhere", "backend": "postgres", "database": "other"}))
+    with_extra = Connection(
+        conn_id="stageline_store",
+        conn_type="stageline",
+        extra=json.dumps({"server": "elsewhere", "backend": "postgres", "database": "other"}),
+    )
     assert store_settings(StoreConfig(), with_extra) == StoreConfig()

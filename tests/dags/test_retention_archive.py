@@ -2,6 +2,7 @@
 stores: a finished message's rows, bodies and audit trail are copied to the archive tables before
 they are purged; a run killed between the two steps re-runs to the same archive and purges; an
 archived message's whole story is still read by `stageline messages show`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -52,19 +53,28 @@ def test_retention_archives_rows_bodies_and_events_then_purges_them(store):
     archived: dict[str, int] = {}
     deleted = retention(store, epoch, EVERYTHING, archived=archived)
 
-    assert deleted == archived == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3,
-                                   "events": len(events)}
-    for hot in ("stage_inbound", "inbound_bodies", "stage_routed", "stage_outbound", "outbound_bodies",
-                "message_events"):
+    assert (
+        deleted == archived == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3, "events": len(events)}
+    )
+    for hot in (
+        "stage_inbound",
+        "inbound_bodies",
+        "stage_routed",
+        "stage_outbound",
+        "outbound_bodies",
+        "message_events",
+    ):
         assert _count(store, hot) == 0, hot
     assert _archive_ids(store, "archive_inbound") == ids
     assert _archive_ids(store, "archive_routed") == routed
     assert _archive_ids(store, "archive_outbound") == outbound
     assert rows(store, "SELECT id, message_id, event FROM archive_events ORDER BY id") == events
-    assert rows(store, "SELECT id, payload FROM archive_inbound ORDER BY id") == \
-        [{"id": i, "payload": "MSH|^~\\&|A|B|C|D"} for i in ids]
-    assert rows(store, "SELECT payload FROM archive_outbound ORDER BY id") == \
-        [{"payload": f"MSH|^~\\&|OUT|msg-{i}"} for i in range(3)]
+    assert rows(store, "SELECT id, payload FROM archive_inbound ORDER BY id") == [
+        {"id": i, "payload": "MSH|^~\\&|A|B|C|D"} for i in ids
+    ]
+    assert rows(store, "SELECT payload FROM archive_outbound ORDER BY id") == [
+        {"payload": f"MSH|^~\\&|OUT|msg-{i}"} for i in range(3)
+    ]
 
 
 def test_a_run_killed_between_archive_and_purge_reruns_to_the_same_archive_and_purges(store, monkeypatch):
@@ -82,8 +92,10 @@ def test_a_run_killed_between_archive_and_purge_reruns_to_the_same_archive_and_p
         retention(store, epoch, EVERYTHING)
     # downstream first: outbound archived, not purged
     assert _count(store, "archive_outbound") == 3 and _count(store, "stage_outbound") == 3
-    snapshot = {t: rows(store, f"SELECT * FROM {t} ORDER BY id")
-                for t in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")}
+    snapshot = {
+        t: rows(store, f"SELECT * FROM {t} ORDER BY id")
+        for t in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")
+    }
     assert snapshot["archive_routed"] == []  # the kill came at the first purge: later keys never ran
     assert snapshot["archive_inbound"] == []
 
@@ -91,15 +103,27 @@ def test_a_run_killed_between_archive_and_purge_reruns_to_the_same_archive_and_p
     archived: dict[str, int] = {}
     deleted = retention(store, epoch, EVERYTHING, archived=archived)
     events = _count(store, "archive_events")
-    assert archived == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 0,
-                        "events": events}  # outbound: nothing again
+    assert archived == {
+        "inbound": 3,
+        "inbound_batches": 0,
+        "routed": 3,
+        "outbound": 0,
+        "events": events,
+    }  # outbound: nothing again
     assert deleted == {"inbound": 3, "inbound_batches": 0, "routed": 3, "outbound": 3, "events": events}
     assert rows(store, "SELECT * FROM archive_outbound ORDER BY id") == snapshot["archive_outbound"]
     for table in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events"):
-        assert rows(store, f"SELECT count(*) AS n, count(DISTINCT id) AS d FROM {table}")[0] == \
-            {"n": 3 if table != "archive_events" else events, "d": 3 if table != "archive_events" else events}
-    assert retention(store, epoch, EVERYTHING) == {"inbound": 0, "inbound_batches": 0, "routed": 0, "outbound": 0,
-                                                    "events": 0}
+        assert rows(store, f"SELECT count(*) AS n, count(DISTINCT id) AS d FROM {table}")[0] == {
+            "n": 3 if table != "archive_events" else events,
+            "d": 3 if table != "archive_events" else events,
+        }
+    assert retention(store, epoch, EVERYTHING) == {
+        "inbound": 0,
+        "inbound_batches": 0,
+        "routed": 0,
+        "outbound": 0,
+        "events": 0,
+    }
 
 
 def test_a_row_changed_after_it_was_archived_is_not_purged_until_archived_again(store, monkeypatch):
@@ -125,16 +149,18 @@ def test_a_row_changed_after_it_was_archived_is_not_purged_until_archived_again(
     archived: dict[str, int] = {}
     assert retention(store, epoch, {"inbound": DAY}, archived=archived) == {"inbound": 1, "inbound_batches": 0}
     assert archived == {"inbound": 1, "inbound_batches": 0}
-    assert rows(store, "SELECT id, status, attempts FROM archive_inbound") == [{"id": dead, "status": "done",
-                                                                                 "attempts": 7}]
+    assert rows(store, "SELECT id, status, attempts FROM archive_inbound") == [
+        {"id": dead, "status": "done", "attempts": 7}
+    ]
 
 
 def test_retention_without_archive_copies_nothing(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     _history(store, epoch)
     assert retention(store, epoch, EVERYTHING, archive=False)["inbound"] == 3
-    assert sum(_count(store, t) for t in ("archive_inbound", "archive_routed", "archive_outbound",
-                                          "archive_events")) == 0
+    assert (
+        sum(_count(store, t) for t in ("archive_inbound", "archive_routed", "archive_outbound", "archive_events")) == 0
+    )
 
 
 def test_archiving_under_a_stale_epoch_copies_nothing(store):
@@ -176,11 +202,18 @@ def test_stageline_messages_show_prints_an_archived_message(store, store_config,
         cfg.write_text(f'[store]\npath = "{store_config.path}"\n[cluster]\ncluster_name = "{CLUSTER}"\n')
     else:
         c = store_config
-        cfg.write_text(f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
-                       f'database = "{c.database}"\nusername = "{c.username}"\n'
-                       f'[cluster]\ncluster_name = "{CLUSTER}"\n')
-    proc = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages",
-                           "show", "c2", "--body"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        cfg.write_text(
+            f'[store]\nbackend = "postgres"\nserver = "{c.server}"\nport = {c.port}\n'
+            f'database = "{c.database}"\nusername = "{c.username}"\n'
+            f'[cluster]\ncluster_name = "{CLUSTER}"\n'
+        )
+    proc = subprocess.run(
+        [sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages", "show", "c2", "--body"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "message msg-2" in out and "archived" in out.splitlines()[1]

@@ -4,6 +4,7 @@ messages' inbound rows is hot; then the record is archived with its FHS/BHS ids 
 purged. Archived messages keep `batch_id` / `batch_seq`, so each names its batch and the batch's
 messages are found in the archive; a run killed between archive and purge re-runs to the same
 archive; `stageline messages show` names the batch of a hot and of an archived message alike."""
+
 from __future__ import annotations
 
 import subprocess
@@ -31,28 +32,36 @@ ROOT = Path(__file__).resolve().parents[2]
 NODE = "solo:1:aa"
 KEEP = {"inbound": DAY}
 # What the query in docs/store.md ("a batch's archived messages") reads.
-ARCHIVED_MESSAGES_OF = ("SELECT a.batch_seq, a.control_id, a.message_id FROM archive_inbound a "
-                        "WHERE a.batch_id = '{batch_id}' ORDER BY a.batch_seq")
+ARCHIVED_MESSAGES_OF = (
+    "SELECT a.batch_seq, a.control_id, a.message_id FROM archive_inbound a "
+    "WHERE a.batch_id = '{batch_id}' ORDER BY a.batch_seq"
+)
 BATCH_COLUMNS = "batch_id, connection, fhs_control_id, bhs_control_id, declared_count, message_count"
 
 
 def batch_file(n: int = 3) -> bytes:
-    body = "".join(f"MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||ADT^A01|C{k}|P|2.5.1\rPID|1||P{k}\r"
-                   for k in range(1, n + 1))
-    return (f"FHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||FILE-7\rBHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||BATCH-7\r"
-            f"{body}BTS|{n}\rFTS|1\r").encode()
+    body = "".join(
+        f"MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||ADT^A01|C{k}|P|2.5.1\rPID|1||P{k}\r" for k in range(1, n + 1)
+    )
+    return (
+        f"FHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||FILE-7\rBHS|^~\\&|HIS|HOSP|SL|SL|20240101120000||||BATCH-7\r"
+        f"{body}BTS|{n}\rFTS|1\r"
+    ).encode()
 
 
 def stage_batch(store: Store, epoch: int, n: int = 3) -> tuple[str, list[int]]:
     """Stage one HL7 batch of `n` messages as the listener does; its batch_id and inbound row ids."""
     data = batch_file(n)  # a file's message id: the same file read again is the same batch
-    batch = build_inbound(data, connection="file-in", charset="utf-8",
-                          message_id=file_message_id("file-in", "adt.batch", data))
+    batch = build_inbound(
+        data, connection="file-in", charset="utf-8", message_id=file_message_id("file-in", "adt.batch", data)
+    )
     assert isinstance(batch, InboundBatch)
     with store.transaction() as tx:
         assert rl.stage_inbound(tx, batch.rows(), epoch=epoch, node_id=NODE) is not None
-    ids = [r["id"] for r in rows(store, f"SELECT id FROM stage_inbound WHERE batch_id = '{batch.batch_id}' "
-                                        "ORDER BY batch_seq")]
+    ids = [
+        r["id"]
+        for r in rows(store, f"SELECT id FROM stage_inbound WHERE batch_id = '{batch.batch_id}' ORDER BY batch_seq")
+    ]
     assert len(ids) == n
     return batch.batch_id, ids
 
@@ -65,8 +74,10 @@ def finish(store: Store, epoch: int, ids: list[int], *, days_ago: float = 2) -> 
         rl.finish_batch(tx, INBOUND, ids, owner="w", epoch=epoch, status="unrouted")
         rest = sorted(set(claimed) - set(ids))
         if rest:  # back to pending: only `ids` finish here
-            tx.conn.cursor().execute("UPDATE stage_inbound SET status = 'pending', lease_owner = NULL, "
-                                     f"lease_expires_at = NULL WHERE id IN ({', '.join(map(str, rest))})")
+            tx.conn.cursor().execute(
+                "UPDATE stage_inbound SET status = 'pending', lease_owner = NULL, "
+                f"lease_expires_at = NULL WHERE id IN ({', '.join(map(str, rest))})"
+            )
     where = f"id IN ({', '.join(map(str, ids))})"
     age(store, "stage_inbound", "updated_at", where, days_ago * DAY)
     age(store, "inbound_batches", "created_at", "1 = 1", days_ago * DAY)
@@ -80,18 +91,33 @@ def test_a_batch_is_archived_and_purged_once_none_of_its_messages_is_hot(store):
     epoch = acquire_permanent(store, node_id=NODE)
     batch_id, ids = stage_batch(store, epoch)
     batch_row = rows(store, f"SELECT {BATCH_COLUMNS} FROM inbound_batches")
-    assert batch_row == [{"batch_id": batch_id, "connection": "file-in", "fhs_control_id": "FILE-7",
-                          "bhs_control_id": "BATCH-7", "declared_count": 3, "message_count": 3}]
+    assert batch_row == [
+        {
+            "batch_id": batch_id,
+            "connection": "file-in",
+            "fhs_control_id": "FILE-7",
+            "bhs_control_id": "BATCH-7",
+            "declared_count": 3,
+            "message_count": 3,
+        }
+    ]
     finish(store, epoch, ids[:2])  # the third message is still pending
 
     archived: dict[str, int] = {}
     assert retention(store, epoch, KEEP, archived=archived) == {"inbound": 2, BATCHES: 0}
     assert archived == {"inbound": 2, BATCHES: 0}
     assert rows(store, ARCHIVED_MESSAGES_OF.format(batch_id=batch_id)) == [
-        {"batch_seq": 1, "control_id": "C1", "message_id": rows(store, "SELECT message_id FROM archive_inbound "
-                                                                       f"WHERE id = {ids[0]}")[0]["message_id"]},
-        {"batch_seq": 2, "control_id": "C2", "message_id": rows(store, "SELECT message_id FROM archive_inbound "
-                                                                       f"WHERE id = {ids[1]}")[0]["message_id"]}]
+        {
+            "batch_seq": 1,
+            "control_id": "C1",
+            "message_id": rows(store, f"SELECT message_id FROM archive_inbound WHERE id = {ids[0]}")[0]["message_id"],
+        },
+        {
+            "batch_seq": 2,
+            "control_id": "C2",
+            "message_id": rows(store, f"SELECT message_id FROM archive_inbound WHERE id = {ids[1]}")[0]["message_id"],
+        },
+    ]
     assert _count(store, "inbound_batches") == 1 and _count(store, "archive_inbound_batches") == 0  # one is hot
 
     finish(store, epoch, ids[2:])
@@ -100,8 +126,11 @@ def test_a_batch_is_archived_and_purged_once_none_of_its_messages_is_hot(store):
     assert archived == {"inbound": 1, BATCHES: 1}
     assert _count(store, "inbound_batches") == 0 and _count(store, "stage_inbound") == 0
     assert rows(store, f"SELECT {BATCH_COLUMNS} FROM archive_inbound_batches") == batch_row
-    assert [(r["batch_seq"], r["control_id"]) for r in rows(store, ARCHIVED_MESSAGES_OF.format(batch_id=batch_id))] \
-        == [(1, "C1"), (2, "C2"), (3, "C3")]
+    assert [(r["batch_seq"], r["control_id"]) for r in rows(store, ARCHIVED_MESSAGES_OF.format(batch_id=batch_id))] == [
+        (1, "C1"),
+        (2, "C2"),
+        (3, "C3"),
+    ]
     assert retention(store, epoch, KEEP) == {"inbound": 0, BATCHES: 0}
 
 
@@ -114,8 +143,9 @@ def test_a_batch_waits_for_its_inbound_rows_not_for_its_age_alone(store):
     assert retention(store, epoch, KEEP) == {"inbound": 0, BATCHES: 0}
     age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)  # the rows old, the batch record not
     assert retention(store, epoch, KEEP) == {"inbound": 4, BATCHES: 0}
-    assert rows(store, "SELECT batch_id, batch_seq FROM archive_inbound WHERE message_id = 'single-0'") == \
-        [{"batch_id": None, "batch_seq": None}]
+    assert rows(store, "SELECT batch_id, batch_seq FROM archive_inbound WHERE message_id = 'single-0'") == [
+        {"batch_id": None, "batch_seq": None}
+    ]
     age(store, "inbound_batches", "created_at", "1 = 1", 2 * DAY)
     assert retention(store, epoch, KEEP) == {"inbound": 0, BATCHES: 1}
     assert rows(store, "SELECT batch_id FROM archive_inbound_batches") == [{"batch_id": batch_id}]
@@ -144,8 +174,9 @@ def test_a_run_killed_between_archiving_a_batch_and_purging_it_reruns_to_the_sam
     assert archived == {"inbound": 0, BATCHES: 0}  # nothing copied again
     assert rows(store, "SELECT * FROM archive_inbound_batches") == snapshot
     assert _count(store, "inbound_batches") == 0
-    assert rows(store, "SELECT count(*) AS n, count(DISTINCT batch_id) AS d FROM archive_inbound_batches") == \
-        [{"n": 1, "d": 1}]
+    assert rows(store, "SELECT count(*) AS n, count(DISTINCT batch_id) AS d FROM archive_inbound_batches") == [
+        {"n": 1, "d": 1}
+    ]
 
 
 def test_a_batch_staged_again_after_its_record_was_archived_is_purged_only_once_its_rows_are_gone(store):
@@ -193,8 +224,13 @@ def test_an_archived_message_names_its_batch_as_a_hot_one_does(store, store_conf
     cfg = write_service_config(tmp_path, store_config, cluster=False)
 
     def show_c2() -> str:
-        proc = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages",
-                               "show", "C2"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "messages", "show", "C2"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         [line] = [x for x in proc.stdout.splitlines() if x.startswith("  in batch ")]
         return line
@@ -208,8 +244,9 @@ def test_an_archived_message_names_its_batch_as_a_hot_one_does(store, store_conf
     assert archived.inbound["archived_ms"] is not None
     assert (archived.inbound["batch_id"], archived.inbound["batch_seq"]) == (batch_id, 2)
     assert archived.hl7_batch is not None and archived.hl7_batch["archived_ms"] is not None
-    assert {k: v for k, v in archived.hl7_batch.items() if k != "archived_ms"} == \
-        {k: v for k, v in hot.hl7_batch.items() if k != "archived_ms"}
+    assert {k: v for k, v in archived.hl7_batch.items() if k != "archived_ms"} == {
+        k: v for k, v in hot.hl7_batch.items() if k != "archived_ms"
+    }
     archived_line = show_c2()
     assert archived_line.startswith(hot_line) and "; archived " in archived_line
 
@@ -249,6 +286,8 @@ def test_migration_8_gives_a_message_archived_under_version_7_its_batch_while_it
     assert migrate(store, cluster_name=CLUSTER).applied[0] == 8
     assert rows(store, "SELECT id, batch_id, batch_seq FROM archive_inbound ORDER BY id") == [
         {"id": ids[0], "batch_id": None, "batch_seq": None},  # its hot row was gone: nothing to take
-        {"id": ids[1], "batch_id": batch_id, "batch_seq": 2}, {"id": ids[2], "batch_id": batch_id, "batch_seq": 3}]
+        {"id": ids[1], "batch_id": batch_id, "batch_seq": 2},
+        {"id": ids[2], "batch_id": batch_id, "batch_seq": 3},
+    ]
     assert retention(store, epoch, KEEP) == {"inbound": 2, BATCHES: 1}  # the copies are current: purged
     assert rows(store, "SELECT batch_id FROM archive_inbound_batches") == [{"batch_id": batch_id}]

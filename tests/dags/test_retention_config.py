@@ -2,6 +2,7 @@
 PostgreSQL stores: the global periods, and a connection's own periods applied in the archive and
 purge SQL — its messages' inbound, routed and outbound rows are kept longer (or shorter) than the
 others', whichever stage they are in."""
+
 from __future__ import annotations
 
 import tomllib
@@ -72,8 +73,10 @@ def test_a_connections_own_periods_keep_its_rows_in_every_stage_longer(store):
 
 def test_a_connection_may_keep_one_stage_shorter_and_the_others_by_default(store):
     epoch = two_connections_two_days_old(store)
-    text = ("[retention]\ninbound_days = 7\nrouted_days = 7\noutbound_days = 7\n"
-            "[retention.connections.adt-in]\noutbound_days = 1\n")
+    text = (
+        "[retention]\ninbound_days = 7\nrouted_days = 7\noutbound_days = 7\n"
+        "[retention.connections.adt-in]\noutbound_days = 1\n"
+    )
 
     _run(store, epoch, text)
 
@@ -96,16 +99,25 @@ def test_the_retention_task_reads_the_periods_from_the_service_config(store, sto
     assert _messages(store, "stage_inbound") == ["adt-0", "adt-1"]
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[retention]\ninbound_days = 0\n", "retention.inbound_days: must be > 0"),
-    ("[retention]\nevents_days = \"30\"\n", "retention.events_days: must be a number, got a string"),
-    ("[retention]\nkeep = 3\n", "retention.keep: unknown setting"),
-    ("[retention]\narchive_path = 3\n", "retention.archive_path: must be a string, got an integer"),
-    ("[retention.connections.adt-in]\nevents_days = 3\n", "retention.connections.adt-in.events_days: unknown setting"),
-    ("[retention.connections.adt-in]\ninbound_days = -1\n", "retention.connections.adt-in.inbound_days: must be > 0"),
-    ("[retention]\nconnections = 3\n", "retention.connections: must be a table, got an integer"),
-    ("[retention.connections]\n\"a,b\" = {inbound_days = 3}\n", "contain no ','"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[retention]\ninbound_days = 0\n", "retention.inbound_days: must be > 0"),
+        ('[retention]\nevents_days = "30"\n', "retention.events_days: must be a number, got a string"),
+        ("[retention]\nkeep = 3\n", "retention.keep: unknown setting"),
+        ("[retention]\narchive_path = 3\n", "retention.archive_path: must be a string, got an integer"),
+        (
+            "[retention.connections.adt-in]\nevents_days = 3\n",
+            "retention.connections.adt-in.events_days: unknown setting",
+        ),
+        (
+            "[retention.connections.adt-in]\ninbound_days = -1\n",
+            "retention.connections.adt-in.inbound_days: must be > 0",
+        ),
+        ("[retention]\nconnections = 3\n", "retention.connections: must be a table, got an integer"),
+        ('[retention.connections]\n"a,b" = {inbound_days = 3}\n', "contain no ','"),
+    ],
+)
 def test_bad_retention_settings_are_refused_naming_the_setting(text, words):
     with pytest.raises(ConfigError) as err:
         parse(tomllib.loads(text))
@@ -116,17 +128,20 @@ def test_retention_defaults_and_overrides_load():
     default = parse({}).retention
     assert default.ages_seconds() == {"inbound": 7 * DAY, "routed": 7 * DAY, "outbound": 7 * DAY, "events": 30 * DAY}
     assert default.archive_path == "" and default.connections == {}
-    config = parse(tomllib.loads(CONFIG + '\n[retention.connections.lab-in]\nrouted_days = 0.5\n')).retention
+    config = parse(tomllib.loads(CONFIG + "\n[retention.connections.lab-in]\nrouted_days = 0.5\n")).retention
     assert config.archive_days == 10.0
-    assert config.connection_ages_seconds() == {"adt-in": {"inbound": 30 * DAY, "routed": 30 * DAY,
-                                                           "outbound": 30 * DAY},
-                                                "lab-in": {"routed": 0.5 * DAY}}
+    assert config.connection_ages_seconds() == {
+        "adt-in": {"inbound": 30 * DAY, "routed": 30 * DAY, "outbound": 30 * DAY},
+        "lab-in": {"routed": 0.5 * DAY},
+    }
 
 
 def test_routed_and_outbound_rows_find_their_connection_once_their_inbound_row_is_archived(store):
     epoch = two_connections_two_days_old(store)
-    text = ("[retention]\ninbound_days = 1\nrouted_days = 1\noutbound_days = 1\n"
-            "[retention.connections.adt-in]\nrouted_days = 30\noutbound_days = 30\n")
+    text = (
+        "[retention]\ninbound_days = 1\nrouted_days = 1\noutbound_days = 1\n"
+        "[retention.connections.adt-in]\nrouted_days = 30\noutbound_days = 30\n"
+    )
 
     _run(store, epoch, text)
 

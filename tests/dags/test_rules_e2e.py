@@ -6,6 +6,7 @@ dead in the store with its reason.
 
 One pipeline run per backend (a module fixture: a JVM start is the bulk of the time), three tests
 reading its outcome — one per capability."""
+
 from __future__ import annotations
 
 import itertools
@@ -47,24 +48,28 @@ def stamp(message):
 
 def adt(control_id: str, patient: str, visit: str | None) -> str:
     pv1 = f"PV1|1|{visit}\r" if visit is not None else ""
-    return (f"MSH|^~\\&|ADT1|HOSP|STAGELINE|SL|20240101120000||ADT^A01^ADT_A01|{control_id}|P|2.5.1\r"
-            f"PID|1||{patient}^^^HOSP^MR||DOE^JOHN||19610615\r{pv1}")
+    return (
+        f"MSH|^~\\&|ADT1|HOSP|STAGELINE|SL|20240101120000||ADT^A01^ADT_A01|{control_id}|P|2.5.1\r"
+        f"PID|1||{patient}^^^HOSP^MR||DOE^JOHN||19610615\r{pv1}"
+    )
 
 
 def oru(control_id: str, patient: str, *flags: str) -> str:
     obx = "".join(f"OBX|{i}|NM|2345-7^Glucose^LN||{90 + i}|mg/dL|70-99|{flag}|||F\r" for i, flag in enumerate(flags, 1))
-    return (f"MSH|^~\\&|LAB|LABFAC|STAGELINE|SL|20240101120000||ORU^R01^ORU_R01|{control_id}|P|2.5.1\r"
-            f"PID|1||{patient}^^^HOSP^MR||DOE^JANE\rOBR|1|ORD1\r{obx}")
+    return (
+        f"MSH|^~\\&|LAB|LABFAC|STAGELINE|SL|20240101120000||ORU^R01^ORU_R01|{control_id}|P|2.5.1\r"
+        f"PID|1||{patient}^^^HOSP^MR||DOE^JANE\rOBR|1|ORD1\r{obx}"
+    )
 
 
 SENT = {  # control id -> (connection, text)
-    "ADT1": ("adt-in", adt("ADT1", "P1", "I")),     # inpatient: MSH-5 set (when), new control id
-    "ADT2": ("adt-in", adt("ADT2", "P2", "O")),     # outpatient: MSH-5 left alone
-    "ADT3": ("adt-in", adt("ADT3", "P3", "X")),     # unknown patient class: map dead-letters it
-    "ADT4": ("adt-in", adt("ADT4", "P4", None)),    # no PV1: no route but the catch-all
+    "ADT1": ("adt-in", adt("ADT1", "P1", "I")),  # inpatient: MSH-5 set (when), new control id
+    "ADT2": ("adt-in", adt("ADT2", "P2", "O")),  # outpatient: MSH-5 left alone
+    "ADT3": ("adt-in", adt("ADT3", "P3", "X")),  # unknown patient class: map dead-letters it
+    "ADT4": ("adt-in", adt("ADT4", "P4", None)),  # no PV1: no route but the catch-all
     "ORU1": ("lab-in", oru("ORU1", "P1", "N", "N")),  # lab connection: to the hooked destination
     "ORU2": ("lab-in", oru("ORU2", "P2", "N", "H")),  # any OBX abnormal: alerts too
-    "ORU3": ("lab-in", oru("ORU3", "BAD", "N")),     # the hook raises: dead, alone
+    "ORU3": ("lab-in", oru("ORU3", "BAD", "N")),  # the hook raises: dead, alone
 }
 
 
@@ -72,19 +77,37 @@ def pipeline_config(directory: Path, *, ehr: int, alerts: int, lab: Path, archiv
     write_pipeline(
         directory,
         routes=[
-            {"name": "admissions", "destinations": ["ehr"],
-             "when": {"all": [{"field": "MSH-9.1", "op": "eq", "value": "ADT"}, {"segment": "PV1"}]}},
+            {
+                "name": "admissions",
+                "destinations": ["ehr"],
+                "when": {"all": [{"field": "MSH-9.1", "op": "eq", "value": "ADT"}, {"segment": "PV1"}]},
+            },
             {"name": "lab-feed", "destinations": ["lab"], "when": {"connection": "lab-in"}},
-            {"name": "abnormal", "destinations": ["alerts"],
-             "when": {"field": "OBX-8", "op": "in", "value": ["H", "HH", "L", "LL"], "segments": "any"}},
-            {"name": "the-rest", "destinations": ["archive"], "catch_all": True}],
-        destinations=[mllp_destination("ehr", ehr), mllp_destination("alerts", alerts),
-                      file_destination("lab", lab, code="lab_hooks:stamp"), file_destination("archive", archive)],
-        transforms=[{"destination": "ehr", "rules": [
-            {"set": "MSH-5", "value": "WARDS", "when": {"field": "PV1-2", "op": "eq", "value": "I"}},
-            {"map": "PV1-2", "table": "patient_class", "not_found": "dead_letter"},
-            {"format_date": "PID-7", "to_format": "yyyy-MM-dd"},
-            {"set": "MSH-10", "generate": "control_id", "prefix": "SL"}]}])
+            {
+                "name": "abnormal",
+                "destinations": ["alerts"],
+                "when": {"field": "OBX-8", "op": "in", "value": ["H", "HH", "L", "LL"], "segments": "any"},
+            },
+            {"name": "the-rest", "destinations": ["archive"], "catch_all": True},
+        ],
+        destinations=[
+            mllp_destination("ehr", ehr),
+            mllp_destination("alerts", alerts),
+            file_destination("lab", lab, code="lab_hooks:stamp"),
+            file_destination("archive", archive),
+        ],
+        transforms=[
+            {
+                "destination": "ehr",
+                "rules": [
+                    {"set": "MSH-5", "value": "WARDS", "when": {"field": "PV1-2", "op": "eq", "value": "I"}},
+                    {"map": "PV1-2", "table": "patient_class", "not_found": "dead_letter"},
+                    {"format_date": "PID-7", "to_format": "yyyy-MM-dd"},
+                    {"set": "MSH-10", "generate": "control_id", "prefix": "SL"},
+                ],
+            }
+        ],
+    )
     (directory / "code").mkdir()
     (directory / "code" / "lab_hooks.py").write_text(HOOK)
 
@@ -118,8 +141,13 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
     ports = {"adt-in": free_port(), "lab-in": free_port()}
     store = Store(config)
     lab, archive = work / "out" / "lab", work / "out" / "archive"
-    with listenerd(work / "node", config, node_id="solo:1:rules", receivers=(ehr, alerts),
-                   inbound=[mllp_inbound(n, p) for n, p in ports.items()]) as daemon:
+    with listenerd(
+        work / "node",
+        config,
+        node_id="solo:1:rules",
+        receivers=(ehr, alerts),
+        inbound=[mllp_inbound(n, p) for n, p in ports.items()],
+    ) as daemon:
         lab.mkdir(parents=True)
         archive.mkdir(parents=True)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, alerts=alerts.port, lab=lab, archive=archive)
@@ -131,9 +159,14 @@ def outcome(request, airflow_db, tmp_path_factory) -> Iterator[Outcome]:
     message_ids = {
         r["control_id"]: r["message_id"] for r in rows(store, "SELECT control_id, message_id FROM stage_inbound")
     }
-    yield Outcome(store=store, ehr=ehr.texts, alerts=alerts.texts,
-                  lab={p.name: p.read_bytes().decode() for p in lab.iterdir()},
-                  archive={p.name: p.read_bytes().decode() for p in archive.iterdir()}, message_ids=message_ids)
+    yield Outcome(
+        store=store,
+        ehr=ehr.texts,
+        alerts=alerts.texts,
+        lab={p.name: p.read_bytes().decode() for p in lab.iterdir()},
+        archive={p.name: p.read_bytes().decode() for p in archive.iterdir()},
+        message_ids=message_ids,
+    )
     store.close()
     if server is not None:
         server.execute(f"DROP DATABASE IF EXISTS {config.database} WITH (FORCE)")
@@ -146,10 +179,15 @@ def routed(o: Outcome) -> dict[tuple[str, str], tuple[str, str, str | None]]:
 
 def test_routing_by_segment_presence_connection_any_obx_and_a_catch_all(outcome: Outcome) -> None:
     assert {k: v[0] for k, v in routed(outcome).items()} == {
-        ("ADT1", "ehr"): "admissions", ("ADT2", "ehr"): "admissions", ("ADT3", "ehr"): "admissions",
+        ("ADT1", "ehr"): "admissions",
+        ("ADT2", "ehr"): "admissions",
+        ("ADT3", "ehr"): "admissions",
         ("ADT4", "archive"): "the-rest",
-        ("ORU1", "lab"): "lab-feed", ("ORU2", "lab"): "lab-feed", ("ORU2", "alerts"): "abnormal",
-        ("ORU3", "lab"): "lab-feed"}
+        ("ORU1", "lab"): "lab-feed",
+        ("ORU2", "lab"): "lab-feed",
+        ("ORU2", "alerts"): "abnormal",
+        ("ORU3", "lab"): "lab-feed",
+    }
     assert rows(outcome.store, "SELECT DISTINCT status FROM stage_inbound") == [{"status": "done"}]
     assert outcome.alerts == [SENT["ORU2"][1]]  # no rules for alerts: byte for byte
     assert outcome.archive == {f"{outcome.message_ids['ADT4']}-archive.hl7": SENT["ADT4"][1]}
@@ -164,10 +202,13 @@ def test_when_rules_generated_control_ids_and_a_map_dead_letter(outcome: Outcome
     assert adt1 == SENT["ADT1"][1].replace("|STAGELINE|SL|", "|WARDS|SL|").replace(
         "|ADT1|P|", f"|{control_ids[0]}|P|"
     ).replace("19610615", "1961-06-15").replace("PV1|1|I", "PV1|1|IN")
-    assert adt2 == SENT["ADT2"][1].replace("|ADT2|P|", f"|{control_ids[1]}|P|") \
-        .replace("19610615", "1961-06-15").replace("PV1|1|O", "PV1|1|OUT")  # when false: MSH-5 kept
+    assert adt2 == SENT["ADT2"][1].replace("|ADT2|P|", f"|{control_ids[1]}|P|").replace(
+        "19610615", "1961-06-15"
+    ).replace("PV1|1|O", "PV1|1|OUT")  # when false: MSH-5 kept
     assert routed(outcome)[("ADT3", "ehr")][1:] == (
-        "dead", "dead-lettered: the value at PV1-2 is not in lookup table 'patient_class'")
+        "dead",
+        "dead-lettered: the value at PV1-2 is not in lookup table 'patient_class'",
+    )
     outbound = rows(
         outcome.store, "SELECT control_id, destination, status FROM stage_outbound WHERE destination = 'ehr'"
     )
@@ -176,12 +217,21 @@ def test_when_rules_generated_control_ids_and_a_map_dead_letter(outcome: Outcome
 
 def test_the_code_hook_rewrites_its_destinations_messages_and_a_raising_one_dies_alone(outcome: Outcome) -> None:
     ids = outcome.message_ids
-    assert outcome.lab == {f"{ids[c]}-lab.hl7": SENT[c][1].replace("|STAGELINE|SL|", "|HOOKED|SL|")
-                           for c in ("ORU1", "ORU2")}
+    assert outcome.lab == {
+        f"{ids[c]}-lab.hl7": SENT[c][1].replace("|STAGELINE|SL|", "|HOOKED|SL|") for c in ("ORU1", "ORU2")
+    }
     assert routed(outcome)[("ORU3", "lab")][1:] == (
-        "dead", "code hook lab_hooks:stamp raised ValueError: lab system rejects test patient")
-    trail = rows(outcome.store, "SELECT stage, destination, event, to_status FROM message_events "
-                                f"WHERE message_id = '{ids['ORU3']}' ORDER BY id")
+        "dead",
+        "code hook lab_hooks:stamp raised ValueError: lab system rejects test patient",
+    )
+    trail = rows(
+        outcome.store,
+        "SELECT stage, destination, event, to_status FROM message_events "
+        f"WHERE message_id = '{ids['ORU3']}' ORDER BY id",
+    )
     assert [tuple(e.values()) for e in trail] == [
-        ("inbound", None, "received", "pending"), ("inbound", None, "done", "done"),
-        ("routed", "lab", "routed", "pending"), ("routed", "lab", "dead", "dead")]
+        ("inbound", None, "received", "pending"),
+        ("inbound", None, "done", "done"),
+        ("routed", "lab", "routed", "pending"),
+        ("routed", "lab", "dead", "dead"),
+    ]

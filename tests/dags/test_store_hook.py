@@ -1,6 +1,7 @@
 """`StagelineStoreHook` with real Airflow connections (`AIRFLOW_CONN_STAGELINE_STORE`, read through
 Airflow's own secrets backends) against real stores: what the connection supplies and what it does
 not, the store resolved once, and a sensor's pokes sharing that one store."""
+
 from __future__ import annotations
 
 import json
@@ -62,13 +63,24 @@ def test_the_connections_server_and_database_win_over_the_file(pg_config_fresh, 
     """The file names a database that does not exist; the connection names the real one."""
     wrong = StoreConfig(backend="postgres", server="db.invalid", port=1, database="nowhere", username="nobody")
     path = write_service_config(tmp_path, wrong, cluster=True)
-    monkeypatch.setenv(CONN_ENV, connection(host=pg_config_fresh.server, port=pg_config_fresh.port,
-                                            login=pg_config_fresh.username, schema=pg_config_fresh.database))
+    monkeypatch.setenv(
+        CONN_ENV,
+        connection(
+            host=pg_config_fresh.server,
+            port=pg_config_fresh.port,
+            login=pg_config_fresh.username,
+            schema=pg_config_fresh.database,
+        ),
+    )
 
     with StagelineStoreHook(config_path=path) as hook:
         resolved = hook.config.store
         assert (resolved.server, resolved.port, resolved.database, resolved.username) == (
-            pg_config_fresh.server, pg_config_fresh.port, pg_config_fresh.database, pg_config_fresh.username)
+            pg_config_fresh.server,
+            pg_config_fresh.port,
+            pg_config_fresh.database,
+            pg_config_fresh.username,
+        )
         assert hook.config.cluster.enabled and resolved.backend == "postgres"
         assert check_identity(hook.get_conn(), cluster_name=CLUSTER)["cluster_name"] == CLUSTER
 
@@ -90,8 +102,9 @@ def test_a_sensors_pokes_share_one_store_opened_and_closed_by_its_task(sqlite_to
     setup = Store(StagelineStoreHook().config.store)
     try:
         epoch = acquire_permanent(setup, node_id="solo:1:aa")
-        sensor = WorkPendingSensor(task_id="wait_for_work", stage="route", leader={"epoch": epoch},
-                                   poke_interval=0, timeout=60)
+        sensor = WorkPendingSensor(
+            task_id="wait_for_work", stage="route", leader={"epoch": epoch}, poke_interval=0, timeout=60
+        )
         poked_with: list[Store] = []
         poke = sensor.poke
 

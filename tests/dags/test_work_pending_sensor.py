@@ -1,6 +1,7 @@
 """`WorkPendingSensor` across a change of leader, on a real PostgreSQL cluster lease: it waits on
 while no lease is live and, under a new epoch, watches that epoch's work — the run is not ended
 (the job task follows the new leader itself), so a failover costs no new DAG run."""
+
 from __future__ import annotations
 
 from stageline_airflow.hooks import StagelineStoreHook

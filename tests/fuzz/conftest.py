@@ -2,6 +2,7 @@
 Twisted's zope.interface classes imported, its code rewriter (libcst) raises while doing so and
 pytest stops the whole session with an INTERNALERROR instead of reporting the failure. The
 failure itself is reported in full without the patch."""
+
 from __future__ import annotations
 
 try:

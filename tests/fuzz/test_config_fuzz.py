@@ -3,6 +3,7 @@ the shipped config/ with values of the wrong type, out of range, keys removed or
 that are not TOML, files of unknown names, lookup CSVs of any bytes — goes through
 `listeners.config_check.check_dir` and the `stageline config check` entry point. Never a traceback:
 a report whose problems each name a file of that dir, and an exit code (0 clean, else non-zero)."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def to_toml(doc: dict[str, Any]) -> str:
         name = json.dumps(str(key))
         if isinstance(val, list) and val and all(isinstance(v, dict) for v in val):
             for entry in val:
-                tables.append(f"[[{name}]]\n" + "".join(f"{json.dumps(str(k))} = {toml_scalar(v)}\n"
-                                                        for k, v in entry.items()))
+                tables.append(
+                    f"[[{name}]]\n" + "".join(f"{json.dumps(str(k))} = {toml_scalar(v)}\n" for k, v in entry.items())
+                )
         elif isinstance(val, dict):
             plain = {
                 k: v for k, v in val.items() if not (isinstance(v, list) and v and all(isinstance(x, dict) for x in v))
@@ -57,19 +59,46 @@ def to_toml(doc: dict[str, Any]) -> str:
             for k, v in val.items():
                 if k not in plain:
                     for entry in v:
-                        tables.append(f"[[{name}.{json.dumps(str(k))}]]\n" + "".join(
-                            f"{json.dumps(str(a))} = {toml_scalar(b)}\n" for a, b in entry.items()))
+                        tables.append(
+                            f"[[{name}.{json.dumps(str(k))}]]\n"
+                            + "".join(f"{json.dumps(str(a))} = {toml_scalar(b)}\n" for a, b in entry.items())
+                        )
         else:
             top.append(f"{name} = {toml_scalar(val)}\n")
     return "".join(top) + "\n".join(tables)
 
 
 odd_values = st.one_of(
-    st.text(max_size=12), st.integers(-2**63, 2**63 - 1), st.floats(), st.booleans(),
-    st.sampled_from(["no", "yes", "0", "2575", "-5", "", "klingon", "punycode", "os:system", "../../etc/passwd",
-                     "/etc/shadow", "0.0.0.0", "$STAGELINE_VAR/../..", "PID-3.1", "*", "mllp", "http", "file"]),
+    st.text(max_size=12),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.booleans(),
+    st.sampled_from(
+        [
+            "no",
+            "yes",
+            "0",
+            "2575",
+            "-5",
+            "",
+            "klingon",
+            "punycode",
+            "os:system",
+            "../../etc/passwd",
+            "/etc/shadow",
+            "0.0.0.0",
+            "$STAGELINE_VAR/../..",
+            "PID-3.1",
+            "*",
+            "mllp",
+            "http",
+            "file",
+        ]
+    ),
     st.sampled_from([-5, 0, 1, 65536, 10**12, -1.5, 0.0]),
-    st.lists(st.text(max_size=4), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    st.lists(st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
 
 
 def leaves(doc: Any, path: tuple = ()) -> list[tuple]:
@@ -124,8 +153,15 @@ def config_dirs(draw: st.DrawFn) -> dict[str, bytes]:
         if not isinstance(doc, dict):
             doc = {"value": doc}
         files[name] = to_toml(doc).encode("utf-8", "surrogatepass")
-    for extra in draw(st.lists(st.sampled_from(["route.toml", "stageline.toml", "x.toml", "lookups/t.csv",
-                                                "lookups/patient_class.csv", "lookups"]), max_size=2, unique=True)):
+    for extra in draw(
+        st.lists(
+            st.sampled_from(
+                ["route.toml", "stageline.toml", "x.toml", "lookups/t.csv", "lookups/patient_class.csv", "lookups"]
+            ),
+            max_size=2,
+            unique=True,
+        )
+    ):
         files[extra] = draw(st.binary(max_size=60))
     return files
 
@@ -211,8 +247,17 @@ def test_config_check_exits_with_a_code_never_a_traceback(files: dict[str, bytes
     assert (code == 0) == ("config OK" in out.getvalue()), out.getvalue()[-500:]
 
 
-ROW_NAMES = ["port-as-text", "insecure-bind-flag-as-text", "negative-idle-timeout", "unknown-charset",
-             "punycode-charset", "attempts-as-text", "port-as-list", "destinations-as-text", "unknown-file"]
+ROW_NAMES = [
+    "port-as-text",
+    "insecure-bind-flag-as-text",
+    "negative-idle-timeout",
+    "unknown-charset",
+    "punycode-charset",
+    "attempts-as-text",
+    "port-as-list",
+    "destinations-as-text",
+    "unknown-file",
+]
 
 
 def test_each_issue_23_config_row_is_a_problem_not_config_ok() -> None:

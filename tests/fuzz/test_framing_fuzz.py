@@ -2,6 +2,7 @@
 (listeners/tcp.py). Any bytes, cut anywhere: the same events as the whole stream, never an
 exception, memory bounded by the message limit, and time linear in the input (a 100 KiB stream of
 the worst kind for each decoder in under 0.5 s)."""
+
 from __future__ import annotations
 
 import struct
@@ -34,8 +35,11 @@ def feed_all(decoder: Decoder, chunks: list[bytes]) -> list[object]:
     return events
 
 
-line_parts = st.one_of(st.binary(max_size=60), st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n"]),
-                       st.integers(MAX - 2, MAX * 3).map(lambda n: b"y" * n + b"\n"))
+line_parts = st.one_of(
+    st.binary(max_size=60),
+    st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n"]),
+    st.integers(MAX - 2, MAX * 3).map(lambda n: b"y" * n + b"\n"),
+)
 
 
 @FUZZ
@@ -58,9 +62,11 @@ def length_frames(draw_sizes: list[int]) -> bytes:
     return b"".join(struct.pack(">I", n) + bytes([n % 251]) * n for n in draw_sizes)
 
 
-length_parts = st.one_of(st.binary(max_size=40),
-                         st.lists(st.integers(0, MAX), max_size=5).map(length_frames),
-                         st.integers(MAX + 1, 2**32 - 1).map(lambda n: struct.pack(">I", n)))
+length_parts = st.one_of(
+    st.binary(max_size=40),
+    st.lists(st.integers(0, MAX), max_size=5).map(length_frames),
+    st.integers(MAX + 1, 2**32 - 1).map(lambda n: struct.pack(">I", n)),
+)
 
 
 @FUZZ
@@ -80,13 +86,15 @@ def test_length_framing_any_split_gives_the_same_bounded_events(stream: bytes, d
 def test_length_framing_returns_every_well_formed_frame(sizes: list[int], data: st.DataObject) -> None:
     stream = length_frames(sizes)
     assert feed_all(LengthDecoder(max_message_bytes=MAX), cut(data, stream)) == [
-        Frame(bytes([n % 251]) * n) for n in sizes]
+        Frame(bytes([n % 251]) * n) for n in sizes
+    ]
 
 
 # -- worst cases, timed ---------------------------------------------------------------------------
 # Each is the input that makes its decoder do the most work per byte: the most events (tiny or
 # empty frames, one per few bytes), or the longest scan (one frame that never ends), fed whole or
 # one byte at a time.
+
 
 def mllp_tiny_frames(n: int) -> bytes:
     return (frame(b"M") * (n // 4 + 1))[:n]
@@ -108,8 +116,9 @@ def length_empty_frames(n: int) -> bytes:
     return b"\0\0\0\0" * (n // 4)
 
 
-def run(decoder_factory: Callable[[], Decoder], make: Callable[[int], bytes], *,
-        chunk: int | None = None) -> Callable[[int], int]:
+def run(
+    decoder_factory: Callable[[], Decoder], make: Callable[[int], bytes], *, chunk: int | None = None
+) -> Callable[[int], int]:
     def go(n: int) -> int:
         decoder = decoder_factory()
         data = make(n)
@@ -117,8 +126,9 @@ def run(decoder_factory: Callable[[], Decoder], make: Callable[[int], bytes], *,
             return len(decoder.feed(data))
         events = 0
         for i in range(0, len(data), chunk):
-            events += len(decoder.feed(data[i:i + chunk]))
+            events += len(decoder.feed(data[i : i + chunk]))
         return events
+
     return go
 
 

@@ -3,6 +3,7 @@
 (`listeners.validation.build_inbound`). Any input: a result or the documented refusal
 (`HL7HeaderError`, `BatchError`, `PayloadRejected`), never another exception; what comes out is
 no bigger than what went in; and the worst 100 KiB of each kind takes under 0.5 s, linearly."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,13 +19,39 @@ from tests.fuzz.budget import FUZZ, WORST_BYTES, WORST_SECONDS, linear, seconds
 
 # Charset names a sender could put in MSH-18: table 0211, aliases, and names Python has as codecs
 # that are not character sets (the issue 23 rows: quadratic, or not text at all).
-CHARSETS = ["", "ASCII", "8859/1", "UNICODE UTF-8", "UTF-8", "latin-1", "ISO IR87", "BIG-5", "GB 18030-2000",
-            "punycode", "base64", "zlib", "rot13", "hex", "bz2", "uu", "quopri", "utf-16", "utf-32",
-            "UNICODE", "idna", "unicode_escape", "raw_unicode_escape", "klingon", "8859/1~UTF-8", "x" * 300]
+CHARSETS = [
+    "",
+    "ASCII",
+    "8859/1",
+    "UNICODE UTF-8",
+    "UTF-8",
+    "latin-1",
+    "ISO IR87",
+    "BIG-5",
+    "GB 18030-2000",
+    "punycode",
+    "base64",
+    "zlib",
+    "rot13",
+    "hex",
+    "bz2",
+    "uu",
+    "quopri",
+    "utf-16",
+    "utf-32",
+    "UNICODE",
+    "idna",
+    "unicode_escape",
+    "raw_unicode_escape",
+    "klingon",
+    "8859/1~UTF-8",
+    "x" * 300,
+]
 SEPARATORS = "|^~\\&#!*$@%"
 
-field = st.one_of(st.text(max_size=12), st.binary(max_size=12).map(lambda b: b.decode("latin-1")),
-                  st.sampled_from(CHARSETS))
+field = st.one_of(
+    st.text(max_size=12), st.binary(max_size=12).map(lambda b: b.decode("latin-1")), st.sampled_from(CHARSETS)
+)
 
 
 @st.composite
@@ -39,10 +66,23 @@ def msh(draw: st.DrawFn) -> bytes:
     return text.encode(codec, "replace")
 
 
-segment = st.one_of(msh(), st.sampled_from([b"PID|1||123", b"EVN|A01", b"OBX|1|TX|||\xff\xfe", b"", b"\x00"]),
-                    st.binary(max_size=30),
-                    st.sampled_from([b"FHS|^~\\&|A|B", b"BHS|^~\\&|A|B||||||B1", b"BTS|1", b"BTS|x", b"FTS|1",
-                                     b"BHS|", b"FHS", b"BTS|99999999999999999999"]))
+segment = st.one_of(
+    msh(),
+    st.sampled_from([b"PID|1||123", b"EVN|A01", b"OBX|1|TX|||\xff\xfe", b"", b"\x00"]),
+    st.binary(max_size=30),
+    st.sampled_from(
+        [
+            b"FHS|^~\\&|A|B",
+            b"BHS|^~\\&|A|B||||||B1",
+            b"BTS|1",
+            b"BTS|x",
+            b"FTS|1",
+            b"BHS|",
+            b"FHS",
+            b"BTS|99999999999999999999",
+        ]
+    ),
+)
 ending = st.sampled_from([b"\r", b"\n", b"\r\n", b""])
 
 
@@ -55,8 +95,9 @@ def message_bytes(draw: st.DrawFn) -> bytes:
 
 @FUZZ
 @given(message_bytes(), st.booleans(), st.booleans(), st.sampled_from(["utf-8", "latin-1", "ascii"]))
-def test_header_parse_gives_a_header_or_its_documented_error(data: bytes, complete: bool, strict: bool,
-                                                              default: str) -> None:
+def test_header_parse_gives_a_header_or_its_documented_error(
+    data: bytes, complete: bool, strict: bool, default: str
+) -> None:
     try:
         header = parse_header(data, complete=complete, default_encoding=default, strict_charset=strict)
     except HL7HeaderError as exc:
@@ -84,8 +125,7 @@ def test_batch_split_gives_messages_or_its_documented_error(data: bytes) -> None
 
 @FUZZ
 @given(message_bytes(), st.sampled_from(CHARSETS[:7]), st.booleans())
-def test_every_transport_decision_stages_or_refuses_with_a_reason(data: bytes, charset: str,
-                                                                  hl7_only: bool) -> None:
+def test_every_transport_decision_stages_or_refuses_with_a_reason(data: bytes, charset: str, hl7_only: bool) -> None:
     try:
         built = build_inbound(data, connection="fuzz", charset=charset or "UTF-8", hl7_only=hl7_only)
     except PayloadRejected as exc:
@@ -109,6 +149,7 @@ def test_a_declared_charset_outside_table_0211_is_refused_not_decoded(charset: s
 
 
 # -- worst cases, timed ---------------------------------------------------------------------------
+
 
 def header_one_huge_field(n: int) -> bytes:
     return b"MSH|^~\\&|" + b"A" * n + b"|||||C1|P|2.5\rPID|1\r"
@@ -143,10 +184,12 @@ WORST = {
     "batch-of-tiny-messages": lambda n: split_batch(batch_of_tiny_messages(n)),
     "batch-one-message-of-tiny-segments": lambda n: split_batch(batch_of_segments(n)),
     "batch-of-bhs-lines": lambda n: _refused(lambda: split_batch(lone_bhs_lines(n))),
-    "inbound-batch-of-tiny-messages": lambda n: build_inbound(batch_of_tiny_messages(n), connection="w",
-                                                              charset="UTF-8"),
-    "inbound-punycode-charset": lambda n: _refused(lambda: build_inbound(header_punycode(n), connection="w",
-                                                                         charset="UTF-8")),
+    "inbound-batch-of-tiny-messages": lambda n: build_inbound(
+        batch_of_tiny_messages(n), connection="w", charset="UTF-8"
+    ),
+    "inbound-punycode-charset": lambda n: _refused(
+        lambda: build_inbound(header_punycode(n), connection="w", charset="UTF-8")
+    ),
 }
 
 

@@ -3,6 +3,7 @@ charset allowlist (`include.charsets.codec_for`) it decides with. Any request â€
 Content-Type (charset included), body, cut anywhere â€” gets a JSON answer with a 2xx/4xx status,
 never a 500 or a traceback; any name gives an allowed codec or None; and a 1.6 MB punycode body
 (issue 23: 22 s on the reactor) is refused in milliseconds."""
+
 from __future__ import annotations
 
 import json
@@ -73,18 +74,32 @@ def statuses(out: bytes) -> list[int]:
 
 content_types = st.one_of(
     st.none(),
-    st.sampled_from(["text/plain", "application/hl7-v2", "application/json", "TEXT/PLAIN ; CHARSET=\"UTF-8\"",
-                     "text/plain; charset=", "text/plain; charset", ";;;", "text/plain; charset=\"\""]),
+    st.sampled_from(
+        [
+            "text/plain",
+            "application/hl7-v2",
+            "application/json",
+            'TEXT/PLAIN ; CHARSET="UTF-8"',
+            "text/plain; charset=",
+            "text/plain; charset",
+            ";;;",
+            'text/plain; charset=""',
+        ]
+    ),
     st.sampled_from(CHARSETS).map(lambda c: f"text/plain; charset={c}"),
-    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80),
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=80),
 )
 
 
 @st.composite
 def requests(draw: st.DrawFn) -> bytes:
     method = draw(st.sampled_from(["POST"] * 8 + ["GET", "PUT", "DELETE", "OPTIONS", "HEAD"]))
-    path = draw(st.sampled_from(["/messages/web"] * 6 + ["/messages/web/", "/messages/other", "/", "/messages/web?x=1",
-                                 "/messages/%2e%2e", "/messages/web#f"]))
+    path = draw(
+        st.sampled_from(
+            ["/messages/web"] * 6
+            + ["/messages/web/", "/messages/other", "/", "/messages/web?x=1", "/messages/%2e%2e", "/messages/web#f"]
+        )
+    )
     body = draw(
         st.one_of(
             message_bytes(),
@@ -134,8 +149,17 @@ def test_content_type_parse_never_raises_and_never_grows(value: bytes) -> None:
 
 
 @FUZZ
-@given(st.one_of(st.text(max_size=60), st.sampled_from(CHARSETS), st.sampled_from(CHARSETS).map(str.lower),
-                 st.none(), st.integers(), st.binary(max_size=10), st.lists(st.text(max_size=3), max_size=2)))
+@given(
+    st.one_of(
+        st.text(max_size=60),
+        st.sampled_from(CHARSETS),
+        st.sampled_from(CHARSETS).map(str.lower),
+        st.none(),
+        st.integers(),
+        st.binary(max_size=10),
+        st.lists(st.text(max_size=3), max_size=2),
+    )
+)
 def test_codec_for_gives_an_allowed_codec_or_none(name: Any) -> None:
     codec = codec_for(name)
     assert codec is None or codec in ALLOWED_CODECS
@@ -144,8 +168,27 @@ def test_codec_for_gives_an_allowed_codec_or_none(name: Any) -> None:
 
 
 def test_no_codec_that_is_not_a_charset_is_ever_allowed() -> None:
-    for name in ("punycode", "base64", "base_64", "zlib", "zip", "rot13", "rot_13", "hex", "bz2", "uu", "quopri",
-                 "idna", "unicode_escape", "raw_unicode_escape", "utf-16", "utf-32", "utf_7", "mbcs", "klingon"):
+    for name in (
+        "punycode",
+        "base64",
+        "base_64",
+        "zlib",
+        "zip",
+        "rot13",
+        "rot_13",
+        "hex",
+        "bz2",
+        "uu",
+        "quopri",
+        "idna",
+        "unicode_escape",
+        "raw_unicode_escape",
+        "utf-16",
+        "utf-32",
+        "utf_7",
+        "mbcs",
+        "klingon",
+    ):
         assert codec_for(name) is None, name
 
 
@@ -158,8 +201,10 @@ def test_a_punycode_body_of_1_6_mb_is_refused_in_milliseconds() -> None:
     transport = StringTransport(peerAddress=PEER, hostAddress=HOST)
     channel.makeConnection(transport)
     started = time.perf_counter()
-    channel.dataReceived(b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain; charset=punycode\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    channel.dataReceived(
+        b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain; charset=punycode\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     took = time.perf_counter() - started
     assert statuses(transport.value()) == [400], transport.value()[:300]
     assert not ingest.items
@@ -169,5 +214,6 @@ def test_a_punycode_body_of_1_6_mb_is_refused_in_milliseconds() -> None:
 def test_content_type_parse_is_linear_in_its_length() -> None:
     def many_params(n: int) -> object:
         return _content_type(b"text/plain" + b"; a=b" * (n // 5))
+
     assert seconds(lambda: many_params(WORST_BYTES)) < 0.1
     linear(many_params)

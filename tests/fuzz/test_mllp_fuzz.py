@@ -101,9 +101,7 @@ def test_well_formed_frames_survive_any_split(ids: list[int], data: st.DataObjec
 
 @FUZZ
 @given(st.binary(max_size=300), st.booleans())
-def test_random_bytes_parse_or_raise_only_the_documented_error(
-    data: bytes, complete: bool
-) -> None:
+def test_random_bytes_parse_or_raise_only_the_documented_error(data: bytes, complete: bool) -> None:
     candidates = [data, b"MSH" + data, b"MSH|^~\\&|" + data]
     for candidate in candidates:
         try:
@@ -207,8 +205,6 @@ def test_protocol_answers_every_complete_frame_and_never_crashes(
                 assert code == b"AR"
             else:
                 assert code == b"AA"
-                assert ack_event.payload.split(b"\rMSA|")[1].split(b"\r")[0] == (
-                    b"AA|" + expected.encode("utf-8")
-                )
+                assert ack_event.payload.split(b"\rMSA|")[1].split(b"\r")[0] == (b"AA|" + expected.encode("utf-8"))
         else:
             assert code == b"AR"

@@ -2,6 +2,7 @@
 `parse_transforms` and `stage_config.load` given valid tables with keys set to values of random
 wrong types (and random junk for whole tables) raise nothing but their `ConfigProblems` subclass,
 each problem keyed inside the file — never a TypeError, KeyError or RecursionError traceback."""
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,42 @@ from tests.fuzz.budget import FUZZ as _FUZZ
 
 FUZZ = settings(_FUZZ, max_examples=200)
 
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-                    st.binary(max_size=4))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=8)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.binary(max_size=4),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8,
+)
 
 ROUTE = {"name": "r", "destinations": ["ehr"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}}
 DESTINATIONS = [
-    {"name": "ehr", "kind": "mllp", "host": "h", "port": 2575, "timeout_seconds": 5, "max_attempts": 3,
-     "backoff_seconds": 1, "max_backoff_seconds": 10, "lane": "PID-3.1", "permanent_ack_codes": ["AR"],
-     "idle_timeout_seconds": 5, "tls": {"ca_file": "/ca.pem", "cert_file": "/c.pem", "key_file": "/k.pem",
-                                        "server_hostname": "h", "verify": True}},
+    {
+        "name": "ehr",
+        "kind": "mllp",
+        "host": "h",
+        "port": 2575,
+        "timeout_seconds": 5,
+        "max_attempts": 3,
+        "backoff_seconds": 1,
+        "max_backoff_seconds": 10,
+        "lane": "PID-3.1",
+        "permanent_ack_codes": ["AR"],
+        "idle_timeout_seconds": 5,
+        "tls": {
+            "ca_file": "/ca.pem",
+            "cert_file": "/c.pem",
+            "key_file": "/k.pem",
+            "server_hostname": "h",
+            "verify": True,
+        },
+    },
     {"name": "out", "kind": "file", "directory": "/tmp/out", "suffix": ".hl7", "mode": 0o600, "batch": False},
     {"name": "api", "kind": "http", "url": "https://x/y", "headers": {"X-A": "b"}, "timeout_seconds": 3},
 ]
@@ -41,12 +66,18 @@ RULES = [
     {"set": "MSH-5", "value": "X", "each": False, "when": {"segment": "PID"}},
     {"set": "MSH-10", "generate": "control_id", "prefix": "SL"},
     {"set": "MSH-7", "generate": "timestamp", "format": "yyyyMMdd"},
-    {"copy": "PID-3.1", "to": "PID-2"}, {"clear": "PID-19"},
+    {"copy": "PID-3.1", "to": "PID-2"},
+    {"clear": "PID-19"},
     {"map": "PV1-2", "table": "t", "not_found": "default", "default": "U"},
-    {"drop_segment": "ZPI"}, {"rename_segment": "ZPD", "to": "ZPX"},
-    {"add_segment": "ZST|1", "after": "PID"}, {"concat": ["PID-5.2", {"text": " "}], "to": "ZNM-1"},
-    {"dead_letter": "test"}, {"upper": "PID-5.1"}, {"substring": "MSH-7", "start": 1, "length": 8},
-    {"pad": "PID-3.1", "length": 10, "with": "0", "side": "left"}, {"replace": "PID-5.1", "pattern": "-", "with": ""},
+    {"drop_segment": "ZPI"},
+    {"rename_segment": "ZPD", "to": "ZPX"},
+    {"add_segment": "ZST|1", "after": "PID"},
+    {"concat": ["PID-5.2", {"text": " "}], "to": "ZNM-1"},
+    {"dead_letter": "test"},
+    {"upper": "PID-5.1"},
+    {"substring": "MSH-7", "start": 1, "length": 8},
+    {"pad": "PID-3.1", "length": 10, "with": "0", "side": "left"},
+    {"replace": "PID-5.1", "pattern": "-", "with": ""},
     {"format_date": "PID-7", "from": "hl7", "to_format": "yyyy-MM-dd", "on_error": "clear"},
 ]
 TRANSFORM = {"destination": "ehr", "output": "hl7", "rules": RULES}
@@ -75,8 +106,7 @@ def test_the_seed_tables_are_valid() -> None:
 @FUZZ
 @given(st.data())
 def test_parse_routes_raises_only_its_problems(data: st.DataObject) -> None:
-    routes = data.draw(st.one_of(st.lists(st.builds(mutated, st.just(ROUTE), st.just(data)), max_size=3),
-                                 VALUES))
+    routes = data.draw(st.one_of(st.lists(st.builds(mutated, st.just(ROUTE), st.just(data)), max_size=3), VALUES))
     try:
         parse_routes(routes)
     except RouteConfigError as exc:
@@ -101,8 +131,9 @@ def test_parse_destinations_raises_only_its_problems(data: st.DataObject) -> Non
 @FUZZ
 @given(st.data())
 def test_parse_transforms_raises_only_its_problems(data: st.DataObject) -> None:
-    rules: list[Any] = [mutated(rule, data) for rule in data.draw(st.lists(st.sampled_from(RULES), min_size=1,
-                                                                            max_size=3))]
+    rules: list[Any] = [
+        mutated(rule, data) for rule in data.draw(st.lists(st.sampled_from(RULES), min_size=1, max_size=3))
+    ]
     spec = mutated(TRANSFORM, data) if data.draw(st.booleans()) else {**TRANSFORM, "rules": rules}
     if data.draw(st.integers(0, 9)) == 0:
         spec = data.draw(VALUES)
@@ -128,15 +159,19 @@ def toml_value(value: Any) -> str:
 
 
 def toml_file(kind: str, tables: list[dict[str, Any]]) -> str:
-    return "".join(f"[[{kind}]]\n" + "".join(f"{json.dumps(k)} = {toml_value(v)}\n" for k, v in t.items())
-                   for t in tables)
+    return "".join(
+        f"[[{kind}]]\n" + "".join(f"{json.dumps(k)} = {toml_value(v)}\n" for k, v in t.items()) for t in tables
+    )
 
 
 @FUZZ
 @given(st.data())
 def test_stage_config_load_of_a_fuzzed_dir_raises_only_its_problems(data: st.DataObject) -> None:
-    tables = {"route": [mutated(ROUTE, data)], "destination": [mutated(d, data) for d in DESTINATIONS],
-              "transform": [mutated(TRANSFORM, data)]}
+    tables = {
+        "route": [mutated(ROUTE, data)],
+        "destination": [mutated(d, data) for d in DESTINATIONS],
+        "transform": [mutated(TRANSFORM, data)],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         for kind, name in stage_config.FILES.items():

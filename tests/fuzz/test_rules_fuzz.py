@@ -3,6 +3,7 @@ as a route's or a transform's `when` loads them from TOML. Any value: a parsed r
 documented `FieldPathError` / `ConditionError` (with where it is), never another exception;
 a parsed path prints back to itself; reading a value out of any message never raises and
 returns a piece of that message, in time linear in its size."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,9 @@ from tests.fuzz.budget import FUZZ, WORST_BYTES, WORST_SECONDS, linear, seconds
 PATH_ALPHABET = "MSHPIDOBXZ0123456789-[].abc "
 paths = st.one_of(
     st.text(alphabet=PATH_ALPHABET, max_size=16),
-    st.from_regex(r"[A-Z][A-Z0-9]{2}(\[[0-9]{1,3}\])?-[0-9]{1,4}(\[[0-9]{1,3}\])?(\.[0-9]{1,3}(\.[0-9]{1,3})?)?",
-                  fullmatch=True),
+    st.from_regex(
+        r"[A-Z][A-Z0-9]{2}(\[[0-9]{1,3}\])?-[0-9]{1,4}(\[[0-9]{1,3}\])?(\.[0-9]{1,3}(\.[0-9]{1,3})?)?", fullmatch=True
+    ),
     st.text(max_size=20),
 )
 
@@ -35,27 +37,60 @@ def test_a_field_path_parses_or_is_refused_with_its_error(raw: Any) -> None:
     assert parse_path(str(parsed)) == parsed
 
 
-scalars = st.one_of(st.text(max_size=10), st.integers(), st.floats(allow_nan=True), st.booleans(), st.none(),
-                    st.sampled_from(["eq", "ne", "in", "regex", "exists", "any", "all", "PID-3.1", "MSH-9.1",
-                                     "ZPI", "a(?P<x>b)", "(", "[", "^lab-", "PID[2]-3", "PID-3[2]"]))
+scalars = st.one_of(
+    st.text(max_size=10),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.sampled_from(
+        [
+            "eq",
+            "ne",
+            "in",
+            "regex",
+            "exists",
+            "any",
+            "all",
+            "PID-3.1",
+            "MSH-9.1",
+            "ZPI",
+            "a(?P<x>b)",
+            "(",
+            "[",
+            "^lab-",
+            "PID[2]-3",
+            "PID-3[2]",
+        ]
+    ),
+)
 KEYS = ["field", "op", "value", "segments", "repetitions", "segment", "connection", "all", "any", "not", "x"]
 
 
 def trees(depth: int = 3) -> st.SearchStrategy[Any]:
     leaf = st.dictionaries(st.sampled_from(KEYS), st.one_of(scalars, st.lists(scalars, max_size=3)), max_size=5)
     valid = st.one_of(  # so that well-formed trees (and their deeper mistakes) are reached too
-        st.fixed_dictionaries({"field": st.sampled_from(["PID-3.1", "MSH-9.1", "OBX-5", "PID-3[2]"]),
-                               "op": st.sampled_from(["eq", "ne", "regex"]), "value": st.text(max_size=6)},
-                              optional={"segments": st.sampled_from(["any", "all", "some"])}),
+        st.fixed_dictionaries(
+            {
+                "field": st.sampled_from(["PID-3.1", "MSH-9.1", "OBX-5", "PID-3[2]"]),
+                "op": st.sampled_from(["eq", "ne", "regex"]),
+                "value": st.text(max_size=6),
+            },
+            optional={"segments": st.sampled_from(["any", "all", "some"])},
+        ),
         st.fixed_dictionaries({"connection": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=4)))}),
-        st.builds(lambda s: {"segment": s}, st.sampled_from(["ZPI", "PID", "zpi", "PI"])))
-    return st.recursive(st.one_of(leaf, valid, valid, scalars),
-                        lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
-                                                st.builds(lambda k, v: {k: v}, st.sampled_from(["all", "any"]),
-                                                          st.lists(inner, min_size=1, max_size=3)),
-                                                st.builds(lambda v: {"not": v}, inner)),
-                        max_leaves=12)
+        st.builds(lambda s: {"segment": s}, st.sampled_from(["ZPI", "PID", "zpi", "PI"])),
+    )
+    return st.recursive(
+        st.one_of(leaf, valid, valid, scalars),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(st.sampled_from(KEYS), inner, max_size=3),
+            st.builds(lambda k, v: {k: v}, st.sampled_from(["all", "any"]), st.lists(inner, min_size=1, max_size=3)),
+            st.builds(lambda v: {"not": v}, inner),
+        ),
+        max_leaves=12,
+    )
 
 
 @FUZZ
@@ -67,16 +102,32 @@ def test_a_condition_tree_parses_or_is_refused_saying_where(cond: Any) -> None:
         assert str(exc).startswith("route 'r' when"), str(exc)
 
 
-segments = st.one_of(st.sampled_from(["MSH|^~\\&|A|B|C|D|||ADT^A01|C1|P|2.5", "PID|1||123~456^^^MR||DOE^JANE",
-                                      "OBX|1|TX|||a&b&c", "MSH#^~\\&#A", "MSH", "MSH|", "MSH|^", ""]),
-                     st.text(alphabet="MSHPIDOBX|^~\\&#0123456789 ", max_size=30))
+segments = st.one_of(
+    st.sampled_from(
+        [
+            "MSH|^~\\&|A|B|C|D|||ADT^A01|C1|P|2.5",
+            "PID|1||123~456^^^MR||DOE^JANE",
+            "OBX|1|TX|||a&b&c",
+            "MSH#^~\\&#A",
+            "MSH",
+            "MSH|",
+            "MSH|^",
+            "",
+        ]
+    ),
+    st.text(alphabet="MSHPIDOBX|^~\\&#0123456789 ", max_size=30),
+)
 
 
 @FUZZ
-@given(st.lists(st.tuples(segments, st.sampled_from(["\r", "\n", "\r\n"])), max_size=8).map(
-           lambda parts: "".join(s + e for s, e in parts)),
-       st.sampled_from(["MSH-1", "MSH-2", "MSH-9.1", "MSH-10", "PID-3", "PID-3[2].1", "PID-5.2", "OBX[2]-5.1.3",
-                        "PID[3]-1", "ZZZ-1"]))
+@given(
+    st.lists(st.tuples(segments, st.sampled_from(["\r", "\n", "\r\n"])), max_size=8).map(
+        lambda parts: "".join(s + e for s, e in parts)
+    ),
+    st.sampled_from(
+        ["MSH-1", "MSH-2", "MSH-9.1", "MSH-10", "PID-3", "PID-3[2].1", "PID-5.2", "OBX[2]-5.1.3", "PID[3]-1", "ZZZ-1"]
+    ),
+)
 def test_reading_a_value_out_of_any_message_never_raises(message: str, path: str) -> None:
     got = value(message, path)
     assert got is None or (got and (got in message or path in ("MSH-1",)))

@@ -1,4 +1,5 @@
 """Fixtures the listener tests share."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,8 +11,13 @@ from zope.interface import provider
 
 from include.config import StoreConfig
 
-FAST_LEASE = {"enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
-              "leader_lease_ttl_seconds": 2.5, "node_timeout_seconds": 2.0}
+FAST_LEASE = {
+    "enabled": True,
+    "heartbeat_seconds": 0.5,
+    "leader_fence_timeout_seconds": 1.5,
+    "leader_lease_ttl_seconds": 2.5,
+    "node_timeout_seconds": 2.0,
+}
 """A `[cluster]` whose lease a test sees taken, lost and handed over within seconds."""
 
 

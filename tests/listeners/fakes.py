@@ -1,4 +1,5 @@
 """Test doubles shared by the listener tests."""
+
 from __future__ import annotations
 
 from twisted.internet.defer import Deferred

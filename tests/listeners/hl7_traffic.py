@@ -1,4 +1,5 @@
 """Synthetic HL7 traffic and a reconnecting sender for listenerd tests (no PHI)."""
+
 from __future__ import annotations
 
 import socket
@@ -9,15 +10,27 @@ import hl7
 from hl7.client import MLLPClient
 
 
-def adt(control_id: str, *, patient: str = "P1", charset: str = "", version: str = "2.5.1",
-        segment_end: str = "\r", name: str = "DOE^JANE") -> str:
+def adt(
+    control_id: str,
+    *,
+    patient: str = "P1",
+    charset: str = "",
+    version: str = "2.5.1",
+    segment_end: str = "\r",
+    name: str = "DOE^JANE",
+) -> str:
     msh18 = f"||||||{charset}" if charset else ""
-    return segment_end.join([
-        f"MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{control_id}|P|{version}{msh18}",
-        "EVN|A01|20261122101500",
-        f"PID|1||{patient}^^^HOSP^MR||{name}||19700101|F",
-        "PV1|1|I|W1^101^A",
-    ]) + segment_end
+    return (
+        segment_end.join(
+            [
+                f"MSH|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|20261122101500||ADT^A01^ADT_A01|{control_id}|P|{version}{msh18}",
+                "EVN|A01|20261122101500",
+                f"PID|1||{patient}^^^HOSP^MR||{name}||19700101|F",
+                "PV1|1|I|W1^101^A",
+            ]
+        )
+        + segment_end
+    )
 
 
 def ack_fields(ack: str | bytes) -> tuple[str, str]:

@@ -4,6 +4,7 @@ with a token; a message's bodies (`?body=1`) for operators only, each read an au
 /messages/{ref}/replay and /messages/requeue for operators only, recorded in the audit trail with
 the token's entry (never the token); bad input 400, unknown messages 404; the daemon's log holds
 no control id a request named."""
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,12 @@ OPERATOR_TOKEN = "test-operator-token"
 
 
 def call(d: Daemon, method: str, path: str, token: str, body: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{d.api_port}{path}", method=method,
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{d.api_port}{path}",
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -42,7 +46,8 @@ def node(tmp_path, store_config, monkeypatch):
         '[api]\nhost = "127.0.0.1"\n\n'
         '[[api.tokens]]\nname = "viewer"\nrole = "VIEWER"\ntoken_env = "STAGELINE_TEST_TOKEN"\n\n'
         '[[api.tokens]]\nname = "ops-desk"\nrole = "OPERATOR"\ntoken_env = "STAGELINE_OPERATOR_TOKEN"\n\n'
-        f'[[inbound]]\nname = "adt-in"\nkind = "mllp"\nport = {port}\nlane_key = "PID-3.1"\n')
+        f'[[inbound]]\nname = "adt-in"\nkind = "mllp"\nport = {port}\nlane_key = "PID-3.1"\n'
+    )
     monkeypatch.setenv("STAGELINE_OPERATOR_TOKEN", OPERATOR_TOKEN)
     d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", config_dir=conf).start()
     try:
@@ -78,15 +83,17 @@ def test_find_show_replay_and_requeue_over_the_api(node):
     store = Store(store_config)
     try:
         with store.transaction() as tx:  # a dead letter to requeue (what a failing route leaves)
-            tx.conn.cursor().execute("UPDATE stage_inbound SET status = 'dead', last_error = 'boom' "
-                                     "WHERE control_id = 'API2'")
+            tx.conn.cursor().execute(
+                "UPDATE stage_inbound SET status = 'dead', last_error = 'boom' WHERE control_id = 'API2'"
+            )
         status, dead = call(d, "GET", "/messages/dead", d.token)
         assert status == 200 and [(g["stage"], g["n"]) for g in dead["dead_letters"]] == [("inbound", 1)]
         assert (
             call(d, "POST", "/messages/requeue", d.token, {"stage": "inbound", "lane": "P2", "reason": "x"})[0] == 403
         )
-        status, doc = call(d, "POST", "/messages/requeue", OPERATOR_TOKEN,
-                           {"stage": "inbound", "lane": "P2", "reason": "route fixed"})
+        status, doc = call(
+            d, "POST", "/messages/requeue", OPERATOR_TOKEN, {"stage": "inbound", "lane": "P2", "reason": "route fixed"}
+        )
         assert status == 200 and len(doc["requeued"]) == 1
         with store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
@@ -115,8 +122,13 @@ def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
         execute(store, "UPDATE stage_inbound SET status = 'done' WHERE control_id = 'API0'")
         age(store, "stage_inbound", "updated_at", "control_id = 'API0'", 2 * 86_400)
         age(store, "message_events", "at", "control_id = 'API0'", 2 * 86_400)
-        assert retention(store, read_lease(store).epoch, 86_400.0) == {"inbound": 1, "inbound_batches": 0, "routed": 0,
-                                                                         "outbound": 0, "events": 1}
+        assert retention(store, read_lease(store).epoch, 86_400.0) == {
+            "inbound": 1,
+            "inbound_batches": 0,
+            "routed": 0,
+            "outbound": 0,
+            "events": 1,
+        }
     finally:
         store.close()
     status, story = call(d, "GET", "/messages/API0?body=1", OPERATOR_TOKEN)
@@ -124,5 +136,7 @@ def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
     assert story["inbound"]["control_id"] == "API0" and story["inbound"]["payload"].startswith("MSH|")
     assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [("received", True)]
     status, story = call(d, "GET", "/messages/API0", d.token)  # the read above is on the record
-    assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [("received", True),
-                                                                                   ("body_read", False)]
+    assert [(e["event"], e["archived_ms"] is not None) for e in story["trail"]] == [
+        ("received", True),
+        ("body_read", False),
+    ]

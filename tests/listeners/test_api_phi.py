@@ -6,6 +6,7 @@ The real Site (`make_api`) on an ephemeral loopback port, over a real migrated S
 staged messages; the early-refusal cases talk to it over a plain socket from a thread, so the
 reactor serves while the client waits.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,9 +48,21 @@ class PhiOverTheApi(unittest.TestCase):
         migrate(self.store, cluster_name=CLUSTER)
         epoch = acquire_permanent(self.store, node_id="solo:1:aa")
         with self.store.transaction() as tx:
-            staged = rowlease.stage_inbound(tx, [
-                {"message_id": "adt-1", "control_id": MRN, "connection": "adt-in", "lane_key": "P77",
-                 "charset": None, "payload": BODY}], epoch=epoch, node_id="solo:1:aa")
+            staged = rowlease.stage_inbound(
+                tx,
+                [
+                    {
+                        "message_id": "adt-1",
+                        "control_id": MRN,
+                        "connection": "adt-in",
+                        "lane_key": "P77",
+                        "charset": None,
+                        "payload": BODY,
+                    }
+                ],
+                epoch=epoch,
+                node_id="solo:1:aa",
+            )
         assert staged is not None
         self.row_id = staged["adt-1"]
         state = replace(node_state(), store=lambda: self.store)
@@ -64,8 +77,10 @@ class PhiOverTheApi(unittest.TestCase):
     def events(self) -> list[dict[str, Any]]:
         with self.store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute("SELECT at, stage, row_id, message_id, control_id, event, to_status, node_id, detail "
-                        "FROM message_events WHERE event = 'body_read' ORDER BY id")
+            cur.execute(
+                "SELECT at, stage, row_id, message_id, control_id, event, to_status, node_id, detail "
+                "FROM message_events WHERE event = 'body_read' ORDER BY id"
+            )
             return [dict(row) for row in cur.fetchall()]
 
     def db_now_ms(self) -> int:
@@ -81,8 +96,10 @@ class PhiOverTheApi(unittest.TestCase):
         for path in ("/messages/adt-1", f"/messages/{MRN}", f"/messages/{self.row_id}"):
             code, story = yield defer.ensureDeferred(self.get(path, VIEWER_TOKEN))
             self.assertEqual(code, 200, path)
-            self.assertEqual((story["inbound"]["id"], story["inbound"]["control_id"], story["inbound"]["status"]),
-                             (self.row_id, MRN, "pending"))
+            self.assertEqual(
+                (story["inbound"]["id"], story["inbound"]["control_id"], story["inbound"]["status"]),
+                (self.row_id, MRN, "pending"),
+            )
             self.assertNotIn("payload", story["inbound"])
             for text in PHI:
                 self.assertNotIn(text, json.dumps(story))
@@ -110,10 +127,22 @@ class PhiOverTheApi(unittest.TestCase):
         # red team (issue 23, item 19): viewer metadata carried lane_key, usually PID-3 (the MRN)
         epoch = acquire_permanent(self.store, node_id="solo:1:aa")
         with self.store.transaction() as tx:
-            rowlease.stage_inbound(tx, [
-                {"message_id": f"adt-{n}", "control_id": f"C{n}", "connection": "adt-in", "lane_key": lane,
-                 "charset": None, "payload": BODY} for n, lane in ((2, "P77"), (3, "P88"))],
-                epoch=epoch, node_id="solo:1:aa")
+            rowlease.stage_inbound(
+                tx,
+                [
+                    {
+                        "message_id": f"adt-{n}",
+                        "control_id": f"C{n}",
+                        "connection": "adt-in",
+                        "lane_key": lane,
+                        "charset": None,
+                        "payload": BODY,
+                    }
+                    for n, lane in ((2, "P77"), (3, "P88"))
+                ],
+                epoch=epoch,
+                node_id="solo:1:aa",
+            )
         code, found = yield defer.ensureDeferred(self.get("/messages", VIEWER_TOKEN))
         self.assertEqual(code, 200)
         lanes = {m["message_id"]: m["lane_key"] for m in found["messages"]}
@@ -123,8 +152,9 @@ class PhiOverTheApi(unittest.TestCase):
         self.assertNotEqual(lanes["adt-1"], lanes["adt-3"])
         self.assertNotIn("P77", json.dumps(found))
         code, story = yield defer.ensureDeferred(self.get("/messages/adt-1", VIEWER_TOKEN))
-        self.assertEqual((code, story["inbound"]["lane_key"], story["inbound"]["control_id"]),
-                         (200, lanes["adt-1"], MRN))  # the control id (a message's id) stays
+        self.assertEqual(
+            (code, story["inbound"]["lane_key"], story["inbound"]["control_id"]), (200, lanes["adt-1"], MRN)
+        )  # the control id (a message's id) stays
         self.assertNotIn('"P77"', json.dumps(story))
         self.assertNotEqual(lanes["adt-1"], "lane:" + hashlib.sha256(b"P77").hexdigest()[:12])  # keyed
         code, doc = yield defer.ensureDeferred(self.get("/messages?lane_key=P77", VIEWER_TOKEN))
@@ -146,12 +176,43 @@ class PhiOverTheApi(unittest.TestCase):
         yield defer.ensureDeferred(self.get("/messages/adt-1", VIEWER_TOKEN))  # metadata: not an event
         after = self.db_now_ms()
         events = self.events()
-        self.assertEqual([(e["stage"], e["row_id"], e["message_id"], e["control_id"], e["event"], e["to_status"],
-                           e["node_id"], e["detail"]) for e in events], [
-            ("inbound", self.row_id, "adt-1", MRN, "body_read", "pending", "reader:api [[api.tokens]] #2",
-             "bodies read via api"),
-            ("inbound", self.row_id, "adt-1", MRN, "body_read", "pending", "reader:api [[api.tokens]] #3",
-             "bodies read via api")])
+        self.assertEqual(
+            [
+                (
+                    e["stage"],
+                    e["row_id"],
+                    e["message_id"],
+                    e["control_id"],
+                    e["event"],
+                    e["to_status"],
+                    e["node_id"],
+                    e["detail"],
+                )
+                for e in events
+            ],
+            [
+                (
+                    "inbound",
+                    self.row_id,
+                    "adt-1",
+                    MRN,
+                    "body_read",
+                    "pending",
+                    "reader:api [[api.tokens]] #2",
+                    "bodies read via api",
+                ),
+                (
+                    "inbound",
+                    self.row_id,
+                    "adt-1",
+                    MRN,
+                    "body_read",
+                    "pending",
+                    "reader:api [[api.tokens]] #3",
+                    "bodies read via api",
+                ),
+            ],
+        )
         self.assertTrue(all(before <= e["at"] <= after for e in events), (before, events, after))
         for token in (OPERATOR_TOKEN, ADMIN_TOKEN):
             self.assertNotIn(token, repr(events))
@@ -245,10 +306,12 @@ class PhiOverTheApi(unittest.TestCase):
 
     @defer.inlineCallbacks
     def test_a_post_is_refused_by_role_and_by_size_before_its_body(self):
-        for token, length, status in ((VIEWER_TOKEN, 100, b"403 Forbidden"),
-                                      ("not-a-token-0123456789", 100, b"401 Unauthorized"),
-                                      (OPERATOR_TOKEN, 100_000_000, b"413 Payload Too Large"),
-                                      (OPERATOR_TOKEN, MAX_BODY_BYTES + 1, b"413 Payload Too Large")):
+        for token, length, status in (
+            (VIEWER_TOKEN, 100, b"403 Forbidden"),
+            ("not-a-token-0123456789", 100, b"401 Unauthorized"),
+            (OPERATOR_TOKEN, 100_000_000, b"413 Payload Too Large"),
+            (OPERATOR_TOKEN, MAX_BODY_BYTES + 1, b"413 Payload Too Large"),
+        ):
             answer, took, _ = yield threads.deferToThread(self.raw, self.post_head(length, token))
             self.assertTrue(answer.startswith(b"HTTP/1.1 " + status), (token, length, answer))
             self.assertLess(took, 1.0)
@@ -256,8 +319,9 @@ class PhiOverTheApi(unittest.TestCase):
     @defer.inlineCallbacks
     def test_a_chunked_body_past_the_cap_is_cut_off(self):
         chunk = b"%x\r\n%s\r\n" % (16 * 1024, b"x" * 16 * 1024)
-        answer, _, sent = yield threads.deferToThread(self.raw, self.post_head(None, OPERATOR_TOKEN) + chunk * 5,
-                                                      chunk, keep_sending=400)
+        answer, _, sent = yield threads.deferToThread(
+            self.raw, self.post_head(None, OPERATOR_TOKEN) + chunk * 5, chunk, keep_sending=400
+        )
         self.assertTrue(answer.startswith(b"HTTP/1.1 413 Payload Too Large"), answer)
         self.assertLess(sent, 400 * len(chunk))  # the server closed: the rest was never taken
 
@@ -279,7 +343,7 @@ class PhiOverTheApi(unittest.TestCase):
             "limit=ten": "not a number: invalid literal for int() with base 10: 'ten'",
             "since_ms=-1": "since_ms must be 0..253402300799999 (epoch milliseconds), got -1",
             "until_ms=99999999999999999999": "until_ms must be 0..253402300799999 (epoch milliseconds), "
-                                             "got 99999999999999999999",
+            "got 99999999999999999999",
             "before_id=0": "before_id must be 1..9223372036854775807, got 0",
             "before_id=9223372036854775808": "before_id must be 1..9223372036854775807, got 9223372036854775808",
         }
@@ -291,6 +355,7 @@ class PhiOverTheApi(unittest.TestCase):
 
 
 # --- 6. an unknown ref reads no table from end to end -------------------------------------------------
+
 
 def test_resolving_an_unknown_ref_uses_only_index_probes(sqlite_config_fresh, monkeypatch):
     """`resolve` (GET /messages/{ref}, `stageline messages show`, the view) asks the store only
@@ -308,6 +373,7 @@ def test_resolving_an_unknown_ref_uses_only_index_probes(sqlite_config_fresh, mo
         def spy(self, name, *args, _real=real, **kwargs):
             asked.append(name)
             return _real(self, name, *args, **kwargs)
+
         monkeypatch.setattr(db.Tx, method, spy)
     store = Store(sqlite_config_fresh)
     try:

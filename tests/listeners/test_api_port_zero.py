@@ -1,5 +1,6 @@
 """`listenerd --api-port 0` means "any free port", as for inbounds; it must not fall back to the
 configured/default [api].port (8470), which a second node on the host may already hold."""
+
 from __future__ import annotations
 
 import re

@@ -6,6 +6,7 @@ reason.
 Two kinds of bad input: NUL bytes (refused by the shared inbound validation before any commit)
 and a payload the store itself refuses (a CHECK constraint / trigger added for the test: what
 validation cannot foresee), which the group commit isolates by splitting the batch."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,13 @@ BAD_KINDS = {
 def daemon(tmp_path, store_config):
     port = free_port()
     cluster = cluster_for(store_config)
-    d = Daemon(tmp_path / "node", store_config, node_id="node-a:1:aa", cluster=cluster, inbound=[
-        {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1"}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="node-a:1:aa",
+        cluster=cluster,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1"}],
+    ).start()
     d.mllp_port = port
     wait_for(lambda: port_open(port), timeout=15, what="leader to bind MLLP")
     yield d
@@ -76,12 +82,15 @@ def test_one_sender_of_bad_messages_harms_none_of_eight_good_senders(daemon, sto
 
         *good_answers, bad_answers = asyncio.run(all_senders())
         not_aa = [(a, m) for answers, msgs in zip(good_answers, good) for a, m in zip(answers, msgs) if a[0] != "AA"]
-        print(f"{kind} on {store_config.backend}: good answered AA "
-              f"{GOOD_SENDERS * PER_SENDER - len(not_aa)}/{GOOD_SENDERS * PER_SENDER}, "
-              f"bad refused AR {sum(a[0] == 'AR' for a in bad_answers)}/{BAD}")
+        print(
+            f"{kind} on {store_config.backend}: good answered AA "
+            f"{GOOD_SENDERS * PER_SENDER - len(not_aa)}/{GOOD_SENDERS * PER_SENDER}, "
+            f"bad refused AR {sum(a[0] == 'AR' for a in bad_answers)}/{BAD}"
+        )
         assert not_aa == []
         assert [a[:2] for answers in good_answers for a in answers] == [
-            ("AA", f"G{s}-{i}") for s in range(GOOD_SENDERS) for i in range(PER_SENDER)]
+            ("AA", f"G{s}-{i}") for s in range(GOOD_SENDERS) for i in range(PER_SENDER)
+        ]
         assert [a[:2] for a in bad_answers] == [("AR", f"BAD-{i}") for i in range(BAD)]
         assert all(reason in a[2] for a in bad_answers), bad_answers[:3]
         with store.transaction(write=False) as tx:
@@ -150,8 +159,11 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
             return "ACK" if reply.startswith(b"ACK ") else reply.decode().strip()
 
         def over_http(data: bytes) -> str:
-            req = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/messages/in-http", data=data,
-                                         headers={"Content-Type": "application/hl7-v2"})
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{ports['http']}/messages/in-http",
+                data=data,
+                headers={"Content-Type": "application/hl7-v2"},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=10) as resp:
                     return str(resp.status)
@@ -161,8 +173,12 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
         def over_file(data: bytes, name: str) -> str:
             (drop / name).write_bytes(data)
             rejected = archive / "rejected" / f"{name}.reason"
-            wait_for(lambda: (archive / name).exists() or (rejected.exists() and rejected.read_text().endswith("\n")),
-                     timeout=10, interval=0.02, what="file taken")  # claimed first: done once archived or refused
+            wait_for(
+                lambda: (archive / name).exists() or (rejected.exists() and rejected.read_text().endswith("\n")),
+                timeout=10,
+                interval=0.02,
+                what="file taken",
+            )  # claimed first: done once archived or refused
             return rejected.read_text().splitlines()[0] if rejected.exists() else "archived"
 
         assert over_mllp(bad) == f"AR {reason}"
@@ -170,7 +186,11 @@ def test_every_transport_refuses_unstorable_input_the_same_way(tmp_path, store_c
         assert over_http(bad) == f"400 {reason}"
         assert over_file(bad, "bad.hl7") == reason
         assert (over_mllp(good), over_tcp(good), over_http(good), over_file(good, "good.hl7")) == (
-            "AA", "ACK", "202", "archived")
+            "AA",
+            "ACK",
+            "202",
+            "archived",
+        )
         rows = Store(store_config)
         try:
             with rows.transaction(write=False) as tx:

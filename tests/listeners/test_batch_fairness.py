@@ -12,6 +12,7 @@ real store, on a reactor of the test's own running in a thread:
   sender gets AE "not confirmed", the message lands later, and its re-send — during the commit or
   after it — is answered AA with the first copy's id: one row (before: a second row).
 """
+
 from __future__ import annotations
 
 import socket
@@ -38,20 +39,31 @@ from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
 class Node:
     """The MLLP intake of one listenerd, in-process: handlers, writer and store as the daemon wires them."""
 
-    def __init__(self, config: StoreConfig, *, writer: str, handler_timeout: float = 60.0,
-                 batch_ack: str = "batch", **writer_kw: Any) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        writer: str,
+        handler_timeout: float = 60.0,
+        batch_ack: str = "batch",
+        **writer_kw: Any,
+    ) -> None:
         self.reactor = EPollReactor()
         self.store = Store(config)
         epoch = acquire_permanent(self.store, node_id="n")
         metrics = Metrics()
         kind = IngestWriter if writer == "thread" else ReactorIngestWriter
-        self.writer: Any = kind(self.store, node_id="n", epoch=lambda: epoch, metrics=metrics, reactor=self.reactor,
-                                **writer_kw)
+        self.writer: Any = kind(
+            self.store, node_id="n", epoch=lambda: epoch, metrics=metrics, reactor=self.reactor, **writer_kw
+        )
         conn = InboundConfig(name="in-mllp", kind="mllp", batch_ack=batch_ack)
         wiring = Wiring(ingest=self.writer, metrics=metrics, reactor=self.reactor, bound_ports={})
-        factory = MLLPFactory(mllp_handler(conn, wiring, None), clock=self.reactor,
-                              config=MLLPConfig(handler_timeout_seconds=handler_timeout),
-                              batch_handler=mllp_batch_handler(conn, wiring, None))
+        factory = MLLPFactory(
+            mllp_handler(conn, wiring, None),
+            clock=self.reactor,
+            config=MLLPConfig(handler_timeout_seconds=handler_timeout),
+            batch_handler=mllp_batch_handler(conn, wiring, None),
+        )
         self.port = self.reactor.listenTCP(0, factory, interface="127.0.0.1").getHost().port
         if writer == "thread":
             self.writer.start()
@@ -97,7 +109,7 @@ def exchange(sock: socket.socket, data: bytes) -> bytes:
 
 def msa(reply: bytes) -> tuple[str, str]:
     """(MSA-1, MSA-2) of the first ACK in `reply`."""
-    seg = reply[reply.index(b"MSA|"):].split(b"\r", 1)[0].decode().split("|")
+    seg = reply[reply.index(b"MSA|") :].split(b"\r", 1)[0].decode().split("|")
     return seg[1], seg[2]
 
 
@@ -157,8 +169,10 @@ def test_a_40000_message_batch_on_sqlite_is_staged_while_another_sender_never_wa
     assert msa(answer) == ("AA", "B1")
     assert sqlite_node.count() == 40_000 + len(other.codes)
     assert other.codes and set(other.codes) == {"AA"}
-    print(f"\nsqlite 40,000-message batch: AA after {took:.2f} s; other sender {len(other.waits)} AA, "
-          f"max wait {max(other.waits) * 1000:.0f} ms")
+    print(
+        f"\nsqlite 40,000-message batch: AA after {took:.2f} s; other sender {len(other.waits)} AA, "
+        f"max wait {max(other.waits) * 1000:.0f} ms"
+    )
     assert max(other.waits) <= 1.0, f"the other sender waited {max(other.waits):.2f} s"
 
 
@@ -167,8 +181,10 @@ def test_a_20000_message_batch_on_postgresql_is_staged_while_another_sender_neve
     assert msa(answer) == ("AA", "B1")
     assert pg_node.count() == 20_000 + len(other.codes)
     assert other.codes and set(other.codes) == {"AA"}
-    print(f"\npostgres ({type(pg_node.writer).__name__}) 20,000-message batch: AA after {took:.2f} s; other sender "
-          f"{len(other.waits)} AA, max wait {max(other.waits) * 1000:.0f} ms")
+    print(
+        f"\npostgres ({type(pg_node.writer).__name__}) 20,000-message batch: AA after {took:.2f} s; other sender "
+        f"{len(other.waits)} AA, max wait {max(other.waits) * 1000:.0f} ms"
+    )
     assert max(other.waits) <= 1.0, f"the other sender waited {max(other.waits):.2f} s"
 
 
@@ -195,12 +211,14 @@ def test_a_batch_over_max_batch_messages_is_refused_with_ar_and_nothing_staged(s
 
 # -- answers that mean what they say ------------------------------------------------------------------------
 
+
 class HeldLock:
     """SQLite's write lock, held by another connection (a stage job's long transaction) until released."""
 
     def __init__(self, path: str) -> None:
-        self.conn: sqlite3.Connection | None = sqlite3.connect(path, timeout=0, isolation_level=None,
-                                                               check_same_thread=False)
+        self.conn: sqlite3.Connection | None = sqlite3.connect(
+            path, timeout=0, isolation_level=None, check_same_thread=False
+        )
         self.conn.execute("BEGIN IMMEDIATE")
         self._lock = threading.Lock()
 
@@ -223,7 +241,8 @@ def slow_node(sqlite_config_fresh: StoreConfig) -> Iterator[Node]:
 
 @pytest.mark.parametrize("resend", ["while the first commit is still waiting", "after the first commit landed"])
 def test_a_commit_that_outlives_the_handler_timeout_is_answered_ae_and_its_resend_is_not_a_second_message(
-        slow_node, resend):
+    slow_node, resend
+):
     lock = HeldLock(slow_node.store.config.path)
     message = msg("SLOW-1")
     with socket.create_connection(("127.0.0.1", slow_node.port), timeout=30) as s:

@@ -3,6 +3,7 @@
 Unit tests of the gate, then each transport in memory: while one large batch is in work the next
 one (another connection's) waits at the gate, and reading on its connection stays paused.
 """
+
 from __future__ import annotations
 
 import struct
@@ -95,8 +96,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[BatchGate]:
 
 
 def hl7_batch(n: int, tag: str) -> bytes:
-    body = b"".join(f"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|{tag}{i}|P|2.5\rPID|1||P{i}\r".encode()
-                    for i in range(n))
+    body = b"".join(f"MSH|^~\\&|A|B|C|D|20260101||ADT^A01|{tag}{i}|P|2.5\rPID|1||P{i}\r".encode() for i in range(n))
     return f"BHS|^~\\&|A|B|C|D|20260101||||{tag}\r".encode() + body + f"BTS|{n}\r".encode()
 
 
@@ -108,8 +108,12 @@ def test_mllp_a_second_large_batch_waits_and_its_connection_stops_reading(gate: 
         calls.append(d)
         return d
 
-    factory = MLLPFactory(lambda *a: None, config=MLLPConfig(), clock=MemoryReactorClock(),  # type: ignore[arg-type]
-                          batch_handler=batch_handler)
+    factory = MLLPFactory(
+        lambda *a: None,
+        config=MLLPConfig(),
+        clock=MemoryReactorClock(),  # type: ignore[arg-type]
+        batch_handler=batch_handler,
+    )
     big = hl7_batch(16000, "X")  # ~1 MB
     assert len(big) > MB // 2
     conns = []
@@ -148,8 +152,10 @@ def test_tcp_a_second_large_frame_waits_and_its_connection_stops_reading(gate: B
     assert transports[1].producerState == "paused"
     submitted[0].callback("batch-1")
     assert len(submitted) == 2 and gate.waiting == 0
-    assert transports[0].value().startswith(struct.pack(">I", len(transports[0].value()) - 4)) or \
-        b"ACK batch-1" in transports[0].value()
+    assert (
+        transports[0].value().startswith(struct.pack(">I", len(transports[0].value()) - 4))
+        or b"ACK batch-1" in transports[0].value()
+    )
 
 
 def test_mllp_the_reply_timeout_counts_from_the_batch_turn_and_a_gone_sender_is_skipped(gate: BatchGate) -> None:
@@ -161,8 +167,12 @@ def test_mllp_the_reply_timeout_counts_from_the_batch_turn_and_a_gone_sender_is_
         calls.append(d)
         return d
 
-    factory = MLLPFactory(lambda *a: None, config=MLLPConfig(handler_timeout_seconds=10), clock=clock,  # type: ignore[arg-type]
-                          batch_handler=batch_handler)
+    factory = MLLPFactory(
+        lambda *a: None,
+        config=MLLPConfig(handler_timeout_seconds=10),
+        clock=clock,  # type: ignore[arg-type]
+        batch_handler=batch_handler,
+    )
     big = hl7_batch(16000, "W")
     protos = []
     for _ in range(3):

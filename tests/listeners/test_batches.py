@@ -5,6 +5,7 @@ The splitter and the shared decision in memory; then a running listenerd on SQLi
 a batch sent over MLLP (one batch ACK, or an ACK batch), TCP, HTTP and file drop becomes one row
 per message — its own control id and lane, its batch named on the row, in `inbound_batches` and in
 its 'received' event — and the same bad bytes get the same answer on all four, staging nothing."""
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,9 @@ def message(control_id: str, patient: str, **kw: str) -> str:
     return f"{msh(control_id, **kw)}\rPID|1||{patient}^^^H^MR||DOE^JANE\r"
 
 
-def batch(*messages: str, count: int | None = None, files: int | None = 1, fhs: str = "F-1",
-          bhs: str = "B-1") -> bytes:
+def batch(*messages: str, count: int | None = None, files: int | None = 1, fhs: str = "F-1", bhs: str = "B-1") -> bytes:
     n = len(messages) if count is None else count
-    text = (f"FHS|^~\\&|SEND|FAC|RECV|RFAC|20240101120000||||{fhs}\r" if files is not None else "")
+    text = f"FHS|^~\\&|SEND|FAC|RECV|RFAC|20240101120000||||{fhs}\r" if files is not None else ""
     text += f"BHS|^~\\&|SEND|FAC|RECV|RFAC|20240101120000||||{bhs}\r" + "".join(messages) + f"BTS|{n}\r"
     text += f"FTS|{files}\r" if files is not None else ""
     return text.encode()
@@ -55,6 +55,7 @@ GOOD = batch(message("M1", "P1"), message("M2", "P2"), message("M3", "P1"))
 
 
 # -- the splitter and the shared decision ------------------------------------------------------------
+
 
 def test_a_batch_is_split_into_its_messages_bytes_untouched_with_its_identity() -> None:
     assert (
@@ -71,14 +72,17 @@ def test_a_batch_is_split_into_its_messages_bytes_untouched_with_its_identity() 
     assert len(bare.messages) == 1 and bare.header.control_id == "B-9" and bare.declared is None  # no BTS: no count
 
 
-@pytest.mark.parametrize("data, reason", [
-    (batch(message("M1", "P1"), message("M2", "P2"), count=3), "batch trailer count BTS-1=3 but 2 messages"),
-    (batch(message("M1", "P1"), files=2), "file trailer count FTS-1=2 but 1 batch"),
-    (GOOD.replace(b"BHS|^~\\&", b"BHS|^~\\&&", 1), "BHS-2 malformed"),
-    (GOOD.replace(b"MSH|", b"PID|1\rMSH|", 1), "segment 'PID' outside a message (before its MSH)"),
-    (GOOD.replace(b"FTS|1\r", b"FTS|1\rMSH|^~\\&|A\r"), "segment 'MSH' after FTS"),
-    (GOOD.replace(b"BTS|3", b"BTS|three"), "BTS-1 is not a number"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (batch(message("M1", "P1"), message("M2", "P2"), count=3), "batch trailer count BTS-1=3 but 2 messages"),
+        (batch(message("M1", "P1"), files=2), "file trailer count FTS-1=2 but 1 batch"),
+        (GOOD.replace(b"BHS|^~\\&", b"BHS|^~\\&&", 1), "BHS-2 malformed"),
+        (GOOD.replace(b"MSH|", b"PID|1\rMSH|", 1), "segment 'PID' outside a message (before its MSH)"),
+        (GOOD.replace(b"FTS|1\r", b"FTS|1\rMSH|^~\\&|A\r"), "segment 'MSH' after FTS"),
+        (GOOD.replace(b"BTS|3", b"BTS|three"), "BTS-1 is not a number"),
+    ],
+)
 def test_an_envelope_that_does_not_add_up_is_refused_whole_naming_why(data: bytes, reason: str) -> None:
     with pytest.raises(BatchError) as info:
         split_batch(data)
@@ -88,12 +92,17 @@ def test_an_envelope_that_does_not_add_up_is_refused_whole_naming_why(data: byte
     assert str(refused.value) == str(info.value)
 
 
-@pytest.mark.parametrize("bad, reason", [
-    (message("M2", "P2", enc="^~"), "message 2 of 3: bad_encoding_characters: MSH-2 must be 4 or 5 characters"),
-    (message("M2", "P2").replace("P|2.5.1", "P|2.5.1||||||KLINGON"),
-     "message 2 of 3: unknown_charset: MSH-18 'KLINGON' unsupported"),
-    (message("M2", "P2").replace("DOE", "DO\x00E"), "message 2 of 3: message contains NUL characters"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        (message("M2", "P2", enc="^~"), "message 2 of 3: bad_encoding_characters: MSH-2 must be 4 or 5 characters"),
+        (
+            message("M2", "P2").replace("P|2.5.1", "P|2.5.1||||||KLINGON"),
+            "message 2 of 3: unknown_charset: MSH-18 'KLINGON' unsupported",
+        ),
+        (message("M2", "P2").replace("DOE", "DO\x00E"), "message 2 of 3: message contains NUL characters"),
+    ],
+)
 def test_one_bad_message_refuses_the_batch_naming_which_and_why(bad: str, reason: str) -> None:
     data = batch(message("M1", "P1"), bad, message("M3", "P3"), count=3)
     with pytest.raises(PayloadRejected) as info:
@@ -110,8 +119,11 @@ def test_each_message_gets_its_own_control_id_and_lane_and_a_file_gives_the_same
     assert [i.message_id for i in again.items] == [i.message_id for i in built.items]  # a re-read stages nothing twice
     assert len({i.message_id for i in built.items}) == 3
     rows = built.rows()
-    assert [(r["batch_seq"], r["batch_size"], r.get("batch_bhs")) for r in rows] == [(1, 3, "B-1"), (2, 3, None),
-                                                                                       (3, 3, None)]
+    assert [(r["batch_seq"], r["batch_size"], r.get("batch_bhs")) for r in rows] == [
+        (1, 3, "B-1"),
+        (2, 3, None),
+        (3, 3, None),
+    ]
 
 
 def test_malformed_hl7_is_refused_and_other_text_is_opaque_unless_hl7_only() -> None:
@@ -126,6 +138,7 @@ def test_malformed_hl7_is_refused_and_other_text_is_opaque_unless_hl7_only() -> 
 
 
 # -- a running listenerd: four transports, one answer ------------------------------------------------
+
 
 def over_mllp(port: int, data: bytes) -> list[hl7.Message]:
     with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
@@ -151,8 +164,9 @@ def over_tcp(port: int, data: bytes) -> str:
 
 
 def over_http(port: int, data: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/messages/in-http", data=data,
-                                 headers={"Content-Type": "application/hl7-v2"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/messages/in-http", data=data, headers={"Content-Type": "application/hl7-v2"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=15) as resp:
             return resp.status, json.loads(resp.read())
@@ -163,8 +177,12 @@ def over_http(port: int, data: bytes) -> tuple[int, dict]:
 def over_file(drop: Path, errors: Path, archive: Path, data: bytes, name: str) -> str:
     (drop / name).write_bytes(data)
     reason = errors / f"{name}.reason"  # written just after the file is moved beside it
-    wait_for(lambda: (archive / name).exists() or (reason.exists() and reason.read_text().endswith("\n")),
-             timeout=15, interval=0.02, what="file taken")
+    wait_for(
+        lambda: (archive / name).exists() or (reason.exists() and reason.read_text().endswith("\n")),
+        timeout=15,
+        interval=0.02,
+        what="file taken",
+    )
     return reason.read_text().splitlines()[0] if reason.exists() else "archived"
 
 
@@ -173,9 +191,17 @@ def listenerd(tmp_path: Path, store_config: StoreConfig):
     ports = {kind: free_port() for kind in ("mllp", "each", "tcp", "http")}
     drop, errors, archive = tmp_path / "drop", tmp_path / "refused", tmp_path / "archive"
     drop.mkdir()
-    cluster = None if store_config.backend == "sqlite" else {
-        "enabled": True, "heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
-        "leader_lease_ttl_seconds": 2.5, "node_timeout_seconds": 2.0}
+    cluster = (
+        None
+        if store_config.backend == "sqlite"
+        else {
+            "enabled": True,
+            "heartbeat_seconds": 0.5,
+            "leader_fence_timeout_seconds": 1.5,
+            "leader_lease_ttl_seconds": 2.5,
+            "node_timeout_seconds": 2.0,
+        }
+    )
     lane = {"lane_key": "PID-3.1"}
     d = Daemon(
         tmp_path / "node",
@@ -235,30 +261,45 @@ def test_a_batch_on_every_transport_becomes_its_messages_each_staged_naming_its_
     assert status == 202 and len(body["message_ids"]) == 3
     assert over_file(d.drop, d.errors, d.archive, GOOD, "batch.hl7") == "archived"
 
-    staged = rows(store_config, "SELECT id, message_id, connection, control_id, lane_key, batch_id, batch_seq "
-                                "FROM stage_inbound ORDER BY id")
+    staged = rows(
+        store_config,
+        "SELECT id, message_id, connection, control_id, lane_key, batch_id, batch_seq FROM stage_inbound ORDER BY id",
+    )
     connections = ["in-mllp", "in-each", "in-tcp", "in-http", "in-file"]
     assert [(r["connection"], r["control_id"], r["lane_key"], r["batch_seq"]) for r in staged] == [
-        (c, m, p, n) for c in connections for n, (m, p) in enumerate((("M1", "P1"), ("M2", "P2"), ("M3", "P1")), 1)]
-    batches = rows(store_config, "SELECT batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
-                                 "message_count FROM inbound_batches")
-    assert sorted((b["connection"], b["fhs_control_id"], b["bhs_control_id"], b["declared_count"],
-                   b["message_count"]) for b in batches) == sorted((c, "F-1", "B-1", 3, 3) for c in connections)
+        (c, m, p, n) for c in connections for n, (m, p) in enumerate((("M1", "P1"), ("M2", "P2"), ("M3", "P1")), 1)
+    ]
+    batches = rows(
+        store_config,
+        "SELECT batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
+        "message_count FROM inbound_batches",
+    )
+    assert sorted(
+        (b["connection"], b["fhs_control_id"], b["bhs_control_id"], b["declared_count"], b["message_count"])
+        for b in batches
+    ) == sorted((c, "F-1", "B-1", 3, 3) for c in connections)
     by_connection = {b["connection"]: b["batch_id"] for b in batches}
     assert all(r["batch_id"] == by_connection[r["connection"]] for r in staged)
     assert tcp == f"ACK {by_connection['in-tcp']} (3 messages)" and body["batch_id"] == by_connection["in-http"]
     events = rows(store_config, "SELECT message_id, event, detail FROM message_events ORDER BY id")
     assert [(e["message_id"], e["event"], e["detail"]) for e in events] == [
-        (r["message_id"], "received", f"batch {r['batch_id']}: message {r['batch_seq']} of 3") for r in staged]
+        (r["message_id"], "received", f"batch {r['batch_id']}: message {r['batch_seq']} of 3") for r in staged
+    ]
 
 
 BAD_BYTES = {
-    "malformed MSH-2": (message("X1", "P1", enc="^~").encode(),
-                        "bad_encoding_characters: MSH-2 must be 4 or 5 characters"),
-    "trailer count": (batch(message("M1", "P1"), message("M2", "P2"), count=3),
-                      "batch trailer count BTS-1=3 but 2 messages"),
-    "bad message in a batch": (batch(message("M1", "P1"), message("M2", "P2", enc="^~"), message("M3", "P3")),
-                               "message 2 of 3: bad_encoding_characters: MSH-2 must be 4 or 5 characters"),
+    "malformed MSH-2": (
+        message("X1", "P1", enc="^~").encode(),
+        "bad_encoding_characters: MSH-2 must be 4 or 5 characters",
+    ),
+    "trailer count": (
+        batch(message("M1", "P1"), message("M2", "P2"), count=3),
+        "batch trailer count BTS-1=3 but 2 messages",
+    ),
+    "bad message in a batch": (
+        batch(message("M1", "P1"), message("M2", "P2", enc="^~"), message("M3", "P3")),
+        "message 2 of 3: bad_encoding_characters: MSH-2 must be 4 or 5 characters",
+    ),
     "MSH not first": (b"hello\r" + message("X2", "P1").encode(), "msh_not_first: MSH is not the first segment"),
 }
 
@@ -276,7 +317,8 @@ def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_no
     assert rows(store_config, "SELECT count(*) AS n FROM stage_inbound")[0]["n"] == 0
     assert rows(store_config, "SELECT count(*) AS n FROM inbound_batches")[0]["n"] == 0
     assert sorted(p.name for p in d.errors.iterdir()) == sorted(
-        f"bad{n}.hl7{ext}" for n in range(len(BAD_BYTES)) for ext in ("", ".reason"))
+        f"bad{n}.hl7{ext}" for n in range(len(BAD_BYTES)) for ext in ("", ".reason")
+    )
 
 
 def test_an_mllp_listener_without_a_batch_handler_refuses_a_batch_plainly() -> None:
@@ -317,5 +359,7 @@ def test_a_batch_over_the_frame_limit_is_refused_whole_and_the_connection_goes_o
     proto.dataReceived(frame(GOOD) + frame(small))
     answers = [hl7.parse(a.strip(b"\x0b\r").decode()).segment("MSA") for a in transport.value().split(b"\x1c\r")[:-1]]
     assert [(str(m[1]), str(m[3]) if str(m[1]) != "AA" else str(m[2])) for m in answers] == [
-        ("AR", f"batch too large: {len(GOOD)} bytes, limit 200"), ("AA", "B-1")]
+        ("AR", f"batch too large: {len(GOOD)} bytes, limit 200"),
+        ("AA", "B-1"),
+    ]
     assert [i.control_id for b in ingest.items for i in b.items] == ["S1"] and not transport.disconnecting

@@ -6,6 +6,7 @@ and ``rot13`` gave an HTML 500 with a traceback. Against a real `listenerd` (SQL
 POST is a 400 JSON naming the accepted charsets, counted as AR, while `/health` keeps answering
 within 1 s and an MLLP sender keeps getting AA.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -32,9 +33,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
     tmp = tmp_path_factory.mktemp("charsets")
     config = migrated_sqlite(tmp / "stageline.db")
     ports = {"mllp": free_port(), "http": free_port()}
-    d = Daemon(tmp / "node", config, node_id="solo:1:cs", inbound=[
-        {"name": "plain", "kind": "mllp", "port": ports["mllp"]},
-        {"name": "web", "kind": "http", "port": ports["http"]}]).start()
+    d = Daemon(
+        tmp / "node",
+        config,
+        node_id="solo:1:cs",
+        inbound=[
+            {"name": "plain", "kind": "mllp", "port": ports["mllp"]},
+            {"name": "web", "kind": "http", "port": ports["http"]},
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
@@ -70,8 +77,9 @@ def test_punycode_post_is_400_while_health_and_an_mllp_sender_are_served(node) -
         assert answer["error"].startswith("unknown charset 'punycode'")
         assert "8859/1" in answer["accepted"]
     assert honest.accepted == 10, honest.summary()
-    assert health.latencies and health.unhealthy == 0 and health.worst <= 1.0, \
+    assert health.latencies and health.unhealthy == 0 and health.worst <= 1.0, (
         f"/health took up to {health.worst:.2f} s ({health.unhealthy} answers not 200)"
+    )
 
 
 @pytest.mark.parametrize("charset", ["base64", "zlib", "rot13", "idna", "klingon", "hex_codec", "uu"])
@@ -133,5 +141,6 @@ def test_a_large_http_batch_is_validated_off_the_reactor(node) -> None:
         health.stop()
     assert status == 202, body[:300]
     assert len(json.loads(body)["message_ids"]) == 20_000
-    assert health.latencies and health.unhealthy == 0 and health.worst <= 1.0, \
+    assert health.latencies and health.unhealthy == 0 and health.worst <= 1.0, (
         f"/health took up to {health.worst:.2f} s ({health.unhealthy} answers not 200)"
+    )

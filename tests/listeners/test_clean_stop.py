@@ -2,6 +2,7 @@
 leader while a careful sender streams over several connections and resends anything not AA'd. The
 leader stops reading first, commits and ACKs what it already read, closes, then expires its lease at
 once, so the standby takes over within a heartbeat although the lease TTL is far longer."""
+
 from __future__ import annotations
 
 import signal
@@ -18,18 +19,29 @@ from include.store import Store
 from tests.listeners.hl7_traffic import ResendingSender, adt
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 10.0  # a long TTL: a prompt takeover can only come from the release
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+}
 
 
 @pytest.fixture
 def pair(tmp_path, pg_config_fresh):
     port = free_port()
-    a = Daemon(tmp_path / "a", pg_config_fresh, node_id="node-a:1:aa", cluster=CLUSTER,
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    a = Daemon(
+        tmp_path / "a",
+        pg_config_fresh,
+        node_id="node-a:1:aa",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     wait_for(lambda: a.status()["is_leader"] and port_open(port), timeout=15, what="node A to lead")
-    b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-               config_dir=a.workdir / "config").start()
+    b = Daemon(
+        tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
+    ).start()
     wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
     yield a, b, port, pg_config_fresh
     for d in (a, b):
@@ -63,8 +75,9 @@ def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_o
         wait_for(lambda: b.status()["is_leader"] and port_open(port), timeout=TTL, interval=0.02, what="takeover")
         took_over = time.monotonic() - t0
         acked_before = len(sender.acked)
-        wait_for(lambda: len(sender.acked) >= acked_before + 300, timeout=20, interval=0.02,
-                 what="traffic through node B")
+        wait_for(
+            lambda: len(sender.acked) >= acked_before + 300, timeout=20, interval=0.02, what="traffic through node B"
+        )
         assert sender.finish() == []  # every message the sender made was AA'd in the end
 
         with store.transaction(write=False) as tx:
@@ -78,9 +91,11 @@ def test_sigterm_mid_stream_loses_nothing_duplicates_nothing_and_hands_over_at_o
         after_signal = {e["control_id"] for e in events if e["node_id"] == "node-a:1:aa" and e["at"] > signalled_at}
         duplicates = {cid: n for cid, n in counts.items() if n > 1}
         resent = sum(n - 1 for n in sender.sends.values())
-        print(f"SIGTERM round {round_}: {len(counts)} staged ({len(by_a)} by A, {len(after_signal)} by A after "
-              f"the signal), resent {resent}, duplicates {len(duplicates)}; A exited {exited:.2f}s, "
-              f"B leads {took_over:.2f}s after the signal (TTL {TTL}s)")
+        print(
+            f"SIGTERM round {round_}: {len(counts)} staged ({len(by_a)} by A, {len(after_signal)} by A after "
+            f"the signal), resent {resent}, duplicates {len(duplicates)}; A exited {exited:.2f}s, "
+            f"B leads {took_over:.2f}s after the signal (TTL {TTL}s)"
+        )
         assert duplicates == {}
         assert set(counts) - {"IDLE-1"} == set(sender.acked) == sender.made  # every AA'd message staged, nothing else
         assert set(sender.acked.values()) == {1}
@@ -105,13 +120,27 @@ def test_idle_plain_tls_tcp_and_http_connections_do_not_hold_up_a_clean_stop(tmp
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")
     ports = {kind: free_port() for kind in ("mllp", "tls", "tcp", "http")}
-    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa", inbound=[
-        {"name": "plain", "kind": "mllp", "port": ports["mllp"]},
-        {"name": "secure", "kind": "mllp", "port": ports["tls"],
-         "tls": {"cert": str(pki.server_cert), "key": str(pki.server_key), "ca": str(pki.ca),
-                 "require_client_cert": True}},
-        {"name": "raw", "kind": "tcp", "port": ports["tcp"]},
-        {"name": "web", "kind": "http", "port": ports["http"]}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:aa",
+        inbound=[
+            {"name": "plain", "kind": "mllp", "port": ports["mllp"]},
+            {
+                "name": "secure",
+                "kind": "mllp",
+                "port": ports["tls"],
+                "tls": {
+                    "cert": str(pki.server_cert),
+                    "key": str(pki.server_key),
+                    "ca": str(pki.ca),
+                    "require_client_cert": True,
+                },
+            },
+            {"name": "raw", "kind": "tcp", "port": ports["tcp"]},
+            {"name": "web", "kind": "http", "port": ports["http"]},
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
@@ -119,8 +148,9 @@ def test_idle_plain_tls_tcp_and_http_connections_do_not_hold_up_a_clean_stop(tmp
         raw = socket.create_connection(("127.0.0.1", ports["tcp"]), timeout=10)
         ctx = ssl.create_default_context(cafile=str(pki.ca))
         ctx.load_cert_chain(str(pki.client))
-        secure = ctx.wrap_socket(socket.create_connection(("127.0.0.1", ports["tls"]), timeout=10),
-                                 server_hostname="localhost")
+        secure = ctx.wrap_socket(
+            socket.create_connection(("127.0.0.1", ports["tls"]), timeout=10), server_hostname="localhost"
+        )
         web = http.client.HTTPConnection("127.0.0.1", ports["http"], timeout=10)
         web.request("POST", "/messages/web", body=b"hello", headers={"Content-Type": "text/plain"})
         assert web.getresponse().status == 202  # answered; the keep-alive connection stays open

@@ -1,4 +1,5 @@
 """Loading `connections.toml`: a bad setting is refused at load, naming the connection and the setting."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ def write(tmp_path: Path, body: str) -> Path:
 
 @pytest.mark.parametrize("lane_key", ["PID3.1", "pid-3", "PID-0", "PID-3.1 ", 7])
 def test_a_lane_key_that_is_no_hl7_field_path_refuses_the_config_naming_connection_and_setting(
-        tmp_path: Path, lane_key: object) -> None:
+    tmp_path: Path, lane_key: object
+) -> None:
     value = f'"{lane_key}"' if isinstance(lane_key, str) else str(lane_key)
     with pytest.raises(ConnectionConfigError) as info:
         load_config_dir(write(tmp_path, f'[[inbound]]\nname = "adt-in"\nkind = "mllp"\nlane_key = {value}\n'))
@@ -32,8 +34,17 @@ def test_a_valid_lane_key_loads_and_gives_the_lane_of_each_message(tmp_path: Pat
     assert lane_rule("") is None
 
 
-@pytest.mark.parametrize("key", ["max_connections_per_peer", "connect_rate_per_peer", "frame_timeout_seconds",
-                                 "handshake_timeout_seconds", "max_bytes_per_second_per_peer", "max_connections"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "max_connections_per_peer",
+        "connect_rate_per_peer",
+        "frame_timeout_seconds",
+        "handshake_timeout_seconds",
+        "max_bytes_per_second_per_peer",
+        "max_connections",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -1, "ten"])
 def test_peer_limits_must_be_positive_numbers(tmp_path, key, value):
     write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{key} = {json.dumps(value)}\n')
@@ -44,8 +55,12 @@ def test_peer_limits_must_be_positive_numbers(tmp_path, key, value):
 def test_peer_limits_have_protective_defaults(tmp_path):
     write(tmp_path, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n')
     [conn] = load_config_dir(tmp_path).inbound
-    assert (conn.max_connections_per_peer, conn.connect_rate_per_peer, conn.frame_timeout_seconds,
-            conn.handshake_timeout_seconds) == (16, 20.0, 10.0, 10.0)
+    assert (
+        conn.max_connections_per_peer,
+        conn.connect_rate_per_peer,
+        conn.frame_timeout_seconds,
+        conn.handshake_timeout_seconds,
+    ) == (16, 20.0, 10.0, 10.0)
     assert conn.frame_timeout_seconds < conn.idle_timeout_seconds
 
 
@@ -53,22 +68,30 @@ def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path, monk
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
     conf = tmp_path / "conf"
     conf.mkdir()
-    write(conf, '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
-                '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "../in"\n'
-                '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "../in2"\nerror_directory = "../bad"\n'
-                'hl7_only = true\n')
+    write(
+        conf,
+        '[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n'
+        '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "../in"\n'
+        '[[inbound]]\nname = "g"\nkind = "file"\ndirectory = "../in2"\nerror_directory = "../bad"\n'
+        "hl7_only = true\n",
+    )
     mllp, f, g = load_config_dir(conf).inbound
     assert (mllp.batch_ack, mllp.hl7_only) == ("batch", False)
     # archive and rejected default to the var dir, outside the partner-writable drop tree
     assert f.archive == str((tmp_path / "var" / "filedrop" / "f" / "archive").resolve())
     assert f.error_directory == str((tmp_path / "var" / "filedrop" / "f" / "rejected").resolve())
     assert (g.error_directory, g.hl7_only) == (str((tmp_path / "bad").resolve()), True)
-    for body, error in [('batch_ack = "each"', "batch_ack: must be one of 'batch', 'messages'"),
-                        ('hl7_only = "yes"', "hl7_only: must be true or false, got a string")]:
+    for body, error in [
+        ('batch_ack = "each"', "batch_ack: must be one of 'batch', 'messages'"),
+        ('hl7_only = "yes"', "hl7_only: must be true or false, got a string"),
+    ]:
         write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "mllp"\nport = 2575\n{body}\n')
         with pytest.raises(ConnectionConfigError, match=error):
             load_config_dir(tmp_path)
     write(tmp_path, '[[inbound]]\nname = "f"\nkind = "file"\ndirectory = "in"\nerror_directory = "in"\n')
-    with pytest.raises(ConnectionConfigError, match=r"inbound\[0\]\.error_directory: error_directory must differ "
-                                                    "from directory"):
+    with pytest.raises(
+        ConnectionConfigError,
+        match=r"inbound\[0\]\.error_directory: error_directory must differ "
+        "from directory",
+    ):
         load_config_dir(tmp_path)

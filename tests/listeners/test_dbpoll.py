@@ -2,6 +2,7 @@
 PostgreSQL (and SQLite) source table into the real store through the real group-commit writer:
 the watermark and mark strategies, a crash between staging and the advance, a deposed leader, rows
 that cannot be staged. The failover across two `listenerd` processes is tests/listeners/test_dbpoll_failover.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,9 @@ def source_db(pg_server: PostgresServer) -> Iterator[str]:
     name = f"source{next(_sources)}"
     pg_server.execute(f"CREATE DATABASE {name}")
     with psycopg.connect(pg_server.conninfo(name), autocommit=True) as db:
-        db.execute("CREATE TABLE outbox (id bigserial PRIMARY KEY, hl7 text NOT NULL, "
-                   "status text NOT NULL DEFAULT 'new')")
+        db.execute(
+            "CREATE TABLE outbox (id bigserial PRIMARY KEY, hl7 text NOT NULL, status text NOT NULL DEFAULT 'new')"
+        )
     yield name
     pg_server.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
@@ -58,19 +60,28 @@ def insert(server: PostgresServer, db: str, messages: list[str]) -> None:
 
 def source(server: PostgresServer, db: str, **overrides: Any) -> DatabaseSource:
     values: dict[str, Any] = {
-        "backend": "postgres", "server": server.host, "port": server.port, "database": db,
-        "username": server.user, "key_column": "id", "message_column": "hl7", "batch_size": 10,
-        "query": "SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id LIMIT :limit"}
+        "backend": "postgres",
+        "server": server.host,
+        "port": server.port,
+        "database": db,
+        "username": server.user,
+        "key_column": "id",
+        "message_column": "hl7",
+        "batch_size": 10,
+        "query": "SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id LIMIT :limit",
+    }
     values.update(overrides)
     return DatabaseSource(**values)
 
 
 def staged(config: StoreConfig) -> list[dict[str, Any]]:
-    return rows_of(config, "SELECT message_id, control_id, connection, lane_key, payload FROM inbound_messages "
-                           "ORDER BY id")
+    return rows_of(
+        config, "SELECT message_id, control_id, connection, lane_key, payload FROM inbound_messages ORDER BY id"
+    )
 
 
 # -- settings ------------------------------------------------------------------------------------
+
 
 def write_conf(tmp_path: Path, body: str) -> Path:
     (tmp_path / "connections.toml").write_text(body)
@@ -99,44 +110,63 @@ message_column = "hl7"
 def test_a_database_connection_loads_with_its_source(tmp_path: Path) -> None:
     conn = load_config_dir(write_conf(tmp_path, GOOD)).inbound[0]
     assert conn.kind == "database" and conn.poll_seconds == 2.0
-    assert conn.database == DatabaseSource(backend="postgres", server="lis.example", database="lis",
-                                           username="reader", password_env="LIS_DB_PASSWORD",
-                                           query="SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id "
-                                                 "LIMIT :limit", key_column="id", message_column="hl7")
+    assert conn.database == DatabaseSource(
+        backend="postgres",
+        server="lis.example",
+        database="lis",
+        username="reader",
+        password_env="LIS_DB_PASSWORD",
+        query="SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id LIMIT :limit",
+        key_column="id",
+        message_column="hl7",
+    )
 
 
-@pytest.mark.parametrize("change,error", [
-    (('backend = "postgres"', 'backend = "oracle"'),
-     "database.backend: must be one of 'postgres', 'sqlserver', 'sqlite'"),
-    (('username = "reader"', 'password = "secret"'),
-     "database.password: a password in the config file is refused \\(put the password in an environment variable"),
-    (("WHERE id > :watermark ", ""), 'strategy = "watermark" needs :watermark in query'),
-    (("SELECT id, hl7", "DELETE FROM outbox; SELECT id, hl7"), "query must be a SELECT"),
-    (("LIMIT :limit", "LIMIT :n"), "query takes only :limit, :watermark, got :n"),
-    (('key_column = "id"', 'key_column = "id; DROP TABLE x"'), "database.key_column: must be an identifier"),
-    (('key_column = "id"', 'strategy = "mark"'), 'query takes only :limit, got :watermark'),
-    (('key_column = "id"', 'batch_size = 0'), "database.batch_size: must be > 0"),
-    (('key_column = "id"', 'mark = "UPDATE outbox SET status = 1 WHERE id = :key"'),
-     'mark and reject belong to strategy = "mark"'),
-    (('database = "lis"', 'port = 5432'), "database.database: required, not set"),
-    (('poll_seconds = 2', 'poll_seconds = 0'), "poll_seconds: must be >= 0.05"),
-])
-def test_bad_database_settings_are_refused_at_load_naming_the_setting(tmp_path: Path, change: tuple[str, str],
-                                                                     error: str) -> None:
+@pytest.mark.parametrize(
+    "change,error",
+    [
+        (
+            ('backend = "postgres"', 'backend = "oracle"'),
+            "database.backend: must be one of 'postgres', 'sqlserver', 'sqlite'",
+        ),
+        (
+            ('username = "reader"', 'password = "secret"'),
+            "database.password: a password in the config file is refused "
+            "\\(put the password in an environment variable",
+        ),
+        (("WHERE id > :watermark ", ""), 'strategy = "watermark" needs :watermark in query'),
+        (("SELECT id, hl7", "DELETE FROM outbox; SELECT id, hl7"), "query must be a SELECT"),
+        (("LIMIT :limit", "LIMIT :n"), "query takes only :limit, :watermark, got :n"),
+        (('key_column = "id"', 'key_column = "id; DROP TABLE x"'), "database.key_column: must be an identifier"),
+        (('key_column = "id"', 'strategy = "mark"'), "query takes only :limit, got :watermark"),
+        (('key_column = "id"', "batch_size = 0"), "database.batch_size: must be > 0"),
+        (
+            ('key_column = "id"', 'mark = "UPDATE outbox SET status = 1 WHERE id = :key"'),
+            'mark and reject belong to strategy = "mark"',
+        ),
+        (('database = "lis"', "port = 5432"), "database.database: required, not set"),
+        (("poll_seconds = 2", "poll_seconds = 0"), "poll_seconds: must be >= 0.05"),
+    ],
+)
+def test_bad_database_settings_are_refused_at_load_naming_the_setting(
+    tmp_path: Path, change: tuple[str, str], error: str
+) -> None:
     with pytest.raises(ConnectionConfigError, match=error) as info:
         load_config_dir(write_conf(tmp_path, GOOD.replace(*change)))
     assert "'lab-db'" in str(info.value)
 
 
 def test_a_database_connection_without_its_source_table_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConnectionConfigError,
-                       match=r"inbound\[0\]\.database: a database connection needs an \[inbound.database\] table"):
+    with pytest.raises(
+        ConnectionConfigError,
+        match=r"inbound\[0\]\.database: a database connection needs an \[inbound.database\] table",
+    ):
         load_config_dir(write_conf(tmp_path, GOOD.split("[inbound.database]")[0]))
 
 
 def test_the_mark_strategy_needs_an_update_taking_key(tmp_path: Path) -> None:
     mark = GOOD.replace("WHERE id > :watermark ", "WHERE status = 'new' ") + 'strategy = "mark"\n'
-    with pytest.raises(ConnectionConfigError, match='needs mark = an UPDATE that takes only :key'):
+    with pytest.raises(ConnectionConfigError, match="needs mark = an UPDATE that takes only :key"):
         load_config_dir(write_conf(tmp_path, mark))
     ok = load_config_dir(write_conf(tmp_path, mark + "mark = \"UPDATE outbox SET status = 'sent' WHERE id = :key\"\n"))
     assert ok.inbound[0].database.strategy == "mark"
@@ -150,6 +180,7 @@ def test_the_row_message_id_is_the_connection_and_the_key() -> None:
 
 # -- scheduling, on a fake clock ----------------------------------------------------------------
 
+
 class FakeSource:
     """A source table in memory (the mark strategy: marked rows are not read again)."""
 
@@ -160,7 +191,7 @@ class FakeSource:
 
     def fetch(self, params: dict[str, Any]) -> list[dict[str, Any]]:
         self.fetches += 1
-        return [r for r in self.rows if r["id"] not in self.marked][:params["limit"]]
+        return [r for r in self.rows if r["id"] not in self.marked][: params["limit"]]
 
     def mark(self, done: list[Any], rejected: list[Any]) -> None:
         self.marked += done + rejected
@@ -184,11 +215,22 @@ def test_a_full_batch_is_followed_at_once_and_nothing_polls_outside_start_and_st
     from twisted.internet.defer import maybeDeferred
 
     clock, fake, ingest = MemoryReactorClock(), FakeSource(25), AutoIngest()
-    src = DatabaseSource(database="x", strategy="mark", batch_size=10, query="SELECT 1 LIMIT :limit",
-                         mark="UPDATE t SET s = 1 WHERE id = :key")
-    poller = DbPoll(ingest, InboundConfig(name="db", kind="database", poll_seconds=5.0, database=src),
-                    store=lambda: None, epoch=lambda: 1, reactor=clock, run_blocking=maybeDeferred,
-                    source=fake)  # type: ignore[arg-type]
+    src = DatabaseSource(
+        database="x",
+        strategy="mark",
+        batch_size=10,
+        query="SELECT 1 LIMIT :limit",
+        mark="UPDATE t SET s = 1 WHERE id = :key",
+    )
+    poller = DbPoll(
+        ingest,
+        InboundConfig(name="db", kind="database", poll_seconds=5.0, database=src),
+        store=lambda: None,
+        epoch=lambda: 1,
+        reactor=clock,
+        run_blocking=maybeDeferred,
+        source=fake,
+    )  # type: ignore[arg-type]
     clock.advance(60)
     assert fake.fetches == 0  # not started: no poll
     poller.start()
@@ -208,11 +250,18 @@ def test_a_key_that_repeats_stops_the_feed_instead_of_losing_a_row() -> None:
 
     fake, ingest = FakeSource(3), AutoIngest()
     fake.rows[1]["id"] = 1
-    src = DatabaseSource(database="x", strategy="mark", query="SELECT 1 LIMIT :limit",
-                         mark="UPDATE t SET s = 1 WHERE id = :key")
-    poller = DbPoll(ingest, InboundConfig(name="db", kind="database", database=src), store=lambda: None,
-                    epoch=lambda: 1, reactor=MemoryReactorClock(), run_blocking=maybeDeferred,
-                    source=fake)  # type: ignore[arg-type]
+    src = DatabaseSource(
+        database="x", strategy="mark", query="SELECT 1 LIMIT :limit", mark="UPDATE t SET s = 1 WHERE id = :key"
+    )
+    poller = DbPoll(
+        ingest,
+        InboundConfig(name="db", kind="database", database=src),
+        store=lambda: None,
+        epoch=lambda: 1,
+        reactor=MemoryReactorClock(),
+        run_blocking=maybeDeferred,
+        source=fake,
+    )  # type: ignore[arg-type]
     poller.poll()
     assert ingest.items == [] and fake.marked == []
 
@@ -221,16 +270,24 @@ def test_without_the_lease_a_poll_reads_nothing() -> None:
     from twisted.internet.defer import maybeDeferred
 
     fake = FakeSource(3)
-    src = DatabaseSource(database="x", strategy="mark", query="SELECT 1 LIMIT :limit",
-                         mark="UPDATE t SET s = 1 WHERE id = :key")
-    poller = DbPoll(AutoIngest(), InboundConfig(name="db", kind="database", database=src), store=lambda: None,
-                    epoch=lambda: None, reactor=MemoryReactorClock(), run_blocking=maybeDeferred,
-                    source=fake)  # type: ignore[arg-type]
+    src = DatabaseSource(
+        database="x", strategy="mark", query="SELECT 1 LIMIT :limit", mark="UPDATE t SET s = 1 WHERE id = :key"
+    )
+    poller = DbPoll(
+        AutoIngest(),
+        InboundConfig(name="db", kind="database", database=src),
+        store=lambda: None,
+        epoch=lambda: None,
+        reactor=MemoryReactorClock(),
+        run_blocking=maybeDeferred,
+        source=fake,
+    )  # type: ignore[arg-type]
     poller.poll()
     assert fake.fetches == 0 and fake.marked == []
 
 
 # -- against a real source and the real store ------------------------------------------------------
+
 
 @inlineCallbacks
 def polls(poller: DbPoll, n: int) -> Any:
@@ -246,8 +303,9 @@ class DbPollStoreTests(trial.TestCase):
     Each test drives the polls itself (the poller's own clock never fires)."""
 
     @pytest.fixture(autouse=True)
-    def _fixtures(self, sqlite_config_fresh: StoreConfig, pg_server: PostgresServer, source_db: str,
-                  tmp_path: Path) -> None:
+    def _fixtures(
+        self, sqlite_config_fresh: StoreConfig, pg_server: PostgresServer, source_db: str, tmp_path: Path
+    ) -> None:
         self.store_config = sqlite_config_fresh
         self.server = pg_server
         self.db = source_db
@@ -266,9 +324,15 @@ class DbPollStoreTests(trial.TestCase):
         conn = InboundConfig(name="lab-db", kind="database", lane_key="PID-3", database=src)
         from listeners.validation import lane_rule
 
-        poller = DbPoll(writer, conn, store=lambda: self.store, epoch=lambda: self.epoch,
-                        lane_of=lane_rule("PID-3"), reactor=MemoryReactorClock(),
-                        run_blocking=partial(deferToThreadPool, reactor, pool))
+        poller = DbPoll(
+            writer,
+            conn,
+            store=lambda: self.store,
+            epoch=lambda: self.epoch,
+            lane_of=lane_rule("PID-3"),
+            reactor=MemoryReactorClock(),
+            run_blocking=partial(deferToThreadPool, reactor, pool),
+        )
         self.addCleanup(poller.source.close)
         return poller
 
@@ -285,17 +349,27 @@ class DbPollStoreTests(trial.TestCase):
         rows = staged(self.store_config)
         assert [r["message_id"] for r in rows] == [row_message_id("lab-db", n) for n in range(1, 26)]
         assert [r["control_id"] for r in rows] == [f"LAB{n:04d}" for n in range(1, 26)]
-        assert rows[0] == {"message_id": row_message_id("lab-db", 1), "control_id": "LAB0001",
-                           "connection": "lab-db", "lane_key": "P1", "payload": hl7(1)}
+        assert rows[0] == {
+            "message_id": row_message_id("lab-db", 1),
+            "control_id": "LAB0001",
+            "connection": "lab-db",
+            "lane_key": "P1",
+            "payload": hl7(1),
+        }
         assert self._watermark() == 25
 
     @inlineCallbacks
     def test_the_mark_strategy_marks_each_staged_row_in_the_source(self) -> Any:
         insert(self.server, self.db, [hl7(n) for n in range(1, 13)])
-        poller = self._poller(source(
-            self.server, self.db, strategy="mark",
-            query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
-            mark="UPDATE outbox SET status = 'sent' WHERE id = :key"))
+        poller = self._poller(
+            source(
+                self.server,
+                self.db,
+                strategy="mark",
+                query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+                mark="UPDATE outbox SET status = 'sent' WHERE id = :key",
+            )
+        )
         assert (yield polls(poller, 3)) == [10, 2, 0]
         assert len(staged(self.store_config)) == 12
         with psycopg.connect(self.server.conninfo(self.db)) as db:
@@ -312,8 +386,9 @@ class DbPollStoreTests(trial.TestCase):
         assert len(staged(self.store_config)) == 7 and self._watermark() is None
         poller._write_watermark = real  # type: ignore[method-assign]
         assert (yield poller.poll()) == 7  # read again: skipped as already staged, then the mark moves
-        assert [r["message_id"] for r in staged(self.store_config)] == \
-            [row_message_id("lab-db", n) for n in range(1, 8)]
+        assert [r["message_id"] for r in staged(self.store_config)] == [
+            row_message_id("lab-db", n) for n in range(1, 8)
+        ]
         assert self._watermark() == 7
         assert (yield poller.poll()) == 0
 
@@ -323,10 +398,15 @@ class DbPollStoreTests(trial.TestCase):
         from tests.dags.stores import age, execute
 
         insert(self.server, self.db, [hl7(1), hl7(2)])
-        poller = self._poller(source(
-            self.server, self.db, strategy="mark",
-            query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
-            mark="UPDATE outbox SET status = 'sent' WHERE id = :key"))
+        poller = self._poller(
+            source(
+                self.server,
+                self.db,
+                strategy="mark",
+                query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+                mark="UPDATE outbox SET status = 'sent' WHERE id = :key",
+            )
+        )
         poller.source.mark = lambda done, rejected: (_ for _ in ()).throw(OSError("no UPDATE grant"))  # type: ignore
         assert (yield poller.poll()) == 0  # staged, never marked (the reader lacks the grant)
         execute(self.store, "UPDATE stage_inbound SET status = 'done'")
@@ -358,16 +438,24 @@ class DbPollStoreTests(trial.TestCase):
     @inlineCallbacks
     def test_a_row_that_cannot_be_staged_is_passed_over_and_marked_rejected(self) -> Any:
         insert(self.server, self.db, [hl7(1), "", hl7(3)])
-        poller = self._poller(source(
-            self.server, self.db, strategy="mark",
-            query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
-            mark="UPDATE outbox SET status = 'sent' WHERE id = :key",
-            reject="UPDATE outbox SET status = 'rejected' WHERE id = :key"))
+        poller = self._poller(
+            source(
+                self.server,
+                self.db,
+                strategy="mark",
+                query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+                mark="UPDATE outbox SET status = 'sent' WHERE id = :key",
+                reject="UPDATE outbox SET status = 'rejected' WHERE id = :key",
+            )
+        )
         assert (yield poller.poll()) == 3
         assert [r["control_id"] for r in staged(self.store_config)] == ["LAB0001", "LAB0003"]
         with psycopg.connect(self.server.conninfo(self.db)) as db:
-            assert db.execute("SELECT id, status FROM outbox ORDER BY id").fetchall() == \
-                [(1, "sent"), (2, "rejected"), (3, "sent")]
+            assert db.execute("SELECT id, status FROM outbox ORDER BY id").fetchall() == [
+                (1, "sent"),
+                (2, "rejected"),
+                (3, "sent"),
+            ]
 
     @inlineCallbacks
     def test_a_source_that_cannot_be_reached_is_retried_every_poll(self) -> Any:
@@ -384,22 +472,36 @@ class DbPollStoreTests(trial.TestCase):
         with sqlite3.connect(path) as db:
             db.execute("CREATE TABLE orders (order_no TEXT PRIMARY KEY, patient TEXT, qty INTEGER)")
             db.executemany("INSERT INTO orders VALUES (?, ?, ?)", [("A-1", "Doe", 2), ("A-2", "Roe", 1)])
-        poller = self._poller(DatabaseSource(
-            backend="sqlite", database=str(path), key_column="order_no",
-            query="SELECT order_no, patient, qty FROM orders WHERE order_no > :watermark ORDER BY order_no "
-                  "LIMIT :limit", start_after=""))
+        poller = self._poller(
+            DatabaseSource(
+                backend="sqlite",
+                database=str(path),
+                key_column="order_no",
+                query="SELECT order_no, patient, qty FROM orders WHERE order_no > :watermark ORDER BY order_no "
+                "LIMIT :limit",
+                start_after="",
+            )
+        )
         assert (yield poller.poll()) == 2
         assert [json.loads(r["payload"]) for r in staged(self.store_config)] == [
-            {"order_no": "A-1", "patient": "Doe", "qty": 2}, {"order_no": "A-2", "patient": "Roe", "qty": 1}]
+            {"order_no": "A-1", "patient": "Doe", "qty": 2},
+            {"order_no": "A-2", "patient": "Roe", "qty": 1},
+        ]
         assert self._watermark() == "A-2"
         assert (yield poller.poll()) == 0
 
 
 def test_source_database_reads_and_marks_a_postgres_table(pg_server: PostgresServer, source_db: str) -> None:
     insert(pg_server, source_db, [hl7(1), hl7(2)])
-    db = SourceDatabase(source(pg_server, source_db, strategy="mark",
-                               query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
-                               mark="UPDATE outbox SET status = 'sent' WHERE id = :key"))
+    db = SourceDatabase(
+        source(
+            pg_server,
+            source_db,
+            strategy="mark",
+            query="SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+            mark="UPDATE outbox SET status = 'sent' WHERE id = :key",
+        )
+    )
     try:
         assert db.fetch({"limit": 10}) == [{"id": 1, "hl7": hl7(1)}, {"id": 2, "hl7": hl7(2)}]
         db.mark([1], [])

@@ -2,6 +2,7 @@
 source table in another PostgreSQL database while rows keep arriving; the leader is SIGKILLed in
 the middle. Only the leader polls, and every source row is staged exactly once — by whichever
 node read it first — for both strategies (a watermark in the store, a mark UPDATE in the source)."""
+
 from __future__ import annotations
 
 import threading
@@ -19,16 +20,24 @@ from tests.listeners.test_dbpoll import hl7, source_db  # noqa: F401  (the fixtu
 from tests.support.queries import rows_of
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+}
 ROWS = 600
 STRATEGIES = {
     "watermark": {"query": "SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id LIMIT :limit"},
     # The mark is slowed down (10 ms a row, one transaction a poll) so that the kill most likely
     # lands between a poll's staging commit and its marks: the rows in between are read again by
     # the new leader, and must not be staged again.
-    "mark": {"strategy": "mark", "query": "SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
-             "mark": "UPDATE outbox SET status = 'sent' WHERE id = :key AND (SELECT true FROM pg_sleep(0.01))"},
+    "mark": {
+        "strategy": "mark",
+        "query": "SELECT id, hl7 FROM outbox WHERE status = 'new' ORDER BY id LIMIT :limit",
+        "mark": "UPDATE outbox SET status = 'sent' WHERE id = :key AND (SELECT true FROM pg_sleep(0.01))",
+    },
 }
 
 
@@ -70,25 +79,43 @@ class Feeder(threading.Thread):
 
 def received(store_config: Any) -> list[dict[str, Any]]:
     """Each staged row's message id and the node whose 'received' event staged it."""
-    return rows_of(store_config, "SELECT i.message_id, e.node_id FROM stage_inbound i "
-                                 "JOIN message_events e ON e.row_id = i.id AND e.stage = 'inbound' "
-                                 "AND e.event = 'received' ORDER BY i.id")
+    return rows_of(
+        store_config,
+        "SELECT i.message_id, e.node_id FROM stage_inbound i "
+        "JOIN message_events e ON e.row_id = i.id AND e.stage = 'inbound' "
+        "AND e.event = 'received' ORDER BY i.id",
+    )
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_every_source_row_is_staged_exactly_once_across_a_leader_kill(tmp_path, pg_config_fresh, pg_server,
-                                                                       source_db, strategy):
-    conn = {"name": "lab-db", "kind": "database", "poll_seconds": 0.05, "lane_key": "PID-3",
-            "database": {"backend": "postgres", "server": pg_server.host, "port": pg_server.port,
-                         "database": source_db, "username": pg_server.user, "key_column": "id",
-                         "message_column": "hl7", "batch_size": 25, **STRATEGIES[strategy]}}
+def test_every_source_row_is_staged_exactly_once_across_a_leader_kill(
+    tmp_path, pg_config_fresh, pg_server, source_db, strategy
+):
+    conn = {
+        "name": "lab-db",
+        "kind": "database",
+        "poll_seconds": 0.05,
+        "lane_key": "PID-3",
+        "database": {
+            "backend": "postgres",
+            "server": pg_server.host,
+            "port": pg_server.port,
+            "database": source_db,
+            "username": pg_server.user,
+            "key_column": "id",
+            "message_column": "hl7",
+            "batch_size": 25,
+            **STRATEGIES[strategy],
+        },
+    }
     a = Daemon(tmp_path / "a", pg_config_fresh, node_id="node-a:1:aa", cluster=CLUSTER, inbound=[conn]).start()
     b = None
     feeder = Feeder(pg_server, source_db)
     try:
         wait_for(lambda: a.status()["is_leader"], timeout=15, what="node A to lead")
-        b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-                   config_dir=a.workdir / "config").start()
+        b = Daemon(
+            tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
+        ).start()
         wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
         feeder.start()
         wait_for(lambda: len(received(pg_config_fresh)) >= ROWS // 4, timeout=30, what="A staging rows")
@@ -110,8 +137,10 @@ def test_every_source_row_is_staged_exactly_once_across_a_leader_kill(tmp_path, 
     assert [r["message_id"] for r in rows] == expected  # each row once, in source order
     by_node = {node: sum(1 for r in rows if r["node_id"] == node) for node in ("node-a:1:aa", "node-b:2:bb")}
     assert by_node["node-a:1:aa"] > 0 and by_node["node-b:2:bb"] > 0 and sum(by_node.values()) == ROWS
-    print(f"{strategy}: {ROWS} rows, leader killed after {killed_at} inserted, {reread} staged but not yet "
-          f"advanced past; staged by A {by_node['node-a:1:aa']}, by B {by_node['node-b:2:bb']}, none twice")
+    print(
+        f"{strategy}: {ROWS} rows, leader killed after {killed_at} inserted, {reread} staged but not yet "
+        f"advanced past; staged by A {by_node['node-a:1:aa']}, by B {by_node['node-b:2:bb']}, none twice"
+    )
     if strategy == "mark":
         assert reread > 0  # the kill did land between a staging commit and its marks
     with psycopg.connect(pg_server.conninfo(source_db)) as db:

@@ -2,6 +2,7 @@
 periodic recheck: tests/store/test_durability.py) is loud: `/cluster/status` says so and why
 (`store_durable: false`, `durability_problem`), and the `stageline_store_durable` gauge drops to 0
 (issue 23, red team item 10)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,13 +18,21 @@ class StandInStore:
 
 
 def state_of(store: Any) -> NodeState:
-    return NodeState(node_id="n1", clustered=False, metrics=Metrics(), is_leader=lambda: True,
-                     config_version=lambda: 0, nodes=lambda: succeed({}), store=lambda: store)
+    return NodeState(
+        node_id="n1",
+        clustered=False,
+        metrics=Metrics(),
+        is_leader=lambda: True,
+        config_version=lambda: 0,
+        nodes=lambda: succeed({}),
+        store=lambda: store,
+    )
 
 
 def gauge(state: NodeState) -> str:
-    return next(line for line in state.metrics.render().decode().splitlines()
-                if line.startswith("stageline_store_durable "))
+    return next(
+        line for line in state.metrics.render().decode().splitlines() if line.startswith("stageline_store_durable ")
+    )
 
 
 def test_status_and_metric_follow_the_stores_durability() -> None:

@@ -2,6 +2,7 @@
 SIGTERM and a database partition each hand the port to the standby in the documented time, the
 partitioned leader fences itself before the standby can take over, and no ACKed message is lost.
 Both nodes run the same config dir (same port: only the leader binds it, like a VIP)."""
+
 from __future__ import annotations
 
 import signal
@@ -18,8 +19,13 @@ from include.store import Store
 from tests.listeners.hl7_traffic import Sender
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+}
 SLACK = 0.6  # supervisor tick, process scheduling and the poll interval of the measurement
 
 
@@ -27,11 +33,17 @@ SLACK = 0.6  # supervisor tick, process scheduling and the poll interval of the 
 def pair(tmp_path, pg_config_fresh, pg_server):
     port = free_port()
     proxy = TcpProxy(pg_server.host, pg_server.port).start()
-    a = Daemon(tmp_path / "a", replace(pg_config_fresh, port=proxy.port), node_id="node-a:1:aa", cluster=CLUSTER,
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    a = Daemon(
+        tmp_path / "a",
+        replace(pg_config_fresh, port=proxy.port),
+        node_id="node-a:1:aa",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     wait_for(lambda: a.status()["is_leader"] and port_open(port), timeout=15, what="node A to lead")
-    b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-               config_dir=a.workdir / "config").start()
+    b = Daemon(
+        tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
+    ).start()
     wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
     yield a, b, port, proxy, pg_config_fresh
     for d in (a, b):
@@ -59,8 +71,11 @@ def test_only_the_leader_binds_and_both_report_the_same_leader(pair):
     assert b"stageline_listeners_bound 0.0" in b.get("/metrics")[1]
     assert b"stageline_listeners_bound 1.0" in a.get("/metrics")[1]
     for node in (a, b):
-        wait_for(lambda: __import__("json").loads(node.get("/cluster/nodes")[1])["leader_node_id"] == "node-a:1:aa",
-                 timeout=5, what="membership view")
+        wait_for(
+            lambda: __import__("json").loads(node.get("/cluster/nodes")[1])["leader_node_id"] == "node-a:1:aa",
+            timeout=5,
+            what="membership view",
+        )
     assert "cannot bind" not in b.output()
 
 
@@ -109,15 +124,18 @@ def test_a_partitioned_leader_fences_itself_before_the_standby_takes_over(pair):
     wait_for(lambda: port_open(port), timeout=5, interval=0.02, what="new leader binding")
     time.sleep(1.0)
     sender.stop()
-    print(f"partition: old leader fenced after {fenced:.2f}s (fence {FENCE}s), standby took over after "
-          f"{took_over:.2f}s (TTL {TTL}s)")
+    print(
+        f"partition: old leader fenced after {fenced:.2f}s (fence {FENCE}s), standby took over after "
+        f"{took_over:.2f}s (TTL {TTL}s)"
+    )
     assert fenced <= FENCE + SLACK
     assert took_over >= TTL - HEARTBEAT  # the lease had to expire on the DB clock first
     assert fenced < took_over
     acked_are_staged(sender, store_config)
     proxy.restore()
-    wait_for(lambda: a.status()["role"] == "standby" and b.status()["role"] == "primary", timeout=30,
-             what="healed cluster")
+    wait_for(
+        lambda: a.status()["role"] == "standby" and b.status()["role"] == "primary", timeout=30, what="healed cluster"
+    )
 
 
 def test_sighup_reload_bumps_the_shared_config_version_and_every_node_converges(pair):
@@ -128,8 +146,11 @@ def test_sighup_reload_bumps_the_shared_config_version_and_every_node_converges(
         conf.read_text() + f'\n[[inbound]]\nname = "orders-in"\nkind = "mllp"\nhost = "127.0.0.1"\nport = {extra}\n'
     )
     a.signal(signal.SIGHUP)
-    wait_for(lambda: a.status()["config_version"] == 1 and b.status()["config_version"] == 1, timeout=10,
-             what="both nodes on config version 1")
+    wait_for(
+        lambda: a.status()["config_version"] == 1 and b.status()["config_version"] == 1,
+        timeout=10,
+        what="both nodes on config version 1",
+    )
     wait_for(lambda: port_open(extra), timeout=10, what="the leader to bind the new connection")
     assert b"stageline_listeners_bound 0.0" in b.get("/metrics")[1]  # the standby still binds nothing
     assert "reloading the config dir" in b.output()
@@ -139,8 +160,13 @@ def test_a_node_running_a_different_config_is_reported_loudly(pair, tmp_path):
     import json
 
     a, b, port, _, store_config = pair
-    c = Daemon(tmp_path / "c", store_config, node_id="node-c:3:cc", cluster=CLUSTER,
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 5}])
+    c = Daemon(
+        tmp_path / "c",
+        store_config,
+        node_id="node-c:3:cc",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 5}],
+    )
     c.start()
     try:
         wait_for(lambda: b"stageline_config_mismatch 1.0" in c.get("/metrics")[1], timeout=10, what="mismatch metric")

@@ -1,5 +1,6 @@
 """File drop listener: unit tests on a MemoryReactorClock with synchronous file work and a
 hand-fired fake ingest, and tests against the real store with file work in a real thread pool."""
+
 from __future__ import annotations
 
 import os
@@ -45,10 +46,16 @@ def sync(f: Any, *args: Any) -> Deferred:
 
 
 def config(tmp_path: Path, **overrides: Any) -> InboundConfig:
-    values: dict[str, Any] = {"name": "drop", "kind": "file", "directory": str(tmp_path / "in"),
-                              "archive": str(tmp_path / "archive"),
-                              "error_directory": str(tmp_path / "rejected"), "pattern": "*.hl7",
-                              "poll_seconds": 5.0, "max_message_bytes": 256}
+    values: dict[str, Any] = {
+        "name": "drop",
+        "kind": "file",
+        "directory": str(tmp_path / "in"),
+        "archive": str(tmp_path / "archive"),
+        "error_directory": str(tmp_path / "rejected"),
+        "pattern": "*.hl7",
+        "poll_seconds": 5.0,
+        "max_message_bytes": 256,
+    }
     values.update(overrides)
     (tmp_path / "in").mkdir(exist_ok=True)
     return InboundConfig(**values)
@@ -67,8 +74,9 @@ class Harness:
         self.clock = MemoryReactorClock()
         self.ingest = ingest or FakeIngest()
         lane_of = overrides.pop("lane_of", None)
-        self.listener = FileDrop(self.ingest, config(tmp_path, **overrides), lane_of=lane_of,
-                                         reactor=self.clock, run_blocking=sync)
+        self.listener = FileDrop(
+            self.ingest, config(tmp_path, **overrides), lane_of=lane_of, reactor=self.clock, run_blocking=sync
+        )
 
     def start(self) -> None:
         self.listener.start()
@@ -92,6 +100,7 @@ UNIQUE = r"\.\d{8}T\d{6}Z-[0-9a-f]{8}"
 
 
 # -- stability and order -----------------------------------------------------------------------
+
 
 def test_a_new_file_is_taken_only_once_it_is_unchanged_across_two_polls(tmp_path: Path) -> None:
     h = Harness(tmp_path, AutoIngest())
@@ -148,6 +157,7 @@ def test_nothing_is_polled_before_start_or_after_stop(tmp_path: Path) -> None:
 
 
 # -- commit, then move -------------------------------------------------------------------------
+
 
 def test_file_is_archived_only_after_the_commit_fires(tmp_path: Path) -> None:
     h = Harness(tmp_path, lane_of=lambda text: "L-" + text[:3])
@@ -236,17 +246,30 @@ def test_a_name_clash_in_the_archive_gets_a_suffix(tmp_path: Path) -> None:
 def test_message_id_depends_on_connection_name_and_content() -> None:
     base = file_message_id("drop", "a.hl7", b"x")
     assert len(base) == 32 and base == file_message_id("drop", "a.hl7", b"x")
-    assert len({base, file_message_id("drop2", "a.hl7", b"x"), file_message_id("drop", "b.hl7", b"x"),
-                file_message_id("drop", "a.hl7", b"y")}) == 4
+    assert (
+        len(
+            {
+                base,
+                file_message_id("drop2", "a.hl7", b"x"),
+                file_message_id("drop", "b.hl7", b"x"),
+                file_message_id("drop", "a.hl7", b"y"),
+            }
+        )
+        == 4
+    )
 
 
 # -- rejects -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("data, reason", [
-    (b"x" * 300, "message too large: 300 bytes, limit 256"),
-    (b"\xff\xfe\x00junk", "undecodable: byte offset 0 is not valid utf-8"),
-    (b"", "empty message"),
-])
+
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"x" * 300, "message too large: 300 bytes, limit 256"),
+        (b"\xff\xfe\x00junk", "undecodable: byte offset 0 is not valid utf-8"),
+        (b"", "empty message"),
+    ],
+)
 def test_unstageable_files_go_to_rejected_with_a_reason(tmp_path: Path, data: bytes, reason: str) -> None:
     h = Harness(tmp_path, AutoIngest())
     drop(tmp_path, "bad.hl7", data)
@@ -266,8 +289,12 @@ def test_unstageable_files_go_to_rejected_with_a_reason(tmp_path: Path, data: by
 
 def test_the_archive_must_not_be_the_polled_directory(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="archive"):
-        FileDrop(FakeIngest(), config(tmp_path, archive=str(tmp_path / "in")),
-                         reactor=MemoryReactorClock(), run_blocking=sync)
+        FileDrop(
+            FakeIngest(),
+            config(tmp_path, archive=str(tmp_path / "in")),
+            reactor=MemoryReactorClock(),
+            run_blocking=sync,
+        )
 
 
 def test_a_missing_directory_is_reported_and_polling_goes_on(tmp_path: Path) -> None:
@@ -279,10 +306,12 @@ def test_a_missing_directory_is_reported_and_polling_goes_on(tmp_path: Path) -> 
 
 # -- against the real store --------------------------------------------------------------------
 
+
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT message_id, control_id, connection, payload FROM inbound_messages "
-                          "ORDER BY id").fetchall()
+        return db.execute(
+            "SELECT message_id, control_id, connection, payload FROM inbound_messages ORDER BY id"
+        ).fetchall()
 
 
 class _RealStore(trial.TestCase):
@@ -303,8 +332,12 @@ class _RealStore(trial.TestCase):
         pool = ThreadPool(minthreads=0, maxthreads=2, name="filedrop-test")
         pool.start()
         self.addCleanup(pool.stop)
-        listener = FileDrop(wrap(writer) if wrap else writer, config(self.tmp, **overrides),
-                            reactor=MemoryReactorClock(), run_blocking=partial(deferToThreadPool, reactor, pool))
+        listener = FileDrop(
+            wrap(writer) if wrap else writer,
+            config(self.tmp, **overrides),
+            reactor=MemoryReactorClock(),
+            run_blocking=partial(deferToThreadPool, reactor, pool),
+        )
         listener.start()  # the fake clock never fires: the test drives each poll itself
         self.addCleanup(listener.stop)
         return listener, writer
@@ -332,8 +365,9 @@ class FileDropStoreTests(_RealStore):
         drop(self.tmp, "a.hl7", adt("A"))
         message_id = file_message_id("drop", "a.hl7", adt("A"))
         # The previous run committed the file, then crashed before moving it.
-        yield writer.submit(Inbound(connection="drop", payload=adt("A").decode(), control_id="A",
-                                    message_id=message_id))
+        yield writer.submit(
+            Inbound(connection="drop", payload=adt("A").decode(), control_id="A", message_id=message_id)
+        )
         yield listener.poll()
         assert (yield listener.poll()) == 1
         assert [r[0] for r in rows(self.store_config.path)] == [message_id]
@@ -356,11 +390,11 @@ class FileDropStoreTests(_RealStore):
         yield listener.poll()
         yield listener.poll()
         assert rows(self.store_config.path) == []
-        assert listing(self.tmp / "rejected") == ["big.hl7", "big.hl7.reason", "bin.hl7",
-                                                              "bin.hl7.reason"]
+        assert listing(self.tmp / "rejected") == ["big.hl7", "big.hl7.reason", "bin.hl7", "bin.hl7.reason"]
 
 
 # -- by descriptor, never by following a link (issue 23) ----------------------------------------
+
 
 def secret(tmp_path: Path) -> Path:
     path = tmp_path / "secrets.txt"
@@ -429,12 +463,17 @@ def test_an_archive_or_error_directory_that_is_a_symlink_refuses_to_start(tmp_pa
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     with pytest.raises(ValueError, match=f"{key} .* is a symlink"):
-        FileDrop(FakeIngest(), config(tmp_path, **{key: str(tmp_path / "link")}),
-                 reactor=MemoryReactorClock(), run_blocking=sync)
+        FileDrop(
+            FakeIngest(),
+            config(tmp_path, **{key: str(tmp_path / "link")}),
+            reactor=MemoryReactorClock(),
+            run_blocking=sync,
+        )
 
 
-def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
     h = Harness(tmp_path, AutoIngest(), archive="", error_directory="")
     drop(tmp_path, "a.hl7", adt("A"))
@@ -445,8 +484,9 @@ def test_archive_and_rejected_default_outside_the_drop_tree_mode_0700(tmp_path: 
     assert listing(base / "archive") == ["a.hl7"]
     assert listing(base / "rejected") == ["b.hl7", "b.hl7.reason"]
     assert listing(base / "archive" / ".processing-drop") == []
-    assert {oct(os.stat(base / d).st_mode & 0o777)
-            for d in ("archive", "rejected", "archive/.processing-drop")} == {"0o700"}
+    assert {oct(os.stat(base / d).st_mode & 0o777) for d in ("archive", "rejected", "archive/.processing-drop")} == {
+        "0o700"
+    }
     assert listing(tmp_path / "in") == []
 
 
@@ -476,10 +516,17 @@ class FileDropLinkStoreTests(_RealStore):
         drop(self.tmp, "a.hl7", adt("A"))
         yield listener.poll()
         assert (yield listener.poll()) == 1
-        assert rows(self.store_config.path) == [(file_message_id("drop", "a.hl7", adt("A")), "A", "drop",
-                                                 adt("A").decode())]
-        assert listing(self.tmp / "rejected") == ["leak.hl7", "leak.hl7.reason", "pipe-link.hl7",
-                                                  "pipe-link.hl7.reason", "pipe.hl7", "pipe.hl7.reason"]
+        assert rows(self.store_config.path) == [
+            (file_message_id("drop", "a.hl7", adt("A")), "A", "drop", adt("A").decode())
+        ]
+        assert listing(self.tmp / "rejected") == [
+            "leak.hl7",
+            "leak.hl7.reason",
+            "pipe-link.hl7",
+            "pipe-link.hl7.reason",
+            "pipe.hl7",
+            "pipe.hl7.reason",
+        ]
         assert listing(self.tmp / "in") == []
 
     @inlineCallbacks
@@ -506,8 +553,11 @@ def test_a_hard_link_to_another_file_is_set_aside_unread(tmp_path: Path) -> None
     h.next_poll()
     assert h.ingest.calls == []
     assert listing(tmp_path / "rejected") == ["linked.hl7", "linked.hl7.reason"]
-    assert (tmp_path / "rejected" / "linked.hl7.reason").read_text().startswith(
-        "a hard link (2 names for one file): never read\n")
+    assert (
+        (tmp_path / "rejected" / "linked.hl7.reason")
+        .read_text()
+        .startswith("a hard link (2 names for one file): never read\n")
+    )
     assert target.read_bytes() == adt("SECRET")
 
 
@@ -540,8 +590,9 @@ def test_a_large_batch_file_is_split_on_a_thread_not_the_reactor(tmp_path: Path)
     small = adt("S")
     ingest = AutoIngest()
     clock = MemoryReactorClock()
-    listener = FileDrop(ingest, config(tmp_path, max_message_bytes=len(batch) + 1), reactor=clock,
-                        run_blocking=recording)
+    listener = FileDrop(
+        ingest, config(tmp_path, max_message_bytes=len(batch) + 1), reactor=clock, run_blocking=recording
+    )
     drop(tmp_path, "a-big.hl7", batch)
     drop(tmp_path, "b-small.hl7", small)
     listener.start()
@@ -553,6 +604,7 @@ def test_a_large_batch_file_is_split_on_a_thread_not_the_reactor(tmp_path: Path)
 
 
 # -- red team, issue 23 ("Safe edges"), items 1, 2, 6, 8, 12, 13 --------------------------------
+
 
 class _ReplaceDuringCommit:
     """The real writer, but while the first file's commit is in flight a writer renames a new file
@@ -573,6 +625,7 @@ class FileDropRedTeamStoreTests(_RealStore):
     @inlineCallbacks
     def test_a_file_replaced_under_the_same_name_during_the_commit_is_staged_too(self) -> Any:
         """Red team 1: RACE-B renamed over victim.hl7 while RACE-A committed was archived unstaged."""
+
         def replace() -> None:
             (self.tmp / "in" / ".victim.tmp").write_bytes(adt("RACE-B"))
             os.rename(self.tmp / "in" / ".victim.tmp", self.tmp / "in" / "victim.hl7")
@@ -594,8 +647,9 @@ class FileDropRedTeamStoreTests(_RealStore):
         listener, writer = self._listener()
         message_id = file_message_id("drop", "a.hl7", adt("A"))
         # The previous run claimed a.hl7 and committed it, then crashed before archiving it.
-        yield writer.submit(Inbound(connection="drop", payload=adt("A").decode(), control_id="A",
-                                    message_id=message_id))
+        yield writer.submit(
+            Inbound(connection="drop", payload=adt("A").decode(), control_id="A", message_id=message_id)
+        )
         processing(self.tmp).mkdir(mode=0o700, parents=True)
         (processing(self.tmp) / "a.hl7").write_bytes(adt("A"))
         os.utime(processing(self.tmp) / "a.hl7", ns=(2_000_000_000_000_000_000,) * 2)
@@ -624,8 +678,16 @@ class FileDropRedTeamStoreTests(_RealStore):
 
 def test_temp_names_are_skipped_whatever_the_pattern_says(tmp_path: Path) -> None:
     h = Harness(tmp_path, AutoIngest(), pattern="*")
-    for name in (".adt.hl7.Xa12Bc", ".hidden.hl7", "a.hl7.part", "a.hl7.PART", "a.filepart", "a.partial",
-                 "a.hl7.tmp", "a.hl7~"):
+    for name in (
+        ".adt.hl7.Xa12Bc",
+        ".hidden.hl7",
+        "a.hl7.part",
+        "a.hl7.PART",
+        "a.filepart",
+        "a.partial",
+        "a.hl7.tmp",
+        "a.hl7~",
+    ):
         drop(tmp_path, name, adt("PARTIAL"))
     drop(tmp_path, "whole.hl7", adt("W"))
     h.start()
@@ -676,7 +738,10 @@ def test_a_255_byte_name_dropped_twice_is_archived_and_the_next_file_follows(tmp
     assert [item.control_id for item, _ in h.ingest.calls] == ["FIRST", "SECOND", "AFTER"]
     assert listing(tmp_path / "in") == [] and len(listing(tmp_path / "archive")) == 3
     assert {(tmp_path / "archive" / n).read_bytes() for n in listing(tmp_path / "archive")} == {
-        adt("FIRST"), adt("SECOND"), adt("AFTER")}
+        adt("FIRST"),
+        adt("SECOND"),
+        adt("AFTER"),
+    }
 
 
 def test_a_feed_that_always_writes_one_name_never_runs_out_of_archive_names(tmp_path: Path) -> None:
@@ -693,8 +758,9 @@ def test_a_feed_that_always_writes_one_name_never_runs_out_of_archive_names(tmp_
     assert listing(tmp_path / "in") == [] and len(listing(tmp_path / "archive")) == 10_002
 
 
-def test_an_archive_that_refuses_every_derived_name_gets_the_message_id(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_archive_that_refuses_every_derived_name_gets_the_message_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """However a name is refused (ENAMETOOLONG on an odd file system), a staged file never stalls."""
     import errno
 
@@ -714,8 +780,9 @@ def test_an_archive_that_refuses_every_derived_name_gets_the_message_id(tmp_path
     h.start()
     h.next_poll()
     assert [item.control_id for item, _ in h.ingest.calls] == ["A", "B"]
-    assert listing(tmp_path / "archive") == sorted(f"{file_message_id('drop', n, adt(c))}.hl7"
-                                                    for n, c in (("a.hl7", "A"), ("b.hl7", "B")))
+    assert listing(tmp_path / "archive") == sorted(
+        f"{file_message_id('drop', n, adt(c))}.hl7" for n, c in (("a.hl7", "A"), ("b.hl7", "B"))
+    )
 
 
 def test_a_rejected_file_with_a_250_byte_name_leaves_the_drop(tmp_path: Path) -> None:
@@ -745,9 +812,11 @@ def test_newlines_and_escapes_in_a_name_are_escaped_in_the_reason_and_the_log(tm
         h.next_poll()
     [reason] = [n for n in listing(tmp_path / "rejected") if n.endswith(".reason")]
     lines = (tmp_path / "rejected" / reason).read_text().splitlines()
-    assert lines[:3] == ["not a regular file (symlink): never read", "connection: drop",
-                         "file: evil.hl7\\x0aconnection: other\\x0afile: innocent.hl7\\x0arejected_at: "
-                         "1999-01-01T00:00:00Z\\x0a.hl7"]
+    assert lines[:3] == [
+        "not a regular file (symlink): never read",
+        "connection: drop",
+        "file: evil.hl7\\x0aconnection: other\\x0afile: innocent.hl7\\x0arejected_at: 1999-01-01T00:00:00Z\\x0a.hl7",
+    ]
     assert len(lines) == 4 and lines[3].startswith("rejected_at: 20")
     text = [formatEvent(e) for e in events]
     assert any("esc\\x1b[31mred.hl7" in t for t in text) and any("evil.hl7\\x0aconnection" in t for t in text)
@@ -758,8 +827,12 @@ def test_a_symlink_above_the_archive_is_never_written_through(tmp_path: Path) ->
     """Red team 6: `drop/sub` swapped for a link; the next poll created target/archive through it."""
     target = tmp_path / "target"
     target.mkdir()
-    h = Harness(tmp_path, AutoIngest(), archive=str(tmp_path / "in" / "sub" / "archive"),
-                error_directory=str(tmp_path / "rejected"))
+    h = Harness(
+        tmp_path,
+        AutoIngest(),
+        archive=str(tmp_path / "in" / "sub" / "archive"),
+        error_directory=str(tmp_path / "rejected"),
+    )
     drop(tmp_path, "one.hl7", adt("ONE"))
     h.start()
     h.next_poll()
@@ -775,6 +848,7 @@ def test_a_symlink_above_the_archive_is_never_written_through(tmp_path: Path) ->
 
 
 # -- second red-team pass (issue 23): processing is ours; archived is exactly what was staged ----
+
 
 def test_a_writer_holding_the_file_open_cannot_add_to_the_archive(tmp_path: Path) -> None:
     """L2: the partner's fd stayed open and kept appending after the file was staged; the archive

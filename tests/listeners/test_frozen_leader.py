@@ -7,6 +7,7 @@ fences before it serves anything it read while frozen — nothing commits under 
 the takeover, nothing it answers AA is missing from the store, its connections are closed and it
 rejoins as a standby; the sender gets AA again (within the TTL + 3 s when the nodes have their own
 addresses), every AA is a stored row, and no two nodes lead at once."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,14 @@ from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
-FROZEN = TTL + 3.5   # SIGSTOP this long: well past the lease TTL, so the standby must take over
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+}
+FROZEN = TTL + 3.5  # SIGSTOP this long: well past the lease TTL, so the standby must take over
 ANSWER_TIMEOUT = 1.0  # the sender's wait for an ACK before it tries the other address
 
 
@@ -111,7 +117,7 @@ class FrozenProbe(threading.Thread):
     def __init__(self, port: int, control_id: str) -> None:
         super().__init__(daemon=True)
         self.port, self.control_id = port, control_id
-        self.answer: str | None = None      # MSA-1, or None when closed without an answer
+        self.answer: str | None = None  # MSA-1, or None when closed without an answer
         self.closed_at: float | None = None
 
     def run(self) -> None:
@@ -222,16 +228,26 @@ class VipWatch(threading.Thread):
 def _start_pair(tmp_path, store_config, *, shared_port: bool) -> tuple[Daemon, Daemon, int, int]:
     port_a = free_port()
     port_b = port_a if shared_port else free_port()
-    a = Daemon(tmp_path / "a", store_config, node_id="node-a:1:aa", cluster=CLUSTER,
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}]).start()
+    a = Daemon(
+        tmp_path / "a",
+        store_config,
+        node_id="node-a:1:aa",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}],
+    ).start()
     wait_for(lambda: a.status()["is_leader"] and port_open(port_a), timeout=15, what="node A to lead")
     if shared_port:  # one config dir, one address: only the leader can hold it (like one host's VIP)
         b = Daemon(
             tmp_path / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
         )
     else:
-        b = Daemon(tmp_path / "b", store_config, node_id="node-b:2:bb", cluster=CLUSTER,
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}])
+        b = Daemon(
+            tmp_path / "b",
+            store_config,
+            node_id="node-b:2:bb",
+            cluster=CLUSTER,
+            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}],
+        )
     b.start()
     wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
     return a, b, port_a, port_b
@@ -251,8 +267,16 @@ class FreezeRun:
     standby_after_wake_s: float
 
 
-def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config, *, a_rejoins: bool = True,
-                   sender_ports: list[int] | None = None) -> FreezeRun:
+def _freeze_leader(
+    a: Daemon,
+    b: Daemon,
+    port_a: int,
+    port_b: int,
+    store_config,
+    *,
+    a_rejoins: bool = True,
+    sender_ports: list[int] | None = None,
+) -> FreezeRun:
     """Stream, freeze A past the lease TTL, wake it. `a_rejoins`: wait for A to report standby
     (else only for it to answer again: on a shared address either node may lead afterwards)."""
     old_epoch = _lease(store_config)["epoch"]
@@ -268,8 +292,12 @@ def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config,
     time.sleep(0.3)
     probe = FrozenProbe(port_a, "Z000001")  # a partner reaching the frozen node's still-open port
     probe.start()
-    wait_for(lambda: _lease(store_config)["epoch"] > old_epoch, timeout=FROZEN, interval=0.05,
-             what="the standby to take the lease while A is frozen")
+    wait_for(
+        lambda: _lease(store_config)["epoch"] > old_epoch,
+        timeout=FROZEN,
+        interval=0.05,
+        what="the standby to take the lease while A is frozen",
+    )
     takeover_s = time.monotonic() - frozen_at
     # A is still frozen: whatever it commits under the old epoch from here on came after the takeover
     at_takeover = _received_under(store_config, old_epoch)
@@ -279,15 +307,20 @@ def _freeze_leader(a: Daemon, b: Daemon, port_a: int, port_b: int, store_config,
     a.signal(signal.SIGCONT)
     woke_at = time.monotonic()
     if a_rejoins:
-        wait_for(lambda: (_status(a) or {}).get("role") == "standby", timeout=15, interval=0.05,
-                 what="A to rejoin as a standby")
+        wait_for(
+            lambda: (_status(a) or {}).get("role") == "standby",
+            timeout=15,
+            interval=0.05,
+            what="A to rejoin as a standby",
+        )
     else:
         wait_for(lambda: _status(a) is not None, timeout=15, interval=0.05, what="A to answer again")
     standby_after = time.monotonic() - woke_at
     time.sleep(3.0)  # the stream goes on after the wake: A must stay out, B must keep serving
     probe.join(20)
-    return FreezeRun(sender, probe, old_epoch, new_epoch, frozen_at, woke_at, takeover_s, at_takeover,
-                     watch.stop(), standby_after)
+    return FreezeRun(
+        sender, probe, old_epoch, new_epoch, frozen_at, woke_at, takeover_s, at_takeover, watch.stop(), standby_after
+    )
 
 
 def _assert_fenced_and_lossless(run: FreezeRun, store_config) -> None:
@@ -313,9 +346,11 @@ def test_a_frozen_leader_on_its_own_address_fences_on_waking_and_the_standby_ser
     try:
         run = _freeze_leader(a, b, port_a, port_b, pg_config_fresh)
         first_aa = run.sender.first_aa_after(run.frozen_at)
-        print(f"frozen leader, own addresses: lease taken {run.takeover_s:.2f}s after SIGSTOP (TTL {TTL}s), "
-              f"first AA {first_aa:.2f}s after it, A standby {run.standby_after_wake_s:.2f}s after SIGCONT, "
-              f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries")
+        print(
+            f"frozen leader, own addresses: lease taken {run.takeover_s:.2f}s after SIGSTOP (TTL {TTL}s), "
+            f"first AA {first_aa:.2f}s after it, A standby {run.standby_after_wake_s:.2f}s after SIGCONT, "
+            f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries"
+        )
         assert first_aa is not None and first_aa <= TTL + 3.0
         _assert_fenced_and_lossless(run, pg_config_fresh)
         assert _lease(pg_config_fresh) == {"owner": "node-b:2:bb", "epoch": run.new_epoch}
@@ -337,13 +372,19 @@ def test_a_frozen_leader_sharing_the_address_is_served_again_within_three_second
     a, b, port, _ = _start_pair(tmp_path, pg_config_fresh, shared_port=True)
     try:
         run = _freeze_leader(a, b, port, port, pg_config_fresh, a_rejoins=False)
-        wait_for(lambda: run.sender.first_aa_after(run.woke_at) is not None, timeout=10, interval=0.05,
-                 what="AA again after the frozen node woke")
+        wait_for(
+            lambda: run.sender.first_aa_after(run.woke_at) is not None,
+            timeout=10,
+            interval=0.05,
+            what="AA again after the frozen node woke",
+        )
         again = run.sender.first_aa_after(run.woke_at)
         leader = _lease(pg_config_fresh)
-        print(f"frozen leader, shared address: lease taken {run.takeover_s:.2f}s after SIGSTOP, AA again "
-              f"{again:.2f}s after SIGCONT (frozen {FROZEN}s), leader now {leader['owner']} epoch {leader['epoch']}, "
-              f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries")
+        print(
+            f"frozen leader, shared address: lease taken {run.takeover_s:.2f}s after SIGSTOP, AA again "
+            f"{again:.2f}s after SIGCONT (frozen {FROZEN}s), leader now {leader['owner']} epoch {leader['epoch']}, "
+            f"probe answer {run.probe.answer!r}, {len(run.sender.acked)} AA, {run.sender.retries} retries"
+        )
         # B took the lease while A still held the port: it could not bind and retried. Past its grace
         # (3 heartbeats) it stepped down — or, when A's heartbeat was already older than the node
         # timeout (A frozen), kept the lease: no other live node could have taken it
@@ -389,8 +430,10 @@ def test_a_frozen_leader_leaves_the_vip_within_three_seconds_and_senders_through
         down = watch.first("node-a", "DOWN", run.frozen_at)
         b_up = watch.first("node-b", "UP", run.frozen_at)
         first_aa = run.sender.first_aa_after(run.frozen_at)
-        print(f"frozen leader behind HAProxy: A DOWN in the VIP {down:.2f}s after SIGSTOP, B UP {b_up:.2f}s, "
-              f"first AA through the VIP {first_aa:.2f}s after SIGSTOP (lease taken {run.takeover_s:.2f}s)")
+        print(
+            f"frozen leader behind HAProxy: A DOWN in the VIP {down:.2f}s after SIGSTOP, B UP {b_up:.2f}s, "
+            f"first AA through the VIP {first_aa:.2f}s after SIGSTOP (lease taken {run.takeover_s:.2f}s)"
+        )
         assert down is not None and down <= 3.0, f"the frozen leader stayed in the VIP ({down})"
         assert first_aa is not None and first_aa <= TTL + 3.0
         _assert_fenced_and_lossless(run, pg_config_fresh)

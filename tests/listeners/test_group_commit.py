@@ -6,6 +6,7 @@ data the store turns down.
 Both writers are held to it: the writer thread (every store) and, on PostgreSQL, the writer on
 the reactor (`ReactorIngestWriter` over `listeners.pgcommit`), driven here by a reactor of the
 test's own, iterated until the outcomes are in."""
+
 from __future__ import annotations
 
 import time
@@ -75,13 +76,20 @@ class Writer:
         self.epoch = acquire_permanent(self.store, node_id="n")
         self.metrics = Metrics()
         if kind == "thread":
-            self.writer: Any = IngestWriter(self.store, node_id="n", epoch=lambda: self.epoch, metrics=self.metrics,
-                                            reactor=None)
+            self.writer: Any = IngestWriter(
+                self.store, node_id="n", epoch=lambda: self.epoch, metrics=self.metrics, reactor=None
+            )
         else:
             self.reactor = EPollReactor()
             self.stager = CountingStager(self.store, self.reactor)
-            self.writer = ReactorIngestWriter(self.store, node_id="n", epoch=lambda: self.epoch,
-                                              metrics=self.metrics, reactor=self.reactor, stager=self.stager)
+            self.writer = ReactorIngestWriter(
+                self.store,
+                node_id="n",
+                epoch=lambda: self.epoch,
+                metrics=self.metrics,
+                reactor=self.reactor,
+                stager=self.stager,
+            )
 
     @property
     def statements(self) -> int:
@@ -97,8 +105,10 @@ class Writer:
         """Submit in one reactor turn; the outcomes fill in as the reactor runs."""
         outcomes: list[Any] = [...] * len(items)
         for n, item in enumerate(items):
+
             def settle(result: Any, n: int = n) -> None:
                 outcomes[n] = result.value if hasattr(result, "value") else None
+
             self.writer.submit(item).addBoth(settle)
         return outcomes
 
@@ -127,8 +137,9 @@ def writer(request) -> Iterator[Writer]:
     w.close()
 
 
-pg_writer = pytest.mark.parametrize("writer", [k for k in KINDS if k[0] == "postgres"], indirect=True,
-                                    ids=["postgres-thread", "postgres-reactor"])
+pg_writer = pytest.mark.parametrize(
+    "writer", [k for k in KINDS if k[0] == "postgres"], indirect=True, ids=["postgres-thread", "postgres-reactor"]
+)
 
 
 def refuse_poison(store: Store) -> None:
@@ -137,13 +148,17 @@ def refuse_poison(store: Store) -> None:
         if store.backend == "postgres":
             tx.script("ALTER TABLE inbound_bodies ADD CONSTRAINT no_poison CHECK (payload NOT LIKE '%POISON%')")
         else:
-            tx.script("CREATE TRIGGER no_poison BEFORE INSERT ON inbound_bodies WHEN NEW.payload LIKE '%POISON%' "
-                      "BEGIN SELECT RAISE(ABORT, 'poison refused'); END;")
+            tx.script(
+                "CREATE TRIGGER no_poison BEFORE INSERT ON inbound_bodies WHEN NEW.payload LIKE '%POISON%' "
+                "BEGIN SELECT RAISE(ABORT, 'poison refused'); END;"
+            )
 
 
 def items(n: int, bad: set[int], *, bad_text: str = "POISON") -> list[Inbound]:
-    return [Inbound(connection="c", control_id=f"M{i}", payload=f"MSH|{i}|{bad_text if i in bad else 'ok'}")
-            for i in range(n)]
+    return [
+        Inbound(connection="c", control_id=f"M{i}", payload=f"MSH|{i}|{bad_text if i in bad else 'ok'}")
+        for i in range(n)
+    ]
 
 
 def staged_control_ids(store: Store) -> list[str]:
@@ -153,8 +168,9 @@ def staged_control_ids(store: Store) -> list[str]:
         return [r["control_id"] for r in cur.fetchall()]
 
 
-@pytest.mark.parametrize("bad", [set(), {0}, {63}, {5, 6, 40}, set(range(0, 64, 2))],
-                         ids=["none", "first", "last", "three", "half"])
+@pytest.mark.parametrize(
+    "bad", [set(), {0}, {63}, {5, 6, 40}, set(range(0, 64, 2))], ids=["none", "first", "last", "three", "half"]
+)
 def test_only_the_rows_the_store_refuses_fail_and_the_rest_commit_in_arrival_order(writer, bad):
     refuse_poison(writer.store)
     writer.reset()
@@ -169,9 +185,16 @@ def test_only_the_rows_the_store_refuses_fail_and_the_rest_commit_in_arrival_ord
 
 
 def hl7_batch(name: str, n: int, *, bad: int | None = None) -> InboundBatch:
-    return InboundBatch(connection="c", batch_id=f"batch-{name}", bhs_control_id=f"B-{name}", declared=n,
-                        items=tuple(Inbound(connection="c", control_id=f"{name}{k}",
-                                            payload=f"MSH|{k}|{'POISON' if k == bad else 'ok'}") for k in range(n)))
+    return InboundBatch(
+        connection="c",
+        batch_id=f"batch-{name}",
+        bhs_control_id=f"B-{name}",
+        declared=n,
+        items=tuple(
+            Inbound(connection="c", control_id=f"{name}{k}", payload=f"MSH|{k}|{'POISON' if k == bad else 'ok'}")
+            for k in range(n)
+        ),
+    )
 
 
 def test_an_hl7_batch_commits_whole_or_fails_whole_and_the_messages_around_it_commit(writer):
@@ -185,14 +208,20 @@ def test_an_hl7_batch_commits_whole_or_fails_whole_and_the_messages_around_it_co
     assert staged_control_ids(writer.store) == ["M0", "M1", "A0", "A1", "A2", "C0", "C1"]
     with writer.store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
-        cur.execute("SELECT batch_id, bhs_control_id, declared_count, message_count FROM inbound_batches "
-                    "ORDER BY batch_id")
+        cur.execute(
+            "SELECT batch_id, bhs_control_id, declared_count, message_count FROM inbound_batches ORDER BY batch_id"
+        )
         batches = [tuple(r.values()) for r in cur.fetchall()]
         cur.execute("SELECT control_id, batch_id, batch_seq FROM stage_inbound WHERE batch_id IS NOT NULL ORDER BY id")
         members = [tuple(r.values()) for r in cur.fetchall()]
     assert batches == [("batch-A", "B-A", 3, 3), ("batch-C", "B-C", 2, 2)]
-    assert members == [("A0", "batch-A", 1), ("A1", "batch-A", 2), ("A2", "batch-A", 3), ("C0", "batch-C", 1),
-                       ("C1", "batch-C", 2)]
+    assert members == [
+        ("A0", "batch-A", 1),
+        ("A1", "batch-A", 2),
+        ("A2", "batch-A", 3),
+        ("C0", "batch-C", 1),
+        ("C1", "batch-C", 2),
+    ]
 
 
 def test_every_row_refused_costs_at_most_2n_minus_1_statements(writer):
@@ -247,8 +276,7 @@ def test_a_store_that_is_down_fails_the_batch_without_splitting(tmp_path, sqlite
         writer.close()
 
 
-def test_a_commit_that_waits_out_a_busy_sqlite_lock_longer_than_its_busy_timeout_still_commits(
-        sqlite_config_fresh):
+def test_a_commit_that_waits_out_a_busy_sqlite_lock_longer_than_its_busy_timeout_still_commits(sqlite_config_fresh):
     """Issue 22: a group commit queued behind stage work holding SQLite's write lock past the busy
     timeout got `AE`. It now takes its turn when the lock is free: every message committed."""
     import sqlite3
@@ -376,7 +404,8 @@ def test_the_deferred_fires_only_once_the_row_is_committed(reactor_writer):
     outcomes = w.submit_all(items(1, set()))
     seen: list[list[str]] = []
     w.writer.submit(Inbound(connection="c", control_id="M1", payload="MSH|y")).addCallback(
-        lambda _: seen.append(staged_control_ids(w.store)))
+        lambda _: seen.append(staged_control_ids(w.store))
+    )
     run_until(w.reactor, lambda: bool(seen) and outcomes[0] is not ...)
     assert seen == [["M0", "M1"]]
 
@@ -392,9 +421,11 @@ def test_a_connection_dropped_between_batches_is_reopened_for_the_next(reactor_w
     w = reactor_writer
     assert w.commit(items(2, set())) == [None, None]
     with w.store.transaction() as tx:
-        tx.conn.cursor().execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                 "WHERE pid <> pg_backend_pid() AND datname = current_database() "
-                                 "AND query LIKE '%stage_inbound%'")
+        tx.conn.cursor().execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+            "AND query LIKE '%stage_inbound%'"
+        )
     deadline = time.monotonic() + 5
     while w.stager._conn is not None and w.stager._conn.usable and time.monotonic() < deadline:
         w.reactor.iterate(0.01)  # the reactor notices the closed socket on its own

@@ -197,9 +197,7 @@ def test_pre_25_versions_use_err1_and_msa3() -> None:
 
 
 def test_fallback_ack_uses_default_separators_and_an_empty_msa2() -> None:
-    raw = build_fallback_ack(
-        AckCode.AR, reason="no_msh: no MSH segment", sending_application="STAGELINE", now=NOW
-    )
+    raw = build_fallback_ack(AckCode.AR, reason="no_msh: no MSH segment", sending_application="STAGELINE", now=NOW)
     raw.decode("ascii")
     assert raw.startswith(b"MSH|^~\\&|STAGELINE|||")
     ack = parsed(raw)

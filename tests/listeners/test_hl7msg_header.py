@@ -130,9 +130,7 @@ def test_empty_charset_uses_the_connection_default() -> None:
         (b"MSH|^~\\&\r", HeaderErrorReason.MISSING_CONTROL_ID),
     ],
 )
-def test_rejects_unusable_headers_with_a_machine_readable_reason(
-    data: bytes, reason: HeaderErrorReason
-) -> None:
+def test_rejects_unusable_headers_with_a_machine_readable_reason(data: bytes, reason: HeaderErrorReason) -> None:
     assert reason_of(data) is reason
 
 
@@ -178,9 +176,9 @@ def test_a_rejected_header_still_names_an_ascii_msh10_but_never_a_non_ascii_one(
     # a malformed MSH-2 (too short, too long, repeated, not punctuation) leaves MSH-10 readable
     for opening in (b"^~\\", b"^~\\&#@", b"^^\\&", b"^~\\A"):
         assert error(b"MSH|" + opening + b"|A|B|C|D|||ADT^A01|CTRL-8|P|2.5\r").control_id == "CTRL-8"
-        assert error(b"MSH|" + opening + b"|A|B|C|D|||ADT^A01|CTRL-8|P|2.5\r",
-                     ).reason in (HeaderErrorReason.BAD_ENCODING_CHARACTERS,
-                                  HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS)
+        assert error(
+            b"MSH|" + opening + b"|A|B|C|D|||ADT^A01|CTRL-8|P|2.5\r",
+        ).reason in (HeaderErrorReason.BAD_ENCODING_CHARACTERS, HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS)
 
 
 def test_latin1_message_decodes_with_its_declared_charset() -> None:
@@ -199,9 +197,7 @@ def test_latin1_message_decodes_with_its_declared_charset() -> None:
         ("euc_kr", "KS X 1001", "서울"),
     ],
 )
-def test_double_byte_charsets_whose_bytes_collide_with_separators(
-    codec: str, charset: str, facility: str
-) -> None:
+def test_double_byte_charsets_whose_bytes_collide_with_separators(codec: str, charset: str, facility: str) -> None:
     text = f"MSH|^~\\&|APP|{facility}|R|F|||ADT^A01|C9|P|2.5|||||XX|{charset}\rPID|1||{facility}\r"
     h = parse_header(text.encode(codec))
     assert h.sending_facility == facility

@@ -13,6 +13,7 @@ while it is being handled:
 Hostile peers connect from 127.0.0.2+ (tests/support/hostile.py). Each case's figures are
 printed (`-s`) and collected in `FIGURES`; the last test of the module prints the table.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -44,11 +45,16 @@ HEALTH_LIMIT, HONEST_P99_LIMIT, RSS_LIMIT_MB = 1.0, 1.0, 150.0
 FRAME_TIMEOUT = 1.0
 RELEASE_SECONDS = FRAME_TIMEOUT + 4.0  # fds back: the guard's timeout, the reactor's turn, polling
 BULK_BYTES = 4 * 1024 * 1024  # the listener the huge batch goes to; the honest one keeps 64 KiB
-WEB_BYTES = 2 * 1024 * 1024   # the HTTP listener takes a 1.6 MB body
+WEB_BYTES = 2 * 1024 * 1024  # the HTTP listener takes a 1.6 MB body
 BATCH_MESSAGES = {"sqlite": 40_000, "postgres": 20_000}  # issue 23: 40,000 (2.2 MB) / 20,000 on PG
-LIMITS = {"max_connections": 32, "max_connections_per_peer": 16, "connect_rate_per_peer": 20,
-          "frame_timeout_seconds": FRAME_TIMEOUT, "handshake_timeout_seconds": FRAME_TIMEOUT,
-          "idle_timeout_seconds": 30}
+LIMITS = {
+    "max_connections": 32,
+    "max_connections_per_peer": 16,
+    "connect_rate_per_peer": 20,
+    "frame_timeout_seconds": FRAME_TIMEOUT,
+    "handshake_timeout_seconds": FRAME_TIMEOUT,
+    "idle_timeout_seconds": 30,
+}
 SECRET = "TOP-SECRET-7f3a9c"
 FIGURES: dict[str, dict[str, Any]] = {}
 
@@ -98,16 +104,40 @@ def node(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     (outside / "secrets.hl7").write_text(f"MSH|^~\\&|S|S|S|S|||ADT^A01|{SECRET}|P|2.5\rPID|1||{SECRET}\r")
     ports = {kind: free_port() for kind in ("mllp", "bulk", "tls", "tcp", "http")}
     tls = {"cert": str(pki.server_cert), "key": str(pki.server_key)}
-    daemon = Daemon(tmp / "node", config, node_id=f"solo:1:{backend[:2]}", inbound=[
-        {"name": "plain", "kind": "mllp", "port": ports["mllp"], **LIMITS, "max_message_bytes": 65536},
-        {"name": "bulk", "kind": "mllp", "port": ports["bulk"], **LIMITS, "max_message_bytes": BULK_BYTES,
-         "frame_timeout_seconds": 30.0},
-        {"name": "secure", "kind": "mllp", "port": ports["tls"], "tls": tls, **LIMITS, "max_message_bytes": 65536},
-        {"name": "raw", "kind": "tcp", "port": ports["tcp"], **LIMITS, "max_message_bytes": 65536},
-        {"name": "web", "kind": "http", "port": ports["http"], **LIMITS, "max_message_bytes": WEB_BYTES,
-         "frame_timeout_seconds": 5.0},
-        {"name": "drop", "kind": "file", "directory": str(drop), "archive": str(tmp / "archive"),
-         "error_directory": str(tmp / "rejected"), "poll_seconds": 0.3}])
+    daemon = Daemon(
+        tmp / "node",
+        config,
+        node_id=f"solo:1:{backend[:2]}",
+        inbound=[
+            {"name": "plain", "kind": "mllp", "port": ports["mllp"], **LIMITS, "max_message_bytes": 65536},
+            {
+                "name": "bulk",
+                "kind": "mllp",
+                "port": ports["bulk"],
+                **LIMITS,
+                "max_message_bytes": BULK_BYTES,
+                "frame_timeout_seconds": 30.0,
+            },
+            {"name": "secure", "kind": "mllp", "port": ports["tls"], "tls": tls, **LIMITS, "max_message_bytes": 65536},
+            {"name": "raw", "kind": "tcp", "port": ports["tcp"], **LIMITS, "max_message_bytes": 65536},
+            {
+                "name": "web",
+                "kind": "http",
+                "port": ports["http"],
+                **LIMITS,
+                "max_message_bytes": WEB_BYTES,
+                "frame_timeout_seconds": 5.0,
+            },
+            {
+                "name": "drop",
+                "kind": "file",
+                "directory": str(drop),
+                "archive": str(tmp / "archive"),
+                "error_directory": str(tmp / "rejected"),
+                "poll_seconds": 0.3,
+            },
+        ],
+    )
     daemon.start()
     ports["api"] = daemon.api_port
     try:
@@ -146,6 +176,7 @@ def honest_while(runner: threading.Thread, node: Node, prefix: str) -> hostile.H
 # -- the hostile inputs ---------------------------------------------------------------------------
 # Each runs in a thread until it is done or `halt` is set, and returns what it saw (answers).
 
+
 @dataclass
 class Ctx:
     node: Node
@@ -155,16 +186,18 @@ class Ctx:
 
     def peer_group(self, target: str, action: Callable[[Peer], None], sources: int, first: int = 2) -> None:
         for i in range(sources):
-            peer = Peer(f"{target}{i}", "127.0.0.1", self.node.ports[target], source=f"127.0.0.{first + i}",
-                        action=action)
+            peer = Peer(
+                f"{target}{i}", "127.0.0.1", self.node.ports[target], source=f"127.0.0.{first + i}", action=action
+            )
             self.peers.append(peer)
             peer.start()
         self.halt.wait(3.0)  # the pressure stays on while the honest sender sends (1.5 s)
 
 
 def post(ctx: Ctx, body: bytes, content_type: str, *, timeout: float = 30.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", ctx.node.ports["http"], timeout=timeout,
-                                      source_address=("127.0.0.2", 0))
+    conn = http.client.HTTPConnection(
+        "127.0.0.1", ctx.node.ports["http"], timeout=timeout, source_address=("127.0.0.2", 0)
+    )
     try:
         conn.request("POST", "/messages/web", body=body, headers={"Content-Type": content_type})
         resp = conn.getresponse()
@@ -192,12 +225,16 @@ def huge_batch(ctx: Ctx) -> None:
     """Issue 23 rows 3-4: one MLLP batch of 40,000 messages (SQLite) / 20,000 (PostgreSQL)."""
     n = BATCH_MESSAGES[ctx.node.backend]
     one = "MSH|^~\\&|BULK|F|||||ADT^A01|B{:06d}|P|2.5\rPID|1||P{:03d}\r"  # 55 bytes: 40,000 = 2.2 MB
-    batch = ("BHS|^~\\&|BULK|FAC|STAGELINE|HOSP|||||BATCH1\r" + "".join(one.format(i, i % 997) for i in range(n))
-             + f"BTS|{n}\r").encode()
+    batch = (
+        "BHS|^~\\&|BULK|FAC|STAGELINE|HOSP|||||BATCH1\r"
+        + "".join(one.format(i, i % 997) for i in range(n))
+        + f"BTS|{n}\r"
+    ).encode()
     ctx.seen["bytes"] = len(batch)
     started = time.monotonic()
-    with socket.create_connection(("127.0.0.1", ctx.node.ports["bulk"]), timeout=60,
-                                  source_address=("127.0.0.2", 0)) as sock:
+    with socket.create_connection(
+        ("127.0.0.1", ctx.node.ports["bulk"]), timeout=60, source_address=("127.0.0.2", 0)
+    ) as sock:
         sock.sendall(VT + batch + FS_CR)
         try:
             ack = hostile._read_frame(sock).decode(errors="replace")
@@ -240,6 +277,7 @@ NOISE = bytes(random.Random(23).getrandbits(8) for _ in range(65536))
 
 def garbage_bytes(target: str, sources: int = 2) -> Callable[[Ctx], None]:
     """Random bytes, 1 MiB a connection, again and again from `sources` peers, at one port."""
+
     def spray(peer: Peer) -> None:
         sock = peer.connect(timeout=2.0)
         if sock is None:
@@ -251,6 +289,7 @@ def garbage_bytes(target: str, sources: int = 2) -> Callable[[Ctx], None]:
                 sock.sendall(NOISE)
         finally:
             sock.close()
+
     return lambda ctx: ctx.peer_group(target, spray, sources=sources)
 
 
@@ -262,20 +301,28 @@ def tcp_endless_line(ctx: Ctx) -> None:
         peer.sockets.append(sock)
         while not peer.halt.is_set():
             sock.sendall(b"MSH" + b"x" * 65536)
+
     ctx.peer_group("tcp", action, sources=1)
 
 
 def huge_content_length(ctx: Ctx) -> None:
     """HTTP requests that announce a body (over the limit, and under it) and never send it."""
+
     def action(peer: Peer) -> None:
-        hostile._hold(peer, 8, b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
-                               b"Content-Length: 1500000\r\n\r\nMSH|")
+        hostile._hold(
+            peer,
+            8,
+            b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: 1500000\r\n\r\nMSH|",
+        )
+
     def over(peer: Peer) -> None:
         sock = peer.connect()
         if sock is not None:
             sock.sendall(b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\n")
             peer.sockets.append(sock)
             peer.halt.wait(0.2)
+
     ctx.peer_group("http", action, sources=2)
     ctx.peer_group("http", over, sources=1, first=20)
 
@@ -327,8 +374,9 @@ def _scalar(node: Node, sql: str, param: str) -> int:
             return conn.execute(sql, (param,)).fetchone()[0]
     import psycopg
 
-    with psycopg.connect(host=node.store.server, port=node.store.port, dbname=node.store.database,
-                         user=node.store.username) as conn:
+    with psycopg.connect(
+        host=node.store.server, port=node.store.port, dbname=node.store.database, user=node.store.username
+    ) as conn:
         return conn.execute(sql.replace("?", "%s"), (param,)).fetchone()[0]
 
 
@@ -354,11 +402,18 @@ def test_hostile_input_leaves_health_honest_senders_memory_and_fds_alone(node: N
         watch.stop()
     handled = time.monotonic() - started
     back, back_in, extra = fds_back(node.pid, baseline, RELEASE_SECONDS)
-    figures = {"health_max_s": round(watch.worst, 3), "health_not_200": watch.unhealthy,
-               "health_polls": len(watch.latencies), "honest": f"{sent.accepted}/{len(sent.sent)}",
-               "honest_p99_s": round(sent.p99, 3), "rss_peak_mb": round(watch.rss_peak, 1),
-               "fds_baseline": len(baseline), "fds_back_in_s": round(back_in, 2) if back else None,
-               "case_s": round(handled, 1), **ctx.seen}
+    figures = {
+        "health_max_s": round(watch.worst, 3),
+        "health_not_200": watch.unhealthy,
+        "health_polls": len(watch.latencies),
+        "honest": f"{sent.accepted}/{len(sent.sent)}",
+        "honest_p99_s": round(sent.p99, 3),
+        "rss_peak_mb": round(watch.rss_peak, 1),
+        "fds_baseline": len(baseline),
+        "fds_back_in_s": round(back_in, 2) if back else None,
+        "case_s": round(handled, 1),
+        **ctx.seen,
+    }
     FIGURES[f"{node.backend}/{case}"] = figures
     print(f"\n{node.backend}/{case}: {json.dumps(figures)}")
     assert d.proc.poll() is None, d.output()[-3000:]

@@ -8,6 +8,7 @@ honest message accepted (AA / 202) with p99 latency ≤ 1 s and stored; listener
 and, once the hostile peers stop, its open file descriptors back to the baseline within the
 timeout that governs the attacked listener plus a stated margin (`release_seconds`).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,15 @@ from tests.support.watch import fd_targets
 
 HONEST_MESSAGES, HONEST_INTERVAL = 20, 0.1
 MAX_MESSAGE_BYTES = 65536
-LIMITS = {"max_connections": 24, "max_connections_per_peer": 16, "connect_rate_per_peer": 20,
-          "frame_timeout_seconds": 1.0, "handshake_timeout_seconds": 1.0, "idle_timeout_seconds": 300,
-          "max_message_bytes": MAX_MESSAGE_BYTES}
+LIMITS = {
+    "max_connections": 24,
+    "max_connections_per_peer": 16,
+    "connect_rate_per_peer": 20,
+    "frame_timeout_seconds": 1.0,
+    "handshake_timeout_seconds": 1.0,
+    "idle_timeout_seconds": 300,
+    "max_message_bytes": MAX_MESSAGE_BYTES,
+}
 # Once its peer is gone a hostile connection is closed when its peer's close arrives, or at the
 # latest when the guard's frame/handshake timeout fires (it aborts: no TLS close_notify awaited);
 # the margin is for the reactor's turn and this test's polling on a busy 2-core machine.
@@ -52,13 +59,25 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
     pki = make_pki(tmp / "pki")
     ports = {kind: free_port() for kind in ("mllp", "tls", "tls-idle", "tcp", "http")}
     tls = {"cert": str(pki.server_cert), "key": str(pki.server_key)}
-    d = Daemon(tmp / "node", config, node_id="solo:1:aa", inbound=[
-        {"name": "plain", "kind": "mllp", "port": ports["mllp"], **LIMITS},
-        {"name": "secure", "kind": "mllp", "port": ports["tls"], "tls": tls, **LIMITS},
-        {"name": "secure-idle", "kind": "mllp", "port": ports["tls-idle"], "tls": tls,
-         **LIMITS, "idle_timeout_seconds": IDLE_TIMEOUT_SECONDS},
-        {"name": "raw", "kind": "tcp", "port": ports["tcp"], **LIMITS},
-        {"name": "web", "kind": "http", "port": ports["http"], **LIMITS}]).start()
+    d = Daemon(
+        tmp / "node",
+        config,
+        node_id="solo:1:aa",
+        inbound=[
+            {"name": "plain", "kind": "mllp", "port": ports["mllp"], **LIMITS},
+            {"name": "secure", "kind": "mllp", "port": ports["tls"], "tls": tls, **LIMITS},
+            {
+                "name": "secure-idle",
+                "kind": "mllp",
+                "port": ports["tls-idle"],
+                "tls": tls,
+                **LIMITS,
+                "idle_timeout_seconds": IDLE_TIMEOUT_SECONDS,
+            },
+            {"name": "raw", "kind": "tcp", "port": ports["tcp"], **LIMITS},
+            {"name": "web", "kind": "http", "port": ports["http"], **LIMITS},
+        ],
+    ).start()
     ports["api"] = d.api_port
     try:
         for port in ports.values():
@@ -102,15 +121,18 @@ def assert_fds_back(pid: int, baseline: dict[str, str], seconds: float) -> None:
         if time.monotonic() > deadline:
             now = fd_targets(pid)
             extra = sorted(f"{fd}→{target}" for fd, target in now.items() if baseline.get(fd) != target)
-            raise AssertionError(f"listenerd holds {len(now)} fds after {seconds:.1f} s, baseline "
-                                 f"{len(baseline)}; not in the baseline: {extra}")
+            raise AssertionError(
+                f"listenerd holds {len(now)} fds after {seconds:.1f} s, baseline "
+                f"{len(baseline)}; not in the baseline: {extra}"
+            )
         time.sleep(0.05)
 
 
 def stored(store: Store, control_ids: list[str]) -> set[str]:
     with sqlite3.connect(store.config.path, timeout=30) as conn:
-        rows = conn.execute("SELECT control_id FROM stage_inbound WHERE control_id LIKE ?",
-                            (control_ids[0][:5] + "%",)).fetchall()
+        rows = conn.execute(
+            "SELECT control_id FROM stage_inbound WHERE control_id LIKE ?", (control_ids[0][:5] + "%",)
+        ).fetchall()
     return {r[0] for r in rows} & set(control_ids)
 
 
@@ -118,8 +140,10 @@ Attack = Callable[[dict[str, int]], list[Peer]]
 
 
 def peers(kind: str, target: str, action: Callable[[Peer], None], sources: int = 1, first: int = 2) -> Attack:
-    return lambda ports: [Peer(f"{kind}{i}", "127.0.0.1", ports[target], source=f"127.0.0.{first + i}",
-                               action=action) for i in range(sources)]
+    return lambda ports: [
+        Peer(f"{kind}{i}", "127.0.0.1", ports[target], source=f"127.0.0.{first + i}", action=action)
+        for i in range(sources)
+    ]
 
 
 CASES: dict[str, tuple[Attack, str]] = {
@@ -132,13 +156,17 @@ CASES: dict[str, tuple[Attack, str]] = {
     "connect-loops": (peers("churn", "mllp", hostile.churn(), sources=4), "mllp"),
     "thousands-of-short-connections": (peers("flood", "mllp", hostile.churn(b"\x0bMSH|garbage"), sources=20), "mllp"),
     "oversize-and-malformed-frames": (peers("bad", "mllp", hostile.bad_frames(MAX_MESSAGE_BYTES), sources=3), "mllp"),
-    "tcp-half-open-lines": (peers("tcpslow", "tcp", lambda p: hostile._hold(p, 10, b"MSH|^~\\&|SLOW"), sources=4),
-                            "tcp"),
+    "tcp-half-open-lines": (
+        peers("tcpslow", "tcp", lambda p: hostile._hold(p, 10, b"MSH|^~\\&|SLOW"), sources=4),
+        "tcp",
+    ),
     # fewer than the slots, so the handshake timeout (not an eviction) is what closes them
     "tls-handshake-never-finished": (peers("tls", "tls", hostile.silent(4), sources=4), "tls"),
     "http-slow-headers": (peers("slowhttp", "http", hostile.slow_http_headers(12), sources=4), "http"),
-    "api-slow-requests": (peers("slowapi", "api", lambda p: hostile._hold(p, 12, b"GET /health HTTP/1.1\r\nX: "),
-                                sources=4), "api"),
+    "api-slow-requests": (
+        peers("slowapi", "api", lambda p: hostile._hold(p, 12, b"GET /health HTTP/1.1\r\nX: "), sources=4),
+        "api",
+    ),
 }
 
 
@@ -151,6 +179,7 @@ def honest_transport(kind: str, ports: dict[str, int], context: ssl.SSLContext) 
         return hostile.http_once("127.0.0.1", ports["http"], "/messages/web")
     if kind == "api":
         return hostile.http_once("127.0.0.1", ports["api"], "GET /health")
+
     def tcp(control_id: str) -> str:  # newline framing: one line, one answer line
         with socket.create_connection(("127.0.0.1", ports["tcp"]), timeout=5, source_address=("127.0.0.1", 0)) as s:
             s.sendall(hostile.adt(control_id) + b"\n")
@@ -161,6 +190,7 @@ def honest_transport(kind: str, ports: dict[str, int], context: ssl.SSLContext) 
                     break
                 answer += chunk
         return "AA" if answer.startswith(b"ACK ") else answer[:40].decode(errors="replace")
+
     return tcp
 
 
@@ -177,8 +207,12 @@ def test_an_honest_sender_is_served_beside_hostile_peers(node, case: str) -> Non
     peak_rss = 0.0
     try:
         time.sleep(1.5)  # the pressure is on: slots held, frames started, loops running
-        honest = hostile.send_honest(honest_transport(kind, ports, context), HONEST_MESSAGES,
-                                     interval=HONEST_INTERVAL, prefix=f"H{abs(hash(case)) % 10_000:04d}")
+        honest = hostile.send_honest(
+            honest_transport(kind, ports, context),
+            HONEST_MESSAGES,
+            interval=HONEST_INTERVAL,
+            prefix=f"H{abs(hash(case)) % 10_000:04d}",
+        )
         peak_rss = rss_mb(pid)
     finally:
         for peer in attackers:
@@ -199,8 +233,11 @@ def test_refusals_and_evictions_are_counted_per_connection_and_reason(node) -> N
     d, *_ = node
     _, body = d.get("/metrics")
     text = body.decode()
-    counted = {line.split("{")[1].split("}")[0] for line in text.splitlines()
-               if line.startswith("stageline_connections_refused_total{")}
+    counted = {
+        line.split("{")[1].split("}")[0]
+        for line in text.splitlines()
+        if line.startswith("stageline_connections_refused_total{")
+    }
     reasons = {part.split('"')[1] for label in counted for part in label.split(",") if part.startswith("reason=")}
     # what the matrix above provoked (this test runs after it in the module)
     assert {"frame_timeout", "evicted_for_new_connection", "handshake_timeout", "connect_rate"} <= reasons, text
@@ -223,13 +260,18 @@ def test_abandoned_tls_connections_are_released_at_their_timeout_while_the_peers
     started = time.monotonic()
     try:
         for i in range(4):
-            held.append(socket.create_connection(("127.0.0.1", ports["tls"]), timeout=5,
-                                                 source_address=(f"127.0.0.{60 + i}", 0)))
-            raw = socket.create_connection(("127.0.0.1", ports["tls-idle"]), timeout=5,
-                                           source_address=(f"127.0.0.{70 + i}", 0))
+            held.append(
+                socket.create_connection(
+                    ("127.0.0.1", ports["tls"]), timeout=5, source_address=(f"127.0.0.{60 + i}", 0)
+                )
+            )
+            raw = socket.create_connection(
+                ("127.0.0.1", ports["tls-idle"]), timeout=5, source_address=(f"127.0.0.{70 + i}", 0)
+            )
             held.append(context.wrap_socket(raw, server_hostname="localhost"))
-        assert_fds_back(pid, baseline, max(LIMITS["handshake_timeout_seconds"], IDLE_TIMEOUT_SECONDS)
-                        + RELEASE_MARGIN_SECONDS)
+        assert_fds_back(
+            pid, baseline, max(LIMITS["handshake_timeout_seconds"], IDLE_TIMEOUT_SECONDS) + RELEASE_MARGIN_SECONDS
+        )
         print(f"\n{len(held)} abandoned TLS connections released {time.monotonic() - started:.2f} s after opening")
         for sock in held:  # each was open in listenerd, which closed it (TLS: close_notify, then EOF)
             sock.settimeout(5)

@@ -4,6 +4,7 @@ Issue 23: access logs recorded query strings such as ``control_id=MRN-…``. Aga
 `listenerd`: requests whose query strings, paths and bodies carry markers leave none of them in its
 log; each request is still logged (method, the connection's path, ``?<redacted>``, status).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -24,8 +25,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int
     tmp = tmp_path_factory.mktemp("accesslog")
     config = migrated_sqlite(tmp / "stageline.db")
     port = free_port()
-    d = Daemon(tmp / "node", config, node_id="solo:1:al", inbound=[
-        {"name": "web", "kind": "http", "port": port}]).start()
+    d = Daemon(
+        tmp / "node", config, node_id="solo:1:al", inbound=[{"name": "web", "kind": "http", "port": port}]
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         yield d, port
@@ -68,8 +70,10 @@ def test_a_post_refused_from_its_headers_gets_its_access_line(node) -> None:
 
     d, port = node
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"POST /messages/web?mrn=MRN-SECRET-9 HTTP/1.1\r\nHost: x\r\nContent-Type: application/hl7-v2\r\n"
-                  b"Content-Length: 100000000\r\n\r\n")
+        s.sendall(
+            b"POST /messages/web?mrn=MRN-SECRET-9 HTTP/1.1\r\nHost: x\r\nContent-Type: application/hl7-v2\r\n"
+            b"Content-Length: 100000000\r\n\r\n"
+        )
         answer = s.recv(65536)
     assert answer.startswith(b"HTTP/1.1 413"), answer
     deadline = time.monotonic() + 5

@@ -1,5 +1,6 @@
 """HTTP listener: the real Site/HTTPChannel over StringTransport with a hand-fired fake ingest,
 and real requests over loopback against the real store and IngestWriter."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,15 @@ class Exchange:
         self.channel.dataReceived(data)
         return self
 
-    def request(self, body: bytes = b"", *, method: str = "POST", path: str = "/messages/web",
-                content_type: str | None = "application/hl7-v2", headers: str = "") -> Exchange:
+    def request(
+        self,
+        body: bytes = b"",
+        *,
+        method: str = "POST",
+        path: str = "/messages/web",
+        content_type: str | None = "application/hl7-v2",
+        headers: str = "",
+    ) -> Exchange:
         head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
         if content_type is not None:
             head += f"Content-Type: {content_type}\r\n"
@@ -87,10 +95,12 @@ def open_(exchanges: list[Exchange]) -> Any:
         ex = Exchange(site)
         exchanges.append(ex)
         return ex
+
     return opener
 
 
 # -- unit: the Site over StringTransport ------------------------------------------------------
+
 
 def test_202_with_message_id_only_after_the_commit_fires(open_: Any) -> None:
     ingest = FakeIngest()
@@ -130,33 +140,47 @@ def test_a_clean_stop_answers_what_was_taken_and_refuses_new_requests(open_: Any
     assert taken.transport.disconnecting and late.transport.disconnecting
 
 
-@pytest.mark.parametrize("exc, status, error", [
-    (NotLeader("no lease"), 503, "not leader, resend later"),
-    (StoreUnavailable("down"), 503, "store unavailable, resend later"),
-    (RowRefused("refused by the store (CheckViolation); not stored"), 400,
-     "refused by the store (CheckViolation); not stored"),
-    (RuntimeError("PHI in here"), 500, "internal error, resend later"),
-])
-def test_ingest_failure_answers_with_a_reason_and_no_content(open_: Any, exc: Exception, status: int,
-                                                             error: str) -> None:
+@pytest.mark.parametrize(
+    "exc, status, error",
+    [
+        (NotLeader("no lease"), 503, "not leader, resend later"),
+        (StoreUnavailable("down"), 503, "store unavailable, resend later"),
+        (
+            RowRefused("refused by the store (CheckViolation); not stored"),
+            400,
+            "refused by the store (CheckViolation); not stored",
+        ),
+        (RuntimeError("PHI in here"), 500, "internal error, resend later"),
+    ],
+)
+def test_ingest_failure_answers_with_a_reason_and_no_content(
+    open_: Any, exc: Exception, status: int, error: str
+) -> None:
     ingest = FakeIngest()
     ex = open_(site_for(ingest)).request(b"hello")
     ingest.calls[0][1].errback(exc)
     assert ex.response()[0::2] == (status, {"error": error})
 
 
-@pytest.mark.parametrize("kwargs, status, error", [
-    ({"path": "/messages/nope"}, 404, "unknown connection"),
-    ({"path": "/other"}, 404, "unknown connection"),
-    ({"method": "GET"}, 405, "method not allowed; use POST"),
-    ({"method": "PUT", "body": b"x"}, 405, "method not allowed; use POST"),
-    ({"body": b""}, 400, "empty message"),
-    ({"body": b"\xff\xfe"}, 400, "undecodable: byte offset 0 is not valid utf-8"),
-    ({"body": b"x", "content_type": "application/json"}, 415,
-     "unsupported content type; use text/plain or application/hl7-v2"),
-])
-def test_bad_requests_are_refused_without_submitting(open_: Any, kwargs: dict[str, Any], status: int,
-                                                    error: str) -> None:
+@pytest.mark.parametrize(
+    "kwargs, status, error",
+    [
+        ({"path": "/messages/nope"}, 404, "unknown connection"),
+        ({"path": "/other"}, 404, "unknown connection"),
+        ({"method": "GET"}, 405, "method not allowed; use POST"),
+        ({"method": "PUT", "body": b"x"}, 405, "method not allowed; use POST"),
+        ({"body": b""}, 400, "empty message"),
+        ({"body": b"\xff\xfe"}, 400, "undecodable: byte offset 0 is not valid utf-8"),
+        (
+            {"body": b"x", "content_type": "application/json"},
+            415,
+            "unsupported content type; use text/plain or application/hl7-v2",
+        ),
+    ],
+)
+def test_bad_requests_are_refused_without_submitting(
+    open_: Any, kwargs: dict[str, Any], status: int, error: str
+) -> None:
     ingest = FakeIngest()
     ex = open_(site_for(ingest)).request(**kwargs)
     got_status, headers, body = ex.response()
@@ -166,8 +190,9 @@ def test_bad_requests_are_refused_without_submitting(open_: Any, kwargs: dict[st
         assert headers["allow"] == "POST"
 
 
-@pytest.mark.parametrize("charset", ["klingon", "punycode", "base64", "zlib", "rot13", "idna", "hex",
-                                     "utf-16", "unicode_escape", "x" * 500])
+@pytest.mark.parametrize(
+    "charset", ["klingon", "punycode", "base64", "zlib", "rot13", "idna", "hex", "utf-16", "unicode_escape", "x" * 500]
+)
 def test_a_charset_outside_hl7_table_0211_is_400_naming_the_accepted_ones(open_: Any, charset: str) -> None:
     ingest = FakeIngest()
     metrics = Metrics()
@@ -180,8 +205,16 @@ def test_a_charset_outside_hl7_table_0211_is_400_naming_the_accepted_ones(open_:
     assert metrics.acks.labels("web", "AR")._value.get() == 1
 
 
-@pytest.mark.parametrize("charset, codec", [("latin-1", "iso8859-1"), ("ISO-8859-1", "iso8859-1"),
-                                            ("8859/1", "iso8859-1"), ("utf8", "utf-8"), ("big5", "big5")])
+@pytest.mark.parametrize(
+    "charset, codec",
+    [
+        ("latin-1", "iso8859-1"),
+        ("ISO-8859-1", "iso8859-1"),
+        ("8859/1", "iso8859-1"),
+        ("utf8", "utf-8"),
+        ("big5", "big5"),
+    ],
+)
 def test_aliases_of_allowed_codecs_are_accepted(open_: Any, charset: str, codec: str) -> None:
     ingest = FakeIngest()
     open_(site_for(ingest)).request(b"plain text", content_type=f"text/plain; charset={charset}")
@@ -194,13 +227,16 @@ def test_charset_comes_from_the_content_type_else_the_connection(open_: Any) -> 
     open_(site).request("Zoë".encode("latin-1"), content_type="text/plain; charset=ISO-8859-1")
     open_(site).request("Zoë €".encode("iso8859-15"), path="/messages/legacy", content_type=None)
     assert [(i.payload, i.charset, i.connection) for i, _ in ingest.calls] == [
-        ("Zoë", "iso8859-1", "web"), ("Zoë €", "iso8859-15", "legacy")]
+        ("Zoë", "iso8859-1", "web"),
+        ("Zoë €", "iso8859-15", "legacy"),
+    ]
 
 
 def test_declared_oversize_is_refused_before_the_body_is_read(open_: Any) -> None:
     ingest = FakeIngest()
-    ex = open_(site_for(ingest)).send(b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n"
-                                      b"Expect: 100-continue\r\n\r\n")
+    ex = open_(site_for(ingest)).send(
+        b"POST /messages/web HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\nExpect: 100-continue\r\n\r\n"
+    )
     status, headers, body = ex.response()
     assert (status, body) == (413, {"error": "message too large: 50000000 bytes, limit 1024"})
     assert headers["connection"] == "close" and ex.transport.disconnecting
@@ -211,8 +247,9 @@ def test_declared_oversize_is_refused_before_the_body_is_read(open_: Any) -> Non
 
 def test_chunked_body_is_cut_off_once_it_passes_the_limit(open_: Any) -> None:
     ingest = FakeIngest()
-    ex = open_(site_for(ingest)).send(b"POST /messages/web HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                                      b"Content-Type: text/plain\r\n\r\n")
+    ex = open_(site_for(ingest)).send(
+        b"POST /messages/web HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Type: text/plain\r\n\r\n"
+    )
     ex.send(b"200\r\n" + b"a" * 512 + b"\r\n")
     assert ex.transport.value() == b""
     ex.send(b"200\r\n" + b"b" * 512 + b"\r\n" + b"1\r\nc\r\n")
@@ -223,8 +260,10 @@ def test_chunked_body_is_cut_off_once_it_passes_the_limit(open_: Any) -> None:
 
 def test_chunked_body_within_the_limit_is_accepted(open_: Any) -> None:
     ingest = FakeIngest()
-    ex = open_(site_for(ingest)).send(b"POST /messages/web HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                                      b"\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    ex = open_(site_for(ingest)).send(
+        b"POST /messages/web HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
     ingest.fire(0)
     assert ex.response()[0] == 202 and ingest.calls[0][0].payload == "hello world"
 
@@ -261,6 +300,7 @@ def test_metrics_count_received_and_answers(open_: Any) -> None:
 
 # -- real requests over loopback ---------------------------------------------------------------
 
+
 class _Rejecting:
     def submit(self, item: Inbound) -> Deferred[str]:
         return fail(StoreUnavailable("store down"))
@@ -268,8 +308,9 @@ class _Rejecting:
 
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT message_id, control_id, connection, payload FROM inbound_messages "
-                          "ORDER BY id").fetchall()
+        return db.execute(
+            "SELECT message_id, control_id, connection, payload FROM inbound_messages ORDER BY id"
+        ).fetchall()
 
 
 class HTTPLoopbackTests(trial.TestCase):
@@ -308,6 +349,7 @@ class HTTPLoopbackTests(trial.TestCase):
                     waiters, self._waiters = self._waiters, []
                     for d in waiters:
                         d.callback(None)
+
             proto.connectionLost = connection_lost
             self._open.add(proto)
             return proto
@@ -326,14 +368,16 @@ class HTTPLoopbackTests(trial.TestCase):
 
     def _call(self, method: str, url: str, **kwargs: Any) -> Deferred[requests.Response]:
         headers = {"Connection": "close", **kwargs.pop("headers", {})}
-        return deferToThreadPool(reactor, self.pool, requests.request, method, url, headers=headers,
-                                 timeout=10, **kwargs)
+        return deferToThreadPool(
+            reactor, self.pool, requests.request, method, url, headers=headers, timeout=10, **kwargs
+        )
 
     @inlineCallbacks
     def test_post_is_answered_202_after_its_row_is_committed(self) -> Any:
         url = self._serve()
-        response = yield self._call("POST", url, data=adt("C1").encode(),
-                                    headers={"Content-Type": "application/hl7-v2"})
+        response = yield self._call(
+            "POST", url, data=adt("C1").encode(), headers={"Content-Type": "application/hl7-v2"}
+        )
         assert response.status_code == 202
         message_id = response.json()["message_id"]
         assert rows(self.store_config.path) == [(message_id, "C1", "web", adt("C1"))]
@@ -344,8 +388,13 @@ class HTTPLoopbackTests(trial.TestCase):
         url = self._serve()
         base = url.rsplit("/", 1)[0]
         got = []
-        for method, target, data in [("POST", url, b""), ("POST", url, b"\xff"), ("POST", base + "/nope", b"x"),
-                                     ("GET", url, None), ("DELETE", url, None)]:
+        for method, target, data in [
+            ("POST", url, b""),
+            ("POST", url, b"\xff"),
+            ("POST", base + "/nope", b"x"),
+            ("GET", url, None),
+            ("DELETE", url, None),
+        ]:
             response = yield self._call(method, target, data=data, headers={"Content-Type": "text/plain"})
             got.append(response.status_code)
         assert got == [400, 400, 404, 405, 405]

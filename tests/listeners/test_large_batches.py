@@ -5,6 +5,7 @@ failed later part says what was stored, and a re-send of the batch stages only w
 
 First the plan in memory (`listeners.commitplan`), then both writers on real SQLite and PostgreSQL.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -25,10 +26,22 @@ def one(cid: str, lane: str | None = None) -> Inbound:
 
 def big(name: str, n: int, *, lane: Any = None, poison: int | None = None) -> InboundBatch:
     """A batch of n messages; `lane(k)` gives message k's lane key."""
-    return InboundBatch(connection="c", batch_id=f"batch-{name}", bhs_control_id=f"B-{name}", declared=n,
-                        items=tuple(Inbound(connection="c", control_id=f"{name}{k}", message_id=f"{name}-m{k}",
-                                            payload=f"MSH|{k}|{'POISON' if k == poison else 'ok'}",
-                                            lane_key=lane(k) if lane else None) for k in range(n)))
+    return InboundBatch(
+        connection="c",
+        batch_id=f"batch-{name}",
+        bhs_control_id=f"B-{name}",
+        declared=n,
+        items=tuple(
+            Inbound(
+                connection="c",
+                control_id=f"{name}{k}",
+                message_id=f"{name}-m{k}",
+                payload=f"MSH|{k}|{'POISON' if k == poison else 'ok'}",
+                lane_key=lane(k) if lane else None,
+            )
+            for k in range(n)
+        ),
+    )
 
 
 def plan_of(units: list[Any], cap: int) -> CommitPlan:
@@ -39,8 +52,12 @@ def plan_of(units: list[Any], cap: int) -> CommitPlan:
 
 
 def shape(taken: list[tuple[Entry, Any]]) -> list[str]:
-    return [f"{p.batch.batch_id}[{p.lo}:{p.hi}]" if isinstance(p, BatchPart)
-            else (p.batch_id if isinstance(p, InboundBatch) else p.control_id) for _, p in taken]
+    return [
+        f"{p.batch.batch_id}[{p.lo}:{p.hi}]"
+        if isinstance(p, BatchPart)
+        else (p.batch_id if isinstance(p, InboundBatch) else p.control_id)
+        for _, p in taken
+    ]
 
 
 def run_plan(plan: CommitPlan, *, arrivals: dict[int, list[Any]] | None = None) -> list[list[str]]:
@@ -56,6 +73,7 @@ def run_plan(plan: CommitPlan, *, arrivals: dict[int, list[Any]] | None = None) 
 
 
 # -- the plan ------------------------------------------------------------------------------------------
+
 
 def test_a_commit_is_capped_by_rows_and_a_batch_counts_its_messages():
     small = big("S", 3)
@@ -91,6 +109,7 @@ def test_a_failed_part_ends_the_batch_and_counts_what_was_stored():
 
 # -- the writers, on real stores --------------------------------------------------------------------------
 
+
 @pytest.fixture(params=KINDS, ids=["-".join(k) for k in KINDS])
 def writer(request) -> Iterator[Writer]:
     backend, kind = request.param
@@ -115,6 +134,7 @@ def settle_all(w: Writer, units: list[Any], *, between: list[Any] | None = None)
     def submit(n: int, unit: Any) -> None:
         def settle(result: Any) -> None:
             outcomes[n] = result.value if hasattr(result, "value") else result
+
         w.writer.submit(unit).addBoth(settle)
 
     all_units = units + (between or [])
@@ -145,10 +165,16 @@ def test_a_batch_of_2_5_commits_worth_lands_in_parts_whole_in_order_and_named_in
     )
     assert rows == [(f"L{k}", k + 1) for k in range(1250)]
     assert inbound(writer.store, "SELECT batch_id, message_count FROM inbound_batches") == [("batch-L", 1250)]
-    details = inbound(writer.store, "SELECT e.detail FROM message_events e JOIN stage_inbound s ON s.id = e.row_id "
-                                    "WHERE s.control_id IN ('L0', 'L700', 'L1249') ORDER BY s.id")
-    assert details == [("batch batch-L: message 1 of 1250",), ("batch batch-L: message 701 of 1250",),
-                       ("batch batch-L: message 1250 of 1250",)]
+    details = inbound(
+        writer.store,
+        "SELECT e.detail FROM message_events e JOIN stage_inbound s ON s.id = e.row_id "
+        "WHERE s.control_id IN ('L0', 'L700', 'L1249') ORDER BY s.id",
+    )
+    assert details == [
+        ("batch batch-L: message 1 of 1250",),
+        ("batch batch-L: message 701 of 1250",),
+        ("batch batch-L: message 1250 of 1250",),
+    ]
     ids = [r[0] for r in inbound(writer.store, "SELECT control_id FROM stage_inbound ORDER BY id")]
     assert ids.index("y") < ids.index("L1249")  # x and y did not wait for the whole batch
 
@@ -165,6 +191,7 @@ def test_a_later_part_that_fails_says_what_was_stored_and_a_resend_stages_only_t
     """The store refuses message 800 (part 7 of 125 each): the first 750 stay stored, the answer says so; the
     same batch re-sent (the bytes fixed, as a sender would) lands the rest, nothing twice."""
     from tests.listeners.test_group_commit import refuse_poison
+
     refuse_poison(writer.store)
     batch = big("F", 1250, poison=800)
     [outcome] = settle_all(writer, [batch])
@@ -177,9 +204,16 @@ def test_a_later_part_that_fails_says_what_was_stored_and_a_resend_stages_only_t
             tx.script("ALTER TABLE inbound_bodies DROP CONSTRAINT no_poison")
         else:
             tx.script("DROP TRIGGER no_poison")
-    resent = InboundBatch(connection="c", batch_id="batch-F-again", bhs_control_id="B-F", declared=1250,
-                          items=tuple(Inbound(connection="c", control_id=i.control_id, payload=i.payload,
-                                              message_id=f"again-{k}") for k, i in enumerate(batch.items)))
+    resent = InboundBatch(
+        connection="c",
+        batch_id="batch-F-again",
+        bhs_control_id="B-F",
+        declared=1250,
+        items=tuple(
+            Inbound(connection="c", control_id=i.control_id, payload=i.payload, message_id=f"again-{k}")
+            for k, i in enumerate(batch.items)
+        ),
+    )
     [again] = settle_all(writer, [resent])
     assert again == "batch-F"  # the first copy's id
     rows = inbound(writer.store, "SELECT control_id, batch_id FROM stage_inbound ORDER BY id")
@@ -197,6 +231,7 @@ def test_a_message_resent_after_a_store_failure_is_recognised(writer):
 
         def broken():
             raise ConnectionError("server closed the connection")
+
         writer.store.single_statement = broken  # type: ignore[method-assign]
     [outcome] = settle_all(writer, [first])
     assert isinstance(outcome, StoreUnavailable)
@@ -217,14 +252,16 @@ def test_postgresql_stages_a_batch_in_one_pass_not_a_lookup_per_message(pg_confi
     import re
 
     import psycopg
+
     store = Store(pg_config_fresh)
     try:
         sql = re.sub(r"(?<![:\w]):([A-Za-z_]\w*)", r"%(\1)s", store.sql("stage_inbound"))
         rows = big("P", 3).rows()
         cfg = pg_config_fresh
         with psycopg.connect(host=cfg.server, port=cfg.port, dbname=cfg.database, user=cfg.username) as conn:
-            plan = conn.execute("EXPLAIN (FORMAT JSON) " + sql,
-                                {"messages": json.dumps(rows), "epoch": 1, "node_id": "n"}).fetchone()[0]
+            plan = conn.execute(
+                "EXPLAIN (FORMAT JSON) " + sql, {"messages": json.dumps(rows), "epoch": 1, "node_id": "n"}
+            ).fetchone()[0]
     finally:
         store.close()
     text = json.dumps(plan)

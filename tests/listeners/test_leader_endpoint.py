@@ -1,6 +1,7 @@
 """`GET /leader` (issue 24): 200 only on the node that holds the lease, has not fenced and has every
 inbound bound; 503 with the reason otherwise. No token (a load balancer's `option httpchk`), and no
 database round trip: it answers at once even while the database is unreachable."""
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,28 @@ from listeners.state import NodeState
 
 
 def state(**kw) -> NodeState:
-    base = {"node_id": "n1", "clustered": True, "metrics": Metrics(), "is_leader": lambda: True,
-                "config_version": lambda: 1, "nodes": lambda: defer.succeed({})}
+    base = {
+        "node_id": "n1",
+        "clustered": True,
+        "metrics": Metrics(),
+        "is_leader": lambda: True,
+        "config_version": lambda: 1,
+        "nodes": lambda: defer.succeed({}),
+    }
     return NodeState(**{**base, **kw})
 
 
-@pytest.mark.parametrize("kw, code, reason", [
-    ({}, 200, None),
-    ({"is_leader": lambda: False}, 503, "standby"),
-    ({"is_leader": lambda: False, "fenced": lambda: True}, 503, "fenced"),
-    ({"is_leader": lambda: False, "aside_seconds": lambda: 3.0}, 503, "standing_aside"),
-    ({"serving": lambda: False, "unbound": lambda: [{"name": "adt-in", "reason": "in use"}]}, 503, "unbound"),
-    ({"serving": lambda: False}, 503, "binding"),
-])
+@pytest.mark.parametrize(
+    "kw, code, reason",
+    [
+        ({}, 200, None),
+        ({"is_leader": lambda: False}, 503, "standby"),
+        ({"is_leader": lambda: False, "fenced": lambda: True}, 503, "fenced"),
+        ({"is_leader": lambda: False, "aside_seconds": lambda: 3.0}, 503, "standing_aside"),
+        ({"serving": lambda: False, "unbound": lambda: [{"name": "adt-in", "reason": "in use"}]}, 503, "unbound"),
+        ({"serving": lambda: False}, 503, "binding"),
+    ],
+)
 def test_leader_answers_200_only_when_leading_unfenced_and_serving(kw, code, reason):
     got, doc = state(**kw).leader()
     assert got == code and doc.get("reason") == reason and doc["leader"] is (code == 200)
@@ -54,8 +64,12 @@ def get(port: int, path: str, *, method: str = "GET") -> tuple[int, dict, float]
 
 def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fresh):
     port = free_port()
-    node = Daemon(tmp_path / "n", sqlite_config_fresh, node_id="solo:1:aa",
-                  inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    node = Daemon(
+        tmp_path / "n",
+        sqlite_config_fresh,
+        node_id="solo:1:aa",
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=10, what="MLLP bound")
         wait_for(lambda: get(node.api_port, "/leader")[0] == 200, timeout=5, what="/leader 200")
@@ -65,12 +79,19 @@ def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fre
         assert get(node.api_port, "/cluster/status")[0] == 401  # the rest of the API still needs a token
         # per inbound: what a load balancer in front of one port asks
         assert get(node.api_port, "/leader?inbound=adt-in")[:2] == (
-            200, {"node_id": "solo:1:aa", "inbound": "adt-in", "leader": True})
+            200,
+            {"node_id": "solo:1:aa", "inbound": "adt-in", "leader": True},
+        )
         assert get(node.api_port, "/leader?inbound=nope")[:2] == (
-            404, {"node_id": "solo:1:aa", "inbound": "nope", "leader": False, "reason": "unknown inbound"})
+            404,
+            {"node_id": "solo:1:aa", "inbound": "nope", "leader": False, "reason": "unknown inbound"},
+        )
         get(node.api_port, "/leader?inbound=nope")
-        wait_for(lambda: "GET /leader?inbound='nope': no such inbound" in node.output(), timeout=5,
-                 what="the unknown inbound said")
+        wait_for(
+            lambda: "GET /leader?inbound='nope': no such inbound" in node.output(),
+            timeout=5,
+            what="the unknown inbound said",
+        )
         assert node.output().count("no such inbound connection here") == 1  # once per name
         assert get(node.api_port, "/leader?inbound=a&inbound=b")[0] == 400
         assert get(node.api_port, "/leader?inbound=" + "x" * 201)[0] == 400
@@ -94,8 +115,11 @@ def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fre
 
 def test_leader_per_inbound_follows_that_inbound_only():
     serves = {"adt-in": True, "drop": False}
-    kept = state(serving=lambda: False, unbound=lambda: [{"name": "drop", "reason": "missing"}],
-                 serves=lambda name: serves.get(name))
+    kept = state(
+        serving=lambda: False,
+        unbound=lambda: [{"name": "drop", "reason": "missing"}],
+        serves=lambda name: serves.get(name),
+    )
     assert kept.leader() == (503, {"node_id": "n1", "leader": False, "reason": "unbound", "unbound": ["drop"]})
     assert kept.leader("adt-in") == (200, {"node_id": "n1", "inbound": "adt-in", "leader": True})
     assert kept.leader("drop")[0] == 503 and kept.leader("drop")[1]["reason"] == "unbound"
@@ -105,25 +129,36 @@ def test_leader_per_inbound_follows_that_inbound_only():
 
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0}
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+}
 
 
 def test_only_the_serving_leader_answers_200_and_a_partitioned_leader_turns_503_fenced_at_once(
-        tmp_path, pg_config_fresh, pg_server):
+    tmp_path, pg_config_fresh, pg_server
+):
     port = free_port()
     proxy = TcpProxy(pg_server.host, pg_server.port).start()
-    a = Daemon(tmp_path / "a", replace(pg_config_fresh, port=proxy.port), node_id="node-a:1:aa", cluster=CLUSTER,
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    a = Daemon(
+        tmp_path / "a",
+        replace(pg_config_fresh, port=proxy.port),
+        node_id="node-a:1:aa",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     b = None
     try:
         wait_for(lambda: get(a.api_port, "/leader")[0] == 200, timeout=15, what="node A to lead and serve")
         assert port_open(port)
-        b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-                   config_dir=a.workdir / "config").start()
+        b = Daemon(
+            tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"
+        ).start()
         wait_for(lambda: b.status()["role"] == "standby", timeout=15, what="node B to stand by")
-        assert get(b.api_port, "/leader")[:2] == (503, {"node_id": "node-b:2:bb", "leader": False,
-                                                        "reason": "standby"})
+        assert get(b.api_port, "/leader")[:2] == (503, {"node_id": "node-b:2:bb", "leader": False, "reason": "standby"})
         assert get(a.api_port, "/leader")[0] == 200
 
         t0 = time.monotonic()
@@ -135,8 +170,10 @@ def test_only_the_serving_leader_answers_200_and_a_partitioned_leader_turns_503_
             time.sleep(0.02)
         slowest = max(took for *_, took in answers)
         fenced_at = next(t for t, code, reason, _ in answers if code == 503)
-        print(f"partition: A's /leader turned 503 {fenced_at:.2f}s after the cut (fence {FENCE}s); "
-              f"slowest answer {slowest * 1000:.0f} ms over {len(answers)} requests")
+        print(
+            f"partition: A's /leader turned 503 {fenced_at:.2f}s after the cut (fence {FENCE}s); "
+            f"slowest answer {slowest * 1000:.0f} ms over {len(answers)} requests"
+        )
         assert slowest < 0.25  # in memory: a cut database does not slow it down
         assert fenced_at <= FENCE + 0.3
         assert {reason for t, code, reason, _ in answers if code == 503} == {"fenced"}
@@ -145,8 +182,11 @@ def test_only_the_serving_leader_answers_200_and_a_partitioned_leader_turns_503_
         wait_for(lambda: get(b.api_port, "/leader")[0] == 200, timeout=10, interval=0.02, what="node B to serve")
         assert get(a.api_port, "/leader")[0] == 503
         proxy.restore()
-        wait_for(lambda: get(a.api_port, "/leader")[1].get("reason") == "standby", timeout=15,
-                 what="node A back as a standby")
+        wait_for(
+            lambda: get(a.api_port, "/leader")[1].get("reason") == "standby",
+            timeout=15,
+            what="node A back as a standby",
+        )
     finally:
         for node in (a, b):
             if node is not None:

@@ -3,6 +3,7 @@ MLLP, a raw TCP, an HTTP and a file-drop connection, each sent messages that are
 refused (AR: a NUL byte, over the size limit, for MLLP also a frame with no readable header) and
 not stored because the store is locked (AE), over real sockets and real files on a real SQLite
 store. Each kind's received / bytes / answers-by-code / open-connections series are asserted."""
+
 from __future__ import annotations
 
 import socket
@@ -24,8 +25,11 @@ KINDS = ("mllp", "tcp", "http", "file")
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class Senders:
@@ -58,8 +62,11 @@ class Senders:
         return "AE" if b"resend later" in reply else "AR"
 
     def http(self, payload: bytes) -> str:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.ports['http']}/messages/in-http", data=payload,
-                                     headers={"Content-Type": "application/hl7-v2"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.ports['http']}/messages/in-http",
+            data=payload,
+            headers={"Content-Type": "application/hl7-v2"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=15) as resp:
                 return "AA" if resp.status == 202 else str(resp.status)
@@ -72,8 +79,12 @@ class Senders:
         (self.drop / name).write_bytes(payload)
         archive = self.drop.parent / "archive"
         reason = archive / "rejected" / f"{name}.reason"  # claimed first: done once archived or its reason is written
-        wait_for(lambda: (archive / name).exists() or (reason.exists() and reason.read_text().endswith("\n")),
-                 timeout=20, interval=0.05, what=f"{name} taken")
+        wait_for(
+            lambda: (archive / name).exists() or (reason.exists() and reason.read_text().endswith("\n")),
+            timeout=20,
+            interval=0.05,
+            what=f"{name} taken",
+        )
         return "AR" if reason.exists() else "AA"
 
 
@@ -84,12 +95,24 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
     drop = tmp_path / "drop"
     drop.mkdir()
     limits = {"max_message_bytes": LIMIT}
-    d = Daemon(tmp_path / "node", cfg, node_id="solo:1:aa", inbound=[
-        {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"], **limits},
-        {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **limits},
-        {"name": "in-http", "kind": "http", "port": ports["http"], **limits},
-        {"name": "in-file", "kind": "file", "directory": str(drop), "archive": str(tmp_path / "archive"),
-         "poll_seconds": 0.1, **limits}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        cfg,
+        node_id="solo:1:aa",
+        inbound=[
+            {"name": "in-mllp", "kind": "mllp", "port": ports["mllp"], **limits},
+            {"name": "in-tcp", "kind": "tcp", "port": ports["tcp"], **limits},
+            {"name": "in-http", "kind": "http", "port": ports["http"], **limits},
+            {
+                "name": "in-file",
+                "kind": "file",
+                "directory": str(drop),
+                "archive": str(tmp_path / "archive"),
+                "poll_seconds": 0.1,
+                **limits,
+            },
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
@@ -117,7 +140,8 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
         answers["mllp"].append(send.mllp(not_hl7))
         read_bytes["mllp"] += len(not_hl7)
         assert answers == {kind: ["AA", "AA", "AR", "AR"] for kind in ("tcp", "http", "file")} | {
-            "mllp": ["AA", "AA", "AR", "AR", "AR"]}
+            "mllp": ["AA", "AA", "AR", "AR", "AR"]
+        }
 
         # the store cannot take writes: every transport answers "not stored, resend" (AE)
         blocker = sqlite3.connect(db, isolation_level=None)
@@ -131,24 +155,34 @@ def test_every_listener_kind_reports_the_same_counters_AR_and_AE_included(tmp_pa
 
             def file_ae() -> float:
                 return samples(d.get("/metrics")[1].decode()).get(
-                    ("stageline_acks_total", (("code", "AE"), ("connection", "in-file"))), 0.0)
+                    ("stageline_acks_total", (("code", "AE"), ("connection", "in-file"))), 0.0
+                )
 
             wait_for(lambda: file_ae() >= 1, timeout=20, interval=0.1, what="the file drop to answer AE")
         finally:
             blocker.execute("ROLLBACK")
             blocker.close()
-        wait_for(lambda: (tmp_path / "archive" / "locked.hl7").exists(), timeout=20, interval=0.05,
-                 what="locked.hl7 staged and archived")
+        wait_for(
+            lambda: (tmp_path / "archive" / "locked.hl7").exists(),
+            timeout=20,
+            interval=0.05,
+            what="locked.hl7 staged and archived",
+        )
 
         # a connection held open shows in the gauge of each network kind
         held = {kind: socket.create_connection(("127.0.0.1", ports[kind]), timeout=5) for kind in ports}
         try:
+
             def open_now() -> dict[str, float]:
                 m = samples(d.get("/metrics")[1].decode())
                 return {k: m[("stageline_open_connections", (("connection", f"in-{k}"),))] for k in KINDS}
 
-            wait_for(lambda: open_now() == {"mllp": 1, "tcp": 1, "http": 1, "file": 0}, timeout=10, interval=0.1,
-                     what="open connections gauge")
+            wait_for(
+                lambda: open_now() == {"mllp": 1, "tcp": 1, "http": 1, "file": 0},
+                timeout=10,
+                interval=0.1,
+                what="open connections gauge",
+            )
         finally:
             for sock in held.values():
                 sock.close()

@@ -1,5 +1,6 @@
 """listenerd as a real process: messages from real third-party clients are ACKed only after they
 are staged; bad input gets its documented answer; the control plane and a clean stop behave."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +46,23 @@ def staged(store_config: StoreConfig, where: str = "1=1") -> list[dict]:
 def daemon(tmp_path, store_config):
     port = free_port()
     cluster = cluster_for(store_config)
-    d = Daemon(tmp_path / "node", store_config, node_id="node-a:1:aa", cluster=cluster, inbound=[
-        {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1",
-         "max_message_bytes": 65536, "idle_timeout_seconds": 30}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="node-a:1:aa",
+        cluster=cluster,
+        inbound=[
+            {
+                "name": "adt-in",
+                "kind": "mllp",
+                "host": "127.0.0.1",
+                "port": port,
+                "lane_key": "PID-3.1",
+                "max_message_bytes": 65536,
+                "idle_timeout_seconds": 30,
+            }
+        ],
+    ).start()
     d.mllp_port = port
     wait_for(lambda: port_open(port), timeout=15, what="leader to bind MLLP")
     yield d
@@ -72,7 +87,8 @@ def test_python_hl7_clients_get_AA_only_for_staged_messages(daemon, store_config
     async def two_connections():
         return await asyncio.gather(
             _send_with_python_hl7(daemon.mllp_port, [adt(f"A{i}", patient=f"P{i % 3}") for i in range(10)]),
-            _send_with_python_hl7(daemon.mllp_port, [adt(f"B{i}", patient="P9") for i in range(10)]))
+            _send_with_python_hl7(daemon.mllp_port, [adt(f"B{i}", patient="P9") for i in range(10)]),
+        )
 
     acks_a, acks_b = asyncio.run(two_connections())
     assert [ack_fields(a) for a in acks_a] == [("AA", f"A{i}") for i in range(10)]
@@ -91,8 +107,12 @@ def test_mllp_send_command_line_client(daemon, store_config, tmp_path):
     batch = tmp_path / "three.hl7"
     batch.write_text("".join(adt(f"CLI{i}").replace("\r", "\r\n") for i in range(3)))
     mllp_send = Path(sys.executable).parent / "mllp_send"
-    out = subprocess.run([str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--quiet",
-                          "--loose", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--quiet", "--loose", "127.0.0.1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     out = subprocess.run(
         [str(mllp_send), "--port", str(daemon.mllp_port), "--file", str(batch), "--loose", "127.0.0.1"],
@@ -195,8 +215,12 @@ def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
     db = tmp_path / "store.db"
     cfg = migrated_sqlite(db, busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     port = free_port()
-    d = Daemon(tmp_path / "node", cfg, node_id="solo:1:aa",
-               inbound=[{"name": "in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        cfg,
+        node_id="solo:1:aa",
+        inbound=[{"name": "in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         blocker = sqlite3.connect(db, isolation_level=None)
@@ -246,8 +270,12 @@ def test_sigterm_finishes_in_flight_work_releases_the_lease_and_exits_0(daemon, 
 
 @pytest.mark.parametrize("store_config", ["sqlite"], indirect=True)
 def test_a_non_loopback_bind_without_tls_refuses_to_start(tmp_path, store_config):
-    d = Daemon(tmp_path / "node", store_config, node_id="n:1:a",
-               inbound=[{"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": free_port()}])
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="n:1:a",
+        inbound=[{"name": "open", "kind": "mllp", "host": "0.0.0.0", "port": free_port()}],
+    )
     d.start(wait=False)
     assert d.proc.wait(30) == 2
     assert "refusing a non-loopback bind without TLS" in d.output()
@@ -263,10 +291,25 @@ def test_mllp_over_mutual_tls_accepts_only_clients_with_a_trusted_certificate(tm
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")
     port = free_port()
-    d = Daemon(tmp_path / "node", store_config, node_id="n:1:a", inbound=[
-        {"name": "secure-in", "kind": "mllp", "host": "127.0.0.1", "port": port,
-         "tls": {"cert": str(pki.server_cert), "key": str(pki.server_key), "ca": str(pki.ca),
-                 "require_client_cert": True}}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="n:1:a",
+        inbound=[
+            {
+                "name": "secure-in",
+                "kind": "mllp",
+                "host": "127.0.0.1",
+                "port": port,
+                "tls": {
+                    "cert": str(pki.server_cert),
+                    "key": str(pki.server_key),
+                    "ca": str(pki.ca),
+                    "require_client_cert": True,
+                },
+            }
+        ],
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
 

@@ -32,10 +32,7 @@ PEER = IPv4Address("TCP", "10.1.2.3", 40123)
 
 
 def adt(control_id: str, *, pid: str = "DOE^JANE", charset: str = "") -> bytes:
-    header = (
-        "MSH|^~\\&|SENDAPP|SENDFAC|RECVAPP|RECVFAC|20240101||ADT^A01^ADT_A01"
-        f"|{control_id}|P|2.5"
-    )
+    header = f"MSH|^~\\&|SENDAPP|SENDFAC|RECVAPP|RECVFAC|20240101||ADT^A01^ADT_A01|{control_id}|P|2.5"
     if charset:
         header += "||||||" + charset
     return f"{header}\rPID|1||123||{pid}\r".encode()
@@ -56,9 +53,7 @@ class Recorder:
         self.calls[index][2].callback(decision or AckDecision.accept())
 
 
-def make_factory(
-    handler: object, clock: MemoryReactorClock | None = None, **config: object
-) -> MLLPFactory:
+def make_factory(handler: object, clock: MemoryReactorClock | None = None, **config: object) -> MLLPFactory:
     return MLLPFactory(
         handler,  # type: ignore[arg-type]
         config=MLLPConfig(**config),  # type: ignore[arg-type]
@@ -66,9 +61,7 @@ def make_factory(
     )
 
 
-def connect(
-    factory: MLLPFactory, *, disconnecting: bool = False
-) -> tuple[MLLPProtocol, StringTransport]:
+def connect(factory: MLLPFactory, *, disconnecting: bool = False) -> tuple[MLLPProtocol, StringTransport]:
     proto = factory.buildProtocol(PEER)
     transport: StringTransport
     if disconnecting:
@@ -122,9 +115,7 @@ def test_ack_swaps_sender_and_receiver_and_echoes_msh10_in_msa2() -> None:
 
 def test_configured_identity_is_used_as_ack_sender() -> None:
     handler = Recorder()
-    proto, transport = connect(
-        make_factory(handler, sending_application="STAGELINE", sending_facility="NODE1")
-    )
+    proto, transport = connect(make_factory(handler, sending_application="STAGELINE", sending_facility="NODE1"))
     proto.dataReceived(frame(adt("C1")))
     handler.fire(0)
     msh = acks(transport)[0].segment("MSH")
@@ -269,9 +260,7 @@ def test_oversize_message_with_readable_header_gets_ar_and_is_not_handed_over() 
 
 def test_oversize_message_with_unreadable_header_closes_after_earlier_acks() -> None:
     handler = Recorder()
-    proto, transport = connect(
-        make_factory(handler, max_message_bytes=256), disconnecting=True
-    )
+    proto, transport = connect(make_factory(handler, max_message_bytes=256), disconnecting=True)
     proto.dataReceived(frame(adt("C1")) + frame(b"x" * 1000) + frame(adt("C3")))
     assert [m for m, _, _ in handler.calls] == [adt("C1")]
     assert transport.connected
@@ -298,9 +287,7 @@ def test_idle_connection_is_closed_by_the_clock() -> None:
 def test_idle_timeout_waits_while_messages_are_in_flight() -> None:
     clock = MemoryReactorClock()
     handler = Recorder()
-    proto, transport = connect(
-        make_factory(handler, clock, idle_timeout_seconds=10, handler_timeout_seconds=None)
-    )
+    proto, transport = connect(make_factory(handler, clock, idle_timeout_seconds=10, handler_timeout_seconds=None))
     proto.dataReceived(frame(adt("C1")))
     clock.advance(100)
     assert not transport.disconnecting  # the sender is waiting on us, not idle
@@ -313,9 +300,7 @@ def test_idle_timeout_waits_while_messages_are_in_flight() -> None:
 def test_idle_timer_restarts_when_the_last_ack_is_written() -> None:
     clock = MemoryReactorClock()
     handler = Recorder()
-    proto, transport = connect(
-        make_factory(handler, clock, idle_timeout_seconds=10, handler_timeout_seconds=None)
-    )
+    proto, transport = connect(make_factory(handler, clock, idle_timeout_seconds=10, handler_timeout_seconds=None))
     proto.dataReceived(frame(adt("C1")))
     clock.advance(9.5)
     handler.fire(0)  # a slow store: the sender has been silent for 9.5 s, waiting on us
@@ -334,8 +319,9 @@ def test_a_batch_counts_its_messages_against_max_in_flight() -> None:
         answers.append(Deferred())
         return answers[-1]
 
-    factory = MLLPFactory(Recorder(), config=MLLPConfig(max_in_flight=64), clock=MemoryReactorClock(),
-                          batch_handler=batch_handler)
+    factory = MLLPFactory(
+        Recorder(), config=MLLPConfig(max_in_flight=64), clock=MemoryReactorClock(), batch_handler=batch_handler
+    )
     proto, transport = connect(factory)
     body = b"".join(adt(f"M{k}") for k in range(100))
     proto.dataReceived(frame(b"BHS|^~\\&|A|B|C|D|||||B1\r" + body + b"BTS|100\r"))
@@ -461,9 +447,7 @@ def test_logs_never_contain_message_bodies(logs: list[LogEvent]) -> None:
     secret = "SECRET-PATIENT-NAME"
     clock = MemoryReactorClock()
     handler = Recorder()
-    proto, _ = connect(
-        make_factory(handler, clock, max_message_bytes=300, idle_timeout_seconds=5)
-    )
+    proto, _ = connect(make_factory(handler, clock, max_message_bytes=300, idle_timeout_seconds=5))
     proto.dataReceived(
         frame(adt("C1", pid=secret))
         + secret.encode()
@@ -508,8 +492,12 @@ def test_every_answer_is_counted_by_its_code_protocol_level_ones_included() -> N
     from listeners.metrics import Metrics
 
     metrics, clock, handler = Metrics(), MemoryReactorClock(), Recorder()
-    factory = MLLPFactory(handler, config=MLLPConfig(handler_timeout_seconds=5, max_message_bytes=200),  # type: ignore[arg-type]
-                          clock=clock, counters=metrics.listener("in", "mllp"))
+    factory = MLLPFactory(
+        handler,
+        config=MLLPConfig(handler_timeout_seconds=5, max_message_bytes=200),  # type: ignore[arg-type]
+        clock=clock,
+        counters=metrics.listener("in", "mllp"),
+    )
     proto, transport = connect(factory)
     messages = [adt("A1"), adt("R1"), b"not HL7 at all", adt("BIG", pid="X" * 300), adt("F1"), adt("T1")]
     proto.dataReceived(b"".join(frame(m) for m in messages))
@@ -517,8 +505,11 @@ def test_every_answer_is_counted_by_its_code_protocol_level_ones_included() -> N
     handler.fire(1, AckDecision.reject("no"))
     handler.calls[2][2].errback(Failure(RuntimeError("db down")))
     clock.advance(5)  # T1's handler never answers
-    codes = [hl7.parse(e.payload.decode()).segment("MSA")[1][0]
-             for e in MLLPDecoder().feed(transport.value()) if isinstance(e, Message)]
+    codes = [
+        hl7.parse(e.payload.decode()).segment("MSA")[1][0]
+        for e in MLLPDecoder().feed(transport.value())
+        if isinstance(e, Message)
+    ]
     assert codes == ["AA", "AR", "AR", "AR", "AE", "AE"]
 
     def value(name: str, **labels: str) -> float:
@@ -527,10 +518,15 @@ def test_every_answer_is_counted_by_its_code_protocol_level_ones_included() -> N
     assert value("stageline_messages_received_total") == 6
     assert value("stageline_received_bytes_total") == sum(map(len, messages))
     assert {code: value("stageline_acks_total", code=code) for code in ("AA", "AE", "AR")} == {
-        "AA": 1, "AE": 2, "AR": 3}
+        "AA": 1,
+        "AE": 2,
+        "AR": 3,
+    }
     assert value("stageline_open_connections") == 1
-    assert metrics.registry.get_sample_value("stageline_inbound_connection_info",
-                                             {"connection": "in", "kind": "mllp"}) == 1
+    assert (
+        metrics.registry.get_sample_value("stageline_inbound_connection_info", {"connection": "in", "kind": "mllp"})
+        == 1
+    )
 
 
 # -- issue 23, red team (network) -----------------------------------------------------------------

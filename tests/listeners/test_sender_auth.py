@@ -6,6 +6,7 @@ or a TLS handshake begun, counted (`stageline_connections_refused_total{reason="
 logged once. And with `tls.require_client_cert` a TLS client without a certificate from the CA is
 refused at the handshake. Against a real `listenerd` (SQLite store) over real sockets.
 """
+
 from __future__ import annotations
 
 import socket
@@ -49,21 +50,43 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
     pki = make_pki(tmp / "pki")
     tls = {"cert": str(pki.server_cert), "key": str(pki.server_key)}
     mtls = {**tls, "ca": str(pki.ca), "require_client_cert": True}
-    names = ("mllp-deny", "mllp-allow", "tls-deny", "tls-allow", "tcp-deny", "tcp-allow", "http-deny",
-             "http-allow", "mapped", "mtls")
+    names = (
+        "mllp-deny",
+        "mllp-allow",
+        "tls-deny",
+        "tls-allow",
+        "tcp-deny",
+        "tcp-allow",
+        "http-deny",
+        "http-allow",
+        "mapped",
+        "mtls",
+    )
     ports = distinct_ports(names)
     kinds = {"mllp": "mllp", "tls": "mllp", "tcp": "tcp", "http": "http"}
     inbound = []
     for name in names[:8]:
         kind, verdict = name.split("-")
-        entry = {"name": name, "kind": kinds[kind], "port": ports[name],
-                 "allowed_sources": DENY if verdict == "deny" else ALLOW}
+        entry = {
+            "name": name,
+            "kind": kinds[kind],
+            "port": ports[name],
+            "allowed_sources": DENY if verdict == "deny" else ALLOW,
+        }
         if kind == "tls":
             entry["tls"] = tls
         inbound.append(entry)
     # every address (IPv6, dual stack): a client on 127.0.0.1 arrives as ::ffff:127.0.0.1
-    inbound.append({"name": "mapped", "kind": "mllp", "host": "::", "port": ports["mapped"],
-                    "allowed_sources": ALLOW, "allow_insecure_bind": True})
+    inbound.append(
+        {
+            "name": "mapped",
+            "kind": "mllp",
+            "host": "::",
+            "port": ports["mapped"],
+            "allowed_sources": ALLOW,
+            "allow_insecure_bind": True,
+        }
+    )
     inbound.append({"name": "mtls", "kind": "mllp", "port": ports["mtls"], "tls": mtls})
     d = Daemon(tmp / "node", config, node_id="solo:1:sa", inbound=inbound).start()
     try:
@@ -129,9 +152,13 @@ def test_refusals_for_source_are_counted_and_logged_once(node) -> None:
     for _ in range(5):
         closed_without_answer(ports["mllp-deny"])
     _, body = d.get("/metrics")
-    lines = [line for line in body.decode().splitlines()
-             if line.startswith("stageline_connections_refused_total{") and 'reason="source"' in line
-             and 'connection="mllp-deny"' in line]
+    lines = [
+        line
+        for line in body.decode().splitlines()
+        if line.startswith("stageline_connections_refused_total{")
+        and 'reason="source"' in line
+        and 'connection="mllp-deny"' in line
+    ]
     assert lines and float(lines[0].split()[-1]) >= 5, body.decode()[-2000:]
     assert d.output().count("mllp-deny: source for peer 127.0.0.1") == 1
 
@@ -146,16 +173,19 @@ def test_mtls_refuses_a_tls_client_without_a_certificate(node) -> None:
     assert hostile.mllp_once("127.0.0.1", ports["mtls"], context=with_cert)("CERT1") == "AA"
 
 
-@pytest.mark.parametrize("host, cidrs, allowed", [
-    ("127.0.0.1", ["127.0.0.0/8"], True),
-    ("127.0.0.1", ["10.0.0.0/8"], False),
-    ("::ffff:10.1.2.3", ["10.0.0.0/8"], True),
-    ("::ffff:192.168.1.1", ["10.0.0.0/8"], False),
-    ("fe80::1%eth0", ["fe80::/10"], True),
-    ("2001:db8::5", ["2001:db8::/32", "10.0.0.0/8"], True),
-    ("10.0.0.1", [], True),
-    ("not-an-ip", ["10.0.0.0/8"], False),
-])
+@pytest.mark.parametrize(
+    "host, cidrs, allowed",
+    [
+        ("127.0.0.1", ["127.0.0.0/8"], True),
+        ("127.0.0.1", ["10.0.0.0/8"], False),
+        ("::ffff:10.1.2.3", ["10.0.0.0/8"], True),
+        ("::ffff:192.168.1.1", ["10.0.0.0/8"], False),
+        ("fe80::1%eth0", ["fe80::/10"], True),
+        ("2001:db8::5", ["2001:db8::/32", "10.0.0.0/8"], True),
+        ("10.0.0.1", [], True),
+        ("not-an-ip", ["10.0.0.0/8"], False),
+    ],
+)
 def test_source_matching(host: str, cidrs: list[str], allowed: bool) -> None:
     assert source_allowed(host, source_networks(cidrs)) is allowed
 
@@ -169,6 +199,7 @@ def test_an_ipv4_mapped_allowlist_entry_matches_ipv4_peers_as_the_guard_sees_the
     """The guard compares an IPv4-mapped peer as its IPv4 address, so a mapped entry must be read as
     the IPv4 network it maps, or it would never match anyone."""
     from listeners.guard import source_allowed, source_networks
+
     networks = source_networks(["::ffff:127.0.0.0/104"])
     assert source_allowed("127.0.0.1", networks) and source_allowed("::ffff:127.0.0.9", networks)
     assert not source_allowed("10.0.0.1", networks)

@@ -5,6 +5,7 @@ down past its grace so that a node that can serve leads; a single node keeps ret
 The gate and the elector are proven here piece by piece (a fake clock, real SQLite), then end to
 end with real listenerd processes, a real foreign socket holding the port and real MLLP senders:
 one node on SQLite, and two nodes on one PostgreSQL."""
+
 from __future__ import annotations
 
 import json
@@ -79,12 +80,18 @@ class Harness:
         self.metrics = Metrics()
         wiring = Wiring(ingest=FakeIngest(), metrics=self.metrics, reactor=self.clock, bound_ports={})  # type: ignore[arg-type]
         self.conns = (InboundConfig("a", "mllp"), InboundConfig("b", "tcp"))
-        self.gate = LeaderGate(is_leader=lambda: self.leader, connections=lambda: self.conns,
-                               build=lambda conn: Endpoint(conn, wiring, self), drain=self.drain,
-                               reactor=self.clock, supervise_seconds=0.05, grace_seconds=grace,
-                               step_down=self.step_down if clustered else None,
-                               may_step_down=self.may_step_down if clustered else None,
-                               on_bind=self.metrics.inbound_bind)
+        self.gate = LeaderGate(
+            is_leader=lambda: self.leader,
+            connections=lambda: self.conns,
+            build=lambda conn: Endpoint(conn, wiring, self),
+            drain=self.drain,
+            reactor=self.clock,
+            supervise_seconds=0.05,
+            grace_seconds=grace,
+            step_down=self.step_down if clustered else None,
+            may_step_down=self.may_step_down if clustered else None,
+            on_bind=self.metrics.inbound_bind,
+        )
         self.why_not: str | None = None  # what may_step_down answers
         self.asked: list[float] = []
 
@@ -159,8 +166,10 @@ def test_a_changed_reason_is_one_more_log_line(gate_log):
     h.run(1.0)
     h.held["a"] = "Couldn't listen on 10.0.0.9:2575: [Errno 99] Cannot assign requested address."
     h.run(3.0)
-    assert [t.split(":")[0] for _, t in gate_log if "inbound a" in t] == ["cannot bind inbound a (mllp 127.0.0.1",
-                                                                       "inbound a still unbound, now"]
+    assert [t.split(":")[0] for _, t in gate_log if "inbound a" in t] == [
+        "cannot bind inbound a (mllp 127.0.0.1",
+        "inbound a still unbound, now",
+    ]
     assert "Cannot assign" in h.gate.unbound()[0]["reason"]
 
 
@@ -318,18 +327,25 @@ def metrics(node: Daemon) -> str:
     return node.get("/metrics")[1].decode()
 
 
-def test_single_node_port_held_at_start_reports_it_then_binds_within_1s_of_the_port_freeing(tmp_path,
-                                                                                          sqlite_config_fresh):
+def test_single_node_port_held_at_start_reports_it_then_binds_within_1s_of_the_port_freeing(
+    tmp_path, sqlite_config_fresh
+):
     port = free_port()
     holder = hold(port)
-    node = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="solo:1:aa",
-                  inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    node = Daemon(
+        tmp_path / "node",
+        sqlite_config_fresh,
+        node_id="solo:1:aa",
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     try:
         wait_for(lambda: node.status()["unbound"], timeout=10, what="the unbound inbound reported")
         [unbound] = node.status()["unbound"]
         assert unbound["name"] == "adt-in" and "in use" in unbound["reason"] and unbound["since"].endswith("Z")
-        assert leader(node) == (503, {"node_id": "solo:1:aa", "leader": False, "reason": "unbound",
-                                      "unbound": ["adt-in"]})
+        assert leader(node) == (
+            503,
+            {"node_id": "solo:1:aa", "leader": False, "reason": "unbound", "unbound": ["adt-in"]},
+        )
         assert 'stageline_inbound_bound{connection="adt-in"} 0.0' in metrics(node)
         time.sleep(3.0)  # several retries (at most RETRY_MAX apart) ...
         assert node.output().count("cannot bind inbound adt-in") == 1  # ... one line
@@ -353,9 +369,15 @@ def test_single_node_port_held_at_start_reports_it_then_binds_within_1s_of_the_p
 
 
 HEARTBEAT, FENCE, TTL, GRACE, BACKOFF = 0.5, 1.5, 2.5, 1.5, 8.0
-CLUSTER = {"enabled": True, "heartbeat_seconds": HEARTBEAT, "leader_fence_timeout_seconds": FENCE,
-           "leader_lease_ttl_seconds": TTL, "node_timeout_seconds": 2.0, "unbound_grace_seconds": GRACE,
-           "step_down_backoff_seconds": BACKOFF}
+CLUSTER = {
+    "enabled": True,
+    "heartbeat_seconds": HEARTBEAT,
+    "leader_fence_timeout_seconds": FENCE,
+    "leader_lease_ttl_seconds": TTL,
+    "node_timeout_seconds": 2.0,
+    "unbound_grace_seconds": GRACE,
+    "step_down_backoff_seconds": BACKOFF,
+}
 
 HOLDER = """import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(1)
@@ -369,20 +391,32 @@ def test_a_leader_whose_port_is_held_steps_down_and_a_node_that_can_serve_takes_
     a = b = None
     try:
         assert foreign.stdout is not None and foreign.stdout.readline().strip() == "held"
-        a = Daemon(tmp_path / "a", pg_config_fresh, node_id="node-a:1:aa", cluster=CLUSTER,
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}]).start()
+        a = Daemon(
+            tmp_path / "a",
+            pg_config_fresh,
+            node_id="node-a:1:aa",
+            cluster=CLUSTER,
+            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}],
+        ).start()
         wait_for(lambda: a.status()["is_leader"], timeout=15, interval=0.02, what="node A to lead")
         elected = time.monotonic()
         a_epoch = read_epoch(pg_config_fresh)
         # a standby that can serve (its own port is free): what makes a step-down worth it
-        b = Daemon(tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER,
-                   inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}]).start()
+        b = Daemon(
+            tmp_path / "b",
+            pg_config_fresh,
+            node_id="node-b:2:bb",
+            cluster=CLUSTER,
+            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_b}],
+        ).start()
         wait_for(lambda: b.status()["role"] == "standby", timeout=15, interval=0.02, what="node B to stand by")
         b_live = time.monotonic()
         wait_for(lambda: not a.status()["is_leader"], timeout=GRACE + 10, interval=0.02, what="node A to step down")
         stepped = time.monotonic() - elected
-        print(f"bind conflict: node A stepped down {stepped:.2f}s after its election, "
-              f"{time.monotonic() - b_live:.2f}s after node B stood by (grace {GRACE}s)")
+        print(
+            f"bind conflict: node A stepped down {stepped:.2f}s after its election, "
+            f"{time.monotonic() - b_live:.2f}s after node B stood by (grace {GRACE}s)"
+        )
         # past its grace A asks whether anyone could take over; with B live it hands over at once
         # (before B was live it kept the lease and asked again a grace later)
         assert time.monotonic() - b_live <= GRACE + 1.0
@@ -393,8 +427,12 @@ def test_a_leader_whose_port_is_held_steps_down_and_a_node_that_can_serve_takes_
         assert a.status()["standing_aside_seconds"] > 0
         assert "stageline_step_downs_total 1.0" in metrics(a)
 
-        wait_for(lambda: leader(b)[0] == 200 and port_open(port_b), timeout=10, interval=0.02,
-                 what="node B to lead and serve")
+        wait_for(
+            lambda: leader(b)[0] == 200 and port_open(port_b),
+            timeout=10,
+            interval=0.02,
+            what="node B to lead and serve",
+        )
         b_epoch = read_epoch(pg_config_fresh)
         assert b_epoch == a_epoch + 1
         assert a.status()["standing_aside_seconds"] > 0  # B is live: A's backoff runs its course
@@ -454,10 +492,22 @@ def test_a_missing_file_drop_directory_is_an_unbound_inbound_until_it_appears(tm
     metrics = Metrics()
     wiring = Wiring(ingest=FakeIngest(), metrics=metrics, reactor=clock, bound_ports={})  # type: ignore[arg-type]
     drop = tmp_path / "mnt" / "in"
-    conn = InboundConfig("drop", "file", directory=str(drop), archive=str(tmp_path / "archive"),
-                         error_directory=str(tmp_path / "rejected"))
-    gate = LeaderGate(is_leader=lambda: True, connections=lambda: (conn,), build=lambda c: inbound_service(c, wiring),
-                      drain=lambda s: succeed(True), reactor=clock, supervise_seconds=0.05, grace_seconds=60)
+    conn = InboundConfig(
+        "drop",
+        "file",
+        directory=str(drop),
+        archive=str(tmp_path / "archive"),
+        error_directory=str(tmp_path / "rejected"),
+    )
+    gate = LeaderGate(
+        is_leader=lambda: True,
+        connections=lambda: (conn,),
+        build=lambda c: inbound_service(c, wiring),
+        drain=lambda s: succeed(True),
+        reactor=clock,
+        supervise_seconds=0.05,
+        grace_seconds=60,
+    )
     gate.startService()
     clock.advance(0.05)
     [unbound] = gate.unbound()
@@ -473,11 +523,19 @@ def test_a_lone_clustered_node_keeps_the_lease_and_serves_within_1s_of_its_port_
     it, says why, and binds as soon as the port frees (as a single node does)."""
     port = free_port()
     holder = hold(port)
-    node = Daemon(tmp_path / "a", pg_config_fresh, node_id="lone-a:1:aa", cluster=CLUSTER,
-                  inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]).start()
+    node = Daemon(
+        tmp_path / "a",
+        pg_config_fresh,
+        node_id="lone-a:1:aa",
+        cluster=CLUSTER,
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
+    ).start()
     try:
-        wait_for(lambda: "no other live node to hand over to" in node.output(), timeout=GRACE + 10,
-                 what="the kept lease logged")
+        wait_for(
+            lambda: "no other live node to hand over to" in node.output(),
+            timeout=GRACE + 10,
+            what="the kept lease logged",
+        )
         assert node.status()["is_leader"] and "standing_aside_seconds" not in node.status()
         assert "stageline_step_downs_total 0.0" in metrics(node)
         assert leader(node)[1]["reason"] == "unbound"
@@ -493,8 +551,7 @@ def test_a_lone_clustered_node_keeps_the_lease_and_serves_within_1s_of_its_port_
         node.stop()
 
 
-def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_rest_is_served(tmp_path,
-                                                                                           pg_config_fresh):
+def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_rest_is_served(tmp_path, pg_config_fresh):
     """Every node's file-drop share is missing (the same mount on every node): the first leader hands
     over (its peer published nothing yet), the next finds in the store that its peer could not bind
     it either and keeps the lease, serving its MLLP inbound; a load balancer asking
@@ -503,16 +560,30 @@ def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_re
     try:
         for name in ("a", "b"):
             port = free_port()
-            nodes.append((Daemon(tmp_path / name, pg_config_fresh, node_id=f"node-{name}:1:{name}{name}",
-                                 cluster=CLUSTER, inbound=[
-                                     {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port},
-                                     {"name": "drop", "kind": "file", "directory": str(tmp_path / "mnt" / "in"),
-                                      "archive": str(tmp_path / name / "archive"),
-                                      "error_directory": str(tmp_path / name / "rejected")}]).start(), port))
+            nodes.append(
+                (
+                    Daemon(
+                        tmp_path / name,
+                        pg_config_fresh,
+                        node_id=f"node-{name}:1:{name}{name}",
+                        cluster=CLUSTER,
+                        inbound=[
+                            {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port},
+                            {
+                                "name": "drop",
+                                "kind": "file",
+                                "directory": str(tmp_path / "mnt" / "in"),
+                                "archive": str(tmp_path / name / "archive"),
+                                "error_directory": str(tmp_path / name / "rejected"),
+                            },
+                        ],
+                    ).start(),
+                    port,
+                )
+            )
 
         def settled() -> bool:  # (a node that led before its peer was live kept the lease for a grace first)
-            return any(leader_of(d, "adt-in")[0] == 200 and "could not bind it either" in d.output()
-                       for d, _ in nodes)
+            return any(leader_of(d, "adt-in")[0] == 200 and "could not bind it either" in d.output() for d, _ in nodes)
 
         def leader_of(d: Daemon, inbound: str) -> tuple[int, dict]:
             code, body = d.get(f"/leader?inbound={inbound}", token=None)
@@ -528,8 +599,12 @@ def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_re
         assert leader_of(serving, "nope")[0] == 404
         time.sleep(2 * (GRACE + BACKOFF))  # it stays put: no more step-downs, the same epoch
         assert serving.status()["is_leader"] and read_epoch(pg_config_fresh) == epoch
-        downs = [float(line.split()[-1]) for d, _ in nodes for line in metrics(d).splitlines()
-                 if line.startswith("stageline_step_downs_total")]
+        downs = [
+            float(line.split()[-1])
+            for d, _ in nodes
+            for line in metrics(d).splitlines()
+            if line.startswith("stageline_step_downs_total")
+        ]
         print(f"no node can bind the drop: step-downs per node {downs}")
         assert sorted(downs) == [0.0, 1.0]  # one hand-over in all
         assert send_one(port, "KEPT-2") == "AA"
@@ -538,17 +613,29 @@ def test_when_no_node_can_bind_an_inbound_the_lease_stops_going_round_and_the_re
             d.stop()
 
 
-def test_a_file_drop_that_breaks_after_it_bound_is_reported_unbound_and_taken_again_once_back(tmp_path,
-                                                                                             sqlite_config_fresh):
+def test_a_file_drop_that_breaks_after_it_bound_is_reported_unbound_and_taken_again_once_back(
+    tmp_path, sqlite_config_fresh
+):
     """The drop's directory is removed, then replaced by a symlink, while the node leads: the inbound is
     reported unbound (status, /leader, metric) from the poll that failed, and serves again once the
     real directory is back."""
     drop = tmp_path / "in"
     drop.mkdir()
-    node = Daemon(tmp_path / "node", sqlite_config_fresh, node_id="solo:1:dd",
-                  inbound=[{"name": "drop", "kind": "file", "directory": str(drop), "poll_seconds": 0.2,
-                            "archive": str(tmp_path / "archive"), "error_directory": str(tmp_path / "rejected")}]
-                  ).start()
+    node = Daemon(
+        tmp_path / "node",
+        sqlite_config_fresh,
+        node_id="solo:1:dd",
+        inbound=[
+            {
+                "name": "drop",
+                "kind": "file",
+                "directory": str(drop),
+                "poll_seconds": 0.2,
+                "archive": str(tmp_path / "archive"),
+                "error_directory": str(tmp_path / "rejected"),
+            }
+        ],
+    ).start()
     try:
         wait_for(lambda: leader(node)[0] == 200, timeout=10, what="the drop bound")
         drop.rmdir()
@@ -564,8 +651,12 @@ def test_a_file_drop_that_breaks_after_it_bound_is_reported_unbound_and_taken_ag
         drop.unlink()
         drop.mkdir()
         (drop / "F4.hl7").write_text(adt("F4").replace("\n", "\r"))
-        wait_for(lambda: leader(node)[0] == 200 and not (drop / "F4.hl7").exists(), timeout=10, interval=0.05,
-                 what="the drop serving again and F4 taken")
+        wait_for(
+            lambda: leader(node)[0] == 200 and not (drop / "F4.hl7").exists(),
+            timeout=10,
+            interval=0.05,
+            what="the drop serving again and F4 taken",
+        )
         assert node.output().count("cannot bind inbound drop") == 1 or "still unbound" in node.output()
     finally:
         node.stop()

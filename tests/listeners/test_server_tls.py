@@ -4,6 +4,7 @@ A throwaway PKI (a CA, a server cert for localhost/127.0.0.1, a client cert from
 rogue CA with its own client cert; EC P-256 so it is fast) is written to a temp dir once per
 class. Handshake tests serve the real API on loopback and connect with Agent.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -37,41 +38,63 @@ from tests.listeners.test_api import ENV, TOKENS_CONFIG, VIEWER_TOKEN, agent, fe
 @dataclass(frozen=True)
 class PKI:
     dir: Path
-    ca: Path             # the CA trusted for server and client certs
-    server_cert: Path    # CN/SAN localhost + 127.0.0.1, signed by ca
+    ca: Path  # the CA trusted for server and client certs
+    server_cert: Path  # CN/SAN localhost + 127.0.0.1, signed by ca
     server_key: Path
-    client: Path         # cert + key, signed by ca
+    client: Path  # cert + key, signed by ca
     rogue_ca: Path
-    rogue_client: Path   # cert + key, signed by rogue_ca
-    rogue_key: Path      # a key that does not match server_cert
+    rogue_client: Path  # cert + key, signed by rogue_ca
+    rogue_key: Path  # a key that does not match server_cert
 
     def tls(self, *, mtls: bool = False) -> TLSConfig:
-        return TLSConfig(cert=str(self.server_cert), key=str(self.server_key), ca=str(self.ca),
-                         require_client_cert=mtls)
+        return TLSConfig(
+            cert=str(self.server_cert), key=str(self.server_key), ca=str(self.ca), require_client_cert=mtls
+        )
 
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Certificate, Any] | None, *,
-           ca: bool = False, san: list[x509.GeneralName] | None = None,
-           usage: x509.ObjectIdentifier | None = None) -> x509.Certificate:
+def _issue(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Certificate, Any] | None,
+    *,
+    ca: bool = False,
+    san: list[x509.GeneralName] | None = None,
+    usage: x509.ObjectIdentifier | None = None,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     day = datetime.timedelta(days=1)
     issuer_name, issuer_key = (issuer[0].subject, issuer[1]) if issuer else (_name(subject), key)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - day).not_valid_after(now + day)
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-                              critical=False))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - day)
+        .not_valid_after(now + day)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-            decipher_only=False), critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     if san:
         builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
     if usage:
@@ -85,8 +108,9 @@ def _pem(*items: Any) -> bytes:
         if isinstance(item, x509.Certificate):
             out += item.public_bytes(serialization.Encoding.PEM)
         else:
-            out += item.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption())
+            out += item.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
     return out
 
 
@@ -97,18 +121,37 @@ def make_pki(directory: Path) -> PKI:
     ca_key, rogue_ca_key, server_key, client_key, rogue_client_key = key(), key(), key(), key(), key()
     ca = _issue("Stageline Test CA", ca_key, None, ca=True)
     rogue_ca = _issue("Rogue CA", rogue_ca_key, None, ca=True)
-    server = _issue("localhost", server_key, (ca, ca_key), usage=ExtendedKeyUsageOID.SERVER_AUTH,
-                    san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    server = _issue(
+        "localhost",
+        server_key,
+        (ca, ca_key),
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     client = _issue("console", client_key, (ca, ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH)
     rogue = _issue("console", rogue_client_key, (rogue_ca, rogue_ca_key), usage=ExtendedKeyUsageOID.CLIENT_AUTH)
-    files = {"ca.pem": _pem(ca), "server.pem": _pem(server), "server.key": _pem(server_key),
-             "client.pem": _pem(client, client_key), "rogue-ca.pem": _pem(rogue_ca),
-             "rogue-client.pem": _pem(rogue, rogue_client_key), "rogue.key": _pem(key())}
+    files = {
+        "ca.pem": _pem(ca),
+        "server.pem": _pem(server),
+        "server.key": _pem(server_key),
+        "client.pem": _pem(client, client_key),
+        "rogue-ca.pem": _pem(rogue_ca),
+        "rogue-client.pem": _pem(rogue, rogue_client_key),
+        "rogue.key": _pem(key()),
+    }
     for name, data in files.items():
         (directory / name).write_bytes(data)
     d = directory
-    return PKI(d, d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem", d / "rogue-ca.pem",
-               d / "rogue-client.pem", d / "rogue.key")
+    return PKI(
+        d,
+        d / "ca.pem",
+        d / "server.pem",
+        d / "server.key",
+        d / "client.pem",
+        d / "rogue-ca.pem",
+        d / "rogue-client.pem",
+        d / "rogue.key",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +166,7 @@ def pki_on_class(request: pytest.FixtureRequest, pki: PKI) -> None:
 
 # --- loading: clear errors naming the file --------------------------------------------------------------
 
+
 def test_options_load_a_valid_cert_and_key(pki: PKI) -> None:
     server_tls_options(pki.tls())
     server_tls_options(pki.tls(mtls=True))
@@ -134,17 +178,23 @@ def test_options_refuse_protocols_below_tls_1_2(pki: PKI) -> None:
     assert not options & SSL.OP_NO_TLSv1_2
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda p: {"cert": str(p.dir / "missing.pem")}, r"tls.cert .*missing.pem: cannot read it \(No such file"),
-    (lambda p: {"key": str(p.dir / "missing.key")}, r"tls.key .*missing.key: cannot read it"),
-    (lambda p: {"cert": str(p.server_key)}, r"tls.cert .*server.key: not a PEM certificate file"),
-    (lambda p: {"key": str(p.server_cert)}, r"tls.key .*server.pem: not a PEM private key"),
-    (lambda p: {"key": str(p.rogue_key)}, r"tls.key .*rogue.key does not match the certificate in tls.cert "
-                                          r".*server.pem"),
-    (lambda p: {"cert": ""}, r"tls.cert is not set"),
-    (lambda p: {"ca": "", "require_client_cert": True}, r"require_client_cert needs tls.ca"),
-    (lambda p: {"ca": str(p.server_key), "require_client_cert": True}, r"tls.ca .*server.key: not a PEM cert"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: {"cert": str(p.dir / "missing.pem")}, r"tls.cert .*missing.pem: cannot read it \(No such file"),
+        (lambda p: {"key": str(p.dir / "missing.key")}, r"tls.key .*missing.key: cannot read it"),
+        (lambda p: {"cert": str(p.server_key)}, r"tls.cert .*server.key: not a PEM certificate file"),
+        (lambda p: {"key": str(p.server_cert)}, r"tls.key .*server.pem: not a PEM private key"),
+        (
+            lambda p: {"key": str(p.rogue_key)},
+            r"tls.key .*rogue.key does not match the certificate in tls.cert "
+            r".*server.pem",
+        ),
+        (lambda p: {"cert": ""}, r"tls.cert is not set"),
+        (lambda p: {"ca": "", "require_client_cert": True}, r"require_client_cert needs tls.ca"),
+        (lambda p: {"ca": str(p.server_key), "require_client_cert": True}, r"tls.ca .*server.key: not a PEM cert"),
+    ],
+)
 def test_options_name_the_bad_file(pki: PKI, change: Any, message: str) -> None:
     tls = TLSConfig(**{**pki.tls().__dict__, **change(pki)})
     with pytest.raises(TLSConfigError, match=message):
@@ -154,8 +204,13 @@ def test_options_name_the_bad_file(pki: PKI, change: Any, message: str) -> None:
 def test_options_refuse_an_encrypted_key(pki: PKI, tmp_path: Path) -> None:
     key = serialization.load_pem_private_key(pki.server_key.read_bytes(), password=None)
     encrypted = tmp_path / "encrypted.key"
-    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.BestAvailableEncryption(b"secret")))
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     with pytest.raises(TLSConfigError, match=r"tls.key .*encrypted.key: the key is encrypted"):
         server_tls_options(TLSConfig(cert=str(pki.server_cert), key=str(encrypted)))
 
@@ -165,13 +220,19 @@ def test_tls_config_errors_are_config_errors() -> None:
 
 
 def test_api_settings_tls_paths_load_from_the_config_dir(pki: PKI) -> None:
-    settings = ApiSettings.from_config({"host": "0.0.0.0", "tls": {
-        "cert": "server.pem", "key": "server.key", "ca": "ca.pem", "require_client_cert": True}}, pki.dir)
+    settings = ApiSettings.from_config(
+        {
+            "host": "0.0.0.0",
+            "tls": {"cert": "server.pem", "key": "server.key", "ca": "ca.pem", "require_client_cert": True},
+        },
+        pki.dir,
+    )
     assert settings.tls is not None
     server_tls_options(settings.tls)
 
 
 # --- handshakes over loopback ----------------------------------------------------------------------------
+
 
 @implementer(IPolicyForHTTPS)
 class _Client:
@@ -183,8 +244,12 @@ class _Client:
         self._extra = extra
 
     def creatorForNetloc(self, hostname: bytes, port: int) -> Any:
-        return optionsForClientTLS("localhost", trustRoot=self._trust, clientCertificate=self._cert,
-                                   extraCertificateOptions=self._extra or None)
+        return optionsForClientTLS(
+            "localhost",
+            trustRoot=self._trust,
+            clientCertificate=self._cert,
+            extraCertificateOptions=self._extra or None,
+        )
 
 
 def _tls_errors(failure: Failure) -> list[str]:

@@ -1,6 +1,7 @@
 """The node as a service tree, wired without sockets or a database: the one entry point builds it,
 the leader gate binds endpoint services only with the lease and stops them in the clean-stop order,
 and the listener modules import each other one way only."""
+
 from __future__ import annotations
 
 import ast
@@ -35,19 +36,23 @@ def sighup() -> Iterator[None]:
 
 def service_config(tmp_path: Path) -> Path:
     path = tmp_path / "stageline.toml"
-    path.write_text(f'[store]\nbackend = "sqlite"\npath = "{tmp_path / "never.db"}"\n'
-                    '[cluster]\nenabled = false\nnode_id = "solo:1:aa"\n')
+    path.write_text(
+        f'[store]\nbackend = "sqlite"\npath = "{tmp_path / "never.db"}"\n'
+        '[cluster]\nenabled = false\nnode_id = "solo:1:aa"\n'
+    )
     conf = tmp_path / "config"
     conf.mkdir()
     (conf / "connections.toml").write_text('[[inbound]]\nname = "adt-in"\nkind = "mllp"\nport = 0\n')
     return path
 
 
-def test_the_entry_point_builds_the_tree_in_start_order_without_touching_the_store(tmp_path: Path,
-                                                                                   sighup: None) -> None:
+def test_the_entry_point_builds_the_tree_in_start_order_without_touching_the_store(
+    tmp_path: Path, sighup: None
+) -> None:
     options = daemon.Options()
-    options.parseOptions(["--service-config", str(service_config(tmp_path)), "--config", str(tmp_path / "config"),
-                          "--api-port", "0"])
+    options.parseOptions(
+        ["--service-config", str(service_config(tmp_path)), "--config", str(tmp_path / "config"), "--api-port", "0"]
+    )
     node = daemon.makeService(options)
     assert isinstance(node, ListenerNode)
     assert [svc.name for svc in node] == ["api", "store", "lease", "ingest", "heartbeat", "leader-gate"]
@@ -133,9 +138,15 @@ class Harness:
         self.drained: Deferred[bool] | None = None
         wiring = Wiring(ingest=FakeIngest(), metrics=Metrics(), reactor=self.clock, bound_ports={})
         self.conns = (InboundConfig("a", "mllp"), InboundConfig("b", "tcp"))
-        self.gate = LeaderGate(is_leader=lambda: self.leader, connections=lambda: self.conns,
-                               build=lambda conn: Endpoint(conn, wiring, self.events), drain=self.drain,
-                               reactor=self.clock, supervise_seconds=0.1, on_change=self.bound.append)
+        self.gate = LeaderGate(
+            is_leader=lambda: self.leader,
+            connections=lambda: self.conns,
+            build=lambda conn: Endpoint(conn, wiring, self.events),
+            drain=self.drain,
+            reactor=self.clock,
+            supervise_seconds=0.1,
+            on_change=self.bound.append,
+        )
 
     def drain(self, seconds: float) -> Deferred[bool]:
         self.events.append("drain")
@@ -186,8 +197,10 @@ def test_connections_not_closed_within_the_drain_bound_are_aborted() -> None:
     h.leader = True
     h.gate.startService()
     for svc in h.gate:
-        svc.close = lambda abort, svc=svc: (h.events.append(f"{'abort' if abort else 'close'} {svc.name}"),
-                                           setattr(svc, "open", 0) if abort else None)  # type: ignore[method-assign]
+        svc.close = lambda abort, svc=svc: (
+            h.events.append(f"{'abort' if abort else 'close'} {svc.name}"),
+            setattr(svc, "open", 0) if abort else None,
+        )  # type: ignore[method-assign]
     h.events.clear()
     done = h.gate.stopService()
     assert h.drained is not None
@@ -201,9 +214,13 @@ def test_a_connection_that_cannot_be_built_is_logged_and_the_others_bind(tmp_pat
     wiring = Wiring(ingest=FakeIngest(), metrics=Metrics(), reactor=h.clock, bound_ports={})
     broken = InboundConfig("drop", "file", directory=str(tmp_path), archive=str(tmp_path))  # archive == directory
     h.conns = (broken, InboundConfig("a", "mllp"))
-    gate = LeaderGate(is_leader=lambda: True, connections=lambda: h.conns,
-                      build=lambda conn: inbound_service(conn, wiring), drain=lambda s: succeed(True),
-                      reactor=h.clock)
+    gate = LeaderGate(
+        is_leader=lambda: True,
+        connections=lambda: h.conns,
+        build=lambda conn: inbound_service(conn, wiring),
+        drain=lambda s: succeed(True),
+        reactor=h.clock,
+    )
     gate.startService()
     assert [s.name for s in gate] == ["a"] and gate.bound == 1 and "a" in wiring.bound_ports
 

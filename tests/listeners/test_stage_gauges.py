@@ -1,5 +1,6 @@
 """The leader's listenerd publishes the stages at a glance on /metrics (what deploy/alerts.yml reads):
 backlog, oldest pending age, in flight and dead letters per stage, from the store itself."""
+
 from __future__ import annotations
 
 import re
@@ -19,10 +20,13 @@ def gauge(text: str, name: str, stage: str) -> float | None:
 
 def test_the_leader_publishes_stage_backlog_age_and_dead_letters(tmp_path, store_config):
     port = free_port()
-    d = Daemon(tmp_path / "node", store_config, node_id="solo:1:aa",
-               cluster={"heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5,
-                        "leader_lease_ttl_seconds": 2.5},
-               inbound=[{"name": "adt-in", "kind": "mllp", "port": port}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        store_config,
+        node_id="solo:1:aa",
+        cluster={"heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5, "leader_lease_ttl_seconds": 2.5},
+        inbound=[{"name": "adt-in", "kind": "mllp", "port": port}],
+    ).start()
     try:
         wait_for(lambda: port_open(port), timeout=20, what="bind")
         with MLLPClient("127.0.0.1", port) as client:
@@ -32,8 +36,12 @@ def test_the_leader_publishes_stage_backlog_age_and_dead_letters(tmp_path, store
         def metrics() -> str:
             return d.get("/metrics")[1].decode()
 
-        wait_for(lambda: gauge(metrics(), "stageline_stage_backlog", "inbound") == 3, timeout=30, interval=0.5,
-                 what="the inbound backlog gauge to show the 3 staged messages")
+        wait_for(
+            lambda: gauge(metrics(), "stageline_stage_backlog", "inbound") == 3,
+            timeout=30,
+            interval=0.5,
+            what="the inbound backlog gauge to show the 3 staged messages",
+        )
         text = metrics()
         assert gauge(text, "stageline_stage_oldest_pending_seconds", "inbound") >= 0
         assert gauge(text, "stageline_stage_in_flight", "inbound") == 0

@@ -4,6 +4,7 @@
 how parameters travel and how result rows are read back. The same group commits, run through each
 into its own fresh database, must give the same answers and leave the same rows behind, column
 for column, in every table staging writes."""
+
 from __future__ import annotations
 
 import itertools
@@ -31,17 +32,38 @@ _dbs = itertools.count()
 
 
 def message(n: int, **fields: Any) -> dict[str, Any]:
-    return Inbound(**{"connection": "adt-in", "control_id": f"C{n}", "lane_key": f"P{n % 3}", "charset": "utf-8",
-                      "payload": f"MSH|^~\\&|A|B|C|D|||ADT^A01|C{n}|P|2.5\rPID|1||P{n}||Müller^Zoë",
-                      "message_id": f"m{n}", **fields}).row()
+    return Inbound(
+        **{
+            "connection": "adt-in",
+            "control_id": f"C{n}",
+            "lane_key": f"P{n % 3}",
+            "charset": "utf-8",
+            "payload": f"MSH|^~\\&|A|B|C|D|||ADT^A01|C{n}|P|2.5\rPID|1||P{n}||Müller^Zoë",
+            "message_id": f"m{n}",
+            **fields,
+        }
+    ).row()
 
 
 def batch(name: str, n: int, *, declared: int | None = None) -> InboundBatch:
-    return InboundBatch(connection="lab-in", batch_id=f"b-{name}", fhs_control_id=f"F-{name}",
-                        bhs_control_id=f"B-{name}", declared=declared,
-                        items=tuple(Inbound(connection="lab-in", control_id=f"{name}{k}", lane_key=f"L{k % 2}",
-                                            charset="iso-8859-1", payload=f"MSH|^~\\&|L|B|||||ORU^R01|{name}{k}|P|2.5",
-                                            message_id=f"{name}-{k}") for k in range(n)))
+    return InboundBatch(
+        connection="lab-in",
+        batch_id=f"b-{name}",
+        fhs_control_id=f"F-{name}",
+        bhs_control_id=f"B-{name}",
+        declared=declared,
+        items=tuple(
+            Inbound(
+                connection="lab-in",
+                control_id=f"{name}{k}",
+                lane_key=f"L{k % 2}",
+                charset="iso-8859-1",
+                payload=f"MSH|^~\\&|L|B|||||ORU^R01|{name}{k}|P|2.5",
+                message_id=f"{name}-{k}",
+            )
+            for k in range(n)
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -95,9 +117,11 @@ def stage_all(store: Store, stage: Callable[[list[dict[str, Any]], int], Any]) -
 
 def through_the_store(store: Store) -> list[Any]:
     """As the writer thread stages a commit: `rowlease.stage_inbound`, one transaction each."""
+
     def stage(rows: list[dict[str, Any]], epoch: int) -> Any:
         with store.single_statement() as tx:
             return rl.stage_inbound(tx, rows, epoch=epoch, node_id=NODE)
+
     return stage_all(store, stage)
 
 
@@ -116,6 +140,7 @@ def through_pgcommit(store: Store) -> list[Any]:
         if isinstance(got[0], Failure):
             got[0].raiseException()
         return got[0]
+
     try:
         return stage_all(store, stage)
     finally:
@@ -129,8 +154,11 @@ def everything_staged(store: Store) -> dict[str, list[dict[str, Any]]]:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
         for table, key in TABLES.items():
-            cur.execute("SELECT column_name, data_type FROM information_schema.columns "
-                        "WHERE table_schema = current_schema() AND table_name = %(t)s", {"t": table})
+            cur.execute(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_schema = current_schema() AND table_name = %(t)s",
+                {"t": table},
+            )
             clocks = {c["column_name"] for c in cur.fetchall() if c["data_type"].startswith("timestamp")}
             cur.execute(f"SELECT * FROM {table} ORDER BY {key}")
             tables[table] = [{k: (v is not None) if k in clocks else v for k, v in r.items()} for r in cur.fetchall()]
@@ -160,7 +188,12 @@ def test_the_store_and_pgcommit_stage_the_same_commits_into_the_same_rows(pg_con
     assert inbound["m1"]["lane_key"] == "P1" and inbound["m2"]["control_id"] is None
     assert bodies[inbound["m1"]["id"]].endswith("Müller^Zoë") and len(bodies[inbound["m10"]["id"]]) == 70_000
     assert "m11" not in inbound and "m12" not in inbound and "m13" in inbound
-    assert [(b["batch_id"], b["declared_count"], b["message_count"]) for b in staged["inbound_batches"]] == \
-        [("b-A", 3, 3), ("b-B", None, 2), ("b-C", 5, 5), ("b-D", None, 2)]
-    assert [e["detail"] for e in staged["message_events"] if e["message_id"].startswith("C-")] == \
-        [f"batch b-C: message {k} of 5" for k in range(1, 6)]
+    assert [(b["batch_id"], b["declared_count"], b["message_count"]) for b in staged["inbound_batches"]] == [
+        ("b-A", 3, 3),
+        ("b-B", None, 2),
+        ("b-C", 5, 5),
+        ("b-D", None, 2),
+    ]
+    assert [e["detail"] for e in staged["message_events"] if e["message_id"].startswith("C-")] == [
+        f"batch b-C: message {k} of 5" for k in range(1, 6)
+    ]

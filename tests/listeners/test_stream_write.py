@@ -1,5 +1,6 @@
 """`write_now`: an answer goes to a plain TCP socket at once when nothing is buffered, and through
 Twisted's buffer otherwise, in order either way. Real loopback sockets, a reactor of the test's own."""
+
 from __future__ import annotations
 
 import socket

@@ -1,5 +1,6 @@
 """Raw TCP listener: unit tests over StringTransport/MemoryReactorClock with a hand-fired fake
 ingest, and loopback tests against the real store and IngestWriter."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -48,15 +49,21 @@ def lp(body: bytes) -> bytes:
 
 
 def config(**overrides: Any) -> InboundConfig:
-    values: dict[str, Any] = {"name": "rawtcp", "kind": "tcp", "max_message_bytes": 64,
-                              "idle_timeout_seconds": 30.0, "max_connections": 2}
+    values: dict[str, Any] = {
+        "name": "rawtcp",
+        "kind": "tcp",
+        "max_message_bytes": 64,
+        "idle_timeout_seconds": 30.0,
+        "max_connections": 2,
+    }
     values.update(overrides)
     return InboundConfig(**values)
 
 
 def make_factory(ingest: Any, clock: MemoryReactorClock | None = None, **overrides: Any) -> TCPFactory:
-    kwargs = {k: overrides.pop(k) for k in ("lane_of", "max_in_flight", "reply_timeout_seconds", "metrics")
-              if k in overrides}
+    kwargs = {
+        k: overrides.pop(k) for k in ("lane_of", "max_in_flight", "reply_timeout_seconds", "metrics") if k in overrides
+    }
     return TCPFactory(ingest, config(**overrides), clock=clock or MemoryReactorClock(), **kwargs)
 
 
@@ -81,6 +88,7 @@ def frames(transport: StringTransport) -> list[str]:
 
 
 # -- decoders ----------------------------------------------------------------------------------
+
 
 def test_newline_decoder_strips_cr_and_ignores_empty_lines() -> None:
     dec = NewlineDecoder(max_message_bytes=64)
@@ -126,6 +134,7 @@ def test_length_decoder_stops_at_a_declared_length_over_the_limit() -> None:
 
 # -- protocol: newline framing -----------------------------------------------------------------
 
+
 def test_ack_is_written_only_after_the_commit_fires() -> None:
     ingest = FakeIngest()
     proto, transport = connect(make_factory(ingest))
@@ -148,16 +157,23 @@ def test_replies_keep_arrival_order_when_commits_fire_out_of_order() -> None:
     ingest.fire(0)
     assert lines(transport) == [f"ACK {ids[0]}"]
     ingest.fire(1)
-    assert lines(transport) == [f"ACK {ids[0]}", f"ACK {ids[1]}", f"ACK {ids[2]}",
-                                "NAK store unavailable, resend later"]
+    assert lines(transport) == [
+        f"ACK {ids[0]}",
+        f"ACK {ids[1]}",
+        f"ACK {ids[2]}",
+        "NAK store unavailable, resend later",
+    ]
     assert proto.in_flight == 0
 
 
-@pytest.mark.parametrize("exc, reply", [
-    (NotLeader("x"), "NAK not leader, resend later"),
-    (StoreUnavailable("x"), "NAK store unavailable, resend later"),
-    (RuntimeError("secret PHI"), "NAK internal error, resend later"),
-])
+@pytest.mark.parametrize(
+    "exc, reply",
+    [
+        (NotLeader("x"), "NAK not leader, resend later"),
+        (StoreUnavailable("x"), "NAK store unavailable, resend later"),
+        (RuntimeError("secret PHI"), "NAK internal error, resend later"),
+    ],
+)
 def test_errback_yields_nak_and_the_connection_stays_usable(exc: Exception, reply: str) -> None:
     ingest = FakeIngest()
     proto, transport = connect(make_factory(ingest))
@@ -210,6 +226,7 @@ def test_hl7_message_carries_msh10_as_control_id() -> None:
 
 # -- protocol: length framing ------------------------------------------------------------------
 
+
 def test_length_framing_replies_length_prefixed_in_order() -> None:
     ingest = FakeIngest()
     proto, transport = connect(make_factory(ingest, framing="length"))
@@ -229,12 +246,12 @@ def test_length_framing_oversize_declared_length_naks_and_closes_without_reading
     proto.dataReceived(lp(b"ok") + struct.pack(">I", 1_000_000) + b"partial")
     assert len(ingest.calls) == 1
     ingest.fail(0, NotLeader("x"))
-    assert frames(transport) == ["NAK not leader, resend later",
-                                 "NAK message too large: 1000000 bytes, limit 64"]
+    assert frames(transport) == ["NAK not leader, resend later", "NAK message too large: 1000000 bytes, limit 64"]
     assert transport.disconnecting
 
 
 # -- connection management ---------------------------------------------------------------------
+
 
 def test_idle_connection_is_closed_by_the_clock() -> None:
     clock = MemoryReactorClock()
@@ -332,6 +349,7 @@ def test_logs_never_contain_message_bodies(logs: list[LogEvent]) -> None:
 
 # -- loopback against the real store -----------------------------------------------------------
 
+
 class _Client(Protocol):
     """Collects replies of either framing and fires waiters once enough have arrived."""
 
@@ -397,8 +415,9 @@ class _ObservedFactory(TCPFactory):
 
 def rows(path: str) -> list[tuple[Any, ...]]:
     with sqlite3.connect(path) as db:
-        return db.execute("SELECT message_id, control_id, connection, payload, lane_key "
-                          "FROM inbound_messages ORDER BY id").fetchall()
+        return db.execute(
+            "SELECT message_id, control_id, connection, payload, lane_key FROM inbound_messages ORDER BY id"
+        ).fetchall()
 
 
 class TCPLoopbackTests(trial.TestCase):
@@ -415,8 +434,11 @@ class TCPLoopbackTests(trial.TestCase):
         writer = IngestWriter(store, node_id="n", epoch=lambda: epoch, metrics=Metrics(), reactor=reactor)
         writer.start()
         self.addCleanup(writer.stop)
-        factory = _ObservedFactory(writer, config(max_message_bytes=4096, **overrides),
-                                   lane_of=lambda text: "LANE" if text.startswith("MSH") else None)
+        factory = _ObservedFactory(
+            writer,
+            config(max_message_bytes=4096, **overrides),
+            lane_of=lambda text: "LANE" if text.startswith("MSH") else None,
+        )
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
         return factory, port.getHost().port

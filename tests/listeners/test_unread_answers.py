@@ -6,6 +6,7 @@ A peer with a 4 KB receive buffer sends valid messages as fast as it can and rea
 the fix every answer handed to the transport stayed in its write buffer (RSS +170 MB in 20 s);
 now reading stops once 64 KB of answers are unsent and the peer is cut off after the idle timeout.
 """
+
 from __future__ import annotations
 
 import socket
@@ -37,9 +38,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
     config = migrated_sqlite(tmp / "stageline.db")
     ports = {"mllp": free_port(), "tcp": free_port()}
     common = {"idle_timeout_seconds": IDLE_TIMEOUT}
-    d = Daemon(tmp / "node", config, node_id="solo:1:aa", inbound=[
-        {"name": "plain", "kind": "mllp", "port": ports["mllp"], **common},
-        {"name": "raw", "kind": "tcp", "port": ports["tcp"], "framing": "length", **common}]).start()
+    d = Daemon(
+        tmp / "node",
+        config,
+        node_id="solo:1:aa",
+        inbound=[
+            {"name": "plain", "kind": "mllp", "port": ports["mllp"], **common},
+            {"name": "raw", "kind": "tcp", "port": ports["tcp"], "framing": "length", **common},
+        ],
+    ).start()
     try:
         for port in ports.values():
             wait_for(lambda: port_open(port), timeout=15, what="bind")
@@ -48,8 +55,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, dic
         d.stop()
 
 
-def flood_without_reading(port: int, chunk: Callable[[int], bytes], seconds: float,
-                          pid: int) -> tuple[float | None, float]:
+def flood_without_reading(
+    port: int, chunk: Callable[[int], bytes], seconds: float, pid: int
+) -> tuple[float | None, float]:
     """Send `chunk(i)` as fast as the server takes it, never reading; returns (seconds until the
     server cut the connection off, or None; the largest RSS growth seen, MB)."""
     base = rss_mb(pid)

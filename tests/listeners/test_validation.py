@@ -1,5 +1,6 @@
 """One inbound validation path for every transport: decode, refuse what no store can hold (with a
 reason safe to send back), compute the lane key, build the `Inbound` row."""
+
 from __future__ import annotations
 
 import json
@@ -45,11 +46,14 @@ def test_msh18_charset_wins_over_the_connection_charset() -> None:
     assert "MÜLLER" in item.payload and item.charset == "iso8859-1"
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"\xff\xfe bad", "undecodable"),
-    (b"a\x00b", "NUL"),
-    (b"", "empty"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"\xff\xfe bad", "undecodable"),
+        (b"a\x00b", "NUL"),
+        (b"", "empty"),
+    ],
+)
 def test_unstageable_bytes_are_rejected_with_a_safe_reason(data: bytes, reason: str) -> None:
     with pytest.raises(PayloadRejected, match=reason) as info:
         build_inbound(data, connection="c", charset="utf-8")
@@ -94,6 +98,7 @@ def test_an_overlong_control_id_is_refused_naming_the_limit() -> None:
 # daemon wires it, TCP, HTTP, file drop), with a fake ingest that records the row it is given. Each
 # either stages the same row or refuses with the same reason (invariant 9, docs/invariants.md).
 
+
 def _hl7(pid: str, *, charset: str = "", encoding: str = "utf-8") -> bytes:
     header = "MSH|^~\\&|SEND|FAC|RECV|RFAC|20240101||ADT^A01|T1|P|2.5" + ("||||||" + charset if charset else "")
     return f"{header}\rPID|1||{pid}||DOE^JANE".encode(encoding)
@@ -103,8 +108,10 @@ TRANSPORT_CASES = {
     "plain utf-8": (_hl7("123^^^H"), ("staged", "T1", "123", "utf-8")),
     "msh-18 wins": (_hl7("MÜLLER", charset="8859/1", encoding="latin-1"), ("staged", "T1", "MÜLLER", "iso8859-1")),
     "nul": (_hl7("12\x003"), ("refused", "message contains NUL characters (character offset 64)")),
-    "undecodable": (_hl7("1~2").replace(b"1~2", b"1\xff2"),
-                    ("refused", "undecodable: byte offset 63 is not valid utf-8")),
+    "undecodable": (
+        _hl7("1~2").replace(b"1~2", b"1\xff2"),
+        ("refused", "undecodable: byte offset 63 is not valid utf-8"),
+    ),
     "lane key too long": (_hl7("9" * 250), ("refused", "lane key longer than 199 characters or not storable")),
     "no lane": (_hl7(""), ("staged", "T1", None, "utf-8")),
 }
@@ -148,8 +155,10 @@ def _via_http(data: bytes) -> tuple[Any, ...]:
     channel = site.buildProtocol(PEER)
     transport = StringTransport(peerAddress=PEER)
     channel.makeConnection(transport)
-    channel.dataReceived(b"POST /messages/in HTTP/1.1\r\nHost: x\r\nContent-Type: application/hl7-v2\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    channel.dataReceived(
+        b"POST /messages/in HTTP/1.1\r\nHost: x\r\nContent-Type: application/hl7-v2\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     head, _, body = transport.value().partition(b"\r\n\r\n")
     status = int(head.split()[1])
     return _staged(ingest) if status == 202 else ("refused", json.loads(body)["error"])
@@ -161,9 +170,15 @@ def _via_file(data: bytes, tmp_path: Path) -> tuple[Any, ...]:
     ingest, clock = AutoIngest(), MemoryReactorClock()
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "m.hl7").write_bytes(data)
-    drop = FileDrop(ingest, InboundConfig(**{**CONN.__dict__, "kind": "file", "directory": str(tmp_path / "in"),
-                                             "archive": str(tmp_path / "archive")}),
-                    lane_of=lane_rule(CONN.lane_key), reactor=clock, run_blocking=lambda f, *a: maybeDeferred(f, *a))
+    drop = FileDrop(
+        ingest,
+        InboundConfig(
+            **{**CONN.__dict__, "kind": "file", "directory": str(tmp_path / "in"), "archive": str(tmp_path / "archive")}
+        ),
+        lane_of=lane_rule(CONN.lane_key),
+        reactor=clock,
+        run_blocking=lambda f, *a: maybeDeferred(f, *a),
+    )
     drop.start()
     clock.advance(0)
     clock.advance(CONN.poll_seconds)  # stable across two polls: taken
@@ -174,8 +189,12 @@ def _via_file(data: bytes, tmp_path: Path) -> tuple[Any, ...]:
 @pytest.mark.parametrize("case", list(TRANSPORT_CASES))
 def test_every_transport_stages_or_refuses_the_same_input_the_same_way(case: str, tmp_path: Path) -> None:
     data, expected = TRANSPORT_CASES[case]
-    outcomes = {"mllp": _via_mllp(data), "tcp": _via_tcp(data), "http": _via_http(data),
-                "file": _via_file(data, tmp_path)}
+    outcomes = {
+        "mllp": _via_mllp(data),
+        "tcp": _via_tcp(data),
+        "http": _via_http(data),
+        "file": _via_file(data, tmp_path),
+    }
     assert outcomes == dict.fromkeys(outcomes, expected)
 
 

@@ -44,8 +44,7 @@ CUSTOM_HASH = (  # field '#', component '*'
     "PID#1##42*^*x&y~43***ALT##DOE|JR*JOHN#A\\F\\B\\S\\C\r\n"
 )
 REGEX_HOSTILE = (  # field '*', component '$', repetition '+', escape '?', subcomponent '.'
-    "MSH*$+?.*APP*FAC*EHR*CITY*20240105**ORU$R01*MSG00005*P*2.5\r"
-    "PID*1**42$|$x.y+43$$$ALT**DOE^JR$JOHN*A?F?B?S?C\r"
+    "MSH*$+?.*APP*FAC*EHR*CITY*20240105**ORU$R01*MSG00005*P*2.5\rPID*1**42$|$x.y+43$$$ALT**DOE^JR$JOHN*A?F?B?S?C\r"
 )
 NO_SUBCOMPONENT = (  # MSH-2 is only "^~\": '&' is plain text, \T\ has nothing to decode to
     "MSH|^~\\|APP|FAC|EHR|CITY|20240106||ADT^A04|MSG00006|P|2.3\r"

@@ -3,6 +3,7 @@ and PostgreSQL stores: archived rows past the hold are written to Parquet partit
 connection, counted back, then deleted from the archive tables; a run killed between the write and
 the delete (or before the batch is noted written) re-runs to the same Parquet — nothing twice,
 nothing lost; under a stale epoch nothing leaves the store."""
+
 from __future__ import annotations
 
 import json
@@ -58,16 +59,21 @@ def test_archived_rows_past_the_hold_move_to_parquet_by_day_and_connection(spark
         assert _count(store, table) == 0, table
     assert _count(store, "archive_exports") == 0
     got = _parquet(tmp_path, "inbound")
-    assert sorted((r["id"], r["message_id"], r["payload"]) for r in got) == \
-        [(r["id"], r["message_id"], r["payload"]) for r in inbound]
+    assert sorted((r["id"], r["message_id"], r["payload"]) for r in got) == [
+        (r["id"], r["message_id"], r["payload"]) for r in inbound
+    ]
     assert {r["connection"] for r in got} == {"adt-in", "lab-in"}
-    assert {(r["message_id"][:3], r["connection"]) for r in _parquet(tmp_path, "outbound")} == \
-        {("adt", "adt-in"), ("lab", "lab-in")}
+    assert {(r["message_id"][:3], r["connection"]) for r in _parquet(tmp_path, "outbound")} == {
+        ("adt", "adt-in"),
+        ("lab", "lab-in"),
+    }
     assert len(_parquet(tmp_path, "events")) == before["archive_events"]
     days = {p.name for p in (tmp_path / "inbound").iterdir() if p.is_dir()}
     assert len(days) == 1 and days.pop().startswith("day=20")
-    assert {p.name for p in next((tmp_path / "inbound").iterdir()).iterdir()} == {"connection=adt-in",
-                                                                                  "connection=lab-in"}
+    assert {p.name for p in next((tmp_path / "inbound").iterdir()).iterdir()} == {
+        "connection=adt-in",
+        "connection=lab-in",
+    }
 
 
 def test_rows_inside_the_hold_stay_in_the_archive_tables(spark, store, tmp_path):
@@ -82,8 +88,9 @@ def test_rows_inside_the_hold_stay_in_the_archive_tables(spark, store, tmp_path)
 
 
 @pytest.mark.parametrize("crash_at", ["delete", "mark_written"])
-def test_a_run_killed_between_write_and_delete_reruns_to_the_same_parquet(spark, store, tmp_path, monkeypatch,
-                                                                           crash_at):
+def test_a_run_killed_between_write_and_delete_reruns_to_the_same_parquet(
+    spark, store, tmp_path, monkeypatch, crash_at
+):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     before = _archived(store, epoch)
     real = getattr(archive_job, crash_at)
@@ -96,8 +103,9 @@ def test_a_run_killed_between_write_and_delete_reruns_to_the_same_parquet(spark,
         archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
     assert _count(store, "archive_routed") == before["archive_routed"]  # written, not deleted
     assert len(_parquet(tmp_path, "routed")) == before["archive_routed"]
-    assert rows(store, "SELECT kind, state FROM archive_exports") == \
-        [{"kind": "routed", "state": "written" if crash_at == "delete" else "marked"}]
+    assert rows(store, "SELECT kind, state FROM archive_exports") == [
+        {"kind": "routed", "state": "written" if crash_at == "delete" else "marked"}
+    ]
 
     monkeypatch.setattr(archive_job, crash_at, real)
     archive_job.run(store, spark, epoch=epoch, path=str(tmp_path), older_than_seconds=HOLD)
@@ -105,8 +113,12 @@ def test_a_run_killed_between_write_and_delete_reruns_to_the_same_parquet(spark,
     for table in ARCHIVES:
         assert _count(store, table) == 0, table
     assert _count(store, "archive_exports") == 0
-    for kind, table in (("routed", "archive_routed"), ("outbound", "archive_outbound"),
-                        ("inbound", "archive_inbound"), ("events", "archive_events")):
+    for kind, table in (
+        ("routed", "archive_routed"),
+        ("outbound", "archive_outbound"),
+        ("inbound", "archive_inbound"),
+        ("events", "archive_events"),
+    ):
         ids = [r["id"] for r in _parquet(tmp_path, kind)]
         assert sorted(ids) == sorted(set(ids)) and len(ids) == before[table], kind
 
@@ -124,8 +136,9 @@ def test_under_a_stale_epoch_nothing_leaves_the_store(spark, store, tmp_path):
         assert tx.all("export_mark_inbound", {"batch": "x", "epoch": epoch - 1, "limit": 10, "ms": 0}) == []
 
 
-def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spark, store, store_config, tmp_path,
-                                                                            monkeypatch):
+def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(
+    spark, store, store_config, tmp_path, monkeypatch
+):
     from stageline_airflow import tasks
 
     epoch = acquire_permanent(store, node_id="solo:1:aa")
@@ -143,8 +156,13 @@ def test_the_retention_task_takes_the_hold_and_path_from_the_service_config(spar
 
 
 def _show(config: Path, ref: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(config), "messages", "show",
-                           ref, *extra], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "include.app.cli", "--service-config", str(config), "messages", "show", ref, *extra],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
 
 
 def test_stageline_messages_show_finds_a_message_moved_to_parquet(spark, store, store_config, tmp_path):
@@ -168,8 +186,9 @@ def test_stageline_messages_show_finds_a_message_moved_to_parquet(spark, store, 
         assert story["inbound"]["payload"] == "MSH|^~\\&|A|B|C|D" and story["inbound"]["archived_ms"] > 0
         assert [(r["destination"], r["status"]) for r in story["routed"]] == [("ehr", "done")]
         assert [(o["idempotency_key"], o["status"]) for o in story["outbound"]] == [("adt-1-ehr", "done")]
-        assert [(e["id"], e["event"]) for e in story["trail"] if e["event"] != "body_read"] == \
-            [(e["id"], e["event"]) for e in trail]
+        assert [(e["id"], e["event"]) for e in story["trail"] if e["event"] != "body_read"] == [
+            (e["id"], e["event"]) for e in trail
+        ]
     text = _show(config, "adt-1")
     assert text.returncode == 0, text.stderr
     assert "message adt-1" in text.stdout and "archived" in text.stdout.splitlines()[1]

@@ -78,8 +78,9 @@ def test_a_hook_that_cannot_load_is_a_configuration_error(tmp_path: Path) -> Non
         check_hooks({"ehr": spec.replace(":tag", ":nope")}, code_dir)
 
 
-@pytest.mark.parametrize("spec", ["os:system", "subprocess:run", "builtins:eval", "shutil:rmtree",
-                                  "hl7:parse", "pytest:main"])
+@pytest.mark.parametrize(
+    "spec", ["os:system", "subprocess:run", "builtins:eval", "shutil:rmtree", "hl7:parse", "pytest:main"]
+)
 def test_a_hook_from_anywhere_but_the_config_code_dir_is_refused_at_run_time(spec: str, tmp_path: Path) -> None:
     """Issue 23: the config dir is code, nothing else is: `os:system` (stdlib, builtin or installed
     modules) never loads, even if config check were bypassed."""
@@ -102,6 +103,7 @@ def test_the_code_dir_never_shadows_the_standard_library_for_the_rest_of_the_pro
     """code/ goes last on sys.path: a code/json.py must not become every later `import json` (a
     process spawned from this one inherits sys.path and imported code/json.py as json before)."""
     import importlib.machinery
+
     code = tmp_path / "code"
     code.mkdir()
     (code / "json.py").write_text("def dumps(m):\n    return m\n")
@@ -125,17 +127,28 @@ def test_a_package_hook_in_the_code_dir_loads(tmp_path: Path) -> None:
 def test_hooked_rows_run_through_arrow_and_a_raising_message_fails_alone(spark: SparkSession, tmp_path: Path) -> None:
     spec, code_dir = hook_module(tmp_path)
     schema = "id long, destination string, content_type string, payload string, lane_key string"
-    frame = spark.createDataFrame([
-        (1, "ehr", HL7, adt("P1"), "ehr"), (2, "ehr", HL7, adt("BAD"), "ehr"), (3, "archive", HL7, adt("BAD"), "a"),
-        (4, "ehr", HL7, None, "ehr"), (5, "ehr", HL7, adt("STR"), "ehr")], schema)
+    frame = spark.createDataFrame(
+        [
+            (1, "ehr", HL7, adt("P1"), "ehr"),
+            (2, "ehr", HL7, adt("BAD"), "ehr"),
+            (3, "archive", HL7, adt("BAD"), "a"),
+            (4, "ehr", HL7, None, "ehr"),
+            (5, "ehr", HL7, adt("STR"), "ehr"),
+        ],
+        schema,
+    )
     actual = frame.transform(apply_code_hooks, {"ehr": spec}, code_dir)
     hooked = {p: adt(p).replace("|EHR|CITY|", "|HOOKED|CITY|") for p in ("P1", "STR")}
-    expected = spark.createDataFrame([
-        (1, "ehr", HL7, hooked["P1"], "ehr"),
-        (2, "ehr", f"code hook {spec} raised ValueError: patient BAD is not wanted here", None, "ehr"),
-        (3, "archive", HL7, adt("BAD"), "a"),  # no hook: untouched, never left the JVM
-        (4, "ehr", HL7, None, "ehr"),  # already dead-lettered by the rules: not handed to the hook
-        (5, "ehr", HL7, hooked["STR"], "ehr")], schema)
+    expected = spark.createDataFrame(
+        [
+            (1, "ehr", HL7, hooked["P1"], "ehr"),
+            (2, "ehr", f"code hook {spec} raised ValueError: patient BAD is not wanted here", None, "ehr"),
+            (3, "archive", HL7, adt("BAD"), "a"),  # no hook: untouched, never left the JVM
+            (4, "ehr", HL7, None, "ehr"),  # already dead-lettered by the rules: not handed to the hook
+            (5, "ehr", HL7, hooked["STR"], "ehr"),
+        ],
+        schema,
+    )
     assertDataFrameEqual(actual, expected)
 
 
@@ -143,13 +156,28 @@ def test_outbound_rows_run_the_native_rules_first_then_the_hook(spark: SparkSess
     spec, code_dir = hook_module(tmp_path)
     dests = parse_destinations([{"name": "ehr", "kind": "file", "directory": str(tmp_path), "code": spec}])
     assert passthrough_destinations([], dests) == frozenset()  # a hook is work: never pass-through
-    claimed = spark.createDataFrame([(10, 1, "ehr", adt("P1"), "m1", "C1", "mllp-in"),
-                                     (11, 2, "ehr", adt("BAD"), "m2", "C2", "mllp-in")], TRANSFORM.schema)
+    claimed = spark.createDataFrame(
+        [(10, 1, "ehr", adt("P1"), "m1", "C1", "mllp-in"), (11, 2, "ehr", adt("BAD"), "m2", "C2", "mllp-in")],
+        TRANSFORM.schema,
+    )
     specs = [{"destination": "ehr", "rules": [{"set": "MSH-6", "value": "RULED"}]}]
     got = claimed.transform(transform_job.outbound_rows, specs, {}, dests, run_id="r1", code_dir=code_dir)
     want = adt("P1").replace("|EHR|CITY|", "|HOOKED|RULED|")
-    expected = spark.createDataFrame([
-        ("r1", 1, 10, "ehr", HL7, "ehr", want, "m1", "C1"),
-        ("r1", 2, 11, "ehr", f"code hook {spec} raised ValueError: patient BAD is not wanted here", "ehr", None,
-         "m2", "C2")], got.schema)
+    expected = spark.createDataFrame(
+        [
+            ("r1", 1, 10, "ehr", HL7, "ehr", want, "m1", "C1"),
+            (
+                "r1",
+                2,
+                11,
+                "ehr",
+                f"code hook {spec} raised ValueError: patient BAD is not wanted here",
+                "ehr",
+                None,
+                "m2",
+                "C2",
+            ),
+        ],
+        got.schema,
+    )
     assertDataFrameEqual(got, expected)

@@ -1,6 +1,7 @@
 """The deliver stage on real SQLite and PostgreSQL with real receivers: per-lane FIFO over a
 backlog, a failing head that blocks only its lane and ends dead with its reason audited, permanent
 rejects, re-delivery under the same idempotency key, a stale epoch, and the Spark wrapper."""
+
 from __future__ import annotations
 
 import time
@@ -34,11 +35,15 @@ NODE = "n"
 PATIENTS = ("P1", "P2", "P3")
 PER_LANE = 5
 
-INSERT = ("INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, "
-          "idempotency_key, lane_key) VALUES (:source_id, :message_id, :control_id, :destination, "
-          ":content_type, :idempotency_key, :lane_key)")
-INSERT_BODY = ("INSERT INTO outbound_bodies (id, payload) "
-               "SELECT id, :payload FROM stage_outbound WHERE idempotency_key = :idempotency_key")
+INSERT = (
+    "INSERT INTO stage_outbound (source_id, message_id, control_id, destination, content_type, "
+    "idempotency_key, lane_key) VALUES (:source_id, :message_id, :control_id, :destination, "
+    ":content_type, :idempotency_key, :lane_key)"
+)
+INSERT_BODY = (
+    "INSERT INTO outbound_bodies (id, payload) "
+    "SELECT id, :payload FROM stage_outbound WHERE idempotency_key = :idempotency_key"
+)
 
 
 @pytest.fixture
@@ -82,15 +87,33 @@ def backlog(dests: dict[str, Any], destination: str = "ehr") -> list[dict[str, A
     for i in range(PER_LANE):
         for p in PATIENTS:
             payload = hl7_message(f"{p}-{i}", p)
-            out.append({"message_id": f"m-{p}-{i}", "control_id": f"{p}-{i}", "destination": destination,
-                        "idempotency_key": f"{destination}-{p}-{i}", "lane_key": lane_key(dests[destination], payload),
-                        "payload": payload})
+            out.append(
+                {
+                    "message_id": f"m-{p}-{i}",
+                    "control_id": f"{p}-{i}",
+                    "destination": destination,
+                    "idempotency_key": f"{destination}-{p}-{i}",
+                    "lane_key": lane_key(dests[destination], payload),
+                    "payload": payload,
+                }
+            )
     return out
 
 
 def mllp_config(receiver: MllpReceiver, **settings: Any) -> list[dict[str, Any]]:
-    return [{"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": receiver.port, "timeout_seconds": 5,
-             "lane": "PID-3.1", "backoff_seconds": 0, "max_backoff_seconds": 0, **settings}]
+    return [
+        {
+            "name": "ehr",
+            "kind": "mllp",
+            "host": "127.0.0.1",
+            "port": receiver.port,
+            "timeout_seconds": 5,
+            "lane": "PID-3.1",
+            "backoff_seconds": 0,
+            "max_backoff_seconds": 0,
+            **settings,
+        }
+    ]
 
 
 def arrivals_by_lane(receiver: MllpReceiver) -> dict[str, list[str]]:
@@ -113,10 +136,26 @@ def run(store: Store, spark: SparkSession | None, epoch: int, config: Any, **kwa
 
 def test_deliver_lanes_sends_each_row_and_reports_unknown_destinations_as_retryable(tmp_path: Path) -> None:
     dests = parse_destinations([{"name": "archive", "kind": "file", "directory": str(tmp_path)}])
-    claimed = [{"id": 1, "destination": "archive", "lane_key": "archive", "payload": "a", "content_type": "text/plain",
-                "idempotency_key": "k1", "attempts": 1},
-               {"id": 2, "destination": "gone", "lane_key": "gone", "payload": "b", "content_type": None,
-                "idempotency_key": "k2", "attempts": 1}]
+    claimed = [
+        {
+            "id": 1,
+            "destination": "archive",
+            "lane_key": "archive",
+            "payload": "a",
+            "content_type": "text/plain",
+            "idempotency_key": "k1",
+            "attempts": 1,
+        },
+        {
+            "id": 2,
+            "destination": "gone",
+            "lane_key": "gone",
+            "payload": "b",
+            "content_type": None,
+            "idempotency_key": "k2",
+            "attempts": 1,
+        },
+    ]
     assert list(deliver_job.deliver_lanes(claimed, dests)) == [
         {
             "id": 1,
@@ -139,12 +178,25 @@ def test_deliver_lanes_sends_each_row_and_reports_unknown_destinations_as_retrya
 def test_a_lane_with_several_rows_stops_at_its_first_failure(http_receiver, concurrency: int) -> None:
     receiver = http_receiver(lambda key: 503 if key == "a1" else 200)
     dests = parse_destinations([{"name": "api", "kind": "http", "url": receiver.url}])
-    claimed = [{"id": i, "destination": "api", "lane_key": lane, "payload": "x", "content_type": "text/plain",
-                "idempotency_key": f"{lane}{i}", "attempts": 1}
-               for i, lane in [(3, "b"), (1, "a"), (2, "a"), (4, "b")]]
+    claimed = [
+        {
+            "id": i,
+            "destination": "api",
+            "lane_key": lane,
+            "payload": "x",
+            "content_type": "text/plain",
+            "idempotency_key": f"{lane}{i}",
+            "attempts": 1,
+        }
+        for i, lane in [(3, "b"), (1, "a"), (2, "a"), (4, "b")]
+    ]
     outcomes = {o["id"]: o for o in deliver_job.deliver_lanes(claimed, dests, concurrency=concurrency)}
     assert {i: (o["ok"], o["retryable"]) for i, o in outcomes.items()} == {
-        1: (False, True), 2: (False, True), 3: (True, False), 4: (True, False)}
+        1: (False, True),
+        2: (False, True),
+        3: (True, False),
+        4: (True, False),
+    }
     assert outcomes[2]["detail"] == "not attempted: message 1 earlier in the lane failed"
     assert sorted(receiver.keys) == ["a1", "b3", "b4"]
     assert [k for k in receiver.keys if k.startswith("b")] == ["b3", "b4"]
@@ -153,9 +205,18 @@ def test_a_lane_with_several_rows_stops_at_its_first_failure(http_receiver, conc
 def test_a_round_past_its_time_box_sends_each_lane_head_and_leaves_the_rest(http_receiver) -> None:
     receiver = http_receiver(lambda key: 200)
     dests = parse_destinations([{"name": "api", "kind": "http", "url": receiver.url}])
-    claimed = [{"id": i, "destination": "api", "lane_key": lane, "payload": "x", "content_type": "text/plain",
-                "idempotency_key": f"{lane}{i}", "attempts": 1}
-               for i, lane in [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")]]
+    claimed = [
+        {
+            "id": i,
+            "destination": "api",
+            "lane_key": lane,
+            "payload": "x",
+            "content_type": "text/plain",
+            "idempotency_key": f"{lane}{i}",
+            "attempts": 1,
+        }
+        for i, lane in [(1, "a"), (2, "b"), (3, "a"), (4, "b"), (5, "a")]
+    ]
     outcomes = {o["id"]: o for o in deliver_job.deliver_lanes(claimed, dests, deadline=time.time() - 1)}
     assert {i: o["ok"] for i, o in outcomes.items()} == {1: True, 2: True, 3: False, 4: False, 5: False}
     assert outcomes[3]["detail"] == f"{NOT_ATTEMPTED}: {deliver_job.ROUND_OVER}"  # released, attempt not counted
@@ -166,8 +227,9 @@ def test_a_round_past_its_time_box_sends_each_lane_head_and_leaves_the_rest(http
 
 
 @pytest.mark.parametrize("per_lane", [1, 50])
-def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(store, spark, mllp_receiver,
-                                                                           per_lane: int) -> None:
+def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(
+    store, spark, mllp_receiver, per_lane: int
+) -> None:
     receiver = mllp_receiver()
     config = mllp_config(receiver)
     ids = insert_outbound(store, backlog(parse_destinations(config)))
@@ -178,7 +240,8 @@ def test_a_backlog_of_three_lanes_is_delivered_in_lane_order_through_spark(store
     assert summary == DeliverOutcome(rounds=rounds, claimed=tuple(sorted(ids)), done=tuple(sorted(ids)))
     assert set(statuses(store).values()) == {"done"}
     assert rows(store, "SELECT event, count(*) AS n FROM message_events GROUP BY event") == [
-        {"event": "done", "n": len(ids)}]
+        {"event": "done", "n": len(ids)}
+    ]
 
 
 def test_a_failing_head_blocks_only_its_lane_and_goes_dead_after_max_attempts(store, mllp_receiver) -> None:
@@ -192,19 +255,36 @@ def test_a_failing_head_blocks_only_its_lane_and_goes_dead_after_max_attempts(st
     assert arrivals["P2"] == ["P2-0"] * 3 + [f"P2-{i}" for i in range(1, PER_LANE)]  # nothing overtook the head
     assert arrivals["P1"] == [f"P1-{i}" for i in range(PER_LANE)]
     assert arrivals["P3"] == [f"P3-{i}" for i in range(PER_LANE)]
-    assert statuses(store) == {f"{p}-{i}": "dead" if (p, i) == ("P2", 0) else "done"
-                               for p in PATIENTS for i in range(PER_LANE)}
+    assert statuses(store) == {
+        f"{p}-{i}": "dead" if (p, i) == ("P2", 0) else "done" for p in PATIENTS for i in range(PER_LANE)
+    }
     assert summary.dead == (head,) and summary.retrying == (head,)
-    events = rows(store, "SELECT event, from_status, to_status, attempt, node_id, epoch, destination, detail "
-                         "FROM message_events WHERE row_id = :id ORDER BY id", {"id": head})
-    assert events == [{"event": "attempt_failed", "from_status": "in_flight", "to_status": to, "attempt": n,
-                       "node_id": f"{NODE}/deliver", "epoch": epoch, "destination": "ehr",
-                       "detail": "ehr: AE for P2-0: test"} for n, to in [(1, "error"), (2, "error"), (3, "dead")]]
+    events = rows(
+        store,
+        "SELECT event, from_status, to_status, attempt, node_id, epoch, destination, detail "
+        "FROM message_events WHERE row_id = :id ORDER BY id",
+        {"id": head},
+    )
+    assert events == [
+        {
+            "event": "attempt_failed",
+            "from_status": "in_flight",
+            "to_status": to,
+            "attempt": n,
+            "node_id": f"{NODE}/deliver",
+            "epoch": epoch,
+            "destination": "ehr",
+            "detail": "ehr: AE for P2-0: test",
+        }
+        for n, to in [(1, "error"), (2, "error"), (3, "dead")]
+    ]
     assert rows(store, "SELECT attempts, last_error FROM stage_outbound WHERE id = :id", {"id": head}) == [
-        {"attempts": 3, "last_error": "ehr: AE for P2-0: test"}]
+        {"attempts": 3, "last_error": "ehr: AE for P2-0: test"}
+    ]
     # the rest of P2's lane was claimed with its head each round but never tried: not counted
-    assert rows(store, "SELECT DISTINCT attempts FROM stage_outbound WHERE control_id LIKE 'P2-%' AND id <> :id",
-                {"id": head}) == [{"attempts": 1}]
+    assert rows(
+        store, "SELECT DISTINCT attempts FROM stage_outbound WHERE control_id LIKE 'P2-%' AND id <> :id", {"id": head}
+    ) == [{"attempts": 1}]
     p2_rest = {r["id"] for r in rows(store, "SELECT id FROM stage_outbound WHERE control_id LIKE 'P2-%'")} - {head}
     assert set(summary.released) == p2_rest
 
@@ -214,13 +294,20 @@ def test_a_head_backing_off_holds_its_lane_while_the_other_lanes_drain(store, ml
     config = mllp_config(receiver, backoff_seconds=600, max_backoff_seconds=600)
     ids = insert_outbound(store, backlog(parse_destinations(config)))
     summary = run(store, None, acquire_permanent(store, node_id=NODE), config)
-    assert arrivals_by_lane(receiver) == {"P1": [f"P1-{i}" for i in range(PER_LANE)], "P2": ["P2-0"],
-                                          "P3": [f"P3-{i}" for i in range(PER_LANE)]}
+    assert arrivals_by_lane(receiver) == {
+        "P1": [f"P1-{i}" for i in range(PER_LANE)],
+        "P2": ["P2-0"],
+        "P3": [f"P3-{i}" for i in range(PER_LANE)],
+    }
     assert summary.retrying == (ids[1],) and summary.dead == ()
-    assert statuses(store) == {f"{p}-{i}": ("error" if i == 0 else "pending") if p == "P2" else "done"
-                               for p in PATIENTS for i in range(PER_LANE)}
-    assert rows(store, "SELECT count(*) AS n FROM stage_outbound WHERE id = :id AND next_attempt_at IS NOT NULL",
-                {"id": ids[1]}) == [{"n": 1}]
+    assert statuses(store) == {
+        f"{p}-{i}": ("error" if i == 0 else "pending") if p == "P2" else "done"
+        for p in PATIENTS
+        for i in range(PER_LANE)
+    }
+    assert rows(
+        store, "SELECT count(*) AS n FROM stage_outbound WHERE id = :id AND next_attempt_at IS NOT NULL", {"id": ids[1]}
+    ) == [{"n": 1}]
 
 
 def test_a_reject_is_dead_at_once_and_the_lane_moves_on(store, mllp_receiver) -> None:
@@ -231,22 +318,46 @@ def test_a_reject_is_dead_at_once_and_the_lane_moves_on(store, mllp_receiver) ->
     rejected = ids[3]  # P1-1
     assert summary.dead == (rejected,) and summary.retrying == ()
     assert arrivals_by_lane(receiver)["P1"] == [f"P1-{i}" for i in range(PER_LANE)]
-    assert rows(store, "SELECT event, to_status, attempt, detail FROM message_events WHERE row_id = :id",
-                {"id": rejected}) == [{"event": "attempt_failed", "to_status": "dead", "attempt": 1,
-                                       "detail": "permanent: ehr: AR (reject) for P1-1: test"}]
+    assert rows(
+        store, "SELECT event, to_status, attempt, detail FROM message_events WHERE row_id = :id", {"id": rejected}
+    ) == [
+        {
+            "event": "attempt_failed",
+            "to_status": "dead",
+            "attempt": 1,
+            "detail": "permanent: ehr: AR (reject) for P1-1: test",
+        }
+    ]
     assert sorted(statuses(store).values()) == ["dead"] + ["done"] * (len(ids) - 1)
 
 
 def test_a_redelivery_writes_the_same_file_and_sends_the_same_idempotency_key(store, outbox, http_receiver) -> None:
     receiver = http_receiver()
-    config = [{"name": "archive", "kind": "file", "directory": str(outbox)},
-              {"name": "api", "kind": "http", "url": receiver.url}]
-    insert_outbound(store, [
-        {"message_id": "m1", "control_id": "C1", "destination": "archive", "idempotency_key": "out-1-archive",
-         "lane_key": "archive", "payload": hl7_message("C1")},
-        {"message_id": "m1", "control_id": "C1", "destination": "api", "idempotency_key": "out-1-api",
-         "lane_key": "api", "payload": hl7_message("C1")},
-    ])
+    config = [
+        {"name": "archive", "kind": "file", "directory": str(outbox)},
+        {"name": "api", "kind": "http", "url": receiver.url},
+    ]
+    insert_outbound(
+        store,
+        [
+            {
+                "message_id": "m1",
+                "control_id": "C1",
+                "destination": "archive",
+                "idempotency_key": "out-1-archive",
+                "lane_key": "archive",
+                "payload": hl7_message("C1"),
+            },
+            {
+                "message_id": "m1",
+                "control_id": "C1",
+                "destination": "api",
+                "idempotency_key": "out-1-api",
+                "lane_key": "api",
+                "payload": hl7_message("C1"),
+            },
+        ],
+    )
     epoch = acquire_permanent(store, node_id=NODE)
     assert len(run(store, None, epoch, config).done) == 2
     execute(store, "UPDATE stage_outbound SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL")
@@ -259,12 +370,26 @@ def test_a_redelivery_writes_the_same_file_and_sends_the_same_idempotency_key(st
 
 def test_a_finalize_under_a_stale_epoch_lands_nothing_and_the_next_leader_redelivers(store, outbox) -> None:
     config = [{"name": "archive", "kind": "file", "directory": str(outbox)}]
-    (head,) = insert_outbound(store, [{"message_id": "m1", "control_id": "C1", "destination": "archive",
-                                       "idempotency_key": "k1", "lane_key": "archive", "payload": hl7_message("C1")}])
+    (head,) = insert_outbound(
+        store,
+        [
+            {
+                "message_id": "m1",
+                "control_id": "C1",
+                "destination": "archive",
+                "idempotency_key": "k1",
+                "lane_key": "archive",
+                "payload": hl7_message("C1"),
+            }
+        ],
+    )
     old = acquire_permanent(store, node_id="old")
     assert deliver_job.claim(store, owner="old/run", epoch=old, max_lanes=10) == [head]
-    outcomes = list(deliver_job.deliver_lanes(deliver_job.fetch_claimed(store, owner="old/run", epoch=old, ids=[head]),
-                                          parse_destinations(config)))
+    outcomes = list(
+        deliver_job.deliver_lanes(
+            deliver_job.fetch_claimed(store, owner="old/run", epoch=old, ids=[head]), parse_destinations(config)
+        )
+    )
     assert [o["ok"] for o in outcomes] == [True]
     new = acquire_permanent(store, node_id="new")
     with pytest.raises(StaleEpoch):
@@ -282,12 +407,24 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_the_next_leader_redeli
 
 def test_a_row_for_an_unconfigured_destination_waits_instead_of_dying(store, outbox) -> None:
     config = [{"name": "archive", "kind": "file", "directory": str(outbox), "max_attempts": 1}]
-    (row,) = insert_outbound(store, [{"message_id": "m1", "control_id": "C1", "destination": "renamed",
-                                      "idempotency_key": "k1", "lane_key": "renamed", "payload": "x"}])
+    (row,) = insert_outbound(
+        store,
+        [
+            {
+                "message_id": "m1",
+                "control_id": "C1",
+                "destination": "renamed",
+                "idempotency_key": "k1",
+                "lane_key": "renamed",
+                "payload": "x",
+            }
+        ],
+    )
     summary = run(store, None, acquire_permanent(store, node_id=NODE), config)
     assert summary.retrying == (row,) and summary.dead == ()
     assert rows(store, "SELECT status, last_error FROM stage_outbound") == [
-        {"status": "error", "last_error": "destination 'renamed' is not configured"}]
+        {"status": "error", "last_error": "destination 'renamed' is not configured"}
+    ]
 
 
 class _BrokenSpark:
@@ -299,22 +436,53 @@ class _BrokenSpark:
 
 def test_a_failed_spark_round_releases_its_heads_as_retryable_and_raises(store, outbox) -> None:
     config = [{"name": "archive", "kind": "file", "directory": str(outbox)}]
-    insert_outbound(store, [{"message_id": "m1", "control_id": "C1", "destination": "archive",
-                             "idempotency_key": "k1", "lane_key": "archive", "payload": "x"}])
+    insert_outbound(
+        store,
+        [
+            {
+                "message_id": "m1",
+                "control_id": "C1",
+                "destination": "archive",
+                "idempotency_key": "k1",
+                "lane_key": "archive",
+                "payload": "x",
+            }
+        ],
+    )
     with pytest.raises(RuntimeError, match="spark is down"):
         run(store, _BrokenSpark(), acquire_permanent(store, node_id=NODE), config)  # type: ignore[arg-type]
     assert rows(store, "SELECT status, lease_owner, last_error FROM stage_outbound") == [
-        {"status": "error", "lease_owner": None, "last_error": "delivery round failed: RuntimeError: spark is down"}]
+        {"status": "error", "lease_owner": None, "last_error": "delivery round failed: RuntimeError: spark is down"}
+    ]
     assert list(outbox.iterdir()) == []
 
 
 def test_run_stops_when_its_time_budget_is_spent(store, outbox) -> None:
     config = [{"name": "archive", "kind": "file", "directory": str(outbox)}]
-    insert_outbound(store, [{"message_id": f"m{i}", "control_id": f"C{i}", "destination": "archive",
-                             "idempotency_key": f"k{i}", "lane_key": "archive", "payload": "x"} for i in range(3)])
+    insert_outbound(
+        store,
+        [
+            {
+                "message_id": f"m{i}",
+                "control_id": f"C{i}",
+                "destination": "archive",
+                "idempotency_key": f"k{i}",
+                "lane_key": "archive",
+                "payload": "x",
+            }
+            for i in range(3)
+        ],
+    )
     ticks = iter(range(100))
-    summary = run(store, None, acquire_permanent(store, node_id=NODE), config, time_budget_seconds=0.5,
-                  clock=lambda: float(next(ticks)), per_lane=1)
+    summary = run(
+        store,
+        None,
+        acquire_permanent(store, node_id=NODE),
+        config,
+        time_budget_seconds=0.5,
+        clock=lambda: float(next(ticks)),
+        per_lane=1,
+    )
     assert summary.rounds == 1 and len(summary.done) == 1
     assert sorted(statuses(store).values()) == ["done", "pending", "pending"]
 
@@ -324,14 +492,20 @@ def test_run_stops_when_its_time_budget_is_spent(store, outbox) -> None:
 
 def test_spark_deliver_returns_one_outcome_per_claimed_row(spark: SparkSession, tmp_path: Path) -> None:
     dests = parse_destinations([{"name": "archive", "kind": "file", "directory": str(tmp_path)}])
-    claimed = spark.createDataFrame([
-        (1, "archive", "archive", "MSH|x", "application/hl7-v2", "k1", 1, "m1", "C1"),
-        (2, "gone", "gone", "y", None, "k2", 3, "m2", None),
-    ], deliver_job.CLAIMED_SCHEMA)
-    expected = spark.createDataFrame([
-        (1, "archive", True, False, "archive: wrote k1.hl7 (5 bytes)"),
-        (2, "gone", False, True, "destination 'gone' is not configured"),
-    ], deliver_job.OUTCOME_SCHEMA)
+    claimed = spark.createDataFrame(
+        [
+            (1, "archive", "archive", "MSH|x", "application/hl7-v2", "k1", 1, "m1", "C1"),
+            (2, "gone", "gone", "y", None, "k2", 3, "m2", None),
+        ],
+        deliver_job.CLAIMED_SCHEMA,
+    )
+    expected = spark.createDataFrame(
+        [
+            (1, "archive", True, False, "archive: wrote k1.hl7 (5 bytes)"),
+            (2, "gone", False, True, "destination 'gone' is not configured"),
+        ],
+        deliver_job.OUTCOME_SCHEMA,
+    )
     assertDataFrameEqual(deliver_job.spark_deliver(claimed, dests, partitions=2), expected)
     assert (tmp_path / "k1.hl7").read_text() == "MSH|x"
 
@@ -344,17 +518,34 @@ def test_a_batch_file_destination_writes_one_hl7_batch_file_per_round_in_lane_or
 
     (tmp_path / "batches").mkdir()
     (tmp_path / "single").mkdir()
-    dests = parse_destinations([
-        {"name": "nightly", "kind": "file", "directory": str(tmp_path / "batches"), "batch": True, "lane": "PID-3.1"},
-        {"name": "single", "kind": "file", "directory": str(tmp_path / "single")}])
+    dests = parse_destinations(
+        [
+            {
+                "name": "nightly",
+                "kind": "file",
+                "directory": str(tmp_path / "batches"),
+                "batch": True,
+                "lane": "PID-3.1",
+            },
+            {"name": "single", "kind": "file", "directory": str(tmp_path / "single")},
+        ]
+    )
     claimed = []
     for n in range(6):
         patient = PATIENTS[n % 3]
         payload = hl7_message(f"{patient}-{n}", patient)
         for dest in ("nightly", "single"):
-            claimed.append({"id": 2 * n + (dest == "single") + 1, "destination": dest, "payload": payload,
-                            "lane_key": lane_key(dests[dest], payload), "content_type": "application/hl7-v2",
-                            "idempotency_key": f"{dest}-{n}", "attempts": 1})
+            claimed.append(
+                {
+                    "id": 2 * n + (dest == "single") + 1,
+                    "destination": dest,
+                    "payload": payload,
+                    "lane_key": lane_key(dests[dest], payload),
+                    "content_type": "application/hl7-v2",
+                    "idempotency_key": f"{dest}-{n}",
+                    "attempts": 1,
+                }
+            )
     outcomes = list(deliver_job.deliver_lanes(claimed, dests))
     assert sorted(o["id"] for o in outcomes) == list(range(1, 13)) and all(o["ok"] for o in outcomes)
     [written] = list((tmp_path / "batches").iterdir())
@@ -378,6 +569,13 @@ def test_the_deliver_stage_is_not_run_as_a_batch_job_and_claims_nothing_when_ask
     dests = parse_destinations([{"name": "ehr", "kind": "file", "directory": "/nonexistent", "lane": "PID-3.1"}])
     insert_outbound(store, backlog(dests)[:2])
     with pytest.raises(ValueError, match="lands nothing"):
-        run_stage_job(DELIVER, store, None, transform=lambda claimed, run_id: claimed,  # type: ignore[arg-type]
-                      owner=f"{NODE}/batch", epoch=epoch, run_id="r1")
+        run_stage_job(
+            DELIVER,
+            store,
+            None,
+            transform=lambda claimed, run_id: claimed,  # type: ignore[arg-type]
+            owner=f"{NODE}/batch",
+            epoch=epoch,
+            run_id="r1",
+        )
     assert {r["status"] for r in rows(store, "SELECT status FROM stage_outbound")} == {"pending"}

@@ -1,5 +1,6 @@
 """File destinations written by descriptor (issue 23): a symlinked target directory or a symlink
 planted at the final name is never followed; the file has its mode from the first byte."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def test_a_symlink_planted_at_the_final_name_is_replaced_not_written_through(tmp
     assert not (out / "k.hl7").is_symlink() and (out / "k.hl7").read_text() == "MSH|new"
 
 
-def test_the_file_has_its_mode_before_its_first_byte_whatever_the_umask(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_file_has_its_mode_before_its_first_byte_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[int] = []
     real_write = os.write
 
@@ -49,8 +51,14 @@ def test_the_file_has_its_mode_before_its_first_byte_whatever_the_umask(tmp_path
     old = os.umask(0)
     try:
         monkeypatch.setattr(os, "write", write)
-        results = send_file_lanes([[FileSend(file_dest(tmp_path, mode=0o640), "a", "text/plain", "a"),
-                                    FileSend(file_dest(tmp_path), "b", "text/plain", "b")]])
+        results = send_file_lanes(
+            [
+                [
+                    FileSend(file_dest(tmp_path, mode=0o640), "a", "text/plain", "a"),
+                    FileSend(file_dest(tmp_path), "b", "text/plain", "b"),
+                ]
+            ]
+        )
         monkeypatch.undo()
     finally:
         os.umask(old)

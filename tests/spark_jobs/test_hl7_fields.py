@@ -16,9 +16,7 @@ from tests.spark_jobs.hl7_samples import ADT_A01, CORPUS, frame, messages
 
 def extract_paths(df: DataFrame, paths: list[str], *, unescape: bool = False) -> DataFrame:
     """``id`` plus one column per path, named after the path; each message is parsed once."""
-    values = with_message(
-        "payload", lambda m: F.struct(*(extract(m, p, unescape=unescape).alias(p) for p in paths))
-    )
+    values = with_message("payload", lambda m: F.struct(*(extract(m, p, unescape=unescape).alias(p) for p in paths)))
     return df.select("id", values.alias("v")).select("id", "v.*")
 
 
@@ -248,9 +246,7 @@ def test_leaf_values_match_python_hl7(spark: SparkSession) -> None:
     the defaults (message 6), where we split on none.
     """
     ids = [1, 2, 3, 4, 5]
-    paths = [
-        f"{s}{'' if o == 1 else f'[{o}]'}-{f}[{r}].{c}.{sc}" for s, o, f, r, c, sc in CROSS_CHECK_LEAVES
-    ]
+    paths = [f"{s}{'' if o == 1 else f'[{o}]'}-{f}[{r}].{c}.{sc}" for s, o, f, r, c, sc in CROSS_CHECK_LEAVES]
     actual = extract_paths(messages(spark, *ids), paths, unescape=True)
 
     def reference(text: str, leaf: tuple[str, int, int, int, int, int]) -> str | None:
@@ -274,9 +270,29 @@ def test_the_python_extractor_agrees_with_the_spark_one_on_every_sample(spark: S
     """include.hl7path.value (listener lane keys) and field() (Spark stages) are one semantics."""
     from include.hl7path import value
 
-    paths = ["MSH-1", "MSH-2", "MSH-9", "MSH-9.1", "MSH-9.2", "MSH-10", "MSH-12", "PID-3", "PID-3.1",
-             "PID-3[2].1", "PID-3[2].4.2", "PID-5.1", "PID-6", "PV1-2", "PV1-10", "OBX[2]-5", "OBX[3]-5",
-             "ZPI-2.2", "NTE-3", "EVN-1", "PID-99"]
+    paths = [
+        "MSH-1",
+        "MSH-2",
+        "MSH-9",
+        "MSH-9.1",
+        "MSH-9.2",
+        "MSH-10",
+        "MSH-12",
+        "PID-3",
+        "PID-3.1",
+        "PID-3[2].1",
+        "PID-3[2].4.2",
+        "PID-5.1",
+        "PID-6",
+        "PV1-2",
+        "PV1-10",
+        "OBX[2]-5",
+        "OBX[3]-5",
+        "ZPI-2.2",
+        "NTE-3",
+        "EVN-1",
+        "PID-99",
+    ]
     df = messages(spark, *CORPUS)
     spark_rows = df.select("id", *[field("payload", p).alias(p) for p in paths]).orderBy("id").collect()
     payloads = {r["id"]: r["payload"] for r in df.collect()}

@@ -5,6 +5,7 @@ Proof by sabotage: every Parquet file a lookup must not need is overwritten with
 opening one fails the lookup (the unindexed reader does fail on them). Real local Spark, real
 SQLite and PostgreSQL stores. Also: an archive written before v14 is indexed once by the next run,
 and a symlink planted in the archive tree stops the write (rows kept in the store)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -107,5 +108,10 @@ def test_partition_directories_are_named_as_spark_names_them(spark, tmp_path):
     )
     frame.write.partitionBy("day", "connection", "batch").parquet(str(tmp_path / "k"))
     [written] = [p.relative_to(tmp_path / "k").parent.as_posix() for p in (tmp_path / "k").rglob("*.parquet")]
-    assert written == "/".join([partition_name("day", "2026-11-27"), partition_name("connection", "odd:name/x=1"),
-                                partition_name("batch", "b1")])
+    assert written == "/".join(
+        [
+            partition_name("day", "2026-11-27"),
+            partition_name("connection", "odd:name/x=1"),
+            partition_name("batch", "b1"),
+        ]
+    )

@@ -1,6 +1,7 @@
 """The route stage end to end on real SQLite and PostgreSQL: claim → Spark read → route → land →
 fenced finalize; fan-out, unrouted messages, audit events, a stale epoch, a crash between landing
 and finalize, a lost claim, and one run through a Spark Connect server."""
+
 from __future__ import annotations
 
 import json
@@ -31,29 +32,39 @@ from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01,
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "node-a"
-ROUTES = parse_routes([
-    {"name": "adt", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
-    {"name": "results", "destinations": ["ehr", "lab"],
-     "when": {"field": "MSH-9.1", "op": "in", "value": ["ORU", "ORM"]}},
-    {"name": "inpatient", "destinations": ["bedboard", "archive"],
-     "when": {"field": "PV1-2", "op": "eq", "value": "I"}},
-])
+ROUTES = parse_routes(
+    [
+        {"name": "adt", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
+        {
+            "name": "results",
+            "destinations": ["ehr", "lab"],
+            "when": {"field": "MSH-9.1", "op": "in", "value": ["ORU", "ORM"]},
+        },
+        {
+            "name": "inpatient",
+            "destinations": ["bedboard", "archive"],
+            "when": {"field": "PV1-2", "op": "eq", "value": "I"},
+        },
+    ]
+)
 
 
 def siu(patient_class: str) -> str:
-    return ("MSH|^~\\&|SCHED|HOSP|EHR|CITY|20240107090000||SIU^S12|MSG00007|P|2.5\r"
-            "PID|1||888^^^HOSP^MR||DOE^JANE\r"
-            f"PV1|1|{patient_class}\r")
+    return (
+        "MSH|^~\\&|SCHED|HOSP|EHR|CITY|20240107090000||SIU^S12|MSG00007|P|2.5\r"
+        "PID|1||888^^^HOSP^MR||DOE^JANE\r"
+        f"PV1|1|{patient_class}\r"
+    )
 
 
 # (payload, {destination: route_name}); an empty map is an unrouted message.
 TEMPLATES: list[tuple[str, dict[str, str]]] = [
     (ADT_A01, {"ehr": "adt", "archive": "adt", "bedboard": "inpatient"}),  # PV1-2 I: three destinations
     (ORU_R01, {"ehr": "results", "lab": "results"}),
-    (ORM_O01, {"ehr": "results", "lab": "results"}),                       # LF segment endings
-    (CUSTOM_HASH, {"ehr": "adt", "archive": "adt"}),                       # '#'/'*' separators
-    (siu("I"), {"bedboard": "inpatient", "archive": "inpatient"}),         # archive named by the route that reached it
-    (siu("O"), {}),                                                        # HL7, but no route matches
+    (ORM_O01, {"ehr": "results", "lab": "results"}),  # LF segment endings
+    (CUSTOM_HASH, {"ehr": "adt", "archive": "adt"}),  # '#'/'*' separators
+    (siu("I"), {"bedboard": "inpatient", "archive": "inpatient"}),  # archive named by the route that reached it
+    (siu("O"), {}),  # HL7, but no route matches
     (NOT_HL7, {}),
 ]
 N_MESSAGES = 30
@@ -61,8 +72,14 @@ N_MESSAGES = 30
 
 def message(n: int) -> dict[str, Any]:
     payload, _ = TEMPLATES[n % len(TEMPLATES)]
-    return {"message_id": f"m{n:03d}", "control_id": f"CTL{n:03d}", "connection": "mllp-in",
-            "lane_key": None if n % 5 == 0 else f"PAT{n % 4}", "charset": None, "payload": payload}
+    return {
+        "message_id": f"m{n:03d}",
+        "control_id": f"CTL{n:03d}",
+        "connection": "mllp-in",
+        "lane_key": None if n % 5 == 0 else f"PAT{n % 4}",
+        "charset": None,
+        "payload": payload,
+    }
 
 
 def expected_routes(n: int) -> dict[str, str]:
@@ -85,8 +102,12 @@ def rows(store: Store, sql: str) -> list[dict[str, Any]]:
 
 
 def routed_triples(store: Store) -> list[tuple[int, str, str]]:
-    return [(r["source_id"], r["destination"], r["route_name"]) for r in
-            rows(store, "SELECT source_id, destination, route_name FROM stage_routed ORDER BY source_id, destination")]
+    return [
+        (r["source_id"], r["destination"], r["route_name"])
+        for r in rows(
+            store, "SELECT source_id, destination, route_name FROM stage_routed ORDER BY source_id, destination"
+        )
+    ]
 
 
 def expected_triples(ids: dict[int, int]) -> list[tuple[int, str, str]]:
@@ -106,33 +127,56 @@ def landing_count(store: Store) -> int:
     return rows(store, "SELECT count(*) AS n FROM landing_routed")[0]["n"]
 
 
-ROUTED_SCHEMA = StructType([
-    StructField("source_id", LongType()), StructField("message_id", StringType()),
-    StructField("control_id", StringType()), StructField("destination", StringType()),
-    StructField("route_name", StringType()), StructField("lane_key", StringType()),
-    StructField("status", StringType()), StructField("payload", StringType()),
-])
+ROUTED_SCHEMA = StructType(
+    [
+        StructField("source_id", LongType()),
+        StructField("message_id", StringType()),
+        StructField("control_id", StringType()),
+        StructField("destination", StringType()),
+        StructField("route_name", StringType()),
+        StructField("lane_key", StringType()),
+        StructField("status", StringType()),
+        StructField("payload", StringType()),
+    ]
+)
 
 
 def read_routed(spark: SparkSession, store: Store) -> DataFrame:
     """stage_routed as Spark sees it through the same JDBC path the job uses."""
-    return (spark.read.format("jdbc").options(**jdbc_options(store.config))
-            .option("query", "SELECT source_id, message_id, control_id, destination, route_name, lane_key, "
-                             "status, payload FROM routed_messages")
-            .option("customSchema", ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in ROUTED_SCHEMA))
-            .load())
+    return (
+        spark.read.format("jdbc")
+        .options(**jdbc_options(store.config))
+        .option(
+            "query",
+            "SELECT source_id, message_id, control_id, destination, route_name, lane_key, "
+            "status, payload FROM routed_messages",
+        )
+        .option("customSchema", ", ".join(f"{f.name} {f.dataType.simpleString()}" for f in ROUTED_SCHEMA))
+        .load()
+    )
 
 
 def expected_routed(spark: SparkSession, ids: dict[int, int]) -> DataFrame:
-    data = [(ids[n], f"m{n:03d}", f"CTL{n:03d}", dest, name, message(n)["lane_key"], "pending", message(n)["payload"])
-            for n in ids for dest, name in expected_routes(n).items()]
+    data = [
+        (ids[n], f"m{n:03d}", f"CTL{n:03d}", dest, name, message(n)["lane_key"], "pending", message(n)["payload"])
+        for n in ids
+        for dest, name in expected_routes(n).items()
+    ]
     return spark.createDataFrame(data, ROUTED_SCHEMA)
 
 
 def route_run(store: Store, spark: SparkSession, *, owner: str, epoch: int, run_id: str, **kwargs: Any) -> RouteOutcome:
     """One route run with ROUTES, as the stage task makes it (`run_stage_job` with the route transform)."""
-    return stage_job.run_stage_job(ROUTE, store, spark, transform=partial(routed_rows, routes=ROUTES), owner=owner,
-                                   epoch=epoch, run_id=run_id, **kwargs)
+    return stage_job.run_stage_job(
+        ROUTE,
+        store,
+        spark,
+        transform=partial(routed_rows, routes=ROUTES),
+        owner=owner,
+        epoch=epoch,
+        run_id=run_id,
+        **kwargs,
+    )
 
 
 def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> RouteOutcome:
@@ -147,19 +191,23 @@ def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: 
         [(1, "mllp-in", ADT_A01), (2, "mllp-in", NOT_HL7), (3, "mllp-in", ORU_R01)], ROUTE.schema
     )
     actual = routed_rows(claimed, ROUTES, run_id="r1")
-    expected = spark.createDataFrame([
-        ("r1", 1, "ehr", "adt", "pending"),
-        ("r1", 1, "archive", "adt", "pending"),
-        ("r1", 1, "bedboard", "inpatient", "pending"),
-        ("r1", 2, None, None, "unrouted"),
-        ("r1", 3, "ehr", "results", "pending"),
-        ("r1", 3, "lab", "results", "pending"),
-    ], "run_id STRING, source_id BIGINT, destination STRING, route_name STRING, status STRING")
+    expected = spark.createDataFrame(
+        [
+            ("r1", 1, "ehr", "adt", "pending"),
+            ("r1", 1, "archive", "adt", "pending"),
+            ("r1", 1, "bedboard", "inpatient", "pending"),
+            ("r1", 2, None, None, "unrouted"),
+            ("r1", 3, "ehr", "results", "pending"),
+            ("r1", 3, "lab", "results", "pending"),
+        ],
+        "run_id STRING, source_id BIGINT, destination STRING, route_name STRING, status STRING",
+    )
     assertDataFrameEqual(actual, expected)
 
 
 def test_a_run_routes_every_claimed_message_fans_out_and_keeps_unrouted_visible(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
 
@@ -178,14 +226,19 @@ def test_a_run_routes_every_claimed_message_fans_out_and_keeps_unrouted_visible(
     assert [r["id"] for r in routed] == sorted(outcome.routed)
     assert [r["source_id"] for r in routed] == sorted(r["source_id"] for r in routed)
     assert {(r["status"], r["attempts"], r["lease_owner"]) for r in routed} == {("pending", 0, None)}
-    events = rows(store, "SELECT stage, row_id, event, from_status, to_status, epoch, node_id FROM message_events "
-                         "WHERE event <> 'received' ORDER BY id")
+    events = rows(
+        store,
+        "SELECT stage, row_id, event, from_status, to_status, epoch, node_id FROM message_events "
+        "WHERE event <> 'received' ORDER BY id",
+    )
     expected_events = (
         [("inbound", i, "done", "in_flight", "done") for i in outcome.done]
         + [("inbound", i, "unrouted", "in_flight", "unrouted") for i in outcome.unrouted]
-        + [("routed", i, "routed", None, "pending") for i in outcome.routed])
-    assert sorted((e["stage"], e["row_id"], e["event"], e["from_status"], e["to_status"]) for e in events) == \
-        sorted(expected_events, key=lambda e: (e[0], e[1], e[2]))
+        + [("routed", i, "routed", None, "pending") for i in outcome.routed]
+    )
+    assert sorted((e["stage"], e["row_id"], e["event"], e["from_status"], e["to_status"]) for e in events) == sorted(
+        expected_events, key=lambda e: (e[0], e[1], e[2])
+    )
     assert {(e["epoch"], e["node_id"]) for e in events} == {(epoch, f"{NODE}/run-1")}
     assert landing_count(store) == 0
 
@@ -195,7 +248,8 @@ def test_a_run_routes_every_claimed_message_fans_out_and_keeps_unrouted_visible(
 
 
 def test_rows_for_a_pass_through_destination_get_their_outbound_rows_from_the_route_finalize(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     """`archive` has nothing to compute: its routed rows are done at once and its outbound rows, with
     the inbound body, come from the same finalize, in arrival order on the destination's lane."""
     epoch = acquire_permanent(store, node_id=NODE)
@@ -205,20 +259,45 @@ def test_rows_for_a_pass_through_destination_get_their_outbound_rows_from_the_ro
 
     assert routed_triples(store) == expected_triples(ids)
     routed = rows(store, "SELECT id, source_id, destination, status, attempts FROM stage_routed ORDER BY id")
-    assert {(r["destination"] == "archive", r["status"], r["attempts"]) for r in routed} == \
-        {(True, "done", 0), (False, "pending", 0)}
+    assert {(r["destination"] == "archive", r["status"], r["attempts"]) for r in routed} == {
+        (True, "done", 0),
+        (False, "pending", 0),
+    }
     archive = [r for r in routed if r["destination"] == "archive"]
-    got = rows(store, "SELECT id, source_id, message_id, destination, content_type, idempotency_key, lane_key, "
-                      "status, payload FROM outbound_messages ORDER BY id")
+    got = rows(
+        store,
+        "SELECT id, source_id, message_id, destination, content_type, idempotency_key, lane_key, "
+        "status, payload FROM outbound_messages ORDER BY id",
+    )
     # the body is written once: the outbound row has none of its own and sends the inbound row's
     assert rows(store, "SELECT count(*) AS n FROM outbound_bodies") == [{"n": 0}]
     assert outcome.outbound == tuple(r["id"] for r in got)
     number = {i: n for n, i in ids.items()}
-    assert [(r["source_id"], r["message_id"], r["destination"], r["content_type"], r["idempotency_key"],
-             r["lane_key"], r["status"], r["payload"]) for r in got] == [
-        (r["source_id"], f"m{number[r['source_id']]:03d}", "archive", "application/hl7-v2",
-         f"m{number[r['source_id']]:03d}-archive", "archive", "pending", message(number[r["source_id"]])["payload"])
-        for r in archive]
+    assert [
+        (
+            r["source_id"],
+            r["message_id"],
+            r["destination"],
+            r["content_type"],
+            r["idempotency_key"],
+            r["lane_key"],
+            r["status"],
+            r["payload"],
+        )
+        for r in got
+    ] == [
+        (
+            r["source_id"],
+            f"m{number[r['source_id']]:03d}",
+            "archive",
+            "application/hl7-v2",
+            f"m{number[r['source_id']]:03d}-archive",
+            "archive",
+            "pending",
+            message(number[r["source_id"]])["payload"],
+        )
+        for r in archive
+    ]
     assert [r["source_id"] for r in got] == sorted(r["source_id"] for r in got)  # arrival order
     events = rows(
         store,
@@ -234,7 +313,8 @@ def test_rows_for_a_pass_through_destination_get_their_outbound_rows_from_the_ro
 
 
 def test_a_pass_through_destination_with_open_routed_rows_queues_new_rows_behind_them(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     """Routed before `archive` became a pass-through, an open archive row keeps the route finalize from
     handing newer archive rows on: they would reach stage_outbound ahead of it."""
     epoch = acquire_permanent(store, node_id=NODE)
@@ -246,9 +326,10 @@ def test_a_pass_through_destination_with_open_routed_rows_queues_new_rows_behind
 
     assert outcome.outbound == ()
     assert rows(store, "SELECT count(*) AS n FROM stage_outbound")[0]["n"] == 0
-    assert [(r["destination"], r["status"]) for r in rows(
-        store, "SELECT destination, status FROM stage_routed WHERE destination = 'archive' ORDER BY id")] == \
-        [("archive", "pending"), ("archive", "pending")]
+    assert [
+        (r["destination"], r["status"])
+        for r in rows(store, "SELECT destination, status FROM stage_routed WHERE destination = 'archive' ORDER BY id")
+    ] == [("archive", "pending"), ("archive", "pending")]
 
 
 def test_batches_are_claimed_in_arrival_order_and_the_rest_wait(store: Store, spark: SparkSession) -> None:
@@ -269,7 +350,8 @@ def test_claimed_ids_split_into_even_contiguous_ranges() -> None:
 
 
 def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     """Given the claimed ids, the JDBC read runs one partition (connection, query) per id range, so
     the transform and the landing write use more than one core; the rows are the claim's, once."""
     epoch = acquire_permanent(store, node_id=NODE)
@@ -277,8 +359,9 @@ def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
     owner = f"{NODE}/run-1"
     claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=20)  # 10 more stay pending
     stage_job.claim(store, ROUTE, owner=f"{NODE}/other", epoch=epoch, batch_size=5)  # within the ranges, not ours
-    frame = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch, ids=claimed, rows_per_partition=3,
-                                   max_partitions=4)
+    frame = stage_job.read_claimed(
+        store, spark, ROUTE, owner=owner, epoch=epoch, ids=claimed, rows_per_partition=3, max_partitions=4
+    )
     assert frame.rdd.getNumPartitions() == 4
     assert sorted(r["id"] for r in frame.collect()) == sorted(claimed)
 
@@ -288,13 +371,19 @@ def test_a_claim_read_in_id_ranges_gives_each_claimed_row_once_and_nothing_else(
 
 
 def test_a_finalize_under_a_stale_epoch_lands_nothing_and_leaves_sources_in_flight(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/run-1"
     claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
-    stage_job.land(store, stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch)
-                   .transform(routed_rows, ROUTES, run_id="run-1"), ROUTE.landing)
+    stage_job.land(
+        store,
+        stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
+            routed_rows, ROUTES, run_id="run-1"
+        ),
+        ROUTE.landing,
+    )
     assert landing_count(store) > 0
 
     newer = acquire_permanent(store, node_id="node-b")  # another leader took over meanwhile
@@ -304,20 +393,23 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing_and_leaves_sources_in_flig
     assert newer == epoch + 1
     assert routed_triples(store) == []
     assert landing_count(store) == 0
-    assert rows(store, "SELECT DISTINCT status, lease_owner, claim_epoch FROM stage_inbound") == \
-        [{"status": "in_flight", "lease_owner": owner, "claim_epoch": epoch}]
+    assert rows(store, "SELECT DISTINCT status, lease_owner, claim_epoch FROM stage_inbound") == [
+        {"status": "in_flight", "lease_owner": owner, "claim_epoch": epoch}
+    ]
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event <> 'received'") == [{"n": 0}]
     assert sorted(claimed) == sorted(ids.values())
 
 
 def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_duplicates(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/run-1"
     stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
     landed = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
-        routed_rows, ROUTES, run_id="run-1")
+        routed_rows, ROUTES, run_id="run-1"
+    )
     stage_job.land(store, landed, ROUTE.landing)
     stage_job.land(store, landed, ROUTE.landing)  # and a retried Spark task landed everything twice
     # ... the process dies here. The restarted node takes a new epoch and recovers the stranded rows.
@@ -331,8 +423,9 @@ def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_du
     assert routed_triples(store) == expected_triples(ids)
     assert landing_count(store) == 0  # the dead run's leftovers went with the sources they belonged to
     assert set(inbound_status(store).values()) == {"done", "unrouted"}
-    assert rows(store, "SELECT count(*) AS n, count(DISTINCT row_id) AS d FROM message_events WHERE event = 'routed'") \
-        == [{"n": len(outcome.routed), "d": len(expected_triples(ids))}]
+    assert rows(
+        store, "SELECT count(*) AS n, count(DISTINCT row_id) AS d FROM message_events WHERE event = 'routed'"
+    ) == [{"n": len(outcome.routed), "d": len(expected_triples(ids))}]
 
 
 def test_landing_twice_in_one_run_still_routes_each_destination_once(store: Store, spark: SparkSession) -> None:
@@ -341,7 +434,8 @@ def test_landing_twice_in_one_run_still_routes_each_destination_once(store: Stor
     owner = f"{NODE}/run-1"
     claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100)
     landed = stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
-        routed_rows, ROUTES, run_id="run-1")
+        routed_rows, ROUTES, run_id="run-1"
+    )
     stage_job.land(store, landed, ROUTE.landing)
     stage_job.land(store, landed, ROUTE.landing)
     outcome = stage_job.finalize(store, ROUTE, run_id="run-1", owner=owner, epoch=epoch, claimed_ids=claimed)
@@ -351,13 +445,19 @@ def test_landing_twice_in_one_run_still_routes_each_destination_once(store: Stor
 
 
 def test_a_lost_claim_lands_nothing_and_its_sources_are_routed_by_the_next_run(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch)
     owner = f"{NODE}/slow"
     claimed = stage_job.claim(store, ROUTE, owner=owner, epoch=epoch, batch_size=100, lease_seconds=0.0)
-    stage_job.land(store, stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch)
-                   .transform(routed_rows, ROUTES, run_id="slow"), ROUTE.landing)
+    stage_job.land(
+        store,
+        stage_job.read_claimed(store, spark, ROUTE, owner=owner, epoch=epoch).transform(
+            routed_rows, ROUTES, run_id="slow"
+        ),
+        ROUTE.landing,
+    )
     with store.transaction() as tx:  # the slow run's row leases ran out: the sweep re-pends its rows
         assert rowlease.sweep_expired(tx, INBOUND, owner=NODE, epoch=epoch) == N_MESSAGES
 
@@ -414,13 +514,23 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
     ids = stage_messages(store, epoch)
     started = time.perf_counter()
     server = start_connect_server(  # a short-lived server: C1-only JIT and serial GC start faster
-        free_port(), log_dir=tmp_path, master="local[2]",
-        conf={"spark.sql.shuffle.partitions": "1",
-              "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+        free_port(),
+        log_dir=tmp_path,
+        master="local[2]",
+        conf={
+            "spark.sql.shuffle.partitions": "1",
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+    )
     try:
         startup = time.perf_counter() - started
-        child = subprocess.run([sys.executable, "-c", CONNECT_CHILD, server.url, sqlite_config_fresh.path,
-                                str(epoch)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        child = subprocess.run(
+            [sys.executable, "-c", CONNECT_CHILD, server.url, sqlite_config_fresh.path, str(epoch)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert child.returncode == 0, child.stderr[-4000:]
         figures = json.loads(child.stdout.strip().splitlines()[-1])
     finally:
@@ -464,7 +574,8 @@ KILLED_SERVER_CHILD = textwrap.dedent("""
 
 
 def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_back_and_exits(
-        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    sqlite_config_fresh: StoreConfig, tmp_path
+) -> None:
     import os
     import signal
 
@@ -474,11 +585,19 @@ def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_b
     epoch = acquire_permanent(store, node_id=NODE)
     stage_messages(store, epoch, range(5))
     server = start_connect_server(
-        free_port(), log_dir=tmp_path, master="local[1]",
-        conf={"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
-    child = subprocess.Popen([sys.executable, "-c", KILLED_SERVER_CHILD, server.url, sqlite_config_fresh.path,
-                              str(epoch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=REPO)
+        free_port(),
+        log_dir=tmp_path,
+        master="local[1]",
+        conf={"spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"},
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SERVER_CHILD, server.url, sqlite_config_fresh.path, str(epoch)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "ready"
@@ -503,8 +622,10 @@ def test_a_job_whose_connect_server_was_killed_fails_in_seconds_hands_its_rows_b
     assert [(r["status"], r["lease_owner"]) for r in got] == [("error", None)] * 5  # handed back, due now
     assert all(r["last_error"].startswith("stage run failed:") for r in got)
     store.close()
-    print(f"\nSpark Connect server killed: the job failed after {figures['failed_after']:.1f} s, "
-          f"the client exited {exited_after:.1f} s after the kill")
+    print(
+        f"\nSpark Connect server killed: the job failed after {figures['failed_after']:.1f} s, "
+        f"the client exited {exited_after:.1f} s after the kill"
+    )
 
 
 RENEW_CHILD = textwrap.dedent("""
@@ -543,7 +664,8 @@ RENEW_CHILD = textwrap.dedent("""
 
 
 def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_carries_on(
-        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    sqlite_config_fresh: StoreConfig, tmp_path
+) -> None:
     """A Spark Connect restart costs a stage task the server's restart, not a failed try: the
     batch that met the dead server hands its rows back, the task's `StageSession` waits for the
     server on the same port and opens a new session, and the next batch routes everything. (In a
@@ -551,8 +673,13 @@ def test_a_lost_connect_session_is_renewed_once_its_server_is_back_and_routing_c
     store = Store(sqlite_config_fresh)
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch, range(5))
-    child = subprocess.run([sys.executable, "-c", RENEW_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    child = subprocess.run(
+        [sys.executable, "-c", RENEW_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert child.returncode == 0, child.stderr[-4000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert result == {"lost": True, "renewed": True, "claimed": 5}
@@ -605,7 +732,8 @@ STANDBY_CHILD = textwrap.dedent("""
 
 
 def test_a_stage_session_moves_to_another_server_when_its_server_dies_and_reopens_its_sticky_id(
-        sqlite_config_fresh: StoreConfig, tmp_path) -> None:
+    sqlite_config_fresh: StoreConfig, tmp_path
+) -> None:
     """With a second Spark Connect server a killed server costs a batch, not a restart: the batch
     that met the dead server hands its rows back, the session reopens on the other server (no
     waiting for the first), and the next batch routes everything. Warming the other server's
@@ -614,13 +742,26 @@ def test_a_stage_session_moves_to_another_server_when_its_server_dies_and_reopen
     store = Store(sqlite_config_fresh)
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch, range(5))
-    child = subprocess.run([sys.executable, "-c", STANDBY_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    child = subprocess.run(
+        [sys.executable, "-c", STANDBY_CHILD, sqlite_config_fresh.path, str(epoch), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert child.returncode == 0, child.stderr[-4000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     seconds = result.pop("seconds")
-    assert result == {"first_on": 0, "warmed": True, "sticky_id": True, "same_id": True, "lost": True, "renewed": True,
-                      "renewed_on": 1, "claimed": 5}
+    assert result == {
+        "first_on": 0,
+        "warmed": True,
+        "sticky_id": True,
+        "same_id": True,
+        "lost": True,
+        "renewed": True,
+        "renewed_on": 1,
+        "claimed": 5,
+    }
     assert seconds < 60  # bounded by the client's retry budget, not pyspark's ten minutes
     assert routed_triples(store) == expected_triples(ids)
     store.close()
@@ -638,14 +779,25 @@ class _SparkDown:
 
 
 def test_a_failed_run_hands_its_claimed_rows_back_at_once_and_the_next_run_routes_them(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch, range(5))
     with pytest.raises(RuntimeError, match="spark is down"):
         run_once(store, _SparkDown(), epoch, "run-1")  # type: ignore[arg-type]
     got = rows(store, "SELECT status, lease_owner, attempts, last_error FROM stage_inbound ORDER BY id")
-    assert got == [{"status": "error", "lease_owner": None, "attempts": 1,
-                    "last_error": "stage run failed: RuntimeError: spark is down"}] * 5
+    assert (
+        got
+        == [
+            {
+                "status": "error",
+                "lease_owner": None,
+                "attempts": 1,
+                "last_error": "stage run failed: RuntimeError: spark is down",
+            }
+        ]
+        * 5
+    )
     assert rows(store, "SELECT count(*) AS n FROM message_events WHERE event = 'attempt_failed'") == [{"n": 5}]
     outcome = run_once(store, spark, epoch, "run-2")  # due again at once, no waiting for the sweep
     assert outcome.claimed == tuple(sorted(ids.values()))

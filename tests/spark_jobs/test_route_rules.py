@@ -158,9 +158,7 @@ def test_compile_condition_is_a_plain_boolean_column(spark: SparkSession) -> Non
     cond = {"any": [eq("OBX[2]-3.2", "Triglyceride"), {"not": {"field": "PID-3", "op": "exists"}}]}
     hit = compile_condition(cond, route_name="lab")
     actual = messages(spark, 1, 2, 3, 7, 8).select("id", hit.alias("hit"))
-    expected = spark.createDataFrame(
-        [(1, False), (2, True), (3, False), (7, True), (8, True)], "id long, hit boolean"
-    )
+    expected = spark.createDataFrame([(1, False), (2, True), (3, False), (7, True), (8, True)], "id long, hit boolean")
     assertDataFrameEqual(actual, expected)
 
 
@@ -176,14 +174,13 @@ def test_route_and_compile_condition_validate_before_building_anything() -> None
 
 
 def test_conditions_compare_accented_values_of_a_latin1_message(spark: SparkSession) -> None:
-    latin1 = ("MSH|^~\\&|PAS|HÔPITAL|EHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1\r"
-              "PID|1||77^^^H^MR||MÜLLER^ÅSA\r")
+    latin1 = "MSH|^~\\&|PAS|HÔPITAL|EHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1\rPID|1||77^^^H^MR||MÜLLER^ÅSA\r"
     frame = spark.createDataFrame([(1, latin1)], "id BIGINT, payload STRING")
     routes = [
         {"name": "muller", "destinations": ["ehr"], "when": eq("PID-5.1", "MÜLLER")},
         {"name": "hopital", "destinations": ["archive"], "when": {"field": "MSH-4", "op": "regex", "value": "^HÔP"}},
         {"name": "ascii-only", "destinations": ["lab"], "when": eq("PID-5.1", "MULLER")},
     ]
-    assertDataFrameEqual(frame.transform(route, routes),
-                         routed(spark, [(1, "ehr", "muller"), (1, "archive", "hopital")]))
-
+    assertDataFrameEqual(
+        frame.transform(route, routes), routed(spark, [(1, "ehr", "muller"), (1, "archive", "hopital")])
+    )

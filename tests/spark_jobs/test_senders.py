@@ -3,6 +3,7 @@ each in a background thread, and real files (the config and lane keys: tests/con
 
 `MllpReceiver` and `HttpReceiver` are reused by test_deliver_job.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -93,8 +94,9 @@ class MllpReceiver:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(hl7.mllp.start_hl7_server(self._client, "127.0.0.1", 0,
-                                                                                     ssl=self.tls))
+        self._server = self._loop.run_until_complete(
+            hl7.mllp.start_hl7_server(self._client, "127.0.0.1", 0, ssl=self.tls)
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
@@ -160,8 +162,9 @@ class HttpReceiver:
             def do_POST(self) -> None:  # the http.server API
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 key = self.headers.get("Idempotency-Key")
-                receiver.requests.append(HttpRequest(self.path, key, self.headers.get("Content-Type"), body,
-                                                     self.client_address))
+                receiver.requests.append(
+                    HttpRequest(self.path, key, self.headers.get("Content-Type"), body, self.client_address)
+                )
                 code = receiver.status(key)
                 if code is None:
                     receiver._release.wait(30)
@@ -181,8 +184,9 @@ class HttpReceiver:
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}/inbound/hl7"
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="http-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="http-receiver", daemon=True
+        )
 
     @property
     def keys(self) -> list[str | None]:
@@ -238,15 +242,20 @@ def http_receiver() -> Iterator[Callable[..., HttpReceiver]]:
 
 
 def mllp(receiver: MllpReceiver, **settings: Any) -> MllpDestination:
-    dest = parse_destinations([{"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": receiver.port,
-                                "timeout_seconds": 5, **settings}])["ehr"]
+    dest = parse_destinations(
+        [{"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": receiver.port, "timeout_seconds": 5, **settings}]
+    )["ehr"]
     assert isinstance(dest, MllpDestination)
     return dest
 
 
 def send_hl7(dest: Any, control_id: str, **kwargs: Any) -> DeliveryResult:
-    return send(dest, payload=hl7_message(control_id, **kwargs), content_type="application/hl7-v2",
-                idempotency_key=f"key-{control_id}")
+    return send(
+        dest,
+        payload=hl7_message(control_id, **kwargs),
+        content_type="application/hl7-v2",
+        idempotency_key=f"key-{control_id}",
+    )
 
 
 def free_port() -> int:
@@ -309,8 +318,9 @@ def test_mllp_receiver_that_never_answers_times_out_as_retryable(mllp_receiver) 
 
 
 def test_mllp_connection_refused_is_retryable() -> None:
-    dest = parse_destinations([{"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": free_port(),
-                                "timeout_seconds": 2}])["ehr"]
+    dest = parse_destinations(
+        [{"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": free_port(), "timeout_seconds": 2}]
+    )["ehr"]
     result = send_hl7(dest, "C1")
     assert (result.ok, result.retryable) == (False, True)
     assert "ConnectionRefusedError" in result.detail
@@ -349,8 +359,9 @@ def test_mllp_reused_connection_dropped_before_the_ack_is_retried_once_on_a_fres
 def test_mllp_fresh_connection_dropped_before_the_ack_is_retryable(mllp_receiver) -> None:
     receiver = mllp_receiver(answer=hang_up_once_on("C1"))
     result = send_hl7(mllp(receiver), "C1")
-    assert result == DeliveryResult(False, True, "ehr: connection lost before the ACK for C1: "
-                                                 "connection closed by the receiver")
+    assert result == DeliveryResult(
+        False, True, "ehr: connection lost before the ACK for C1: connection closed by the receiver"
+    )
     assert receiver.control_ids == ["C1"]
 
 
@@ -363,8 +374,9 @@ def test_mllp_without_connection_reuse_opens_a_connection_per_message(mllp_recei
 
 def test_mllp_message_without_msh10_is_permanent_and_not_sent(mllp_receiver) -> None:
     receiver = mllp_receiver()
-    result = send(mllp(receiver), payload="MSH|^~\\&|A|B|C|D|20240101||ADT^A08||P|2.5\r", content_type="x",
-                  idempotency_key="k")
+    result = send(
+        mllp(receiver), payload="MSH|^~\\&|A|B|C|D|20240101||ADT^A08||P|2.5\r", content_type="x", idempotency_key="k"
+    )
     assert (result.ok, result.retryable) == (False, False)
     assert "no MSH-10" in result.detail
     assert receiver.received == []
@@ -456,13 +468,21 @@ def test_file_lanes_are_written_together_and_a_lane_stops_at_its_first_failure(t
     one.mkdir()
     two.mkdir()
     a, b = file_dest(one, suffix=""), file_dest(two, suffix="")
-    lanes = [[FileSend(a, "a1", "text/plain", "a1"), FileSend(a, "€", "text/plain; charset=ascii", "a2"),
-              FileSend(a, "a3", "text/plain", "a3")],
-             [FileSend(b, "b1", "text/plain", "b1"), FileSend(b, "b2", "text/plain", "b2")],
-             [FileSend(file_dest(tmp_path / "missing"), "c1", "text/plain", "c1")]]
+    lanes = [
+        [
+            FileSend(a, "a1", "text/plain", "a1"),
+            FileSend(a, "€", "text/plain; charset=ascii", "a2"),
+            FileSend(a, "a3", "text/plain", "a3"),
+        ],
+        [FileSend(b, "b1", "text/plain", "b1"), FileSend(b, "b2", "text/plain", "b2")],
+        [FileSend(file_dest(tmp_path / "missing"), "c1", "text/plain", "c1")],
+    ]
     results = send_file_lanes(lanes)
     assert [[None if r is None else (r.ok, r.retryable) for r in lane] for lane in results] == [
-        [(True, False), (False, False), None], [(True, False), (True, False)], [(False, True)]]
+        [(True, False), (False, False), None],
+        [(True, False), (True, False)],
+        [(False, True)],
+    ]
     assert sorted(p.name for p in one.iterdir()) == ["a1"]  # a3 never written: its lane stopped at a2
     assert sorted(p.name for p in two.iterdir()) == ["b1", "b2"]  # no temp files left anywhere
     assert (two / "b2").read_text() == "b2"
@@ -472,8 +492,18 @@ def test_file_lanes_are_written_together_and_a_lane_stops_at_its_first_failure(t
 
 
 def http_dest(receiver: HttpReceiver, **settings: Any) -> HttpDestination:
-    dest = parse_destinations([{"name": "api", "kind": "http", "url": receiver.url, "timeout_seconds": 5,
-                                "headers": {"X-Tenant": "t1"}, **settings}])["api"]
+    dest = parse_destinations(
+        [
+            {
+                "name": "api",
+                "kind": "http",
+                "url": receiver.url,
+                "timeout_seconds": 5,
+                "headers": {"X-Tenant": "t1"},
+                **settings,
+            }
+        ]
+    )["api"]
     assert isinstance(dest, HttpDestination)
     return dest
 
@@ -485,12 +515,15 @@ def test_http_posts_with_the_idempotency_key_and_content_type_over_one_connectio
         result = send(dest, payload=hl7_message(key), content_type="application/hl7-v2", idempotency_key=key)
         assert result == DeliveryResult(True, False, "api: HTTP 200 OK")
     assert [(r.path, r.idempotency_key, r.content_type, r.body) for r in receiver.requests] == [
-        ("/inbound/hl7", k, "application/hl7-v2", hl7_message(k).encode()) for k in ("k1", "k2")]
+        ("/inbound/hl7", k, "application/hl7-v2", hl7_message(k).encode()) for k in ("k1", "k2")
+    ]
     assert len({r.connection for r in receiver.requests}) == 1
 
 
-@pytest.mark.parametrize(("status", "retryable"), [(408, True), (429, True), (500, True), (503, True),
-                                                   (400, False), (404, False), (409, False)])
+@pytest.mark.parametrize(
+    ("status", "retryable"),
+    [(408, True), (429, True), (500, True), (503, True), (400, False), (404, False), (409, False)],
+)
 def test_http_status_decides_retryable_or_permanent(http_receiver, status: int, retryable: bool) -> None:
     receiver = http_receiver(lambda key: status)
     result = send(http_dest(receiver), payload="x", content_type="text/plain", idempotency_key="k")
@@ -500,8 +533,7 @@ def test_http_status_decides_retryable_or_permanent(http_receiver, status: int, 
 
 def test_http_without_an_answer_times_out_as_retryable(http_receiver) -> None:
     receiver = http_receiver(lambda key: None)
-    result = send(http_dest(receiver, timeout_seconds=0.3), payload="x", content_type="text/plain",
-                  idempotency_key="k")
+    result = send(http_dest(receiver, timeout_seconds=0.3), payload="x", content_type="text/plain", idempotency_key="k")
     assert result == DeliveryResult(False, True, "api: no response within 0.3 s")
 
 

@@ -1,6 +1,7 @@
 """A stage job on a Spark standalone cluster — a master and two workers as separate processes, a
 Spark Connect server running its jobs there — routes exactly what the same job routes on
 `local[*]` (the same oracle as tests/spark_jobs/test_route_job.py), and both workers did work."""
+
 from __future__ import annotations
 
 import subprocess
@@ -32,18 +33,28 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_a_route_job_on_a_two_worker_standalone_cluster_routes_like_local(sqlite_config_fresh: StoreConfig,
-                                                                          tmp_path: Path) -> None:
+def test_a_route_job_on_a_two_worker_standalone_cluster_routes_like_local(
+    sqlite_config_fresh: StoreConfig, tmp_path: Path
+) -> None:
     store = Store(sqlite_config_fresh)
     epoch = acquire_permanent(store, node_id=NODE)
     ids = stage_messages(store, epoch, range(40))
     cluster = SparkCluster(tmp_path / "spark", workers=2, cores=1, memory="512m").start()
     server = None
     try:
-        server = start_connect_server(free_port(), log_dir=tmp_path / "connect", master=cluster.master_url,
-                                      conf={"spark.executor.memory": "512m", "spark.cores.max": "2"})
-        child = subprocess.run([sys.executable, "-c", CHILD, server.url, sqlite_config_fresh.path, str(epoch)],
-                               capture_output=True, text=True, timeout=300, cwd=REPO)
+        server = start_connect_server(
+            free_port(),
+            log_dir=tmp_path / "connect",
+            master=cluster.master_url,
+            conf={"spark.executor.memory": "512m", "spark.cores.max": "2"},
+        )
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, server.url, sqlite_config_fresh.path, str(epoch)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
         assert child.returncode == 0, child.stderr[-4000:]
         assert "claimed 40" in child.stdout
     finally:

@@ -7,6 +7,7 @@ deepest rules, every other kind and JSON output run here once through a real Con
 client in a child process: a Connect session switches pyspark's functions process-wide) and their
 output must equal the classic session's, byte for byte.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,11 @@ SPECS = [
     {"destination": "deep", "rules": DEEP_RULES},
     {"destination": "lake", "output": "json", "rules": [{"drop_segment": "ZPI"}, *DEEP_RULES[1:]]},
 ]
-ROWS = [(i, destination, payload)
-        for i, payload in enumerate((ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7), start=1)
-        for destination in ("ehr", "deep", "lake", "archive")]
+ROWS = [
+    (i, destination, payload)
+    for i, payload in enumerate((ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7), start=1)
+    for destination in ("ehr", "deep", "lake", "archive")
+]
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -54,17 +57,26 @@ CHILD = textwrap.dedent("""
 def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkSession, tmp_path) -> None:
     from include.spark import start_connect_server, stop_connect_server
 
-    classic = sorted([r["id"], r["destination"], r["content_type"], r["payload"]]
-                     for r in transform(spark.createDataFrame(ROWS, ROUTED), SPECS, LOOKUPS).collect())
+    classic = sorted(
+        [r["id"], r["destination"], r["content_type"], r["payload"]]
+        for r in transform(spark.createDataFrame(ROWS, ROUTED), SPECS, LOOKUPS).collect()
+    )
     assert len(classic) == len(ROWS)
     assert any(p is None for i, d, _, p in classic if d == "deep" and i != 6)  # a miss dead-lettered
     assert any(p is not None and d == "lake" and p.startswith("{") for _, d, _, p in classic)
-    server = start_connect_server(free_port(), log_dir=tmp_path, master="local[1]",
-                                  conf={"spark.sql.shuffle.partitions": "1",
-                                        "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"})
+    server = start_connect_server(
+        free_port(),
+        log_dir=tmp_path,
+        master="local[1]",
+        conf={
+            "spark.sql.shuffle.partitions": "1",
+            "spark.driver.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        },
+    )
     try:
-        child = subprocess.run([sys.executable, "-c", CHILD, server.url], capture_output=True, text=True,
-                               timeout=180, cwd=REPO)
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, server.url], capture_output=True, text=True, timeout=180, cwd=REPO
+        )
     finally:
         stop_connect_server(server)
     assert child.returncode == 0, child.stderr[-4000:]

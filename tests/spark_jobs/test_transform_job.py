@@ -2,6 +2,7 @@
 lane keys + transform rules (lookup tables from the store) → land → fenced finalize into
 stage_outbound; dead letter for messages the rules cannot read, a stale epoch, a crash between
 landing and finalize, and a config naming a missing lookup table."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,21 +22,29 @@ from spark_jobs import stage_job, transform_job
 from tests.spark_jobs.hl7_samples import ADT_A01, NOT_HL7, ORM_O01, ORU_R01
 
 NODE = "node-a"
-DESTINATIONS = parse_destinations([
-    {"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": 2576, "lane": "PID-3.1"},
-    {"name": "archive", "kind": "file", "directory": "/tmp/stageline-archive"},
-    {"name": "api", "kind": "http", "url": "http://127.0.0.1:9/hl7", "lane": "MSH-4"},
-])
+DESTINATIONS = parse_destinations(
+    [
+        {"name": "ehr", "kind": "mllp", "host": "127.0.0.1", "port": 2576, "lane": "PID-3.1"},
+        {"name": "archive", "kind": "file", "directory": "/tmp/stageline-archive"},
+        {"name": "api", "kind": "http", "url": "http://127.0.0.1:9/hl7", "lane": "MSH-4"},
+    ]
+)
 SPECS: list[dict[str, Any]] = [
-    {"destination": "ehr", "rules": [{"set": "MSH-5", "value": "CORE"},
-                                     {"map": "PV1-2", "table": "patient_class"},
-                                     {"drop_segment": "ZPI"}]},
+    {
+        "destination": "ehr",
+        "rules": [
+            {"set": "MSH-5", "value": "CORE"},
+            {"map": "PV1-2", "table": "patient_class"},
+            {"drop_segment": "ZPI"},
+        ],
+    },
     {"destination": "api", "output": "json", "rules": [{"clear": "PID-5"}]},
 ]
 PATIENT_CLASS = {"I": "IN", "O": "OUT"}
 
-ADT_FOR_EHR = (ADT_A01.replace("|EHR|CITY|", "|CORE|CITY|", 1).replace("PV1|1|I|", "PV1|1|IN|")
-               .replace("ZPI|1|loyalty^GOLD\r", ""))
+ADT_FOR_EHR = (
+    ADT_A01.replace("|EHR|CITY|", "|CORE|CITY|", 1).replace("PV1|1|I|", "PV1|1|IN|").replace("ZPI|1|loyalty^GOLD\r", "")
+)
 ORM_FOR_EHR = ORM_O01.replace("|RIS|HOSP|", "|CORE|HOSP|", 1).replace("PV1|1|O", "PV1|1|OUT").replace("\n", "\r")
 
 
@@ -47,9 +56,11 @@ def insert_routed(store: Store, routed: list[tuple[int, str, str, str]]) -> dict
         bodies: dict[int, str] = {}
         for source_id, message_id, destination, payload in routed:
             assert bodies.setdefault(source_id, payload) == payload, "a routed row's body is its source's"
-            cur.execute("INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, "
-                        f"lane_key) VALUES ({', '.join([mark] * 6)})",
-                        (source_id, message_id, f"CTL-{message_id}", destination, "r", f"lane-{source_id}"))
+            cur.execute(
+                "INSERT INTO stage_routed (source_id, message_id, control_id, destination, route_name, "
+                f"lane_key) VALUES ({', '.join([mark] * 6)})",
+                (source_id, message_id, f"CTL-{message_id}", destination, "r", f"lane-{source_id}"),
+            )
         for source_id, payload in bodies.items():
             cur.execute(f"INSERT INTO inbound_bodies (id, payload) VALUES ({mark}, {mark})", (source_id, payload))
     got = rows(store, "SELECT id, source_id, destination FROM stage_routed")
@@ -64,8 +75,11 @@ def rows(store: Store, sql: str) -> list[dict[str, Any]]:
 
 
 def outbound(store: Store) -> list[dict[str, Any]]:
-    return rows(store, "SELECT source_id, message_id, destination, content_type, idempotency_key, lane_key, "
-                       "payload, status FROM outbound_messages ORDER BY id")
+    return rows(
+        store,
+        "SELECT source_id, message_id, destination, content_type, idempotency_key, lane_key, "
+        "payload, status FROM outbound_messages ORDER BY id",
+    )
 
 
 def load_lookups(store: Store) -> None:
@@ -77,26 +91,37 @@ def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: 
     """One transform run, as the stage task makes it: the config checked before the claim (lookup
     tables read from the store), then `run_stage_job`."""
     transform = transform_job.checked(store, SPECS, DESTINATIONS)
-    return stage_job.run_stage_job(TRANSFORM, store, spark, transform=transform, owner=f"{NODE}/{run}", epoch=epoch,
-                                   run_id=run, passthrough=passthrough_destinations(SPECS, DESTINATIONS), **kwargs)
+    return stage_job.run_stage_job(
+        TRANSFORM,
+        store,
+        spark,
+        transform=transform,
+        owner=f"{NODE}/{run}",
+        epoch=epoch,
+        run_id=run,
+        passthrough=passthrough_destinations(SPECS, DESTINATIONS),
+        **kwargs,
+    )
 
 
 ROUTED_ROWS = [
     (1, "m1", "ehr", ADT_A01),
     (1, "m1", "archive", ADT_A01),
     (2, "m2", "ehr", ORM_O01),
-    (3, "m3", "ehr", NOT_HL7),        # has a transform: cannot be read → dead letter
-    (3, "m3", "archive", NOT_HL7),    # no transform: delivered byte for byte
+    (3, "m3", "ehr", NOT_HL7),  # has a transform: cannot be read → dead letter
+    (3, "m3", "archive", NOT_HL7),  # no transform: delivered byte for byte
     (4, "m4", "api", ORU_R01),
-    (5, "m5", "unknown", ORU_R01),    # a destination no longer configured: its own lane, unchanged
+    (5, "m5", "unknown", ORU_R01),  # a destination no longer configured: its own lane, unchanged
 ]
 
 
 def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: SparkSession) -> None:
     claimed = spark.createDataFrame(
-        [(10 + i, s, d, p, m, f"C{i}", "mllp-in") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], TRANSFORM.schema)
-    got = claimed.transform(transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS,
-                            run_id="r1")
+        [(10 + i, s, d, p, m, f"C{i}", "mllp-in") for i, (s, m, d, p) in enumerate(ROUTED_ROWS)], TRANSFORM.schema
+    )
+    got = claimed.transform(
+        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="r1"
+    )
     hl7, js = "application/hl7-v2", "application/json"
     # archive: no spec, one lane for the destination — left out of Spark, moved by the finalize
     assert passthrough_destinations(SPECS, DESTINATIONS) == {"archive"}
@@ -113,7 +138,8 @@ def test_outbound_rows_compute_lanes_and_apply_each_destinations_rules(spark: Sp
 
 
 def test_a_run_moves_routed_rows_to_outbound_in_order_and_dead_letters_unreadable_messages(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     load_lookups(store)
     ids = insert_routed(store, ROUTED_ROWS)
@@ -124,23 +150,35 @@ def test_a_run_moves_routed_rows_to_outbound_in_order_and_dead_letters_unreadabl
     assert outcome.failed == (ids[(3, "ehr")],)
     assert outcome.not_finished == ()
     got = outbound(store)
-    assert sorted((r["source_id"], r["destination"]) for r in got) == \
-        sorted((s, d) for s, _, d, _ in ROUTED_ROWS if (s, d) != (3, "ehr"))
+    assert sorted((r["source_id"], r["destination"]) for r in got) == sorted(
+        (s, d) for s, _, d, _ in ROUTED_ROWS if (s, d) != (3, "ehr")
+    )
     for dest in {d for _, _, d, _ in ROUTED_ROWS}:  # routed order kept in every destination's lanes
-        assert [r["source_id"] for r in got if r["destination"] == dest] == \
-            [s for s, _, d, _ in ROUTED_ROWS if d == dest and (s, d) != (3, "ehr")]
+        assert [r["source_id"] for r in got if r["destination"] == dest] == [
+            s for s, _, d, _ in ROUTED_ROWS if d == dest and (s, d) != (3, "ehr")
+        ]
     by_key = {(r["source_id"], r["destination"]): r for r in got}
     assert by_key[(1, "ehr")] == {
-        "source_id": 1, "message_id": "m1", "destination": "ehr", "content_type": "application/hl7-v2",
-        "idempotency_key": "m1-ehr", "lane_key": "ehr|PATID1234", "payload": ADT_FOR_EHR, "status": "pending"}
+        "source_id": 1,
+        "message_id": "m1",
+        "destination": "ehr",
+        "content_type": "application/hl7-v2",
+        "idempotency_key": "m1-ehr",
+        "lane_key": "ehr|PATID1234",
+        "payload": ADT_FOR_EHR,
+        "status": "pending",
+    }
     assert by_key[(3, "archive")]["payload"] == NOT_HL7
     assert by_key[(4, "api")]["content_type"] == "application/json"
     routed = {
         r["id"]: (r["status"], r["last_error"]) for r in rows(store, "SELECT id, status, last_error FROM stage_routed")
     }
     assert routed == {i: ("dead", UNTRANSFORMABLE) if key == (3, "ehr") else ("done", None) for key, i in ids.items()}
-    events = rows(store, "SELECT stage, event, to_status, count(*) AS n FROM message_events "
-                         "GROUP BY stage, event, to_status ORDER BY stage, event")
+    events = rows(
+        store,
+        "SELECT stage, event, to_status, count(*) AS n FROM message_events "
+        "GROUP BY stage, event, to_status ORDER BY stage, event",
+    )
     assert events == [
         {"stage": "outbound", "event": "transformed", "to_status": "pending", "n": 6},
         {"stage": "routed", "event": "dead", "to_status": "dead", "n": 1},
@@ -156,7 +194,8 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing(store: Store, spark: Spark
     owner = f"{NODE}/run-1"
     claimed = stage_job.claim(store, TRANSFORM, owner=owner, epoch=epoch, batch_size=100)
     landing = stage_job.read_claimed(store, spark, TRANSFORM, owner=owner, epoch=epoch).transform(
-        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
+        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1"
+    )
     stage_job.land(store, landing, TRANSFORM.landing)
     acquire_permanent(store, node_id="node-b")
 
@@ -169,14 +208,16 @@ def test_a_finalize_under_a_stale_epoch_lands_nothing(store: Store, spark: Spark
 
 
 def test_a_crash_between_landing_and_finalize_is_rerun_after_recovery_without_duplicates(
-        store: Store, spark: SparkSession) -> None:
+    store: Store, spark: SparkSession
+) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     load_lookups(store)
     ids = insert_routed(store, ROUTED_ROWS)
     owner = f"{NODE}/run-1"
     stage_job.claim(store, TRANSFORM, owner=owner, epoch=epoch, batch_size=100)
     landing = stage_job.read_claimed(store, spark, TRANSFORM, owner=owner, epoch=epoch).transform(
-        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1")
+        transform_job.outbound_rows, SPECS, {"patient_class": PATIENT_CLASS}, DESTINATIONS, run_id="run-1"
+    )
     stage_job.land(store, landing, TRANSFORM.landing)
     stage_job.land(store, landing, TRANSFORM.landing)
     restarted = acquire_permanent(store, node_id=NODE)  # the process died; a new epoch recovers
@@ -202,8 +243,7 @@ def test_a_rule_naming_a_missing_lookup_table_claims_nothing(store: Store, spark
 def test_a_stranded_routed_row_holds_its_lane_until_it_is_recovered(store: Store, spark: SparkSession) -> None:
     epoch = acquire_permanent(store, node_id=NODE)
     load_lookups(store)
-    ids = insert_routed(store, [(1, "m1", "ehr", ADT_A01), (1, "m1b", "archive", ADT_A01),
-                                (2, "m2", "ehr", ORM_O01)])
+    ids = insert_routed(store, [(1, "m1", "ehr", ADT_A01), (1, "m1b", "archive", ADT_A01), (2, "m2", "ehr", ORM_O01)])
     with store.transaction() as tx:  # a job claimed the first row and died
         rowlease.claim_batch(tx, ROUTED, owner="dead", epoch=epoch, limit=1)
     first = run_once(store, spark, epoch, "run-1")

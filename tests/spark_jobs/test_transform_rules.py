@@ -224,7 +224,8 @@ def test_constants_are_escaped_with_each_messages_own_separators(spark: SparkSes
 
     adt_pid = ADT_A01.split("\r")[2]
     adt_new = (
-        adt_pid.replace("PATID1234^^^GOOD", "PATID1234^^&Z^GOOD").replace("~123456789^", "~NEW^")
+        adt_pid.replace("PATID1234^^^GOOD", "PATID1234^^&Z^GOOD")
+        .replace("~123456789^", "~NEW^")
         .replace("|M|||", "|M|a\\F\\b\\S\\c\\R\\d\\E\\e\\T\\f#g*h$i+j?k.l||")
         + "||&S"
     )
@@ -234,26 +235,47 @@ def test_constants_are_escaped_with_each_messages_own_separators(spark: SparkSes
             spark,
             [
                 (1, "x", HL7, rewrite(ADT_A01, ("|ADT1|", "|APP2|"), (adt_pid, adt_new))),
-                (4, "x", HL7, rewrite(
-                    CUSTOM_HASH,
-                    ("#LEGACY#", "#APP2#"),
-                    ("42*^*x&y~43***ALT##DOE|JR*JOHN#A\\F\\B\\S\\C",
-                     "42*^*x&Z~NEW***ALT##DOE|JR*JOHN#A\\F\\B\\S\\C###a|b^c\\R\\d\\E\\e\\T\\f\\F\\g\\S\\h$i+j?k.l"
-                     "####&S"),
-                )),
-                (5, "x", HL7, rewrite(
-                    REGEX_HOSTILE,
-                    ("*APP*", "*APP2*"),
-                    ("42$|$x.y+43$$$ALT**DOE^JR$JOHN*A?F?B?S?C",
-                     "42$|$x.Z+NEW$$$ALT**DOE^JR$JOHN*A?F?B?S?C***a|b^c~d\\e&f#g?F?h?S?i?R?j?E?k?T?l****.S"),
-                )),
-                (6, "x", HL7, rewrite(
-                    NO_SUBCOMPONENT,
-                    ("|APP|", "|APP2|"),
-                    ("42^*^x&y~43^^^ALT||DOE#JR^JOHN|A\\F\\B\\S\\C\\T\\D",
-                     "42^*^x&y~NEW^^^ALT||DOE#JR^JOHN|A\\F\\B\\S\\C\\T\\D"
-                     "|||a\\F\\b\\S\\c\\R\\d\\E\\e&f#g*h$i+j?k.l"),
-                )),
+                (
+                    4,
+                    "x",
+                    HL7,
+                    rewrite(
+                        CUSTOM_HASH,
+                        ("#LEGACY#", "#APP2#"),
+                        (
+                            "42*^*x&y~43***ALT##DOE|JR*JOHN#A\\F\\B\\S\\C",
+                            "42*^*x&Z~NEW***ALT##DOE|JR*JOHN#A\\F\\B\\S\\C###a|b^c\\R\\d\\E\\e\\T\\f\\F\\g\\S\\h$i+j?k.l"
+                            "####&S",
+                        ),
+                    ),
+                ),
+                (
+                    5,
+                    "x",
+                    HL7,
+                    rewrite(
+                        REGEX_HOSTILE,
+                        ("*APP*", "*APP2*"),
+                        (
+                            "42$|$x.y+43$$$ALT**DOE^JR$JOHN*A?F?B?S?C",
+                            "42$|$x.Z+NEW$$$ALT**DOE^JR$JOHN*A?F?B?S?C***a|b^c~d\\e&f#g?F?h?S?i?R?j?E?k?T?l****.S",
+                        ),
+                    ),
+                ),
+                (
+                    6,
+                    "x",
+                    HL7,
+                    rewrite(
+                        NO_SUBCOMPONENT,
+                        ("|APP|", "|APP2|"),
+                        (
+                            "42^*^x&y~43^^^ALT||DOE#JR^JOHN|A\\F\\B\\S\\C\\T\\D",
+                            "42^*^x&y~NEW^^^ALT||DOE#JR^JOHN|A\\F\\B\\S\\C\\T\\D"
+                            "|||a\\F\\b\\S\\c\\R\\d\\E\\e&f#g*h$i+j?k.l",
+                        ),
+                    ),
+                ),
             ],
         ),
     )
@@ -369,26 +391,72 @@ def test_json_output_mirrors_segments_with_arrays_only_where_structure_is(spark:
     msh = ["|", "^~\\&"]
     adt = {
         "segments": [
-            seg("MSH", *msh, "ADT1", "GOOD HEALTH HOSPITAL", "EHR", "CITY", "20240101120000", "",
-                [["ADT", "A01", "ADT_A01"]], "MSG00001", "P", "2.5.1"),
+            seg(
+                "MSH",
+                *msh,
+                "ADT1",
+                "GOOD HEALTH HOSPITAL",
+                "EHR",
+                "CITY",
+                "20240101120000",
+                "",
+                [["ADT", "A01", "ADT_A01"]],
+                "MSG00001",
+                "P",
+                "2.5.1",
+            ),
             seg("EVN", "A01", "20240101120000"),
-            seg("PID", "1", "",
-                [["PATID1234", "", "", "GOOD HEALTH HOSPITAL", "MR"],  # two repetitions
-                 ["123456789", "", "", ["USSSA", "2.16.840.1.113883.4.1", "ISO"], "SS"]],  # subcomponents
-                "", [["EVERYMAN", "ADAM", "A", "III"]], "", "19610615", "M", "", "",
-                [["2222 HOME STREET", "", "GREENSBORO", "NC", "27401-1020"]]),
+            seg(
+                "PID",
+                "1",
+                "",
+                [
+                    ["PATID1234", "", "", "GOOD HEALTH HOSPITAL", "MR"],  # two repetitions
+                    ["123456789", "", "", ["USSSA", "2.16.840.1.113883.4.1", "ISO"], "SS"],
+                ],  # subcomponents
+                "",
+                [["EVERYMAN", "ADAM", "A", "III"]],
+                "",
+                "19610615",
+                "M",
+                "",
+                "",
+                [["2222 HOME STREET", "", "GREENSBORO", "NC", "27401-1020"]],
+            ),
             seg("NK1", "1", [["JONES", "BARBARA", "K"]], [["SPO", "Spouse", "HL70063"]]),
-            seg("PV1", "1", "O", [["2000", "2012", "01"]], "", "", "", [["004777", "ATTEND", "AARON", "A"]],
-                "", "", '""'),
+            seg(
+                "PV1",
+                "1",
+                "O",
+                [["2000", "2012", "01"]],
+                "",
+                "",
+                "",
+                [["004777", "ATTEND", "AARON", "A"]],
+                "",
+                "",
+                '""',
+            ),
         ]
     }
     oru = {
         "segments": [
-            seg("MSH", *msh, "LAB", "LABFAC", "EHR", "CITY", "20240102083000", "", [["ORU", "R01", "ORU_R01"]],
-                "MSG00002", "P", "2.5.1"),
+            seg(
+                "MSH",
+                *msh,
+                "LAB",
+                "LABFAC",
+                "EHR",
+                "CITY",
+                "20240102083000",
+                "",
+                [["ORU", "R01", "ORU_R01"]],
+                "MSG00002",
+                "P",
+                "2.5.1",
+            ),
             # Separator escapes decode to text; other escapes stay as they are.
-            seg("PID", "1", "", [["555", "", "", "LAB", "MR"]], "", [["PATIENT", "PAT"]],
-                "See | note^1&2~3\\ end"),
+            seg("PID", "1", "", [["555", "", "", "LAB", "MR"]], "", [["PATIENT", "PAT"]], "See | note^1&2~3\\ end"),
             seg("OBR", "1", "ORD1", "FIL1", [["24331-1", "Lipid panel", "LN"]]),
             seg("OBX", "1", "NM", [["2093-3", "Cholesterol", "LN"]], "", "196", "mg/dL", "<200", "N", "", "", "F"),
             seg("OBX", "2", "NM", [["2571-8", "Triglyceride", "LN"]], "", "90", "mg/dL", "<150", "N", "", "", "F"),
@@ -398,10 +466,22 @@ def test_json_output_mirrors_segments_with_arrays_only_where_structure_is(spark:
     }
     custom = {
         "segments": [
-            seg("MSH", "#", "*~\\&", "LEGACY", "FAC", "EHR", "CITY", "20240104", "", [["ADT", "A08"]], "MSG00004",
-                "P", "2.3"),
-            seg("PID", "1", "", [["42", "^", ["x", "y"]], ["43", "", "", "ALT"]], "", [["DOE|JR", "JOHN"]],
-                "A#B*C"),
+            seg(
+                "MSH",
+                "#",
+                "*~\\&",
+                "LEGACY",
+                "FAC",
+                "EHR",
+                "CITY",
+                "20240104",
+                "",
+                [["ADT", "A08"]],
+                "MSG00004",
+                "P",
+                "2.3",
+            ),
+            seg("PID", "1", "", [["42", "^", ["x", "y"]], ["43", "", "", "ALT"]], "", [["DOE|JR", "JOHN"]], "A#B*C"),
         ]
     }
     header = ["SENDER", "FAC", "RCV", "RFAC", "20240107"]
@@ -423,8 +503,20 @@ def test_json_output_mirrors_segments_with_arrays_only_where_structure_is(spark:
     non_ascii = {
         "segments": [
             seg("MSH", *msh, "APP", "FAC", "EHR", "CITY", "20240108", "", [["ADT", "A08"]], "MSG7", "P", "2.5"),
-            seg("PID", "1", "", [["9", "", "", "FAC", "MR"]], "", [["Müller", "Zoë", "É"]], "", "", "", "", "",
-                [["Straße 1", "", "Köln", "", "50667"]]),
+            seg(
+                "PID",
+                "1",
+                "",
+                [["9", "", "", "FAC", "MR"]],
+                "",
+                [["Müller", "Zoë", "É"]],
+                "",
+                "",
+                "",
+                "",
+                "",
+                [["Straße 1", "", "Köln", "", "50667"]],
+            ),
             seg("NTE", "1", "", "東京 — naïve ☃"),
         ]
     }
@@ -464,8 +556,11 @@ LATIN1_ADT = (  # received as ISO 8859-1 bytes (MSH-18 "8859/1"); listenerd stag
 
 
 def test_a_latin1_message_keeps_its_charset_and_accented_text_through_the_rules(spark: SparkSession) -> None:
-    rules = [{"set": "MSH-5", "value": "ÉHR"}, {"map": "PV1-2", "table": "patient_class"},
-             {"copy": "PID-5.1", "to": "PID-9"}]
+    rules = [
+        {"set": "MSH-5", "value": "ÉHR"},
+        {"map": "PV1-2", "table": "patient_class"},
+        {"copy": "PID-5.1", "to": "PID-9"},
+    ]
     actual = transform(routed(spark, [(1, "ehr", LATIN1_ADT)]), [{"destination": "ehr", "rules": rules}], LOOKUPS)
     text = hl7_text(
         "MSH|^~\\&|PAS|HÔPITAL|ÉHR|CITY|20240109||ADT^A01|MSG9|P|2.5||||||8859/1",

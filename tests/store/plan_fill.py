@@ -24,6 +24,7 @@ Times are spread over HISTORY_HOURS before now, oldest first, so a retention age
 (RETENTION_MS) finds the oldest few percent of the history due, as a store whose retention runs
 every few minutes does after a pause.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,34 +38,34 @@ TRANSFORM_RUN = "transform:airflow:stage_transform:r1#1.0:1"
 DEAD_RUN = "route:airflow:stage_route:r0#1.0:7"
 EXPORT_BATCH = "inbound-e7-20261126T000000-ab12cd34"
 
-ARCHIVED_INBOUND = 300_000         # archive_inbound ids 1..ARCHIVED_INBOUND
-ARCHIVED_ROUTED = 300_000          # archive_routed, archive_outbound: ids 1..ARCHIVED_ROUTED
-N_INBOUND = 340_000                # stage_inbound ids ARCHIVED_INBOUND+1 ..
-INBOUND_OPEN = 4_000               # the newest inbound rows: 3/4 pending, 1/4 in flight
-FANOUT = 3                         # destinations a message goes to: two transformed, one pass-through
+ARCHIVED_INBOUND = 300_000  # archive_inbound ids 1..ARCHIVED_INBOUND
+ARCHIVED_ROUTED = 300_000  # archive_routed, archive_outbound: ids 1..ARCHIVED_ROUTED
+N_INBOUND = 340_000  # stage_inbound ids ARCHIVED_INBOUND+1 ..
+INBOUND_OPEN = 4_000  # the newest inbound rows: 3/4 pending, 1/4 in flight
+FANOUT = 3  # destinations a message goes to: two transformed, one pass-through
 DESTINATIONS = ("ehr", "lab", "archive")
 PASSTHROUGH = "archive"
-ROUTED_OPEN = 6_000                # the newest routed rows: 3/4 pending, 1/4 in flight
-OUTBOUND_OPEN = 30_000             # the newest outbound rows: the deliver backlog
-OUTBOUND_LANES = 600               # its lanes, besides the NULL lane (every NULL_LANE_EVERY-th row)
+ROUTED_OPEN = 6_000  # the newest routed rows: 3/4 pending, 1/4 in flight
+OUTBOUND_OPEN = 30_000  # the newest outbound rows: the deliver backlog
+OUTBOUND_LANES = 600  # its lanes, besides the NULL lane (every NULL_LANE_EVERY-th row)
 NULL_LANE_EVERY = 20
-INBOUND_LANES = 2_000              # PID lanes of the inbound rows (every 10th has none)
+INBOUND_LANES = 2_000  # PID lanes of the inbound rows (every 10th has none)
 CONNECTIONS = ("adt-in", "lab-in", "orm-in", "file-in", "poll-in")
 N_EVENTS = 1_000_000
 ARCHIVED_EVENTS = 150_000
-EXPORT_ROWS = 5_000                # archive_inbound rows marked for the open Parquet export
-LANDED = 2_000                     # landing rows of the running route / transform run
+EXPORT_ROWS = 5_000  # archive_inbound rows marked for the open Parquet export
+LANDED = 2_000  # landing rows of the running route / transform run
 HISTORY_HOURS = 25
-RETENTION_MS = 24 * 3600 * 1000    # retention age: the oldest hour of the history is due
-EXPORT_MS = 3 * 24 * 3600 * 1000   # archive export age
+RETENTION_MS = 24 * 3600 * 1000  # retention age: the oldest hour of the history is due
+EXPORT_MS = 3 * 24 * 3600 * 1000  # archive export age
 
 # derived id ranges
 INBOUND_FIRST = ARCHIVED_INBOUND + 1
 INBOUND_LAST = ARCHIVED_INBOUND + N_INBOUND
-INBOUND_DONE = N_INBOUND - INBOUND_OPEN               # inbound rows routed: FANOUT rows each
-ROUTED_FIRST = ARCHIVED_INBOUND * FANOUT + 1           # archive_routed holds the ids below
+INBOUND_DONE = N_INBOUND - INBOUND_OPEN  # inbound rows routed: FANOUT rows each
+ROUTED_FIRST = ARCHIVED_INBOUND * FANOUT + 1  # archive_routed holds the ids below
 ROUTED_LAST = ROUTED_FIRST + INBOUND_DONE * FANOUT - 1
-OUTBOUND_FIRST = ROUTED_FIRST                          # the same numbering: outbound k <-> routed k
+OUTBOUND_FIRST = ROUTED_FIRST  # the same numbering: outbound k <-> routed k
 OUTBOUND_LAST = ROUTED_LAST
 EVENTS_FIRST = ARCHIVED_EVENTS + 1
 
@@ -77,8 +78,9 @@ class Sql:
 
     def series(self, n: int) -> str:
         if self.name == "sqlite":
-            return (f"(WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < {n}) "
-                    f"SELECT i FROM s) AS n")
+            return (
+                f"(WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < {n}) SELECT i FROM s) AS n"
+            )
         return f"generate_series(1, {n}) AS n(i)"
 
     def ago(self, seconds: str) -> str:
@@ -119,10 +121,14 @@ def statements(dialect: str) -> list[str]:
     ov = d.overriding
     mid = lambda expr: message_id(d, expr)  # noqa: E731
     lane_in = lambda k: f"CASE WHEN ({k}) % 10 = 0 THEN NULL ELSE 'PID-' || {d.text(f'({k}) % {INBOUND_LANES}')} END"  # noqa: E731
-    conn = lambda k: "CASE " + " ".join(f"WHEN ({k}) % {len(CONNECTIONS)} = {j} THEN '{c}'"  # noqa: E731
-                                        for j, c in enumerate(CONNECTIONS)) + " END"
-    dest = lambda j: "CASE " + " ".join(f"WHEN ({j}) = {x} THEN '{c}'"  # noqa: E731
-                                        for x, c in enumerate(DESTINATIONS)) + " END"
+    conn = lambda k: (  # noqa: E731
+        "CASE "
+        + " ".join(f"WHEN ({k}) % {len(CONNECTIONS)} = {j} THEN '{c}'" for j, c in enumerate(CONNECTIONS))
+        + " END"
+    )
+    dest = lambda j: (  # noqa: E731
+        "CASE " + " ".join(f"WHEN ({j}) = {x} THEN '{c}'" for x, c in enumerate(DESTINATIONS)) + " END"
+    )
     payload = "'MSH|^~\\&|LAB|ACME|||20261126120000||ORU^R01|MSG' || {} || '|P|2.5' || char(13) || 'PID|1||12345'"
     if dialect == "postgres":
         payload = payload.replace("char(13)", "chr(13)")
@@ -130,25 +136,37 @@ def statements(dialect: str) -> list[str]:
 
     # -- the lease, the nodes, the small tables ---------------------------------------------
     if dialect == "sqlite":
-        out.append(f"UPDATE leader_lease SET owner = 'node-a:1:aa', epoch = {EPOCH}, recovered_epoch = {EPOCH}, "
-                   f"acquired_at = {d.ago('600')}, renewed_at = {d.ago('1')}, expires_at = NULL WHERE id = 1")
+        out.append(
+            f"UPDATE leader_lease SET owner = 'node-a:1:aa', epoch = {EPOCH}, recovered_epoch = {EPOCH}, "
+            f"acquired_at = {d.ago('600')}, renewed_at = {d.ago('1')}, expires_at = NULL WHERE id = 1"
+        )
     else:
-        out.append(f"UPDATE leader_lease SET owner = 'node-a:1:aa', epoch = {EPOCH}, recovered_epoch = {EPOCH}, "
-                   f"acquired_at = {d.ago('600')}, renewed_at = {d.ago('1')}, expires_at = now() + interval '1 hour' "
-                   f"WHERE id = 1")
-    out.append("INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash) VALUES "
-               "('node-a:1:aa', 'node-a', 1, 'active', " + ("1" if dialect == "sqlite" else "true") + ", 'h1'), "
-               "('node-b:2:bb', 'node-b', 2, 'active', " + ("0" if dialect == "sqlite" else "false") + ", 'h1')")
-    out.append(f"INSERT INTO lookup_entries (table_name, code, value) "
-               f"SELECT 'table' || {d.text('n.i % 10')}, 'code' || {d.text('n.i')}, 'value' || {d.text('n.i')} "
-               f"FROM {d.series(500)}")
-    out.append(f"INSERT INTO inbound_watermarks (connection, watermark, epoch) "
-               f"SELECT 'poll-' || {d.text('n.i')}, {d.text('n.i * 1000')}, {EPOCH} FROM {d.series(3)}")
-    out.append(f"INSERT INTO stage_batches (stage, owner, dag_id, run_id, try_number, epoch, started_at, finished_at, "
-               f"claimed, counts) "
-               f"SELECT 'route', 'airflow:stage_route:r' || {d.text('n.i / 50')} || '#1.' || {d.text('n.i % 50')}, "
-               f"'stage_route', 'r' || {d.text('n.i / 50')}, 1, {EPOCH}, {d.ago(_history_age('n.i', 20_000))}, "
-               f"{d.ago(_history_age('n.i', 20_000))}, 100, '{{}}' FROM {d.series(20_000)}")
+        out.append(
+            f"UPDATE leader_lease SET owner = 'node-a:1:aa', epoch = {EPOCH}, recovered_epoch = {EPOCH}, "
+            f"acquired_at = {d.ago('600')}, renewed_at = {d.ago('1')}, expires_at = now() + interval '1 hour' "
+            f"WHERE id = 1"
+        )
+    out.append(
+        "INSERT INTO nodes (node_id, host, pid, status, is_leader, config_hash) VALUES "
+        "('node-a:1:aa', 'node-a', 1, 'active', " + ("1" if dialect == "sqlite" else "true") + ", 'h1'), "
+        "('node-b:2:bb', 'node-b', 2, 'active', " + ("0" if dialect == "sqlite" else "false") + ", 'h1')"
+    )
+    out.append(
+        f"INSERT INTO lookup_entries (table_name, code, value) "
+        f"SELECT 'table' || {d.text('n.i % 10')}, 'code' || {d.text('n.i')}, 'value' || {d.text('n.i')} "
+        f"FROM {d.series(500)}"
+    )
+    out.append(
+        f"INSERT INTO inbound_watermarks (connection, watermark, epoch) "
+        f"SELECT 'poll-' || {d.text('n.i')}, {d.text('n.i * 1000')}, {EPOCH} FROM {d.series(3)}"
+    )
+    out.append(
+        f"INSERT INTO stage_batches (stage, owner, dag_id, run_id, try_number, epoch, started_at, finished_at, "
+        f"claimed, counts) "
+        f"SELECT 'route', 'airflow:stage_route:r' || {d.text('n.i / 50')} || '#1.' || {d.text('n.i % 50')}, "
+        f"'stage_route', 'r' || {d.text('n.i / 50')}, 1, {EPOCH}, {d.ago(_history_age('n.i', 20_000))}, "
+        f"{d.ago(_history_age('n.i', 20_000))}, 100, '{{}}' FROM {d.series(20_000)}"
+    )
 
     # -- inbound: archived, hot history, open tail ------------------------------------------
     archived_age = f"{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({ARCHIVED_INBOUND} - n.i) / {ARCHIVED_INBOUND}"
@@ -181,18 +199,24 @@ def statements(dialect: str) -> list[str]:
         f"CASE WHEN n.i % 1000 = 7 AND n.i <= {open_from} THEN 'no route matched: refused' END, 'UTF-8', "
         f"CASE WHEN n.i % 100 < 10 THEN 'b' || {d.pad(f'{k} / 10', 9)} END, "
         f"CASE WHEN n.i % 100 < 10 THEN n.i % 10 + 1 END "
-        f"FROM {d.series(N_INBOUND)}")
-    out.append(f"INSERT INTO inbound_bodies (id, payload) SELECT {k}, {payload.format(d.pad(k, 9))} "
-               f"FROM {d.series(N_INBOUND)}")
+        f"FROM {d.series(N_INBOUND)}"
+    )
+    out.append(
+        f"INSERT INTO inbound_bodies (id, payload) SELECT {k}, {payload.format(d.pad(k, 9))} FROM {d.series(N_INBOUND)}"
+    )
     # a batch record per hot batch, and older ones whose messages retention took already
-    out.append("INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
-               "message_count, created_at) "
-               "SELECT DISTINCT batch_id, connection, 'FHS1', 'BHS1', 10, 10, created_at FROM stage_inbound "
-               "WHERE batch_id IS NOT NULL AND batch_seq = 1")
-    out.append(f"INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
-               f"message_count, created_at) "
-               f"SELECT 'a' || {d.pad('n.i', 9)}, 'file-in', 'FHS0', 'BHS0', 10, 10, "
-               f"{d.ago(f'{HISTORY_HOURS} * 3600 + n.i')} FROM {d.series(300)}")
+    out.append(
+        "INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
+        "message_count, created_at) "
+        "SELECT DISTINCT batch_id, connection, 'FHS1', 'BHS1', 10, 10, created_at FROM stage_inbound "
+        "WHERE batch_id IS NOT NULL AND batch_seq = 1"
+    )
+    out.append(
+        f"INSERT INTO inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, declared_count, "
+        f"message_count, created_at) "
+        f"SELECT 'a' || {d.pad('n.i', 9)}, 'file-in', 'FHS0', 'BHS0', 10, 10, "
+        f"{d.ago(f'{HISTORY_HOURS} * 3600 + n.i')} FROM {d.series(300)}"
+    )
     out.append(
         f"INSERT INTO archive_inbound_batches (batch_id, connection, fhs_control_id, bhs_control_id, "
         f"declared_count, message_count, created_at, archived_at) "
@@ -208,8 +232,11 @@ def statements(dialect: str) -> list[str]:
     src_a = f"((n.i - 1) / {FANOUT} + 1)"
     for table in ("archive_routed", "archive_outbound"):
         extra_cols = ", content_type, idempotency_key" if table == "archive_outbound" else ", route_name"
-        extra_vals = (f", 'application/hl7-v2', {mid(src_a)} || '-' || {dest(f'(n.i - 1) % {FANOUT}')}"
-                      if table == "archive_outbound" else ", 'r-' || " + dest(f"(n.i - 1) % {FANOUT}"))
+        extra_vals = (
+            f", 'application/hl7-v2', {mid(src_a)} || '-' || {dest(f'(n.i - 1) % {FANOUT}')}"
+            if table == "archive_outbound"
+            else ", 'r-' || " + dest(f"(n.i - 1) % {FANOUT}")
+        )
         body = f", {payload.format(d.pad('n.i', 9))}" if table == "archive_outbound" else ""
         out.append(
             f"INSERT INTO {table} (id, source_id, message_id, control_id, destination{extra_cols}, lane_key, status, "
@@ -219,7 +246,8 @@ def statements(dialect: str) -> list[str]:
             f"{d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({arch} - n.i) / {arch}')}, "
             f"{d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({arch} - n.i) / {arch}')}, NULL{body}, "
             f"{d.ago(f'{HISTORY_HOURS} * 3600 + 7 * 86400.0 * ({arch} - n.i) / {arch}')} "
-            f"FROM {d.series(arch)}")
+            f"FROM {d.series(arch)}"
+        )
     n_rows = INBOUND_DONE * FANOUT
     rid = f"(n.i + {ROUTED_FIRST - 1})"
     src = f"({INBOUND_FIRST} + (n.i - 1) / {FANOUT})"
@@ -237,19 +265,21 @@ def statements(dialect: str) -> list[str]:
         f"CASE WHEN n.i > {r_open} AND n.i <= {r_open} + {ROUTED_OPEN * 3 // 4} THEN 0 ELSE 1 END, "
         f"{d.ago(_history_age('n.i', n_rows))}, {d.ago(_history_age('n.i', n_rows))}, "
         f"CASE WHEN n.i % 2000 = 11 AND n.i <= {r_open} THEN 'transform failed: no PID-3' END "
-        f"FROM {d.series(n_rows)}")
+        f"FROM {d.series(n_rows)}"
+    )
 
     # outbound row r: its lane, and in the open tail (position p from 1) its state
     p = f"(n.i - {n_rows - OUTBOUND_OPEN})"
     lane = f"(n.i % {OUTBOUND_LANES})"
-    open_lane = (f"CASE WHEN n.i % {NULL_LANE_EVERY} = 0 THEN NULL "
-                 f"ELSE {dst} || ':' || {d.text(lane)} END")
+    open_lane = f"CASE WHEN n.i % {NULL_LANE_EVERY} = 0 THEN NULL ELSE {dst} || ':' || {d.text(lane)} END"
     head = f"({p} <= {OUTBOUND_LANES})"  # the first row of each lane in the open tail
-    status = (f"CASE WHEN {p} <= 0 THEN CASE WHEN n.i % 1000 = 13 THEN 'dead' ELSE 'done' END "
-              f"     WHEN {head} AND {lane} % 5 = 0 THEN 'in_flight' "
-              f"     WHEN {head} AND {lane} % 7 = 1 THEN 'error' "
-              f"     WHEN {head} AND {lane} % 11 = 2 THEN 'error' "
-              f"     ELSE 'pending' END")
+    status = (
+        f"CASE WHEN {p} <= 0 THEN CASE WHEN n.i % 1000 = 13 THEN 'dead' ELSE 'done' END "
+        f"     WHEN {head} AND {lane} % 5 = 0 THEN 'in_flight' "
+        f"     WHEN {head} AND {lane} % 7 = 1 THEN 'error' "
+        f"     WHEN {head} AND {lane} % 11 = 2 THEN 'error' "
+        f"     ELSE 'pending' END"
+    )
     out.append(
         f"{d.insert('stage_outbound')} (id, source_id, message_id, control_id, destination, content_type, "
         f"idempotency_key, lane_key, status, lease_owner, lease_expires_at, claim_epoch, attempts, next_attempt_at, "
@@ -268,14 +298,17 @@ def statements(dialect: str) -> list[str]:
         f"{d.ago(_history_age('n.i', n_rows))}, {d.ago(_history_age('n.i', n_rows))}, "
         f"CASE WHEN {p} <= 0 AND n.i % 1000 = 13 THEN 'AE from ' || {dst} "
         f"     WHEN {p} > 0 AND {head} AND {lane} % 5 <> 0 AND ({lane} % 7 = 1 OR {lane} % 11 = 2) THEN 'HTTP 503' END "
-        f"FROM {d.series(n_rows)}")
-    out.append(f"INSERT INTO outbound_bodies (id, payload) SELECT {rid}, {payload.format(d.pad(src, 9))} "
-               f"FROM {d.series(n_rows)} WHERE (n.i - 1) % {FANOUT} <> {DESTINATIONS.index(PASSTHROUGH)}")
+        f"FROM {d.series(n_rows)}"
+    )
+    out.append(
+        f"INSERT INTO outbound_bodies (id, payload) SELECT {rid}, {payload.format(d.pad(src, 9))} "
+        f"FROM {d.series(n_rows)} WHERE (n.i - 1) % {FANOUT} <> {DESTINATIONS.index(PASSTHROUGH)}"
+    )
 
     # -- the audit trail: the latest N_EVENTS events, archived ones below -------------------
     for table, first, count in (("archive_events", 1, ARCHIVED_EVENTS), ("message_events", EVENTS_FIRST, N_EVENTS)):
-        msg = (f"({INBOUND_LAST} - ({N_EVENTS + ARCHIVED_EVENTS} - (n.i + {first - 1})) / 5)")
-        age = (_history_age(f'n.i + {first - 1}', N_EVENTS + ARCHIVED_EVENTS))
+        msg = f"({INBOUND_LAST} - ({N_EVENTS + ARCHIVED_EVENTS} - (n.i + {first - 1})) / 5)"
+        age = _history_age(f"n.i + {first - 1}", N_EVENTS + ARCHIVED_EVENTS)
         extra = ", connection, archived_at" if table == "archive_events" else ""
         extra_v = f", {conn(msg)}, {d.ago(age)}" if table == "archive_events" else ""
         out.append(
@@ -287,15 +320,20 @@ def statements(dialect: str) -> list[str]:
             f"CASE (n.i % 5) WHEN 0 THEN 'received' ELSE 'done' END, "
             f"CASE (n.i % 5) WHEN 0 THEN NULL ELSE 'in_flight' END, "
             f"CASE (n.i % 5) WHEN 0 THEN 'pending' ELSE 'done' END, {EPOCH}, '{ROUTE_OWNER}', 1, NULL{extra_v} "
-            f"FROM {d.series(count)}")
+            f"FROM {d.series(count)}"
+        )
 
     # -- landing: the running runs' rows, and a dead run's leftovers -------------------------
     in_flight_in = f"({INBOUND_LAST} - {INBOUND_OPEN // 4} + 1 + (n.i - 1) / 2)"
-    out.append(f"INSERT INTO landing_routed (run_id, source_id, destination, route_name, status) "
-               f"SELECT '{ROUTE_RUN}', {in_flight_in}, CASE WHEN n.i % 2 = 0 THEN 'ehr' ELSE 'archive' END, 'r1', "
-               f"CASE WHEN n.i % 50 = 0 THEN 'unrouted' ELSE 'pending' END FROM {d.series(LANDED)}")
-    out.append(f"INSERT INTO landing_routed (run_id, source_id, destination, route_name, status) "
-               f"SELECT '{DEAD_RUN}', {INBOUND_FIRST} + n.i, 'ehr', 'r1', 'pending' FROM {d.series(500)}")
+    out.append(
+        f"INSERT INTO landing_routed (run_id, source_id, destination, route_name, status) "
+        f"SELECT '{ROUTE_RUN}', {in_flight_in}, CASE WHEN n.i % 2 = 0 THEN 'ehr' ELSE 'archive' END, 'r1', "
+        f"CASE WHEN n.i % 50 = 0 THEN 'unrouted' ELSE 'pending' END FROM {d.series(LANDED)}"
+    )
+    out.append(
+        f"INSERT INTO landing_routed (run_id, source_id, destination, route_name, status) "
+        f"SELECT '{DEAD_RUN}', {INBOUND_FIRST} + n.i, 'ehr', 'r1', 'pending' FROM {d.series(500)}"
+    )
     out.append(
         f"INSERT INTO landing_outbound (run_id, source_id, routed_id, destination, content_type, lane_key, "
         f"payload, message_id, control_id) "

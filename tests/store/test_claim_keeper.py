@@ -1,6 +1,7 @@
 """The stage task's watch (`include.claim_keeper`) and the primitives under it, on real SQLite and
 PostgreSQL: a live claim is renewed past its row lease, a dead one expires and is swept, the claims
 of ended tasks come back at once, and a change of epoch or a lapsed lease stops the task."""
+
 from __future__ import annotations
 
 import time
@@ -21,9 +22,19 @@ def leader(store: Store, node: str = "a", *, ttl: float = 600, fence: float = 30
 
 def stage(store: Store, epoch: int, n: int, *, lanes: bool = True) -> list[int]:
     with store.transaction() as tx:
-        return [insert_inbound(tx, epoch=epoch, node_id="a", message_id=f"m{i}", control_id=f"c{i}",
-                                  connection="c", payload="MSH|", lane_key=f"l{i % 2}" if lanes else None)
-                for i in range(n)]
+        return [
+            insert_inbound(
+                tx,
+                epoch=epoch,
+                node_id="a",
+                message_id=f"m{i}",
+                control_id=f"c{i}",
+                connection="c",
+                payload="MSH|",
+                lane_key=f"l{i % 2}" if lanes else None,
+            )
+            for i in range(n)
+        ]
 
 
 def claim(store: Store, owner: str, epoch: int, *, lease: float) -> list[int]:
@@ -39,8 +50,16 @@ def statuses(store: Store) -> dict[str, int]:
 
 
 def keeper(store: Store, epoch: int, *, lease: float = 0.9, clustered: bool = True) -> ClaimKeeper:
-    return ClaimKeeper(store, INBOUND, epoch=epoch, clustered=clustered, check_seconds=0.1, lease_seconds=lease,
-                       reclaim_seconds=0.2, max_attempts=rl.SWEEP_MAX_ATTEMPTS)
+    return ClaimKeeper(
+        store,
+        INBOUND,
+        epoch=epoch,
+        clustered=clustered,
+        check_seconds=0.1,
+        lease_seconds=lease,
+        reclaim_seconds=0.2,
+        max_attempts=rl.SWEEP_MAX_ATTEMPTS,
+    )
 
 
 def test_a_live_claim_is_renewed_past_its_row_lease_and_a_dead_one_is_swept_soon_after(store):
@@ -62,8 +81,12 @@ def test_claims_of_ended_tasks_of_the_same_dag_come_back_at_once_and_never_the_a
     epoch = leader(store).epoch
     stage(store, epoch, 6, lanes=False)
     with store.transaction() as tx:
-        for owner, limit in (("airflow:stage_route:r1#1.0", 2), ("airflow:stage_route:r2#1.3", 2),
-                             ("airflow:stage_transform:r9#1.0", 1), ("airflow:stage_route:r2#2.0", 1)):
+        for owner, limit in (
+            ("airflow:stage_route:r1#1.0", 2),
+            ("airflow:stage_route:r2#1.3", 2),
+            ("airflow:stage_transform:r9#1.0", 1),
+            ("airflow:stage_route:r2#2.0", 1),
+        ):
             assert len(rl.claim_batch(tx, INBOUND, owner=owner, epoch=epoch, limit=limit, lease_seconds=600)) == limit
     with keeper(store, epoch) as watch:
         assert watch.recover_abandoned(prefix="airflow:stage_route:", keep="airflow:stage_route:r2#2.") == 4
@@ -71,7 +94,9 @@ def test_claims_of_ended_tasks_of_the_same_dag_come_back_at_once_and_never_the_a
         cur = tx.conn.cursor()
         cur.execute("SELECT lease_owner FROM stage_inbound WHERE status = 'in_flight' ORDER BY lease_owner")
         assert [r["lease_owner"] for r in map(dict, cur.fetchall())] == [
-            "airflow:stage_route:r2#2.0", "airflow:stage_transform:r9#1.0"]
+            "airflow:stage_route:r2#2.0",
+            "airflow:stage_transform:r9#1.0",
+        ]
         cur.execute("SELECT count(*) AS n FROM message_events WHERE event = 'recovered'")
         assert dict(cur.fetchone())["n"] == 4
 
@@ -140,9 +165,18 @@ def test_a_hung_batch_is_given_up_its_rows_swept_and_the_task_told_to_end(store)
     epoch = leader(store).epoch
     stage(store, epoch, 4, lanes=False)
     told: list[str] = []
-    watch = ClaimKeeper(store, INBOUND, epoch=epoch, clustered=True, check_seconds=0.1, lease_seconds=0.9,
-                        reclaim_seconds=0.2, max_attempts=rl.SWEEP_MAX_ATTEMPTS, max_batch_seconds=1.5,
-                        on_hung=told.append)
+    watch = ClaimKeeper(
+        store,
+        INBOUND,
+        epoch=epoch,
+        clustered=True,
+        check_seconds=0.1,
+        lease_seconds=0.9,
+        reclaim_seconds=0.2,
+        max_attempts=rl.SWEEP_MAX_ATTEMPTS,
+        max_batch_seconds=1.5,
+        on_hung=told.append,
+    )
     with watch:
         watch.owner = "task-1.0"
         assert len(claim(store, "task-1.0", epoch, lease=0.9)) == 4
@@ -165,8 +199,13 @@ def test_the_follow_window_outlasts_a_step_down_backoff():
     from include.config import ClusterConfig, ServiceConfig
     from include.stage_loop import MIN_FOLLOW_SECONDS, follow_seconds
 
-    lab = replace(ClusterConfig(), enabled=True, heartbeat_seconds=0.5, leader_fence_timeout_seconds=1.5,
-                  leader_lease_ttl_seconds=2.5)
+    lab = replace(
+        ClusterConfig(),
+        enabled=True,
+        heartbeat_seconds=0.5,
+        leader_fence_timeout_seconds=1.5,
+        leader_lease_ttl_seconds=2.5,
+    )
     assert follow_seconds(ServiceConfig(cluster=lab)) == 5.0 + 2.5  # default backoff 2 TTLs, plus a TTL
     slow_backoff = replace(lab, step_down_backoff_seconds=30.0)
     assert follow_seconds(ServiceConfig(cluster=slow_backoff)) == 32.5

@@ -1,4 +1,5 @@
 """Config load enforces the cluster's safety rules with errors that name the setting and the rule."""
+
 from __future__ import annotations
 
 import re
@@ -8,9 +9,16 @@ import pytest
 
 from include.config import ConfigError, config_path, load, parse
 
-CLUSTER_PG = {"store": {"backend": "postgres", "server": "db", "pool_size": 3},
-              "cluster": {"enabled": True, "heartbeat_seconds": 2, "leader_fence_timeout_seconds": 4,
-                          "leader_lease_ttl_seconds": 6, "node_timeout_seconds": 5}}
+CLUSTER_PG = {
+    "store": {"backend": "postgres", "server": "db", "pool_size": 3},
+    "cluster": {
+        "enabled": True,
+        "heartbeat_seconds": 2,
+        "leader_fence_timeout_seconds": 4,
+        "leader_lease_ttl_seconds": 6,
+        "node_timeout_seconds": 5,
+    },
+}
 
 
 def with_(section: str, **values):
@@ -32,23 +40,28 @@ def test_pinned_node_id_is_kept():
     assert parse(with_("cluster", node_id="node-a")).cluster.node_id == "node-a"
 
 
-@pytest.mark.parametrize("raw, words", [
-    (with_("cluster", leader_fence_timeout_seconds=6),
-     ["heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds"]),
-    (with_("cluster", heartbeat_seconds=4), ["heartbeat_seconds < leader_fence_timeout_seconds"]),
-    (with_("cluster", node_timeout_seconds=2), ["node_timeout_seconds", "heartbeat_seconds"]),
-    (with_("store", backend="sqlite"), ["[cluster].enabled", "postgres", "sqlserver"]),
-    (with_("store", pool_size=1), ["store.pool_size: must be >= 2"]),
-    (with_("store", backend="mysql"), ["store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'"]),
-    (with_("store", colour="blue"), ["store.colour: unknown setting"]),
-    (with_("cluster", leader_ttl=5), ["cluster.leader_ttl: unknown setting"]),
-    ({"stores": {}}, ["stores: unknown setting"]),
-    (with_("store", password="secret"), ["store.password: unknown setting", "STAGELINE_STORE_PASSWORD"]),
-    (with_("store", pool_size="3"), ["store.pool_size: must be an integer, got a string"]),
-    (with_("cluster", enabled="yes"), ["cluster.enabled: must be true or false, got a string"]),
-    (with_("cluster", cluster_name=" "), ["cluster_name"]),
-    (with_("store", schema="x; drop"), ["store.schema: must be"]),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (
+            with_("cluster", leader_fence_timeout_seconds=6),
+            ["heartbeat_seconds < leader_fence_timeout_seconds < leader_lease_ttl_seconds"],
+        ),
+        (with_("cluster", heartbeat_seconds=4), ["heartbeat_seconds < leader_fence_timeout_seconds"]),
+        (with_("cluster", node_timeout_seconds=2), ["node_timeout_seconds", "heartbeat_seconds"]),
+        (with_("store", backend="sqlite"), ["[cluster].enabled", "postgres", "sqlserver"]),
+        (with_("store", pool_size=1), ["store.pool_size: must be >= 2"]),
+        (with_("store", backend="mysql"), ["store.backend: must be one of 'sqlite', 'postgres', 'sqlserver'"]),
+        (with_("store", colour="blue"), ["store.colour: unknown setting"]),
+        (with_("cluster", leader_ttl=5), ["cluster.leader_ttl: unknown setting"]),
+        ({"stores": {}}, ["stores: unknown setting"]),
+        (with_("store", password="secret"), ["store.password: unknown setting", "STAGELINE_STORE_PASSWORD"]),
+        (with_("store", pool_size="3"), ["store.pool_size: must be an integer, got a string"]),
+        (with_("cluster", enabled="yes"), ["cluster.enabled: must be true or false, got a string"]),
+        (with_("cluster", cluster_name=" "), ["cluster_name"]),
+        (with_("store", schema="x; drop"), ["store.schema: must be"]),
+    ],
+)
 def test_rule_violations_are_refused_naming_the_setting(raw, words):
     with pytest.raises(ConfigError) as err:
         parse(raw)

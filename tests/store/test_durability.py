@@ -7,6 +7,7 @@ with `fsync = off` is refused by `check_durability` (and by listenerd at start) 
 `allow_unsafe_durability`. SQL Server has no server here: its SQL text is parsed and the decision
 tested on a stand-in cursor (docs/sqlserver.md).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -45,8 +46,9 @@ def server() -> Iterator[PostgresServer]:
 
 @pytest.fixture
 def config(server: PostgresServer) -> Iterator[StoreConfig]:
-    yield StoreConfig(backend="postgres", server=server.host, port=server.port, database="durable",
-                      username=server.user, pool_size=2)
+    yield StoreConfig(
+        backend="postgres", server=server.host, port=server.port, database="durable", username=server.user, pool_size=2
+    )
     for sql in ("ALTER SYSTEM RESET ALL", "ALTER DATABASE durable RESET ALL", "SELECT pg_reload_conf()"):
         server.execute(sql)
 
@@ -120,7 +122,8 @@ def test_fsync_off_is_refused_unless_allowed(server, config) -> None:
 
 
 def test_fsync_turned_off_at_run_time_is_found_by_the_recheck_and_fails_every_transaction(
-        server, config, caplog: pytest.LogCaptureFixture) -> None:
+    server, config, caplog: pytest.LogCaptureFixture
+) -> None:
     # red team (issue 23, item 10): ALTER SYSTEM SET fsync = off + reload under a running
     # listenerd went unnoticed, pooled connections were never checked again and AA went on.
     from include.store import db
@@ -217,11 +220,21 @@ def test_listenerd_refuses_to_start_on_a_server_with_fsync_off(server, config, t
         ok.stop()
 
 
-@pytest.mark.parametrize("current, standbys, wanted", [
-    ("off", "", "on"), ("local", "", "on"), ("on", "", None), ("remote_apply", "", "on"),
-    ("off", "s1", "on"), ("local", "s1", "on"), ("on", "s1", None), ("remote_write", "s1", None),
-    ("remote_apply", "FIRST 1 (s1, s2)", None), ("OFF", " ", "on"),
-])
+@pytest.mark.parametrize(
+    "current, standbys, wanted",
+    [
+        ("off", "", "on"),
+        ("local", "", "on"),
+        ("on", "", None),
+        ("remote_apply", "", "on"),
+        ("off", "s1", "on"),
+        ("local", "s1", "on"),
+        ("on", "s1", None),
+        ("remote_write", "s1", None),
+        ("remote_apply", "FIRST 1 (s1, s2)", None),
+        ("OFF", " ", "on"),
+    ],
+)
 def test_postgres_synchronous_commit_decision(current: str, standbys: str, wanted: str | None) -> None:
     assert postgres_synchronous_commit(current, standbys) == wanted
 
@@ -254,8 +267,7 @@ class FakeConn:
         self.committed = True
 
 
-@pytest.mark.parametrize("desc, refused", [("DISABLED", False), ("ALLOWED", False), ("FORCED", True),
-                                           (None, False)])
+@pytest.mark.parametrize("desc, refused", [("DISABLED", False), ("ALLOWED", False), ("FORCED", True), (None, False)])
 def test_sqlserver_delayed_durability_forced_is_refused(desc: str | None, refused: bool) -> None:
     sql = durability_queries("sqlserver")
     conn = FakeConn({"delayed_durability": desc} if desc else None)
@@ -326,8 +338,12 @@ def test_listenerd_stops_acking_once_fsync_is_turned_off_under_it(server, config
     finally:
         store.close()
     mllp = free_port()
-    d = Daemon(tmp_path / "node", config, node_id="solo:1:dw",
-               inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp}]).start()
+    d = Daemon(
+        tmp_path / "node",
+        config,
+        node_id="solo:1:dw",
+        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp}],
+    ).start()
     try:
         with MLLPClient("127.0.0.1", mllp) as client:
             assert "MSA|AA|DUR0" in ack_of(client.send_message(adt("DUR0").decode()))

@@ -1,5 +1,6 @@
 """The self-fencing leader lease: one leader per epoch, takeover only after expiry on the DB clock,
 self-fencing before expiry, immediate handover on a clean release."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -31,8 +32,9 @@ def elector(store: Store, node: str, *, ttl: float = 30.0, fence: float = 20.0, 
 def test_competing_electors_in_separate_processes_have_exactly_one_leader_per_epoch(store_config):
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(3), ctx.Queue()
-    procs = [ctx.Process(target=compete, args=(store_config, f"n{i}", 3.0, i, 0.4, 0.3, start, results))
-             for i in range(3)]
+    procs = [
+        ctx.Process(target=compete, args=(store_config, f"n{i}", 3.0, i, 0.4, 0.3, start, results)) for i in range(3)
+    ]
     for p in procs:
         p.start()
     logs = [results.get(timeout=60) for _ in procs]

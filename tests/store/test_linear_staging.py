@@ -7,6 +7,7 @@ handler), not seconds: the count is the same on a busy machine and a quiet one. 
 id list for every message — eight times the messages cost ~60 times the steps (4,000 messages
 took 3.2 s inside the lock); now it is about eight times.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -21,10 +22,17 @@ STEP = 1_000
 
 def steps_to_stage(store: Store, epoch: int, n: int, *, batch: str | None = None) -> int:
     """VM steps (in units of STEP) SQLite spends staging `n` messages in one group commit."""
-    messages = [{"message_id": uuid.uuid4().hex, "control_id": f"C{k}", "connection": "mllp-in",
-                 "lane_key": f"P{k % 50}", "charset": None, "payload": f"MSH|^~\\&|A|B|C|D|||ADT^A01|C{k}|P|2.5\r"
-                 + "PID|1||P1^^^H^MR||DOE^JOHN\r" * 4}
-                for k in range(n)]
+    messages = [
+        {
+            "message_id": uuid.uuid4().hex,
+            "control_id": f"C{k}",
+            "connection": "mllp-in",
+            "lane_key": f"P{k % 50}",
+            "charset": None,
+            "payload": f"MSH|^~\\&|A|B|C|D|||ADT^A01|C{k}|P|2.5\r" + "PID|1||P1^^^H^MR||DOE^JOHN\r" * 4,
+        }
+        for k in range(n)
+    ]
     if batch is not None:
         for k, m in enumerate(messages, start=1):
             m.update(batch_id=batch, batch_seq=k)
@@ -60,8 +68,10 @@ def test_an_hl7_batch_of_eight_times_the_messages_costs_about_eight_times_the_wo
     store = Store(sqlite_config_fresh)
     try:
         epoch = acquire_permanent(store, node_id="n")
-        small, large = (steps_to_stage(store, epoch, 500, batch="B-small"),
-                        steps_to_stage(store, epoch, 4_000, batch="B-large"))
+        small, large = (
+            steps_to_stage(store, epoch, 500, batch="B-small"),
+            steps_to_stage(store, epoch, 4_000, batch="B-large"),
+        )
         assert large / small < 12, f"500 messages: {small} k steps, 4,000: {large} k steps"
     finally:
         store.close()

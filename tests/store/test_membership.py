@@ -1,4 +1,5 @@
 """Membership heartbeat and the derived leader: at most one, never a stale or departed node."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,22 @@ def test_two_node_view_has_the_documented_shape_and_one_leader(store):
     heartbeat(store, a, is_leader=True, config_hash="h1")
     heartbeat(store, b, is_leader=False, config_hash="h1")
     doc = cluster_nodes(store, node_timeout_seconds=30)
-    assert set(doc) == {"nodes", "leader_node_id", "lease_owner", "lease_expires_at", "epoch", "db_now",
-                        "config_mismatch"}
+    assert set(doc) == {
+        "nodes",
+        "leader_node_id",
+        "lease_owner",
+        "lease_expires_at",
+        "epoch",
+        "db_now",
+        "config_mismatch",
+    }
     assert doc["epoch"] == elector.epoch and doc["config_mismatch"] == []
     assert doc["lease_expires_at"] > doc["db_now"]
     assert [set(n) for n in doc["nodes"]] == [NODE_KEYS, NODE_KEYS]
     assert [(n["node_id"], n["host"], n["pid"], n["status"], n["is_leader"]) for n in doc["nodes"]] == [
         ("node-a:4812:1f9c2a7b", "node-a", 4812, "active", True),
-        ("node-b:5210:7c3e9d10", "node-b", 5210, "active", False)]
+        ("node-b:5210:7c3e9d10", "node-b", 5210, "active", False),
+    ]
     assert doc["leader_node_id"] == doc["lease_owner"] == a.node_id
     assert isinstance(doc["lease_expires_at"], float) and isinstance(doc["nodes"][0]["last_seen"], float)
     heartbeat(store, b, is_leader=False, config_hash="h2")  # B now runs another config dir
@@ -36,8 +45,11 @@ def test_two_node_view_has_the_documented_shape_and_one_leader(store):
 def test_a_stale_leader_flag_is_never_reported_and_the_freshest_flag_wins(store):
     old, new = NodeIdentity.of("old:1:aa"), NodeIdentity.of("new:2:bb")
     heartbeat(store, old, is_leader=True)
-    wait_for(lambda: cluster_nodes(store, node_timeout_seconds=0.2)["leader_node_id"] is None, timeout=5,
-             what="old leader flag to go stale")
+    wait_for(
+        lambda: cluster_nodes(store, node_timeout_seconds=0.2)["leader_node_id"] is None,
+        timeout=5,
+        what="old leader flag to go stale",
+    )
     heartbeat(store, old, is_leader=True)
     before = cluster_nodes(store, node_timeout_seconds=30)["nodes"][0]["last_seen"]
 
@@ -65,12 +77,28 @@ def test_a_cleanly_stopped_node_leaves_a_tombstone_without_the_leader_flag(store
 def test_single_node_forms_match_the_documented_shapes():
     node = NodeIdentity.of("host:1234:ab12cd34")
     assert single_node_nodes(node) == {
-        "nodes": [{"node_id": "host:1234:ab12cd34", "host": "host", "pid": 1234, "status": "active",
-                   "started_at": None, "last_seen": None, "is_leader": True}],
-        "leader_node_id": "host:1234:ab12cd34", "lease_owner": "host:1234:ab12cd34", "lease_expires_at": None}
+        "nodes": [
+            {
+                "node_id": "host:1234:ab12cd34",
+                "host": "host",
+                "pid": 1234,
+                "status": "active",
+                "started_at": None,
+                "last_seen": None,
+                "is_leader": True,
+            }
+        ],
+        "leader_node_id": "host:1234:ab12cd34",
+        "lease_owner": "host:1234:ab12cd34",
+        "lease_expires_at": None,
+    }
     assert cluster_status(node_id=node.node_id, clustered=False, is_leader=False, config_version=5) == {
-        "node_id": "host:1234:ab12cd34", "clustered": False, "is_leader": True, "role": "single-node",
-        "config_version": 0}
+        "node_id": "host:1234:ab12cd34",
+        "clustered": False,
+        "is_leader": True,
+        "role": "single-node",
+        "config_version": 0,
+    }
 
 
 @pytest.mark.parametrize("is_leader, role", [(True, "primary"), (False, "standby")])

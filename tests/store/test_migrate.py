@@ -1,4 +1,5 @@
 """Migration is idempotent and concurrent-safe; a store refuses nodes of another cluster."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -73,8 +74,10 @@ def test_sqlite_store_runs_in_wal_with_full_sync_and_a_busy_timeout(sqlite_confi
     store = Store(sqlite_config_fresh)
     try:
         with store.transaction(write=False) as tx:
-            pragmas = {p: next(iter(tx.conn.execute(f"PRAGMA {p}").fetchone().values()))
-                       for p in ("journal_mode", "synchronous", "busy_timeout")}
+            pragmas = {
+                p: next(iter(tx.conn.execute(f"PRAGMA {p}").fetchone().values()))
+                for p in ("journal_mode", "synchronous", "busy_timeout")
+            }
     finally:
         store.close()
     assert pragmas == {"journal_mode": "wal", "synchronous": 2, "busy_timeout": 10_000}

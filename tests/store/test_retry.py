@@ -1,5 +1,6 @@
 """`include.store.retry`: a short store write waits out a brief outage, within a bound, and a
 deposed leader's write is never retried (fake clock: the backoff is not slept)."""
+
 from __future__ import annotations
 
 import pytest
@@ -68,6 +69,7 @@ def test_with_retries_reports_instead_of_raising() -> None:
     back = Outage(failures=2)
     assert with_retries(back, what="hand back", sleep=back.sleep, clock=back.clock) is True
     stale = Outage(failures=1, error=StaleEpoch("deposed"))
-    assert with_retries(stale, what="hand back", give_up_on=(StaleEpoch,), sleep=stale.sleep,
-                        clock=stale.clock) is False
+    assert (
+        with_retries(stale, what="hand back", give_up_on=(StaleEpoch,), sleep=stale.sleep, clock=stale.clock) is False
+    )
     assert stale.calls == 1

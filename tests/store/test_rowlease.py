@@ -1,5 +1,6 @@
 """Row-lease primitives: concurrent claims, per-lane FIFO with stranded-head reclaim, fenced finish,
 on-promotion recovery once per epoch, the expired-lease sweep, retries and dead letters."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -20,7 +21,8 @@ def seed_inbound(store: Store, n: int, *, lanes: int = 100) -> None:
         tx.conn.cursor().execute(
             f"WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {int(n)}) "
             "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
-            f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT) FROM g")
+            f"SELECT 'm' || n, 'c' || n, 'mllp-in', CAST(n % {int(lanes)} AS TEXT) FROM g"
+        )
         tx.conn.cursor().execute(
             "INSERT INTO inbound_bodies (id, payload) SELECT id, 'MSH|^~\\&|A|B|C|D' FROM stage_inbound"
         )
@@ -45,8 +47,10 @@ def test_four_concurrent_claimers_claim_nothing_twice_and_lose_nothing(store, st
     epoch = take_lease(store).epoch
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=claim_until_empty, args=(store_config, f"w{i}", epoch, 500, start, results))
-             for i in range(4)]
+    procs = [
+        ctx.Process(target=claim_until_empty, args=(store_config, f"w{i}", epoch, 500, start, results))
+        for i in range(4)
+    ]
     for p in procs:
         p.start()
     outcomes = [results.get(timeout=300) for _ in procs]
@@ -66,8 +70,12 @@ def test_four_concurrent_claimers_claim_nothing_twice_and_lose_nothing(store, st
 def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        ids = {k: insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
-                                    payload="MSH|", lane_key=k[0]) for k in ("a1", "b1", "a2", "b2", "a3")}
+        ids = {
+            k: insert_inbound(
+                tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c", payload="MSH|", lane_key=k[0]
+            )
+            for k in ("a1", "b1", "a2", "b2", "a3")
+        }
     with store.transaction() as tx:
         first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)]
     assert first == [ids["a1"], ids["b1"]]
@@ -81,49 +89,65 @@ def test_lane_heads_are_claimed_in_fifo_order_one_per_lane(store):
 def test_a_row_capped_lane_claim_takes_lanes_round_robin_and_leaves_each_a_prefix(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        ids = {k: insert_inbound(tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c",
-                                 payload="MSH|", lane_key=k[0])
-               for k in ("a1", "a2", "b1", "a3", "c1", "b2", "a4", "a5")}
+        ids = {
+            k: insert_inbound(
+                tx, epoch=epoch, node_id="a", message_id=k, control_id=k, connection="c", payload="MSH|", lane_key=k[0]
+            )
+            for k in ("a1", "a2", "b1", "a3", "c1", "b2", "a4", "a5")
+        }
     with store.transaction() as tx:
-        first = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10,
-                                                      max_rows=5)]
+        first = [
+            r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10, max_rows=5)
+        ]
     assert first == sorted(ids[k] for k in ("a1", "b1", "c1", "a2", "b2"))  # every lane's 1st, then 2nds
     with store.transaction() as tx:  # lanes with rows in flight give nothing more
         assert rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10, max_rows=5) == []
         rl.finish_batch(tx, INBOUND, first, owner="a", epoch=epoch)
     with store.transaction() as tx:  # one lane left: it moves max_rows at once, in order
-        rest = [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10,
-                                                     max_rows=5)]
+        rest = [
+            r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10, per_lane=10, max_rows=5)
+        ]
     assert rest == [ids["a3"], ids["a4"], ids["a5"]]
 
 
 def test_a_failing_head_blocks_only_its_own_lane_and_dead_letters_after_the_limit(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        a1, a2, b1 = (insert_inbound(tx, epoch=epoch, node_id="a", message_id=m, control_id=m, connection="c",
-                                        payload="MSH|", lane_key=m[0]) for m in ("a1", "a2", "b1"))
+        a1, a2, b1 = (
+            insert_inbound(
+                tx, epoch=epoch, node_id="a", message_id=m, control_id=m, connection="c", payload="MSH|", lane_key=m[0]
+            )
+            for m in ("a1", "a2", "b1")
+        )
     for attempt in (1, 2):
         with store.transaction() as tx:
             heads = {r["id"]: r for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)}
             assert a1 in heads and heads[a1]["attempts"] == attempt
-            failed = rl.fail_batch(tx, INBOUND, [a1], owner="a", epoch=epoch, error="NAK AE from ehr",
-                                   max_attempts=2, backoff_seconds=0.0)
+            failed = rl.fail_batch(
+                tx, INBOUND, [a1], owner="a", epoch=epoch, error="NAK AE from ehr", max_attempts=2, backoff_seconds=0.0
+            )
             assert failed[0]["status"] == ("error" if attempt == 1 else "dead")
             if b1 in heads:
                 rl.finish_batch(tx, INBOUND, [b1], owner="a", epoch=epoch)
     with store.transaction() as tx:  # dead is terminal: the lane moves on
         assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=10)] == [a2]
-    history = rows(store, f"SELECT event, to_status, attempt, detail FROM message_events WHERE row_id = {a1} "
-                          "AND event <> 'received' ORDER BY id")
-    assert history == [{"event": "attempt_failed", "to_status": "error", "attempt": 1, "detail": "NAK AE from ehr"},
-                       {"event": "attempt_failed", "to_status": "dead", "attempt": 2, "detail": "NAK AE from ehr"}]
+    history = rows(
+        store,
+        f"SELECT event, to_status, attempt, detail FROM message_events WHERE row_id = {a1} "
+        "AND event <> 'received' ORDER BY id",
+    )
+    assert history == [
+        {"event": "attempt_failed", "to_status": "error", "attempt": 1, "detail": "NAK AE from ehr"},
+        {"event": "attempt_failed", "to_status": "dead", "attempt": 2, "detail": "NAK AE from ehr"},
+    ]
 
 
 def test_backoff_holds_a_failed_head_until_next_attempt_at(store):
     epoch = take_lease(store).epoch
     with store.transaction() as tx:
-        a1 = insert_inbound(tx, epoch=epoch, node_id="a", message_id="a1", control_id="1", connection="c",
-                               payload="MSH|", lane_key="a")
+        a1 = insert_inbound(
+            tx, epoch=epoch, node_id="a", message_id="a1", control_id="1", connection="c", payload="MSH|", lane_key="a"
+        )
         rl.claim_lane_heads(tx, INBOUND, owner="a", epoch=epoch, limit=1)
         rl.fail_batch(tx, INBOUND, [a1], owner="a", epoch=epoch, error="timeout", max_attempts=5, backoff_seconds=0.3)
     with store.transaction() as tx:
@@ -141,10 +165,22 @@ def test_stranded_head_is_reclaimed_before_anything_newer_in_its_lane(store):
     old = LeaderElector(store, node_id="old", ttl_seconds=0.4, fence_timeout_seconds=0.2)
     epoch1 = old.step().epoch
     with store.transaction() as tx:
-        h1, h2 = (insert_inbound(tx, epoch=epoch1, node_id="old", message_id=m, control_id=m, connection="c",
-                                    payload="MSH|", lane_key="pid-1") for m in ("h1", "h2"))
-        assert [r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="old", epoch=epoch1,
-                                                     limit=5, lease_seconds=0.2)] == [h1]
+        h1, h2 = (
+            insert_inbound(
+                tx,
+                epoch=epoch1,
+                node_id="old",
+                message_id=m,
+                control_id=m,
+                connection="c",
+                payload="MSH|",
+                lane_key="pid-1",
+            )
+            for m in ("h1", "h2")
+        )
+        assert [
+            r["id"] for r in rl.claim_lane_heads(tx, INBOUND, owner="old", epoch=epoch1, limit=5, lease_seconds=0.2)
+        ] == [h1]
     # the old leader dies; its lease and the row lease age out; a new leader claims the lane
     new = LeaderElector(store, node_id="new", ttl_seconds=600, fence_timeout_seconds=300)
     wait_for(lambda: new.step().is_leader, timeout=5, what="takeover")
@@ -177,8 +213,12 @@ def test_finish_under_a_stale_epoch_changes_nothing(store):
         assert rl.finish_batch(tx, INBOUND, ids, owner="a", epoch=e1) == []
         assert rl.fail_batch(tx, INBOUND, ids, owner="a", epoch=e1, error="x", max_attempts=1) == []
         assert rl.claim_batch(tx, INBOUND, owner="a", epoch=e1, limit=10) == []
-        assert insert_inbound(tx, epoch=e1, node_id="a", message_id="late", control_id="late",
-                                 connection="c", payload="MSH|") is None
+        assert (
+            insert_inbound(
+                tx, epoch=e1, node_id="a", message_id="late", control_id="late", connection="c", payload="MSH|"
+            )
+            is None
+        )
         assert rl.sweep_expired(tx, INBOUND, owner="a", epoch=e1) == 0
     assert (
         rows(store, "SELECT id, status, lease_owner, claim_epoch, updated_at FROM stage_inbound ORDER BY id") == before
@@ -260,8 +300,7 @@ def test_a_claim_holds_a_lane_behind_a_row_backing_off(store):
     seed_inbound(store, 4, lanes=2)
     with store.transaction() as tx:
         [first] = [r["id"] for r in rl.claim_batch(tx, INBOUND, owner="a", epoch=epoch, limit=1)]
-        rl.fail_batch(tx, INBOUND, [first], owner="a", epoch=epoch, error="boom", max_attempts=5,
-                      backoff_seconds=600)
+        rl.fail_batch(tx, INBOUND, [first], owner="a", epoch=epoch, error="boom", max_attempts=5, backoff_seconds=600)
         got = rl.claim_batch(tx, INBOUND, owner="b", epoch=epoch, limit=100)
     lane = rows(store, f"SELECT lane_key FROM stage_inbound WHERE id = {first}")[0]["lane_key"]
     assert {r["lane_key"] for r in got} == {"0", "1"} - {lane}
@@ -312,9 +351,12 @@ def test_one_statement_transitions_write_the_same_events_as_two(store):
         store._queries = kept
 
     def events(row_ids: list[int]) -> list[dict]:
-        got = rows(store, "SELECT row_id, stage, message_id, control_id, destination, event, from_status, to_status, "
-                          f"epoch, node_id, attempt, detail FROM message_events WHERE event <> 'received' "
-                          f"AND row_id IN ({','.join(map(str, row_ids))}) ORDER BY row_id")
+        got = rows(
+            store,
+            "SELECT row_id, stage, message_id, control_id, destination, event, from_status, to_status, "
+            f"epoch, node_id, attempt, detail FROM message_events WHERE event <> 'received' "
+            f"AND row_id IN ({','.join(map(str, row_ids))}) ORDER BY row_id",
+        )
         return [{k: v for k, v in e.items() if k not in ("row_id", "message_id", "control_id")} for e in got]
 
     assert len(events(one_done + one_failed)) == 20
@@ -331,8 +373,13 @@ def test_a_lone_message_is_staged_as_a_batch_of_one_would_be(store):
     if not store.has_query("stage_inbound_one"):
         pytest.skip("this dialect has one staging statement")
     epoch = take_lease(store).epoch
-    lone = {"connection": "adt-in", "control_id": "C1", "lane_key": "P1", "charset": "utf-8",
-            "payload": "MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C1|P|2.5\rPID|1||P1"}
+    lone = {
+        "connection": "adt-in",
+        "control_id": "C1",
+        "lane_key": "P1",
+        "charset": "utf-8",
+        "payload": "MSH|^~\\&|A|B|C|D|20240101||ADT^A01|C1|P|2.5\rPID|1||P1",
+    }
     with store.transaction() as tx:
         one = rl.stage_inbound(tx, [{**lone, "message_id": "one"}], epoch=epoch, node_id="n1")
         assert rl.stage_inbound(tx, [{**lone, "message_id": "one"}], epoch=epoch, node_id="n1") == {}
@@ -347,11 +394,14 @@ def test_a_lone_message_is_staged_as_a_batch_of_one_would_be(store):
     assert set(one) == {"one"} and set(two) == {"general"}
 
     def staged(message_id: str) -> list[dict]:
-        got = rows(store, "SELECT i.message_id, i.control_id, i.connection, i.lane_key, i.charset, i.status, "
-                          "i.attempts, i.batch_id, b.payload, e.stage, e.event, e.from_status, e.to_status, "
-                          "e.epoch, e.node_id, e.attempt, e.detail, e.row_id = i.id AS event_on_row "
-                          "FROM stage_inbound i JOIN inbound_bodies b ON b.id = i.id "
-                          f"JOIN message_events e ON e.message_id = i.message_id WHERE i.message_id = '{message_id}'")
+        got = rows(
+            store,
+            "SELECT i.message_id, i.control_id, i.connection, i.lane_key, i.charset, i.status, "
+            "i.attempts, i.batch_id, b.payload, e.stage, e.event, e.from_status, e.to_status, "
+            "e.epoch, e.node_id, e.attempt, e.detail, e.row_id = i.id AS event_on_row "
+            "FROM stage_inbound i JOIN inbound_bodies b ON b.id = i.id "
+            f"JOIN message_events e ON e.message_id = i.message_id WHERE i.message_id = '{message_id}'",
+        )
         return [{k: v for k, v in r.items() if k != "message_id"} for r in got]
 
     assert staged("one") == staged("general")

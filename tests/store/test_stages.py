@@ -1,6 +1,7 @@
 """The stage records (`include.store.stages`) hold together: one name each, every query a record
 names exists in every dialect, and a stage's read query returns exactly the columns of its schema
 (on real SQLite and PostgreSQL)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ def test_each_stage_has_one_name_and_claims_from_its_own_table_in_pipeline_order
     assert [(s.name, s.dag_id, s.input.name) for s in STAGES] == [
         ("route", "stage_route", "stage_inbound"),
         ("transform", "stage_transform", "stage_routed"),
-        ("deliver", "stage_deliver", "stage_outbound")]
+        ("deliver", "stage_deliver", "stage_outbound"),
+    ]
     assert [stage_named(s.name) for s in STAGES] == [ROUTE, TRANSFORM, DELIVER]
     assert [s.input for s in STAGES] == list(STAGED_TABLES)
 

@@ -39,6 +39,7 @@ handler, which also aborts a runaway statement), PostgreSQL's buffer accesses (E
 BUFFERS) and its time on the database clock, each in a transaction rolled back. The whole file
 takes about a minute and a half (two fills of ~15-30 s each, then reading plans).
 """
+
 from __future__ import annotations
 
 import json
@@ -72,29 +73,41 @@ NO_PLAN = {
 
 ALLOWED_SCANS: dict[str, str] = {
     "messages_find": "the operator's ad-hoc search (`stageline messages find`, the Airflow view): any mix of "
-                     "optional filters, newest first, LIMIT; SQLite cannot use an index through `(:x IS NULL OR "
-                     "col = :x)` and reads newest-first until enough match. A read, on demand, never under the "
-                     "write lock",
+    "optional filters, newest first, LIMIT; SQLite cannot use an index through `(:x IS NULL OR "
+    "col = :x)` and reads newest-first until enough match. A read, on demand, never under the "
+    "write lock",
 }
 """Statements that may read a big table from end to end, each with why."""
 
 # Transitions PostgreSQL runs inside `audited` (Tx.transition), with the staged table they render for.
-AUDITED = [(name, table) for name in ("finish_batch", "fail_batch", "sweep_expired", "recover_abandoned",
-                                      "recover_stale_epoch") for table in STAGED_TABLES] + [
-    ("route_finalize_insert", ROUTED), ("transform_finalize_insert", OUTBOUND),
-    ("passthrough_outbound_insert", OUTBOUND)]
+AUDITED = [
+    (name, table)
+    for name in ("finish_batch", "fail_batch", "sweep_expired", "recover_abandoned", "recover_stale_epoch")
+    for table in STAGED_TABLES
+] + [
+    ("route_finalize_insert", ROUTED),
+    ("transform_finalize_insert", OUTBOUND),
+    ("passthrough_outbound_insert", OUTBOUND),
+]
 
 ONLY_ON = {
     "claim_lane_heads": (OUTBOUND,),  # only the deliver stage claims lane heads: the other tables
-                                      # have no open-lane index (dropped in migration 0004)
+    # have no open-lane index (dropped in migration 0004)
 }
 """Statements run on some of the staged tables only: checked on those."""
 
 # Which staged table's rows a statement without `{table}` gets as :ids.
-IDS_OF = {"stage_inbound_bodies": INBOUND, "stage_inbound_events": INBOUND, "route_finalize_insert": INBOUND,
-          "landing_routed_delete_sources": INBOUND, "transform_finalize_insert": ROUTED,
-          "transform_passthrough_ids": ROUTED, "passthrough_outbound_insert": ROUTED,
-          "landing_outbound_delete_sources": ROUTED, "transform_finalize_bodies": OUTBOUND}
+IDS_OF = {
+    "stage_inbound_bodies": INBOUND,
+    "stage_inbound_events": INBOUND,
+    "route_finalize_insert": INBOUND,
+    "landing_routed_delete_sources": INBOUND,
+    "transform_finalize_insert": ROUTED,
+    "transform_passthrough_ids": ROUTED,
+    "passthrough_outbound_insert": ROUTED,
+    "landing_outbound_delete_sources": ROUTED,
+    "transform_finalize_bodies": OUTBOUND,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,12 +132,14 @@ def _cases() -> Iterator[Any]:
             for table in tables:
                 if name == "audited":
                     continue
-                yield pytest.param(dialect, name, table, None,
-                                   id=f"{dialect}-{name}" + (f"[{table.name}]" if table else ""))
+                yield pytest.param(
+                    dialect, name, table, None, id=f"{dialect}-{name}" + (f"[{table.name}]" if table else "")
+                )
         if "audited" in loaded:
             for transition, table in AUDITED:
-                yield pytest.param(dialect, "audited", table, transition,
-                                   id=f"{dialect}-audited({transition})[{table.name}]")
+                yield pytest.param(
+                    dialect, "audited", table, transition, id=f"{dialect}-audited({transition})[{table.name}]"
+                )
 
 
 CASES = list(_cases())
@@ -152,48 +167,118 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         ids = fill.in_flight_ids(ids_table.name)
     transform = name.startswith(("transform_", "landing_outbound")) or name == "passthrough_outbound_insert"
     inbound_id = fill.INBOUND_FIRST + 123_456
-    new = [{"message_id": f"n{j:031d}", "control_id": f"NEW{j:06d}", "connection": "adt-in",
-            "lane_key": None if j % 10 == 0 else f"PID-{j}", "charset": "UTF-8",
-            "payload": "MSH|^~\\&|LAB|ACME|||20261126||ADT^A01|NEW|P|2.5\rPID|1||1"} for j in range(50)]
+    new = [
+        {
+            "message_id": f"n{j:031d}",
+            "control_id": f"NEW{j:06d}",
+            "connection": "adt-in",
+            "lane_key": None if j % 10 == 0 else f"PID-{j}",
+            "charset": "UTF-8",
+            "payload": "MSH|^~\\&|LAB|ACME|||20261126||ADT^A01|NEW|P|2.5\rPID|1||1",
+        }
+        for j in range(50)
+    ]
     new[0].update(batch_id="nb0000001", batch_seq=1, batch_size=2, batch_fhs="F", batch_bhs="B", batch_declared=2)
     new[1].update(batch_id="nb0000001", batch_seq=2)
     values: dict[str, Any] = {
-        "version": 13, "description": "plan indexes", "cluster_id": "0b7c6a9e-1f0e-4c1d-9a57-5d4f0c3b2a1e",
-        "cluster_name": CLUSTER, "ttl": 30.0, "epoch": fill.EPOCH, "prev_epoch": fill.EPOCH - 1,
-        "node_id": "node-a:1:aa", "host": "node-a", "pid": 1, "is_leader": True, "config_hash": "h1",
-        "node_timeout": 30.0, "lease_seconds": 60.0,
-        "ms": (fill.EXPORT_MS if name.startswith("export_") else 2_000 if name == "step_timeout"
-               else fill.RETENTION_MS),
-        "owner": fill.OWNERS.get(ids_table.name) if name not in ("claim_batch", "claim_lane_heads")
+        "version": 13,
+        "description": "plan indexes",
+        "cluster_id": "0b7c6a9e-1f0e-4c1d-9a57-5d4f0c3b2a1e",
+        "cluster_name": CLUSTER,
+        "ttl": 30.0,
+        "epoch": fill.EPOCH,
+        "prev_epoch": fill.EPOCH - 1,
+        "node_id": "node-a:1:aa",
+        "host": "node-a",
+        "pid": 1,
+        "is_leader": True,
+        "config_hash": "h1",
+        "node_timeout": 30.0,
+        "lease_seconds": 60.0,
+        "ms": (
+            fill.EXPORT_MS if name.startswith("export_") else 2_000 if name == "step_timeout" else fill.RETENTION_MS
+        ),
+        "owner": fill.OWNERS.get(ids_table.name)
+        if name not in ("claim_batch", "claim_lane_heads")
         else "airflow:stage_x:r2#1.0",
-        "limit": 1_000, "per_lane": 5_000, "max_rows": 20_000,
-        "ids": d.id_list(ids), "status": "done", "error": "HTTP 503 from 'ehr'", "max_attempts": 10,
-        "backoff_seconds": 1.5, "max_backoff_seconds": 300.0,
+        "limit": 1_000,
+        "per_lane": 5_000,
+        "max_rows": 20_000,
+        "ids": d.id_list(ids),
+        "status": "done",
+        "error": "HTTP 503 from 'ehr'",
+        "max_attempts": 10,
+        "backoff_seconds": 1.5,
+        "max_backoff_seconds": 300.0,
         "run_id": fill.TRANSFORM_RUN if transform else fill.ROUTE_RUN,
-        "message_id": fill_message_id(inbound_id), "control_id": f"MSG{inbound_id:09d}",
-        "connection": "adt-in", "lane_key": None, "charset": "UTF-8", "payload": new[2]["payload"],
+        "message_id": fill_message_id(inbound_id),
+        "control_id": f"MSG{inbound_id:09d}",
+        "connection": "adt-in",
+        "lane_key": None,
+        "charset": "UTF-8",
+        "payload": new[2]["payload"],
         "messages": json.dumps(new),
-        "rows": json.dumps([{"run_id": fill.ROUTE_RUN if name == "landing_routed_insert" else fill.TRANSFORM_RUN,
-                             "source_id": i, "routed_id": i, "destination": "ehr", "route_name": "r1",
-                             "status": "pending", "content_type": "application/hl7-v2", "lane_key": "PID-1",
-                             "payload": "MSH|x", "message_id": fill_message_id(i), "control_id": "C"}
-                            for i in ids[:20]]),
-        "names": d.text_list([fill.PASSTHROUGH]), "direct": d.text_list([fill.PASSTHROUGH]),
-        "prefix": "airflow:stage_deliver:", "keep": "airflow:stage_deliver:r2#1.",
-        "table_name": "table3", "entries": json.dumps([{"code": f"c{j}", "value": f"v{j}"} for j in range(100)]),
-        "stage": (table or OUTBOUND).key, "event": "done", "from_status": "in_flight",
+        "rows": json.dumps(
+            [
+                {
+                    "run_id": fill.ROUTE_RUN if name == "landing_routed_insert" else fill.TRANSFORM_RUN,
+                    "source_id": i,
+                    "routed_id": i,
+                    "destination": "ehr",
+                    "route_name": "r1",
+                    "status": "pending",
+                    "content_type": "application/hl7-v2",
+                    "lane_key": "PID-1",
+                    "payload": "MSH|x",
+                    "message_id": fill_message_id(i),
+                    "control_id": "C",
+                }
+                for i in ids[:20]
+            ]
+        ),
+        "names": d.text_list([fill.PASSTHROUGH]),
+        "direct": d.text_list([fill.PASSTHROUGH]),
+        "prefix": "airflow:stage_deliver:",
+        "keep": "airflow:stage_deliver:r2#1.",
+        "table_name": "table3",
+        "entries": json.dumps([{"code": f"c{j}", "value": f"v{j}"} for j in range(100)]),
+        "stage": (table or OUTBOUND).key,
+        "event": "done",
+        "from_status": "in_flight",
         # the operator's: a search by control id, a message's page, a requeue of dead letters
-        "destination": "ehr", "since_ms": None, "until_ms": None, "before_id": None,
-        "id": inbound_id, "new_id": fill.INBOUND_LAST + 1, "new_message_id": fill_message_id(inbound_id) + "~r1",
-        "statuses": d.text_list(["dead"]), "actor": "operator:jdoe", "detail": "receiver fixed",
-        "window_ms": 300_000, "dag_id": "stage_route", "try_number": 1, "duration_ms": 270, "claimed": 40,
-        "counts": json.dumps({"routed": 80}), "owners": d.text_list([fill.ROUTE_OWNER]),
+        "destination": "ehr",
+        "since_ms": None,
+        "until_ms": None,
+        "before_id": None,
+        "id": inbound_id,
+        "new_id": fill.INBOUND_LAST + 1,
+        "new_message_id": fill_message_id(inbound_id) + "~r1",
+        "statuses": d.text_list(["dead"]),
+        "actor": "operator:jdoe",
+        "detail": "receiver fixed",
+        "window_ms": 300_000,
+        "dag_id": "stage_route",
+        "try_number": 1,
+        "duration_ms": 270,
+        "claimed": 40,
+        "counts": json.dumps({"routed": 80}),
+        "owners": d.text_list([fill.ROUTE_OWNER]),
         # retention (archive.sql, the purges), the Parquet export (parquet.sql), the watermarks
-        "archived": 1, "conns": ",adt-in,", "within": 0, "batch": fill.EXPORT_BATCH, "kind": "inbound",
-        "row_count": fill.EXPORT_ROWS, "ref": f"MSG{inbound_id:09d}", "watermark": "1042",
-        "batch_id": f"b{inbound_id // 10:09d}", "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
+        "archived": 1,
+        "conns": ",adt-in,",
+        "within": 0,
+        "batch": fill.EXPORT_BATCH,
+        "kind": "inbound",
+        "row_count": fill.EXPORT_ROWS,
+        "ref": f"MSG{inbound_id:09d}",
+        "watermark": "1042",
+        "batch_id": f"b{inbound_id // 10:09d}",
+        "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
         # what `audited` adds around a transition (Tx.transition)
-        "ev_stage": (table or OUTBOUND).key, "ev_event": "done", "ev_from": "in_flight", "ev_epoch": fill.EPOCH,
+        "ev_stage": (table or OUTBOUND).key,
+        "ev_event": "done",
+        "ev_from": "in_flight",
+        "ev_epoch": fill.EPOCH,
         "ev_node": fill.OWNERS.get(ids_table.name),
     }
     if name == "messages_find":  # `stageline messages find --control-id …`: the other filters open
@@ -220,11 +305,11 @@ class Planned:
         self.dialect = dialect
         self.config = config
         self.store = Store(config)
-        self.sizes: dict[str, int] = {}       # table or index name -> rows (entries)
+        self.sizes: dict[str, int] = {}  # table or index name -> rows (entries)
         self.views: dict[str, dict[str, set[str]]] = {}  # view -> its aliases -> tables (SQLite plans name aliases)
-        self.conn: Any = None                 # the connection plans are read on
+        self.conn: Any = None  # the connection plans are read on
         self.stat1: list[tuple[str, str | None, str]] = []  # SQLite: the ANALYZE statistics
-        self.analyzed = True                  # SQLite: whether the planner sees them now
+        self.analyzed = True  # SQLite: whether the planner sees them now
         self.built_seconds = 0.0
 
     def big(self, name: str) -> bool:
@@ -254,7 +339,7 @@ def _sqlite_build(path: Path) -> Planned:
     conn = sqlite3.connect(str(path))
     try:
         for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
-            planned.sizes[table] = conn.execute(f"SELECT count(*) FROM \"{table}\"").fetchone()[0]
+            planned.sizes[table] = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
         for _, index, stat in conn.execute("SELECT tbl, idx, stat FROM sqlite_stat1 WHERE idx IS NOT NULL"):
             planned.sizes[index] = int(stat.split()[0])
         for view, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'view'"):
@@ -305,8 +390,9 @@ def pg_planned(pg_server) -> Iterator[Planned]:
     planned.built_seconds = time.monotonic() - started
     planned.conn = psycopg.connect(pg_server.conninfo(name), autocommit=True)
     for relname, reltuples in planned.conn.execute(
-            "SELECT c.relname, c.reltuples FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = 'public' AND c.relkind IN ('r', 'i')").fetchall():
+        "SELECT c.relname, c.reltuples FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'public' AND c.relkind IN ('r', 'i')"
+    ).fetchall():
         planned.sizes[relname] = int(reltuples)
     yield planned
     planned.conn.close()
@@ -317,8 +403,31 @@ def pg_planned(pg_server) -> Iterator[Planned]:
 # ---------------------------------------------------------------------------------------------
 # reading plans
 
-_KEYWORDS = {"where", "on", "join", "left", "inner", "cross", "set", "group", "order", "limit", "when", "union",
-             "values", "select", "using", "returning", "default", "as", "with", "outer", "natural", "full", "output"}
+_KEYWORDS = {
+    "where",
+    "on",
+    "join",
+    "left",
+    "inner",
+    "cross",
+    "set",
+    "group",
+    "order",
+    "limit",
+    "when",
+    "union",
+    "values",
+    "select",
+    "using",
+    "returning",
+    "default",
+    "as",
+    "with",
+    "outer",
+    "natural",
+    "full",
+    "output",
+}
 _FROM = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(\w+)(?:\s+(?:AS\s+)?(\w+))?", re.IGNORECASE)
 
 
@@ -336,8 +445,10 @@ def sqlite_plan(conn: sqlite3.Connection, sql: str, params: dict[str, Any]) -> l
     return [(row[0], row[1], row[3]) for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params).fetchall()]
 
 
-_SQLITE_STEP = re.compile(r"^(SCAN|SEARCH) (\S+)(?: USING (AUTOMATIC (?:PARTIAL )?COVERING INDEX|INTEGER PRIMARY KEY|"
-                          r"(?:COVERING )?INDEX (\S+)))?(?: \((.*)\))?")
+_SQLITE_STEP = re.compile(
+    r"^(SCAN|SEARCH) (\S+)(?: USING (AUTOMATIC (?:PARTIAL )?COVERING INDEX|INTEGER PRIMARY KEY|"
+    r"(?:COVERING )?INDEX (\S+)))?(?: \((.*)\))?"
+)
 
 
 def sqlite_problems(planned: Planned, sql: str, rows: list[tuple[int, int, str]]) -> list[str]:
@@ -383,8 +494,7 @@ def sqlite_problems(planned: Planned, sql: str, rows: list[tuple[int, int, str]]
             # index search: SQLite walks the whole list for every outer row — n² in the rows staged
             # (stage_inbound_bodies: 4,000 messages, 3.2 s in the write lock). `+x IN` keeps it out.
             problems.append(f"{text}: an id list walked for each outer row")
-        elif verb == "SEARCH" and correlated(node) and constraint is not None \
-                and not re.search(r"\w=\?", constraint):
+        elif verb == "SEARCH" and correlated(node) and constraint is not None and not re.search(r"\w=\?", constraint):
             walked = index if index is not None else (tables[0] if tables else None)
             if walked is not None and planned.big(walked):
                 problems.append(f"{text}: a range of {walked} walked for each outer row")
@@ -446,8 +556,9 @@ def planned(request) -> Planned:
 
 
 @pytest.mark.parametrize("dialect,name,table,transition", CASES)
-def test_statement_plan_is_bounded_by_the_rows_it_touches(planned: Planned, dialect: str, name: str,
-                                                         table: StagedTable | None, transition: str | None) -> None:
+def test_statement_plan_is_bounded_by_the_rows_it_touches(
+    planned: Planned, dialect: str, name: str, table: StagedTable | None, transition: str | None
+) -> None:
     if name in NO_PLAN:
         return
     sql = render(planned.store, name, table, transition)
@@ -473,10 +584,10 @@ def test_allowlist_is_still_needed(sqlite_planned: Planned, pg_planned: Planned)
         for planned in (sqlite_planned, pg_planned):
             if name not in queries.load(planned.dialect):
                 continue
-            for table in (STAGED_TABLES if "{table}" in queries.load(planned.dialect)[name] else (None,)):
+            for table in STAGED_TABLES if "{table}" in queries.load(planned.dialect)[name] else (None,):
                 sql = render(planned.store, name, table, None)
                 params = params_for(planned.dialect, name, table, None)
-                for analyzed in ((False, True) if planned.dialect == "sqlite" else (True,)):
+                for analyzed in (False, True) if planned.dialect == "sqlite" else (True,):
                     found = found or bool(plan_problems(planned, sql, params, analyzed=analyzed)[0])
         if not found:
             unneeded.append(name)
@@ -518,8 +629,12 @@ NULL_SAFE_LANE = (
 
 @pytest.mark.parametrize("dialect", PLANNED_DIALECTS + ("sqlserver",))
 def test_no_statement_probes_a_lane_null_safely(dialect: str) -> None:
-    found = [(name, pattern.pattern) for name, raw in queries.load(dialect).items()
-             for pattern in NULL_SAFE_LANE if pattern.search(raw)]
+    found = [
+        (name, pattern.pattern)
+        for name, raw in queries.load(dialect).items()
+        for pattern in NULL_SAFE_LANE
+        if pattern.search(raw)
+    ]
     assert found == []
 
 
@@ -640,8 +755,10 @@ def test_claim_lane_heads_work_is_bounded_on_sqlite(sqlite_planned: Planned, ana
     """
     sqlite_stats(sqlite_planned, analyzed=analyzed)
     steps, claimed, seconds, aborted = sqlite_claim(sqlite_planned, abort_at=100 * SQLITE_STEP_BOUND)
-    print(f"claim_lane_heads on SQLite ({'analyzed' if analyzed else 'as shipped'}): {steps:,} VM steps, "
-          f"{claimed} rows, {seconds * 1000:.0f} ms{' (aborted)' if aborted else ''}")
+    print(
+        f"claim_lane_heads on SQLite ({'analyzed' if analyzed else 'as shipped'}): {steps:,} VM steps, "
+        f"{claimed} rows, {seconds * 1000:.0f} ms{' (aborted)' if aborted else ''}"
+    )
     assert not aborted and steps < SQLITE_STEP_BOUND, f"{steps:,} VM steps (bound {SQLITE_STEP_BOUND:,})"
     assert claimed >= 10_000  # the claim did its work: due lanes' rows up to max_rows
 
@@ -676,8 +793,10 @@ def test_claim_lane_heads_work_is_bounded_on_postgres(pg_planned: Planned) -> No
                 raise _RollBack
     finally:
         store.close()
-    print(f"claim_lane_heads on PostgreSQL: {buffers:,} buffers ({top['Actual Total Time']:.0f} ms in EXPLAIN "
-          f"ANALYZE), the whole claim {elapsed_ms:.0f} ms on the DB clock, {claimed} rows")
+    print(
+        f"claim_lane_heads on PostgreSQL: {buffers:,} buffers ({top['Actual Total Time']:.0f} ms in EXPLAIN "
+        f"ANALYZE), the whole claim {elapsed_ms:.0f} ms on the DB clock, {claimed} rows"
+    )
     assert buffers < PG_BUFFER_BOUND
     assert elapsed_ms < PG_MS_BOUND
     assert claimed >= 10_000
@@ -685,7 +804,9 @@ def test_claim_lane_heads_work_is_bounded_on_postgres(pg_planned: Planned) -> No
 
 def test_the_filled_stores_build_in_seconds(sqlite_planned: Planned, pg_planned: Planned) -> None:
     """The fill stays a fixture of seconds (the whole file runs in about a minute and a half)."""
-    print(f"built: SQLite {sqlite_planned.built_seconds:.1f} s, PostgreSQL {pg_planned.built_seconds:.1f} s; "
-          f"stage_outbound {sqlite_planned.sizes['stage_outbound']:,} rows")
+    print(
+        f"built: SQLite {sqlite_planned.built_seconds:.1f} s, PostgreSQL {pg_planned.built_seconds:.1f} s; "
+        f"stage_outbound {sqlite_planned.sizes['stage_outbound']:,} rows"
+    )
     assert sqlite_planned.sizes["stage_outbound"] >= 1_000_000
     assert sqlite_planned.built_seconds < 120 and pg_planned.built_seconds < 120

@@ -5,6 +5,7 @@ listenerd's open file descriptors stepped up by two (the database and its WAL) w
 grew, and a test waiting for them to come back to a baseline waited in vain. Measured as the
 process's open descriptors on a real SQLite database file and its WAL.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,8 +102,10 @@ def test_a_failed_transaction_rolls_back_and_its_connection_is_replaced(sqlite_c
         at_rest = db_fds(sqlite_config_fresh.path)
         with pytest.raises(RuntimeError):
             with store.transaction() as tx:
-                tx.conn.execute("INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
-                                "VALUES ('m-gone', 'c', 'x', 'l')")
+                tx.conn.execute(
+                    "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key) "
+                    "VALUES ('m-gone', 'c', 'x', 'l')"
+                )
                 raise RuntimeError("the caller fails mid-transaction")
         with store.transaction(write=False) as tx:
             gone = tx.conn.execute("SELECT count(*) AS n FROM stage_inbound WHERE message_id = 'm-gone'").fetchone()

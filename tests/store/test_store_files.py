@@ -1,6 +1,7 @@
 """The SQLite store is private (issue 23, red team item 7): every staged body is PHI, so the store's
 directory is created 0700 and the database with its `-wal`, `-shm` and `-journal` 0600 whatever the
 operator's umask; an existing store others could read is tightened with a warning (docs/store.md)."""
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,14 @@ def mode(path: Path) -> int:
 def test_db_migrate_under_umask_022_makes_a_private_var_and_store(tmp_path: Path) -> None:
     cfg = tmp_path / "stageline.toml"
     cfg.write_text('[store]\npath = "var/stageline.db"\n')
-    done = subprocess.run([sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "db", "migrate"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          preexec_fn=lambda: os.umask(0o022))
+    done = subprocess.run(
+        [sys.executable, "-m", "include.app.cli", "--service-config", str(cfg), "db", "migrate"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        preexec_fn=lambda: os.umask(0o022),
+    )
     assert done.returncode == 0, done.stderr
     assert mode(tmp_path / "var") == 0o700
     assert mode(tmp_path / "var" / "stageline.db") == 0o600
@@ -64,8 +70,9 @@ def test_wal_shm_and_journal_are_0600_while_the_store_runs(tmp_path: Path, open_
     conn.close()
 
 
-def test_an_existing_store_others_can_read_is_tightened_with_a_warning(tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_an_existing_store_others_can_read_is_tightened_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import sqlite3
 
     db = tmp_path / "old.db"
@@ -106,7 +113,8 @@ def open_store(db: Path) -> None:
 
 
 def test_an_existing_0755_store_directory_of_its_own_is_tightened_with_a_warning(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Second red-team pass L3: an existing var/ at 0755 was left as is, silently."""
     data = tmp_path / "data"
     data.mkdir()
@@ -119,7 +127,8 @@ def test_an_existing_0755_store_directory_of_its_own_is_tightened_with_a_warning
 
 
 def test_the_var_dir_holding_the_store_is_tightened_even_with_other_files(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from include.config import VAR_ENV
 
     var = tmp_path / "var"
@@ -134,7 +143,8 @@ def test_the_var_dir_holding_the_store_is_tightened_even_with_other_files(
 
 @pytest.mark.parametrize("shared_mode", [0o755, 0o1777])
 def test_a_shared_store_directory_is_never_changed_only_warned_about(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, shared_mode: int) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, shared_mode: int
+) -> None:
     """Other files beside the store (a home directory, a project dir), or a sticky /tmp-like one:
     chmod would break someone else, so it only says so."""
     shared = tmp_path / "shared"
@@ -151,7 +161,8 @@ def test_a_shared_store_directory_is_never_changed_only_warned_about(
 
 
 def test_an_existing_0755_var_dir_is_tightened_with_a_warning(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from include.config import VAR_ENV, private_var_dir
 
     var = tmp_path / "var"

@@ -12,6 +12,7 @@ sqlglot accepts some statements it does not understand by reading a keyword as a
 upper-case, so an upper-case identifier in a parse tree means the parser misread something, and the
 tests refuse it.
 """
+
 from __future__ import annotations
 
 import json
@@ -177,8 +178,7 @@ def parse_tsql(sql: str, *, name: str = "") -> list[exp.Expression]:
     if cut:
         assert name in THROWING_QUERIES, f"{name}: THROW is exempted only in {sorted(THROWING_QUERIES)}"
     assert "THROW" not in sql, f"{name}: a THROW not in the one exempted form"
-    statements = [s for s in sqlglot.parse(sql, read="tsql", error_level=sqlglot.ErrorLevel.RAISE)
-                  if s is not None]
+    statements = [s for s in sqlglot.parse(sql, read="tsql", error_level=sqlglot.ErrorLevel.RAISE) if s is not None]
     assert statements, f"{name}: no statement"
     for statement in statements:
         commands = list(statement.find_all(exp.Command))
@@ -186,15 +186,15 @@ def parse_tsql(sql: str, *, name: str = "") -> list[exp.Expression]:
         for ident in statement.find_all(exp.Identifier):
             if ident.find_ancestor(exp.CollateColumnConstraint, exp.SetItem):
                 continue  # collation names (Latin1_General_100_BIN2) and SET options (LOCK_TIMEOUT)
-            assert ident.name == ident.name.lower(), \
+            assert ident.name == ident.name.lower(), (
                 f"{name}: {ident.name!r} read as a name; the parser misread: {statement.sql('tsql')}"
+            )
     return statements
 
 
 def parse_pg(raw: str, table: StagedTable | None) -> list[exp.Expression]:
     text = raw.format_map(table.template()) if table else raw
-    return [s for s in sqlglot.parse(text, read="postgres", error_level=sqlglot.ErrorLevel.RAISE)
-            if s is not None]
+    return [s for s in sqlglot.parse(text, read="postgres", error_level=sqlglot.ErrorLevel.RAISE) if s is not None]
 
 
 def result_sets(statements: list[exp.Expression]) -> list[list[str]]:
@@ -272,8 +272,7 @@ def test_text_pymssql_sends_parses_as_tsql(name: str, table: StagedTable | None,
     mssql = pytest.importorskip("pymssql._mssql")
     params = {p: SAMPLE_PARAMS[p] for p in params_of(TSQL[name])}
     if sign < 0:  # a negative value inlined right after a minus sign would start a `--` comment
-        params = {p: -v if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                  for p, v in params.items()}
+        params = {p: -v if isinstance(v, (int, float)) and not isinstance(v, bool) else v for p, v in params.items()}
     text = mssql.substitute_params(STORE.sql(name, table), params).decode()
     assert "--" not in text
     assert "%(" not in text
@@ -285,14 +284,16 @@ def test_query_returns_the_same_columns_as_postgres(name: str, table: StagedTabl
     tsql_sets = result_sets(parse_tsql(STORE.sql(name, table), name=name))
     if name in SPLIT_STAGING_QUERIES:  # no PostgreSQL version: SQLite's
         raw = queries.load("sqlite")[name]
-        pg_sets = result_sets([s for s in sqlglot.parse(raw, read="sqlite", error_level=sqlglot.ErrorLevel.RAISE)
-                               if s is not None])
+        pg_sets = result_sets(
+            [s for s in sqlglot.parse(raw, read="sqlite", error_level=sqlglot.ErrorLevel.RAISE) if s is not None]
+        )
     else:
         pg_sets = result_sets(parse_pg(PG[name], table))
     assert len(tsql_sets) <= 1, "one result set at most: Tx reads only the first"
     for columns in tsql_sets:
-        assert all(columns) and len(set(columns)) == len(columns), \
+        assert all(columns) and len(set(columns)) == len(columns), (
             f"unnamed or repeated columns {columns}: pymssql's as_dict needs unique names"
+        )
     if name in LOCK_QUERIES:
         assert [len(s) for s in pg_sets] == [1]
         assert [len(s) for s in tsql_sets] in ([], [1])
@@ -324,14 +325,18 @@ def tsql_schema_statements() -> list[exp.Expression]:
 
 
 def pg_schema_statements() -> list[exp.Expression]:
-    return [s for _, _, script in queries.migrations("postgres")
-            for s in sqlglot.parse(script, read="postgres", error_level=sqlglot.ErrorLevel.RAISE)
-            if s is not None]
+    return [
+        s
+        for _, _, script in queries.migrations("postgres")
+        for s in sqlglot.parse(script, read="postgres", error_level=sqlglot.ErrorLevel.RAISE)
+        if s is not None
+    ]
 
 
 def _default(expression: exp.Expression) -> str:
     if isinstance(expression, exp.CurrentTimestamp) or (
-            isinstance(expression, exp.Anonymous) and expression.name.upper() == "SYSUTCDATETIME"):
+        isinstance(expression, exp.Anonymous) and expression.name.upper() == "SYSUTCDATETIME"
+    ):
         return "<db clock>"
     if isinstance(expression, exp.Boolean):
         return str(int(expression.this))
@@ -341,6 +346,7 @@ def _default(expression: exp.Expression) -> str:
 def _predicate(where: exp.Expression) -> str:
     """A filter predicate as text, `x IS NOT NULL` in one form: sqlglot's PostgreSQL reader builds a
     negated IS, its T-SQL reader a NOT around an IS."""
+
     def canonical(node: exp.Expression) -> exp.Expression:
         if isinstance(node, exp.Is) and node.args.get("negate"):
             return exp.Not(this=exp.Is(this=node.this.copy(), expression=node.expression.copy()))
@@ -420,8 +426,9 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
             }
         elif isinstance(statement, exp.Create) and statement.args["kind"] == "VIEW":
             views[statement.this.name] = _view(statement.expression, tables)
-        elif (isinstance(statement, exp.Insert) and isinstance(statement.expression, exp.Select)) or \
-                isinstance(statement, exp.Update):  # a backfill (0008: archived rows' batches)
+        elif (isinstance(statement, exp.Insert) and isinstance(statement.expression, exp.Select)) or isinstance(
+            statement, exp.Update
+        ):  # a backfill (0008: archived rows' batches)
             moves.append(statement.sql(comments=False))
         elif isinstance(statement, exp.Insert):
             rows.append(statement.sql(comments=False))
@@ -445,16 +452,23 @@ def schema_of(statements: list[exp.Expression]) -> dict[str, Any]:
                     continue
                 if isinstance(action, exp.AlterSet):  # PostgreSQL's SET UNLOGGED: storage, not shape
                     continue
-                assert isinstance(action, exp.Drop) and action.args["kind"] == "COLUMN", \
+                assert isinstance(action, exp.Drop) and action.args["kind"] == "COLUMN", (
                     f"unexpected ALTER TABLE in a migration: {statement.sql()}"
+                )
                 for column in action.args["tables"]:
                     tables[table].pop(column.name)
         elif isinstance(statement, exp.Select) and statement.find(exp.Table) is None:
             pass  # `SELECT 1`: a reserved version's placeholder (migration 0006 on the feeds branch)
         else:
             raise AssertionError(f"unexpected statement in a migration: {statement.sql()}")
-    return {"tables": tables, "table_uniques": table_uniques, "indexes": indexes, "rows": rows,
-            "moves": moves, "views": views}
+    return {
+        "tables": tables,
+        "table_uniques": table_uniques,
+        "indexes": indexes,
+        "rows": rows,
+        "moves": moves,
+        "views": views,
+    }
 
 
 @cache
@@ -467,8 +481,11 @@ def pg_schema() -> dict[str, Any]:
     return schema_of(pg_schema_statements())
 
 
-PG_TABLES = sorted(t for _, _, script in queries.migrations("postgres")
-                   for t in re.findall(r"^CREATE TABLE (\w+)", script, re.MULTILINE))
+PG_TABLES = sorted(
+    t
+    for _, _, script in queries.migrations("postgres")
+    for t in re.findall(r"^CREATE TABLE (\w+)", script, re.MULTILINE)
+)
 
 
 def test_every_dialect_has_the_same_migration_versions() -> None:
@@ -484,8 +501,9 @@ def test_migration_batches_parse_and_none_is_only_comments() -> None:
 
 
 def test_migration_creates_the_same_tables_and_columns_as_postgres() -> None:
-    assert {t: list(cols) for t, cols in tsql_schema()["tables"].items()} == \
-           {t: list(cols) for t, cols in pg_schema()["tables"].items()}
+    assert {t: list(cols) for t, cols in tsql_schema()["tables"].items()} == {
+        t: list(cols) for t, cols in pg_schema()["tables"].items()
+    }
 
 
 @pytest.mark.parametrize("table", PG_TABLES)
@@ -500,8 +518,12 @@ def test_migration_columns_keep_types_nullability_and_constraints(table: str) ->
 
 
 def _keyed_columns() -> set[tuple[str, str]]:
-    keyed = {(t, c) for t, cols in tsql_schema()["tables"].items() for c, shape in cols.items()
-             if shape["primary_key"] or shape["unique"]}
+    keyed = {
+        (t, c)
+        for t, cols in tsql_schema()["tables"].items()
+        for c, shape in cols.items()
+        if shape["primary_key"] or shape["unique"]
+    }
     keyed |= {(t, c) for t, uniques in tsql_schema()["table_uniques"].items() for u in uniques for c in u}
     keyed |= {(i["table"], c) for i in tsql_schema()["indexes"].values() for c in i["columns"]}
     return keyed

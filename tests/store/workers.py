@@ -1,4 +1,5 @@
 """Process entry points for the store tests (spawned, so each elector or claimer is a real process)."""
+
 from __future__ import annotations
 
 import random
@@ -9,8 +10,9 @@ from include.store import Store
 from include.store.lease import LeaderElector
 
 
-def compete(config: StoreConfig, name: str, seconds: float, seed: int, ttl: float, fence: float,
-            start, results) -> None:
+def compete(
+    config: StoreConfig, name: str, seconds: float, seed: int, ttl: float, fence: float, start, results
+) -> None:
     """Step an elector for `seconds` after all competitors are ready; as leader, sometimes release
     and sometimes 'crash' (go silent). Puts [(node_id, outcome, epoch)] for every step on `results`.
     """
@@ -30,8 +32,9 @@ def compete(config: StoreConfig, name: str, seconds: float, seed: int, ttl: floa
                 elector.release()
             elif dice < 0.40:  # crash: a new incarnation with a new node id; the old lease must age out
                 generation += 1
-                elector = LeaderElector(store, node_id=f"{name}:{generation}", ttl_seconds=ttl,
-                                        fence_timeout_seconds=fence)
+                elector = LeaderElector(
+                    store, node_id=f"{name}:{generation}", ttl_seconds=ttl, fence_timeout_seconds=fence
+                )
         time.sleep(rnd.uniform(0.0, 0.004))
     store.close()
     results.put(log)

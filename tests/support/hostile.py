@@ -4,6 +4,7 @@ Each hostile peer is a thread that keeps its pressure on until `stop()`; it conn
 loopback address (127.0.0.N, N ≥ 2: Linux routes all of 127/8 to lo) so per-peer limits can tell
 it from the honest sender on 127.0.0.1, as they would tell partners apart on a real network.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -19,8 +20,9 @@ VT, FS_CR = b"\x0b", b"\x1c\r"
 
 
 def adt(control_id: str, patient: str = "P1") -> bytes:
-    return (f"MSH|^~\\&|HONEST|FAC|STAGELINE|HOSP|20260101120000||ADT^A01|{control_id}|P|2.5\r"
-            f"PID|1||{patient}||DOE^JANE\r").encode()
+    return (
+        f"MSH|^~\\&|HONEST|FAC|STAGELINE|HOSP|20260101120000||ADT^A01|{control_id}|P|2.5\rPID|1||{patient}||DOE^JANE\r"
+    ).encode()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,6 +109,7 @@ def slow_http_headers(count: int) -> Callable[[Peer], None]:
 
 def trickle(count: int, interval: float = 0.2) -> Callable[[Peer], None]:
     """Connections each sending a real message one byte every `interval` seconds."""
+
     def action(peer: Peer) -> None:
         while len(peer.sockets) < count:
             sock = peer.connect()
@@ -119,15 +122,17 @@ def trickle(count: int, interval: float = 0.2) -> Callable[[Peer], None]:
                 return
             for sock in list(peer.sockets):
                 try:
-                    sock.sendall(frame[i:i + 1])
+                    sock.sendall(frame[i : i + 1])
                 except OSError:
                     peer.sockets.remove(sock)
             peer.halt.wait(interval)
+
     return action
 
 
 def endless(chunk: int = 65536) -> Callable[[Peer], None]:
     """One connection streaming a frame that never ends, as fast as the listener reads."""
+
     def action(peer: Peer) -> None:
         sock = peer.connect()
         if sock is None:
@@ -137,11 +142,13 @@ def endless(chunk: int = 65536) -> Callable[[Peer], None]:
         data = b"X" * chunk
         while not peer.halt.is_set():
             sock.sendall(data)
+
     return action
 
 
 def churn(payload: bytes = b"") -> Callable[[Peer], None]:
     """Connect, maybe send a little, close: as fast as possible."""
+
     def action(peer: Peer) -> None:
         sock = peer.connect(timeout=1.0)
         if sock is not None:
@@ -151,11 +158,13 @@ def churn(payload: bytes = b"") -> Callable[[Peer], None]:
                 except OSError:
                     pass
             sock.close()
+
     return action
 
 
 def bad_frames(max_bytes: int) -> Callable[[Peer], None]:
     """One connection alternating oversize frames and frames that are not HL7, reading its answers."""
+
     def action(peer: Peer) -> None:
         sock = peer.connect(timeout=5.0)
         if sock is None:
@@ -167,6 +176,7 @@ def bad_frames(max_bytes: int) -> Callable[[Peer], None]:
             body = adt(f"BIG{n}") + b"NTE|1||" + b"x" * (max_bytes + 100) + b"\r" if n % 2 else b"not hl7 at all"
             sock.sendall(VT + body + FS_CR)
             _read_frame(sock)
+
     return action
 
 
@@ -225,9 +235,11 @@ def send_honest(transport: Callable[[str], str], count: int, *, interval: float,
     return result
 
 
-def mllp_once(host: str, port: int, *, context: ssl.SSLContext | None = None,
-              timeout: float = 5.0) -> Callable[[str], str]:
+def mllp_once(
+    host: str, port: int, *, context: ssl.SSLContext | None = None, timeout: float = 5.0
+) -> Callable[[str], str]:
     """An honest MLLP transport: connect (TLS if `context`), send one ADT, read the ACK's MSA-1."""
+
     def send(control_id: str) -> str:
         with socket.create_connection((host, port), timeout=timeout, source_address=("127.0.0.1", 0)) as raw:
             sock = context.wrap_socket(raw, server_hostname="localhost") if context else raw
@@ -237,11 +249,13 @@ def mllp_once(host: str, port: int, *, context: ssl.SSLContext | None = None,
             if segment.startswith("MSA|"):
                 return segment.split("|")[1]
         return "?"
+
     return send
 
 
 def http_once(host: str, port: int, path: str, *, timeout: float = 5.0) -> Callable[[str], str]:
     """An honest HTTP transport: one POST (or GET when path starts with 'GET ') per connection."""
+
     def send(control_id: str) -> str:
         conn = http.client.HTTPConnection(host, port, timeout=timeout, source_address=("127.0.0.1", 0))
         try:
@@ -252,6 +266,7 @@ def http_once(host: str, port: int, path: str, *, timeout: float = 5.0) -> Calla
             return str(conn.getresponse().status)
         finally:
             conn.close()
+
     return send
 
 
@@ -282,8 +297,9 @@ def main() -> None:
     for name in args.attacks.split(","):
         factory, sources = ATTACKS[name]
         for _ in range(sources):
-            running.append(Peer(name, "127.0.0.1", args.port, source=f"127.0.0.{n}",
-                                action=factory(args.max_message_bytes)))
+            running.append(
+                Peer(name, "127.0.0.1", args.port, source=f"127.0.0.{n}", action=factory(args.max_message_bytes))
+            )
             n += 1
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -2,6 +2,7 @@
 from `/proc/<pid>/smaps_rollup` (Linux). PSS shares each page among the processes that map it, so
 the figures add up to what the tree really holds (RSS would count a forked worker's shared pages
 once per worker)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -14,8 +15,8 @@ import psutil
 @dataclass(frozen=True)
 class ProcMemory:
     pid: int
-    name: str      # what it runs, short (e.g. "airflow scheduler", "java (spark-connect)")
-    group: str     # the top-level process it belongs to (a child of the root), or "supervisor"
+    name: str  # what it runs, short (e.g. "airflow scheduler", "java (spark-connect)")
+    group: str  # the top-level process it belongs to (a child of the root), or "supervisor"
     pss_kib: int
 
 

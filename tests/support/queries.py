@@ -2,6 +2,7 @@
 
 Test SQL is inline and read-only here; what the product reads goes through `include/store`'s
 named queries."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@ anything but `AA` (a NAK, a timeout, a dropped connection) with the *same* contr
 numbers must arrive in order. Times are host wall clock (`time.time()`), the clock the recorder
 (`include/app/lab/recorder.py`) stamps deliveries with.
 """
+
 from __future__ import annotations
 
 import socket
@@ -20,12 +21,17 @@ SB, EB, CR = b"\x0b", b"\x1c", b"\r"
 
 def message(control_id: str, lane: str, seq: int) -> str:
     ts = time.strftime("%Y%m%d%H%M%S", time.gmtime())
-    return "\r".join([
-        f"MSH|^~\\&|LABSEND|LABHOSP|STAGELINE|HOSP|{ts}||ADT^A08^ADT_A01|{control_id}|P|2.5.1",
-        f"EVN|A08|{ts}",
-        f"PID|1||{lane}^^^LABHOSP^MR||TEST^PATIENT{lane}||19800101|F",
-        f"PV1|1|I|WARD1^{seq % 100}^A",
-    ]) + "\r"
+    return (
+        "\r".join(
+            [
+                f"MSH|^~\\&|LABSEND|LABHOSP|STAGELINE|HOSP|{ts}||ADT^A08^ADT_A01|{control_id}|P|2.5.1",
+                f"EVN|A08|{ts}",
+                f"PID|1||{lane}^^^LABHOSP^MR||TEST^PATIENT{lane}||19800101|F",
+                f"PV1|1|I|WARD1^{seq % 100}^A",
+            ]
+        )
+        + "\r"
+    )
 
 
 def parse_control_id(control_id: str) -> tuple[str, int]:
@@ -51,9 +57,9 @@ class Sent:
 
 @dataclass
 class Attempt:
-    at: float    # send begun
+    at: float  # send begun
     done: float  # answer (or failure) seen
-    ok: bool     # answered AA for this control id
+    ok: bool  # answered AA for this control id
     conn: int
 
 
@@ -97,8 +103,17 @@ class Stream:
     between faults). `ledger` holds every message; `attempts` every try, for outage figures.
     """
 
-    def __init__(self, host: str, port: int, *, rate: float = 60.0, lanes: int = 20, connections: int = 4,
-                 prefix: str = "S", timeout: float = 3.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        rate: float = 60.0,
+        lanes: int = 20,
+        connections: int = 4,
+        prefix: str = "S",
+        timeout: float = 3.0,
+    ) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self.rate, self.prefix = rate, prefix
         self.lanes = [f"L{n:02d}" for n in range(lanes)]
@@ -109,8 +124,10 @@ class Stream:
         self._run = threading.Event()
         self._run.set()
         self._idle = [threading.Event() for _ in range(connections)]
-        self._threads = [threading.Thread(target=self._sender, args=(k, self.lanes[k::connections]), daemon=True,
-                                          name=f"stream-{k}") for k in range(connections)]
+        self._threads = [
+            threading.Thread(target=self._sender, args=(k, self.lanes[k::connections]), daemon=True, name=f"stream-{k}")
+            for k in range(connections)
+        ]
 
     def start(self) -> Stream:
         for t in self._threads:

@@ -1,6 +1,7 @@
 """Watching a running listenerd from outside while something is done to it: `/health` asked every
 100 ms (each answer's latency), its resident memory and open descriptors read from /proc. Used by
 the hostile-input matrix (tests/listeners/test_hostile_matrix.py)."""
+
 from __future__ import annotations
 
 import http.client

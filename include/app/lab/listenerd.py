@@ -1,5 +1,6 @@
 """Run real `listenerd` processes (the lab's nodes, tests, benchmarks): write their config, start
 them, wait for their API, stop them by PID."""
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,15 @@ def toml_value(value: object) -> str:
 
 def store_toml(store: StoreConfig) -> str:
     if store.backend == "sqlite":
-        return (f'[store]\nbackend = "sqlite"\npath = "{store.path}"\nbusy_timeout_ms = {store.busy_timeout_ms}\n'
-                f'busy_retry_seconds = {float(store.busy_retry_seconds)}\n')
-    return (f'[store]\nbackend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
-            f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n'
-            + ("allow_unsafe_durability = true\n" if store.allow_unsafe_durability else ""))
+        return (
+            f'[store]\nbackend = "sqlite"\npath = "{store.path}"\nbusy_timeout_ms = {store.busy_timeout_ms}\n'
+            f"busy_retry_seconds = {float(store.busy_retry_seconds)}\n"
+        )
+    return (
+        f'[store]\nbackend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
+        f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n'
+        + ("allow_unsafe_durability = true\n" if store.allow_unsafe_durability else "")
+    )
 
 
 @dataclass
@@ -41,12 +46,12 @@ class Daemon:
     workdir: Path
     store: StoreConfig
     node_id: str
-    cluster: dict | None = None          # [cluster] overrides; None = single node
+    cluster: dict | None = None  # [cluster] overrides; None = single node
     inbound: list[dict] = field(default_factory=list)
     api_port: int = field(default_factory=free_port)
     token: str = "test-viewer-token"
     proc: subprocess.Popen | None = None
-    config_dir: Path | None = None       # share another daemon's config dir (identical config)
+    config_dir: Path | None = None  # share another daemon's config dir (identical config)
 
     def write_config(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -58,8 +63,7 @@ class Daemon:
             return
         conf = self.workdir / "config"
         conf.mkdir(exist_ok=True)
-        out = ['[api]\nhost = "127.0.0.1"\n',
-               '[[api.tokens]]\nrole = "VIEWER"\ntoken_env = "STAGELINE_TEST_TOKEN"\n']
+        out = ['[api]\nhost = "127.0.0.1"\n', '[[api.tokens]]\nrole = "VIEWER"\ntoken_env = "STAGELINE_TEST_TOKEN"\n']
         for conn in self.inbound:
             out.append("[[inbound]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in conn.items()))
         (conf / "connections.toml").write_text("\n".join(out))

@@ -3,6 +3,7 @@
 Runs the server as the `postgres` OS user when we are root (PostgreSQL refuses to run as root),
 listens on 127.0.0.1 on a free port with trust auth, and removes everything on `stop()`.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,13 @@ def free_port() -> int:
 
 class PostgresServer:
     def __init__(self, *, settings: dict[str, str] | None = None) -> None:
-        self.settings = {"fsync": "on", "synchronous_commit": "on", "max_connections": "200",
-                         "shared_buffers": "256MB", **(settings or {})}
+        self.settings = {
+            "fsync": "on",
+            "synchronous_commit": "on",
+            "max_connections": "200",
+            "shared_buffers": "256MB",
+            **(settings or {}),
+        }
         self.port = free_port()
         self.host = "127.0.0.1"
         self.user = "postgres"
@@ -47,11 +53,32 @@ class PostgresServer:
             pw = pwd.getpwnam("postgres")
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
         self.root.chmod(0o755)
-        self._run("initdb", "-D", str(self.data), "-U", self.user, "--auth=trust", "-E", "UTF8",
-                  "--locale=C.UTF-8", "--no-instructions")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            self.user,
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+            "--no-instructions",
+        )
         opts = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "server.log"), "-w", "-t", "60",
-                  "-o", f"-p {self.port} -k {self.root} -c listen_addresses={self.host} {opts}", "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {self.port} -k {self.root} -c listen_addresses={self.host} {opts}",
+            "start",
+        )
         return self
 
     def conninfo(self, dbname: str = "postgres") -> str:

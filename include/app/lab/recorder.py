@@ -7,6 +7,7 @@ answers `AA` (MSA-2 = MSH-10), so a recorded line is a delivery the pipeline saw
 
     python -m include.app.lab.recorder --port 2576 --out deliveries.jsonl
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ What must be shared between hosts in a real deployment is in docs/deployment.md:
 (Debian packages on every worker host), the checkout's `.venv` at the same path (the executors'
 Python), and file destinations' directories.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,16 +68,41 @@ class SparkCluster:
     def start(self, timeout: float = 90.0) -> SparkCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.processes.append(self._spawn("master", "org.apache.spark.deploy.master.Master", "--host", self.host,
-                                              "--port", str(self.master_port), "--webui-port", str(free_port())))
-            self._wait(lambda: "I have been elected leader" in self.processes[0].log_path.read_text(errors="replace"),
-                       timeout, "the Spark master")
+            self.processes.append(
+                self._spawn(
+                    "master",
+                    "org.apache.spark.deploy.master.Master",
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.master_port),
+                    "--webui-port",
+                    str(free_port()),
+                )
+            )
+            self._wait(
+                lambda: "I have been elected leader" in self.processes[0].log_path.read_text(errors="replace"),
+                timeout,
+                "the Spark master",
+            )
             for n in range(self.workers):
                 work = self.log_dir / f"worker-{n}"
                 work.mkdir(exist_ok=True)
-                worker = self._spawn(f"worker-{n}", "org.apache.spark.deploy.worker.Worker", "--host", self.host,
-                                     "--cores", str(self.cores), "--memory", self.memory, "--work-dir", str(work),
-                                     "--webui-port", str(free_port()), self.master_url)
+                worker = self._spawn(
+                    f"worker-{n}",
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    self.host,
+                    "--cores",
+                    str(self.cores),
+                    "--memory",
+                    self.memory,
+                    "--work-dir",
+                    str(work),
+                    "--webui-port",
+                    str(free_port()),
+                    self.master_url,
+                )
                 worker.work_dir = work
                 self.processes.append(worker)
             for worker in self.processes[1:]:
@@ -92,13 +118,26 @@ class SparkCluster:
 
     def restart(self, worker: SparkProcess, timeout: float = 90.0) -> SparkProcess:
         """Start a stopped or killed worker again (as a supervisor would), in its place in the list."""
+
         def registrations() -> int:
             return worker.log_path.read_text(errors="replace").count("Successfully registered with master")
 
         before = registrations()
-        again = self._spawn(worker.name, "org.apache.spark.deploy.worker.Worker", "--host", self.host,
-                            "--cores", str(self.cores), "--memory", self.memory, "--work-dir", str(worker.work_dir),
-                            "--webui-port", str(free_port()), self.master_url)
+        again = self._spawn(
+            worker.name,
+            "org.apache.spark.deploy.worker.Worker",
+            "--host",
+            self.host,
+            "--cores",
+            str(self.cores),
+            "--memory",
+            self.memory,
+            "--work-dir",
+            str(worker.work_dir),
+            "--webui-port",
+            str(free_port()),
+            self.master_url,
+        )
         again.work_dir = worker.work_dir
         self.processes[self.processes.index(worker)] = again
         self._wait(lambda: registrations() > before, timeout, f"Spark {worker.name} to register again")
@@ -115,12 +154,22 @@ class SparkCluster:
     def _spawn(self, name: str, main_class: str, *args: str) -> SparkProcess:
         home = spark_home()
         log_path = self.log_dir / f"spark-{name}.log"
-        env = {**os.environ, "SPARK_HOME": str(home), "PYSPARK_PYTHON": sys.executable,
-               "SPARK_LOG_DIR": str(self.log_dir), "SPARK_NO_DAEMONIZE": "1"}
+        env = {
+            **os.environ,
+            "SPARK_HOME": str(home),
+            "PYSPARK_PYTHON": sys.executable,
+            "SPARK_LOG_DIR": str(self.log_dir),
+            "SPARK_NO_DAEMONIZE": "1",
+        }
         with open(log_path, "ab") as log:
-            process = subprocess.Popen([str(home / "bin" / "spark-class"), main_class, *args], env=env,
-                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                [str(home / "bin" / "spark-class"), main_class, *args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return SparkProcess(name, process, log_path)
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -128,8 +177,10 @@ class SparkCluster:
         while not ready():
             dead = [p for p in self.processes if p.process.poll() is not None]
             if dead:
-                raise RuntimeError(f"{dead[0].name} exited with {dead[0].process.returncode}: "
-                                   f"{dead[0].log_path.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(
+                    f"{dead[0].name} exited with {dead[0].process.returncode}: "
+                    f"{dead[0].log_path.read_text(errors='replace')[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"waiting for {what} ({self.log_dir})")
             time.sleep(0.2)

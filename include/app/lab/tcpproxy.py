@@ -4,6 +4,7 @@
 connections are accepted but never forwarded) — the way a partition looks to a client, unlike a
 refused connection. `restore()` closes the stuck connections and forwards normally again.
 """
+
 from __future__ import annotations
 
 import socket

@@ -14,6 +14,7 @@ not a node); only the listenerd links go through the per-node proxies, so `cut_d
 node. The two nodes' `connections.toml` differ only in the MLLP port, so each reports the other's
 config hash as a CONFIG MISMATCH: harmless here, and the price of one-host per-node ports.
 """
+
 from __future__ import annotations
 
 import os
@@ -114,9 +115,15 @@ class Timings:
     haproxy_check_ms: int = 500
 
     def cluster(self) -> dict[str, object]:
-        return {"enabled": True, "cluster_name": CLUSTER_NAME, "heartbeat_seconds": self.heartbeat,
-                "leader_fence_timeout_seconds": self.fence, "leader_lease_ttl_seconds": self.lease_ttl,
-                "node_timeout_seconds": self.node_timeout, "reclaim_interval_seconds": self.reclaim_interval}
+        return {
+            "enabled": True,
+            "cluster_name": CLUSTER_NAME,
+            "heartbeat_seconds": self.heartbeat,
+            "leader_fence_timeout_seconds": self.fence,
+            "leader_lease_ttl_seconds": self.lease_ttl,
+            "node_timeout_seconds": self.node_timeout,
+            "reclaim_interval_seconds": self.reclaim_interval,
+        }
 
 
 @dataclass
@@ -207,8 +214,14 @@ class Lab:
     def store_config(self) -> StoreConfig:
         """The store, reached directly (not through a node's proxy)."""
         assert self.pg is not None
-        return StoreConfig(backend="postgres", server=self.pg.host, port=self.pg.port, database="stageline",
-                           username=self.pg.user, pool_size=4)
+        return StoreConfig(
+            backend="postgres",
+            server=self.pg.host,
+            port=self.pg.port,
+            database="stageline",
+            username=self.pg.user,
+            pool_size=4,
+        )
 
     @property
     def mllp_address(self) -> tuple[str, int]:
@@ -239,8 +252,9 @@ class Lab:
         from psycopg.rows import dict_row
 
         assert self.pg is not None
-        with psycopg.connect(self.pg.conninfo("stageline"), autocommit=True, row_factory=dict_row,
-                             connect_timeout=5) as conn:
+        with psycopg.connect(
+            self.pg.conninfo("stageline"), autocommit=True, row_factory=dict_row, connect_timeout=5
+        ) as conn:
             return list(conn.execute(sql).fetchall())
 
     def backlog(self) -> dict[str, int]:
@@ -277,8 +291,10 @@ class Lab:
             f"MLLP VIP            127.0.0.1:{self.vip_port}" if self.haproxy else "MLLP VIP            (no HAProxy)"
         ]
         for n in self.nodes.values():
-            lines.append(f"listenerd {n.name}         MLLP 127.0.0.1:{n.mllp_port}, API http://127.0.0.1:{n.daemon.api_port}"
-                         f", DB via proxy :{n.proxy.port} (pid {n.pid})")
+            lines.append(
+                f"listenerd {n.name}         MLLP 127.0.0.1:{n.mllp_port}, API http://127.0.0.1:{n.daemon.api_port}"
+                f", DB via proxy :{n.proxy.port} (pid {n.pid})"
+            )
         if self.pg is not None:
             lines.append(f"PostgreSQL          {self.pg.conninfo('stageline')} (and dbname=airflow)")
         if self.airflow:
@@ -287,16 +303,22 @@ class Lab:
             lines.append(f"Airflow schedulers  {self.schedulers} on the shared PostgreSQL metadata DB (HA)")
         if self.spark_cluster is not None:
             lines.append(f"Spark master        {self.spark_cluster.master_url} with {self.spark_workers} worker(s)")
-        lines += [f"Spark Connect       sc://127.0.0.1:{self.spark_port}"
-                  + (f" and sc://127.0.0.1:{self.spark_b_port}" if self.spark_b_port else ""),
-                  f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
-                  f"logs                {self.dir / 'log'}"]
+        lines += [
+            f"Spark Connect       sc://127.0.0.1:{self.spark_port}"
+            + (f" and sc://127.0.0.1:{self.spark_b_port}" if self.spark_b_port else ""),
+            f"recorder            127.0.0.1:{self.receiver_port} → {self.deliveries_path}",
+            f"logs                {self.dir / 'log'}",
+        ]
         return "\n".join(lines)
 
     def ports(self) -> dict[str, int]:
         """Every TCP port the lab listens on (for a caller that checks they are all released)."""
-        out = {"vip": self.vip_port, "recorder": self.receiver_port, "spark-connect": self.spark_port,
-               "airflow-api": self.airflow_port}
+        out = {
+            "vip": self.vip_port,
+            "recorder": self.receiver_port,
+            "spark-connect": self.spark_port,
+            "airflow-api": self.airflow_port,
+        }
         if self.haproxy:
             out["haproxy-stats"] = self.haproxy_stats_port
         if self.pg is not None:
@@ -333,9 +355,15 @@ class Lab:
         spark_thread = threading.Thread(target=self._start_spark_into, args=(spark_error,), daemon=True)
         spark_thread.start()
         airflow_migrate = self._migrate_proc = self._airflow_migrate() if self.airflow else None
-        self.stack.start(Proc("recorder", python_module("include.app.lab.recorder", "--port", str(self.receiver_port),
-                                                        "--out", str(self.deliveries_path)),
-                              ready=lambda: port_open(self.receiver_port)))
+        self.stack.start(
+            Proc(
+                "recorder",
+                python_module(
+                    "include.app.lab.recorder", "--port", str(self.receiver_port), "--out", str(self.deliveries_path)
+                ),
+                ready=lambda: port_open(self.receiver_port),
+            )
+        )
         for name in ("a", "b"):
             self.nodes[name] = self._node(name)
             self.nodes[name].daemon.start()
@@ -343,8 +371,13 @@ class Lab:
                 wait_for(lambda: self.nodes["a"].is_leader(), timeout=30, what="node a to lead")
         self.echo("  listenerd a (leader), b   ready")
         if self.haproxy:
-            self.stack.start(Proc("haproxy", [HAPROXY, "-db", "-f", str(self._write_haproxy_config())],
-                                  ready=lambda: port_open(self.vip_port)))
+            self.stack.start(
+                Proc(
+                    "haproxy",
+                    [HAPROXY, "-db", "-f", str(self._write_haproxy_config())],
+                    ready=lambda: port_open(self.vip_port),
+                )
+            )
         spark_thread.join()
         if spark_error:
             raise spark_error[0]
@@ -440,8 +473,9 @@ class Lab:
         if node.alive():
             return
         node.incarnation += 1
-        node.daemon = self._daemon(node.name, node.mllp_port, node.proxy, node.incarnation,
-                                   api_port=node.daemon.api_port)
+        node.daemon = self._daemon(
+            node.name, node.mllp_port, node.proxy, node.incarnation, api_port=node.daemon.api_port
+        )
         node.daemon.start()
 
     def cut_db(self, node: Node) -> None:
@@ -463,8 +497,11 @@ class Lab:
         task_id = task_id or next((stage.name for stage in STAGES if stage.dag_id == dag_id), dag_id)
         assert self.pg is not None
         with psycopg.connect(self.pg.conninfo("airflow"), autocommit=True, connect_timeout=5) as conn:
-            rows = conn.execute("SELECT id::text, pid FROM task_instance WHERE dag_id = %s AND task_id = %s"
-                                " AND state = 'running' AND pid IS NOT NULL", (dag_id, task_id)).fetchall()
+            rows = conn.execute(
+                "SELECT id::text, pid FROM task_instance WHERE dag_id = %s AND task_id = %s"
+                " AND state = 'running' AND pid IS NOT NULL",
+                (dag_id, task_id),
+            ).fetchall()
         for ti_id, pid in rows:
             try:
                 if ti_id in " ".join(psutil.Process(pid).cmdline()):
@@ -475,8 +512,9 @@ class Lab:
 
     def kill_stage_task(self, dag_id: str = "stage_deliver", *, timeout: float = 90.0) -> tuple[str, int]:
         """SIGKILL the process running `dag_id`'s job task once one runs; returns (ti id, PID)."""
-        ti_id, pid = wait_for(lambda: self.running_task(dag_id), timeout=timeout, interval=0.1,
-                              what=f"a running {dag_id} job task")
+        ti_id, pid = wait_for(
+            lambda: self.running_task(dag_id), timeout=timeout, interval=0.1, what=f"a running {dag_id} job task"
+        )
         os.kill(pid, signal.SIGKILL)
         return ti_id, pid
 
@@ -501,25 +539,37 @@ class Lab:
             if self.spark_cluster is None:
                 from include.app.lab.spark_cluster import SparkCluster
 
-                self.spark_cluster = SparkCluster(self.dir / "log" / "spark-cluster", workers=self.spark_workers,
-                                                  cores=1, memory="1g").start()
+                self.spark_cluster = SparkCluster(
+                    self.dir / "log" / "spark-cluster", workers=self.spark_workers, cores=1, memory="1g"
+                ).start()
             master = self.spark_cluster.master_url
-        self.spark = start_connect_server(self.spark_port, log_dir=self.dir / "log" / "spark-connect",
-                                          master=master)
+        self.spark = start_connect_server(self.spark_port, log_dir=self.dir / "log" / "spark-connect", master=master)
 
     def start_spark_b(self) -> None:
         """The second Spark Connect server (local[*]): the stage tasks warm their sessions on it."""
         from include.spark import start_connect_server
 
         assert self.spark_b_port is not None
-        self.spark_b = start_connect_server(self.spark_b_port, log_dir=self.dir / "log" / "spark-connect-b",
-                                            master="local[*]")
+        self.spark_b = start_connect_server(
+            self.spark_b_port, log_dir=self.dir / "log" / "spark-connect-b", master="local[*]"
+        )
 
     def restart_postgres(self) -> None:
         """`pg_ctl restart -m fast`: every connection is dropped; the server is back in about a second."""
         assert self.pg is not None
-        self.pg._run("pg_ctl", "-D", str(self.pg.data), "-l", str(self.pg.root / "server.log"), "-w", "-t", "60",
-                     "-m", "fast", "restart")
+        self.pg._run(
+            "pg_ctl",
+            "-D",
+            str(self.pg.data),
+            "-l",
+            str(self.pg.root / "server.log"),
+            "-w",
+            "-t",
+            "60",
+            "-m",
+            "fast",
+            "restart",
+        )
 
     # --- pieces ----------------------------------------------------------------------------------
 
@@ -540,29 +590,53 @@ class Lab:
         (d / "destinations.toml").write_text(
             '[[destination]]\nname = "ehr"\nkind = "mllp"\nhost = "127.0.0.1"\n'
             f'port = {self.receiver_port}\nlane = "PID-3.1"\nmax_attempts = 10\nbackoff_seconds = 1\n'
-            'max_backoff_seconds = 5\n')
-        (d / "routes.toml").write_text('[[route]]\nname = "all-to-ehr"\ndestinations = ["ehr"]\n'
-                                       'when = { field = "MSH-9.1", op = "eq", value = "ADT" }\n')
-        (d / "transforms.toml").write_text('[[transform]]\ndestination = "ehr"\noutput = "hl7"\n'
-                                           'rules = [{ set = "MSH-5", value = "EHR" }]\n')
+            "max_backoff_seconds = 5\n"
+        )
+        (d / "routes.toml").write_text(
+            '[[route]]\nname = "all-to-ehr"\ndestinations = ["ehr"]\n'
+            'when = { field = "MSH-9.1", op = "eq", value = "ADT" }\n'
+        )
+        (d / "transforms.toml").write_text(
+            '[[transform]]\ndestination = "ehr"\noutput = "hl7"\nrules = [{ set = "MSH-5", value = "EHR" }]\n'
+        )
 
     def _write_service_config(self) -> None:
         """The stage tasks' service config: the store directly, the cluster's timings."""
         s = self.store_config
-        lines = ["[store]", 'backend = "postgres"', f'server = "{s.server}"', f"port = {s.port}",
-                 f'database = "{s.database}"', f'username = "{s.username}"', "pool_size = 4", "", "[cluster]"]
+        lines = [
+            "[store]",
+            'backend = "postgres"',
+            f'server = "{s.server}"',
+            f"port = {s.port}",
+            f'database = "{s.database}"',
+            f'username = "{s.username}"',
+            "pool_size = 4",
+            "",
+            "[cluster]",
+        ]
         lines += [f"{k} = {toml_value(v)}" for k, v in self.timings.cluster().items()]
         self.service_config.write_text("\n".join(lines) + "\n")
 
-    def _daemon(self, name: str, mllp_port: int, proxy: TcpProxy, incarnation: int, *,
-                api_port: int | None = None) -> Daemon:
+    def _daemon(
+        self, name: str, mllp_port: int, proxy: TcpProxy, incarnation: int, *, api_port: int | None = None
+    ) -> Daemon:
         """A node's daemon; a restart keeps its API port, where HAProxy asks `GET /leader`."""
-        store = StoreConfig(backend="postgres", server="127.0.0.1", port=proxy.port, database="stageline",
-                            username=self.store_config.username, pool_size=5)
-        return Daemon(self.dir / f"node-{name}", store, node_id=f"node-{name}:{incarnation}",
-                      cluster=self.timings.cluster(), api_port=api_port or free_port(),
-                      inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port,
-                                "lane_key": "PID-3.1"}])
+        store = StoreConfig(
+            backend="postgres",
+            server="127.0.0.1",
+            port=proxy.port,
+            database="stageline",
+            username=self.store_config.username,
+            pool_size=5,
+        )
+        return Daemon(
+            self.dir / f"node-{name}",
+            store,
+            node_id=f"node-{name}:{incarnation}",
+            cluster=self.timings.cluster(),
+            api_port=api_port or free_port(),
+            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp_port, "lane_key": "PID-3.1"}],
+        )
 
     def _node(self, name: str) -> Node:
         assert self.pg is not None
@@ -599,26 +673,30 @@ class Lab:
         assert self.pg is not None
         db = f"postgresql+psycopg2://{self.pg.user}@{self.pg.host}:{self.pg.port}/airflow"
         env = embedded.airflow_env(var, self.service_config)
-        env.update({
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
-            "STAGELINE_AIRFLOW_DB_CONN": db,
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.airflow_port}/execution/",
-            "AIRFLOW__API__PORT": str(self.airflow_port),
-            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
-            # A scheduler that dies with its node: the others adopt or reset its running tasks
-            # within seconds, not Airflow's default five minutes (docs/deployment.md).
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
-            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
-            "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
-            "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
-            "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
-            "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection(
-                "127.0.0.1", self.spark_port,
-                servers=[f"sc://127.0.0.1:{self.spark_b_port}"] if self.spark_b_port else ()),
-        })
+        env.update(
+            {
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
+                "STAGELINE_AIRFLOW_DB_CONN": db,
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.airflow_port}/execution/",
+                "AIRFLOW__API__PORT": str(self.airflow_port),
+                "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+                # A scheduler that dies with its node: the others adopt or reset its running tasks
+                # within seconds, not Airflow's default five minutes (docs/deployment.md).
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
+                "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
+                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
+                "STAGELINE_STAGE_LINGER_SECONDS": str(self.timings.linger),
+                "AIRFLOW_CONN_STAGELINE_SPARK": spark_connect_connection(
+                    "127.0.0.1",
+                    self.spark_port,
+                    servers=[f"sc://127.0.0.1:{self.spark_b_port}"] if self.spark_b_port else (),
+                ),
+            }
+        )
         return env
 
     def _airflow(self, *args: str) -> list[str]:
@@ -627,8 +705,13 @@ class Lab:
     def _airflow_migrate(self) -> subprocess.Popen:
         (self.dir / "log").mkdir(parents=True, exist_ok=True)
         log = open(self.dir / "log" / "airflow-migrate.log", "ab")
-        return subprocess.Popen(self._airflow("db", "migrate"), cwd=ROOT, env={**os.environ, **self.airflow_env()},
-                                stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            self._airflow("db", "migrate"),
+            cwd=ROOT,
+            env={**os.environ, **self.airflow_env()},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def _start_airflow(self) -> None:
         import json
@@ -640,15 +723,28 @@ class Lab:
 
         def api_ok() -> bool:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.airflow_port}/api/v2/monitor/health",
-                                            timeout=2) as resp:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.airflow_port}/api/v2/monitor/health", timeout=2
+                ) as resp:
                     return resp.status == 200
             except OSError:
                 return False
 
         for name in ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"):
-            self.stack.start(Proc(name, self._airflow(name.removeprefix("airflow-")), env=env, ready_timeout=180,
-                                  ready=api_ok if name == "airflow-api-server" else (lambda: True)))
+            self.stack.start(
+                Proc(
+                    name,
+                    self._airflow(name.removeprefix("airflow-")),
+                    env=env,
+                    ready_timeout=180,
+                    ready=api_ok if name == "airflow-api-server" else (lambda: True),
+                )
+            )
         for n in range(2, self.schedulers + 1):  # HA schedulers: each its own task log server port
-            self.stack.start(Proc(f"airflow-scheduler-{n}", self._airflow("scheduler"),
-                                  env={**env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())}))
+            self.stack.start(
+                Proc(
+                    f"airflow-scheduler-{n}",
+                    self._airflow("scheduler"),
+                    env={**env, "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port())},
+                )
+            )
