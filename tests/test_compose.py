@@ -518,8 +518,11 @@ def test_haproxy_backends_name_both_nodes_and_ask_leader_on_the_api_port(data_po
                 f"{backend}/{name} must ask the API port {api_port} "
                 f"(a frozen leader's kernel still accepts on {data_port})"
             )
-        # /health answers 200 on a standby too, and a TCP connect passes on a frozen leader: /leader only
-        assert "option httpchk GET /leader" in sections[backend], f"{backend} does not ask GET /leader"
+        # /health answers 200 on a standby too, and a TCP connect passes on a frozen leader: /leader only,
+        # per inbound (the MLLP one), so an inbound no node can bind does not empty this VIP
+        assert "option httpchk GET /leader?inbound=adt-in" in sections[backend], (
+            f"{backend} does not ask GET /leader?inbound=adt-in"
+        )
         assert "http-check expect status 200" in sections[backend]
 
 
