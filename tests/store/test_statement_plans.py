@@ -193,6 +193,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "pid": 1,
         "is_leader": True,
         "config_hash": "h1",
+        "cannot_bind": None,
         "node_timeout": 30.0,
         "lease_seconds": 60.0,
         "ms": (
