@@ -17,6 +17,7 @@ from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ResendingSender, adt
+from tests.support.nodes import mllp_node
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 10.0  # a long TTL: a prompt takeover can only come from the release
 CLUSTER = {
@@ -31,13 +32,7 @@ CLUSTER = {
 @pytest.fixture
 def pair(tmp_path, pg_config_fresh):
     port = free_port()
-    a = Daemon(
-        tmp_path / "a",
-        pg_config_fresh,
-        node_id="node-a:1:aa",
-        cluster=CLUSTER,
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    a = mllp_node(tmp_path / "a", pg_config_fresh, node_id="node-a:1:aa", port=port, cluster=CLUSTER)
     wait_for(lambda: a.status()["is_leader"] and port_open(port), timeout=15, what="node A to lead")
     b = Daemon(
         tmp_path / "b", pg_config_fresh, node_id="node-b:2:bb", cluster=CLUSTER, config_dir=a.workdir / "config"

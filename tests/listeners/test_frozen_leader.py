@@ -28,6 +28,7 @@ from include.app.lab.two_nodes import HAPROXY, haproxy_config, vip_servers
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
+from tests.support.nodes import mllp_node
 
 HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
 CLUSTER = {
@@ -228,13 +229,7 @@ class VipWatch(threading.Thread):
 def _start_pair(tmp_path, store_config, *, shared_port: bool) -> tuple[Daemon, Daemon, int, int]:
     port_a = free_port()
     port_b = port_a if shared_port else free_port()
-    a = Daemon(
-        tmp_path / "a",
-        store_config,
-        node_id="node-a:1:aa",
-        cluster=CLUSTER,
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port_a}],
-    ).start()
+    a = mllp_node(tmp_path / "a", store_config, node_id="node-a:1:aa", port=port_a, cluster=CLUSTER)
     wait_for(lambda: a.status()["is_leader"] and port_open(port_a), timeout=15, what="node A to lead")
     if shared_port:  # one config dir, one address: only the leader can hold it (like one host's VIP)
         b = Daemon(

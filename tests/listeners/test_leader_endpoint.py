@@ -18,6 +18,7 @@ from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import port_open
 from listeners.metrics import Metrics
 from listeners.state import NodeState
+from tests.support.nodes import mllp_node
 
 
 def state(**kw) -> NodeState:
@@ -143,13 +144,9 @@ def test_only_the_serving_leader_answers_200_and_a_partitioned_leader_turns_503_
 ):
     port = free_port()
     proxy = TcpProxy(pg_server.host, pg_server.port).start()
-    a = Daemon(
-        tmp_path / "a",
-        replace(pg_config_fresh, port=proxy.port),
-        node_id="node-a:1:aa",
-        cluster=CLUSTER,
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    a = mllp_node(
+        tmp_path / "a", replace(pg_config_fresh, port=proxy.port), node_id="node-a:1:aa", port=port, cluster=CLUSTER
+    )
     b = None
     try:
         wait_for(lambda: get(a.api_port, "/leader")[0] == 200, timeout=15, what="node A to lead and serve")
