@@ -45,10 +45,32 @@ DEFAULT_TIMEOUT = timedelta(seconds=10)
 
 class _StoreSensor(BaseSensorOperator):
     """A sensor that pokes on one store for its whole task: the hook is made in `execute`, its
-    store opened at the first poke and closed when the task ends."""
+    store opened at the first poke and closed when the task ends.
 
-    def __init__(self, *, config_path: str | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    Both sensors poke (a worker slot held, no scheduler round trip a poke) and skip when the wait
+    runs out; a subclass names only its own default interval and timeout.
+    """
+
+    default_poke_interval: timedelta = DEFAULT_POKE_INTERVAL
+    default_timeout: timedelta = DEFAULT_TIMEOUT
+
+    def __init__(
+        self,
+        *,
+        config_path: str | None = None,
+        poke_interval: timedelta | float | None = None,
+        timeout: timedelta | float | None = None,
+        soft_fail: bool = True,
+        mode: str = "poke",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            poke_interval=self.default_poke_interval if poke_interval is None else poke_interval,
+            timeout=self.default_timeout if timeout is None else timeout,
+            soft_fail=soft_fail,
+            mode=mode,
+            **kwargs,
+        )
         self.config_path = config_path
         self._hook: StagelineStoreHook | None = None
 
@@ -79,25 +101,6 @@ class LeaderCheckSensor(_StoreSensor):
     template_fields = ("config_path",)
     ui_color = "#fde9c4"
 
-    def __init__(
-        self,
-        *,
-        config_path: str | None = None,
-        poke_interval: timedelta | float = DEFAULT_POKE_INTERVAL,
-        timeout: timedelta | float = DEFAULT_TIMEOUT,
-        soft_fail: bool = True,
-        mode: str = "poke",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            config_path=config_path,
-            poke_interval=poke_interval,
-            timeout=timeout,
-            soft_fail=soft_fail,
-            mode=mode,
-            **kwargs,
-        )
-
     def poke(self, context: Context) -> PokeReturnValue:
         check = check_leadership(self.hook.get_conn(), self.hook.config.cluster)
         self.log.info("leader check: %s", check.reason)
@@ -124,27 +127,11 @@ class WorkPendingSensor(_StoreSensor):
 
     template_fields = ("leader", "config_path")
     ui_color = "#e4f0e8"
+    default_poke_interval = timedelta(seconds=1)
+    default_timeout = timedelta(minutes=5)
 
-    def __init__(
-        self,
-        *,
-        stage: str,
-        leader: Any,
-        config_path: str | None = None,
-        poke_interval: timedelta | float = timedelta(seconds=1),
-        timeout: timedelta | float = timedelta(minutes=5),
-        soft_fail: bool = True,
-        mode: str = "poke",
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            config_path=config_path,
-            poke_interval=poke_interval,
-            timeout=timeout,
-            soft_fail=soft_fail,
-            mode=mode,
-            **kwargs,
-        )
+    def __init__(self, *, stage: str, leader: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         stage_named(stage)  # refuse an unknown stage when the DAG is parsed, not when it runs
         self.stage = stage
         self.leader = leader
