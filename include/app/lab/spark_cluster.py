@@ -88,23 +88,7 @@ class SparkCluster:
             for n in range(self.workers):
                 work = self.log_dir / f"worker-{n}"
                 work.mkdir(exist_ok=True)
-                worker = self._spawn(
-                    f"worker-{n}",
-                    "org.apache.spark.deploy.worker.Worker",
-                    "--host",
-                    self.host,
-                    "--cores",
-                    str(self.cores),
-                    "--memory",
-                    self.memory,
-                    "--work-dir",
-                    str(work),
-                    "--webui-port",
-                    str(free_port()),
-                    self.master_url,
-                )
-                worker.work_dir = work
-                self.processes.append(worker)
+                self.processes.append(self._spawn_worker(f"worker-{n}", work))
             for worker in self.processes[1:]:
                 self._wait(
                     lambda w=worker: "Successfully registered with master" in w.log_path.read_text(errors="replace"),
@@ -122,23 +106,10 @@ class SparkCluster:
         def registrations() -> int:
             return worker.log_path.read_text(errors="replace").count("Successfully registered with master")
 
+        if worker.work_dir is None:
+            raise ValueError(f"{worker.name} is not a worker of this cluster")
         before = registrations()
-        again = self._spawn(
-            worker.name,
-            "org.apache.spark.deploy.worker.Worker",
-            "--host",
-            self.host,
-            "--cores",
-            str(self.cores),
-            "--memory",
-            self.memory,
-            "--work-dir",
-            str(worker.work_dir),
-            "--webui-port",
-            str(free_port()),
-            self.master_url,
-        )
-        again.work_dir = worker.work_dir
+        again = self._spawn_worker(worker.name, worker.work_dir)
         self.processes[self.processes.index(worker)] = again
         self._wait(lambda: registrations() > before, timeout, f"Spark {worker.name} to register again")
         return again
@@ -150,6 +121,26 @@ class SparkCluster:
     def stop(self) -> None:
         for proc in reversed(self.processes):
             proc.stop()
+
+    def _spawn_worker(self, name: str, work_dir: Path) -> SparkProcess:
+        """A worker of this cluster's size, registering with its master; a restart keeps its work dir."""
+        worker = self._spawn(
+            name,
+            "org.apache.spark.deploy.worker.Worker",
+            "--host",
+            self.host,
+            "--cores",
+            str(self.cores),
+            "--memory",
+            self.memory,
+            "--work-dir",
+            str(work_dir),
+            "--webui-port",
+            str(free_port()),
+            self.master_url,
+        )
+        worker.work_dir = work_dir
+        return worker
 
     def _spawn(self, name: str, main_class: str, *args: str) -> SparkProcess:
         home = spark_home()
