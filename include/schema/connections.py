@@ -28,7 +28,7 @@ from include.cidrs import source_network
 from include.hl7path import FieldPathError, parse_path
 from include.schema import Strict
 from include.schema.filedrop_paths import processing_dir
-from include.schema.rules import Rules
+from include.schema.rules import Rules, refuses
 
 __all__ = [
     "API_ROLES",
@@ -166,20 +166,11 @@ class DatabaseSourceModel(Strict):
     batch_size: int = Field(100, gt=0, le=100_000)
     connect_timeout_seconds: Annotated[float, Field(gt=0, le=600, allow_inf_nan=False)] = 10.0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_password(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "password" in data:
-            Rules.raise_if(
-                [
-                    (
-                        "password",
-                        "a password in the config file is refused (put the password in an "
-                        "environment variable and name it in password_env)",
-                    )
-                ]
-            )
-        return data
+    _no_password = refuses(
+        "password",
+        "a password in the config file is refused (put the password in an "
+        "environment variable and name it in password_env)",
+    )
 
     @model_validator(mode="after")
     def _statements(self) -> DatabaseSourceModel:
@@ -516,28 +507,6 @@ def _protected_trees(
     return bad
 
 
-SYSTEM_TREES = (
-    "/",
-    "/etc",
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/boot",
-    "/root",
-    "/home",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/var/lib",
-    "/run",
-)
-"""System directories no file connection may be (or contain): it would stage /etc/shadow or a
-user's files and move them away. Their subdirectories are allowed (a drop under /home/partner or
-/var/lib/stageline is normal), except those of SYSTEM_INSIDE."""
 SYSTEM_INSIDE = (
     "/etc",
     "/usr",
@@ -553,6 +522,10 @@ SYSTEM_INSIDE = (
     "/dev",
 )
 """System trees nothing of a file connection may lie inside either: the OS's own files and devices."""
+SYSTEM_TREES = ("/", *SYSTEM_INSIDE, "/root", "/home", "/var/lib", "/run")
+"""System directories no file connection may be (or contain): it would stage /etc/shadow or a
+user's files and move them away. Their subdirectories are allowed (a drop under /home/partner or
+/var/lib/stageline is normal), except those of SYSTEM_INSIDE."""
 
 
 def _system_roots(names: tuple[str, ...]) -> dict[Path, str]:
@@ -617,21 +590,11 @@ class ApiTokenModel(Strict):
     )
     token_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="the token's hex SHA-256")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_plaintext(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "token" in data:
-            Rules.raise_if(
-                [
-                    (
-                        "token",
-                        "a plaintext token in the config file is refused; set token_env (an "
-                        "environment variable holding the token) or token_sha256 (its hex SHA-256 "
-                        "digest)",
-                    )
-                ]
-            )
-        return data
+    _no_plaintext = refuses(
+        "token",
+        "a plaintext token in the config file is refused; set token_env (an environment "
+        "variable holding the token) or token_sha256 (its hex SHA-256 digest)",
+    )
 
     @field_validator("role")
     @classmethod

@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
 from include.schema import ConfigProblem, ConfigProblems, _dotted
 
-__all__ = ["Rules", "problems", "validate"]
+__all__ = ["Rules", "problems", "refuses", "validate"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,6 +32,19 @@ class Rules(ValueError):
     def raise_if(items: list[tuple[str, str]]) -> None:
         if items:
             raise Rules(items)
+
+
+def refuses(key: str, message: str) -> Any:
+    """A `mode="before"` model validator refusing a table that sets `key` (a secret that must not be
+    written into the file), with `message` saying where it belongs instead; assign it in the model's
+    body (`_no_password = refuses("password", "...")`)."""
+
+    def refuse(cls: Any, data: Any) -> Any:
+        if isinstance(data, dict) and key in data:
+            raise Rules([(key, message)])
+        return data
+
+    return model_validator(mode="before")(refuse)
 
 
 def _join(base: str, sub: str) -> str:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from include.schema import Strict
-from include.schema.rules import Rules
+from include.schema.rules import Rules, refuses
 
 __all__ = ["ANSWER_SECONDS", "ClusterModel", "RetentionModel", "RetentionOverride", "ServiceFile", "StoreModel"]
 
@@ -50,20 +50,10 @@ class StoreModel(Strict):
         "commits (PostgreSQL fsync = off); never in production",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_password(cls, data: object) -> object:
-        if isinstance(data, dict) and "password" in data:
-            Rules.raise_if(
-                [
-                    (
-                        "password",
-                        "unknown setting: the store password is read from "
-                        "$STAGELINE_STORE_PASSWORD, never from the file",
-                    )
-                ]
-            )
-        return data
+    _no_password = refuses(
+        "password",
+        "unknown setting: the store password is read from $STAGELINE_STORE_PASSWORD, never from the file",
+    )
 
     @model_validator(mode="after")
     def _answer_in_time(self) -> StoreModel:
