@@ -122,14 +122,14 @@ def finish_batch(
     if not ids:
         return []
     tx.fence()
-    rows = tx.transition(
+    rows = _out_of_flight(
+        tx,
         "finish_batch",
         {"ids": tx.dialect.id_list(ids), "owner": owner, "epoch": epoch, "status": status, "error": error},
         table=table,
         event=status,
-        from_status="in_flight",
+        owner=owner,
         epoch=epoch,
-        node_id=owner,
         ids_only=True,
     )
     return sorted(int(r["id"]) for r in rows)
@@ -151,7 +151,8 @@ def fail_batch(
     if not ids:
         return []
     tx.fence()
-    rows = tx.transition(
+    rows = _out_of_flight(
+        tx,
         "fail_batch",
         {
             "ids": tx.dialect.id_list(ids),
@@ -164,9 +165,8 @@ def fail_batch(
         },
         table=table,
         event="attempt_failed",
-        from_status="in_flight",
+        owner=owner,
         epoch=epoch,
-        node_id=owner,
     )
     return _by_id(rows)
 
@@ -180,14 +180,14 @@ def sweep_expired(
     kills every job that claims it (a poison message) must not be retried forever.
     """
     tx.fence()
-    rows = tx.transition(
+    rows = _out_of_flight(
+        tx,
         "sweep_expired",
         {"epoch": epoch, "limit": int(limit), "max_attempts": int(max_attempts)},
         table=table,
         event="lease_expired",
-        from_status="in_flight",
+        owner=owner,
         epoch=epoch,
-        node_id=owner,
     )
     return len(rows)
 
@@ -223,14 +223,14 @@ def recover_abandoned(
     Fenced; a row already claimed `max_attempts` times goes to `dead`, as with the sweep.
     """
     tx.fence()
-    rows = tx.transition(
+    rows = _out_of_flight(
+        tx,
         "recover_abandoned",
         {"prefix": prefix, "keep": keep, "epoch": epoch, "max_attempts": int(max_attempts)},
         table=table,
         event="recovered",
-        from_status="in_flight",
+        owner=owner,
         epoch=epoch,
-        node_id=owner,
     )
     return len(rows)
 
@@ -248,14 +248,8 @@ def recover_on_promotion(tx: Tx, *, owner: str, epoch: int) -> int | None:
     tx.fence()
     total = 0
     for table in STAGED_TABLES:
-        rows = tx.transition(
-            "recover_stale_epoch",
-            {"epoch": epoch},
-            table=table,
-            event="recovered",
-            from_status="in_flight",
-            epoch=epoch,
-            node_id=owner,
+        rows = _out_of_flight(
+            tx, "recover_stale_epoch", {"epoch": epoch}, table=table, event="recovered", owner=owner, epoch=epoch
         )
         total += len(rows)
     return total
@@ -371,6 +365,24 @@ def _plain_text(value: object) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _out_of_flight(
+    tx: Tx,
+    name: str,
+    params: dict[str, Any],
+    *,
+    table: StagedTable,
+    event: str,
+    owner: str,
+    epoch: int,
+    ids_only: bool = False,
+) -> list[Row]:
+    """Run transition `name`, which moves in-flight rows of `table`, auditing each move as `event`
+    by `owner` under `epoch` (the caller has fenced)."""
+    return tx.transition(
+        name, params, table=table, event=event, from_status="in_flight", epoch=epoch, node_id=owner, ids_only=ids_only
+    )
 
 
 def _lease(tx: Tx, lease_seconds: float | None) -> float:
