@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from twisted.application.service import Service
 from twisted.internet import threads
@@ -272,30 +272,35 @@ class _GroupCommit:
         return outcomes
 
 
+class IntakeSettings(TypedDict, total=False):
+    """The keyword arguments both writers take (each adds its own): who writes, under which epoch,
+    counted where, on which reactor; the group commit's bounds; the re-sends it remembers."""
+
+    node_id: Required[str]
+    epoch: Required[Callable[[], int | None]]
+    metrics: Required[Metrics]
+    reactor: Required[Any]
+    max_batch: int
+    """Rows per commit at most (default `MAX_ROWS_PER_COMMIT`)."""
+    max_batch_messages: int
+    """Messages an HL7 batch may hold (default `MAX_BATCH_MESSAGES`); a larger one is refused whole."""
+    resends: ResendMemory | None
+
+
 class _Intake:
     """What both writers share: their settings, and on the reactor `submit` (refuse a batch over
     `max_batch_messages`, recognise a re-send (`listeners.resend`), hand an `Entry` to the writer's
     own `_enqueue`) and answering what a commit finished."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        node_id: str,
-        epoch: Callable[[], int | None],
-        metrics: Metrics,
-        reactor: Any,
-        max_batch: int,
-        max_batch_messages: int,
-        resends: ResendMemory | None,
-    ) -> None:
+    def __init__(self, store: Store, **settings: Unpack[IntakeSettings]) -> None:
         self.store = store
-        self.node_id = node_id
-        self._epoch = epoch
-        self.metrics = metrics
-        self._reactor = reactor
-        self.max_batch = max_batch
-        self.max_batch_messages = max_batch_messages
+        self.node_id = settings["node_id"]
+        self._epoch = settings["epoch"]
+        self.metrics = settings["metrics"]
+        self._reactor = settings["reactor"]
+        self.max_batch = settings.get("max_batch", MAX_ROWS_PER_COMMIT)
+        self.max_batch_messages = settings.get("max_batch_messages", MAX_BATCH_MESSAGES)
+        resends = settings.get("resends")
         self.resends = resends if resends is not None else ResendMemory()
 
     def submit(self, item: Unit) -> Deferred[str]:
@@ -343,28 +348,9 @@ class IngestWriter(_Intake):
     """The group commit in a writer thread, for every store (each statement blocks that thread)."""
 
     def __init__(
-        self,
-        store: Store,
-        *,
-        node_id: str,
-        epoch: Callable[[], int | None],
-        metrics: Metrics,
-        reactor: Any,
-        max_batch: int = MAX_ROWS_PER_COMMIT,
-        locked_retry_seconds: float = LOCKED_RETRY_SECONDS,
-        max_batch_messages: int = MAX_BATCH_MESSAGES,
-        resends: ResendMemory | None = None,
+        self, store: Store, *, locked_retry_seconds: float = LOCKED_RETRY_SECONDS, **settings: Unpack[IntakeSettings]
     ) -> None:
-        super().__init__(
-            store,
-            node_id=node_id,
-            epoch=epoch,
-            metrics=metrics,
-            reactor=reactor,
-            max_batch=max_batch,
-            max_batch_messages=max_batch_messages,
-            resends=resends,
-        )
+        super().__init__(store, **settings)
         self.locked_retry_seconds = locked_retry_seconds
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # entries, then _STOP
         self._thread = threading.Thread(target=self._run, name="stageline-ingest", daemon=True)
@@ -474,31 +460,10 @@ class ReactorIngestWriter(_Intake):
     as the previous committed: a lone message waits for nothing.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        node_id: str,
-        epoch: Callable[[], int | None],
-        metrics: Metrics,
-        reactor: Any,
-        max_batch: int = MAX_ROWS_PER_COMMIT,
-        stager: PgStager | None = None,
-        max_batch_messages: int = MAX_BATCH_MESSAGES,
-        resends: ResendMemory | None = None,
-    ) -> None:
-        super().__init__(
-            store,
-            node_id=node_id,
-            epoch=epoch,
-            metrics=metrics,
-            reactor=reactor,
-            max_batch=max_batch,
-            max_batch_messages=max_batch_messages,
-            resends=resends,
-        )
-        self._stager = stager if stager is not None else PgStager(store, reactor)
-        self._plan = CommitPlan(max_batch)
+    def __init__(self, store: Store, *, stager: PgStager | None = None, **settings: Unpack[IntakeSettings]) -> None:
+        super().__init__(store, **settings)
+        self._stager = stager if stager is not None else PgStager(store, self._reactor)
+        self._plan = CommitPlan(self.max_batch)
         self._busy = False  # a commit is in flight (or is about to start)
         self._idle_waiters: list[Deferred[bool]] = []
         self._stopped = False
@@ -607,21 +572,11 @@ class IngestService(Service):
     ``threaded=True``, in a thread of its own (`IngestWriter`)."""
 
     def __init__(
-        self,
-        store: Callable[[], Store | None],
-        *,
-        node_id: str,
-        epoch: Callable[[], int | None],
-        metrics: Metrics,
-        reactor: Any,
-        threaded: bool | None = None,
+        self, store: Callable[[], Store | None], *, threaded: bool | None = None, **settings: Unpack[IntakeSettings]
     ) -> None:
         self.setName("ingest")
         self._store = store
-        self._node_id = node_id
-        self._epoch = epoch
-        self._metrics = metrics
-        self._reactor = reactor
+        self._settings = settings
         self._threaded = threaded
         self.writer: IngestWriter | ReactorIngestWriter | None = None
 
@@ -632,18 +587,9 @@ class IngestService(Service):
         if threaded is None:
             threaded = not (store.backend == "postgres" and store.dialect.atomic_staging)
         if threaded:
-            self.writer = IngestWriter(
-                store,
-                node_id=self._node_id,
-                epoch=self._epoch,
-                metrics=self._metrics,
-                reactor=self._reactor,
-                locked_retry_seconds=store.config.busy_retry_seconds,
-            )
+            self.writer = IngestWriter(store, locked_retry_seconds=store.config.busy_retry_seconds, **self._settings)
         else:
-            self.writer = ReactorIngestWriter(
-                store, node_id=self._node_id, epoch=self._epoch, metrics=self._metrics, reactor=self._reactor
-            )
+            self.writer = ReactorIngestWriter(store, **self._settings)
         self.writer.start()
         super().startService()
 
