@@ -24,6 +24,7 @@ This lives with the listeners because `connections.toml` and `[api]` are theirs;
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ LOOKUPS = "lookups"
 KNOWN_FILES = (CONNECTIONS, *FILES.values(), SERVICE)
 """The TOML files a config dir may hold; any other `*.toml` there is a problem."""
 EXIT_PROBLEMS = 2
+PROBE_SECONDS = 5.0
+"""How long the check waits for the store's server before it checks the CSVs alone."""
 Problem = ConfigProblem  # one thing wrong: file, dotted key, message
 
 
@@ -413,22 +416,39 @@ def store_lookup_tables(service_config: str | None) -> tuple[set[str] | None, st
     from include import config as cfgmod
     from include.store import Store
     from include.store.lookups import read_all
+    from include.store.reach import StoreUnavailable, probe
 
     why = unreadable(cfgmod.config_path(service_config))
     if why is not None:  # reported by check_dir; reading it here could block (a fifo) or never end
         return None, "the service config " + why.split(";")[0]
     try:
         cfg = cfgmod.load(service_config)
-        if cfg.store.backend == "sqlite" and not Path(cfg.store.path).exists():
-            return None, f"no store at {cfg.store.path} yet"  # opening it would create the file
+        probe(cfg.store, timeout_seconds=PROBE_SECONDS)  # creates no SQLite file, waits out no pool
         store = Store(cfg.store)
         try:
             with store.transaction(write=False) as tx:
                 return set(read_all(tx)), ""
         finally:
             store.close()
-    except Exception as exc:  # an unmigrated or unreachable store: the CSVs alone are checked
+    except StoreUnavailable as exc:
+        return None, str(exc)
+    except Exception as exc:  # an unmigrated store: the CSVs alone are checked
         return None, type(exc).__name__
+
+
+def report_document(report: Report) -> dict[str, Any]:
+    """The report as `stageline config check --json` prints it."""
+
+    def entry(p: ConfigProblem) -> dict[str, str | None]:
+        return {"file": str(p.file) if p.file else None, "key": p.key, "message": p.message}
+
+    return {
+        "ok": report.ok,
+        "directory": str(report.directory),
+        "counts": report.counts,
+        "problems": [entry(p) for p in report.problems],
+        "warnings": [entry(w) for w in report.warnings],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         help="stageline.toml: checked too, and its store is asked for lookup tables that have no CSV",
     )
     parser.add_argument("--no-store", action="store_true", help="do not read the store")
+    parser.add_argument("--json", action="store_true", help="one JSON document: ok, counts, problems, warnings")
     args = parser.parse_args(argv)
     try:
         if args.directory is None:
@@ -451,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a line and the exit code, never a traceback
         print(f"config cannot be checked: {type(exc).__name__}: {exc}")
         return EXIT_PROBLEMS
+    if args.json:
+        print(json.dumps(report_document(report), indent=2))
+        return 0 if report.ok else EXIT_PROBLEMS
     for problem in report.problems:
         print(problem)
     for warning in report.warnings:

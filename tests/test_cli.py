@@ -36,8 +36,9 @@ def test_embedded_default_migrates_and_reports_single_node(tmp_path):
     cfg.write_text('[store]\npath = "var/s.db"\n')
     assert "applied: 1" in run(cfg, "db", "migrate").stdout
     assert "already current" in run(cfg, "db", "migrate").stdout
-    status = json.loads(run(cfg, "cluster", "status").stdout)
-    assert (status["clustered"], status["role"], status["config_version"]) == (False, "single-node", 0)
+    status = json.loads(run(cfg, "cluster", "status", "--json").stdout)
+    assert (status["clustered"], status["role"], status["config_version"]) == (False, "down", 0)
+    assert (status["node_id"], status["listenerd_running"], status["last_heartbeat"]) == (None, [], None)
     assert (tmp_path / "var" / "s.db").exists()
 
 
@@ -54,14 +55,16 @@ def test_cluster_commands_on_postgres_show_the_live_leader(tmp_path, pg_config_f
     LeaderElector(store, node_id="node-a:1:aa", ttl_seconds=30, fence_timeout_seconds=20).step()
     heartbeat(store, NodeIdentity.of("node-a:1:aa"), is_leader=True)
     store.close()
-    assert json.loads(run(cfg, "cluster", "status").stdout) == {
+    status = json.loads(run(cfg, "cluster", "status", "--json").stdout)
+    assert {k: status[k] for k in ("node_id", "clustered", "is_leader", "role", "config_version")} == {
         "node_id": "node-a:1:aa",
         "clustered": True,
         "is_leader": True,
         "role": "primary",
         "config_version": 0,
     }
-    nodes = json.loads(run(cfg, "cluster", "nodes").stdout)
+    assert status["listenerd_running"] == ["node-a:1:aa"] == [status["last_heartbeat"]["node_id"]]
+    nodes = json.loads(run(cfg, "cluster", "nodes", "--json").stdout)
     assert nodes["leader_node_id"] == nodes["lease_owner"] == "node-a:1:aa"
 
 
@@ -106,7 +109,7 @@ def test_lookups_import_list_show_sync_and_delete(tmp_path, store_config):
     example = ROOT / "config" / "lookups" / "patient_class.csv"
     assert "3 entries imported" in run(cfg, "lookups", "import", "patient_class", str(example)).stdout
     assert stored_tables(store_config) == {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"}}
-    listed = json.loads(run(cfg, "lookups", "list").stdout)["tables"]
+    listed = json.loads(run(cfg, "lookups", "list", "--json").stdout)["tables"]
     assert [(t["name"], t["entries"]) for t in listed] == [("patient_class", 3)]
     assert abs(listed[0]["updated_at"] - time.time()) < 120
     assert run(cfg, "lookups", "show", "patient_class").stdout == "code,value\nE,EMER\nI,IN\nO,OUT\n"
@@ -135,7 +138,7 @@ def test_lookups_import_list_show_sync_and_delete(tmp_path, store_config):
         "sex": {"F": "female", "M": "male"},
         "copy": expected,
     }
-    assert [t["name"] for t in json.loads(run(cfg, "lookups", "list").stdout)["tables"]] == [
+    assert [t["name"] for t in json.loads(run(cfg, "lookups", "list", "--json").stdout)["tables"]] == [
         "copy",
         "patient_class",
         "sex",

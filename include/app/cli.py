@@ -4,23 +4,74 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import socket
 import sys
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import click
 
 from include import config as cfgmod
-from include.app.cli_common import InputError, _emit, _load, _open_checked
+from include.app.cli_common import (
+    CONNECT_TIMEOUT_ENV,
+    CONNECT_TIMEOUT_SECONDS,
+    InputError,
+    StoreNotUsable,
+    _load,
+    _open_checked,
+    reachable_store,
+    set_connect_timeout,
+)
 from include.app.cli_messages import messages, stages
+from include.app.cli_output import Column, answer, echo_json, json_option, table, when_s
 from include.app.demo import RECEIVER_PORT
 from include.store import Store
 from include.store import lookups as lookup_tables
-from include.store.lease import read_lease
-from include.store.membership import NodeIdentity, cluster_nodes, cluster_status, single_node_nodes
+from include.store.membership import cluster_nodes
 from include.store.migrate import ClusterIdentityError, migrate
+from include.store.reach import describe
+
+DEBUG_ENV = "STAGELINE_DEBUG"
 
 
-@click.group()
+class Commands(click.Group):
+    """Every failure ends as one line on stderr and a nonzero exit, never a traceback (unless
+    $STAGELINE_DEBUG is set): a store error in the middle of a command is exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise click.ClickException(f"{type(exc).__name__}: {first} (${DEBUG_ENV}=1 shows the traceback)") from exc
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    try:
+        version = metadata.version("stageline")
+    except metadata.PackageNotFoundError:
+        version = "unknown (not installed: run from a checkout without `uv sync`)"
+    click.echo(f"stageline {version}")
+    ctx.exit()
+
+
+@click.group(cls=Commands)
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Print the installed version and exit.",
+)
 @click.option(
     "--service-config",
     "service_config",
@@ -28,10 +79,23 @@ from include.store.migrate import ClusterIdentityError, migrate
     default=None,
     help="Path to stageline.toml (default: ./stageline.toml, or $STAGELINE_CONFIG).",
 )
+@click.option(
+    "--connect-timeout",
+    type=click.FloatRange(min=1, max=300),
+    envvar=CONNECT_TIMEOUT_ENV,
+    default=CONNECT_TIMEOUT_SECONDS,
+    show_default=True,
+    metavar="SECONDS",
+    help=f"How long to wait for the store's server to answer (or ${CONNECT_TIMEOUT_ENV}).",
+)
 @click.pass_context
-def cli(ctx: click.Context, service_config: str | None) -> None:
-    """Stageline: HL7-style integration engine on staged SQL tables, Airflow and Spark."""
+def cli(ctx: click.Context, service_config: str | None, connect_timeout: float) -> None:
+    """Stageline: HL7-style integration engine on staged SQL tables, Airflow and Spark.
+
+    Every command answers in text, or with --json as one JSON document. Exit codes: 0 done, 1 failed,
+    2 bad input or config, 3 store not reachable, 4 store not usable (none, no schema, another cluster's)."""
     ctx.obj = service_config
+    set_connect_timeout(ctx, connect_timeout)
 
 
 @cli.group()
@@ -53,68 +117,166 @@ def _service_config_here(f):
 
 @db.command("migrate")
 @_service_config_here
+@json_option
 @click.pass_obj
-def db_migrate(service_config: str | None, local_config: str | None = None) -> None:
-    """Create or upgrade the schema (idempotent) and pin the store to this cluster."""
+def db_migrate(service_config: str | None, local_config: str | None = None, as_json: bool = False) -> None:
+    """Create or upgrade the schema (idempotent) and pin the store to this cluster. The one command
+    that creates a SQLite store where there is none."""
     cfg = _load(local_config or service_config)
-    store = Store(cfg.store)
+    store = reachable_store(cfg, create=True)
     try:
         report = migrate(store, cluster_name=cfg.cluster.cluster_name)
     except ClusterIdentityError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise StoreNotUsable(str(exc)) from None
     finally:
         store.close()
-    where = (
-        cfg.store.path
-        if cfg.store.backend == "sqlite"
-        else f"{cfg.store.server}:{cfg.store.effective_port}/{cfg.store.database}"
-    )
+    doc = {
+        "backend": cfg.store.backend,
+        "store": describe(cfg.store),
+        "version": report.version,
+        "applied": report.applied,
+        "cluster_name": report.cluster_name,
+        "cluster_id": report.cluster_id,
+    }
     applied = ", ".join(map(str, report.applied)) or "none (already current)"
-    click.echo(
-        f"store {cfg.store.backend} at {where}: schema version {report.version}; applied: {applied}; "
-        f"cluster {report.cluster_name!r} ({report.cluster_id})"
+    answer(
+        as_json,
+        doc,
+        lambda: (
+            f"{doc['store']}: schema version {report.version}; applied: {applied}; "
+            f"cluster {report.cluster_name!r} ({report.cluster_id})"
+        ),
     )
 
 
 @cli.group()
 def cluster() -> None:
-    """Membership and leadership, as served on /cluster/status and /cluster/nodes."""
+    """Membership and leadership, read from the store: the lease and every node's heartbeat."""
+
+
+def _pinned_node_id(cfg: cfgmod.ServiceConfig) -> str | None:
+    """[cluster].node_id when the config names one; None when it was derived for this very process
+    (`host:pid:random`): the CLI is not a node, and must not report itself as one."""
+    node_id = cfg.cluster.node_id
+    return None if node_id.startswith(f"{socket.gethostname()}:{os.getpid()}:") else node_id
+
+
+def _cluster_view(cfg: cfgmod.ServiceConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The store's identity row and its `/cluster/nodes` view (lease, nodes, derived leader), each
+    node marked `running` if it beat within [cluster].node_timeout_seconds."""
+    timeout = cfg.cluster.node_timeout_seconds
+    store, identity = _open_checked(cfg)
+    try:
+        view = cluster_nodes(store, node_timeout_seconds=timeout)
+    finally:
+        store.close()
+    for node in view["nodes"]:  # heartbeat within the timeout, on the database's clock
+        seen = node["last_seen"]
+        node["running"] = node["status"] == "active" and seen is not None and seen > view["db_now"] - timeout
+    return identity, view
 
 
 @cluster.command("status")
+@json_option
 @click.pass_obj
-def cluster_status_cmd(service_config: str | None) -> None:
-    """This node's posture (node id from the config; leader if it holds the live lease)."""
+def cluster_status_cmd(service_config: str | None, as_json: bool = False) -> None:
+    """What the store says now: who holds the lease, which listenerd is running (a heartbeat within
+    [cluster].node_timeout_seconds) and when one last beat; in a cluster, this node's role."""
     cfg = _load(service_config)
-    store, identity = _open_checked(cfg)
-    try:
-        lease = read_lease(store)
-    finally:
-        store.close()
-    is_leader = lease.live and lease.owner == cfg.cluster.node_id
-    _emit(
-        cluster_status(
-            node_id=cfg.cluster.node_id,
-            clustered=cfg.cluster.enabled,
-            is_leader=is_leader,
-            config_version=identity["config_version"],
+    identity, view = _cluster_view(cfg)
+    running = [n for n in view["nodes"] if n["running"]]
+    beats = [n for n in view["nodes"] if n["last_seen"] is not None]
+    last = max(beats, key=lambda n: n["last_seen"]) if beats else None
+    node_id = _pinned_node_id(cfg) if cfg.cluster.enabled else (running[0]["node_id"] if running else None)
+    me = next((n for n in running if n["node_id"] == node_id), None)
+    is_leader = bool(node_id) and view["lease_owner"] == node_id and me is not None
+    if not cfg.cluster.enabled:
+        role = "single-node" if running else "down"
+    elif node_id is None:
+        role = None
+    else:
+        role = "down" if me is None else ("primary" if is_leader else "standby")
+    doc = {
+        "cluster_name": cfg.cluster.cluster_name,
+        "clustered": cfg.cluster.enabled,
+        "node_id": node_id,
+        "is_leader": is_leader,
+        "role": role,
+        "config_version": int(identity["config_version"]),
+        "lease_owner": view["lease_owner"],
+        "lease_expires_at": view["lease_expires_at"],
+        "epoch": view["epoch"],
+        "leader_node_id": view["leader_node_id"],
+        "listenerd_running": [n["node_id"] for n in running],
+        "last_heartbeat": None if last is None else {"node_id": last["node_id"], "at": last["last_seen"]},
+        "db_now": view["db_now"],
+    }
+    answer(as_json, doc, lambda: _status_text(doc))
+
+
+def _status_text(doc: dict[str, Any]) -> str:
+    mode = "cluster" if doc["clustered"] else "single node"
+    lines = [f"{mode} {doc['cluster_name']!r}, config version {doc['config_version']}"]
+    if doc["clustered"]:
+        lines.append(
+            f"this node: {doc['node_id']}, {doc['role']}"
+            if doc["node_id"]
+            else "this node: none named ([cluster].node_id is not set: the CLI is not a node)"
         )
-    )
+    owner = doc["lease_owner"]
+    lease = "lease: free (no live owner)" if owner is None else f"lease: held by {owner}, epoch {doc['epoch']}"
+    if owner is not None and doc["lease_expires_at"] is not None:
+        lease += f", expires {when_s(doc['lease_expires_at'])}"
+    lines.append(lease)
+    running, last = doc["listenerd_running"], doc["last_heartbeat"]
+    if running:
+        lines.append(f"listenerd running: {', '.join(running)}")
+    elif last is None:
+        lines.append("listenerd: none running; none ever beat on this store")
+    else:
+        age = doc["db_now"] - last["at"]
+        lines.append(
+            f"listenerd: none running; last heartbeat {when_s(last['at'])} ({age:.0f} s ago) from {last['node_id']}"
+        )
+    return "\n".join(lines)
+
+
+NODE_COLUMNS = (
+    Column("node_id", "node"),
+    Column("host", "host"),
+    Column("pid", "pid", right=True),
+    Column("status", "status"),
+    Column("running", "running", show=lambda v: "yes" if v else "no"),
+    Column("is_leader", "leader", show=lambda v: "yes" if v else ""),
+    Column("started_at", "started (UTC)", show=when_s),
+    Column("last_seen", "last heartbeat (UTC)", show=when_s),
+)
 
 
 @cluster.command("nodes")
+@json_option
 @click.pass_obj
-def cluster_nodes_cmd(service_config: str | None) -> None:
-    """All nodes and the derived live leader."""
+def cluster_nodes_cmd(service_config: str | None, as_json: bool = False) -> None:
+    """Every node that ever beat on this store, the lease and the derived live leader."""
     cfg = _load(service_config)
-    if not cfg.cluster.enabled:
-        _emit(single_node_nodes(NodeIdentity.of(cfg.cluster.node_id)))
-        return
-    store, _ = _open_checked(cfg)
-    try:
-        _emit(cluster_nodes(store, node_timeout_seconds=cfg.cluster.node_timeout_seconds))
-    finally:
-        store.close()
+    _identity, view = _cluster_view(cfg)
+
+    def text() -> str:
+        if not view["nodes"]:
+            return "no nodes: no listenerd ever ran on this store"
+        owner = view["lease_owner"]
+        return (
+            table(view["nodes"], NODE_COLUMNS)
+            + f"\nleader: {view['leader_node_id'] or 'none'}; lease: "
+            + (f"{owner}, epoch {view['epoch']}" if owner else "free")
+            + (
+                f"; config differs from the leader's: {', '.join(view['config_mismatch'])}"
+                if view["config_mismatch"]
+                else ""
+            )
+        )
+
+    answer(as_json, view, text)
 
 
 @cli.group()
@@ -134,8 +296,9 @@ def _lookups_store(service_config: str | None) -> Store:
 @lookups.command("import")
 @click.argument("name")
 @click.argument("csv_file", metavar="FILE.csv", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@json_option
 @click.pass_obj
-def lookups_import(service_config: str | None, name: str, csv_file: Path) -> None:
+def lookups_import(service_config: str | None, name: str, csv_file: Path, as_json: bool = False) -> None:
     """Replace lookup table NAME with the `code,value` rows of FILE.csv."""
     try:
         entries = lookup_tables.read_table_file(name, csv_file)
@@ -149,33 +312,46 @@ def lookups_import(service_config: str | None, name: str, csv_file: Path) -> Non
         raise InputError(f"{csv_file}: {exc}") from None
     finally:
         store.close()
-    click.echo(f"lookup table {name!r}: {count} entries imported from {csv_file} (whole table replaced)")
+    answer(
+        as_json,
+        {"imported": [{"name": name, "entries": count, "file": str(csv_file)}]},
+        lambda: f"lookup table {name!r}: {count} entries imported from {csv_file} (whole table replaced)",
+    )
+
+
+LOOKUP_COLUMNS = (
+    Column("name", "table"),
+    Column("entries", "entries", right=True),
+    Column("updated_at", "updated (UTC)", show=when_s),
+)
 
 
 @lookups.command("list")
+@json_option
 @click.pass_obj
-def lookups_list(service_config: str | None) -> None:
-    """Every table: name, entry count, last change (epoch seconds)."""
+def lookups_list(service_config: str | None, as_json: bool = False) -> None:
+    """Every table: name, entry count, last change (JSON: epoch seconds)."""
     store = _lookups_store(service_config)
     try:
         with store.transaction(write=False) as tx:
             rows = lookup_tables.list_tables(tx)
     finally:
         store.close()
-    _emit(
-        {
-            "tables": [
-                {"name": r["table_name"], "entries": int(r["entries"]), "updated_at": float(r["updated_at"])}
-                for r in rows
-            ]
-        }
+    tables = [
+        {"name": r["table_name"], "entries": int(r["entries"]), "updated_at": float(r["updated_at"])} for r in rows
+    ]
+    answer(
+        as_json,
+        {"tables": tables},
+        lambda: table(tables, LOOKUP_COLUMNS) if tables else "no lookup tables (import one: stageline lookups import)",
     )
 
 
 @lookups.command("show")
 @click.argument("name")
+@json_option
 @click.pass_obj
-def lookups_show(service_config: str | None, name: str) -> None:
+def lookups_show(service_config: str | None, name: str, as_json: bool = False) -> None:
     """Table NAME as CSV (`code,value`, the format `import` reads) on stdout."""
     store = _lookups_store(service_config)
     try:
@@ -185,17 +361,22 @@ def lookups_show(service_config: str | None, name: str) -> None:
         store.close()
     if entries is None:
         raise InputError(f"no lookup table {name!r} (see `stageline lookups list`)")
+    rows = sorted(entries.items())
+    if as_json:
+        echo_json({"name": name, "entries": [{"code": c, "value": v} for c, v in rows]})
+        return
     text = io.StringIO()
     out = csv.writer(text, lineterminator="\n")
     out.writerow(["code", "value"])
-    out.writerows(sorted(entries.items()))
+    out.writerows(rows)
     click.echo(text.getvalue(), nl=False)
 
 
 @lookups.command("delete")
 @click.argument("name")
+@json_option
 @click.pass_obj
-def lookups_delete(service_config: str | None, name: str) -> None:
+def lookups_delete(service_config: str | None, name: str, as_json: bool = False) -> None:
     """Delete table NAME (a `map` rule naming it then fails its transform runs)."""
     store = _lookups_store(service_config)
     try:
@@ -205,13 +386,18 @@ def lookups_delete(service_config: str | None, name: str) -> None:
         store.close()
     if not count:
         raise InputError(f"no lookup table {name!r} (see `stageline lookups list`)")
-    click.echo(f"lookup table {name!r} deleted ({count} entries)")
+    answer(
+        as_json,
+        {"deleted": {"name": name, "entries": count}},
+        lambda: f"lookup table {name!r} deleted ({count} entries)",
+    )
 
 
 @lookups.command("sync")
 @click.argument("directory", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@json_option
 @click.pass_obj
-def lookups_sync(service_config: str | None, directory: Path) -> None:
+def lookups_sync(service_config: str | None, directory: Path, as_json: bool = False) -> None:
     """Import every DIR/*.csv as the table named by its file stem (patient_class.csv → patient_class),
     all in one transaction. Tables without a file in DIR are left as they are."""
     if not any(directory.glob("*.csv")):
@@ -223,8 +409,18 @@ def lookups_sync(service_config: str | None, directory: Path) -> None:
         raise InputError(str(exc)) from None
     finally:
         store.close()
-    for name, count in imported:
-        click.echo(f"lookup table {name!r}: {count} entries imported from {directory / (name + '.csv')}")
+    doc = {
+        "imported": [
+            {"name": name, "entries": count, "file": str(directory / (name + ".csv"))} for name, count in imported
+        ]
+    }
+    answer(
+        as_json,
+        doc,
+        lambda: "\n".join(
+            f"lookup table {i['name']!r}: {i['entries']} entries imported from {i['file']}" for i in doc["imported"]
+        ),
+    )
 
 
 @cli.group("config")
@@ -232,27 +428,34 @@ def config_group() -> None:
     """Check a config dir before running it, or print its JSON Schema (docs/config-reference.md)."""
 
 
-def run_config_check(directory: Path | None, service_config: str | None) -> int:
+def run_config_check(directory: Path | None, service_config: str | None, *, as_json: bool = False) -> int:
     """The check `listenerd` runs at start (`listeners.config_check`): prints every problem; the
     exit code, 0 when there is none. Without a directory, the pipeline dir beside the service config."""
     from listeners import config_check
 
     service = str(Path(service_config).resolve()) if service_config else None
     return config_check.main(
-        [*([str(directory)] if directory else []), *(["--service-config", service] if service else [])]
+        [
+            *([str(directory)] if directory else []),
+            *(["--service-config", service] if service else []),
+            *(["--json"] if as_json else []),
+        ]
     )
 
 
 @config_group.command("check")
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @_service_config_here
+@json_option
 @click.pass_obj
-def config_check(service_config: str | None, directory: Path | None, local_config: str | None = None) -> None:
+def config_check(
+    service_config: str | None, directory: Path | None, local_config: str | None = None, as_json: bool = False
+) -> None:
     """Check a whole config dir: connections, routes, destinations, transforms, the lookup tables
     they name, and stageline.toml when --service-config names one. Prints every problem with its
     file and key; exits 2 if there is any. DIRECTORY defaults to the pipeline dir
     ($STAGELINE_PIPELINE_DIR, else config/ beside the service config)."""
-    sys.exit(run_config_check(directory, local_config or service_config))
+    sys.exit(run_config_check(directory, local_config or service_config, as_json=as_json))
 
 
 @config_group.command("schema")
@@ -263,9 +466,11 @@ def config_check(service_config: str | None, directory: Path | None, local_confi
     default=None,
     help="one file's schema (default: all five, as one JSON object by file)",
 )
-def config_schema(name: str | None) -> None:
+@json_option
+def config_schema(name: str | None, as_json: bool = False) -> None:
     """Print the JSON Schema of the config files, from the models that check them, for an editor
-    to validate TOML as it is typed (docs/config-reference.md: taplo's `#:schema` directive)."""
+    to validate TOML as it is typed (docs/config-reference.md: taplo's `#:schema` directive).
+    JSON either way (--json is accepted, like everywhere)."""
     import json
 
     from include.schema.json_schema import FILES, schema, schema_text
@@ -334,14 +539,27 @@ def demo() -> None:
 @demo.command("send")
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=2575, show_default=True)
-@click.option("--count", default=5, show_default=True, help="messages of each kind")
-def demo_send(host: str, port: int, count: int) -> None:
+@click.option("--count", default=5, show_default=True, type=click.IntRange(1, 10_000), help="messages of each kind")
+@json_option
+def demo_send(host: str, port: int, count: int, as_json: bool = False) -> None:
     """Send sample ADT, ORU and ORM messages over MLLP and show each ACK."""
     from include.app.demo import send_samples
 
-    for control_id, kind, code in send_samples(host, port, count=count):
-        click.echo(f"{control_id:<14} {kind:<8} {code}")
-    click.echo(_deliveries_hint())
+    try:
+        acks = [{"control_id": c, "kind": k, "ack": a} for c, k, a in send_samples(host, port, count=count)]
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot send to {host}:{port} ({exc.strerror or exc}): is listenerd running (`stageline up`)?"
+        ) from None
+    answer(
+        as_json,
+        {"acks": acks},
+        lambda: (
+            table(acks, (Column("control_id", "control id"), Column("kind", "kind"), Column("ack", "ACK")))
+            + "\n"
+            + _deliveries_hint()
+        ),
+    )
 
 
 def _deliveries_hint() -> str:

@@ -4,7 +4,6 @@ why did it fail, send it again, what is stuck and since when (`include/store/ope
 from __future__ import annotations
 
 import getpass
-import json
 import os
 from datetime import UTC, datetime
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from include.app.cli_common import InputError, _load, _open_checked
+from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
 from include.store import operator as ops
 from include.store.parquet_archive import ParquetArchive
 
@@ -20,12 +20,7 @@ def _store(service_config: str | None) -> Any:
     return _open_checked(_load(service_config))[0]
 
 
-def _when(ms: Any) -> str:
-    return (
-        datetime.fromtimestamp(int(ms) / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-        if ms is not None
-        else "-"
-    )
+_when = when_ms
 
 
 def _ms(text: str | None) -> int | None:
@@ -39,10 +34,6 @@ def _ms(text: str | None) -> int | None:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
-
-
-def _json_default(value: Any) -> Any:
-    return str(value)
 
 
 def os_user() -> str:
@@ -86,7 +77,7 @@ def messages() -> None:
 @click.option("--until", help="ISO time, exclusive.")
 @click.option("--before-id", type=int, help="Page on: the last id of the previous page.")
 @click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 @click.pass_obj
 def find_cmd(
     service_config: str | None,
@@ -125,23 +116,27 @@ def find_cmd(
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=_json_default))
+        echo_json(rows)
         return
     if not rows:
         click.echo("no messages match")
         return
-    click.echo(
-        f"{'id':>8}  {'received (UTC)':<24}{'connection':<14}{'control id':<22}{'lane':<12}{'status':<10}"
-        f"{'routed':>7}{'delivered':>10}{'dead':>5}"
-    )
-    for r in rows:
-        click.echo(
-            f"{r['id']:>8}  {_when(r['created_ms']):<24}{r['connection'][:13]:<14}"
-            f"{(r['control_id'] or '-')[:21]:<22}{(r['lane_key'] or '-')[:11]:<12}{r['status']:<10}"
-            f"{r['routed']:>7}{r['delivered']:>10}{r['dead']:>5}"
-        )
+    click.echo(table(rows, FIND_COLUMNS))
     if len(rows) == limit:
         click.echo(f"(more: --before-id {rows[-1]['id']})")
+
+
+FIND_COLUMNS = (
+    Column("id", "id", right=True),
+    Column("created_ms", "received (UTC)", show=when_ms),
+    Column("connection", "connection"),
+    Column("control_id", "control id"),
+    Column("lane_key", "lane"),
+    Column("status", "status"),
+    Column("routed", "routed", right=True),
+    Column("delivered", "delivered", right=True),
+    Column("dead", "dead", right=True),
+)
 
 
 @messages.command("show")
@@ -152,7 +147,7 @@ def find_cmd(
     is_flag=True,
     help="Also its bodies (PHI): recorded in the audit trail as a body_read event naming the OS user.",
 )
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 @click.pass_obj
 def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) -> None:
     """One message in every stage and its whole audit trail; with --body its bodies too. REF: row id,
@@ -172,7 +167,7 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(story.__dict__, indent=2, default=_json_default))
+        echo_json(story.__dict__)
         return
     i = story.inbound
     click.echo(
@@ -250,8 +245,11 @@ def _hl7_batch_line(inbound: dict[str, Any], batch: dict[str, Any] | None) -> st
 )
 @actor_option
 @reason_option
+@json_option
 @click.pass_obj
-def replay_cmd(service_config: str | None, refs: tuple[str, ...], source: str, actor: str, reason: str) -> None:
+def replay_cmd(
+    service_config: str | None, refs: tuple[str, ...], source: str, actor: str, reason: str, as_json: bool = False
+) -> None:
     """Run messages again from a stage: a new attempt, recorded in the audit trail; history stays."""
     store = _store(service_config)
     try:
@@ -262,7 +260,11 @@ def replay_cmd(service_config: str | None, refs: tuple[str, ...], source: str, a
     finally:
         store.close()
     what = "new inbound row(s)" if source == "inbound" else "outbound row(s) back to pending"
-    click.echo(f"replayed {len(ids)} message(s) from {source}: {what} {', '.join(map(str, moved)) or 'none'}")
+    answer(
+        as_json,
+        {"from": source, "messages": ids, "rows": moved},
+        lambda: f"replayed {len(ids)} message(s) from {source}: {what} {', '.join(map(str, moved)) or 'none'}",
+    )
 
 
 @messages.command("requeue")
@@ -278,6 +280,7 @@ def replay_cmd(service_config: str | None, refs: tuple[str, ...], source: str, a
 @click.option("--lane", "lane_key", help="Every dead letter of this lane.")
 @actor_option
 @reason_option
+@json_option
 @click.pass_obj
 def requeue_cmd(
     service_config: str | None,
@@ -287,6 +290,7 @@ def requeue_cmd(
     lane_key: str | None,
     actor: str,
     reason: str,
+    as_json: bool = False,
 ) -> None:
     """Dead letters back to pending (attempts reset, same bytes, same place in their lane, so a dead
     lane drains in order). By row IDS, or all of a --destination and/or --lane."""
@@ -300,15 +304,19 @@ def requeue_cmd(
     finally:
         store.close()
     skipped = sorted(set(chosen) - set(moved))
-    click.echo(
-        f"requeued {len(moved)} {stage} row(s)"
-        + (f": {', '.join(map(str, moved))}" if moved else "")
-        + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else "")
+    answer(
+        as_json,
+        {"stage": stage, "requeued": list(moved), "left_alone": skipped},
+        lambda: (
+            f"requeued {len(moved)} {stage} row(s)"
+            + (f": {', '.join(map(str, moved))}" if moved else "")
+            + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else "")
+        ),
     )
 
 
 @messages.command("dead")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 @click.pass_obj
 def dead_cmd(service_config: str | None, as_json: bool) -> None:
     """Dead letters grouped by stage, destination and reason."""
@@ -318,22 +326,27 @@ def dead_cmd(service_config: str | None, as_json: bool) -> None:
     finally:
         store.close()
     if as_json:
-        click.echo(json.dumps(groups, indent=2, default=_json_default))
+        echo_json(groups)
         return
     if not groups:
         click.echo("no dead letters")
         return
-    for g in groups:
-        click.echo(
-            f"{g['n']:>6}  {g['stage']:<9}{(g['destination'] or '-'):<16} since {_when(g['oldest_ms'])}  "
-            f"{g['reason'] or '-'}"
-        )
+    click.echo(table(groups, DEAD_COLUMNS))
     click.echo("requeue with: stageline messages requeue --stage STAGE --destination NAME --reason WHY")
+
+
+DEAD_COLUMNS = (
+    Column("n", "dead", right=True),
+    Column("stage", "stage"),
+    Column("destination", "destination"),
+    Column("oldest_ms", "oldest (UTC)", show=when_ms),
+    Column("reason", "reason"),
+)
 
 
 @click.command("stages")
 @click.option("--batches", "recent", type=int, default=0, help="Also the latest N micro-batches (stage_batches).")
-@click.option("--json", "as_json", is_flag=True)
+@json_option
 @click.pass_obj
 def stages(service_config: str | None, recent: int, as_json: bool) -> None:
     """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min)."""
@@ -346,19 +359,34 @@ def stages(service_config: str | None, recent: int, as_json: bool) -> None:
     finally:
         store.close()
     if as_json:
-        click.echo(
-            json.dumps({**overview, **({"batches": batches} if recent > 0 else {})}, indent=2, default=_json_default)
-        )
+        echo_json({**overview, **({"batches": batches} if recent > 0 else {})})
         return
-    click.echo(f"{'stage':<10}{'backlog':>9}{'oldest s':>10}{'in flight':>11}{'dead':>7}{'done/min':>10}")
-    for stage, s in overview.items():
-        oldest = "-" if s["oldest_pending_seconds"] is None else f"{s['oldest_pending_seconds']:.1f}"
+    click.echo(table([{"stage": stage, **s} for stage, s in overview.items()], STAGE_COLUMNS))
+    if batches:
+        click.echo()
         click.echo(
-            f"{stage:<10}{s['backlog']:>9}{oldest:>10}{s['in_flight']:>11}{s['dead']:>7}{s['finished_per_minute']:>10}"
+            table(
+                [{**b, "seconds": (int(b["finished_ms"]) - int(b["started_ms"])) / 1000} for b in batches],
+                BATCH_COLUMNS,
+            )
         )
-    for b in batches:
-        seconds = (int(b["finished_ms"]) - int(b["started_ms"])) / 1000
-        click.echo(
-            f"  {_when(b['finished_ms'])}  {b['stage']:<10} {seconds:6.2f} s  claimed {b['claimed']:>6}  "
-            f"{b['dag_id']} {b['run_id']} try {b['try_number']}  {b['counts']}"
-        )
+
+
+STAGE_COLUMNS = (
+    Column("stage", "stage"),
+    Column("backlog", "backlog", right=True),
+    Column("oldest_pending_seconds", "oldest s", right=True, show=lambda v: "-" if v is None else f"{v:.1f}"),
+    Column("in_flight", "in flight", right=True),
+    Column("dead", "dead", right=True),
+    Column("finished_per_minute", "done/min", right=True),
+)
+BATCH_COLUMNS = (
+    Column("finished_ms", "finished (UTC)", show=when_ms),
+    Column("stage", "stage"),
+    Column("seconds", "took s", right=True, show=lambda v: f"{v:.2f}"),
+    Column("claimed", "claimed", right=True),
+    Column("dag_id", "dag"),
+    Column("run_id", "run"),
+    Column("try_number", "try", right=True),
+    Column("counts", "counts"),
+)

@@ -53,7 +53,8 @@ class Dialect:
     translate: Callable[[str], str]
     atomic_staging: bool = False  # stage_inbound is one self-contained statement (events included)
 
-    def connect(self, cfg: StoreConfig) -> Any:
+    def connect(self, cfg: StoreConfig, *, timeout_seconds: int = 10) -> Any:
+        """A new connection; a server that does not answer within `timeout_seconds` fails it."""
         raise NotImplementedError
 
     def begin(self, conn: Any, *, write: bool) -> None:
@@ -161,7 +162,7 @@ def private_sqlite_file(path: str | os.PathLike[str]) -> None:
 
 
 class SqliteDialect(Dialect):
-    def connect(self, cfg: StoreConfig) -> sqlite3.Connection:
+    def connect(self, cfg: StoreConfig, *, timeout_seconds: int = 10) -> sqlite3.Connection:
         private_sqlite_file(cfg.path)
         conn = sqlite3.connect(
             cfg.path, isolation_level=None, timeout=cfg.busy_timeout_ms / 1000, check_same_thread=False
@@ -192,11 +193,12 @@ class SqliteDialect(Dialect):
 
 
 class PostgresDialect(Dialect):
-    def connect(self, cfg: StoreConfig) -> Any:
+    def connect(self, cfg: StoreConfig, *, timeout_seconds: int = 10) -> Any:
         import psycopg
         from psycopg.rows import dict_row
 
-        return psycopg.connect(**self.conninfo(cfg), row_factory=dict_row, autocommit=False)
+        info = {**self.conninfo(cfg), "connect_timeout": timeout_seconds}
+        return psycopg.connect(**info, row_factory=dict_row, autocommit=False)
 
     def conninfo(self, cfg: StoreConfig) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -238,7 +240,7 @@ class PostgresDialect(Dialect):
 
 
 class SqlServerDialect(Dialect):
-    def connect(self, cfg: StoreConfig) -> Any:
+    def connect(self, cfg: StoreConfig, *, timeout_seconds: int = 10) -> Any:
         import pymssql
 
         return pymssql.connect(
@@ -249,7 +251,7 @@ class SqlServerDialect(Dialect):
             database=cfg.database,
             as_dict=True,
             autocommit=False,
-            login_timeout=10,
+            login_timeout=timeout_seconds,
         )
 
     def begin(self, conn: Any, *, write: bool) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from include.store import queries
 from include.store.db import Store
+from include.store.reach import describe
 
 
 class ClusterIdentityError(RuntimeError):
@@ -64,30 +65,31 @@ def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
 
 def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
     """Refuse a store that is unmigrated, too new, or owned by another cluster."""
+    store_name = describe(store.config)
     try:
         with store.transaction(write=False) as tx:
             version = tx.row("schema_version_current")["version"]
             identity = tx.one("identity_get")
     except Exception as exc:  # missing tables look different on every driver
+        first_line = (str(exc).strip().splitlines() or [""])[0]  # PostgreSQL adds LINE 1: and a caret
         raise SchemaError(
-            f"the {store.backend} store has no Stageline schema yet; run `stageline db migrate` "
-            f"({type(exc).__name__}: {exc})"
+            f"{store_name} has no Stageline schema yet; run `stageline db migrate` ({type(exc).__name__}: {first_line})"
         ) from exc
     expected = latest_version(store.backend)
     if version < expected:
         raise SchemaError(
-            f"the store is at schema version {version}, this code needs {expected}; run `stageline db migrate`"
+            f"{store_name} is at schema version {version}, this code needs {expected}; run `stageline db migrate`"
         )
     if version > expected:
         raise SchemaError(
-            f"the store is at schema version {version}, newer than this code ({expected}); "
+            f"{store_name} is at schema version {version}, newer than this code ({expected}); "
             "upgrade Stageline on this node"
         )
     if identity is None:
-        raise SchemaError("the store has no cluster identity; run `stageline db migrate`")
+        raise SchemaError(f"{store_name} has no cluster identity; run `stageline db migrate`")
     if identity["cluster_name"] != cluster_name:
         raise ClusterIdentityError(
-            f"this store belongs to cluster {identity['cluster_name']!r} (cluster id {identity['cluster_id']}), "
+            f"{store_name} belongs to cluster {identity['cluster_name']!r} (cluster id {identity['cluster_id']}), "
             f"but this node's [cluster].cluster_name is {cluster_name!r}; refusing to start. Point [store] at "
             "the right database or fix cluster_name."
         )
