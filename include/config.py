@@ -199,6 +199,8 @@ def load(path: str | os.PathLike[str] | None = None) -> ServiceConfig:
         if path.name == DEFAULT_CONFIG and path.parent == Path("."):
             return parse({}, source=Path.cwd() / path)
         raise ConfigError([ConfigProblem(path, "", "service config does not exist")])
+    if path.is_dir():
+        raise ConfigError([ConfigProblem(path, "", f"is a directory: name the {DEFAULT_CONFIG} file in it")])
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

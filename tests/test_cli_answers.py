@@ -259,6 +259,10 @@ def test_wrong_flags_and_bad_values_are_usage_errors(tmp_path):
         (("--connect-timeout", "0", "stages"), "Invalid value for '--connect-timeout'"),
         (("nope",), "No such command 'nope'"),
         (("demo", "send", "--count", "0"), "Invalid value for '--count'"),
+        (
+            ("--service-config", str(tmp_path), "stages"),
+            f"{tmp_path}: is a directory: name the stageline.toml file in it",
+        ),
     ):
         proc = subprocess.run(
             [str(STAGELINE), *args], capture_output=True, text=True, cwd=tmp_path, timeout=60, env={**os.environ}

@@ -77,6 +77,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     "service_config",
     envvar=cfgmod.CONFIG_ENV,
     default=None,
+    metavar="PATH",
     help="Path to stageline.toml (default: ./stageline.toml, or $STAGELINE_CONFIG).",
 )
 @click.option(
