@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from include.app.lab.postgres_server import free_port
+from include.app.lab.postgres_server import PostgresServer, free_port
 from include.config import StoreConfig
 from include.store import Store
 from include.store.lease import acquire_permanent
@@ -79,7 +79,22 @@ def test_no_read_command_creates_a_store_and_each_says_where_it_looked(tmp_path)
     # the one command that creates a store does, and says where
     out = stageline("--service-config", str(named), "db", "migrate", cwd=tmp_path).stdout
     assert out.startswith(f"the SQLite file {named.parent}/data/s.db: schema version ")
-    assert "no messages match" in stageline("--service-config", str(named), "messages", "find", cwd=tmp_path).stdout
+    # an empty store: every read answers, in words
+    empty = {
+        ("stages",): "inbound",
+        ("messages", "find"): "no messages match",
+        ("messages", "dead"): "no dead letters",
+        ("cluster", "status"): "listenerd: none running; none ever beat on this store",
+        ("cluster", "nodes"): "no nodes: no listenerd ever ran on this store",
+        ("lookups", "list"): "no lookup tables",
+    }
+    for args, words in empty.items():
+        assert words in stageline("--service-config", str(named), *args, cwd=tmp_path).stdout, args
+    for args, words in (
+        (("messages", "show", "C1"), "no message 'C1'"),
+        (("lookups", "show", "sex"), "no lookup table"),
+    ):
+        assert words in stageline("--service-config", str(named), *args, cwd=tmp_path, code=2).stderr
 
 
 def test_a_file_that_is_not_a_store_and_an_empty_one(tmp_path):
@@ -103,6 +118,23 @@ def test_a_closed_port_is_unreachable_at_once(tmp_path):
         assert "cannot reach PostgreSQL database 'stageline' at 127.0.0.1:" in err and "Connection refused" in err, err
         assert "is the server running, and are [store].server and port right?" in err
         assert "schema" not in err
+
+
+@pytest.mark.postgres
+def test_a_stopped_postgres_is_unreachable_not_unmigrated(tmp_path):
+    server = PostgresServer(settings={"fsync": "off"}).start()
+    try:
+        server.execute("CREATE DATABASE cli_stopped")
+        cfg = pg_toml(tmp_path, port=server.port, database="cli_stopped")
+        stageline("--service-config", str(cfg), "db", "migrate", cwd=tmp_path)
+        assert stageline("--service-config", str(cfg), "messages", "find", cwd=tmp_path).stdout == "no messages match\n"
+    finally:
+        server.stop()
+    started = time.monotonic()
+    err = stageline("--service-config", str(cfg), "messages", "find", cwd=tmp_path, code=3).stderr
+    assert time.monotonic() - started < 10
+    assert f"cannot reach PostgreSQL database 'cli_stopped' at 127.0.0.1:{server.port} (Connection refused)" in err
+    assert "schema" not in err and "migrate" not in err
 
 
 def test_a_server_that_never_answers_times_out_in_the_connect_timeout(tmp_path):
@@ -274,3 +306,14 @@ def test_wrong_flags_and_bad_values_are_usage_errors(tmp_path):
 def test_demo_send_to_nothing_is_one_line(tmp_path):
     err = stageline("demo", "send", "--port", str(free_port()), cwd=tmp_path, code=1).stderr
     assert "cannot send to 127.0.0.1:" in err and "is listenerd running" in err
+
+
+def test_a_store_error_mid_command_is_one_line_with_exit_1(tmp_path):
+    import sqlite3
+
+    migrated_sqlite(tmp_path / "s.db")
+    (tmp_path / "stageline.toml").write_text(f'[store]\npath = "s.db"\n[cluster]\ncluster_name = "{CLUSTER}"\n')
+    with sqlite3.connect(tmp_path / "s.db") as db:  # a damaged store: someone dropped a table by hand
+        db.execute("DROP TABLE stage_batches")
+    err = stageline("stages", "--batches", "5", cwd=tmp_path, code=1).stderr
+    assert err == "Error: OperationalError: no such table: stage_batches ($STAGELINE_DEBUG=1 shows the traceback)\n"

@@ -25,7 +25,7 @@ def _default(value: Any) -> Any:
 
 
 def echo_json(doc: Any) -> None:
-    click.echo(json.dumps(doc, indent=2, default=_default, ensure_ascii=False))
+    click.echo(json.dumps(doc, indent=2, default=_default))  # ASCII: a body's odd bytes print anywhere
 
 
 def answer(as_json: bool, doc: Any, text: Callable[[], str]) -> None:
