@@ -39,7 +39,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from include.schema import ConfigProblems
 from include.schema.connections import DEFAULT_API_PORT, ApiModel
 from include.schema.rules import validate
-from include.store import operator
+from include.store import operator, stats
 from include.store.parquet_archive import ParquetArchive
 from listeners import access_log
 from listeners.connections_config import ConnectionConfigError, TLSConfig
@@ -326,14 +326,7 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     root.putChild(b"cluster", cluster)
     root.putChild(b"metrics", _Endpoint(metrics, auth=auth, permission=read))
     root.putChild(b"messages", message_resources(state, auth))
-    root.putChild(
-        b"stages",
-        _Endpoint(
-            lambda r: _deferred(r, lambda store: operator.stages(store), state),
-            auth=auth,
-            permission=Permission.MESSAGES_READ,
-        ),
-    )
+    root.putChild(b"stages", _Endpoint(lambda r: stages(r, state), auth=auth, permission=Permission.MESSAGES_READ))
     site = _ApiSite(root, auth)
     site.displayTracebacks = False
     site.noisy = False
@@ -354,6 +347,8 @@ QUERY_FIELDS = frozenset(
         "before_id",
         "limit",
         "body",
+        "by",
+        "chart",
     }
 )
 """The query fields the API reads: the access log names these (never their values), others not at all."""
@@ -662,6 +657,18 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
             return one
 
     return Messages(find, auth=auth, permission=read)
+
+
+def stages(request: Request, state: NodeState) -> Any:
+    """`GET /stages`: per stage; `?by=destination|connection` each one's health (include/store/stats.py),
+    `&chart=1` with each destination's deliveries per minute over the last hour (the view's chart)."""
+    args = _args(request)
+    by, chart = args.get("by"), args.get("chart", "0")
+    if by is None:
+        return _deferred(request, lambda store: operator.stages(store), state)
+    if by not in stats.BY or chart not in ("0", "1"):
+        return _json(request, 400, {"error": f"by must be one of {', '.join(stats.BY)}; chart 0 or 1"})
+    return _deferred(request, lambda store: stats.health(store, by=by, chart=chart == "1"), state)
 
 
 def _args(request: Request) -> dict[str, str]:

@@ -13,6 +13,7 @@ import click
 from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
 from include.store import operator as ops
+from include.store import stats
 from include.store.parquet_archive import ParquetArchive
 
 
@@ -346,11 +347,25 @@ DEAD_COLUMNS = (
 
 @click.command("stages")
 @click.option("--batches", "recent", type=int, default=0, help="Also the latest N micro-batches (stage_batches).")
+@click.option(
+    "--by",
+    type=click.Choice(stats.BY),
+    help="Per destination or per inbound connection instead of per stage: received, filtered, queued, "
+    "retrying, in flight, sent, dead, delivery latency p50/p95 (last 5 min and hour).",
+)
 @json_option
 @click.pass_obj
-def stages(service_config: str | None, recent: int, as_json: bool) -> None:
-    """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min)."""
+def stages(service_config: str | None, recent: int, by: str | None, as_json: bool) -> None:
+    """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min).
+    With --by: each destination's or connection's health."""
     store = _store(service_config)
+    if by is not None:
+        try:
+            doc = stats.health(store, by=by)
+        finally:
+            store.close()
+        answer(as_json, doc, lambda: _health_text(doc))
+        return
     try:
         overview = ops.stages(store)
         batches = ops.recent_batches(store, limit=recent) if recent > 0 else []
@@ -389,4 +404,45 @@ BATCH_COLUMNS = (
     Column("run_id", "run"),
     Column("try_number", "try", right=True),
     Column("counts", "counts"),
+)
+
+
+def _seconds(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _health_text(doc: dict[str, Any]) -> str:
+    """One line per destination (or connection): its rows open now, then the last 5 minutes and
+    hour (`~` before a p95 computed from the newest deliveries only: docs/operations.md)."""
+    by = doc["by"]
+    if not doc["rows"]:
+        return f"(no {by} has had traffic in the last hour, nor has rows open)"
+    rows = []
+    for r in doc["rows"]:
+        w5, w1 = r["windows"]["5m"], r["windows"]["1h"]
+        flat = {k: v for k, v in r.items() if k != "windows"}
+        flat.update({f"{k}_5m": v for k, v in w5.items()}, **{f"{k}_1h": v for k, v in w1.items()})
+        flat["p95_1h"] = ("~" if w1["sampled"] else "") + _seconds(w1["p95_seconds"])
+        rows.append(flat)
+    counts = ["received_5m", *(["filtered_5m"] if by == "connection" else []), "sent_5m", "dead_5m"]
+    return table(
+        rows,
+        (
+            Column(by, by),
+            *HEALTH_NOW,
+            *(Column(k, k.replace("received", "recv").replace("filtered", "filt"), right=True) for k in counts),
+            Column("p50_seconds_5m", "p50_5m", right=True, show=_seconds),
+            Column("p95_seconds_5m", "p95_5m", right=True, show=_seconds),
+            *(Column(k, k.replace("received", "recv"), right=True) for k in ("received_1h", "sent_1h", "dead_1h")),
+            Column("p95_1h", "p95_1h", right=True),
+        ),
+    )
+
+
+HEALTH_NOW = (
+    Column("queued", "queued", right=True),
+    Column("retrying", "retrying", right=True),
+    Column("in_flight", "in_flight", right=True),
+    Column("dead", "dead", right=True),
+    Column("oldest_queued_seconds", "oldest_s", right=True, show=lambda v: "-" if v is None else f"{v:.1f}"),
 )

@@ -18,6 +18,8 @@ from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
+from include.store.lease import read_lease
+from tests.support import pump
 from tests.support.hostile import adt
 
 OPERATOR_TOKEN = "test-operator-token"
@@ -140,3 +142,27 @@ def test_an_archived_and_purged_message_is_still_shown_over_the_api(node):
         ("received", True),
         ("body_read", False),
     ]
+
+
+def test_stages_by_destination_and_connection_over_the_api(node):
+    """`GET /stages?by=…`: each destination's and connection's health, the chart on request; a
+    grouping that is not one is a 400."""
+    d, store_config = node
+    store = Store(store_config)
+    try:
+        epoch = read_lease(store).epoch  # the daemon's: the pump moves rows as its stage jobs would
+        assert pump.route(store, epoch=epoch, destinations=lambda row: ["ehr"]) == 3
+        assert len(pump.deliver(store, epoch=epoch, send=lambda row: True).done) == 3
+    finally:
+        store.close()
+    status, doc = call(d, "GET", "/stages?by=destination&chart=1", d.token)
+    assert status == 200 and [r["destination"] for r in doc["rows"]] == ["ehr"]
+    [ehr] = doc["rows"]
+    assert (ehr["windows"]["5m"]["received"], ehr["windows"]["5m"]["sent"], ehr["queued"]) == (3, 3, 0)
+    assert len(ehr["per_minute"]) == 60 and sum(m["sent"] for m in ehr["per_minute"]) == 3
+    status, doc = call(d, "GET", "/stages?by=connection", d.token)
+    assert status == 200 and [(r["connection"], r["windows"]["1h"]["sent"]) for r in doc["rows"]] == [("adt-in", 3)]
+    assert "per_minute" not in doc["rows"][0]
+    for bad in ("/stages?by=lane", "/stages?by=destination&chart=yes"):
+        status, doc = call(d, "GET", bad, d.token)
+        assert status == 400 and doc["error"] == "by must be one of destination, connection; chart 0 or 1"

@@ -63,7 +63,15 @@ BIG_ROWS = 50_000
 """A table or index with at least this many rows (entries) in the fill is big: a plan must not read
 it from end to end, nor walk a range of it for each outer row."""
 
-SQL_FILES = ("archive.sql", "operator.sql", "parquet.sql", "parquet_index.sql", "queries.sql", "watermarks.sql")
+SQL_FILES = (
+    "archive.sql",
+    "operator.sql",
+    "parquet.sql",
+    "parquet_index.sql",
+    "queries.sql",
+    "stats.sql",
+    "watermarks.sql",
+)
 PLANNED_DIALECTS = ("sqlite", "postgres")
 
 NO_PLAN = {
@@ -93,6 +101,8 @@ AUDITED = [
 ONLY_ON = {
     "claim_lane_heads": (OUTBOUND,),  # only the deliver stage claims lane heads: the other tables
     # have no open-lane index (dropped in migration 0004)
+    "stats_open": (ROUTED, OUTBOUND),  # the rows with a destination; stats_inbound_open reads inbound
+    "stats_finished": (ROUTED, OUTBOUND),
 }
 """Statements run on some of the staged tables only: checked on those."""
 
@@ -284,6 +294,9 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
     }
     if name == "messages_find":  # `stageline messages find --control-id …`: the other filters open
         values.update(message_id=None, destination=None, status=None, connection=None)
+    if name.startswith("stats_"):  # the health figures (include/store/stats.py): the last hour
+        now_ms = int(time.time() * 1000)
+        values.update(since_ms=now_ms - 3_600_000, until_ms=now_ms + 1, limit=20_001)
     if name == "dead_ids":
         values.update(destination=None, lane_key=None)
     if name in ("archived_message_ids",):
