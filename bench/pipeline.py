@@ -53,7 +53,7 @@ from include.config import StoreConfig  # noqa: E402
 from include.destinations_config import parse_destinations  # noqa: E402
 from include.routes_config import parse_routes  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
-from include.stage_config import passthrough_destinations  # noqa: E402
+from include.stage_config import PipelineConfig, passthrough_destinations  # noqa: E402
 from include.store import Store, lookups, rowlease  # noqa: E402
 from include.store.lease import acquire_permanent  # noqa: E402
 from include.store.migrate import migrate  # noqa: E402
@@ -447,7 +447,9 @@ def main() -> None:
             TRANSFORM,
             store,
             spark,
-            transform=transform_job.checked(store, SPECS, dests),
+            transform=transform_job.bind(
+                stage_job.StageContext(store, PipelineConfig(Path("/nonexistent"), [], dests, SPECS))  # type: ignore[arg-type]
+            ),
             passthrough=passthrough_destinations(SPECS, dests),
             owner="bench/warm-t",
             epoch=epoch,

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark.sql import DataFrame
 
-__all__ = ["CodeHookError", "apply_code_hooks", "call_hook", "check_hooks", "load_hook"]
+    from include.destinations_config import Destination
+
+__all__ = ["CodeHookError", "apply_code_hooks", "call_hook", "check_hooks", "hooks_of", "load_hook"]
 
 _LOADED: dict[tuple[str, str | None], Callable[[Any], Any]] = {}
 MAX_REASON = 400
@@ -123,6 +125,11 @@ def load_hook(spec: str, code_dir: str | None) -> Callable[[Any], Any]:
     hook: Callable[[Any], Any] = function
     _LOADED[key] = hook
     return hook
+
+
+def hooks_of(destinations: Mapping[str, Destination]) -> dict[str, str]:
+    """Destination -> its `module:function` code hook, for those that have one."""
+    return {name: dest.code for name, dest in destinations.items() if dest.code}
 
 
 def check_hooks(hooks: Mapping[str, str], code_dir: str | None) -> None:

@@ -28,16 +28,20 @@ separate Spark job of a JDBC write (docs/stages.md). The transform itself always
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 
 from include.spark import jdbc_options
+from include.stage_config import PipelineConfig
 from include.store import StagedTable, Store
+from include.store import lookups as lookup_tables
 from include.store.finalize import StaleEpoch
 from include.store.retry import with_retries
 from include.store.rowlease import SWEEP_MAX_ATTEMPTS, claim_batch, fail_batch
@@ -52,6 +56,29 @@ READ_PARTITIONS = 4
 
 Transform = Callable[..., DataFrame]
 """A stage's pure transform, called `transform(claimed, run_id=…)`: claimed rows → landing rows."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage's `job` (`Stage.job`) builds its transform from, before each claim: the
+    store, the pipeline config loaded when the task started, and the lookup tables (`lookups()`,
+    read on demand — a stage that maps with none never reads them; a task passes its cache)."""
+
+    store: Store
+    config: PipelineConfig
+    read_lookups: Callable[[Store], dict[str, dict[str, str]]] = lookup_tables.load_all
+
+    def lookups(self) -> dict[str, dict[str, str]]:
+        return self.read_lookups(self.store)
+
+
+def stage_job(stage: Stage) -> Callable[[StageContext], Transform]:
+    """The function `stage.job` names (`module:function`), imported now."""
+    module, _, name = stage.job.partition(":")
+    if not module or not name:
+        raise ValueError(f"stage {stage.name}: job {stage.job!r} is not `module:function`")
+    job: Callable[[StageContext], Transform] = getattr(importlib.import_module(module), name)
+    return job
 
 
 def run_stage_job(
@@ -202,7 +229,7 @@ def finalize(store: Store, stage: Stage, *, run_id: str, **finalize_args: Any) -
     rows (nothing of it may land) and re-raise."""
     try:
         with store.transaction() as tx:
-            return stage.finalize(tx, run_id=run_id, **finalize_args)
+            return stage.finish(tx, run_id=run_id, **finalize_args)
     except StaleEpoch:
         if stage.landing is not None:
             stage.landing.discard(store, run_id)

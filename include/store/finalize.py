@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from include.store.db import INBOUND, OUTBOUND, ROUTED, Store, Tx
+from include.store.db import INBOUND, OUTBOUND, ROUTED, StagedTable, Store, Tx
 from include.store.rowlease import fail_batch, finish_batch, release_batch
 
 
@@ -29,6 +29,73 @@ def check_epoch(tx: Tx, epoch: int, *, what: str, landed: str = "nothing landed"
     tx.fence()
     if tx.one("epoch_current", {"epoch": int(epoch)}) is None:
         raise StaleEpoch(f"{what}: epoch {epoch} is no longer current; {landed}")
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """What one run of a batch stage changed (`finalize_landed`); ids in ascending order.
+
+    `done`: claimed rows finished, with `output` their rows in the next stage's table. `failed`:
+    claimed rows the stage's transform dead-lettered (it landed them not ok), with its reason.
+    `not_finished`: claimed rows this run could not finish (row lease lost, or nothing landed).
+    """
+
+    run_id: str
+    claimed: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    not_finished: tuple[int, ...] = ()
+
+
+def dead_letter(tx: Tx, table: StagedTable, reasons: Mapping[int, str], *, owner: str, epoch: int) -> list[int]:
+    """Finish claimed rows as `dead`, each with its reason (one statement per distinct reason); the ids."""
+    by_reason: dict[str, list[int]] = {}
+    for i, reason in sorted(reasons.items()):
+        by_reason.setdefault(reason, []).append(i)
+    return sorted(
+        f
+        for reason, ids in sorted(by_reason.items())
+        for f in finish_batch(tx, table, ids, owner=owner, epoch=epoch, status="dead", error=reason)
+    )
+
+
+def move_on(
+    tx: Tx,
+    query: str,
+    params: Mapping[str, Any],
+    ids: list[int],
+    *,
+    table: StagedTable,
+    event: str,
+    owner: str,
+    epoch: int,
+    ids_only: bool = True,
+) -> list[dict[str, Any]]:
+    """Insert the next stage's rows (into `table`) for the just-finished `ids` with transition
+    `query`, one audit `event` each; the new rows (none when `ids` is empty)."""
+    if not ids:
+        return []
+    return tx.transition(
+        query,
+        {**params, "ids": tx.dialect.id_list(ids)},
+        table=table,
+        event=event,
+        from_status=None,
+        epoch=epoch,
+        node_id=owner,
+        ids_only=ids_only,
+    )
+
+
+def clear_landing(tx: Tx, landing: str, run_id: str, finished: Iterable[int]) -> list[int]:
+    """Delete the run's rows from landing table `landing`, and earlier runs' leftovers for the
+    sources it finished (runs that died between landing and finalize); the finished ids, sorted."""
+    ids = sorted({int(i) for i in finished})
+    tx.execute(f"{landing}_delete", {"run_id": run_id})
+    if ids:
+        tx.execute(f"{landing}_delete_sources", {"ids": tx.dialect.id_list(ids)})
+    return ids
 
 
 @dataclass(frozen=True)
@@ -51,7 +118,13 @@ class RouteOutcome:
 
 
 def finalize_route(
-    tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int], passthrough: Collection[str] = ()
+    tx: Tx,
+    *,
+    run_id: str,
+    owner: str,
+    epoch: int,
+    claimed_ids: list[int],
+    passthrough: Collection[str] = (),
 ) -> RouteOutcome:
     """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
 
@@ -77,41 +150,22 @@ def finalize_route(
     if passthrough and done:
         names = tx.dialect.text_list(sorted(passthrough))
         direct = set(passthrough) - {r["destination"] for r in tx.all("route_passthrough_open", {"names": names})}
-    rows = (
-        tx.transition(
-            "route_finalize_insert",
-            {**params, "ids": tx.dialect.id_list(done), "direct": tx.dialect.text_list(sorted(direct))},
-            table=ROUTED,
-            event="routed",
-            from_status=None,
-            epoch=epoch,
-            node_id=owner,
-            ids_only=not direct,
-        )
-        if done
-        else []
+    params["direct"] = tx.dialect.text_list(sorted(direct))
+    rows = move_on(
+        tx,
+        "route_finalize_insert",
+        params,
+        done,
+        table=ROUTED,
+        event="routed",
+        owner=owner,
+        epoch=epoch,
+        ids_only=not direct,
     )
     rows.sort(key=lambda r: r["id"])
     passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
-    # no body of their own: a pass-through row's body is its inbound row's (docs/store.md "Bodies")
-    outbound = (
-        tx.transition(
-            "passthrough_outbound_insert",
-            {"ids": tx.dialect.id_list(passed)},
-            table=OUTBOUND,
-            event="transformed",
-            from_status=None,
-            epoch=epoch,
-            node_id=owner,
-            ids_only=True,
-        )
-        if passed
-        else []
-    )
-    tx.execute("landing_routed_delete", params)
-    finished = sorted({*done, *unrouted})
-    if finished:  # leftovers of earlier runs that died after landing these same sources
-        tx.execute("landing_routed_delete_sources", {"ids": tx.dialect.id_list(finished)})
+    outbound = pass_through(tx, passed, owner=owner, epoch=epoch)
+    finished = clear_landing(tx, "landing_routed", run_id, [*done, *unrouted])
     return RouteOutcome(
         run_id=run_id,
         claimed=tuple(sorted(claimed)),
@@ -120,6 +174,23 @@ def finalize_route(
         unrouted=tuple(unrouted),
         outbound=tuple(sorted(int(r["id"]) for r in outbound)),
         not_finished=tuple(sorted(claimed - set(finished))),
+    )
+
+
+def pass_through(tx: Tx, routed_ids: list[int], *, owner: str, epoch: int) -> list[dict[str, Any]]:
+    """The outbound rows of pass-through routed rows just finished — no body of their own: a
+    pass-through row's body is its inbound row's (docs/store.md "Bodies")."""
+    if not routed_ids:
+        return []
+    return tx.transition(
+        "passthrough_outbound_insert",
+        {"ids": tx.dialect.id_list(routed_ids)},
+        table=OUTBOUND,
+        event="transformed",
+        from_status=None,
+        epoch=epoch,
+        node_id=owner,
+        ids_only=True,
     )
 
 
@@ -152,84 +223,55 @@ def dead_letter_reason(detail: str | None) -> str:
 
 
 def finalize_transform(
-    tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int], passthrough: Collection[str] = ()
+    tx: Tx,
+    *,
+    run_id: str,
+    owner: str,
+    epoch: int,
+    claimed_ids: list[int],
+    passthrough: Collection[str] = (),
 ) -> TransformOutcome:
     """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
 
-    Same contract as finalize_route: StaleEpoch rolls everything back; only rows this transaction
-    finished get outbound rows. A landed NULL payload (the rules could not read the message)
-    dead-letters its routed row instead of delivering it untransformed. Claimed rows bound for a
-    `passthrough` destination (no spec, one lane for the destination: nothing to compute) were
-    never given to Spark: they move here, in SQL; their body stays the inbound one.
+    `finalize_landed` plus two things: each new row's body is written once from its landed row
+    (`transform_finalize_bodies`), and claimed rows bound for a `passthrough` destination (no
+    spec, one lane for the destination: nothing to compute) were never given to Spark — they move
+    here, in SQL, their body staying the inbound one. A landed NULL payload (the rules could not
+    read the message) dead-letters its routed row instead of delivering it untransformed.
     """
     check_epoch(tx, epoch, what=f"run {run_id}")
     claimed = {int(i) for i in claimed_ids}
     params = {"run_id": run_id}
-    landed_rows = tx.all("transform_landed", params)
-    landed = {int(r["routed_id"]): bool(r["ok"]) for r in landed_rows}
+    landed = {int(r["id"]): r for r in tx.all("transform_landed", params) if int(r["id"]) in claimed}
     passing: set[int] = set()
     unlanded = claimed - landed.keys()  # Spark lands nothing for a pass-through row
     if passthrough and unlanded:
-        passing = {
-            int(r["id"])
-            for r in tx.all(
-                "transform_passthrough_ids",
-                {"ids": tx.dialect.id_list(sorted(unlanded)), "names": tx.dialect.text_list(sorted(passthrough))},
-            )
-        }
-    reasons = {int(r["routed_id"]): dead_letter_reason(r["detail"]) for r in landed_rows if not r["ok"]}
-    ok_ids = sorted(i for i in claimed if landed.get(i) is True or i in passing)
-    bad_ids = sorted(i for i in claimed if landed.get(i) is False and i not in passing)
+        names = tx.dialect.text_list(sorted(passthrough))
+        found = tx.all("transform_passthrough_ids", {"ids": tx.dialect.id_list(sorted(unlanded)), "names": names})
+        passing = {int(r["id"]) for r in found}
+    ok_ids = sorted(passing | {i for i, r in landed.items() if r["ok"]})
     done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
-    by_reason: dict[str, list[int]] = {}
-    for i in bad_ids:
-        by_reason.setdefault(reasons[i], []).append(i)
-    failed = sorted(
-        f
-        for reason, ids in sorted(by_reason.items())
-        for f in finish_batch(tx, ROUTED, ids, owner=owner, epoch=epoch, status="dead", error=reason)
-    )
-    transformed = [i for i in done if i not in passing]
-    rows = (
-        tx.transition(
-            "transform_finalize_insert",
-            {**params, "ids": tx.dialect.id_list(transformed)},
-            table=OUTBOUND,
-            event="transformed",
-            from_status=None,
-            epoch=epoch,
-            node_id=owner,
-            ids_only=True,
-        )
-        if transformed
-        else []
+    reasons = {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"]}
+    failed = dead_letter(tx, ROUTED, reasons, owner=owner, epoch=epoch)
+    landed_ids = [i for i in done if i not in passing]
+    rows = move_on(
+        tx,
+        "transform_finalize_insert",
+        params,
+        landed_ids,
+        table=OUTBOUND,
+        event="transformed",
+        owner=owner,
+        epoch=epoch,
     )
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
-    passed = [i for i in done if i in passing]
-    moved = (
-        tx.transition(
-            "passthrough_outbound_insert",
-            {"ids": tx.dialect.id_list(passed)},
-            table=OUTBOUND,
-            event="transformed",
-            from_status=None,
-            epoch=epoch,
-            node_id=owner,
-            ids_only=True,
-        )
-        if passed
-        else []
-    )
-    rows = sorted(rows + moved, key=lambda r: r["id"])
-    tx.execute("landing_outbound_delete", params)
-    finished = sorted({*done, *failed})
-    if finished:
-        tx.execute("landing_outbound_delete_sources", {"ids": tx.dialect.id_list(finished)})
+    rows += pass_through(tx, [i for i in done if i in passing], owner=owner, epoch=epoch)
+    finished = clear_landing(tx, "landing_outbound", run_id, [*done, *failed])
     return TransformOutcome(
         run_id=run_id,
         claimed=tuple(sorted(claimed)),
-        outbound=tuple(int(r["id"]) for r in rows),
+        outbound=tuple(sorted(int(r["id"]) for r in rows)),
         done=tuple(done),
         failed=tuple(failed),
         not_finished=tuple(sorted(claimed - set(finished))),

@@ -15,8 +15,8 @@ retention and `stageline stages` use.
 Why here, in the store: the record is read where Spark must not be imported — when Airflow parses
 a DAG file, by the leader check, by the embedded stack and the lab — and everything in it is the
 store's (tables, named queries, fenced finalizes); a Spark type string (`schema`) is only text. The
-stage's pure transform is Spark code and lives in its job module (`spark_jobs/route_job.py`,
-`spark_jobs/transform_job.py`), which `run_stage_job` is handed with the record. Adding a stage:
+stage's pure transform is Spark code: the record names it (`job`, e.g. `spark_jobs.route_job:bind`)
+and the stage task imports it when it runs. Adding a stage is a record here and its SQL:
 docs/stages.md, "Adding a stage".
 """
 
@@ -28,15 +28,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from include.store import queries
-from include.store.db import INBOUND, OUTBOUND, ROUTED, StagedTable, Store
+from include.store.db import INBOUND, OUTBOUND, ROUTED, StagedTable, Store, Tx
 from include.store.finalize import (
+    BatchOutcome,
     DeliverOutcome,
     RouteOutcome,
     TransformOutcome,
+    check_epoch,
+    clear_landing,
+    dead_letter,
+    dead_letter_reason,
     finalize_deliveries,
     finalize_route,
     finalize_transform,
+    move_on,
 )
+from include.store.rowlease import finish_batch
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -60,7 +67,9 @@ class Landing:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage of the pipeline (module docstring)."""
+    """One stage of the pipeline (module docstring). A batch stage (one with a `landing`) needs
+    nothing but this record and its SQL: `run_stage_job` runs it, `finalize_landed` finishes it,
+    `stageline_airflow.tasks.run_batch_stage` is its task and `dags/stages.py` gives it its DAG."""
 
     name: str
     """`route`, `transform`, `deliver`: the DAG `stage_<name>` and its job task `<name>`."""
@@ -70,13 +79,23 @@ class Stage:
     """The read-only named query of a run's claimed rows (bounded by owner + epoch)."""
     schema: str
     """Spark's customSchema of those rows (SQLite's INTEGER would arrive as a 32-bit int)."""
-    landing: Landing | None
+    doc: str
+    """What its job does, in a sentence or two: the job step of its DAG's page (`stage_dag`)."""
+    landing: Landing | None = None
     """Where its Spark job appends results; None when it lands none (deliver collects outcomes)."""
-    finalize: Callable[..., Any]
-    """Its fenced finalize (`include.store.finalize`): all of a run lands, or none of it. A batch
-    stage's takes the run's transaction (`spark_jobs.stage_job.finalize`); deliver's takes one
-    round's send outcomes, from its own job."""
-    outcome: Callable[..., Any]
+    output: StagedTable | None = None
+    """The staged table its finished rows move to (the next stage's input); None for deliver."""
+    event: str = ""
+    """The audit event of a row it moves into `output` (`routed`, `transformed`)."""
+    job: str = ""
+    """`module:function` that builds its pure transform before each claim, from a `StageContext`
+    (`spark_jobs.stage_job`): Spark code, so named here and imported only when a task runs."""
+    finalize: Callable[..., Any] | None = None
+    """Its fenced finalize (`include.store.finalize`), called `finalize(tx, run_id=…, owner=…,
+    epoch=…, claimed_ids=…, passthrough=…)` in the run's one transaction (`finish`): all of a run
+    lands, or none of it. None: `finalize_landed`, from the stage's SQL alone. Deliver's takes one
+    round's send outcomes instead, from its own job."""
+    outcome: Callable[..., Any] = BatchOutcome
     """What a run returns; `outcome(run_id=…)` is a run that claimed nothing."""
 
     @property
@@ -88,6 +107,12 @@ class Stage:
         """The claimed rows' columns, in `schema` order."""
         return [c.strip().split()[0] for c in self.schema.split(",")]
 
+    def finish(self, tx: Tx, **run: Any) -> Any:
+        """Finalize one run in `tx` (`finalize`, or `finalize_landed` when it names none)."""
+        if self.finalize is None:
+            return finalize_landed(tx, stage=self, **run)
+        return self.finalize(tx, **run)
+
     def read_sql(self, store: Store, *, owner: str, epoch: int) -> str:
         """`read_query` for Spark's JDBC `query`, the run's owner and epoch written in (`inline_query`)."""
         return inline_query(store, self.read_query, {"owner": owner, "epoch": int(epoch)})
@@ -98,9 +123,14 @@ ROUTE = Stage(
     INBOUND,
     "route_read_claimed",
     "id BIGINT, connection STRING, payload STRING",
-    Landing("landing_routed", ("run_id", "source_id", "destination", "route_name", "status")),
-    finalize_route,
-    RouteOutcome,
+    doc="claim due inbound rows, route each by the configured rules (`routes.toml`) to its "
+    "destinations, land one routed row per destination; a message no route takes is `unrouted`.",
+    landing=Landing("landing_routed", ("run_id", "source_id", "destination", "route_name", "status")),
+    output=ROUTED,
+    event="routed",
+    job="spark_jobs.route_job:bind",
+    finalize=finalize_route,
+    outcome=RouteOutcome,
 )
 TRANSFORM = Stage(
     "transform",
@@ -108,7 +138,10 @@ TRANSFORM = Stage(
     "transform_read_claimed",
     "id BIGINT, source_id BIGINT, destination STRING, payload STRING, message_id STRING, control_id STRING, "
     "connection STRING",
-    Landing(
+    doc="claim due routed rows in lane order, rewrite each for its destination (`transforms.toml`, "
+    "lookup tables from the store, code hooks), compute its outbound lane (`destinations.toml`), "
+    "land. A message the rules cannot read is dead-lettered with the reason, never delivered unchanged.",
+    landing=Landing(
         "landing_outbound",
         (
             "run_id",
@@ -122,8 +155,11 @@ TRANSFORM = Stage(
             "control_id",
         ),
     ),
-    finalize_transform,
-    TransformOutcome,
+    output=OUTBOUND,
+    event="transformed",
+    job="spark_jobs.transform_job:bind",
+    finalize=finalize_transform,
+    outcome=TransformOutcome,
 )
 DELIVER = Stage(
     "deliver",
@@ -131,12 +167,42 @@ DELIVER = Stage(
     "deliver_read_claimed",
     "id BIGINT, destination STRING, lane_key STRING, payload STRING, content_type STRING, idempotency_key STRING, "
     "attempts INT, message_id STRING, control_id STRING",
-    None,
-    finalize_deliveries,
-    DeliverOutcome,
+    doc="rounds of lane heads (one row per lane, per-lane FIFO) sent from Spark partitions to MLLP / "
+    "TCP / HTTP / file destinations (`destinations.toml`) with an idempotency key; each round finalized "
+    "fenced: done, retried with exponential backoff, or dead-lettered after the destination's "
+    "`max_attempts`. A failing head holds only its own lane.",
+    finalize=finalize_deliveries,
+    outcome=DeliverOutcome,
 )
 STAGES = (ROUTE, TRANSFORM, DELIVER)
 """In pipeline order: a stage's work comes from the stages before it."""
+
+
+def finalize_landed(
+    tx: Tx, *, stage: Stage, run_id: str, owner: str, epoch: int, claimed_ids: list[int], **_: Any
+) -> BatchOutcome:
+    """Any batch stage's finalize, from its SQL alone: `<name>_landed` (one line per claimed row the
+    run landed: `id`, `ok`, `detail`), then `<name>_finalize_insert` (`:run_id`, `:ids` — the rows
+    this transaction has just finished — into `stage.output`, RETURNING the new rows), then the
+    landing table's deletes. Same contract as `include.store.finalize.finalize_route`."""
+    check_epoch(tx, epoch, what=f"{stage.name} run {run_id}")
+    claimed = {int(i) for i in claimed_ids}
+    landed = {int(r["id"]): r for r in tx.all(f"{stage.name}_landed", {"run_id": run_id}) if int(r["id"]) in claimed}
+    done = finish_batch(tx, stage.input, sorted(i for i, r in landed.items() if r["ok"]), owner=owner, epoch=epoch)
+    reasons = {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"]}
+    failed = dead_letter(tx, stage.input, reasons, owner=owner, epoch=epoch)
+    assert stage.output is not None and stage.landing is not None, f"stage {stage.name} is not a batch stage"
+    query, params = f"{stage.name}_finalize_insert", {"run_id": run_id}
+    rows = move_on(tx, query, params, done, table=stage.output, event=stage.event, owner=owner, epoch=epoch)
+    finished = clear_landing(tx, stage.landing.table, run_id, [*done, *failed])
+    return BatchOutcome(
+        run_id=run_id,
+        claimed=tuple(sorted(claimed)),
+        output=tuple(sorted(int(r["id"]) for r in rows)),
+        done=tuple(done),
+        failed=tuple(failed),
+        not_finished=tuple(sorted(claimed - set(finished))),
+    )
 
 
 def stage_named(name: str) -> Stage:

@@ -1,4 +1,4 @@
-"""The one shape every stage DAG has, so `dags/stage_*.py` are a docstring and one call.
+"""The one shape every stage DAG has, so `dags/stage_*.py` are one call each.
 
     leader_check → recover → wait_for_work (the stage's input table) → <stage name>
 
@@ -15,9 +15,7 @@ Nothing here reads a connection, file or database when a DAG file is parsed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from airflow.sdk import DAG, task
 
@@ -41,8 +39,36 @@ WORK_POKE_INTERVAL = timedelta(seconds=0.5)
 """Work staged inbound starts all three stage jobs within half a second (`WorkPendingSensor`)."""
 
 
-def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) -> DAG:
-    """Build the DAG of `stage`, whose job task calls `job(epoch, run_id, spark=…, dag_id=…, try_number=…)`."""
+DOC = """
+### {dag} — {input} → {output}
+
+1. **leader_check** — proceed only under a live leader lease (always, on a single node); the
+   epoch goes to XCom. No leader within a minute: the run ends *skipped* (and the next starts).
+2. **recover** — on-promotion recovery for the epoch (one read after the epoch's first run), so a
+   new leader's first run never waits for rows the old leader held, then the claims earlier runs
+   of this DAG left behind.
+3. **wait_for_work** — hold the run until `{table}` (or a stage before it) has a due row; an idle
+   five minutes, or a change of leader, ends the run *skipped*.
+4. **{name}** — the stage's job, micro-batch after micro-batch under the leader's epoch: {doc}
+
+The stage is the record `include.store.stages.{record}`; its job's Spark session comes from the
+`stageline_spark` connection: the stage's own session on a Spark Connect server (or its standby),
+or a classic `local[*]` session (docs/pipeline.md). Scheduled `@continuous`, one run at a time (why:
+docs/pipeline.md).
+"""
+
+
+def stage_dag(stage: Stage) -> DAG:
+    """Build the DAG of `stage`; its job task runs `tasks.run_stage(stage, …)`, its page is `DOC`."""
+    doc_md = DOC.format(
+        dag=stage.dag_id,
+        input=stage.input.key,
+        output=stage.output.key if stage.output else "destinations",
+        table=stage.input.name,
+        name=stage.name,
+        doc=stage.doc,
+        record=stage.name.upper(),
+    )
     with DAG(
         stage.dag_id,
         schedule="@continuous",
@@ -79,7 +105,9 @@ def stage_dag(stage: Stage, *, job: Callable[..., dict[str, Any]], doc_md: str) 
             with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(
                 name=ti.dag_id, conf=tasks.SPARK_TASK_CONF
             ) as session:
-                return job(int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number)
+                return tasks.run_stage(
+                    stage, int(leader["epoch"]), ti.run_id, spark=session, dag_id=ti.dag_id, try_number=ti.try_number
+                )
 
         # (TaskFlow passes an XComArg where the task function takes its value: Airflow's types do not say so)
         recover(leader.output) >> wait_for_work >> run_job(leader.output)  # type: ignore[arg-type]

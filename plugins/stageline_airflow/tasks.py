@@ -12,7 +12,7 @@ Every function works under the epoch it is given, on a store its hook opens once
 service config comes from `$STAGELINE_CONFIG` (default `./stageline.toml`) and the pipeline config
 from `$STAGELINE_PIPELINE_DIR` (`include.stage_config`) when a task *runs*: nothing here touches a
 file, a database or Spark when a DAG file is parsed, and Spark and the stage jobs are imported
-only inside the `run_*_stage` functions (the DAG processor never loads pyspark). Their Spark
+only inside `run_batch_stage` and `run_deliver_stage` (the DAG processor never loads pyspark). Their Spark
 session comes from the `stageline_spark` connection (`SPARK_CONN_ID`, through
 `hooks.StagelineSparkHook`).
 """
@@ -26,7 +26,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from include.config import ServiceConfig
 from include.stage_loop import Batch, claim_owner
 from include.store import lookups as lookup_store
 from include.store import rowlease
-from include.store.stages import DELIVER, ROUTE, TRANSFORM, Stage, stage_named
+from include.store.stages import DELIVER, Stage, stage_named
 from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
 log = logging.getLogger(__name__)
@@ -56,8 +55,8 @@ SPARK_TASK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.sql.session.timeZ
 """Session settings of every stage task: runtime SQL settings only, so they apply to Connect too."""
 DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
 """Set (non-empty) to send deliveries from the task process instead of Spark workers."""
-ROUTE_BATCH_SIZE = 10_000
-TRANSFORM_BATCH_SIZE = 10_000
+BATCH_SIZE = 10_000
+"""The most rows a batch stage's micro-batch claims (fewer while batches run long: `include.batch_size`)."""
 DELIVER_MAX_LANES = 1_000
 DELIVER_CONCURRENCY = 4
 """Lanes sent at once by each Spark partition (threads: sends wait on the network and on fsync)."""
@@ -156,82 +155,56 @@ def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000
             return run(session.spark)
 
 
-def run_route_stage(
+def run_stage(stage: Stage, epoch: int, run_id: str, **kwargs: Any) -> dict[str, Any]:
+    """The job task of `stage`'s DAG (`stage_dag`): deliver's own loop, or any batch stage's."""
+    if stage is DELIVER:
+        return run_deliver_stage(epoch, run_id, **kwargs)
+    return run_batch_stage(stage, epoch, run_id, **kwargs)
+
+
+def run_batch_stage(
+    stage: Stage,
     epoch: int,
     run_id: str,
     *,
     spark: Any,
-    dag_id: str = ROUTE.dag_id,
+    dag_id: str | None = None,
     try_number: int = 1,
-    batch_size: int = ROUTE_BATCH_SIZE,
+    batch_size: int = BATCH_SIZE,
 ) -> dict[str, Any]:
-    """Route micro-batches from `epoch` on (`include.stage_loop`): claim inbound rows, route, finalize fenced.
+    """Micro-batches of a batch stage (one with a landing) from `epoch` on (`include.stage_loop`):
+    claim its due rows, run its transform (`Stage.job`, built before each claim from the pipeline
+    config loaded once per task), land, finalize fenced.
 
     Returns counts, not ids, for the XCom. A change of leader is followed, not raised: the batch
     under the old epoch lands nothing and the task carries on under the new leader's epoch (or
     ends, reporting it, when no leader is live in time).
     """
-    from spark_jobs.route_job import routed_rows
-    from spark_jobs.stage_job import run_stage_job
+    from spark_jobs.stage_job import StageContext, run_stage_job, stage_job
 
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
-    routes, passthrough = partial(routed_rows, routes=config.routes), config.passthrough  # once per task
+    job, lookups = stage_job(stage), LookupCache()
 
     def batch(b: Batch) -> Any:
         return run_stage_job(
-            ROUTE,
+            stage,
             b.store,
             b.spark,
-            transform=routes,
+            transform=job(StageContext(b.store, config, lookups.get)),
             owner=b.owner,
             epoch=b.epoch,
             run_id=b.run_id,
             batch_size=b.limit or batch_size,
-            passthrough=passthrough,
+            passthrough=config.passthrough,
         )
 
-    return _micro_batches(ROUTE, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
-
-
-def run_transform_stage(
-    epoch: int,
-    run_id: str,
-    *,
-    spark: Any,
-    dag_id: str = TRANSFORM.dag_id,
-    try_number: int = 1,
-    batch_size: int = TRANSFORM_BATCH_SIZE,
-) -> dict[str, Any]:
-    """Transform micro-batches under `epoch`: routed rows → outbound rows (same contract as route)."""
-    from spark_jobs.stage_job import run_stage_job
-    from spark_jobs.transform_job import checked
-
-    loaded = stage_config.fingerprint()
-    config = stage_config.load()
-    lookups, passthrough = LookupCache(), config.passthrough
-
-    def batch(b: Batch) -> Any:  # checked before each claim: the lookup tables may have changed
-        transform = checked(
-            b.store, config.transforms, config.destinations, lookups=lookups.get(b.store), code_dir=str(config.code_dir)
-        )
-        return run_stage_job(
-            TRANSFORM,
-            b.store,
-            b.spark,
-            transform=transform,
-            owner=b.owner,
-            epoch=b.epoch,
-            run_id=b.run_id,
-            batch_size=b.limit or batch_size,
-            passthrough=passthrough,
-        )
-
-    return _micro_batches(TRANSFORM, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
+    dag_id = dag_id or stage.dag_id
+    return _micro_batches(stage, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
 
 
 class LookupCache:
-    """The lookup tables a transform task's batches map with: read by its first batch, and read
+    """The lookup tables a stage task's batches map with: read by its first batch, and read
     again when `stageline lookups` changed them (asked at most every LOOKUP_CHECK_SECONDS, one
     small aggregate) — a stage task runs for hours, a changed table applies within seconds."""
 

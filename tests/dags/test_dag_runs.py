@@ -177,11 +177,11 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(
     seed_inbound(store, 2)
     calls = []
 
-    def fake_route_stage(epoch: int, run_id: str, *, spark: object, dag_id: str, try_number: int) -> dict:
-        calls.append((epoch, run_id, dag_id, try_number))
+    def fake_batch_stage(stage, epoch: int, run_id: str, *, spark: object, dag_id: str, try_number: int) -> dict:
+        calls.append((stage.name, epoch, run_id, dag_id, try_number))
         return {"claimed": 2, "routed": 2}
 
-    monkeypatch.setattr(tasks, "run_route_stage", fake_route_stage)  # Spark is not this test's subject
+    monkeypatch.setattr(tasks, "run_batch_stage", fake_batch_stage)  # Spark is not this test's subject
 
     dr = run(load_dag("stage_route"))
 
@@ -191,13 +191,13 @@ def test_route_run_waits_for_work_then_runs_the_job_under_the_leader_epoch(
         "wait_for_work": "success",
         "route": "success",
     }
-    assert calls == [(epoch, dr.run_id, "stage_route", 1)]
+    assert calls == [("route", epoch, dr.run_id, "stage_route", 1)]
     assert xcom(dr, "route") == {"claimed": 2, "routed": 2}
 
 
 def test_an_idle_route_run_ends_skipped_without_starting_the_job(sqlite_service, monkeypatch, without_spark_sessions):
     acquire_permanent(sqlite_service, node_id="solo:1:aa")
-    monkeypatch.setattr(tasks, "run_route_stage", _refuse_route)
+    monkeypatch.setattr(tasks, "run_batch_stage", _refuse_route)
     dag = load_dag("stage_route")
     wait = dag.get_task("wait_for_work")
     wait.timeout, wait.poke_interval = 1.0, 0.3  # the shipped five idle minutes, shortened

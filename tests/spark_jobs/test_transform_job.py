@@ -5,6 +5,7 @@ landing and finalize, and a config naming a missing lookup table."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from pyspark.sql import SparkSession
 from pyspark.testing import assertDataFrameEqual
 
 from include.destinations_config import parse_destinations
-from include.stage_config import passthrough_destinations
+from include.stage_config import PipelineConfig, passthrough_destinations
 from include.store import ROUTED, Store, lookups, rowlease
 from include.store.finalize import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
 from include.store.lease import acquire_permanent
@@ -87,10 +88,16 @@ def load_lookups(store: Store) -> None:
         lookups.replace_table(tx, "patient_class", PATIENT_CLASS)
 
 
+def bound(store: Store, specs: list[dict[str, Any]], destinations: dict) -> Any:
+    """The transform stage's job bound to this config, as the stage task binds it before a claim."""
+    config = PipelineConfig(Path("/nonexistent"), [], destinations, specs)  # type: ignore[arg-type]
+    return transform_job.bind(stage_job.StageContext(store, config))
+
+
 def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> TransformOutcome:
     """One transform run, as the stage task makes it: the config checked before the claim (lookup
     tables read from the store), then `run_stage_job`."""
-    transform = transform_job.checked(store, SPECS, DESTINATIONS)
+    transform = bound(store, SPECS, DESTINATIONS)
     return stage_job.run_stage_job(
         TRANSFORM,
         store,

@@ -589,7 +589,7 @@ SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, 
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed (or a
 -- rule or code hook dead-lettered it), and then detail is why: a NULL payload's content_type
 -- carries the reason (spark_jobs/transform_job.py).
-SELECT routed_id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok,
+SELECT routed_id AS id, min(CASE WHEN payload IS NULL THEN 0 ELSE 1 END) AS ok,
        max(CASE WHEN payload IS NULL THEN content_type END) AS detail
   FROM landing_outbound WHERE run_id = :run_id GROUP BY routed_id
 
