@@ -296,9 +296,21 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     def status(request: Request) -> bytes:
         return _json(request, 200, state.status())
 
-    def metrics(request: Request) -> bytes:
+    def metrics(request: Request) -> Any:
+        """The registry, once the store's figures are fresh (or the wait for them timed out)."""
         request.setHeader(b"content-type", METRICS_CONTENT_TYPE.encode())
-        return state.metrics.render()
+        if state.store_metrics is None:
+            return state.metrics.render()
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+        def answer(_: Any) -> None:
+            if not gone:
+                request.write(state.metrics.render())
+                request.finish()
+
+        state.store_metrics.fresh().addCallback(answer)
+        return NOT_DONE_YET
 
     def nodes(request: Request) -> Any:
         gone: list[bool] = []

@@ -273,19 +273,17 @@ def mllp_batch_handler(
     as one unit, answer per HL7 batch rules — one ACK for the batch (MSA-2 = its BHS-11, else
     FHS-11), or with ``batch_ack = "messages"`` an ACK batch of one AA per message. A refused or
     unstored batch is always one ACK (AR/AE) naming the reason: nothing of it was staged, or (a
-    large batch committed in parts, `listeners.commitplan`) which of its messages were."""
-    metrics = wiring.metrics
+    large batch committed in parts, `listeners.commitplan`) which of its messages were. The frame is
+    counted (received, its answer) by the MLLP protocol that hands it over, as every frame is."""
 
     def answer(
         envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "", encoding: str = "ascii"
     ) -> bytes:
-        metrics.acks.labels(conn.name, code.value).inc()
         if envelope is None:
             return build_fallback_ack(code, reason=reason)
         return build_ack(batch_header(envelope, first_message=first, encoding=encoding), code, reason=reason)
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
-        metrics.received.labels(conn.name).inc()
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
         built = off_reactor(
             wiring.reactor, len(data), build_batch, data, connection=conn.name, charset=conn.charset, lane_of=lane_of
@@ -317,7 +315,6 @@ def mllp_batch_handler(
 
         def ok(_: str) -> bytes | Deferred[bytes]:
             if conn.batch_ack == "messages":
-                metrics.acks.labels(conn.name, "AA").inc()
                 return off_reactor(wiring.reactor, 100 * len(batch.items), acks)
             return answer(envelope, AckCode.AA, first=text, encoding=codec)
 

@@ -40,6 +40,7 @@ from listeners.group_commit import IngestService
 from listeners.guard import PeerLimits, Refusals
 from listeners.metrics import Metrics
 from listeners.state import NodeState
+from listeners.store_metrics import StoreMetrics
 
 __all__ = ["ListenerNode", "SequentialMultiService"]
 
@@ -155,6 +156,12 @@ class ListenerNode(SequentialMultiService):
             unbound=self.gate.unbound,
             aside_seconds=lambda: self.lease.aside_seconds,
             serves=self.gate.serves,
+            store_metrics=StoreMetrics(
+                self.metrics.registry,
+                store=lambda: self.stores.store,
+                is_leader=lambda: self.lease.is_leader,
+                clock=reactor,
+            ),
         )
         self.api = ListeningService(
             "api",

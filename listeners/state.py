@@ -11,6 +11,7 @@ from twisted.internet.defer import Deferred
 
 from include.store.membership import cluster_status
 from listeners.metrics import Metrics
+from listeners.store_metrics import StoreMetrics
 
 
 @dataclass
@@ -28,6 +29,7 @@ class NodeState:
     unbound: Callable[[], list[dict[str, Any]]] = list  # inbound the leader is retrying, and why
     aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
     serves: Callable[[str], bool | None] = lambda name: None  # one inbound bound? (None: not configured)
+    store_metrics: StoreMetrics | None = None  # the destinations' and connections' figures, read on scrape
 
     def __post_init__(self) -> None:
         self.metrics.store_durable.set_function(lambda: 0.0 if self.durability_problem() else 1.0)
