@@ -32,8 +32,33 @@ def check_epoch(tx: Tx, epoch: int, *, what: str, landed: str = "nothing landed"
 
 
 @dataclass(frozen=True)
+class Run:
+    """One stage run as its finalize sees it: its id (its landing rows' key), the claimer and
+    epoch it claimed as, and the ids it claimed. Every write of the finalize is fenced by these."""
+
+    run_id: str
+    owner: str
+    epoch: int
+    claimed: frozenset[int]
+
+    @classmethod
+    def of(cls, *, run_id: str, owner: str, epoch: int, claimed_ids: Iterable[int]) -> Run:
+        return cls(run_id, owner, int(epoch), frozenset(int(i) for i in claimed_ids))
+
+    def begin(self, tx: Tx) -> dict[str, Any]:
+        """Join the fence and check the epoch (`check_epoch`), first; the run's query parameters."""
+        check_epoch(tx, self.epoch, what=f"run {self.run_id}")
+        return {"run_id": self.run_id}
+
+    def finish(self, tx: Tx, table: StagedTable, ids: Iterable[int], status: str = "done", **kw: Any) -> list[int]:
+        """`finish_batch` of those of `ids` this run claimed, as its owner and epoch; the ids finished."""
+        mine = sorted(self.claimed & {int(i) for i in ids})
+        return finish_batch(tx, table, mine, owner=self.owner, epoch=self.epoch, status=status, **kw)
+
+
+@dataclass(frozen=True)
 class BatchOutcome:
-    """What one run of a batch stage changed (`finalize_landed`); ids in ascending order.
+    """What one run of a batch stage changed (`finalize_landed`, `finalize_transform`); ids ascending.
 
     `done`: claimed rows finished, with `output` their rows in the next stage's table. `failed`:
     claimed rows the stage's transform dead-lettered (it landed them not ok), with its reason.
@@ -47,52 +72,47 @@ class BatchOutcome:
     failed: tuple[int, ...] = ()
     not_finished: tuple[int, ...] = ()
 
+    @classmethod
+    def of(cls, run: Run, rows: list[dict[str, Any]], done: list[int], failed: list[int]) -> BatchOutcome:
+        """The outcome of `run`'s finalize: it finished `done` and `failed` and wrote `rows`."""
+        return cls(
+            run_id=run.run_id,
+            claimed=tuple(sorted(run.claimed)),
+            output=tuple(sorted(int(r["id"]) for r in rows)),
+            done=tuple(sorted(done)),
+            failed=tuple(sorted(failed)),
+            not_finished=tuple(sorted(run.claimed - {*done, *failed})),
+        )
 
-def dead_letter(tx: Tx, table: StagedTable, reasons: Mapping[int, str], *, owner: str, epoch: int) -> list[int]:
+
+def dead_letter(tx: Tx, run: Run, table: StagedTable, reasons: Mapping[int, str]) -> list[int]:
     """Finish claimed rows as `dead`, each with its reason (one statement per distinct reason); the ids."""
     by_reason: dict[str, list[int]] = {}
     for i, reason in sorted(reasons.items()):
         by_reason.setdefault(reason, []).append(i)
-    return sorted(
-        f
-        for reason, ids in sorted(by_reason.items())
-        for f in finish_batch(tx, table, ids, owner=owner, epoch=epoch, status="dead", error=reason)
-    )
+    return sorted(f for reason, ids in by_reason.items() for f in run.finish(tx, table, ids, "dead", error=reason))
 
 
 def move_on(
-    tx: Tx,
-    query: str,
-    params: Mapping[str, Any],
-    ids: list[int],
-    *,
-    table: StagedTable,
-    event: str,
-    owner: str,
-    epoch: int,
-    ids_only: bool = True,
+    tx: Tx, run: Run, query: str, params: Mapping[str, Any], ids: list[int], *, to: StagedTable, event: str, **kw: Any
 ) -> list[dict[str, Any]]:
-    """Insert the next stage's rows (into `table`) for the just-finished `ids` with transition
-    `query`, one audit `event` each; the new rows (none when `ids` is empty)."""
+    """Insert the next stage's rows (into table `to`) for the just-finished `ids` with transition
+    `query`, one audit `event` each; the new rows (none when `ids` is empty; `ids_only=False`: all
+    their columns)."""
     if not ids:
         return []
+    params = {**params, "ids": tx.dialect.id_list(ids)}
+    kw.setdefault("ids_only", True)
     return tx.transition(
-        query,
-        {**params, "ids": tx.dialect.id_list(ids)},
-        table=table,
-        event=event,
-        from_status=None,
-        epoch=epoch,
-        node_id=owner,
-        ids_only=ids_only,
+        query, params, table=to, event=event, from_status=None, epoch=run.epoch, node_id=run.owner, **kw
     )
 
 
-def clear_landing(tx: Tx, landing: str, run_id: str, finished: Iterable[int]) -> list[int]:
+def clear_landing(tx: Tx, run: Run, landing: str, finished: Iterable[int]) -> list[int]:
     """Delete the run's rows from landing table `landing`, and earlier runs' leftovers for the
     sources it finished (runs that died between landing and finalize); the finished ids, sorted."""
     ids = sorted({int(i) for i in finished})
-    tx.execute(f"{landing}_delete", {"run_id": run_id})
+    tx.execute(f"{landing}_delete", {"run_id": run.run_id})
     if ids:
         tx.execute(f"{landing}_delete_sources", {"ids": tx.dialect.id_list(ids)})
     return ids
@@ -117,15 +137,7 @@ class RouteOutcome:
     outbound: tuple[int, ...] = ()
 
 
-def finalize_route(
-    tx: Tx,
-    *,
-    run_id: str,
-    owner: str,
-    epoch: int,
-    claimed_ids: list[int],
-    passthrough: Collection[str] = (),
-) -> RouteOutcome:
+def finalize_route(tx: Tx, run: Run, *, passthrough: Collection[str] = ()) -> RouteOutcome:
     """Move one run's landed rows into stage_routed and finish its sources, in the caller's `tx`.
 
     Raises StaleEpoch when `epoch` is no longer current; the caller's transaction then rolls
@@ -138,77 +150,37 @@ def finalize_route(
     claims and finishes it. Not while the destination has routed rows still open (routed before a
     config change made it a pass-through): its new rows then queue behind them, in lane order.
     """
-    check_epoch(tx, epoch, what=f"run {run_id}")
-    claimed = {int(i) for i in claimed_ids}
-    params = {"run_id": run_id}
-    unrouted_ids = claimed & {int(r["source_id"]) for r in tx.all("route_unrouted_ids", params)}
-    pending_ids = claimed & {int(r["source_id"]) for r in tx.all("route_pending_ids", params)}
+    params = run.begin(tx)
+    unrouted_ids = {int(r["source_id"]) for r in tx.all("route_unrouted_ids", params)}
+    pending_ids = {int(r["source_id"]) for r in tx.all("route_pending_ids", params)}
     pending_ids -= unrouted_ids  # route() never emits both for one source; never mark one twice
-    done = finish_batch(tx, INBOUND, sorted(pending_ids), owner=owner, epoch=epoch, status="done")
-    unrouted = finish_batch(tx, INBOUND, sorted(unrouted_ids), owner=owner, epoch=epoch, status="unrouted")
+    done = run.finish(tx, INBOUND, pending_ids)
+    unrouted = run.finish(tx, INBOUND, unrouted_ids, "unrouted")
     direct: set[str] = set()
     if passthrough and done:
         names = tx.dialect.text_list(sorted(passthrough))
         direct = set(passthrough) - {r["destination"] for r in tx.all("route_passthrough_open", {"names": names})}
     params["direct"] = tx.dialect.text_list(sorted(direct))
-    rows = move_on(
-        tx,
-        "route_finalize_insert",
-        params,
-        done,
-        table=ROUTED,
-        event="routed",
-        owner=owner,
-        epoch=epoch,
-        ids_only=not direct,
-    )
+    rows = move_on(tx, run, "route_finalize_insert", params, done, to=ROUTED, event="routed", ids_only=not direct)
     rows.sort(key=lambda r: r["id"])
     passed = [int(r["id"]) for r in rows if direct and r["status"] == "done"]
-    outbound = pass_through(tx, passed, owner=owner, epoch=epoch)
-    finished = clear_landing(tx, "landing_routed", run_id, [*done, *unrouted])
+    outbound = pass_through(tx, run, passed)
+    finished = clear_landing(tx, run, "landing_routed", [*done, *unrouted])
     return RouteOutcome(
-        run_id=run_id,
-        claimed=tuple(sorted(claimed)),
+        run_id=run.run_id,
+        claimed=tuple(sorted(run.claimed)),
         routed=tuple(int(r["id"]) for r in rows),
         done=tuple(done),
         unrouted=tuple(unrouted),
         outbound=tuple(sorted(int(r["id"]) for r in outbound)),
-        not_finished=tuple(sorted(claimed - set(finished))),
+        not_finished=tuple(sorted(run.claimed - set(finished))),
     )
 
 
-def pass_through(tx: Tx, routed_ids: list[int], *, owner: str, epoch: int) -> list[dict[str, Any]]:
+def pass_through(tx: Tx, run: Run, routed_ids: list[int]) -> list[dict[str, Any]]:
     """The outbound rows of pass-through routed rows just finished — no body of their own: a
     pass-through row's body is its inbound row's (docs/store.md "Bodies")."""
-    if not routed_ids:
-        return []
-    return tx.transition(
-        "passthrough_outbound_insert",
-        {"ids": tx.dialect.id_list(routed_ids)},
-        table=OUTBOUND,
-        event="transformed",
-        from_status=None,
-        epoch=epoch,
-        node_id=owner,
-        ids_only=True,
-    )
-
-
-@dataclass(frozen=True)
-class TransformOutcome:
-    """What one transform run changed; ids in ascending order.
-
-    `done`: routed rows finished, with one outbound row each (`outbound`). `failed`: routed rows
-    whose message could not be transformed (not HL7): dead-lettered with the reason.
-    `not_finished`: claimed rows this run could not finish (row lease lost, or nothing landed).
-    """
-
-    run_id: str
-    claimed: tuple[int, ...] = ()
-    outbound: tuple[int, ...] = ()
-    done: tuple[int, ...] = ()
-    failed: tuple[int, ...] = ()
-    not_finished: tuple[int, ...] = ()
+    return move_on(tx, run, "passthrough_outbound_insert", {}, routed_ids, to=OUTBOUND, event="transformed")
 
 
 UNTRANSFORMABLE = "cannot transform: the payload is not an HL7 v2 message (no MSH, FHS or BHS header)"
@@ -222,15 +194,7 @@ def dead_letter_reason(detail: str | None) -> str:
     return UNTRANSFORMABLE
 
 
-def finalize_transform(
-    tx: Tx,
-    *,
-    run_id: str,
-    owner: str,
-    epoch: int,
-    claimed_ids: list[int],
-    passthrough: Collection[str] = (),
-) -> TransformOutcome:
+def finalize_transform(tx: Tx, run: Run, *, passthrough: Collection[str] = ()) -> BatchOutcome:
     """Move one transform run's landed rows into stage_outbound and finish its routed rows, in `tx`.
 
     `finalize_landed` plus two things: each new row's body is written once from its landed row
@@ -239,43 +203,25 @@ def finalize_transform(
     here, in SQL, their body staying the inbound one. A landed NULL payload (the rules could not
     read the message) dead-letters its routed row instead of delivering it untransformed.
     """
-    check_epoch(tx, epoch, what=f"run {run_id}")
-    claimed = {int(i) for i in claimed_ids}
-    params = {"run_id": run_id}
-    landed = {int(r["id"]): r for r in tx.all("transform_landed", params) if int(r["id"]) in claimed}
+    params = run.begin(tx)
+    landed = {int(r["id"]): r for r in tx.all("transform_landed", params) if int(r["id"]) in run.claimed}
     passing: set[int] = set()
-    unlanded = claimed - landed.keys()  # Spark lands nothing for a pass-through row
+    unlanded = run.claimed - landed.keys()  # Spark lands nothing for a pass-through row
     if passthrough and unlanded:
         names = tx.dialect.text_list(sorted(passthrough))
         found = tx.all("transform_passthrough_ids", {"ids": tx.dialect.id_list(sorted(unlanded)), "names": names})
         passing = {int(r["id"]) for r in found}
-    ok_ids = sorted(passing | {i for i, r in landed.items() if r["ok"]})
-    done = finish_batch(tx, ROUTED, ok_ids, owner=owner, epoch=epoch, status="done")
-    reasons = {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"]}
-    failed = dead_letter(tx, ROUTED, reasons, owner=owner, epoch=epoch)
-    landed_ids = [i for i in done if i not in passing]
-    rows = move_on(
-        tx,
-        "transform_finalize_insert",
-        params,
-        landed_ids,
-        table=OUTBOUND,
-        event="transformed",
-        owner=owner,
-        epoch=epoch,
+    done = run.finish(tx, ROUTED, passing | {i for i, r in landed.items() if r["ok"]})
+    failed = dead_letter(
+        tx, run, ROUTED, {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"]}
     )
+    landed_ids = [i for i in done if i not in passing]
+    rows = move_on(tx, run, "transform_finalize_insert", params, landed_ids, to=OUTBOUND, event="transformed")
     if rows:  # each new row's body, once (docs/store.md "Bodies")
         tx.execute("transform_finalize_bodies", {**params, "ids": tx.dialect.id_list([r["id"] for r in rows])})
-    rows += pass_through(tx, [i for i in done if i in passing], owner=owner, epoch=epoch)
-    finished = clear_landing(tx, "landing_outbound", run_id, [*done, *failed])
-    return TransformOutcome(
-        run_id=run_id,
-        claimed=tuple(sorted(claimed)),
-        outbound=tuple(sorted(int(r["id"]) for r in rows)),
-        done=tuple(done),
-        failed=tuple(failed),
-        not_finished=tuple(sorted(claimed - set(finished))),
-    )
+    rows += pass_through(tx, run, [i for i in done if i in passing])
+    clear_landing(tx, run, "landing_outbound", [*done, *failed])
+    return BatchOutcome.of(run, rows, done, failed)
 
 
 NOT_ATTEMPTED = "not attempted"
@@ -357,34 +303,23 @@ def finalize_deliveries(
         failed: list[dict[str, Any]] = []
         for (name, retryable, detail), ids in groups.items():
             dest = destinations.get(name)
-            if not retryable:
-                failed += fail_batch(
-                    tx, OUTBOUND, ids, owner=owner, epoch=epoch, error=f"permanent: {detail}", max_attempts=0
-                )
-            elif dest is None:
-                failed += fail_batch(
-                    tx,
-                    OUTBOUND,
-                    ids,
-                    owner=owner,
-                    epoch=epoch,
-                    error=detail,
-                    max_attempts=UNCONFIGURED_MAX_ATTEMPTS,
-                    backoff_seconds=UNCONFIGURED_BACKOFF[0],
-                    max_backoff_seconds=UNCONFIGURED_BACKOFF[1],
-                )
+            if not retryable:  # permanent: dead now
+                error, attempts, backoff = f"permanent: {detail}", 0, (1.0, 300.0)
+            elif dest is None:  # not configured: waits for the config, never dies for it
+                error, attempts, backoff = detail, UNCONFIGURED_MAX_ATTEMPTS, UNCONFIGURED_BACKOFF
             else:
-                failed += fail_batch(
-                    tx,
-                    OUTBOUND,
-                    ids,
-                    owner=owner,
-                    epoch=epoch,
-                    error=detail,
-                    max_attempts=dest.max_attempts,
-                    backoff_seconds=dest.backoff_seconds,
-                    max_backoff_seconds=dest.max_backoff_seconds,
-                )
+                error, attempts, backoff = detail, dest.max_attempts, (dest.backoff_seconds, dest.max_backoff_seconds)
+            failed += fail_batch(
+                tx,
+                OUTBOUND,
+                ids,
+                owner=owner,
+                epoch=epoch,
+                error=error,
+                max_attempts=attempts,
+                backoff_seconds=backoff[0],
+                max_backoff_seconds=backoff[1],
+            )
     landed = set(done) | set(released) | {int(r["id"]) for r in failed}
     return DeliverOutcome(
         claimed=tuple(sorted(by_id)),

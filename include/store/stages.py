@@ -33,8 +33,7 @@ from include.store.finalize import (
     BatchOutcome,
     DeliverOutcome,
     RouteOutcome,
-    TransformOutcome,
-    check_epoch,
+    Run,
     clear_landing,
     dead_letter,
     dead_letter_reason,
@@ -43,7 +42,6 @@ from include.store.finalize import (
     finalize_transform,
     move_on,
 )
-from include.store.rowlease import finish_batch
 
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 
@@ -91,10 +89,10 @@ class Stage:
     """`module:function` that builds its pure transform before each claim, from a `StageContext`
     (`spark_jobs.stage_job`): Spark code, so named here and imported only when a task runs."""
     finalize: Callable[..., Any] | None = None
-    """Its fenced finalize (`include.store.finalize`), called `finalize(tx, run_id=…, owner=…,
-    epoch=…, claimed_ids=…, passthrough=…)` in the run's one transaction (`finish`): all of a run
-    lands, or none of it. None: `finalize_landed`, from the stage's SQL alone. Deliver's takes one
-    round's send outcomes instead, from its own job."""
+    """Its fenced finalize (`include.store.finalize`), called `finalize(tx, run, passthrough=…)`
+    (`finalize.Run`) in the run's one transaction (`finish`): all of a run lands, or none of it.
+    None: `finalize_landed`, from the stage's SQL alone. Deliver's takes one round's send outcomes
+    instead, from its own job."""
     outcome: Callable[..., Any] = BatchOutcome
     """What a run returns; `outcome(run_id=…)` is a run that claimed nothing."""
 
@@ -107,11 +105,12 @@ class Stage:
         """The claimed rows' columns, in `schema` order."""
         return [c.strip().split()[0] for c in self.schema.split(",")]
 
-    def finish(self, tx: Tx, **run: Any) -> Any:
+    def finish(self, tx: Tx, *, run_id: str, owner: str, epoch: int, claimed_ids: list[int], **args: Any) -> Any:
         """Finalize one run in `tx` (`finalize`, or `finalize_landed` when it names none)."""
+        run = Run.of(run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids)
         if self.finalize is None:
-            return finalize_landed(tx, stage=self, **run)
-        return self.finalize(tx, **run)
+            return finalize_landed(tx, run, stage=self, **args)
+        return self.finalize(tx, run, **args)
 
     def read_sql(self, store: Store, *, owner: str, epoch: int) -> str:
         """`read_query` for Spark's JDBC `query`, the run's owner and epoch written in (`inline_query`)."""
@@ -159,7 +158,6 @@ TRANSFORM = Stage(
     event="transformed",
     job="spark_jobs.transform_job:bind",
     finalize=finalize_transform,
-    outcome=TransformOutcome,
 )
 DELIVER = Stage(
     "deliver",
@@ -178,31 +176,20 @@ STAGES = (ROUTE, TRANSFORM, DELIVER)
 """In pipeline order: a stage's work comes from the stages before it."""
 
 
-def finalize_landed(
-    tx: Tx, *, stage: Stage, run_id: str, owner: str, epoch: int, claimed_ids: list[int], **_: Any
-) -> BatchOutcome:
+def finalize_landed(tx: Tx, run: Run, *, stage: Stage, **_: Any) -> BatchOutcome:
     """Any batch stage's finalize, from its SQL alone: `<name>_landed` (one line per claimed row the
     run landed: `id`, `ok`, `detail`), then `<name>_finalize_insert` (`:run_id`, `:ids` — the rows
     this transaction has just finished — into `stage.output`, RETURNING the new rows), then the
     landing table's deletes. Same contract as `include.store.finalize.finalize_route`."""
-    check_epoch(tx, epoch, what=f"{stage.name} run {run_id}")
-    claimed = {int(i) for i in claimed_ids}
-    landed = {int(r["id"]): r for r in tx.all(f"{stage.name}_landed", {"run_id": run_id}) if int(r["id"]) in claimed}
-    done = finish_batch(tx, stage.input, sorted(i for i, r in landed.items() if r["ok"]), owner=owner, epoch=epoch)
-    reasons = {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"]}
-    failed = dead_letter(tx, stage.input, reasons, owner=owner, epoch=epoch)
     assert stage.output is not None and stage.landing is not None, f"stage {stage.name} is not a batch stage"
-    query, params = f"{stage.name}_finalize_insert", {"run_id": run_id}
-    rows = move_on(tx, query, params, done, table=stage.output, event=stage.event, owner=owner, epoch=epoch)
-    finished = clear_landing(tx, stage.landing.table, run_id, [*done, *failed])
-    return BatchOutcome(
-        run_id=run_id,
-        claimed=tuple(sorted(claimed)),
-        output=tuple(sorted(int(r["id"]) for r in rows)),
-        done=tuple(done),
-        failed=tuple(failed),
-        not_finished=tuple(sorted(claimed - set(finished))),
-    )
+    params = run.begin(tx)
+    landed = {int(r["id"]): r for r in tx.all(f"{stage.name}_landed", params)}
+    done = run.finish(tx, stage.input, [i for i, r in landed.items() if r["ok"]])
+    reasons = {i: dead_letter_reason(r["detail"]) for i, r in landed.items() if not r["ok"] and i in run.claimed}
+    failed = dead_letter(tx, run, stage.input, reasons)
+    rows = move_on(tx, run, f"{stage.name}_finalize_insert", params, done, to=stage.output, event=stage.event)
+    clear_landing(tx, run, stage.landing.table, [*done, *failed])
+    return BatchOutcome.of(run, rows, done, failed)
 
 
 def stage_named(name: str) -> Stage:

@@ -15,7 +15,7 @@ from pyspark.testing import assertDataFrameEqual
 from include.destinations_config import parse_destinations
 from include.stage_config import PipelineConfig, passthrough_destinations
 from include.store import ROUTED, Store, lookups, rowlease
-from include.store.finalize import UNTRANSFORMABLE, StaleEpoch, TransformOutcome
+from include.store.finalize import UNTRANSFORMABLE, BatchOutcome, StaleEpoch
 from include.store.lease import acquire_permanent
 from include.store.stages import TRANSFORM
 from include.transforms_config import TransformConfigError
@@ -94,7 +94,7 @@ def bound(store: Store, specs: list[dict[str, Any]], destinations: dict) -> Any:
     return transform_job.bind(stage_job.StageContext(store, config))
 
 
-def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> TransformOutcome:
+def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: Any) -> BatchOutcome:
     """One transform run, as the stage task makes it: the config checked before the claim (lookup
     tables read from the store), then `run_stage_job`."""
     transform = bound(store, SPECS, DESTINATIONS)
