@@ -13,7 +13,8 @@ command -v java >/dev/null 2>&1                || missing+=(openjdk-17-jre-headl
 [ -f /usr/share/java/jtds.jar ]                || missing+=(libjtds-java)
 [ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/app/lab/two_nodes.py)
 command -v systemd-analyze >/dev/null 2>&1     || missing+=(systemd)   # `systemd-analyze verify` of deploy/systemd/
-[ -x /usr/bin/promtool ]                       || missing+=(prometheus) # `promtool` checks deploy/alerts.yml
+[ -x /usr/bin/promtool ] && [ -x /usr/bin/prometheus ] || missing+=(prometheus) # promtool checks deploy/alerts.yml;
+                                               # the server runs them live (tests/test_prometheus.py)
 [ -x /usr/bin/chromium ]                       || missing+=(chromium)   # the Stageline view's browser test
 [ -x /usr/bin/chromedriver ]                   || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then
@@ -25,8 +26,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  # Only promtool is wanted from the prometheus package: keep its server (and any other service a
-  # package would start) from starting, unless the machine already has a policy of its own.
+  # The tests run promtool and a Prometheus server of their own: keep the package's service (and any
+  # other service a package would start) from starting, unless the machine already has a policy of its own.
   policy=""
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     policy=/usr/sbin/policy-rc.d
