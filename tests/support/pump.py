@@ -12,7 +12,7 @@ from typing import Any
 
 from include.store import INBOUND, OUTBOUND, Store
 from include.store import rowlease as rl
-from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, finalize_deliveries, finalize_route
+from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, Run, finalize_deliveries, finalize_route
 from tests.support.staging import insert_inbound
 
 
@@ -71,9 +71,8 @@ def route(
                 }
             ]
         tx.execute("landing_routed_insert", {"rows": json.dumps(landing)})
-        finalize_route(
-            tx, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=[r["id"] for r in claimed], passthrough=names
-        )
+        run_ = Run.of(run_id=run_id, owner=owner, epoch=epoch, claimed_ids=[r["id"] for r in claimed])
+        finalize_route(tx, run_, passthrough=names)
     return len(claimed)
 
 
