@@ -19,12 +19,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from include.store import INBOUND, STAGED_TABLES, StagedTable, Store, rowlease
+from include.store.keys import purge as purge_keys
 from include.store.lease import read_lease
 
 log = logging.getLogger(__name__)
 
 EVENTS = "events"
 """Key of the audit trail (`message_events`) in a retention mapping; the others are stage names."""
+KEYS = "message_keys"
+"""Key of the business keys (`include.store.keys`) in what retention returns: those of messages
+deleted without an archive. Not a retention key: keys follow their messages."""
 BATCHES = "inbound_batches"
 """Key of the HL7 batch records in what retention returns. Not a retention key: a batch follows
 the inbound key, and goes once none of its messages' inbound rows is left."""
@@ -107,7 +111,8 @@ def retention(
     copies none of them again (the archive is keyed by the hot row's id) and purges them. So what
     is purged was archived first, and nothing is archived twice. `archived`, when given, receives
     the rows archived per key. `archive=False` deletes without copying (the behaviour before the
-    archive existed).
+    archive existed), and then the business keys of the messages it deleted go too (key
+    `message_keys`, when there were any); archived messages keep theirs.
 
     `connections` maps a connection name to its own ages per stage (`[retention.connections.*]`):
     a message received on it keeps its inbound, routed and outbound rows for those instead (its
@@ -142,6 +147,11 @@ def retention(
                 limit=batch,
                 max_batches=max_batches,
             )
+    if not archive and "inbound" in ages:  # archived messages keep their keys, wherever they go next
+        youngest = min([ages["inbound"], *(per["inbound"] for per in overrides.values() if "inbound" in per)])
+        purged = purge_keys(store, epoch, older_than_seconds=youngest, limit=batch, max_batches=max_batches)
+        if purged:
+            counts[KEYS] = purged
     if archived is not None:
         archived.update(copied)
     if any(counts.values()) or any(copied.values()):

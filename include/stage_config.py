@@ -32,6 +32,7 @@ from typing import Any
 
 from include.config import VAR_ENV, config_path, var_dir
 from include.destinations_config import Destination, parse_destinations
+from include.keys_config import FILE as KEYS_FILE
 from include.routes_config import Route, parse_routes
 from include.schema import ConfigProblem, ConfigProblems
 from include.schema.items import ConfigProblemsError
@@ -189,7 +190,7 @@ def fingerprint(directory: Path | None = None) -> str:
     given = directory or pipeline_dir()
     digest = hashlib.sha256(os.path.realpath(given).encode())
     try:
-        paths = [given / name for name in FILES.values()]
+        paths = [given / name for name in (*FILES.values(), KEYS_FILE)]
         code = given / CODE_DIR
         if code.is_dir():
             paths += sorted(code.rglob("*.py"))

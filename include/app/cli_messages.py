@@ -12,8 +12,8 @@ import click
 
 from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
+from include.store import keys, stats
 from include.store import operator as ops
-from include.store import stats
 from include.store.parquet_archive import ParquetArchive
 
 
@@ -68,6 +68,12 @@ def messages() -> None:
 
 
 @messages.command("find")
+@click.option(
+    "--key",
+    "key_search",
+    metavar="NAME=VALUE",
+    help="A business key of keys.toml: exact (mrn=12345) or a prefix (mrn=123*). Hot, archived and in Parquet.",
+)
 @click.option("--control-id")
 @click.option("--message-id")
 @click.option("--lane", "lane_key", help="Lane (e.g. the patient id the connection's lane_key reads).")
@@ -82,6 +88,7 @@ def messages() -> None:
 @click.pass_obj
 def find_cmd(
     service_config: str | None,
+    key_search: str | None,
     control_id: str | None,
     message_id: str | None,
     lane_key: str | None,
@@ -94,24 +101,24 @@ def find_cmd(
     limit: int,
     as_json: bool,
 ) -> None:
-    """Messages, newest first, narrowed by any of the options."""
+    """Messages, newest first, narrowed by any of the options (--key: by a business key, with
+    --since, --until, --before-id and --limit only)."""
+    query: keys.KeyQuery | None = None
+    if key_search is not None:
+        if any(v is not None for v in (control_id, message_id, lane_key, connection, destination, status)):
+            raise InputError("--key combines with --since, --until, --before-id and --limit only")
+        try:
+            window = {"since_ms": _ms(since), "until_ms": _ms(until), "before_id": before_id, "limit": limit}
+            query = keys.KeyQuery.parse(key_search, **window)
+            query.params()
+        except ValueError as exc:
+            raise InputError(str(exc)) from exc
+    filters = ops.Filters(
+        control_id, message_id, lane_key, connection, destination, status, _ms(since), _ms(until), before_id, limit
+    )
     store = _store(service_config)
     try:
-        rows = ops.find(
-            store,
-            ops.Filters(
-                control_id,
-                message_id,
-                lane_key,
-                connection,
-                destination,
-                status,
-                _ms(since),
-                _ms(until),
-                before_id,
-                limit,
-            ),
-        )
+        rows = keys.find(store, query) if query is not None else ops.find(store, filters)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -122,7 +129,7 @@ def find_cmd(
     if not rows:
         click.echo("no messages match")
         return
-    click.echo(table(rows, FIND_COLUMNS))
+    click.echo(table(rows, KEY_COLUMNS if query is not None else FIND_COLUMNS))
     if len(rows) == limit:
         click.echo(f"(more: --before-id {rows[-1]['id']})")
 
@@ -137,6 +144,13 @@ FIND_COLUMNS = (
     Column("routed", "routed", right=True),
     Column("delivered", "delivered", right=True),
     Column("dead", "dead", right=True),
+)
+KEY_COLUMNS = (
+    *FIND_COLUMNS[:4],
+    Column("name", "key"),
+    Column("key_value", "value"),
+    Column("status", "status"),
+    Column("tier", "where"),
 )
 
 
@@ -178,6 +192,8 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
         + (f"; last error: {i['last_error']}" if i["last_error"] else "")
         + (f"; archived {_when(i['archived_ms'])}" if i.get("archived_ms") is not None else "")
     )
+    if story.keys:
+        click.echo("  keys: " + ", ".join(f"{k['name']}={k['key_value']}" for k in story.keys))
     if i.get("batch_id") is not None:
         click.echo(_hl7_batch_line(i, story.hl7_batch))
     if bodies:

@@ -58,9 +58,9 @@ REPLAY_FROM = ("inbound", "outbound")
 STATUSES = ("pending", "in_flight", "done", "error", "dead", "unrouted")
 
 
-LANE_FIELDS = frozenset({"lane_key"})
-"""Metadata fields that name a patient (a lane key is usually PID-3, the MRN): masked by `LaneMask`
-for a reader without the body permission."""
+LANE_FIELDS = frozenset({"lane_key", "key_value"})
+"""Metadata fields that name a patient (a lane key is usually PID-3, the MRN; a business key's value,
+`include.store.keys`): masked by `LaneMask` for a reader without the body permission."""
 
 
 class LaneMask:
@@ -148,6 +148,8 @@ class Story:
     hl7_batch: dict[str, Any] | None = None
     """The HL7 batch it came in (`inbound_batches`, or retention's archive of it; `archived_ms` says
     which), when it came in one; its place in it is `inbound["batch_seq"]`."""
+    keys: list[dict[str, Any]] = field(default_factory=list)
+    """Its business keys (`include.store.keys`): name and key_value, by name."""
 
 
 def find(store: Store, filters: Filters) -> list[dict[str, Any]]:
@@ -232,6 +234,7 @@ def without_bodies(story: Story) -> Story:
         list(story.trail),
         list(story.batches),
         story.hl7_batch,
+        list(story.keys),
     )
 
 
@@ -279,6 +282,7 @@ def _story(store: Store, inbound_id: int, *, parquet: ParquetArchive | None = No
                 parquet.trail(inbound["message_id"]) if parquet is not None else None,
             ),
         )
+        story.keys = tx.all("keys_of_message", {"id": inbound_id})
         owners = sorted({e["node_id"] for e in story.trail if (e["node_id"] or "").startswith("airflow:")})
         if owners:
             story.batches = tx.all("batches_by_owner", {"owners": tx.dialect.text_list(owners)})

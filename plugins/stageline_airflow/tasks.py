@@ -33,9 +33,11 @@ from include import housekeeping, stage_config, stage_loop
 from include.batch_size import BatchSize
 from include.claim_keeper import ClaimKeeper
 from include.config import ServiceConfig
+from include.keys_config import KeyRules, load_keys
 from include.stage_loop import Batch, claim_owner
+from include.store import INBOUND, rowlease
 from include.store import lookups as lookup_store
-from include.store import rowlease
+from include.store.keys import index_quietly as index_keys
 from include.store.stages import DELIVER, Stage, stage_named
 from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
@@ -185,9 +187,11 @@ def run_batch_stage(
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
     job, lookups = stage_job(stage), LookupCache()
+    # the business keys of what was staged meanwhile (include/store/keys.py): the first stage's task
+    keys = load_keys(config.directory) if stage.input is INBOUND else KeyRules()
 
     def batch(b: Batch) -> Any:
-        return run_stage_job(
+        outcome = run_stage_job(
             stage,
             b.store,
             b.spark,
@@ -198,6 +202,8 @@ def run_batch_stage(
             batch_size=b.limit or batch_size,
             passthrough=config.passthrough,
         )
+        index_keys(b.store, keys)
+        return outcome
 
     dag_id = dag_id or stage.dag_id
     return _micro_batches(stage, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)

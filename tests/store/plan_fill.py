@@ -55,6 +55,7 @@ N_EVENTS = 1_000_000
 ARCHIVED_EVENTS = 150_000
 EXPORT_ROWS = 5_000  # archive_inbound rows marked for the open Parquet export
 LANDED = 2_000  # landing rows of the running route / transform run
+KEYED_PATIENTS = 50_000  # distinct MRNs in message_keys (about 13 messages each)
 HISTORY_HOURS = 25
 RETENTION_MS = 24 * 3600 * 1000  # retention age: the oldest hour of the history is due
 EXPORT_MS = 3 * 24 * 3600 * 1000  # archive export age
@@ -342,6 +343,16 @@ def statements(dialect: str) -> list[str]:
         f"CASE WHEN r.id % 40 = 0 THEN NULL ELSE 'MSH|transformed' END, r.message_id, r.control_id "
         f"FROM stage_routed r WHERE r.id > {ROUTED_LAST - ROUTED_OPEN // 4} AND r.destination <> '{PASSTHROUGH}'"
     )
+
+    # -- business keys: an MRN of one of KEYED_PATIENTS per message, archived and hot; the indexer's
+    # mark at the open tail
+    for source in ("archive_inbound", "stage_inbound"):
+        out.append(
+            f"INSERT INTO message_keys (message, name, value, received_at, connection) "
+            f"SELECT s.id, 'mrn', 'P' || {d.pad(f's.id % {KEYED_PATIENTS}', 6)}, s.created_at, s.connection "
+            f"FROM {source} s WHERE s.id <= {INBOUND_LAST - INBOUND_OPEN}"
+        )
+    out.append(f"UPDATE key_progress SET last_id = {INBOUND_LAST - INBOUND_OPEN} WHERE id = 1")
 
     if dialect == "postgres":
         for table in ("stage_inbound", "stage_routed", "stage_outbound", "message_events", "stage_batches"):

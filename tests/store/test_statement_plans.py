@@ -65,6 +65,7 @@ it from end to end, nor walk a range of it for each outer row."""
 
 SQL_FILES = (
     "archive.sql",
+    "keys.sql",
     "operator.sql",
     "parquet.sql",
     "parquet_index.sql",
@@ -285,6 +286,14 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "watermark": "1042",
         "batch_id": f"b{inbound_id // 10:09d}",
         "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
+        # business keys (keys.sql): the indexer behind its mark, a search by one patient's MRN
+        "after_id": fill.INBOUND_LAST - fill.INBOUND_OPEN,
+        "settle_ms": 2_000,
+        "last_id": fill.INBOUND_LAST - fill.INBOUND_OPEN + 1_000,
+        "name": "mrn",
+        "lo": "P012345",
+        "hi": "P012345\x01",
+        "query": json.dumps({"key": "mrn=P012345"}),
         # what `audited` adds around a transition (Tx.transition)
         "ev_stage": (table or OUTBOUND).key,
         "ev_event": "done",
@@ -297,6 +306,8 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
     if name.startswith("stats_"):  # the health figures (include/store/stats.py): the last hour
         now_ms = int(time.time() * 1000)
         values.update(since_ms=now_ms - 3_600_000, until_ms=now_ms + 1, limit=20_001)
+    if name == "keys_find":  # include.store.keys.KeyQuery.params: an open window is its widest bounds
+        values.update(since_ms=0, until_ms=253_402_300_800_000, before_id=2**63 - 1, limit=50)
     if name == "dead_ids":
         values.update(destination=None, lane_key=None)
     if name in ("archived_message_ids",):

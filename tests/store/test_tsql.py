@@ -141,6 +141,14 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "watermark": json.dumps(1042),
     "batch_id": "f" * 32,
     "part": "day=2026-11-24/connection=adt-in",
+    # business keys and saved searches (keys.sql)
+    "after_id": 1041,
+    "settle_ms": 2000,
+    "last_id": 1042,
+    "name": "mrn",
+    "lo": "123",
+    "hi": "124",
+    "query": json.dumps({"key": "mrn=123*"}),
 }
 
 
@@ -559,7 +567,11 @@ def test_migration_creates_the_same_indexes_as_postgres() -> None:
 
 
 def test_migration_seeds_the_lease_row() -> None:
-    assert tsql_schema()["rows"] == pg_schema()["rows"] == ["INSERT INTO leader_lease (id) VALUES (1)"]
+    assert (
+        tsql_schema()["rows"]
+        == pg_schema()["rows"]
+        == ["INSERT INTO leader_lease (id) VALUES (1)", "INSERT INTO key_progress (id, last_id) VALUES (1, 0)"]
+    )
 
 
 def test_migration_moves_the_same_data_as_postgres() -> None:

@@ -1,0 +1,195 @@
+"""Business keys (`include/store/keys.py`, `include/keys_config.py`, migration 0016): the config, the
+extraction, the indexer behind its mark, the search by key (exact, prefix, time window, pages) and
+the keys' life through retention, on real SQLite and PostgreSQL stores."""
+
+from __future__ import annotations
+
+import pytest
+
+from include.housekeeping import KEYS, retention
+from include.keys_config import KeyRules, KeysConfigError, load_keys, parse_keys
+from include.store import Store
+from include.store import keys as K
+from include.store import operator as ops
+from include.store.lease import acquire_permanent
+from tests.dags.stores import age, execute, finished_messages, rows
+from tests.support.staging import insert_inbound
+
+RULES = parse_keys(
+    {"keys": {"mrn": "PID-3.1", "event": "MSH-9.2"}, "connections": {"lab-in": {"accession": "OBR-3.1"}}}
+)
+DAY = 86_400.0
+
+
+def hl7(control: str, mrn: str, *, event: str = "A01", accession: str = "") -> str:
+    return (
+        f"MSH|^~\\&|HIS|H|SL|SL|20261127120000||ADT^{event}|{control}|P|2.5.1\r"
+        f"PID|1||{mrn}^^^H^MR~X9^^^SSA^SS||DOE^JANE\r" + (f"OBR|1||{accession}^LAB\r" if accession else "")
+    )
+
+
+def stage(store: Store, epoch: int, messages: list[tuple[str, str, str]]) -> list[int]:
+    """Stage (connection, control id, body) messages; their inbound ids."""
+    with store.transaction() as tx:
+        return [
+            insert_inbound(tx, epoch=epoch, node_id="n1", message_id=f"m-{c}", control_id=c, connection=conn, payload=p)
+            for conn, c, p in messages
+        ]
+
+
+def find(store: Store, text: str, **kwargs) -> list[tuple[int, str]]:
+    return [(r["id"], r["key_value"]) for r in K.find(store, K.KeyQuery.parse(text, **kwargs))]
+
+
+# --- config and extraction (no store) ---------------------------------------------------------
+
+
+def test_keys_config_names_every_problem_at_once(tmp_path):
+    with pytest.raises(KeysConfigError) as caught:
+        parse_keys(
+            {
+                "keys": {"MRN": "PID-3.1", "visit": "PV1-19x", "event": 9},
+                "connections": {"lab": {"acc": "OBR-3.1"}, "bad": "PID-3"},
+                "key": {},
+            }
+        )
+    found = {p.key for p in caught.value.problems}
+    assert found == {"keys.MRN", "keys.visit", "keys.event", "connections.bad", "key"}
+    assert load_keys(tmp_path) == KeyRules() and not load_keys(tmp_path)
+    (tmp_path / "keys.toml").write_text('[keys]\nmrn = "PID-3.1"\n[connections.lab-in]\nmrn = "PID-2"\n')
+    rules = load_keys(tmp_path)
+    assert {n: str(p) for n, p in rules.for_connection("adt-in").items()} == {"mrn": "PID-3.1"}
+    assert {n: str(p) for n, p in rules.for_connection("lab-in").items()} == {"mrn": "PID-2"}
+    (tmp_path / "keys.toml").write_text("[keys\n")
+    with pytest.raises(KeysConfigError, match="not valid TOML"):
+        load_keys(tmp_path)
+
+
+def test_keys_of_a_message_take_the_first_repetition_and_skip_what_cannot_be_kept():
+    paths = RULES.for_connection("lab-in")
+    assert K.keys_of(hl7("C1", "12345", accession="ACC-9"), paths) == [
+        ("mrn", "12345"),
+        ("event", "A01"),
+        ("accession", "ACC-9"),
+    ]
+    assert K.keys_of(hl7("C1", ""), paths) == [("event", "A01")]  # empty: no key
+    assert K.keys_of(hl7("C1", "9" * 200), paths) == [("event", "A01")]  # too long for the column
+    assert K.keys_of(hl7("C1", "12\x0145"), paths) == [("event", "A01")]  # a control character
+    assert K.keys_of("not hl7 at all", paths) == [] and K.keys_of(None, paths) == []
+
+
+def test_a_key_search_is_parsed_strictly_and_its_range_is_exact_or_a_prefix():
+    exact = K.KeyQuery.parse("mrn=12345").params()
+    assert (exact["lo"], exact["hi"]) == ("12345", "12345\x01")
+    prefix = K.KeyQuery.parse("mrn=123*").params()
+    assert (prefix["lo"], prefix["hi"]) == ("123", "124")
+    assert K.KeyQuery.parse("mrn=a=b").value == "a=b"
+    assert K._after_prefix("a\ud7ff") == "a\ue000"
+    for bad in ("12345", "MRN=1", "=1", "mrn x=1"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            K.KeyQuery.parse(bad)
+    for bad, why in (("mrn=", "needs a value"), ("mrn=*", "needs a value"), ("mrn=a\x00", "printable")):
+        with pytest.raises(ValueError, match=why):
+            K.KeyQuery.parse(bad).params()
+    with pytest.raises(ValueError, match="limit"):
+        K.KeyQuery.parse("mrn=1", limit=5000).params()
+    with pytest.raises(ValueError, match="since_ms"):
+        K.KeyQuery.parse("mrn=1", since_ms=-1).params()
+
+
+# --- on the stores ------------------------------------------------------------------------------
+
+
+def test_the_indexer_keeps_each_connections_keys_once_and_only_after_they_settle(store):
+    epoch = acquire_permanent(store, node_id="n1")
+    ids = stage(
+        store,
+        epoch,
+        [
+            ("adt-in", "C1", hl7("C1", "12345")),
+            ("lab-in", "C2", hl7("C2", "12345", event="R01", accession="ACC-1")),
+            ("adt-in", "C3", hl7("C3", "99")),
+        ],
+    )
+    assert K.index(store, RULES, settle_ms=600_000) == 0  # staged just now: not yet
+    assert K.index(store, KeyRules(), settle_ms=0) == 0  # no keys configured: nothing read
+    assert K.index(store, RULES, settle_ms=0, limit=2) == 2
+    assert K.index(store, RULES, settle_ms=0, limit=2) == 1
+    assert K.index(store, RULES, settle_ms=0) == 0
+    kept = rows(store, "SELECT message, name, value, connection FROM message_keys ORDER BY message, name")
+    assert [(r["message"], r["name"], r["value"], r["connection"]) for r in kept] == [
+        (ids[0], "event", "A01", "adt-in"),
+        (ids[0], "mrn", "12345", "adt-in"),
+        (ids[1], "accession", "ACC-1", "lab-in"),
+        (ids[1], "event", "R01", "lab-in"),
+        (ids[1], "mrn", "12345", "lab-in"),
+        (ids[2], "event", "A01", "adt-in"),
+        (ids[2], "mrn", "99", "adt-in"),
+    ]
+    # a re-run over the same messages (a crash after the insert, before the mark) keeps each key once
+    execute(store, "UPDATE key_progress SET last_id = 0")
+    assert K.index(store, RULES, settle_ms=0) == 3
+    assert rows(store, "SELECT count(*) AS n FROM message_keys")[0]["n"] == 7
+
+
+def test_find_by_key_exact_prefix_window_and_pages_newest_first(store):
+    epoch = acquire_permanent(store, node_id="n1")
+    mrns = ["12345", "12399", "123", "777", "12345", "1234%", "1234_"]
+    ids = stage(store, epoch, [("adt-in", f"C{n}", hl7(f"C{n}", m)) for n, m in enumerate(mrns)])
+    K.index(store, RULES, settle_ms=0)
+    assert find(store, "mrn=12345") == [(ids[4], "12345"), (ids[0], "12345")]
+    assert find(store, "mrn=123*") == [(i, mrns[n]) for n, i in reversed(list(enumerate(ids))) if n != 3]
+    # LIKE's wildcards in a value are plain characters
+    assert find(store, "mrn=1234%") == [(ids[5], "1234%")]
+    assert find(store, "mrn=1234_*") == [(ids[6], "1234_")]
+    assert find(store, "mrn=1234") == [] and find(store, "mrn=2*") == [] and find(store, "visit=1") == []
+    assert find(store, "mrn=' OR 1=1 --") == []
+    page = find(store, "mrn=123*", limit=2)
+    assert page == [(ids[6], "1234_"), (ids[5], "1234%")]
+    assert find(store, "mrn=123*", limit=2, before_id=page[-1][0]) == [(ids[4], "12345"), (ids[2], "123")]
+    # the window is on the message's received time, the store's clock
+    age(store, "message_keys", "received_at", f"message = {ids[0]}", DAY)
+    found = K.find(store, K.KeyQuery.parse("mrn=12345"))
+    now_ms = found[0]["created_ms"]
+    assert now_ms - found[1]["created_ms"] >= DAY * 1000
+    assert find(store, "mrn=12345", since_ms=now_ms - 3_600_000) == [(ids[4], "12345")]
+    assert find(store, "mrn=12345", until_ms=now_ms - 3_600_000) == [(ids[0], "12345")]
+    first = K.find(store, K.KeyQuery.parse("mrn=12345"))[0]
+    assert (first["control_id"], first["connection"], first["status"], first["tier"]) == (
+        "C4",
+        "adt-in",
+        "pending",
+        "hot",
+    )
+
+
+def test_a_messages_keys_follow_it_into_the_archive_and_go_only_when_it_is_deleted_unarchived(store):
+    epoch = acquire_permanent(store, node_id="n1")
+    ids = finished_messages(store, epoch, "msg-", None, 3)
+    for n, i in enumerate(ids):
+        execute(store, f"UPDATE inbound_bodies SET payload = '{hl7(f'c{n}', 'P7')}' WHERE id = {i}")
+    K.index(store, RULES, settle_ms=0)
+    assert [r["key_value"] for r in ops.show(store, ids[0]).keys] == ["A01", "P7"]
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+
+    retention(store, epoch, {"inbound": DAY, "routed": DAY, "outbound": DAY})
+    assert [(r["id"], r["tier"], r["control_id"]) for r in K.find(store, K.KeyQuery.parse("mrn=P7"))] == [
+        (ids[2], "archive", "c2"),
+        (ids[1], "archive", "c1"),
+        (ids[0], "archive", "c0"),
+    ]
+    assert [r["key_value"] for r in ops.show(store, ids[0]).keys] == ["A01", "P7"]
+    # the Parquet export deletes archived rows once Parquet holds them: the keys stay, naming the tier
+    execute(store, f"DELETE FROM archive_inbound WHERE id = {ids[0]}")
+    assert [r["tier"] for r in K.find(store, K.KeyQuery.parse("mrn=P7"))] == ["archive", "archive", "parquet"]
+    # retention without an archive deletes the messages, and their keys with them
+    later = finished_messages(store, epoch, "late-", None, 1)
+    execute(store, f"UPDATE inbound_bodies SET payload = '{hl7('L1', 'P8')}' WHERE id = {later[0]}")
+    K.index(store, RULES, settle_ms=0)
+    for table in ("stage_inbound", "stage_routed", "stage_outbound"):
+        age(store, table, "updated_at", "1 = 1", 2 * DAY)
+    age(store, "message_keys", "received_at", f"message = {later[0]}", 2 * DAY)
+    assert retention(store, epoch, {"inbound": DAY, "routed": DAY, "outbound": DAY}, archive=False)[KEYS] == 2
+    assert find(store, "mrn=P8") == []
+    assert len(find(store, "mrn=P7")) == 3  # archived ones are untouched

@@ -1,0 +1,75 @@
+"""`stageline messages find --key` and the keys in `stageline messages show`, as a real subprocess
+against real stores (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+
+from include.keys_config import parse_keys
+from include.store import Store
+from include.store import keys as K
+from include.store.lease import acquire_permanent
+from tests.dags.stores import write_service_config
+from tests.support.staging import insert_inbound
+from tests.test_cli import run
+
+
+def body(control: str, mrn: str) -> str:
+    return f"MSH|^~\\&|ADT1|HOSP|EHR|CITY|20261127120000||ADT^A08|{control}|P|2.5\rPID|1||{mrn}^^^HOSP^MR||DOE^JANE\r"
+
+
+def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path, store_config):
+    store = Store(store_config)
+    try:
+        epoch = acquire_permanent(store, node_id="solo:1:aa")
+        with store.transaction() as tx:
+            ids = [
+                insert_inbound(
+                    tx,
+                    epoch=epoch,
+                    node_id="solo:1:aa",
+                    message_id=f"m{n}",
+                    control_id=f"CTL{n}",
+                    connection="adt-in",
+                    payload=body(f"CTL{n}", mrn),
+                )
+                for n, mrn in enumerate(["P77", "P770", "Q1", "P77"])
+            ]
+        K.index(store, parse_keys({"keys": {"mrn": "PID-3.1", "event": "MSH-9.2"}}), settle_ms=0)
+    finally:
+        store.close()
+    cfg = write_service_config(tmp_path, store_config, cluster=False)
+
+    found = json.loads(run(cfg, "messages", "find", "--key", "mrn=P77", "--json").stdout)
+    assert [(r["id"], r["control_id"], r["key_value"], r["tier"]) for r in found] == [
+        (ids[3], "CTL3", "P77", "hot"),
+        (ids[0], "CTL0", "P77", "hot"),
+    ]
+    table = run(cfg, "messages", "find", "--key", "mrn=P7*", "--limit", "2").stdout.splitlines()
+    assert table[0].split() == [
+        "id",
+        "received",
+        "(UTC)",
+        "connection",
+        "control",
+        "id",
+        "key",
+        "value",
+        "status",
+        "where",
+    ]
+    assert [line.split()[0] for line in table[1:3]] == [str(ids[3]), str(ids[1])]
+    assert table[2].split()[-4:] == ["mrn", "P770", "pending", "hot"] and table[3] == f"(more: --before-id {ids[1]})"
+    assert run(cfg, "messages", "find", "--key", "mrn=nobody").stdout == "no messages match\n"
+
+    shown = run(cfg, "messages", "show", "CTL1").stdout
+    assert "  keys: event=A08, mrn=P770\n" in shown
+
+    for args, said in (
+        (["--key", "mrn"], "NAME=VALUE"),
+        (["--key", "mrn=*"], "needs a value"),
+        (["--key", "mrn=P77", "--status", "dead"], "--key combines with"),
+        (["--key", "mrn=P77", "--since", "yesterday"], "not an ISO date"),
+    ):
+        failed = run(cfg, "messages", "find", *args, ok=False)
+        assert said in failed.stderr and "Traceback" not in failed.stderr
