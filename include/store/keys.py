@@ -25,6 +25,7 @@ from typing import Any
 from include.hl7path import FieldPath, value
 from include.keys_config import NAME, KeyRules
 from include.store.db import Store
+from include.store.operator import FIND_LIMIT, MAX_ROW_ID, MAX_TIME_MS, check_page
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,6 @@ SETTLE_MS = 2_000
 INDEX_BATCH = 5_000
 MAX_VALUE_CHARS = 199
 """A longer value is not kept (nvarchar(200) on SQL Server); neither is one with control characters."""
-FIND_LIMIT = 50
-MAX_FIND_LIMIT = 1000
-MAX_TIME_MS = 253_402_300_799_999
-MAX_ROW_ID = 2**63 - 1
 
 
 def keys_of(text: str | None, paths: Mapping[str, FieldPath]) -> list[tuple[str, str]]:
@@ -114,14 +111,7 @@ class KeyQuery:
             raise ValueError("a key search needs a value (a prefix needs at least one character before *)")
         if len(self.value) > MAX_VALUE_CHARS or not self.value.isprintable():
             raise ValueError(f"a key value is at most {MAX_VALUE_CHARS} printable characters")
-        if not 1 <= self.limit <= MAX_FIND_LIMIT:
-            raise ValueError(f"limit must be 1..{MAX_FIND_LIMIT} (page on with before_id), got {self.limit}")
-        for name in ("since_ms", "until_ms"):
-            ms = getattr(self, name)
-            if ms is not None and not 0 <= ms <= MAX_TIME_MS:
-                raise ValueError(f"{name} must be 0..{MAX_TIME_MS} (epoch milliseconds), got {ms}")
-        if self.before_id is not None and not 1 <= self.before_id <= MAX_ROW_ID:
-            raise ValueError(f"before_id must be 1..{MAX_ROW_ID}, got {self.before_id}")
+        check_page(self.limit, self.since_ms, self.until_ms, self.before_id)
         return {
             "name": self.name,
             "lo": self.value,

@@ -123,15 +123,20 @@ class Filters:
         that would make it read or return more than a page."""
         if self.status is not None and self.status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
-        if not 1 <= self.limit <= MAX_FIND_LIMIT:
-            raise ValueError(f"limit must be 1..{MAX_FIND_LIMIT} (page on with before_id), got {self.limit}")
-        for name in ("since_ms", "until_ms"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_TIME_MS:
-                raise ValueError(f"{name} must be 0..{MAX_TIME_MS} (epoch milliseconds), got {value}")
-        if self.before_id is not None and not 1 <= self.before_id <= MAX_ROW_ID:
-            raise ValueError(f"before_id must be 1..{MAX_ROW_ID}, got {self.before_id}")
+        check_page(self.limit, self.since_ms, self.until_ms, self.before_id)
         return dict(self.__dict__)
+
+
+def check_page(limit: int, since_ms: int | None, until_ms: int | None, before_id: int | None) -> None:
+    """ValueError for a page of a search out of range: `limit` 1..MAX_FIND_LIMIT, times 0..year 9999,
+    ids 1..2^63-1 (`Filters`, a search by key)."""
+    if not 1 <= limit <= MAX_FIND_LIMIT:
+        raise ValueError(f"limit must be 1..{MAX_FIND_LIMIT} (page on with before_id), got {limit}")
+    for name, value in (("since_ms", since_ms), ("until_ms", until_ms)):
+        if value is not None and not 0 <= value <= MAX_TIME_MS:
+            raise ValueError(f"{name} must be 0..{MAX_TIME_MS} (epoch milliseconds), got {value}")
+    if before_id is not None and not 1 <= before_id <= MAX_ROW_ID:
+        raise ValueError(f"before_id must be 1..{MAX_ROW_ID}, got {before_id}")
 
 
 @dataclass
