@@ -2,21 +2,19 @@
 
 Each config file has its models in a module here. A model is `Strict`: unknown keys, wrong types
 (``"no"`` where a boolean belongs, ``"2575"`` where a port does) and out-of-range values are
-errors, never coerced. `check` turns pydantic's errors into `ConfigProblem` rows naming the file
-and the dotted key, so a loader can report all of them at once and a caller never sees a
-traceback. The JSON Schema of every file (`stageline config schema`) comes from the same models.
+errors, never coerced. `include.schema.rules.validate` turns pydantic's errors into `ConfigProblem`
+rows naming the file and the dotted key, so a loader can report all of them at once and a caller
+never sees a traceback. The JSON Schema of every file (`stageline config schema`) comes from the same models.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Annotated, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
-__all__ = ["ConfigProblem", "ConfigProblems", "Strict", "check", "problems_from"]
-
-M = TypeVar("M", bound=BaseModel)
+__all__ = ["ConfigProblem", "ConfigProblems", "Strict", "Text", "problems_from"]
 
 
 class ConfigProblem(NamedTuple):
@@ -57,6 +55,16 @@ def _dotted(loc: tuple[int | str, ...], prefix: str) -> str:
     return key
 
 
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_not_blank)]
+"""A string with something in it (not empty, not only white space)."""
+
+
 def problems_from(exc: ValidationError, *, file: Path | None = None, prefix: str = "") -> list[ConfigProblem]:
     """pydantic's errors as `ConfigProblem` rows; the input value is never echoed (it may be a secret)."""
     out = []
@@ -66,13 +74,3 @@ def problems_from(exc: ValidationError, *, file: Path | None = None, prefix: str
             message = "unknown setting"
         out.append(ConfigProblem(file, _dotted(tuple(err["loc"]), prefix), message))
     return out
-
-
-def check(
-    model: type[M], data: Any, *, file: Path | None = None, prefix: str = "", context: dict[str, Any] | None = None
-) -> M:
-    """`data` validated as `model`; `ConfigProblems` (every problem, with file and key) if it is not."""
-    try:
-        return model.model_validate(data, context=context)
-    except ValidationError as exc:
-        raise ConfigProblems(problems_from(exc, file=file, prefix=prefix)) from None

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from include.hl7path import FieldPathError, parse_path
-from include.schema import Strict
+from include.schema import Strict, Text
 
 __all__ = [
     "KIND_MODELS",
@@ -49,12 +49,6 @@ PERMANENT_CODES = ("AE", "AR", "CE", "CR")
 def _name(value: str) -> str:
     if not value.strip() or value != value.strip():
         raise ValueError("must be a non-empty string without surrounding whitespace")
-    return value
-
-
-def _text(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must be a non-empty string")
     return value
 
 
@@ -159,7 +153,6 @@ def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
 
 
 Name = Annotated[str, AfterValidator(_name)]
-Text = Annotated[str, AfterValidator(_text)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Timeout = Annotated[float, Field(ge=0.001, allow_inf_nan=False)]
 

@@ -11,24 +11,18 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
 
-from include.schema import Strict
+from include.schema import Strict, Text
 from include.schema.transforms import condition
 
 __all__ = ["RouteModel", "RoutesFile"]
-
-
-def _text(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must be a non-empty string")
-    return value
 
 
 class RouteModel(Strict):
     """A `[[route]]`: messages matching `when` (or all; or, `catch_all`, those no route matched)
     go to `destinations`."""
 
-    name: Annotated[str, AfterValidator(_text)]
-    destinations: list[Annotated[str, AfterValidator(_text)]] = Field(min_length=1)
+    name: Text
+    destinations: list[Text] = Field(min_length=1)
     when: Annotated[dict[str, Any], AfterValidator(condition)] | None = None
     catch_all: bool = False
 

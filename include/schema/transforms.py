@@ -29,7 +29,7 @@ from pydantic import (
 
 from include.conditions import ConditionError, check_java_regex, parse_condition
 from include.hl7path import FieldPath, FieldPathError, parse_path
-from include.schema import Strict
+from include.schema import Strict, Text
 
 __all__ = [
     "RULE_MODELS",
@@ -126,18 +126,11 @@ def _date_pattern(value: str) -> str:
     return value
 
 
-def _text(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must be a non-empty string")
-    return value
-
-
 def _java_regex(value: str) -> str:
     check_java_regex(value, ValueError)
     return value
 
 
-Text = Annotated[str, AfterValidator(_text)]
 Segment = Annotated[str, AfterValidator(_segment)]
 Anchor = Annotated[str, AfterValidator(_anchor)]
 DatePattern = Annotated[str, AfterValidator(_date_pattern)]
