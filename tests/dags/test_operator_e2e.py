@@ -17,19 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from include.app.lab.listenerd import Daemon
-from include.app.lab.postgres_server import free_port
 from include.config import StoreConfig
-from include.store import Store
-from tests.dags.e2e import (
-    listenerd,
-    load_patient_classes,
-    mllp_inbound,
-    run_stages,
-    send,
-)
+from tests.dags.e2e import run_stages, send
 from tests.dags.stores import rows
-from tests.dags.test_pipeline_e2e import field, messages, pipeline_config
-from tests.spark_jobs.test_senders import MllpReceiver, raw_ack
+from tests.dags.test_pipeline_e2e import field, messages, running_pipeline
 
 
 def stageline(service_config: Path, *args: str) -> str:
@@ -51,28 +42,16 @@ def test_find_show_requeue_a_dead_lane_and_replay_a_message_through_the_cli(
     airflow_db, store_config: StoreConfig, tmp_path: Path
 ) -> None:
     lab_broken = [True]
-    ehr = MllpReceiver().start()
-    lab = MllpReceiver(
-        answer=lambda t: raw_ack(
-            "AE" if lab_broken[0] and field(t, "PID", 3).startswith("PNAK") else "AA", field(t, "MSH", 10)
-        )
-    ).start()
-    mllp_port = free_port()
-    store = Store(store_config)
-    with listenerd(
-        tmp_path / "node",
+    with running_pipeline(
         store_config,
+        tmp_path,
         node_id="solo:1:ops",
-        receivers=(ehr, lab),
-        inbound=[mllp_inbound("adt-in", mllp_port)],
-    ) as daemon:
+        lab_refuses=lambda patient: lab_broken[0] and patient.startswith("PNAK"),
+    ) as pipeline:
+        daemon, store, ehr, lab = pipeline.daemon, pipeline.store, pipeline.ehr, pipeline.lab
         svc = daemon.workdir / "stageline.toml"
-        archive = tmp_path / "out" / "archive"
-        archive.mkdir(parents=True)
-        pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
-        load_patient_classes(store)
         sent = messages()
-        send(mllp_port, [text for _, _, text in sent])
+        send(pipeline.mllp_port, [text for _, _, text in sent])
         run_stages(daemon)
         nak_orus = [c for c, patient, _ in sent if patient == "PNAK"]
         assert lab.control_ids.count(nak_orus[0]) == 2  # two attempts, then dead

@@ -13,11 +13,14 @@ import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import hl7
 
-from include.app.lab.listenerd import store_toml
+from include.app.lab.listenerd import Daemon, store_toml
 from include.app.lab.postgres_server import free_port, wait_for
 from include.config import StoreConfig
 from include.store import Store, rowlease
@@ -96,32 +99,51 @@ def pipeline_config(directory: Path, *, ehr: int, lab: int, archive: Path) -> No
     )
 
 
-def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_complete_audit_trail(
-    airflow_db, store_config: StoreConfig, tmp_path: Path
-) -> None:
+@dataclass(frozen=True)
+class Pipeline:
+    """A running `listenerd` with `pipeline_config` in place and its receivers listening."""
+
+    daemon: Daemon
+    store: Store
+    ehr: MllpReceiver
+    lab: MllpReceiver
+    archive: Path
+    mllp_port: int
+
+
+@contextmanager
+def running_pipeline(
+    store_config: StoreConfig, tmp_path: Path, *, node_id: str, lab_refuses: Callable[[str], bool]
+) -> Iterator[Pipeline]:
+    """`listenerd` on one MLLP port, the ehr and lab receivers (the lab answers AE where
+    `lab_refuses(PID-3)`), the archive directory and the `patient_class` lookup; all stop on exit."""
     ehr = MllpReceiver().start()
     lab = MllpReceiver(
-        answer=lambda t: raw_ack("AE" if field(t, "PID", 3).startswith("PNAK") else "AA", field(t, "MSH", 10))
+        answer=lambda t: raw_ack("AE" if lab_refuses(field(t, "PID", 3)) else "AA", field(t, "MSH", 10))
     ).start()
     mllp_port = free_port()
     store = Store(store_config)
-    with listenerd(
-        tmp_path / "node",
-        store_config,
-        node_id="solo:1:e2e",
-        receivers=(ehr, lab),
-        inbound=[mllp_inbound("adt-in", mllp_port)],
-    ) as daemon:
+    inbound = [mllp_inbound("adt-in", mllp_port)]
+    with listenerd(tmp_path / "node", store_config, node_id=node_id, receivers=(ehr, lab), inbound=inbound) as daemon:
         archive = tmp_path / "out" / "archive"
         archive.mkdir(parents=True)  # a file destination never creates its directory (a missing mount)
         pipeline_config(daemon.workdir / "config", ehr=ehr.port, lab=lab.port, archive=archive)
         load_patient_classes(store)
+        yield Pipeline(daemon, store, ehr, lab, archive, mllp_port)
 
+
+def test_messages_sent_over_mllp_reach_every_destination_in_lane_order_with_a_complete_audit_trail(
+    airflow_db, store_config: StoreConfig, tmp_path: Path
+) -> None:
+    with running_pipeline(
+        store_config, tmp_path, node_id="solo:1:e2e", lab_refuses=lambda patient: patient.startswith("PNAK")
+    ) as pipeline:
+        store, ehr, lab, archive = pipeline.store, pipeline.ehr, pipeline.lab, pipeline.archive
         sent = messages()
-        assert send(mllp_port, [text for _, _, text in sent]) == [("AA", c) for c, _, _ in sent]
+        assert send(pipeline.mllp_port, [text for _, _, text in sent]) == [("AA", c) for c, _, _ in sent]
 
         started = time.perf_counter()
-        results = run_stages(daemon)
+        results = run_stages(pipeline.daemon)
         elapsed = time.perf_counter() - started
         assert [(r["dag_id"], r["states"]) for r in results] == [
             (dag_id, {"leader_check": "success", "recover": "success", "wait_for_work": "success", job: "success"})
