@@ -17,16 +17,10 @@ from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ResendingSender, adt
-from tests.support.nodes import mllp_node
+from tests.support.nodes import HEARTBEAT, fast_cluster, mllp_node
 
-HEARTBEAT, FENCE, TTL = 0.5, 1.5, 10.0  # a long TTL: a prompt takeover can only come from the release
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-}
+TTL = 10.0  # a long TTL: a prompt takeover can only come from the release
+CLUSTER = fast_cluster(leader_lease_ttl_seconds=TTL)
 
 
 @pytest.fixture

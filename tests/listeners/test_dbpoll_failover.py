@@ -17,16 +17,10 @@ from include.app.lab.postgres_server import PostgresServer, wait_for
 from include.store import Store
 from listeners.dbpoll import row_message_id
 from tests.listeners.test_dbpoll import hl7, source_db  # noqa: F401  (the fixture)
+from tests.support.nodes import fast_cluster
 from tests.support.queries import rows_of
 
-HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-}
+CLUSTER = fast_cluster()
 ROWS = 600
 STRATEGIES = {
     "watermark": {"query": "SELECT id, hl7 FROM outbox WHERE id > :watermark ORDER BY id LIMIT :limit"},

@@ -17,15 +17,9 @@ from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import Sender
+from tests.support.nodes import FENCE, HEARTBEAT, TTL, fast_cluster
 
-HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-}
+CLUSTER = fast_cluster()
 SLACK = 0.6  # supervisor tick, process scheduling and the poll interval of the measurement
 
 

@@ -28,16 +28,9 @@ from include.app.lab.two_nodes import HAPROXY, haproxy_config, vip_servers
 from include.app.supervisor import port_open
 from include.store import Store
 from tests.listeners.hl7_traffic import ack_fields, adt
-from tests.support.nodes import mllp_node
+from tests.support.nodes import HEARTBEAT, TTL, fast_cluster, mllp_node
 
-HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-}
+CLUSTER = fast_cluster()
 FROZEN = TTL + 3.5  # SIGSTOP this long: well past the lease TTL, so the standby must take over
 ANSWER_TIMEOUT = 1.0  # the sender's wait for an ACK before it tries the other address
 

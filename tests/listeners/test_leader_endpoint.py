@@ -18,7 +18,7 @@ from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import port_open
 from listeners.metrics import Metrics
 from listeners.state import NodeState
-from tests.support.nodes import mllp_node
+from tests.support.nodes import FENCE, fast_cluster, mllp_node
 
 
 def state(**kw) -> NodeState:
@@ -129,14 +129,7 @@ def test_leader_per_inbound_follows_that_inbound_only():
     assert standby.leader("adt-in")[0] == 503 and standby.leader("adt-in")[1]["reason"] == "standby"
 
 
-HEARTBEAT, FENCE, TTL = 0.5, 1.5, 2.5
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-}
+CLUSTER = fast_cluster()
 
 
 def test_only_the_serving_leader_answers_200_and_a_partitioned_leader_turns_503_fenced_at_once(

@@ -31,7 +31,7 @@ from listeners.endpoints import InboundService, Wiring
 from listeners.gate import RETRY_FIRST, RETRY_MAX, LeaderGate
 from listeners.metrics import Metrics
 from tests.listeners.hl7_traffic import Sender, ack_fields, adt
-from tests.support.nodes import mllp_node
+from tests.support.nodes import HEARTBEAT, fast_cluster, mllp_node
 
 # --- the gate, on a fake clock --------------------------------------------------------------------
 
@@ -369,16 +369,8 @@ def test_single_node_port_held_at_start_reports_it_then_binds_within_1s_of_the_p
         node.stop()
 
 
-HEARTBEAT, FENCE, TTL, GRACE, BACKOFF = 0.5, 1.5, 2.5, 1.5, 8.0
-CLUSTER = {
-    "enabled": True,
-    "heartbeat_seconds": HEARTBEAT,
-    "leader_fence_timeout_seconds": FENCE,
-    "leader_lease_ttl_seconds": TTL,
-    "node_timeout_seconds": 2.0,
-    "unbound_grace_seconds": GRACE,
-    "step_down_backoff_seconds": BACKOFF,
-}
+GRACE, BACKOFF = 1.5, 8.0
+CLUSTER = fast_cluster(unbound_grace_seconds=GRACE, step_down_backoff_seconds=BACKOFF)
 
 HOLDER = """import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(1)
