@@ -76,23 +76,20 @@ class ParquetArchive:
         return max(found, key=lambda r: r["id"]) if found else None
 
     def routed(self, inbound_id: int) -> list[dict[str, Any]]:
-        import pyarrow.dataset as ds
-
-        return self._rows(
-            "routed",
-            ds.field("source_id") == int(inbound_id),
-            lease_owner=True,
-            parts=self._parts([("parquet_find_by_row", {"kind": "routed", "id": int(inbound_id)})]),
-        )
+        return self._from_source("routed", inbound_id)
 
     def outbound(self, inbound_id: int) -> list[dict[str, Any]]:
+        return self._from_source("outbound", inbound_id)
+
+    def _from_source(self, kind: str, inbound_id: int) -> list[dict[str, Any]]:
+        """The archived `kind` rows made from inbound row `inbound_id` (their source_id)."""
         import pyarrow.dataset as ds
 
         return self._rows(
-            "outbound",
+            kind,
             ds.field("source_id") == int(inbound_id),
             lease_owner=True,
-            parts=self._parts([("parquet_find_by_row", {"kind": "outbound", "id": int(inbound_id)})]),
+            parts=self._parts([("parquet_find_by_row", {"kind": kind, "id": int(inbound_id)})]),
         )
 
     def trail(self, message_id: str) -> list[dict[str, Any]]:
