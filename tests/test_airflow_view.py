@@ -37,6 +37,7 @@ from include.store import Store, operator, rowlease
 from include.store.db import INBOUND
 from include.store.lease import read_lease
 from tests.conftest import migrated_sqlite, pg_config
+from tests.support import pump
 from tests.support.hostile import adt
 from tests.support.queries import rows_of
 
@@ -357,21 +358,11 @@ def test_bodies_are_for_op_and_admin_only_on_purpose_and_each_read_is_recorded(v
     assert (status, doc) == (400, {"detail": "limit must be 1..500, got 100000"})
 
 
-def test_the_view_in_headless_chromium(view, tmp_path):
+def chromium(tmp_path: Path):
+    """Debian's headless Chromium through its chromedriver, a profile of its own under `tmp_path`."""
     from selenium import webdriver
-    from selenium.common.exceptions import (
-        ElementClickInterceptedException,
-        ElementNotInteractableException,
-        NoSuchElementException,
-        StaleElementReferenceException,
-    )
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    server, store_config, backend = view
-    base = f"http://127.0.0.1:{server.port}"
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
     for arg in (
@@ -383,9 +374,37 @@ def test_the_view_in_headless_chromium(view, tmp_path):
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
     ):
         options.add_argument(arg)
-    driver = webdriver.Chrome(
+    return webdriver.Chrome(
         service=Service("/usr/bin/chromedriver", log_output=str(tmp_path / "chromedriver.log")), options=options
     )
+
+
+def log_in(driver, base: str, user: str = "admin") -> None:
+    """Through Airflow's login page, as `user` (the UI sends a browser without a session there)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(f"{base}/")
+    WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.NAME, "username"))).send_keys(user)
+    driver.find_element(By.NAME, "password").send_keys(PASSWORDS[user])
+
+
+def test_the_view_in_headless_chromium(view, tmp_path):
+    from selenium import webdriver
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        ElementNotInteractableException,
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server, store_config, backend = view
+    base = f"http://127.0.0.1:{server.port}"
+    driver = chromium(tmp_path)
     shots: list[Path] = []
 
     def shot(name: str, *, full: bool = False) -> None:
@@ -425,9 +444,7 @@ def test_the_view_in_headless_chromium(view, tmp_path):
 
     try:
         # Airflow's login: the UI sends a browser without a session there
-        driver.get(f"{base}/")
-        wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
-        driver.find_element(By.NAME, "password").send_keys(PASSWORDS["admin"])
+        log_in(driver, base)
         shot("01-airflow-login")
         driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         wait.until(lambda d: "/auth/login" not in d.current_url and d.get_cookie("_token"))
@@ -577,6 +594,18 @@ def test_the_page_escapes_what_the_store_holds():
             shown_ref="7",
             batches=[],
             done=hostile,
+            destinations=[
+                {
+                    "destination": hostile,
+                    **dict.fromkeys(("queued", "retrying", "in_flight", "dead"), 1),
+                    "oldest_queued_seconds": 1.0,
+                    "windows": {
+                        w: {"received": 1, "sent": 1, "dead": 0, "p50_seconds": 0.1, "p95_seconds": 0.2}
+                        for w in ("5m", "1h")
+                    },
+                    "per_minute": [{"minute_ms": 0, "sent": 1, "dead": 1}],
+                }
+            ],
         )
     )
     assert hostile not in page and '"><b>' not in page
@@ -606,3 +635,61 @@ def test_a_viewer_sees_lane_keys_masked_and_may_not_filter_by_lane(view):
     assert http(port, "GET", f"/stageline/?lane_key={lane}", cookie=f"_token={viewer}")[0] == 403
     status, found, _ = http(port, "GET", f"/stageline/api/messages?lane_key={lane}", token=admin)
     assert status == 200 and {m["lane_key"] for m in found["messages"]} == {lane}
+
+
+def test_the_destination_table_and_its_charts_in_headless_chromium(view, tmp_path):
+    """Messages flow to two destinations, the lab refusing everything: the view's destination table
+    shows each one's figures, and each row's chart (inline SVG) has a bar for the minute they went."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server, store_config, backend = view
+    base = f"http://127.0.0.1:{server.port}"
+    s = Store(store_config)
+    try:
+        epoch = read_lease(s).epoch
+        pump.stage(s, epoch=epoch, n=6, connection="lab-in", prefix="DEST")
+        routed = pump.route(
+            s, epoch=epoch, destinations=lambda r: ["ehr", "lab"] if r["control_id"].startswith("DEST") else []
+        )
+        assert routed >= 6
+        out = pump.deliver(
+            s, epoch=epoch, send=lambda row: row["destination"] == "ehr", retry=pump.Retry(backoff_seconds=60)
+        )
+        assert len(out.done) == 6 and len(out.retrying) == 1
+    finally:
+        s.close()
+    driver = chromium(tmp_path)
+    try:
+        log_in(driver, base)
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        WebDriverWait(driver, 60).until(lambda d: "/auth/login" not in d.current_url and d.get_cookie("_token"))
+        driver.get(f"{base}/stageline/#destinations")
+        WebDriverWait(driver, 60).until(ec.presence_of_element_located((By.ID, "destinations")))
+
+        def cells(name: str) -> list[str]:
+            row = driver.find_element(By.CSS_SELECTOR, f"#destinations tr[data-destination='{name}']")
+            return [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+
+        ehr, lab = cells("ehr"), cells("lab")
+        # destination, queued, retrying, in flight, dead, oldest | received, sent, dead, p50/p95 | sent 1h, p95 1h
+        assert ehr[1:5] == ["0", "0", "0", "0"] and ehr[6:9] == ["6", "6", "0"] and ehr[10] == "6"
+        assert lab[1:5] == ["5", "1", "0", "0"] and lab[6:9] == ["6", "0", "0"] and lab[9] == "- / -"
+        assert lab[5].endswith(" s") and ehr[5] == "-"
+        bars = driver.execute_script(
+            "return Array.from(document.querySelectorAll('#destinations tr[data-destination]'), tr => "
+            "[tr.dataset.destination, tr.querySelectorAll('svg.chart rect.sent').length, "
+            "tr.querySelector('svg.chart').getAttribute('aria-label')]);"
+        )
+        assert ["ehr", 1, "ehr: 6 delivered, 0 dead-lettered in the last hour (busiest minute 6)"] in bars
+        assert ["lab", 0, "lab: 0 delivered, 0 dead-lettered in the last hour (busiest minute 1)"] in bars
+        section = driver.find_element(By.ID, "destinations")
+        driver.execute_script("arguments[0].scrollIntoView()", section)
+        path = tmp_path / f"{backend}-06-destinations.png"
+        section.screenshot(str(path))
+        print(f"screenshot: {path}")
+        if backend == "postgres" and os.environ.get("STAGELINE_VIEW_SCREENSHOTS", "1") != "0":
+            shutil.copy(path, ROOT / "docs" / "img" / f"stageline-view-{path.name}")
+    finally:
+        driver.quit()

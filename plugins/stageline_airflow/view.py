@@ -4,6 +4,8 @@ Airflow's own api-server serves under `/stageline/`, with a "Stageline" entry in
     GET  /stageline/                          the page (server-rendered HTML, `view_html.py`)
     GET  /stageline/api/cluster               nodes, leader, epoch, lease expiry, config mismatch
     GET  /stageline/api/stages                per stage: backlog, oldest pending age, in flight, dead
+    GET  /stageline/api/destinations?by=…     each destination's (or connection's) health, with each
+                                              destination's deliveries per minute (`include/store/stats.py`)
     GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields)
     GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches;
                                               `?body=1`: with its bodies (PHI; a `body_read` audit event)
@@ -71,6 +73,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from include.store import operator as ops
+    from include.store import stats
     from include.store.membership import cluster_nodes
     from include.store.parquet_archive import ParquetArchive
     from stageline_airflow import view_html
@@ -162,6 +165,11 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @guarded
     def get_stages(user: Any = Depends(reader)) -> dict[str, Any]:
         return ops.stages(store())
+
+    @app.get("/api/destinations")
+    @guarded
+    def get_destinations(by: str = "destination", user: Any = Depends(reader)) -> dict[str, Any]:
+        return stats.health(store(), by=by, chart=True)
 
     @app.get("/api/messages")
     @guarded
@@ -256,6 +264,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
                 may_operate=may(user, "POST"),
                 cluster=cluster(),
                 stages=ops.stages(s),
+                destinations=stats.health(s, by="destination", chart=True)["rows"],
                 dead=ops.dead_letters(s),
                 messages=for_user(user, ops.find(s, filters)),
                 filters=filters,

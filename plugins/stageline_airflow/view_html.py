@@ -1,5 +1,6 @@
 """The Stageline view's one page, rendered on the server (`view.py` reads the store): the cluster,
-the stages, dead letters with requeue, message search with one message's story and replay, the
+the stages, each destination's health with a chart of its last hour (inline SVG: nothing fetched
+from anywhere else), dead letters with requeue, message search with one message's story and replay, the
 latest micro-batches. Every value from the store is escaped. The only script posts the action
 forms as JSON to the view's own endpoints (a cross-site form cannot send JSON) and reloads.
 A message's bodies (PHI) are on the page only when asked for (`&body=1`) by a user who may read
@@ -32,6 +33,8 @@ class PageData:
     batches: list[dict[str, Any]]
     done: str | None
     may_read_bodies: bool = False
+    destinations: list[dict[str, Any]] | None = None
+    """`include.store.stats.health(by="destination", chart=True)`'s rows."""
 
 
 def e(value: Any) -> str:
@@ -132,6 +135,65 @@ def stages_section(stages: dict[str, dict[str, Any]]) -> str:
     return f"""<section id="stages"><h2>Stages</h2><table><thead><tr><th>stage</th><th>backlog</th>
 <th>oldest pending</th><th>in flight</th><th>dead letters</th><th>done / min (5 min)</th></tr></thead>
 <tbody>{rows}</tbody></table></section>"""
+
+
+CHART_W, CHART_H, BAR = 180, 32, 3
+
+
+def chart(name: str, minutes: list[dict[str, int]]) -> str:
+    """A destination's last hour as inline SVG: one bar a minute, deliveries done (green) with the
+    dead letters of that minute stacked on top (red), scaled to the busiest minute."""
+    top = max([m["sent"] + m["dead"] for m in minutes] + [1])
+    bars = []
+    for i, m in enumerate(minutes):
+        x = i * BAR
+        sent_h = round(m["sent"] * CHART_H / top, 1)
+        dead_h = round(m["dead"] * CHART_H / top, 1)
+        if sent_h:
+            bars.append(f'<rect class="sent" x="{x}" y="{CHART_H - sent_h}" width="{BAR - 1}" height="{sent_h}"/>')
+        if dead_h:
+            y = CHART_H - sent_h - dead_h
+            bars.append(f'<rect class="dead" x="{x}" y="{y}" width="{BAR - 1}" height="{dead_h}"/>')
+    sent, dead = sum(m["sent"] for m in minutes), sum(m["dead"] for m in minutes)
+    label = e(f"{name}: {sent} delivered, {dead} dead-lettered in the last hour (busiest minute {top})")
+    return (
+        f'<svg class="chart" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}" '
+        f'role="img" aria-label="{label}"><title>{label}</title>'
+        f'<line class="axis" x1="0" y1="{CHART_H - 0.5}" x2="{CHART_W}" y2="{CHART_H - 0.5}"/>{"".join(bars)}</svg>'
+    )
+
+
+def seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def destination_row(r: dict[str, Any]) -> str:
+    now, five, hour = r, r["windows"]["5m"], r["windows"]["1h"]
+
+    def n(value: int, *, alarm: bool = False) -> str:
+        return f'<td class="n{" bad" if alarm and value else ""}">{value}</td>'
+
+    return (
+        f'<tr data-destination="{e(r["destination"])}"><td>{e(r["destination"])}</td>'
+        f"{n(now['queued'])}{n(now['retrying'], alarm=True)}{n(now['in_flight'])}{n(now['dead'], alarm=True)}"
+        f'<td class="n">{age(now["oldest_queued_seconds"])}</td>'
+        f"{n(five['received'])}{n(five['sent'])}{n(five['dead'], alarm=True)}"
+        f'<td class="n">{seconds(five["p50_seconds"])} / {seconds(five["p95_seconds"])}</td>'
+        f'{n(hour["sent"])}<td class="n">{seconds(hour["p95_seconds"])}</td>'
+        f"<td>{chart(r['destination'], r.get('per_minute') or [])}</td></tr>"
+    )
+
+
+def destinations_section(rows: list[dict[str, Any]] | None) -> str:
+    body = "".join(destination_row(r) for r in rows or []) or (
+        '<tr><td colspan="13" class="muted">no destination has had traffic in the last hour</td></tr>'
+    )
+    return f"""<section id="destinations"><h2>Destinations</h2><table><thead>
+<tr><th rowspan="2">destination</th><th colspan="5">now</th><th colspan="4">last 5 min</th>
+<th colspan="2">last hour</th><th rowspan="2">per minute, last hour<br><small>delivered, dead</small></th></tr>
+<tr><th>queued</th><th>retrying</th><th>in flight</th><th>dead</th><th>oldest</th><th>received</th>
+<th>sent</th><th>dead</th><th>latency p50 / p95</th><th>sent</th><th>p95</th></tr></thead>
+<tbody>{body}</tbody></table></section>"""
 
 
 def dead_section(dead: list[dict[str, Any]], may: bool) -> str:
@@ -297,6 +359,8 @@ th { background: #f3f5f8; } td.n { text-align: right; } tr.leader td { backgroun
 pre.hl7 { background: #f7f7f9; padding: 6px; margin: 2px 0; white-space: pre-wrap; word-break: break-all; }
 form.action { display: inline-flex; gap: 4px; margin: 2px 6px 2px 0; } form.search label { margin-right: 8px; }
 .actions { margin: 6px 0; } nav a { margin-right: 12px; }
+svg.chart { display: block; } svg.chart rect.sent { fill: #2e7d32; } svg.chart rect.dead { fill: #b3261e; }
+svg.chart line.axis { stroke: #bbc; stroke-width: 1; }
 """
 
 SCRIPT = """
@@ -327,8 +391,10 @@ def render(data: PageData) -> str:
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Stageline</title>
 <style>{STYLE}</style></head><body>
 <h1>Stageline <small>signed in to Airflow as {e(data.user)}{"" if data.may_operate else " (read only)"}</small></h1>
-<nav><a href="#cluster">cluster</a><a href="#stages">stages</a><a href="#dead">dead letters</a>
+<nav><a href="#cluster">cluster</a><a href="#stages">stages</a><a href="#destinations">destinations</a>
+<a href="#dead">dead letters</a>
 <a href="#search">messages</a><a href="#batches">micro-batches</a><a href="./">refresh</a></nav>{banner}
-{cluster_section(data.cluster)}{stages_section(data.stages)}{dead_section(data.dead, data.may_operate)}
+{cluster_section(data.cluster)}{stages_section(data.stages)}{destinations_section(data.destinations)}
+{dead_section(data.dead, data.may_operate)}
 {search_section(data)}{message_section(data)}{batches_section(data.batches)}
 <script>{SCRIPT}</script></body></html>"""
