@@ -229,17 +229,12 @@ def test_listenerd_with_a_badly_typed_config_exits_2_with_file_and_key_not_a_tra
 def test_a_sighup_with_a_bad_config_logs_file_and_key_and_keeps_the_old_config(tmp_path, sqlite_config_fresh):
     import signal
 
-    from include.app.lab.listenerd import Daemon
     from include.app.lab.postgres_server import free_port, wait_for
     from include.app.supervisor import port_open
+    from tests.support.nodes import mllp_node
 
     port = free_port()
-    d = Daemon(
-        tmp_path / "node",
-        sqlite_config_fresh,
-        node_id="n:1:a",
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    d = mllp_node(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", port=port)
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         conf = d.workdir / "config" / "connections.toml"
@@ -261,17 +256,12 @@ def test_a_sighup_goes_through_the_whole_dir_check_as_a_start_does(tmp_path, sql
     reload that points a file drop at the store's directory is refused too."""
     import signal
 
-    from include.app.lab.listenerd import Daemon
     from include.app.lab.postgres_server import free_port, wait_for
     from include.app.supervisor import port_open
+    from tests.support.nodes import mllp_node
 
     port = free_port()
-    d = Daemon(
-        tmp_path / "node",
-        sqlite_config_fresh,
-        node_id="n:1:a",
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    d = mllp_node(tmp_path / "node", sqlite_config_fresh, node_id="n:1:a", port=port)
     conf = d.workdir / "config"
     store = Path(sqlite_config_fresh.path)
     saved = (conf / "connections.toml").read_text()

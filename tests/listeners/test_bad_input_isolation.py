@@ -21,7 +21,7 @@ from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from include.store import Store
-from tests.listeners.conftest import cluster_for
+from tests.listeners.conftest import leading_node
 from tests.listeners.hl7_traffic import adt
 from tests.listeners.test_group_commit import refuse_poison
 
@@ -36,17 +36,7 @@ BAD_KINDS = {
 
 @pytest.fixture
 def daemon(tmp_path, store_config):
-    port = free_port()
-    cluster = cluster_for(store_config)
-    d = Daemon(
-        tmp_path / "node",
-        store_config,
-        node_id="node-a:1:aa",
-        cluster=cluster,
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "lane_key": "PID-3.1"}],
-    ).start()
-    d.mllp_port = port
-    wait_for(lambda: port_open(port), timeout=15, what="leader to bind MLLP")
+    d = leading_node(tmp_path, store_config)
     yield d
     assert d.stop() == 0
 

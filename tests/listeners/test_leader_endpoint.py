@@ -65,12 +65,7 @@ def get(port: int, path: str, *, method: str = "GET") -> tuple[int, dict, float]
 
 def test_a_single_node_is_the_leader_without_a_token(tmp_path, sqlite_config_fresh):
     port = free_port()
-    node = Daemon(
-        tmp_path / "n",
-        sqlite_config_fresh,
-        node_id="solo:1:aa",
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    node = mllp_node(tmp_path / "n", sqlite_config_fresh, node_id="solo:1:aa", port=port)
     try:
         wait_for(lambda: port_open(port), timeout=10, what="MLLP bound")
         wait_for(lambda: get(node.api_port, "/leader")[0] == 200, timeout=5, what="/leader 200")

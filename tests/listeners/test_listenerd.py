@@ -22,8 +22,9 @@ from include.app.supervisor import port_open
 from include.config import StoreConfig
 from include.store import Store
 from tests.conftest import migrated_sqlite
-from tests.listeners.conftest import cluster_for
+from tests.listeners.conftest import leading_node
 from tests.listeners.hl7_traffic import ack_fields, adt
+from tests.support.nodes import mllp_node
 
 VT, FS, CR = b"\x0b", b"\x1c", b"\r"
 
@@ -44,27 +45,7 @@ def staged(store_config: StoreConfig, where: str = "1=1") -> list[dict]:
 
 @pytest.fixture
 def daemon(tmp_path, store_config):
-    port = free_port()
-    cluster = cluster_for(store_config)
-    d = Daemon(
-        tmp_path / "node",
-        store_config,
-        node_id="node-a:1:aa",
-        cluster=cluster,
-        inbound=[
-            {
-                "name": "adt-in",
-                "kind": "mllp",
-                "host": "127.0.0.1",
-                "port": port,
-                "lane_key": "PID-3.1",
-                "max_message_bytes": 65536,
-                "idle_timeout_seconds": 30,
-            }
-        ],
-    ).start()
-    d.mllp_port = port
-    wait_for(lambda: port_open(port), timeout=15, what="leader to bind MLLP")
+    d = leading_node(tmp_path, store_config, max_message_bytes=65536, idle_timeout_seconds=30)
     yield d
     d.stop()
 
@@ -215,12 +196,7 @@ def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
     db = tmp_path / "store.db"
     cfg = migrated_sqlite(db, busy_timeout_ms=300, busy_retry_seconds=0.0)  # locked = down
     port = free_port()
-    d = Daemon(
-        tmp_path / "node",
-        cfg,
-        node_id="solo:1:aa",
-        inbound=[{"name": "in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    d = mllp_node(tmp_path / "node", cfg, node_id="solo:1:aa", port=port)
     try:
         wait_for(lambda: port_open(port), timeout=15, what="bind")
         blocker = sqlite3.connect(db, isolation_level=None)
@@ -233,7 +209,7 @@ def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
         assert [ack_fields(a) for a in acks] == [("AA", "UP1")]
         assert [r["control_id"] for r in staged(cfg)] == ["UP1"]
         code, body = d.get("/metrics")
-        assert code == 200 and b'stageline_acks_total{code="AE",connection="in"} 1.0' in body
+        assert code == 200 and b'stageline_acks_total{code="AE",connection="adt-in"} 1.0' in body
     finally:
         assert d.stop() == 0
 

@@ -333,12 +333,7 @@ def test_single_node_port_held_at_start_reports_it_then_binds_within_1s_of_the_p
 ):
     port = free_port()
     holder = hold(port)
-    node = Daemon(
-        tmp_path / "node",
-        sqlite_config_fresh,
-        node_id="solo:1:aa",
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}],
-    ).start()
+    node = mllp_node(tmp_path / "node", sqlite_config_fresh, node_id="solo:1:aa", port=port)
     try:
         wait_for(lambda: node.status()["unbound"], timeout=10, what="the unbound inbound reported")
         [unbound] = node.status()["unbound"]

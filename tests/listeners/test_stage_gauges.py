@@ -7,10 +7,10 @@ import re
 
 from hl7.client import MLLPClient
 
-from include.app.lab.listenerd import Daemon
 from include.app.lab.postgres_server import free_port, wait_for
 from include.app.supervisor import port_open
 from tests.support.hostile import adt
+from tests.support.nodes import mllp_node
 
 
 def gauge(text: str, name: str, stage: str) -> float | None:
@@ -20,13 +20,13 @@ def gauge(text: str, name: str, stage: str) -> float | None:
 
 def test_the_leader_publishes_stage_backlog_age_and_dead_letters(tmp_path, store_config):
     port = free_port()
-    d = Daemon(
+    d = mllp_node(
         tmp_path / "node",
         store_config,
         node_id="solo:1:aa",
+        port=port,
         cluster={"heartbeat_seconds": 0.5, "leader_fence_timeout_seconds": 1.5, "leader_lease_ttl_seconds": 2.5},
-        inbound=[{"name": "adt-in", "kind": "mllp", "port": port}],
-    ).start()
+    )
     try:
         wait_for(lambda: port_open(port), timeout=20, what="bind")
         with MLLPClient("127.0.0.1", port) as client:

@@ -29,6 +29,7 @@ from include.store.durability import (
     sqlserver_refusal,
 )
 from include.store.migrate import migrate
+from tests.support.nodes import mllp_node
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +325,6 @@ def test_listenerd_stops_acking_once_fsync_is_turned_off_under_it(server, config
 
     from hl7.client import MLLPClient
 
-    from include.app.lab.listenerd import Daemon
     from include.app.lab.postgres_server import free_port
     from include.store import db
     from tests.support.hostile import adt
@@ -338,12 +338,7 @@ def test_listenerd_stops_acking_once_fsync_is_turned_off_under_it(server, config
     finally:
         store.close()
     mllp = free_port()
-    d = Daemon(
-        tmp_path / "node",
-        config,
-        node_id="solo:1:dw",
-        inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": mllp}],
-    ).start()
+    d = mllp_node(tmp_path / "node", config, node_id="solo:1:dw", port=mllp)
     try:
         with MLLPClient("127.0.0.1", mllp) as client:
             assert "MSA|AA|DUR0" in ack_of(client.send_message(adt("DUR0").decode()))

@@ -26,7 +26,10 @@ def fast_cluster(**more: Any) -> dict[str, Any]:
     }
 
 
-def mllp_node(path: Path, store_config: Any, *, node_id: str, port: int, **kwargs: Any) -> Daemon:
-    """A started listenerd (`Daemon`) whose one inbound is MLLP `adt-in` on 127.0.0.1:`port`."""
-    inbound = [{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port}]
+def mllp_node(
+    path: Path, store_config: Any, *, node_id: str, port: int, options: dict[str, Any] | None = None, **kwargs: Any
+) -> Daemon:
+    """A started listenerd (`Daemon`) whose one inbound is MLLP `adt-in` on 127.0.0.1:`port`, with
+    `options` (more keys of that connection) added."""
+    inbound = [{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, **(options or {})}]
     return Daemon(path, store_config, node_id=node_id, inbound=inbound, **kwargs).start()
