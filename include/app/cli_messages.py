@@ -202,16 +202,12 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
     for r in story.routed:
         click.echo(
             f"  routed row {r['id']} → {r['destination']} (route {r['route_name'] or '-'}): {r['status']}, "
-            f"{r['attempts']} attempt(s)"
-            + (f"; {r['last_error']}" if r["last_error"] else "")
-            + (" (archived)" if r.get("archived_ms") is not None else "")
+            f"{r['attempts']} attempt(s)" + _row_tail(r)
         )
     for o in story.outbound:
         click.echo(
             f"  outbound row {o['id']} → {o['destination']}: {o['status']}, {o['attempts']} attempt(s), "
-            f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}"
-            + (f"; {o['last_error']}" if o["last_error"] else "")
-            + (" (archived)" if o.get("archived_ms") is not None else "")
+            f"updated {_when(o['updated_ms'])}, key {o['idempotency_key']}" + _row_tail(o)
         )
         if bodies:
             click.echo(_readable(o["payload"]))
@@ -233,6 +229,13 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
         )
     if not bodies:
         click.echo("  (bodies not shown: add --body; each read of them is recorded in the audit trail)")
+
+
+def _row_tail(row: dict) -> str:
+    """What ends a staged row's line in `messages show`: its last error, and whether it is archived."""
+    return (f"; {row['last_error']}" if row["last_error"] else "") + (
+        " (archived)" if row.get("archived_ms") is not None else ""
+    )
 
 
 def _hl7_batch_line(inbound: dict[str, Any], batch: dict[str, Any] | None) -> str:
