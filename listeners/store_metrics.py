@@ -158,9 +158,10 @@ class StoreMetrics:
         until = now - int(self.lag * 1000)
         if not leader:
             return _Read(False, {}, None, now, until, time.perf_counter() - started)
-        opened = stats.open_rows(store)
-        flow = stats.flow(store, watermark_ms, until, deliveries=MAX_DELIVERIES) if watermark_ms is not None else None
-        return _Read(True, opened, flow, now, until, time.perf_counter() - started)
+        if watermark_ms is None:  # the first read: counting starts from here
+            return _Read(True, stats.open_rows(store), None, now, until, time.perf_counter() - started)
+        flow = stats.flow(store, watermark_ms, until, deliveries=MAX_DELIVERIES)
+        return _Read(True, flow.opened, flow, now, until, time.perf_counter() - started)
 
     def _publish(self, read: _Read) -> None:
         self.up.set(1)

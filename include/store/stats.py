@@ -50,6 +50,9 @@ class Flow:
     """The window's deliveries done (destination, connection, finished_ms, latency_ms), newest first."""
     sampled: bool = False
     """True when there were more than the delivery limit: `deliveries` holds the newest."""
+    opened: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    """The rows open now, as `open_rows` gives them (read in the same pass: a window's received
+    count needs the open rows anyway)."""
 
     def add(self, by: str, name: str | None, outcome: str, n: int) -> None:
         if n:
@@ -70,18 +73,17 @@ def flow(store: Store, since_ms: int, until_ms: int, *, deliveries: int = DELIVE
     window = {"since_ms": int(since_ms), "until_ms": int(until_ms)}
     out = Flow()
     with store.transaction(write=False) as tx:
-        rows = [*tx.all("stats_inbound_open", window), *tx.all("stats_inbound_finished", window)]
+        opened = _read_open(tx, window)
+        rows = [*opened, *({**r, "table": "inbound"} for r in tx.all("stats_inbound_finished", window))]
         for table in (ROUTED, OUTBOUND):
-            rows += [
-                {**r, "table": table.key}
-                for r in [*tx.all("stats_open", window, table=table), *tx.all("stats_finished", window, table=table)]
-            ]
+            rows += [{**r, "table": table.key} for r in tx.all("stats_finished", window, table=table)]
         if deliveries > 0:
             out.deliveries = tx.all("stats_deliveries", {**window, "limit": deliveries + 1})
     if len(out.deliveries) > deliveries:
         out.deliveries, out.sampled = out.deliveries[:deliveries], True
+    out.opened = _open_states(opened)
     for r in rows:
-        table, status = r.get("table", "inbound"), r["status"]
+        table, status = r["table"], r["status"]
         received, finished = int(r.get("received") or 0), int(r.get("finished") or 0)
         if table == "routed":  # a destination receives a message when it is routed to it
             out.add("destination", r["destination"], "received", received)
@@ -101,11 +103,19 @@ def flow(store: Store, since_ms: int, until_ms: int, *, deliveries: int = DELIVE
 
 def open_rows(store: Store) -> dict[tuple[str, str], dict[str, Any]]:
     """{(by, name): {state: n, …, "oldest_ms": the oldest queued or retrying row}} now."""
-    window = {"since_ms": 0, "until_ms": 0}
     with store.transaction(write=False) as tx:
-        rows = tx.all("stats_inbound_open", window)
-        for table in (ROUTED, OUTBOUND):
-            rows += tx.all("stats_open", window, table=table)
+        return _open_states(_read_open(tx, {"since_ms": 0, "until_ms": 0}))
+
+
+def _read_open(tx: Any, window: dict[str, int]) -> list[dict[str, Any]]:
+    """The open rows and dead letters of every stage, grouped; each row names its table."""
+    rows = [{**r, "table": "inbound"} for r in tx.all("stats_inbound_open", window)]
+    for table in (ROUTED, OUTBOUND):
+        rows += [{**r, "table": table.key} for r in tx.all("stats_open", window, table=table)]
+    return rows
+
+
+def _open_states(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     found: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
         state = _STATE_OF[r["status"]]
@@ -156,11 +166,11 @@ def health(store: Store, *, by: str = "destination", chart: bool = False) -> dic
     if by not in BY:
         raise ValueError(f"by must be one of {', '.join(BY)}, got {by!r}")
     now = db_now_ms(store)
-    current = {name: row for (kind, name), row in open_rows(store).items() if kind == by}
+    current: dict[str, dict[str, Any]] = {}
     windows: dict[str, dict[str, dict[str, Any]]] = {}
-    names = set(current)
     for label, seconds in WINDOWS.items():
         seen = flow(store, now - seconds * 1000, now + 1)
+        current = current or {name: row for (kind, name), row in seen.opened.items() if kind == by}
         lat = latency(seen.deliveries, by)
         figures: dict[str, dict[str, Any]] = {}
         for (kind, name), counts in seen.counts.items():
@@ -169,7 +179,7 @@ def health(store: Store, *, by: str = "destination", chart: bool = False) -> dic
         for name, figure in lat.items():
             figures.setdefault(name, dict.fromkeys(OUTCOMES, 0)).update(figure, sampled=seen.sampled)
         windows[label] = figures
-        names |= set(figures)
+    names = set(current).union(*windows.values())
     per_minute = _per_minute(store, now) if chart and by == "destination" else {}
     rows = []
     for name in sorted(names):
