@@ -73,3 +73,46 @@ def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path,
     ):
         failed = run(cfg, "messages", "find", *args, ok=False)
         assert said in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_messages_find_by_content_and_hl7_condition_within_a_window(tmp_path, sqlite_config_fresh):
+    store = Store(sqlite_config_fresh)
+    try:
+        epoch = acquire_permanent(store, node_id="solo:1:aa")
+        with store.transaction() as tx:
+            ids = [
+                insert_inbound(
+                    tx,
+                    epoch=epoch,
+                    node_id="solo:1:aa",
+                    message_id=f"m{n}",
+                    control_id=f"CTL{n}",
+                    connection="adt-in",
+                    payload=body(f"CTL{n}", mrn) + f"PV1|1|{cls}\r",
+                )
+                for n, (mrn, cls) in enumerate([("P1", "I"), ("P2", "O"), ("P3", "I")])
+            ]
+    finally:
+        store.close()
+    cfg = write_service_config(tmp_path, sqlite_config_fresh, cluster=False)
+
+    def ids_of(*args: str) -> list[int]:
+        return [r["id"] for r in json.loads(run(cfg, "messages", "find", *args, "--json").stdout)]
+
+    assert ids_of("--contains", "P2^^^HOSP") == [ids[1]]
+    assert ids_of("--where", 'PV1-2 = "I"') == [ids[2], ids[0]]
+    assert ids_of("--where", 'PV1-2 = "I"', "--where", "PID-3.1 ~ ^P[12]$") == [ids[0]]
+    assert ids_of("--contains", "DOE", "--where", 'PV1-2 != "I"', "--connection", "adt-in") == [ids[1]]
+    assert ids_of("--contains", "DOE", "--since", "2000-01-01", "--until", "2000-01-02") == []
+    table = run(cfg, "messages", "find", "--contains", "JANE", "--limit", "1").stdout.splitlines()
+    assert table[0].split() == ["id", "received", "(UTC)", "connection", "control", "id", "status"]
+    assert table[2] == f"(more: --before-id {ids[2]})"
+    assert "JANE" not in run(cfg, "messages", "find", "--contains", "JANE").stdout  # no body is shown
+    for args, said in (
+        (["--contains", "x", "--since", "2026-01-01", "--until", "2026-02-01"], "at most 7 days"),
+        (["--where", "PID-8 == F"], "expected PATH"),
+        (["--contains", "x", "--status", "dead"], "--contains/--where combine with"),
+        (["--contains", ""], "--contains takes"),
+    ):
+        failed = run(cfg, "messages", "find", *args, ok=False)
+        assert said in failed.stderr and "Traceback" not in failed.stderr

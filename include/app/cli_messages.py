@@ -12,7 +12,9 @@ import click
 
 from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
-from include.store import keys, stats
+from include.conditions import ConditionError
+from include.hl7match import parse_where
+from include.store import keys, search, stats
 from include.store import operator as ops
 from include.store.parquet_archive import ParquetArchive
 
@@ -74,6 +76,18 @@ def messages() -> None:
     metavar="NAME=VALUE",
     help="A business key of keys.toml: exact (mrn=12345) or a prefix (mrn=123*). Hot, archived and in Parquet.",
 )
+@click.option(
+    "--contains",
+    metavar="TEXT",
+    help="Bodies holding TEXT (case-sensitive, no wildcards) within --since/--until (a day when not given, 7 at most).",
+)
+@click.option(
+    "--where",
+    "where_clauses",
+    multiple=True,
+    metavar="CONDITION",
+    help="""An HL7 condition on the body, e.g. 'PID-8 = "F"' (also !=, ~ regex, in (..), exists; repeatable).""",
+)
 @click.option("--control-id")
 @click.option("--message-id")
 @click.option("--lane", "lane_key", help="Lane (e.g. the patient id the connection's lane_key reads).")
@@ -89,6 +103,8 @@ def messages() -> None:
 def find_cmd(
     service_config: str | None,
     key_search: str | None,
+    contains: str | None,
+    where_clauses: tuple[str, ...],
     control_id: str | None,
     message_id: str | None,
     lane_key: str | None,
@@ -113,12 +129,28 @@ def find_cmd(
             query.params()
         except ValueError as exc:
             raise InputError(str(exc)) from exc
+    content: search.ContentQuery | None = None
+    if contains is not None or where_clauses:
+        if key_search is not None or any(
+            v is not None for v in (control_id, message_id, lane_key, destination, status)
+        ):
+            raise InputError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
+        try:
+            condition = parse_where(" and ".join(where_clauses)) if where_clauses else None
+        except ConditionError as exc:
+            raise InputError(str(exc)) from exc
+        content = search.ContentQuery(
+            _ms(since), _ms(until), contains, condition, connection, before_id=before_id, limit=limit
+        )
     filters = ops.Filters(
         control_id, message_id, lane_key, connection, destination, status, _ms(since), _ms(until), before_id, limit
     )
     store = _store(service_config)
     try:
-        rows = keys.find(store, query) if query is not None else ops.find(store, filters)
+        if content is not None:
+            rows = search.find(store, content)
+        else:
+            rows = keys.find(store, query) if query is not None else ops.find(store, filters)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -129,7 +161,7 @@ def find_cmd(
     if not rows:
         click.echo("no messages match")
         return
-    click.echo(table(rows, KEY_COLUMNS if query is not None else FIND_COLUMNS))
+    click.echo(table(rows, KEY_COLUMNS if query is not None else CONTENT_COLUMNS if content else FIND_COLUMNS))
     if len(rows) == limit:
         click.echo(f"(more: --before-id {rows[-1]['id']})")
 
@@ -145,6 +177,7 @@ FIND_COLUMNS = (
     Column("delivered", "delivered", right=True),
     Column("dead", "dead", right=True),
 )
+CONTENT_COLUMNS = (*FIND_COLUMNS[:4], Column("status", "status"))
 KEY_COLUMNS = (
     *FIND_COLUMNS[:4],
     Column("name", "key"),

@@ -85,6 +85,9 @@ ALLOWED_SCANS: dict[str, str] = {
     "optional filters, newest first, LIMIT; SQLite cannot use an index through `(:x IS NULL OR "
     "col = :x)` and reads newest-first until enough match. A read, on demand, never under the "
     "write lock",
+    "content_find_indexed": "a content search where the operator made the trigram index on the bodies "
+    "(include/store/search.py asks first): the index's bitmap of the bodies holding the text, then the "
+    "window; without the index (as here) the bodies are read. Bounded by the search's statement timeout",
 }
 """Statements that may read a big table from end to end, each with why."""
 
@@ -294,7 +297,8 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "lo": "P012345",
         "hi": "P012345\x01",
         "query": json.dumps({"key": "mrn=P012345"}),
-        # what `audited` adds around a transition (Tx.transition)
+        "pattern": "%O'HARA%",
+            # what `audited` adds around a transition (Tx.transition)
         "ev_stage": (table or OUTBOUND).key,
         "ev_event": "done",
         "ev_from": "in_flight",
@@ -306,6 +310,9 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
     if name.startswith("stats_"):  # the health figures (include/store/stats.py): the last hour
         now_ms = int(time.time() * 1000)
         values.update(since_ms=now_ms - 3_600_000, until_ms=now_ms + 1, limit=20_001)
+    if name.startswith("content_find"):  # include.store.search: the last hour of one connection
+        now_ms = int(time.time() * 1000)
+        values.update(since_ms=now_ms - 3_600_000, until_ms=now_ms + 1, before_id=2**63 - 1, limit=500)
     if name == "keys_find":  # include.store.keys.KeyQuery.params: an open window is its widest bounds
         values.update(since_ms=0, until_ms=253_402_300_800_000, before_id=2**63 - 1, limit=50)
     if name == "dead_ids":

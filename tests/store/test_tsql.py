@@ -149,6 +149,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "lo": "123",
     "hi": "124",
     "query": json.dumps({"key": "mrn=123*"}),
+    "pattern": "%O'HARA\\_%",
 }
 
 

@@ -82,3 +82,45 @@ SELECT name, query, saved_by, (extract(epoch FROM saved_at) * 1000)::bigint AS s
 
 -- name: search_delete
 DELETE FROM saved_searches WHERE name = CAST(:name AS text)
+
+-- name: content_find
+-- Content search (include/store/search.py): hot inbound messages received in [:since_ms, :until_ms)
+-- (stage_inbound_created), optionally of one :connection, whose body holds :pattern (a LIKE
+-- pattern: the user's text with its wildcards escaped), newest first, :limit at a time below
+-- :before_id. Each body is read by its key, the window's rows only. Bodies come back for the
+-- caller's HL7 conditions; it shows none.
+SELECT w.* FROM (
+  SELECT i.id, i.message_id, i.control_id, i.connection, i.status,
+         (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms,
+         (SELECT b.payload FROM inbound_bodies b WHERE b.id = i.id) AS payload
+    FROM stage_inbound i
+   WHERE i.created_at >= to_timestamp(CAST(:since_ms AS bigint) / 1000.0)
+     AND i.created_at < to_timestamp(CAST(:until_ms AS bigint) / 1000.0)
+     AND i.id < CAST(:before_id AS bigint)
+     AND (CAST(:connection AS text) IS NULL OR i.connection = CAST(:connection AS text))
+   ORDER BY i.id DESC
+   OFFSET 0) w
+ WHERE w.payload LIKE CAST(:pattern AS text) ESCAPE '\'
+ LIMIT CAST(:limit AS bigint)
+
+-- name: content_find_indexed
+-- The same search where the operator made the trigram index (`stageline messages content-index`):
+-- the bodies holding :pattern first (the index's bitmap), then the window.
+SELECT i.id, i.message_id, i.control_id, i.connection, i.status,
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, b.payload
+  FROM inbound_bodies b JOIN stage_inbound i ON i.id = b.id
+ WHERE b.payload LIKE CAST(:pattern AS text) ESCAPE '\'
+   AND i.created_at >= to_timestamp(CAST(:since_ms AS bigint) / 1000.0)
+   AND i.created_at < to_timestamp(CAST(:until_ms AS bigint) / 1000.0)
+   AND i.id < CAST(:before_id AS bigint)
+   AND (CAST(:connection AS text) IS NULL OR i.connection = CAST(:connection AS text))
+ ORDER BY i.id DESC
+ LIMIT CAST(:limit AS bigint)
+
+-- name: search_timeout
+-- Bounds a content search: its statements end after :ms (this transaction only).
+SELECT set_config('statement_timeout', CAST(:ms AS text), true) AS timeout
+
+-- name: content_index_present
+-- Whether the operator made the trigram index on the bodies (docs/operations.md, "Content search").
+SELECT count(*) AS n FROM pg_indexes WHERE indexname = 'inbound_bodies_trgm'

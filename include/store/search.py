@@ -1,0 +1,137 @@
+"""Content search: hot messages of one time window whose body holds a text and/or satisfies routing
+conditions (`stageline messages find --contains TEXT --where 'PID-8 = "F"'`).
+
+Bounded in cost by what it is given, not by the table: the window is required to be at most
+MAX_WINDOW (one day when only an end is given), the store reads that window's rows newest first
+through the received-time index (migration 0017) in chunks, and the whole search stops after
+TIMEOUT_SECONDS — PostgreSQL's statement_timeout, SQLite's progress handler — with a clear error
+saying to narrow the window. The text is a bound parameter, its characters taken literally and
+case-sensitively: a LIKE pattern on PostgreSQL (so the optional trigram index serves it), a GLOB
+pattern on SQLite (`pattern`). Conditions run in Python on the bodies read (`include.hl7match`); no body
+leaves this module.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from include.conditions import Condition
+from include.hl7match import matches
+from include.store.db import Store, Tx
+from include.store.operator import FIND_LIMIT, MAX_ROW_ID, check_page
+
+DAY_MS = 86_400_000
+MAX_WINDOW_MS = 7 * DAY_MS
+TIMEOUT_SECONDS = 10.0
+CHUNK = 500
+MAX_TEXT_CHARS = 200
+
+
+class SearchTooBroad(ValueError):
+    """The search would read more than it may: its window, or its time."""
+
+
+@dataclass(frozen=True)
+class ContentQuery:
+    """Hot messages received in [since_ms, until_ms) holding `text` and satisfying `where`; no end
+    is the store's now, no start a day before the end."""
+
+    since_ms: int | None = None
+    until_ms: int | None = None
+    text: str | None = None
+    where: Condition | None = None
+    connection: str | None = None
+    before_id: int | None = None
+    limit: int = FIND_LIMIT
+
+    def window(self, now_ms: int) -> tuple[int, int]:
+        """[since, until) checked: SearchTooBroad past MAX_WINDOW_MS, ValueError if inside out."""
+        until = self.until_ms if self.until_ms is not None else now_ms + 1
+        since = self.since_ms if self.since_ms is not None else until - DAY_MS
+        check_page(self.limit, max(since, 0), until, self.before_id)
+        if since >= until:
+            raise ValueError("the window is empty: --since must be before --until")
+        if until - since > MAX_WINDOW_MS:
+            raise SearchTooBroad(
+                f"a content search reads every body of its window: at most {MAX_WINDOW_MS // DAY_MS} days "
+                "(give --since and --until closer together)"
+            )
+        return max(since, 0), until
+
+    def checked_text(self) -> str:
+        if self.text is None:
+            return ""
+        if not self.text or len(self.text) > MAX_TEXT_CHARS or "\x00" in self.text:
+            raise ValueError(f"--contains takes 1 to {MAX_TEXT_CHARS} characters (no NUL)")
+        return self.text
+
+
+def pattern(backend: str, text: str) -> str:
+    """A pattern matching bodies that hold `text`, its characters taken literally: GLOB's `*text*`
+    on SQLite (brackets around `*`, `?`, `[`), LIKE's `%text%` elsewhere (`\\` before `%`, `_`, `\\`)."""
+    if backend == "sqlite":
+        return "*" + "".join(f"[{c}]" if c in "*?[" else c for c in text) + "*"
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS) -> list[dict[str, Any]]:
+    """Up to `query.limit` matching messages, newest first (page on with before_id = the last id);
+    metadata only. SearchTooBroad when the window is too wide or the time runs out."""
+    text = query.checked_text()
+    cursor = query.before_id if query.before_id is not None else MAX_ROW_ID
+    found: list[dict[str, Any]] = []
+    with store.transaction(write=False) as tx, _bounded(tx, timeout):
+        since, until = query.window(int(float(tx.row("db_now")["db_now"]) * 1000))
+        params = {
+            "since_ms": since,
+            "until_ms": until,
+            "connection": query.connection,
+            "pattern": pattern(store.backend, text),
+            "limit": CHUNK,
+        }
+        statement = "content_find_indexed" if tx.row("content_index_present")["n"] else "content_find"
+        while len(found) < query.limit:
+            rows = tx.all(statement, {**params, "before_id": cursor})
+            for row in rows:
+                body = row.pop("payload")
+                if query.where is None or matches(query.where, body, row["connection"]):
+                    found.append(row)
+                    if len(found) == query.limit:
+                        break
+            if len(rows) < CHUNK:
+                break
+            cursor = int(rows[-1]["id"])
+    return found
+
+
+@contextmanager
+def _bounded(tx: Tx, timeout: float) -> Iterator[None]:
+    """The search's statements end after `timeout` seconds, whatever the dialect."""
+    tx.one("search_timeout", {"ms": int(timeout * 1000)})
+    conn = tx.conn
+    if isinstance(conn, sqlite3.Connection):
+        deadline = time.monotonic() + timeout
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    try:
+        yield
+    except Exception as exc:
+        if _timed_out(exc):
+            raise SearchTooBroad(
+                f"the search ran past {timeout:g} s and was stopped: narrow the window (--since/--until) "
+                "or add --connection"
+            ) from None
+        raise
+    finally:
+        if isinstance(conn, sqlite3.Connection):
+            conn.set_progress_handler(None, 0)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        return "interrupted" in str(exc)
+    return type(exc).__name__ == "QueryCanceled"  # psycopg.errors.QueryCanceled: statement_timeout
