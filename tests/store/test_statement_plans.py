@@ -298,7 +298,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "hi": "P012345\x01",
         "query": json.dumps({"key": "mrn=P012345"}),
         "pattern": "%O'HARA%",
-            # what `audited` adds around a transition (Tx.transition)
+        # what `audited` adds around a transition (Tx.transition)
         "ev_stage": (table or OUTBOUND).key,
         "ev_event": "done",
         "ev_from": "in_flight",
