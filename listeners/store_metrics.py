@@ -155,7 +155,7 @@ class StoreMetrics:
         """In a thread: the open rows, and what finished since the watermark (the leader's read)."""
         started = time.perf_counter()
         now = stats.db_now_ms(store)
-        until = now - int(self.lag * 1000)
+        until = now - int(self.lag * 1000) + 1  # windows end before `until`: `lag` back from now, inclusive
         if not leader:
             return _Read(False, {}, None, now, until, time.perf_counter() - started)
         if watermark_ms is None:  # the first read: counting starts from here
