@@ -5,6 +5,7 @@ a read that never returns and a scrape storm are exact, not timed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ def setup(monkeypatch, sqlite_config_fresh):
     leader = {"is": True}
     clock = Clock()
     m = StoreMetrics(registry, store=lambda: store, is_leader=lambda: leader["is"], clock=clock, max_age=2, lag=0)
-    yield m, reads, registry, clock, leader, store, epoch
+    yield SimpleNamespace(m=m, reads=reads, registry=registry, clock=clock, leader=leader, store=store, epoch=epoch)
     store.close()
 
 
@@ -60,7 +61,7 @@ def fired(d: Deferred[Any]) -> bool:
 
 
 def test_scrapes_within_max_age_share_one_read(setup, monkeypatch) -> None:
-    m, reads, registry, clock, leader, store, epoch = setup
+    m, reads, registry = setup.m, setup.reads, setup.registry
     now = [100.0]
     monkeypatch.setattr(store_metrics.time, "monotonic", lambda: now[0])
     first, second = m.fresh(), m.fresh()  # a scrape storm while the read runs
@@ -75,7 +76,7 @@ def test_scrapes_within_max_age_share_one_read(setup, monkeypatch) -> None:
 
 
 def test_a_read_stuck_past_the_timeout_answers_store_up_0_and_starts_no_second_read(setup) -> None:
-    m, reads, registry, clock, leader, store, epoch = setup
+    m, reads, registry, clock = setup.m, setup.reads, setup.registry, setup.clock
     scrape = m.fresh()
     clock.advance(m.timeout - 0.1)
     assert not fired(scrape)
@@ -90,7 +91,14 @@ def test_a_read_stuck_past_the_timeout_answers_store_up_0_and_starts_no_second_r
 
 
 def test_counters_grow_by_what_finished_since_the_last_read_and_a_standby_publishes_none(setup, monkeypatch) -> None:
-    m, reads, registry, clock, leader, store, epoch = setup
+    m, reads, registry, leader, store, epoch = (
+        setup.m,
+        setup.reads,
+        setup.registry,
+        setup.leader,
+        setup.store,
+        setup.epoch,
+    )
     now = [100.0]
     monkeypatch.setattr(store_metrics.time, "monotonic", lambda: now[0])
 
