@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from include.store import Store
+from include.app.lab.postgres_server import wait_for
+from include.store import Store, stats
 from include.store.lease import acquire_permanent
 from listeners import store_metrics
 from listeners.store_metrics import StoreMetrics
@@ -106,6 +107,8 @@ def test_counters_grow_by_what_finished_since_the_last_read_and_a_standby_publis
         now[0] += 10
         m.fresh()
         reads.run()
+        # what comes next happens after the read's window (the store's clock has milliseconds)
+        wait_for(lambda: stats.db_now_ms(store) >= (m._watermark_ms or 0), timeout=5, interval=0.001, what="ms")
 
     scrape()  # the first read sets the watermark: nothing counted before it
     pump.stage(store, epoch=epoch, n=3, connection="adt-in", prefix="A")
