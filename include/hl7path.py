@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["FieldPath", "FieldPathError", "parse_path", "value"]
+__all__ = ["FieldPath", "FieldPathError", "parse_path", "value", "values"]
 
 _PATH_RE = re.compile(
     r"""
@@ -111,51 +112,63 @@ def value(message: str | None, path: str | FieldPath) -> str | None:
     """The value at `path` in one message, or None (pure Python; for per-message work such as
     a listener's lane key)."""
     p = parse_path(path) if isinstance(path, str) else path
+    return values(message, {"": p})[""]
+
+
+def values(message: str | None, paths: Mapping[str, FieldPath]) -> dict[str, str | None]:
+    """`value` of each of `paths` (by name) in one message, which is split once for all of them."""
+    found: dict[str, str | None] = dict.fromkeys(paths)
     if message is None:
-        return None
+        return found
     text = message.lstrip("\r\n")
     if not text.startswith("MSH") or len(text) < 4:
-        return None
+        return found
     fs = text[3]
-    first = text.split("\r", 1)[0].split("\n", 1)[0]
-    enc = first[4:].split(fs, 1)[0]
+    segments = text.split("\r") if "\n" not in text else _SEGMENTS.split(text)
+    enc = segments[0][4:].split(fs, 1)[0]
     padded = enc + "\0\0\0\0"
-    cs, rs, ss = padded[0], padded[1], padded[3]
-    seen = 0
-    for segment in _SEGMENTS.split(text):
-        if segment[:3] != p.segment or segment[3:4] not in (fs, ""):
-            continue
-        seen += 1
-        if seen != p.occurrence:
-            continue
-        fields = segment.split(fs)
-        if p.segment == "MSH":
-            if p.field == 1:
-                return fs
-            if p.field == 2:
-                return enc or None
-            index = p.field - 1
-        else:
-            index = p.field
-        if index >= len(fields):
+    seps = (fs, enc, padded[0], padded[1], padded[3])
+    wanted = {p.segment for p in paths.values()}
+    by_id: dict[str, list[str]] = {}
+    for segment in segments:
+        if segment[:3] in wanted and segment[3:4] in (fs, ""):
+            by_id.setdefault(segment[:3], []).append(segment)
+    for name, p in paths.items():
+        occurrences = by_id.get(p.segment, ())
+        if len(occurrences) >= p.occurrence:
+            found[name] = _in_segment(occurrences[p.occurrence - 1], p, seps)
+    return found
+
+
+def _in_segment(segment: str, p: FieldPath, seps: tuple[str, str, str, str, str]) -> str | None:
+    fs, enc, cs, rs, ss = seps
+    fields = segment.split(fs)
+    if p.segment == "MSH":
+        if p.field == 1:
+            return fs
+        if p.field == 2:
+            return enc or None
+        index = p.field - 1
+    else:
+        index = p.field
+    if index >= len(fields):
+        return None
+    raw = fields[index]
+    if p.component is None and p.repetition is None:
+        return (raw.split(rs)[0] if rs != "\0" else raw) or None
+    reps = raw.split(rs) if rs != "\0" else [raw]
+    rep_index = (p.repetition or 1) - 1
+    if rep_index >= len(reps):
+        return None
+    out = reps[rep_index]
+    if p.component is not None:
+        comps = out.split(cs) if cs != "\0" else [out]
+        if p.component > len(comps):
             return None
-        raw = fields[index]
-        if p.component is None and p.repetition is None:
-            return (raw.split(rs)[0] if rs != "\0" else raw) or None
-        reps = raw.split(rs) if rs != "\0" else [raw]
-        rep_index = (p.repetition or 1) - 1
-        if rep_index >= len(reps):
-            return None
-        out = reps[rep_index]
-        if p.component is not None:
-            comps = out.split(cs) if cs != "\0" else [out]
-            if p.component > len(comps):
+        out = comps[p.component - 1]
+        if p.subcomponent is not None:
+            subs = out.split(ss) if ss != "\0" else [out]
+            if p.subcomponent > len(subs):
                 return None
-            out = comps[p.component - 1]
-            if p.subcomponent is not None:
-                subs = out.split(ss) if ss != "\0" else [out]
-                if p.subcomponent > len(subs):
-                    return None
-                out = subs[p.subcomponent - 1]
-        return out or None
-    return None
+            out = subs[p.subcomponent - 1]
+    return out or None

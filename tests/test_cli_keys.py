@@ -116,3 +116,63 @@ def test_messages_find_by_content_and_hl7_condition_within_a_window(tmp_path, sq
     ):
         failed = run(cfg, "messages", "find", *args, ok=False)
         assert said in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_path, sqlite_config_fresh):
+    store = Store(sqlite_config_fresh)
+    try:
+        epoch = acquire_permanent(store, node_id="solo:1:aa")
+        with store.transaction() as tx:
+            ids = [
+                insert_inbound(
+                    tx,
+                    epoch=epoch,
+                    node_id="solo:1:aa",
+                    message_id=f"m{n}",
+                    control_id=f"CTL{n}",
+                    connection=conn,
+                    payload=body(f"CTL{n}", mrn),
+                )
+                for n, (mrn, conn) in enumerate([("P1", "adt-in"), ("P2", "lab-in"), ("P1", "lab-in")])
+            ]
+        K.index(store, parse_keys({"keys": {"mrn": "PID-3.1"}}), settle_ms=0)
+    finally:
+        store.close()
+    cfg = write_service_config(tmp_path, sqlite_config_fresh, cluster=False)
+
+    assert (
+        "saved search p1-lab"
+        in run(cfg, "searches", "save", "p1-lab", "--contains", "P1^", "--connection", "lab-in").stdout
+    )
+    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P1", "--actor", "jdoe")
+    run(cfg, "searches", "save", "janes", "--where", 'PID-5.2 = "JANE"', "--where", "PID-3.1 exists")
+    listed = json.loads(run(cfg, "searches", "list", "--json").stdout)
+    assert [(s["name"], s["query"]) for s in listed] == [
+        ("janes", {"where": ['PID-5.2 = "JANE"', "PID-3.1 exists"]}),
+        ("mrn-p1", {"key": "mrn=P1"}),
+        ("p1-lab", {"contains": "P1^", "connection": "lab-in"}),
+    ]
+    assert listed[1]["saved_by"] == "jdoe"
+
+    def ran(name: str, *args: str) -> list[int]:
+        return [r["id"] for r in json.loads(run(cfg, "searches", "run", name, *args, "--json").stdout)]
+
+    assert ran("p1-lab") == [ids[2]]
+    assert ran("mrn-p1") == [ids[2], ids[0]] and ran("mrn-p1", "--limit", "1") == [ids[2]]
+    assert ran("janes") == [ids[2], ids[1], ids[0]]
+    # saving again replaces; deleting removes
+    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P2")
+    assert ran("mrn-p1") == [ids[1]]
+    assert run(cfg, "searches", "delete", "mrn-p1").stdout == "deleted saved search mrn-p1\n"
+    for args, said in (
+        (["run", "mrn-p1"], "no saved search 'mrn-p1'"),
+        (["delete", "mrn-p1"], "no saved search 'mrn-p1'"),
+        (["save", "x"], "at least one criterion"),
+        (["save", "bad name", "--key", "mrn=1"], "a saved search's name"),
+        (["save", "x", "--key", "mrn"], "NAME=VALUE"),
+        (["save", "x", "--key", "mrn=1", "--status", "dead"], "--key combines with"),
+        (["save", "x", "--where", "PID-8 == F"], "expected PATH"),
+    ):
+        failed = run(cfg, "searches", *args, ok=False)
+        assert said in failed.stderr and "Traceback" not in failed.stderr
+    assert [s["name"] for s in json.loads(run(cfg, "searches", "list", "--json").stdout)] == ["janes", "p1-lab"]

@@ -24,7 +24,7 @@ from include.app.cli_common import (
     reachable_store,
     set_connect_timeout,
 )
-from include.app.cli_messages import messages, stages
+from include.app.cli_messages import messages, searches, stages
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_s
 from include.app.demo import RECEIVER_PORT
 from include.store import Store
@@ -603,6 +603,7 @@ def demo_receive(host: str, port: int, out_dir: Path) -> None:
 
 
 cli.add_command(messages)
+cli.add_command(searches)
 cli.add_command(stages)
 
 

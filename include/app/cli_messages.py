@@ -4,6 +4,7 @@ why did it fail, send it again, what is stuck and since when (`include/store/ope
 from __future__ import annotations
 
 import getpass
+import json
 import os
 from datetime import UTC, datetime
 from typing import Any
@@ -14,7 +15,7 @@ from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
 from include.conditions import ConditionError
 from include.hl7match import parse_where
-from include.store import keys, search, stats
+from include.store import keys, saved_searches, search, stats
 from include.store import operator as ops
 from include.store.parquet_archive import ParquetArchive
 
@@ -118,39 +119,40 @@ def find_cmd(
     as_json: bool,
 ) -> None:
     """Messages, newest first, narrowed by any of the options (--key: by a business key, with
-    --since, --until, --before-id and --limit only)."""
-    query: keys.KeyQuery | None = None
-    if key_search is not None:
-        if any(v is not None for v in (control_id, message_id, lane_key, connection, destination, status)):
-            raise InputError("--key combines with --since, --until, --before-id and --limit only")
-        try:
-            window = {"since_ms": _ms(since), "until_ms": _ms(until), "before_id": before_id, "limit": limit}
-            query = keys.KeyQuery.parse(key_search, **window)
-            query.params()
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
-    content: search.ContentQuery | None = None
-    if contains is not None or where_clauses:
-        if key_search is not None or any(
-            v is not None for v in (control_id, message_id, lane_key, destination, status)
-        ):
-            raise InputError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
-        try:
-            condition = parse_where(" and ".join(where_clauses)) if where_clauses else None
-        except ConditionError as exc:
-            raise InputError(str(exc)) from exc
-        content = search.ContentQuery(
-            _ms(since), _ms(until), contains, condition, connection, before_id=before_id, limit=limit
-        )
-    filters = ops.Filters(
-        control_id, message_id, lane_key, connection, destination, status, _ms(since), _ms(until), before_id, limit
-    )
+    --since, --until, --before-id and --limit only; --contains/--where: the bodies of a window)."""
+    wanted = {
+        "key": key_search,
+        "contains": contains,
+        "where": list(where_clauses),
+        "control_id": control_id,
+        "message_id": message_id,
+        "lane_key": lane_key,
+        "connection": connection,
+        "destination": destination,
+        "status": status,
+    }
+    run_find(service_config, wanted, since=since, until=until, before_id=before_id, limit=limit, as_json=as_json)
+
+
+def run_find(
+    service_config: str | None,
+    wanted: dict[str, Any],
+    *,
+    since: str | None,
+    until: str | None,
+    before_id: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name."""
+    since_ms, until_ms = _ms(since), _ms(until)
+    query = _queries(wanted, since_ms, until_ms, before_id, limit)
     store = _store(service_config)
     try:
-        if content is not None:
-            rows = search.find(store, content)
+        if isinstance(query, search.ContentQuery):
+            rows = search.find(store, query)
         else:
-            rows = keys.find(store, query) if query is not None else ops.find(store, filters)
+            rows = keys.find(store, query) if isinstance(query, keys.KeyQuery) else ops.find(store, query)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -161,9 +163,54 @@ def find_cmd(
     if not rows:
         click.echo("no messages match")
         return
-    click.echo(table(rows, KEY_COLUMNS if query is not None else CONTENT_COLUMNS if content else FIND_COLUMNS))
+    columns = {keys.KeyQuery: KEY_COLUMNS, search.ContentQuery: CONTENT_COLUMNS}.get(type(query), FIND_COLUMNS)
+    click.echo(table(rows, columns))
     if len(rows) == limit:
         click.echo(f"(more: --before-id {rows[-1]['id']})")
+
+
+def _queries(
+    wanted: dict[str, Any], since_ms: int | None, until_ms: int | None, before_id: int | None, limit: int
+) -> keys.KeyQuery | search.ContentQuery | ops.Filters:
+    """The one search `wanted` asks for; InputError for criteria that do not go together or are bad."""
+    given = {k for k, v in wanted.items() if v is not None and v != []}
+    filters = {"control_id", "message_id", "lane_key", "connection", "destination", "status"}
+    try:
+        if "key" in given:
+            if given - {"key"}:
+                raise InputError("--key combines with --since, --until, --before-id and --limit only")
+            window = {"since_ms": since_ms, "until_ms": until_ms, "before_id": before_id, "limit": limit}
+            query = keys.KeyQuery.parse(wanted["key"], **window)
+            query.params()
+            return query
+        if given & {"contains", "where"}:
+            if given & (filters - {"connection"}):
+                raise InputError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
+            where = wanted.get("where") or []
+            condition = parse_where(" and ".join(where)) if where else None
+            return search.ContentQuery(
+                since_ms,
+                until_ms,
+                wanted.get("contains"),
+                condition,
+                wanted.get("connection"),
+                before_id=before_id,
+                limit=limit,
+            )
+    except (ValueError, ConditionError) as exc:
+        raise InputError(str(exc)) from exc
+    return ops.Filters(
+        control_id=wanted.get("control_id"),
+        message_id=wanted.get("message_id"),
+        lane_key=wanted.get("lane_key"),
+        connection=wanted.get("connection"),
+        destination=wanted.get("destination"),
+        status=wanted.get("status"),
+        since_ms=since_ms,
+        until_ms=until_ms,
+        before_id=before_id,
+        limit=limit,
+    )
 
 
 FIND_COLUMNS = (
@@ -498,3 +545,115 @@ HEALTH_NOW = (
     Column("dead", "dead", right=True),
     Column("oldest_queued_seconds", "oldest_s", right=True, show=lambda v: "-" if v is None else f"{v:.1f}"),
 )
+
+
+@click.group()
+def searches() -> None:
+    """Saved searches: a name for `messages find`'s criteria, shared with the API and the Stageline view."""
+
+
+@searches.command("save")
+@click.argument("name")
+@click.option("--key", "key_search", metavar="NAME=VALUE")
+@click.option("--contains", metavar="TEXT")
+@click.option("--where", "where_clauses", multiple=True, metavar="CONDITION")
+@click.option("--control-id")
+@click.option("--message-id")
+@click.option("--lane", "lane_key")
+@click.option("--connection")
+@click.option("--destination")
+@click.option("--status", type=click.Choice(ops.STATUSES))
+@actor_option
+@click.pass_obj
+def save_search_cmd(service_config: str | None, name: str, key_search: str | None, **options: Any) -> None:
+    """Save `messages find`'s criteria as NAME (replacing a search of that name). The window and the
+    page are given when it runs."""
+    actor, where = options.pop("actor"), list(options.pop("where_clauses"))
+    wanted = {"key": key_search, **options, "where": where}
+    _queries(wanted, None, None, None, ops.FIND_LIMIT)  # refuse what messages find would refuse
+    store = _store(service_config)
+    try:
+        saved = saved_searches.save(store, name, wanted, actor=actor)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    click.echo(f"saved search {name}: {json.dumps(saved, ensure_ascii=True)}")
+
+
+@searches.command("list")
+@json_option
+@click.pass_obj
+def list_searches_cmd(service_config: str | None, as_json: bool) -> None:
+    """Every saved search, by name."""
+    store = _store(service_config)
+    try:
+        rows = saved_searches.list_all(store)
+    finally:
+        store.close()
+    answer(
+        as_json,
+        rows,
+        lambda: (
+            table(
+                [{**r, "query": json.dumps(r["query"], ensure_ascii=True)} for r in rows],
+                (
+                    Column("name", "name"),
+                    Column("query", "criteria"),
+                    Column("saved_by", "saved by"),
+                    Column("saved_ms", "saved (UTC)", show=when_ms),
+                ),
+            )
+            if rows
+            else "no saved searches"
+        ),
+    )
+
+
+@searches.command("run")
+@click.argument("name")
+@click.option("--since", help="ISO time (UTC unless given), inclusive.")
+@click.option("--until", help="ISO time, exclusive.")
+@click.option("--before-id", type=int, help="Page on: the last id of the previous page.")
+@click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
+@json_option
+@click.pass_obj
+def run_search_cmd(
+    service_config: str | None,
+    name: str,
+    since: str | None,
+    until: str | None,
+    before_id: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Run the saved search NAME as `messages find` would, over this window and page."""
+    store = _store(service_config)
+    try:
+        found = saved_searches.get(store, name)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    if found is None:
+        raise InputError(f"no saved search {name!r} (stageline searches list)")
+    run_find(
+        service_config, found["query"], since=since, until=until, before_id=before_id, limit=limit, as_json=as_json
+    )
+
+
+@searches.command("delete")
+@click.argument("name")
+@click.pass_obj
+def delete_search_cmd(service_config: str | None, name: str) -> None:
+    """Delete the saved search NAME."""
+    store = _store(service_config)
+    try:
+        gone = saved_searches.delete(store, name)
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
+    if not gone:
+        raise InputError(f"no saved search {name!r} (stageline searches list)")
+    click.echo(f"deleted saved search {name}")

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from include.hl7path import FieldPath, value
+from include.hl7path import FieldPath, values
 from include.keys_config import NAME, KeyRules
 from include.store.db import Store
 from include.store.operator import FIND_LIMIT, MAX_ROW_ID, MAX_TIME_MS, check_page
@@ -38,14 +38,13 @@ MAX_VALUE_CHARS = 199
 def keys_of(text: str | None, paths: Mapping[str, FieldPath]) -> list[tuple[str, str]]:
     """The (name, value) pairs `paths` give in one message; a missing, empty, over-long value or one
     with control characters gives none."""
-    found: list[tuple[str, str]] = []
     if not text or not paths:
-        return found
-    for name, path in paths.items():
-        got = value(text, path)
-        if got is not None and len(got) <= MAX_VALUE_CHARS and got.isprintable():
-            found.append((name, got))
-    return found
+        return []
+    return [
+        (name, got)
+        for name, got in values(text, paths).items()
+        if got is not None and len(got) <= MAX_VALUE_CHARS and got.isprintable()
+    ]
 
 
 def index(store: Store, rules: KeyRules, *, limit: int = INDEX_BATCH, settle_ms: int = SETTLE_MS) -> int:

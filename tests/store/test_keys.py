@@ -193,3 +193,32 @@ def test_a_messages_keys_follow_it_into_the_archive_and_go_only_when_it_is_delet
     assert retention(store, epoch, {"inbound": DAY, "routed": DAY, "outbound": DAY}, archive=False)[KEYS] == 2
     assert find(store, "mrn=P8") == []
     assert len(find(store, "mrn=P7")) == 3  # archived ones are untouched
+
+
+def test_saved_searches_keep_checked_criteria_by_name(store):
+    from include.store import saved_searches as saved
+
+    assert saved.save(store, "p1", {"key": "mrn=P1", "status": None, "where": []}, actor="jdoe") == {"key": "mrn=P1"}
+    saved.save(store, "ohara", {"contains": "O'HARA", "where": 'PID-8 = "F"'}, actor="x" * 500)
+    saved.save(store, "p1", {"key": "mrn=P2"}, actor="ann")  # replaced
+    listed = saved.list_all(store)
+    assert [(s["name"], s["query"], s["saved_by"]) for s in listed] == [
+        ("ohara", {"contains": "O'HARA", "where": ['PID-8 = "F"']}, "x" * 200),
+        ("p1", {"key": "mrn=P2"}, "ann"),
+    ]
+    assert saved.get(store, "p1")["query"] == {"key": "mrn=P2"} and saved.get(store, "p2") is None
+    assert saved.delete(store, "p1") and not saved.delete(store, "p1")
+    for doc, why in (
+        ({}, "at least one criterion"),
+        ({"sql": "DROP TABLE x"}, "unknown field"),
+        ({"key": 5}, "must be text"),
+        ({"where": [1]}, "list of condition texts"),
+        ({"contains": "x" * 1001}, "at most 1000"),
+        ([], "JSON object"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            saved.save(store, "bad", doc, actor="a")
+    for name in ("", "-x", "a b", "x" * 65, "a/b"):
+        with pytest.raises(ValueError, match="name"):
+            saved.save(store, name, {"key": "mrn=1"}, actor="a")
+    assert [s["name"] for s in saved.list_all(store)] == ["ohara"]

@@ -1,0 +1,288 @@
+"""Search (issue 26) on PostgreSQL: find by business key and content search over a day of a million
+messages, each beside the same search without its index; and what indexing the keys costs the
+route stage.
+
+    store     a throwaway PostgreSQL cluster (fsync and synchronous_commit on)
+    day       --messages (1,000,000) inbound rows spread over the last 24 h with bodies (`bench/hl7_corpus.py`-
+              like ADT/ORU, ~400 bytes, --patients MRNs) and their keys (mrn, event, visit: what the
+              indexer writes), generated in SQL (generate_series), not through listenerd
+    key       `include.store.keys.find` of random MRNs, exact (--lookups of them) and by prefix:
+              p50/p99 ms; then the same with message_keys_search dropped
+    content   `include.store.search.find` of a text a few messages hold, over the whole day, newest 50:
+              without the trigram index, then with it (its build time too), best of --repeat
+    route     (--route N, needs Spark) the route stage's phases over N staged messages as
+              bench/pipeline.py runs them, with and without `keys.index` after each batch (the
+              route task's indexer), msg/s each; and the indexer alone over the same messages
+
+    uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000]
+
+Figures: docs/performance.md ("Search").
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from include.app.lab.postgres_server import PostgresServer  # noqa: E402
+from include.config import StoreConfig  # noqa: E402
+from include.keys_config import parse_keys  # noqa: E402
+from include.store import Store  # noqa: E402
+from include.store import keys as K  # noqa: E402
+from include.store import search as S  # noqa: E402
+from include.store.lease import acquire_permanent  # noqa: E402
+from include.store.migrate import migrate  # noqa: E402
+
+RULES = parse_keys({"keys": {"mrn": "PID-3.1", "event": "MSH-9.2", "visit": "PV1-19"}})
+NEEDLE = "NEEDLE-7731"
+
+
+def execute(store: Store, *statements: str) -> None:
+    with store.transaction() as tx:
+        cur = tx.conn.cursor()
+        for sql in statements:
+            cur.execute(sql)
+
+
+def fill_day(store: Store, n: int, patients: int) -> None:
+    """`n` finished messages over the last day, bodies and keys, in SQL; NEEDLE in every 100,000th."""
+    mrn = f"'P' || lpad(CAST((CAST(i AS bigint) * 7919) % {patients} AS text), 7, '0')"
+    event = "CASE WHEN i % 3 = 0 THEN 'R01' ELSE 'A0' || CAST(i % 8 + 1 AS text) END"
+    at = f"now() - make_interval(secs => 86400.0 * ({n} - i) / {n} + 1)"
+    body = (
+        "'MSH|^~\\&|' || CASE WHEN i % 3 = 0 THEN 'LAB|LABFAC' ELSE 'ADT1|HOSP' END || '|STAGELINE|SL|20261127120000||'"
+        f" || CASE WHEN i % 3 = 0 THEN 'ORU^' ELSE 'ADT^' END || {event} || '|C' || CAST(i AS text) || '|P|2.5.1'"
+        " || chr(13) || 'EVN|A01|20261127120000' || chr(13)"
+        f" || 'PID|1||' || {mrn} || '^^^HOSP^MR~' || CAST(i % 999983 AS text) || '^^^SSA^SS||'"
+        " || CASE WHEN i % 100000 = 17 THEN '"
+        + NEEDLE
+        + "' ELSE 'DOE' END || '^JANE^Q||19700101|F|||1 MAIN ST^^METRO^ST^12345'"
+        " || chr(13) || 'PV1|1|' || CASE WHEN i % 2 = 0 THEN 'I' ELSE 'O' END"
+        " || '|W^1^2||||1234^WELBY^MARCUS|||MED|||||||||V'"
+        " || CAST(i % 500000 AS text) || chr(13)"
+        " || CASE WHEN i % 3 = 0 THEN 'OBR|1|ORD' || CAST(i AS text) || '|F' || CAST(i AS text) || '|2345-7^GLUCOSE^LN'"
+        " || chr(13) || 'OBX|1|NM|2345-7^GLUCOSE^LN||' || CAST(70 + i % 60 AS text) || '|mg/dL|70-99|N|||F' || chr(13)"
+        " ELSE '' END"
+    )
+    step = 250_000
+    for lo in range(1, n + 1, step):
+        hi = min(n, lo + step - 1)
+        series = f"generate_series({lo}, {hi}) AS s(i)"
+        execute(
+            store,
+            "INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, status, attempts, created_at,"
+            f" updated_at) SELECT 'm' || lpad(CAST(i AS text), 31, '0'), 'C' || CAST(i AS text),"
+            f" CASE WHEN i % 3 = 0 THEN 'lab-in' ELSE 'adt-in' END, {mrn}, 'done', 1, {at}, {at} FROM {series}",
+            f"INSERT INTO inbound_bodies (id, payload) SELECT i, {body} FROM {series}",
+            "INSERT INTO message_keys (message, name, value, received_at, connection)"
+            f" SELECT i, 'mrn', {mrn}, {at}, CASE WHEN i % 3 = 0 THEN 'lab-in' ELSE 'adt-in' END FROM {series}"
+            f" UNION ALL SELECT i, 'event', {event}, {at}, CASE WHEN i % 3 = 0 THEN 'lab-in' ELSE 'adt-in' END"
+            f" FROM {series}"
+            f" UNION ALL SELECT i, 'visit', 'V' || CAST(i % 500000 AS text), {at},"
+            f" CASE WHEN i % 3 = 0 THEN 'lab-in' ELSE 'adt-in' END FROM {series}",
+        )
+    execute(
+        store,
+        "SELECT setval(pg_get_serial_sequence('stage_inbound', 'id'), (SELECT max(id) FROM stage_inbound))",
+        f"UPDATE key_progress SET last_id = {n}",
+    )
+    with store.transaction() as tx:  # VACUUM cannot run in a transaction: autovacuum's statistics instead
+        tx.conn.cursor().execute("ANALYZE")
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    started = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - started) * 1000, out
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def key_lookups(store: Store, mrns: list[str], *, prefix: bool = False) -> tuple[list[float], int]:
+    times, rows = [], 0
+    for mrn in mrns:
+        query = K.KeyQuery(name="mrn", value=mrn, prefix=prefix)
+        ms, found = timed(lambda q=query: K.find(store, q))
+        times.append(ms)
+        rows += len(found)
+    return times, rows
+
+
+def line(what: str, times: list[float], rows: int) -> str:
+    return (
+        f"{what}: {len(times)} searches, p50 {percentile(times, 50):.1f} ms, p99 {percentile(times, 99):.1f} ms, "
+        f"max {max(times):.1f} ms, {rows / len(times):.1f} rows each"
+    )
+
+
+def content(store: Store, text: str, repeat: int) -> tuple[float, int]:
+    best, rows = float("inf"), 0
+    for _ in range(repeat):
+        ms, found = timed(lambda: S.find(store, S.ContentQuery(text=text), timeout=600))
+        best, rows = min(best, ms), len(found)
+    return best, rows
+
+
+def route_cost(store: Store, epoch: int, n: int) -> list[str]:
+    """Route throughput over `n` messages without and with the key indexer after each batch."""
+    from functools import partial
+
+    from bench.hl7_corpus import messages as corpus
+    from bench.pipeline import ROUTES, Phases, drain, stage_backlog
+    from include.routes_config import parse_routes
+    from include.spark import close_session, spark_session, start_connect_server, stop_connect_server
+    from include.store.stages import ROUTE
+    from spark_jobs.route_job import routed_rows
+
+    out = []
+    work = Path(tempfile.mkdtemp(prefix="stageline-bench-search-"))
+    from include.app.lab.postgres_server import free_port
+
+    port = free_port()
+    connect = start_connect_server(port, log_dir=work / "log")
+    spark = spark_session(remote=f"sc://127.0.0.1:{port}")
+    routes = parse_routes(ROUTES)
+
+    def transform(frame: Any, run: str) -> Any:
+        return frame.transform(partial(routed_rows, routes=routes), run_id=run)
+
+    try:
+        stage_backlog(store, corpus(2_000, seed=5), epoch)  # warm the server
+        drain(store, spark, epoch, 20_000, Phases(), ROUTE, transform)
+        K.index(store, RULES, settle_ms=0, limit=1_000_000)
+        rates = {}
+        for label, rules in (("without keys", None), ("with keys", RULES), ("without keys (again)", None)):
+            stage_backlog(store, corpus(n, seed=len(rates) + 1), epoch)
+            phases = Phases()
+            indexed = 0
+
+            def after_batch(rules: Any = rules) -> int:
+                return K.index(store, rules, settle_ms=0, limit=20_000) if rules else 0
+
+            started = time.perf_counter()
+            done = 0
+            while moved := drain_one(store, spark, epoch, phases, ROUTE, transform):
+                done += moved
+                indexed += phases.time("keys", after_batch)
+            seconds = time.perf_counter() - started
+            if not rules:
+                K.index(store, RULES, settle_ms=0, limit=1_000_000)  # keep the mark at the tail, untimed
+            rates[label] = done / seconds
+            out.append(
+                f"route {label}: {done:,} messages in {seconds:.1f} s = {done / seconds:,.0f} msg/s "
+                f"({phases.batches} batches: {phases.line()}; {indexed:,} indexed)"
+            )
+        base = (rates["without keys"] + rates["without keys (again)"]) / 2
+        out.append(f"route with keys: {rates['with keys'] / base:.1%} of the throughput without (mean of both runs)")
+    finally:
+        close_session(spark)
+        stop_connect_server(connect)
+    return out
+
+
+def drain_one(store: Store, spark: Any, epoch: int, phases: Any, stage: Any, transform: Any) -> int:
+    """One batch of bench/pipeline.py's drain: claim, Spark, finalize; messages moved (0: none left)."""
+    from spark_jobs import stage_job
+
+    run = f"{stage.name}_job-k{phases.batches}"
+    owner = f"bench/{run}"
+    ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=20_000))
+    if not ids:
+        return 0
+    small = stage_job.is_small(ids)
+    phases.time(
+        "spark",
+        lambda: stage_job.land(
+            store,
+            transform(stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run),
+            stage.landing,
+            small=small,
+        ),
+    )
+    phases.time(
+        "finalize",
+        lambda: stage_job.finalize(store, stage, run_id=run, owner=owner, epoch=epoch, claimed_ids=ids),
+    )
+    phases.batches += 1
+    return len(ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=1_000_000)
+    parser.add_argument("--patients", type=int, default=100_000)
+    parser.add_argument("--lookups", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--route", type=int, default=0, help="messages for the route-cost runs (0: skip)")
+    args = parser.parse_args()
+
+    server = PostgresServer().start()
+    try:
+        server.execute("CREATE DATABASE bench")
+        store = Store(
+            StoreConfig(
+                backend="postgres",
+                server=server.host,
+                port=server.port,
+                database="bench",
+                username=server.user,
+                pool_size=4,
+            )
+        )
+        migrate(store, cluster_name="bench")
+        epoch = acquire_permanent(store, node_id="bench")
+        if args.route:
+            for text in route_cost(store, epoch, args.route):
+                print(text, flush=True)
+            execute(store, "TRUNCATE message_keys, stage_routed, stage_outbound, message_events, landing_routed")
+            execute(store, "TRUNCATE stage_inbound, inbound_bodies CASCADE")
+        ms, _ = timed(lambda: fill_day(store, args.messages, args.patients))
+        print(
+            f"filled {args.messages:,} messages (bodies, 3 keys each) over the last day in {ms / 1000:.1f} s",
+            flush=True,
+        )
+
+        rng = random.Random(7)
+        mrns = [f"P{rng.randrange(args.patients):07d}" for _ in range(args.lookups)]
+        K.find(store, K.KeyQuery(name="mrn", value=mrns[0]))  # a warm pool
+        print(line("find --key mrn=P… (exact, index)", *key_lookups(store, mrns)), flush=True)
+        prefixes = [m[:-1] for m in mrns[: max(1, args.lookups // 5)]]
+        print(line("find --key mrn=P…* (prefix of 10 MRNs, index)", *key_lookups(store, prefixes, prefix=True)))
+        execute(store, "DROP INDEX message_keys_search")
+        print(line("find --key mrn=P… (exact, no index)", *key_lookups(store, mrns[:20])), flush=True)
+        execute(store, "CREATE INDEX message_keys_search ON message_keys (name, value, received_at)")
+
+        ms, rows = content(store, NEEDLE, args.repeat)
+        print(
+            f"find --contains {NEEDLE} over the day, no trigram index: best of {args.repeat} {ms:,.0f} ms, {rows} rows"
+        )
+        ms_build, _ = timed(
+            lambda: execute(
+                store,
+                "CREATE EXTENSION IF NOT EXISTS pg_trgm",
+                "CREATE INDEX inbound_bodies_trgm ON inbound_bodies USING gin (payload gin_trgm_ops)",
+            )
+        )
+        print(f"trigram index built over {args.messages:,} bodies in {ms_build / 1000:.1f} s", flush=True)
+        ms, rows = content(store, NEEDLE, args.repeat)
+        print(f"find --contains {NEEDLE} over the day, trigram index: best of {args.repeat} {ms:,.0f} ms, {rows} rows")
+        ms, rows = content(store, "DOE^JANE", args.repeat)
+        print(f"find --contains DOE^JANE (most bodies), trigram index: best of {args.repeat} {ms:,.0f} ms, {rows} rows")
+        store.close()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Saved searches: a name for what `stageline messages find` is asked (a key, a text, conditions,
+filters), kept in the store (`saved_searches`, migration 0016) so the CLI, the API and the Stageline
+view share them. The time window and the page are not part of one: each run gives its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from include.store.db import Store
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+FIELDS = ("key", "contains", "where", "control_id", "message_id", "lane_key", "connection", "destination", "status")
+"""What a saved search may hold: `messages find`'s criteria (`where` a list of clauses, the rest text)."""
+MAX_TEXT = 1000
+
+
+def criteria(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """`doc` as a saved search's criteria, or ValueError naming what is wrong (unknown field, wrong
+    type, too long, empty); None and empty fields are left out."""
+    if not isinstance(doc, Mapping):
+        raise ValueError("a saved search is a JSON object of messages find's criteria")
+    unknown = sorted(set(doc) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; a saved search holds {', '.join(FIELDS)}")
+    out: dict[str, Any] = {}
+    for name in FIELDS:
+        value = doc.get(name)
+        if value is None or value == "" or value == [] or value == ():
+            continue
+        if name == "where":
+            clauses = [value] if isinstance(value, str) else value
+            if not isinstance(clauses, (list, tuple)) or not all(isinstance(c, str) for c in clauses):
+                raise ValueError("where must be a list of condition texts")
+            if sum(len(c) for c in clauses) > MAX_TEXT:
+                raise ValueError(f"where is at most {MAX_TEXT} characters")
+            out[name] = list(clauses)
+        elif not isinstance(value, str) or len(value) > MAX_TEXT or "\x00" in value:
+            raise ValueError(f"{name} must be text of at most {MAX_TEXT} characters")
+        else:
+            out[name] = value
+    if not out:
+        raise ValueError("a saved search needs at least one criterion")
+    return out
+
+
+def _name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(
+            "a saved search's name is 1-64 letters, digits, '.', '_' or '-' (starting with a letter or digit)"
+        )
+    return name
+
+
+def save(store: Store, name: str, doc: Mapping[str, Any], *, actor: str) -> dict[str, Any]:
+    """Save (or replace) the search `name`; its checked criteria."""
+    checked = criteria(doc)
+    with store.transaction() as tx:
+        tx.execute("search_save", {"name": _name(name), "query": json.dumps(checked), "actor": str(actor)[:200]})
+    return checked
+
+
+def _row(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "query": json.loads(row["query"])}
+
+
+def list_all(store: Store) -> list[dict[str, Any]]:
+    with store.transaction(write=False) as tx:
+        return [_row(r) for r in tx.all("search_list")]
+
+
+def get(store: Store, name: str) -> dict[str, Any] | None:
+    with store.transaction(write=False) as tx:
+        row = tx.one("search_get", {"name": _name(name)})
+    return _row(row) if row is not None else None
+
+
+def delete(store: Store, name: str) -> bool:
+    with store.transaction() as tx:
+        return tx.execute("search_delete", {"name": _name(name)}) > 0
