@@ -36,6 +36,7 @@ from listeners.hl7ack import (
     message_header,
 )
 from listeners.hl7batch import BatchHeader
+from listeners.hl7errors import INTERNAL, Condition
 from listeners.hl7msg import HL7Header
 from listeners.http_listener import make_inbound_site
 from listeners.metrics import Metrics
@@ -255,7 +256,8 @@ def mllp_handler(
                 connection=conn.name,
                 reason=str(exc),
             )
-            return defer.succeed(AckDecision.reject(str(exc)))
+            why = exc.condition
+            return defer.succeed(AckDecision.reject(str(exc), error_code=why.code, location=why.location))
 
         def failed(f: Any) -> AckDecision:
             reason, code = rejection_reason(f)
@@ -277,11 +279,17 @@ def mllp_batch_handler(
     counted (received, its answer) by the MLLP protocol that hands it over, as every frame is."""
 
     def answer(
-        envelope: BatchHeader | None, code: AckCode, reason: str = "", first: str = "", encoding: str = "ascii"
+        envelope: BatchHeader | None,
+        code: AckCode,
+        reason: str = "",
+        first: str = "",
+        encoding: str = "ascii",
+        why: Condition = INTERNAL,
     ) -> bytes:
         if envelope is None:
-            return build_fallback_ack(code, reason=reason)
-        return build_ack(batch_header(envelope, first_message=first, encoding=encoding), code, reason=reason)
+            return build_fallback_ack(code, reason=reason, error_code=why.code, location=why.location)
+        head = batch_header(envelope, first_message=first, encoding=encoding)
+        return build_ack(head, code, reason=reason, error_code=why.code, location=why.location)
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
@@ -300,7 +308,7 @@ def mllp_batch_handler(
             control_id=(head.control_id if head else "")[:64] or "-",
             reason=str(exc),
         )
-        return answer(head, AckCode.AR, str(exc))
+        return answer(head, AckCode.AR, str(exc), why=exc.condition)
 
     def submit(batch: InboundBatch) -> Deferred[bytes]:
         envelope: BatchHeader = batch.envelope

@@ -1,4 +1,5 @@
-"""Build HL7 v2 original-mode ACK messages (bytes) for inbound headers.
+"""Build HL7 v2 ACK messages (bytes) for inbound headers: original mode (AA/AE/AR) or, when the
+sender valued MSH-15/MSH-16, enhanced mode's commit ACK (CA/CE/CR) as MSH-15 asks (`accept_code`).
 
 The ACK reuses the inbound message's separators, version and charset so the sender's parser
 reads it the way it reads its own messages. Values echoed from the inbound MSH are raw
@@ -17,6 +18,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from listeners.hl7errors import ERROR_TEXT, Location
 from listeners.hl7msg import HL7Header
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ __all__ = [
     "ERROR_TEXT",
     "AckCode",
     "AckDecision",
+    "accept_code",
     "batch_header",
     "build_ack",
     "build_ack_batch",
@@ -40,22 +43,37 @@ DEFAULT_FIELD_SEPARATOR = "|"
 DEFAULT_ENCODING_CHARACTERS = "^~\\&"
 MAX_REASON_CHARS = 200
 
-#: HL7 table 0357 (message error condition codes) used by Stageline.
-ERROR_TEXT: dict[str, str] = {
-    "100": "Segment sequence error",
-    "101": "Required field missing",
-    "102": "Data type error",
-    "103": "Table value not found",
-    "207": "Application internal error",
-}
-
 
 class AckCode(StrEnum):
-    """MSA-1 acknowledgment codes (original mode)."""
+    """MSA-1 acknowledgment codes (table 0008): original mode AA/AE/AR, enhanced mode's commit
+    ACK CA/CE/CR."""
 
     AA = "AA"
     AE = "AE"
     AR = "AR"
+    CA = "CA"
+    CE = "CE"
+    CR = "CR"
+
+
+_POSITIVE = frozenset({AckCode.AA, AckCode.CA})
+_COMMIT = {AckCode.AA: AckCode.CA, AckCode.AE: AckCode.CE, AckCode.AR: AckCode.CR}
+
+
+def accept_code(header: HL7Header, code: AckCode) -> AckCode | None:
+    """The MSA-1 to answer `code` (a handler's AA/AE/AR) with under the sender's acknowledgment
+    mode, or None when MSH-15 asks for no answer to it.
+
+    Original mode (MSH-15 and MSH-16 empty): `code` itself. Enhanced mode: the commit ACK (CA, CE,
+    CR), sent as MSH-15 says: AL (or empty) always, NE never, ER only for CE/CR, SU only for CA.
+    """
+    accept = header.accept_ack_type
+    if not accept and not header.application_ack_type:
+        return code
+    commit = _COMMIT.get(code, code)
+    if accept == "NE" or (accept == "ER" and commit is AckCode.CA) or (accept == "SU" and commit is not AckCode.CA):
+        return None
+    return commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,23 +82,28 @@ class AckDecision:
 
     code: AckCode
     reason: str = ""
-    error_code: str = "207"
+    error_code: str = "207"  # HL7 table 0357 (`listeners.hl7errors`)
+    location: Location | None = None  # ERR-2: where the fault is
 
     def __post_init__(self) -> None:
-        # Coerce "AA" -> AckCode.AA and refuse anything else early, in the handler's frame.
-        object.__setattr__(self, "code", AckCode(self.code))
+        # Coerce "AA" -> AckCode.AA and refuse anything else early, in the handler's frame. A handler
+        # decides in original-mode terms; the commit codes are `accept_code`'s to choose.
+        code = AckCode(self.code)
+        if code not in _COMMIT:
+            raise ValueError(f"a handler decides AA, AE or AR, not {code.value}")
+        object.__setattr__(self, "code", code)
 
     @classmethod
     def accept(cls) -> AckDecision:
         return ACCEPT
 
     @classmethod
-    def error(cls, reason: str, *, error_code: str = "207") -> AckDecision:
-        return cls(AckCode.AE, reason, error_code)
+    def error(cls, reason: str, *, error_code: str = "207", location: Location | None = None) -> AckDecision:
+        return cls(AckCode.AE, reason, error_code, location)
 
     @classmethod
-    def reject(cls, reason: str, *, error_code: str = "207") -> AckDecision:
-        return cls(AckCode.AR, reason, error_code)
+    def reject(cls, reason: str, *, error_code: str = "207", location: Location | None = None) -> AckDecision:
+        return cls(AckCode.AR, reason, error_code, location)
 
 
 ACCEPT = AckDecision(AckCode.AA)
@@ -132,6 +155,7 @@ def build_ack(
     *,
     reason: str = "",
     error_code: str = "207",
+    location: Location | None = None,
     sending_application: str | None = None,
     sending_facility: str | None = None,
     control_id: str | None = None,
@@ -139,7 +163,8 @@ def build_ack(
 ) -> bytes:
     """ACK for ``header``: sender and receiver swapped, MSA-2 = the inbound MSH-10.
 
-    :param code: AA, AE or AR; AE/AR add an ERR segment carrying ``reason``.
+    :param code: AA/CA, or AE/AR/CE/CR which add an ERR segment: ``error_code`` (table 0357) at
+        ``location``, severity E, with ``reason`` as its text (and MSA-3 before v2.7).
     :param sending_application: our MSH-3 (plain text, escaped here); by default the inbound
         MSH-5 is echoed, i.e. the application the sender addressed.
     :param sending_facility: our MSH-4, same rule with the inbound MSH-6.
@@ -153,11 +178,11 @@ def build_ack(
     own_id = new_control_id() if control_id is None else shape.plain(control_id or new_control_id())
     stamp = _timestamp(now, utc_offset=shape.utc_offset)
     acked = _strip_controls(header.control_id)
-    if ack_code is AckCode.AA:
-        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}AA{fs}{acked}\r"
+    if ack_code in _POSITIVE:
+        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}{ack_code.value}{fs}{acked}\r"
     else:
         msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
-        err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc)
+        err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc, location)
         text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}{msa}\r{err}\r"
     # "replace" only matters for our own reason text: echoed values came from this charset.
     return text.encode(header.encoding, errors="replace")
@@ -240,6 +265,7 @@ def build_fallback_ack(
     *,
     reason: str = "",
     error_code: str = "207",
+    location: Location | None = None,
     sending_application: str = "",
     sending_facility: str = "",
     version: str = "2.5",
@@ -269,8 +295,8 @@ def build_fallback_ack(
     ]
     parsed = _version_tuple(version)
     segments = [fs.join(msh), _msa(ack_code, plain(acked_control_id), reason, parsed, plain, fs)]
-    if ack_code is not AckCode.AA:
-        segments.append(_err(error_code, reason, parsed, plain, fs, enc))
+    if ack_code not in _POSITIVE:
+        segments.append(_err(error_code, reason, parsed, plain, fs, enc, location))
     text = "".join(segment + "\r" for segment in segments)
     return text.encode("ascii", errors="replace")
 
@@ -303,7 +329,7 @@ def _msa(
 ) -> str:
     fields = ["MSA", code.value, control_id]
     # MSA-3 (text message) was withdrawn in v2.7 but older senders still display it.
-    if code is not AckCode.AA and reason and version < (2, 7):
+    if code not in _POSITIVE and reason and version < (2, 7):
         fields.append(plain(reason[:MAX_REASON_CHARS]))
     return fs.join(fields)
 
@@ -315,18 +341,21 @@ def _err(
     plain: Callable[[str], str],
     fs: str,
     enc: str,
+    location: Location | None,
 ) -> str:
     code = plain(error_code)
     code_text = plain(ERROR_TEXT.get(error_code, "Error"))
     message = plain(reason[:MAX_REASON_CHARS])
+    cs = enc[0]
+    where = [plain(part) for part in location.components()] if location is not None else []
     if version and version < (2, 5):
         # v2.1-2.4: ERR-1 (ELD) = segment^sequence^field^code&text&table
         sub = enc[3]
         text = message or code_text
-        return fs.join(["ERR", f"{enc[0] * 3}{code}{sub}{text}{sub}HL70357"])
-    # v2.5+: ERR-3 (HL7 error code, CWE), ERR-4 severity, ERR-8 user message
-    cs = enc[0]
-    return fs.join(["ERR", "", "", f"{code}{cs}{code_text}{cs}HL70357", "E", "", "", "", message])
+        eld = (where + ["", "", ""])[:3]
+        return fs.join(["ERR", cs.join([*eld, f"{code}{sub}{text}{sub}HL70357"])])
+    # v2.5+: ERR-2 location (ERL), ERR-3 HL7 error code (CWE), ERR-4 severity (table 0516), ERR-8 user message
+    return fs.join(["ERR", "", cs.join(where), f"{code}{cs}{code_text}{cs}HL70357", "E", "", "", "", message])
 
 
 def _timestamp(now: datetime | None, *, utc_offset: bool = True) -> str:

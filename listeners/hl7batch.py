@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from listeners.hl7errors import DATA_TYPE_ERROR, SEGMENT_SEQUENCE_ERROR, Condition, Location
+
 __all__ = ["ENVELOPE", "BatchError", "BatchHeader", "SplitBatch", "split_batch", "starts_batch"]
 
 ENVELOPE = (b"FHS", b"BHS")
@@ -29,11 +31,20 @@ _PUNCTUATION = frozenset(b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 
 
 class BatchError(ValueError):
-    """The envelope is not a valid batch; ``str()`` is safe to log and to send back (no content)."""
+    """The envelope is not a valid batch; ``str()`` is safe to log and to send back (no content).
+    ``condition`` is the ERR it gets: 100 (segment sequence) unless a field is named (102)."""
 
-    def __init__(self, reason: str, header: BatchHeader | None = None) -> None:
+    def __init__(self, reason: str, header: BatchHeader | None = None, condition: Condition | None = None) -> None:
         super().__init__(reason)
         self.header = header  # what could be read of the envelope (to address the answer)
+        self.condition = condition or _SEQUENCE
+
+
+_SEQUENCE = Condition(SEGMENT_SEQUENCE_ERROR)
+
+
+def _bad_field(segment: str, sequence: int, field: int) -> Condition:
+    return Condition(DATA_TYPE_ERROR, Location(segment, sequence, field))
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +99,17 @@ def _segments(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
-def _separators(segment: bytes, name: str) -> tuple[int, str]:
+def _separators(segment: bytes, name: str, sequence: int = 1) -> tuple[int, str]:
     if len(segment) < 4 or segment[3] not in _PUNCTUATION:
-        raise BatchError(f"{name}-1 must be ASCII punctuation")
+        raise BatchError(f"{name}-1 must be ASCII punctuation", condition=_bad_field(name, sequence, 1))
     fs = segment[3]
     end = segment.find(bytes([fs]), 4)
     enc = segment[4:] if end < 0 else segment[4:end]
     if len(enc) not in (4, 5) or any(b not in _PUNCTUATION for b in enc) or len(set(enc) | {fs}) != len(enc) + 1:
-        raise BatchError(f"{name}-2 malformed: 4 or 5 distinct ASCII punctuation characters expected")
+        raise BatchError(
+            f"{name}-2 malformed: 4 or 5 distinct ASCII punctuation characters expected",
+            condition=_bad_field(name, sequence, 2),
+        )
     return fs, enc.decode("ascii")
 
 
@@ -109,12 +123,12 @@ def _field(fields: list[str], n: int) -> str:
     return fields[n - 1].strip() if len(fields) >= n else ""
 
 
-def _count(fields: list[str], name: str) -> int | None:
+def _count(fields: list[str], name: str, sequence: int = 1) -> int | None:
     text = _field(fields, 2)  # BTS-1 / FTS-1
     if not text:
         return None
     if not text.isdigit():
-        raise BatchError(f"{name}-1 is not a number")
+        raise BatchError(f"{name}-1 is not a number", condition=_bad_field(name, sequence, 1))
     return int(text)
 
 
@@ -149,8 +163,8 @@ def split_batch(data: bytes) -> SplitBatch:
     def header() -> BatchHeader:
         return BatchHeader(**header_fields, fhs_control_id=fhs_id, bhs_control_ids=tuple(bhs_ids))
 
-    def fail(reason: str) -> BatchError:
-        return BatchError(reason, header())
+    def fail(reason: str, condition: Condition | None = None) -> BatchError:
+        return BatchError(reason, header(), condition)
 
     def end_message(at: int) -> None:
         nonlocal message_start
@@ -175,7 +189,10 @@ def split_batch(data: bytes) -> SplitBatch:
             if open_batch:
                 raise fail(f"batch {len(in_batch)} has no BTS before the next BHS")
             if index != 0:
-                _separators(segment, "BHS")  # every batch's own separators must be valid too
+                try:  # every batch's own separators must be valid too
+                    _separators(segment, "BHS", len(bhs_ids) + 1)
+                except BatchError as exc:
+                    raise fail(str(exc), exc.condition) from None
             bhs_ids.append(_field(_fields(segment, fs), 11))
             in_batch.append(0)
             declared.append(None)
@@ -196,11 +213,15 @@ def split_batch(data: bytes) -> SplitBatch:
             end_message(start)
             if not open_batch:
                 raise fail("BTS without a batch")
-            declared[-1] = _count(_fields(segment, fs), "BTS")
+            try:
+                declared[-1] = _count(_fields(segment, fs), "BTS", len(in_batch))
+            except BatchError as exc:
+                raise fail(str(exc), exc.condition) from None
             if declared[-1] is not None and declared[-1] != in_batch[-1]:
                 raise fail(
                     f"batch trailer count BTS-1={declared[-1]} but {in_batch[-1]} "
-                    f"message{'s' if in_batch[-1] != 1 else ''}"
+                    f"message{'s' if in_batch[-1] != 1 else ''}",
+                    Condition(SEGMENT_SEQUENCE_ERROR, Location("BTS", len(in_batch), 1)),
                 )
             open_batch = False
             continue
@@ -208,7 +229,10 @@ def split_batch(data: bytes) -> SplitBatch:
             end_message(start)
             if not first.startswith(b"FHS"):
                 raise fail("FTS without FHS")
-            file_count = _count(_fields(segment, fs), "FTS")
+            try:
+                file_count = _count(_fields(segment, fs), "FTS")
+            except BatchError as exc:
+                raise fail(str(exc), exc.condition) from None
             file_ended = True
             continue
         if message_start is None:
@@ -216,6 +240,9 @@ def split_batch(data: bytes) -> SplitBatch:
     end_message(len(data))
     batches = max(len(in_batch), 1)
     if file_count is not None and file_count != batches:
-        raise fail(f"file trailer count FTS-1={file_count} but {batches} batch{'es' if batches != 1 else ''}")
+        raise fail(
+            f"file trailer count FTS-1={file_count} but {batches} batch{'es' if batches != 1 else ''}",
+            Condition(SEGMENT_SEQUENCE_ERROR, Location("FTS", 1, 1)),
+        )
     total = None if any(d is None for d in declared) or not declared else sum(d for d in declared if d is not None)
     return SplitBatch(header(), tuple(messages), declared=total, batches=batches)

@@ -15,8 +15,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from include.charsets import HL7_CHARSETS, charset_to_codec, codec_for
+from listeners.hl7errors import (
+    DATA_TYPE_ERROR,
+    REQUIRED_FIELD_MISSING,
+    SEGMENT_SEQUENCE_ERROR,
+    TABLE_VALUE_NOT_FOUND,
+    Condition,
+    Location,
+)
 
 __all__ = [
+    "ACCEPT_ACK_TYPES",
     "HL7_CHARSETS",
     "MAX_CONTROL_ID_CHARS",
     "HL7Header",
@@ -50,6 +59,26 @@ class HeaderErrorReason(StrEnum):
     CONTROL_ID_TOO_LONG = "control_id_too_long"
     UNKNOWN_CHARSET = "unknown_charset"
     UNDECODABLE = "undecodable"
+    UNKNOWN_ACCEPT_ACK_TYPE = "unknown_accept_ack_type"
+
+
+#: HL7 table 0155 (accept / application acknowledgment conditions), the values MSH-15 may take.
+ACCEPT_ACK_TYPES = frozenset({"AL", "NE", "ER", "SU"})
+
+_MSH = "MSH"
+#: What each header refusal tells the sender in ERR: the table 0357 code and the field at fault.
+_CONDITIONS: dict[HeaderErrorReason, Condition] = {
+    HeaderErrorReason.NO_MSH: Condition(SEGMENT_SEQUENCE_ERROR, Location(_MSH)),
+    HeaderErrorReason.MSH_NOT_FIRST: Condition(SEGMENT_SEQUENCE_ERROR, Location(_MSH)),
+    HeaderErrorReason.BAD_FIELD_SEPARATOR: Condition(DATA_TYPE_ERROR, Location(_MSH, 1, 1)),
+    HeaderErrorReason.BAD_ENCODING_CHARACTERS: Condition(DATA_TYPE_ERROR, Location(_MSH, 1, 2)),
+    HeaderErrorReason.DUPLICATE_ENCODING_CHARACTERS: Condition(DATA_TYPE_ERROR, Location(_MSH, 1, 2)),
+    HeaderErrorReason.MISSING_CONTROL_ID: Condition(REQUIRED_FIELD_MISSING, Location(_MSH, 1, 10)),
+    HeaderErrorReason.CONTROL_ID_TOO_LONG: Condition(DATA_TYPE_ERROR, Location(_MSH, 1, 10)),
+    HeaderErrorReason.UNKNOWN_CHARSET: Condition(TABLE_VALUE_NOT_FOUND, Location(_MSH, 1, 18)),
+    HeaderErrorReason.UNDECODABLE: Condition(DATA_TYPE_ERROR),
+    HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE: Condition(TABLE_VALUE_NOT_FOUND, Location(_MSH, 1, 15)),
+}
 
 
 class HL7HeaderError(ValueError):
@@ -66,6 +95,11 @@ class HL7HeaderError(ValueError):
         # not: the reject then names the message, so the sender can correlate it.
         self.control_id = control_id
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+
+    @property
+    def condition(self) -> Condition:
+        """The ERR this refusal gets: table 0357 code and location."""
+        return _CONDITIONS[self.reason]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +119,8 @@ class HL7Header:
     charset: str
     encoding: str  # Python codec used to decode the message (and encode its ACK)
     text: str | None = field(default=None, repr=False, compare=False)  # the decoded message (complete parses)
+    accept_ack_type: str = ""  # MSH-15 (table 0155), stripped
+    application_ack_type: str = ""  # MSH-16, stripped; listenerd never sends an application ACK
 
     @classmethod
     def of_fields(
@@ -107,7 +143,14 @@ class HL7Header:
             charset=f[17],
             encoding=encoding,
             text=text,
+            accept_ack_type=f[14].strip(),
+            application_ack_type=f[15].strip(),
         )
+
+    @property
+    def enhanced_mode(self) -> bool:
+        """MSH-15 or MSH-16 is valued: the sender wants enhanced-mode (commit) acknowledgments."""
+        return bool(self.accept_ack_type or self.application_ack_type)
 
     @property
     def component_separator(self) -> str:
@@ -227,6 +270,14 @@ def parse_header(
         raise HL7HeaderError(
             HeaderErrorReason.CONTROL_ID_TOO_LONG,
             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}",
+        )
+    accept = _field(fields, 15)
+    if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() not in ACCEPT_ACK_TYPES:
+        shown = "".join(c for c in accept[:8] if c.isprintable())
+        raise HL7HeaderError(
+            HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE,
+            f"MSH-15 {shown!r} is not in table 0155 (AL, NE, ER, SU)",
+            control_id=control_id,
         )
     return HL7Header.of_fields(
         fields,

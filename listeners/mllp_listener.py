@@ -32,9 +32,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners import batchgate
-from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack
+from listeners.hl7ack import AckCode, AckDecision, accept_code, build_ack, build_fallback_ack
 from listeners.hl7batch import starts_batch
-from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
+from listeners.hl7errors import UNSUPPORTED_MESSAGE_TYPE, Condition
+from listeners.hl7msg import HeaderErrorReason, HL7Header, HL7HeaderError, parse_header
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
 
 if TYPE_CHECKING:
@@ -357,7 +358,9 @@ class MLLPProtocol(OrderedReplyProtocol):
             )
             slot = Slot(safe_id(exc.control_id))
             self.enqueue(slot)
-            self._reply(slot, AckCode.AR, self._fallback_ack(str(exc), acked=exc.control_id))
+            # An MSH-15 outside table 0155 is valued, so the sender speaks enhanced mode: a commit reject.
+            code = AckCode.CR if exc.reason is HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE else AckCode.AR
+            self._reply(slot, code, self._fallback_ack(str(exc), code=code, acked=exc.control_id, why=exc.condition))
             return
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
@@ -379,7 +382,10 @@ class MLLPProtocol(OrderedReplyProtocol):
         self.enqueue(slot)
         handler = self._batch_handler
         if handler is None:
-            self._reply(slot, AckCode.AR, self._fallback_ack("batches are not accepted on this connection"))
+            refusal = self._fallback_ack(
+                "batches are not accepted on this connection", why=Condition(UNSUPPORTED_MESSAGE_TYPE)
+            )
+            self._reply(slot, AckCode.AR, refusal)
             return
         assert self.peer is not None
         peer = self.peer
@@ -459,7 +465,7 @@ class MLLPProtocol(OrderedReplyProtocol):
         decision = AckDecision.reject(f"message too large: {event.size} bytes, limit {limit}")
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
-        self._reply(slot, decision.code, self._ack(header, decision))
+        self._answer(slot, header, decision)
 
     # -- handler outcome ------------------------------------------------------------------
 
@@ -482,7 +488,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=slot.label,
                 peer=self.peer_text,
             )
-        self._reply(slot, decision.code, self._ack(header, decision))
+        self._answer(slot, header, decision)
 
     def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
@@ -494,7 +500,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             peer=self.peer_text,
             error=failure.type.__name__ if failure.type else "unknown",
         )
-        self._reply(slot, AckCode.AE, self._ack(header, AckDecision.error("message not stored; resend later")))
+        self._answer(slot, header, AckDecision.error("message not stored; resend later"))
 
     def _handler_timed_out(self, slot: Slot, header: HL7Header) -> None:
         _log.error(
@@ -502,7 +508,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             control_id=slot.label,
             peer=self.peer_text,
         )
-        self._reply(slot, AckCode.AE, self._ack(header, AckDecision.error(NOT_CONFIRMED)))
+        self._answer(slot, header, AckDecision.error(NOT_CONFIRMED))
 
     def _internal_error(self, failure: Failure, slot: Slot) -> None:
         _log.critical(
@@ -515,13 +521,24 @@ class MLLPProtocol(OrderedReplyProtocol):
 
     # -- ACKs -----------------------------------------------------------------------------
 
-    def _ack(self, header: HL7Header, decision: AckDecision) -> bytes:
+    def _answer(self, slot: Slot, header: HL7Header, decision: AckDecision) -> None:
+        """Answer `slot` with `decision` in the sender's acknowledgment mode (`accept_code`): when
+        MSH-15 asks for no answer, the slot is still answered in its turn, with nothing written."""
+        code = accept_code(header, decision.code)
+        if code is None:
+            if self.answer(slot, b"") and self.factory is not None:
+                self.factory.count_ack("none")
+            return
+        self._reply(slot, code, self._ack(header, decision, code))
+
+    def _ack(self, header: HL7Header, decision: AckDecision, code: AckCode) -> bytes:
         try:
             return build_ack(
                 header,
-                decision.code,
+                code,
                 reason=decision.reason,
                 error_code=decision.error_code,
+                location=decision.location,
                 sending_application=self._config.sending_application,
                 sending_facility=self._config.sending_facility,
             )
@@ -531,13 +548,17 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=safe_id(header.control_id),
                 error=type(exc).__name__,
             )
-            code = AckCode.AE if decision.code is AckCode.AA else decision.code
+            code = {AckCode.AA: AckCode.AE, AckCode.CA: AckCode.CE}.get(code, code)
             return self._fallback_ack("internal error", code=code)
 
-    def _fallback_ack(self, reason: str, *, code: AckCode = AckCode.AR, acked: str = "") -> bytes:
+    def _fallback_ack(
+        self, reason: str, *, code: AckCode = AckCode.AR, acked: str = "", why: Condition | None = None
+    ) -> bytes:
         return build_fallback_ack(
             code,
             reason=reason,
+            error_code=why.code if why is not None else "207",
+            location=why.location if why is not None else None,
             acked_control_id=acked,
             sending_application=self._config.sending_application or "",
             sending_facility=self._config.sending_facility or "",

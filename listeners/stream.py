@@ -461,7 +461,7 @@ class OrderedReplyProtocol(Protocol, TimeoutMixin):
             self._owed -= slot.weight
             if not self._connected:
                 continue
-            if slot.reply is not None:
+            if slot.reply:  # (b"": answered with nothing, e.g. MSH-15 = NE)
                 write_now(self.transport, slot.reply)
             if slot.close:
                 self._accepting = False

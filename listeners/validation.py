@@ -35,6 +35,14 @@ from listeners.group_commit import (
     new_message_id,
 )
 from listeners.hl7batch import BatchError, BatchHeader, split_batch, starts_batch
+from listeners.hl7errors import (
+    DATA_TYPE_ERROR,
+    INTERNAL,
+    SEGMENT_SEQUENCE_ERROR,
+    Condition,
+    Location,
+    location_at,
+)
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 
 __all__ = [
@@ -80,7 +88,16 @@ def lane_rule(lane_key: str) -> LaneOf | None:
 
 
 class PayloadRejected(ValueError):
-    """The bytes cannot be staged; ``str()`` is safe to log and to send back (no content)."""
+    """The bytes cannot be staged; ``str()`` is safe to log and to send back (no content), and
+    ``condition`` is what a negative ACK's ERR says (table 0357 code, location)."""
+
+    def __init__(self, reason: str, condition: Condition = INTERNAL) -> None:
+        super().__init__(reason)
+        self.condition = condition
+
+
+_NO_MSH = Condition(SEGMENT_SEQUENCE_ERROR, Location("MSH"))
+_BAD_DATA = Condition(DATA_TYPE_ERROR)
 
 
 #: What a refusal of a charset names as accepted: HL7 table 0211's values (aliases of their codecs,
@@ -156,8 +173,8 @@ def build_inbound(
 class BatchRejected(PayloadRejected):
     """A batch refused whole; ``header`` is its envelope when it could be read (for the answer)."""
 
-    def __init__(self, reason: str, header: BatchHeader | None = None) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: str, header: BatchHeader | None = None, condition: Condition = INTERNAL) -> None:
+        super().__init__(reason, condition)
         self.header = header
 
 
@@ -178,18 +195,19 @@ def _build_one(
             try:
                 header = parse_header(data, default_encoding=codec, strict_charset=True)
             except HL7HeaderError as exc:
-                raise PayloadRejected(str(exc)) from None
+                raise PayloadRejected(str(exc), exc.condition) from None
         elif hl7_only or _MISPLACED.search(data):
             try:
                 parse_header(data, default_encoding=codec)  # raises the reason MLLP gives
             except HL7HeaderError as exc:
-                raise PayloadRejected(str(exc)) from None
+                raise PayloadRejected(str(exc), exc.condition) from None
         else:
             segment = _bare_segment(data)
             if segment is not None:
                 raise PayloadRejected(
                     f"starts with an HL7 {segment} segment but no MSH: the message's segments "
-                    "arrived apart (CRLF segment ends with newline framing?)"
+                    "arrived apart (CRLF segment ends with newline framing?)",
+                    _NO_MSH,
                 )
     if header is not None and header.text is not None:
         text, codec, control_id = header.text, header.encoding, header.control_id
@@ -198,14 +216,16 @@ def _build_one(
         try:
             text = data.decode("utf-8-sig" if codec == "utf-8" else codec)
         except UnicodeDecodeError as exc:
-            raise PayloadRejected(f"undecodable: byte offset {exc.start} is not valid {codec}") from None
+            raise PayloadRejected(f"undecodable: byte offset {exc.start} is not valid {codec}", _BAD_DATA) from None
     if control_id is not None and len(control_id) > MAX_KEY_CHARS:
         control_id = None
     if not text:
-        raise PayloadRejected("empty message")
+        raise PayloadRejected("empty message", _NO_MSH)
     reason = unstorable(text)
     if reason is not None:
-        raise PayloadRejected(reason)
+        found = _UNSTORABLE.search(text)
+        where = location_at(text, found.start()) if found is not None else None
+        raise PayloadRejected(reason, Condition(DATA_TYPE_ERROR, where))
     lane_key: str | None = None
     if lane_of is not None:
         try:
@@ -216,7 +236,7 @@ def _build_one(
             )
             raise PayloadRejected("internal error: lane key not computable") from None
         if lane_key is not None and (len(lane_key) > MAX_KEY_CHARS or unstorable(lane_key)):
-            raise PayloadRejected(f"lane key longer than {MAX_KEY_CHARS} characters or not storable")
+            raise PayloadRejected(f"lane key longer than {MAX_KEY_CHARS} characters or not storable", _BAD_DATA)
     extra = {"message_id": message_id} if message_id is not None else {}
     return Inbound(
         connection=connection, payload=text, control_id=control_id, lane_key=lane_key, charset=codec, **extra
@@ -232,7 +252,7 @@ def build_batch(
     try:
         split = split_batch(data)
     except BatchError as exc:
-        raise BatchRejected(str(exc), exc.header) from None
+        raise BatchRejected(str(exc), exc.header, exc.condition) from None
     batch_id = batch_id or new_message_id()
     items: list[Inbound] = []
     n = len(split.messages)
@@ -253,7 +273,9 @@ def build_batch(
                 )
             )
         except PayloadRejected as exc:
-            raise BatchRejected(f"message {seq} of {n}: {exc}", split.header) from None
+            where = exc.condition.location
+            condition = Condition(exc.condition.code, where.within(seq) if where is not None else None)
+            raise BatchRejected(f"message {seq} of {n}: {exc}", split.header, condition) from None
     head = split.header
     return InboundBatch(
         connection=connection,

@@ -218,4 +218,6 @@ def test_ack_decision_helpers() -> None:
     with pytest.raises(ValueError):
         AckDecision("OK")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        build_ack(parse_header(INBOUND), "CA")
+        AckDecision("CA")  # type: ignore[arg-type]  # the commit codes are accept_code's, not a handler's
+    with pytest.raises(ValueError):
+        build_ack(parse_header(INBOUND), "OK")
