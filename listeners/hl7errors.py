@@ -53,21 +53,25 @@ ERROR_TEXT: dict[str, str] = {
 @dataclass(frozen=True, slots=True)
 class Location:
     """An ERL (ERR-2): segment id, which occurrence of that segment (1 = the first), field, and
-    optionally the field's repetition and component. ``MSH^1^10`` is the first MSH's MSH-10."""
+    optionally the field's repetition and component. ``MSH^1^10`` is the first MSH's MSH-10;
+    ``PID^1^5^1^2`` the second component of PID-5's first repetition."""
 
     segment: str
     sequence: int = 1
     field: int | None = None
     component: int | None = None
+    repetition: int = 1
 
     def components(self) -> list[str]:
-        """ERL-1.. as text: segment, sequence, field, repetition (1 when a component is named),
-        component; trailing empty parts left out."""
+        """ERL-1.. as text: segment, sequence, field, repetition and component, the last two only
+        when they say more than "the first" (trailing empty parts are left out)."""
         parts = [self.segment, str(self.sequence)]
         if self.field is not None:
             parts.append(str(self.field))
+            if self.component is not None or self.repetition > 1:
+                parts.append(str(self.repetition))
             if self.component is not None:
-                parts += ["1", str(self.component)]
+                parts.append(str(self.component))
         return parts
 
     def text(self, component_separator: str = "^") -> str:
@@ -75,7 +79,8 @@ class Location:
 
     def within(self, sequence: int) -> Location:
         """The same place in the `sequence`-th message of a batch (the nth MSH, for an MSH field)."""
-        return Location(self.segment, sequence if self.segment == "MSH" else self.sequence, self.field, self.component)
+        own = sequence if self.segment == "MSH" else self.sequence
+        return Location(self.segment, own, self.field, self.component, self.repetition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +107,7 @@ def location_at(text: str, offset: int) -> Location | None:
     on a refusal, so it may read the message once."""
     if not (0 <= offset < len(text)) or not text.startswith("MSH") or len(text) < 8:
         return None
-    fs, cs = text[3], text[4]
+    fs, cs, rs = text[3], text[4], text[5]
     start = max(text.rfind("\r", 0, offset), text.rfind("\n", 0, offset)) + 1
     segment_id = text[start : start + 3]
     if len(segment_id) < 3 or not segment_id.isalnum():
@@ -122,6 +127,9 @@ def location_at(text: str, offset: int) -> Location | None:
         field += 1  # MSH-1 is the separator itself
     if field == 0:
         return Location(segment_id, sequence)
+    if segment_id == "MSH" and field <= 2:
+        return Location(segment_id, sequence, field)  # MSH-1/MSH-2 hold the separators themselves
     last_field = before[before.rfind(fs) + 1 :]
-    component = last_field.count(cs) + 1 if segment_id != "MSH" or field > 2 else None
-    return Location(segment_id, sequence, field, component if component and component > 1 else None)
+    repetition = last_field.count(rs) + 1
+    component = last_field[last_field.rfind(rs) + 1 :].count(cs) + 1
+    return Location(segment_id, sequence, field, component if component > 1 else None, repetition)

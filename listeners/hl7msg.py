@@ -143,8 +143,8 @@ class HL7Header:
             charset=f[17],
             encoding=encoding,
             text=text,
-            accept_ack_type=f[14].strip(),
-            application_ack_type=f[15].strip(),
+            accept_ack_type=f[14] and f[14].strip(),  # (mostly empty: no call then)
+            application_ack_type=f[15] and f[15].strip(),
         )
 
     @property
@@ -271,7 +271,7 @@ def parse_header(
             HeaderErrorReason.CONTROL_ID_TOO_LONG,
             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}",
         )
-    accept = _field(fields, 15)
+    accept = fields[14] if len(fields) > 14 else ""
     if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() not in ACCEPT_ACK_TYPES:
         shown = "".join(c for c in accept[:8] if c.isprintable())
         raise HL7HeaderError(

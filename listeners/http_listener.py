@@ -7,7 +7,9 @@ Answers (always a small JSON object, never message content):
       all committed together) ``{"batch_id": ..., "message_ids": [...]}``
 400   empty body, undecodable body, a charset outside HL7 table 0211 (the JSON names the accepted
       ones under ``accepted``), text no store can hold (NUL), or the store
-      refused this very message (not stored; resending it unchanged will not help)
+      refused this very message (not stored; resending it unchanged will not help). A body refused
+      as malformed also says what MLLP's ERR would: ``"hl7_error": {"code": "101", "text":
+      "Required field missing", "location": "MSH^1^10"}`` (HL7 table 0357, ERR-2)
 404   no http connection of that name
 405   any method but POST (``Allow: POST``)
 413   body over the connection's ``max_message_bytes``
@@ -153,7 +155,7 @@ class InboundResource(Resource):
             try:
                 item = build()
             except PayloadRejected as exc:
-                return self._refuse(request, conn, 400, str(exc))
+                return self._refuse(request, conn, 400, str(exc), hl7_error=_hl7_error(exc))
             self._submit(request, conn, gone, item)
             return NOT_DONE_YET
 
@@ -173,8 +175,9 @@ class InboundResource(Resource):
         return NOT_DONE_YET
 
     def _not_built(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
-        if failure.check(PayloadRejected):
-            body = self._refuse(request, conn, 400, str(failure.value))
+        exc = failure.value
+        if isinstance(exc, PayloadRejected):
+            body = self._refuse(request, conn, 400, str(exc), hl7_error=_hl7_error(exc))
         else:
             _log.error(
                 "building a POST to {name} failed: {error}",
@@ -244,6 +247,13 @@ class InboundResource(Resource):
             counters.received(received)
         if code:
             counters.answered(code)
+
+
+def _hl7_error(exc: PayloadRejected) -> dict[str, str | None]:
+    """What an MLLP sender would read in the ERR of its AR for the same bytes: table 0357 code and
+    text, and the ERR-2 location (``MSH^1^10``) when there is one."""
+    why = exc.condition
+    return {"code": why.code, "text": why.text, "location": why.location.text() if why.location else None}
 
 
 class _InboundRequest(Request):

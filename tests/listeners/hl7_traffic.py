@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import hl7
 from hl7.client import MLLPClient
@@ -31,6 +34,18 @@ def adt(
         )
         + segment_end
     )
+
+
+def post_message(port: int, connection: str, data: bytes) -> tuple[int, dict]:
+    """POST `data` (HL7 v2) to a listenerd's HTTP inbound `connection`: (status, its JSON answer)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/messages/{connection}", data=data, headers={"Content-Type": "application/hl7-v2"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=15) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def ack_fields(ack: str | bytes) -> tuple[str, str]:

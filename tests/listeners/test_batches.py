@@ -8,10 +8,7 @@ its 'received' event — and the same bad bytes get the same answer on all four,
 
 from __future__ import annotations
 
-import json
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import hl7
@@ -33,6 +30,7 @@ from listeners.hl7batch import BatchError, split_batch, starts_batch
 from listeners.metrics import Metrics
 from listeners.mllp_listener import MLLPConfig, MLLPFactory, frame
 from listeners.validation import BatchRejected, PayloadRejected, build_inbound, lane_rule
+from tests.listeners.hl7_traffic import post_message
 
 
 def msh(control_id: str, *, enc: str = "^~\\&", kind: str = "ADT^A01") -> str:
@@ -149,6 +147,11 @@ def over_mllp(port: int, data: bytes) -> list[hl7.Message]:
     return reply.strip(b"\x0b\x1c\r").decode()
 
 
+def http_verdict(port: int, data: bytes) -> str:
+    status, body = post_message(port, "in-http", data)
+    return f"{status} {body['error']}"
+
+
 def mllp_verdict(port: int, data: bytes) -> str:
     msa = hl7.parse(over_mllp(port, data)).segment("MSA")
     return f"{msa[1]} {msa[2]}" if str(msa[1]) == "AA" else f"{msa[1]} {msa[3]}"
@@ -161,17 +164,6 @@ def over_tcp(port: int, data: bytes) -> str:
         while not reply.endswith(b"\n"):
             reply += s.recv(65536)
     return reply.decode().strip()
-
-
-def over_http(port: int, data: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/messages/in-http", data=data, headers={"Content-Type": "application/hl7-v2"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=15) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def over_file(drop: Path, errors: Path, archive: Path, data: bytes, name: str) -> str:
@@ -257,7 +249,7 @@ def test_a_batch_on_every_transport_becomes_its_messages_each_staged_naming_its_
 
     tcp = over_tcp(d.ports["tcp"], GOOD)
     assert tcp.startswith("ACK ") and tcp.endswith(" (3 messages)")
-    status, body = over_http(d.ports["http"], GOOD)
+    status, body = post_message(d.ports["http"], "in-http", GOOD)
     assert status == 202 and len(body["message_ids"]) == 3
     assert over_file(d.drop, d.errors, d.archive, GOOD, "batch.hl7") == "archived"
 
@@ -310,7 +302,7 @@ def test_the_same_bad_bytes_get_the_same_verdict_on_every_transport_and_stage_no
         verdicts = {
             "mllp": mllp_verdict(d.ports["mllp"], data).removeprefix("AR "),
             "tcp": over_tcp(d.ports["tcp"], data).removeprefix("NAK "),
-            "http": (lambda s, b: f"{s} {b['error']}")(*over_http(d.ports["http"], data)).removeprefix("400 "),
+            "http": http_verdict(d.ports["http"], data).removeprefix("400 "),
             "file": over_file(d.drop, d.errors, d.archive, data, f"bad{n}.hl7"),
         }
         assert verdicts == dict.fromkeys(verdicts, reason), case

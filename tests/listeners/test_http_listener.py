@@ -162,29 +162,35 @@ def test_ingest_failure_answers_with_a_reason_and_no_content(
     assert ex.response()[0::2] == (status, {"error": error})
 
 
+UNDECODABLE = {"hl7_error": {"code": "102", "text": "Data type error", "location": None}}
+NO_CONTROL_ID = {"hl7_error": {"code": "101", "text": "Required field missing", "location": "MSH^1^10"}}
+
+
 @pytest.mark.parametrize(
-    "kwargs, status, error",
+    "kwargs, status, error, more",
     [
-        ({"path": "/messages/nope"}, 404, "unknown connection"),
-        ({"path": "/other"}, 404, "unknown connection"),
-        ({"method": "GET"}, 405, "method not allowed; use POST"),
-        ({"method": "PUT", "body": b"x"}, 405, "method not allowed; use POST"),
-        ({"body": b""}, 400, "empty message"),
-        ({"body": b"\xff\xfe"}, 400, "undecodable: byte offset 0 is not valid utf-8"),
+        ({"path": "/messages/nope"}, 404, "unknown connection", {}),
+        ({"path": "/other"}, 404, "unknown connection", {}),
+        ({"method": "GET"}, 405, "method not allowed; use POST", {}),
+        ({"method": "PUT", "body": b"x"}, 405, "method not allowed; use POST", {}),
+        ({"body": b""}, 400, "empty message", {}),
+        ({"body": b"\xff\xfe"}, 400, "undecodable: byte offset 0 is not valid utf-8", UNDECODABLE),
+        ({"body": adt("").encode()}, 400, "missing_control_id: MSH-10 is empty", NO_CONTROL_ID),
         (
             {"body": b"x", "content_type": "application/json"},
             415,
             "unsupported content type; use text/plain or application/hl7-v2",
+            {},
         ),
     ],
 )
 def test_bad_requests_are_refused_without_submitting(
-    open_: Any, kwargs: dict[str, Any], status: int, error: str
+    open_: Any, kwargs: dict[str, Any], status: int, error: str, more: dict[str, Any]
 ) -> None:
     ingest = FakeIngest()
     ex = open_(site_for(ingest)).request(**kwargs)
     got_status, headers, body = ex.response()
-    assert (got_status, body) == (status, {"error": error})
+    assert (got_status, body) == (status, {"error": error, **more})
     assert ingest.calls == []
     if status == 405:
         assert headers["allow"] == "POST"

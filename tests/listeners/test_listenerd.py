@@ -203,6 +203,13 @@ def test_store_failure_answers_AE_never_AA_and_the_daemon_recovers(tmp_path):
         blocker.execute("BEGIN EXCLUSIVE")  # the store cannot take writes
         acks, _ = _exchange(port, mllp(adt("DOWN1")), expect_acks=1)
         assert [ack_fields(a)[0] for a in acks] == ["AE"]
+        assert (
+            str(hl7.parse(acks[0].decode().strip("\r")).segment("ERR")[3]) == "207^Application internal error^HL70357"
+        )
+        # enhanced mode (MSH-15 valued): the commit error CE, sent unless MSH-15 is SU (success only)
+        enhanced = [adt(c).replace("|P|2.5.1", f"|P|2.5.1|||{c[:2]}", 1) for c in ("ER1", "SU1", "AL1")]
+        acks, _ = _exchange(port, b"".join(mllp(m) for m in enhanced), expect_acks=2)
+        assert [ack_fields(a) for a in acks] == [("CE", "ER1"), ("CE", "AL1")]
         blocker.execute("ROLLBACK")
         blocker.close()
         acks, _ = _exchange(port, mllp(adt("UP1")), expect_acks=1)
