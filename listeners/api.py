@@ -29,7 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from twisted.internet import defer, threads
+from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
@@ -42,6 +42,7 @@ from include.schema.rules import validate
 from include.store import operator, stats
 from include.store.parquet_archive import ParquetArchive
 from listeners import access_log
+from listeners.api_reads import RETRY_AFTER_SECONDS, ApiReads, ReadsBusy, ReadTimedOut
 from listeners.connections_config import ConnectionConfigError, TLSConfig
 from listeners.guard import guard_channels
 from listeners.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -714,6 +715,10 @@ def _reason(body: dict[str, Any]) -> str:
     return reason
 
 
+READS = ApiReads()
+"""The API's store reads: their own threads, so a slow read never takes the heartbeat's (`api_reads`)."""
+
+
 def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) -> Any:
     """Run `work(store)` off the reactor and answer its result as JSON: 400 for bad input, 404 for
     an unknown message, 503 when the store cannot be read."""
@@ -730,6 +735,11 @@ def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) ->
             answer(404, {"error": str(failure.value)})
         elif failure.check(ValueError):
             answer(400, {"error": str(failure.value)})
+        elif failure.check(ReadsBusy, ReadTimedOut):
+            if failure.check(ReadsBusy):
+                request.setHeader(b"retry-after", str(RETRY_AFTER_SECONDS).encode())
+            log.warn("api: {path}: {error}", path=redact_path(request.path), error=str(failure.value))
+            answer(503, {"error": f"store busy: {failure.value}"})
         else:
             log.warn("api: {path}: {error}", path=redact_path(request.path), error=type(failure.value).__name__)
             answer(503, {"error": "store unavailable"})
@@ -740,7 +750,7 @@ def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) ->
             raise RuntimeError("no store")
         return work(store)
 
-    threads.deferToThread(run).addCallbacks(lambda doc: answer(200, doc), failed)
+    READS.run(run).addCallbacks(lambda doc: answer(200, doc), failed)
     return NOT_DONE_YET
 
 

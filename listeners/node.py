@@ -31,7 +31,7 @@ from include.config import ServiceConfig
 from include.schema import ConfigProblems
 from include.store import operator
 from include.store.membership import NodeIdentity, cluster_nodes, single_node_nodes
-from listeners.api import ApiAuth, ApiSettings, make_api
+from listeners.api import READS, ApiAuth, ApiSettings, make_api
 from listeners.cluster import Beat, HeartbeatService, LeaseService, StoreService
 from listeners.connections_config import ListenerConfig, load_config_dir
 from listeners.endpoints import ListeningService, Wiring, inbound_service
@@ -92,6 +92,7 @@ class ListenerNode(SequentialMultiService):
         self.config_version = 0
         self.leader_config_hash: str | None = None
         self._stages_gauged_at = float("-inf")
+        self._stages_reading = False
         self.bound_ports: dict[str, int] = {}  # inbound name -> bound port (useful with port 0)
         self._cannot_bind: dict[str, float] = {}  # inbound name -> monotonic time it was last found unbindable
         self.api_port: int | None = api_port  # overrides [api].port when given
@@ -279,13 +280,14 @@ class ListenerNode(SequentialMultiService):
             self.metrics.clear_stages()
             return
         now = time.monotonic()
-        if now - self._stages_gauged_at < STAGE_GAUGE_SECONDS:
-            return
-        self._stages_gauged_at = now
+        if now - self._stages_gauged_at < STAGE_GAUGE_SECONDS or self._stages_reading:
+            return  # one read at a time: a read stuck on a lock must not take thread after thread
+        self._stages_gauged_at, self._stages_reading = now, True
         d = threads.deferToThread(operator.stages, self.stores.store)
         d.addCallbacks(
             self.metrics.set_stages, lambda f: _log.warn("stage gauges not read: {err}", err=type(f.value).__name__)
         )
+        d.addBoth(lambda _: setattr(self, "_stages_reading", False))
 
     def reload(self) -> Deferred[None]:
         """SIGHUP: reload the config dir here and bump the shared version so peers reload too."""
@@ -359,4 +361,4 @@ class ListenerNode(SequentialMultiService):
             assert store is not None
             return cluster_nodes(store, node_timeout_seconds=timeout)  # config_mismatch included
 
-        return threads.deferToThread(read)
+        return READS.run(read)  # an API read: the API's own threads (listeners.api_reads)
