@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -106,7 +107,26 @@ def test_a_file_that_is_not_a_store_and_an_empty_one(tmp_path):
     (tmp_path / "stageline.toml").write_text('[store]\npath = "empty.db"\n')
     (tmp_path / "empty.db").touch(mode=0o600)  # what an older version's read command left behind
     err = stageline("cluster", "status", cwd=tmp_path, code=4).stderr
-    assert f"the SQLite file {tmp_path}/empty.db has no Stageline schema yet; run `stageline db migrate`" in err
+    assert f"{tmp_path}/empty.db is an empty file, not a SQLite store yet" in err and "stageline db migrate" in err
+    assert (tmp_path / "empty.db").stat().st_size == 0  # a read left it as it was (it used to make it a database)
+    stageline("db", "migrate", cwd=tmp_path)  # the migration may: it is how a store is made
+    stageline("cluster", "status", cwd=tmp_path)
+
+
+def test_a_locked_store_is_said_to_be_locked_not_unmigrated(tmp_path):
+    db = migrated_sqlite(tmp_path / "s.db").path
+    (tmp_path / "stageline.toml").write_text(
+        f'[store]\npath = "{db}"\nbusy_timeout_ms = 1000\n[cluster]\ncluster_name = "{CLUSTER}"\n'
+    )
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("SELECT 1 FROM leader_lease")  # takes the lock
+        err = stageline("stages", cwd=tmp_path, code=4).stderr
+    finally:
+        holder.close()
+    assert "could not be read (OperationalError: database is locked)" in err and "db migrate" not in err, err
 
 
 def test_a_closed_port_is_unreachable_at_once(tmp_path):
@@ -289,6 +309,7 @@ def test_wrong_flags_and_bad_values_are_usage_errors(tmp_path):
         (("stages", "--bogus"), "No such option '--bogus'"),
         (("messages", "find", "--status", "sent-ish"), "Invalid value for '--status'"),
         (("--connect-timeout", "0", "stages"), "Invalid value for '--connect-timeout'"),
+        (("--connect-timeout", "nan", "stages"), "must be a number of seconds, not nan"),
         (("nope",), "No such command 'nope'"),
         (("demo", "send", "--count", "0"), "Invalid value for '--count'"),
         (

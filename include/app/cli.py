@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 import socket
 import sys
@@ -52,6 +53,13 @@ class Commands(click.Group):
             raise click.ClickException(f"{type(exc).__name__}: {first} (${DEBUG_ENV}=1 shows the traceback)") from exc
 
 
+def _finite(seconds: float) -> float:
+    """FloatRange lets NaN through (every comparison with it is false)."""
+    if math.isnan(seconds):
+        raise click.BadParameter("must be a number of seconds, not nan")
+    return seconds
+
+
 def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
@@ -83,6 +91,7 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @click.option(
     "--connect-timeout",
     type=click.FloatRange(min=1, max=300),
+    callback=lambda _ctx, _param, value: _finite(value),
     envvar=CONNECT_TIMEOUT_ENV,
     default=CONNECT_TIMEOUT_SECONDS,
     show_default=True,

@@ -63,6 +63,14 @@ def migrate(store: Store, *, cluster_name: str) -> MigrationReport:
     )
 
 
+_MISSING_TABLE = ("no such table", "does not exist", "invalid object name")
+"""How SQLite, PostgreSQL and SQL Server say a table is not there."""
+
+
+def _missing_table(error: str) -> bool:
+    return any(words in error.lower() for words in _MISSING_TABLE)
+
+
 def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
     """Refuse a store that is unmigrated, too new, or owned by another cluster."""
     store_name = describe(store.config)
@@ -72,6 +80,8 @@ def check_identity(store: Store, *, cluster_name: str) -> dict[str, Any]:
             identity = tx.one("identity_get")
     except Exception as exc:  # missing tables look different on every driver
         first_line = (str(exc).strip().splitlines() or [""])[0]  # PostgreSQL adds LINE 1: and a caret
+        if not _missing_table(first_line):  # locked, cut, refused: the store is there, it did not answer
+            raise SchemaError(f"{store_name} could not be read ({type(exc).__name__}: {first_line})") from exc
         raise SchemaError(
             f"{store_name} has no Stageline schema yet; run `stageline db migrate` ({type(exc).__name__}: {first_line})"
         ) from exc

@@ -106,7 +106,9 @@ def _probe_file(path: str) -> None:
         raise StoreUnavailable(AUTH, f"cannot open the SQLite store {file}: no read and write permission for this user")
     with file.open("rb") as f:
         head = f.read(len(SQLITE_HEADER))
-    if head and head != SQLITE_HEADER:  # an empty file is an empty database (no schema yet)
+    if not head:  # opening it would make it a database: only the migration may
+        raise StoreUnavailable(NO_STORE, f"{file} is an empty file, not a SQLite store yet")
+    if head != SQLITE_HEADER:
         raise StoreUnavailable(NOT_A_STORE, f"{file} is not a SQLite database (wrong [store].path?)")
 
 
