@@ -675,13 +675,18 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
 def stages(request: Request, state: NodeState) -> Any:
     """`GET /stages`: per stage; `?by=destination|connection` each one's health (include/store/stats.py),
     `&chart=1` with each destination's deliveries per minute over the last hour (the view's chart)."""
-    args = _args(request)
-    by, chart = args.get("by"), args.get("chart", "0")
-    if by is None:
+    if not request.uri.partition(b"?")[2]:
         return _deferred(request, lambda store: operator.stages(store), state)
-    if by not in stats.BY or chart not in ("0", "1"):
-        return _json(request, 400, {"error": f"by must be one of {', '.join(stats.BY)}; chart 0 or 1"})
-    return _deferred(request, lambda store: stats.health(store, by=by, chart=chart == "1"), state)
+    fields = {k.decode("utf-8", "replace"): v for k, v in request.args.items()}  # `?by` alone has none
+    by, chart = fields.pop("by", [b""]), fields.pop("chart", [b"0"])
+    by_name = by[0].decode("utf-8", "replace") if len(by) == 1 else ""
+    if fields or by_name not in stats.BY or len(chart) != 1 or chart[0] not in (b"0", b"1"):
+        return _json(
+            request,
+            400,
+            {"error": f"give by= one of {', '.join(stats.BY)} once, and at most chart=0 or 1; nothing else"},
+        )
+    return _deferred(request, lambda store: stats.health(store, by=by_name, chart=chart[0] == b"1"), state)
 
 
 def _args(request: Request) -> dict[str, str]:

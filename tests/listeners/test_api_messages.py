@@ -163,6 +163,17 @@ def test_stages_by_destination_and_connection_over_the_api(node):
     status, doc = call(d, "GET", "/stages?by=connection", d.token)
     assert status == 200 and [(r["connection"], r["windows"]["1h"]["sent"]) for r in doc["rows"]] == [("adt-in", 3)]
     assert "per_minute" not in doc["rows"][0]
-    for bad in ("/stages?by=lane", "/stages?by=destination&chart=yes"):
+    for bad in (
+        "/stages?by=lane",
+        "/stages?by=destination&chart=yes",
+        "/stages?by=destination&by=connection",  # twice: which one was meant?
+        "/stages?by=destination&by=",
+        "/stages?by=destination&chart=1&chart=1",
+        "/stages?by",
+        "/stages?chart=1",
+        "/stages?by=destination&foo=1",
+        "/stages?by=%ff",
+    ):
         status, doc = call(d, "GET", bad, d.token)
-        assert status == 400 and doc["error"] == "by must be one of destination, connection; chart 0 or 1"
+        assert status == 400, (bad, status, doc)
+        assert doc["error"] == "give by= one of destination, connection once, and at most chart=0 or 1; nothing else"
