@@ -5,9 +5,10 @@ scrape storm costs one read: the rows open now become gauges, and what finished 
 read is added to counters and to the delivery-latency histogram (each read takes the window from
 the previous one's end to `lag` seconds before the database's now, so a commit still in flight
 when one read ran is counted by the next; a transaction that commits later than `lag` after its
-rows' timestamps is not counted at all). A scrape waits for a read at most `timeout` seconds: a
-slow or dead store answers with the figures it had and `stageline_store_up 0`, never a frozen
-daemon, and no second read starts while one is still stuck. A standby publishes no figures (the
+rows' timestamps is not counted at all). A scrape waits for a read at most `timeout` seconds, then
+answers with the figures it had — never a frozen daemon — and no second read starts while one
+runs; a read that fails, or runs past STALLED_SECONDS, makes `stageline_store_up` 0 (a slow read
+of a large backlog does not). Reads are spaced by their own cost (LOAD_SHARE). A standby publishes no figures (the
 leader's are the cluster's; summing nodes would count twice), only `stageline_store_up` from a
 clock read. Counters start at 0 when a node becomes leader (Prometheus's `rate` reads that as a
 reset).
@@ -33,6 +34,13 @@ _log = Logger()
 
 MAX_AGE_SECONDS = 2.0
 TIMEOUT_SECONDS = 2.0
+STALLED_SECONDS = 10.0
+"""A read still running after this is a store that does not answer (`stageline_store_up 0`); a read
+that is merely slow — a large backlog to count — is not: the scrape gets the last figures at
+`timeout`, and `stageline_store_read_seconds` shows how long the read has been going."""
+LOAD_SHARE = 0.25
+"""Reads are spaced so they take at most this share of the time: after a read of `s` seconds the
+next starts no sooner than `s / LOAD_SHARE` after it (a slow store is not read back to back)."""
 LAG_SECONDS = 2.0
 MAX_DELIVERIES = 50_000
 """The most deliveries one read observes into the latency histogram (the newest; past it the rest
@@ -69,8 +77,8 @@ class StoreMetrics:
         r = registry
         self.up = Gauge(
             "stageline_store_up",
-            "1 when this node's last read of the store answered within the scrape's wait; 0 when it failed "
-            "or is still running (the store figures are then the last ones read)",
+            "1 when this node's last read of the store answered; 0 when it failed, or has been running "
+            f"longer than {STALLED_SECONDS:g} s (the store figures are then the last ones read)",
             registry=r,
         )
         self.read_seconds = Gauge(
@@ -119,6 +127,8 @@ class StoreMetrics:
             registry=r,
         )
         self._running: Deferred[Any] | None = None
+        self._started_at = float("-inf")
+        self._last_seconds = 0.0
         self._waiters: list[Deferred[None]] = []
         self._read_at = float("-inf")
         self._watermark_ms: int | None = None
@@ -126,8 +136,9 @@ class StoreMetrics:
         self._known: dict[tuple[str, str], Any] = {}
 
     def fresh(self) -> Deferred[None]:
-        """Fires once the figures are at most `max_age` old, or after `timeout` with store_up 0."""
-        if time.monotonic() - self._read_at < self.max_age:
+        """Fires once the figures are at most `max_age` old (longer after a slow read: LOAD_SHARE), or
+        after `timeout` with the last figures (store_up 0 once the read has stalled)."""
+        if time.monotonic() - self._read_at < max(self.max_age, self._last_seconds / LOAD_SHARE):
             return succeed(None)
         store = self._store()
         if store is None:
@@ -149,6 +160,7 @@ class StoreMetrics:
                 self._read, store, leader, self._watermark_ms if leader else None
             )
             self._running = running.addCallbacks(self._publish, self._failed).addBoth(self._finished)
+            self._started_at = time.monotonic()
         return waiter
 
     def _read(self, store: Any, leader: bool, watermark_ms: int | None) -> _Read:
@@ -166,6 +178,7 @@ class StoreMetrics:
     def _publish(self, read: _Read) -> None:
         self.up.set(1)
         self.read_seconds.set(read.seconds)
+        self._last_seconds = read.seconds
         if not read.leader or read.leader != self._is_leader():
             self._clear()
             return
@@ -214,7 +227,10 @@ class StoreMetrics:
 
     def _too_slow(self, waiter: Deferred[None]) -> None:
         if not waiter.called:
-            self.up.set(0)
+            running = time.monotonic() - self._started_at
+            self.read_seconds.set(running)  # the read in progress, so a slow store shows
+            if running >= STALLED_SECONDS:
+                self.up.set(0)
             waiter.callback(None)
 
 
