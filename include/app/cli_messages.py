@@ -13,8 +13,6 @@ import click
 
 from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
-from include.conditions import ConditionError
-from include.hl7match import parse_where
 from include.store import keys, saved_searches, search, stats
 from include.store import operator as ops
 from include.store.parquet_archive import ParquetArchive
@@ -145,14 +143,10 @@ def run_find(
     as_json: bool,
 ) -> None:
     """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name."""
-    since_ms, until_ms = _ms(since), _ms(until)
-    query = _queries(wanted, since_ms, until_ms, before_id, limit)
+    query = _queries(wanted, _ms(since), _ms(until), before_id, limit)
     store = _store(service_config)
     try:
-        if isinstance(query, search.ContentQuery):
-            rows = search.find(store, query)
-        else:
-            rows = keys.find(store, query) if isinstance(query, keys.KeyQuery) else ops.find(store, query)
+        rows = saved_searches.run(store, query)
     except ValueError as exc:
         raise InputError(str(exc)) from exc
     finally:
@@ -171,46 +165,12 @@ def run_find(
 
 def _queries(
     wanted: dict[str, Any], since_ms: int | None, until_ms: int | None, before_id: int | None, limit: int
-) -> keys.KeyQuery | search.ContentQuery | ops.Filters:
+) -> saved_searches.Query:
     """The one search `wanted` asks for; InputError for criteria that do not go together or are bad."""
-    given = {k for k, v in wanted.items() if v is not None and v != []}
-    filters = {"control_id", "message_id", "lane_key", "connection", "destination", "status"}
     try:
-        if "key" in given:
-            if given - {"key"}:
-                raise InputError("--key combines with --since, --until, --before-id and --limit only")
-            window = {"since_ms": since_ms, "until_ms": until_ms, "before_id": before_id, "limit": limit}
-            query = keys.KeyQuery.parse(wanted["key"], **window)
-            query.params()
-            return query
-        if given & {"contains", "where"}:
-            if given & (filters - {"connection"}):
-                raise InputError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
-            where = wanted.get("where") or []
-            condition = parse_where(" and ".join(where)) if where else None
-            return search.ContentQuery(
-                since_ms,
-                until_ms,
-                wanted.get("contains"),
-                condition,
-                wanted.get("connection"),
-                before_id=before_id,
-                limit=limit,
-            )
-    except (ValueError, ConditionError) as exc:
+        return saved_searches.query_for(wanted, since_ms=since_ms, until_ms=until_ms, before_id=before_id, limit=limit)
+    except ValueError as exc:
         raise InputError(str(exc)) from exc
-    return ops.Filters(
-        control_id=wanted.get("control_id"),
-        message_id=wanted.get("message_id"),
-        lane_key=wanted.get("lane_key"),
-        connection=wanted.get("connection"),
-        destination=wanted.get("destination"),
-        status=wanted.get("status"),
-        since_ms=since_ms,
-        until_ms=until_ms,
-        before_id=before_id,
-        limit=limit,
-    )
 
 
 FIND_COLUMNS = (

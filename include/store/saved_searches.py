@@ -10,7 +10,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from include.conditions import ConditionError
+from include.hl7match import parse_where
+from include.store import keys, search
+from include.store import operator as ops
 from include.store.db import Store
+
+Query = keys.KeyQuery | search.ContentQuery | ops.Filters
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FIELDS = ("key", "contains", "where", "control_id", "message_id", "lane_key", "connection", "destination", "status")
@@ -81,3 +87,57 @@ def get(store: Store, name: str) -> dict[str, Any] | None:
 def delete(store: Store, name: str) -> bool:
     with store.transaction() as tx:
         return tx.execute("search_delete", {"name": _name(name)}) > 0
+
+
+def query_for(
+    wanted: Mapping[str, Any],
+    *,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    before_id: int | None = None,
+    limit: int = ops.FIND_LIMIT,
+) -> Query:
+    """The one search `wanted` (`messages find`'s criteria by name) asks for over this window and
+    page: by key, by content, or by the filters; ValueError for criteria that do not go together."""
+    given = {k for k, v in wanted.items() if v is not None and v != []}
+    filters = {"control_id", "message_id", "lane_key", "connection", "destination", "status"}
+    if "key" in given:
+        if given - {"key"}:
+            raise ValueError("--key combines with --since, --until, --before-id and --limit only")
+        query = keys.KeyQuery.parse(
+            wanted["key"], since_ms=since_ms, until_ms=until_ms, before_id=before_id, limit=limit
+        )
+        query.params()
+        return query
+    if given & {"contains", "where"}:
+        if given & (filters - {"connection"}):
+            raise ValueError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
+        where = wanted.get("where") or []
+        try:
+            condition = parse_where(" and ".join([where] if isinstance(where, str) else where)) if where else None
+        except ConditionError as exc:
+            raise ValueError(str(exc)) from None
+        return search.ContentQuery(
+            since_ms, until_ms, wanted.get("contains"), condition, wanted.get("connection"), before_id, limit
+        )
+    return ops.Filters(
+        control_id=wanted.get("control_id"),
+        message_id=wanted.get("message_id"),
+        lane_key=wanted.get("lane_key"),
+        connection=wanted.get("connection"),
+        destination=wanted.get("destination"),
+        status=wanted.get("status"),
+        since_ms=since_ms,
+        until_ms=until_ms,
+        before_id=before_id,
+        limit=limit,
+    )
+
+
+def run(store: Store, query: Query) -> list[dict[str, Any]]:
+    """The messages `query` finds, newest first."""
+    if isinstance(query, search.ContentQuery):
+        return search.find(store, query)
+    if isinstance(query, keys.KeyQuery):
+        return keys.find(store, query)
+    return ops.find(store, query)

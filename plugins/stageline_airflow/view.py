@@ -6,7 +6,10 @@ Airflow's own api-server serves under `/stageline/`, with a "Stageline" entry in
     GET  /stageline/api/stages                per stage: backlog, oldest pending age, in flight, dead
     GET  /stageline/api/destinations?by=…     each destination's (or connection's) health, with each
                                               destination's deliveries per minute (`include/store/stats.py`)
-    GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields)
+    GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields; `key=mrn=12345` or
+                                              `mrn=123*`: by business key; `contains=…&where=…`: content)
+    GET  /stageline/api/searches              the saved searches; POST {"name", "query"} saves one,
+    DELETE /stageline/api/searches/{name}     deletes it; GET …/{name}/run?since_ms=… runs it
     GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches;
                                               `?body=1`: with its bodies (PHI; a `body_read` audit event)
     GET  /stageline/api/dead                  dead letters by stage, destination and reason
@@ -29,7 +32,9 @@ trail) unless asked for (`body=1`) by a user who may read them: the auth manager
 to VIEWER), the OP or ADMIN role. So Airflow's Viewer and User see metadata only; Op and Admin may
 read bodies, and each read is a `body_read` event naming the user (`reader:airflow <username>`).
 For a user who may not read bodies a lane key (usually the MRN) shows as a keyed digest
-(`lane:<12 hex>`, `include.store.operator.LaneMask`) and a lane filter is refused (403).
+(`lane:<12 hex>`, `include.store.operator.LaneMask`), and so does a business key's value; a lane
+filter, a search by key and a content search are refused (403): each would tell whether a guessed
+MRN or text is in the store.
 
 The store is the service config's (`$STAGELINE_CONFIG` of the api-server's environment) via
 `StagelineStoreHook`, opened at the first request and kept for the process. Airflow builds every
@@ -73,7 +78,7 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
     from include.store import operator as ops
-    from include.store import stats
+    from include.store import saved_searches, stats
     from include.store.membership import cluster_nodes
     from include.store.parquet_archive import ParquetArchive
     from stageline_airflow import view_html
@@ -112,6 +117,25 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         if filters.lane_key is not None and not may_read_bodies(user):
             raise HTTPException(403, "lane filters need the OP or ADMIN role")
         return filters
+
+    def searching(user: Any, args: Any) -> saved_searches.Query:
+        """The search a query string asks for (`Filters.from_query`'s fields, `key`, `contains`,
+        `where`); 403 for a lane, key or content search from a user who may not read bodies."""
+        wanted = {k: args.get(k) or None for k in saved_searches.FIELDS if k != "where"}
+        wanted["where"] = [w for w in args.getlist("where") if w] if hasattr(args, "getlist") else []
+        return checked_search(user, wanted, args)
+
+    def checked_search(user: Any, wanted: dict[str, Any], args: Any) -> saved_searches.Query:
+        if not may_read_bodies(user):
+            if wanted.get("lane_key"):
+                raise HTTPException(403, "lane filters need the OP or ADMIN role")
+            if any(wanted.get(k) for k in ("key", "contains", "where")):
+                raise HTTPException(403, "key and content searches need the OP or ADMIN role")
+        try:
+            page = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if args.get(k)}
+        except ValueError as exc:
+            raise ValueError(f"not a number: {exc}") from None
+        return saved_searches.query_for(wanted, **page)
 
     def body_reader(user: Any, asked: str | None) -> ops.Reader | None:
         """The audit trail's reader when bodies are asked for (`body=1`) and allowed; 403 when not allowed."""
@@ -174,8 +198,38 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @app.get("/api/messages")
     @guarded
     def get_messages(request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
-        filters = lane_filter(user, ops.Filters.from_query(request.query_params))
-        return for_user(user, {"messages": ops.find(store(), filters)})
+        return for_user(user, {"messages": saved_searches.run(store(), searching(user, request.query_params))})
+
+    @app.get("/api/searches")
+    @guarded
+    def get_searches(user: Any = Depends(reader)) -> dict[str, Any]:
+        return {"searches": saved_searches.list_all(store())}
+
+    @app.post("/api/searches")
+    @guarded
+    def post_search(body: dict[str, Any] = Body(...), user: Any = Depends(operator)) -> dict[str, Any]:
+        query = body.get("query")
+        if not isinstance(query, dict):
+            raise ValueError("query must be an object of messages find's criteria")
+        saved_searches.query_for(saved_searches.criteria(query))  # refuse what a run would refuse
+        saved = saved_searches.save(store(), str(body.get("name", "")), query, actor=actor(user))
+        return {"name": body.get("name"), "query": saved}
+
+    @app.delete("/api/searches/{name}")
+    @guarded
+    def delete_search(name: str, user: Any = Depends(operator)) -> dict[str, Any]:
+        if not saved_searches.delete(store(), name):
+            raise LookupError(f"no saved search {name!r}")
+        return {"deleted": name}
+
+    @app.get("/api/searches/{name}/run")
+    @guarded
+    def run_search(name: str, request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
+        found = saved_searches.get(store(), name)
+        if found is None:
+            raise LookupError(f"no saved search {name!r}")
+        query = checked_search(user, found["query"], request.query_params)
+        return for_user(user, {"messages": saved_searches.run(store(), query)})
 
     @app.get("/api/messages/{ref}")
     @guarded
@@ -247,15 +301,17 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         filters = ops.Filters.from_query({**args, "limit": args.get("limit") or "20"})
         filters.params()  # out-of-range figures: 400 before any read
         lane_filter(user, filters)
+        key_query = checked_search(user, {"key": args["key"]}, args) if args.get("key") else None
         body_for = body_reader(user, args.get("body"))
 
         def read() -> view_html.PageData:
             s = store()
-            shown = None
+            shown, siblings = None, []
             if args.get("show"):
                 try:
                     cold = parquet()
                     shown = ops.show(s, ops.resolve(s, args["show"], parquet=cold), parquet=cold, reader=body_for)
+                    siblings = _siblings(s, shown) if may_read_bodies(user) else []
                     shown = ops.Story(**for_user(user, shown.__dict__))
                 except LookupError:
                     shown = None
@@ -266,7 +322,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
                 stages=ops.stages(s),
                 destinations=stats.health(s, by="destination", chart=True)["rows"],
                 dead=ops.dead_letters(s),
-                messages=for_user(user, ops.find(s, filters)),
+                messages=for_user(user, saved_searches.run(s, key_query) if key_query else ops.find(s, filters)),
+                key=args.get("key") or "",
+                siblings=siblings,
                 filters=filters,
                 shown=shown,
                 shown_ref=args.get("show"),
@@ -280,6 +338,18 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         )
 
     return app
+
+
+def _siblings(store: Any, story: Any) -> list[dict[str, Any]]:
+    """The other messages that share a business key with the shown one: per key (by name), its
+    newest 20, newest first; each row names the key that links it."""
+    from include.store import keys
+
+    out: list[dict[str, Any]] = []
+    for k in story.keys:
+        query = keys.KeyQuery(name=k["name"], value=k["key_value"], limit=21)
+        out += [row for row in keys.find(store, query) if row["id"] != story.inbound["id"]][:20]
+    return out
 
 
 def guarded(handler: Callable[..., T]) -> Callable[..., T]:

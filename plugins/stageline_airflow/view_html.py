@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from html import escape
 from typing import Any
@@ -35,6 +35,10 @@ class PageData:
     may_read_bodies: bool = False
     destinations: list[dict[str, Any]] | None = None
     """`include.store.stats.health(by="destination", chart=True)`'s rows."""
+    key: str = ""
+    """The business-key search asked for (`mrn=12345`, `mrn=123*`): `messages` are its hits."""
+    siblings: list[dict[str, Any]] = field(default_factory=list)
+    """The messages sharing a business key with the shown one (`include.store.keys.find` rows)."""
 
 
 def e(value: Any) -> str:
@@ -233,6 +237,15 @@ def search_section(data: PageData) -> str:
         )
     )
     options = "".join(f"<option{' selected' if f.status == s else ''}>{s}</option>" for s in STATUSES)
+    key_form = (
+        '<form method="get" class="key-search" id="key-search"><label>business key <input name="key" '
+        f'value="{escape(data.key)}" size="24" placeholder="mrn=12345 or mrn=123*"></label>'
+        '<button type="submit">find by key</button></form>'
+    )
+    if data.key:
+        return f"""<section id="search"><h2>Messages</h2>{key_form}
+<h3>with {e(data.key)}</h3>{key_table(data.messages, "no messages have this key")}
+<p class="muted">newest first, at most {f.limit}; hot, in the archive tables or only in Parquet (where)</p></section>"""
     rows = "".join(
         f'<tr><td><a href="?{escape(urlencode({"show": m["id"]}))}#message">{m["id"]}</a></td>'
         f"<td>{when_ms(m['created_ms'])}</td><td>{e(m['connection'])}</td><td>{e(m['control_id'])}</td>"
@@ -242,11 +255,38 @@ def search_section(data: PageData) -> str:
     )
     return f"""<section id="search"><h2>Messages</h2>
 <form method="get" class="search">{fields}<label>status <select name="status"><option value="">any</option>
-{options}</select></label><button type="submit">find</button></form>
+{options}</select></label><button type="submit">find</button></form>{key_form}
 <table><thead><tr><th>id</th><th>received</th><th>connection</th><th>control id</th><th>lane</th><th>status</th>
 <th>routed</th><th>delivered</th><th>dead</th></tr></thead>
 <tbody>{rows or '<tr><td colspan="9">no messages match</td></tr>'}</tbody></table>
 <p class="muted">newest first, at most {f.limit}; a row id, message id or control id opens one message</p></section>"""
+
+
+def key_table(rows: list[dict[str, Any]], empty: str) -> str:
+    """Messages found by a business key (`include.store.keys.find` rows), each a link to it."""
+    body = "".join(
+        f'<tr><td><a href="?{escape(urlencode({"show": m["id"]}))}#message">{m["id"]}</a></td>'
+        f"<td>{when_ms(m['created_ms'])}</td><td>{e(m['connection'])}</td><td>{e(m['control_id'])}</td>"
+        f"<td>{e(m['name'])}={e(m['key_value'])}</td><td>{e(m['status'])}</td><td>{e(m['tier'])}</td></tr>"
+        for m in rows
+    )
+    return (
+        '<table class="keyed"><thead><tr><th>id</th><th>received</th><th>connection</th><th>control id</th>'
+        f"<th>key</th><th>status</th><th>where</th></tr></thead><tbody>"
+        f"{body or f'<tr><td colspan=7>{e(empty)}</td></tr>'}</tbody></table>"
+    )
+
+
+def keys_line(story: Story) -> str:
+    """A message's business keys, each a link to the search by it."""
+    if not story.keys:
+        return ""
+    links = ", ".join(
+        f'<a href="?{escape(urlencode({"key": k["name"] + "=" + str(k["key_value"])}))}#search">'
+        f"{e(k['name'])}={e(k['key_value'])}</a>"
+        for k in story.keys
+    )
+    return f'<p class="keys">keys: {links}</p>'
 
 
 BATCHES_TABLE = (
@@ -301,15 +341,23 @@ def message_section(data: PageData) -> str:
  control id {e(i["control_id"])}</small></h2>
 <p>received {when_ms(i["created_ms"])} on <b>{e(i["connection"])}</b>, lane {e(i["lane_key"])},
  charset {e(i["charset"])}; status <b>{e(i["status"])}</b>{archived_since(i)}</p>
-<div class="actions">{replays}</div>
+{keys_line(s)}<div class="actions">{replays}</div>
 <table><thead><tr><th>stage</th><th>row</th><th>destination</th><th>status</th><th>attempts</th><th>updated</th>
 <th>last error</th><th></th></tr></thead><tbody>{"".join(stage_rows)}</tbody></table>
 <h3>History (message_events)</h3>
 <table id="trail"><thead><tr><th>at</th><th>stage</th><th>row</th><th>event</th><th>status</th><th>destination</th>
 <th>epoch</th><th>by</th><th>detail</th></tr></thead><tbody>{trail}</tbody></table>
 {BATCHES_TABLE.format(batches=batches) if batches else ""}
+{siblings_part(data)}
 <h3>Bodies</h3>{bodies_part(data, delivered)}
 </section>"""
+
+
+def siblings_part(data: PageData) -> str:
+    """The messages that share a key with the shown one (only for a user who may read bodies)."""
+    if not data.siblings:
+        return ""
+    return f'<h3>Siblings (messages sharing a key)</h3><div id="siblings">{key_table(data.siblings, "")}</div>'
 
 
 def bodies_part(data: PageData, delivered: str) -> str:
@@ -357,7 +405,8 @@ th { background: #f3f5f8; } td.n { text-align: right; } tr.leader td { backgroun
 .facts { display: grid; grid-template-columns: max-content auto; gap: 2px 12px; margin: 4px 0; }
 .facts dt { color: #556; } .facts dd { margin: 0; }
 pre.hl7 { background: #f7f7f9; padding: 6px; margin: 2px 0; white-space: pre-wrap; word-break: break-all; }
-form.action { display: inline-flex; gap: 4px; margin: 2px 6px 2px 0; } form.search label { margin-right: 8px; }
+form.action { display: inline-flex; gap: 4px; margin: 2px 6px 2px 0; }
+form.search label, form.key-search label { margin-right: 8px; }
 .actions { margin: 6px 0; } nav a { margin-right: 12px; }
 svg.chart { display: block; } svg.chart rect.sent { fill: #2e7d32; } svg.chart rect.dead { fill: #b3261e; }
 svg.chart line.axis { stroke: #bbc; stroke-width: 1; }
