@@ -56,8 +56,12 @@ class AckCode(StrEnum):
     CR = "CR"
 
 
-_POSITIVE = frozenset({AckCode.AA, AckCode.CA})
 _COMMIT = {AckCode.AA: AckCode.CA, AckCode.AE: AckCode.CE, AckCode.AR: AckCode.CR}
+
+
+def _positive(code: AckCode) -> bool:
+    # Identity, not a set lookup: hashing an enum member runs Python code, and this is per ACK.
+    return code is AckCode.AA or code is AckCode.CA
 
 
 def accept_code(header: HL7Header, code: AckCode) -> AckCode | None:
@@ -67,9 +71,9 @@ def accept_code(header: HL7Header, code: AckCode) -> AckCode | None:
     Original mode (MSH-15 and MSH-16 empty): `code` itself. Enhanced mode: the commit ACK (CA, CE,
     CR), sent as MSH-15 says: AL (or empty) always, NE never, ER only for CE/CR, SU only for CA.
     """
-    accept = header.accept_ack_type
-    if not accept and not header.application_ack_type:
+    if not header.enhanced_mode:
         return code
+    accept = header.accept_ack_type
     commit = _COMMIT.get(code, code)
     if accept == "NE" or (accept == "ER" and commit is AckCode.CA) or (accept == "SU" and commit is not AckCode.CA):
         return None
@@ -178,7 +182,7 @@ def build_ack(
     own_id = new_control_id() if control_id is None else shape.plain(control_id or new_control_id())
     stamp = _timestamp(now, utc_offset=shape.utc_offset)
     acked = _strip_controls(header.control_id)
-    if ack_code in _POSITIVE:
+    if ack_code is AckCode.AA or ack_code is AckCode.CA:
         text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}{ack_code.value}{fs}{acked}\r"
     else:
         msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
@@ -295,7 +299,7 @@ def build_fallback_ack(
     ]
     parsed = _version_tuple(version)
     segments = [fs.join(msh), _msa(ack_code, plain(acked_control_id), reason, parsed, plain, fs)]
-    if ack_code not in _POSITIVE:
+    if not _positive(ack_code):
         segments.append(_err(error_code, reason, parsed, plain, fs, enc, location))
     text = "".join(segment + "\r" for segment in segments)
     return text.encode("ascii", errors="replace")
@@ -329,7 +333,7 @@ def _msa(
 ) -> str:
     fields = ["MSA", code.value, control_id]
     # MSA-3 (text message) was withdrawn in v2.7 but older senders still display it.
-    if code not in _POSITIVE and reason and version < (2, 7):
+    if not _positive(code) and reason and version < (2, 7):
         fields.append(plain(reason[:MAX_REASON_CHARS]))
     return fs.join(fields)
 

@@ -119,8 +119,9 @@ class HL7Header:
     charset: str
     encoding: str  # Python codec used to decode the message (and encode its ACK)
     text: str | None = field(default=None, repr=False, compare=False)  # the decoded message (complete parses)
-    accept_ack_type: str = ""  # MSH-15 (table 0155), stripped
-    application_ack_type: str = ""  # MSH-16, stripped; listenerd never sends an application ACK
+    # MSH-15 and MSH-16 (table 0155), stripped; None when both are empty (original mode). One
+    # field, not two: a header is built per message and each field costs its constructor a call.
+    ack_types: tuple[str, str] | None = None
 
     @classmethod
     def of_fields(
@@ -143,14 +144,23 @@ class HL7Header:
             charset=f[17],
             encoding=encoding,
             text=text,
-            accept_ack_type=f[14] and f[14].strip(),  # (mostly empty: no call then)
-            application_ack_type=f[15] and f[15].strip(),
+            ack_types=(f[14].strip(), f[15].strip()) if f[14] or f[15] else None,
         )
+
+    @property
+    def accept_ack_type(self) -> str:
+        """MSH-15 (AL, NE, ER, SU, or empty)."""
+        return self.ack_types[0] if self.ack_types else ""
+
+    @property
+    def application_ack_type(self) -> str:
+        """MSH-16; listenerd never sends an application ACK, it only tells the mode."""
+        return self.ack_types[1] if self.ack_types else ""
 
     @property
     def enhanced_mode(self) -> bool:
         """MSH-15 or MSH-16 is valued: the sender wants enhanced-mode (commit) acknowledgments."""
-        return bool(self.accept_ack_type or self.application_ack_type)
+        return self.ack_types is not None and any(self.ack_types)
 
     @property
     def component_separator(self) -> str:
@@ -272,7 +282,7 @@ def parse_header(
             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}",
         )
     accept = fields[14] if len(fields) > 14 else ""
-    if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() not in ACCEPT_ACK_TYPES:
+    if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() and accept.strip() not in ACCEPT_ACK_TYPES:
         shown = "".join(c for c in accept[:8] if c.isprintable())
         raise HL7HeaderError(
             HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE,

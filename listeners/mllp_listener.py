@@ -524,7 +524,9 @@ class MLLPProtocol(OrderedReplyProtocol):
     def _answer(self, slot: Slot, header: HL7Header, decision: AckDecision) -> None:
         """Answer `slot` with `decision` in the sender's acknowledgment mode (`accept_code`): when
         MSH-15 asks for no answer, the slot is still answered in its turn, with nothing written."""
-        code = accept_code(header, decision.code)
+        code: AckCode | None = decision.code
+        if header.ack_types is not None:  # MSH-15/16 valued, maybe enhanced (original mode: as decided)
+            code = accept_code(header, decision.code)
         if code is None:
             if self.answer(slot, b"") and self.factory is not None:
                 self.factory.count_ack("none")

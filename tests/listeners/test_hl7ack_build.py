@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import hl7
 import pytest
 
-from listeners.hl7ack import AckCode, AckDecision, build_ack, build_fallback_ack, escape
+from listeners.hl7ack import AckCode, AckDecision, accept_code, build_ack, build_fallback_ack, escape
 from listeners.hl7msg import HL7Header, parse_header
 
 INBOUND = (
@@ -221,3 +221,22 @@ def test_ack_decision_helpers() -> None:
         AckDecision("CA")  # type: ignore[arg-type]  # the commit codes are accept_code's, not a handler's
     with pytest.raises(ValueError):
         build_ack(parse_header(INBOUND), "OK")
+
+
+@pytest.mark.parametrize(
+    "msh15, msh16, answers",
+    [
+        # MSH-15, MSH-16 -> the answer to AA, AE, AR (None: nothing is sent)
+        ("", "", ("AA", "AE", "AR")),
+        ("AL", "", ("CA", "CE", "CR")),
+        ("", "NE", ("CA", "CE", "CR")),  # enhanced by MSH-16 alone; empty MSH-15 means always
+        ("NE", "AL", (None, None, None)),
+        ("ER", "", (None, "CE", "CR")),
+        ("SU", "", ("CA", None, None)),
+    ],
+)
+def test_accept_code_follows_msh_15_in_enhanced_mode(msh15: str, msh16: str, answers: tuple) -> None:
+    msh = f"MSH|^~\\&|A|B|C|D|20240101||ADT^A01|X1|P|2.5|||{msh15}|{msh16}\rPID|1\r".encode()
+    header = parse_header(msh)
+    got = tuple(accept_code(header, code) for code in (AckCode.AA, AckCode.AE, AckCode.AR))
+    assert got == answers

@@ -250,3 +250,34 @@ def test_error_text_never_quotes_message_content() -> None:
             parse_header(data)
         assert "SECRET" not in str(info.value)
         assert "SECRET" not in repr(info.value)
+
+
+def with_msh15_16(msh15: str, msh16: str) -> bytes:
+    return ADT.replace(b"|||AL|NE|", b"|||" + msh15.encode() + b"|" + msh16.encode() + b"|", 1)
+
+
+@pytest.mark.parametrize(
+    "msh15, msh16, ack_types, enhanced",
+    [
+        ("", "", None, False),
+        (" ", " ", ("", ""), False),  # blank is empty: original mode, not refused
+        ("AL", "NE", ("AL", "NE"), True),
+        (" ER ", "", ("ER", ""), True),
+        ("", "AL", ("", "AL"), True),
+        ("SU", "XX", ("SU", "XX"), True),  # MSH-16 only tells the mode: not checked
+    ],
+)
+def test_msh_15_and_16_tell_the_acknowledgment_mode(
+    msh15: str, msh16: str, ack_types: tuple[str, str] | None, enhanced: bool
+) -> None:
+    h = parse_header(with_msh15_16(msh15, msh16))
+    assert (h.ack_types, h.enhanced_mode) == (ack_types, enhanced)
+
+
+@pytest.mark.parametrize("msh15", ["XX", "al", "ALWAYS", "A^L"])
+def test_an_msh_15_outside_table_0155_is_refused_naming_the_message(msh15: str) -> None:
+    with pytest.raises(HL7HeaderError) as info:
+        parse_header(with_msh15_16(msh15, ""))
+    assert info.value.reason is HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE
+    assert info.value.control_id == "MSG00001"
+    assert (info.value.condition.code, info.value.condition.location.text()) == ("103", "MSH^1^15")
