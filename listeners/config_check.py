@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from include import config as cfgmod
+from include.keys_config import FILE as KEYS_FILE
+from include.keys_config import load_keys
 from include.routes_config import Route, parse_routes
 from include.schema import ConfigProblem, ConfigProblems
 from include.schema.reading import read_toml, unreadable
@@ -47,7 +49,7 @@ __all__ = ["EXIT_PROBLEMS", "KNOWN_FILES", "Problem", "Report", "check_dir", "ma
 CONNECTIONS = "connections.toml"
 SERVICE = cfgmod.DEFAULT_CONFIG
 LOOKUPS = "lookups"
-KNOWN_FILES = (CONNECTIONS, *FILES.values(), SERVICE)
+KNOWN_FILES = (CONNECTIONS, *FILES.values(), KEYS_FILE, SERVICE)
 """The TOML files a config dir may hold; any other `*.toml` there is a problem."""
 EXIT_PROBLEMS = 2
 PROBE_SECONDS = 5.0
@@ -115,6 +117,7 @@ def check_dir(
             ),
         ),
         (base, lambda: _pipeline(base, report, transforms)),
+        (base / KEYS_FILE, lambda: _keys(base, report)),
         (
             base / LOOKUPS,
             lambda: _lookups(base, transforms, store_tables, store_note, report, unverified_ok=lookups_unverified_ok),
@@ -265,6 +268,12 @@ def _pipeline(base: Path, report: Report, transforms: list[tuple[int, Transform]
     report.counts.update(
         {"routes": len(config.routes), "destinations": len(config.destinations), "transforms": len(config.transforms)}
     )
+
+
+def _keys(base: Path, report: Report) -> None:
+    """keys.toml: the business keys the route task indexes (`include.keys_config`), as it loads them."""
+    if (base / KEYS_FILE).exists():
+        report.counts["business keys"] = len(load_keys(base).names)
 
 
 def _each_table(base: Path) -> tuple[list[tuple[int, Route]], set[str], list[tuple[int, Transform]]]:

@@ -328,7 +328,7 @@ def test_an_unknown_toml_file_in_the_config_dir_is_an_error_naming_the_known_one
     report = check_dir(conf, store_tables=set())
     assert [(p.file.name, p.key) for p in report.problems] == [(name, "")]
     assert (
-        "connections.toml, routes.toml, destinations.toml, transforms.toml, stageline.toml"
+        "connections.toml, routes.toml, destinations.toml, transforms.toml, keys.toml, stageline.toml"
         in report.problems[0].message
     )
 

@@ -222,3 +222,20 @@ def test_saved_searches_keep_checked_criteria_by_name(store):
         with pytest.raises(ValueError, match="name"):
             saved.save(store, name, {"key": "mrn=1"}, actor="a")
     assert [s["name"] for s in saved.list_all(store)] == ["ohara"]
+
+
+def test_config_check_reads_keys_toml_as_the_route_task_does(tmp_path):
+    from listeners.config_check import check_dir
+
+    (tmp_path / "routes.toml").write_text("")
+    assert check_dir(tmp_path).ok  # no keys.toml: no keys, nothing to say
+    (tmp_path / "keys.toml").write_text('[keys]\nmrn = "PID-3.1"\nvisit = "PV1-19"\n')
+    report = check_dir(tmp_path)
+    assert report.ok and report.counts["business keys"] == 2  # listenerd and `stageline up` accept the dir
+    (tmp_path / "keys.toml").write_text('[keys]\nmrn = "PID-3.x"\n[connections.lab]\nACC = "OBR-3"\n')
+    report = check_dir(tmp_path)
+    assert not report.ok
+    assert {(p.file.name, p.key) for p in report.problems} == {
+        ("keys.toml", "keys.mrn"),
+        ("keys.toml", "connections.lab.ACC"),
+    }
