@@ -26,7 +26,12 @@ from include.conditions import AllOf, Condition, ConditionError, Connection, Lea
 from include.hl7path import FieldPath
 
 _SEGMENTS = re.compile(r"\r\n?|\n")
+# A quantified group that holds a quantifier ("(a+)+", "(\w*x)*"): the shape whose backtracking
+# grows exponentially with the text; Python's re cannot be stopped once it runs.
+_NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)\s*[+*{?]")
+MAX_REGEX_CHARS = 200
 _OPS = {"=": "eq", "!=": "ne", "~": "regex", "in": "in"}
+_IN = re.compile(r"\s*(?P<quantifier>(?:any|all)\s+)?(?P<path>\S+)\s+in\s*\((?P<values>.*)\)\s*", re.DOTALL)
 
 
 def parse_where(text: str) -> Condition:
@@ -35,15 +40,30 @@ def parse_where(text: str) -> Condition:
     if not clauses:
         raise ConditionError("where: empty condition")
     parsed = [_clause(c, where=f"where[{n}]") for n, c in enumerate(clauses)]
+    for n, leaf in enumerate(parsed):
+        if leaf.get("op") == "regex":
+            pattern = str(leaf["value"])
+            if len(pattern) > MAX_REGEX_CHARS or _NESTED_QUANTIFIER.search(pattern):
+                raise ConditionError(
+                    f"where[{n}]: a regex of at most {MAX_REGEX_CHARS} characters without a repeated group that "
+                    "repeats inside (such as (a+)+): one body could keep the search busy for ever"
+                )
     return parse_condition(parsed[0] if len(parsed) == 1 else {"all": parsed}, where="where")
 
 
 def _clause(text: str, *, where: str) -> dict[str, Any]:
+    usage = f'{where}: expected PATH = "VALUE" (or !=, ~, in (...), exists, segment SEG), got {text!r}'
+    listed = _IN.fullmatch(text)
     try:
-        words = shlex.split(text.replace("(", " ").replace(")", " ").replace(",", " "))
+        if listed is not None:  # PATH in ("A", "B"): the values between the parentheses
+            lexer = shlex.shlex(listed["values"], posix=True)
+            lexer.whitespace += ","
+            lexer.whitespace_split = True
+            words = [*(listed["quantifier"] or "").split(), listed["path"], "in", *lexer]
+        else:
+            words = shlex.split(text)
     except ValueError as exc:
         raise ConditionError(f"{where}: {exc}: {text!r}") from None
-    usage = f'{where}: expected PATH = "VALUE" (or !=, ~, in (...), exists, segment SEG), got {text!r}'
     if len(words) == 2 and words[0] == "segment":
         return {"segment": words[1]}
     quantifier = None
@@ -51,7 +71,7 @@ def _clause(text: str, *, where: str) -> dict[str, Any]:
         quantifier, words = words[0], words[1:]
     if len(words) == 2 and words[1] == "exists":
         leaf: dict[str, Any] = {"field": words[0], "op": "exists"}
-    elif len(words) >= 3 and words[1] in _OPS:
+    elif len(words) >= 3 and words[1] in _OPS and (words[1] == "in") == (listed is not None):
         values = words[2:]
         if words[1] != "in" and len(values) != 1:
             raise ConditionError(usage)

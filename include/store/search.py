@@ -85,6 +85,7 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
     text = query.checked_text()
     cursor = query.before_id if query.before_id is not None else MAX_ROW_ID
     found: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
     with store.transaction(write=False) as tx, _bounded(tx, timeout):
         since, until = query.window(int(float(tx.row("db_now")["db_now"]) * 1000))
         params = {
@@ -105,6 +106,11 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
                         break
             if len(rows) < CHUNK:
                 break
+            if time.monotonic() > deadline:  # the conditions' time counts too, not only the store's
+                raise SearchTooBroad(
+                    f"the search ran past {timeout:g} s and was stopped: narrow the window (--since/--until) "
+                    "or add --connection"
+                )
             cursor = int(rows[-1]["id"])
     return found
 

@@ -147,3 +147,15 @@ def test_with_the_trigram_index_postgresql_answers_the_same(pg_config_fresh):
         assert found(store, text="DOE", where=parse_where('PID-8 = "F"'), connection="lab-in") == [ids[2]]
     finally:
         store.close()
+
+
+def test_a_regex_that_could_backtrack_for_ever_is_refused_before_any_read():
+    for bad in ('PID-5 ~ "(a+)+$"', 'PID-5 ~ "(\\w*x)*y"', 'PID-5 ~ "(.*a){20}"'):
+        with pytest.raises(ConditionError, match="repeated group"):
+            parse_where(bad)
+    with pytest.raises(ConditionError, match="at most 200"):
+        parse_where(f'PID-5 ~ "{"a" * 201}"')
+    assert matches(parse_where('PID-5 ~ "^(DOE|ROE)\\^"'), ADT)  # groups and quantifiers apart are fine
+    assert parse_where('PID-8 in ("F", "A,B")') == parse_condition(
+        {"field": "PID-8", "op": "in", "value": ["F", "A,B"]}
+    )
