@@ -351,7 +351,8 @@ def _err(
     code_text = plain(ERROR_TEXT.get(error_code, "Error"))
     message = plain(reason[:MAX_REASON_CHARS])
     cs = enc[0]
-    where = [plain(part) for part in location.components()] if location is not None else []
+    # A location's parts are a segment id and numbers: escaped only if one is anything else.
+    where = [p if p.isalnum() else plain(p) for p in location.components()] if location is not None else []
     if version and version < (2, 5):
         # v2.1-2.4: ERR-1 (ELD) = segment^sequence^field^code&text&table
         sub = enc[3]
