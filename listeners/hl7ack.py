@@ -71,10 +71,15 @@ def accept_code(header: HL7Header, code: AckCode) -> AckCode | None:
     Original mode (MSH-15 and MSH-16 empty): `code` itself. Enhanced mode: the commit ACK (CA, CE,
     CR), sent as MSH-15 says: AL (or empty) always, NE never, ER only for CE/CR, SU only for CA.
     """
-    if not header.enhanced_mode:
+    types = header.ack_types
+    if types is None or not (types[0] or types[1]):
         return code
-    accept = header.accept_ack_type
-    commit = _COMMIT.get(code, code)
+    accept = types[0]
+    commit = code
+    if code is AckCode.AA:  # (identity, not `_COMMIT`: an enum member hashes in Python code)
+        commit = AckCode.CA
+    elif code is AckCode.AE or code is AckCode.AR:
+        commit = _COMMIT[code]
     if accept == "NE" or (accept == "ER" and commit is AckCode.CA) or (accept == "SU" and commit is not AckCode.CA):
         return None
     return commit
@@ -182,8 +187,10 @@ def build_ack(
     own_id = new_control_id() if control_id is None else shape.plain(control_id or new_control_id())
     stamp = _timestamp(now, utc_offset=shape.utc_offset)
     acked = _strip_controls(header.control_id)
-    if ack_code is AckCode.AA or ack_code is AckCode.CA:
-        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}{ack_code.value}{fs}{acked}\r"
+    # (literals, not `ack_code.value`: an enum's value is a Python-level property, and this is per ACK)
+    positive = "AA" if ack_code is AckCode.AA else "CA" if ack_code is AckCode.CA else None
+    if positive is not None:
+        text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}{positive}{fs}{acked}\r"
     else:
         msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
         err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc, location)

@@ -162,6 +162,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+_ANSWER_CODES = frozenset({"AA", "AE", "AR", "CA", "CE", "CR", "none"})
+"""Every code an inbound answer is counted under (`none`: MSH-15 asked for no answer)."""
+
+
 class ListenerCounters:
     """What every inbound transport counts, bound to one connection: the same set for each kind."""
 
@@ -182,7 +186,11 @@ class ListenerCounters:
     def answered(self, code: str) -> None:
         """It was answered `code` (AA, AE or AR)."""
         counter = self._by_code.get(code)
-        (counter or self._acks.labels(self.connection, code)).inc()
+        if counter is None:
+            counter = self._acks.labels(self.connection, code)
+            if code in _ANSWER_CODES:  # a bounded set: kept, so the next one skips `labels`
+                self._by_code[code] = counter
+        counter.inc()
 
     def open_connections(self, count: int) -> None:
         self._open.set(count)

@@ -488,7 +488,10 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=slot.label,
                 peer=self.peer_text,
             )
-        self._answer(slot, header, decision)
+        if header.ack_types is None:  # original mode, the common case: as decided, one call less
+            self._reply(slot, decision.code, self._ack(header, decision, decision.code))
+        else:
+            self._answer(slot, header, decision)
 
     def _handler_failed(self, failure: Failure, slot: Slot, header: HL7Header) -> None:
         if slot.ready:
