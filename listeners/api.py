@@ -17,6 +17,7 @@ without the ref.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -575,6 +576,17 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         return lambda store: mask.apply(work(store))
 
     def find(request: Request) -> Any:
+        unknown = sorted(set(_args(request)) - FIND_FIELDS)
+        if unknown:  # a search this endpoint does not do must not answer as "the newest messages"
+            return _json(
+                request,
+                400,
+                {
+                    "error": f"{len(unknown)} unknown field(s) (not echoed): GET /messages filters by "
+                    f"{', '.join(sorted(FIND_FIELDS))}; to search by business key or content use "
+                    "`stageline messages find` or the Stageline view"
+                },
+            )
         filters = operator.Filters.from_query(_args(request))
         filters.params()  # out-of-range figures: 400 before any work
         if (
@@ -720,6 +732,8 @@ def _reason(body: dict[str, Any]) -> str:
     return reason
 
 
+FIND_FIELDS = frozenset(f.name for f in dataclasses.fields(operator.Filters))
+"""The query fields `GET /messages` takes: a filter of `operator.Filters` each."""
 READS = ApiReads()
 """The API's store reads: their own threads, so a slow read never takes the heartbeat's (`api_reads`)."""
 

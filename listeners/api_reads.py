@@ -12,6 +12,7 @@ when it does), so a hung store costs neither the node nor the API's connection s
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,14 @@ READ_THREADS = 4
 MAX_PENDING = 8
 READ_SECONDS = 15.0
 RETRY_AFTER_SECONDS = 1
+
+
+class _Pool(ThreadPool):
+    """Daemon threads: a read stuck in the store must not keep the process from exiting (the pool is
+    stopped at reactor shutdown; a process that never runs one, like a test, would hang at exit)."""
+
+    def threadFactory(self, *args: Any, **kwargs: Any) -> threading.Thread:  # type: ignore[override]
+        return threading.Thread(*args, daemon=True, **kwargs)
 
 
 class ReadsBusy(RuntimeError):
@@ -85,7 +94,7 @@ class ApiReads:
 
     def _start(self, reactor: Any) -> ThreadPool:
         if self._pool is None:
-            self._pool = ThreadPool(0, self._threads, name="stageline-api-reads")
+            self._pool = _Pool(0, self._threads, name="stageline-api-reads")
             self._pool.start()
             reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)
         return self._pool

@@ -87,7 +87,7 @@ def test_stageline_up_runs_the_pipeline_and_ctrl_c_stops_everything(tmp_path):
             assert sent.returncode == 0 and sent.stdout.count(" AA") == 3 * COUNT, sent.stdout + sent.stderr
             hint = sent.stdout.splitlines()[-1]
             assert str(received_file) in hint and f"{archive}/" in hint and "Airflow UI" in hint, hint
-            sent_order += [line.split()[0] for line in sent.stdout.splitlines()[: 3 * COUNT]]
+            sent_order += [line.split()[0] for line in sent.stdout.splitlines() if line.rstrip().endswith(" AA")]
             sent_adt += [line.split()[0] for line in sent.stdout.splitlines() if " ADT^A01 " in line]
 
             assert wait_for(

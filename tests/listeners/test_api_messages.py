@@ -66,6 +66,9 @@ def test_find_show_replay_and_requeue_over_the_api(node):
     d, store_config = node
     status, doc = call(d, "GET", "/messages?control_id=API1", d.token)
     assert status == 200 and [m["control_id"] for m in doc["messages"]] == ["API1"]
+    for search in ("/messages?key=mrn=P77", "/messages?contains=DOE", "/messages?control_id=API1&foo=1"):
+        status, doc = call(d, "GET", search, d.token)  # not "the newest messages": a search it does not do
+        assert status == 400 and "stageline messages find" in doc["error"] and "P77" not in doc["error"], doc
     status, story = call(d, "GET", "/messages/API1", d.token)  # a viewer: metadata, no body
     assert status == 200 and "payload" not in story["inbound"] and story["trail"][0]["event"] == "received"
     assert call(d, "GET", "/messages/API1?body=1", d.token)[0] == 403

@@ -233,7 +233,7 @@ class PhiOverTheApi(unittest.TestCase):
         yield defer.ensureDeferred(self.get(f"/messages/{MRN}", "not-a-token-0123456789"))  # 401, logged
         yield defer.ensureDeferred(self.get(f"/messages/{MRN}?body=1", OPERATOR_TOKEN))
         logged = "\n".join(formatEvent(e) + repr(e) for e in events)
-        self.assertIn('"GET /messages?control_id=...&limit=...&... HTTP/1.1" 200', logged)  # the access log is on
+        self.assertIn('"GET /messages?control_id=...&limit=...&... HTTP/1.1" 400', logged)  # the access log is on
         self.assertIn('"GET /messages/{ref} HTTP/1.1" 200', logged)
         self.assertIn('"GET /messages/{ref}?body=... HTTP/1.1" 403', logged)
         self.assertIn("unknown token", logged)
