@@ -88,8 +88,10 @@ def test_search_by_key_content_and_saved_searches_in_the_views_api_and_in_headle
     assert http(server.port, "POST", "/stageline/api/searches", token=admin, body=bad)[0] == 400
     status, doc, _ = http(server.port, "GET", "/stageline/api/searches", token=viewer)
     assert status == 200 and [(s["name"], s["query"], s["saved_by"]) for s in doc["searches"]] == [
-        ("p1", {"key": "mrn=P1"}, "airflow admin")
+        ("p1", {"key": "mrn=…"}, "airflow admin")  # a viewer sees which key, not the MRN
     ]
+    status, doc, _ = http(server.port, "GET", "/stageline/api/searches", token=admin)
+    assert status == 200 and [s["query"] for s in doc["searches"]] == [{"key": "mrn=P1"}]
     status, doc, _ = http(server.port, "GET", "/stageline/api/searches/p1/run?limit=2", token=admin)
     assert status == 200 and [m["control_id"] for m in doc["messages"]] == ["KEYS1", "KEYS0"]
     assert http(server.port, "GET", "/stageline/api/searches/p1/run", token=viewer)[0] == 403

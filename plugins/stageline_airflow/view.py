@@ -66,6 +66,8 @@ BODY_RESOURCE = "Stageline message bodies"
 """The custom view a user needs (GET) to read message bodies (PHI)."""
 OPERATOR_ROLES = ("OP", "ADMIN")
 """SimpleAuthManager roles that may replay and requeue, and read bodies (its other roles: VIEWER, USER)."""
+HIDDEN = "…"
+"""What a saved search's criteria values read as for a user who may not read bodies."""
 
 
 def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
@@ -117,6 +119,19 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         if filters.lane_key is not None and not may_read_bodies(user):
             raise HTTPException(403, "lane filters need the OP or ADMIN role")
         return filters
+
+    def hide_criteria(search: dict[str, Any]) -> dict[str, Any]:
+        """A saved search as a user who may not read bodies sees it: which criteria it has, not their
+        values (an MRN, a name) — the key's name stays, `mrn=…`."""
+        query = dict(search["query"])
+        for field in ("lane_key", "contains"):
+            if query.get(field):
+                query[field] = HIDDEN
+        if query.get("key"):
+            query["key"] = str(query["key"]).split("=", 1)[0] + "=" + HIDDEN
+        if query.get("where"):
+            query["where"] = [HIDDEN for _ in query["where"]]
+        return {**search, "query": query}
 
     def searching(user: Any, args: Any) -> saved_searches.Query:
         """The search a query string asks for (`Filters.from_query`'s fields, `key`, `contains`,
@@ -203,7 +218,8 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     @app.get("/api/searches")
     @guarded
     def get_searches(user: Any = Depends(reader)) -> dict[str, Any]:
-        return {"searches": saved_searches.list_all(store())}
+        found = saved_searches.list_all(store())
+        return {"searches": found if may_read_bodies(user) else [hide_criteria(s) for s in found]}
 
     @app.post("/api/searches")
     @guarded
