@@ -6,6 +6,8 @@ from __future__ import annotations
 import getpass
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +22,33 @@ from include.store.parquet_archive import ParquetArchive
 
 def _store(service_config: str | None) -> Any:
     return _open_checked(_load(service_config))[0]
+
+
+def page_options(command: Any) -> Any:
+    """The window and page options of every command that lists messages (`find`, `searches run`)."""
+    for option in reversed(
+        (
+            click.option("--since", help="ISO time (UTC unless given), inclusive."),
+            click.option("--until", help="ISO time, exclusive."),
+            click.option("--before-id", type=int, help="Page on: the last id of the previous page."),
+            click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+@contextmanager
+def _opened(service_config: str | None) -> Iterator[Any]:
+    """The store for one command, closed when it is done; a ValueError in it (what the store
+    refuses of the command's input) is the command's InputError."""
+    store = _store(service_config)
+    try:
+        yield store
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+    finally:
+        store.close()
 
 
 _when = when_ms
@@ -93,10 +122,7 @@ def messages() -> None:
 @click.option("--connection", help="Inbound connection name.")
 @click.option("--destination")
 @click.option("--status", type=click.Choice(ops.STATUSES), help="In any stage.")
-@click.option("--since", help="ISO time (UTC unless given), inclusive.")
-@click.option("--until", help="ISO time, exclusive.")
-@click.option("--before-id", type=int, help="Page on: the last id of the previous page.")
-@click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
+@page_options
 @json_option
 @click.pass_obj
 def find_cmd(
@@ -144,13 +170,8 @@ def run_find(
 ) -> None:
     """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name."""
     query = _queries(wanted, _ms(since), _ms(until), before_id, limit)
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         rows = saved_searches.run(store, query)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    finally:
-        store.close()
     if as_json:
         echo_json(rows)
         return
@@ -357,12 +378,9 @@ def requeue_cmd(
     if not ids and destination is None and lane_key is None:
         raise InputError("name the dead letters: row IDS, --destination or --lane")
     table = ops.table_of(stage)
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         chosen = list(ids) or ops.dead_ids(store, table, destination=destination, lane_key=lane_key)
         moved = ops.requeue(store, table, chosen, actor=actor, reason=reason)
-    finally:
-        store.close()
     skipped = sorted(set(chosen) - set(moved))
     answer(
         as_json,
@@ -380,11 +398,8 @@ def requeue_cmd(
 @click.pass_obj
 def dead_cmd(service_config: str | None, as_json: bool) -> None:
     """Dead letters grouped by stage, destination and reason."""
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         groups = ops.dead_letters(store)
-    finally:
-        store.close()
     if as_json:
         echo_json(groups)
         return
@@ -531,13 +546,8 @@ def save_search_cmd(service_config: str | None, name: str, key_search: str | Non
     actor, where = options.pop("actor"), list(options.pop("where_clauses"))
     wanted = {"key": key_search, **options, "where": where}
     _queries(wanted, None, None, None, ops.FIND_LIMIT)  # refuse what messages find would refuse
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         saved = saved_searches.save(store, name, wanted, actor=actor)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    finally:
-        store.close()
     click.echo(f"saved search {name}: {json.dumps(saved, ensure_ascii=True)}")
 
 
@@ -546,11 +556,8 @@ def save_search_cmd(service_config: str | None, name: str, key_search: str | Non
 @click.pass_obj
 def list_searches_cmd(service_config: str | None, as_json: bool) -> None:
     """Every saved search, by name."""
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         rows = saved_searches.list_all(store)
-    finally:
-        store.close()
     answer(
         as_json,
         rows,
@@ -572,10 +579,7 @@ def list_searches_cmd(service_config: str | None, as_json: bool) -> None:
 
 @searches.command("run")
 @click.argument("name")
-@click.option("--since", help="ISO time (UTC unless given), inclusive.")
-@click.option("--until", help="ISO time, exclusive.")
-@click.option("--before-id", type=int, help="Page on: the last id of the previous page.")
-@click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True)
+@page_options
 @json_option
 @click.pass_obj
 def run_search_cmd(
@@ -588,13 +592,8 @@ def run_search_cmd(
     as_json: bool,
 ) -> None:
     """Run the saved search NAME as `messages find` would, over this window and page."""
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         found = saved_searches.get(store, name)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    finally:
-        store.close()
     if found is None:
         raise InputError(f"no saved search {name!r} (stageline searches list)")
     run_find(
@@ -607,13 +606,8 @@ def run_search_cmd(
 @click.pass_obj
 def delete_search_cmd(service_config: str | None, name: str) -> None:
     """Delete the saved search NAME."""
-    store = _store(service_config)
-    try:
+    with _opened(service_config) as store:
         gone = saved_searches.delete(store, name)
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
-    finally:
-        store.close()
     if not gone:
         raise InputError(f"no saved search {name!r} (stageline searches list)")
     click.echo(f"deleted saved search {name}")
