@@ -104,6 +104,7 @@ SELECT w.* FROM (
  LIMIT CAST(:limit AS bigint)
 
 -- name: content_find_indexed
+-- PostgreSQL only: the other dialects have no trigram index (content_index_present is 0 there).
 -- The same search where the operator made the trigram index (`stageline messages content-index`):
 -- the bodies holding :pattern first (the index's bitmap), then the window.
 SELECT i.id, i.message_id, i.control_id, i.connection, i.status,

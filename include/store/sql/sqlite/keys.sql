@@ -80,19 +80,6 @@ SELECT w.* FROM (
  WHERE w.payload GLOB :pattern
  LIMIT :limit
 
--- name: content_find_indexed
--- No trigram index on SQLite: the same as content_find.
-SELECT w.* FROM (
-  SELECT i.id, i.message_id, i.control_id, i.connection, i.status, i.created_at AS created_ms,
-         (SELECT b.payload FROM inbound_bodies b WHERE b.id = i.id) AS payload
-    FROM stage_inbound i
-   WHERE i.created_at >= :since_ms AND i.created_at < :until_ms
-     AND i.id < :before_id
-     AND (:connection IS NULL OR i.connection = :connection)
-   ORDER BY i.id DESC) w
- WHERE w.payload GLOB :pattern
- LIMIT :limit
-
 -- name: search_timeout
 -- SQLite has no statement timeout: the caller's progress handler ends a search after :ms.
 SELECT :ms AS timeout

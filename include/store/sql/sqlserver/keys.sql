@@ -94,19 +94,6 @@ SELECT TOP (CAST(:limit AS int)) w.*
  WHERE w.payload LIKE :pattern ESCAPE '\'
  ORDER BY w.id DESC
 
--- name: content_find_indexed
--- No trigram index on SQL Server (content_index_present says so): never chosen; the join form.
-SELECT TOP (CAST(:limit AS int))
-       i.id, i.message_id, i.control_id, i.connection, i.status,
-       DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms, b.payload
-  FROM inbound_bodies AS b JOIN stage_inbound AS i ON i.id = b.id
- WHERE b.payload LIKE :pattern ESCAPE '\'
-   AND i.created_at >= DATEADD(second, CAST(CAST(:since_ms AS bigint) / 1000 AS int), CAST('1970-01-01' AS datetime2))
-   AND i.created_at < DATEADD(second, CAST(CAST(:until_ms AS bigint) / 1000 AS int), CAST('1970-01-01' AS datetime2))
-   AND i.id < :before_id
-   AND (:connection IS NULL OR i.connection = :connection)
- ORDER BY i.id DESC
-
 -- name: search_timeout
 -- LOCK_TIMEOUT is what a session can set; a long scan is bounded by the window the caller requires.
 SET LOCK_TIMEOUT :ms;
