@@ -18,8 +18,10 @@ def body(control: str, mrn: str) -> str:
     return f"MSH|^~\\&|ADT1|HOSP|EHR|CITY|20261127120000||ADT^A08|{control}|P|2.5\rPID|1||{mrn}^^^HOSP^MR||DOE^JANE\r"
 
 
-def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path, store_config):
-    store = Store(store_config)
+def staged(config, messages: list[tuple[str, str, str]], keys: dict[str, str] | None = None) -> list[int]:
+    """Stage (connection, MRN, trailing segments) messages `CTL0`, `CTL1`, … under a permanent lease,
+    index `keys` if given; their inbound ids."""
+    store = Store(config)
     try:
         epoch = acquire_permanent(store, node_id="solo:1:aa")
         with store.transaction() as tx:
@@ -30,14 +32,24 @@ def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path,
                     node_id="solo:1:aa",
                     message_id=f"m{n}",
                     control_id=f"CTL{n}",
-                    connection="adt-in",
-                    payload=body(f"CTL{n}", mrn),
+                    connection=connection,
+                    payload=body(f"CTL{n}", mrn) + more,
                 )
-                for n, mrn in enumerate(["P77", "P770", "Q1", "P77"])
+                for n, (connection, mrn, more) in enumerate(messages)
             ]
-        K.index(store, parse_keys({"keys": {"mrn": "PID-3.1", "event": "MSH-9.2"}}), settle_ms=0)
+        if keys:
+            K.index(store, parse_keys({"keys": keys}), settle_ms=0)
     finally:
         store.close()
+    return ids
+
+
+def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path, store_config):
+    ids = staged(
+        store_config,
+        [("adt-in", mrn, "") for mrn in ("P77", "P770", "Q1", "P77")],
+        {"mrn": "PID-3.1", "event": "MSH-9.2"},
+    )
     cfg = write_service_config(tmp_path, store_config, cluster=False)
 
     found = json.loads(run(cfg, "messages", "find", "--key", "mrn=P77", "--json").stdout)
@@ -76,24 +88,9 @@ def test_messages_find_by_key_exact_and_prefix_and_show_lists_the_keys(tmp_path,
 
 
 def test_messages_find_by_content_and_hl7_condition_within_a_window(tmp_path, sqlite_config_fresh):
-    store = Store(sqlite_config_fresh)
-    try:
-        epoch = acquire_permanent(store, node_id="solo:1:aa")
-        with store.transaction() as tx:
-            ids = [
-                insert_inbound(
-                    tx,
-                    epoch=epoch,
-                    node_id="solo:1:aa",
-                    message_id=f"m{n}",
-                    control_id=f"CTL{n}",
-                    connection="adt-in",
-                    payload=body(f"CTL{n}", mrn) + f"PV1|1|{cls}\r",
-                )
-                for n, (mrn, cls) in enumerate([("P1", "I"), ("P2", "O"), ("P3", "I")])
-            ]
-    finally:
-        store.close()
+    ids = staged(
+        sqlite_config_fresh, [("adt-in", mrn, f"PV1|1|{cls}\r") for mrn, cls in [("P1", "I"), ("P2", "O"), ("P3", "I")]]
+    )
     cfg = write_service_config(tmp_path, sqlite_config_fresh, cluster=False)
 
     def ids_of(*args: str) -> list[int]:
@@ -119,25 +116,11 @@ def test_messages_find_by_content_and_hl7_condition_within_a_window(tmp_path, sq
 
 
 def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_path, sqlite_config_fresh):
-    store = Store(sqlite_config_fresh)
-    try:
-        epoch = acquire_permanent(store, node_id="solo:1:aa")
-        with store.transaction() as tx:
-            ids = [
-                insert_inbound(
-                    tx,
-                    epoch=epoch,
-                    node_id="solo:1:aa",
-                    message_id=f"m{n}",
-                    control_id=f"CTL{n}",
-                    connection=conn,
-                    payload=body(f"CTL{n}", mrn),
-                )
-                for n, (mrn, conn) in enumerate([("P1", "adt-in"), ("P2", "lab-in"), ("P1", "lab-in")])
-            ]
-        K.index(store, parse_keys({"keys": {"mrn": "PID-3.1"}}), settle_ms=0)
-    finally:
-        store.close()
+    ids = staged(
+        sqlite_config_fresh,
+        [(conn, mrn, "") for mrn, conn in [("P1", "adt-in"), ("P2", "lab-in"), ("P1", "lab-in")]],
+        {"mrn": "PID-3.1"},
+    )
     cfg = write_service_config(tmp_path, sqlite_config_fresh, cluster=False)
 
     assert (
