@@ -9,9 +9,11 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     deliver   deliver_job.run to file destinations (atomic writes, two flushes per partition)
     mllp      deliver_job.run of `--mllp-rows` rows over 20 lanes to an MLLP receiver that ACKs each
               message (bench/peers/hl7_asyncio_server.py --mode ack), concurrency as the stage task
-    peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory
+    peer      bench/peers/python_pipeline.run over the same payloads and the same configs, in memory;
+              then the same on one process per core (bench/peers/all_cores.py)
     durable   bench/peers/durable_pipeline: the same loop claiming from and writing to plain staged
-              tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only)
+              tables on the same PostgreSQL server, one transaction per 1,000 messages (postgres only);
+              then one worker per core sharing the table by FOR UPDATE SKIP LOCKED
     statements (--statements) the store's seconds per named statement during route + transform, and
               the same server's floor for that many row changes (bench/store_floor.py)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from bench.peers import durable_pipeline, python_pipeline  # noqa: E402
+from bench.peers import all_cores, durable_pipeline, python_pipeline  # noqa: E402
 from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
 from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
@@ -545,7 +547,15 @@ def main() -> None:
             f"{peer_rate:,.0f} msg/s ({peer_counts})"
         )
 
-        durable_rate = None
+        workers = all_cores.cores()
+        wide_s, wide_counts = all_cores.in_memory(payloads, ROUTES, SPECS, LOOKUPS, workers=workers)
+        wide_rate = len(payloads) / wide_s
+        print(
+            f"peer ×{workers}:  the same on {workers} processes in {wide_s:.1f} s = {wide_rate:,.0f} msg/s "
+            f"({wide_counts})"
+        )
+
+        durable_rate = wide_durable_rate = None
         if server is not None:
             import psycopg
 
@@ -559,10 +569,21 @@ def main() -> None:
                 f"durable:   the same loop over staged tables, {len(payloads):,} messages in {durable_s:.1f} s = "
                 f"{durable_rate:,.0f} msg/s ({durable_counts})"
             )
+            conninfo = server.conninfo("bench")
+            wide_durable_s, wide_durable_counts = all_cores.durable(
+                conninfo, payloads, ROUTES, SPECS, LOOKUPS, workers=workers
+            )
+            wide_durable_rate = len(payloads) / wide_durable_s
+            print(
+                f"durable ×{workers}: {workers} processes claiming by SKIP LOCKED, {wide_durable_s:.1f} s = "
+                f"{wide_durable_rate:,.0f} msg/s ({wide_durable_counts})"
+            )
 
         both = routed_msgs / (route_s + transform_s)
-        durable_cell = f"{durable_rate:,.0f} msg/s" if durable_rate else "(postgres only)"
-        versus = f", {both / durable_rate:.2f}× the durable peer" if durable_rate else ""
+
+        def cell(rate: float | None) -> str:
+            return f"{rate:,.0f} msg/s ({both / rate:.2f}×)" if rate else "(postgres only)"
+
         print(
             "\n| | Stageline (Spark Connect, local[*]) | peer (python-hl7, in memory) "
             "| durable peer (python-hl7 + SQL) |"
@@ -576,9 +597,10 @@ def main() -> None:
             f"finalize {tphases.seconds['finalize'] / transform_s:.0%}) | | |"
         )
         print(
-            f"| route + transform | {both:,.0f} msg/s ({both / peer_rate:.2f}× the peer{versus}) | "
-            f"{peer_rate:,.0f} msg/s | {durable_cell} |"
+            f"| route + transform (Stageline ÷ peer in brackets) | {both:,.0f} msg/s "
+            f"| 1 process: {cell(peer_rate)} | 1 process: {cell(durable_rate)} |"
         )
+        print(f"| the peers on all {workers} cores | | {cell(wide_rate)} | {cell(wide_durable_rate)} |")
         print(
             f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
             f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |"
