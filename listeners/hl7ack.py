@@ -34,6 +34,7 @@ __all__ = [
     "build_ack",
     "build_ack_batch",
     "build_fallback_ack",
+    "commit_code",
     "escape",
     "message_header",
     "new_control_id",
@@ -62,6 +63,11 @@ _COMMIT = {AckCode.AA: AckCode.CA, AckCode.AE: AckCode.CE, AckCode.AR: AckCode.C
 def _positive(code: AckCode) -> bool:
     # Identity, not a set lookup: hashing an enum member runs Python code, and this is per ACK.
     return code is AckCode.AA or code is AckCode.CA
+
+
+def commit_code(code: AckCode) -> AckCode:
+    """Enhanced mode's commit ACK for a handler's AA/AE/AR: CA/CE/CR (a commit code as is)."""
+    return _COMMIT.get(code, code)
 
 
 def accept_code(header: HL7Header, code: AckCode) -> AckCode | None:

@@ -9,6 +9,7 @@ ERR-1 (v2.1-2.4). The text stays the reason the transports already send (MSA-3, 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Condition",
     "Location",
     "location_at",
+    "segments_named",
 ]
 
 SEGMENT_SEQUENCE_ERROR = "100"
@@ -77,9 +79,11 @@ class Location:
     def text(self, component_separator: str = "^") -> str:
         return component_separator.join(self.components())
 
-    def within(self, sequence: int) -> Location:
-        """The same place in the `sequence`-th message of a batch (the nth MSH, for an MSH field)."""
-        own = sequence if self.segment == "MSH" else self.sequence
+    def within(self, sequence: int, *, earlier: int = 0) -> Location:
+        """The same place in the `sequence`-th message of a batch, counted over the batch: the nth
+        MSH for an MSH field; for any other segment, its occurrence in its message plus the
+        `earlier` segments with its id in the messages before it."""
+        own = sequence if self.segment == "MSH" else self.sequence + earlier
         return Location(self.segment, own, self.field, self.component, self.repetition)
 
 
@@ -133,3 +137,9 @@ def location_at(text: str, offset: int) -> Location | None:
     repetition = last_field.count(rs) + 1
     component = last_field[last_field.rfind(rs) + 1 :].count(cs) + 1
     return Location(segment_id, sequence, field, component if component > 1 else None, repetition)
+
+
+def segments_named(message: bytes, segment: str) -> int:
+    """How many segments of `message` have the id `segment` (a batch refusal counts the ones in the
+    messages before the one at fault; only called on a refusal)."""
+    return len(re.findall(rb"(?:^|[\r\n])" + re.escape(segment.encode("ascii")) + rb"(?![A-Za-z0-9])", message))

@@ -88,12 +88,18 @@ class HL7HeaderError(ValueError):
     is safe to log and to send back in an ERR segment.
     """
 
-    def __init__(self, reason: HeaderErrorReason, detail: str = "", *, control_id: str = "") -> None:
+    def __init__(
+        self, reason: HeaderErrorReason, detail: str = "", *, control_id: str = "", header: HL7Header | None = None
+    ) -> None:
         self.reason = reason
         self.detail = detail
         # MSH-10 when it could still be read (plain ASCII) although the header as a whole could
         # not: the reject then names the message, so the sender can correlate it.
         self.control_id = control_id
+        # What of the header could be read once MSH-1/MSH-2 were (None before that): the refusal is
+        # then answered like any other message — addressed back, in its version and charset, and
+        # in the acknowledgment mode its MSH-15/16 ask for (docs/listenerd.md).
+        self.header = header
         super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
 
     @property
@@ -271,15 +277,23 @@ def parse_header(
             raise HL7HeaderError(HeaderErrorReason.UNDECODABLE, "MSH-18 differs once decoded")
     except HL7HeaderError as exc:
         exc.control_id = _ascii_control_id(raw_fields)
+        exc.header = _ascii_header(raw_fields, fs, enc_chars)
         raise
 
     control_id = _field(fields, 10)
+    codec = _codec_name(encoding)
     if not control_id.strip():
-        raise HL7HeaderError(HeaderErrorReason.MISSING_CONTROL_ID, "MSH-10 is empty")
+        raise HL7HeaderError(
+            HeaderErrorReason.MISSING_CONTROL_ID,
+            "MSH-10 is empty",
+            header=HL7Header.of_fields(fields, field_separator=fs, encoding_characters=enc_chars, encoding=codec),
+        )
     if len(control_id) > MAX_CONTROL_ID_CHARS:  # refused, and not echoed: an ACK stays small
+        unechoed = [*fields[:9], "", *fields[10:]]
         raise HL7HeaderError(
             HeaderErrorReason.CONTROL_ID_TOO_LONG,
             f"MSH-10 is {len(control_id)} characters, limit {MAX_CONTROL_ID_CHARS}",
+            header=HL7Header.of_fields(unechoed, field_separator=fs, encoding_characters=enc_chars, encoding=codec),
         )
     accept = fields[14] if len(fields) > 14 else ""
     if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() and accept.strip() not in ACCEPT_ACK_TYPES:
@@ -288,14 +302,27 @@ def parse_header(
             HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE,
             f"MSH-15 {shown!r} is not in table 0155 (AL, NE, ER, SU)",
             control_id=control_id,
+            header=HL7Header.of_fields(fields, field_separator=fs, encoding_characters=enc_chars, encoding=codec),
         )
     return HL7Header.of_fields(
-        fields,
-        field_separator=fs,
-        encoding_characters=enc_chars,
-        encoding=_codec_name(encoding),
-        text=text if complete else None,
+        fields, field_separator=fs, encoding_characters=enc_chars, encoding=codec, text=text if complete else None
     )
+
+
+def _ascii_header(raw_fields: list[bytes], fs: str, encoding_characters: str) -> HL7Header:
+    """The header a message whose charset failed still shows: its MSH fields up to the first one
+    holding a byte outside ASCII (before it, no charset can have moved a field boundary: a double-
+    byte character's trail byte only follows a lead byte above 0x7F), the rest empty. Its ACK is
+    ASCII and names no charset; an MSH-10 too long to echo is left out."""
+    fields: list[str] = []
+    for raw in raw_fields:
+        if not raw.isascii():
+            break
+        fields.append(raw.decode("ascii"))
+    if len(fields) > 9 and len(fields[9]) > MAX_CONTROL_ID_CHARS:
+        fields[9] = ""
+    fields = fields[:17]  # MSH-18 named a charset that failed: the ACK names none
+    return HL7Header.of_fields(fields, field_separator=fs, encoding_characters=encoding_characters, encoding="ascii")
 
 
 def _ascii_control_id(raw_fields: list[bytes]) -> str:

@@ -53,7 +53,14 @@ class Metrics:
         )
         self.acks = Counter(
             "stageline_acks_total",
-            "Acknowledgements sent, per connection and code (AA/AE/AR)",
+            "Acknowledgements sent, per connection and code (AA/AE/AR, CA/CE/CR)",
+            ["connection", "code"],
+            registry=r,
+        )
+        self.acks_withheld = Counter(
+            "stageline_acks_withheld_total",
+            "Commit ACKs not sent because MSH-15 asked for none (NE; ER on CA; SU on CE/CR), per "
+            "connection and the code the answer would have had",
             ["connection", "code"],
             registry=r,
         )
@@ -162,8 +169,8 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-_ANSWER_CODES = frozenset({"AA", "AE", "AR", "CA", "CE", "CR", "none"})
-"""Every code an inbound answer is counted under (`none`: MSH-15 asked for no answer)."""
+_ANSWER_CODES = frozenset({"AA", "AE", "AR", "CA", "CE", "CR"})
+"""Every code an inbound answer is counted under, sent or withheld."""
 
 
 class ListenerCounters:
@@ -175,6 +182,7 @@ class ListenerCounters:
         self._bytes = metrics.received_bytes.labels(connection)
         self._acks = metrics.acks
         self._by_code = {code: metrics.acks.labels(connection, code) for code in ("AA", "AE", "AR")}
+        self._withheld = {code: metrics.acks_withheld.labels(connection, code) for code in ("CA", "CE", "CR")}
         self._open = metrics.connections.labels(connection)
         self._open.set(0)
 
@@ -191,6 +199,10 @@ class ListenerCounters:
             if code in _ANSWER_CODES:  # a bounded set: kept, so the next one skips `labels`
                 self._by_code[code] = counter
         counter.inc()
+
+    def withheld(self, code: str) -> None:
+        """It was not answered because MSH-15 asked for no `code` (CA, CE or CR) answer."""
+        self._withheld[code].inc()
 
     def open_connections(self, count: int) -> None:
         self._open.set(count)

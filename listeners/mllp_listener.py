@@ -32,10 +32,10 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from listeners import batchgate
-from listeners.hl7ack import AckCode, AckDecision, accept_code, build_ack, build_fallback_ack
+from listeners.hl7ack import AckCode, AckDecision, accept_code, build_ack, build_fallback_ack, commit_code
 from listeners.hl7batch import starts_batch
-from listeners.hl7errors import UNSUPPORTED_MESSAGE_TYPE, Condition
-from listeners.hl7msg import HeaderErrorReason, HL7Header, HL7HeaderError, parse_header
+from listeners.hl7errors import INTERNAL, UNSUPPORTED_MESSAGE_TYPE, Condition
+from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 from listeners.stream import OrderedReplyProtocol, Slot, StreamFactory, safe_id
 
 if TYPE_CHECKING:
@@ -356,11 +356,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 peer=self.peer_text,
                 reason=exc.reason.value,
             )
-            slot = Slot(safe_id(exc.control_id))
-            self.enqueue(slot)
-            # An MSH-15 outside table 0155 is valued, so the sender speaks enhanced mode: a commit reject.
-            code = AckCode.CR if exc.reason is HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE else AckCode.AR
-            self._reply(slot, code, self._fallback_ack(str(exc), code=code, acked=exc.control_id, why=exc.condition))
+            self._refuse_header(exc, str(exc), exc.condition)
             return
         slot = Slot(safe_id(header.control_id))
         self.enqueue(slot)
@@ -374,6 +370,21 @@ class MLLPProtocol(OrderedReplyProtocol):
             errbackArgs=(slot, header),
         )
         d.addErrback(self._internal_error, slot)
+
+    def _refuse_header(self, exc: HL7HeaderError, reason: str, why: Condition) -> None:
+        """Refuse a message for its header (`why`, ERR) with what of the header could be read: once
+        MSH-1/MSH-2 were, the answer is addressed back in the sender's version and charset and
+        follows its MSH-15 like any other refusal (an NE or SU sender gets nothing, an ER or AL
+        sender in enhanced mode a CR). Before that, nothing can be trusted: original mode, AR with
+        default separators (MSA-2 its MSH-10 when that much was readable)."""
+        if exc.header is not None:
+            slot = Slot(safe_id(exc.header.control_id))
+            self.enqueue(slot)
+            self._answer(slot, exc.header, AckDecision.reject(reason, error_code=why.code, location=why.location))
+            return
+        slot = Slot(safe_id(exc.control_id))
+        self.enqueue(slot)
+        self._reply(slot, AckCode.AR, self._fallback_ack(reason, acked=exc.control_id, why=why))
 
     def _on_batch(self, payload: bytes) -> None:
         """A frame holding an HL7 batch: the batch handler answers it whole (one ACK, or an ACK
@@ -444,16 +455,15 @@ class MLLPProtocol(OrderedReplyProtocol):
             )
         except HL7HeaderError as exc:
             _log.warn(
-                "oversize frame ({size} bytes > {limit}) from {peer} with unreadable header"
-                " ({reason}); closing connection",
+                "rejecting oversize frame ({size} bytes > {limit}) from {peer} with unreadable header ({reason})",
                 size=event.size,
                 limit=limit,
                 peer=self.peer_text,
                 reason=exc.reason.value,
             )
-            self.stop_accepting()  # answer what came before, then close
-            self.enqueue(Slot(close=True))
-            self.flush()
+            # Refused for its size like any oversize message (207), and the header's own fault is
+            # named too; the frame ended at its FS, so the connection goes on with the next one.
+            self._refuse_header(exc, f"message too large: {event.size} bytes, limit {limit}; header {exc}", INTERNAL)
             return
         _log.warn(
             "rejecting oversize message {control_id} ({size} bytes > {limit}) from {peer}",
@@ -532,7 +542,7 @@ class MLLPProtocol(OrderedReplyProtocol):
             code = accept_code(header, decision.code)
         if code is None:
             if self.answer(slot, b"") and self.factory is not None:
-                self.factory.count_ack("none")
+                self.factory.count_withheld(commit_code(decision.code).value)
             return
         self._reply(slot, code, self._ack(header, decision, code))
 

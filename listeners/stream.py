@@ -171,6 +171,10 @@ class StreamFactory(ServerFactory):
         if self.counters is not None:
             self.counters.answered(code)
 
+    def count_withheld(self, code: str) -> None:
+        if self.counters is not None:
+            self.counters.withheld(code)
+
     def disconnect_all(self) -> None:
         """Drop every connection at once, e.g. when this node loses the leader lease.
 

@@ -42,6 +42,7 @@ from listeners.hl7errors import (
     Condition,
     Location,
     location_at,
+    segments_named,
 )
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
 
@@ -274,7 +275,10 @@ def build_batch(
             )
         except PayloadRejected as exc:
             where = exc.condition.location
-            condition = Condition(exc.condition.code, where.within(seq) if where is not None else None)
+            if where is not None:
+                before = split.messages[: seq - 1]
+                where = where.within(seq, earlier=sum(segments_named(m, where.segment) for m in before))
+            condition = Condition(exc.condition.code, where)
             raise BatchRejected(f"message {seq} of {n}: {exc}", split.header, condition) from None
     head = split.header
     return InboundBatch(

@@ -171,8 +171,68 @@ def test_msh_15_chooses_which_commit_acks_are_sent_and_order_holds(daemon, store
     assert staged_ids(store_config) == ["AL1", "NE1", "ER1", "SU1", "AP1", "OR1"]
     code, body = daemon.get("/metrics")
     assert code == 200
-    assert b'stageline_acks_total{code="none",connection="adt-in"} 4.0' in body
+    # what was not sent is counted by the code it would have had: NE1, ER1 (CA); NE2, SU2 (CR)
+    assert b'stageline_acks_withheld_total{code="CA",connection="adt-in"} 2.0' in body
+    assert b'stageline_acks_withheld_total{code="CR",connection="adt-in"} 2.0' in body
     assert b'stageline_acks_total{code="CA",connection="adt-in"} 3.0' in body
+    assert b'code="none"' not in body
+
+
+def test_a_header_refusal_follows_msh_15_like_any_refusal(daemon, store_config):
+    """An empty or over-long MSH-10 or an unknown MSH-18 is refused in the sender's own mode (HL7
+    v2.5.1 2.9.3): NE and SU senders get nothing, ER and AL senders a CR — so a pipelining sender
+    reads the next ACK it asked for, not an AR it did not."""
+    long_id = "L" * 200
+    sent = [
+        with_msh(adt(""), MSH15="NE"),
+        with_msh(adt(""), MSH15="ER"),
+        with_msh(adt(""), MSH15="SU"),
+        with_msh(adt(long_id), MSH15="NE"),
+        with_msh(adt(long_id), MSH15="AL"),
+        with_msh(adt("C1", charset="KLINGON"), MSH15="NE"),
+        with_msh(adt("C2", charset="KLINGON"), MSH15="ER"),
+        with_msh(adt("OK1"), MSH15="AL"),
+    ]
+    acks = exchange(daemon.mllp_port, [mllp(text) for text in sent], expect=4)
+    assert [answer(a) for a in acks] == [
+        ("CR", "", "MSH^1^10", E101, "E"),
+        ("CR", "", "MSH^1^10", E102, "E"),
+        ("CR", "C2", "MSH^1^18", E103, "E"),
+        ("CA", "OK1"),
+    ]
+    assert staged_ids(store_config) == ["OK1"]
+    code, body = daemon.get("/metrics")
+    assert code == 200
+    assert b'stageline_acks_withheld_total{code="CR",connection="adt-in"} 4.0' in body
+    assert b'stageline_acks_total{code="CR",connection="adt-in"} 3.0' in body
+
+
+def test_a_header_refusal_is_addressed_back_in_the_senders_version_with_its_control_id_as_sent(daemon):
+    """The refusal of an unknown MSH-18 is built from what of the header was read: sender and
+    receiver swapped, the sender's version (2.3: ERR-1), MSA-2 its MSH-10 byte for byte (an escape
+    sequence is not escaped again), ASCII and no MSH-18."""
+    with socket.create_connection(("127.0.0.1", daemon.mllp_port), timeout=15) as s:
+        s.sendall(mllp(adt("A\\F\\B", version="2.3", charset="KLINGON")))
+        raw = b""
+        while FS + CR not in raw:
+            chunk = s.recv(65536)
+            assert chunk, "connection closed before the ACK"
+            raw += chunk
+    segments = raw.strip(VT + FS + CR).split(CR)
+    msh = segments[0].split(b"|")
+    assert msh[2:6] == [b"STAGELINE", b"HOSP", b"SENDAPP", b"SENDFAC"]
+    assert msh[8:9] == [b"ACK^A01^ACK"] and msh[11] == b"2.3" and len(msh) == 12
+    assert segments[1] == b"MSA|AR|A\\F\\B|unknown_charset: MSH-18 'KLINGON' unsupported"
+    assert segments[2] == b"ERR|MSH^1^18^103&unknown_charset: MSH-18 'KLINGON' unsupported&HL70357"
+
+
+def test_a_batch_refusal_in_a_body_segment_counts_that_segment_over_the_batch(daemon, store_config):
+    """A NUL in the third message's PID-5 is at the batch's third PID: PID^3^5, not PID^1^5."""
+    members = [adt("B1"), adt("B2"), adt("B3", name="DO\x00E")]
+    batch = "BHS|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|||||BATCH11\r" + "".join(members) + "BTS|3\r"
+    (ack,) = exchange(daemon.mllp_port, [mllp(batch)], expect=1)
+    assert answer(ack) == ("AR", "BATCH11", "PID^3^5", E102, "E")
+    assert staged_ids(store_config) == []
 
 
 def test_an_ne_sender_on_one_connection_reads_the_right_ack_next(daemon, store_config):

@@ -258,18 +258,21 @@ def test_oversize_message_with_readable_header_gets_ar_and_is_not_handed_over() 
     assert not transport.disconnecting
 
 
-def test_oversize_message_with_unreadable_header_closes_after_earlier_acks() -> None:
+def test_oversize_message_with_unreadable_header_gets_ar_and_the_connection_goes_on() -> None:
+    """The frame ended at its FS, so the sender is told (AR, 207, "too large" and why the header
+    could not be read) and its next frame is handled as usual."""
     handler = Recorder()
     proto, transport = connect(make_factory(handler, max_message_bytes=256), disconnecting=True)
     proto.dataReceived(frame(adt("C1")) + frame(b"x" * 1000) + frame(adt("C3")))
-    assert [m for m, _, _ in handler.calls] == [adt("C1")]
-    assert transport.connected
+    assert [m for m, _, _ in handler.calls] == [adt("C1"), adt("C3")]
     handler.fire(0)
-    assert [msa(a) for a in acks(transport)] == [("AA", "C1")]
-    assert not transport.connected  # loseConnection ran connectionLost
-    assert proto.factory is not None and proto.factory.active_connections == 0
-    proto.dataReceived(frame(adt("C4")))
-    assert len(handler.calls) == 1
+    handler.fire(1)
+    results = acks(transport)
+    assert [msa(a) for a in results] == [("AA", "C1"), ("AR", ""), ("AA", "C3")]
+    err = results[1].segment("ERR")
+    assert str(err[3]) == "207^Application internal error^HL70357"
+    assert str(err[8]) == "message too large: 1000 bytes, limit 256; header no_msh: no MSH segment"
+    assert transport.connected
 
 
 def test_idle_connection_is_closed_by_the_clock() -> None:
