@@ -1,0 +1,180 @@
+"""Testing one message against its connection's profiles: what is wrong, and where.
+
+A finding carries an HL7 table 0357 code — 100 segment sequence, 101 required field (or segment,
+or component) missing, 102 data type (a malformed value, a repetition the field does not allow, a
+value longer than its length), 103 table value not found, 200 a message type no profile is for —
+and its place as an ERL (segment, its occurrence, field, repetition, component). Texts name the
+rule, never the value (no PHI in an ACK's ERR-8 or a log). At most `MAX_FINDINGS` are reported:
+after that, more says nothing the sender can use, and the work stays bounded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from include.profiles.datatypes import FORMATTED, bad_primitive
+from include.profiles.load import FieldRule, Profile
+
+__all__ = ["MAX_FINDINGS", "Finding", "findings", "findings_json"]
+
+MAX_FINDINGS = 20
+
+SEGMENT_SEQUENCE = "100"
+REQUIRED_MISSING = "101"
+DATA_TYPE = "102"
+TABLE_VALUE = "103"
+UNSUPPORTED_TYPE = "200"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One departure from the profile: table 0357 ``code``, where (``segment`` and its
+    ``sequence``; ``field``, ``repetition``, ``component`` when it is inside one), and ``text``."""
+
+    code: str
+    segment: str
+    sequence: int = 1
+    field: int | None = None
+    repetition: int = 1
+    component: int | None = None
+    text: str = ""
+
+    def where(self) -> str:
+        """The place as ERL text: ``PID^1^3^1^1``; repetition and component only when they say more."""
+        inside: tuple[int, ...] = ()
+        if self.field is not None:
+            deeper = self.component is not None or self.repetition > 1
+            inside = (
+                (self.field, self.repetition, self.component)
+                if self.component is not None
+                else ((self.field, self.repetition) if deeper else (self.field,))
+            )
+        return "^".join([self.segment, str(self.sequence), *map(str, inside)])
+
+
+def findings_json(found: Sequence[Finding]) -> str:
+    """The findings as the store keeps them: a JSON array of {code, where, text}."""
+    return json.dumps([{"code": f.code, "where": f.where(), "text": f.text} for f in found], separators=(",", ":"))
+
+
+def findings(text: str, profiles: Sequence[Profile]) -> list[Finding]:
+    """What is wrong with HL7 message `text` (decoded, starting with its MSH) for `profiles`."""
+    fs = text[3:4]
+    if len(text) < 8 or not text.startswith("MSH") or fs.isalnum() or not fs:
+        return [Finding(SEGMENT_SEQUENCE, "MSH", text="the message does not start with an MSH segment")]
+    cs, rs, ss = text[4], text[5], (text[7] if text[7] != fs else "\x00")
+    segments = [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
+    msh = segments[0].split(fs)
+    msg_type = msh[8].split(cs) if len(msh) > 8 else []
+    kind = "^".join(msg_type[:2])
+    profile = next((p for p in profiles if kind in p.message_types), None)
+    if profile is None:
+        types = ", ".join(sorted(t for p in profiles for t in p.message_types))
+        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"message type {kind or '(empty)'} is not one of {types}")]
+    found: list[Finding] = []
+    ids: list[str] = []
+    counted: dict[str, int] = {}
+    keep: list[tuple[str, int, str]] = []  # (id, its occurrence, the segment) for the structure
+    for segment in segments:
+        sid = segment[:3]
+        counted[sid] = n = counted.get(sid, 0) + 1
+        if sid.startswith("Z") and profile.allow_z:
+            continue
+        keep.append((sid, n, segment))
+        ids.append(sid)
+    departure = profile.matcher(ids)
+    if departure is not None:
+        found.append(_departure_finding(departure.index, departure.missing, keep))
+    for sid, n, segment in keep:
+        rules = profile.rules.get(sid)
+        if rules:
+            _check_segment(segment, sid, n, rules, (fs, cs, rs, ss), found)
+        if len(found) >= MAX_FINDINGS:
+            break
+    return found[:MAX_FINDINGS]
+
+
+def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, int, str]]) -> Finding:
+    if missing is not None:
+        after = f" after {keep[index - 1][0]}" if index > 0 else ""
+        return Finding(REQUIRED_MISSING, missing, 1, text=f"required segment {missing} missing{after}")
+    if index >= len(keep):
+        return Finding(REQUIRED_MISSING, keep[-1][0], keep[-1][1], text="the message ends before its required segments")
+    sid, n, _ = keep[index]
+    return Finding(SEGMENT_SEQUENCE, sid, n, text=f"segment {sid} is not expected here")
+
+
+def _check_segment(
+    segment: str, sid: str, n: int, rules: tuple[FieldRule, ...], seps: tuple[str, ...], out: list[Finding]
+) -> None:
+    fs, rs = seps[0], seps[2]
+    fields = segment.split(fs)
+    shift = -1 if sid == "MSH" else 0  # MSH-1 is the separator itself: MSH-n is fields[n - 1]
+    count = len(fields)
+    for rule in rules:
+        at = rule.field + shift
+        value = fields[at] if at < count else ""
+        if not value or value == '""':
+            if rule.usage == "R":
+                out.append(Finding(REQUIRED_MISSING, sid, n, rule.field, text=f"{_label(rule)} is required"))
+            continue
+        if rule.usage == "X":
+            out.append(Finding(SEGMENT_SEQUENCE, sid, n, rule.field, text=f"{_label(rule)} is not supported"))
+            continue
+        if rs in value:
+            reps = value.split(rs)
+            if not rule.repeat:
+                out.append(Finding(DATA_TYPE, sid, n, rule.field, 2, text=f"{_label(rule)} does not repeat"))
+            for r, rep in enumerate(reps, 1):
+                if rep:
+                    _check_value(rep, rule, sid, n, r, seps, out)
+        else:
+            _check_value(value, rule, sid, n, 1, seps, out)
+
+
+def _label(rule: FieldRule) -> str:
+    return f"{rule.segment}-{rule.field}" + (f" ({rule.name})" if rule.name else "")
+
+
+def _check_value(
+    rep: str, rule: FieldRule, sid: str, n: int, r: int, seps: tuple[str, ...], out: list[Finding]
+) -> None:
+    if rule.length is not None and len(rep) > rule.length:
+        out.append(Finding(DATA_TYPE, sid, n, rule.field, r, text=f"{_label(rule)} is longer than {rule.length}"))
+    if not rule.composite:
+        why = bad_primitive(rule.type, rep) if rule.type in FORMATTED else None
+        if why is not None:
+            out.append(Finding(DATA_TYPE, sid, n, rule.field, r, text=f"{_label(rule)} {why} ({rule.type})"))
+        elif rule.values is not None and rep not in rule.values:
+            out.append(Finding(TABLE_VALUE, sid, n, rule.field, r, text=f"{_label(rule)} is not in {rule.value_set}"))
+        return
+    cs = seps[1]
+    if cs not in rep:  # one component: only the first component's rules can apply
+        if rule.formatted and rule.formatted[0][0] == 1:
+            _check_component(rep, rule.formatted[0][1], rule, sid, n, r, 1, seps, out)
+        for c in rule.required_components:
+            if c > 1:
+                text = f"{_label(rule)} component {c} is required"
+                out.append(Finding(REQUIRED_MISSING, sid, n, rule.field, r, c, text))
+        if rule.values is not None and rep not in rule.values:
+            out.append(Finding(TABLE_VALUE, sid, n, rule.field, r, 1, f"{_label(rule)} is not in {rule.value_set}"))
+        return
+    comps = rep.split(cs)
+    for c in rule.required_components:
+        if c > len(comps) or comps[c - 1] in ("", '""'):
+            out.append(Finding(REQUIRED_MISSING, sid, n, rule.field, r, c, f"{_label(rule)} component {c} is required"))
+    for c, kind in rule.formatted:
+        if c <= len(comps) and comps[c - 1]:
+            _check_component(comps[c - 1], kind, rule, sid, n, r, c, seps, out)
+    if rule.values is not None and comps[0] and comps[0] not in rule.values:
+        out.append(Finding(TABLE_VALUE, sid, n, rule.field, r, 1, f"{_label(rule)} is not in {rule.value_set}"))
+
+
+def _check_component(
+    comp: str, kind: str, rule: FieldRule, sid: str, n: int, r: int, c: int, seps: tuple[str, ...], out: list[Finding]
+) -> None:
+    why = bad_primitive(kind, comp.split(seps[3], 1)[0] if kind == "TS" else comp)
+    if why is not None:
+        out.append(Finding(DATA_TYPE, sid, n, rule.field, r, c, f"{_label(rule)} component {c} {why} ({kind})"))
