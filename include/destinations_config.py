@@ -102,6 +102,10 @@ class MllpDestination(Destination):
     tls: TlsSettings | None = None
     permanent_ack_codes: tuple[str, ...] = ("AR", "CR")
     idle_timeout_seconds: float = 30.0
+    # "msh15": expect the answer the outbound message's MSH-15 asks for (none for NE, only an error
+    # for ER); "always": the receiver answers every message, whatever MSH-15 says.
+    accept_ack: str = "msh15"
+    er_wait_seconds: float = 1.0  # MSH-15 ER: how long silence must last to mean "committed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +187,8 @@ def _runtime(model: Any) -> Destination:
             tls=_tls(model.tls),
             permanent_ack_codes=tuple(dict.fromkeys(model.permanent_ack_codes)),
             idle_timeout_seconds=float(model.idle_timeout_seconds),
+            accept_ack=model.accept_ack,
+            er_wait_seconds=float(model.er_wait_seconds),
         )
     if isinstance(model, FileModel):
         return FileDestination(

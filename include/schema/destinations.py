@@ -213,6 +213,8 @@ class MllpModel(_Common):
     tls: TlsModel | None = None
     permanent_ack_codes: list[Literal["AE", "AR", "CE", "CR"]] = ["AR", "CR"]
     idle_timeout_seconds: Seconds = 30.0
+    accept_ack: Literal["msh15", "always"] = "msh15"
+    er_wait_seconds: Timeout = 1.0
 
 
 class FileModel(_Common):

@@ -7,6 +7,16 @@ configured with `"permanent_ack_codes": []`, making AR retryable (still bounded 
 `max_attempts`). An ACK whose MSA-2 is not the sent MSH-10, an unknown code, no ACK within
 `timeout_seconds`, or a broken connection are retryable.
 
+MSH-15 (accept acknowledgment type) of the message sent says which answers a receiver that honours
+it will send (HL7 v2.5.1 section 2.9.3): `NE` none, `ER` only a CE/CR, `SU` only a CA, `AL` or empty
+every one. With `accept_ack = "msh15"` (the default) the sender expects just that: an `NE` message is
+delivered once its bytes are written (waiting for an ACK that never comes would time out and resend
+it for ever), an `ER` message once `er_wait_seconds` pass without an answer, and an `SU` message
+still needs its CA (silence may be a reject: retried, then a dead letter). A receiver that answers
+every message whatever MSH-15 says is configured `accept_ack = "always"`; under "msh15" an answer it
+sends anyway leaves the pooled connection readable, so the pool drops it (`spark_jobs.senders.pool`)
+and the next message goes out on a fresh one: an unasked-for ACK is never taken for the next one's.
+
 Idempotency: MLLP has no header for a key. The message goes out unchanged, so its MSH-10 is the
 same on every attempt; receivers de-duplicate on MSH-10 (HL7's own rule). Connections are reused
 through `spark_jobs.senders.pool`; only a well-formed ACK for the very message sent keeps one.
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Hashable
 
 from include.destinations_config import ACK_CODES, MllpDestination
 from include.hl7path import value as hl7_value
@@ -46,6 +57,7 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
         return DeliveryResult.permanent(
             f"{dest.name}: message {control_id} cannot be encoded as {codec} (MSH-18): position {exc.start}"
         )
+    expected = _expected_answers(dest, payload)
     key = pool_key(dest)
     sock = POOL.take(key, dest.idle_timeout_seconds)
     reused = sock is not None
@@ -57,7 +69,16 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
                 deadline = time.monotonic() + dest.timeout_seconds
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.sendall(frame)
-            ack = _read_block(sock, deadline)
+            if expected == "NE":
+                return _unanswered(dest, key, sock, f"{dest.name}: sent {control_id}; MSH-15 NE asks for no ACK")
+            if expected == "ER":
+                try:
+                    ack = _read_block(sock, min(deadline, time.monotonic() + dest.er_wait_seconds))
+                except TimeoutError:
+                    note = f"{dest.name}: sent {control_id}; no error within {dest.er_wait_seconds:g} s (MSH-15 ER)"
+                    return _unanswered(dest, key, sock, note)
+            else:
+                ack = _read_block(sock, deadline)
             break
         except (_StaleConnection, BrokenPipeError, ConnectionResetError) as exc:
             close_quietly(sock)
@@ -80,6 +101,24 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
     else:
         close_quietly(sock)
     return result
+
+
+def _expected_answers(dest: MllpDestination, payload: str) -> str:
+    """Which answers the receiver will send: "NE" none, "ER" only an error, "" the ACK is awaited
+    (AL, SU, empty, or a destination that answers everything)."""
+    if dest.accept_ack != "msh15":
+        return ""
+    accept = (hl7_value(payload, "MSH-15") or "").strip().upper()
+    return accept if accept in ("NE", "ER") else ""
+
+
+def _unanswered(dest: MllpDestination, key: Hashable, sock: socket.socket, note: str) -> DeliveryResult:
+    """A message delivered without an answer, as its MSH-15 asked: the connection goes back to the pool."""
+    if dest.idle_timeout_seconds > 0:
+        POOL.give(key, sock)
+    else:
+        close_quietly(sock)
+    return DeliveryResult.success(note)
 
 
 def _mllp_connect(dest: MllpDestination) -> socket.socket:
