@@ -12,11 +12,11 @@ import time
 import pytest
 
 from include.destinations_config import MllpDestination, parse_destinations
-from include.store import Store
 from spark_jobs.senders import close_connections, send
 from spark_jobs.senders.common import DeliveryResult
 from spark_jobs.senders.pool import POOL, pool_key
 from tests.listeners.conftest import leading_node
+from tests.listeners.test_ack_codes import staged_ids
 from tests.spark_jobs.test_senders import MllpReceiver, ack_with, hl7_message
 
 
@@ -50,17 +50,6 @@ def listenerd(tmp_path, store_config):
     d.stop()
 
 
-def staged(store_config) -> list[str]:
-    store = Store(store_config)
-    try:
-        with store.transaction(write=False) as tx:
-            cur = tx.conn.cursor()
-            cur.execute("SELECT control_id FROM inbound_messages ORDER BY id")
-            return [r["control_id"] for r in cur.fetchall()]
-    finally:
-        store.close()
-
-
 def test_ne_and_er_messages_to_a_receiver_that_honours_msh_15_are_delivered_once_without_waiting(
     listenerd, store_config
 ):
@@ -79,7 +68,7 @@ def test_ne_and_er_messages_to_a_receiver_that_honours_msh_15_are_delivered_once
     al = deliver(dest, with_accept_ack("AL1", "AL"))
     assert al == DeliveryResult(True, False, "ehr: CA for AL1")
     # each delivered message staged exactly once: nothing timed out, so nothing was sent again
-    assert staged(store_config) == ["NE0", "NE1", "NE2", "NE3", "NE4", "ER1", "AL1"]
+    assert staged_ids(store_config) == ["NE0", "NE1", "NE2", "NE3", "NE4", "ER1", "AL1"]
 
 
 def test_an_su_message_refused_by_a_receiver_that_honours_msh_15_is_not_taken_as_delivered(listenerd, store_config):
@@ -88,7 +77,7 @@ def test_an_su_message_refused_by_a_receiver_that_honours_msh_15_is_not_taken_as
     result = deliver(dest, with_accept_ack("SU1", "SU", extra="JO\x00HN"))
     assert result == DeliveryResult(False, True, "ehr: no ACK for SU1 within 0.5 s")
     assert deliver(dest, with_accept_ack("SU2", "SU")) == DeliveryResult(True, False, "ehr: CA for SU2")
-    assert staged(store_config) == ["SU2"]
+    assert staged_ids(store_config) == ["SU2"]
 
 
 def test_a_receiver_that_answers_ne_messages_anyway(tmp_path):
