@@ -75,6 +75,7 @@ class InboundConfig:
     framing: str = "newline"  # tcp: newline | length (4-byte big-endian length prefix)
     lane_key: str = ""  # HL7 path (e.g. "PID-3.1") giving the row's lane; empty = none
     hl7_only: bool = False  # tcp/http/file: refuse what is not HL7 v2 (MLLP always does)
+    accept: tuple[str, ...] = ("hl7v2",)  # http: "hl7v2" and/or "fhir" (FHIR R4 JSON, listeners/fhir_inbound.py)
     batch_ack: str = "batch"  # mllp: a batch gets one ACK ("batch") or an ACK batch ("messages")
     charset: str = "utf-8"  # used when a message does not declare MSH-18
     max_message_bytes: int = 4 * 1024 * 1024
@@ -105,6 +106,7 @@ def inbound_from(model: InboundModel, base: Path, var: Path | None = None) -> In
     """The runtime connection of a validated `[[inbound]]` table (paths made absolute)."""
     values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources"})
     values["allowed_sources"] = tuple(model.allowed_sources)
+    values["accept"] = tuple(dict.fromkeys(model.accept))
     if model.tls is not None:
         tls: dict[str, Any] = {
             k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)

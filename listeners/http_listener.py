@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from io import BytesIO
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from listeners import access_log, batchgate
 from listeners.connections_config import InboundConfig
+from listeners.fhir_inbound import FHIR_MEDIA_TYPES, FhirRejected, build_fhir, load_models, operation_outcome
 from listeners.group_commit import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.guard import guard_channels
 from listeners.linger import close_after_answers
@@ -96,6 +97,8 @@ class InboundResource(Resource):
                 raise ValueError(f"{conn.name}: not an http connection (kind {conn.kind!r})")
             codec_name(conn.charset)
             self.connections[conn.name] = conn
+        if any("fhir" in conn.accept for conn in self.connections.values()):
+            load_models()
         self._lane_of = lane_of
         self.metrics = metrics
         self._counters: dict[str, ListenerCounters] = (
@@ -129,8 +132,12 @@ class InboundResource(Resource):
         if self.draining:
             return self._refuse(request, conn, 503, "shutting down, resend later", code="AE")
         media, charset = _content_type(request.getHeader(b"content-type"))
+        if media in FHIR_MEDIA_TYPES or (media == "application/json" and conn.accept == ("fhir",)):
+            return self._render_fhir(request, conn, charset)
+        if "hl7v2" not in conn.accept:
+            return self._refuse_fhir(request, conn, FhirRejected(415, "not-supported", _FHIR_ONLY))
         if media and not (media.startswith("text/") or media in HL7_MEDIA_TYPES):
-            return self._refuse(request, conn, 415, "unsupported content type; use text/plain or application/hl7-v2")
+            return self._refuse(request, conn, 415, _unsupported(conn))
         try:  # an allowlist (HL7 table 0211): the client must not choose any decoder Python has
             codec = codec_name(charset or conn.charset)
         except ValueError as exc:
@@ -159,24 +166,76 @@ class InboundResource(Resource):
             self._submit(request, conn, gone, item)
             return NOT_DONE_YET
 
-        # A large body (a batch of thousands of messages is split, each validated) is built on a
-        # thread, so the reactor's turn stays short whatever the body holds; requests on one
-        # connection are handled one at a time, so nothing is reordered.
-        # Large bodies take turns process-wide (listeners/batchgate.py) until answered: splitting
-        # one holds many times its size until it is committed.
+        return self._build_on_a_thread(request, conn, gone, build, len(body))
+
+    def _build_on_a_thread(
+        self,
+        request: Request,
+        conn: InboundConfig,
+        gone: list[bool],
+        build: Callable[[], Inbound | InboundBatch],
+        size: int,
+    ) -> int:
+        """Build a large body (a batch of thousands of messages is split, each validated; a FHIR
+        Bundle validated) on a thread, so the reactor's turn stays short whatever the body holds;
+        requests on one connection are handled one at a time, so nothing is reordered. Large
+        bodies take turns process-wide (listeners/batchgate.py) until answered: building one holds
+        many times its size until it is committed."""
+
         def work() -> Deferred[None]:
             built = threads.deferToThread(build)
             return built.addCallbacks(
                 lambda item: self._submit(request, conn, gone, item), self._not_built, errbackArgs=(request, conn, gone)
             )
 
-        answered = batchgate.batch_gate.run(len(body), work)
+        answered = batchgate.batch_gate.run(size, work)
         answered.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
         return NOT_DONE_YET
 
+    def _render_fhir(self, request: Request, conn: InboundConfig, charset: str) -> bytes | int:
+        """A FHIR JSON body (`listeners.fhir_inbound`): validated, then staged like any message;
+        refusals are OperationOutcomes."""
+        if "fhir" not in conn.accept:
+            return self._refuse(request, conn, 415, _unsupported(conn))
+        assert request.content is not None
+        body = request.content.read(conn.max_message_bytes + 1)
+        if len(body) > conn.max_message_bytes:
+            too_long = FhirRejected(413, "too-long", _too_large(len(body), conn.max_message_bytes))
+            return self._refuse_fhir(request, conn, too_long)
+        if not body:
+            return self._refuse_fhir(request, conn, FhirRejected(400, "structure", "empty body"))
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        build = partial(build_fhir, body, connection=conn.name, charset=charset.lower())
+        if len(body) < OFF_REACTOR_BYTES:
+            try:
+                item = build()
+            except FhirRejected as exc:
+                return self._refuse_fhir(request, conn, exc)
+            self._submit(request, conn, gone, item)
+            return NOT_DONE_YET
+
+        return self._build_on_a_thread(request, conn, gone, build, len(body))
+
+    def _refuse_fhir(self, request: Request, conn: InboundConfig, exc: FhirRejected) -> bytes:
+        # Only the status and the issue type: the diagnostics may quote the body's structure.
+        _log.warn(
+            "refusing FHIR POST to {name} from {peer}: {status} {code}",
+            name=conn.name,
+            peer=_peer(request),
+            status=exc.status,
+            code=exc.code,
+        )
+        self._count(conn, code="AR")
+        body = _json(request, exc.status, exc.outcome())
+        request.setHeader(b"content-type", b"application/fhir+json")
+        return body
+
     def _not_built(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
         exc = failure.value
-        if isinstance(exc, PayloadRejected):
+        if isinstance(exc, FhirRejected):
+            body = self._refuse_fhir(request, conn, exc)
+        elif isinstance(exc, PayloadRejected):
             body = self._refuse(request, conn, 400, str(exc), hl7_error=_hl7_error(exc))
         else:
             _log.error(
@@ -300,12 +359,16 @@ class _InboundRequest(Request):
         _log.warn("refusing POST to {name} from {peer}: 413 {reason}", name=conn.name, peer=_peer(self), reason=reason)
         site = self.channel.site  # type: ignore[attr-defined]  # Site.buildProtocol sets it
         site.inbound._count(conn, received=self._received, code="AR")  # bytes read: 0 or up to the cut
-        body = json.dumps({"error": reason}).encode()
+        media, _ = _content_type(self.getHeader(b"content-type"))
+        fhir = media in FHIR_MEDIA_TYPES and "fhir" in conn.accept
+        payload = operation_outcome("too-long", reason) if fhir else {"error": reason}
+        body = json.dumps(payload).encode()
         transport = self.channel.transport
         assert transport is not None  # the request's headers just came in on it
         transport.write(
-            b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: %s\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (b"application/fhir+json" if fhir else b"application/json", len(body), body)
         )
         access_log.log_refused(self, 413, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
@@ -424,6 +487,15 @@ def _content_type(value: bytes | None) -> tuple[str, str]:
         if key.strip().lower() == "charset":
             charset = val.strip().strip('"').strip()
     return media.strip().lower(), charset
+
+
+_FHIR_ONLY = 'this connection takes FHIR JSON only (accept = ["fhir"]): send application/fhir+json'
+
+
+def _unsupported(conn: InboundConfig) -> str:
+    if "fhir" in conn.accept:
+        return "unsupported content type; use application/hl7-v2, text/plain or application/fhir+json"
+    return "unsupported content type; use text/plain or application/hl7-v2"
 
 
 def _too_large(size: int, limit: int) -> str:

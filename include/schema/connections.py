@@ -89,6 +89,7 @@ ONLY_FOR = {
     "poll_seconds": ("file", "database"),
     "framing": ("tcp",),
     "batch_ack": ("mllp",),
+    "accept": ("http",),
 }
 """Keys that mean something for some kinds only: set on another kind they would be silently ignored."""
 
@@ -241,6 +242,11 @@ class InboundModel(Strict):
     framing: Literal["newline", "length"] = "newline"
     lane_key: str = Field("", description="HL7 path (e.g. PID-3.1) giving the row's lane; empty: none")
     hl7_only: bool = False
+    accept: list[Literal["hl7v2", "fhir"]] = Field(
+        ["hl7v2"],
+        min_length=1,
+        description='http: what a POST may carry: "hl7v2" (HL7 v2 text) and/or "fhir" (FHIR R4 JSON)',
+    )
     batch_ack: Literal["batch", "messages"] = "batch"
     charset: str = Field("utf-8", description="used when a message does not declare MSH-18; HL7 table 0211")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64, le=1024**3, description="at most 1 GiB")

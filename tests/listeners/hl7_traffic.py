@@ -36,15 +36,27 @@ def adt(
     )
 
 
-def post_message(port: int, connection: str, data: bytes) -> tuple[int, dict]:
-    """POST `data` (HL7 v2) to a listenerd's HTTP inbound `connection`: (status, its JSON answer)."""
+def post_message(
+    port: int,
+    connection: str,
+    data: bytes,
+    *,
+    content_type: str = "application/hl7-v2",
+    answer_type: list | None = None,
+) -> tuple[int, dict]:
+    """POST `data` (HL7 v2, or as `content_type` says) to a listenerd's HTTP inbound `connection`:
+    (status, its JSON answer); `answer_type`, if given, gets the answer's Content-Type appended."""
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/messages/{connection}", data=data, headers={"Content-Type": "application/hl7-v2"}
+        f"http://127.0.0.1:{port}/messages/{connection}", data=data, headers={"Content-Type": content_type}
     )
     try:
         with urllib.request.urlopen(req, timeout=15) as resp:
+            if answer_type is not None:
+                answer_type.append(resp.headers.get("Content-Type"))
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
+        if answer_type is not None:
+            answer_type.append(err.headers.get("Content-Type"))
         return err.code, json.loads(err.read())
 
 

@@ -67,13 +67,14 @@ def answer(ack: hl7.Message) -> tuple[str, ...]:
     return (*out, str(err[2]), str(err[3]), str(err[4]))
 
 
-def staged_ids(store_config: StoreConfig) -> list[str]:
+def staged_ids(store_config: StoreConfig, column: str = "control_id") -> list[str]:
+    """`column` (the control id, or e.g. the payload) of every staged inbound message, in order."""
     store = Store(store_config)
     try:
         with store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
-            cur.execute("SELECT control_id FROM inbound_messages ORDER BY id")
-            return [r["control_id"] for r in cur.fetchall()]
+            cur.execute(f"SELECT {column} FROM inbound_messages ORDER BY id")
+            return [r[column] for r in cur.fetchall()]
     finally:
         store.close()
 
