@@ -118,6 +118,13 @@ class Metrics:
             "recheck found it may lose commits (fsync turned off): every commit is refused (AE)",
             registry=r,
         )
+        self.store_sync_standbys = Gauge(
+            "stageline_store_sync_standbys",
+            "Synchronous standbys streaming from the store's PostgreSQL (include/store/replication.py): "
+            ">= 1 while a commit (and so an AA) is on two servers; 0 when standbys are named but none "
+            "is in sync, or none is named; NaN where there is no replication to read (SQLite, SQL Server)",
+            registry=r,
+        )
         self.store_errors = Counter(
             "stageline_store_errors_total", "Store operations that failed", ["operation"], registry=r
         )

@@ -39,6 +39,7 @@ from listeners.gate import LeaderGate
 from listeners.group_commit import IngestService
 from listeners.guard import PeerLimits, Refusals
 from listeners.metrics import Metrics
+from listeners.replication import PostureService
 from listeners.state import NodeState
 from listeners.store_metrics import StoreMetrics
 
@@ -107,6 +108,7 @@ class ListenerNode(SequentialMultiService):
             metrics=self.metrics,
             reactor=reactor,
         )
+        self.replication = PostureService(lambda: self.stores.store, self.metrics, reactor=reactor)
         self.heartbeat = HeartbeatService(
             self.stores,
             self.lease,
@@ -157,6 +159,7 @@ class ListenerNode(SequentialMultiService):
             unbound=self.gate.unbound,
             aside_seconds=lambda: self.lease.aside_seconds,
             serves=self.gate.serves,
+            replication=self.replication.document,
             store_metrics=StoreMetrics(
                 self.metrics.registry,
                 store=lambda: self.stores.store,
@@ -174,7 +177,7 @@ class ListenerNode(SequentialMultiService):
             on_bound=self._api_bound,
             guard=wiring.guard("api", API_LIMITS),
         )
-        for svc in (self.api, self.stores, self.lease, self.ingest, self.heartbeat, self.gate):
+        for svc in (self.api, self.stores, self.replication, self.lease, self.ingest, self.heartbeat, self.gate):
             svc.setServiceParent(self)
 
     def startService(self) -> None:

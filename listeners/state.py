@@ -30,6 +30,7 @@ class NodeState:
     aside_seconds: Callable[[], float] = lambda: 0.0  # what is left of a step-down's backoff
     serves: Callable[[str], bool | None] = lambda name: None  # one inbound bound? (None: not configured)
     store_metrics: StoreMetrics | None = None  # the destinations' and connections' figures, read on scrape
+    replication: Callable[[], dict[str, Any] | None] = lambda: None  # the store's replication posture
 
     def __post_init__(self) -> None:
         self.metrics.store_durable.set_function(lambda: 0.0 if self.durability_problem() else 1.0)
@@ -50,6 +51,9 @@ class NodeState:
         problem = self.durability_problem()
         if problem:  # only then: the document of a healthy node stays as it was
             doc.update(store_durable=False, durability_problem=problem)
+        replication = self.replication()
+        if replication is not None:  # a PostgreSQL store: is a commit on two servers?
+            doc["replication"] = replication
         doc["unbound"] = self.unbound()
         aside = self.aside_seconds()
         if aside > 0:

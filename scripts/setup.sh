@@ -12,6 +12,8 @@ command -v java >/dev/null 2>&1                || missing+=(openjdk-17-jre-headl
 [ -f /usr/share/java/sqlite-jdbc.jar ]         || missing+=(libxerial-sqlite-jdbc-java)
 [ -f /usr/share/java/jtds.jar ]                || missing+=(libjtds-java)
 [ -x /usr/sbin/haproxy ]                       || missing+=(haproxy)   # the failover lab's VIP (include/app/lab/two_nodes.py)
+[ -x /usr/bin/patroni ]                        || missing+=(patroni)   # the replicated store (include/app/lab/replicated_store.py)
+[ -x /usr/bin/etcd ]                           || missing+=(etcd-server) # Patroni's DCS in that lab
 command -v systemd-analyze >/dev/null 2>&1     || missing+=(systemd)   # `systemd-analyze verify` of deploy/systemd/
 [ -x /usr/bin/promtool ] && [ -x /usr/bin/prometheus ] || missing+=(prometheus) # promtool checks deploy/alerts.yml;
                                                # the server runs them live (tests/test_prometheus.py)

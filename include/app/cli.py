@@ -625,10 +625,18 @@ def lab() -> None:
 @click.option("--schedulers", default=2, show_default=True, help="Airflow schedulers (HA: one per node).")
 @click.option("--spark-workers", default=2, show_default=True, help="Spark standalone workers (0: local[*]).")
 @click.option("--keep", is_flag=True, help="Keep the lab's work dir (logs, data) after Ctrl-C.")
-def lab_up(schedulers: int, spark_workers: int, keep: bool) -> None:
+@click.option(
+    "--replicated-store",
+    is_flag=True,
+    help="The store on two PostgreSQL under Patroni (synchronous), three etcd members and HAProxy.",
+)
+def lab_up(schedulers: int, spark_workers: int, keep: bool, replicated_store: bool) -> None:
     """PostgreSQL, two listenerd nodes behind HAProxy (the VIP), Airflow on PostgreSQL with
     SCHEDULERS schedulers, a Spark standalone cluster with Spark Connect, and a receiver that
-    records deliveries. Prints where everything is; Ctrl-C stops everything it started."""
+    records deliveries. Prints where everything is; Ctrl-C stops everything it started.
+
+    With --replicated-store the PostgreSQL is a Patroni pair (docs/deployment.md): every client
+    reaches the primary through HAProxy, and a commit waits for the synchronous standby."""
     import signal
     import threading
 
@@ -636,7 +644,13 @@ def lab_up(schedulers: int, spark_workers: int, keep: bool) -> None:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    the_lab = Lab(schedulers=schedulers, spark_workers=spark_workers, keep_workdir=keep, echo=click.echo)
+    the_lab = Lab(
+        schedulers=schedulers,
+        spark_workers=spark_workers,
+        keep_workdir=keep,
+        replicated_store=replicated_store,
+        echo=click.echo,
+    )
     try:
         the_lab.start()
         click.echo(

@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING
 
 from include.app import ROOT
 from include.app.lab import recorder
+from include.app.lab.haproxy import HAPROXY, vip_servers
 from include.app.lab.listenerd import Daemon, toml_value
 from include.app.lab.postgres_server import PostgresServer, free_port, wait_for
+from include.app.lab.replicated_store import ReplicatedStore
 from include.app.lab.tcpproxy import TcpProxy
 from include.app.supervisor import Proc, Stack, port_open, python_module
 from include.config import StoreConfig
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
     from include.app.lab.spark_cluster import SparkCluster
     from include.spark import ConnectServer
 
-HAPROXY = os.environ.get("STAGELINE_HAPROXY", "/usr/sbin/haproxy")
 CLUSTER_NAME = "lab"
 STAGE_DAGS = tuple(stage.dag_id for stage in STAGES)
 
@@ -86,20 +87,6 @@ backend mllp_leader
     http-check expect status 200
 {lines}
 """
-
-
-def vip_servers(stats_port: int, backend: str = "mllp_leader") -> dict[str, str]:
-    """HAProxy's view of a backend from its CSV status page: server name → status (UP, DOWN, ...)."""
-    import csv
-    import io
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{stats_port}/;csv", timeout=2) as resp:
-        rows = csv.DictReader(io.StringIO(resp.read().decode().lstrip("# ")))
-        return {
-            r["svname"]: r["status"]
-            for r in rows
-            if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")
-        }
 
 
 @dataclass(frozen=True)
@@ -176,6 +163,9 @@ class Lab:
     shared_mllp_port: bool = False
     """Both nodes on one MLLP address (one host, one port: only the leader can hold it), as two
     nodes sharing a VIP address; default: each node its own port."""
+    replicated_store: bool = False
+    """The store on two PostgreSQL under Patroni (synchronous replication, three etcd members, HAProxy
+    on `GET /primary`: `replicated_store.py`) instead of one throwaway server."""
     restart_policy: bool = True
     """Restart an exited Airflow component, the recorder or HAProxy, as compose's
     `restart: unless-stopped` does (Airflow's scheduler, dag-processor and triggerer exit when
@@ -185,7 +175,7 @@ class Lab:
         self._own_workdir = self.workdir is None
         self.dir: Path = Path(self.workdir or tempfile.mkdtemp(prefix="stageline-lab-")).resolve()
         self.workdir = self.dir
-        self.pg: PostgresServer | None = None
+        self.pg: PostgresServer | ReplicatedStore | None = None
         self.nodes: dict[str, Node] = {}
         self.stack = Stack(self.dir / "log", cwd=ROOT, echo=self.echo)
         self.spark: ConnectServer | None = None
@@ -278,7 +268,10 @@ class Lab:
             out["spark-connect"] = self.spark.pid if self.spark.process.poll() is None else None
         if self.spark_b is not None:
             out["spark-connect-b"] = self.spark_b.pid if self.spark_b.process.poll() is None else None
-        if self.pg is not None:
+        if isinstance(self.pg, ReplicatedStore):
+            for node in self.pg.nodes.values():
+                out |= {f"patroni-{node.name}": node.patroni_pid(), f"postgresql-{node.name}": node.postmaster_pid()}
+        elif self.pg is not None:
             try:
                 out["postgresql"] = int((self.pg.data / "postmaster.pid").read_text().split()[0])
             except (OSError, ValueError, IndexError):
@@ -297,6 +290,11 @@ class Lab:
             )
         if self.pg is not None:
             lines.append(f"PostgreSQL          {self.pg.conninfo('stageline')} (and dbname=airflow)")
+        if isinstance(self.pg, ReplicatedStore):
+            nodes = self.pg.nodes
+            roles = ", ".join(f"{name} {role} (:{nodes[name].pg_port})" for name, role in self.pg.roles().items())
+            lines.append(f"  under Patroni     {roles}; HAProxy on GET /primary")
+            lines.append(f"  etcd              {', '.join(m.client_url for m in self.pg.etcd)}")
         if self.airflow:
             lines.append(f"Airflow UI          http://127.0.0.1:{self.airflow_port}  (admin / admin)")
         if self.schedulers > 1:
@@ -323,6 +321,11 @@ class Lab:
             out["haproxy-stats"] = self.haproxy_stats_port
         if self.pg is not None:
             out["postgresql"] = self.pg.port
+        if isinstance(self.pg, ReplicatedStore):
+            for node in self.pg.nodes.values():
+                out |= {f"{node.name}-pg": node.pg_port, f"{node.name}-rest": node.rest_port}
+            out |= {f"{m.name}-client": m.client_port for m in self.pg.etcd}
+            out["store-haproxy-stats"] = self.pg.stats_port
         for n in self.nodes.values():
             out |= {
                 f"{n.name}-mllp": n.mllp_port,
@@ -344,10 +347,20 @@ class Lab:
     def _start(self) -> None:
         started = time.monotonic()
         self.echo(f"lab in {self.dir}")
-        self.pg = PostgresServer(settings={"max_connections": "300"}).start()
-        for db in ("stageline", "airflow"):
-            self.pg.execute(f"CREATE DATABASE {db}")
-        self.echo(f"  postgresql                ready on {self.pg.port}")
+        if self.replicated_store:
+            self.pg = ReplicatedStore(
+                etcd_members=3,
+                databases=("stageline", "airflow"),
+                max_connections=300,
+                workdir=self.dir / "store",
+            )
+            self.pg.start()
+            self.echo(f"  postgresql under Patroni  ready on {self.pg.port} (HAProxy), {self.pg.roles()}")
+        else:
+            self.pg = PostgresServer(settings={"max_connections": "300"}).start()
+            for db in ("stageline", "airflow"):
+                self.pg.execute(f"CREATE DATABASE {db}")
+            self.echo(f"  postgresql                ready on {self.pg.port}")
         self._migrate_store()
         self._write_pipeline_config()
         self._write_service_config()
@@ -556,7 +569,8 @@ class Lab:
 
     def restart_postgres(self) -> None:
         """`pg_ctl restart -m fast`: every connection is dropped; the server is back in about a second."""
-        assert self.pg is not None
+        if not isinstance(self.pg, PostgresServer):
+            raise RuntimeError("restart_postgres: the single server only (a replicated store has node faults)")
         self.pg._run(
             "pg_ctl",
             "-D",
