@@ -33,6 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,10 +93,15 @@ def run_stage_job(
     run_id: str,
     batch_size: int = 10_000,
     lease_seconds: float | None = None,
+    alongside: Callable[[list[int]], Future[Any]] | None = None,
     **finalize_args: Any,
 ) -> Any:
     """One run of `stage`: claim up to `batch_size` due rows, read them, `transform` them, land the
     result and finalize it fenced by `epoch` (module docstring); the stage's outcome.
+
+    `alongside`, given the claimed ids, starts work that runs while Spark does (the route's key
+    indexer, `include.store.keys.index_alongside`); the finalize waits for it, and so does a failed
+    run before it hands its claim back.
 
     `owner` must be unique per run: the read selects the claimed rows by it. `finalize_args` go to
     the stage's finalize (e.g. `passthrough`). A StaleEpoch propagates untouched: the finalize
@@ -107,15 +113,20 @@ def run_stage_job(
     if not claimed_ids:
         return stage.outcome(run_id=run_id)
     small = is_small(claimed_ids)
+    side = alongside(claimed_ids) if alongside is not None else None
     try:
         claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=claimed_ids)
         land(store, transform(claimed, run_id=run_id), stage.landing, small=small)
+        if side is not None:
+            side.result()
         outcome = finalize(
             store, stage, run_id=run_id, owner=owner, epoch=epoch, claimed_ids=claimed_ids, **finalize_args
         )
     except StaleEpoch:
         raise
     except BaseException as exc:
+        if side is not None:
+            wait([side])
         discard_quietly(store, stage.landing, run_id)
         release_quietly(store, stage.input, claimed_ids, owner=owner, epoch=epoch, error=exc)
         raise

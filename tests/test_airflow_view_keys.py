@@ -51,7 +51,7 @@ def patient_p1_twice_more(store_config) -> list[int]:
                 )
                 for n in range(2)
             ]
-        K.index(s, RULES, settle_ms=0)
+        K.index(s, RULES, ids)
         return ids
     finally:
         s.close()

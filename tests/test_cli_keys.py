@@ -38,7 +38,7 @@ def staged(config, messages: list[tuple[str, str, str]], keys: dict[str, str] | 
                 for n, (connection, mrn, more) in enumerate(messages)
             ]
         if keys:
-            K.index(store, parse_keys({"keys": keys}), settle_ms=0)
+            K.index(store, parse_keys({"keys": keys}), ids)
     finally:
         store.close()
     return ids

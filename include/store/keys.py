@@ -1,13 +1,17 @@
 """Business keys: what a message is about (an MRN, an accession number, a visit), kept for search.
 
-The key indexer reads stage_inbound in id order behind a mark (`key_progress`), takes the keys
-`keys.toml` names from each body (`include.hl7path.value`, the listener's lane-key reader) and
-writes one `message_keys` row per message and key, then moves the mark — in one transaction, so a
-crash leaves the mark where the keys are, and a re-run writes each key once. It runs in the route
-stage's task after each micro-batch, outside Spark and outside the route's fenced finalize: a
-failure here costs the search a few seconds, never a message its route. It reads only messages
-staged SETTLE_MS ago or more: ids are taken at insert, so a commit still open with a lower id
-than one already visible would otherwise be passed by the mark.
+The route stage indexes what it claims: right after a micro-batch's claim, while Spark routes it, a
+worker thread reads the claimed messages' bodies, takes the keys `keys.toml` names from each
+(`include.hl7path.values`, the listener's lane-key reader) and writes one `message_keys` row per
+message and key; the route waits for it before its finalize (`index_alongside`). Every message is
+claimed by the route before it can be routed — a replay too — so every message is indexed, however
+late its ingest committed; a re-run writes each key once. The earlier indexer read stage_inbound in
+id order behind a mark and skipped for good a message whose commit came later than the mark's
+settle time. The mark (`key_progress`) now only bounds the catch-up of messages routed before
+store version 18 (`catch_up`).
+
+A failure to index a batch is retried once and then logged, never raised: it costs the search
+those messages' keys, never a message its route.
 
 A message keeps its inbound id in the hot tables, retention's archive and the Parquet archive, so
 the key rows stay with it through retention; they go only when retention deletes messages
@@ -18,21 +22,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from include.hl7path import FieldPath, values
 from include.keys_config import NAME, KeyRules
-from include.store.db import Store
+from include.store.db import Store, Tx
 from include.store.operator import FIND_LIMIT, MAX_ROW_ID, MAX_TIME_MS, check_page
 
 log = logging.getLogger(__name__)
 
-SETTLE_MS = 2_000
 INDEX_BATCH = 5_000
 MAX_VALUE_CHARS = 199
-"""A longer value is not kept (nvarchar(200) on SQL Server); neither is one with control characters."""
+"""A longer value is not kept (nvarchar(200) on SQL Server, which counts UTF-16 units: a character
+outside the BMP counts twice); neither is one with control characters."""
 
 
 def keys_of(text: str | None, paths: Mapping[str, FieldPath]) -> list[tuple[str, str]]:
@@ -41,22 +45,75 @@ def keys_of(text: str | None, paths: Mapping[str, FieldPath]) -> list[tuple[str,
     if not text or not paths:
         return []
     return [
-        (name, got)
-        for name, got in values(text, paths).items()
-        if got is not None and len(got) <= MAX_VALUE_CHARS and got.isprintable()
+        (name, got) for name, got in values(text, paths).items() if got is not None and _fits(got) and got.isprintable()
     ]
 
 
-def index(store: Store, rules: KeyRules, *, limit: int = INDEX_BATCH, settle_ms: int = SETTLE_MS) -> int:
-    """Index the keys of up to `limit` messages past the mark, in one transaction; messages read."""
+def _fits(value: str) -> bool:
+    return len(value) <= MAX_VALUE_CHARS and (value.isascii() or len(value.encode("utf-16-le")) <= 2 * MAX_VALUE_CHARS)
+
+
+def index(store: Store, rules: KeyRules, ids: Sequence[int]) -> int:
+    """Index the keys of inbound messages `ids` (a route claim), in one transaction, each key once
+    however often its message is indexed; messages read."""
+    if not rules or not ids:
+        return 0
+    with store.transaction() as tx:
+        rows = tx.all("keys_of_claimed", {"ids": tx.dialect.id_list(sorted({int(i) for i in ids}))})
+        _write(tx, rules, rows)
+    return len(rows)
+
+
+def index_alongside(store: Store, rules: KeyRules, ids: Sequence[int]) -> int:
+    """`index`, retried once, then logged (its type only: no key value is logged) instead of raised."""
+    for attempt in (1, 2):
+        try:
+            return index(store, rules, ids)
+        except Exception as exc:
+            log.warning(
+                "business keys of %d claimed messages not indexed (attempt %d of 2): %s",
+                len(ids),
+                attempt,
+                type(exc).__name__,
+            )
+    return 0
+
+
+def catch_up(store: Store, rules: KeyRules, *, limit: int = INDEX_BATCH) -> int:
+    """Index up to `limit` messages staged before store version 18 that its mark had not reached
+    (they may have been routed already, so no claim brings them back), in one transaction, moving
+    the mark; messages read (0: nothing left)."""
     if not rules:
         return 0
     with store.transaction() as tx:
-        after = int(tx.row("keys_progress")["last_id"])
-        rows = tx.all("keys_pending", {"after_id": after, "settle_ms": int(settle_ms), "limit": int(limit)})
-        if not rows:
+        mark = tx.row("keys_progress")
+        after, until = int(mark["last_id"]), int(mark["until_id"])
+        if after >= until:
             return 0
-        keys = [
+        rows = tx.all("keys_pending", {"after_id": after, "until_id": until, "limit": int(limit)})
+        _write(tx, rules, rows)
+        tx.execute("keys_advance", {"last_id": int(rows[-1]["id"]) if len(rows) == limit else until})
+    return len(rows)
+
+
+def catch_up_quietly(store: Store, rules: KeyRules) -> int:
+    """`catch_up`, logging a failure (its type only) instead of raising; -1 after a failure."""
+    try:
+        return catch_up(store, rules)
+    except Exception as exc:
+        log.warning("business keys of messages staged before version 18 not indexed yet: %s", type(exc).__name__)
+        return -1
+
+
+def _write(tx: Tx, rules: KeyRules, rows: list[dict[str, Any]]) -> None:
+    """The key rows of inbound `rows` (id, connection, created_ms, payload), each at most once."""
+    keys = []
+    for r in rows:
+        try:
+            found = keys_of(r["payload"], rules.for_connection(r["connection"]))
+        except Exception:  # a body no rule can read keeps no keys; it never stops the batch
+            found = []
+        keys.extend(
             {
                 "message": int(r["id"]),
                 "name": name,
@@ -64,22 +121,10 @@ def index(store: Store, rules: KeyRules, *, limit: int = INDEX_BATCH, settle_ms:
                 "received_ms": int(r["created_ms"]),
                 "connection": r["connection"],
             }
-            for r in rows
-            for name, got in keys_of(r["payload"], rules.for_connection(r["connection"]))
-        ]
-        if keys:
-            tx.execute("keys_insert", {"rows": json.dumps(keys)})
-        tx.execute("keys_advance", {"last_id": int(rows[-1]["id"])})
-    return len(rows)
-
-
-def index_quietly(store: Store, rules: KeyRules, *, limit: int = INDEX_BATCH) -> int:
-    """`index`, logging a failure (its type only: no key value is logged) instead of raising."""
-    try:
-        return index(store, rules, limit=limit)
-    except Exception as exc:
-        log.warning("business keys not indexed this time: %s", type(exc).__name__)
-        return 0
+            for name, got in found
+        )
+    if keys:
+        tx.execute("keys_insert", {"rows": json.dumps(keys)})
 
 
 @dataclass(frozen=True)
@@ -108,7 +153,7 @@ class KeyQuery:
         """The statement's parameters, every value checked (ValueError)."""
         if not self.value:
             raise ValueError("a key search needs a value (a prefix needs at least one character before *)")
-        if len(self.value) > MAX_VALUE_CHARS or not self.value.isprintable():
+        if not _fits(self.value) or not self.value.isprintable():
             raise ValueError(f"a key value is at most {MAX_VALUE_CHARS} printable characters")
         check_page(self.limit, self.since_ms, self.until_ms, self.before_id)
         return {

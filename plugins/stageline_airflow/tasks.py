@@ -25,6 +25,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from include.keys_config import KeyRules, load_keys
 from include.stage_loop import Batch, claim_owner
 from include.store import INBOUND, rowlease
 from include.store import lookups as lookup_store
-from include.store.keys import index_quietly as index_keys
+from include.store.keys import catch_up_quietly as keys_catch_up
+from include.store.keys import index_alongside as index_keys
 from include.store.stages import DELIVER, Stage, stage_named
 from stageline_airflow.hooks import StagelineSparkHook, StagelineStoreHook
 
@@ -187,11 +189,17 @@ def run_batch_stage(
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
     job, lookups = stage_job(stage), LookupCache()
-    # the business keys of what was staged meanwhile (include/store/keys.py): the first stage's task
+    # the business keys of what the first stage claims, taken out while Spark routes it
+    # (include/store/keys.py): one worker thread for the task, so its connection is reused
     keys = load_keys(config.directory) if stage.input is INBOUND else KeyRules()
+    indexer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keys") if keys else None
+    catching_up = bool(keys)
 
     def batch(b: Batch) -> Any:
-        outcome = run_stage_job(
+        nonlocal catching_up
+        if catching_up:  # messages staged before store version 18, once
+            catching_up = keys_catch_up(b.store, keys) != 0
+        return run_stage_job(
             stage,
             b.store,
             b.spark,
@@ -201,12 +209,15 @@ def run_batch_stage(
             run_id=b.run_id,
             batch_size=b.limit or batch_size,
             passthrough=config.passthrough,
+            alongside=(lambda ids: indexer.submit(index_keys, b.store, keys, ids)) if indexer else None,
         )
-        index_keys(b.store, keys)
-        return outcome
 
     dag_id = dag_id or stage.dag_id
-    return _micro_batches(stage, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
+    try:
+        return _micro_batches(stage, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
+    finally:
+        if indexer is not None:
+            indexer.shutdown(wait=True)
 
 
 class LookupCache:

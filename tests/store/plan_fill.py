@@ -344,7 +344,7 @@ def statements(dialect: str) -> list[str]:
         f"FROM stage_routed r WHERE r.id > {ROUTED_LAST - ROUTED_OPEN // 4} AND r.destination <> '{PASSTHROUGH}'"
     )
 
-    # -- business keys: an MRN of one of KEYED_PATIENTS per message, archived and hot; the indexer's
+    # -- business keys: an MRN of one of KEYED_PATIENTS per message, archived and hot; the catch-up's
     # mark at the open tail
     for source in ("archive_inbound", "stage_inbound"):
         out.append(
@@ -352,7 +352,7 @@ def statements(dialect: str) -> list[str]:
             f"SELECT s.id, 'mrn', 'P' || {d.pad(f's.id % {KEYED_PATIENTS}', 6)}, s.created_at, s.connection "
             f"FROM {source} s WHERE s.id <= {INBOUND_LAST - INBOUND_OPEN}"
         )
-    out.append(f"UPDATE key_progress SET last_id = {INBOUND_LAST - INBOUND_OPEN} WHERE id = 1")
+    out.append(f"UPDATE key_progress SET last_id = {INBOUND_LAST - INBOUND_OPEN}, until_id = {INBOUND_LAST} WHERE id = 1")
 
     if dialect == "postgres":
         for table in ("stage_inbound", "stage_routed", "stage_outbound", "message_events", "stage_batches"):

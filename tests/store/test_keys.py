@@ -1,5 +1,5 @@
-"""Business keys (`include/store/keys.py`, `include/keys_config.py`, migration 0016): the config, the
-extraction, the indexer behind its mark, the search by key (exact, prefix, time window, pages) and
+"""Business keys (`include/store/keys.py`, `include/keys_config.py`, migrations 0016, 0018): the config,
+the extraction, the indexer of a claim and the catch-up behind its mark, the search by key (exact, prefix, time window, pages) and
 the keys' life through retention, on real SQLite and PostgreSQL stores."""
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def test_keys_of_a_message_take_the_first_repetition_and_skip_what_cannot_be_kep
     assert K.keys_of(hl7("C1", ""), paths) == [("event", "A01")]  # empty: no key
     assert K.keys_of(hl7("C1", "9" * 200), paths) == [("event", "A01")]  # too long for the column
     assert K.keys_of(hl7("C1", "12\x0145"), paths) == [("event", "A01")]  # a control character
+    # 100 characters outside the BMP are 200 UTF-16 units: too long for SQL Server's nvarchar(200)
+    assert K.keys_of(hl7("C1", "\U0001f600" * 100), paths) == [("event", "A01")]
+    assert K.keys_of(hl7("C1", "\U0001f600" * 99), paths)[0] == ("mrn", "\U0001f600" * 99)
     assert K.keys_of("not hl7 at all", paths) == [] and K.keys_of(None, paths) == []
 
 
@@ -100,7 +103,7 @@ def test_a_key_search_is_parsed_strictly_and_its_range_is_exact_or_a_prefix():
 # --- on the stores ------------------------------------------------------------------------------
 
 
-def test_the_indexer_keeps_each_connections_keys_once_and_only_after_they_settle(store):
+def test_the_indexer_keeps_each_claimed_messages_keys_per_connection_once(store):
     epoch = acquire_permanent(store, node_id="n1")
     ids = stage(
         store,
@@ -111,13 +114,12 @@ def test_the_indexer_keeps_each_connections_keys_once_and_only_after_they_settle
             ("adt-in", "C3", hl7("C3", "99")),
         ],
     )
-    assert K.index(store, RULES, settle_ms=600_000) == 0  # staged just now: not yet
-    assert K.index(store, KeyRules(), settle_ms=0) == 0  # no keys configured: nothing read
-    assert K.index(store, RULES, settle_ms=0, limit=2) == 2
-    assert K.index(store, RULES, settle_ms=0, limit=2) == 1
-    assert K.index(store, RULES, settle_ms=0) == 0
+    assert K.index(store, KeyRules(), ids) == 0  # no keys configured: nothing read
+    assert K.index(store, RULES, []) == 0
+    assert K.index(store, RULES, ids[:2]) == 2
+    assert K.index(store, RULES, [ids[2], ids[2], 10**12]) == 1  # a repeated or unknown id: read once, or not
     kept = rows(store, "SELECT message, name, value, connection FROM message_keys ORDER BY message, name")
-    assert [(r["message"], r["name"], r["value"], r["connection"]) for r in kept] == [
+    expected = [
         (ids[0], "event", "A01", "adt-in"),
         (ids[0], "mrn", "12345", "adt-in"),
         (ids[1], "accession", "ACC-1", "lab-in"),
@@ -126,17 +128,48 @@ def test_the_indexer_keeps_each_connections_keys_once_and_only_after_they_settle
         (ids[2], "event", "A01", "adt-in"),
         (ids[2], "mrn", "99", "adt-in"),
     ]
-    # a re-run over the same messages (a crash after the insert, before the mark) keeps each key once
-    execute(store, "UPDATE key_progress SET last_id = 0")
-    assert K.index(store, RULES, settle_ms=0) == 3
+    assert [(r["message"], r["name"], r["value"], r["connection"]) for r in kept] == expected
+    # claimed again (a retried batch, a replay re-pended): each key still once
+    assert K.index(store, RULES, ids) == 3
     assert rows(store, "SELECT count(*) AS n FROM message_keys")[0]["n"] == 7
+
+
+def test_an_index_failure_is_retried_once_then_logged_without_a_value_never_raised(store, caplog):
+    epoch = acquire_permanent(store, node_id="n1")
+    ids = stage(store, epoch, [("adt-in", "C1", hl7("C1", "SECRET-MRN"))])
+    execute(store, "DROP TABLE message_keys")  # the insert fails, as a store outage would
+    assert K.index_alongside(store, RULES, ids) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "business keys" in r.getMessage()]
+    assert len(warnings) == 2 and "attempt 2 of 2" in warnings[1]
+    assert not any("SECRET-MRN" in r.getMessage() for r in caplog.records)
+
+
+def test_the_catch_up_indexes_what_was_staged_before_version_18_up_to_its_bound_once(store):
+    epoch = acquire_permanent(store, node_id="n1")
+    ids = stage(store, epoch, [("adt-in", f"C{n}", hl7(f"C{n}", f"P{n}")) for n in range(4)])
+    assert K.catch_up(store, RULES) == 0  # a new store: nothing was staged before version 18
+    # as migration 0018 leaves a store whose old indexer had read up to ids[0] when the newest was ids[2]
+    execute(store, f"UPDATE key_progress SET last_id = {ids[0]}, until_id = {ids[2]}")
+    assert K.catch_up(store, KeyRules()) == 0
+    assert K.catch_up(store, RULES, limit=1) == 1
+    assert K.catch_up(store, RULES, limit=1) == 1
+    assert K.catch_up(store, RULES) == 0
+    assert [r["message"] for r in rows(store, "SELECT DISTINCT message FROM message_keys ORDER BY message")] == [
+        ids[1],
+        ids[2],
+    ]  # ids[3] is newer than the bound: the route indexes it when it claims it
+    assert rows(store, "SELECT last_id FROM key_progress")[0]["last_id"] == ids[2]
+    # a bound past rows that are gone (purged since) still ends
+    execute(store, f"UPDATE key_progress SET last_id = {ids[3]}, until_id = {ids[3] + 50}")
+    assert K.catch_up(store, RULES) == 0
+    assert rows(store, "SELECT last_id FROM key_progress")[0]["last_id"] == ids[3] + 50
 
 
 def test_find_by_key_exact_prefix_window_and_pages_newest_first(store):
     epoch = acquire_permanent(store, node_id="n1")
     mrns = ["12345", "12399", "123", "777", "12345", "1234%", "1234_"]
     ids = stage(store, epoch, [("adt-in", f"C{n}", hl7(f"C{n}", m)) for n, m in enumerate(mrns)])
-    K.index(store, RULES, settle_ms=0)
+    K.index(store, RULES, ids)
     assert find(store, "mrn=12345") == [(ids[4], "12345"), (ids[0], "12345")]
     assert find(store, "mrn=123*") == [(i, mrns[n]) for n, i in reversed(list(enumerate(ids))) if n != 3]
     # LIKE's wildcards in a value are plain characters
@@ -168,7 +201,7 @@ def test_a_messages_keys_follow_it_into_the_archive_and_go_only_when_it_is_delet
     ids = finished_messages(store, epoch, "msg-", None, 3)
     for n, i in enumerate(ids):
         execute(store, f"UPDATE inbound_bodies SET payload = '{hl7(f'c{n}', 'P7')}' WHERE id = {i}")
-    K.index(store, RULES, settle_ms=0)
+    K.index(store, RULES, ids)
     assert [r["key_value"] for r in ops.show(store, ids[0]).keys] == ["A01", "P7"]
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
@@ -186,7 +219,7 @@ def test_a_messages_keys_follow_it_into_the_archive_and_go_only_when_it_is_delet
     # retention without an archive deletes the messages, and their keys with them
     later = finished_messages(store, epoch, "late-", None, 1)
     execute(store, f"UPDATE inbound_bodies SET payload = '{hl7('L1', 'P8')}' WHERE id = {later[0]}")
-    K.index(store, RULES, settle_ms=0)
+    K.index(store, RULES, later)
     for table in ("stage_inbound", "stage_routed", "stage_outbound"):
         age(store, table, "updated_at", "1 = 1", 2 * DAY)
     age(store, "message_keys", "received_at", f"message = {later[0]}", 2 * DAY)

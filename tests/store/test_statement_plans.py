@@ -289,9 +289,9 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "watermark": "1042",
         "batch_id": f"b{inbound_id // 10:09d}",
         "part": f"day=2026-11-26/connection=adt-in/batch={fill.EXPORT_BATCH}",
-        # business keys (keys.sql): the indexer behind its mark, a search by one patient's MRN
+        # business keys (keys.sql): the catch-up behind its mark, a search by one patient's MRN
         "after_id": fill.INBOUND_LAST - fill.INBOUND_OPEN,
-        "settle_ms": 2_000,
+        "until_id": fill.INBOUND_LAST,
         "last_id": fill.INBOUND_LAST - fill.INBOUND_OPEN + 1_000,
         "name": "mrn",
         "lo": "P012345",

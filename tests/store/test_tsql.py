@@ -144,7 +144,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "part": "day=2026-11-24/connection=adt-in",
     # business keys and saved searches (keys.sql)
     "after_id": 1041,
-    "settle_ms": 2000,
+    "until_id": 2042,
     "last_id": 1042,
     "name": "mrn",
     "lo": "123",

@@ -3,23 +3,28 @@
 -- searches. Times come back as epoch milliseconds.
 
 -- name: keys_progress
-SELECT last_id FROM key_progress WHERE id = 1
+SELECT last_id, until_id FROM key_progress WHERE id = 1
+
+-- name: keys_of_claimed
+-- The inbound messages :ids (a route claim) with their bodies, for their keys.
+SELECT i.id, i.connection, (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, b.payload
+  FROM stage_inbound i
+  LEFT JOIN inbound_bodies b ON b.id = i.id
+ WHERE i.id = ANY(CAST(:ids AS bigint[]))
 
 -- name: keys_pending
--- The next inbound messages to index, after :after_id in id order, that have been staged at least
--- :settle_ms (a commit still open with a lower id then lands before the mark passes it). Read
--- through the primary key's range.
+-- The catch-up (migration 0018): the next inbound messages after :after_id up to :until_id (the
+-- newest id when the store moved to version 18), in id order, through the primary key's range.
 SELECT i.id, i.connection, (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms,
        (SELECT b.payload FROM inbound_bodies b WHERE b.id = i.id) AS payload
   FROM stage_inbound i
- WHERE i.id > CAST(:after_id AS bigint)
-   AND i.created_at <= now() - CAST(:settle_ms AS bigint) * interval '1 millisecond'
+ WHERE i.id > CAST(:after_id AS bigint) AND i.id <= CAST(:until_id AS bigint)
  ORDER BY i.id
  LIMIT CAST(:limit AS bigint)
 
 -- name: keys_insert
 -- :rows, a JSON array of {message, name, value, received_ms, connection}; a key already kept is
--- kept once (a re-run after a crash before the mark moved).
+-- kept once (a message claimed again: a retried batch, a replay).
 INSERT INTO message_keys (message, name, value, received_at, connection)
 SELECT r.message, r.name, r.value, to_timestamp(r.received_ms / 1000.0), r.connection
   FROM json_to_recordset(CAST(:rows AS json)) AS r(message bigint, name text, value text, received_ms bigint, connection text)
@@ -56,7 +61,7 @@ SELECT name, value AS key_value FROM message_keys WHERE message = CAST(:id AS bi
 -- name: keys_purge
 -- Retention without an archive: the keys of messages received before :ms ago that are in none of
 -- the hot tables, the archive tables and the Parquet archive's index any more, :limit messages at
--- a time, oldest first (message_keys_received).
+-- a time, oldest first (the unique key: ids are taken in receiving order).
 DELETE FROM message_keys
  WHERE message = ANY(ARRAY(SELECT k.message FROM message_keys k
                             WHERE k.received_at < now() - make_interval(secs => :ms / 1000.0)
@@ -64,7 +69,7 @@ DELETE FROM message_keys
                               AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = k.message)
                               AND NOT EXISTS (SELECT 1 FROM parquet_index p
                                                WHERE p.kind = 'inbound' AND p.row_key = k.message AND p.row_key IS NOT NULL)
-                            ORDER BY k.received_at
+                            ORDER BY k.message
                             LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 

@@ -2,14 +2,19 @@
 -- Times are epoch milliseconds already.
 
 -- name: keys_progress
-SELECT last_id FROM key_progress WHERE id = 1
+SELECT last_id, until_id FROM key_progress WHERE id = 1
+
+-- name: keys_of_claimed
+SELECT i.id, i.connection, i.created_at AS created_ms, b.payload
+  FROM stage_inbound i
+  LEFT JOIN inbound_bodies b ON b.id = i.id
+ WHERE i.id IN (SELECT value FROM json_each(:ids))
 
 -- name: keys_pending
 SELECT i.id, i.connection, i.created_at AS created_ms,
        (SELECT b.payload FROM inbound_bodies b WHERE b.id = i.id) AS payload
   FROM stage_inbound i
- WHERE i.id > :after_id
-   AND i.created_at <= {now} - :settle_ms
+ WHERE i.id > :after_id AND i.id <= :until_id
  ORDER BY i.id
  LIMIT :limit
 
@@ -49,7 +54,7 @@ DELETE FROM message_keys
                       AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = k.message)
                       AND NOT EXISTS (SELECT 1 FROM parquet_index p
                                        WHERE p.kind = 'inbound' AND p.row_key = k.message AND p.row_key IS NOT NULL)
-                    ORDER BY k.received_at
+                    ORDER BY k.message
                     LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 

@@ -1,15 +1,20 @@
 -- Business keys (include/store/keys.py, migration 0016); postgres/keys.sql says what each does.
 
 -- name: keys_progress
-SELECT last_id FROM key_progress WHERE id = 1
+SELECT last_id, until_id FROM key_progress WHERE id = 1
+
+-- name: keys_of_claimed
+SELECT i.id, i.connection, DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms, b.payload
+  FROM stage_inbound AS i
+  LEFT JOIN inbound_bodies AS b ON b.id = i.id
+ WHERE i.id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(:ids) AS j)
 
 -- name: keys_pending
 SELECT TOP (CAST(:limit AS int)) i.id, i.connection,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms,
        (SELECT b.payload FROM inbound_bodies AS b WHERE b.id = i.id) AS payload
   FROM stage_inbound AS i
- WHERE i.id > :after_id
-   AND i.created_at <= DATEADD(millisecond, CAST(:settle_ms / -1 AS int), SYSUTCDATETIME())
+ WHERE i.id > :after_id AND i.id <= :until_id
  ORDER BY i.id
 
 -- name: keys_insert
@@ -60,7 +65,7 @@ DELETE k
                         AND NOT EXISTS (SELECT 1 FROM archive_inbound AS a WHERE a.id = x.message)
                         AND NOT EXISTS (SELECT 1 FROM parquet_index AS p
                                          WHERE p.kind = 'inbound' AND p.row_key = x.message AND p.row_key IS NOT NULL)
-                      ORDER BY x.received_at)
+                      ORDER BY x.message)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: search_save

@@ -1,0 +1,8 @@
+-- Stageline store, SQL Server (T-SQL), version 18: the route stage indexes the business keys of
+-- what it claims (issue 26; postgres/migrations/0018_keys_by_claim.sql says why).
+ALTER TABLE key_progress ADD until_id bigint NOT NULL DEFAULT 0;
+GO
+UPDATE key_progress SET until_id = (SELECT COALESCE(MAX(id), 0) FROM stage_inbound) WHERE id = 1;
+GO
+
+DROP INDEX message_keys_received ON message_keys;
