@@ -11,10 +11,12 @@ route stage.
     content   `include.store.search.find` of a text a few messages hold, over the whole day, newest 50:
               without the trigram index, then with it (its build time too), best of --repeat
     route     (--route N, needs Spark) the route stage's phases over N staged messages as
-              bench/pipeline.py runs them, with and without `keys.index` after each batch (the
-              route task's indexer), msg/s each; and the indexer alone over the same messages
+              bench/pipeline.py runs them, without and with `keys.index` of each claim in a thread
+              alongside Spark (as the route task runs it), --rounds of each, alternating; msg/s
+              each, and the indexer's own time in its thread
 
-    uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000]
+    uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000 [--rounds 2]]
+    (--messages 0: the route runs only)
 
 Figures: docs/performance.md ("Search").
 """
@@ -134,12 +136,14 @@ def content(store: Store, text: str, repeat: int) -> tuple[float, int]:
     return best, rows
 
 
-def route_cost(store: Store, epoch: int, n: int) -> list[str]:
-    """Route throughput over `n` messages without and with the key indexer after each batch."""
+def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
+    """Route throughput over `n` messages without and with the key indexer, `rounds` of each, alternating."""
+    from concurrent.futures import ThreadPoolExecutor
     from functools import partial
 
     from bench.hl7_corpus import messages as corpus
     from bench.pipeline import ROUTES, Phases, drain, stage_backlog
+    from include.app.lab.postgres_server import free_port
     from include.routes_config import parse_routes
     from include.spark import close_session, spark_session, start_connect_server, stop_connect_server
     from include.store.stages import ROUTE
@@ -147,12 +151,11 @@ def route_cost(store: Store, epoch: int, n: int) -> list[str]:
 
     out = []
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-search-"))
-    from include.app.lab.postgres_server import free_port
-
     port = free_port()
     connect = start_connect_server(port, log_dir=work / "log")
     spark = spark_session(remote=f"sc://127.0.0.1:{port}")
     routes = parse_routes(ROUTES)
+    indexer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="keys")
 
     def transform(frame: Any, run: str) -> Any:
         return frame.transform(partial(routed_rows, routes=routes), run_id=run)
@@ -160,39 +163,47 @@ def route_cost(store: Store, epoch: int, n: int) -> list[str]:
     try:
         stage_backlog(store, corpus(2_000, seed=5), epoch)  # warm the server
         drain(store, spark, epoch, 20_000, Phases(), ROUTE, transform)
-        K.index(store, RULES, settle_ms=0, limit=1_000_000)
-        rates = {}
-        for label, rules in (("without keys", None), ("with keys", RULES), ("without keys (again)", None)):
-            stage_backlog(store, corpus(n, seed=len(rates) + 1), epoch)
+        rates: dict[str, list[float]] = {"without keys": [], "with keys": []}
+        for turn in range(2 * rounds):
+            label = "with keys" if turn % 2 else "without keys"
+            rules = RULES if turn % 2 else None
+            stage_backlog(store, corpus(n, seed=turn + 1), epoch)
             phases = Phases()
-            indexed = 0
+            own = [0.0, 0]  # the indexer's own seconds and messages, in its thread
 
-            def after_batch(rules: Any = rules) -> int:
-                return K.index(store, rules, settle_ms=0, limit=20_000) if rules else 0
+            def index(ids: list[int], rules: Any = rules, own: list[Any] = own) -> None:
+                started = time.perf_counter()
+                own[1] += K.index(store, rules, ids)
+                own[0] += time.perf_counter() - started
 
+            alongside = partial(indexer.submit, index) if rules else None
             started = time.perf_counter()
             done = 0
-            while moved := drain_one(store, spark, epoch, phases, ROUTE, transform):
+            while moved := drain_one(store, spark, epoch, phases, ROUTE, transform, alongside=alongside):
                 done += moved
-                indexed += phases.time("keys", after_batch)
             seconds = time.perf_counter() - started
-            if not rules:
-                K.index(store, RULES, settle_ms=0, limit=1_000_000)  # keep the mark at the tail, untimed
-            rates[label] = done / seconds
+            rates[label].append(done / seconds)
             out.append(
-                f"route {label}: {done:,} messages in {seconds:.1f} s = {done / seconds:,.0f} msg/s "
-                f"({phases.batches} batches: {phases.line()}; {indexed:,} indexed)"
+                f"route {label} ({turn // 2 + 1}): {done:,} messages in {seconds:.1f} s = {done / seconds:,.0f} msg/s "
+                f"({phases.batches} batches: {phases.line()}; indexer {own[0]:.2f} s for {own[1]:,} messages "
+                f"in its thread, alongside Spark)"
             )
-        base = (rates["without keys"] + rates["without keys (again)"]) / 2
-        out.append(f"route with keys: {rates['with keys'] / base:.1%} of the throughput without (mean of both runs)")
+        with_keys = sum(rates["with keys"]) / rounds
+        without = sum(rates["without keys"]) / rounds
+        out.append(f"route with keys: {with_keys / without:.1%} of the throughput without (mean of {rounds} runs each)")
     finally:
+        indexer.shutdown(wait=True)
         close_session(spark)
         stop_connect_server(connect)
     return out
 
 
-def drain_one(store: Store, spark: Any, epoch: int, phases: Any, stage: Any, transform: Any) -> int:
-    """One batch of bench/pipeline.py's drain: claim, Spark, finalize; messages moved (0: none left)."""
+def drain_one(
+    store: Store, spark: Any, epoch: int, phases: Any, stage: Any, transform: Any, *, alongside: Any = None
+) -> int:
+    """One batch of bench/pipeline.py's drain: claim, Spark, finalize, with `alongside` (the route
+    task's key indexer) started after the claim and waited for before the finalize, as
+    `run_stage_job` does; messages moved (0: none left)."""
     from spark_jobs import stage_job
 
     run = f"{stage.name}_job-k{phases.batches}"
@@ -200,6 +211,7 @@ def drain_one(store: Store, spark: Any, epoch: int, phases: Any, stage: Any, tra
     ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=20_000))
     if not ids:
         return 0
+    side = alongside(ids) if alongside else None
     small = stage_job.is_small(ids)
     phases.time(
         "spark",
@@ -210,6 +222,8 @@ def drain_one(store: Store, spark: Any, epoch: int, phases: Any, stage: Any, tra
             small=small,
         ),
     )
+    if side is not None:
+        phases.time("keys wait", side.result)
     phases.time(
         "finalize",
         lambda: stage_job.finalize(store, stage, run_id=run, owner=owner, epoch=epoch, claimed_ids=ids),
@@ -225,6 +239,7 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--route", type=int, default=0, help="messages for the route-cost runs (0: skip)")
+    parser.add_argument("--rounds", type=int, default=2, help="route-cost runs of each side, alternating")
     args = parser.parse_args()
 
     server = PostgresServer().start()
@@ -243,10 +258,12 @@ def main() -> None:
         migrate(store, cluster_name="bench")
         epoch = acquire_permanent(store, node_id="bench")
         if args.route:
-            for text in route_cost(store, epoch, args.route):
+            for text in route_cost(store, epoch, args.route, args.rounds):
                 print(text, flush=True)
             execute(store, "TRUNCATE message_keys, stage_routed, stage_outbound, message_events, landing_routed")
             execute(store, "TRUNCATE stage_inbound, inbound_bodies CASCADE")
+        if not args.messages:
+            return
         ms, _ = timed(lambda: fill_day(store, args.messages, args.patients))
         print(
             f"filled {args.messages:,} messages (bodies, 3 keys each) over the last day in {ms / 1000:.1f} s",

@@ -107,7 +107,7 @@ def catch_up_quietly(store: Store, rules: KeyRules) -> int:
 
 def _write(tx: Tx, rules: KeyRules, rows: list[dict[str, Any]]) -> None:
     """The key rows of inbound `rows` (id, connection, created_ms, payload), each at most once."""
-    keys = []
+    keys: list[dict[str, Any]] = []
     for r in rows:
         try:
             found = keys_of(r["payload"], rules.for_connection(r["connection"]))

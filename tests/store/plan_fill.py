@@ -352,7 +352,8 @@ def statements(dialect: str) -> list[str]:
             f"SELECT s.id, 'mrn', 'P' || {d.pad(f's.id % {KEYED_PATIENTS}', 6)}, s.created_at, s.connection "
             f"FROM {source} s WHERE s.id <= {INBOUND_LAST - INBOUND_OPEN}"
         )
-    out.append(f"UPDATE key_progress SET last_id = {INBOUND_LAST - INBOUND_OPEN}, until_id = {INBOUND_LAST} WHERE id = 1")
+    mark = INBOUND_LAST - INBOUND_OPEN
+    out.append(f"UPDATE key_progress SET last_id = {mark}, until_id = {INBOUND_LAST} WHERE id = 1")
 
     if dialect == "postgres":
         for table in ("stage_inbound", "stage_routed", "stage_outbound", "message_events", "stage_batches"):

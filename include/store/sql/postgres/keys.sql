@@ -61,7 +61,7 @@ SELECT name, value AS key_value FROM message_keys WHERE message = CAST(:id AS bi
 -- name: keys_purge
 -- Retention without an archive: the keys of messages received before :ms ago that are in none of
 -- the hot tables, the archive tables and the Parquet archive's index any more, :limit messages at
--- a time, oldest first (the unique key: ids are taken in receiving order).
+-- a time, oldest first (message_keys_received).
 DELETE FROM message_keys
  WHERE message = ANY(ARRAY(SELECT k.message FROM message_keys k
                             WHERE k.received_at < now() - make_interval(secs => :ms / 1000.0)
@@ -69,7 +69,7 @@ DELETE FROM message_keys
                               AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = k.message)
                               AND NOT EXISTS (SELECT 1 FROM parquet_index p
                                                WHERE p.kind = 'inbound' AND p.row_key = k.message AND p.row_key IS NOT NULL)
-                            ORDER BY k.message
+                            ORDER BY k.received_at
                             LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 

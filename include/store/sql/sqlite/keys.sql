@@ -54,7 +54,7 @@ DELETE FROM message_keys
                       AND NOT EXISTS (SELECT 1 FROM archive_inbound a WHERE a.id = k.message)
                       AND NOT EXISTS (SELECT 1 FROM parquet_index p
                                        WHERE p.kind = 'inbound' AND p.row_key = k.message AND p.row_key IS NOT NULL)
-                    ORDER BY k.message
+                    ORDER BY k.received_at
                     LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 

@@ -65,7 +65,7 @@ DELETE k
                         AND NOT EXISTS (SELECT 1 FROM archive_inbound AS a WHERE a.id = x.message)
                         AND NOT EXISTS (SELECT 1 FROM parquet_index AS p
                                          WHERE p.kind = 'inbound' AND p.row_key = x.message AND p.row_key IS NOT NULL)
-                      ORDER BY x.message)
+                      ORDER BY x.received_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
 -- name: search_save

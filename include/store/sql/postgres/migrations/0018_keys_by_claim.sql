@@ -8,8 +8,3 @@
 -- it (what is newer is claimed by the route, and indexed then).
 ALTER TABLE key_progress ADD COLUMN until_id bigint NOT NULL DEFAULT 0;
 UPDATE key_progress SET until_id = (SELECT COALESCE(MAX(id), 0) FROM stage_inbound) WHERE id = 1;
-
--- One b-tree fewer for every key row written: retention's purge of keys (`keys_purge`) reads them
--- oldest message first through the unique key (message, name, value) instead of a received-time
--- index: inbound ids are taken in receiving order.
-DROP INDEX message_keys_received;

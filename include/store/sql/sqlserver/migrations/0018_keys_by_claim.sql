@@ -3,6 +3,3 @@
 ALTER TABLE key_progress ADD until_id bigint NOT NULL DEFAULT 0;
 GO
 UPDATE key_progress SET until_id = (SELECT COALESCE(MAX(id), 0) FROM stage_inbound) WHERE id = 1;
-GO
-
-DROP INDEX message_keys_received ON message_keys;
