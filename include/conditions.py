@@ -6,6 +6,7 @@ transform rule's `when`). Plain data as loaded from TOML/JSON; the reference is 
     {"field": "PID-3.5", "op": "eq", "value": "MR", "repetitions": "any"}     any PID-3 repetition
     {"segment": "ZPI"}                                                segment present
     {"connection": "lab-mllp"}   {"connection": ["a", "b"]}   {"connection": "^lab-", "op": "regex"}
+    {"fhir": "Patient.gender", "op": "eq", "value": "female"}        a FHIR message (routes only)
     {"all": [...]}  {"any": [...]}  {"not": {...}}
 
 Field leaves: ``op`` is ``eq`` (a string), ``ne`` (a string; a missing field is not equal),
@@ -15,6 +16,12 @@ them: raw text, missing and empty are both absent, and a leaf on an absent value
 NULL, so ``not`` means what it says. ``segments``/``repetitions`` quantify over every occurrence
 of the segment / every repetition of the field: ``any`` (at least one matches) or ``all`` (at
 least one exists and every one matches); the path then names no occurrence / repetition index.
+
+FHIR leaves (a route's `when` only: ``parse_condition(..., fhir=True)``) test a message staged from
+FHIR JSON (`listeners.fhir_inbound`): ``Type.element.element`` names a resource type and a path of
+element names into it; the leaf holds when the message is such a resource, or a Bundle with one
+among its entries, and any value at that path (every array along it is walked) passes ``op``.
+``{"fhir": "Patient", "op": "exists"}`` tests the resource type alone.
 
 Plain Python, no Spark: config load checks conditions without a session. Errors carry where in
 the tree the problem is (``when.all[1].not``); the caller prefixes its own location (route,
@@ -38,12 +45,14 @@ __all__ = [
     "Condition",
     "ConditionError",
     "Connection",
+    "FhirLeaf",
     "Leaf",
     "Not",
     "SegmentPresent",
     "check_java_regex",
     "parse_condition",
     "uses_connection",
+    "uses_fhir",
 ]
 
 OPS = ("eq", "ne", "in", "regex", "exists")
@@ -51,6 +60,9 @@ CONNECTION_OPS = ("eq", "in", "regex")
 QUANTIFIERS = ("any", "all")
 
 _LEAF_KEYS = frozenset({"field", "op", "value", "segments", "repetitions"})
+_FHIR_KEYS = frozenset({"fhir", "op", "value"})
+# A resource type, then element names: FHIR's own spelling (``valueQuantity``, ``_birthDate``).
+_FHIR_PATH = re.compile(r"[A-Z][A-Za-z]{1,63}(?:\.[a-z_][A-Za-z0-9_]{0,63}){0,8}")
 _CONNECTION_KEYS = frozenset({"connection", "op"})
 _SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
 # Python-only regex syntax that would pass re.compile but make Java's Pattern throw mid-job.
@@ -91,6 +103,17 @@ class Connection:
 
 
 @dataclass(frozen=True)
+class FhirLeaf:
+    """Test a FHIR message: a `resource_type` resource (the message, or a Bundle's entry) with a
+    value at `elements` passing `op` (``value`` as for `Leaf`); no elements: the type is there."""
+
+    resource_type: str
+    elements: tuple[str, ...]
+    op: str
+    value: str | tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class AllOf:
     """True when every member is true."""
 
@@ -111,12 +134,13 @@ class Not:
     condition: Condition
 
 
-Condition = Leaf | SegmentPresent | Connection | AllOf | AnyOf | Not
-_PARSED = (Leaf, SegmentPresent, Connection, AllOf, AnyOf, Not)
+Condition = Leaf | SegmentPresent | Connection | FhirLeaf | AllOf | AnyOf | Not
+_PARSED = (Leaf, SegmentPresent, Connection, FhirLeaf, AllOf, AnyOf, Not)
 
 
-def parse_condition(cond: Any, *, where: str = "when") -> Condition:
-    """Validate one condition tree; ``where`` locates it in errors (``when.all[1].not``)."""
+def parse_condition(cond: Any, *, where: str = "when", fhir: bool = False) -> Condition:
+    """Validate one condition tree; ``where`` locates it in errors (``when.all[1].not``).
+    ``fhir``: FHIR leaves are allowed (a route's `when`; transforms work on HL7 v2 only)."""
 
     def fail(problem: str) -> ConditionError:
         return ConditionError(f"{where}: {problem}")
@@ -126,6 +150,13 @@ def parse_condition(cond: Any, *, where: str = "when") -> Condition:
     if not isinstance(cond, Mapping):
         raise fail(f"condition must be a table/object, got {type(cond).__name__}")
     keys = set(cond)
+    if "fhir" in keys:
+        if not fhir:
+            raise fail("a 'fhir' condition is for a route's when only (transform rules change HL7 v2)")
+        unknown = keys - _FHIR_KEYS
+        if unknown:
+            raise fail(f"unknown key(s) {sorted(map(str, unknown))} in fhir condition (allowed: fhir, op, value)")
+        return _parse_fhir(cond, fail)
     if "field" in keys or ("op" in keys and "connection" not in keys):
         unknown = keys - _LEAF_KEYS
         if unknown:
@@ -157,12 +188,12 @@ def parse_condition(cond: Any, *, where: str = "when") -> Condition:
     (kind,) = keys
     inner = cond[kind]
     if kind == "not":
-        return Not(parse_condition(inner, where=f"{where}.not"))
+        return Not(parse_condition(inner, where=f"{where}.not", fhir=fhir))
     if isinstance(inner, (str, bytes, Mapping)) or not isinstance(inner, Sequence):
         raise fail(f"'{kind}' must be a list of conditions, got {type(inner).__name__}")
     if not inner:
         raise fail(f"'{kind}' must not be empty")
-    members = tuple(parse_condition(c, where=f"{where}.{kind}[{i}]") for i, c in enumerate(inner))
+    members = tuple(parse_condition(c, where=f"{where}.{kind}[{i}]", fhir=fhir) for i, c in enumerate(inner))
     return AllOf(members) if kind == "all" else AnyOf(members)
 
 
@@ -206,16 +237,23 @@ def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) 
         quantifiers[key] = q
     if quantifiers["repetitions"] and path.segment == "MSH" and path.field in (1, 2):
         raise fail("MSH-1 and MSH-2 have no repetitions")
+    op, value = _operand(cond, fail)
+    return Leaf(path, op, value, segments=quantifiers["segments"], repetitions=quantifiers["repetitions"])
+
+
+def _operand(
+    cond: Mapping[str, Any], fail: Callable[[str], ConditionError]
+) -> tuple[str, str | tuple[str, ...] | None]:
+    """A leaf's ``op`` and ``value``, checked: (op, a str, a tuple for `in`, None for `exists`)."""
     op = cond.get("op")
     if op not in OPS:
         raise fail(f"unknown op {op!r} (expected one of {', '.join(OPS)})")
     has_value = "value" in cond
     value = cond.get("value")
-    common = {"segments": quantifiers["segments"], "repetitions": quantifiers["repetitions"]}
     if op == "exists":
         if has_value:
             raise fail("op 'exists' takes no value")
-        return Leaf(path, op, **common)
+        return op, None
     if not has_value:
         raise fail(f"op {op!r} needs a value")
     if op in ("eq", "ne", "regex"):
@@ -223,10 +261,25 @@ def _parse_leaf(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) 
             raise fail(f"op {op!r} needs a string value, got {type(value).__name__}")
         if op == "regex":
             check_java_regex(value, fail)
-        return Leaf(path, op, value, **common)
+        return op, value
     if not _string_list(value):
         raise fail("op 'in' needs a non-empty list of strings")
-    return Leaf(path, op, tuple(value), **common)
+    return op, tuple(value)
+
+
+def _parse_fhir(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> FhirLeaf:
+    """Validate a ``{"fhir": "Type.element…", "op", "value"}`` leaf."""
+    path = cond["fhir"]
+    if not isinstance(path, str) or not _FHIR_PATH.fullmatch(path):
+        raise fail(
+            "'fhir' must be a resource type and up to 8 element names, e.g. 'Patient.gender' or "
+            f"'Observation.code.coding.code', got {path!r}"
+        )
+    resource_type, *elements = path.split(".")
+    op, value = _operand(cond, fail)
+    if not elements and op != "exists":
+        raise fail(f"a resource type alone ({resource_type!r}) takes op 'exists'; name an element to compare")
+    return FhirLeaf(resource_type, tuple(elements), op, value)
 
 
 def _parse_connection(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> Connection:
@@ -246,14 +299,22 @@ def _parse_connection(cond: Mapping[str, Any], fail: Callable[[str], ConditionEr
     return Connection(op, value)
 
 
+def uses_fhir(cond: Condition | None) -> bool:
+    """Whether evaluating ``cond`` reads a FHIR message (needs the raw payload, not the segments)."""
+    return _uses(cond, FhirLeaf)
+
+
 def uses_connection(cond: Condition | None) -> bool:
     """Whether evaluating ``cond`` needs the inbound connection's name."""
-    if cond is None:
-        return False
-    if isinstance(cond, Connection):
+    return _uses(cond, Connection)
+
+
+def _uses(cond: Condition | None, kind: type) -> bool:
+    """Whether ``cond`` holds a leaf of ``kind`` anywhere in its tree."""
+    if isinstance(cond, kind):
         return True
     if isinstance(cond, Not):
-        return uses_connection(cond.condition)
+        return _uses(cond.condition, kind)
     if isinstance(cond, (AllOf, AnyOf)):
-        return any(uses_connection(c) for c in cond.conditions)
+        return any(_uses(c, kind) for c in cond.conditions)
     return False

@@ -22,7 +22,17 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
-from include.conditions import AllOf, Condition, ConditionError, Connection, Leaf, Not, SegmentPresent, parse_condition
+from include.conditions import (
+    AllOf,
+    Condition,
+    ConditionError,
+    Connection,
+    FhirLeaf,
+    Leaf,
+    Not,
+    SegmentPresent,
+    parse_condition,
+)
 from include.hl7path import FieldPath
 
 _SEGMENTS = re.compile(r"\r\n?|\n")
@@ -105,6 +115,8 @@ def matches(cond: Condition, message: str | None, connection: str | None = None)
         if isinstance(cond, SegmentPresent):
             return any(_is_segment(s, cond.segment, seps[0]) for s in segments)
         return _leaf(cond, segments, seps)
+    if isinstance(cond, FhirLeaf):
+        return False  # `where` searches HL7 v2 (parse_condition refuses a fhir leaf there)
     return any(matches(c, message, connection) for c in cond.conditions)  # AnyOf
 
 

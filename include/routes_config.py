@@ -82,7 +82,7 @@ class Route:
 def parse_condition(cond: Any, *, route_name: str = "<unnamed>", where: str = "when") -> Condition:
     """Validate one condition tree; errors read ``route 'x': when.all[1].not: problem``."""
     try:
-        return _parse_condition(cond, where=where)
+        return _parse_condition(cond, where=where, fhir=True)
     except ConditionError as exc:
         raise RouteConfigError(f"route {route_name!r}: {exc}") from None
 
@@ -109,7 +109,7 @@ def parse_routes(routes: Any) -> list[Route]:
             route = Route(
                 name=model.name,
                 destinations=tuple(dict.fromkeys(model.destinations)),
-                when=None if model.when is None else condition(model.when),
+                when=None if model.when is None else condition(model.when, fhir=True),
                 catch_all=model.catch_all,
             )
         if route.name in seen:

@@ -8,6 +8,10 @@ plus the inbound connection's name. Values are read exactly as :func:`spark_jobs
 reads them (raw text, missing and empty both absent); a leaf on an absent value is false, never
 NULL, so ``not`` and ``any`` mean what they say. Quantifiers run as ``exists``/``forall`` over the
 matching segments or the field's repetitions: no Python, no explode.
+
+A FHIR leaf (routes only) reads the raw message instead: the resources it holds (itself, and a
+Bundle's entries) as JSON text with ``from_json``, each element of the path with
+``get_json_object``, every array along the path walked with ``exists`` — still no Python.
 """
 
 from __future__ import annotations
@@ -17,18 +21,21 @@ from collections.abc import Callable
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
-from include.conditions import AllOf, Condition, Connection, Leaf, Not, SegmentPresent
+from include.conditions import AllOf, Condition, Connection, FhirLeaf, Leaf, Not, SegmentPresent
 from include.hl7path import FieldPath
 from spark_jobs.hl7_fields import let
 
 __all__ = ["compile_condition", "is_segment"]
 
 
-def compile_condition(cond: Condition, segments: Column, seps: Column, connection: Column | None = None) -> Column:
+def compile_condition(
+    cond: Condition, segments: Column, seps: Column, connection: Column | None = None, payload: Column | None = None
+) -> Column:
     """A never-NULL boolean Column: does the message (``segments``, ``seps``) satisfy ``cond``?
 
     ``seps`` is any struct with ``fs`` and the split regexes ``fs_re rs_re cs_re ss_re``; ``fs``
-    empty means "not HL7" (every leaf false). ``connection`` is needed only by connection leaves.
+    empty means "not HL7" (every leaf false). ``connection`` is needed only by connection leaves,
+    ``payload`` (the raw message) only by FHIR leaves.
     """
     if isinstance(cond, Leaf):
         return F.when(seps["fs"] != "", _leaf(cond, segments, seps)).otherwise(F.lit(False))
@@ -45,9 +52,13 @@ def compile_condition(cond: Condition, segments: Column, seps: Column, connectio
         else:
             test = connection.rlike(str(cond.value))
         return F.coalesce(test, F.lit(False))
+    if isinstance(cond, FhirLeaf):
+        if payload is None:
+            raise ValueError("a fhir condition needs the raw message column")
+        return F.coalesce(_fhir_leaf(cond, payload), F.lit(False))
     if isinstance(cond, Not):
-        return ~compile_condition(cond.condition, segments, seps, connection)
-    members = [compile_condition(c, segments, seps, connection) for c in cond.conditions]
+        return ~compile_condition(cond.condition, segments, seps, connection, payload)
+    members = [compile_condition(c, segments, seps, connection, payload) for c in cond.conditions]
     combined = members[0]
     for member in members[1:]:
         combined = (combined & member) if isinstance(cond, AllOf) else (combined | member)
@@ -66,7 +77,45 @@ def _quantified(quantifier: str, items: Column, test: Callable[[Column], Column]
     return F.coalesce((F.size(items) > 0) & F.forall(items, test), F.lit(False))
 
 
-def _test(cond: Leaf) -> Callable[[Column], Column]:
+_RESOURCES = "struct<resourceType:string,entry:array<struct<resource:string>>>"
+
+
+def fhir_resources(payload: Column) -> Column:
+    """The FHIR resources a message holds, as JSON text: the message itself and, for a Bundle, each
+    entry's resource; empty for anything that is not a JSON object (an HL7 v2 message)."""
+    top = F.from_json(payload, _RESOURCES)
+    entries = F.transform(
+        F.coalesce(top["entry"], F.array().cast("array<struct<resource:string>>")), lambda e: e["resource"]
+    )
+    own = F.when(top["resourceType"] == "Bundle", F.concat(F.array(payload), entries)).otherwise(F.array(payload))
+    empty = F.array().cast("array<string>")
+    return F.when(F.ltrim(payload).startswith("{") & top["resourceType"].isNotNull(), own).otherwise(empty)
+
+
+def _fhir_leaf(cond: FhirLeaf, payload: Column) -> Column:
+    test = _test(cond)
+
+    def values_pass(node: Column, elements: tuple[str, ...]) -> Column:
+        """Some value at `elements` below `node` (JSON text) passes: an array at any step is
+        walked (`$.e[0]` tells a JSON array from a string that only starts with "[")."""
+        if not elements:
+            return test(node)
+        step = f"$.{elements[0]}"
+        value = F.get_json_object(node, step)
+        is_array = value.startswith("[") & F.get_json_object(node, f"{step}[0]").isNotNull()
+        items = F.when(is_array, F.from_json(value, "array<string>")).otherwise(F.array(value))
+        return F.coalesce(F.exists(items, lambda item: values_pass(item, elements[1:])), F.lit(False))
+
+    def matches(resource: Column) -> Column:
+        typed = F.get_json_object(resource, "$.resourceType") == F.lit(cond.resource_type)
+        if not cond.elements:
+            return F.coalesce(typed, F.lit(False))
+        return F.coalesce(typed, F.lit(False)) & values_pass(resource, cond.elements)
+
+    return F.exists(fhir_resources(payload), matches)
+
+
+def _test(cond: Leaf | FhirLeaf) -> Callable[[Column], Column]:
     """The leaf's operator over one raw value (empty counts as absent); never NULL."""
 
     def test(raw: Column) -> Column:

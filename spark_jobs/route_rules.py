@@ -15,7 +15,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from include.conditions import uses_connection
+from include.conditions import uses_connection, uses_fhir
 from include.routes_config import PENDING, UNROUTED, Condition, Route, parse_condition, parse_routes
 from spark_jobs.condition_columns import compile_condition as compile_over
 from spark_jobs.hl7_fields import let, with_message
@@ -33,12 +33,14 @@ def compile_condition(
     """Compile a condition into a boolean Column over the raw message column; never NULL."""
     parsed = parse_condition(cond, route_name=route_name)
     conn = F.col(connection) if isinstance(connection, str) else connection
-    return with_message(message, lambda m: _compile(parsed, m, conn))
+    raw = F.col(message) if isinstance(message, str) else message
+    return with_message(message, lambda m: _compile(parsed, m, conn, raw))
 
 
-def _compile(cond: Condition, message: Column, connection: Column | None) -> Column:
-    """Build the Column for a validated condition over a ``parse_message`` struct."""
-    return compile_over(cond, message["segments"], message, connection)
+def _compile(cond: Condition, message: Column, connection: Column | None, payload: Column | None = None) -> Column:
+    """Build the Column for a validated condition over a ``parse_message`` struct (and, for FHIR
+    leaves, the raw message)."""
+    return compile_over(cond, message["segments"], message, connection, payload)
 
 
 def route(
@@ -69,13 +71,14 @@ def _match_routes(
 ) -> DataFrame:
     """Keep ``source_id`` and ``_matches`` (one boolean per route) from one parse of each message."""
     connection = F.col(connection_col) if any(uses_connection(r.when) for r in routes) else None
+    payload = F.col(payload_col) if any(uses_fhir(r.when) for r in routes) else None
     regular = [r for r in routes if not r.catch_all]
     if not regular:
         matches = F.array(*(F.lit(True) for _ in routes)).cast("array<boolean>")
     else:
 
         def flags(m: Column) -> Column:
-            conds = [F.lit(True) if r.when is None else _compile(r.when, m, connection) for r in regular]
+            conds = [F.lit(True) if r.when is None else _compile(r.when, m, connection, payload) for r in regular]
             if len(conds) == len(routes):
                 return F.array(*conds)
 

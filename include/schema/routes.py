@@ -7,6 +7,7 @@ Strict types and unknown keys here; the `when` condition goes through the condit
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
@@ -23,7 +24,7 @@ class RouteModel(Strict):
 
     name: Text
     destinations: list[Text] = Field(min_length=1)
-    when: Annotated[dict[str, Any], AfterValidator(condition)] | None = None
+    when: Annotated[dict[str, Any], AfterValidator(partial(condition, fhir=True))] | None = None
     catch_all: bool = False
 
     @model_validator(mode="after")

@@ -49,10 +49,11 @@ _EXPLICIT_OCCURRENCE = re.compile(r"[A-Z0-9]{3}\[")
 _PATTERN_LETTERS = set("GyMdDQqLEuaHhKkmsSVzOXxZ")
 
 
-def condition(value: Any) -> Any:
-    """A `when` through the condition grammar; its error says where in the tree (``at any[0]: ...``)."""
+def condition(value: Any, *, fhir: bool = False) -> Any:
+    """A `when` through the condition grammar; its error says where in the tree (``at any[0]: ...``).
+    ``fhir``: FHIR leaves allowed (a route's `when`)."""
     try:
-        return parse_condition(value, where="when")
+        return parse_condition(value, where="when", fhir=fhir)
     except ConditionError as exc:
         text = str(exc)
         if text.startswith("when: "):
