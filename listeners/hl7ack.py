@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from twisted.logger import Logger
+
 from listeners.hl7errors import ERROR_TEXT, Location
 from listeners.hl7msg import HL7Header
 
@@ -37,8 +39,11 @@ __all__ = [
     "commit_code",
     "escape",
     "message_header",
+    "minimal_ack",
     "new_control_id",
 ]
+
+_log = Logger(namespace="stageline.ack")
 
 DEFAULT_FIELD_SEPARATOR = "|"
 DEFAULT_ENCODING_CHARACTERS = "^~\\&"
@@ -185,8 +190,53 @@ def build_ack(
     :param sending_facility: our MSH-4, same rule with the inbound MSH-6.
     :param control_id: the ACK's own MSH-10; a fresh one by default.
     :param now: the ACK's MSH-7; the current UTC time by default.
+
+    A positive ACK cannot fail: it answers a message already staged, so were anything of the
+    header to trip the builder, the answer is still an AA/CA for its MSH-10 (`minimal_ack`), never
+    an exception its caller would turn into "not stored".
     """
     ack_code = code if code.__class__ is AckCode else AckCode(code)
+    if ack_code is AckCode.AA or ack_code is AckCode.CA:
+        try:
+            return _build_ack(header, ack_code, "", "207", None, sending_application, sending_facility, control_id, now)
+        except Exception as exc:
+            _log.critical(
+                "ACK for {control_id} built minimal: {error}",
+                control_id=_strip_controls(header.control_id)[:64],
+                error=type(exc).__name__,
+            )
+            return minimal_ack(header, ack_code)
+    return _build_ack(
+        header, ack_code, reason, error_code, location, sending_application, sending_facility, control_id, now
+    )
+
+
+def minimal_ack(header: HL7Header, code: AckCode) -> bytes:
+    """The least an AA/CA needs: the sender's own separators, MSH-9 ACK, MSH-12 2.5, MSA-2 its
+    MSH-10 as sent. Built from plain strings only, so it is what answers a staged message when the
+    full builder fails on something of its header."""
+    fs = header.field_separator if len(header.field_separator) == 1 else DEFAULT_FIELD_SEPARATOR
+    enc = header.encoding_characters or DEFAULT_ENCODING_CHARACTERS
+    acked = _strip_controls(header.control_id)
+    msh = fs.join(["MSH", enc, "", "", "", "", _timestamp(None, utc_offset="+" not in fs + enc), "", "ACK"])
+    text = f"{msh}{fs}{new_control_id()}{fs}P{fs}2.5\rMSA{fs}{code.value}{fs}{acked}\r"
+    try:
+        return text.encode(header.encoding, errors="replace")
+    except LookupError:
+        return text.encode("utf-8", errors="replace")
+
+
+def _build_ack(
+    header: HL7Header,
+    ack_code: AckCode,
+    reason: str,
+    error_code: str,
+    location: Location | None,
+    sending_application: str | None,
+    sending_facility: str | None,
+    control_id: str | None,
+    now: datetime | None,
+) -> bytes:
     shape = _shape(header, sending_application, sending_facility)
     fs = shape.fs
     # A fresh id is hex (nothing to escape); one given by the caller is escaped like any text.
@@ -399,10 +449,17 @@ def _now_stamp() -> str:
     return _stamp_cache[1]
 
 
+MAX_VERSION_PIECE = 4
+"""Digits read per piece of a version (MSH-12.1): "2.5.1" has pieces of one; a longer run is no
+version HL7 has, and `int` of a few thousand digits raises."""
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
+    """(2, 5, 1) for "2.5.1": only ASCII digits count (`str.isdigit` takes "²", which `int`
+    refuses), and only pieces of at most MAX_VERSION_PIECE of them; reading stops at the first other."""
     parts: list[int] = []
     for piece in version.strip().split("."):
-        if not piece.isdigit():
+        if not (piece.isascii() and piece.isdigit() and len(piece) <= MAX_VERSION_PIECE):
             break
         parts.append(int(piece))
     return tuple(parts)

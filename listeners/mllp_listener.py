@@ -499,7 +499,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 peer=self.peer_text,
             )
         if header.ack_types is None:  # original mode, the common case: as decided, one call less
-            self._reply(slot, decision.code, self._ack(header, decision, decision.code))
+            self._reply(slot, *self._ack(header, decision, decision.code))
         else:
             self._answer(slot, header, decision)
 
@@ -544,11 +544,13 @@ class MLLPProtocol(OrderedReplyProtocol):
             if self.answer(slot, b"") and self.factory is not None:
                 self.factory.count_withheld(commit_code(decision.code).value)
             return
-        self._reply(slot, code, self._ack(header, decision, code))
+        self._reply(slot, *self._ack(header, decision, code))
 
-    def _ack(self, header: HL7Header, decision: AckDecision, code: AckCode) -> bytes:
+    def _ack(self, header: HL7Header, decision: AckDecision, code: AckCode) -> tuple[AckCode, bytes]:
+        """(the code that goes on the wire, the ACK). A positive ACK is always built (`build_ack`
+        falls back to a minimal one); a negative one that fails becomes an internal-error AE/CE."""
         try:
-            return build_ack(
+            return code, build_ack(
                 header,
                 code,
                 reason=decision.reason,
@@ -563,8 +565,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 control_id=safe_id(header.control_id),
                 error=type(exc).__name__,
             )
-            code = {AckCode.AA: AckCode.AE, AckCode.CA: AckCode.CE}.get(code, code)
-            return self._fallback_ack("internal error", code=code)
+            return code, self._fallback_ack("internal error", code=code, acked=header.control_id)
 
     def _fallback_ack(
         self, reason: str, *, code: AckCode = AckCode.AR, acked: str = "", why: Condition | None = None
@@ -618,7 +619,8 @@ def _messages_in(payload: bytes) -> int:
 
 def _batch_answer_code(ack: bytes) -> AckCode:
     """The code a batch answer is counted under: its first MSA-1 (an ACK batch: its first ACK's)."""
-    at = ack.find(b"MSA|")
+    msa = b"MSA" + ack[3:4]  # in the ACK's own field separator (MSH-1, BHS-1)
+    at = ack.find(msa)
     try:
         return AckCode(ack[at + 4 : at + 6].decode("ascii")) if at >= 0 else AckCode.AA
     except ValueError:
