@@ -24,6 +24,7 @@ from listeners.validation import MAX_KEY_CHARS, unstorable
 
 __all__ = [
     "FHIR_MEDIA_TYPES",
+    "OFF_REACTOR_BYTES",
     "FhirRejected",
     "build_fhir",
     "load_models",
@@ -31,6 +32,10 @@ __all__ = [
 ]
 
 FHIR_MEDIA_TYPES = frozenset({"application/fhir+json", "application/json+fhir"})
+OFF_REACTOR_BYTES = 2048
+"""A FHIR body this large or larger is validated on a thread: model validation costs far more per
+byte than HL7 v2's checks (bench/fhir_inbound.py, docs/performance.md), and the reactor's turn must
+stay short for every other sender."""
 MAX_ISSUES = 20  # an OperationOutcome names at most this many problems (a body may have thousands)
 _UTF8 = frozenset({"", "utf-8", "utf8"})
 

@@ -47,6 +47,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from listeners import access_log, batchgate
 from listeners.connections_config import InboundConfig
 from listeners.fhir_inbound import FHIR_MEDIA_TYPES, FhirRejected, build_fhir, load_models, operation_outcome
+from listeners.fhir_inbound import OFF_REACTOR_BYTES as FHIR_OFF_REACTOR_BYTES
 from listeners.group_commit import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.guard import guard_channels
 from listeners.linger import close_after_answers
@@ -207,7 +208,7 @@ class InboundResource(Resource):
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
         build = partial(build_fhir, body, connection=conn.name, charset=charset.lower())
-        if len(body) < OFF_REACTOR_BYTES:
+        if len(body) < FHIR_OFF_REACTOR_BYTES:
             try:
                 item = build()
             except FhirRejected as exc:
