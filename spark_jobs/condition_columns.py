@@ -83,13 +83,18 @@ _RESOURCES = "struct<resourceType:string,entry:array<struct<resource:string>>>"
 def fhir_resources(payload: Column) -> Column:
     """The FHIR resources a message holds, as JSON text: the message itself and, for a Bundle, each
     entry's resource; empty for anything that is not a JSON object (an HL7 v2 message)."""
-    top = F.from_json(payload, _RESOURCES)
-    entries = F.transform(
-        F.coalesce(top["entry"], F.array().cast("array<struct<resource:string>>")), lambda e: e["resource"]
-    )
-    own = F.when(top["resourceType"] == "Bundle", F.concat(F.array(payload), entries)).otherwise(F.array(payload))
     empty = F.array().cast("array<string>")
-    return F.when(F.ltrim(payload).startswith("{") & top["resourceType"].isNotNull(), own).otherwise(empty)
+    no_entries = F.array().cast("array<struct<resource:string>>")
+
+    def held(top: Column) -> Column:
+        entries = F.transform(F.coalesce(top["entry"], no_entries), lambda e: e["resource"])
+        own = F.when(top["resourceType"] == "Bundle", F.concat(F.array(payload), entries)).otherwise(F.array(payload))
+        return F.when(top["resourceType"].isNotNull(), own).otherwise(empty)
+
+    # An HL7 v2 message is told apart by its first character (after JSON's white space), before
+    # any JSON is parsed.
+    opening = F.ltrim(F.translate(F.substring(payload, 1, 64), "\t\r\n", "   "))
+    return F.when(opening.startswith("{"), let(F.from_json(payload, _RESOURCES), held)).otherwise(empty)
 
 
 def _fhir_leaf(cond: FhirLeaf, payload: Column) -> Column:

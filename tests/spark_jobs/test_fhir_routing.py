@@ -36,6 +36,7 @@ FEED = {
     4: json.dumps(MALE, indent=2),
     5: '{"resourceType": "Patient", "gender": ',  # not JSON (never staged; still no crash)
     6: '["Patient"]',
+    7: "\r\n  " + json.dumps(PATIENT),  # JSON's white space before the object
 }
 ROUTES = [
     {"name": "women", "destinations": ["w"], "when": {"fhir": "Patient.gender", "op": "eq", "value": "female"}},
@@ -74,6 +75,9 @@ def test_fhir_conditions_read_resources_and_bundle_entries_and_never_match_hl7(s
             (4, "b", "bracket"),  # a string that starts with "[" is a value, not an array
             (5, "ng", "no-gender"),
             (6, "ng", "no-gender"),
+            (7, "w", "women"),
+            (7, "j", "given-j"),
+            (7, "mpi", "any-patient"),
         ],
     )
     assertDataFrameEqual(actual, expected)
