@@ -40,13 +40,15 @@ _SEGMENTS = re.compile(r"\r\n?|\n")
 # grows exponentially with the text; Python's re cannot be stopped once it runs.
 _NESTED_QUANTIFIER = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)\s*[+*{?]")
 MAX_REGEX_CHARS = 200
+_AND = re.compile(r"\s+and\s+")
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'')
 _OPS = {"=": "eq", "!=": "ne", "~": "regex", "in": "in"}
 _IN = re.compile(r"\s*(?P<quantifier>(?:any|all)\s+)?(?P<path>\S+)\s+in\s*\((?P<values>.*)\)\s*", re.DOTALL)
 
 
 def parse_where(text: str) -> Condition:
     """A condition from the text form (module docstring); ConditionError saying what is wrong."""
-    clauses = [c.strip() for c in re.split(r"\s+and\s+", str(text).strip()) if c.strip()]
+    clauses = [c.strip() for c in _clauses(str(text).strip()) if c.strip()]
     if not clauses:
         raise ConditionError("where: empty condition")
     parsed = [_clause(c, where=f"where[{n}]") for n, c in enumerate(clauses)]
@@ -59,6 +61,16 @@ def parse_where(text: str) -> Condition:
                     "repeats inside (such as (a+)+): one body could keep the search busy for ever"
                 )
     return parse_condition(parsed[0] if len(parsed) == 1 else {"all": parsed}, where="where")
+
+
+def _clauses(text: str) -> list[str]:
+    """`text` cut at each ` and ` that is not inside a quoted value (`PID-5 = "SMITH and SONS"` is one
+    clause): quoted as the clauses themselves are read (shlex, POSIX: `\\"` escapes in double quotes)."""
+    quoted = [m.span() for m in _QUOTED.finditer(text)]
+    cuts = [m.span() for m in _AND.finditer(text) if not any(a < m.end() and m.start() < b for a, b in quoted)]
+    starts = [0, *(end for _, end in cuts)]
+    ends = [*(start for start, _ in cuts), len(text)]
+    return [text[a:b] for a, b in zip(starts, ends, strict=True)]
 
 
 def _clause(text: str, *, where: str) -> dict[str, Any]:

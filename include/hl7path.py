@@ -26,6 +26,9 @@ _PATH_RE = re.compile(
     re.VERBOSE,
 )
 _ALNUM = string.ascii_letters + string.digits
+MAX_INDEX = 99_999
+"""The largest occurrence, field, repetition, component or subcomponent number a path may name: far
+past any real message, and short of what a Spark int or an array index of the route stage holds."""
 _GRAMMAR_HINT = "expected SEG[occurrence]-FIELD[repetition].COMPONENT.SUBCOMPONENT, e.g. 'PID-3[2].1'"
 
 
@@ -65,7 +68,12 @@ def parse_path(path: str) -> FieldPath:
     match = _PATH_RE.fullmatch(path)
     if match is None:
         raise FieldPathError(f"invalid HL7 field path {path!r}: {_diagnose(path)}")
-    parts = {k: (int(v) if v is not None else None) for k, v in match.groupdict().items() if k != "segment"}
+    texts = {k: v for k, v in match.groupdict().items() if k != "segment"}
+    for name, text in texts.items():
+        if text is not None and (len(text) > len(str(MAX_INDEX)) or int(text) > MAX_INDEX):
+            shown = path if len(path) <= 80 else path[:80] + "…"
+            raise FieldPathError(f"invalid HL7 field path {shown!r}: {name} number past {MAX_INDEX}")
+    parts = {k: (int(v) if v is not None else None) for k, v in texts.items()}
     for name in ("occurrence", "field", "repetition", "component", "subcomponent"):
         if parts[name] == 0:
             raise FieldPathError(f"invalid HL7 field path {path!r}: {name} index 0, indices are 1-based")

@@ -1,4 +1,6 @@
-"""The control plane of `listenerd`: `/health`, `/leader`, `/cluster/status`, `/cluster/nodes`, `/metrics`.
+"""The control plane of `listenerd`: `/health`, `/leader`, `/cluster/status`, `/cluster/nodes`, `/metrics`,
+and the operator's reads and writes: `/messages…` (find, search by key or content, show, replay,
+requeue), `/searches…` (the saved searches), `/stages`.
 
 Served on every node, leader or not, so a load balancer can health-check any node and an operator
 can ask any node who leads. Everything but `/health` and `/leader` needs a bearer token whose role holds
@@ -17,7 +19,6 @@ without the ref.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -40,7 +41,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from include.schema import ConfigProblems
 from include.schema.connections import DEFAULT_API_PORT, ApiModel
 from include.schema.rules import validate
-from include.store import operator, stats
+from include.store import operator, saved_searches, stats
 from include.store.parquet_archive import ParquetArchive
 from listeners import access_log
 from listeners.api_reads import RETRY_AFTER_SECONDS, ApiReads, ReadsBusy, ReadTimedOut
@@ -340,6 +341,7 @@ def make_api(state: NodeState, auth: ApiAuth) -> Site:
     root.putChild(b"cluster", cluster)
     root.putChild(b"metrics", _Endpoint(metrics, auth=auth, permission=read))
     root.putChild(b"messages", message_resources(state, auth))
+    root.putChild(b"searches", search_resources(state, auth))
     root.putChild(b"stages", _Endpoint(lambda r: stages(r, state), auth=auth, permission=Permission.MESSAGES_READ))
     site = _ApiSite(root, auth)
     site.displayTracebacks = False
@@ -363,6 +365,10 @@ QUERY_FIELDS = frozenset(
         "body",
         "by",
         "chart",
+        "key",
+        "contains",
+        "where",
+        "after",
     }
 )
 """The query fields the API reads: the access log names these (never their values), others not at all."""
@@ -379,6 +385,7 @@ _ROUTES = frozenset(
         b"/messages",
         b"/messages/dead",
         b"/messages/requeue",
+        b"/searches",
         b"/cluster/status",
         b"/cluster/nodes",
     }
@@ -386,11 +393,14 @@ _ROUTES = frozenset(
 
 
 def redact_path(path: bytes) -> str:
-    """`/messages/MRN-0042/replay` as `/messages/{ref}/replay`: a message ref may be an identifier.
-    A path that matches no route is `/<unknown>`: a client may put anything in it."""
+    """`/messages/MRN-0042/replay` as `/messages/{ref}/replay`: a message ref may be an identifier;
+    `/searches/smith/messages` as `/searches/{name}/messages` (a name may be one too). A path that
+    matches no route is `/<unknown>`: a client may put anything in it."""
     if path in _ROUTES:
         return path.decode("ascii")
     parts = path.split(b"/")
+    if len(parts) in (3, 4) and parts[1] == b"searches" and parts[2] and (len(parts) == 3 or parts[3] == b"messages"):
+        return "/searches/{name}" + ("/messages" if len(parts) == 4 else "")
     if (
         len(parts) in (3, 4)
         and parts[1] == b"messages"
@@ -550,6 +560,8 @@ class _Endpoint(_Directory):
                 return _json(request, denial.status, {"error": "unauthorized" if denial.status == 401 else "forbidden"})
         try:
             return self._handler(request)
+        except _Forbidden as exc:
+            return _json(request, 403, {"error": str(exc)})
         except ValueError as exc:  # bad input the handler refused before any work
             return _json(request, 400, {"error": str(exc)})
         except Exception:
@@ -576,26 +588,8 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         return lambda store: mask.apply(work(store))
 
     def find(request: Request) -> Any:
-        unknown = sorted(set(_args(request)) - FIND_FIELDS)
-        if unknown:  # a search this endpoint does not do must not answer as "the newest messages"
-            return _json(
-                request,
-                400,
-                {
-                    "error": f"{len(unknown)} unknown field(s) (not echoed): GET /messages filters by "
-                    f"{', '.join(sorted(FIND_FIELDS))}; to search by business key or content use "
-                    "`stageline messages find` or the Stageline view"
-                },
-            )
-        filters = operator.Filters.from_query(_args(request))
-        filters.params()  # out-of-range figures: 400 before any work
-        if (
-            filters.lane_key is not None
-            and auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None
-        ):
-            # a viewer's lane filter would tell whether a guessed MRN has messages
-            return _json(request, 403, {"error": f"lane_key filters need {Permission.MESSAGES_READ_BODY.value}"})
-        return _deferred(request, masked(request, lambda store: {"messages": operator.find(store, filters)}), state)
+        query = _search(request, auth, _fields(request, FIND_FIELDS, repeatable={"where"}))
+        return _deferred(request, masked(request, lambda store: {"messages": saved_searches.run(store, query)}), state)
 
     def show(ref: str) -> Callable[[Request], Any]:
         def handler(request: Request) -> Any:
@@ -684,6 +678,116 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
     return Messages(find, auth=auth, permission=read)
 
 
+def search_resources(state: NodeState, auth: ApiAuth) -> Resource:
+    """GET /searches (the saved searches, by name), /searches/{name} (one), /searches/{name}/messages
+    (run it over `since_ms`, `until_ms`, `before_id`, `limit`): messages:read. For a caller who may
+    not read bodies, criteria values are hidden (`saved_searches.hidden`) and running one that
+    searches by lane, key or content is 403, as in the Stageline view."""
+    mask = operator.LaneMask()
+
+    def may_read_bodies(request: Request) -> bool:
+        return auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is None
+
+    def shown(request: Request, doc: dict[str, Any]) -> dict[str, Any]:
+        return doc if may_read_bodies(request) else saved_searches.hidden(doc)
+
+    def listing(request: Request) -> Any:
+        fields = _fields(request, frozenset({"limit", "after"}))
+        page = saved_searches.Page.from_query({k: v[0] for k, v in fields.items()})
+        return _deferred(
+            request,
+            lambda store: {"searches": [shown(request, s) for s in saved_searches.list_all(store, page)]},
+            state,
+        )
+
+    def one(name: str) -> Callable[[Request], Any]:
+        def handler(request: Request) -> Any:
+            _fields(request, frozenset())
+
+            def work(store: Any) -> dict[str, Any]:
+                found = saved_searches.get(store, name)
+                if found is None:
+                    raise LookupError("no saved search of that name")
+                return shown(request, found)
+
+            return _deferred(request, work, state)
+
+        return handler
+
+    def run(name: str) -> Callable[[Request], Any]:
+        def handler(request: Request) -> Any:
+            fields = _fields(request, PAGE_FIELDS)
+
+            def work(store: Any) -> dict[str, Any]:
+                found = saved_searches.get(store, name)
+                if found is None:
+                    raise LookupError("no saved search of that name")
+                query = _search(request, auth, {**fields, **_as_fields(found["query"])})
+                messages = saved_searches.run(store, query)
+                return {"messages": messages if may_read_bodies(request) else mask.apply(messages)}
+
+            return _deferred(request, work, state)
+
+        return handler
+
+    class Searches(_Endpoint):
+        def getChild(self, path: bytes, request: Request) -> IResource:
+            name = path.decode("utf-8", "replace")
+            search = _Endpoint(one(name), auth=auth, permission=Permission.MESSAGES_READ)
+            search.putChild(b"messages", _Endpoint(run(name), auth=auth, permission=Permission.MESSAGES_READ))
+            return search
+
+    return Searches(listing, auth=auth, permission=Permission.MESSAGES_READ)
+
+
+class _Forbidden(ValueError):
+    """A search the caller's role may not make (403)."""
+
+
+def _fields(
+    request: Request, allowed: frozenset[str], *, repeatable: frozenset[str] | set[str] = frozenset()
+) -> dict[str, list[str]]:
+    """The query string's non-empty fields as text; ValueError (400) for a field not in `allowed`
+    (not echoed: its name may be data) or one given twice that may not be."""
+    fields: dict[str, list[str]] = {}
+    unknown = 0
+    for raw, values in (request.args or {}).items():
+        name = raw.decode("utf-8", "replace")
+        if name not in allowed:
+            unknown += 1
+            continue
+        if len(values) > 1 and name not in repeatable:
+            raise ValueError(f"{name} given {len(values)} times: give it once")
+        texts = [v.decode("utf-8", "replace") for v in values if v]
+        if texts:
+            fields[name] = texts
+    if unknown:
+        raise ValueError(
+            f"{unknown} unknown field(s) (not echoed): this takes {', '.join(sorted(allowed)) or 'no fields'}"
+        )
+    return fields
+
+
+def _as_fields(criteria: Mapping[str, Any]) -> dict[str, list[str]]:
+    """A saved search's criteria as query fields."""
+    return {k: (list(v) if isinstance(v, list) else [str(v)]) for k, v in criteria.items()}
+
+
+def _search(request: Request, auth: ApiAuth, fields: Mapping[str, list[str]]) -> saved_searches.Query:
+    """The search `fields` ask for (`messages find`'s criteria and page, as `saved_searches.query_for`
+    reads them); 400 for what it refuses, 403 for a lane, key or content search by a caller who may not
+    read bodies (each would tell whether a guessed MRN or text is in the store)."""
+    wanted: dict[str, Any] = {k: v[0] for k, v in fields.items() if k in saved_searches.FIELDS and k != "where"}
+    wanted["where"] = list(fields.get("where", []))
+    refused = saved_searches.reveals(wanted)
+    if refused and auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None:
+        raise _Forbidden(f"{refused} need {Permission.MESSAGES_READ_BODY.value}")
+    page = operator.Filters.from_query({k: v[0] for k, v in fields.items() if k in PAGE_FIELDS})
+    return saved_searches.query_for(
+        wanted, since_ms=page.since_ms, until_ms=page.until_ms, before_id=page.before_id, limit=page.limit
+    )
+
+
 def stages(request: Request, state: NodeState) -> Any:
     """`GET /stages`: per stage; `?by=destination|connection` each one's health (include/store/stats.py),
     `&chart=1` with each destination's deliveries per minute over the last hour (the view's chart)."""
@@ -732,8 +836,10 @@ def _reason(body: dict[str, Any]) -> str:
     return reason
 
 
-FIND_FIELDS = frozenset(f.name for f in dataclasses.fields(operator.Filters))
-"""The query fields `GET /messages` takes: a filter of `operator.Filters` each."""
+PAGE_FIELDS = frozenset({"since_ms", "until_ms", "before_id", "limit"})
+"""The window and page of every search (`messages find`'s --since, --until, --before-id, --limit)."""
+FIND_FIELDS = frozenset({*saved_searches.FIELDS, *PAGE_FIELDS})
+"""The query fields `GET /messages` takes: `messages find`'s criteria (`where` repeatable) and page."""
 READS = ApiReads()
 """The API's store reads: their own threads, so a slow read never takes the heartbeat's (`api_reads`)."""
 
@@ -752,6 +858,8 @@ def _deferred(request: Request, work: Callable[[Any], Any], state: NodeState) ->
     def failed(failure: Failure) -> None:
         if failure.check(LookupError):
             answer(404, {"error": str(failure.value)})
+        elif failure.check(_Forbidden):
+            answer(403, {"error": str(failure.value)})
         elif failure.check(ValueError):
             answer(400, {"error": str(failure.value)})
         elif failure.check(ReadsBusy, ReadTimedOut):

@@ -84,6 +84,13 @@ def test_search_by_key_content_and_saved_searches_in_the_views_api_and_in_headle
     assert http(server.port, "POST", "/stageline/api/searches", token=viewer, body=saved)[0] == 403
     status, doc, _ = http(server.port, "POST", "/stageline/api/searches", token=admin, body=saved)
     assert status == 200 and doc["query"] == {"key": "mrn=P1"}
+    other = {"name": "p1", "query": {"key": "mrn=P2"}}
+    status, doc, _ = http(server.port, "POST", "/stageline/api/searches", token=admin, body=other)
+    assert status == 409 and "replace" in doc["detail"]  # saving over a search is said on purpose
+    status, doc, _ = http(server.port, "POST", "/stageline/api/searches", token=admin, body={**other, "replace": 1})
+    assert status == 400 and "replace must be true or false" in doc["detail"]
+    status, doc, _ = http(server.port, "POST", "/stageline/api/searches", token=admin, body={**saved, "replace": True})
+    assert status == 200 and doc["query"] == {"key": "mrn=P1"}
     bad = {"name": "x", "query": {"key": "mrn"}}
     assert http(server.port, "POST", "/stageline/api/searches", token=admin, body=bad)[0] == 400
     status, doc, _ = http(server.port, "GET", "/stageline/api/searches", token=viewer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from include.app.cli_messages import os_user
 from include.keys_config import parse_keys
 from include.store import Store
 from include.store import keys as K
@@ -127,7 +128,7 @@ def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_pat
         "saved search p1-lab"
         in run(cfg, "searches", "save", "p1-lab", "--contains", "P1^", "--connection", "lab-in").stdout
     )
-    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P1", "--actor", "jdoe")
+    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P1")
     run(cfg, "searches", "save", "janes", "--where", 'PID-5.2 = "JANE"', "--where", "PID-3.1 exists")
     listed = json.loads(run(cfg, "searches", "list", "--json").stdout)
     assert [(s["name"], s["query"]) for s in listed] == [
@@ -135,7 +136,13 @@ def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_pat
         ("mrn-p1", {"key": "mrn=P1"}),
         ("p1-lab", {"contains": "P1^", "connection": "lab-in"}),
     ]
-    assert listed[1]["saved_by"] == "jdoe"
+    assert listed[1]["saved_by"] == f"cli {os_user()}"  # who runs the CLI, not a name given to it
+    assert "--actor" in run(cfg, "searches", "save", "x", "--key", "mrn=1", "--actor", "jdoe", ok=False).stderr
+    paged = run(cfg, "searches", "list", "--limit", "2").stdout.splitlines()
+    assert [line.split()[0] for line in paged[1:3]] == ["janes", "mrn-p1"] and paged[3] == "(more: --after mrn-p1)"
+    assert [s["name"] for s in json.loads(run(cfg, "searches", "list", "--after", "mrn-p1", "--json").stdout)] == [
+        "p1-lab"
+    ]
 
     def ran(name: str, *args: str) -> list[int]:
         return [r["id"] for r in json.loads(run(cfg, "searches", "run", name, *args, "--json").stdout)]
@@ -143,8 +150,11 @@ def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_pat
     assert ran("p1-lab") == [ids[2]]
     assert ran("mrn-p1") == [ids[2], ids[0]] and ran("mrn-p1", "--limit", "1") == [ids[2]]
     assert ran("janes") == [ids[2], ids[1], ids[0]]
-    # saving again replaces; deleting removes
-    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P2")
+    # saving over a name is refused unless --replace says so; deleting removes
+    refused = run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P2", ok=False)
+    assert "a saved search mrn-p1 exists: replace it on purpose (--replace)" in refused.stderr
+    assert ran("mrn-p1") == [ids[2], ids[0]]
+    run(cfg, "searches", "save", "mrn-p1", "--key", "mrn=P2", "--replace")
     assert ran("mrn-p1") == [ids[1]]
     assert run(cfg, "searches", "delete", "mrn-p1").stdout == "deleted saved search mrn-p1\n"
     for args, said in (

@@ -538,43 +538,49 @@ def searches() -> None:
 @click.option("--connection")
 @click.option("--destination")
 @click.option("--status", type=click.Choice(ops.STATUSES))
-@actor_option
+@click.option("--replace", is_flag=True, help="Save over the search NAME if there is one (refused otherwise).")
 @click.pass_obj
-def save_search_cmd(service_config: str | None, name: str, key_search: str | None, **options: Any) -> None:
-    """Save `messages find`'s criteria as NAME (replacing a search of that name). The window and the
-    page are given when it runs."""
-    actor, where = options.pop("actor"), list(options.pop("where_clauses"))
+def save_search_cmd(
+    service_config: str | None, name: str, key_search: str | None, replace: bool, **options: Any
+) -> None:
+    """Save `messages find`'s criteria as NAME (a name that is taken needs --replace), recorded as
+    saved by the OS user running this. The window and the page are given when it runs."""
+    where = list(options.pop("where_clauses"))
     wanted = {"key": key_search, **options, "where": where}
     _queries(wanted, None, None, None, ops.FIND_LIMIT)  # refuse what messages find would refuse
     with _opened(service_config) as store:
-        saved = saved_searches.save(store, name, wanted, actor=actor)
+        saved = saved_searches.save(store, name, wanted, actor=f"cli {os_user()}", replace=replace)
     click.echo(f"saved search {name}: {json.dumps(saved, ensure_ascii=True)}")
 
 
 @searches.command("list")
+@click.option("--limit", type=int, default=saved_searches.LIST_LIMIT, show_default=True)
+@click.option("--after", metavar="NAME", help="Page on: the last name of the previous page.")
 @json_option
 @click.pass_obj
-def list_searches_cmd(service_config: str | None, as_json: bool) -> None:
-    """Every saved search, by name."""
+def list_searches_cmd(service_config: str | None, limit: int, after: str | None, as_json: bool) -> None:
+    """The saved searches, by name, a page at a time."""
     with _opened(service_config) as store:
-        rows = saved_searches.list_all(store)
-    answer(
-        as_json,
-        rows,
-        lambda: (
-            table(
-                [{**r, "query": json.dumps(r["query"], ensure_ascii=True)} for r in rows],
-                (
-                    Column("name", "name"),
-                    Column("query", "criteria"),
-                    Column("saved_by", "saved by"),
-                    Column("saved_ms", "saved (UTC)", show=when_ms),
-                ),
-            )
-            if rows
-            else "no saved searches"
-        ),
+        rows = saved_searches.list_all(store, saved_searches.Page(limit, after))
+    if as_json:
+        echo_json(rows)
+        return
+    if not rows:
+        click.echo("no saved searches" + (f" after {after}" if after else ""))
+        return
+    click.echo(
+        table(
+            [{**r, "query": json.dumps(r["query"], ensure_ascii=True)} for r in rows],
+            (
+                Column("name", "name"),
+                Column("query", "criteria"),
+                Column("saved_by", "saved by"),
+                Column("saved_ms", "saved (UTC)", show=when_ms),
+            ),
+        )
     )
+    if len(rows) == limit:
+        click.echo(f"(more: --after {rows[-1]['name']})")
 
 
 @searches.command("run")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from include.conditions import ConditionError
@@ -22,6 +23,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FIELDS = ("key", "contains", "where", "control_id", "message_id", "lane_key", "connection", "destination", "status")
 """What a saved search may hold: `messages find`'s criteria (`where` a list of clauses, the rest text)."""
 MAX_TEXT = 1000
+LIST_LIMIT = 100
+HIDDEN = "…"
+"""What a saved search's criteria values read as for someone who may not read bodies."""
 
 
 def criteria(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,6 +57,31 @@ def criteria(doc: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def hidden(search: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved search as someone who may not read bodies sees it: which criteria it has, not their
+    values (an MRN, a name, a text) — a key's name stays (`mrn=…`)."""
+    query = dict(search["query"])
+    for field in ("lane_key", "contains"):
+        if query.get(field):
+            query[field] = HIDDEN
+    if query.get("key"):
+        query["key"] = str(query["key"]).split("=", 1)[0] + "=" + HIDDEN
+    if query.get("where"):
+        query["where"] = [HIDDEN for _ in query["where"]]
+    return {**search, "query": query}
+
+
+def reveals(wanted: Mapping[str, Any]) -> str | None:
+    """What in `wanted` (messages find's criteria) only someone who may read bodies may search by,
+    or None: a lane (usually the MRN), a business key or a body's content would each tell whether a
+    guessed patient or text is in the store."""
+    if wanted.get("lane_key"):
+        return "lane filters"
+    if any(wanted.get(k) for k in ("key", "contains", "where")):
+        return "key and content searches"
+    return None
+
+
 def _name(name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(
@@ -61,11 +90,21 @@ def _name(name: str) -> str:
     return name
 
 
-def save(store: Store, name: str, doc: Mapping[str, Any], *, actor: str) -> dict[str, Any]:
-    """Save (or replace) the search `name`; its checked criteria."""
+class SearchExists(ValueError):
+    """A saved search of that name exists and the caller did not say to replace it."""
+
+
+def save(store: Store, name: str, doc: Mapping[str, Any], *, actor: str, replace: bool = False) -> dict[str, Any]:
+    """Save the search `name`; its checked criteria. A name that is taken is SearchExists unless
+    `replace`: saving over someone's search is said on purpose, never by a typo. `actor` is who the
+    caller authenticated as (the OS user, the Airflow user), never a name the caller typed."""
     checked = criteria(doc)
+    params = {"name": _name(name), "query": json.dumps(checked), "actor": str(actor)[:200]}
     with store.transaction() as tx:
-        tx.execute("search_save", {"name": _name(name), "query": json.dumps(checked), "actor": str(actor)[:200]})
+        if replace:
+            tx.execute("search_save", params)
+        elif tx.execute("search_add", params) == 0:
+            raise SearchExists(f"a saved search {name} exists: replace it on purpose (--replace)")
     return checked
 
 
@@ -73,9 +112,34 @@ def _row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "query": json.loads(row["query"])}
 
 
-def list_all(store: Store) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Page:
+    """A page of the saved searches by name: up to `limit` after the name `after` (the last of the
+    previous page)."""
+
+    limit: int = LIST_LIMIT
+    after: str | None = None
+
+    @classmethod
+    def from_query(cls, args: Mapping[str, str]) -> Page:
+        """`limit` and `after` of a query string (the API's `GET /searches`); ValueError for others."""
+        try:
+            limit = int(args["limit"]) if args.get("limit") else LIST_LIMIT
+        except ValueError:
+            raise ValueError("limit must be a whole number") from None
+        return cls(limit, args.get("after") or None)
+
+    def params(self) -> dict[str, Any]:
+        if not 1 <= self.limit <= ops.MAX_FIND_LIMIT:
+            raise ValueError(f"limit must be 1..{ops.MAX_FIND_LIMIT} (page on with after), got {self.limit}")
+        return {"limit": self.limit, "after": _name(self.after) if self.after is not None else ""}
+
+
+def list_all(store: Store, page: Page = Page()) -> list[dict[str, Any]]:
+    """A page of the saved searches, by name."""
+    params = page.params()
     with store.transaction(write=False) as tx:
-        return [_row(r) for r in tx.all("search_list")]
+        return [_row(r) for r in tx.all("search_list", params)]
 
 
 def get(store: Store, name: str) -> dict[str, Any] | None:

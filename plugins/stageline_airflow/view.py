@@ -8,7 +8,8 @@ Airflow's own api-server serves under `/stageline/`, with a "Stageline" entry in
                                               destination's deliveries per minute (`include/store/stats.py`)
     GET  /stageline/api/messages?control_id=… find (the `Filters.from_query` fields; `key=mrn=12345` or
                                               `mrn=123*`: by business key; `contains=…&where=…`: content)
-    GET  /stageline/api/searches              the saved searches; POST {"name", "query"} saves one,
+    GET  /stageline/api/searches?limit=&after= the saved searches by name; POST {"name", "query"[, "replace": true]}
+                                              saves one (a name that is taken: 409 unless replace),
     DELETE /stageline/api/searches/{name}     deletes it; GET …/{name}/run?since_ms=… runs it
     GET  /stageline/api/messages/{ref}        one message in every stage with its trail and batches;
                                               `?body=1`: with its bodies (PHI; a `body_read` audit event)
@@ -66,8 +67,6 @@ BODY_RESOURCE = "Stageline message bodies"
 """The custom view a user needs (GET) to read message bodies (PHI)."""
 OPERATOR_ROLES = ("OP", "ADMIN")
 """SimpleAuthManager roles that may replay and requeue, and read bodies (its other roles: VIEWER, USER)."""
-HIDDEN = "…"
-"""What a saved search's criteria values read as for a user who may not read bodies."""
 
 
 def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
@@ -120,19 +119,6 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
             raise HTTPException(403, "lane filters need the OP or ADMIN role")
         return filters
 
-    def hide_criteria(search: dict[str, Any]) -> dict[str, Any]:
-        """A saved search as a user who may not read bodies sees it: which criteria it has, not their
-        values (an MRN, a name) — the key's name stays, `mrn=…`."""
-        query = dict(search["query"])
-        for field in ("lane_key", "contains"):
-            if query.get(field):
-                query[field] = HIDDEN
-        if query.get("key"):
-            query["key"] = str(query["key"]).split("=", 1)[0] + "=" + HIDDEN
-        if query.get("where"):
-            query["where"] = [HIDDEN for _ in query["where"]]
-        return {**search, "query": query}
-
     def searching(user: Any, args: Any) -> saved_searches.Query:
         """The search a query string asks for (`Filters.from_query`'s fields, `key`, `contains`,
         `where`); 403 for a lane, key or content search from a user who may not read bodies."""
@@ -141,11 +127,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         return checked_search(user, wanted, args)
 
     def checked_search(user: Any, wanted: dict[str, Any], args: Any) -> saved_searches.Query:
-        if not may_read_bodies(user):
-            if wanted.get("lane_key"):
-                raise HTTPException(403, "lane filters need the OP or ADMIN role")
-            if any(wanted.get(k) for k in ("key", "contains", "where")):
-                raise HTTPException(403, "key and content searches need the OP or ADMIN role")
+        refused = saved_searches.reveals(wanted)
+        if refused and not may_read_bodies(user):
+            raise HTTPException(403, f"{refused} need the OP or ADMIN role")
         try:
             page = {k: int(args[k]) for k in ("since_ms", "until_ms", "before_id", "limit") if args.get(k)}
         except ValueError as exc:
@@ -191,6 +175,10 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
     def not_found(request: Request, exc: LookupError) -> Response:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
+    @app.exception_handler(saved_searches.SearchExists)
+    def taken(request: Request, exc: saved_searches.SearchExists) -> Response:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
     @app.exception_handler(ValueError)
     def bad_input(request: Request, exc: ValueError) -> Response:
         return JSONResponse({"detail": str(exc)}, status_code=400)
@@ -217,9 +205,9 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
 
     @app.get("/api/searches")
     @guarded
-    def get_searches(user: Any = Depends(reader)) -> dict[str, Any]:
-        found = saved_searches.list_all(store())
-        return {"searches": found if may_read_bodies(user) else [hide_criteria(s) for s in found]}
+    def get_searches(request: Request, user: Any = Depends(reader)) -> dict[str, Any]:
+        found = saved_searches.list_all(store(), saved_searches.Page.from_query(request.query_params))
+        return {"searches": found if may_read_bodies(user) else [saved_searches.hidden(s) for s in found]}
 
     @app.post("/api/searches")
     @guarded
@@ -228,7 +216,10 @@ def create_app(hook: StagelineStoreHook | None = None) -> FastAPI:
         if not isinstance(query, dict):
             raise ValueError("query must be an object of messages find's criteria")
         saved_searches.query_for(saved_searches.criteria(query))  # refuse what a run would refuse
-        saved = saved_searches.save(store(), str(body.get("name", "")), query, actor=actor(user))
+        replace = body.get("replace", False)
+        if not isinstance(replace, bool):
+            raise ValueError("replace must be true or false")
+        saved = saved_searches.save(store(), str(body.get("name", "")), query, actor=actor(user), replace=replace)
         return {"name": body.get("name"), "query": saved}
 
     @app.delete("/api/searches/{name}")

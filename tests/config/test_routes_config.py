@@ -70,3 +70,20 @@ def test_valid_specs_parse_to_plain_data_in_config_order() -> None:
         Route("adt", ("ehr", "archive"), Leaf(parse_path("MSH-9.1"), "eq", "ADT")),
         Route("rest", ("archive",), None),
     ]
+
+
+def test_a_path_number_past_the_cap_is_refused_naming_the_path_wherever_paths_are_read() -> None:
+    """keys.toml, routes and `--where` read paths with the one grammar (include/hl7path.py)."""
+    from include.conditions import ConditionError
+    from include.hl7match import parse_where
+    from include.keys_config import KeysConfigError, parse_keys
+
+    huge = "PID-99999999999999999999.1"
+    said = re.escape(f"'{huge}': field number past 99999")
+    with pytest.raises(KeysConfigError, match=said):
+        parse_keys({"keys": {"mrn": huge}})
+    with pytest.raises(RouteConfigError, match=said):
+        parse_routes(one({"field": huge, "op": "exists"}))
+    with pytest.raises(ConditionError, match=said):
+        parse_where(f'{huge} = "F"')
+    assert str(parse_path("OBX[99999]-99999[99999].99999.99999")) == "OBX[99999]-99999[99999].99999.99999"

@@ -158,7 +158,7 @@ class PhiOverTheApi(unittest.TestCase):
         self.assertNotIn('"P77"', json.dumps(story))
         self.assertNotEqual(lanes["adt-1"], "lane:" + hashlib.sha256(b"P77").hexdigest()[:12])  # keyed
         code, doc = yield defer.ensureDeferred(self.get("/messages?lane_key=P77", VIEWER_TOKEN))
-        self.assertEqual((code, doc), (403, {"error": "lane_key filters need messages:read_body"}))
+        self.assertEqual((code, doc), (403, {"error": "lane filters need messages:read_body"}))
         for token in (OPERATOR_TOKEN, ADMIN_TOKEN):  # who may read bodies sees the lane as it is
             code, found = yield defer.ensureDeferred(self.get("/messages?lane_key=P77", token))
             self.assertEqual((code, sorted(m["message_id"] for m in found["messages"])), (200, ["adt-1", "adt-2"]))

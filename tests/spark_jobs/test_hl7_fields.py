@@ -60,6 +60,12 @@ def test_parse_path_reads_every_part_of_the_grammar(path: str, parsed: FieldPath
         ("PID-x", "expected SEG"),
         ("MSH-2.1", "have no repetitions or components"),
         ("MSH-1[2]", "have no repetitions or components"),
+        ("PID-99999999999999999999.1", "'PID-99999999999999999999.1': field number past 99999"),
+        ("PID-3[100000]", "repetition number past 99999"),
+        ("OBX[100000]-5", "occurrence number past 99999"),
+        ("PID-3.100000", "component number past 99999"),
+        ("PID-3.1.100000", "subcomponent number past 99999"),
+        ("PID-" + "9" * 5000, "field number past 99999"),  # not int()'s own 4300-digit error
     ],
 )
 def test_parse_path_rejects_bad_paths_with_a_reason(path: str, problem: str) -> None:

@@ -234,7 +234,10 @@ def test_saved_searches_keep_checked_criteria_by_name(store):
 
     assert saved.save(store, "p1", {"key": "mrn=P1", "status": None, "where": []}, actor="jdoe") == {"key": "mrn=P1"}
     saved.save(store, "ohara", {"contains": "O'HARA", "where": 'PID-8 = "F"'}, actor="x" * 500)
-    saved.save(store, "p1", {"key": "mrn=P2"}, actor="ann")  # replaced
+    with pytest.raises(saved.SearchExists, match="a saved search p1 exists: replace it on purpose"):
+        saved.save(store, "p1", {"key": "mrn=P2"}, actor="ann")  # not over someone's search by a typo
+    assert saved.get(store, "p1")["saved_by"] == "jdoe"
+    saved.save(store, "p1", {"key": "mrn=P2"}, actor="ann", replace=True)  # replaced on purpose
     listed = saved.list_all(store)
     assert [(s["name"], s["query"], s["saved_by"]) for s in listed] == [
         ("ohara", {"contains": "O'HARA", "where": ['PID-8 = "F"']}, "x" * 200),
@@ -256,6 +259,14 @@ def test_saved_searches_keep_checked_criteria_by_name(store):
         with pytest.raises(ValueError, match="name"):
             saved.save(store, name, {"key": "mrn=1"}, actor="a")
     assert [s["name"] for s in saved.list_all(store)] == ["ohara"]
+    for name in ("a", "b", "c"):
+        saved.save(store, name, {"status": "dead"}, actor="a")
+    assert [s["name"] for s in saved.list_all(store, saved.Page(2))] == ["a", "b"]
+    assert [s["name"] for s in saved.list_all(store, saved.Page(2, after="b"))] == ["c", "ohara"]
+    assert saved.list_all(store, saved.Page(2, after="ohara")) == []
+    for page, why in ((saved.Page(0), "limit must be 1..1000"), (saved.Page(1, after="a b"), "name")):
+        with pytest.raises(ValueError, match=why):
+            saved.list_all(store, page)
 
 
 def test_config_check_reads_keys_toml_as_the_route_task_does(tmp_path):

@@ -34,6 +34,29 @@ def test_where_text_becomes_the_routing_grammar():
     for bad in ("", "PID-8", 'PID-8 == "F"', 'pid-8 = "F"', 'PID-8 = "F', "PID-8 ~ (?P<x>a)"):
         with pytest.raises(ConditionError):
             parse_where(bad)
+    with pytest.raises(ConditionError, match=r"PID-99999999999999999999\.1.*field number past 99999"):
+        parse_where('PID-99999999999999999999.1 = "F"')
+
+
+def test_and_inside_a_quoted_value_is_part_of_the_value():
+    """Clauses are cut at ` and ` outside quotes only, as shlex then reads each clause."""
+    assert parse_where('PID-5 = "SMITH and SONS"') == parse_condition(
+        {"field": "PID-5", "op": "eq", "value": "SMITH and SONS"}
+    )
+    assert parse_where('PID-5.1 = \'A and B\' and PID-8 = F and PID-5.2 ~ "x\\" and y"') == parse_condition(
+        {
+            "all": [
+                {"field": "PID-5.1", "op": "eq", "value": "A and B"},
+                {"field": "PID-8", "op": "eq", "value": "F"},
+                {"field": "PID-5.2", "op": "regex", "value": 'x" and y'},
+            ]
+        }
+    )
+    assert parse_where('PID-8 in ("F and U", "M")') == parse_condition(
+        {"field": "PID-8", "op": "in", "value": ["F and U", "M"]}
+    )
+    with pytest.raises(ConditionError, match="No closing quotation"):
+        parse_where('PID-5 = "SMITH and PID-8 = F')
 
 
 def test_conditions_read_a_message_as_the_route_stage_does():

@@ -297,6 +297,7 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "lo": "P012345",
         "hi": "P012345\x01",
         "query": json.dumps({"key": "mrn=P012345"}),
+        "after": "mrn-p1",  # a page of the saved searches
         "pattern": "%O'HARA%",
         # what `audited` adds around a transition (Tx.transition)
         "ev_stage": (table or OUTBOUND).key,

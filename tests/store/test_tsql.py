@@ -150,6 +150,7 @@ SAMPLE_PARAMS: dict[str, Any] = {
     "lo": "123",
     "hi": "124",
     "query": json.dumps({"key": "mrn=123*"}),
+    "after": "mrn-p1",  # a page of the saved searches
     "pattern": "%O'HARA\\_%",
 }
 

@@ -77,9 +77,14 @@ DELETE FROM message_keys
 INSERT INTO saved_searches (name, query, saved_by) VALUES (CAST(:name AS text), CAST(:query AS text), CAST(:actor AS text))
 ON CONFLICT (name) DO UPDATE SET query = EXCLUDED.query, saved_by = EXCLUDED.saved_by, saved_at = now()
 
+-- name: search_add
+-- A new name only: no row when the name is taken (the caller says to --replace).
+INSERT INTO saved_searches (name, query, saved_by) VALUES (CAST(:name AS text), CAST(:query AS text), CAST(:actor AS text))
+ON CONFLICT (name) DO NOTHING
+
 -- name: search_list
 SELECT name, query, saved_by, (extract(epoch FROM saved_at) * 1000)::bigint AS saved_ms
-  FROM saved_searches ORDER BY name
+  FROM saved_searches WHERE name > CAST(:after AS text) ORDER BY name LIMIT :limit
 
 -- name: search_get
 SELECT name, query, saved_by, (extract(epoch FROM saved_at) * 1000)::bigint AS saved_ms

@@ -62,8 +62,14 @@ DELETE FROM message_keys
 INSERT INTO saved_searches (name, query, saved_by) VALUES (:name, :query, :actor)
 ON CONFLICT (name) DO UPDATE SET query = excluded.query, saved_by = excluded.saved_by, saved_at = {now}
 
+-- name: search_add
+-- A new name only: no row when the name is taken (the caller says to --replace).
+INSERT INTO saved_searches (name, query, saved_by) VALUES (:name, :query, :actor)
+ON CONFLICT (name) DO NOTHING
+
 -- name: search_list
-SELECT name, query, saved_by, saved_at AS saved_ms FROM saved_searches ORDER BY name
+SELECT name, query, saved_by, saved_at AS saved_ms FROM saved_searches
+ WHERE name > :after ORDER BY name LIMIT :limit
 
 -- name: search_get
 SELECT name, query, saved_by, saved_at AS saved_ms FROM saved_searches WHERE name = :name

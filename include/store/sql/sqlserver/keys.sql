@@ -75,9 +75,15 @@ USING (SELECT :name AS name, :query AS query, :actor AS saved_by) AS v
  WHEN MATCHED THEN UPDATE SET query = v.query, saved_by = v.saved_by, saved_at = SYSUTCDATETIME()
  WHEN NOT MATCHED THEN INSERT (name, query, saved_by) VALUES (v.name, v.query, v.saved_by);
 
+-- name: search_add
+-- A new name only: no row when the name is taken (the caller says to --replace).
+INSERT INTO saved_searches (name, query, saved_by)
+SELECT :name, :query, :actor
+ WHERE NOT EXISTS (SELECT 1 FROM saved_searches WITH (UPDLOCK, HOLDLOCK) WHERE name = :name);
+
 -- name: search_list
-SELECT name, query, saved_by, DATEDIFF_BIG(millisecond, '1970-01-01', saved_at) AS saved_ms
-  FROM saved_searches ORDER BY name
+SELECT TOP (:limit) name, query, saved_by, DATEDIFF_BIG(millisecond, '1970-01-01', saved_at) AS saved_ms
+  FROM saved_searches WHERE name > :after ORDER BY name
 
 -- name: search_get
 SELECT name, query, saved_by, DATEDIFF_BIG(millisecond, '1970-01-01', saved_at) AS saved_ms
