@@ -53,6 +53,8 @@ class StoreConfig:
     lease_ttl_seconds: float = 15.0
     busy_timeout_ms: int = 10_000
     busy_retry_seconds: float = 40.0
+    read_timeout_seconds: float = 60.0
+    """How long a read by a `stageline` command may run before the store stops it (`Store.read_timeout`)."""
     allow_unsafe_durability: bool = False
     """Start even on a server that may lose acknowledged commits (PostgreSQL `fsync = off`, SQL
     Server `DELAYED_DURABILITY = FORCED`); never for production."""

@@ -169,3 +169,27 @@ def test_saved_searches_are_saved_listed_run_and_deleted_through_the_cli(tmp_pat
         failed = run(cfg, "searches", *args, ok=False)
         assert said in failed.stderr and "Traceback" not in failed.stderr
     assert [s["name"] for s in json.loads(run(cfg, "searches", "list", "--json").stdout)] == ["janes", "p1-lab"]
+
+
+def test_a_read_command_is_stopped_at_its_timeout_with_an_error_naming_it(tmp_path, store_config):
+    """Reads by `stageline` commands are bounded on the store (`[store] read_timeout_seconds`,
+    `--timeout`): a count over 200,000 rows takes longer than a millisecond on either store."""
+    from tests.store.test_search import bulk
+
+    store = Store(store_config)
+    try:
+        bulk(store, 200_000)
+    finally:
+        store.close()
+    cfg = write_service_config(tmp_path, store_config, cluster=False)
+
+    said = "the read ran past 0.001 s and was stopped ([store] read_timeout_seconds / --timeout)"
+    for args in (["stages"], ["stages", "--by", "connection"]):
+        stopped = run(cfg, *args, "--timeout", "0.001", ok=False)
+        assert said in stopped.stderr and "give a longer --timeout" in stopped.stderr, stopped.stderr
+        assert stopped.returncode == 1 and "Traceback" not in stopped.stderr
+    assert json.loads(run(cfg, "stages", "--json").stdout)["inbound"]["backlog"] == 200_000  # 60 s by default
+    cfg.write_text(cfg.read_text().replace("[store]\n", "[store]\nread_timeout_seconds = 0.001\n"))
+    assert said in run(cfg, "stages", ok=False).stderr
+    assert json.loads(run(cfg, "stages", "--timeout", "60", "--json").stdout)["inbound"]["backlog"] == 200_000
+    assert "0<x<=86400" in run(cfg, "stages", "--timeout", "0", ok=False).stderr

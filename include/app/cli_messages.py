@@ -17,21 +17,41 @@ from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
 from include.store import keys, saved_searches, search, stats
 from include.store import operator as ops
+from include.store.db import ReadTimedOut
 from include.store.parquet_archive import ParquetArchive
 
 
-def _store(service_config: str | None) -> Any:
-    return _open_checked(_load(service_config))[0]
+def _store(service_config: str | None, timeout: float | None = None) -> Any:
+    """The store, its reads bounded by `timeout` (`--timeout`), else `[store] read_timeout_seconds`."""
+    config = _load(service_config)
+    store = _open_checked(config)[0]
+    store.read_timeout = timeout if timeout is not None else config.store.read_timeout_seconds
+    return store
+
+
+timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=86_400),
+    help="Stop a read that runs longer than this many seconds (default: [store] read_timeout_seconds, 60).",
+)
+
+
+class ReadStopped(click.ClickException):
+    """A read ran past its bound: say which bound, and what to do."""
+
+    def __init__(self, exc: ReadTimedOut) -> None:
+        super().__init__(f"{exc}: narrow the question (--since/--until, --limit) or give a longer --timeout")
 
 
 def page_options(command: Any) -> Any:
-    """The window and page options of every command that lists messages (`find`, `searches run`)."""
+    """The window, page and time bound of every command that lists messages (`find`, `searches run`)."""
     for option in reversed(
         (
             click.option("--since", help="ISO time (UTC unless given), inclusive."),
             click.option("--until", help="ISO time, exclusive."),
             click.option("--before-id", type=int, help="Page on: the last id of the previous page."),
             click.option("--limit", type=int, default=ops.FIND_LIMIT, show_default=True),
+            timeout_option,
         )
     ):
         command = option(command)
@@ -39,14 +59,17 @@ def page_options(command: Any) -> Any:
 
 
 @contextmanager
-def _opened(service_config: str | None) -> Iterator[Any]:
-    """The store for one command, closed when it is done; a ValueError in it (what the store
-    refuses of the command's input) is the command's InputError."""
-    store = _store(service_config)
+def _opened(service_config: str | None, timeout: float | None = None) -> Iterator[Any]:
+    """The store for one command, closed when it is done, its reads bounded (`_store`); a
+    ValueError in it (what the store refuses of the command's input) is the command's InputError,
+    a read that ran past its bound ReadStopped."""
+    store = _store(service_config, timeout)
     try:
         yield store
     except ValueError as exc:
         raise InputError(str(exc)) from exc
+    except ReadTimedOut as exc:
+        raise ReadStopped(exc) from None
     finally:
         store.close()
 
@@ -140,6 +163,7 @@ def find_cmd(
     until: str | None,
     before_id: int | None,
     limit: int,
+    timeout: float | None,
     as_json: bool,
 ) -> None:
     """Messages, newest first, narrowed by any of the options (--key: by a business key, with
@@ -155,7 +179,16 @@ def find_cmd(
         "destination": destination,
         "status": status,
     }
-    run_find(service_config, wanted, since=since, until=until, before_id=before_id, limit=limit, as_json=as_json)
+    run_find(
+        service_config,
+        wanted,
+        since=since,
+        until=until,
+        before_id=before_id,
+        limit=limit,
+        timeout=timeout,
+        as_json=as_json,
+    )
 
 
 def run_find(
@@ -166,11 +199,12 @@ def run_find(
     until: str | None,
     before_id: int | None,
     limit: int,
+    timeout: float | None,
     as_json: bool,
 ) -> None:
     """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name."""
     query = _queries(wanted, _ms(since), _ms(until), before_id, limit)
-    with _opened(service_config) as store:
+    with _opened(service_config, timeout) as store:
         rows = saved_searches.run(store, query)
     if as_json:
         echo_json(rows)
@@ -223,9 +257,10 @@ KEY_COLUMNS = (
     is_flag=True,
     help="Also its bodies (PHI): recorded in the audit trail as a body_read event naming the OS user.",
 )
+@timeout_option
 @json_option
 @click.pass_obj
-def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) -> None:
+def show_cmd(service_config: str | None, ref: str, bodies: bool, timeout: float | None, as_json: bool) -> None:
     """One message in every stage and its whole audit trail; with --body its bodies too. REF: row id,
     message id or control id.
 
@@ -233,15 +268,13 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, as_json: bool) 
     store's credentials (the service config) are what lets this command read at all; --body asks
     for the content on purpose and each such read is an audit event (who: the OS user)."""
     config = _load(service_config)
-    store = _open_checked(config)[0]
     parquet = ParquetArchive(config.retention.archive_path) if config.retention.archive_path else None
     reader = ops.Reader(os_user(), "cli") if bodies else None
     try:
-        story = ops.show(store, ops.resolve(store, ref, parquet=parquet), parquet=parquet, reader=reader)
+        with _opened(service_config, timeout) as store:
+            story = ops.show(store, ops.resolve(store, ref, parquet=parquet), parquet=parquet, reader=reader)
     except LookupError as exc:
         raise InputError(str(exc)) from exc
-    finally:
-        store.close()
     if as_json:
         echo_json(story.__dict__)
         return
@@ -394,11 +427,12 @@ def requeue_cmd(
 
 
 @messages.command("dead")
+@timeout_option
 @json_option
 @click.pass_obj
-def dead_cmd(service_config: str | None, as_json: bool) -> None:
+def dead_cmd(service_config: str | None, timeout: float | None, as_json: bool) -> None:
     """Dead letters grouped by stage, destination and reason."""
-    with _opened(service_config) as store:
+    with _opened(service_config, timeout) as store:
         groups = ops.dead_letters(store)
     if as_json:
         echo_json(groups)
@@ -427,26 +461,23 @@ DEAD_COLUMNS = (
     help="Per destination or per inbound connection instead of per stage: received, filtered, queued, "
     "retrying, in flight, sent, dead, delivery latency p50/p95 (last 5 min and hour).",
 )
+@timeout_option
 @json_option
 @click.pass_obj
-def stages(service_config: str | None, recent: int, by: str | None, as_json: bool) -> None:
+def stages(service_config: str | None, recent: int, by: str | None, timeout: float | None, as_json: bool) -> None:
     """Per stage: backlog, oldest pending age, in flight, dead letters, finished per minute (last 5 min).
     With --by: each destination's or connection's health."""
-    store = _store(service_config)
     if by is not None:
-        try:
+        with _opened(service_config, timeout) as store:
             doc = stats.health(store, by=by)
-        finally:
-            store.close()
         answer(as_json, doc, lambda: _health_text(doc))
         return
     try:
-        overview = ops.stages(store)
-        batches = ops.recent_batches(store, limit=recent) if recent > 0 else []
-    except ValueError as exc:
-        raise InputError(f"--batches: {exc}") from exc
-    finally:
-        store.close()
+        with _opened(service_config, timeout) as store:
+            overview = ops.stages(store)
+            batches = ops.recent_batches(store, limit=recent) if recent > 0 else []
+    except InputError as exc:
+        raise InputError(f"--batches: {exc.message}") from exc
     if as_json:
         echo_json({**overview, **({"batches": batches} if recent > 0 else {})})
         return
@@ -556,11 +587,14 @@ def save_search_cmd(
 @searches.command("list")
 @click.option("--limit", type=int, default=saved_searches.LIST_LIMIT, show_default=True)
 @click.option("--after", metavar="NAME", help="Page on: the last name of the previous page.")
+@timeout_option
 @json_option
 @click.pass_obj
-def list_searches_cmd(service_config: str | None, limit: int, after: str | None, as_json: bool) -> None:
+def list_searches_cmd(
+    service_config: str | None, limit: int, after: str | None, timeout: float | None, as_json: bool
+) -> None:
     """The saved searches, by name, a page at a time."""
-    with _opened(service_config) as store:
+    with _opened(service_config, timeout) as store:
         rows = saved_searches.list_all(store, saved_searches.Page(limit, after))
     if as_json:
         echo_json(rows)
@@ -595,15 +629,23 @@ def run_search_cmd(
     until: str | None,
     before_id: int | None,
     limit: int,
+    timeout: float | None,
     as_json: bool,
 ) -> None:
     """Run the saved search NAME as `messages find` would, over this window and page."""
-    with _opened(service_config) as store:
+    with _opened(service_config, timeout) as store:
         found = saved_searches.get(store, name)
     if found is None:
         raise InputError(f"no saved search {name!r} (stageline searches list)")
     run_find(
-        service_config, found["query"], since=since, until=until, before_id=before_id, limit=limit, as_json=as_json
+        service_config,
+        found["query"],
+        since=since,
+        until=until,
+        before_id=before_id,
+        limit=limit,
+        timeout=timeout,
+        as_json=as_json,
     )
 
 

@@ -44,6 +44,14 @@ class StoreModel(Strict):
     lease_ttl_seconds: Seconds = 15.0
     busy_timeout_ms: int = Field(10_000, gt=0)
     busy_retry_seconds: float = Field(40.0, ge=0, allow_inf_nan=False)
+    read_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="how long a read by a stageline command (messages find, stages, ...) may run before "
+        "the store stops it; --timeout overrides it per command",
+    )
     allow_unsafe_durability: bool = Field(
         False,
         description="start even on a server that may lose acknowledged "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -50,6 +51,22 @@ as PostgreSQL's `fsync` can change with a reload, without any new connection).""
 SLOW_SECONDS = 0.1
 """A statement or write transaction slower than this is logged: on SQLite the write lock is
 everyone's, and at the rated rate no one may hold it longer (invariant 13)."""
+
+
+class ReadTimedOut(RuntimeError):
+    """A read ran past its bound and was stopped by the store."""
+
+    def __init__(self, seconds: float, setting: str) -> None:
+        super().__init__(f"the read ran past {seconds:g} s and was stopped ({setting})")
+        self.seconds = seconds
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """`exc` is the store stopping a statement at its time bound."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return "interrupted" in str(exc)
+    number = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+    return type(exc).__name__ == "QueryCanceled" or number == 1222  # psycopg; SQL Server's lock timeout
 
 
 @dataclass(frozen=True)
@@ -226,6 +243,11 @@ class Store:
         self.clock = time.monotonic  # for the durability recheck's interval (tests move it)
         self._checked_at = self.clock()  # when a connection last checked durability
         self._rechecking = threading.Lock()
+        self.read_timeout: float | None = None
+        """Seconds a read transaction may run before the store stops it (ReadTimedOut); None: no
+        bound. An operator's command sets it (`[store] read_timeout_seconds`, `--timeout`); a
+        process whose reads are its own work (listenerd, a stage) leaves it: a bound costs each
+        read transaction a statement on PostgreSQL."""
         if config.backend == "postgres":
             from psycopg.rows import dict_row
             from psycopg_pool import ConnectionPool
@@ -407,12 +429,17 @@ class Store:
 
     @contextmanager
     def transaction(self, *, write: bool = True) -> Iterator[Tx]:
+        """One transaction; a read one (`write=False`) is stopped after `read_timeout` seconds."""
         with self._connection() as conn:
             self.dialect.begin(conn, write=write)
             started = time.perf_counter()
             tx = Tx(self, conn)
             try:
-                yield tx
+                if write or self.read_timeout is None:
+                    yield tx
+                else:
+                    with self.bounded(tx, self.read_timeout, setting="[store] read_timeout_seconds / --timeout"):
+                        yield tx
             except BaseException:
                 conn.rollback()
                 if write:
@@ -421,6 +448,26 @@ class Store:
             conn.commit()
             if write:  # the commit (its fsync) is part of the hold
                 self._note_write(tx, time.perf_counter() - started)
+
+    @contextmanager
+    def bounded(self, tx: Tx, seconds: float, *, setting: str) -> Iterator[None]:
+        """`tx`'s statements end after `seconds`, whatever the dialect (PostgreSQL's statement_timeout
+        for this transaction, SQLite's progress handler, SQL Server's LOCK_TIMEOUT: there a scan is
+        not stopped, a wait on a lock is); ReadTimedOut naming `setting` when they do."""
+        tx.one("read_timeout", {"ms": max(1, int(seconds * 1000))})
+        conn = tx.conn
+        if isinstance(conn, sqlite3.Connection):
+            deadline = time.monotonic() + seconds
+            conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        try:
+            yield
+        except Exception as exc:
+            if _timed_out(exc):
+                raise ReadTimedOut(seconds, setting) from None
+            raise
+        finally:
+            if isinstance(conn, sqlite3.Connection):
+                conn.set_progress_handler(None, 0)
 
     def note_hold(self, seconds: float) -> None:
         """Count a write this thread caused outside a `transaction` (a Spark JDBC landing write on

@@ -13,7 +13,6 @@ leaves this module.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from typing import Any
 
 from include.conditions import Condition
 from include.hl7match import matches
-from include.store.db import Store, Tx
+from include.store.db import ReadTimedOut, Store, Tx
 from include.store.operator import FIND_LIMIT, MAX_ROW_ID, check_page
 
 DAY_MS = 86_400_000
@@ -83,6 +82,7 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
     """Up to `query.limit` matching messages, newest first (page on with before_id = the last id);
     metadata only. SearchTooBroad when the window is too wide or the time runs out."""
     text = query.checked_text()
+    timeout = min(timeout, store.read_timeout or timeout)  # a shorter bound the caller set holds too
     cursor = query.before_id if query.before_id is not None else MAX_ROW_ID
     found: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
@@ -118,26 +118,11 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
 @contextmanager
 def _bounded(tx: Tx, timeout: float) -> Iterator[None]:
     """The search's statements end after `timeout` seconds, whatever the dialect."""
-    tx.one("search_timeout", {"ms": int(timeout * 1000)})
-    conn = tx.conn
-    if isinstance(conn, sqlite3.Connection):
-        deadline = time.monotonic() + timeout
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
     try:
-        yield
-    except Exception as exc:
-        if _timed_out(exc):
-            raise SearchTooBroad(
-                f"the search ran past {timeout:g} s and was stopped: narrow the window (--since/--until) "
-                "or add --connection"
-            ) from None
-        raise
-    finally:
-        if isinstance(conn, sqlite3.Connection):
-            conn.set_progress_handler(None, 0)
-
-
-def _timed_out(exc: BaseException) -> bool:
-    if isinstance(exc, sqlite3.OperationalError):
-        return "interrupted" in str(exc)
-    return type(exc).__name__ == "QueryCanceled"  # psycopg.errors.QueryCanceled: statement_timeout
+        with tx.store.bounded(tx, timeout, setting="the content search's bound"):
+            yield
+    except ReadTimedOut:
+        raise SearchTooBroad(
+            f"the search ran past {timeout:g} s and was stopped: narrow the window (--since/--until) "
+            "or add --connection"
+        ) from None

@@ -128,10 +128,6 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.status,
  ORDER BY i.id DESC
  LIMIT CAST(:limit AS bigint)
 
--- name: search_timeout
--- Bounds a content search: its statements end after :ms (this transaction only).
-SELECT set_config('statement_timeout', CAST(:ms AS text), true) AS timeout
-
 -- name: content_index_present
 -- Whether the operator made the trigram index on the bodies (docs/operations.md, "Content search").
 SELECT count(*) AS n FROM pg_indexes WHERE indexname = 'inbound_bodies_trgm'

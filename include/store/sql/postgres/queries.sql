@@ -613,3 +613,7 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 -- What a running stage task checks every heartbeat: has the epoch moved on, has the lease lapsed.
 SELECT epoch, (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > now())) AS live
   FROM leader_lease WHERE id = 1
+
+-- name: read_timeout
+-- Bounds a read transaction (Store.bounded): its statements end after :ms (this transaction only).
+SELECT set_config('statement_timeout', CAST(:ms AS text), true) AS timeout

@@ -91,9 +91,5 @@ SELECT w.* FROM (
  WHERE w.payload GLOB :pattern
  LIMIT :limit
 
--- name: search_timeout
--- SQLite has no statement timeout: the caller's progress handler ends a search after :ms.
-SELECT :ms AS timeout
-
 -- name: content_index_present
 SELECT 0 AS n

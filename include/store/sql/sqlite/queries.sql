@@ -561,3 +561,7 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 -- What a running stage task checks every heartbeat: has the epoch moved on, has the lease lapsed.
 SELECT epoch, (owner IS NOT NULL AND (expires_at IS NULL OR expires_at > {now})) AS live
   FROM leader_lease WHERE id = 1
+
+-- name: read_timeout
+-- SQLite has no statement timeout: Store.bounded's progress handler ends a read after :ms.
+SELECT :ms AS timeout

@@ -105,10 +105,5 @@ SELECT TOP (CAST(:limit AS int)) w.*
  WHERE w.payload LIKE :pattern ESCAPE '\'
  ORDER BY w.id DESC
 
--- name: search_timeout
--- LOCK_TIMEOUT is what a session can set; a long scan is bounded by the window the caller requires.
-SET LOCK_TIMEOUT :ms;
-SELECT @@LOCK_TIMEOUT AS timeout;
-
 -- name: content_index_present
 SELECT 0 AS n

@@ -751,3 +751,8 @@ OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts,
 SELECT epoch, CAST(CASE WHEN owner IS NOT NULL AND (expires_at IS NULL OR expires_at > SYSUTCDATETIME())
                         THEN 1 ELSE 0 END AS bit) AS live
   FROM leader_lease WHERE id = 1
+
+-- name: read_timeout
+-- LOCK_TIMEOUT is what a session can set (Store.bounded): a wait on a lock ends after :ms, a scan does not.
+SET LOCK_TIMEOUT :ms;
+SELECT @@LOCK_TIMEOUT AS timeout;
