@@ -159,12 +159,7 @@ def find_cmd(
     connection: str | None,
     destination: str | None,
     status: str | None,
-    since: str | None,
-    until: str | None,
-    before_id: int | None,
-    limit: int,
-    timeout: float | None,
-    as_json: bool,
+    **page: Any,
 ) -> None:
     """Messages, newest first, narrowed by any of the options (--key: by a business key, with
     --since, --until, --before-id and --limit only; --contains/--where: the bodies of a window)."""
@@ -179,16 +174,7 @@ def find_cmd(
         "destination": destination,
         "status": status,
     }
-    run_find(
-        service_config,
-        wanted,
-        since=since,
-        until=until,
-        before_id=before_id,
-        limit=limit,
-        timeout=timeout,
-        as_json=as_json,
-    )
+    run_find(service_config, wanted, **page)
 
 
 def run_find(
@@ -202,7 +188,8 @@ def run_find(
     timeout: float | None,
     as_json: bool,
 ) -> None:
-    """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name."""
+    """`messages find` (and `searches run`) of `wanted`, `messages find`'s criteria by name, over the
+    window and page of `page_options`."""
     query = _queries(wanted, _ms(since), _ms(until), before_id, limit)
     with _opened(service_config, timeout) as store:
         rows = saved_searches.run(store, query)
@@ -622,31 +609,13 @@ def list_searches_cmd(
 @page_options
 @json_option
 @click.pass_obj
-def run_search_cmd(
-    service_config: str | None,
-    name: str,
-    since: str | None,
-    until: str | None,
-    before_id: int | None,
-    limit: int,
-    timeout: float | None,
-    as_json: bool,
-) -> None:
+def run_search_cmd(service_config: str | None, name: str, **page: Any) -> None:
     """Run the saved search NAME as `messages find` would, over this window and page."""
-    with _opened(service_config, timeout) as store:
+    with _opened(service_config, page["timeout"]) as store:
         found = saved_searches.get(store, name)
     if found is None:
         raise InputError(f"no saved search {name!r} (stageline searches list)")
-    run_find(
-        service_config,
-        found["query"],
-        since=since,
-        until=until,
-        before_id=before_id,
-        limit=limit,
-        timeout=timeout,
-        as_json=as_json,
-    )
+    run_find(service_config, found["query"], **page)
 
 
 @searches.command("delete")
