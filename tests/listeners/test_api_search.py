@@ -39,11 +39,11 @@ def node(tmp_path, store_config, monkeypatch):
                 assert b"MSA|AA" in client.send_message(adt(*patient))
         store = Store(store_config)
         try:
-            K.index(store, parse_keys({"keys": {"mrn": "PID-3.1"}}), settle_ms=0)
+            ids = {r["control_id"]: r["id"] for r in ops.find(store, ops.Filters())}
+            K.index(store, parse_keys({"keys": {"mrn": "PID-3.1"}}), list(ids.values()))  # as the route does
             saved_searches.save(store, "p77s", {"key": "mrn=P77*"}, actor="cli ann")
             saved_searches.save(store, "women", {"where": ['PID-8 = "F"'], "connection": "adt-in"}, actor="cli ann")
             saved_searches.save(store, "pending", {"status": "pending"}, actor="cli bob")
-            ids = {r["control_id"]: r["id"] for r in ops.find(store, ops.Filters())}
         finally:
             store.close()
         yield d, ids
