@@ -7,6 +7,7 @@ transform rule's `when`). Plain data as loaded from TOML/JSON; the reference is 
     {"segment": "ZPI"}                                                segment present
     {"connection": "lab-mllp"}   {"connection": ["a", "b"]}   {"connection": "^lab-", "op": "regex"}
     {"fhir": "Patient.gender", "op": "eq", "value": "female"}        a FHIR message (routes only)
+    {"findings": 0}   {"findings": 2, "op": "ge"}   {"finding": ["101", "103"]}   profile findings (routes only)
     {"all": [...]}  {"any": [...]}  {"not": {...}}
 
 Field leaves: ``op`` is ``eq`` (a string), ``ne`` (a string; a missing field is not equal),
@@ -22,6 +23,11 @@ FHIR JSON (`listeners.fhir_inbound`): ``Type.element.element`` names a resource 
 element names into it; the leaf holds when the message is such a resource, or a Bundle with one
 among its entries, and any value at that path (every array along it is walked) passes ``op``.
 ``{"fhir": "Patient", "op": "exists"}`` tests the resource type alone.
+
+Findings leaves (a route's `when` only, like FHIR leaves) test what a flagging conformance profile
+found at ingest (docs/profiles.md): ``findings`` compares their count (``op`` eq — the default —,
+ne, gt, ge, lt, le; a message never checked has none), ``finding`` holds when one of them has one
+of the table 0357 codes given. The transform stage does not read findings.
 
 Plain Python, no Spark: config load checks conditions without a session. Errors carry where in
 the tree the problem is (``when.all[1].not``); the caller prefixes its own location (route,
@@ -46,6 +52,7 @@ __all__ = [
     "ConditionError",
     "Connection",
     "FhirLeaf",
+    "Findings",
     "Leaf",
     "Not",
     "SegmentPresent",
@@ -53,6 +60,7 @@ __all__ = [
     "parse_condition",
     "uses_connection",
     "uses_fhir",
+    "uses_findings",
 ]
 
 OPS = ("eq", "ne", "in", "regex", "exists")
@@ -134,8 +142,20 @@ class Not:
     condition: Condition
 
 
-Condition = Leaf | SegmentPresent | Connection | FhirLeaf | AllOf | AnyOf | Not
-_PARSED = (Leaf, SegmentPresent, Connection, FhirLeaf, AllOf, AnyOf, Not)
+@dataclass(frozen=True)
+class Findings:
+    """Test a message's profile findings: their count against ``count`` with ``op`` (eq, ne, gt,
+    ge, lt, le), or (``codes``) whether one of them has one of these table 0357 codes."""
+
+    op: str = "eq"
+    count: int = 0
+    codes: tuple[str, ...] = ()
+
+
+Condition = Leaf | SegmentPresent | Connection | FhirLeaf | Findings | AllOf | AnyOf | Not
+_PARSED = (Leaf, SegmentPresent, Connection, FhirLeaf, Findings, AllOf, AnyOf, Not)
+FINDINGS_OPS = ("eq", "ne", "gt", "ge", "lt", "le")
+_CODE = re.compile(r"[0-9]{3}")
 
 
 def parse_condition(cond: Any, *, where: str = "when", fhir: bool = False) -> Condition:
@@ -157,6 +177,10 @@ def parse_condition(cond: Any, *, where: str = "when", fhir: bool = False) -> Co
         if unknown:
             raise fail(f"unknown key(s) {sorted(map(str, unknown))} in fhir condition (allowed: fhir, op, value)")
         return _parse_fhir(cond, fail)
+    if "findings" in keys or "finding" in keys:
+        if not fhir:
+            raise fail("a findings condition is for a route's when only (the transform stage does not read them)")
+        return _parse_findings(cond, fail)
     if "field" in keys or ("op" in keys and "connection" not in keys):
         unknown = keys - _LEAF_KEYS
         if unknown:
@@ -297,6 +321,34 @@ def _parse_connection(cond: Mapping[str, Any], fail: Callable[[str], ConditionEr
     if op == "regex":
         check_java_regex(value, fail)
     return Connection(op, value)
+
+
+def _parse_findings(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) -> Findings:
+    """``{"findings": n[, "op": ...]}`` (their count) or ``{"finding": code | [codes]}``."""
+    keys = set(cond)
+    if "finding" in keys:
+        if keys != {"finding"}:
+            raise fail(f"a finding condition has only the key 'finding', got {sorted(map(str, keys))}")
+        value = cond["finding"]
+        codes = [value] if isinstance(value, str) else value
+        if not _string_list(codes) or not all(_CODE.fullmatch(c) for c in codes):
+            raise fail("'finding' needs an HL7 table 0357 code such as \"103\", or a non-empty list of them")
+        return Findings(codes=tuple(codes))
+    unknown = keys - {"findings", "op"}
+    if unknown:
+        raise fail(f"unknown key(s) {sorted(map(str, unknown))} in findings condition (allowed: findings, op)")
+    count = cond["findings"]
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= 1000:
+        raise fail(f"'findings' needs a count from 0 to 1000, got {count!r}")
+    op = cond.get("op", "eq")
+    if op not in FINDINGS_OPS:
+        raise fail(f"unknown op {op!r} for a findings condition (expected one of {', '.join(FINDINGS_OPS)})")
+    return Findings(op, count)
+
+
+def uses_findings(cond: Condition | None) -> bool:
+    """Whether evaluating ``cond`` needs the message's profile findings."""
+    return _uses(cond, Findings)
 
 
 def uses_fhir(cond: Condition | None) -> bool:

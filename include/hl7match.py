@@ -28,6 +28,7 @@ from include.conditions import (
     ConditionError,
     Connection,
     FhirLeaf,
+    Findings,
     Leaf,
     Not,
     SegmentPresent,
@@ -127,8 +128,8 @@ def matches(cond: Condition, message: str | None, connection: str | None = None)
         if isinstance(cond, SegmentPresent):
             return any(_is_segment(s, cond.segment, seps[0]) for s in segments)
         return _leaf(cond, segments, seps)
-    if isinstance(cond, FhirLeaf):
-        return False  # `where` searches HL7 v2 (parse_condition refuses a fhir leaf there)
+    if isinstance(cond, (FhirLeaf, Findings)):
+        return False  # `where` searches HL7 v2 (parse_condition refuses fhir and findings leaves there)
     return any(matches(c, message, connection) for c in cond.conditions)  # AnyOf
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from include.schema import ConfigProblem, ConfigProblems
 from include.schema.connections import ConnectionsFile, InboundModel, file_paths
 from include.schema.reading import read_config_bytes
 from include.schema.rules import validate
+from listeners.profile_check import Conformance, profile_paths, read_conformance
 
 TCP_FRAMINGS = ("newline", "length")
 
@@ -92,6 +93,10 @@ class InboundConfig:
     allow_archive_in_directory: bool = False  # file: archive/error_directory may lie inside the drop tree
     tls: TLSConfig | None = None
     database: DatabaseSource | None = None  # database: the source table polled (listeners/dbpoll.py)
+    profile: tuple[str, ...] = ()  # conformance profile files (absolute), docs/profiles.md
+    on_violation: str = "reject"  # reject | flag | off
+    # The profiles read, as the listeners apply them (listeners/profile_check.py); None: no check.
+    conformance: Conformance | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,10 @@ class ListenerConfig:
 
 def inbound_from(model: InboundModel, base: Path, var: Path | None = None) -> InboundConfig:
     """The runtime connection of a validated `[[inbound]]` table (paths made absolute)."""
-    values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources"})
+    values: dict[str, Any] = model.model_dump(exclude={"tls", "database", "allowed_sources", "profile"})
     values["allowed_sources"] = tuple(model.allowed_sources)
     values["accept"] = tuple(dict.fromkeys(model.accept))
+    values["profile"] = profile_paths(model.profile, base)
     if model.tls is not None:
         tls: dict[str, Any] = {
             k: (str((base / v).resolve()) if k != "require_client_cert" and v else v)
@@ -184,7 +190,15 @@ def parse_connections(
     twice = [p._replace(file=file) for p in _names_twice(raw)]
     if twice:
         raise ConnectionConfigError(_with_names(twice, raw))
-    return model, tuple(inbound_from(c, directory, var) for c in model.inbound)
+    inbound, problems = [], []
+    for i, conn in enumerate(inbound_from(c, directory, var) for c in model.inbound):
+        try:
+            inbound.append(replace(conn, conformance=read_conformance(conn.profile, conn.on_violation, directory)))
+        except ValueError as exc:
+            problems.append(ConfigProblem(file, f"inbound[{i}].profile", str(exc)))
+    if problems:
+        raise ConnectionConfigError(_with_names(problems, raw))
+    return model, tuple(inbound)
 
 
 def load_config_dir(
@@ -219,5 +233,7 @@ def load_config_dir(
     _, inbound = parse_connections(
         raw, directory, file=path, store_dir=Path(store_dir) if store_dir is not None else None
     )
-    digest = hashlib.sha256(text).hexdigest()[:16]
+    # A profile's files are config too: editing one changes the hash (and a reload rebinds).
+    profiles = "".join(c.conformance.digest for c in inbound if c.conformance is not None)
+    digest = hashlib.sha256(text + profiles.encode()).hexdigest()[:16]
     return ListenerConfig(inbound=inbound, config_hash=digest, directory=directory, api=raw.get("api", {}))

@@ -354,6 +354,7 @@ class DbPoll(PollingInbound):
                     charset=self.config.charset,
                     lane_of=self.lane_of,
                     message_id=message_id,
+                    conformance=self.config.conformance,
                 )
             text = value if isinstance(value, str) else str(value)
             data = text.encode("utf-8", "surrogatepass")
@@ -369,6 +370,7 @@ class DbPoll(PollingInbound):
                 lane_of=self.lane_of,
                 message_id=message_id,
                 header=header,
+                conformance=self.config.conformance,
             )
         except PayloadRejected as exc:
             return str(exc)

@@ -248,7 +248,14 @@ def mllp_handler(
 
     def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
         try:
-            item = build_inbound(message, connection=conn.name, charset=conn.charset, lane_of=lane_of, header=header)
+            item = build_inbound(
+                message,
+                connection=conn.name,
+                charset=conn.charset,
+                lane_of=lane_of,
+                header=header,
+                conformance=conn.conformance,
+            )
         except PayloadRejected as exc:
             _log.warn(
                 "rejecting message {control_id} on {connection}: {reason}",
@@ -257,7 +264,9 @@ def mllp_handler(
                 reason=str(exc),
             )
             why = exc.condition
-            return defer.succeed(AckDecision.reject(str(exc), error_code=why.code, location=why.location))
+            return defer.succeed(
+                AckDecision.reject(str(exc), error_code=why.code, location=why.location, more=exc.more)
+            )
 
         def failed(f: Any) -> AckDecision:
             reason, code = rejection_reason(f)
@@ -285,16 +294,24 @@ def mllp_batch_handler(
         first: str = "",
         encoding: str = "ascii",
         why: Condition = INTERNAL,
+        more: tuple[tuple[Condition, str], ...] = (),
     ) -> bytes:
         if envelope is None:
             return build_fallback_ack(code, reason=reason, error_code=why.code, location=why.location)
         head = batch_header(envelope, first_message=first, encoding=encoding)
-        return build_ack(head, code, reason=reason, error_code=why.code, location=why.location)
+        return build_ack(head, code, reason=reason, error_code=why.code, location=why.location, more=more)
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
         built = off_reactor(
-            wiring.reactor, len(data), build_batch, data, connection=conn.name, charset=conn.charset, lane_of=lane_of
+            wiring.reactor,
+            len(data),
+            build_batch,
+            data,
+            connection=conn.name,
+            charset=conn.charset,
+            lane_of=lane_of,
+            conformance=conn.conformance,
         )
         return built.addCallbacks(submit, refused)
 
@@ -308,7 +325,7 @@ def mllp_batch_handler(
             control_id=(head.control_id if head else "")[:64] or "-",
             reason=str(exc),
         )
-        return answer(head, AckCode.AR, str(exc), why=exc.condition)
+        return answer(head, AckCode.AR, str(exc), why=exc.condition, more=exc.more)
 
     def submit(batch: InboundBatch) -> Deferred[bytes]:
         envelope: BatchHeader = batch.envelope

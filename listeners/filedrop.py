@@ -425,6 +425,7 @@ class FileDrop(PollingInbound):
                 lane_of=self.lane_of,
                 message_id=read.message_id,
                 hl7_only=self.config.hl7_only,
+                conformance=self.config.conformance,
             )
             # A large file (an HL7 batch of thousands) is split and checked on a thread, like MLLP's.
             item = (yield self._run(build)) if len(read.data) >= OFFLOAD_BYTES else build()

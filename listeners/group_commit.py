@@ -117,6 +117,7 @@ class Inbound:
     lane_key: str | None = None
     charset: str | None = None
     message_id: str = field(default_factory=new_message_id)
+    findings: str | None = None  # a flagging profile's findings, JSON (listeners/profile_check.py)
 
     def row(self) -> dict[str, str | None]:
         """The row `stage_inbound` takes (what `dataclasses.asdict` gave, without its deep copy)."""
@@ -127,6 +128,7 @@ class Inbound:
             "lane_key": self.lane_key,
             "charset": self.charset,
             "message_id": self.message_id,
+            "findings": self.findings,
         }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from twisted.logger import Logger
 
-from listeners.hl7errors import ERROR_TEXT, Location
+from listeners.hl7errors import ERROR_TEXT, Condition, Location
 from listeners.hl7msg import HL7Header
 
 if TYPE_CHECKING:
@@ -104,6 +104,7 @@ class AckDecision:
     reason: str = ""
     error_code: str = "207"  # HL7 table 0357 (`listeners.hl7errors`)
     location: Location | None = None  # ERR-2: where the fault is
+    more: tuple[tuple[Condition, str], ...] = ()  # further ERRs (a profile's findings): condition, text
 
     def __post_init__(self) -> None:
         # Coerce "AA" -> AckCode.AA and refuse anything else early, in the handler's frame. A handler
@@ -122,8 +123,15 @@ class AckDecision:
         return cls(AckCode.AE, reason, error_code, location)
 
     @classmethod
-    def reject(cls, reason: str, *, error_code: str = "207", location: Location | None = None) -> AckDecision:
-        return cls(AckCode.AR, reason, error_code, location)
+    def reject(
+        cls,
+        reason: str,
+        *,
+        error_code: str = "207",
+        location: Location | None = None,
+        more: tuple[tuple[Condition, str], ...] = (),
+    ) -> AckDecision:
+        return cls(AckCode.AR, reason, error_code, location, more)
 
 
 ACCEPT = AckDecision(AckCode.AA)
@@ -180,6 +188,7 @@ def build_ack(
     sending_facility: str | None = None,
     control_id: str | None = None,
     now: datetime | None = None,
+    more: Sequence[tuple[Condition, str]] = (),
 ) -> bytes:
     """ACK for ``header``: sender and receiver swapped, MSA-2 = the inbound MSH-10.
 
@@ -190,6 +199,8 @@ def build_ack(
     :param sending_facility: our MSH-4, same rule with the inbound MSH-6.
     :param control_id: the ACK's own MSH-10; a fresh one by default.
     :param now: the ACK's MSH-7; the current UTC time by default.
+    :param more: further ERR segments after the first (a profile's findings): each one's
+        condition (code, location, severity) and text.
 
     A positive ACK cannot fail: it answers a message already staged, so were anything of the
     header to trip the builder, the answer is still an AA/CA for its MSH-10 (`minimal_ack`), never
@@ -207,7 +218,7 @@ def build_ack(
             )
             return minimal_ack(header, ack_code)
     return _build_ack(
-        header, ack_code, reason, error_code, location, sending_application, sending_facility, control_id, now
+        header, ack_code, reason, error_code, location, sending_application, sending_facility, control_id, now, more
     )
 
 
@@ -236,6 +247,7 @@ def _build_ack(
     sending_facility: str | None,
     control_id: str | None,
     now: datetime | None,
+    more: Sequence[tuple[Condition, str]] = (),
 ) -> bytes:
     shape = _shape(header, sending_application, sending_facility)
     fs = shape.fs
@@ -250,6 +262,8 @@ def _build_ack(
     else:
         msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
         err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc, location)
+        for why, said in more:
+            err += "\r" + _err(why.code, said, shape.version, shape.plain, fs, shape.enc, why.location, why.severity)
         text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}{msa}\r{err}\r"
     # "replace" only matters for our own reason text: echoed values came from this charset.
     return text.encode(header.encoding, errors="replace")
@@ -409,6 +423,7 @@ def _err(
     fs: str,
     enc: str,
     location: Location | None,
+    severity: str = "E",
 ) -> str:
     code = plain(error_code)
     code_text = plain(ERROR_TEXT.get(error_code, "Error"))
@@ -423,7 +438,7 @@ def _err(
         eld = (where + ["", "", ""])[:3]
         return fs.join(["ERR", cs.join([*eld, f"{code}{sub}{text}{sub}HL70357"])])
     # v2.5+: ERR-2 location (ERL), ERR-3 HL7 error code (CWE), ERR-4 severity (table 0516), ERR-8 user message
-    return fs.join(["ERR", "", cs.join(where), f"{code}{cs}{code_text}{cs}HL70357", "E", "", "", "", message])
+    return fs.join(["ERR", "", cs.join(where), f"{code}{cs}{code_text}{cs}HL70357", severity, "", "", "", message])
 
 
 def _timestamp(now: datetime | None, *, utc_offset: bool = True) -> str:

@@ -158,6 +158,7 @@ class InboundResource(Resource):
             charset=codec,
             lane_of=self.lane_of(conn.name),
             hl7_only=conn.hl7_only,
+            conformance=conn.conformance,
         )
         if len(body) < OFF_REACTOR_BYTES:
             try:

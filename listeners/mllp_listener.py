@@ -556,6 +556,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 reason=decision.reason,
                 error_code=decision.error_code,
                 location=decision.location,
+                more=decision.more,
                 sending_application=self._config.sending_application,
                 sending_facility=self._config.sending_facility,
             )

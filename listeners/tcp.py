@@ -241,6 +241,7 @@ class TCPProtocol(OrderedReplyProtocol):
             charset=self._config.charset,
             lane_of=factory.lane_of,
             hl7_only=self._config.hl7_only,
+            conformance=self._config.conformance,
         )
         built.addCallbacks(self._submit, self._refused, callbackArgs=(slot,), errbackArgs=(slot, len(payload)))
         return built

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol as TypingProtocol
 
 from twisted.internet.defer import Deferred
@@ -45,6 +45,7 @@ from listeners.hl7errors import (
     segments_named,
 )
 from listeners.hl7msg import HL7Header, HL7HeaderError, parse_header
+from listeners.profile_check import Conformance, ProfileRefused, conditions_of
 
 __all__ = [
     "ACCEPTED_CHARSETS",
@@ -92,9 +93,12 @@ class PayloadRejected(ValueError):
     """The bytes cannot be staged; ``str()`` is safe to log and to send back (no content), and
     ``condition`` is what a negative ACK's ERR says (table 0357 code, location)."""
 
-    def __init__(self, reason: str, condition: Condition = INTERNAL) -> None:
+    def __init__(
+        self, reason: str, condition: Condition = INTERNAL, more: Sequence[tuple[Condition, str]] = ()
+    ) -> None:
         super().__init__(reason)
         self.condition = condition
+        self.more = tuple(more)  # further ERRs (condition, text): a profile's findings after the first
 
 
 _NO_MSH = Condition(SEGMENT_SEQUENCE_ERROR, Location("MSH"))
@@ -141,6 +145,7 @@ def build_inbound(
     message_id: str | None = None,
     header: HL7Header | None = None,
     hl7_only: bool = False,
+    conformance: Conformance | None = None,
 ) -> Inbound | InboundBatch:
     """Decide what the received bytes are and build what to stage, or raise `PayloadRejected`.
 
@@ -157,9 +162,13 @@ def build_inbound(
     ``header`` is the transport's own complete parse (MLLP's), reused rather than parsed twice.
     ``message_id`` (a file's deterministic id) also gives a batch's id and its messages' ids. Text
     the store cannot hold is refused here, so it never reaches (and never fails) a group commit.
+    ``conformance`` (the connection's profiles, `listeners.profile_check`) checks each message last:
+    ``reject`` refuses one with findings (one ERR a finding), ``flag`` stages it with them.
     """
     if header is None and starts_batch(data):
-        return build_batch(data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id)
+        return build_batch(
+            data, connection=connection, charset=charset, lane_of=lane_of, batch_id=message_id, conformance=conformance
+        )
     return _build_one(
         data,
         connection=connection,
@@ -168,14 +177,21 @@ def build_inbound(
         message_id=message_id,
         header=header,
         hl7_only=hl7_only,
+        conformance=conformance,
     )
 
 
 class BatchRejected(PayloadRejected):
     """A batch refused whole; ``header`` is its envelope when it could be read (for the answer)."""
 
-    def __init__(self, reason: str, header: BatchHeader | None = None, condition: Condition = INTERNAL) -> None:
-        super().__init__(reason, condition)
+    def __init__(
+        self,
+        reason: str,
+        header: BatchHeader | None = None,
+        condition: Condition = INTERNAL,
+        more: Sequence[tuple[Condition, str]] = (),
+    ) -> None:
+        super().__init__(reason, condition, more)
         self.header = header
 
 
@@ -188,6 +204,7 @@ def _build_one(
     message_id: str | None,
     header: HL7Header | None,
     hl7_only: bool,
+    conformance: Conformance | None = None,
 ) -> Inbound:
     control_id: str | None = None
     if header is None:
@@ -238,14 +255,33 @@ def _build_one(
             raise PayloadRejected("internal error: lane key not computable") from None
         if lane_key is not None and (len(lane_key) > MAX_KEY_CHARS or unstorable(lane_key)):
             raise PayloadRejected(f"lane key longer than {MAX_KEY_CHARS} characters or not storable", _BAD_DATA)
+    flagged = None
+    if conformance is not None:
+        try:
+            flagged = conformance.check(text)
+        except ProfileRefused as exc:
+            (first, _), *more = conditions_of(exc.findings)
+            raise PayloadRejected(str(exc), first, more) from None
     extra = {"message_id": message_id} if message_id is not None else {}
     return Inbound(
-        connection=connection, payload=text, control_id=control_id, lane_key=lane_key, charset=codec, **extra
+        connection=connection,
+        payload=text,
+        control_id=control_id,
+        lane_key=lane_key,
+        charset=codec,
+        findings=flagged,
+        **extra,
     )
 
 
 def build_batch(
-    data: bytes, *, connection: str, charset: str, lane_of: LaneOf | None = None, batch_id: str | None = None
+    data: bytes,
+    *,
+    connection: str,
+    charset: str,
+    lane_of: LaneOf | None = None,
+    batch_id: str | None = None,
+    conformance: Conformance | None = None,
 ) -> InboundBatch:
     """`build_inbound` for bytes already known to be an HL7 batch (`starts_batch`: MLLP tells a
     batch frame apart as it frames it, to answer it whole): its messages, each validated as if sent
@@ -271,15 +307,17 @@ def build_batch(
                     message_id=own_id,
                     header=None,
                     hl7_only=True,
+                    conformance=conformance,
                 )
             )
         except PayloadRejected as exc:
-            where = exc.condition.location
-            if where is not None:
-                before = split.messages[: seq - 1]
-                where = where.within(seq, earlier=sum(segments_named(m, where.segment) for m in before))
-            condition = Condition(exc.condition.code, where)
-            raise BatchRejected(f"message {seq} of {n}: {exc}", split.header, condition) from None
+            before = split.messages[: seq - 1]
+            raise BatchRejected(
+                f"message {seq} of {n}: {exc}",
+                split.header,
+                _in_batch(exc.condition, seq, before),
+                [(_in_batch(c, seq, before), text) for c, text in exc.more],
+            ) from None
     head = split.header
     return InboundBatch(
         connection=connection,
@@ -290,6 +328,15 @@ def build_batch(
         declared=split.declared,
         envelope=head,
     )
+
+
+def _in_batch(condition: Condition, seq: int, before: Sequence[bytes]) -> Condition:
+    """The `seq`-th message's condition as the batch's: its segment counted over the batch
+    (`before`: the messages ahead of it)."""
+    where = condition.location
+    if where is not None:
+        where = where.within(seq, earlier=sum(segments_named(m, where.segment) for m in before))
+    return Condition(condition.code, where, condition.severity)
 
 
 def _member_id(batch_id: str, seq: int) -> str:

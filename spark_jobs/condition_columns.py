@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
-from include.conditions import AllOf, Condition, Connection, FhirLeaf, Leaf, Not, SegmentPresent
+from include.conditions import AllOf, Condition, Connection, FhirLeaf, Findings, Leaf, Not, SegmentPresent
 from include.hl7path import FieldPath
 from spark_jobs.hl7_fields import let
 
@@ -29,13 +29,19 @@ __all__ = ["compile_condition", "is_segment"]
 
 
 def compile_condition(
-    cond: Condition, segments: Column, seps: Column, connection: Column | None = None, payload: Column | None = None
+    cond: Condition,
+    segments: Column,
+    seps: Column,
+    connection: Column | None = None,
+    payload: Column | None = None,
+    findings: Column | None = None,
 ) -> Column:
     """A never-NULL boolean Column: does the message (``segments``, ``seps``) satisfy ``cond``?
 
     ``seps`` is any struct with ``fs`` and the split regexes ``fs_re rs_re cs_re ss_re``; ``fs``
     empty means "not HL7" (every leaf false). ``connection`` is needed only by connection leaves,
-    ``payload`` (the raw message) only by FHIR leaves.
+    ``payload`` (the raw message) only by FHIR leaves, ``findings`` (the stored profile findings'
+    JSON, NULL for none) only by findings leaves.
     """
     if isinstance(cond, Leaf):
         return F.when(seps["fs"] != "", _leaf(cond, segments, seps)).otherwise(F.lit(False))
@@ -56,13 +62,31 @@ def compile_condition(
         if payload is None:
             raise ValueError("a fhir condition needs the raw message column")
         return F.coalesce(_fhir_leaf(cond, payload), F.lit(False))
+    if isinstance(cond, Findings):
+        if findings is None:
+            raise ValueError("a findings condition needs the findings column")
+        return _findings(cond, findings)
     if isinstance(cond, Not):
-        return ~compile_condition(cond.condition, segments, seps, connection, payload)
-    members = [compile_condition(c, segments, seps, connection, payload) for c in cond.conditions]
+        return ~compile_condition(cond.condition, segments, seps, connection, payload, findings)
+    members = [compile_condition(c, segments, seps, connection, payload, findings) for c in cond.conditions]
     combined = members[0]
     for member in members[1:]:
         combined = (combined & member) if isinstance(cond, AllOf) else (combined | member)
     return combined
+
+
+FINDINGS_TYPE = "array<struct<code:string,where:string,text:string>>"
+"""The stored findings' JSON (`include.profiles.check.findings_json`) as Spark reads it."""
+
+
+def _findings(cond: Findings, stored: Column) -> Column:
+    """Count or codes of the findings JSON, natively (`from_json`); NULL (none found) is empty."""
+    found = F.coalesce(F.from_json(stored, FINDINGS_TYPE), F.array().cast(FINDINGS_TYPE))
+    if cond.codes:
+        return F.coalesce(F.exists(found, lambda f: f["code"].isin(list(cond.codes))), F.lit(False))
+    n, k = F.size(found), F.lit(cond.count)
+    test = {"eq": n == k, "ne": n != k, "gt": n > k, "ge": n >= k, "lt": n < k, "le": n <= k}[cond.op]
+    return F.coalesce(test, F.lit(False))
 
 
 def is_segment(s: Column, name: str, fs: Column) -> Column:

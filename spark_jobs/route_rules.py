@@ -15,7 +15,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from include.conditions import uses_connection, uses_fhir
+from include.conditions import uses_connection, uses_fhir, uses_findings
 from include.routes_config import PENDING, UNROUTED, Condition, Route, parse_condition, parse_routes
 from spark_jobs.condition_columns import compile_condition as compile_over
 from spark_jobs.hl7_fields import let, with_message
@@ -37,10 +37,16 @@ def compile_condition(
     return with_message(message, lambda m: _compile(parsed, m, conn, raw))
 
 
-def _compile(cond: Condition, message: Column, connection: Column | None, payload: Column | None = None) -> Column:
+def _compile(
+    cond: Condition,
+    message: Column,
+    connection: Column | None,
+    payload: Column | None = None,
+    findings: Column | None = None,
+) -> Column:
     """Build the Column for a validated condition over a ``parse_message`` struct (and, for FHIR
-    leaves, the raw message)."""
-    return compile_over(cond, message["segments"], message, connection, payload)
+    leaves, the raw message; for findings leaves, the stored findings)."""
+    return compile_over(cond, message["segments"], message, connection, payload, findings)
 
 
 def route(
@@ -50,6 +56,7 @@ def route(
     id_col: str = "id",
     payload_col: str = "payload",
     connection_col: str = "connection",
+    findings_col: str = "findings",
 ) -> DataFrame:
     """Fan messages out to destinations: one row per (source_id, destination), or one unrouted row.
 
@@ -57,28 +64,43 @@ def route(
     ``unrouted`` with NULL destination and route_name). When several routes reach the same
     destination the first in config order names it, so (source_id, destination) is unique. A
     ``catch_all`` route matches when no other route does. ``connection_col`` (the inbound
-    connection's name) is read only when a condition tests it.
+    connection's name) is read only when a condition tests it, as is ``findings_col`` (the
+    message's profile findings, JSON).
     Pure (no I/O, no session); use as ``messages.transform(route, routes)``.
     """
     parsed = list(routes) if routes and all(isinstance(r, Route) for r in routes) else parse_routes(routes)
     return messages.transform(
-        _match_routes, parsed, id_col=id_col, payload_col=payload_col, connection_col=connection_col
+        _match_routes,
+        parsed,
+        id_col=id_col,
+        payload_col=payload_col,
+        connection_col=connection_col,
+        findings_col=findings_col,
     ).transform(_fan_out, parsed)
 
 
 def _match_routes(
-    messages: DataFrame, routes: Sequence[Route], *, id_col: str, payload_col: str, connection_col: str
+    messages: DataFrame,
+    routes: Sequence[Route],
+    *,
+    id_col: str,
+    payload_col: str,
+    connection_col: str,
+    findings_col: str,
 ) -> DataFrame:
     """Keep ``source_id`` and ``_matches`` (one boolean per route) from one parse of each message."""
     connection = F.col(connection_col) if any(uses_connection(r.when) for r in routes) else None
     payload = F.col(payload_col) if any(uses_fhir(r.when) for r in routes) else None
+    findings = F.col(findings_col) if any(uses_findings(r.when) for r in routes) else None
     regular = [r for r in routes if not r.catch_all]
     if not regular:
         matches = F.array(*(F.lit(True) for _ in routes)).cast("array<boolean>")
     else:
 
         def flags(m: Column) -> Column:
-            conds = [F.lit(True) if r.when is None else _compile(r.when, m, connection, payload) for r in regular]
+            conds = [
+                F.lit(True) if r.when is None else _compile(r.when, m, connection, payload, findings) for r in regular
+            ]
             if len(conds) == len(routes):
                 return F.array(*conds)
 

@@ -277,6 +277,8 @@ def show_cmd(service_config: str | None, ref: str, bodies: bool, timeout: float 
         click.echo("  keys: " + ", ".join(f"{k['name']}={k['key_value']}" for k in story.keys))
     if i.get("batch_id") is not None:
         click.echo(_hl7_batch_line(i, story.hl7_batch))
+    for line in _findings_lines(i.get("findings")):
+        click.echo(line)
     if bodies:
         click.echo("  as received:")
         click.echo(_readable(i["payload"]))
@@ -628,3 +630,13 @@ def delete_search_cmd(service_config: str | None, name: str) -> None:
     if not gone:
         raise InputError(f"no saved search {name!r} (stageline searches list)")
     click.echo(f"deleted saved search {name}")
+
+
+def _findings_lines(stored: str | None) -> list[str]:
+    """A flagging profile's findings (code, place, rule; no values, so no PHI), one a line."""
+    try:
+        found = json.loads(stored) if stored else []
+    except ValueError:
+        return ["  profile findings: (unreadable)"]
+    lines = [f"  profile findings: {len(found)}"] if found else []
+    return lines + [f"    {f.get('code')} {f.get('where')}  {f.get('text')}" for f in found if isinstance(f, dict)]

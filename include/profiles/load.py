@@ -71,6 +71,7 @@ class Profile:
     matcher: Matcher
     allow_z: bool
     rules: Mapping[str, tuple[FieldRule, ...]]
+    sources: tuple[Path, ...] = ()  # the files it was read from (itself, its tables, its shared rules)
 
 
 def read_profiles(paths: Sequence[Path], *, lookups: Path | None = None) -> tuple[Profile, ...]:
@@ -131,7 +132,12 @@ def read_profile(path: Path, *, lookups: Path | None = None) -> Profile:
         matcher=matcher,
         allow_z=z == "allow",
         rules=rules,
+        sources=(path, *_sources(path, raw.get("tables"), raw.get("segment_rules"))),
     )
+
+
+def _sources(profile: Path, *lists: Any) -> list[Path]:
+    return [(profile.parent / name).resolve() for names in lists if isinstance(names, list) for name in names]
 
 
 def _read_toml(path: Path) -> Any:

@@ -261,8 +261,26 @@ class InboundModel(Strict):
     allowed_sources: list[str] = Field(default_factory=list, description="CIDRs a sender may connect from")
     allow_unauthenticated_senders: bool = False
     allow_archive_in_directory: bool = False
+    profile: str | list[str] = Field(
+        "", description="conformance profile file(s), relative to the config dir (docs/profiles.md); empty: none"
+    )
+    on_violation: Literal["reject", "flag", "off"] = Field(
+        "reject",
+        description="a message departing from the profile: reject (AR, one ERR a finding, nothing staged), "
+        "flag (staged with its findings), off (not checked)",
+    )
     tls: TLSModel | None = None
     database: DatabaseSourceModel | None = None
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, value: str | list[str]) -> str | list[str]:
+        paths = [value] if isinstance(value, str) else value
+        if isinstance(value, list) and not all(paths):
+            raise ValueError("a profile path cannot be empty")
+        if len(paths) > 64:
+            raise ValueError("at most 64 profiles a connection")
+        return value
 
     @field_validator("charset")
     @classmethod

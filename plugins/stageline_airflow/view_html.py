@@ -341,7 +341,7 @@ def message_section(data: PageData) -> str:
  control id {e(i["control_id"])}</small></h2>
 <p>received {when_ms(i["created_ms"])} on <b>{e(i["connection"])}</b>, lane {e(i["lane_key"])},
  charset {e(i["charset"])}; status <b>{e(i["status"])}</b>{archived_since(i)}</p>
-{keys_line(s)}<div class="actions">{replays}</div>
+{keys_line(s)}{findings_part(i.get("findings"))}<div class="actions">{replays}</div>
 <table><thead><tr><th>stage</th><th>row</th><th>destination</th><th>status</th><th>attempts</th><th>updated</th>
 <th>last error</th><th></th></tr></thead><tbody>{"".join(stage_rows)}</tbody></table>
 <h3>History (message_events)</h3>
@@ -351,6 +351,25 @@ def message_section(data: PageData) -> str:
 {siblings_part(data)}
 <h3>Bodies</h3>{bodies_part(data, delivered)}
 </section>"""
+
+
+def findings_part(stored: str | None) -> str:
+    """A flagging profile's findings: table 0357 code, place, the rule broken (no values: no PHI)."""
+    try:
+        found = json.loads(stored) if stored else []
+    except ValueError:
+        return '<p id="findings">profile findings: (unreadable)</p>'
+    rows = "".join(
+        f"<tr><td>{e(f.get('code'))}</td><td>{e(f.get('where'))}</td><td>{e(f.get('text'))}</td></tr>"
+        for f in found
+        if isinstance(f, dict)
+    )
+    if not rows:
+        return ""
+    return (
+        f'<h3>Profile findings ({len(found)})</h3><table id="findings"><thead><tr><th>code</th><th>where</th>'
+        f"<th>rule</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
 
 
 def siblings_part(data: PageData) -> str:

@@ -421,7 +421,7 @@ def test_every_runtime_setting_has_its_key_in_the_schema_and_back():
     from listeners import connections_config
 
     pairs = [
-        (connections_config.InboundConfig, conn_schema.InboundModel, set()),
+        (connections_config.InboundConfig, conn_schema.InboundModel, {"conformance"}),
         (connections_config.DatabaseSource, conn_schema.DatabaseSourceModel, set()),
         (connections_config.TLSConfig, conn_schema.TLSModel, set()),
         (cfgmod.StoreConfig, service.StoreModel, {"password"}),

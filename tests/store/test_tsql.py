@@ -323,7 +323,7 @@ TSQL_TYPE_OF_PG = {
     exp.DataType.Type.INT: exp.DataType.Type.INT,
     exp.DataType.Type.SMALLINT: exp.DataType.Type.SMALLINT,
 }
-UNBOUNDED_TEXT = {"payload", "last_error", "detail"}
+UNBOUNDED_TEXT = {"payload", "last_error", "detail", "findings"}  # findings: up to 20 findings of JSON, over 4000
 
 
 def tsql_batches() -> list[str]:

@@ -28,7 +28,7 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.a
 
 -- name: message_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
-       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq
+       (extract(epoch FROM i.created_at) * 1000)::bigint AS created_ms, (extract(epoch FROM i.updated_at) * 1000)::bigint AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq, i.findings
   FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
  WHERE i.id = :id
 

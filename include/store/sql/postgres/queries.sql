@@ -221,10 +221,10 @@ WITH m AS (
     SELECT * FROM json_to_recordset(CAST(:messages AS json)) AS m(
            message_id text, control_id text, connection text, lane_key text, charset text, payload text,
            batch_id text, batch_seq integer, batch_size integer, batch_fhs text, batch_bhs text,
-           batch_declared integer)),
+           batch_declared integer, findings text)),
 ins AS (
-    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq)
-    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings)
+    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq, m.findings
       FROM m
      WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
     ON CONFLICT (message_id) DO NOTHING
@@ -408,7 +408,7 @@ RETURNING id
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark. The connection's name is for conditions that test it.
-SELECT s.id, s.connection, b.payload
+SELECT s.id, s.connection, b.payload, s.findings
   FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 

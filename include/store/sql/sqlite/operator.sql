@@ -28,7 +28,7 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.a
 
 -- name: message_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
-       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq
+       i.created_at AS created_ms, i.updated_at AS updated_ms, i.last_error, i.lease_owner, b.payload, i.batch_id, i.batch_seq, i.findings
   FROM stage_inbound i LEFT JOIN inbound_bodies b ON b.id = i.id
  WHERE i.id = :id
 

@@ -35,7 +35,7 @@ SELECT TOP (CAST(:limit AS int))
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.updated_at) AS updated_ms, i.last_error, i.lease_owner,
-       b.payload, i.batch_id, i.batch_seq
+       b.payload, i.batch_id, i.batch_seq, i.findings
   FROM stage_inbound AS i LEFT JOIN inbound_bodies AS b ON b.id = i.id
  WHERE i.id = :id
 

@@ -1,0 +1,75 @@
+"""A connection with a conformance profile, end to end: a real listenerd, real MLLP sockets, real
+SQLite and PostgreSQL. ``reject`` answers a message with findings ``AR`` with one ERR a finding
+(ERR-2 where, ERR-3 its table 0357 code, ERR-4 severity) and stages nothing of it; conforming
+messages on the same connection are answered ``AA`` and staged as always."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.listeners.conftest import leading_node
+from tests.listeners.test_ack_codes import E101, E102, E103, err, exchange, mllp, staged_ids
+
+PROFILES = Path(__file__).resolve().parents[2] / "config" / "profiles"
+
+GOOD = (
+    "MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||ADT^A01^ADT_A01|{cid}|P|2.5.1\r"
+    "EVN|A01|20240101120000\rPID|1||P1^^^HOSP^MR||DOE^JANE||19800101|F\rPV1|1|I\r"
+)
+
+
+@pytest.fixture
+def daemon(tmp_path, store_config):
+    d = leading_node(
+        tmp_path,
+        store_config,
+        idle_timeout_seconds=30,
+        profile=[str(PROFILES / "adt_a01.toml"), str(PROFILES / "oru_r01.toml")],
+        on_violation="reject",
+    )
+    yield d
+    d.stop()
+
+
+def errs(ack) -> list[tuple[str, str, str]]:
+    return [(str(e[2]), str(e[3]), str(e[4])) for e in ack.segments("ERR")]
+
+
+def test_reject_answers_ar_with_one_err_a_finding_and_stages_nothing(daemon, store_config):
+    bad = GOOD.format(cid="BAD1").replace("19800101|F", "19801301|X").replace("PV1|1|I", "PV1|1|Q")
+    wrong_type = GOOD.format(cid="BAD2").replace("ADT^A01^ADT_A01", "ADT^A03")
+    no_pv1 = GOOD.format(cid="BAD3").replace("PV1|1|I\r", "")
+    frames = [mllp(GOOD.format(cid="OK1")), mllp(bad), mllp(wrong_type), mllp(no_pv1), mllp(GOOD.format(cid="OK2"))]
+    acks = exchange(daemon.mllp_port, frames, expect=5)
+    assert [(str(a.segment("MSA")[1]), str(a.segment("MSA")[2])) for a in acks] == [
+        ("AA", "OK1"),
+        ("AR", "BAD1"),
+        ("AR", "BAD2"),
+        ("AR", "BAD3"),
+        ("AA", "OK2"),
+    ]
+    assert errs(acks[1]) == [
+        ("PID^1^7^1^1", E102, "E"),
+        ("PID^1^8", E103, "E"),
+        ("PV1^1^2", E103, "E"),
+    ]
+    assert str(acks[1].segment("MSA")[3]).startswith("profile: PID-7 (Date/Time of Birth) component 1 month")
+    assert str(acks[1].segment("MSA")[3]).endswith("(and 2 more)")
+    assert [str(e[8]) for e in acks[1].segments("ERR")][1:] == [
+        "PID-8 (Administrative Sex) is not in HL7 table 0001",
+        "PV1-2 (Patient Class) is not in HL7 table 0004",
+    ]
+    assert errs(acks[2]) == [("MSH^1^9", err("200", "Unsupported message type"), "E")]
+    assert errs(acks[3]) == [("PV1^1", E101, "E")]
+    assert staged_ids(store_config) == ["OK1", "OK2"]
+
+
+def test_a_batch_with_one_bad_message_is_refused_with_its_findings_located_in_the_batch(daemon, store_config):
+    bad = GOOD.format(cid="B2").replace("PID|1||P1^^^HOSP^MR", "PID|1||")
+    batch = f"BHS|^~\\&|HIS|HOSP|SL|SL|||||BATCH1\r{GOOD.format(cid='B1')}{bad}BTS|2\r"
+    (ack,) = exchange(daemon.mllp_port, [mllp(batch)], expect=1)
+    assert (str(ack.segment("MSA")[1]), str(ack.segment("MSA")[2])) == ("AR", "BATCH1")
+    assert errs(ack) == [("PID^2^3", E101, "E")]
+    assert staged_ids(store_config) == []
