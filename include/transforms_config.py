@@ -74,7 +74,9 @@ Since issue 13 (reference with examples: docs/rules.md):
   destination; its routed row is dead with the reason.
 
 ``"output": "json"`` delivers ``application/json`` instead of HL7 (the format:
-:mod:`spark_jobs.hl7_json`). How rules meet messages (separators, escapes, batches):
+:mod:`spark_jobs.hl7_json`); ``"output": "fhir-r4"`` a FHIR R4 transaction Bundle
+(``application/fhir+json``, :mod:`spark_jobs.hl7_fhir`), with its settings in an optional
+``"fhir"`` table (:mod:`include.fhir_options`). How rules meet messages (separators, escapes, batches):
 :mod:`spark_jobs.transform_rules`.
 
 The schema is `include.schema.transforms` (strict pydantic models, one per operation); every
@@ -89,6 +91,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from include.conditions import Condition
+from include.fhir_options import FHIR_CONTENT_TYPE, FhirOptions
 from include.hl7path import FieldPath, parse_path
 from include.schema import ConfigProblem
 from include.schema.items import ConfigProblemsError, problem, type_name, validate_item, validate_list
@@ -116,6 +119,7 @@ from include.schema.transforms import (
 __all__ = [
     "DATE_HL7",
     "ENVELOPE_SEGMENTS",
+    "FHIR_CONTENT_TYPE",
     "HEADER_SEGMENTS",
     "HL7_CONTENT_TYPE",
     "JSON_CONTENT_TYPE",
@@ -143,7 +147,7 @@ __all__ = [
 
 HL7_CONTENT_TYPE = "application/hl7-v2"
 JSON_CONTENT_TYPE = "application/json"
-OUTPUTS = {"hl7": HL7_CONTENT_TYPE, "json": JSON_CONTENT_TYPE}
+OUTPUTS = {"hl7": HL7_CONTENT_TYPE, "json": JSON_CONTENT_TYPE, "fhir-r4": FHIR_CONTENT_TYPE}
 MAX_LOOKUP_ENTRIES = 50_000
 
 # Header segments carry separators and have the "field 1 is the field separator" numbering.
@@ -324,6 +328,8 @@ class Transform:
     destination: str
     output: str = "hl7"
     rules: tuple[Rule, ...] = ()
+    fhir: FhirOptions | None = None
+    """The FHIR mapping's settings, defaults merged in; set exactly when ``output`` is "fhir-r4"."""
 
     @property
     def content_type(self) -> str:
@@ -379,7 +385,8 @@ def _parse_spec(spec: Any, key: str) -> tuple[Transform | None, list[ConfigProbl
                 rules.append(parsed)
     if head is None or problems:
         return None, problems
-    return Transform(destination=head.destination, output=head.output, rules=tuple(rules)), []
+    fhir = FhirOptions.of(head.fhir.model_dump() if head.fhir else None) if head.output == "fhir-r4" else None
+    return Transform(destination=head.destination, output=head.output, rules=tuple(rules), fhir=fhir), []
 
 
 def _parse_rule(rule: Any, key: str) -> tuple[Rule | None, list[ConfigProblem]]:

@@ -61,7 +61,7 @@ from include.transforms_config import (
     ENVELOPE_SEGMENTS,
     HEADER_SEGMENTS,
     HL7_CONTENT_TYPE,
-    JSON_CONTENT_TYPE,
+    OUTPUTS,
     AddSegment,
     ClearField,
     Concat,
@@ -79,6 +79,7 @@ from include.transforms_config import (
     parse_transforms,
 )
 from spark_jobs.condition_columns import compile_condition
+from spark_jobs.hl7_fhir import render_fhir
 from spark_jobs.hl7_fields import let, split_regex
 from spark_jobs.hl7_json import render_json
 
@@ -99,6 +100,8 @@ _UNITS = "_transform_units"
 # Hidden input columns some rules read, and the dead-letter reason before it moves to content_type.
 _CONNECTION = "_transform_connection"
 _SEED = "_transform_control_seed"
+_FHIR_SEED = "_transform_fhir_seed"
+_FHIR = "_transform_fhir"
 
 
 # --- the DataFrame transform ----------------------------------------------------------------
@@ -140,6 +143,10 @@ def transform(
     if any(isinstance(r, Generate) and r.kind == "control_id" for r in rules):
         seed = F.col(message_id_col) if message_id_col else F.col(id_col).cast("string")
         hidden.append(F.concat(seed, F.lit("|"), F.col(destination_col)).alias(_SEED))
+    fhir_specs = [s for s in parsed if s.output == "fhir-r4"]
+    if fhir_specs:
+        seed = F.col(message_id_col) if message_id_col else F.col(id_col).cast("string")
+        hidden.append(F.concat(seed, F.lit("|"), F.col(destination_col)).alias(_FHIR_SEED))
     frame = routed.select(
         F.col(id_col).alias("id"),
         F.col(destination_col).alias("destination"),
@@ -156,23 +163,50 @@ def transform(
     frame = frame.withColumn(_UNITS, _fold(parsed, F.col("payload"), tables, ctx))
 
     json_destinations = [s.destination for s in parsed if s.output == "json"]
-    hl7_destinations = [s.destination for s in parsed if s.output != "json"]
-    # One renderer per output kind, not per destination: a smaller plan to analyze.
+    hl7_destinations = [s.destination for s in parsed if s.output == "hl7"]
+    # One renderer per output kind, not per destination: a smaller plan to analyze. FHIR is the
+    # exception: its settings (systems, vocabularies) are the destination's own.
     renderers = [(hl7_destinations, _render_hl7), (json_destinations, render_json)]
     out: Column | None = None
     for names, render in renderers:
         if names:
             cond, rendered = destination.isin(names), render(units)
             out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
-    content_type = (
-        F.when(destination.isin(json_destinations), F.lit(JSON_CONTENT_TYPE)).otherwise(F.lit(HL7_CONTENT_TYPE))
-        if json_destinations
-        else F.lit(HL7_CONTENT_TYPE)
-    )
+    fhir_error: Column | None = None
+    if fhir_specs:
+        fhir: Column | None = None
+        for spec in fhir_specs:
+            assert spec.fhir is not None  # parse_transforms sets it for this output
+            cond, rendered = destination == F.lit(spec.destination), render_fhir(units, F.col(_FHIR_SEED), spec.fhir)
+            fhir = F.when(cond, rendered) if fhir is None else fhir.when(cond, rendered)
+        frame = frame.withColumn(_FHIR, fhir)  # type: ignore[arg-type]
+        bundle, fhir_error = F.col(_FHIR)["bundle"], F.col(_FHIR)["error"]
+        cond = destination.isin([s.destination for s in fhir_specs])
+        out = F.when(cond, bundle) if out is None else out.when(cond, bundle)
+    content_type = F.lit(HL7_CONTENT_TYPE)
+    typed = [
+        (names, OUTPUTS[kind])
+        for kind, names in (("json", json_destinations), ("fhir-r4", [s.destination for s in fhir_specs]))
+        if names
+    ]
+    if typed:
+        choice: Column | None = None
+        for names, mime in typed:
+            choice = (
+                F.when(destination.isin(names), F.lit(mime))
+                if choice is None
+                else choice.when(destination.isin(names), F.lit(mime))
+            )
+        content_type = choice.otherwise(F.lit(HL7_CONTENT_TYPE))  # type: ignore[union-attr]
     payload = out.otherwise(F.col("payload"))  # type: ignore[union-attr]
+    errors = [fhir_error] if fhir_error is not None else []
     if any(_may_dead_letter(r) for r in rules):
         # The first unit's reason; the row is not delivered, the finalize dead-letters it.
-        error = F.try_element_at(F.filter(F.transform(units, lambda u: u["error"]), lambda e: e.isNotNull()), F.lit(1))
+        errors.insert(
+            0, F.try_element_at(F.filter(F.transform(units, lambda u: u["error"]), lambda e: e.isNotNull()), F.lit(1))
+        )
+    if errors:
+        error = F.coalesce(*errors) if len(errors) > 1 else errors[0]
         content_type = F.when(error.isNotNull(), error).otherwise(content_type)
         payload = F.when(error.isNull(), payload)
     return frame.select("id", "destination", content_type.alias("content_type"), payload.alias("payload"), *carry)

@@ -28,11 +28,13 @@ from pydantic import (
 )
 
 from include.conditions import ConditionError, check_java_regex, parse_condition
+from include.fhir_options import check_offset, check_uri
 from include.hl7path import FieldPath, FieldPathError, parse_path
 from include.schema import Strict, Text
 
 __all__ = [
     "RULE_MODELS",
+    "FhirModel",
     "RuleModel",
     "TransformHead",
     "TransformModel",
@@ -47,6 +49,8 @@ _SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
 _EXPLICIT_OCCURRENCE = re.compile(r"[A-Z0-9]{3}\[")
 # Spark datetime pattern letters (docs: sql-ref-datetime-pattern); anything else fails mid-job.
 _PATTERN_LETTERS = set("GyMdDQqLEuaHhKkmsSVzOXxZ")
+# Each `[transform.fhir]` map becomes a map literal in the Spark plan: bounded like lookup tables.
+MAX_FHIR_MAP_ENTRIES = 10_000
 
 
 def condition(value: Any, *, fhir: bool = False) -> Any:
@@ -391,12 +395,35 @@ else:
     ]
 
 
+_Uri = Annotated[str, AfterValidator(check_uri)]
+_Codes = Annotated[dict[Text, _Uri], Field(max_length=MAX_FHIR_MAP_ENTRIES)]
+
+
+class FhirModel(Strict):
+    """`[transform.fhir]`: URIs for v2 names and vocabulary overrides (`include.fhir_options`)."""
+
+    identifier_systems: _Codes = {}
+    code_systems: _Codes = {}
+    gender: Annotated[
+        dict[Text, Literal["male", "female", "other", "unknown"]], Field(max_length=MAX_FHIR_MAP_ENTRIES)
+    ] = {}
+    patient_class: Annotated[dict[Text, Text], Field(max_length=MAX_FHIR_MAP_ENTRIES)] = {}
+    timezone: Annotated[str, AfterValidator(check_offset)] = "Z"
+
+
 class TransformHead(Strict):
     """A `[[transform]]` table with its rules not yet looked at (each is validated alone)."""
 
     destination: Text
-    output: Literal["hl7", "json"] = "hl7"
+    output: Literal["hl7", "json", "fhir-r4"] = "hl7"
     rules: list[Any] = []
+    fhir: FhirModel | None = None
+
+    @model_validator(mode="after")
+    def _fhir_goes_with_its_output(self) -> TransformHead:
+        if self.fhir is not None and self.output != "fhir-r4":
+            raise ValueError("'fhir' settings go with output = 'fhir-r4'")
+        return self
 
 
 class TransformModel(TransformHead):

@@ -1,0 +1,716 @@
+"""HL7 v2 → FHIR R4 transaction Bundle for ``output = "fhir-r4"`` transforms, in native Spark SQL.
+
+Which resources a message becomes (the mapping tables per message type: docs/rules.md):
+
+* ADT^A01 / A04 / A08 → Patient (PID), and an Encounter (PV1) when the message has a PV1;
+* ORU^R01 → Patient, one DiagnosticReport per OBR, one Observation per OBX (each OBX reports to the
+  OBR before it), every resource referring to the Patient;
+* ORM^O01 → Patient, one ServiceRequest per OBR (with the ORC before it).
+
+Data types follow HL7's *V2 to FHIR* IG: XPN → HumanName, CX → Identifier (its system from the
+assigning authority, ``[transform.fhir] identifier_systems``), XAD → Address, XTN → ContactPoint,
+TS/DTM → dateTime (an offset is always written: the value's own, else ``timezone``), CWE/CE →
+CodeableConcept (systems from ``code_systems``), OBX-5 by OBX-2 → valueQuantity (NM, SN),
+valueCodeableConcept (CWE, CE, CNE), valueDateTime (DT, DTM, TS) or valueString (the rest).
+
+Idempotent delivery: every entry is a conditional write keyed on an identifier, so a re-delivery of
+the Bundle updates what the first one created instead of adding to it: ``PUT
+Patient?identifier=system|value`` on the first PID-3 whose authority has a system (a patient
+without one is a plain POST, and a re-delivery duplicates it — configure the systems). Encounters,
+reports, observations and orders carry a Stageline identifier (``urn:ietf:rfc:3986``, a UUID from
+the sender, MSH-10 and the segment's position) besides their own, and are PUT on it. Each entry's
+``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
+Bundle and a re-run of the transform builds the same bytes.
+
+How it runs: the transform engine's parsed payload (its units, after the destination's rules) is
+cut into a tree per segment — fields, repetitions, components, subcomponents, each leaf with the
+separator escapes decoded — once per message, and the resources are ``to_json`` of structs built
+from it. No Python runs per row. A message the mapping cannot take (another message type, a batch
+of several messages, an order without a patient) comes out with a NULL Bundle and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+
+from include.fhir_options import FhirOptions
+from spark_jobs.hl7_fields import decode_escapes, let
+
+__all__ = ["render_fhir"]
+
+# Segments the mapping reads; the others are not cut into trees.
+_USED = ("MSH", "PID", "PV1", "ORC", "OBR", "OBX")
+_ADT_EVENTS = ("A01", "A04", "A08")
+_STAGELINE_SYSTEM = "urn:ietf:rfc:3986"
+_V2_0203 = "http://terminology.hl7.org/CodeSystem/v2-0203"
+_V2_0078 = "http://terminology.hl7.org/CodeSystem/v2-0078"
+_V2_0004 = "http://terminology.hl7.org/CodeSystem/v2-0004"
+_ACT_CODE = "http://terminology.hl7.org/CodeSystem/v3-ActCode"
+_NULL_FLAVOR = "http://terminology.hl7.org/CodeSystem/v3-NullFlavor"
+
+# Fixed v2 → FHIR vocabularies (the IG's ConceptMaps); the site-specific ones are FhirOptions.
+_NAME_USE = {"L": "official", "D": "usual", "M": "maiden", "N": "nickname", "A": "usual", "S": "anonymous"}
+_NAME_USE.update({"T": "temp", "B": "official", "C": "official"})
+_ADDRESS_USE = {"H": "home", "B": "work", "O": "work", "C": "temp", "BA": "old", "BI": "billing"}
+_OBSERVATION_STATUS = {"C": "corrected", "D": "entered-in-error", "F": "final", "I": "registered", "P": "preliminary"}
+_OBSERVATION_STATUS.update({"R": "preliminary", "S": "preliminary", "U": "final", "W": "entered-in-error"})
+_OBSERVATION_STATUS.update({"X": "cancelled", "O": "registered"})
+_REPORT_STATUS = {"O": "registered", "I": "registered", "S": "partial", "A": "partial", "P": "preliminary"}
+_REPORT_STATUS.update({"C": "corrected", "R": "partial", "F": "final", "X": "cancelled", "M": "partial"})
+# ORC-5 (order status, table 0038) first, else ORC-1 (order control, table 0119).
+_ORDER_STATUS = {"A": "active", "IP": "active", "SC": "active", "CA": "revoked", "DC": "revoked"}
+_ORDER_STATUS.update({"CM": "completed", "HD": "on-hold", "ER": "entered-in-error", "RP": "revoked"})
+_ORDER_CONTROL = {"NW": "active", "XO": "active", "SC": "active", "OK": "active", "CA": "revoked", "OC": "revoked"}
+_ORDER_CONTROL.update({"DC": "revoked", "HD": "on-hold", "RL": "active", "CM": "completed"})
+_PRIORITY = {"S": "stat", "A": "asap", "R": "routine", "T": "urgent", "P": "routine"}
+_COMPARATORS = ("<", "<=", ">", ">=")
+_QUANTITY_TYPES = ("NM", "SN")
+_CODED_TYPES = ("CWE", "CE", "CNE", "CF")
+_DATE_TYPES = ("DT", "DTM", "TS")
+
+# A decimal as HL7 NM writes it (sign, digits, point); JSON wants no '+', no bare '.', no leading 0s.
+_NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)$"
+# TS/DTM: digits (4 to 14, even), optional fraction of a second, optional offset.
+_DTM = r"^(\d{4}|\d{6}|\d{8}|\d{10}|\d{12}|\d{14})(\.\d{1,4})?([+-](?:0\d|1[0-4])[0-5]\d)?$"
+
+
+def render_fhir(units: Column, seed: Column, options: FhirOptions) -> Column:
+    """``struct<bundle: string, error: string>`` for the transform engine's parsed payload.
+
+    ``units`` is ``array<struct<message, seps, segments, error>>`` (:mod:`spark_jobs.transform_rules`);
+    ``seed`` a string unique per message and destination (fullUrls derive from it). Exactly one of
+    ``bundle`` and ``error`` is set; NULL ``units`` (not HL7) give a NULL struct.
+    """
+    maps = _Maps(options)
+    messages = F.filter(units, lambda u: u["message"])
+
+    def one(u: Column) -> Column:
+        return let(_trees(u), lambda t: _bundle(t, seed, maps))
+
+    single = let(F.element_at(messages, 1), one)
+    several = F.struct(
+        F.lit(None).cast("string").alias("bundle"),
+        F.lit(
+            "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
+        ).alias("error"),
+    )
+    return F.when(units.isNotNull(), F.when(F.size(messages) == 1, single).otherwise(several))
+
+
+class _Maps:
+    """The option maps as ``map<string,string>`` literals (one JSON literal each, folded at optimization)."""
+
+    def __init__(self, options: FhirOptions) -> None:
+        self.identifier_systems = _literal(options.identifier_systems)
+        self.code_systems = _literal(options.code_systems)
+        self.gender = _literal(options.gender)
+        self.patient_class = _literal(options.patient_class)
+        self.timezone = options.timezone
+
+
+def _literal(table: Mapping[str, str]) -> Column:
+    import json
+
+    return F.from_json(F.lit(json.dumps(dict(table))), "map<string,string>")
+
+
+def _lookup(table: Column | Mapping[str, str], key: Column) -> Column:
+    """``table[key]``, NULL for a NULL key or a miss."""
+    literal = _literal(table) if isinstance(table, Mapping) else table
+    return F.when(key.isNotNull(), F.try_element_at(literal, key))
+
+
+# --- the segment trees -------------------------------------------------------------------------
+
+
+def _trees(unit: Column) -> Column:
+    """The unit's used segments, each ``array<array<array<array<string>>>>`` (fields, repetitions,
+    components, subcomponents; element 1 of a segment is its id), leaves decoded, empty and HL7's
+    ``""`` as NULL. Order is kept (OBX and OBR are grouped by position)."""
+    seps = unit["seps"]
+
+    def leaf(x: Column) -> Column:
+        decoded = F.when((seps["esc"] != "") & x.contains(seps["esc"]), decode_escapes(x, seps)).otherwise(x)
+        return F.when((x != "") & (x != '""'), decoded)
+
+    def split(text: Column, sep_re: str, inner: Callable[[Column], Column]) -> Column:
+        return F.transform(F.split(text, seps[sep_re], -1), inner)
+
+    used = F.filter(unit["segments"], lambda s: F.substring(s, 1, 3).isin(*_USED))
+    return F.transform(
+        used,
+        lambda s: split(
+            s, "fs_re", lambda f: split(f, "rs_re", lambda r: split(r, "cs_re", lambda c: split(c, "ss_re", leaf)))
+        ),
+    )
+
+
+def _at(array: Column, *positions: int | Column) -> Column:
+    """``array[p1][p2]...`` (1-based), NULL when any level is missing."""
+    out = array
+    for p in positions:
+        out = F.try_element_at(out, p if isinstance(p, Column) else F.lit(p))
+    return out
+
+
+def _field(seg: Column, segment: str, n: int) -> Column:
+    """The repetitions of field ``n`` (HL7 numbering: for MSH, element n is MSH-n)."""
+    return _at(seg, n if segment == "MSH" else n + 1)
+
+
+def _value(seg: Column, segment: str, n: int, component: int = 1, sub: int = 1, rep: int = 1) -> Column:
+    return _at(_field(seg, segment, n), rep, component, sub)
+
+
+def _c(rep: Column, component: int, sub: int = 1) -> Column:
+    """Component (and subcomponent) of one repetition."""
+    return _at(rep, component, sub)
+
+
+def _is(seg: Column, name: str) -> Column:
+    return _at(seg, 1, 1, 1, 1) == F.lit(name)
+
+
+def _text(rep: Column) -> Column:
+    """A repetition as text again: components joined with ``^``, subcomponents with ``&`` (for
+    string values whose text held unescaped separators), trailing empty ones dropped."""
+    joined = F.array_join(
+        F.transform(rep, lambda c: F.array_join(F.transform(c, lambda x: F.coalesce(x, F.lit(""))), "&")), "^"
+    )
+    return F.nullif(F.regexp_replace(joined, r"[\^&]+$", ""), F.lit(""))
+
+
+# --- the Bundle --------------------------------------------------------------------------------
+
+
+def _bundle(t: Column, seed: Column, maps: _Maps) -> Column:
+    """Entries for one message's segment trees ``t``, or the reason there are none."""
+    msh = F.try_element_at(F.filter(t, lambda s: _is(s, "MSH")), F.lit(1))
+    kind, event = _value(msh, "MSH", 9, 1), _value(msh, "MSH", 9, 2)
+    positioned = F.transform(t, lambda s, i: F.struct(s.alias("seg"), i.alias("pos")))
+    pid = F.try_element_at(F.filter(t, lambda s: _is(s, "PID")), F.lit(1))
+    pv1 = F.try_element_at(F.filter(t, lambda s: _is(s, "PV1")), F.lit(1))
+    context = F.struct(
+        kind.alias("kind"),
+        event.alias("event"),
+        pid.alias("pid"),
+        pv1.alias("pv1"),
+        F.filter(positioned, lambda p: _is(p["seg"], "OBR")).alias("obr"),
+        F.filter(positioned, lambda p: _is(p["seg"], "OBX")).alias("obx"),
+        F.filter(positioned, lambda p: _is(p["seg"], "ORC")).alias("orc"),
+        # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
+        F.concat_ws(
+            "|",
+            F.coalesce(_value(msh, "MSH", 3), F.lit("")),
+            F.coalesce(_value(msh, "MSH", 4), F.lit("")),
+            F.coalesce(_value(msh, "MSH", 10), seed),
+        ).alias("sender"),
+    )
+    return let(context, lambda m: _entries(m, seed, maps))
+
+
+def _entries(m: Column, seed: Column, maps: _Maps) -> Column:
+    kind, event, pid = m["kind"], m["event"], m["pid"]
+    adt = (kind == "ADT") & event.isin(*_ADT_EVENTS)
+    oru = (kind == "ORU") & (event == "R01")
+    orm = (kind == "ORM") & (event == "O01")
+    patient_url = _uuid(seed, F.lit("Patient"))
+    subject = F.when(pid.isNotNull(), F.struct(patient_url.alias("reference")))
+
+    patient = F.when(pid.isNotNull(), _patient_entry(pid, patient_url, maps))
+    encounter = F.when(adt & m["pv1"].isNotNull(), _encounter_entry(m, seed, subject, maps))
+    reports = F.when(oru, F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, subject, maps)))
+    observations = F.when(oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, seed, subject, maps)))
+    orders = F.when(orm, F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, subject, maps)))
+
+    bundle = F.concat(
+        F.lit('{"resourceType":"Bundle","type":"transaction","entry":['),
+        F.concat_ws(",", patient, encounter, reports, observations, orders),
+        F.lit("]}"),
+    )
+    message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
+    error = (
+        F.when(
+            ~(adt | oru | orm),
+            F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
+        )
+        .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
+        .when(orm & (F.size(m["obr"]) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
+        .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
+    )
+    return F.struct(F.when(error.isNull(), bundle).alias("bundle"), error.alias("error"))
+
+
+def _entry(full_url: Column, resource_json: Column, request: Column) -> Column:
+    """One Bundle entry's JSON (the resource is JSON text already: entries differ in type)."""
+    return F.concat(
+        F.lit('{"fullUrl":"'),
+        full_url,  # urn:uuid: and hex digits, nothing to escape
+        F.lit('","resource":'),
+        resource_json,
+        F.lit(',"request":'),
+        F.to_json(request),
+        F.lit("}"),
+    )
+
+
+def _uuid(seed: Column, key: Column) -> Column:
+    """``urn:uuid:`` + a name-based UUID (version 5 layout) of seed and key: the same on every run."""
+    h = F.sha2(F.concat_ws("|", seed, key), 256)
+    return F.concat(
+        F.lit("urn:uuid:"),
+        F.substring(h, 1, 8),
+        F.lit("-"),
+        F.substring(h, 9, 4),
+        F.lit("-5"),
+        F.substring(h, 14, 3),
+        F.lit("-a"),
+        F.substring(h, 18, 3),
+        F.lit("-"),
+        F.substring(h, 21, 12),
+    )
+
+
+def _stageline_identifier(m: Column, key: str, k: Column | None = None) -> Column:
+    """The resource's own Stageline identifier: from the sender, its control id and the position."""
+    name = F.lit(key) if k is None else F.concat(F.lit(key + "/"), k.cast("string"))
+    return _identifier_of(None, F.lit(_STAGELINE_SYSTEM), _uuid(m["sender"], name))
+
+
+_IDENTIFIER_TYPE = "struct<coding:array<struct<system:string,code:string>>>"
+
+
+def _identifier_of(code: Column | None, system: Column, value: Column) -> Column:
+    """An Identifier, one struct type for all (typed by a v2 table 0203 code when there is one)."""
+    kind = (
+        F.lit(None)
+        if code is None
+        else F.when(
+            code.isNotNull(),
+            F.struct(F.array(F.struct(F.lit(_V2_0203).alias("system"), code.alias("code"))).alias("coding")),
+        )
+    )
+    return F.struct(
+        kind.cast(_IDENTIFIER_TYPE).alias("type"), system.cast("string").alias("system"), value.alias("value")
+    )
+
+
+def _conditional(resource: str, identifiers: Column) -> Column:
+    """PUT on the first identifier that has a system, else a plain POST."""
+    keyed = F.try_element_at(
+        F.filter(identifiers, lambda i: i["system"].isNotNull() & i["value"].isNotNull()), F.lit(1)
+    )
+    url = F.concat(
+        F.lit(f"{resource}?identifier="),
+        F.url_encode(_search_escape(keyed["system"])),
+        F.lit("|"),
+        F.url_encode(_search_escape(keyed["value"])),
+    )
+    return F.when(keyed.isNotNull(), F.struct(F.lit("PUT").alias("method"), url.alias("url"))).otherwise(
+        F.struct(F.lit("POST").alias("method"), F.lit(resource).alias("url"))
+    )
+
+
+def _search_escape(x: Column) -> Column:
+    """FHIR search escaping: ``\\``, ``|``, ``,`` and ``$`` in a token are preceded by ``\\``."""
+    return F.regexp_replace(x, r"([\\|,$])", r"\\$1")
+
+
+def _nonempty(array: Column) -> Column:
+    """The array without NULLs, or NULL when nothing is left (FHIR has no empty arrays)."""
+    return let(F.array_compact(array), lambda a: F.when(F.size(a) > 0, a))
+
+
+def _resource(name: str, *fields: Column) -> Column:
+    return F.to_json(F.struct(F.lit(name).alias("resourceType"), *fields))
+
+
+# --- Patient, Encounter ------------------------------------------------------------------------
+
+
+def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
+    identifiers = F.transform(_field(pid, "PID", 3), lambda r: _identifier(r, maps))
+    return let(
+        _nonempty(identifiers),
+        lambda ids: _entry(
+            url,
+            _resource(
+                "Patient",
+                ids.alias("identifier"),
+                _nonempty(F.transform(_field(pid, "PID", 5), _human_name)).alias("name"),
+                _nonempty(
+                    F.concat(
+                        F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
+                        F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
+                    )
+                ).alias("telecom"),
+                _lookup(maps.gender, _value(pid, "PID", 8)).alias("gender"),
+                _date(_value(pid, "PID", 7)).alias("birthDate"),
+                _datetime(_value(pid, "PID", 29), maps).alias("deceasedDateTime"),
+                F.when(_value(pid, "PID", 29).isNull(), _yes_no(_value(pid, "PID", 30))).alias("deceasedBoolean"),
+                _nonempty(F.transform(_field(pid, "PID", 11), _address)).alias("address"),
+            ),
+            _conditional("Patient", F.coalesce(ids, F.array().cast(_IDENTIFIERS))),
+        ),
+    )
+
+
+_IDENTIFIERS = f"array<struct<type:{_IDENTIFIER_TYPE},system:string,value:string>>"
+
+
+def _identifier(r: Column, maps: _Maps) -> Column:
+    """CX → Identifier; the system from CX-4 (namespace, else universal id), ``urn:oid:`` for an
+    ISO universal id nobody configured. NULL without CX-1."""
+    namespace, universal, universal_type = _c(r, 4, 1), _c(r, 4, 2), _c(r, 4, 3)
+    system = F.coalesce(
+        _lookup(maps.identifier_systems, namespace),
+        _lookup(maps.identifier_systems, universal),
+        F.when(
+            (universal_type == "ISO") & universal.rlike(r"^[0-2](\.(0|[1-9]\d*))+$"),
+            F.concat(F.lit("urn:oid:"), universal),
+        ),
+    )
+    return F.when(_c(r, 1).isNotNull(), _identifier_of(_c(r, 5), system, _c(r, 1)))
+
+
+def _human_name(r: Column) -> Column:
+    """XPN → HumanName: family, given (XPN-2, XPN-3), suffix, prefix, use (XPN-7)."""
+    family, given = _c(r, 1), _nonempty(F.array(_c(r, 2), _c(r, 3)))
+    return F.when(
+        family.isNotNull() | given.isNotNull(),
+        F.struct(
+            _lookup(_NAME_USE, _c(r, 7)).alias("use"),
+            family.alias("family"),
+            given.alias("given"),
+            _nonempty(F.array(_c(r, 5))).alias("prefix"),
+            _nonempty(F.array(_c(r, 4))).alias("suffix"),
+        ),
+    )
+
+
+def _address(r: Column) -> Column:
+    """XAD → Address: line (XAD-1, XAD-2), city, state, postalCode, country, use (XAD-7)."""
+    fields = [
+        _lookup(_ADDRESS_USE, _c(r, 7)).alias("use"),
+        _nonempty(F.array(_c(r, 1), _c(r, 2))).alias("line"),
+        _c(r, 3).alias("city"),
+        _c(r, 4).alias("state"),
+        _c(r, 5).alias("postalCode"),
+        _c(r, 6).alias("country"),
+    ]
+    present = F.coalesce(_c(r, 1), _c(r, 2), _c(r, 3), _c(r, 4), _c(r, 5), _c(r, 6))
+    return F.when(present.isNotNull(), F.struct(*fields))
+
+
+def _contact(r: Column, use: str) -> Column:
+    """XTN → ContactPoint: e-mail (XTN-2 NET or XTN-3 Internet) from XTN-4, else a phone number
+    (XTN-1, else XTN-6 area code + XTN-7)."""
+    email = (_c(r, 2) == "NET") | (_c(r, 3) == "Internet")
+    number = F.coalesce(_c(r, 1), F.when(_c(r, 7).isNotNull(), F.concat_ws(" ", _c(r, 6), _c(r, 7))))
+    value = F.when(email, F.coalesce(_c(r, 4), _c(r, 1))).otherwise(number)
+    system = F.when(email, F.lit("email")).when(_c(r, 3) == "FX", F.lit("fax")).otherwise(F.lit("phone"))
+    use_code = F.when(_c(r, 3) == "CP", F.lit("mobile")).otherwise(F.lit(use))
+    return F.when(value.isNotNull(), F.struct(system.alias("system"), value.alias("value"), use_code.alias("use")))
+
+
+def _yes_no(v: Column) -> Column:
+    return F.when(v == "Y", F.lit(True)).when(v == "N", F.lit(False))
+
+
+def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+    pv1 = m["pv1"]
+    patient_class = _value(pv1, "PV1", 2)
+    mapped = _lookup(maps.patient_class, patient_class)
+    klass = (
+        F.when(mapped.isNotNull(), F.struct(F.lit(_ACT_CODE).alias("system"), mapped.alias("code")))
+        .when(patient_class.isNotNull(), F.struct(F.lit(_V2_0004).alias("system"), patient_class.alias("code")))
+        .otherwise(F.struct(F.lit(_NULL_FLAVOR).alias("system"), F.lit("UNK").alias("code")))
+    )
+    start, end = _datetime(_value(pv1, "PV1", 44), maps), _datetime(_value(pv1, "PV1", 45), maps)
+    identifiers = F.array_compact(
+        F.array(_identifier(F.try_element_at(_field(pv1, "PV1", 19), F.lit(1)), maps), _stageline_identifier(m, "PV1"))
+    )
+    return let(
+        identifiers,
+        lambda ids: _entry(
+            _uuid(seed, F.lit("Encounter")),
+            _resource(
+                "Encounter",
+                ids.alias("identifier"),
+                F.when(end.isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
+                klass.alias("class"),
+                subject.alias("subject"),
+                F.when(start.isNotNull() | end.isNotNull(), F.struct(start.alias("start"), end.alias("end"))).alias(
+                    "period"
+                ),
+            ),
+            _conditional("Encounter", ids),
+        ),
+    )
+
+
+# --- DiagnosticReport, Observation, ServiceRequest ---------------------------------------------
+
+
+def _order_identifier(seg: Column, segment: str, n: int, code: str, maps: _Maps) -> Column:
+    """EI (placer / filler number) → Identifier typed PLAC / FILL, the system from EI-2 (or EI-3)."""
+    value = _value(seg, segment, n, 1)
+    system = F.coalesce(
+        _lookup(maps.identifier_systems, _value(seg, segment, n, 2)),
+        _lookup(maps.identifier_systems, _value(seg, segment, n, 3)),
+    )
+    return F.when(value.isNotNull(), _identifier_of(F.lit(code), system, value))
+
+
+def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+    obr = o["seg"]
+    number = k + 1
+    # This OBR's OBX: those after it and before the next OBR.
+    results = F.filter(
+        F.transform(
+            m["obx"],
+            lambda x, j: F.when(
+                _report_of(x, m) == number,
+                F.struct(_uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("reference")),
+            ),
+        ),
+        lambda r: r.isNotNull(),
+    )
+    identifiers = F.array_compact(
+        F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(m, "OBR", number))
+    )
+    return let(
+        identifiers,
+        lambda ids: _entry(
+            _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
+            _resource(
+                "DiagnosticReport",
+                ids.alias("identifier"),
+                F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25)), F.lit("unknown")).alias("status"),
+                _required(_codeable(_field(obr, "OBR", 4), maps)).alias("code"),
+                subject.alias("subject"),
+                _datetime(_value(obr, "OBR", 7), maps).alias("effectiveDateTime"),
+                F.when(F.size(results) > 0, results).alias("result"),
+            ),
+            _conditional("DiagnosticReport", ids),
+        ),
+    )
+
+
+def _report_of(x: Column, m: Column) -> Column:
+    """The 1-based number of the OBR an OBX belongs to (the last one before it), 0 for none."""
+    return F.size(F.filter(m["obr"], lambda r: r["pos"] < x["pos"]))
+
+
+def _observation_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+    obx = o["seg"]
+    number = k + 1
+    identifiers = F.array(_stageline_identifier(m, "OBX", number))
+    base = _resource(
+        "Observation",
+        identifiers.alias("identifier"),
+        F.coalesce(_lookup(_OBSERVATION_STATUS, _value(obx, "OBX", 11)), F.lit("unknown")).alias("status"),
+        _required(_codeable(_field(obx, "OBX", 3), maps)).alias("code"),
+        subject.alias("subject"),
+        _datetime(_value(obx, "OBX", 14), maps).alias("effectiveDateTime"),
+        _nonempty(F.array(_codeable(_field(obx, "OBX", 8), maps, default_system=_V2_0078))).alias("interpretation"),
+        F.when(_value(obx, "OBX", 7).isNotNull(), F.array(F.struct(_value(obx, "OBX", 7).alias("text")))).alias(
+            "referenceRange"
+        ),
+    )
+    resource = let(
+        _observation_value(obx, maps),
+        lambda v: F.when(v.isNull(), base).otherwise(
+            F.concat(F.substr(base, F.lit(1), F.length(base) - 1), F.lit(","), v, F.lit("}"))
+        ),
+    )
+    return _entry(
+        _uuid(seed, F.concat(F.lit("OBX/"), number.cast("string"))), resource, _conditional("Observation", identifiers)
+    )
+
+
+def _observation_value(obx: Column, maps: _Maps) -> Column:
+    """``"value[x]":...`` JSON for OBX-5 read as OBX-2 says, NULL without a value.
+
+    Numbers are written as their text (``7.20`` stays ``7.20``; FHIR decimals keep their precision),
+    so the quantity is assembled as text rather than ``to_json`` of a double.
+    """
+    kind = _value(obx, "OBX", 2)
+    reps = _field(obx, "OBX", 5)
+    first = F.try_element_at(reps, F.lit(1))
+    units = _field(obx, "OBX", 6)
+    unit = F.try_element_at(units, F.lit(1))
+    unit_system = _lookup(maps.code_systems, _c(unit, 3))
+    unit_fields = [
+        F.coalesce(_c(unit, 2), _c(unit, 1)).alias("unit"),
+        unit_system.alias("system"),
+        F.when(unit_system.isNotNull(), _c(unit, 1)).alias("code"),
+    ]
+
+    def quantity(number: Column, comparator: Column) -> Column:
+        rest = F.to_json(F.struct(comparator.alias("comparator"), *unit_fields))
+        tail = F.when(rest != "{}", F.concat(F.lit(","), F.substr(rest, F.lit(2), F.length(rest) - 2))).otherwise(
+            F.lit("")
+        )
+        return F.concat(F.lit('"valueQuantity":{"value":'), _json_number(number), tail, F.lit("}"))
+
+    def member(name: str, value: Column) -> Column:
+        text = F.to_json(F.struct(value.alias(name)))
+        return F.when(value.isNotNull(), F.substr(text, F.lit(2), F.length(text) - 2))
+
+    nm = _c(first, 1)
+    sn_comparator, sn_number = _c(first, 1), _c(first, 2)
+
+    def typed(as_string: Column) -> Column:
+        return (
+            F.when(first.isNull(), F.lit(None).cast("string"))
+            .when((kind == "NM") & nm.rlike(_NUMBER), quantity(nm, F.lit(None).cast("string")))
+            .when(
+                (kind == "SN")
+                & sn_number.rlike(_NUMBER)
+                & _c(first, 3).isNull()
+                & (sn_comparator.isNull() | sn_comparator.isin(*_COMPARATORS, "=")),
+                quantity(sn_number, F.when(sn_comparator != "=", sn_comparator)),
+            )
+            .when(
+                kind.isin(*_CODED_TYPES), F.coalesce(member("valueCodeableConcept", _codeable(reps, maps)), as_string)
+            )
+            .when(
+                kind.isin(*_DATE_TYPES), F.coalesce(member("valueDateTime", _datetime(_c(first, 1), maps)), as_string)
+            )
+            .otherwise(as_string)
+        )
+
+    strings = F.array_join(F.filter(F.transform(reps, _text), lambda x: x.isNotNull()), "\n")
+    return let(member("valueString", F.nullif(strings, F.lit(""))), typed)
+
+
+def _json_number(text: Column) -> Column:
+    """HL7 NM text as a JSON number: no '+', a 0 before a bare point, none after, no leading zeros."""
+    out = F.regexp_replace(text, r"^\+", "")
+    out = F.regexp_replace(out, r"^(-?)\.", "$10.")
+    out = F.regexp_replace(out, r"\.$", "")
+    return F.regexp_replace(out, r"^(-?)0+(\d)", "$1$2")
+
+
+def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+    obr = o["seg"]
+    number = k + 1
+    # The ORC before this OBR (ORM^O01 pairs them in order), else the first ORC.
+    before = F.filter(m["orc"], lambda c: c["pos"] < o["pos"])
+    orc = F.coalesce(F.try_element_at(before, F.lit(-1)), F.try_element_at(m["orc"], F.lit(1)))["seg"]
+    status = F.coalesce(
+        _lookup(_ORDER_STATUS, _value(orc, "ORC", 5)), _lookup(_ORDER_CONTROL, _value(orc, "ORC", 1)), F.lit("unknown")
+    )
+    placer = F.coalesce(_order_identifier(obr, "OBR", 2, "PLAC", maps), _order_identifier(orc, "ORC", 2, "PLAC", maps))
+    filler = F.coalesce(_order_identifier(obr, "OBR", 3, "FILL", maps), _order_identifier(orc, "ORC", 3, "FILL", maps))
+    priority = F.coalesce(_value(orc, "ORC", 7, 6), _value(obr, "OBR", 27, 6))
+    identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(m, "ORD", number)))
+    return let(
+        identifiers,
+        lambda ids: _entry(
+            _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
+            _resource(
+                "ServiceRequest",
+                ids.alias("identifier"),
+                status.alias("status"),
+                F.lit("order").alias("intent"),
+                _lookup(_PRIORITY, priority).alias("priority"),
+                _codeable(_field(obr, "OBR", 4), maps).alias("code"),
+                subject.alias("subject"),
+                F.coalesce(_datetime(_value(orc, "ORC", 9), maps), _datetime(_value(obr, "OBR", 6), maps)).alias(
+                    "authoredOn"
+                ),
+            ),
+            _conditional("ServiceRequest", ids),
+        ),
+    )
+
+
+# --- data types --------------------------------------------------------------------------------
+
+
+def _codeable(reps: Column, maps: _Maps, *, default_system: str | None = None) -> Column:
+    """CWE/CE (first repetition) → CodeableConcept: a coding per triplet (1-3 and 4-6), the
+    systems from ``code_systems``; text from CWE-9, else the display of a code nobody coded."""
+    r = F.try_element_at(reps, F.lit(1))
+
+    def coding(code: int) -> Column:
+        name = _c(r, code + 2)
+        system = _lookup(maps.code_systems, name)
+        if default_system is not None:
+            system = F.coalesce(system, F.when(name.isNull(), F.lit(default_system)))
+        return F.when(
+            _c(r, code).isNotNull(),
+            F.struct(system.alias("system"), _c(r, code).alias("code"), _c(r, code + 1).alias("display")),
+        )
+
+    codings = _nonempty(F.array(coding(1), coding(4)))
+    text = F.coalesce(_c(r, 9), F.when(_c(r, 1).isNull(), _c(r, 2)))
+    return let(
+        codings, lambda cs: F.when(cs.isNotNull() | text.isNotNull(), F.struct(cs.alias("coding"), text.alias("text")))
+    )
+
+
+def _required(concept: Column) -> Column:
+    """A CodeableConcept FHIR requires (Observation.code, DiagnosticReport.code): "unknown" text
+    when the message has none."""
+    return F.coalesce(
+        concept,
+        F.struct(
+            F.lit(None).cast("array<struct<system:string,code:string,display:string>>").alias("coding"),
+            F.lit("unknown").alias("text"),
+        ),
+    )
+
+
+def _date(v: Column) -> Column:
+    """TS/DT → FHIR date (YYYY, YYYY-MM or YYYY-MM-DD; a time part is dropped). NULL if not a date."""
+    return let(_dtm_digits(v), lambda d: F.when(d.isNotNull(), _date_part(d, F.least(F.length(d), F.lit(8)))))
+
+
+def _datetime(v: Column, maps: _Maps) -> Column:
+    """TS/DTM → FHIR dateTime; a time gets seconds and an offset (the value's, else ``timezone``).
+    NULL if the text is not a valid DTM."""
+
+    def build(d: Column) -> Column:
+        n = F.length(d)
+        offset = F.regexp_extract(v, r"([+-]\d{4})$", 1)
+        zone = F.when(
+            offset != "", F.concat(F.substring(offset, 1, 3), F.lit(":"), F.substring(offset, 4, 2))
+        ).otherwise(F.lit(maps.timezone))
+        fraction = F.when(n == 14, F.regexp_extract(v, r"(\.\d{1,4})", 1)).otherwise(F.lit(""))
+        time = F.concat(
+            F.lit("T"),
+            F.substring(d, 9, 2),
+            F.lit(":"),
+            F.when(n >= 12, F.substring(d, 11, 2)).otherwise(F.lit("00")),
+            F.lit(":"),
+            F.when(n >= 14, F.substring(d, 13, 2)).otherwise(F.lit("00")),
+            fraction,
+            zone,
+        )
+        return F.when(
+            d.isNotNull(), F.concat(_date_part(d, F.least(n, F.lit(8))), F.when(n >= 10, time).otherwise(F.lit("")))
+        )
+
+    return let(_dtm_digits(v), build)
+
+
+def _dtm_digits(v: Column) -> Column:
+    """The digits of a valid DTM (4 to 14 of them, a real calendar date and time), else NULL."""
+    digits = F.regexp_extract(v, _DTM, 1)
+    padded = F.concat(digits, F.substr(F.lit("0101000000"), F.length(digits) - 3, 14 - F.length(digits)))
+    valid = v.rlike(_DTM) & F.try_to_timestamp(padded, F.lit("yyyyMMddHHmmss")).isNotNull()
+    return F.when(valid, digits)
+
+
+def _date_part(d: Column, n: Column) -> Column:
+    return F.concat(
+        F.substring(d, 1, 4),
+        F.when(n >= 6, F.concat(F.lit("-"), F.substring(d, 5, 2))).otherwise(F.lit("")),
+        F.when(n >= 8, F.concat(F.lit("-"), F.substring(d, 7, 2))).otherwise(F.lit("")),
+    )
