@@ -39,7 +39,7 @@ from pyspark.sql import functions as F
 from include.fhir_options import FhirOptions
 from spark_jobs.hl7_fields import decode_escapes, let
 
-__all__ = ["render_fhir"]
+__all__ = ["ENTRY_PARTS", "fhir_bundle", "fhir_context", "fhir_entries"]
 
 # Segments the mapping reads; the others are not cut into trees.
 _USED = ("MSH", "PID", "PV1", "ORC", "OBR", "OBX")
@@ -77,27 +77,54 @@ _NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)$"
 _DTM = r"^(\d{4}|\d{6}|\d{8}|\d{10}|\d{12}|\d{14})(\.\d{1,4})?([+-](?:0\d|1[0-4])[0-5]\d)?$"
 
 
-def render_fhir(units: Column, seed: Column, options: FhirOptions) -> Column:
-    """``struct<bundle: string, error: string>`` for the transform engine's parsed payload.
+ENTRY_PARTS = ("patient", "encounter", "reports", "observations", "orders")
+"""The columns of step 2, in Bundle order (each an entry's JSON, or an array of them)."""
 
-    ``units`` is ``array<struct<message, seps, segments, error>>`` (:mod:`spark_jobs.transform_rules`);
-    ``seed`` a string unique per message and destination (fullUrls derive from it). Exactly one of
-    ``bundle`` and ``error`` is set; NULL ``units`` (not HL7) give a NULL struct.
+
+def fhir_context(units: Column, seed: Column) -> Column:
+    """Step 1: the message's segment trees grouped for the mapping, and why it cannot be mapped.
+
+    ``struct<kind, event, pid, pv1, obr, obx, orc, sender, error>``; ``units`` is the transform
+    engine's parsed payload (:mod:`spark_jobs.transform_rules`), ``seed`` a string unique per
+    message and destination. NULL ``units`` (not HL7) give NULL. The mapping runs as three
+    projections — this context, the entries (:func:`fhir_entries`), the Bundle
+    (:func:`fhir_bundle`) — because Spark Connect refuses an expression nested deeper than its
+    protobuf limit, and the whole mapping in one expression is deeper than that.
     """
-    maps = _Maps(options)
     messages = F.filter(units, lambda u: u["message"])
-
-    def one(u: Column) -> Column:
-        return let(_trees(u), lambda t: _bundle(t, seed, maps))
-
-    single = let(F.element_at(messages, 1), one)
-    several = F.struct(
-        F.lit(None).cast("string").alias("bundle"),
-        F.lit(
-            "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
-        ).alias("error"),
+    single = let(F.element_at(messages, 1), lambda u: let(_trees(u), lambda t: _context(t, seed)))
+    several = F.lit(
+        "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
     )
-    return F.when(units.isNotNull(), F.when(F.size(messages) == 1, single).otherwise(several))
+    return F.when(units.isNotNull(), F.when(F.size(messages) == 1, single).otherwise(_refused(several)))
+
+
+def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, Column]:
+    """Step 2: the Bundle's entries under one destination's ``options``, named as :data:`ENTRY_PARTS`."""
+    maps = _Maps(options)
+    kind, event, pid = ctx["kind"], ctx["event"], ctx["pid"]
+    adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
+    subject = F.when(pid.isNotNull(), F.struct(_uuid(seed, F.lit("Patient")).alias("reference")))
+    m = ctx
+    return {
+        "patient": F.when(pid.isNotNull(), _patient_entry(pid, _uuid(seed, F.lit("Patient")), maps)),
+        "encounter": F.when(adt & m["pv1"].isNotNull(), _encounter_entry(m, seed, subject, maps)),
+        "reports": F.when(oru, F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, subject, maps))),
+        "observations": F.when(
+            oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, seed, subject, maps))
+        ),
+        "orders": F.when(orm, F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, subject, maps))),
+    }
+
+
+def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
+    """Step 3: (the Bundle's JSON, NULL when refused; the refusal's reason, NULL when mapped)."""
+    bundle = F.concat(
+        F.lit('{"resourceType":"Bundle","type":"transaction","entry":['),
+        F.concat_ws(",", *entries),
+        F.lit("]}"),
+    )
+    return F.when(ctx.isNotNull() & ctx["error"].isNull(), bundle), ctx["error"]
 
 
 class _Maps:
@@ -186,19 +213,67 @@ def _text(rep: Column) -> Column:
 # --- the Bundle --------------------------------------------------------------------------------
 
 
-def _bundle(t: Column, seed: Column, maps: _Maps) -> Column:
-    """Entries for one message's segment trees ``t``, or the reason there are none."""
+def _is_adt(kind: Column, event: Column) -> Column:
+    return (kind == "ADT") & event.isin(*_ADT_EVENTS)
+
+
+def _is_oru(kind: Column, event: Column) -> Column:
+    return (kind == "ORU") & (event == "R01")
+
+
+def _is_orm(kind: Column, event: Column) -> Column:
+    return (kind == "ORM") & (event == "O01")
+
+
+_TREE = "array<array<array<array<string>>>>"
+_PLACED = f"array<struct<seg:{_TREE},pos:int>>"
+_CONTEXT_FIELDS = (
+    ("kind", "string"),
+    ("event", "string"),
+    ("pid", _TREE),
+    ("pv1", _TREE),
+    ("obr", _PLACED),
+    ("obx", _PLACED),
+    ("orc", _PLACED),
+    ("sender", "string"),
+    ("error", "string"),
+)
+_CONTEXT = "struct<" + ",".join(f"{name}:{kind}" for name, kind in _CONTEXT_FIELDS) + ">"
+
+
+def _refused(reason: Column) -> Column:
+    """A context with only the reason the message cannot be mapped."""
+    return F.struct(
+        *(F.lit(None).cast(kind).alias(name) for name, kind in _CONTEXT_FIELDS if name != "error"),
+        reason.alias("error"),
+    )
+
+
+def _context(t: Column, seed: Column) -> Column:
+    """The trees ``t`` of one message grouped for the mapping (see :func:`fhir_context`)."""
     msh = F.try_element_at(F.filter(t, lambda s: _is(s, "MSH")), F.lit(1))
     kind, event = _value(msh, "MSH", 9, 1), _value(msh, "MSH", 9, 2)
     positioned = F.transform(t, lambda s, i: F.struct(s.alias("seg"), i.alias("pos")))
     pid = F.try_element_at(F.filter(t, lambda s: _is(s, "PID")), F.lit(1))
     pv1 = F.try_element_at(F.filter(t, lambda s: _is(s, "PV1")), F.lit(1))
-    context = F.struct(
+    obr = F.filter(positioned, lambda p: _is(p["seg"], "OBR"))
+    adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
+    message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
+    error = (
+        F.when(
+            ~F.coalesce(adt | oru | orm, F.lit(False)),
+            F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
+        )
+        .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
+        .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
+        .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
+    )
+    return F.struct(
         kind.alias("kind"),
         event.alias("event"),
         pid.alias("pid"),
         pv1.alias("pv1"),
-        F.filter(positioned, lambda p: _is(p["seg"], "OBR")).alias("obr"),
+        obr.alias("obr"),
         F.filter(positioned, lambda p: _is(p["seg"], "OBX")).alias("obx"),
         F.filter(positioned, lambda p: _is(p["seg"], "ORC")).alias("orc"),
         # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
@@ -208,40 +283,8 @@ def _bundle(t: Column, seed: Column, maps: _Maps) -> Column:
             F.coalesce(_value(msh, "MSH", 4), F.lit("")),
             F.coalesce(_value(msh, "MSH", 10), seed),
         ).alias("sender"),
-    )
-    return let(context, lambda m: _entries(m, seed, maps))
-
-
-def _entries(m: Column, seed: Column, maps: _Maps) -> Column:
-    kind, event, pid = m["kind"], m["event"], m["pid"]
-    adt = (kind == "ADT") & event.isin(*_ADT_EVENTS)
-    oru = (kind == "ORU") & (event == "R01")
-    orm = (kind == "ORM") & (event == "O01")
-    patient_url = _uuid(seed, F.lit("Patient"))
-    subject = F.when(pid.isNotNull(), F.struct(patient_url.alias("reference")))
-
-    patient = F.when(pid.isNotNull(), _patient_entry(pid, patient_url, maps))
-    encounter = F.when(adt & m["pv1"].isNotNull(), _encounter_entry(m, seed, subject, maps))
-    reports = F.when(oru, F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, subject, maps)))
-    observations = F.when(oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, seed, subject, maps)))
-    orders = F.when(orm, F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, subject, maps)))
-
-    bundle = F.concat(
-        F.lit('{"resourceType":"Bundle","type":"transaction","entry":['),
-        F.concat_ws(",", patient, encounter, reports, observations, orders),
-        F.lit("]}"),
-    )
-    message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
-    error = (
-        F.when(
-            ~(adt | oru | orm),
-            F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
-        )
-        .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
-        .when(orm & (F.size(m["obr"]) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
-        .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
-    )
-    return F.struct(F.when(error.isNull(), bundle).alias("bundle"), error.alias("error"))
+        error.alias("error"),
+    ).cast(_CONTEXT)
 
 
 def _entry(full_url: Column, resource_json: Column, request: Column) -> Column:
@@ -254,6 +297,18 @@ def _entry(full_url: Column, resource_json: Column, request: Column) -> Column:
         F.lit(',"request":'),
         F.to_json(request),
         F.lit("}"),
+    )
+
+
+def _keyed_entry(url: Column, resource_type: str, identifiers: Column, *fields: Column) -> Column:
+    """An entry written conditionally on its identifiers (bound once: the resource and its request read them)."""
+    return let(
+        identifiers,
+        lambda ids: _entry(
+            url,
+            _resource(resource_type, ids.alias("identifier"), *fields),
+            _conditional(resource_type, F.coalesce(ids, F.array().cast(_IDENTIFIERS))),
+        ),
     )
 
 
@@ -333,28 +388,22 @@ def _resource(name: str, *fields: Column) -> Column:
 
 def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
     identifiers = F.transform(_field(pid, "PID", 3), lambda r: _identifier(r, maps))
-    return let(
+    return _keyed_entry(
+        url,
+        "Patient",
         _nonempty(identifiers),
-        lambda ids: _entry(
-            url,
-            _resource(
-                "Patient",
-                ids.alias("identifier"),
-                _nonempty(F.transform(_field(pid, "PID", 5), _human_name)).alias("name"),
-                _nonempty(
-                    F.concat(
-                        F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
-                        F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
-                    )
-                ).alias("telecom"),
-                _lookup(maps.gender, _value(pid, "PID", 8)).alias("gender"),
-                _date(_value(pid, "PID", 7)).alias("birthDate"),
-                _datetime(_value(pid, "PID", 29), maps).alias("deceasedDateTime"),
-                F.when(_value(pid, "PID", 29).isNull(), _yes_no(_value(pid, "PID", 30))).alias("deceasedBoolean"),
-                _nonempty(F.transform(_field(pid, "PID", 11), _address)).alias("address"),
-            ),
-            _conditional("Patient", F.coalesce(ids, F.array().cast(_IDENTIFIERS))),
-        ),
+        _nonempty(F.transform(_field(pid, "PID", 5), _human_name)).alias("name"),
+        _nonempty(
+            F.concat(
+                F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
+                F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
+            )
+        ).alias("telecom"),
+        _lookup(maps.gender, _value(pid, "PID", 8)).alias("gender"),
+        _date(_value(pid, "PID", 7)).alias("birthDate"),
+        _datetime(_value(pid, "PID", 29), maps).alias("deceasedDateTime"),
+        F.when(_value(pid, "PID", 29).isNull(), _yes_no(_value(pid, "PID", 30))).alias("deceasedBoolean"),
+        _nonempty(F.transform(_field(pid, "PID", 11), _address)).alias("address"),
     )
 
 
@@ -433,22 +482,14 @@ def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> C
     identifiers = F.array_compact(
         F.array(_identifier(F.try_element_at(_field(pv1, "PV1", 19), F.lit(1)), maps), _stageline_identifier(m, "PV1"))
     )
-    return let(
+    return _keyed_entry(
+        _uuid(seed, F.lit("Encounter")),
+        "Encounter",
         identifiers,
-        lambda ids: _entry(
-            _uuid(seed, F.lit("Encounter")),
-            _resource(
-                "Encounter",
-                ids.alias("identifier"),
-                F.when(end.isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
-                klass.alias("class"),
-                subject.alias("subject"),
-                F.when(start.isNotNull() | end.isNotNull(), F.struct(start.alias("start"), end.alias("end"))).alias(
-                    "period"
-                ),
-            ),
-            _conditional("Encounter", ids),
-        ),
+        F.when(end.isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
+        klass.alias("class"),
+        subject.alias("subject"),
+        F.when(start.isNotNull() | end.isNotNull(), F.struct(start.alias("start"), end.alias("end"))).alias("period"),
     )
 
 
@@ -482,21 +523,15 @@ def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column
     identifiers = F.array_compact(
         F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(m, "OBR", number))
     )
-    return let(
+    return _keyed_entry(
+        _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
+        "DiagnosticReport",
         identifiers,
-        lambda ids: _entry(
-            _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
-            _resource(
-                "DiagnosticReport",
-                ids.alias("identifier"),
-                F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25)), F.lit("unknown")).alias("status"),
-                _required(_codeable(_field(obr, "OBR", 4), maps)).alias("code"),
-                subject.alias("subject"),
-                _datetime(_value(obr, "OBR", 7), maps).alias("effectiveDateTime"),
-                F.when(F.size(results) > 0, results).alias("result"),
-            ),
-            _conditional("DiagnosticReport", ids),
-        ),
+        F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25)), F.lit("unknown")).alias("status"),
+        _required(_codeable(_field(obr, "OBR", 4), maps)).alias("code"),
+        subject.alias("subject"),
+        _datetime(_value(obr, "OBR", 7), maps).alias("effectiveDateTime"),
+        F.when(F.size(results) > 0, results).alias("result"),
     )
 
 
@@ -609,24 +644,16 @@ def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column,
     filler = F.coalesce(_order_identifier(obr, "OBR", 3, "FILL", maps), _order_identifier(orc, "ORC", 3, "FILL", maps))
     priority = F.coalesce(_value(orc, "ORC", 7, 6), _value(obr, "OBR", 27, 6))
     identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(m, "ORD", number)))
-    return let(
+    return _keyed_entry(
+        _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
+        "ServiceRequest",
         identifiers,
-        lambda ids: _entry(
-            _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
-            _resource(
-                "ServiceRequest",
-                ids.alias("identifier"),
-                status.alias("status"),
-                F.lit("order").alias("intent"),
-                _lookup(_PRIORITY, priority).alias("priority"),
-                _codeable(_field(obr, "OBR", 4), maps).alias("code"),
-                subject.alias("subject"),
-                F.coalesce(_datetime(_value(orc, "ORC", 9), maps), _datetime(_value(obr, "OBR", 6), maps)).alias(
-                    "authoredOn"
-                ),
-            ),
-            _conditional("ServiceRequest", ids),
-        ),
+        status.alias("status"),
+        F.lit("order").alias("intent"),
+        _lookup(_PRIORITY, priority).alias("priority"),
+        _codeable(_field(obr, "OBR", 4), maps).alias("code"),
+        subject.alias("subject"),
+        F.coalesce(_datetime(_value(orc, "ORC", 9), maps), _datetime(_value(obr, "OBR", 6), maps)).alias("authoredOn"),
     )
 
 

@@ -79,7 +79,7 @@ from include.transforms_config import (
     parse_transforms,
 )
 from spark_jobs.condition_columns import compile_condition
-from spark_jobs.hl7_fhir import render_fhir
+from spark_jobs.hl7_fhir import ENTRY_PARTS, fhir_bundle, fhir_context, fhir_entries
 from spark_jobs.hl7_fields import let, split_regex
 from spark_jobs.hl7_json import render_json
 
@@ -174,14 +174,21 @@ def transform(
             out = F.when(cond, rendered) if out is None else out.when(cond, rendered)
     fhir_error: Column | None = None
     if fhir_specs:
-        fhir: Column | None = None
+        # Three projections (hl7_fhir.fhir_context): the context once, each destination's entries, the Bundle.
+        fhir_ctx = F.col(_FHIR)
+        fhir_destinations = [s.destination for s in fhir_specs]
+        frame = frame.withColumn(
+            _FHIR, F.when(destination.isin(fhir_destinations), fhir_context(units, F.col(_FHIR_SEED)))
+        )
+        parts: dict[str, Column] = {}
         for spec in fhir_specs:
             assert spec.fhir is not None  # parse_transforms sets it for this output
-            cond, rendered = destination == F.lit(spec.destination), render_fhir(units, F.col(_FHIR_SEED), spec.fhir)
-            fhir = F.when(cond, rendered) if fhir is None else fhir.when(cond, rendered)
-        frame = frame.withColumn(_FHIR, fhir)  # type: ignore[arg-type]
-        bundle, fhir_error = F.col(_FHIR)["bundle"], F.col(_FHIR)["error"]
-        cond = destination.isin([s.destination for s in fhir_specs])
+            cond = destination == F.lit(spec.destination)
+            for name, entry in fhir_entries(fhir_ctx, F.col(_FHIR_SEED), spec.fhir).items():
+                parts[name] = F.when(cond, entry) if name not in parts else parts[name].when(cond, entry)
+        frame = frame.withColumns({f"{_FHIR}_{name}": parts[name] for name in ENTRY_PARTS})
+        bundle, fhir_error = fhir_bundle(fhir_ctx, [F.col(f"{_FHIR}_{name}") for name in ENTRY_PARTS])
+        cond = destination.isin(fhir_destinations)
         out = F.when(cond, bundle) if out is None else out.when(cond, bundle)
     content_type = F.lit(HL7_CONTENT_TYPE)
     typed = [

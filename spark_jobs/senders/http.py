@@ -1,13 +1,16 @@
 """HTTP sender: one POST per message, `Idempotency-Key: <key>` on every one.
 
 2xx is delivered; 408, 429 and 5xx are retryable, any other status is permanent (the same
-request would get the same answer). Keep-alive connections are reused through
+request would get the same answer). A FHIR server says why in an OperationOutcome: when the
+answer is one, its issues (severity, code, diagnostics or details) are the reason the row keeps
+(retry or dead letter) instead of the first bytes of the body. Keep-alive connections are reused through
 `spark_jobs.senders.pool` when the response was read to its end.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import ssl
 from urllib.parse import urlsplit
 
@@ -86,5 +89,36 @@ def _http_connect(dest: HttpDestination) -> http.client.HTTPConnection:
 
 
 def _body_excerpt(body: bytes) -> str:
-    text = printable(body[:200].decode("utf-8", errors="replace"))
+    outcome = operation_outcome(body)
+    text = outcome if outcome is not None else printable(body[:200].decode("utf-8", errors="replace"))
     return f": {text}" if text else ""
+
+
+MAX_OUTCOME_ISSUES = 5
+
+
+def operation_outcome(body: bytes) -> str | None:
+    """A FHIR OperationOutcome's issues as one line (``OperationOutcome: error invalid: <why>; ...``),
+    or None when the body is not one. Only the read excerpt is parsed (a body cut short is not an
+    OperationOutcome); anything of the wrong shape is skipped, never trusted."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("resourceType") != "OperationOutcome":
+        return None
+    issues = doc.get("issue")
+    said = []
+    for issue in issues[:MAX_OUTCOME_ISSUES] if isinstance(issues, list) else []:
+        if not isinstance(issue, dict):
+            continue
+        details = issue.get("details")
+        why = issue.get("diagnostics")
+        if not isinstance(why, str) and isinstance(details, dict):
+            why = details.get("text")
+            codings = details.get("coding")
+            if not isinstance(why, str) and isinstance(codings, list) and codings and isinstance(codings[0], dict):
+                why = codings[0].get("display") or codings[0].get("code")
+        head = " ".join(str(issue.get(k)) for k in ("severity", "code") if isinstance(issue.get(k), str))
+        said.append(": ".join(x for x in (head, why if isinstance(why, str) else "") if x))
+    return printable("OperationOutcome: " + ("; ".join(said) or "no issues given"))

@@ -70,7 +70,7 @@ def spec(*rules: Any, **extra: Any) -> list[dict[str, Any]]:
         ({"destination": "ehr"}, "transform: must be an array of tables ([[transform]]), got a table"),
         ([{"rules": []}], "transform[0].destination: Field required"),
         (spec(flavour="x"), "transform[0].flavour: unknown setting"),
-        (spec(output="xml"), "transform[0].output: Input should be 'hl7' or 'json'"),
+        (spec(output="xml"), "transform[0].output: Input should be 'hl7', 'json' or 'fhir-r4'"),
         ([{"destination": "ehr", "rules": "set"}], "transform[0].rules: Input should be a valid list"),
         (spec() + spec(), "transform[1].destination: duplicate transform for destination 'ehr'"),
         (spec({"frobnicate": "PID-3"}), "transform[0].rules[0]: expected exactly one operation"),

@@ -150,8 +150,14 @@ class HttpReceiver:
     A status of None holds the request until `stop()` (a receiver that never answers).
     """
 
-    def __init__(self, status: Callable[[str | None], int | None] = lambda key: 200) -> None:
+    def __init__(
+        self,
+        status: Callable[[str | None], int | None] = lambda key: 200,
+        *,
+        reply: Callable[[HttpRequest], tuple[int, str, bytes]] | None = None,
+    ) -> None:
         self.status = status
+        self.reply = reply  # a server with answers of its own: (status, content type, body) per request
         self.requests: list[HttpRequest] = []
         self._release = threading.Event()
         receiver = self
@@ -162,17 +168,19 @@ class HttpReceiver:
             def do_POST(self) -> None:  # the http.server API
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 key = self.headers.get("Idempotency-Key")
-                receiver.requests.append(
-                    HttpRequest(self.path, key, self.headers.get("Content-Type"), body, self.client_address)
-                )
-                code = receiver.status(key)
-                if code is None:
+                request = HttpRequest(self.path, key, self.headers.get("Content-Type"), body, self.client_address)
+                receiver.requests.append(request)
+                code = receiver.status(key) if receiver.reply is None else None
+                if receiver.reply is not None:
+                    code, content_type, reply = receiver.reply(request)
+                elif code is None:
                     receiver._release.wait(30)
                     self.close_connection = True
                     return
-                reply = f"status {code}".encode()
+                else:
+                    content_type, reply = "text/plain", f"status {code}".encode()
                 self.send_response(code)
-                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)

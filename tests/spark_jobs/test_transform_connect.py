@@ -3,7 +3,7 @@
 Spark Connect refuses expressions nested deeper than its plan's protobuf limit; a rule's
 expression nests per path level and per rule kind (the deepest: a `map` into a subcomponent that
 dead-letters a miss), and the classic session the other tests share has no such limit. So the
-deepest rules, every other kind and JSON output run here once through a real Connect server (the
+deepest rules, every other kind, JSON and FHIR output run here once through a real Connect server (the
 client in a child process: a Connect session switches pyspark's functions process-wide) and their
 output must equal the classic session's, byte for byte.
 """
@@ -35,11 +35,13 @@ SPECS = [
     {"destination": "ehr", "rules": EHR_RULES + DEEP_RULES[1:]},
     {"destination": "deep", "rules": DEEP_RULES},
     {"destination": "lake", "output": "json", "rules": [{"drop_segment": "ZPI"}, *DEEP_RULES[1:]]},
+    # The FHIR mapping (issue 27) nests deepest of all outputs: a resource's structs inside lambdas.
+    {"destination": "fhir", "output": "fhir-r4", "rules": DEEP_RULES[1:]},
 ]
 ROWS = [
     (i, destination, payload)
     for i, payload in enumerate((ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7), start=1)
-    for destination in ("ehr", "deep", "lake", "archive")
+    for destination in ("ehr", "deep", "lake", "fhir", "archive")
 ]
 
 CHILD = textwrap.dedent("""
@@ -64,6 +66,7 @@ def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkS
     assert len(classic) == len(ROWS)
     assert any(p is None for i, d, _, p in classic if d == "deep" and i != 6)  # a miss dead-lettered
     assert any(p is not None and d == "lake" and p.startswith("{") for _, d, _, p in classic)
+    assert any(p is not None and d == "fhir" and p.startswith('{"resourceType":"Bundle"') for _, d, _, p in classic)
     server = start_connect_server(
         free_port(),
         log_dir=tmp_path,

@@ -1,0 +1,269 @@
+"""`output = "fhir-r4"`: HL7 v2 → FHIR R4 transaction Bundles with real Spark, each validated.
+
+Golden files per message type (tests/spark_jobs/golden/fhir_*.json, the samples of hl7_samples.py);
+every ADT/ORU/ORM of the test corpora and of the benchmark's generator converts, validates with
+`fhir.resources` (R4B models: the R4 ones need pydantic 1, docs/rules.md) and keeps FHIR's JSON
+rules (no empty arrays, objects or strings; every reference resolves inside the Bundle); what the
+mapping cannot take is refused with its reason and no Bundle.
+Regenerate the golden files after a deliberate mapping change: ``STAGELINE_GOLDEN=write pytest ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fhir.resources.R4B.bundle import Bundle
+from pyspark.sql import SparkSession
+
+from bench.hl7_corpus import messages
+from include.fhir_options import FHIR_CONTENT_TYPE
+from include.transforms_config import TransformConfigError, parse_transforms
+from spark_jobs.transform_rules import transform
+from tests.spark_jobs.hl7_samples import ADT_A01, CORPUS, NO_SUBCOMPONENT, ORM_O01, ORU_R01
+
+GOLDEN = Path(__file__).parent / "golden"
+SYSTEMS = {"GOOD HEALTH HOSPITAL": "urn:oid:2.16.840.1.113883.19.5", "LAB": "urn:oid:2.16.840.1.113883.19.6"}
+SPEC = {
+    "destination": "fhir",
+    "output": "fhir-r4",
+    "fhir": {"identifier_systems": {**SYSTEMS, "HOSP": "urn:oid:2.16.840.1.113883.19.7"}, "timezone": "+01:00"},
+}
+ROUTED = "id long, destination string, payload string, message_id string"
+
+
+RULED = {
+    **SPEC,
+    "destination": "ruled",
+    "rules": [{"set": "PID-8", "value": "F"}, {"set": "PID-3[1].4", "value": "LAB"}],
+}
+
+
+def check_bundle(text: str) -> dict[str, Any]:
+    """Valid R4(B), FHIR's JSON rules kept, every reference resolving to an entry of the Bundle."""
+    Bundle.model_validate_json(text)
+    doc = json.loads(text)
+    assert doc["resourceType"] == "Bundle" and doc["type"] == "transaction"
+
+    def walk(x: Any, where: str) -> None:
+        assert x not in ([], {}, "", None), f"empty value at {where}"
+        if isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{where}.{k}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{where}[{i}]")
+
+    walk(doc, "Bundle")
+    urls = [e["fullUrl"] for e in doc["entry"]]
+    assert len(set(urls)) == len(urls)
+    for ref in re.findall(r'"reference":"([^"]*)"', text):
+        assert ref in urls, f"reference {ref} does not resolve inside the Bundle"
+    for e in doc["entry"]:
+        assert e["request"]["method"] in ("PUT", "POST")
+        if e["request"]["method"] == "PUT":
+            assert e["request"]["url"].startswith(e["resource"]["resourceType"] + "?identifier=")
+    return doc
+
+
+GOLDEN_SAMPLES = {"adt_a01": ADT_A01, "oru_r01": ORU_R01, "orm_o01": ORM_O01}
+CORPUS_ROWS = {i: p for i, p in CORPUS.items() if p and p.startswith("MSH")}
+CORPUS_ROWS.update({100 + i: p for i, p in enumerate(messages(600, seed=27))})
+DATATYPES_ADT = (
+    "MSH|^~\\&|ADT1|GOOD HEALTH HOSPITAL|EHR|CITY|20240101120000+0200||ADT^A04|C1|P|2.5.1\r"
+    "PID|1||X1^^^GOOD HEALTH HOSPITAL^MR~X2^^^UNKNOWN^PI||O\\T\\BRIEN^MARY^J^^DR^^L||197402|F|||"
+    "1 A ST^APT 2^TOWN^ST^12345^USA^H||^PRN^PH^^^555^1234567~^NET^Internet^mary@example.org|^WPN^CP^^^^7654321"
+    "|||||||||||||||20240101103000.5-0500|Y\r"
+    "PV1|1|E|||||||||||||||||V9^^^GOOD HEALTH HOSPITAL^VN|||||||||||||||||||||||||202401011030|20240102\r"
+)
+DATATYPES_ORU = (
+    "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240102083000||ORU^R01|C2|P|2.5.1\r"
+    "PID|1||555^^^LAB^MR||PATIENT^PAT\r"
+    "OBR|1|P1^LAB|F1^LAB|24331-1^Lipid panel^LN|||20240102083000||||||||||||||||||C\r"
+    "OBX|1|NM|2093-3^Cholesterol^LN||+007.20|mg/dL^milligram per deciliter^UCUM|<200|H|||C\r"
+    "OBX|2|SN|718-7^Hemoglobin^LN||<=^12.5|g/dL|||||F\r"
+    "OBX|3|CWE|882-1^ABO+Rh^LN||A+^A positive^L|||||||F\r"
+    "OBX|4|DTM|GEST^Date^L||20240101||||||F\r"
+    "OBX|5|TX|NOTE^Note^L||line one~line two||||||F\r"
+    "OBX|6|NM|BAD^Bad^L||not a number||||||Q\r"
+    "OBR|2|P2|F2|58410-2^CBC panel^LN\r"
+    "OBX|1|ST|X^Y^L||second panel\r"
+)
+REFUSED = {
+    1: ADT_A01.replace("ADT^A01^ADT_A01", "SIU^S12"),
+    2: "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240103||ORM^O01|C3|P|2.3\rORC|NW|1\rOBR|1|1||X^Y^L\r",
+    3: "FHS|^~\\&\rBHS|^~\\&\r" + ADT_A01 + ORM_O01.replace("\n", "\r") + "BTS|2\rFTS|1\r",
+    4: "not HL7",
+    5: ADT_A01.replace("ADT^A01", "ADT^A03"),
+}
+
+
+@pytest.fixture(scope="module")
+def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
+    """Every row these tests look at, through one transform (a plan's analysis is most of a run)."""
+    rows: list[tuple[str, Any, str | None]] = [("golden", k, p) for k, p in GOLDEN_SAMPLES.items()]
+    rows += [("corpus", k, p) for k, p in CORPUS_ROWS.items()]
+    rows += [("types", "adt", DATATYPES_ADT), ("types", "oru", DATATYPES_ORU)]
+    rows += [("again", "first", ORU_R01), ("again", "other", ORU_R01)]
+    rows += [("refused", k, p) for k, p in REFUSED.items()]
+    rows += [("ruled", "a04", NO_SUBCOMPONENT)]
+    keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
+    frame = spark.createDataFrame(
+        [
+            (n, "ruled" if group == "ruled" else "fhir", p, "m1" if (group, key) == ("again", "first") else f"m{n}")
+            for n, (group, key, p) in enumerate(rows)
+        ],
+        ROUTED,
+    )
+    # The "again/first" row shares its message id with golden oru_r01's run below: same message, run twice.
+    got = transform(frame, [SPEC, RULED], message_id_col="message_id").collect()
+    return {keys[r["id"]]: (r["content_type"], r["payload"]) for r in got}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_SAMPLES))
+def test_each_message_type_gives_its_golden_bundle(out: dict[Any, Any], name: str) -> None:
+    content_type, text = out[("golden", name)]
+    assert content_type == FHIR_CONTENT_TYPE
+    got = check_bundle(text)
+    path = GOLDEN / f"fhir_{name}.json"
+    if os.environ.get("STAGELINE_GOLDEN") == "write":
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(path.read_text())
+
+
+def test_every_adt_oru_orm_of_the_corpora_converts_and_validates(out: dict[Any, Any]) -> None:
+    kinds = {"ADT": 0, "ORU": 0, "ORM": 0}
+    for i, payload in CORPUS_ROWS.items():
+        content_type, text = out[("corpus", i)]
+        assert content_type == FHIR_CONTENT_TYPE and text is not None, (i, content_type)
+        doc = check_bundle(text)
+        types = [e["resource"]["resourceType"] for e in doc["entry"]]
+        kind = re.search(r"[|#*](ADT|ORU|ORM)[\^*$]", payload)
+        assert kind is not None
+        kinds[kind.group(1)] += 1
+        obx = len(re.findall(r"[\r\n]OBX", payload))
+        obr = len(re.findall(r"[\r\n]OBR", payload))
+        assert types[0] == "Patient"
+        if kind.group(1) == "ORU":
+            assert types.count("Observation") == obx and types.count("DiagnosticReport") == obr
+        if kind.group(1) == "ORM":
+            assert types.count("ServiceRequest") == obr >= 1
+        if kind.group(1) == "ADT":
+            assert types.count("Encounter") == len(re.findall(r"[\r\n]PV1", payload))
+    assert min(kinds.values()) > 50, kinds
+    assert len(CORPUS_ROWS) == 606
+
+
+def test_data_types_follow_the_v2_to_fhir_mapping(out: dict[Any, Any]) -> None:
+    patient, encounter = (e["resource"] for e in check_bundle(out[("types", "adt")][1])["entry"])
+    assert patient["identifier"][0]["system"] == SYSTEMS["GOOD HEALTH HOSPITAL"]
+    assert "system" not in patient["identifier"][1]  # an authority nobody configured: no guessed URI
+    assert patient["name"] == [{"use": "official", "family": "O&BRIEN", "given": ["MARY", "J"], "prefix": ["DR"]}]
+    assert patient["gender"] == "female" and patient["birthDate"] == "1974-02"
+    assert patient["address"] == [
+        {
+            "use": "home",
+            "line": ["1 A ST", "APT 2"],
+            "city": "TOWN",
+            "state": "ST",
+            "postalCode": "12345",
+            "country": "USA",
+        }
+    ]
+    assert patient["telecom"] == [
+        {"system": "phone", "value": "555 1234567", "use": "home"},
+        {"system": "email", "value": "mary@example.org", "use": "home"},
+        {"system": "phone", "value": "7654321", "use": "mobile"},
+    ]
+    assert patient["deceasedDateTime"] == "2024-01-01T10:30:00.5-05:00"
+    assert encounter["class"]["code"] == "EMER" and encounter["status"] == "finished"
+    assert encounter["period"] == {"start": "2024-01-01T10:30:00+01:00", "end": "2024-01-02"}
+    assert encounter["identifier"][0]["value"] == "V9"
+
+    entries = [e["resource"] for e in check_bundle(out[("types", "oru")][1])["entry"]]
+    reports = [r for r in entries if r["resourceType"] == "DiagnosticReport"]
+    obs = [r for r in entries if r["resourceType"] == "Observation"]
+    assert [r["status"] for r in reports] == ["corrected", "unknown"]
+    assert reports[0]["effectiveDateTime"] == "2024-01-02T08:30:00+01:00"
+    assert [len(r["result"]) for r in reports] == [6, 1]
+    assert obs[0]["valueQuantity"] == {
+        "value": 7.2,
+        "unit": "milligram per deciliter",
+        "system": "http://unitsofmeasure.org",
+        "code": "mg/dL",
+    }
+    assert '"value":7.20,' in out[("types", "oru")][1]  # the number's own text: FHIR decimals keep their precision
+    assert obs[0]["status"] == "corrected" and obs[0]["interpretation"][0]["coding"][0]["code"] == "H"
+    assert obs[1]["valueQuantity"] == {"value": 12.5, "comparator": "<=", "unit": "g/dL"}
+    assert obs[2]["valueCodeableConcept"] == {"coding": [{"code": "A+", "display": "A positive"}]}
+    assert obs[3]["valueDateTime"] == "2024-01-01"
+    assert obs[4]["valueString"] == "line one\nline two"
+    assert obs[5]["valueString"] == "not a number" and obs[5]["status"] == "unknown"
+    assert obs[6]["valueString"] == "second panel"
+
+
+def test_a_redelivery_is_the_same_bundle_with_conditional_writes(spark: SparkSession, out: dict[Any, Any]) -> None:
+    first = out[("again", "first")][1]
+    rerun = transform(
+        spark.createDataFrame([(1, "fhir", ORU_R01, "m1")], ROUTED), [SPEC], message_id_col="message_id"
+    ).collect()[0]["payload"]
+    assert first == rerun  # the transform run again (a crash, a reclaim): the same bytes
+    requests = [e["request"] for e in json.loads(first)["entry"]]
+    assert requests[0] == {
+        "method": "PUT",
+        "url": "Patient?identifier=urn%3Aoid%3A2.16.840.1.113883.19.6|555",
+    }
+    assert all(r["method"] == "PUT" for r in requests)
+    # Another message id: other fullUrls, the same identifiers (the server updates, never duplicates).
+    other = json.loads(out[("again", "other")][1])
+    assert [e["fullUrl"] for e in other["entry"]] != [e["fullUrl"] for e in json.loads(first)["entry"]]
+    assert [e["request"] for e in other["entry"]] == requests
+
+
+def test_what_the_mapping_cannot_take_is_refused_with_its_reason(out: dict[Any, Any]) -> None:
+    refused = {k: out[("refused", k)] for k in REFUSED}
+    assert refused[1] == ("fhir-r4: no FHIR mapping for message type SIU^S12", None)
+    assert refused[2] == ("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject", None)
+    assert refused[3][1] is None and refused[3][0].startswith("fhir-r4: a batch of several messages")
+    assert refused[4][1] is None  # not HL7: the finalize dead-letters it like any unreadable payload
+    assert refused[5] == ("fhir-r4: no FHIR mapping for message type ADT^A03", None)
+
+
+def test_rules_run_before_the_mapping(out: dict[Any, Any]) -> None:
+    doc = check_bundle(out[("ruled", "a04")][1])
+    patient = doc["entry"][0]["resource"]
+    assert patient["gender"] == "female"
+    assert patient["identifier"][0] == {"system": SYSTEMS["LAB"], "value": "42"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ({"destination": "x", "fhir": {}}, "transform[0]: 'fhir' settings go with output = 'fhir-r4'"),
+        (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"timezone": "CET"}},
+            "transform[0].fhir.timezone: must be 'Z' or an offset such as '+01:00', got 'CET'",
+        ),
+        (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"code_systems": {"LN": "loinc"}}},
+            "transform[0].fhir.code_systems.LN: must be an absolute URI",
+        ),
+        (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"gender": {"M": "man"}}},
+            "transform[0].fhir.gender.M: Input should be 'male', 'female', 'other' or 'unknown'",
+        ),
+        (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"systems": {}}},
+            "transform[0].fhir.systems: unknown setting",
+        ),
+        ({"destination": "x", "output": "fhir"}, "transform[0].output: Input should be 'hl7', 'json' or 'fhir-r4'"),
+    ],
+)
+def test_fhir_settings_are_checked_at_config_load(spec: dict[str, Any], error: str) -> None:
+    with pytest.raises(TransformConfigError) as caught:
+        parse_transforms([spec])
+    assert error in str(caught.value)
