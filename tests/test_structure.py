@@ -45,6 +45,7 @@ CONFIG_MODULES = (
     "include.destinations_config",
     "include.transforms_config",
     "include.stage_config",
+    "include.fhir_options",
     "include.keys_config",
     "include.charsets",
     "include.cidrs",
