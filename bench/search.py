@@ -142,7 +142,7 @@ def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
     from functools import partial
 
     from bench.hl7_corpus import messages as corpus
-    from bench.pipeline import ROUTES, Phases, drain, stage_backlog
+    from bench.pipeline import ROUTES, Phases, stage_backlog
     from include.app.lab.postgres_server import free_port
     from include.routes_config import parse_routes
     from include.spark import close_session, spark_session, start_connect_server, stop_connect_server
@@ -161,8 +161,11 @@ def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
         return frame.transform(partial(routed_rows, routes=routes), run_id=run)
 
     try:
-        stage_backlog(store, corpus(2_000, seed=5), epoch)  # warm the server
-        drain(store, spark, epoch, 20_000, Phases(), ROUTE, transform)
+        warm, warming = Phases(), partial(indexer.submit, K.index, store, RULES)
+        for _ in range(2):  # warm the servers and the indexer's connection: the first runs are slower
+            stage_backlog(store, corpus(10_000, seed=5), epoch)
+            while drain_one(store, spark, epoch, warm, ROUTE, transform, alongside=warming):
+                pass
         rates: dict[str, list[float]] = {"without keys": [], "with keys": []}
         for turn in range(2 * rounds):
             label = "with keys" if turn % 2 else "without keys"
