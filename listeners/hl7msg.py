@@ -326,8 +326,10 @@ def _ascii_header(raw_fields: list[bytes], fs: str, encoding_characters: str) ->
 
 
 def _ascii_control_id(raw_fields: list[bytes]) -> str:
-    """MSH-10 from the byte-level split, if it is printable ASCII (then no charset can change it)."""
-    if len(raw_fields) <= 9:
+    """MSH-10 from the byte-level split, if it and every field before it are ASCII (a double-byte
+    character's trail byte may equal the separator and move the fields after it) and it is
+    printable."""
+    if len(raw_fields) <= 9 or not all(f.isascii() for f in raw_fields[:9]):
         return ""
     raw = raw_fields[9]
     if not raw or not all(0x20 <= b < 0x7F for b in raw) or len(raw) > 199:

@@ -281,3 +281,44 @@ def test_an_msh_15_outside_table_0155_is_refused_naming_the_message(msh15: str) 
     assert info.value.reason is HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE
     assert info.value.control_id == "MSG00001"
     assert (info.value.condition.code, info.value.condition.location.text()) == ("103", "MSH^1^15")
+
+
+def refusal_of(data: bytes, **kwargs: object) -> HL7HeaderError:
+    with pytest.raises(HL7HeaderError) as info:
+        parse_header(data, **kwargs)  # type: ignore[arg-type]
+    return info.value
+
+
+def test_a_header_refusal_keeps_what_of_the_header_was_read() -> None:
+    """Once MSH-1/MSH-2 are read, a refusal carries the header so its answer can be addressed back
+    in the sender's mode: MSH-15/16 included, MSH-10 only when it may be echoed."""
+    empty_id = refusal_of(ADT.replace(b"|MSG00001|", b"||"))
+    assert empty_id.header is not None
+    assert (empty_id.header.sending_application, empty_id.header.receiving_application) == ("SENDAPP", "RECVAPP")
+    assert (empty_id.header.version, empty_id.header.ack_types, empty_id.header.encoding) == (
+        "2.5.1",
+        ("AL", "NE"),
+        "utf-8",
+    )
+    too_long = refusal_of(ADT.replace(b"MSG00001", b"X" * 200))
+    assert (
+        too_long.header is not None and too_long.header.control_id == "" and too_long.header.ack_types == ("AL", "NE")
+    )
+    # no MSH-1/MSH-2: nothing of the header can be trusted
+    assert refusal_of(b"PID|1||X\r").header is None
+    assert refusal_of(ADT.replace(b"^~\\&", b"^^\\&", 1)).header is None
+
+
+def test_a_charset_refusal_keeps_only_the_fields_before_the_first_byte_outside_ascii() -> None:
+    """In a double-byte charset a trail byte may equal "|", so a field boundary after the first
+    non-ASCII byte cannot be trusted: those fields (MSH-15 among them) are left empty, and the
+    answer names no charset."""
+    plain = refusal_of(ADT.replace(b"UNICODE UTF-8", b"KLINGON"))
+    assert plain.reason is HeaderErrorReason.UNKNOWN_CHARSET and plain.header is not None
+    assert (plain.header.control_id, plain.header.ack_types, plain.header.charset) == ("MSG00001", ("AL", "NE"), "")
+    assert plain.header.encoding == "ascii"
+    wide = refusal_of(ADT.replace(b"UNICODE UTF-8", b"KLINGON").replace(b"SENDFAC", b"S\xa4|FAC"))
+    assert wide.header is not None
+    assert (wide.header.sending_application, wide.header.sending_facility) == ("SENDAPP", "")
+    assert (wide.header.control_id, wide.header.ack_types) == ("", None)  # original mode: AR
+    assert wide.control_id == ""  # not MSH-9, which the shifted split puts tenth
