@@ -9,6 +9,7 @@ echoes them byte-for-byte.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import functools
 import string
 from dataclasses import dataclass, field
@@ -242,7 +243,9 @@ def parse_header(
             seg = data[start:] if end < 0 else data[start:end]
             if end < 0 and not complete:  # a field cut off by the truncation is not a control id
                 seg = seg[: seg.rfind(fs_byte)]
-            exc.control_id = _ascii_control_id(seg.split(bytes([fs_byte])))
+            raw_fields = seg.split(bytes([fs_byte]))
+            exc.control_id = _ascii_control_id(raw_fields)
+            exc.header = _addressing(raw_fields)
             raise
         if len(_OPENINGS) < _MAX_CACHED:
             _OPENINGS[opening] = enc_chars
@@ -307,6 +310,24 @@ def parse_header(
     return HL7Header.of_fields(
         fields, field_separator=fs, encoding_characters=enc_chars, encoding=codec, text=text if complete else None
     )
+
+
+_DEFAULT_SEPARATORS = frozenset("|^~\\&")
+
+
+def _addressing(raw_fields: list[bytes]) -> HL7Header:
+    """The header a message with unreadable encoding characters (MSH-2) still shows: its sender,
+    receiver, type, MSH-10, processing id and version where they are plain ASCII with none of the
+    default separators the answer must use (they cannot be escaped: their own escape character is
+    what is unknown). Original mode: with MSH-2 in doubt, MSH-15 is not trusted."""
+    fields = ["MSH", "^~\\&"]
+    for raw in raw_fields[2:12]:
+        text = raw.decode("ascii") if raw.isascii() else ""
+        fields.append(text if text.isprintable() and not _DEFAULT_SEPARATORS & set(text) else "")
+    if len(fields) > 9 and len(fields[9]) > MAX_CONTROL_ID_CHARS:
+        fields[9] = ""
+    header = HL7Header.of_fields(fields, field_separator="|", encoding_characters="^~\\&", encoding="ascii")
+    return dataclasses.replace(header, ack_types=None)
 
 
 def _ascii_header(raw_fields: list[bytes], fs: str, encoding_characters: str) -> HL7Header:

@@ -227,6 +227,15 @@ def test_a_header_refusal_is_addressed_back_in_the_senders_version_with_its_cont
     assert segments[2] == b"ERR|MSH^1^18^103&unknown_charset: MSH-18 'KLINGON' unsupported&HL70357"
 
 
+def test_a_bad_msh_2_refusal_is_still_addressed_back_in_the_senders_version(daemon):
+    """MSH-2 unreadable: default separators, but sender and receiver swapped and MSH-12 kept."""
+    (ack,) = exchange(daemon.mllp_port, [mllp(adt("E2", version="2.3").replace("^~\\&", "^^\\&", 1))], expect=1)
+    msh = ack.segment("MSH")
+    assert [str(msh[n]) for n in (3, 4, 5, 6, 12)] == ["STAGELINE", "HOSP", "SENDAPP", "SENDFAC", "2.3"]
+    assert str(ack.segment("MSA")[1]) == "AR" and str(ack.segment("MSA")[2]) == "E2"
+    assert str(ack.segment("ERR")[1]).startswith("MSH^1^2^102&")  # v2.3: ERR-1
+
+
 def test_a_batch_refusal_in_a_body_segment_counts_that_segment_over_the_batch(daemon, store_config):
     """A NUL in the third message's PID-5 is at the batch's third PID: PID^3^5, not PID^1^5."""
     members = [adt("B1"), adt("B2"), adt("B3", name="DO\x00E")]

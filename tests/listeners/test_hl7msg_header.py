@@ -304,9 +304,15 @@ def test_a_header_refusal_keeps_what_of_the_header_was_read() -> None:
     assert (
         too_long.header is not None and too_long.header.control_id == "" and too_long.header.ack_types == ("AL", "NE")
     )
-    # no MSH-1/MSH-2: nothing of the header can be trusted
+    # no MSH-1: nothing of the header can be read
     assert refusal_of(b"PID|1||X\r").header is None
-    assert refusal_of(ADT.replace(b"^~\\&", b"^^\\&", 1)).header is None
+    # a bad MSH-2: the answer's separators are the defaults, and only what needs none of them is
+    # kept (not MSH-9 "ADT^A01^ADT_A01"); MSH-15 is not trusted (original mode)
+    bad_msh2 = refusal_of(ADT.replace(b"^~\\&", b"^^\\&", 1)).header
+    assert bad_msh2 is not None
+    assert (bad_msh2.sending_application, bad_msh2.receiving_facility) == ("SENDAPP", "RECVFAC")
+    assert (bad_msh2.message_type, bad_msh2.control_id, bad_msh2.version) == ("", "MSG00001", "2.5.1")
+    assert (bad_msh2.encoding_characters, bad_msh2.ack_types) == ("^~\\&", None)
 
 
 def test_a_charset_refusal_keeps_only_the_fields_before_the_first_byte_outside_ascii() -> None:
