@@ -13,7 +13,13 @@
               `--pause` s, longer than the lease TTL, then SIGCONT: a stalled VM), bind-conflict
               (another process holds the standby's MLLP port when the leader stops; the leader is
               restarted at once, as systemd would). `--shared-port`: both nodes on one MLLP port
-              (one host, one address), as in issue 24's first run
+              (one host, one address), as in issue 24's first run.
+              `--replicated-store` (issue 28): the store on two PostgreSQL under Patroni, and the
+              faults pg-primary-kill (SIGKILL postmaster + Patroni; the node rejoins after the
+              promotion), pg-primary-stop (SIGSTOP the primary for 20 s), pg-link-cut (the
+              primary–standby link swallows traffic for 20 s), etcd-member-kill (one of three, back
+              after 10 s); "Patroni s" is Patroni's own promotion time (fault → GET /primary 200
+              on the other node), beside the failover of a serving listenerd leader
 
 Each fault: `--before` s of stream, the fault, `--after` s of stream, then the stream pauses and
 the lab drains (≤ `--drain` s) before the next fault. Per fault:
@@ -59,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.referee import Referee  # noqa: E402
 from include.app.lab.postgres_server import wait_for  # noqa: E402
+from include.app.lab.replicated_store import ReplicatedStore  # noqa: E402
 from include.app.lab.two_nodes import Lab, Timings  # noqa: E402
 from tests.support.stream import Sent, Stream, Verdict, judge, percentile  # noqa: E402
 
@@ -89,6 +96,7 @@ class FaultResult:
     p50_s: float | None = None
     p99_s: float | None = None
     out_of_vip_s: float | None = None
+    patroni_s: float | None = None
     examples: dict[str, list[str]] = field(default_factory=dict)
     duplicate_causes: dict[str, int] = field(default_factory=dict)
 
@@ -301,6 +309,94 @@ def _port_taken(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# --- the replicated store's faults (--replicated-store; issue 28) ---------------------------------
+
+PG_HOLD_SECONDS = 20.0  # pg-primary-stop and pg-link-cut: how long the fault lasts
+PATRONI: dict[str, float | None] = {}  # fault name → fault → Patroni's new primary answers GET /primary 200
+
+
+def _store(lab: Lab) -> ReplicatedStore:
+    if not isinstance(lab.pg, ReplicatedStore):
+        raise RuntimeError("a replicated-store fault: run with --replicated-store")
+    return lab.pg
+
+
+def _serving_after(lab: Lab, t0: float, since: float) -> float:
+    """Seconds from t0 until a node serves as leader at or after `since` (the store is back)."""
+    while time.time() < since:
+        time.sleep(0.02)
+    wait_for(lab.leader, timeout=90, interval=0.02, what="a serving leader on the promoted store")
+    return time.time() - t0
+
+
+def _promotion(lab: Lab, act: Callable, *, name: str, hold: float = 0.0, undo: Callable | None = None):
+    """`act(primary)`, then until Patroni promotes the other node; `undo(primary)` after `hold` s
+    (from the fault), then the old primary rejoins. failover = a serving listenerd leader again."""
+    store = _store(lab)
+    primary, standby = store.wait_synchronous()
+    t0 = time.time()
+    act(primary)
+    store.wait_primary(other_than=primary, timeout=90)
+    promoted = time.time()
+    PATRONI[name] = promoted - t0
+    failover = _serving_after(lab, t0, promoted)
+    if hold:
+        time.sleep(max(0.0, t0 + hold - time.time()))
+    (undo or store.restart_node)(primary)
+    try:
+        store.wait_synchronous(timeout=120)
+        back = f"{primary.name} back as the sync standby {time.time() - t0:.0f} s after the fault"
+    except TimeoutError:
+        back = f"{primary.name} NOT back as the sync standby"
+    return t0, failover, f"{standby.name} promoted after {promoted - t0:.1f} s; {back}"
+
+
+def pg_primary_kill(lab: Lab) -> tuple[float, float | None, str]:
+    """SIGKILL the PostgreSQL primary's postmaster and its Patroni (the host is gone); the killed
+    node is started again once the standby is promoted and rejoins (pg_rewind)."""
+    return _promotion(lab, _store(lab).kill_node, name="pg-primary-kill")
+
+
+def pg_primary_stop(lab: Lab) -> tuple[float, float | None, str]:
+    """SIGSTOP the primary's Patroni and every PostgreSQL process for PG_HOLD_SECONDS (a frozen
+    VM: its sockets stay open), then SIGCONT: it finds the leader key gone, demotes and rejoins."""
+    store = _store(lab)
+    return _promotion(lab, store.pause_node, name="pg-primary-stop", hold=PG_HOLD_SECONDS, undo=store.resume_node)
+
+
+def pg_link_cut(lab: Lab) -> tuple[float, float | None, str]:
+    """Cut the replication link to the primary (the standby's stream hangs, silently) for
+    PG_HOLD_SECONDS: commits wait up to wal_sender_timeout, then Patroni drops to one server;
+    restored, the standby catches up and is named again. No promotion."""
+    store = _store(lab)
+    primary, standby = store.wait_synchronous()
+    t0 = time.time()
+    primary.link.cut()
+    single = None
+    while time.time() - t0 < PG_HOLD_SECONDS:
+        if single is None and standby.role() == "replica":  # Patroni no longer names it synchronous
+            single = time.time() - t0
+        time.sleep(0.1)
+    primary.link.restore()
+    store.wait_synchronous(timeout=120)
+    return (
+        t0,
+        None,
+        (f"standby dropped from sync after {_s(single)} s; sync again {time.time() - t0:.0f} s after the cut"),
+    )
+
+
+def etcd_member_kill(lab: Lab) -> tuple[float, float | None, str]:
+    """SIGKILL one of the three etcd members (two keep the quorum); it is started again after 10 s."""
+    store = _store(lab)
+    t0 = time.time()
+    store.kill_etcd_member(0)
+    time.sleep(10)
+    store.restart_etcd_member(0)
+    primary, _ = store.wait_synchronous(timeout=60)
+    return t0, None, f"etcd0 killed, back after 10 s; {primary.name} primary throughout"
+
+
 FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
     "leader-sigkill": leader_sigkill,
     "leader-sigterm": leader_sigterm,
@@ -312,7 +408,12 @@ FAULTS: dict[str, Callable[[Lab], tuple[float, float | None, str]]] = {
     "node-and-scheduler-kill": node_and_scheduler_kill,
     "pause-leader": pause_leader,
     "bind-conflict": bind_conflict,
+    "pg-primary-kill": pg_primary_kill,
+    "pg-primary-stop": pg_primary_stop,
+    "pg-link-cut": pg_link_cut,
+    "etcd-member-kill": etcd_member_kill,
 }
+REPLICATED_FAULTS = ("pg-primary-kill", "pg-primary-stop", "pg-link-cut", "etcd-member-kill")
 DEFAULT_FAULTS = (
     "leader-sigkill",
     "leader-sigterm",
@@ -410,6 +511,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
         spark_workers=args.spark_workers,
         second_spark=args.second_spark,
         shared_mllp_port=args.shared_port,
+        replicated_store=args.replicated_store,
     )
     results: list[FaultResult] = []
     summary: dict = {}
@@ -450,6 +552,7 @@ def one_run(run: int, args: argparse.Namespace, echo: Callable[[str], None]) -> 
             r = FaultResult(
                 run, name, (start, 0.0), t0, failover_s=failover, note=note, out_of_vip_s=OUT_OF_VIP.pop(name, None)
             )
+            r.patroni_s = PATRONI.pop(name, None)
             r.drained_s = drain(lab, stream, timeout=args.drain)
             r.aa_again_s = aa_again(stream, t0, t0 + args.after)
             deliveries = lab.deliveries()
@@ -552,9 +655,9 @@ def _s(value: float | None) -> str:
 
 def table(results: list[FaultResult]) -> str:
     lines = [
-        "| run | fault | failover s | out of VIP s | AA again s | 1st delivery s | every lane s | sent | AA'd | "
-        "lost | dup | inv | p50 s | p99 s | drained s | end state |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | fault | failover s | Patroni s | out of VIP s | AA again s | 1st delivery s | every lane s | sent | "
+        "AA'd | lost | dup | inv | p50 s | p99 s | drained s | end state |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         state = ", ".join(f"{k} {v}" for k, v in sorted(r.end_state.items())) or "clean"
@@ -567,8 +670,8 @@ def table(results: list[FaultResult]) -> str:
         if r.note.startswith("FAULT FAILED"):
             state += f"; {r.note}"
         lines.append(
-            f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.out_of_vip_s)} | {_s(r.aa_again_s)} | "
-            f"{_s(r.first_delivery_s)} | {_s(r.every_lane_s)} | "
+            f"| {r.run} | {r.fault} | {_s(r.failover_s)} | {_s(r.patroni_s)} | {_s(r.out_of_vip_s)} | "
+            f"{_s(r.aa_again_s)} | {_s(r.first_delivery_s)} | {_s(r.every_lane_s)} | "
             f"{r.sent} | {r.acked} | {r.lost} | {r.duplicated} | {r.inversions} | {_s(r.p50_s)} | "
             f"{_s(r.p99_s)} | {_s(r.drained_s) if r.drained_s is not None else 'NOT drained'} | {state} |"
         )
@@ -606,10 +709,18 @@ def main() -> None:
         help="both nodes on one MLLP port (one host, one address): the standby cannot bind while "
         "a frozen leader holds it",
     )
+    ap.add_argument(
+        "--replicated-store",
+        action="store_true",
+        help="the store on two PostgreSQL under Patroni (etcd x3, HAProxy on GET /primary); the default "
+        f"faults become {', '.join(REPLICATED_FAULTS)}",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON ('-': stdout)")
     ap.add_argument("--keep", action="store_true", help="keep the lab's work dir (logs) after each run")
     ap.add_argument("--quiet", action="store_true", help="no lab start-up lines")
     args = ap.parse_args()
+    if args.replicated_store and args.faults == ",".join(DEFAULT_FAULTS):
+        args.faults = ",".join(REPLICATED_FAULTS)
     args.faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     PAUSE_SECONDS = args.pause
     unknown = [f for f in args.faults if f not in FAULTS]

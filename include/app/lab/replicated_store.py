@@ -206,6 +206,11 @@ class ReplicatedStore:
 
         return wait_for(pair, timeout=timeout, interval=0.2, what="a primary with a synchronous standby")
 
+    def processes(self) -> dict[str, int | None]:
+        """PID of every process this runs (None: not running): etcd, Patroni, PostgreSQL, HAProxy."""
+        out = {p.name: p.popen.pid if p.popen and p.popen.poll() is None else None for p in self.stack.procs}
+        return out | {f"postgresql-{n.name}": n.postmaster_pid() for n in self.nodes.values()}
+
     def haproxy_up(self) -> dict[str, str]:
         """HAProxy's view of the store backend: node name → UP / DOWN."""
         return vip_servers(self.stats_port, backend="pg_primary")
@@ -323,6 +328,16 @@ class ReplicatedStore:
         if popen is not None and popen.poll() is None:
             popen.kill()
             popen.wait(10)
+
+    def restart_etcd_member(self, index: int = 0) -> None:
+        """Start a killed member again on its data dir: it rejoins the cluster it was in."""
+        member = self.etcd[index]
+        if member.proc is None or (member.proc.popen is not None and member.proc.popen.poll() is None):
+            return
+        self.stack.procs.remove(member.proc)
+        member.proc = Proc(member.proc.name, member.proc.argv, ready=member.proc.ready)
+        self.stack.start(member.proc)
+        wait_for(member.healthy, timeout=30, interval=0.1, what=f"etcd member {member.name}")
 
     # --- pieces --------------------------------------------------------------------------------
 

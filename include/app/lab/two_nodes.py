@@ -269,8 +269,7 @@ class Lab:
         if self.spark_b is not None:
             out["spark-connect-b"] = self.spark_b.pid if self.spark_b.process.poll() is None else None
         if isinstance(self.pg, ReplicatedStore):
-            for node in self.pg.nodes.values():
-                out |= {f"patroni-{node.name}": node.patroni_pid(), f"postgresql-{node.name}": node.postmaster_pid()}
+            out |= {f"store-{name}": pid for name, pid in self.pg.processes().items()}
         elif self.pg is not None:
             try:
                 out["postgresql"] = int((self.pg.data / "postmaster.pid").read_text().split()[0])
@@ -348,6 +347,7 @@ class Lab:
         started = time.monotonic()
         self.echo(f"lab in {self.dir}")
         if self.replicated_store:
+            self.dir.chmod(0o711)  # PostgreSQL and Patroni run as `postgres` under it: traverse, not list
             self.pg = ReplicatedStore(
                 etcd_members=3,
                 databases=("stageline", "airflow"),
