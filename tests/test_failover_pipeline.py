@@ -21,7 +21,7 @@ import pytest
 
 from include.app.lab.postgres_server import wait_for
 from include.app.lab.two_nodes import HAPROXY, Lab, Timings
-from include.app.supervisor import port_open
+from tests.support.labrun import drained, first_delivery_after, left_behind, tree
 from tests.support.stream import Stream, Verdict, judge
 
 pytestmark = [
@@ -46,21 +46,6 @@ class Outcome:
     backlog: dict[str, int]
     leftover_pids: list[str] = field(default_factory=list)
     leftover_ports: list[str] = field(default_factory=list)
-
-
-def _tree(pids: dict[str, int | None]) -> dict[str, psutil.Process]:
-    procs: dict[str, psutil.Process] = {}
-    for name, pid in pids.items():
-        if pid is None:
-            continue
-        try:
-            root = psutil.Process(pid)
-            procs[f"{name}[{pid}]"] = root
-            for child in root.children(recursive=True):
-                procs[f"{name}/{child.pid}"] = child
-        except psutil.NoSuchProcess:
-            pass
-    return procs
 
 
 @pytest.fixture(scope="module")
@@ -95,35 +80,22 @@ def leader_crash() -> Outcome:
         lab.restart_node(old)
         time.sleep(10)
         stream.pause()
-
-        def drained() -> bool:
-            delivered = {d["control_id"] for d in lab.deliveries()}
-            return all(s.control_id in delivered for s in stream.acked()) and not lab.backlog()
-
-        try:
-            wait_for(drained, timeout=90, interval=0.5, what="the drain")
-            ok = True
-        except TimeoutError:
-            ok = False
+        ok = drained(lab, stream, timeout=90)
         deliveries = lab.deliveries()
-        post = {cid for cid, s in stream.ledger.items() if s.first_try >= t0}
-        firsts = [d["t"] for d in deliveries if d["control_id"] in post]
         outcome = Outcome(
             verdict=judge(stream.ledger, deliveries),
             failover_s=failover,
-            first_delivery_s=min(firsts) - t0 if firsts else None,
+            first_delivery_s=first_delivery_after(stream, deliveries, t0),
             drained=ok,
             backlog=lab.backlog(),
         )
-        procs = _tree(lab.processes())
+        procs = tree(lab.processes())
         ports = lab.ports()
     finally:
         if stream is not None:
             stream.stop()
         lab.stop()
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
-    outcome.leftover_pids = sorted(name for name, p in procs.items() if p in alive)
-    outcome.leftover_ports = sorted(f"{name}:{port}" for name, port in ports.items() if port_open(port))
+    outcome.leftover_pids, outcome.leftover_ports = left_behind(procs, ports)
     v = outcome.verdict
     first = "—" if outcome.first_delivery_s is None else f"{outcome.first_delivery_s:.1f} s"
     print(
