@@ -14,7 +14,10 @@ is read from /proc.
 80 half-open frames from 8 addresses, byte-at-a-time senders, an endless frame, connect loops, a
 flood of short connections, oversize and malformed frames), on a listener with the default limits.
 
-    uv run python bench/ingest.py [--seconds 5] [--connections 1,4,16] [--hostile]
+`--profile reject|flag` gives listenerd's connection the shipped ADT^A01 conformance profile (every
+message sent conforms: the check's cost on good traffic, docs/performance.md).
+
+    uv run python bench/ingest.py [--seconds 5] [--connections 1,4,16] [--hostile] [--profile reject]
 """
 
 from __future__ import annotations
@@ -150,7 +153,17 @@ def main() -> None:
     ap.add_argument("--connections", default="1,4,16")
     ap.add_argument("--window", type=int, default=1, help="messages outstanding per connection")
     ap.add_argument("--hostile", action="store_true", help="also: honest throughput beside hostile peers")
+    ap.add_argument(
+        "--profile",
+        choices=("reject", "flag"),
+        help="listenerd's connection checks the shipped ADT profile (config/profiles/adt_a01.toml) this way",
+    )
     args = ap.parse_args()
+    profile = (
+        {"profile": str(ROOT / "config" / "profiles" / "adt_a01.toml"), "on_violation": args.profile}
+        if args.profile
+        else {}
+    )
     levels = [int(c) for c in args.connections.split(",")]
     results: dict[str, dict[int, dict]] = {"listenerd": {}, "peer": {}, "strong": {}, "ceiling": {}}
     with PostgresServer() as pg, tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +179,9 @@ def main() -> None:
             Path(tmp) / "node",
             cfg,
             node_id="bench:1:aa",
-            inbound=[{"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 64}],
+            inbound=[
+                {"name": "adt-in", "kind": "mllp", "host": "127.0.0.1", "port": port, "max_connections": 64, **profile}
+            ],
         ).start()
         try:
             wait_for(lambda: port_open(port), timeout=20, what="listenerd bind")
@@ -195,6 +210,7 @@ def main() -> None:
     print(
         f"MLLP ingest, PostgreSQL 15 (fsync, synchronous_commit on), {args.seconds:.0f}s per level, "
         f"python-hl7 asyncio client in raw block mode, {args.window} message(s) outstanding per connection"
+        + (f"; listenerd checks the ADT profile ({args.profile})" if args.profile else "")
     )
     print(f"  {'conns':>5}  {'server':<10}{'msg/s':>9}{'p50 ms':>9}{'p99 ms':>9}")
     for c in levels:

@@ -246,33 +246,48 @@ def mllp_handler(
     """MLLP's handover: validate like every transport, submit, map the commit outcome to an ACK
     decision (the protocol counts what it received and answered)."""
 
-    def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
-        try:
-            item = build_inbound(
-                message,
-                connection=conn.name,
-                charset=conn.charset,
-                lane_of=lane_of,
-                header=header,
-                conformance=conn.conformance,
-            )
-        except PayloadRejected as exc:
-            _log.warn(
-                "rejecting message {control_id} on {connection}: {reason}",
-                control_id=header.control_id[:64],
-                connection=conn.name,
-                reason=str(exc),
-            )
-            why = exc.condition
-            return defer.succeed(
-                AckDecision.reject(str(exc), error_code=why.code, location=why.location, more=exc.more)
-            )
+    def build(message: bytes, header: HL7Header) -> Any:
+        return build_inbound(
+            message,
+            connection=conn.name,
+            charset=conn.charset,
+            lane_of=lane_of,
+            header=header,
+            conformance=conn.conformance,
+        )
 
-        def failed(f: Any) -> AckDecision:
-            reason, code = rejection_reason(f)
-            return AckDecision(AckCode(code), reason)
+    def refused(exc: PayloadRejected, header: HL7Header) -> AckDecision:
+        _log.warn(
+            "rejecting message {control_id} on {connection}: {reason}",
+            control_id=header.control_id[:64],
+            connection=conn.name,
+            reason=str(exc),
+        )
+        why = exc.condition
+        return AckDecision.reject(str(exc), error_code=why.code, location=why.location, more=exc.more)
 
+    def failed(f: Any) -> AckDecision:
+        reason, code = rejection_reason(f)
+        return AckDecision(AckCode(code), reason)
+
+    def submit(item: Any) -> Deferred[AckDecision]:
         return wiring.ingest.submit(item).addCallbacks(lambda _: AckDecision.accept(), failed)
+
+    def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
+        if conn.conformance is not None:
+            # A profile's check is work in proportion to the message: a large one runs on a thread.
+            built = off_reactor(wiring.reactor, len(message), build, message, header)
+
+            def refusal(f: Any) -> AckDecision:
+                f.trap(PayloadRejected)
+                return refused(f.value, header)
+
+            return built.addCallbacks(submit, refusal)
+        try:
+            item = build(message, header)
+        except PayloadRejected as exc:
+            return defer.succeed(refused(exc, header))
+        return submit(item)
 
     return handle
 

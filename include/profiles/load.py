@@ -12,11 +12,13 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from include.profiles.datatypes import COMPOSITES, FORMATTED, TYPES
+from include.profiles.fast import segment_patterns
+from include.profiles.field_rule import FieldRule
 from include.profiles.structure import Matcher, StructureError, parse_structure, segment_ids
 from include.schema.reading import read_config_bytes
 
@@ -43,25 +45,6 @@ class ProfileError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class FieldRule:
-    """What one field of a segment must hold. ``values`` (None: no value set) applies to the
-    whole value of a primitive type, to the first component of a composite one."""
-
-    segment: str
-    field: int
-    name: str
-    type: str
-    usage: str = "O"
-    repeat: bool = False
-    length: int | None = None
-    values: frozenset[str] | None = None
-    value_set: str = ""  # the set's name, for a finding's text ("HL7 table 0001")
-    required_components: tuple[int, ...] = ()
-    composite: bool = False
-    formatted: tuple[tuple[int, str], ...] = ()  # (component, its type) of the components with a format
-
-
-@dataclass(frozen=True, slots=True)
 class Profile:
     """One profile file: the message types it is for, their structure, the field rules by segment."""
 
@@ -72,6 +55,7 @@ class Profile:
     allow_z: bool
     rules: Mapping[str, tuple[FieldRule, ...]]
     sources: tuple[Path, ...] = ()  # the files it was read from (itself, its tables, its shared rules)
+    fast: Mapping[str, re.Pattern[str]] = field(default_factory=dict)  # `include.profiles.fast`
 
 
 def read_profiles(paths: Sequence[Path], *, lookups: Path | None = None) -> tuple[Profile, ...]:
@@ -133,6 +117,7 @@ def read_profile(path: Path, *, lookups: Path | None = None) -> Profile:
         allow_z=z == "allow",
         rules=rules,
         sources=(path, *_sources(path, raw.get("tables"), raw.get("segment_rules"))),
+        fast=segment_patterns(rules),
     )
 
 

@@ -20,6 +20,8 @@ __all__ = ["Departure", "Matcher", "Node", "StructureError", "depart", "parse_st
 
 _TOKEN = re.compile(r"\s*(?:([A-Z][A-Z0-9]{2})|([\[\]{}<>|]))")
 MAX_NODES = 2000
+MAX_TRIALS = 1000
+"""Segments beyond which a departure is not tried for a missing segment (reported as found)."""
 
 
 class StructureError(ValueError):
@@ -109,19 +111,21 @@ def segment_ids(node: Node) -> set[str]:
 
 
 class _Walk:
-    """One matching run over a segment list; `furthest` is the furthest index any way reached."""
+    """One matching run over a segment list; `furthest` is the furthest index any way reached.
+    Position sets are updated in place, so a repetition costs what its own segments do (a message
+    of 50,000 OBX is 50,000 steps, not 50,000 times a growing set)."""
 
     def __init__(self, ids: list[str]) -> None:
         self.ids = ids
         self.furthest = 0
 
-    def advance(self, node: Node, at: frozenset[int]) -> frozenset[int]:
+    def advance(self, node: Node, at: set[int]) -> set[int]:
         if not at:
             return at
         kind = node.kind
         if kind == "seg":
-            ids, name = self.ids, node.name
-            out = frozenset(p + 1 for p in at if p < len(ids) and ids[p] == name)
+            ids, name, size = self.ids, node.name, len(self.ids)
+            out = {p + 1 for p in at if p < size and ids[p] == name}
             if out:
                 self.furthest = max(self.furthest, max(out))
             return out
@@ -132,12 +136,15 @@ class _Walk:
         if kind == "opt":
             return at | self.advance(node.items[0], at)
         if kind == "alt":
-            return frozenset().union(*(self.advance(item, at) for item in node.items))
-        reached = self.advance(node.items[0], at)  # rep: one or more
+            out = set()
+            for item in node.items:
+                out |= self.advance(item, at)
+            return out
+        reached = set(self.advance(node.items[0], at))  # rep: one or more
         frontier = reached
         while frontier:
             frontier = self.advance(node.items[0], frontier) - reached
-            reached = reached | frontier
+            reached |= frontier
         return reached
 
 
@@ -145,13 +152,16 @@ class Matcher:
     """`depart` for one structure, remembering the answer for the last shapes seen: a feed sends
     the same few segment lists over and over, so most messages cost one dictionary probe."""
 
-    def __init__(self, structure: Node, *, remember: int = 4096) -> None:
+    def __init__(self, structure: Node, *, remember: int = 4096, longest: int = 256) -> None:
         self.structure = structure
         self.known = segment_ids(structure)
         self._seen: dict[tuple[str, ...], Departure | None] = {}
         self._remember = remember
+        self._longest = longest  # a longer list is matched, not remembered (memory stays bounded)
 
     def __call__(self, ids: list[str]) -> Departure | None:
+        if len(ids) > self._longest:
+            return depart(self.structure, ids, self.known)
         key = tuple(ids)
         try:
             return self._seen[key]
@@ -168,12 +178,14 @@ def depart(structure: Node, ids: list[str], known: set[str]) -> Departure | None
     """None when `ids` (the message's segment ids, in order) fits `structure`, else where not.
     `known` is `segment_ids(structure)` (the candidates for a missing segment)."""
     walk = _Walk(ids)
-    if len(ids) in walk.advance(structure, frozenset({0})):
+    if len(ids) in walk.advance(structure, {0}):
         return None
     at = walk.furthest
+    if len(ids) > MAX_TRIALS:  # a trial insertion per known segment: kept to lists of bounded length
+        return Departure(at, None)
     for name in sorted(known):
         trial = _Walk(ids[:at] + [name] + ids[at:])
-        ends = trial.advance(structure, frozenset({0}))
+        ends = trial.advance(structure, {0})
         if len(ids) + 1 in ends or trial.furthest > at + 1:
             return Departure(at, name)
     return Departure(at, None)

@@ -73,3 +73,16 @@ def test_a_batch_with_one_bad_message_is_refused_with_its_findings_located_in_th
     assert (str(ack.segment("MSA")[1]), str(ack.segment("MSA")[2])) == ("AR", "BATCH1")
     assert errs(ack) == [("PID^2^3", E101, "E")]
     assert staged_ids(store_config) == []
+
+
+def test_a_large_message_is_checked_off_the_reactor_with_the_same_answer(daemon, store_config):
+    """Over 64 KiB the check runs on a thread (listeners/offload.py): the answer is the same."""
+    head = "MSH|^~\\&|LAB|HOSP|SL|SL|20240101120000||ORU^R01|{cid}|P|2.5.1\rPID|1||P1^^^HOSP^MR||DOE\rOBR|1|O1||GLU\r"
+    obx = "OBX|1|NM|2345-7^Glucose^LN||95|mg/dL|70-99|N|||F\r"
+    good = head.format(cid="BIG1") + obx * 3000
+    bad = head.format(cid="BIG2") + obx * 2999 + obx.replace("|N|", "|NOPE|")
+    assert len(bad) > 128 * 1024
+    acks = exchange(daemon.mllp_port, [mllp(good), mllp(bad)], expect=2)
+    assert [str(a.segment("MSA")[1]) for a in acks] == ["AA", "AR"]
+    assert errs(acks[1]) == [("OBX^3000^8", E103, "E")]
+    assert staged_ids(store_config) == ["BIG1"]

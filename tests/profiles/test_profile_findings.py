@@ -3,6 +3,7 @@ finding as hand-checked: code, ERL, and what the text names), plus each rule typ
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [ROOT / "config" / "profiles" / f"{n}.toml" for n in ("adt_a01", "oru_r01", "orm_o01")]
 
 
+SHIPPED_PROFILES = read_profiles(SHIPPED)
+
+
 @pytest.fixture(scope="module")
 def shipped():
-    return read_profiles(SHIPPED)
+    return SHIPPED_PROFILES
 
 
 def test_every_corpus_message_fits_its_shipped_profile(shipped):
@@ -127,3 +131,41 @@ def test_other_separators_are_read_from_the_message(shipped):
 
 def test_a_message_without_msh(shipped):
     assert [f.code for f in findings("PID|1||P1", shipped)] == ["100"]
+
+
+def mutations(seed: int, n: int) -> list[str]:
+    """Corpus messages with one to three characters replaced by ones that matter to the rules
+    (digits, letters, separators, quotes), or a field emptied: mostly near misses."""
+    rng = random.Random(seed)
+    alphabet = '0123456789ABCFHILMNOPQXZ|^~&"+-.'
+    out = []
+    for message in messages(n, seed=seed):
+        chars = list(message)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(9, len(chars))
+            if chars[at] != "\r":
+                chars[at] = rng.choice(alphabet) if rng.random() < 0.8 else ""
+        out.append("".join(chars))
+    return out
+
+
+def test_the_fast_patterns_never_change_the_answer(shipped):
+    """A segment the fast pattern accepts skips the rule loop; over 4,000 mutated messages (about
+    half of them with findings) the answer is the same with and without that shortcut."""
+    differing, with_findings = [], 0
+    for message in mutations(7, 4000) + [m.replace("20", "0229", 1) for m in messages(200, seed=8)]:
+        quick, slow = findings(message, SHIPPED_PROFILES), findings(message, SHIPPED_PROFILES, quick=False)
+        with_findings += bool(slow)
+        if quick != slow:
+            differing.append((message, quick, slow))
+    assert differing == []
+    assert with_findings > 1000
+
+
+def test_a_long_message_is_checked_in_linear_time_with_a_bounded_answer(shipped):
+    """60,000 OBX: matched without the position sets growing per step; a departure late in it is a
+    100 at the segment found there (no trial insertion per segment id beyond 1,000 segments)."""
+    head = ORU + PID + OBR
+    assert findings(head + OBX * 60000, shipped) == []
+    late = findings(head + (OBX + "NTE|1||x\r") * 30000 + "PV2|1\r", shipped)
+    assert [(f.code, f.where()) for f in late] == [("100", "PV2^1")]
