@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,11 +66,22 @@ def operation_outcome(code: str, diagnostics: str, issues: tuple[tuple[str, str]
     }
 
 
+_RESOURCE_TYPE = re.compile(r"[A-Z][A-Za-z]{1,63}")
+_ABSTRACT = frozenset({"Resource", "DomainResource"})
+
+
 @functools.cache
 def _model_class(resource_type: str) -> Any:
+    """The R4B model of a concrete resource type; KeyError for anything else — a data type
+    (``HumanName``), an abstract base, or a name the package does not know. Only well-formed names
+    are looked up (and so cached): a sender's made-up ones are refused before."""
     from fhir.resources.R4B import get_fhir_model_class
+    from fhir.resources.R4B.resource import Resource
 
-    return get_fhir_model_class(resource_type)
+    model = get_fhir_model_class(resource_type)
+    if resource_type in _ABSTRACT or not issubclass(model, Resource):
+        raise KeyError(resource_type)
+    return model
 
 
 def load_models() -> None:
@@ -104,6 +116,8 @@ def build_fhir(body: bytes, *, connection: str, charset: str = "") -> Inbound:
     if not isinstance(resource_type, str) or not resource_type:
         raise FhirRejected(400, "required", "resourceType is missing")
     try:
+        if not _RESOURCE_TYPE.fullmatch(resource_type):
+            raise KeyError(resource_type)
         model = _model_class(resource_type)
     except (KeyError, ValueError):
         shown = "".join(c for c in resource_type[:40] if c.isalnum())

@@ -64,6 +64,25 @@ def test_peer_limits_have_protective_defaults(tmp_path):
     assert conn.frame_timeout_seconds < conn.idle_timeout_seconds
 
 
+def test_accept_is_for_http_only_and_names_hl7v2_and_fhir(tmp_path):
+    write(
+        tmp_path,
+        '[[inbound]]\nname = "h"\nkind = "http"\n[[inbound]]\nname = "f"\nkind = "http"\n'
+        'accept = ["fhir", "hl7v2", "fhir"]\n',
+    )
+    plain, fhir = load_config_dir(tmp_path).inbound
+    assert (plain.accept, fhir.accept) == (("hl7v2",), ("fhir", "hl7v2"))
+    for kind, body, error in [
+        ("mllp", 'accept = ["fhir"]', 'accept: only for kind = "http"'),
+        ("http", "accept = []", "accept: .*at least 1"),
+        ("http", 'accept = ["fhir-r5"]', "accept\\[0\\]: must be one of 'hl7v2', 'fhir'"),
+        ("http", 'accept = "fhir"', "accept: "),
+    ]:
+        write(tmp_path, f'[[inbound]]\nname = "a"\nkind = "{kind}"\nport = 2575\n{body}\n')
+        with pytest.raises(ConnectionConfigError, match=error):
+            load_config_dir(tmp_path)
+
+
 def test_batch_and_verdict_settings_have_defaults_and_are_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("STAGELINE_VAR", str(tmp_path / "var"))
     conf = tmp_path / "conf"
