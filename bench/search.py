@@ -244,6 +244,8 @@ def main() -> None:
     parser.add_argument("--route", type=int, default=0, help="messages for the route-cost runs (0: skip)")
     parser.add_argument("--rounds", type=int, default=2, help="route-cost runs of each side, alternating")
     args = parser.parse_args()
+    if args.rounds < 1 or args.route < 0 or args.messages < 0:
+        parser.error("--rounds must be at least 1; --route and --messages at least 0")
 
     server = PostgresServer().start()
     try:

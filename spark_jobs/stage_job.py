@@ -113,8 +113,9 @@ def run_stage_job(
     if not claimed_ids:
         return stage.outcome(run_id=run_id)
     small = is_small(claimed_ids)
-    side = alongside(claimed_ids) if alongside is not None else None
+    side: Future[Any] | None = None
     try:
+        side = alongside(claimed_ids) if alongside is not None else None
         claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=claimed_ids)
         land(store, transform(claimed, run_id=run_id), stage.landing, small=small)
         if side is not None:
