@@ -104,7 +104,7 @@ class MllpDestination(Destination):
     idle_timeout_seconds: float = 30.0
     # "msh15": expect the answer the outbound message's MSH-15 asks for (none for NE, only an error
     # for ER); "always": the receiver answers every message, whatever MSH-15 says.
-    accept_ack: str = "msh15"
+    accept_ack: str = "always"
     er_wait_seconds: float = 1.0  # MSH-15 ER: how long silence must last to mean "committed"
 
 

@@ -15,6 +15,7 @@ import string
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from include.accept_ack import ACCEPT_ACK_TYPES, accept_ack_type
 from include.charsets import HL7_CHARSETS, charset_to_codec, codec_for
 from listeners.hl7errors import (
     DATA_TYPE_ERROR,
@@ -62,9 +63,6 @@ class HeaderErrorReason(StrEnum):
     UNDECODABLE = "undecodable"
     UNKNOWN_ACCEPT_ACK_TYPE = "unknown_accept_ack_type"
 
-
-#: HL7 table 0155 (accept / application acknowledgment conditions), the values MSH-15 may take.
-ACCEPT_ACK_TYPES = frozenset({"AL", "NE", "ER", "SU"})
 
 _MSH = "MSH"
 #: What each header refusal tells the sender in ERR: the table 0357 code and the field at fault.
@@ -299,7 +297,7 @@ def parse_header(
             header=HL7Header.of_fields(unechoed, field_separator=fs, encoding_characters=enc_chars, encoding=codec),
         )
     accept = fields[14] if len(fields) > 14 else ""
-    if accept and accept not in ACCEPT_ACK_TYPES and accept.strip() and accept.strip() not in ACCEPT_ACK_TYPES:
+    if accept_ack_type(accept) is None:  # the sender reads it the same way (include/accept_ack.py)
         shown = "".join(c for c in accept[:8] if c.isprintable())
         raise HL7HeaderError(
             HeaderErrorReason.UNKNOWN_ACCEPT_ACK_TYPE,

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from include.destinations_config import Destination, FileDestination, parse_destinations
+from include.hl7path import value as hl7_value
 from include.store import Store
 from include.store.finalize import NOT_ATTEMPTED, DeliverOutcome, StaleEpoch, finalize_deliveries
 from include.store.retry import until_done, with_retries
@@ -54,6 +55,7 @@ from include.store.stages import DELIVER
 from spark_jobs.senders import send
 from spark_jobs.senders.common import DEFAULT_CONTENT_TYPE
 from spark_jobs.senders.file import FileSend, batch_file, send_file_lanes
+from spark_jobs.senders.mllp import sweep_late_answers, take_late_refusals
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -116,6 +118,43 @@ def deliver_row(row: Mapping[str, Any], destinations: Mapping[str, Destination])
 
 
 def deliver_lanes(
+    rows: Iterable[Mapping[str, Any]],
+    destinations: Destinations,
+    *,
+    concurrency: int = 1,
+    deadline: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Send claimed rows lane by lane (`_send_lanes`); yield one outcome per row once all are sent.
+
+    A message delivered unanswered (MLLP, MSH-15 NE or ER under `accept_ack = "msh15"`) that a
+    receiver refused anyway, its refusal read later in the round (before another write on that
+    connection, while waiting for another ACK, or in the sweep of the idle connections at the end),
+    is not left delivered: its outcome becomes that refusal (permanent: dead, the reason in
+    `last_error`). A refusal read after its row's round is logged only (`spark_jobs.senders.mllp`).
+    """
+    rows = list(rows)
+    outcomes = list(_send_lanes(rows, destinations, concurrency=concurrency, deadline=deadline))
+    yield from _with_late_refusals(rows, outcomes)
+
+
+def _with_late_refusals(rows: list[Mapping[str, Any]], outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    sweep_late_answers()
+    refused = take_late_refusals()
+    if not refused:
+        return outcomes
+    by_id = {int(r["id"]): r for r in rows}
+    for out in outcomes:
+        row = by_id.get(out["id"])
+        if not out["ok"] or row is None:
+            continue
+        control_id = (hl7_value(str(row.get("payload") or ""), "MSH-10") or "").strip()
+        why = refused.get((out["destination"], control_id))
+        if why is not None:
+            out.update(ok=False, retryable=False, detail=why)
+    return outcomes
+
+
+def _send_lanes(
     rows: Iterable[Mapping[str, Any]],
     destinations: Destinations,
     *,

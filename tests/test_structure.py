@@ -49,6 +49,7 @@ CONFIG_MODULES = (
     "include.keys_config",
     "include.charsets",
     "include.cidrs",
+    "include.accept_ack",
     "include.schema",
     *(
         f"include.schema.{p.stem}"

@@ -213,8 +213,17 @@ class MllpModel(_Common):
     tls: TlsModel | None = None
     permanent_ack_codes: list[Literal["AE", "AR", "CE", "CR"]] = ["AR", "CR"]
     idle_timeout_seconds: Seconds = 30.0
-    accept_ack: Literal["msh15", "always"] = "msh15"
+    accept_ack: Literal["msh15", "always"] = "always"
     er_wait_seconds: Timeout = 1.0
+
+    @field_validator("er_wait_seconds")
+    @classmethod
+    def _er_wait(cls, value: float, info: ValidationInfo) -> float:
+        # The ER wait is spent inside the ACK timeout: a longer one would be cut to it unseen.
+        timeout = info.data.get("timeout_seconds")
+        if timeout is not None and value > timeout:
+            raise ValueError(f"must be <= timeout_seconds ({timeout:g}): the ER wait is spent inside the ACK timeout")
+        return value
 
 
 class FileModel(_Common):

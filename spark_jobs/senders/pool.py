@@ -3,9 +3,10 @@
 Connection reuse: MLLP and HTTP connections are cached per worker process (Spark reuses Python
 workers between tasks), keyed by the destination's whole config, at most one idle connection per
 destination. A cached connection is used only if it has been idle less than
-`idle_timeout_seconds` and has nothing unread (a peer's close or a stray late ACK makes the
-socket readable: it is dropped); after any failure, timeout or ACK mismatch the connection is
-closed, never reused, so a late ACK cannot be matched to the next message. If a *reused*
+`idle_timeout_seconds`; an HTTP one only if it has nothing unread (a peer's close or stray bytes
+make the socket readable: it is dropped), an MLLP one reads what it holds itself (late answers to
+its earlier messages, `spark_jobs.senders.mllp`); after any failure, timeout or ACK mismatch the
+connection is closed, never reused, so a late ACK cannot be matched to the next message. If a *reused*
 connection turns out dead while sending, the message is sent once more on a fresh connection
 (the receiver may then see it twice — the idempotency rules in `spark_jobs.senders` cover that).
 `idle_timeout_seconds: 0` disables reuse.
@@ -33,13 +34,15 @@ class ConnectionPool:
         self._lock = threading.Lock()
         self._idle: dict[Hashable, tuple[Any, float]] = {}
 
-    def take(self, key: Hashable, idle_timeout: float) -> Any | None:
+    def take(self, key: Hashable, idle_timeout: float, *, quiet_only: bool = True) -> Any | None:
+        """The idle connection for `key`, if it has been idle less than `idle_timeout`; with
+        `quiet_only`, only if nothing is readable on it (else the caller reads what is there)."""
         with self._lock:
             entry = self._idle.pop(key, None)
         if entry is None:
             return None
         conn, since = entry
-        if time.monotonic() - since >= idle_timeout or not _quiet(conn):
+        if time.monotonic() - since >= idle_timeout or (quiet_only and not _quiet(conn)):
             close_quietly(conn)
             return None
         return conn
@@ -50,6 +53,11 @@ class ConnectionPool:
             self._idle[key] = (conn, time.monotonic())
         if old is not None:
             close_quietly(old[0])
+
+    def idle(self, kind: type) -> list[Any]:
+        """The idle connections of class `kind` (still in the pool: for reading what they hold)."""
+        with self._lock:
+            return [conn for conn, _ in self._idle.values() if isinstance(conn, kind)]
 
     def close_all(self) -> None:
         with self._lock:
