@@ -1,7 +1,7 @@
 """``on_violation = "flag"`` end to end: a real listenerd on real SQLite and PostgreSQL answers every
-message ``AA`` and stages the ones with findings with their findings; `stageline messages show`
-lists them; the route stage (real Spark) routes on them with ``when = { findings = … }`` and
-``{ finding = "103" }``, compiled natively."""
+message ``AA`` and stages the ones with findings with their findings; `stageline messages show`,
+the API's message read and the Stageline view's message page list them; the route stage (real
+Spark) routes on them with ``when = { findings = … }`` and ``{ finding = "103" }``, natively."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from stageline_airflow.view_html import findings_part
 
 from include.routes_config import parse_routes
-from include.store import Store
+from include.store import Store, operator
 from include.store.stages import ROUTE
 from spark_jobs import stage_job
 from spark_jobs.route_job import routed_rows
@@ -82,6 +83,22 @@ def test_flag_stages_with_findings_shows_them_and_routes_on_them(daemon, store_c
         store.close()
     ok1, f1, f2 = (staged[c]["id"] for c in ("OK1", "F1", "F2"))
     assert routed == sorted([(ok1, "ehr"), (f1, "review"), (f1, "codes"), (f2, "review"), (f2, "many")])
+
+    code, body = daemon.get(f"/messages/{f1}")
+    assert code == 200
+    assert json.loads(json.loads(body)["inbound"]["findings"]) == [
+        {"code": "103", "where": "PV1^1^2", "text": "PV1-2 (Patient Class) is not in HL7 table 0004"}
+    ]
+    assert "payload" not in json.loads(body)["inbound"]  # findings name rules, not values: no body read
+    store = Store(store_config)
+    try:
+        story = operator.show(store, f2)
+    finally:
+        store.close()
+    section = findings_part(story.inbound["findings"])
+    assert "<h3>Profile findings (2)</h3>" in section
+    assert "<tr><td>101</td><td>PID^1^3</td><td>PID-3 (Patient Identifier List) is required</td></tr>" in section
+    assert findings_part(None) == ""
 
     shown = run(service_toml(tmp_path, store_config), "messages", "show", str(f1)).stdout
     assert "profile findings: 1\n    103 PV1^1^2  PV1-2 (Patient Class) is not in HL7 table 0004" in shown
