@@ -310,11 +310,22 @@ class InboundResource(Resource):
             counters.answered(code)
 
 
-def _hl7_error(exc: PayloadRejected) -> dict[str, str | None]:
+def _hl7_error(exc: PayloadRejected) -> dict[str, Any]:
     """What an MLLP sender would read in the ERR of its AR for the same bytes: table 0357 code and
-    text, and the ERR-2 location (``MSH^1^10``) when there is one."""
+    text, and the ERR-2 location (``MSH^1^10``) when there is one; a profile's further findings,
+    each an ERR of that AR, under ``more`` (with the rule each broke)."""
     why = exc.condition
-    return {"code": why.code, "text": why.text, "location": why.location.text() if why.location else None}
+    out: dict[str, Any] = {
+        "code": why.code,
+        "text": why.text,
+        "location": why.location.text() if why.location else None,
+    }
+    if exc.more:
+        out["more"] = [
+            {"code": c.code, "text": c.text, "location": c.location.text() if c.location else None, "message": said}
+            for c, said in exc.more
+        ]
+    return out
 
 
 class _InboundRequest(Request):

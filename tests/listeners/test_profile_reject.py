@@ -86,3 +86,28 @@ def test_a_large_message_is_checked_off_the_reactor_with_the_same_answer(daemon,
     assert [str(a.segment("MSA")[1]) for a in acks] == ["AA", "AR"]
     assert errs(acks[1]) == [("OBX^3000^8", E103, "E")]
     assert staged_ids(store_config) == ["BIG1"]
+
+
+def test_http_names_every_finding_as_mllp_would():
+    """HTTP's 400 body carries the first ERR as `hl7_error` and the others under `more`."""
+    from listeners.http_listener import _hl7_error
+    from listeners.profile_check import read_conformance
+    from listeners.validation import PayloadRejected, build_inbound
+
+    conformance = read_conformance((str(PROFILES / "adt_a01.toml"),), "reject", PROFILES)
+    bad = GOOD.format(cid="H1").replace("19800101|F", "19800101|X").replace("PV1|1|I", "PV1|1|Q")
+    with pytest.raises(PayloadRejected) as caught:
+        build_inbound(bad.encode(), connection="http-in", charset="utf-8", conformance=conformance)
+    assert _hl7_error(caught.value) == {
+        "code": "103",
+        "text": "Table value not found",
+        "location": "PID^1^8",
+        "more": [
+            {
+                "code": "103",
+                "text": "Table value not found",
+                "location": "PV1^1^2",
+                "message": "PV1-2 (Patient Class) is not in HL7 table 0004",
+            }
+        ],
+    }
