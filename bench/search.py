@@ -15,7 +15,7 @@ route stage.
               alongside Spark (as the route task runs it), --rounds of each, alternating; msg/s
               each, and the indexer's own time in its thread
 
-    uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000 [--rounds 2]]
+    uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000 [--rounds 2] [--batch 20000]]
     (--messages 0: the route runs only)
 
 Figures: docs/performance.md ("Search").
@@ -136,8 +136,9 @@ def content(store: Store, text: str, repeat: int) -> tuple[float, int]:
     return best, rows
 
 
-def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
-    """Route throughput over `n` messages without and with the key indexer, `rounds` of each, alternating."""
+def route_cost(store: Store, epoch: int, n: int, rounds: int, batch: int) -> list[str]:
+    """Route throughput over `n` messages without and with the key indexer, `rounds` of each,
+    alternating, claiming at most `batch` messages at a time."""
     from concurrent.futures import ThreadPoolExecutor
     from functools import partial
 
@@ -164,7 +165,7 @@ def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
         warm, warming = Phases(), partial(indexer.submit, K.index, store, RULES)
         for _ in range(2):  # warm the servers and the indexer's connection: the first runs are slower
             stage_backlog(store, corpus(10_000, seed=5), epoch)
-            while drain_one(store, spark, epoch, warm, ROUTE, transform, alongside=warming):
+            while drain_one(store, spark, epoch, warm, ROUTE, transform, alongside=warming, batch=batch):
                 pass
         rates: dict[str, list[float]] = {"without keys": [], "with keys": []}
         for turn in range(2 * rounds):
@@ -182,7 +183,7 @@ def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
             alongside = partial(indexer.submit, index) if rules else None
             started = time.perf_counter()
             done = 0
-            while moved := drain_one(store, spark, epoch, phases, ROUTE, transform, alongside=alongside):
+            while moved := drain_one(store, spark, epoch, phases, ROUTE, transform, alongside=alongside, batch=batch):
                 done += moved
             seconds = time.perf_counter() - started
             rates[label].append(done / seconds)
@@ -202,7 +203,15 @@ def route_cost(store: Store, epoch: int, n: int, rounds: int) -> list[str]:
 
 
 def drain_one(
-    store: Store, spark: Any, epoch: int, phases: Any, stage: Any, transform: Any, *, alongside: Any = None
+    store: Store,
+    spark: Any,
+    epoch: int,
+    phases: Any,
+    stage: Any,
+    transform: Any,
+    *,
+    alongside: Any = None,
+    batch: int = 20_000,
 ) -> int:
     """One batch of bench/pipeline.py's drain: claim, Spark, finalize, with `alongside` (the route
     task's key indexer) started after the claim and waited for before the finalize, as
@@ -211,7 +220,7 @@ def drain_one(
 
     run = f"{stage.name}_job-k{phases.batches}"
     owner = f"bench/{run}"
-    ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=20_000))
+    ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=batch))
     if not ids:
         return 0
     side = alongside(ids) if alongside else None
@@ -243,9 +252,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--route", type=int, default=0, help="messages for the route-cost runs (0: skip)")
     parser.add_argument("--rounds", type=int, default=2, help="route-cost runs of each side, alternating")
+    parser.add_argument("--batch", type=int, default=20_000, help="the most messages a route-cost claim takes")
     args = parser.parse_args()
-    if args.rounds < 1 or args.route < 0 or args.messages < 0:
-        parser.error("--rounds must be at least 1; --route and --messages at least 0")
+    if args.rounds < 1 or args.batch < 1 or args.route < 0 or args.messages < 0:
+        parser.error("--rounds and --batch must be at least 1; --route and --messages at least 0")
 
     server = PostgresServer().start()
     try:
@@ -263,7 +273,7 @@ def main() -> None:
         migrate(store, cluster_name="bench")
         epoch = acquire_permanent(store, node_id="bench")
         if args.route:
-            for text in route_cost(store, epoch, args.route, args.rounds):
+            for text in route_cost(store, epoch, args.route, args.rounds, args.batch):
                 print(text, flush=True)
             execute(store, "TRUNCATE message_keys, stage_routed, stage_outbound, message_events, landing_routed")
             execute(store, "TRUNCATE stage_inbound, inbound_bodies CASCADE")
