@@ -278,7 +278,7 @@ def parse_header(
             raise HL7HeaderError(HeaderErrorReason.UNDECODABLE, "MSH-18 differs once decoded")
     except HL7HeaderError as exc:
         exc.control_id = _ascii_control_id(raw_fields)
-        exc.header = _ascii_header(raw_fields, fs, enc_chars)
+        exc.header = _ascii_header(raw_fields, fs, enc_chars, exact_split=_splits_exactly(raw_seg, fs_byte))
         raise
 
     control_id = _field(fields, 10)
@@ -286,7 +286,10 @@ def parse_header(
     if not control_id.strip():
         raise HL7HeaderError(
             HeaderErrorReason.MISSING_CONTROL_ID,
-            "MSH-10 is empty",
+            # (an oversize frame's first bytes may end before MSH-10: it is not empty, only unread)
+            f"MSH-10 lies beyond the first {len(data)} bytes read"
+            if truncated and len(fields) < 10
+            else "MSH-10 is empty",
             header=HL7Header.of_fields(fields, field_separator=fs, encoding_characters=enc_chars, encoding=codec),
         )
     if len(control_id) > MAX_CONTROL_ID_CHARS:  # refused, and not echoed: an ACK stays small
@@ -328,20 +331,43 @@ def _addressing(raw_fields: list[bytes]) -> HL7Header:
     return dataclasses.replace(header, ack_types=None)
 
 
-def _ascii_header(raw_fields: list[bytes], fs: str, encoding_characters: str) -> HL7Header:
+def _ascii_header(
+    raw_fields: list[bytes], fs: str, encoding_characters: str, *, exact_split: bool = False
+) -> HL7Header:
     """The header a message whose charset failed still shows: its MSH fields up to the first one
     holding a byte outside ASCII (before it, no charset can have moved a field boundary: a double-
-    byte character's trail byte only follows a lead byte above 0x7F), the rest empty. Its ACK is
-    ASCII and names no charset; an MSH-10 too long to echo is left out."""
+    byte character's trail byte only follows a lead byte above 0x7F), the rest empty. With
+    `exact_split` (no separator can be a character's trail byte, `_splits_exactly`: the byte split
+    is the field split) every field that is ASCII is kept and only the others are
+    emptied, so MSH-10 and MSH-15/16 behind a stray byte in MSH-3 still count. Its ACK is ASCII and
+    names no charset; an MSH-10 too long to echo is left out."""
     fields: list[str] = []
     for raw in raw_fields:
         if not raw.isascii():
-            break
+            if not exact_split:
+                break
+            fields.append("")
+            continue
         fields.append(raw.decode("ascii"))
     if len(fields) > 9 and len(fields[9]) > MAX_CONTROL_ID_CHARS:
         fields[9] = ""
     fields = fields[:17]  # MSH-18 named a charset that failed: the ACK names none
     return HL7Header.of_fields(fields, field_separator=fs, encoding_characters=encoding_characters, encoding="ascii")
+
+
+def _splits_exactly(segment: bytes, fs: int) -> bool:
+    """True when no byte above 0x7F stands right before a field separator: then no double-byte
+    character can have a separator for its trail byte (its lead byte is above 0x7F), whatever the
+    charset, and the byte split is the field split."""
+    return not any(b > 0x7F for b in (segment[i - 1] for i in _positions(segment, fs) if i > 0))
+
+
+def _positions(data: bytes, byte: int) -> list[int]:
+    found, at = [], data.find(byte)
+    while at >= 0:
+        found.append(at)
+        at = data.find(byte, at + 1)
+    return found
 
 
 def _ascii_control_id(raw_fields: list[bytes]) -> str:
