@@ -16,6 +16,7 @@ from include.keys_config import parse_keys
 from include.store import Store
 from include.store import keys as K
 from include.store.lease import read_lease
+from tests.dags.stores import rows
 from tests.support.hostile import adt
 from tests.support.staging import insert_inbound
 from tests.test_airflow_view import (  # noqa: F401 (fixtures)
@@ -33,8 +34,8 @@ RULES = parse_keys({"keys": {"mrn": "PID-3.1"}})
 
 
 def patient_p1_twice_more(store_config) -> list[int]:
-    """Two more messages of patient P1 (the fixture sent VIEW0-2 for P0-P2), then the keys indexed
-    as the route task would."""
+    """Two more messages of patient P1 (the fixture sent VIEW0-2 for P0-P2), then the keys of every
+    staged message indexed, as the route task does for what it claims."""
     s = Store(store_config)
     try:
         epoch = read_lease(s).epoch
@@ -51,7 +52,9 @@ def patient_p1_twice_more(store_config) -> list[int]:
                 )
                 for n in range(2)
             ]
-        K.index(s, RULES, ids)
+        staged = [int(r["id"]) for r in rows(s, "SELECT id FROM stage_inbound")]
+        assert set(ids) < set(staged)
+        K.index(s, RULES, staged)
         return ids
     finally:
         s.close()
