@@ -7,8 +7,8 @@ message and key; the route waits for it before its finalize (`index_alongside`).
 claimed by the route before it can be routed — a replay too — so every message is indexed, however
 late its ingest committed; a re-run writes each key once. The earlier indexer read stage_inbound in
 id order behind a mark and skipped for good a message whose commit came later than the mark's
-settle time. The mark (`key_progress`) now only bounds the catch-up of messages routed before
-store version 18 (`catch_up`).
+settle time. The mark (`key_progress`) now only drives the catch-up of the messages staged before
+store version 18 that it had not reached (`catch_up`).
 
 A failure to index a batch is retried once and then logged, never raised: it costs the search
 those messages' keys, never a message its route.
