@@ -314,8 +314,11 @@ def _shape(header: HL7Header, sending_application: str | None, sending_facility:
 def _new_shape(header: HL7Header, sending_application: str | None, sending_facility: str | None) -> _AckShape:
     fs = header.field_separator
     enc = header.encoding_characters
+
+    def raw(value: str) -> str:
+        return _echoed(value, enc[2])
+
     plain = _escaper(fs, enc)
-    raw = _strip_controls
     app = raw(header.receiving_application)
     if sending_application is not None:
         app = plain(sending_application)
@@ -390,6 +393,22 @@ def _escaper(fs: str, enc: str) -> Callable[[str], str]:
 
 
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
+
+MAX_ECHOED_CHARS = 227
+"""The most of one inbound header field (MSH-3..6, MSH-9, MSH-11, MSH-12, MSH-18; BHS-3..6) an ACK
+echoes: HD's length in v2.5.1, the longest of them. A sender's 50 KB MSH-3 is not sent back."""
+
+
+def _echoed(value: str, escape_character: str) -> str:
+    """`value` as an ACK echoes it: control characters dropped, at most MAX_ECHOED_CHARS, never
+    cut inside an escape sequence (an odd escape character left would open one)."""
+    value = _strip_controls(value)
+    if len(value) <= MAX_ECHOED_CHARS:
+        return value
+    value = value[:MAX_ECHOED_CHARS]
+    if value.count(escape_character) % 2:
+        value = value[: value.rindex(escape_character)]
+    return value
 
 
 def _strip_controls(value: str) -> str:
@@ -534,7 +553,10 @@ def build_ack_batch(
     one ACK per message in the order received, ``BTS`` with their count."""
     fs, enc = envelope.field_separator, envelope.encoding_characters
     plain = _escaper(fs, enc)
-    raw = _strip_controls
+
+    def raw(value: str) -> str:
+        return _echoed(value, enc[2])
+
     app = plain(sending_application) if sending_application is not None else raw(envelope.receiving_application)
     fac = plain(sending_facility) if sending_facility is not None else raw(envelope.receiving_facility)
     bhs = fs.join(
@@ -550,7 +572,7 @@ def build_ack_batch(
             "",
             "",
             new_control_id(),
-            raw(envelope.control_id),
+            _strip_controls(envelope.control_id),
         ]
     )
     head = f"{bhs}\r".encode(envelope.encoding, errors="replace")

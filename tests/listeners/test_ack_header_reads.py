@@ -60,3 +60,28 @@ def test_a_double_byte_charset_keeps_only_the_fields_before_its_first_non_ascii_
         parse_header(raw)
     assert caught.value.header is not None
     assert caught.value.header.ack_types is None
+
+
+def test_a_huge_header_field_is_echoed_at_most_227_characters(daemon, store_config):
+    """HD is 227 characters in v2.5.1: a sender's 900-character MSH-3 (with an escape sequence
+    where the cut falls) comes back cut at 227, never inside the escape sequence."""
+    long_app = "A" * 225 + "\\F\\" + "B" * 600
+    (ack,) = exchange(daemon.mllp_port, [mllp(adt("H1").replace("SENDAPP", long_app, 1))], expect=1)
+    assert answer(ack) == ("AA", "H1")
+    echoed = str(ack.segment("MSH")[5])  # our MSH-5: the sender's MSH-3
+    assert echoed == "A" * 225
+    assert staged_ids(store_config) == ["H1"]
+
+
+def test_an_lf_in_msh_10_ends_the_segment_for_the_ack_the_store_and_the_stages_alike(daemon, store_config):
+    """HL7 ends a segment with CR only; listenerd, like the stages, also takes a lone LF (and CRLF)
+    for one. So "AB<LF>CD" in MSH-10 ends MSH after "AB": MSA-2 says AB, the staged control id is AB,
+    and the stages read MSH-10 as AB from the payload staged as sent."""
+    from include.hl7path import value
+
+    acks = exchange(daemon.mllp_port, [mllp(adt("AB\nCD")), mllp(adt("EF\r\nGH"))], expect=2)
+    assert [answer(a) for a in acks] == [("AA", "AB"), ("AA", "EF")]
+    assert staged_ids(store_config) == ["AB", "EF"]
+    payloads = staged_ids(store_config, "payload")
+    assert [value(p, "MSH-10") for p in payloads] == ["AB", "EF"]
+    assert "AB\nCD|P|2.5.1" in payloads[0]  # staged byte for byte
