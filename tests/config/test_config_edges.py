@@ -307,11 +307,13 @@ def test_a_long_connection_name_and_an_absurd_lane_key_are_refused(tmp_path):
     conf = conf_dir(
         tmp_path,
         f'[[inbound]]\nname = "{"n" * 65}"\nkind = "mllp"\n'
-        '[[inbound]]\nname = "b"\nkind = "mllp"\nlane_key = "PID-99999999999999999999"\n',
+        '[[inbound]]\nname = "b"\nkind = "mllp"\nlane_key = "PID-99999999999999999999"\n'
+        '[[inbound]]\nname = "c"\nkind = "mllp"\nlane_key = "PID-1000"\n',
     )
     found = problems(conf)
     assert any("inbound[0].name: " in p and "64" in p for p in found), found
-    assert any("inbound[1].lane_key: " in p and "above 999" in p for p in found), found
+    assert any("inbound[1].lane_key: " in p and "past 99999" in p for p in found), found  # the path grammar's cap
+    assert any("inbound[2].lane_key: " in p and "above 999" in p for p in found), found  # no segment has 1000 fields
     conf_dir(tmp_path, f'[[inbound]]\nname = "{"n" * 64}"\nkind = "mllp"\nlane_key = "PID-3.1"\n')
     assert problems(conf) == []
 
