@@ -35,8 +35,10 @@ TSQL = queries.load("sqlserver")
 # `audited` wraps a transition and its audit events in one statement where the dialect can
 # (PostgreSQL's data-modifying CTE); elsewhere Tx.transition runs the two statements.
 # `stage_inbound_one` is PostgreSQL's stage_inbound for a lone message, without the JSON.
-ONE_STATEMENT_ONLY = frozenset({"audited", "stage_inbound_one", "content_find_indexed"})
-"""Statements only PostgreSQL has: one-statement forms, and the content search through its trigram index."""
+# `replication_posture` reads pg_stat_replication: only PostgreSQL is run replicated (issue 28).
+ONE_STATEMENT_ONLY = frozenset({"audited", "stage_inbound_one", "content_find_indexed", "replication_posture"})
+"""Statements only PostgreSQL has: one-statement forms, the content search through its trigram index,
+and the replication posture."""
 PG = {name: sql for name, sql in queries.load("postgres").items() if name not in ONE_STATEMENT_ONLY}
 
 # sqlglot (30.x) has no THROW statement: it reads `IF @r < 0 THROW 51000, @failed, 1;` as an IF
