@@ -264,3 +264,34 @@ def test_a_promotion_under_a_running_leader_yields_one_leader_per_epoch_and_no_w
     finally:
         for store in stores.values():
             store.close()
+
+
+def test_a_frozen_primary_that_wakes_after_the_promotion_does_not_take_the_leader_key_back(replicated):
+    """A primary frozen (SIGSTOP: a stalled VM) past Patroni's ttl, woken after its standby was
+    promoted and took commits: the promoted server stays primary and keeps them. With Patroni 3.0's
+    etcd3 (v3 API) DCS the woken node overwrote the leader key unconditionally, the promoted server
+    was demoted and pg_rewind discarded what it had committed; the lab uses the v2 API, whose leader
+    update is a compare-and-swap."""
+    store = store_of(replicated)
+    try:
+        primary, standby = replicated.wait_synchronous()
+        with store.transaction() as tx:
+            tx.script("CREATE TABLE acked (n int PRIMARY KEY)")
+        replicated.pause_node(primary)
+        replicated.wait_primary(other_than=primary, timeout=60)
+
+        def commit_on_promoted() -> bool:
+            try:
+                with store.transaction() as tx:
+                    tx.script("INSERT INTO acked VALUES (1) ON CONFLICT DO NOTHING")
+                return True
+            except Exception:  # HAProxy has not marked the promoted server up yet
+                return False
+
+        wait_for(commit_on_promoted, timeout=30, what="a commit on the promoted server")
+        replicated.resume_node(primary)
+        time.sleep(replicated.timings.ttl)  # the woken Patroni runs its loops
+        assert replicated.wait_primary(timeout=30) is standby
+        assert rows_on(replicated, standby, "SELECT n FROM acked") == [(1,)]
+    finally:
+        store.close()

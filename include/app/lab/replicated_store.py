@@ -376,6 +376,7 @@ class ReplicatedStore:
             "--heartbeat-interval=100",
             "--election-timeout=1000",
             "--log-level=warn",
+            "--enable-v2=true",  # Patroni's `etcd` DCS (see _patroni_config)
         ]
 
     def _start_patroni(self, node: PgNode) -> None:
@@ -404,7 +405,11 @@ class ReplicatedStore:
             "namespace": "/stageline/",
             "name": node.name,
             "restapi": {"listen": f"127.0.0.1:{node.rest_port}", "connect_address": f"127.0.0.1:{node.rest_port}"},
-            "etcd3": {"hosts": [f"127.0.0.1:{m.client_port}" for m in self.etcd]},
+            # etcd's v2 API, not `etcd3`: Patroni 3.0's etcd3 client re-puts the leader key without a
+            # compare when its lease has expired, so a primary woken from a freeze took the key back
+            # from the standby promoted meanwhile (which then pg_rewind-ed away its commits); the v2
+            # client's leader update is a compare-and-swap on the holder's name.
+            "etcd": {"hosts": [f"127.0.0.1:{m.client_port}" for m in self.etcd]},
             "bootstrap": {
                 "dcs": {
                     "ttl": t.ttl,
