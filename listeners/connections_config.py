@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from include.schema import ConfigProblem, ConfigProblems
-from include.schema.connections import ConnectionsFile, InboundModel, file_paths
+from include.schema.connections import DEFAULT_MAX_FHIR_ELEMENTS, ConnectionsFile, InboundModel, file_paths
 from include.schema.reading import read_config_bytes
 from include.schema.rules import validate
 from listeners.profile_check import Conformance, profile_paths, read_conformance
@@ -80,6 +80,7 @@ class InboundConfig:
     batch_ack: str = "batch"  # mllp: a batch gets one ACK ("batch") or an ACK batch ("messages")
     charset: str = "utf-8"  # used when a message does not declare MSH-18
     max_message_bytes: int = 4 * 1024 * 1024
+    max_fhir_elements: int = DEFAULT_MAX_FHIR_ELEMENTS  # http: JSON values a FHIR body may hold
     idle_timeout_seconds: float = 300.0
     max_connections: int = 64
     max_connections_per_peer: int = 16  # per peer address (listeners/guard.py)

@@ -47,7 +47,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from listeners import access_log, batchgate
 from listeners.connections_config import InboundConfig
 from listeners.fhir_inbound import FHIR_MEDIA_TYPES, FhirRejected, build_fhir, load_models, operation_outcome
-from listeners.fhir_inbound import OFF_REACTOR_BYTES as FHIR_OFF_REACTOR_BYTES
+from listeners.fhir_pool import RETRY_AFTER_SECONDS, FhirPool, PoolFull
 from listeners.group_commit import Inbound, InboundBatch, IngestRejected, RowRefused
 from listeners.guard import guard_channels
 from listeners.linger import close_after_answers
@@ -106,6 +106,7 @@ class InboundResource(Resource):
             {name: metrics.listener(name, "http") for name in self.connections} if metrics is not None else {}
         )
         self.draining = False  # a clean stop: take nothing new, answer what was taken
+        self.fhir_pool: FhirPool | None = None  # FHIR bodies' own threads, made with the first one
 
     def connection_for(self, path: bytes) -> InboundConfig | None:
         """The connection a request path names, or None (404)."""
@@ -178,11 +179,11 @@ class InboundResource(Resource):
         build: Callable[[], Inbound | InboundBatch],
         size: int,
     ) -> int:
-        """Build a large body (a batch of thousands of messages is split, each validated; a FHIR
-        Bundle validated) on a thread, so the reactor's turn stays short whatever the body holds;
-        requests on one connection are handled one at a time, so nothing is reordered. Large
-        bodies take turns process-wide (listeners/batchgate.py) until answered: building one holds
-        many times its size until it is committed."""
+        """Build a large HL7 body (a batch of thousands of messages is split, each validated) on a
+        thread, so the reactor's turn stays short whatever the body holds; requests on one
+        connection are handled one at a time, so nothing is reordered. Large bodies take turns
+        process-wide (listeners/batchgate.py) until answered: building one holds many times its
+        size until it is committed."""
 
         def work() -> Deferred[None]:
             built = threads.deferToThread(build)
@@ -206,18 +207,25 @@ class InboundResource(Resource):
             return self._refuse_fhir(request, conn, too_long)
         if not body:
             return self._refuse_fhir(request, conn, FhirRejected(400, "structure", "empty body"))
+        build = partial(
+            build_fhir, body, connection=conn.name, charset=charset.lower(), max_elements=conn.max_fhir_elements
+        )
+        if self.fhir_pool is None:
+            from twisted.internet import reactor
+
+            self.fhir_pool = FhirPool(reactor)
+        try:  # never on the reactor, never in the large-input gate (listeners/fhir_pool.py)
+            built = self.fhir_pool.run(build)
+        except PoolFull as exc:
+            request.setHeader(b"retry-after", b"%d" % RETRY_AFTER_SECONDS)
+            return self._refuse_fhir(request, conn, FhirRejected(503, "transient", str(exc)))
         gone: list[bool] = []
         request.notifyFinish().addErrback(lambda _: gone.append(True))
-        build = partial(build_fhir, body, connection=conn.name, charset=charset.lower())
-        if len(body) < FHIR_OFF_REACTOR_BYTES:
-            try:
-                item = build()
-            except FhirRejected as exc:
-                return self._refuse_fhir(request, conn, exc)
-            self._submit(request, conn, gone, item)
-            return NOT_DONE_YET
-
-        return self._build_on_a_thread(request, conn, gone, build, len(body))
+        built.addCallbacks(
+            lambda item: self._submit(request, conn, gone, item), self._not_built, errbackArgs=(request, conn, gone)
+        )
+        built.addErrback(lambda f: _log.failure("answering a POST to {name} failed", f, name=conn.name))
+        return NOT_DONE_YET
 
     def _refuse_fhir(self, request: Request, conn: InboundConfig, exc: FhirRejected) -> bytes:
         # Only the status and the issue type: the diagnostics may quote the body's structure.

@@ -33,6 +33,7 @@ from include.schema.rules import Rules, refuses
 __all__ = [
     "API_ROLES",
     "DEFAULT_API_PORT",
+    "DEFAULT_MAX_FHIR_ELEMENTS",
     "ApiModel",
     "ApiTokenModel",
     "ConnectionsFile",
@@ -47,6 +48,10 @@ API_ROLES = ("viewer", "operator", "admin")
 NETWORK_KINDS = ("mllp", "tcp", "http")
 DEFAULT_API_PORT = 8470
 """`[api].port` when a connections.toml does not set it."""
+DEFAULT_MAX_FHIR_ELEMENTS = 50_000
+"""JSON values a FHIR body may hold (`listeners.fhir_inbound`): validating costs about the same per
+value whatever the shape, so this bounds one body's CPU and memory (figures: docs/performance.md);
+a transaction Bundle of 2,000 Observations holds about 42,000."""
 _NAME = r"^[A-Za-z0-9_-]+$"
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SQL_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")  # as include.store.queries finds them
@@ -90,6 +95,7 @@ ONLY_FOR = {
     "framing": ("tcp",),
     "batch_ack": ("mllp",),
     "accept": ("http",),
+    "max_fhir_elements": ("http",),
 }
 """Keys that mean something for some kinds only: set on another kind they would be silently ignored."""
 
@@ -250,6 +256,13 @@ class InboundModel(Strict):
     batch_ack: Literal["batch", "messages"] = "batch"
     charset: str = Field("utf-8", description="used when a message does not declare MSH-18; HL7 table 0211")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64, le=1024**3, description="at most 1 GiB")
+    max_fhir_elements: int = Field(
+        DEFAULT_MAX_FHIR_ELEMENTS,
+        ge=100,
+        le=10_000_000,
+        description="http: the most JSON values (objects, members, array items) a FHIR body may hold; "
+        "more is refused with 413 too-costly before it is validated (100 to 10,000,000)",
+    )
     idle_timeout_seconds: Seconds = 300.0
     max_connections: Count = 64
     max_connections_per_peer: Count = 16
