@@ -18,6 +18,12 @@ route stage.
     uv run python bench/search.py [--messages 1000000] [--lookups 1000] [--route 50000 [--rounds 2] [--batch 20000]]
     (--messages 0: the route runs only)
 
+With --sqlite: the same day in a SQLite store (fsync on, WAL), content search without and with the
+FTS5 trigram index (`stageline messages content-index`: its build time and the store's size), and
+--ingest messages written 100 a transaction before and after it (what its triggers cost ingest).
+
+    uv run python bench/search.py --sqlite [--messages 1000000] [--ingest 20000]
+
 Figures: docs/performance.md ("Search").
 """
 
@@ -54,11 +60,12 @@ def execute(store: Store, *statements: str) -> None:
             cur.execute(sql)
 
 
-def fill_day(store: Store, n: int, patients: int) -> None:
-    """`n` finished messages over the last day, bodies and keys, in SQL; NEEDLE in every 100,000th."""
+def day_sql(patients: int, *, sqlite: bool = False) -> tuple[str, str, str]:
+    """The SQL of message `i`'s MRN, event and body (ADT, every third an ORU; ~400 bytes)."""
     mrn = f"'P' || lpad(CAST((CAST(i AS bigint) * 7919) % {patients} AS text), 7, '0')"
+    if sqlite:
+        mrn = f"'P' || printf('%07d', (i * 7919) % {patients})"
     event = "CASE WHEN i % 3 = 0 THEN 'R01' ELSE 'A0' || CAST(i % 8 + 1 AS text) END"
-    at = f"now() - make_interval(secs => 86400.0 * ({n} - i) / {n} + 1)"
     body = (
         "'MSH|^~\\&|' || CASE WHEN i % 3 = 0 THEN 'LAB|LABFAC' ELSE 'ADT1|HOSP' END || '|STAGELINE|SL|20261127120000||'"
         f" || CASE WHEN i % 3 = 0 THEN 'ORU^' ELSE 'ADT^' END || {event} || '|C' || CAST(i AS text) || '|P|2.5.1'"
@@ -74,6 +81,13 @@ def fill_day(store: Store, n: int, patients: int) -> None:
         " || chr(13) || 'OBX|1|NM|2345-7^GLUCOSE^LN||' || CAST(70 + i % 60 AS text) || '|mg/dL|70-99|N|||F' || chr(13)"
         " ELSE '' END"
     )
+    return mrn, event, body.replace("chr(13)", "char(13)") if sqlite else body
+
+
+def fill_day(store: Store, n: int, patients: int) -> None:
+    """`n` finished messages over the last day, bodies and keys, in SQL; NEEDLE in every 100,000th."""
+    mrn, event, body = day_sql(patients)
+    at = f"now() - make_interval(secs => 86400.0 * ({n} - i) / {n} + 1)"
     step = 250_000
     for lo in range(1, n + 1, step):
         hi = min(n, lo + step - 1)
@@ -244,6 +258,53 @@ def drain_one(
     return len(ids)
 
 
+def sqlite_rows(store: Store, lo: int, hi: int, patients: int, at: str, *, per_tx: int) -> float:
+    """Messages lo..hi (bodies too) into a SQLite store, `per_tx` a transaction; seconds taken."""
+    mrn, _, body = day_sql(patients, sqlite=True)
+    started = time.perf_counter()
+    for first in range(lo, hi + 1, per_tx):
+        last = min(hi, first + per_tx - 1)
+        series = (
+            f"(WITH RECURSIVE s(i) AS (SELECT {first} UNION ALL SELECT i + 1 FROM s WHERE i < {last}) SELECT i FROM s)"
+        )
+        execute(
+            store,
+            "INSERT INTO stage_inbound (id, message_id, control_id, connection, lane_key, status, attempts, created_at,"
+            f" updated_at) SELECT i, 'm' || printf('%031d', i), 'C' || CAST(i AS text),"
+            f" CASE WHEN i % 3 = 0 THEN 'lab-in' ELSE 'adt-in' END, {mrn}, 'done', 1, {at}, {at} FROM {series}",
+            f"INSERT INTO inbound_bodies (id, payload) SELECT i, {body} FROM {series}",
+        )
+    return time.perf_counter() - started
+
+
+def sqlite_search(args: argparse.Namespace) -> None:
+    """Content search on SQLite over a day of --messages, without and with the FTS5 trigram index
+    (`stageline messages content-index`), and what the index costs each body written."""
+    work = Path(tempfile.mkdtemp(prefix="stageline-bench-search-"))
+    store = Store(StoreConfig(backend="sqlite", path=str(work / "stageline.db"), pool_size=2))
+    migrate(store, cluster_name="bench")
+    n, tail = args.messages, args.ingest
+    now_ms = int(time.time() * 1000)
+    day = f"{now_ms} - 86400000 * ({n} - i) / {n} - 1000"
+    seconds = sqlite_rows(store, 1, n, args.patients, day, per_tx=100_000)
+    print(f"filled {n:,} messages (bodies) over the last day in {seconds:.1f} s", flush=True)
+    execute(store, "ANALYZE")
+    ingest = sqlite_rows(store, n + 1, n + tail, args.patients, f"{now_ms} + i - {n}", per_tx=100)
+    print(f"wrote {tail:,} more messages, 100 a transaction, no index: {tail / ingest:,.0f} msg/s", flush=True)
+    for text in (NEEDLE, "DOE^JANE"):
+        ms, rows = content(store, text, args.repeat)
+        print(f"find --contains {text} over the day, no index: best of {args.repeat} {ms:,.0f} ms, {rows} rows")
+    ms_build, done = timed(lambda: S.create_index(store))
+    size = sum(f.stat().st_size for f in work.iterdir())
+    print(f"FTS5 trigram index over {done:,} bodies in {ms_build / 1000:.1f} s; store files now {size / 1e9:.2f} GB")
+    for text in (NEEDLE, "DOE^JANE"):
+        ms, rows = content(store, text, args.repeat)
+        print(f"find --contains {text} over the day, FTS5 index: best of {args.repeat} {ms:,.0f} ms, {rows} rows")
+    ingest = sqlite_rows(store, n + tail + 1, n + 2 * tail, args.patients, f"{now_ms} + i - {n}", per_tx=100)
+    print(f"wrote {tail:,} more messages, 100 a transaction, with the index: {tail / ingest:,.0f} msg/s", flush=True)
+    store.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=1_000_000)
@@ -253,9 +314,14 @@ def main() -> None:
     parser.add_argument("--route", type=int, default=0, help="messages for the route-cost runs (0: skip)")
     parser.add_argument("--rounds", type=int, default=2, help="route-cost runs of each side, alternating")
     parser.add_argument("--batch", type=int, default=20_000, help="the most messages a route-cost claim takes")
+    parser.add_argument("--sqlite", action="store_true", help="content search on SQLite, without and with FTS5")
+    parser.add_argument("--ingest", type=int, default=20_000, help="--sqlite: messages written to time the index")
     args = parser.parse_args()
-    if args.rounds < 1 or args.batch < 1 or args.route < 0 or args.messages < 0:
-        parser.error("--rounds and --batch must be at least 1; --route and --messages at least 0")
+    if args.rounds < 1 or args.batch < 1 or args.route < 0 or args.messages < 0 or args.ingest < 1:
+        parser.error("--rounds, --batch and --ingest must be at least 1; --route and --messages at least 0")
+    if args.sqlite:
+        sqlite_search(args)
+        return
 
     server = PostgresServer().start()
     try:

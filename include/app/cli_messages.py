@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -413,6 +414,24 @@ def requeue_cmd(
             + (f"; not dead, left alone: {', '.join(map(str, skipped))}" if skipped else "")
         ),
     )
+
+
+@messages.command("content-index")
+@click.option("--drop", is_flag=True, help="Remove it: searches read their window's bodies again.")
+@click.pass_obj
+def content_index_cmd(service_config: str | None, drop: bool) -> None:
+    """Make (or --drop) the index `messages find --contains` uses where the store has one: PostgreSQL's
+    pg_trgm index (built concurrently), SQLite's FTS5 trigram index (kept by triggers on every body
+    written from then on: ingest pays for it). docs/operations.md, "Content search"."""
+    with _opened(service_config) as store:
+        if drop:
+            search.drop_index(store)
+            click.echo("content index dropped: a content search reads its window's bodies")
+            return
+        started = time.monotonic()
+        n = search.create_index(store)
+    what = f" over {n:,} bodies" if n >= 0 else ""
+    click.echo(f"content index made{what} in {time.monotonic() - started:.1f} s")
 
 
 @messages.command("dead")

@@ -31,6 +31,13 @@ CHUNK = 500
 MAX_TEXT_CHARS = 200
 
 
+INDEXED_CHARS = 3
+"""The shortest text a trigram index (PostgreSQL's pg_trgm, SQLite's FTS5 trigram) can look up;
+a shorter one, or conditions alone, read the window's bodies."""
+FILL_CHUNK = 2_000
+"""Bodies indexed per transaction when the SQLite index is made over bodies already stored."""
+
+
 class SearchTooBroad(ValueError):
     """The search would read more than it may: its window, or its time."""
 
@@ -95,7 +102,8 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
             "pattern": pattern(store.backend, text),
             "limit": CHUNK,
         }
-        statement = "content_find_indexed" if tx.row("content_index_present")["n"] else "content_find"
+        indexed = len(text) >= INDEXED_CHARS and tx.row("content_index_present")["n"]
+        statement = "content_find_indexed" if indexed else "content_find"
         while len(found) < query.limit:
             rows = tx.all(statement, {**params, "before_id": cursor})
             for row in rows:
@@ -126,3 +134,42 @@ def _bounded(tx: Tx, timeout: float) -> Iterator[None]:
             f"the search ran past {timeout:g} s and was stopped: narrow the window (--since/--until) "
             "or add --connection"
         ) from None
+
+
+def create_index(store: Store) -> int:
+    """Make the content index the store offers (`stageline messages content-index`): PostgreSQL's
+    pg_trgm GIN index, built concurrently; SQLite's FTS5 trigram index of the bodies, kept by
+    triggers from the moment it exists and filled with the bodies already there FILL_CHUNK a
+    transaction (so ingest waits for one chunk at a time, never the whole fill). Bodies indexed
+    (PostgreSQL: -1, it does not say); ValueError on SQL Server, which has none here."""
+    if store.backend == "postgres":
+        with store.single_statement() as tx:
+            tx.execute("content_index_extension")
+            tx.execute("content_index_create")
+        return -1
+    if store.backend != "sqlite":
+        raise ValueError(f"no content index on {store.backend}: a content search reads its window's bodies")
+    with store.transaction() as tx:
+        for name in ("table", "on_insert", "on_delete", "on_update"):
+            tx.execute(f"content_index_{name}")
+        last = int(tx.row("content_index_last")["last_id"])
+    done = 0
+    for after in range(0, last, FILL_CHUNK):
+        with store.transaction() as tx:
+            done += max(
+                0, tx.execute("content_index_fill", {"after_id": after, "last_id": min(last, after + FILL_CHUNK)})
+            )
+    return done
+
+
+def drop_index(store: Store) -> None:
+    """Remove the content index (and SQLite's triggers): searches read the window's bodies again."""
+    if store.backend == "postgres":
+        with store.single_statement() as tx:
+            tx.execute("content_index_drop")
+        return
+    if store.backend != "sqlite":
+        raise ValueError(f"no content index on {store.backend}")
+    with store.transaction() as tx:
+        for name in ("drop_insert", "drop_delete", "drop_update", "drop"):
+            tx.execute(f"content_index_{name}")

@@ -153,23 +153,43 @@ def bulk(store: Store, n: int) -> None:
         )
 
 
-def test_with_the_trigram_index_postgresql_answers_the_same(pg_config_fresh):
-    store = Store(pg_config_fresh)
-    try:
-        ids = stage(store, [("adt-in", ADT.replace("DOE", "100%_x")), ("adt-in", ADT), ("lab-in", ADT)])
-        before = [found(store, text=t) for t in ("100%_x", "DOE", "%", "nothing")]
-        with store.transaction() as tx:
-            tx.conn.cursor().execute("CREATE EXTENSION IF NOT EXISTS pg_trgm")
-            tx.conn.cursor().execute(
-                "CREATE INDEX inbound_bodies_trgm ON inbound_bodies USING gin (payload gin_trgm_ops)"
-            )
-        with store.transaction(write=False) as tx:
-            assert tx.row("content_index_present")["n"] == 1
-        assert [found(store, text=t) for t in ("100%_x", "DOE", "%", "nothing")] == before
-        assert before == [[ids[0]], [ids[2], ids[1]], [ids[0]], []]
-        assert found(store, text="DOE", where=parse_where('PID-8 = "F"'), connection="lab-in") == [ids[2]]
-    finally:
-        store.close()
+def test_with_the_content_index_the_search_answers_the_same(tmp_path, store):
+    """`stageline messages content-index` makes PostgreSQL's trigram index or SQLite's FTS5 one; the
+    search then goes through it (a text of 3 characters or more) and answers as without; on SQLite
+    the triggers keep it as bodies come and go; --drop removes it."""
+    from tests.dags.stores import write_service_config
+    from tests.test_cli import run
+
+    ids = stage(store, [("adt-in", ADT.replace("DOE", "100%_x*[y]")), ("adt-in", ADT), ("lab-in", ADT)])
+    texts = ("100%_x", "DOE", "%", "x*[y]", "nothing", "DO", "OE^JANE")
+    before = [found(store, text=t) for t in texts]
+    assert before == [[ids[0]], [ids[2], ids[1]], [ids[0]], [ids[0]], [], [ids[2], ids[1]], [ids[2], ids[1]]]
+    cfg = write_service_config(tmp_path, store.config, cluster=False)
+    made = run(cfg, "messages", "content-index").stdout
+    assert made.startswith("content index made" + (" over 3 bodies" if store.backend == "sqlite" else " in"))
+    with store.transaction(write=False) as tx:
+        assert tx.row("content_index_present")["n"] == 1
+    assert [found(store, text=t) for t in texts] == before
+    assert found(store, text="DOE", where=parse_where('PID-8 = "F"'), connection="lab-in") == [ids[2]]
+    run(cfg, "messages", "content-index")  # again: nothing changes, nothing indexed twice
+    assert [found(store, text=t) for t in texts] == before
+
+    epoch = acquire_permanent(store, node_id="n1")
+    with store.transaction() as tx:  # a message after the index: found through it
+        later = insert_inbound(
+            tx, epoch=epoch, node_id="n1", message_id="late", control_id="L", connection="adt-in", payload=ADT
+        )
+    assert found(store, text="DOE") == [later, ids[2], ids[1]]
+    with store.transaction() as tx:  # retention deletes a message (its body goes with it): not found
+        tx.conn.cursor().execute(f"DELETE FROM stage_inbound WHERE id = {ids[1]}")
+    assert found(store, text="DOE") == [later, ids[2]]
+
+    assert run(cfg, "messages", "content-index", "--drop").stdout.startswith("content index dropped")
+    with store.transaction(write=False) as tx:
+        assert tx.row("content_index_present")["n"] == 0
+    assert found(store, text="DOE") == [later, ids[2]]
+    with store.transaction() as tx:  # no trigger is left behind: a body writes as before
+        insert_inbound(tx, epoch=epoch, node_id="n1", message_id="last", control_id="Z", connection="x", payload=ADT)
 
 
 def test_a_regex_that_could_backtrack_for_ever_is_refused_before_any_read():

@@ -36,9 +36,18 @@ TSQL = queries.load("sqlserver")
 # (PostgreSQL's data-modifying CTE); elsewhere Tx.transition runs the two statements.
 # `stage_inbound_one` is PostgreSQL's stage_inbound for a lone message, without the JSON.
 # `replication_posture` reads pg_stat_replication: only PostgreSQL is run replicated (issue 28).
-ONE_STATEMENT_ONLY = frozenset({"audited", "stage_inbound_one", "content_find_indexed", "replication_posture"})
-"""Statements only PostgreSQL has: one-statement forms, the content search through its trigram index,
-and the replication posture."""
+CONTENT_INDEX = frozenset(
+    name
+    for dialect in ("sqlite", "postgres")
+    for name in queries.load(dialect)
+    if name.startswith("content_index_") and name != "content_index_present"
+)
+"""The content index's statements (`stageline messages content-index`), each dialect's own; SQL Server has none."""
+ONE_STATEMENT_ONLY = (
+    frozenset({"audited", "stage_inbound_one", "content_find_indexed", "replication_posture"}) | CONTENT_INDEX
+)
+"""Statements not every dialect has: PostgreSQL's one-statement forms and replication posture, and
+the content index with the search through it (PostgreSQL's trigram index, SQLite's FTS5)."""
 PG = {name: sql for name, sql in queries.load("postgres").items() if name not in ONE_STATEMENT_ONLY}
 
 # sqlglot (30.x) has no THROW statement: it reads `IF @r < 0 THROW 51000, @failed, 1;` as an IF

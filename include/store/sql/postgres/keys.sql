@@ -114,7 +114,6 @@ SELECT w.* FROM (
  LIMIT CAST(:limit AS bigint)
 
 -- name: content_find_indexed
--- PostgreSQL only: the other dialects have no trigram index (content_index_present is 0 there).
 -- The same search where the operator made the trigram index (`stageline messages content-index`):
 -- the bodies holding :pattern first (the index's bitmap), then the window.
 SELECT i.id, i.message_id, i.control_id, i.connection, i.status,
@@ -131,3 +130,13 @@ SELECT i.id, i.message_id, i.control_id, i.connection, i.status,
 -- name: content_index_present
 -- Whether the operator made the trigram index on the bodies (docs/operations.md, "Content search").
 SELECT count(*) AS n FROM pg_indexes WHERE indexname = 'inbound_bodies_trgm'
+
+-- name: content_index_extension
+CREATE EXTENSION IF NOT EXISTS pg_trgm
+
+-- name: content_index_create
+-- Concurrently (autocommit): ingest goes on while it builds.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS inbound_bodies_trgm ON inbound_bodies USING gin (payload gin_trgm_ops)
+
+-- name: content_index_drop
+DROP INDEX CONCURRENTLY IF EXISTS inbound_bodies_trgm

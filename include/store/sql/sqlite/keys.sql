@@ -91,5 +91,63 @@ SELECT w.* FROM (
  WHERE w.payload GLOB :pattern
  LIMIT :limit
 
+-- name: content_find_indexed
+-- The same search where the operator made the FTS5 trigram index (`stageline messages content-index`):
+-- the bodies holding :pattern, newest first as the index returns them (so a text most bodies hold
+-- stops at the page, not after sorting them all), then the window; CROSS JOIN keeps the index the
+-- outer loop (the planner would otherwise probe it once per row of the window).
+SELECT i.id, i.message_id, i.control_id, i.connection, i.status, i.created_at AS created_ms, b.payload
+  FROM inbound_bodies_fts f
+ CROSS JOIN stage_inbound i
+ CROSS JOIN inbound_bodies b
+ WHERE f.payload GLOB :pattern AND f.rowid < :before_id AND i.id = f.rowid AND b.id = i.id
+   AND i.created_at >= :since_ms AND i.created_at < :until_ms
+   AND (:connection IS NULL OR i.connection = :connection)
+ ORDER BY f.rowid DESC
+ LIMIT :limit
+
 -- name: content_index_present
-SELECT 0 AS n
+SELECT count(*) AS n FROM sqlite_master WHERE type = 'table' AND name = 'inbound_bodies_fts'
+
+-- name: content_index_table
+-- An FTS5 index of the bodies by trigram, case-sensitive (so GLOB, the search's operator, uses it),
+-- reading its text from inbound_bodies (external content: no second copy of each body).
+CREATE VIRTUAL TABLE IF NOT EXISTS inbound_bodies_fts
+ USING fts5(payload, content = 'inbound_bodies', content_rowid = 'id', tokenize = 'trigram case_sensitive 1')
+
+-- name: content_index_on_insert
+CREATE TRIGGER IF NOT EXISTS inbound_bodies_fts_insert AFTER INSERT ON inbound_bodies BEGIN
+  INSERT INTO inbound_bodies_fts (rowid, payload) VALUES (new.id, new.payload);
+END
+
+-- name: content_index_on_delete
+CREATE TRIGGER IF NOT EXISTS inbound_bodies_fts_delete AFTER DELETE ON inbound_bodies BEGIN
+  INSERT INTO inbound_bodies_fts (inbound_bodies_fts, rowid, payload) VALUES ('delete', old.id, old.payload);
+END
+
+-- name: content_index_on_update
+CREATE TRIGGER IF NOT EXISTS inbound_bodies_fts_update AFTER UPDATE ON inbound_bodies BEGIN
+  INSERT INTO inbound_bodies_fts (inbound_bodies_fts, rowid, payload) VALUES ('delete', old.id, old.payload);
+  INSERT INTO inbound_bodies_fts (rowid, payload) VALUES (new.id, new.payload);
+END
+
+-- name: content_index_last
+-- The newest body when the triggers began: what the fill covers (the triggers index what follows).
+SELECT coalesce(max(id), 0) AS last_id FROM inbound_bodies
+
+-- name: content_index_fill
+-- One chunk of the bodies that were there before the index, by id range.
+INSERT INTO inbound_bodies_fts (rowid, payload)
+SELECT id, payload FROM inbound_bodies WHERE id > :after_id AND id <= :last_id
+
+-- name: content_index_drop_insert
+DROP TRIGGER IF EXISTS inbound_bodies_fts_insert
+
+-- name: content_index_drop_delete
+DROP TRIGGER IF EXISTS inbound_bodies_fts_delete
+
+-- name: content_index_drop_update
+DROP TRIGGER IF EXISTS inbound_bodies_fts_update
+
+-- name: content_index_drop
+DROP TABLE IF EXISTS inbound_bodies_fts
