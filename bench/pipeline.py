@@ -22,12 +22,17 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
               Spark's noop sink (no store I/O), best of two runs each, printed side by side
+    fhir      (--fhir N) N other corpus messages staged, routed (one route: ADT, ORU, ORM) and
+              transformed to FHIR R4 Bundles (`output = "fhir-r4"`, spark_jobs/hl7_fhir.py) through the
+              store like the main run, beside bench/peers/fhir_peer.py building the same Bundles with
+              python-hl7 and dicts in memory, one process and one per core, in the same invocation
+              (--fhir-only: this and the warm-up alone)
 
 Figures are messages/s (a message is one inbound row; fan-out makes ~1.6 routed rows each) and
 seconds per phase. Latency under the real scheduler: bench/latency.py.
 
     uv run python bench/pipeline.py [--messages 100000] [--batch 20000] [--backend postgres] [--deliver-seconds 120]
-                                    [--code-hook 20000]
+                                    [--code-hook 20000] [--fhir 20000 [--fhir-only]]
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
-from bench.peers import all_cores, durable_pipeline, python_pipeline  # noqa: E402
+from bench.peers import all_cores, durable_pipeline, fhir_peer, python_pipeline  # noqa: E402
 from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
 from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.config import StoreConfig  # noqa: E402
@@ -102,6 +107,20 @@ SPECS: list[dict[str, Any]] = [
     {"destination": "bedboard", "output": "json", "rules": [{"copy": "PID-3.1", "to": "PID-2"}]},
 ]
 LOOKUPS = {"patient_class": {"I": "IN", "O": "OUT", "E": "EMER"}}
+FHIR_ROUTES: list[dict[str, Any]] = [
+    {
+        "name": "to-fhir",
+        "destinations": ["fhir"],
+        "when": {"field": "MSH-9.1", "op": "in", "value": ["ADT", "ORU", "ORM"]},
+    }
+]
+FHIR_SPECS: list[dict[str, Any]] = [
+    {
+        "destination": "fhir",
+        "output": "fhir-r4",
+        "fhir": {"identifier_systems": {"HOSP": "urn:oid:2.16.840.1.113883.19.7"}, "timezone": "+01:00"},
+    }
+]
 
 
 def destinations(out: Path) -> dict[str, Any]:
@@ -112,7 +131,7 @@ def destinations(out: Path) -> dict[str, Any]:
             "directory": str(out / name),
             **({"lane": "PID-3.1"} if name != "archive" else {}),
         }
-        for name in ("ehr", "lab", "bedboard", "archive")
+        for name in ("ehr", "lab", "bedboard", "archive", "fhir")
     ]
     for s in specs:
         Path(s["directory"]).mkdir(parents=True, exist_ok=True)
@@ -310,6 +329,52 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
     ]
 
 
+def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any], n: int, batch: int) -> list[str]:
+    """Route + transform of `n` messages to FHIR Bundles through the store, and the peers (module
+    docstring); the figure lines."""
+    from include.transforms_config import parse_transforms
+
+    payloads = corpus(n, seed=27)
+    before = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'")
+    stage_backlog(store, payloads, epoch)
+    phases, tphases = Phases(), Phases()
+    seconds = []
+    stages = (
+        (phases, ROUTE, lambda frame, run: frame.transform(routed_rows, parse_routes(FHIR_ROUTES), run_id=run)),
+        (
+            tphases,
+            TRANSFORM,
+            lambda frame, run: frame.transform(transform_job.outbound_rows, FHIR_SPECS, {}, dests, run_id=run),
+        ),
+    )
+    for stage_phases, stage, job in stages:
+        started = time.perf_counter()
+        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set())
+        seconds.append(time.perf_counter() - started)
+    route_s, transform_s = seconds
+    bundles = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'") - before
+    assert bundles == n, (bundles, n)  # every message of the corpus is an ADT, ORU or ORM
+    rate = n / (route_s + transform_s)
+    options = parse_transforms(FHIR_SPECS)[0].fhir
+    assert options is not None
+    started = time.perf_counter()
+    peer_counts = fhir_peer.run(payloads, options)
+    peer_rate = n / (time.perf_counter() - started)
+    workers = all_cores.cores()
+    wide_s, wide_counts = all_cores.fhir(payloads, options, workers=workers)
+    assert wide_counts == peer_counts, (wide_counts, peer_counts)
+    wide_rate = n / wide_s
+    return [
+        f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.line()}) and transformed to FHIR R4 "
+        f"Bundles in {transform_s:.1f} s ({tphases.line()}); peer: {peer_counts}",
+        "| route + transform to FHIR R4 | msg/s | Stageline ÷ it |",
+        "|---|---|---|",
+        f"| Stageline (Spark Connect, local[*], through the store) | {rate:,.0f} | |",
+        f"| peer: python-hl7 + dicts + json.dumps, 1 process, in memory | {peer_rate:,.0f} | {rate / peer_rate:.2f}× |",
+        f"| the peer on {workers} processes | {wide_rate:,.0f} | {rate / wide_rate:.2f}× |",
+    ]
+
+
 def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
     """Route and transform `payloads` into Spark's noop sink twice (no store I/O): a fresh JVM
     interprets Spark's expression code until its JIT has compiled it, which the first large batch
@@ -379,6 +444,14 @@ def main() -> None:
         metavar="ROWS",
         help="also time the lab rules native vs as a python-hl7 code hook over ROWS ORU rows (0: skip)",
     )
+    parser.add_argument(
+        "--fhir",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also route + transform N messages to FHIR R4 Bundles beside the python peer (0: skip)",
+    )
+    parser.add_argument("--fhir-only", action="store_true", help="with --fhir: skip the main pipeline run")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -466,6 +539,10 @@ def main() -> None:
                 f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
             )
 
+        if args.fhir_only:
+            print("\n".join(fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch)))
+            store.close()
+            return
         payloads = corpus(args.messages, seed=1)
         started = time.perf_counter()
         stage_backlog(store, payloads, epoch)
@@ -537,6 +614,7 @@ def main() -> None:
         if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
         hook_lines = code_hook_versus_native(spark, payloads, dests, args.code_hook) if args.code_hook else []
+        fhir_lines = fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch) if args.fhir else []
 
         started = time.perf_counter()
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)
@@ -607,6 +685,8 @@ def main() -> None:
         )
         if hook_lines:
             print("\n" + "\n".join(hook_lines))
+        if fhir_lines:
+            print("\n" + "\n".join(fhir_lines))
         if args.statements:
             print("\n" + "\n".join(times.lines()))
             if server is not None:

@@ -394,9 +394,13 @@ def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
         _nonempty(identifiers),
         _nonempty(F.transform(_field(pid, "PID", 5), _human_name)).alias("name"),
         _nonempty(
-            F.concat(
-                F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
-                F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
+            F.flatten(  # a missing PID-14 is NULL, which concat would spread to the whole list
+                F.array_compact(
+                    F.array(
+                        F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
+                        F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
+                    )
+                )
             )
         ).alias("telecom"),
         _lookup(maps.gender, _value(pid, "PID", 8)).alias("gender"),

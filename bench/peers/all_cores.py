@@ -7,6 +7,8 @@ on this machine — one worker process per core, not one loop.
         pays it once, so it is small beside the run) but not the payloads' transfer, which a worker
         reading its own input would not pay either: each worker is handed its share before the clock
         starts.
+    fhir(payloads, options, workers)
+        the FHIR peer (`fhir_peer.run`) likewise, each process converting its share.
     durable(conninfo, pipeline_args, workers, batch)
         the durable peer's claim → process → insert → finish loop (`durable_pipeline.drain`) in
         `workers` processes, each with its own connection, sharing one staged table by
@@ -26,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.peers import durable_pipeline, python_pipeline
+from bench.peers import durable_pipeline, fhir_peer, python_pipeline
 
 
 def cores() -> int:
@@ -38,7 +40,7 @@ def _merge(parts: Sequence[Mapping[str, int]]) -> dict[str, int]:
     total = python_pipeline.new_counts()
     for part in parts:
         for name, n in part.items():
-            total[name] += n
+            total[name] = total.get(name, 0) + n
     return total
 
 
@@ -124,3 +126,22 @@ def durable(
         durable_pipeline.load(conn, payloads)
     n = workers or cores()
     return _run_workers(_durable_worker, [(conninfo, (routes, specs, lookups), batch)] * n)
+
+
+def _fhir_worker(ready: Any, results: Any, payloads: list[str], options: Any) -> None:
+    ready.wait()
+    try:
+        counts = fhir_peer.run(payloads, options)
+    except Exception as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+        return
+    results.put(counts)
+
+
+def fhir(payloads: list[str], options: Any, *, workers: int | None = None) -> tuple[float, dict[str, int]]:
+    """Convert every payload to a FHIR Bundle over `workers` processes (default: one per core)."""
+    n = workers or cores()
+    share = -(-len(payloads) // n)
+    chunks = [payloads[i : i + share] for i in range(0, len(payloads), share)]
+    seconds, counts = _run_workers(_fhir_worker, [(chunk, options) for chunk in chunks])
+    return seconds, {name: counts[name] for name in ("bundles", "entries")}  # not the route peer's zeros

@@ -7,9 +7,10 @@ from __future__ import annotations
 import psycopg
 
 from bench.hl7_corpus import messages as corpus
-from bench.peers import all_cores
+from bench.peers import all_cores, fhir_peer
 from bench.peers.python_pipeline import run
-from bench.pipeline import LOOKUPS, ROUTES, SPECS
+from bench.pipeline import FHIR_SPECS, LOOKUPS, ROUTES, SPECS
+from include.transforms_config import parse_transforms
 
 
 def test_the_in_memory_peer_on_three_processes_does_the_one_process_work():
@@ -17,6 +18,14 @@ def test_the_in_memory_peer_on_three_processes_does_the_one_process_work():
     seconds, counts = all_cores.in_memory(payloads, ROUTES, SPECS, LOOKUPS, workers=3)
     assert counts == run(payloads, ROUTES, SPECS, LOOKUPS)
     assert seconds > 0
+
+
+def test_the_fhir_peer_on_three_processes_does_the_one_process_work():
+    payloads = corpus(901, seed=5)
+    options = parse_transforms(FHIR_SPECS)[0].fhir
+    _, counts = all_cores.fhir(payloads, options, workers=3)
+    assert counts == fhir_peer.run(payloads, options)
+    assert counts["bundles"] == 901 and counts["entries"] > 2 * 901
 
 
 def test_the_durable_peer_on_three_workers_claims_every_row_once(pg_config_fresh):

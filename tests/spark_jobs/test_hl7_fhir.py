@@ -21,6 +21,7 @@ from fhir.resources.R4B.bundle import Bundle
 from pyspark.sql import SparkSession
 
 from bench.hl7_corpus import messages
+from bench.peers import fhir_peer
 from include.fhir_options import FHIR_CONTENT_TYPE
 from include.transforms_config import TransformConfigError, parse_transforms
 from spark_jobs.transform_rules import transform
@@ -102,6 +103,9 @@ REFUSED = {
 }
 
 
+SEEDS: dict[tuple[str, Any], str] = {}
+
+
 @pytest.fixture(scope="module")
 def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     """Every row these tests look at, through one transform (a plan's analysis is most of a run)."""
@@ -112,6 +116,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("refused", k, p) for k, p in REFUSED.items()]
     rows += [("ruled", "a04", NO_SUBCOMPONENT)]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
+    SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
     frame = spark.createDataFrame(
         [
             (n, "ruled" if group == "ruled" else "fhir", p, "m1" if (group, key) == ("again", "first") else f"m{n}")
@@ -156,6 +161,18 @@ def test_every_adt_oru_orm_of_the_corpora_converts_and_validates(out: dict[Any, 
             assert types.count("Encounter") == len(re.findall(r"[\r\n]PV1", payload))
     assert min(kinds.values()) > 50, kinds
     assert len(CORPUS_ROWS) == 606
+
+
+def test_the_python_peer_builds_the_same_bundles_for_the_benchmark_corpus(out: dict[Any, Any]) -> None:
+    """bench/pipeline.py --fhir compares equal work: the in-memory peer's Bundles are the same JSON."""
+    options = parse_transforms([SPEC])[0].fhir
+    assert options is not None
+    compared = 0
+    for i, payload in CORPUS_ROWS.items():
+        if i >= 100:
+            assert fhir_peer.bundle(payload, SEEDS[("corpus", i)], options) == json.loads(out[("corpus", i)][1]), i
+            compared += 1
+    assert compared == 600
 
 
 def test_data_types_follow_the_v2_to_fhir_mapping(out: dict[Any, Any]) -> None:
