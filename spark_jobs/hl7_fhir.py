@@ -31,6 +31,7 @@ of several messages, an order without a patient) comes out with a NULL Bundle an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 
 from pyspark.sql import Column
@@ -67,7 +68,6 @@ _ORDER_CONTROL = {"NW": "active", "XO": "active", "SC": "active", "OK": "active"
 _ORDER_CONTROL.update({"DC": "revoked", "HD": "on-hold", "RL": "active", "CM": "completed"})
 _PRIORITY = {"S": "stat", "A": "asap", "R": "routine", "T": "urgent", "P": "routine"}
 _COMPARATORS = ("<", "<=", ">", ">=")
-_QUANTITY_TYPES = ("NM", "SN")
 _CODED_TYPES = ("CWE", "CE", "CNE", "CF")
 _DATE_TYPES = ("DT", "DTM", "TS")
 
@@ -139,8 +139,6 @@ class _Maps:
 
 
 def _literal(table: Mapping[str, str]) -> Column:
-    import json
-
     return F.from_json(F.lit(json.dumps(dict(table))), "map<string,string>")
 
 
@@ -233,7 +231,7 @@ _CONTEXT_FIELDS = (
     ("pid", _TREE),
     ("pv1", _TREE),
     ("obr", _PLACED),
-    ("obx", _PLACED),
+    ("obx", f"array<struct<seg:{_TREE},pos:int,report:int>>"),
     ("orc", _PLACED),
     ("sender", "string"),
     ("error", "string"),
@@ -250,32 +248,64 @@ def _refused(reason: Column) -> Column:
 
 
 def _context(t: Column, seed: Column) -> Column:
-    """The trees ``t`` of one message grouped for the mapping (see :func:`fhir_context`)."""
+    """The trees ``t`` of one message grouped for the mapping (see :func:`fhir_context`).
+
+    Each OBX gets the number of its OBR here, once: its cost is OBX × OBR, so a message with more
+    than :data:`MAX_GROUP_SEGMENTS` of either (or of ORC) is refused before any of that work.
+    """
+    positioned = F.transform(t, lambda s, i: F.struct(s.alias("seg"), i.alias("pos")))
+    groups = F.struct(*(_placed(positioned, name).alias(name) for name in _GROUPS))
+    return let(groups, lambda g: _grouped(t, g, seed))
+
+
+def _placed(positioned: Column, name: str) -> Column:
+    return F.filter(positioned, lambda p: _is(p["seg"], name))
+
+
+MAX_GROUP_SEGMENTS = 1000
+"""OBR, OBX or ORC segments one message may have for FHIR output (refused above: grouping them costs
+OBX × OBR, and no server takes a Bundle of that many entries)."""
+_GROUPS = ("OBR", "OBX", "ORC")
+
+
+def _grouped(t: Column, g: Column, seed: Column) -> Column:
     msh = F.try_element_at(F.filter(t, lambda s: _is(s, "MSH")), F.lit(1))
     kind, event = _value(msh, "MSH", 9, 1), _value(msh, "MSH", 9, 2)
-    positioned = F.transform(t, lambda s, i: F.struct(s.alias("seg"), i.alias("pos")))
     pid = F.try_element_at(F.filter(t, lambda s: _is(s, "PID")), F.lit(1))
     pv1 = F.try_element_at(F.filter(t, lambda s: _is(s, "PV1")), F.lit(1))
-    obr = F.filter(positioned, lambda p: _is(p["seg"], "OBR"))
+    obr = g["OBR"]
     adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
     message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
+    too_many = F.greatest(*(F.size(g[name]) for name in _GROUPS)) > MAX_GROUP_SEGMENTS
     error = (
         F.when(
             ~F.coalesce(adt | oru | orm, F.lit(False)),
             F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
         )
+        .when(
+            too_many,
+            F.lit(f"fhir-r4: more than {MAX_GROUP_SEGMENTS} OBR, OBX or ORC segments: too many for one Bundle"),
+        )
         .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
         .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
         .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
+    )
+    # The number of the OBR each OBX follows (0: none), counted only for a message within bounds.
+    obx = F.when(
+        ~too_many,
+        F.transform(
+            g["OBX"],
+            lambda x: x.withField("report", F.size(F.filter(obr, lambda r: r["pos"] < x["pos"]))),
+        ),
     )
     return F.struct(
         kind.alias("kind"),
         event.alias("event"),
         pid.alias("pid"),
         pv1.alias("pv1"),
-        obr.alias("obr"),
-        F.filter(positioned, lambda p: _is(p["seg"], "OBX")).alias("obx"),
-        F.filter(positioned, lambda p: _is(p["seg"], "ORC")).alias("orc"),
+        F.when(~too_many, obr).alias("obr"),
+        obx.alias("obx"),
+        F.when(~too_many, g["ORC"]).alias("orc"),
         # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
         F.concat_ws(
             "|",
@@ -518,7 +548,7 @@ def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column
         F.transform(
             m["obx"],
             lambda x, j: F.when(
-                _report_of(x, m) == number,
+                x["report"] == number,
                 F.struct(_uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("reference")),
             ),
         ),
@@ -537,11 +567,6 @@ def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column
         _datetime(_value(obr, "OBR", 7), maps).alias("effectiveDateTime"),
         F.when(F.size(results) > 0, results).alias("result"),
     )
-
-
-def _report_of(x: Column, m: Column) -> Column:
-    """The 1-based number of the OBR an OBX belongs to (the last one before it), 0 for none."""
-    return F.size(F.filter(m["obr"], lambda r: r["pos"] < x["pos"]))
 
 
 def _observation_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:

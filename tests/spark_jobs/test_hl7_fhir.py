@@ -24,6 +24,7 @@ from bench.hl7_corpus import messages
 from bench.peers import fhir_peer
 from include.fhir_options import FHIR_CONTENT_TYPE
 from include.transforms_config import TransformConfigError, parse_transforms
+from spark_jobs.hl7_fhir import MAX_GROUP_SEGMENTS
 from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import ADT_A01, CORPUS, NO_SUBCOMPONENT, ORM_O01, ORU_R01
 
@@ -100,6 +101,7 @@ REFUSED = {
     3: "FHS|^~\\&\rBHS|^~\\&\r" + ADT_A01 + ORM_O01.replace("\n", "\r") + "BTS|2\rFTS|1\r",
     4: "not HL7",
     5: ADT_A01.replace("ADT^A01", "ADT^A03"),
+    6: ORU_R01 + "OBX|1|NM|X^Y^L||1\r" * MAX_GROUP_SEGMENTS,  # grouping costs OBX × OBR: bounded
 }
 
 
@@ -247,6 +249,7 @@ def test_what_the_mapping_cannot_take_is_refused_with_its_reason(out: dict[Any, 
     assert refused[2] == ("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject", None)
     assert refused[3][1] is None and refused[3][0].startswith("fhir-r4: a batch of several messages")
     assert refused[4][1] is None  # not HL7: the finalize dead-letters it like any unreadable payload
+    assert refused[6] == ("fhir-r4: more than 1000 OBR, OBX or ORC segments: too many for one Bundle", None)
     assert refused[5] == ("fhir-r4: no FHIR mapping for message type ADT^A03", None)
 
 
