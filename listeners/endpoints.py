@@ -353,10 +353,21 @@ def mllp_batch_handler(
                 [build_ack(message_header(i.payload, encoding=i.charset or codec), AckCode.AA) for i in batch.items],
             )
 
+        def one_aa(f: Any = None) -> bytes:
+            # Staged: the answer is an AA whatever fails in building the ACK batch (`build_ack`'s
+            # own AA cannot fail), never the "not stored" of a failed handler.
+            if f is not None:
+                _log.critical(
+                    "ACK batch for {control_id} not built ({error}); one AA instead",
+                    control_id=envelope.control_id[:64],
+                    error=f.type.__name__ if f.type else "unknown",
+                )
+            return answer(envelope, AckCode.AA, first=text, encoding=codec)
+
         def ok(_: str) -> bytes | Deferred[bytes]:
             if conn.batch_ack == "messages":
-                return off_reactor(wiring.reactor, 100 * len(batch.items), acks)
-            return answer(envelope, AckCode.AA, first=text, encoding=codec)
+                return off_reactor(wiring.reactor, 100 * len(batch.items), acks).addErrback(one_aa)
+            return one_aa()
 
         def failed(f: Any) -> bytes:
             reason, code = rejection_reason(f)

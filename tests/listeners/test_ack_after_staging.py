@@ -6,6 +6,7 @@ listenerd, real sockets, the ACKs read by python-hl7, the staged rows checked ag
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -60,3 +61,24 @@ def test_a_positive_ack_falls_back_to_a_minimal_one_when_the_builder_fails(monke
     assert msa == "MSA#AA#X^1"
     with pytest.raises(RuntimeError):  # a negative answer is the caller's to replace (it stays negative)
         build_ack(header, AckCode.AE, reason="r")
+
+
+def test_a_staged_batch_answered_message_by_message_keeps_its_aas(tmp_path, store_config):
+    d = leading_node(tmp_path, store_config, idle_timeout_seconds=30, batch_ack="messages")
+    try:
+        members = [adt("BM1", version=ODD_VERSIONS[0]), adt("BM2")]
+        batch = "BHS|^~\\&|SENDAPP|SENDFAC|STAGELINE|HOSP|||||BATCH28\r" + "".join(members) + "BTS|2\r"
+        with socket.create_connection(("127.0.0.1", d.mllp_port), timeout=15) as s:
+            s.sendall(mllp(batch))
+            buf = b""
+            while not buf.endswith(b"\x1c\r"):
+                chunk = s.recv(65536)
+                assert chunk, "closed before the ACK batch"
+                buf += chunk
+        segments = buf.strip(b"\x0b\x1c\r").decode().split("\r")
+        answers = [s.split("|")[1:3] for s in segments if s.startswith("MSA")]
+        assert answers == [["AA", "BM1"], ["AA", "BM2"]]
+        assert segments[0].split("|")[11] == "BATCH28"  # BHS-12
+        assert staged_ids(store_config) == ["BM1", "BM2"]
+    finally:
+        d.stop()
