@@ -80,7 +80,7 @@ class _StaleConnection(OSError):
 
 class _Link:
     """A pooled MLLP connection: its socket, bytes read past the last ACK, and the control ids sent
-    on it whose answers were not awaited (control id -> MSH-15), so a late one is recognised."""
+    on it whose answers were not awaited (control id -> why not), so a late one is recognised."""
 
     def __init__(self, sock: socket.socket, dest: MllpDestination) -> None:
         self.sock = sock
@@ -91,8 +91,8 @@ class _Link:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def owe(self, control_id: str, accept: str) -> None:
-        self.owed[control_id] = accept
+    def owe(self, control_id: str, note: str) -> None:
+        self.owed[control_id] = note
         self.owed.move_to_end(control_id)
         while len(self.owed) > MAX_OWED:
             self.owed.popitem(last=False)
@@ -125,8 +125,8 @@ class _Link:
         if awaited is not None and acked == awaited:  # the answer waited for (even if sent before too)
             self.owed.pop(acked, None)
             return False
-        accept = self.owed.pop(acked, None)
-        if accept is None:
+        note = self.owed.pop(acked, None)
+        if note is None:
             if awaited is None:
                 LATE_ANSWERS["unmatched"] += 1
                 _log.warning(
@@ -138,10 +138,10 @@ class _Link:
             return False
         LATE_ANSWERS[code or "none"] += 1
         if code in ("AA", "CA"):
-            _log.info("%s: %s for %s (MSH-15 %s, not awaited)", self.name, code, acked, accept)
+            _log.info("%s: %s for %s (%s, not awaited)", self.name, code, acked, note)
         else:
             reason = printable(hl7_value(text, "MSA-3") or hl7_value(text, "ERR-8") or "")
-            why = f"{self.name}: late refusal {printable(code)} for {acked} (MSH-15 {accept}, delivered once written)"
+            why = f"{self.name}: late refusal {printable(code)} for {acked} ({note})"
             why += f": {reason}" if reason else ""
             _log.warning("%s", why)
             with _late_lock:
@@ -210,13 +210,13 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
             link.sock.settimeout(max(0.001, deadline - time.monotonic()))
             link.sock.sendall(frame)
             if expected == "NE":
-                link.owe(control_id, "NE")
+                link.owe(control_id, "MSH-15 NE, delivered once written")
                 return _unanswered(dest, key, link, f"{dest.name}: sent {control_id}; MSH-15 NE asks for no ACK")
             if expected == "ER":
                 try:
                     ack = _read_answer(link, control_id, min(deadline, time.monotonic() + dest.er_wait_seconds))
                 except TimeoutError:
-                    link.owe(control_id, "ER")
+                    link.owe(control_id, "MSH-15 ER, delivered once written")
                     note = f"{dest.name}: sent {control_id}; no error within {dest.er_wait_seconds:g} s (MSH-15 ER)"
                     return _unanswered(dest, key, link, note)
             else:
@@ -232,6 +232,8 @@ def send_mllp(dest: MllpDestination, payload: str) -> DeliveryResult:
                 f"{dest.name}: connection lost before the ACK for {control_id}: {_describe(exc)}"
             )
         except TimeoutError:  # socket.timeout is TimeoutError
+            if link is not None:  # an answer that comes while it closes is named as this message's
+                link.owe(control_id, "answered after its ACK timeout; retried")
             close_quietly(link)
             hint = f"; {NE_HINT}" if accept == "NE" else ""
             return DeliveryResult.retry(f"{dest.name}: no ACK for {control_id} within {dest.timeout_seconds:g} s{hint}")

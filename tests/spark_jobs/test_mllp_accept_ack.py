@@ -183,7 +183,8 @@ class SlowReceiver:
             except OSError as exc:
                 self.received.append(f"ERR {type(exc).__name__}")
                 return
-            if not data:
+            if not data:  # the sender is done: what it is owed goes out first
+                time.sleep(self.answer_delay + 0.1)
                 conn.close()
                 return
             buf += data
@@ -310,3 +311,17 @@ def test_er_wait_longer_than_the_ack_timeout_is_refused_at_load():
     with pytest.raises(DestinationConfigError, match=r"er_wait_seconds.*must be <= timeout_seconds"):
         destination(2575, timeout_seconds=1, er_wait_seconds=3)
     assert destination(2575, timeout_seconds=1, er_wait_seconds=1).er_wait_seconds == 1
+
+
+def test_an_answer_read_while_a_timed_out_connection_closes_is_named_as_its_messages():
+    receiver = SlowReceiver(answer_delay=1.2, per_message=0.0, answers=lambda cid: "CA")
+    try:
+        dest = destination(receiver.port, timeout_seconds=1)
+        before = (LATE_ANSWERS["CA"], LATE_ANSWERS["unmatched"])
+        result = deliver(dest, with_accept_ack("T1", "AL"))
+        assert result == DeliveryResult(False, True, "ehr: no ACK for T1 within 1 s")
+        # the close read the CA that came 0.2 s after the timeout: T1's, not "no message's"
+        assert (LATE_ANSWERS["CA"], LATE_ANSWERS["unmatched"]) == (before[0] + 1, before[1])
+    finally:
+        close_connections()
+        receiver.close()
