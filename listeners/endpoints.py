@@ -41,7 +41,7 @@ from listeners.hl7msg import HL7Header
 from listeners.http_listener import make_inbound_site
 from listeners.metrics import Metrics
 from listeners.mllp_listener import MLLPConfig, MLLPFactory
-from listeners.offload import off_reactor
+from listeners.offload import SEGMENT_WEIGHT, off_reactor
 from listeners.server_tls import listen
 from listeners.stream import Intake
 from listeners.tcp import TCPFactory
@@ -275,8 +275,10 @@ def mllp_handler(
 
     def handle(message: bytes, peer: Any, header: HL7Header) -> Deferred[AckDecision]:
         if conn.conformance is not None:
-            # A profile's check is work in proportion to the message: a large one runs on a thread.
-            built = off_reactor(wiring.reactor, len(message), build, message, header)
+            # A profile's check is work in proportion to the message's bytes and its segments (a
+            # short segment costs a structure step all the same): a large one runs on a thread.
+            weight = max(len(message), message.count(b"\r") * SEGMENT_WEIGHT)
+            built = off_reactor(wiring.reactor, weight, build, message, header)
 
             def refusal(f: Any) -> AckDecision:
                 f.trap(PayloadRejected)

@@ -15,10 +15,12 @@ from typing import Any
 from twisted.internet import threads
 from twisted.internet.defer import Deferred, maybeDeferred
 
-__all__ = ["OFFLOAD_BYTES", "off_reactor"]
+__all__ = ["OFFLOAD_BYTES", "SEGMENT_WEIGHT", "off_reactor"]
 
 OFFLOAD_BYTES = 64 * 1024
 """Inputs of this size or more go to a thread (what splitting this much costs: docs/performance.md)."""
+SEGMENT_WEIGHT = 128
+"""Bytes a segment counts as when a profile checks it: 512 segments go to a thread, however short."""
 
 
 def off_reactor(reactor: Any, size: int, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:

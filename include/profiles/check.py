@@ -89,7 +89,7 @@ def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> l
         ids.append(sid)
     departure = profile.matcher(ids)
     if departure is not None:
-        found.append(_departure_finding(departure.index, departure.missing, keep))
+        found.append(_departure_finding(departure.index, departure.missing, keep, departure.costly))
     fast = profile.fast if quick and text[3:8] == "|^~\\&" else {}
     for sid, n, segment in keep:
         rules = profile.rules.get(sid)
@@ -103,7 +103,10 @@ def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> l
     return found[:MAX_FINDINGS]
 
 
-def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, int, str]]) -> Finding:
+def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, int, str]], costly: bool) -> Finding:
+    if costly:  # the work budget ran out: where it got to, and no more structure checking
+        sid, n, _ = keep[min(index, len(keep) - 1)]
+        return Finding(SEGMENT_SEQUENCE, sid, n, text="the structure is too costly to locate this departure in")
     if missing is not None:
         after = f" after {keep[index - 1][0]}" if index > 0 else ""
         return Finding(REQUIRED_MISSING, missing, 1, text=f"required segment {missing} missing{after}")

@@ -4,11 +4,11 @@
 
 A segment id is required once; ``[...]`` is optional, ``{...}`` repeats (one or more), ``[{...}]``
 any number, and ``<A|B>`` one of the alternatives — each of them a sequence. A message is matched
-by following every way through the structure at once (a set of positions in the message's segment
-list), so the work is the structure's size times the message's segments, with no backtracking.
-When it does not match, the furthest segment any way reached is the place to report: a segment
-that the structure wants there and the message lacks (101, required segment missing) when putting
-one in gets further, else the segment found there is out of place (100, segment sequence error).
+left to right against the structure as an automaton whose states are the structure's segments:
+a set of states per message segment, the step for a (set, id) pair remembered. When it does not
+fit, a segment put in where the reading stops is the answer (101, required segment missing) when
+the rest of the message then fits; else the furthest segment any reading reached is out of place
+(100). A work budget bounds all of it, so a structure built to be costly costs one finding.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ __all__ = ["Departure", "Matcher", "Node", "StructureError", "depart", "parse_st
 
 _TOKEN = re.compile(r"\s*(?:([A-Z][A-Z0-9]{2})|([\[\]{}<>|]))")
 MAX_NODES = 2000
-MAX_TRIALS = 1000
-"""Segments beyond which a departure is not tried for a missing segment (reported as found)."""
 
 
 class StructureError(ValueError):
@@ -40,10 +38,12 @@ class Node:
 @dataclass(frozen=True, slots=True)
 class Departure:
     """Where a segment list leaves the structure: ``index`` into the list (= its length when it
-    ended too soon), and ``missing``, the segment id that belongs there, if putting one in helps."""
+    ended too soon), and ``missing``, the segment id that belongs there, if putting one in helps;
+    ``costly`` when locating it went past the work budget (``index`` is as far as it got)."""
 
     index: int
     missing: str | None
+    costly: bool = False
 
 
 def parse_structure(text: str) -> Node:
@@ -110,42 +110,79 @@ def segment_ids(node: Node) -> set[str]:
     return set().union(*(segment_ids(i) for i in node.items)) if node.items else set()
 
 
-class _Walk:
-    """One matching run over a segment list; `furthest` is the furthest index any way reached.
-    Position sets are updated in place, so a repetition costs what its own segments do (a message
-    of 50,000 OBX is 50,000 steps, not 50,000 times a growing set)."""
+class _Automaton:
+    """The structure as a position automaton (Glushkov): a state is one segment of the structure,
+    and `follow` says which segments may come next. Matching walks the message once, left to right,
+    as a set of states; the next set for a (set, segment id) pair is remembered, so a feed's
+    repeated shapes cost a dictionary probe per segment. `spent` counts the uncached work."""
 
-    def __init__(self, ids: list[str]) -> None:
-        self.ids = ids
-        self.furthest = 0
+    def __init__(self, structure: Node) -> None:
+        self.names: list[str] = []
+        self.follow: list[set[int]] = []
+        nullable, first, last = self._build(structure)
+        self.start = -1
+        self.first = frozenset(first)
+        self.accept = frozenset(last) | ({self.start} if nullable else set())
+        self.next: dict[int, dict[str, frozenset[int]]] = {}  # state -> id -> the states it goes to
+        self.before: dict[str, set[int]] = {}  # segment id -> the states it may follow
+        for state, targets in [(self.start, self.first), *enumerate(self.follow)]:
+            grouped: dict[str, set[int]] = {}
+            for t in targets:
+                grouped.setdefault(self.names[t], set()).add(t)
+                self.before.setdefault(self.names[t], set()).add(state)
+            self.next[state] = {k: frozenset(v) for k, v in grouped.items()}
+        self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}
+        self.spent = 0
 
-    def advance(self, node: Node, at: set[int]) -> set[int]:
-        if not at:
-            return at
-        kind = node.kind
-        if kind == "seg":
-            ids, name, size = self.ids, node.name, len(self.ids)
-            out = {p + 1 for p in at if p < size and ids[p] == name}
-            if out:
-                self.furthest = max(self.furthest, max(out))
-            return out
-        if kind == "seq":
-            for item in node.items:
-                at = self.advance(item, at)
-            return at
-        if kind == "opt":
-            return at | self.advance(node.items[0], at)
-        if kind == "alt":
-            out = set()
-            for item in node.items:
-                out |= self.advance(item, at)
-            return out
-        reached = set(self.advance(node.items[0], at))  # rep: one or more
-        frontier = reached
-        while frontier:
-            frontier = self.advance(node.items[0], frontier) - reached
-            reached |= frontier
-        return reached
+    def _build(self, node: Node) -> tuple[bool, set[int], set[int]]:
+        if node.kind == "seg":
+            self.names.append(node.name)
+            self.follow.append(set())
+            p = len(self.names) - 1
+            return False, {p}, {p}
+        if node.kind in ("opt", "rep"):
+            nullable, first, last = self._build(node.items[0])
+            if node.kind == "rep":
+                for x in last:
+                    self.follow[x] |= first
+            return nullable or node.kind == "opt", first, last
+        parts = [self._build(item) for item in node.items]
+        if node.kind == "alt":
+            return (
+                any(n for n, _, _ in parts),
+                set().union(*(f for _, f, _ in parts)),
+                set().union(*(la for _, _, la in parts)),
+            )
+        nullable, first, last = True, set(), set()  # seq
+        for n, f, la in parts:
+            for x in last:
+                self.follow[x] |= f
+            if nullable:
+                first |= f
+            last = (last | la) if n else set(la)
+            nullable = nullable and n
+        return nullable, first, last
+
+    def step(self, states: frozenset[int], sid: str) -> frozenset[int]:
+        key = (states, sid)
+        self.spent += 1
+        out = self._steps.get(key)
+        if out is None:
+            empty: frozenset[int] = frozenset()
+            out = empty.union(*(self.next[s].get(sid, empty) for s in states))
+            self.spent += len(states) + len(out)
+            if len(self._steps) >= REMEMBER_STEPS:
+                self._steps.clear()
+            self._steps[key] = out
+        return out
+
+
+REMEMBER_STEPS = 65536
+"""Remembered (state set, segment id) steps per structure; past it the memory starts over."""
+BUDGET_PER_SEGMENT = 64
+"""Uncached work one check may spend per segment of the message (beyond a fixed allowance):
+past it the check ends with one finding instead of going on (a structure built to be costly)."""
+BUDGET_FLOOR = 200_000
 
 
 class Matcher:
@@ -155,37 +192,65 @@ class Matcher:
     def __init__(self, structure: Node, *, remember: int = 4096, longest: int = 256) -> None:
         self.structure = structure
         self.known = segment_ids(structure)
+        self.automaton = _Automaton(structure)
         self._seen: dict[tuple[str, ...], Departure | None] = {}
         self._remember = remember
         self._longest = longest  # a longer list is matched, not remembered (memory stays bounded)
 
     def __call__(self, ids: list[str]) -> Departure | None:
         if len(ids) > self._longest:
-            return depart(self.structure, ids, self.known)
+            return _depart(self.automaton, ids)
         key = tuple(ids)
         try:
             return self._seen[key]
         except KeyError:
             pass
-        found = depart(self.structure, ids, self.known)
+        found = _depart(self.automaton, ids)
         if len(self._seen) >= self._remember:
             self._seen.clear()
         self._seen[key] = found
         return found
 
 
-def depart(structure: Node, ids: list[str], known: set[str]) -> Departure | None:
+def depart(structure: Node, ids: list[str], known: set[str] | None = None) -> Departure | None:
     """None when `ids` (the message's segment ids, in order) fits `structure`, else where not.
-    `known` is `segment_ids(structure)` (the candidates for a missing segment)."""
-    walk = _Walk(ids)
-    if len(ids) in walk.advance(structure, {0}):
+    (`known` is accepted for callers of the earlier form; the automaton knows its segments.)"""
+    return _depart(_Automaton(structure), ids)
+
+
+def _depart(auto: _Automaton, ids: list[str]) -> Departure | None:
+    auto.spent = 0
+    budget = BUDGET_FLOOR + BUDGET_PER_SEGMENT * len(ids)
+    states, at = _run(auto, frozenset({auto.start}), ids, 0, budget)
+    if at is None:
+        return Departure(len(ids), None, costly=True)
+    if at == len(ids) and states & auto.accept:
         return None
-    at = walk.furthest
-    if len(ids) > MAX_TRIALS:  # a trial insertion per known segment: kept to lists of bounded length
-        return Departure(at, None)
-    for name in sorted(known):
-        trial = _Walk(ids[:at] + [name] + ids[at:])
-        ends = trial.advance(structure, {0})
-        if len(ids) + 1 in ends or trial.furthest > at + 1:
+    # A segment put in at `at` is the answer (101) when the rest of the message then fits;
+    # otherwise the place is the furthest any such try got (100 at the segment found there).
+    furthest = at
+    for name in sorted({name for s in states for name in auto.next[s]}):
+        trial = auto.step(states, name)
+        after, stop = _run(auto, trial, ids, at, budget)
+        if stop is None:
+            return Departure(furthest, None, costly=True)
+        if stop == len(ids) and after & auto.accept:
             return Departure(at, name)
-    return Departure(at, None)
+        furthest = max(furthest, stop)
+    return Departure(furthest, None)
+
+
+def _run(
+    auto: _Automaton, states: frozenset[int], ids: list[str], at: int, budget: int
+) -> tuple[frozenset[int], int | None]:
+    """Step from `states` through ids[at:]: the last non-empty set and where it stopped (None:
+    the budget ran out)."""
+    for sid in ids[at:]:
+        following = auto.step(states, sid)
+        if auto.spent > budget:
+            return states, None
+        if not following:
+            break
+        states = following
+        at += 1
+    return states, at

@@ -50,7 +50,11 @@ OBX = "OBX|1|NM|2345-7^Glucose^LN||95|mg/dL|70-99|N|||F\r"
 CRAFTED = [
     ("no PID", A01 + PV1, [("101", "PID^1", "required segment PID missing after EVN")]),
     ("no PV1", A01 + PID, [("101", "PV1^1", "required segment PV1 missing after PID")]),
-    ("EVN after PID", A01.split("\r")[0] + "\r" + PID + "EVN|A01|20240101\r" + PV1, [("101", "EVN^1", "EVN missing")]),
+    (
+        "EVN after PID",
+        A01.split("\r")[0] + "\r" + PID + "EVN|A01|20240101\r" + PV1,
+        [("100", "EVN^1", "EVN is not expected")],
+    ),
     ("PV1 twice", A01 + PID + PV1 + PV1, [("100", "PV1^2", "PV1 is not expected")]),
     ("unknown segment", A01 + PID + PV1 + "QRD|x\r", [("100", "QRD^1", "QRD is not expected")]),
     ("Z segment is fine", A01 + PID + PV1 + "ZPI|1\r", []),

@@ -1,0 +1,43 @@
+"""The structure check's work stays bounded by design (issue 27, red team): a wide structure of
+optional repeating segments and a long message departing at its end is answered at once, and a
+structure built to be costly ends in one finding instead of going on."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from include.profiles import structure
+from include.profiles.structure import Departure, Matcher, parse_structure
+
+IDS = ["Y" + a + b for a, b in itertools.product("ABCDEFGHIJKLMNOPQRSTUVWXY", repeat=2)][:390]
+WIDE = "MSH " + " ".join(f"[{{{i}}}]" for i in IDS) + " PID"
+
+
+def test_red_team_wide_structure_departing_at_the_end_is_answered_at_once():
+    matcher = Matcher(parse_structure(WIDE))
+    same = ["MSH"] + [IDS[0]] * 997 + ["QQQ"]
+    spread = ["MSH"] + [IDS[k * len(IDS) // 997] for k in range(997)] + ["QQQ"]
+    for ids in (same, spread):
+        t0 = time.perf_counter()
+        assert matcher(ids) == Departure(998, None)
+        assert time.perf_counter() - t0 < 0.25
+    assert matcher(["MSH"] + [IDS[0]] * 997) == Departure(998, "PID")
+    assert matcher(["MSH", IDS[5], IDS[7], "PID"]) is None
+
+
+def test_a_missing_segment_is_named_only_when_putting_it_in_makes_the_message_fit():
+    matcher = Matcher(parse_structure("MSH [{SFT}] EVN PID [PD1] PV1"))
+    assert matcher(["MSH", "PID", "PV1"]) == Departure(1, "EVN")
+    assert matcher(["MSH", "PID", "EVN", "PV1"]) == Departure(2, None)  # 100 at the EVN after PID
+    assert matcher(["MSH", "EVN", "PID"]) == Departure(3, "PV1")
+    assert matcher(["MSH", "EVN", "PID", "PV1", "PV1"]) == Departure(4, None)
+
+
+def test_past_the_work_budget_the_check_ends_with_one_costly_finding(monkeypatch):
+    monkeypatch.setattr(structure, "BUDGET_FLOOR", 100)
+    monkeypatch.setattr(structure, "BUDGET_PER_SEGMENT", 1)
+    # every OBX position is live at once: each new step is the structure's width in work
+    many = Matcher(parse_structure("MSH " + " ".join("[{OBX}]" for _ in range(300)) + " PID"))
+    found = many(["MSH"] + ["OBX"] * 50 + ["QQQ"])
+    assert found is not None and found.costly and found.missing is None
