@@ -11,6 +11,7 @@ after that, more says nothing the sender can use, and the work stays bounded.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ from include.profiles.load import Profile
 __all__ = ["MAX_FINDINGS", "Finding", "findings", "findings_json"]
 
 MAX_FINDINGS = 20
+MAX_TEXT = 200
+"""Characters of one finding's text the store keeps (a long rule name is cut, not a row grown)."""
+_MESSAGE_TYPE = re.compile(r"[A-Z0-9]{1,3}(?:\^[A-Z0-9]{1,3})?")
+_SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
 
 SEGMENT_SEQUENCE = "100"
 REQUIRED_MISSING = "101"
@@ -57,7 +62,8 @@ class Finding:
 
 def findings_json(found: Sequence[Finding]) -> str:
     """The findings as the store keeps them: a JSON array of {code, where, text}."""
-    return json.dumps([{"code": f.code, "where": f.where(), "text": f.text} for f in found], separators=(",", ":"))
+    kept = [{"code": f.code, "where": f.where(), "text": f.text[:MAX_TEXT]} for f in found[:MAX_FINDINGS]]
+    return json.dumps(kept, separators=(",", ":"))
 
 
 def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> list[Finding]:
@@ -75,7 +81,7 @@ def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> l
     profile = next((p for p in profiles if kind in p.message_types), None)
     if profile is None:
         types = ", ".join(sorted(t for p in profiles for t in p.message_types))
-        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"message type {kind or '(empty)'} is not one of {types}")]
+        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"{_type_named(kind)} is not one of {types}")]
     found: list[Finding] = []
     ids: list[str] = []
     counted: dict[str, int] = {}
@@ -113,7 +119,16 @@ def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, in
     if index >= len(keep):
         return Finding(REQUIRED_MISSING, keep[-1][0], keep[-1][1], text="the message ends before its required segments")
     sid, n, _ = keep[index]
-    return Finding(SEGMENT_SEQUENCE, sid, n, text=f"segment {sid} is not expected here")
+    named = f"segment {sid}" if _SEGMENT_ID.fullmatch(sid) else "a segment with an invalid id"
+    return Finding(SEGMENT_SEQUENCE, sid, n, text=f"{named} is not expected here")
+
+
+def _type_named(kind: str) -> str:
+    """MSH-9.1^9.2 named only when it has the message type's shape: anything else a sender put
+    there may be PHI, and a finding's text goes into the ACK, the log and the store."""
+    if not kind:
+        return "an empty message type"
+    return f"message type {kind}" if _MESSAGE_TYPE.fullmatch(kind) else "an unsupported message type"
 
 
 def _check_segment(

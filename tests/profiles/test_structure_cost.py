@@ -41,3 +41,21 @@ def test_past_the_work_budget_the_check_ends_with_one_costly_finding(monkeypatch
     many = Matcher(parse_structure("MSH " + " ".join("[{OBX}]" for _ in range(300)) + " PID"))
     found = many(["MSH"] + ["OBX"] * 50 + ["QQQ"])
     assert found is not None and found.costly and found.missing is None
+
+
+def test_finding_texts_never_echo_a_value_the_sender_put_in_msh_9_or_a_segment_id():
+    from include.app import ROOT
+    from include.profiles.check import findings, findings_json
+    from include.profiles.load import read_profiles
+
+    shipped = read_profiles([ROOT / "config/profiles/adt_a01.toml"])
+    phi = "DOE JANE SSN 123-45-6789 <script>" + "X" * 2000
+    body = "EVN|A01|20240101120000\rPID|1||P1^^^HOSP^MR||DOE^JANE||19800101|F\rPV1|1|I\r"
+    msg = "MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||" + phi + "^A01|C1|P|2.5.1\r" + body
+    (found,) = findings(msg, shipped)
+    assert found.code == "200" and "123-45" not in found.text and "an unsupported message type" in found.text
+    assert "123-45" not in findings_json([found]) and len(findings_json([found])) < 400
+    (typed,) = findings(msg.replace(phi + "^A01", "ADT^A03"), shipped)
+    assert typed.text.startswith("message type ADT^A03 is not one of")
+    bad_id = msg.replace(phi + "^A01", "ADT^A01") + "q1$|x\r"
+    assert [f.text for f in findings(bad_id, shipped)] == ["a segment with an invalid id is not expected here"]
