@@ -58,6 +58,8 @@ CRAFTED = [
     ("PV1 twice", A01 + PID + PV1 + PV1, [("100", "PV1^2", "PV1 is not expected")]),
     ("unknown segment", A01 + PID + PV1 + "QRD|x\r", [("100", "QRD^1", "QRD is not expected")]),
     ("Z segment is fine", A01 + PID + PV1 + "ZPI|1\r", []),
+    ("text-only CE (v2.5.1 CE has no required component)", A01 + PID + PV1 + "AL1|1|DA|^PENICILLIN|SV|RASH\r", []),
+    ("text-only OBX-3", ORU + PID + OBR.replace("2345-7^Glucose^LN", "^Glucose") + OBX.replace("2345-7^", "^"), []),
     (
         "empty PID-3",
         A01 + "PID|1||||DOE^JANE\r" + PV1,
