@@ -379,7 +379,7 @@ def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
     """Route and transform `payloads` into Spark's noop sink twice (no store I/O): a fresh JVM
     interprets Spark's expression code until its JIT has compiled it, which the first large batch
     otherwise pays for (--warm-messages)."""
-    inbound = spark.createDataFrame([(i, "bench", p, None) for i, p in enumerate(payloads)], ROUTE.schema)
+    inbound = spark.createDataFrame([(i, "bench", p, None, None) for i, p in enumerate(payloads)], ROUTE.schema)
     routed = inbound.transform(routed_rows, parse_routes(ROUTES), run_id="warm")
     claimed = (
         routed.where("status = 'pending'")

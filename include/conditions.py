@@ -19,9 +19,11 @@ of the segment / every repetition of the field: ``any`` (at least one matches) o
 least one exists and every one matches); the path then names no occurrence / repetition index.
 
 FHIR leaves (a route's `when` only: ``parse_condition(..., fhir=True)``) test a message staged from
-FHIR JSON (`listeners.fhir_inbound`): ``Type.element.element`` names a resource type and a path of
-element names into it; the leaf holds when the message is such a resource, or a Bundle with one
-among its entries, and any value at that path (every array along it is walked) passes ``op``.
+FHIR JSON by the FHIR inbound (`listeners.fhir_inbound`, which marks its rows' ``format``
+`FHIR_FORMAT`; JSON any other inbound took is never read as FHIR): ``Type.element.element`` names
+a resource type and a path of element names into it; the leaf holds when the message is such a
+resource, or a Bundle with one among its entries, and any value at that path (every array along it
+is walked) passes ``op``.
 ``{"fhir": "Patient", "op": "exists"}`` tests the resource type alone.
 
 Findings leaves (a route's `when` only, like FHIR leaves) test what a flagging conformance profile
@@ -44,6 +46,7 @@ from typing import Any, TypeGuard
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
 __all__ = [
+    "FHIR_FORMAT",
     "OPS",
     "QUANTIFIERS",
     "AllOf",
@@ -64,6 +67,8 @@ __all__ = [
 ]
 
 OPS = ("eq", "ne", "in", "regex", "exists")
+FHIR_FORMAT = "fhir"
+"""`stage_inbound.format` of a body the FHIR inbound validated: the only rows FHIR leaves read."""
 CONNECTION_OPS = ("eq", "in", "regex")
 QUANTIFIERS = ("any", "all")
 

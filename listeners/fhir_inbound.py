@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from include.conditions import FHIR_FORMAT
 from include.schema.connections import DEFAULT_MAX_FHIR_ELEMENTS as DEFAULT_MAX_ELEMENTS
 from listeners.group_commit import Inbound
 from listeners.validation import MAX_KEY_CHARS, unstorable
@@ -118,7 +119,9 @@ def build_fhir(body: bytes, *, connection: str, charset: str = "", max_elements:
     except RecursionError:
         raise FhirRejected(400, "structure", "resource nested too deeply") from None
     _validate(model, resource, resource_type)
-    return Inbound(connection=connection, payload=text, control_id=_control_id(resource), charset="utf-8")
+    return Inbound(
+        connection=connection, payload=text, control_id=_control_id(resource), charset="utf-8", format=FHIR_FORMAT
+    )
 
 
 class _Counted(dict[str, Any]):

@@ -118,6 +118,7 @@ class Inbound:
     charset: str | None = None
     message_id: str = field(default_factory=new_message_id)
     findings: str | None = None  # a flagging profile's findings, JSON (listeners/profile_check.py)
+    format: str | None = None  # "fhir": a body the FHIR inbound validated; None: HL7 v2 or other text
 
     def row(self) -> dict[str, str | None]:
         """The row `stage_inbound` takes (what `dataclasses.asdict` gave, without its deep copy)."""
@@ -129,6 +130,7 @@ class Inbound:
             "charset": self.charset,
             "message_id": self.message_id,
             "findings": self.findings,
+            "format": self.format,
         }
 
 

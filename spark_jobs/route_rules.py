@@ -15,7 +15,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from include.conditions import uses_connection, uses_fhir, uses_findings
+from include.conditions import FHIR_FORMAT, uses_connection, uses_fhir, uses_findings
 from include.routes_config import PENDING, UNROUTED, Condition, Route, parse_condition, parse_routes
 from spark_jobs.condition_columns import compile_condition as compile_over
 from spark_jobs.hl7_fields import let, with_message
@@ -57,6 +57,7 @@ def route(
     payload_col: str = "payload",
     connection_col: str = "connection",
     findings_col: str = "findings",
+    format_col: str = "format",
 ) -> DataFrame:
     """Fan messages out to destinations: one row per (source_id, destination), or one unrouted row.
 
@@ -65,7 +66,9 @@ def route(
     destination the first in config order names it, so (source_id, destination) is unique. A
     ``catch_all`` route matches when no other route does. ``connection_col`` (the inbound
     connection's name) is read only when a condition tests it, as is ``findings_col`` (the
-    message's profile findings, JSON).
+    message's profile findings, JSON), and ``format_col`` only when one tests FHIR: a `fhir`
+    condition reads a message only if the FHIR inbound staged it (format ``"fhir"``), never JSON
+    some other inbound took as text.
     Pure (no I/O, no session); use as ``messages.transform(route, routes)``.
     """
     parsed = list(routes) if routes and all(isinstance(r, Route) for r in routes) else parse_routes(routes)
@@ -76,6 +79,7 @@ def route(
         payload_col=payload_col,
         connection_col=connection_col,
         findings_col=findings_col,
+        format_col=format_col,
     ).transform(_fan_out, parsed)
 
 
@@ -87,10 +91,12 @@ def _match_routes(
     payload_col: str,
     connection_col: str,
     findings_col: str,
+    format_col: str,
 ) -> DataFrame:
     """Keep ``source_id`` and ``_matches`` (one boolean per route) from one parse of each message."""
     connection = F.col(connection_col) if any(uses_connection(r.when) for r in routes) else None
-    payload = F.col(payload_col) if any(uses_fhir(r.when) for r in routes) else None
+    fhir = any(uses_fhir(r.when) for r in routes)
+    payload = F.when(F.col(format_col) == F.lit(FHIR_FORMAT), F.col(payload_col)) if fhir else None
     findings = F.col(findings_col) if any(uses_findings(r.when) for r in routes) else None
     regular = [r for r in routes if not r.catch_all]
     if not regular:

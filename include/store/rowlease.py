@@ -304,7 +304,8 @@ def staging(
     time in autocommit — which is sound only because there the staging statement is
     self-contained (`Dialect.atomic_staging`) and the epoch check after it only reads.
 
-    `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload; a
+    `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload (and
+    optionally findings, format); a
     batch's messages also carry batch_id and batch_seq (from 1), and its first one the batch's
     record (batch_size, batch_fhs, batch_bhs, batch_declared), written to `inbound_batches` in the
     same transaction: a batch lands whole or not at all. A message_id already staged is skipped,
@@ -321,7 +322,8 @@ def staging(
     lone = lone_message(messages) if store.has_query("stage_inbound_one") else None
     if lone is not None:  # its statement writes bodies and events itself: no JSON wanted below
         batch = ""
-        rows = yield Statement("stage_inbound_one", {**lone, "epoch": epoch, "node_id": node_id})
+        optional = {"findings": None, "format": None}  # a caller's row may leave them out
+        rows = yield Statement("stage_inbound_one", {**optional, **lone, "epoch": epoch, "node_id": node_id})
     else:
         batch = json.dumps(messages)
         rows = yield Statement("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})

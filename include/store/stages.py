@@ -121,7 +121,7 @@ ROUTE = Stage(
     "route",
     INBOUND,
     "route_read_claimed",
-    "id BIGINT, connection STRING, payload STRING, findings STRING",
+    "id BIGINT, connection STRING, payload STRING, findings STRING, format STRING",
     doc="claim due inbound rows, route each by the configured rules (`routes.toml`) to its "
     "destinations, land one routed row per destination; a message no route takes is `unrouted`.",
     landing=Landing("landing_routed", ("run_id", "source_id", "destination", "route_name", "status")),

@@ -38,6 +38,7 @@ FEED = {
     6: '["Patient"]',
     7: "\r\n  " + json.dumps(PATIENT),  # JSON's white space before the object
 }
+TEXT = {8: json.dumps(PATIENT)}  # JSON an HL7 v2 inbound took as text: not staged as FHIR
 ROUTES = [
     {"name": "women", "destinations": ["w"], "when": {"fhir": "Patient.gender", "op": "eq", "value": "female"}},
     {"name": "given-j", "destinations": ["j"], "when": {"fhir": "Patient.name.given", "op": "regex", "value": "^J"}},
@@ -55,7 +56,8 @@ ROUTES = [
 
 
 def test_fhir_conditions_read_resources_and_bundle_entries_and_never_match_hl7(spark: SparkSession) -> None:
-    feed = spark.createDataFrame(list(FEED.items()), "id BIGINT, payload STRING")
+    rows = [(i, p, None if i == 3 else "fhir") for i, p in FEED.items()] + [(i, p, None) for i, p in TEXT.items()]
+    feed = spark.createDataFrame(rows, "id BIGINT, payload STRING, format STRING")
     actual = feed.transform(route, ROUTES)
     expected = routed(
         spark,
@@ -78,6 +80,7 @@ def test_fhir_conditions_read_resources_and_bundle_entries_and_never_match_hl7(s
             (7, "w", "women"),
             (7, "j", "given-j"),
             (7, "mpi", "any-patient"),
+            (8, "ng", "no-gender"),  # a Patient by its text, but no FHIR inbound staged it
         ],
     )
     assertDataFrameEqual(actual, expected)
@@ -115,6 +118,8 @@ def test_fhir_posted_over_http_is_staged_and_routed_by_the_route_stage(tmp_path,
             status, _ = post_message(port, "fhir-in", json.dumps(body).encode(), content_type="application/fhir+json")
             assert status == 202
         assert post_message(port, "fhir-in", ADT_A01.encode())[0] == 202
+        # The same Patient as text/plain: taken as text (hl7_only is off), never read as FHIR.
+        assert post_message(port, "fhir-in", json.dumps(PATIENT).encode(), content_type="text/plain")[0] == 202
     finally:
         assert node.stop() == 0
     store = Store(store_config)
@@ -129,7 +134,7 @@ def test_fhir_posted_over_http_is_staged_and_routed_by_the_route_stage(tmp_path,
             epoch=epoch,
             run_id="run-1",
         )
-        assert len(outcome.claimed) == 4 and outcome.unrouted == ()
+        assert len(outcome.claimed) == 5 and len(outcome.unrouted) == 1
         with store.transaction(write=False) as tx:
             cur = tx.conn.cursor()
             cur.execute(

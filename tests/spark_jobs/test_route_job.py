@@ -188,7 +188,8 @@ def run_once(store: Store, spark: SparkSession, epoch: int, run: str, **kwargs: 
 
 def test_transform_lands_one_decision_per_destination_and_keeps_unrouted(spark: SparkSession) -> None:
     claimed = spark.createDataFrame(
-        [(1, "mllp-in", ADT_A01, None), (2, "mllp-in", NOT_HL7, None), (3, "mllp-in", ORU_R01, None)], ROUTE.schema
+        [(1, "mllp-in", ADT_A01, None, None), (2, "mllp-in", NOT_HL7, None, None), (3, "mllp-in", ORU_R01, None, None)],
+        ROUTE.schema,
     )
     actual = routed_rows(claimed, ROUTES, run_id="r1")
     expected = spark.createDataFrame(

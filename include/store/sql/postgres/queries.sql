@@ -221,10 +221,10 @@ WITH m AS (
     SELECT * FROM json_to_recordset(CAST(:messages AS json)) AS m(
            message_id text, control_id text, connection text, lane_key text, charset text, payload text,
            batch_id text, batch_seq integer, batch_size integer, batch_fhs text, batch_bhs text,
-           batch_declared integer, findings text)),
+           batch_declared integer, findings text, format text)),
 ins AS (
-    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings)
-    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq, m.findings
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings, format)
+    SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq, m.findings, m.format
       FROM m
      WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
     ON CONFLICT (message_id) DO NOTHING
@@ -260,8 +260,8 @@ SELECT id, message_id, control_id, attempts, status, NULL AS destination, NULL A
 -- commit), its fields as plain parameters: the same rows and result, but no JSON to unpack and no
 -- batch record to consider: about a sixth less of PostgreSQL's time per commit (docs/listenerd.md).
 WITH ins AS (
-    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset)
-    SELECT :message_id, :control_id, :connection, :lane_key, :charset
+    INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, findings, format)
+    SELECT :message_id, :control_id, :connection, :lane_key, :charset, :findings, :format
      WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
     ON CONFLICT (message_id) DO NOTHING
     RETURNING id, message_id, control_id, attempts, status),
@@ -408,7 +408,7 @@ RETURNING id
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark. The connection's name is for conditions that test it.
-SELECT s.id, s.connection, b.payload, s.findings
+SELECT s.id, s.connection, b.payload, s.findings, s.format
   FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 

@@ -202,11 +202,12 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- name: stage_inbound
 -- A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op.
 -- The bodies follow in stage_inbound_bodies, in the same transaction.
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings)
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings, format)
 SELECT json_extract(m.value, '$.message_id'), json_extract(m.value, '$.control_id'),
        json_extract(m.value, '$.connection'), json_extract(m.value, '$.lane_key'),
        json_extract(m.value, '$.charset'), json_extract(m.value, '$.batch_id'),
-       json_extract(m.value, '$.batch_seq'), json_extract(m.value, '$.findings')
+       json_extract(m.value, '$.batch_seq'), json_extract(m.value, '$.findings'),
+       json_extract(m.value, '$.format')
   FROM json_each(:messages) AS m
  WHERE EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 ON CONFLICT (message_id) DO NOTHING
@@ -347,7 +348,7 @@ RETURNING id
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark. The connection's name is for conditions that test it.
-SELECT s.id, s.connection, b.payload, s.findings
+SELECT s.id, s.connection, b.payload, s.findings, s.format
   FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 

@@ -311,12 +311,12 @@ SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 -- the batch. OPENJSON's columns have the database collation, so comparisons name the column's.
 -- No body here: stage_inbound_bodies writes them next, in the same transaction (bodies_written 0),
 -- and the events follow too (events_recorded 0).
-INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings)
+INSERT INTO stage_inbound (message_id, control_id, connection, lane_key, charset, batch_id, batch_seq, findings, format)
 OUTPUT inserted.id, inserted.message_id, inserted.control_id, inserted.attempts, inserted.status,
        NULL AS destination, NULL AS detail, CAST(0 AS bit) AS events_recorded,
        CAST(0 AS bit) AS bodies_written
-SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq, m.findings
-  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.batch_id, v.batch_seq, v.findings,
+SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_id, m.batch_seq, m.findings, m.format
+  FROM (SELECT v.message_id, v.control_id, v.connection, v.lane_key, v.charset, v.batch_id, v.batch_seq, v.findings, v.format,
                ROW_NUMBER() OVER (PARTITION BY v.message_id COLLATE Latin1_General_100_BIN2
                                   ORDER BY CAST(j.[key] AS int)) AS nth
           FROM OPENJSON(:messages) AS j
@@ -328,7 +328,8 @@ SELECT m.message_id, m.control_id, m.connection, m.lane_key, m.charset, m.batch_
                charset     nvarchar(64)  '$.charset',
                batch_id    nvarchar(64)  '$.batch_id',
                batch_seq   int           '$.batch_seq',
-               findings    nvarchar(max) '$.findings') AS v) AS m
+               findings    nvarchar(max) '$.findings',
+               format      nvarchar(16)  '$.format') AS v) AS m
  WHERE m.nth = 1
    AND NOT EXISTS (SELECT 1 FROM stage_inbound AS s WITH (UPDLOCK, HOLDLOCK)
                     WHERE s.message_id = m.message_id COLLATE Latin1_General_100_BIN2)
@@ -500,7 +501,7 @@ OUTPUT deleted.id
 -- name: route_read_claimed
 -- Read-only, so Spark's schema probe running it a second time is harmless; the claim itself
 -- happened before, in one statement outside Spark. The connection's name is for conditions that test it.
-SELECT s.id, s.connection, b.payload, s.findings
+SELECT s.id, s.connection, b.payload, s.findings, s.format
   FROM stage_inbound AS s JOIN inbound_bodies AS b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
