@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from include.fhir_types import path_problem
 from include.hl7path import FieldPath, FieldPathError, parse_path
 
 __all__ = [
@@ -305,6 +306,9 @@ def _parse_fhir(cond: Mapping[str, Any], fail: Callable[[str], ConditionError]) 
             f"'Observation.code.coding.code', got {path!r}"
         )
     resource_type, *elements = path.split(".")
+    problem = path_problem(resource_type, tuple(elements))
+    if problem is not None:
+        raise fail(f"'fhir' {path!r} can never match: {problem}")
     op, value = _operand(cond, fail)
     if not elements and op != "exists":
         raise fail(f"a resource type alone ({resource_type!r}) takes op 'exists'; name an element to compare")

@@ -21,13 +21,13 @@ error kinds. The work runs on FHIR's own threads (`listeners.fhir_pool`).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from include.conditions import FHIR_FORMAT
+from include.fhir_types import model_of, why_not
 from include.schema.connections import DEFAULT_MAX_FHIR_ELEMENTS as DEFAULT_MAX_ELEMENTS
 from listeners.group_commit import Inbound
 from listeners.validation import MAX_KEY_CHARS, unstorable
@@ -71,26 +71,11 @@ def operation_outcome(code: str, diagnostics: str, issues: tuple[tuple[str, str]
 
 
 _RESOURCE_TYPE = re.compile(r"[A-Z][A-Za-z]{1,63}")
-_ABSTRACT = frozenset({"Resource", "DomainResource"})
-
-
-@functools.cache
-def _model_class(resource_type: str) -> Any:
-    """The R4B model of a concrete resource type; KeyError for anything else — a data type
-    (``HumanName``), an abstract base, or a name the package does not know. Only well-formed names
-    are looked up (and so cached): a sender's made-up ones are refused before."""
-    from fhir.resources.R4B import get_fhir_model_class
-    from fhir.resources.R4B.resource import Resource
-
-    model = get_fhir_model_class(resource_type)
-    if resource_type in _ABSTRACT or not issubclass(model, Resource):
-        raise KeyError(resource_type)
-    return model
 
 
 def load_models() -> None:
     """Import the R4B models once, before the first request (the import takes most of a second)."""
-    _model_class("Bundle")
+    model_of("Bundle")
 
 
 def build_fhir(body: bytes, *, connection: str, charset: str = "", max_elements: int = DEFAULT_MAX_ELEMENTS) -> Inbound:
@@ -222,67 +207,13 @@ def _step(key: int | str) -> str:
     return f"[{key}]" if isinstance(key, int) else f".{key}" if _ELEMENT.fullmatch(key) else ".?"
 
 
-# Resources only in R4 (4.0.1): R4B dropped or replaced them, so its models cannot validate them.
-_R4_ONLY = frozenset(
-    {
-        "EffectEvidenceSynthesis",
-        "RiskEvidenceSynthesis",
-        "MedicinalProduct",
-        "MedicinalProductAuthorization",
-        "MedicinalProductContraindication",
-        "MedicinalProductIndication",
-        "MedicinalProductIngredient",
-        "MedicinalProductInteraction",
-        "MedicinalProductManufactured",
-        "MedicinalProductPackaged",
-        "MedicinalProductPharmaceutical",
-        "MedicinalProductUndesirableEffect",
-        "SubstanceNucleicAcid",
-        "SubstancePolymer",
-        "SubstanceProtein",
-        "SubstanceReferenceInformation",
-        "SubstanceSourceMaterial",
-        "SubstanceSpecification",
-    }
-)
-# Resources R4B added: they are not R4, so an R4 inbound refuses them.
-_R4B_ONLY = frozenset(
-    {
-        "AdministrableProductDefinition",
-        "Citation",
-        "ClinicalUseDefinition",
-        "EvidenceReport",
-        "Ingredient",
-        "ManufacturedItemDefinition",
-        "MedicinalProductDefinition",
-        "NutritionProduct",
-        "PackagedProductDefinition",
-        "RegulatedAuthorization",
-        "SubscriptionStatus",
-        "SubscriptionTopic",
-    }
-)
-
-
 def _resource_model(resource_type: str, where: str) -> Any:
-    """The model for a resource type the sender gave, or `FhirRejected` saying why not (without
-    echoing anything but a well-formed type name); `where` places a nested one."""
-    at = f"{where}: " if where else ""
-    place = (where,) if where else ()
-    if resource_type in _R4_ONLY:
-        why = f"{resource_type} is an R4 resource this build cannot validate (its R4B models dropped it)"
-        raise FhirRejected(400, "not-supported", at + why, tuple((w, why) for w in place))
-    if resource_type in _R4B_ONLY:
-        why = f"{resource_type} is R4B, not an R4 resource"
-        raise FhirRejected(400, "not-supported", at + why, tuple((w, why) for w in place))
-    try:
-        if not _RESOURCE_TYPE.fullmatch(resource_type):
-            raise KeyError(resource_type)
-        return _model_class(resource_type)
-    except (KeyError, ValueError):
-        shown = "".join(c for c in resource_type[:40] if c.isalnum())
-        why = f"resourceType {shown!r} is not an R4 resource"
-        raise FhirRejected(400, "not-supported", at + why, tuple((w, why) for w in place)) from None
+    """The model for a resource type the sender gave, or `FhirRejected` saying why not
+    (`include.fhir_types`); `where` places a nested one."""
+    why = why_not(resource_type)
+    if why is not None:
+        raise FhirRejected(400, "not-supported", f"{where}: {why}" if where else why, ((where, why),) if where else ())
+    return model_of(resource_type)
 
 
 def _check_nested_types(node: Any, where: str) -> None:

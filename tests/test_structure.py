@@ -46,6 +46,7 @@ CONFIG_MODULES = (
     "include.transforms_config",
     "include.stage_config",
     "include.fhir_options",
+    "include.fhir_types",
     "include.keys_config",
     "include.charsets",
     "include.cidrs",

@@ -93,12 +93,29 @@ def test_fhir_conditions_read_resources_and_bundle_entries_and_never_match_hl7(s
         ({"fhir": "Patient", "op": "eq", "value": "x"}, "takes op 'exists'"),
         ({"fhir": "Patient.gender", "op": "eq", "value": "x", "segments": "any"}, "unknown key(s) ['segments']"),
         ({"fhir": "Patient.a.b.c.d.e.f.g.h.i", "op": "exists"}, "up to 8 element names"),
+        # Paths checked against the R4B models: one that can never match is a config error.
+        ({"fhir": "Patient.foo", "op": "exists"}, "Patient has no element 'foo'"),
+        ({"fhir": "Foo.bar", "op": "exists"}, "resourceType 'Foo' is not an R4 resource"),
+        ({"fhir": "Resource.id", "op": "exists"}, "resourceType 'Resource' is not an R4 resource"),
+        ({"fhir": "Patient.gender.code", "op": "exists"}, "Patient.gender is a primitive value"),
+        ({"fhir": "Observation.code.coding.cod", "op": "exists"}, "Observation.code.coding has no element 'cod'"),
+        ({"fhir": "SubscriptionTopic.url", "op": "exists"}, "SubscriptionTopic is R4B, not an R4 resource"),
+        ({"fhir": "MedicinalProduct", "op": "exists"}, "MedicinalProduct is an R4 resource this build cannot"),
     ],
 )
 def test_a_bad_fhir_condition_is_refused_when_the_routes_load(when: dict[str, Any], problem: str) -> None:
     with pytest.raises(RouteConfigError) as err:
         parse_routes([{"name": "r", "destinations": ["d"], "when": when}])
     assert problem in str(err.value)
+
+
+def test_paths_r4b_shares_with_r4_load_whatever_their_depth() -> None:
+    paths = ["Patient._birthDate.extension.url", "Patient.contained.gender", "Bundle.entry.resource.gender"]
+    paths += ["Observation.component.code.coding.system", "Observation.valueQuantity.value", "Patient"]
+    routes = [
+        {"name": f"r{i}", "destinations": ["d"], "when": {"fhir": p, "op": "exists"}} for i, p in enumerate(paths)
+    ]
+    assert [r.when.resource_type for r in parse_routes(routes)] == [p.split(".")[0] for p in paths]
 
 
 def test_a_transform_rule_cannot_test_fhir() -> None:
