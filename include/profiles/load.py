@@ -140,12 +140,17 @@ def _read_toml(path: Path) -> Any:
 
 def _named_files(profile: Path, names: Any, key: str, problems: list[str]) -> Iterator[tuple[str, Path, Any]]:
     """(where, path, parsed TOML) of each file a profile names under `key` (paths relative to the
-    profile); a file that cannot be read is a problem, and is skipped."""
+    profile, resolving inside its directory: a profile copied from elsewhere reads nothing else);
+    a file that cannot be read is a problem, and is skipped."""
     if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         problems.append(f"{key}: must be a list of file paths (relative to the profile)")
         return
+    home = profile.parent.resolve()
     for n, name in enumerate(names):
-        path = (profile.parent / name).resolve()
+        path = (home / name).resolve()
+        if not path.is_relative_to(home):  # absolute, `..` or a symlink out: not read, not named
+            problems.append(f"{key}[{n}]: must be a file in the profile's directory (or below it)")
+            continue
         try:
             yield f"{key}[{n}]: {path}", path, _read_toml(path)
         except ProfileError as exc:

@@ -59,3 +59,24 @@ def test_finding_texts_never_echo_a_value_the_sender_put_in_msh_9_or_a_segment_i
     assert typed.text.startswith("message type ADT^A03 is not one of")
     bad_id = msg.replace(phi + "^A01", "ADT^A01") + "q1$|x\r"
     assert [f.text for f in findings(bad_id, shipped)] == ["a segment with an invalid id is not expected here"]
+
+
+def test_a_profile_reads_no_table_or_rule_file_outside_its_own_directory(tmp_path):
+    import pytest
+
+    from include.profiles.load import ProfileError, read_profile
+
+    secret = tmp_path / "secret.toml"
+    secret.write_text('[tables.HL70001]\nvalues = ["F"]\n')
+    home = tmp_path / "profiles"
+    home.mkdir()
+    (home / "link.toml").symlink_to(secret)
+    (home / "mine.toml").write_text('[tables.HL70001]\nvalues = ["M"]\n')
+    for name in (str(secret), "../secret.toml", "link.toml"):
+        (home / "p.toml").write_text(f'message_types = ["ADT^A01"]\nstructure = "MSH PID"\ntables = ["{name}"]\n')
+        with pytest.raises(ProfileError) as refused:
+            read_profile(home / "p.toml")
+        assert "must be a file in the profile's directory" in str(refused.value)
+        assert "secret" not in str(refused.value)
+    (home / "p.toml").write_text('message_types = ["ADT^A01"]\nstructure = "MSH PID"\ntables = ["mine.toml"]\n')
+    assert read_profile(home / "p.toml").message_types
