@@ -4,8 +4,12 @@ text form an operator types (`stageline messages find --where 'PID-8 = "F"'`).
 The semantics are `spark_jobs/condition_columns.py`'s, which the route stage runs: raw values,
 missing and empty both absent, a leaf on an absent value is false (so `not` means what it says),
 `segments`/`repetitions` quantify with `any` (one passes) or `all` (one exists and all pass), a
-regex is searched. Python's `re` reads the regexes (`include.conditions` already refused the
-syntax Java would not take).
+regex is searched. The `regex` package runs the regexes (`re`'s syntax; `include.conditions`
+already refused what Java would not take), with a time limit and without holding the GIL: a search
+runs inside listenerd's API threads and the Airflow view, where a pattern that backtracks for
+ever under `re` would stop every thread of the process — its ACKs and its lease heartbeat too.
+A regex still running at the caller's deadline (or after REGEX_SECONDS on one value) raises
+RegexTooCostly.
 
 The text form, clauses joined by ` and ` (each `--where` is another clause):
 
@@ -18,9 +22,12 @@ from __future__ import annotations
 
 import re
 import shlex
+import time
 from collections.abc import Callable
 from functools import cache
 from typing import Any
+
+import regex  # type: ignore[import-untyped]  # no stubs; its API is re's plus timeout= and concurrent=
 
 from include.conditions import (
     AllOf,
@@ -106,8 +113,19 @@ def _clause(text: str, *, where: str) -> dict[str, Any]:
     return leaf
 
 
-def matches(cond: Condition, message: str | None, connection: str | None = None) -> bool:
-    """Does `message` (received on `connection`) satisfy `cond`? Never raises on content."""
+REGEX_SECONDS = 1.0
+"""The most one regex may take on one value, whatever the caller's deadline."""
+
+
+class RegexTooCostly(ValueError):
+    """A condition's regex ran past its time: the search stops with this instead of freezing."""
+
+
+def matches(
+    cond: Condition, message: str | None, connection: str | None = None, *, deadline: float | None = None
+) -> bool:
+    """Does `message` (received on `connection`) satisfy `cond`? Never raises on content, only
+    RegexTooCostly when a regex runs past `deadline` (time.monotonic()) or REGEX_SECONDS."""
     if isinstance(cond, Connection):
         if connection is None:
             return False
@@ -115,11 +133,11 @@ def matches(cond: Condition, message: str | None, connection: str | None = None)
             return connection == cond.value
         if cond.op == "in":
             return connection in (cond.value or ())
-        return _regex(str(cond.value)).search(connection) is not None
+        return _searched(str(cond.value), connection, deadline)
     if isinstance(cond, Not):
-        return not matches(cond.condition, message, connection)
+        return not matches(cond.condition, message, connection, deadline=deadline)
     if isinstance(cond, AllOf):
-        return all(matches(c, message, connection) for c in cond.conditions)
+        return all(matches(c, message, connection, deadline=deadline) for c in cond.conditions)
     if isinstance(cond, (Leaf, SegmentPresent)):
         seps = _separators(message)
         if seps is None or message is None:
@@ -127,10 +145,10 @@ def matches(cond: Condition, message: str | None, connection: str | None = None)
         segments = [s for s in _SEGMENTS.split(message.lstrip("\r\n")) if s]
         if isinstance(cond, SegmentPresent):
             return any(_is_segment(s, cond.segment, seps[0]) for s in segments)
-        return _leaf(cond, segments, seps)
+        return _leaf(cond, segments, seps, deadline)
     if isinstance(cond, (FhirLeaf, Findings)):
         return False  # `where` searches HL7 v2 (parse_condition refuses fhir and findings leaves there)
-    return any(matches(c, message, connection) for c in cond.conditions)  # AnyOf
+    return any(matches(c, message, connection, deadline=deadline) for c in cond.conditions)  # AnyOf
 
 
 def _separators(message: str | None) -> tuple[str, str, str, str] | None:
@@ -149,10 +167,10 @@ def _is_segment(segment: str, name: str, fs: str) -> bool:
     return segment == name or segment.startswith(name + fs)
 
 
-def _leaf(cond: Leaf, segments: list[str], seps: tuple[str, str, str, str]) -> bool:
+def _leaf(cond: Leaf, segments: list[str], seps: tuple[str, str, str, str], deadline: float | None) -> bool:
     fs, cs, rs, ss = seps
     path = cond.path
-    test = _test(cond)
+    test = _test(cond, deadline)
 
     def in_segment(segment: str) -> bool:
         if path.segment == "MSH" and path.field == 1:
@@ -191,7 +209,7 @@ def _quantified(quantifier: str, items: list[str], test: Callable[[str], bool]) 
     return bool(items) and all(test(i) for i in items)
 
 
-def _test(cond: Leaf) -> Callable[[str | None], bool]:
+def _test(cond: Leaf, deadline: float | None) -> Callable[[str | None], bool]:
     def test(value: str | None) -> bool:
         if not value:
             return False
@@ -202,12 +220,24 @@ def _test(cond: Leaf) -> Callable[[str | None], bool]:
         if cond.op == "in":
             return value in (cond.value or ())
         if cond.op == "regex":
-            return _regex(str(cond.value)).search(value) is not None
+            return _searched(str(cond.value), value, deadline)
         return True  # exists
 
     return test
 
 
+def _searched(pattern: str, value: str, deadline: float | None) -> bool:
+    """`pattern` searched in `value` within the time left (at most REGEX_SECONDS), the GIL released."""
+    left = max(REGEX_SECONDS if deadline is None else min(REGEX_SECONDS, deadline - time.monotonic()), 0.001)
+    try:
+        return _regex(pattern).search(value, timeout=left, concurrent=True) is not None
+    except TimeoutError:
+        raise RegexTooCostly(
+            f"a regex of the condition ran past {left:.3g} s on one value and was stopped: simplify it "
+            "(no alternatives or repeats that can match the same text in more than one way)"
+        ) from None
+
+
 @cache
-def _regex(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+def _regex(pattern: str) -> Any:
+    return regex.compile(pattern)

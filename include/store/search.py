@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from include.conditions import Condition
-from include.hl7match import matches
+from include.hl7match import RegexTooCostly, matches
 from include.store.db import ReadTimedOut, Store, Tx
 from include.store.operator import FIND_LIMIT, MAX_ROW_ID, check_page
 
@@ -108,7 +108,7 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
             rows = tx.all(statement, {**params, "before_id": cursor})
             for row in rows:
                 body = row.pop("payload")
-                if query.where is None or matches(query.where, body, row["connection"]):
+                if query.where is None or _matches(query.where, body, row["connection"], deadline):
                     found.append(row)
                     if len(found) == query.limit:
                         break
@@ -121,6 +121,14 @@ def find(store: Store, query: ContentQuery, *, timeout: float = TIMEOUT_SECONDS)
                 )
             cursor = int(rows[-1]["id"])
     return found
+
+
+def _matches(where: Condition, body: str | None, connection: str | None, deadline: float) -> bool:
+    """`where` on one body; a regex that runs past the search's deadline ends the search."""
+    try:
+        return matches(where, body, connection, deadline=deadline)
+    except RegexTooCostly as exc:
+        raise SearchTooBroad(str(exc)) from None
 
 
 @contextmanager

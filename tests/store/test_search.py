@@ -4,6 +4,9 @@ the window, wildcards taken literally, pages, and the bounds (window, time)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from include.conditions import ConditionError, parse_condition
@@ -202,3 +205,30 @@ def test_a_regex_that_could_backtrack_for_ever_is_refused_before_any_read():
     assert parse_where('PID-8 in ("F", "A,B")') == parse_condition(
         {"field": "PID-8", "op": "in", "value": ["F", "A,B"]}
     )
+
+
+def test_a_regex_that_backtracks_past_the_guard_stops_the_search_and_never_the_process(store):
+    """Red team: `(A|AA)+$` passes the nested-quantifier guard and, under Python's `re`, held the
+    GIL for minutes — listenerd's ACKs and lease heartbeat stopped with it. The search now ends with
+    SearchTooBroad, and other threads run while the regex does."""
+    stage(store, [("adt-in", ADT.replace("DOE^JANE", "A" * 5000 + "B"))])
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(S.SearchTooBroad, match="regex of the condition ran past"):
+            S.find(store, S.ContentQuery(text="MSH", where=parse_where('PID-5 ~ "(A|AA)+$"')), timeout=0.5)
+    finally:
+        stop.set()
+        ticker.join()
+    during = [t for t in ticks if t > started]
+    assert max(b - a for a, b in zip([started, *during], [*during, time.monotonic()])) < 1.0, "a thread was starved"
+    assert found(store, text="MSH", where=parse_where('PID-5 ~ "^A{5000}B$"')) != []  # a sound regex still runs
