@@ -264,7 +264,9 @@ def mllp_handler(
             reason=str(exc),
         )
         why = exc.condition
-        return AckDecision.reject(str(exc), error_code=why.code, location=why.location, more=exc.more)
+        return AckDecision.reject(
+            str(exc), error_code=why.code, location=why.location, more=exc.more, detail=exc.detail
+        )
 
     def failed(f: Any) -> AckDecision:
         reason, code = rejection_reason(f)
@@ -312,11 +314,14 @@ def mllp_batch_handler(
         encoding: str = "ascii",
         why: Condition = INTERNAL,
         more: tuple[tuple[Condition, str], ...] = (),
+        detail: str = "",
     ) -> bytes:
         if envelope is None:
             return build_fallback_ack(code, reason=reason, error_code=why.code, location=why.location)
         head = batch_header(envelope, first_message=first, encoding=encoding)
-        return build_ack(head, code, reason=reason, error_code=why.code, location=why.location, more=more)
+        return build_ack(
+            head, code, reason=reason, error_code=why.code, location=why.location, more=more, detail=detail
+        )
 
     def handle(data: bytes, peer: Any) -> Deferred[bytes]:
         # A large batch is long work to split: off the reactor (listeners/offload.py), as is its ACK batch.
@@ -342,7 +347,7 @@ def mllp_batch_handler(
             control_id=(head.control_id if head else "")[:64] or "-",
             reason=str(exc),
         )
-        return answer(head, AckCode.AR, str(exc), why=exc.condition, more=exc.more)
+        return answer(head, AckCode.AR, str(exc), why=exc.condition, more=exc.more, detail=exc.detail)
 
     def submit(batch: InboundBatch) -> Deferred[bytes]:
         envelope: BatchHeader = batch.envelope

@@ -105,6 +105,7 @@ class AckDecision:
     error_code: str = "207"  # HL7 table 0357 (`listeners.hl7errors`)
     location: Location | None = None  # ERR-2: where the fault is
     more: tuple[tuple[Condition, str], ...] = ()  # further ERRs (a profile's findings): condition, text
+    detail: str = ""  # the first ERR's own ERR-8 when it is not `reason` (a profile's first finding)
 
     def __post_init__(self) -> None:
         # Coerce "AA" -> AckCode.AA and refuse anything else early, in the handler's frame. A handler
@@ -130,8 +131,9 @@ class AckDecision:
         error_code: str = "207",
         location: Location | None = None,
         more: tuple[tuple[Condition, str], ...] = (),
+        detail: str = "",
     ) -> AckDecision:
-        return cls(AckCode.AR, reason, error_code, location, more)
+        return cls(AckCode.AR, reason, error_code, location, more, detail)
 
 
 ACCEPT = AckDecision(AckCode.AA)
@@ -189,6 +191,7 @@ def build_ack(
     control_id: str | None = None,
     now: datetime | None = None,
     more: Sequence[tuple[Condition, str]] = (),
+    detail: str = "",
 ) -> bytes:
     """ACK for ``header``: sender and receiver swapped, MSA-2 = the inbound MSH-10.
 
@@ -201,6 +204,8 @@ def build_ack(
     :param now: the ACK's MSH-7; the current UTC time by default.
     :param more: further ERR segments after the first (a profile's findings): each one's
         condition (code, location, severity) and text.
+    :param detail: the first ERR's ERR-8 when it is not ``reason`` (MSA-3 summarises a profile's
+        findings; each ERR says its own).
 
     A positive ACK cannot fail: it answers a message already staged, so were anything of the
     header to trip the builder, the answer is still an AA/CA for its MSH-10 (`minimal_ack`), never
@@ -218,7 +223,17 @@ def build_ack(
             )
             return minimal_ack(header, ack_code)
     return _build_ack(
-        header, ack_code, reason, error_code, location, sending_application, sending_facility, control_id, now, more
+        header,
+        ack_code,
+        reason,
+        error_code,
+        location,
+        sending_application,
+        sending_facility,
+        control_id,
+        now,
+        more,
+        detail,
     )
 
 
@@ -248,6 +263,7 @@ def _build_ack(
     control_id: str | None,
     now: datetime | None,
     more: Sequence[tuple[Condition, str]] = (),
+    detail: str = "",
 ) -> bytes:
     shape = _shape(header, sending_application, sending_facility)
     fs = shape.fs
@@ -261,7 +277,7 @@ def _build_ack(
         text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}MSA{fs}{positive}{fs}{acked}\r"
     else:
         msa = _msa(ack_code, acked, reason, shape.version, shape.plain, fs)
-        err = _err(error_code, reason, shape.version, shape.plain, fs, shape.enc, location)
+        err = _err(error_code, detail or reason, shape.version, shape.plain, fs, shape.enc, location)
         for why, said in more:
             err += "\r" + _err(why.code, said, shape.version, shape.plain, fs, shape.enc, why.location, why.severity)
         text = f"{shape.head}{stamp}{shape.middle}{own_id}{shape.tail}{msa}\r{err}\r"

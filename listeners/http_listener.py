@@ -328,6 +328,8 @@ def _hl7_error(exc: PayloadRejected) -> dict[str, Any]:
         "text": why.text,
         "location": why.location.text() if why.location else None,
     }
+    if exc.detail:
+        out["message"] = exc.detail  # the first finding's own rule (`error` is the summary)
     if exc.more:
         out["more"] = [
             {"code": c.code, "text": c.text, "location": c.location.text() if c.location else None, "message": said}

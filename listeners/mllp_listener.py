@@ -557,6 +557,7 @@ class MLLPProtocol(OrderedReplyProtocol):
                 error_code=decision.error_code,
                 location=decision.location,
                 more=decision.more,
+                detail=decision.detail,
                 sending_application=self._config.sending_application,
                 sending_facility=self._config.sending_facility,
             )

@@ -94,11 +94,16 @@ class PayloadRejected(ValueError):
     ``condition`` is what a negative ACK's ERR says (table 0357 code, location)."""
 
     def __init__(
-        self, reason: str, condition: Condition = INTERNAL, more: Sequence[tuple[Condition, str]] = ()
+        self,
+        reason: str,
+        condition: Condition = INTERNAL,
+        more: Sequence[tuple[Condition, str]] = (),
+        detail: str = "",
     ) -> None:
         super().__init__(reason)
         self.condition = condition
         self.more = tuple(more)  # further ERRs (condition, text): a profile's findings after the first
+        self.detail = detail  # the first ERR's own text when it is not the reason (a profile's first finding)
 
 
 _NO_MSH = Condition(SEGMENT_SEQUENCE_ERROR, Location("MSH"))
@@ -190,8 +195,9 @@ class BatchRejected(PayloadRejected):
         header: BatchHeader | None = None,
         condition: Condition = INTERNAL,
         more: Sequence[tuple[Condition, str]] = (),
+        detail: str = "",
     ) -> None:
-        super().__init__(reason, condition, more)
+        super().__init__(reason, condition, more, detail)
         self.header = header
 
 
@@ -260,8 +266,8 @@ def _build_one(
         try:
             flagged = conformance.check(text)
         except ProfileRefused as exc:
-            (first, _), *more = conditions_of(exc.findings)
-            raise PayloadRejected(str(exc), first, more) from None
+            (first, said), *more = conditions_of(exc.findings)
+            raise PayloadRejected(str(exc), first, more, said) from None
     extra = {"message_id": message_id} if message_id is not None else {}
     return Inbound(
         connection=connection,
@@ -317,6 +323,7 @@ def build_batch(
                 split.header,
                 _in_batch(exc.condition, seq, before),
                 [(_in_batch(c, seq, before), text) for c, text in exc.more],
+                exc.detail,
             ) from None
     head = split.header
     return InboundBatch(
