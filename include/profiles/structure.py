@@ -20,6 +20,9 @@ __all__ = ["Departure", "Matcher", "Node", "StructureError", "depart", "parse_st
 
 _TOKEN = re.compile(r"\s*(?:([A-Z][A-Z0-9]{2})|([\[\]{}<>|]))")
 MAX_NODES = 2000
+MAX_STEPS = 20_000
+"""Segment-to-segment steps a structure may allow (each optional repeating segment can be followed by
+every later one): the automaton's size, so its memory and the cost of a message's first pass."""
 
 
 class StructureError(ValueError):
@@ -120,6 +123,9 @@ class _Automaton:
         self.names: list[str] = []
         self.follow: list[set[int]] = []
         nullable, first, last = self._build(structure)
+        steps = len(first) + sum(map(len, self.follow))
+        if steps > MAX_STEPS:
+            raise StructureError(f"the structure allows too many ways through ({steps} steps; at most {MAX_STEPS})")
         self.start = -1
         self.first = frozenset(first)
         self.accept = frozenset(last) | ({self.start} if nullable else set())

@@ -10,8 +10,19 @@ import time
 from include.profiles import structure
 from include.profiles.structure import Departure, Matcher, parse_structure
 
-IDS = ["Y" + a + b for a, b in itertools.product("ABCDEFGHIJKLMNOPQRSTUVWXY", repeat=2)][:390]
+IDS = ["Y" + a + b for a, b in itertools.product("ABCDEFGHIJKLMNOPQRSTUVWXY", repeat=2)][:190]
 WIDE = "MSH " + " ".join(f"[{{{i}}}]" for i in IDS) + " PID"
+PAIRS = list(itertools.product("ABCDEFGHIJKLMNOPQRSTUVWXY", repeat=2))
+RED_TEAM = "MSH " + " ".join(f"[{{Y{a}{b}}}]" for a, b in PAIRS[:390]) + " PID"  # issue 27's e4_probe.py 390
+
+
+def test_the_red_team_structure_is_refused_at_load_for_its_size():
+    import pytest
+
+    from include.profiles.structure import StructureError
+
+    with pytest.raises(StructureError, match="too many ways through"):
+        Matcher(parse_structure(RED_TEAM))
 
 
 def test_red_team_wide_structure_departing_at_the_end_is_answered_at_once():
@@ -38,7 +49,7 @@ def test_past_the_work_budget_the_check_ends_with_one_costly_finding(monkeypatch
     monkeypatch.setattr(structure, "BUDGET_FLOOR", 100)
     monkeypatch.setattr(structure, "BUDGET_PER_SEGMENT", 1)
     # every OBX position is live at once: each new step is the structure's width in work
-    many = Matcher(parse_structure("MSH " + " ".join("[{OBX}]" for _ in range(300)) + " PID"))
+    many = Matcher(parse_structure("MSH " + " ".join("[{OBX}]" for _ in range(150)) + " PID"))
     found = many(["MSH"] + ["OBX"] * 50 + ["QQQ"])
     assert found is not None and found.costly and found.missing is None
 
