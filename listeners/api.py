@@ -588,7 +588,7 @@ def message_resources(state: NodeState, auth: ApiAuth) -> Resource:
         return lambda store: mask.apply(work(store))
 
     def find(request: Request) -> Any:
-        query = _search(request, auth, _fields(request, FIND_FIELDS, repeatable={"where"}))
+        query = _search(request, auth, _fields(request, FIND_FIELDS, repeatable={"where"}, blank={"contains", "where"}))
         return _deferred(request, masked(request, lambda store: {"messages": saved_searches.run(store, query)}), state)
 
     def show(ref: str) -> Callable[[Request], Any]:
@@ -745,20 +745,30 @@ class _Forbidden(ValueError):
 
 
 def _fields(
-    request: Request, allowed: frozenset[str], *, repeatable: frozenset[str] | set[str] = frozenset()
+    request: Request,
+    allowed: frozenset[str],
+    *,
+    repeatable: frozenset[str] | set[str] = frozenset(),
+    blank: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, list[str]]:
-    """The query string's non-empty fields as text; ValueError (400) for a field not in `allowed`
-    (not echoed: its name may be data) or one given twice that may not be."""
+    """The query string's non-empty fields as text, and those in `blank` even when empty (`?contains=`
+    searches for nothing: the search refuses it, as the CLI does, rather than it being dropped into an
+    unfiltered find); ValueError (400) for a field not in `allowed` (not echoed: its name may be data)
+    or one given twice that may not be."""
     fields: dict[str, list[str]] = {}
     unknown = 0
-    for raw, values in (request.args or {}).items():
+    args = dict(request.args or {})
+    for bare in re.split(rb"[&;]", request.uri.partition(b"?")[2]):  # `?contains` alone: Twisted drops it
+        if bare in {b.encode() for b in blank} and bare not in args:
+            args[bare] = [b""]
+    for raw, values in args.items():
         name = raw.decode("utf-8", "replace")
         if name not in allowed:
             unknown += 1
             continue
         if len(values) > 1 and name not in repeatable:
             raise ValueError(f"{name} given {len(values)} times: give it once")
-        texts = [v.decode("utf-8", "replace") for v in values if v]
+        texts = [v.decode("utf-8", "replace") for v in values if v or name in blank]
         if texts:
             fields[name] = texts
     if unknown:

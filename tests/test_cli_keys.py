@@ -193,3 +193,11 @@ def test_a_read_command_is_stopped_at_its_timeout_with_an_error_naming_it(tmp_pa
     assert said in run(cfg, "stages", ok=False).stderr
     assert json.loads(run(cfg, "stages", "--timeout", "60", "--json").stdout)["inbound"]["backlog"] == 200_000
     assert "0<x<=86400" in run(cfg, "stages", "--timeout", "0", ok=False).stderr
+
+
+def test_a_timeout_out_of_range_is_refused_with_the_range_nan_too(tmp_path, sqlite_config_fresh):
+    cfg = write_service_config(tmp_path, sqlite_config_fresh, cluster=False)
+    for bad in ("0", "-1", "inf", "nan", "NaN"):
+        refused = run(cfg, "messages", "find", "--timeout", bad, ok=False)
+        assert refused.returncode == 2 and "0<x<=86400" in refused.stderr, (bad, refused.stderr)
+        assert "convert" not in refused.stderr and "Traceback" not in refused.stderr, refused.stderr

@@ -30,9 +30,20 @@ def _store(service_config: str | None, timeout: float | None = None) -> Any:
     return store
 
 
+class _Seconds(click.FloatRange):
+    """A FloatRange that refuses NaN with the range's own message (NaN compares false to both ends,
+    so the range alone lets it through to fail later as a conversion error)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if seconds != seconds:
+            self.fail(f"{value!r} is not in the range {self._describe_range()}.", param, ctx)
+        return seconds
+
+
 timeout_option = click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True, max=86_400),
+    type=_Seconds(min=0, min_open=True, max=86_400),
     help="Stop a read that runs longer than this many seconds (default: [store] read_timeout_seconds, 60).",
 )
 

@@ -88,6 +88,10 @@ def test_messages_are_found_by_key_and_by_content_as_the_cli_finds_them(node):
         ("contains=HOSP&limit=0", "limit must be 1..1000"),
         ("key=mrn=P77&before_id=x", "not a number"),
         ("mrn=P77", "unknown field"),
+        ("contains=", "--contains takes 1 to"),  # an empty text is refused, not dropped into an unfiltered find
+        ("contains", "--contains takes 1 to"),
+        ("where=", "empty condition"),
+        ("contains=HOSP&where=", "empty condition"),
     ],
 )
 def test_a_bad_search_is_400_naming_what_is_wrong_and_echoing_no_value(node, query, said):
