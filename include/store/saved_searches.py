@@ -96,11 +96,16 @@ class SearchExists(ValueError):
 
 def save(store: Store, name: str, doc: Mapping[str, Any], *, actor: str, replace: bool = False) -> dict[str, Any]:
     """Save the search `name`; its checked criteria. A name that is taken is SearchExists unless
-    `replace`: saving over someone's search is said on purpose, never by a typo. `actor` is who the
+    `replace`: saving over someone's search is said on purpose, never by a typo. A name taken but for
+    case is SearchExists even with `replace` (which saves over that same name only). `actor` is who the
     caller authenticated as (the OS user, the Airflow user), never a name the caller typed."""
     checked = criteria(doc)
     params = {"name": _name(name), "query": json.dumps(checked), "actor": str(actor)[:200]}
     with store.transaction() as tx:
+        twin = tx.one("search_case_twin", params)
+        if twin is not None:  # `s1` beside `S1` would be told apart by case alone, in a list read by people
+            taken = twin["name"]
+            raise SearchExists(f"a saved search {taken} exists (names are compared ignoring case): choose another")
         if replace:
             tx.execute("search_save", params)
         elif tx.execute("search_add", params) == 0:

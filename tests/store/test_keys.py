@@ -244,6 +244,10 @@ def test_saved_searches_keep_checked_criteria_by_name(store):
         ("p1", {"key": "mrn=P2"}, "ann"),
     ]
     assert saved.get(store, "p1")["query"] == {"key": "mrn=P2"} and saved.get(store, "p2") is None
+    for name, replace in (("P1", False), ("P1", True), ("OHara", True)):  # a name told apart by case alone
+        with pytest.raises(saved.SearchExists, match="exists \\(names are compared ignoring case\\)"):
+            saved.save(store, name, {"key": "mrn=P3"}, actor="eve", replace=replace)
+    assert saved.get(store, "P1") is None and saved.get(store, "p1")["query"] == {"key": "mrn=P2"}
     assert saved.delete(store, "p1") and not saved.delete(store, "p1")
     for doc, why in (
         ({}, "at least one criterion"),

@@ -73,6 +73,10 @@ DELETE FROM message_keys
                             LIMIT :limit))
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
+-- name: search_case_twin
+-- Another saved search whose name differs from :name only by case (names are ASCII).
+SELECT name FROM saved_searches WHERE LOWER(name) = LOWER(CAST(:name AS text)) AND name <> CAST(:name AS text)
+
 -- name: search_save
 INSERT INTO saved_searches (name, query, saved_by) VALUES (CAST(:name AS text), CAST(:query AS text), CAST(:actor AS text))
 ON CONFLICT (name) DO UPDATE SET query = EXCLUDED.query, saved_by = EXCLUDED.saved_by, saved_at = now()

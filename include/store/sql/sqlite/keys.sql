@@ -58,6 +58,10 @@ DELETE FROM message_keys
                     LIMIT :limit)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
+-- name: search_case_twin
+-- Another saved search whose name differs from :name only by case (names are ASCII).
+SELECT name FROM saved_searches WHERE LOWER(name) = LOWER(:name) AND name <> :name
+
 -- name: search_save
 INSERT INTO saved_searches (name, query, saved_by) VALUES (:name, :query, :actor)
 ON CONFLICT (name) DO UPDATE SET query = excluded.query, saved_by = excluded.saved_by, saved_at = {now}

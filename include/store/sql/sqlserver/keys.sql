@@ -68,6 +68,10 @@ DELETE k
                       ORDER BY x.received_at)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
 
+-- name: search_case_twin
+-- Another saved search whose name differs from :name only by case (names are ASCII).
+SELECT name FROM saved_searches WHERE LOWER(name) = LOWER(:name) AND name <> :name
+
 -- name: search_save
 MERGE INTO saved_searches WITH (HOLDLOCK) AS s
 USING (SELECT :name AS name, :query AS query, :actor AS saved_by) AS v
