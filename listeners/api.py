@@ -19,6 +19,7 @@ without the ref.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import hmac
 import json
@@ -793,9 +794,32 @@ def _search(request: Request, auth: ApiAuth, fields: Mapping[str, list[str]]) ->
     if refused and auth.check(request.getHeader(b"authorization"), Permission.MESSAGES_READ_BODY) is not None:
         raise _Forbidden(f"{refused} need {Permission.MESSAGES_READ_BODY.value}")
     page = operator.Filters.from_query({k: v[0] for k, v in fields.items() if k in PAGE_FIELDS})
-    return saved_searches.query_for(
-        wanted, since_ms=page.since_ms, until_ms=page.until_ms, before_id=page.before_id, limit=page.limit
-    )
+    try:
+        return saved_searches.query_for(
+            wanted, since_ms=page.since_ms, until_ms=page.until_ms, before_id=page.before_id, limit=page.limit
+        )
+    except ValueError as exc:
+        raise ValueError(unechoed(str(exc), [v for values in fields.values() for v in values])) from None
+
+
+QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"')
+
+
+def unechoed(error: str, given: Iterable[str]) -> str:
+    """`error` (the CLI's reason) without what the caller sent: each quoted text in it that is part
+    of a value given (a clause, a field path, a regex) reads `(not echoed)`. A 400 body is read by
+    proxies, logs and whoever holds the response; the CLI echoes to its own user only."""
+    values = [v for v in given if v]
+
+    def scrub(found: re.Match[str]) -> str:
+        try:
+            text = ast.literal_eval(found.group())
+        except (ValueError, SyntaxError):
+            text = found.group()[1:-1]
+        echoed = text in values or (len(text) > 1 and any(text in v for v in values))  # `'-'` tells nothing
+        return "(not echoed)" if echoed else found.group()
+
+    return QUOTED.sub(scrub, error)
 
 
 def stages(request: Request, state: NodeState) -> Any:

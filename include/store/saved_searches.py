@@ -182,10 +182,11 @@ def query_for(
         if given & (filters - {"connection"}):
             raise ValueError("--contains/--where combine with --connection, --since, --until, --before-id, --limit")
         where = wanted.get("where") or []
+        clauses = [where] if isinstance(where, str) else list(where)
         try:
-            condition = parse_where(" and ".join([where] if isinstance(where, str) else where)) if where else None
+            condition = parse_where(" and ".join(clauses)) if clauses else None
         except ConditionError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(_at(clauses, exc)) from None
         return search.ContentQuery(
             since_ms, until_ms, wanted.get("contains"), condition, wanted.get("connection"), before_id, limit
         )
@@ -201,6 +202,17 @@ def query_for(
         before_id=before_id,
         limit=limit,
     )
+
+
+def _at(clauses: list[str], exc: ConditionError) -> str:
+    """`exc`, led by which of several `where` clauses it is about (the first that fails alone)."""
+    if len(clauses) > 1:
+        for number, clause in enumerate(clauses, 1):
+            try:
+                parse_where(clause)
+            except ConditionError:
+                return f"where clause {number} of {len(clauses)}: {exc}"
+    return str(exc)
 
 
 def run(store: Store, query: Query) -> list[dict[str, Any]]:
