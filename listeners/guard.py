@@ -35,6 +35,7 @@ many messages it has completed) and `in_flight` (messages received but not yet a
 from __future__ import annotations
 
 import ipaddress
+import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -385,6 +386,27 @@ class GuardedChannel(HTTPChannel):
         self.receiving = False
         self.units += 1
         super().allContentReceived()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line (or a header line) past `MAX_LENGTH` bytes: answer why before closing, as
+        JSON (`414` for the request line, `431` for a header), where Twisted would close in silence
+        and leave the client guessing."""
+        first = bool(getattr(self, "_HTTPChannel__first_line", 0))
+        status = b"414 URI Too Long" if first else b"431 Request Header Fields Too Large"
+        what = "the request line (method, path and query)" if first else "a header line"
+        body = json.dumps({"error": f"{what} is longer than {self.MAX_LENGTH} bytes"}).encode()
+        self.receiving = False
+        if self.transport is None:  # already gone
+            return
+        self.transport.write(
+            b"HTTP/1.1 "
+            + status
+            + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\nConnection: close\r\n\r\n"
+            + body
+        )
+        self.loseConnection()
 
 
 def guard_channels(site: Site) -> Site:

@@ -164,3 +164,12 @@ def test_saved_searches_are_listed_shown_and_run_over_the_api(node):
     assert call(d, "POST", "/searches/p77s", OPERATOR_TOKEN, {})[0] == 405
     log = d.output()
     assert "P77" not in log and "p77s" not in log and "/searches/{name}/messages" in log and "key=..." in log
+
+
+def test_a_request_line_past_the_limit_is_answered_414_json_not_closed_in_silence(node):
+    d, _ = node
+    status, doc = call(d, "GET", "/messages?where=" + quote('PID-5 = "' + "A" * 7000 + '"'), OPERATOR_TOKEN)
+    assert status == 200 and doc == {"messages": []}  # 7k: read and searched
+    status, doc = call(d, "GET", "/messages?where=" + quote('PID-5 = "' + "P77" * 7000 + '"'), OPERATOR_TOKEN)
+    assert status == 414 and doc == {"error": "the request line (method, path and query) is longer than 16384 bytes"}
+    assert call(d, "GET", "/messages?status=pending", OPERATOR_TOKEN)[0] == 200  # the daemon serves on
