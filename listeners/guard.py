@@ -392,12 +392,23 @@ class GuardedChannel(HTTPChannel):
         JSON (`414` for the request line, `431` for a header), where Twisted would close in silence
         and leave the client guessing."""
         first = bool(getattr(self, "_HTTPChannel__first_line", 0))
-        status = b"414 URI Too Long" if first else b"431 Request Header Fields Too Large"
         what = "the request line (method, path and query)" if first else "a header line"
-        body = json.dumps({"error": f"{what} is longer than {self.MAX_LENGTH} bytes"}).encode()
+        status = b"414 URI Too Long" if first else b"431 Request Header Fields Too Large"
+        self._refuse(status, f"{what} is longer than {self.MAX_LENGTH} bytes")
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """Twisted's bare `400` (a malformed request line or header, too many headers, request line
+        and headers past `totalHeadersSize` together), with a JSON reason as every other answer."""
+        self._refuse(
+            b"400 Bad Request",
+            f"malformed request line or headers, or more than {self.totalHeadersSize} bytes of them together",
+        )
+
+    def _refuse(self, status: bytes, error: str) -> None:
         self.receiving = False
         if self.transport is None:  # already gone
             return
+        body = json.dumps({"error": error}).encode()
         self.transport.write(
             b"HTTP/1.1 "
             + status

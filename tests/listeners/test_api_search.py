@@ -7,6 +7,7 @@ nothing; the daemon's log names no MRN and no saved search."""
 
 from __future__ import annotations
 
+import socket
 import time
 from urllib.parse import quote
 
@@ -172,4 +173,8 @@ def test_a_request_line_past_the_limit_is_answered_414_json_not_closed_in_silenc
     assert status == 200 and doc == {"messages": []}  # 7k: read and searched
     status, doc = call(d, "GET", "/messages?where=" + quote('PID-5 = "' + "P77" * 7000 + '"'), OPERATOR_TOKEN)
     assert status == 414 and doc == {"error": "the request line (method, path and query) is longer than 16384 bytes"}
+    with socket.create_connection(("127.0.0.1", d.api_port), timeout=10) as sock:  # line + headers past the total
+        sock.sendall(b"GET /messages?contains=" + b"P" * 15000 + b" HTTP/1.1\r\nX-Pad: " + b"x" * 2000 + b"\r\n\r\n")
+        answer = b"".join(iter(lambda: sock.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 400 ") and b'"error": "malformed request line or headers, or more' in answer
     assert call(d, "GET", "/messages?status=pending", OPERATOR_TOKEN)[0] == 200  # the daemon serves on
