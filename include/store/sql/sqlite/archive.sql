@@ -15,9 +15,10 @@
 -- is its inbound row's, hot or archived).
 -- name: archive_finished_inbound
 INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts,
-                             created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
+                             created_at, updated_at, last_error, charset, payload, batch_id, batch_seq,
+                             findings, format)
 SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts,
-       s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq
+       s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq, s.findings, s.format
   FROM stage_inbound s LEFT JOIN inbound_bodies b ON b.id = s.id
  WHERE s.id IN (SELECT c.id FROM stage_inbound c
                          WHERE c.status IN ('done', 'dead', 'unrouted')
@@ -116,7 +117,7 @@ RETURNING batch_id
 -- name: archived_inbound
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        i.created_at AS created_ms, i.updated_at AS updated_ms,
-       i.last_error, NULL AS lease_owner, i.payload, i.batch_id, i.batch_seq, i.archived_at AS archived_ms
+       i.last_error, NULL AS lease_owner, i.payload, i.batch_id, i.batch_seq, i.findings, i.archived_at AS archived_ms
   FROM archive_inbound i
  WHERE i.id = :id
 

@@ -28,8 +28,8 @@ SELECT TOP (:limit) c.id FROM stage_inbound AS c WITH (READPAST, ROWLOCK)
    AND EXISTS (SELECT 1 FROM leader_lease WHERE id = 1 AND epoch = :epoch)
  ORDER BY c.updated_at, c.id;
 DELETE FROM archive_inbound WHERE id IN (SELECT id FROM @ids);
-INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq)
-SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq
+INSERT INTO archive_inbound (id, message_id, control_id, connection, lane_key, status, claim_epoch, attempts, created_at, updated_at, last_error, charset, payload, batch_id, batch_seq, findings, format)
+SELECT s.id, s.message_id, s.control_id, s.connection, s.lane_key, s.status, s.claim_epoch, s.attempts, s.created_at, s.updated_at, s.last_error, s.charset, b.payload, s.batch_id, s.batch_seq, s.findings, s.format
   FROM stage_inbound AS s LEFT JOIN inbound_bodies AS b ON b.id = s.id
  WHERE s.id IN (SELECT id FROM @ids);
 SELECT id FROM @ids;
@@ -113,7 +113,7 @@ SELECT batch_id FROM @ids;
 SELECT i.id, i.message_id, i.control_id, i.connection, i.lane_key, i.status, i.attempts, i.charset,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.created_at) AS created_ms,
        DATEDIFF_BIG(millisecond, '1970-01-01', i.updated_at) AS updated_ms, i.last_error, NULL AS lease_owner,
-       i.payload, i.batch_id, i.batch_seq, DATEDIFF_BIG(millisecond, '1970-01-01', i.archived_at) AS archived_ms
+       i.payload, i.batch_id, i.batch_seq, i.findings, DATEDIFF_BIG(millisecond, '1970-01-01', i.archived_at) AS archived_ms
   FROM archive_inbound AS i
  WHERE i.id = :id
 
