@@ -55,7 +55,7 @@ def test_the_entry_point_builds_the_tree_in_start_order_without_touching_the_sto
     )
     node = daemon.makeService(options)
     assert isinstance(node, ListenerNode)
-    assert [svc.name for svc in node] == ["api", "store", "lease", "ingest", "heartbeat", "leader-gate"]
+    assert [svc.name for svc in node] == ["api", "store", "replication", "lease", "ingest", "heartbeat", "leader-gate"]
     assert not node.running and not (tmp_path / "never.db").exists()
 
 
