@@ -44,6 +44,7 @@ from twisted.web.http import _escape
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from include.fhir_options import FHIR_CONTENT_TYPE
 from listeners import access_log, batchgate
 from listeners.connections_config import InboundConfig
 from listeners.fhir_inbound import FHIR_MEDIA_TYPES, FhirRejected, build_fhir, load_models, operation_outcome
@@ -238,7 +239,7 @@ class InboundResource(Resource):
         )
         self._count(conn, code="AR")
         body = _json(request, exc.status, exc.outcome())
-        request.setHeader(b"content-type", b"application/fhir+json")
+        request.setHeader(b"content-type", _FHIR_TYPE)
         return body
 
     def _not_built(self, failure: Failure, request: Request, conn: InboundConfig, gone: list[bool]) -> None:
@@ -391,7 +392,7 @@ class _InboundRequest(Request):
         transport.write(
             b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: %s\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-            % (b"application/fhir+json" if fhir else b"application/json", len(body), body)
+            % (_FHIR_TYPE if fhir else b"application/json", len(body), body)
         )
         access_log.log_refused(self, 413, len(body))  # one access line per request, refused early too
         self.channel.loseConnection()
@@ -512,7 +513,8 @@ def _content_type(value: bytes | None) -> tuple[str, str]:
     return media.strip().lower(), charset
 
 
-_FHIR_ONLY = 'this connection takes FHIR JSON only (accept = ["fhir"]): send application/fhir+json'
+_FHIR_TYPE = FHIR_CONTENT_TYPE.encode()
+_FHIR_ONLY = 'this connection takes FHIR JSON only (accept = ["fhir"]): send ' + FHIR_CONTENT_TYPE
 
 
 def _unsupported(conn: InboundConfig) -> str:
