@@ -91,6 +91,9 @@ def leader_crash() -> Outcome:
         )
         procs = tree(lab.processes())
         ports = lab.ports()
+    except Exception:
+        print(lab.log_tails())
+        raise
     finally:
         if stream is not None:
             stream.stop()

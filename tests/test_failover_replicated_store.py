@@ -97,6 +97,9 @@ def primary_kill() -> Outcome:
         )
         procs = tree(lab.processes())
         ports = lab.ports()
+    except Exception:
+        print(lab.log_tails())
+        raise
     finally:
         if stream is not None:
             stream.stop()

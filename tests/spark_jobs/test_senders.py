@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import os
-import socket
 import ssl
 import stat
 import threading
@@ -23,6 +22,7 @@ import hl7
 import hl7.mllp
 import pytest
 
+from include.app.lab.postgres_server import free_port
 from include.destinations_config import FileDestination, HttpDestination, MllpDestination, parse_destinations
 from spark_jobs.senders import close_connections, send
 from spark_jobs.senders.common import DeliveryResult
@@ -264,12 +264,6 @@ def send_hl7(dest: Any, control_id: str, **kwargs: Any) -> DeliveryResult:
         content_type="application/hl7-v2",
         idempotency_key=f"key-{control_id}",
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- MLLP -------------------------------------------------------------------------------------

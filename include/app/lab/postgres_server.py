@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,39 @@ from pathlib import Path
 PG_BIN = Path(os.environ.get("STAGELINE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
 
+_PORTS_FROM = 15000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and outside the kernel's ephemeral range. A port handed out here may be bound
+    minutes later (a standby's MLLP port when it takes over); an ephemeral one can meanwhile become
+    the local end of some outbound connection (a pooled database session), and the bind then fails
+    for as long as that connection lives. The bind test runs without SO_REUSEADDR on every address,
+    so a port in any use (even TIME_WAIT) is passed over."""
+    low, high = _ephemeral_range()
+    pick = random.SystemRandom()
+    candidates = (_PORTS_FROM, low - 1) if low - 1 - _PORTS_FROM >= 2000 else (high + 1, 65535)
+    for _ in range(500):
+        port = pick.randint(*candidates)
+        if port in _handed_out:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("", port))
+        except OSError:
+            continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -456,6 +456,16 @@ class Lab:
         if self._own_workdir and not self.keep_workdir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
+    def log_tails(self, lines: int = 40) -> str:
+        """The last lines of each node's listenerd log: what a failed lab test prints before `stop()`
+        removes the files (CI keeps only the test's output)."""
+        out = []
+        for node in self.nodes.values():
+            path = node.daemon.workdir / "listenerd.log"
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no log)"]
+            out.append(f"--- listenerd {node.name}: last {len(text)} lines of {path}\n" + "\n".join(text))
+        return "\n".join(out)
+
     def __enter__(self) -> Lab:
         return self.start()
 
