@@ -250,10 +250,11 @@ class Store:
         read transaction a statement on PostgreSQL."""
         if config.backend == "postgres":
             from psycopg.rows import dict_row
-            from psycopg_pool import ConnectionPool
+
+            from include.store.pg_pool import PromptPool
 
             assert isinstance(self.dialect, PostgresDialect)
-            self._pool = ConnectionPool(
+            self._pool = PromptPool(
                 kwargs={**self.dialect.conninfo(config), "row_factory": dict_row, "autocommit": False},
                 min_size=1,
                 max_size=config.pool_size,
