@@ -12,8 +12,9 @@ State machine of one elector (one per node), stepped every `heartbeat_seconds`:
 
 Every step is one short transaction that locks the lease row, so two electors never both win.
 Lease times are the database's clock; the node's wall clock is never consulted. The fence is
-measured from the *start* of the last successful renewal on the local monotonic clock, so it
-always trips before the lease can expire (fence_timeout < ttl) and a fenced leader is provably idle
+measured from the *start* of the last successful renewal's transaction (its connection in hand,
+its first statement not yet sent) on the local monotonic clock, so it always trips before the
+lease can expire (fence_timeout < ttl) and a fenced leader is provably idle
 by the time a standby can acquire. Each acquisition bumps the epoch: the fencing token every staged
 write checks.
 """
@@ -151,10 +152,15 @@ class LeaderElector:
             return ElectionResult(
                 Outcome.STANDING_ASIDE, state.epoch, state.owner if state.live else None, state.expires_at
             )
-        started = self._clock()
         params = {"owner": self.node_id, "ttl": self.ttl}
         try:
             with self.store.transaction() as tx:
+                # The fence runs from here: a connection in hand, before the statement that starts
+                # the transaction whose clock the expiry is counted from, so it still trips first.
+                # Not from before the wait for a connection: after a store failover that wait is
+                # seconds long, and an election that began fenced bound nothing and lost its
+                # epoch to the next one (issue 28).
+                started = self._clock()
                 tx.one("step_timeout", {"ms": int(self.fence_timeout * 1000)})
                 cur = tx.row("lease_read_locked")
                 owner, epoch, live = cur["owner"], int(cur["epoch"]), bool(cur["live"])

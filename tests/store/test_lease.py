@@ -7,6 +7,7 @@ import multiprocessing
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -135,6 +136,32 @@ def test_leader_with_a_hung_database_fences_before_its_lease_can_expire(store, s
     assert 1.0 <= fenced_after < 1.1
     assert lease.live and lease.owner == "a" and lease.expires_at - lease.db_now > 0.5
     assert errors and isinstance(errors[0], psycopg.errors.QueryCanceled)  # the step itself was bounded
+
+
+class SlowToConnect:
+    """The store, but every transaction first waits `wait` seconds for its connection, as one
+    does while the pool reconnects to a store that failed over."""
+
+    def __init__(self, store: Store, wait: float) -> None:
+        self._store, self.wait = store, wait
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    @contextmanager
+    def transaction(self, **kwargs):
+        time.sleep(self.wait)
+        with self._store.transaction(**kwargs) as tx:
+            yield tx
+
+
+def test_an_election_that_waited_for_its_connection_leads_at_once_and_still_fences_before_expiry(store):
+    a = elector(SlowToConnect(store, 2.5), "a", ttl=3.0, fence=2.0)  # the wait alone is past the fence
+    assert a.step().outcome is Outcome.ELECTED
+    fence_left = a.fence_deadline - time.monotonic()
+    assert a.is_leader, "elected, but fenced already: the fence ran from before the wait for a connection"
+    lease = read_lease(store)
+    assert lease.owner == "a" and 0 < fence_left < lease.expires_at - lease.db_now
 
 
 def test_clean_release_lets_a_standby_acquire_at_once(store):
