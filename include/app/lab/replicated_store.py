@@ -67,6 +67,14 @@ class PatroniTimings:
     """Seconds a primary waits on a silent (frozen) standby before it drops the link; only then
     does Patroni see the standby gone and stop waiting for it (PostgreSQL's default is 60)."""
 
+    @property
+    def outage_seconds(self) -> float:
+        """The longest a dead primary leaves its clients without one: its leader key expires after
+        `ttl`, the standby takes it at its next loop (`loop_wait`, plus `retry_timeout` for a DCS
+        call in flight), and HAProxy sends to it after two passed checks at most. Whatever must
+        outlive a failover of the store (Airflow's liveness timeouts) is sized from this."""
+        return self.ttl + self.loop_wait + self.retry_timeout + 2 * self.check_ms / 1000
+
 
 @dataclass
 class EtcdMember:

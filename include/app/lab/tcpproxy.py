@@ -66,7 +66,11 @@ class TcpProxy:
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        src.settimeout(0.2)
+        try:
+            src.settimeout(0.2)
+        except OSError:  # `restore()` closed it before this thread ran
+            _close(dst)
+            return
         while not self._stop.is_set():
             try:
                 data = src.recv(65536)

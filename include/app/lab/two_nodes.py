@@ -113,6 +113,30 @@ class Timings:
         }
 
 
+SCHEDULER_HEARTBEAT_SECONDS = 5
+"""Airflow's `[scheduler] scheduler_heartbeat_sec` (its default): how often a scheduler marks itself alive."""
+
+
+def airflow_liveness(store_outage: float) -> dict[str, str]:
+    """Airflow's settings for telling a dead scheduler or task from a live one, for a metadata DB
+    that can be gone for `store_outage` seconds (a replicated store's failover; 0: a single server).
+
+    A scheduler that dies with its node: the others adopt or reset its running tasks within seconds,
+    not Airflow's default five minutes (docs/deployment.md). But no heartbeat reaches a metadata DB
+    that is failing over, so both thresholds must outlast that: a scheduler whose own heartbeat
+    was held longer than its threshold marks itself failed when the store is back and resets every
+    task it runs — the stage tasks that would have followed the new leader are killed and start
+    over (a new try, a new Spark session: seconds of stalled delivery; issue 28)."""
+    threshold = round(store_outage) + 3 * SCHEDULER_HEARTBEAT_SECONDS if store_outage > 0 else 10
+    return {
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": str(SCHEDULER_HEARTBEAT_SECONDS),
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": str(threshold),
+        "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(threshold + 10),
+        "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+    }
+
+
 @dataclass
 class Node:
     """One listenerd node: its daemon (re-created on restart), its DB proxy and its MLLP port."""
@@ -704,12 +728,7 @@ class Lab:
                 "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.airflow_port}/execution/",
                 "AIRFLOW__API__PORT": str(self.airflow_port),
                 "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
-                # A scheduler that dies with its node: the others adopt or reset its running tasks
-                # within seconds, not Airflow's default five minutes (docs/deployment.md).
-                "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
-                "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "5",
-                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
-                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
+                **airflow_liveness(self.pg.timings.outage_seconds if isinstance(self.pg, ReplicatedStore) else 0.0),
                 "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
                 "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
                 "STAGELINE_PIPELINE_DIR": str(self.pipeline_dir),
