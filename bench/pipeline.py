@@ -188,15 +188,18 @@ def drain(
     phases: Phases,
     stage: Stage,
     transform: Callable[[Any, str], Any],
+    most: int | None = None,
     **finalize_args: Any,
 ) -> int:
-    """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed, timing the steps
-    of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the stage's pure transform."""
+    """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed (or `most` rows
+    were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the
+    stage's pure transform."""
     done = 0
-    while True:
+    while most is None or done < most:
         run = f"{stage.name}_job-{phases.batches}"
         owner = f"bench/{run}"
-        ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=batch))
+        size = batch if most is None else min(batch, most - done)
+        ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=size))
         if not ids:
             return done
         small = stage_job.is_small(ids)
@@ -220,6 +223,7 @@ def drain(
         assert not out.not_finished, out.not_finished[:5]
         done += len(ids)
         phases.batches += 1
+    return done
 
 
 def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: int) -> str:
