@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -201,7 +202,7 @@ def quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def human(n: float) -> str:
@@ -439,10 +440,39 @@ def explained(bench: Bench, spark: Any, dests: dict[str, Any], out: Path, *, mes
         out.write_bytes(f.read())
 
 
+def sizes(text: str) -> list[int]:
+    """A comma-separated list of message counts, distinct and ascending."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}") from None
+    if counts != sorted(set(counts)) or counts[0] < 0:
+        raise argparse.ArgumentTypeError(f"counts must be distinct, ascending and not negative: {text!r}")
+    return counts
+
+
+def retention_rate(bench: Bench, oldest: int) -> str:
+    """Retention as configured by default (archive, then delete; include/housekeeping.py) of the
+    oldest `oldest` history messages: the figure line."""
+    from include.housekeeping import retention
+
+    cutoff = bench.t_end - (bench.n_end - oldest) / RATE + 6  # the last purged message's rows are 5 s newer
+    started = time.perf_counter()
+    counts = retention(bench.store, bench.epoch, time.time() - cutoff, max_batches=10**9)
+    took = time.perf_counter() - started
+    rate = counts.get("inbound", 0) / took
+    day = RATE * 86_400
+    return (
+        f"retention (archive, then delete) of the oldest {oldest:,} messages: {counts} in {took:.1f} s = "
+        f"{rate:,.0f} messages/s; a day at {RATE} msg/s ({day / 1e6:.1f} M messages) takes "
+        f"{day / rate / 3600:.1f} h of it"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--history", default="0,1000000", help="finished messages at each point, ascending")
-    parser.add_argument("--backlogs", default="10000,1000000", help="pending messages at each point, ascending")
+    parser.add_argument("--history", type=sizes, default=[0, 1_000_000], help="finished messages at each point")
+    parser.add_argument("--backlogs", type=sizes, default=[10_000, 1_000_000], help="pending messages at each point")
     parser.add_argument("--messages", type=int, default=10_000, help="messages routed + transformed at each point")
     parser.add_argument("--batch", type=int, default=5_000, help="rows a claim in the route + transform runs")
     parser.add_argument("--claims", type=int, default=100, help="claim samples at each point")
@@ -452,15 +482,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm-messages", type=int, default=10_000, help="messages through Spark's noop sink first")
     parser.add_argument("--explain", type=Path, help="a directory for each history size's plans (auto_explain)")
     parser.add_argument("--json", type=Path, help="also write the points here")
+    parser.add_argument(
+        "--retention", type=int, default=0, metavar="N", help="at the end, time retention of the N oldest messages"
+    )
     args = parser.parse_args(argv)
-    history = [int(x) for x in args.history.split(",")]
-    backlogs = [int(x) for x in args.backlogs.split(",")]
-    if history != sorted(set(history)) or backlogs != sorted(set(backlogs)) or min(history + backlogs) < 0:
-        parser.error("--history and --backlogs: distinct sizes, ascending, none negative")
-    if not 0 < args.messages <= backlogs[0] or min(args.batch, args.claims, args.claim_rows, args.ingests) < 1:
+    history, backlogs = args.history, args.backlogs
+    if (
+        not 0 < args.messages <= backlogs[0]
+        or min(args.batch, args.claims, args.claim_rows, args.ingests, args.chunk) < 1
+    ):
         parser.error(
             "--messages must be positive and at most the smallest backlog; --batch, --claims, "
-            "--claim-rows and --ingests positive"
+            "--claim-rows, --ingests and --chunk positive"
         )
     if args.explain:
         args.explain.mkdir(parents=True, exist_ok=True)
@@ -525,6 +558,7 @@ def main(argv: list[str] | None = None) -> None:
             if h != history[-1]:
                 bench.tidy()
 
+        retention_line = retention_rate(bench, min(args.retention, history[-1])) if args.retention else ""
         load1, load5, _ = getloadavg()
         print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load1:.2f} / {load5:.2f}")
         print("\n".join(table(points)))
@@ -553,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"  at these rates 100 M messages of history take {human(bytes_m * 100)} of table and index "
                 f"(WAL and free space besides) and {100e6 / rate / 3600:.1f} h to load"
             )
+        if retention_line:
+            print(retention_line)
         if args.json:
             args.json.write_text(
                 json.dumps([{**p.row(), "statements": p.statements, "sizes": p.sizes} for p in points])

@@ -1,0 +1,10 @@
+-- Stageline store, PostgreSQL, version 22: the open routed rows by destination (issue 29).
+--
+-- Every route finalize asks whether a pass-through destination still has routed rows open
+-- (route_passthrough_open). Through the claimable and in-flight indexes that question read the
+-- whole routed backlog whenever the answer was no, which is nearly always: with a million routed
+-- rows waiting for the transform stage, 122 ms of every route finalize, and a sequential scan of
+-- the table once the backlog is most of it (bench/growth.py, docs/performance.md "Growth"). Here
+-- it is one probe a destination. The index holds open rows only, so history does not grow it;
+-- SQL Server has had the same index since version 13.
+CREATE INDEX IF NOT EXISTS stage_routed_open_destination ON stage_routed (destination) WHERE status IN ('pending', 'in_flight', 'error');
