@@ -406,6 +406,14 @@ def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
         ).save()
 
 
+def bench_database(server: PostgresServer) -> StoreConfig:
+    """A `bench` database on `server`, and the store config that reaches it."""
+    server.execute("CREATE DATABASE bench")
+    return StoreConfig(
+        backend="postgres", server=server.host, port=server.port, database="bench", username=server.user, pool_size=8
+    )
+
+
 def count(store: Store, sql: str) -> int:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
@@ -462,15 +470,7 @@ def main() -> None:
     server = None
     if args.backend == "postgres":
         server = PostgresServer().start()
-        server.execute("CREATE DATABASE bench")
-        cfg = StoreConfig(
-            backend="postgres",
-            server=server.host,
-            port=server.port,
-            database="bench",
-            username=server.user,
-            pool_size=8,
-        )
+        cfg = bench_database(server)
     else:
         cfg = StoreConfig(backend="sqlite", path=str(work / "bench.db"))
     connect = None

@@ -70,11 +70,11 @@ def test_a_toy_run_measures_every_figure_at_every_point(tmp_path):
     rows = [line for line in run.stdout.splitlines() if re.match(r"\| [\d,]+ \| [\d,]+ \| [\d,]+ \|", line)]
     assert len(rows) == 4, run.stdout
     assert "a million messages" in run.stdout and "100 M messages" in run.stdout
-    # retention took the 500 oldest messages' rows: each of them and its 1 or 2 routed rows
-    retained = re.search(r"retention \(archive, then delete\) of the oldest 500 messages: (\{.*?\}) in", run.stdout)
+    # retention reached the 500 oldest messages (and, as its batches' clock moves on, a few more)
+    retained = re.search(r"reaching the oldest 500 messages: deleted (\{.*?\}) in", run.stdout)
     assert retained, run.stdout
     counts = json.loads(retained.group(1).replace("'", '"'))
-    assert counts["inbound"] == 500 and 500 < counts["routed"] == counts["outbound"] < 1000, counts
+    assert min(counts["inbound"], counts["routed"], counts["outbound"]) >= 500 and counts["events"] >= 4000, counts
 
     # plans with buffers for the claim, the finalizes and the ingest statement, per history size
     for h in (0, 2000):
