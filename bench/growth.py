@@ -44,6 +44,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -514,6 +516,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from os import getloadavg
 
+    # a TERM (a timeout, an operator) unwinds like an error, so the cluster below is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="stageline-growth-"))
     server = PostgresServer(settings={"shared_preload_libraries": "auto_explain", "max_wal_size": "4GB"}).start()
     connect = spark = None
@@ -605,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         if connect is not None:
             stop_connect_server(connect)
         server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -439,10 +439,13 @@ RETURNING id, message_id, control_id, attempts, status, destination, NULL AS det
 -- stage_outbound ahead of rows routed before them: a config change that made the destination a
 -- pass-through must not reorder its lane). One probe a name of the open rows' own index
 -- (stage_routed_open_destination, version 22): the answer is nearly always no, and through the
--- claimable and in-flight indexes a no read the whole routed backlog (bench/growth.py).
+-- claimable and in-flight indexes a no read the whole routed backlog (bench/growth.py). The
+-- index's predicate is repeated word for word, `destination <> ''` included: that term is what
+-- keeps the claims' probes off this index (0022_open_destination.sql).
 SELECT n.destination FROM unnest(CAST(:names AS text[])) AS n(destination)
  WHERE EXISTS (SELECT 1 FROM stage_routed
-                WHERE status IN ('pending', 'in_flight', 'error') AND destination = n.destination)
+                WHERE status IN ('pending', 'in_flight', 'error') AND destination <> ''
+                  AND destination = n.destination)
 
 -- name: landing_routed_delete
 DELETE FROM landing_routed WHERE run_id = :run_id

@@ -382,7 +382,8 @@ RETURNING id, message_id, control_id, attempts, status, destination, NULL AS det
 -- predicate the subquery repeats word for word (SQLite uses a partial index only then).
 SELECT n.value AS destination FROM json_each(:names) AS n
  WHERE EXISTS (SELECT 1 FROM stage_routed
-                WHERE status IN ('pending', 'in_flight', 'error') AND destination = n.value)
+                WHERE status IN ('pending', 'in_flight', 'error') AND destination <> ''
+                  AND destination = n.value)
 
 -- name: landing_routed_delete
 DELETE FROM landing_routed WHERE run_id = :run_id

@@ -541,11 +541,12 @@ SELECT l.source_id, i.message_id, i.control_id, l.destination, l.route_name, i.l
 -- Of the pass-through destinations (:names), those with routed rows still open: their new rows go
 -- through the transform stage like the open ones, so the lane keeps its order (postgres/queries.sql).
 -- One read of the open rows through their own filtered index (stage_routed_open_destination,
--- version 13): not the UNION of the claimable and in-flight reads the other dialects use, because
--- under READ COMMITTED the two branches see different moments — a row moving from in_flight to
--- error between them would be missed, and the destination handed on out of lane order.
+-- version 13; its filter, as rebuilt in 22, repeated word for word, which is how SQL Server matches
+-- a filtered index). One read, not a union of the claimable and in-flight ones: under READ
+-- COMMITTED two branches see different moments — a row moving from in_flight to error between them
+-- would be missed, and the destination handed on out of lane order.
 SELECT DISTINCT destination FROM stage_routed
- WHERE status IN ('pending', 'in_flight', 'error')
+ WHERE status IN ('pending', 'in_flight', 'error') AND destination <> ''
    AND destination IN (SELECT CAST(value AS nvarchar(200)) FROM OPENJSON(:names))
 
 -- name: landing_routed_delete
