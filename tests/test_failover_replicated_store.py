@@ -33,9 +33,10 @@ pytestmark = [
         reason="haproxy, etcd, patroni or PostgreSQL 15 not installed (scripts/setup.sh)",
     ),
 ]
-RESUME_BOUND = 150.0
-"""First post-kill delivery ≤ Patroni's failover + this. The issue asks for lease TTL + 8 s; see
-test_delivery_resumes_after_the_promotion for what is measured and why the bound is this loose."""
+TIMINGS = Timings(linger=5.0)
+RESUME_BOUND = TIMINGS.lease_ttl + 3.0 + 5.0
+"""The issue's bound: the first delivery of a message sent after the kill comes within Patroni's
+failover + the lease TTL + 3 s (`AA` again) + 5 s (through the stages)."""
 
 
 @dataclass
@@ -46,14 +47,14 @@ class Outcome:
     drained: bool
     backlog: dict[str, int]
     rejoined: bool
+    restarted: list[str] = field(default_factory=list)
     leftover_pids: list[str] = field(default_factory=list)
     leftover_ports: list[str] = field(default_factory=list)
 
 
 @pytest.fixture(scope="module")
 def primary_kill() -> Outcome:
-    timings = Timings(linger=5.0)
-    lab = Lab(timings=timings, replicated_store=True)
+    lab = Lab(timings=TIMINGS, replicated_store=True)
     stream: Stream | None = None
     procs: dict[str, psutil.Process] = {}
     ports: dict[str, int] = {}
@@ -94,6 +95,7 @@ def primary_kill() -> Outcome:
             drained=ok,
             backlog=lab.backlog(),
             rejoined=rejoined,
+            restarted=[name for _, name, _ in lab.restarts],
         )
         procs = tree(lab.processes())
         ports = lab.ports()
@@ -109,7 +111,8 @@ def primary_kill() -> Outcome:
     first = "—" if outcome.first_delivery_s is None else f"{outcome.first_delivery_s:.1f} s"
     print(
         f"\nPostgreSQL primary SIGKILL: Patroni failover {outcome.patroni_s:.1f} s, first post-kill delivery "
-        f"{first}; {v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions"
+        f"{first}; {v.acked} AA'd, {len(v.lost)} lost, {len(v.duplicated)} duplicated, {len(v.inversions)} inversions; "
+        f"restarted by the lab: {', '.join(outcome.restarted) or 'nothing'}"
     )
     return outcome
 
@@ -126,14 +129,18 @@ def test_killing_the_database_primary_keeps_every_lane_in_order(primary_kill: Ou
     assert v.inversions == [], f"{len(v.inversions)} delivered out of lane order, e.g. {v.inversions[:5]}"
 
 
-def test_delivery_resumes_after_the_promotion(primary_kill: Outcome) -> None:
-    """Resumes — not yet within the issue's bound (Patroni's failover + lease TTL + 3 s + 5 s): the
-    bench measured 20.3 s (bound 19.6 s), this test's runs 75.9 s and 116.5 s; docs/deployment.md
-    ("Losing the database host", measured). RESUME_BOUND catches a pipeline that stays stuck."""
+def test_delivery_resumes_within_the_bound_after_the_promotion(primary_kill: Outcome) -> None:
+    """Within the issue's bound (RESUME_BOUND after Patroni's own failover). What it took to get
+    there — the scheduler no longer resets the stage tasks, the store's pool and the leader's fence
+    no longer wait out the outage a second time — is in docs/deployment.md ("What must outlast a
+    failover", and the measured runs under "In the lab")."""
     first = primary_kill.first_delivery_s
     assert first is not None, "nothing sent after the kill was delivered"
     took = primary_kill.patroni_s
-    assert first <= took + RESUME_BOUND, f"first post-kill delivery {first:.1f} s; Patroni's failover took {took:.1f} s"
+    assert first <= took + RESUME_BOUND, (
+        f"first post-kill delivery {first:.1f} s; Patroni's failover took {took:.1f} s "
+        f"(bound {took + RESUME_BOUND:.1f} s); restarted by the lab: {primary_kill.restarted or 'nothing'}"
+    )
 
 
 def test_the_killed_node_rejoins_as_the_synchronous_standby(primary_kill: Outcome) -> None:
