@@ -15,7 +15,8 @@ task keeps going:
               the same check the DAG's leader_check makes — runs that epoch's on-promotion
               recovery (once per epoch, as the DAG's recover task does) and carries on under it.
               No live leader in time: the run ends and the next run's leader check waits.
-    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 120), the pipeline config
+    end       nothing came for `$STAGELINE_STAGE_LINGER_SECONDS` (default 120) under an epoch still
+              current (one that ended meanwhile is followed as above), the pipeline config
               changed on disk, or the time budget is spent: the run ends and the continuous
               schedule starts the next one
 
@@ -109,6 +110,7 @@ class Watch(Protocol):
 
     def stopping(self) -> bool: ...
     def wait(self, seconds: float) -> bool: ...
+    def check(self) -> bool: ...
     def recover_abandoned(self, *, prefix: str, keep: str) -> int: ...
 
 
@@ -282,8 +284,12 @@ def run_stage(
                 elif idle_since is None:
                     idle_since = clock()
                 now = clock()
-                if now - started >= budget or (idle_since is not None and now - idle_since >= linger):
+                if now - started >= budget:
                     return totals
+                if idle_since is not None and now - idle_since >= linger:
+                    if not _term_ended(watch):
+                        return totals
+                    break  # its epoch ended while the task looked idle: follow the new leader
                 if changed is not None and now >= next_config_check:
                     next_config_check = now + CONFIG_CHECK_SECONDS
                     if changed():
@@ -298,6 +304,19 @@ def run_stage(
         log.warning("%s: %s; carrying on under epoch %s", stage, reason, new_epoch)
         epoch = new_epoch
         totals["epochs"].append(epoch)
+
+
+def _term_ended(watch: Watch) -> bool:
+    """Asked before an idle run ends: whether its epoch ended meanwhile, so the task follows the
+    next leader instead — a new run costs seconds of scheduling and task starts. A claim that
+    waited through a store failover for a connection comes back empty under the old epoch, and the
+    seconds it waited look like idleness (issue 28: the deliver run ended as the new leader was
+    elected, and delivery waited for the next run). An unreadable lease: the run ends as before."""
+    try:
+        return watch.check()
+    except Exception as exc:
+        log.info("lease not read before ending an idle run: %s: %s", type(exc).__name__, exc)
+        return False
 
 
 def follow_leader(

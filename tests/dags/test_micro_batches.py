@@ -42,6 +42,9 @@ class FakeKeeper:
         self.reason: str | None = None
         self.stopped = threading.Event()
         self.terms: list[int] = []
+        self.moved_unseen = False
+        """Leadership moved on in the first term but the keeper's own checks have not seen it (they
+        failed while the store was away): only a `check()` finds it."""
 
     def __call__(self, config, store, epoch):
         self.terms.append(epoch)
@@ -61,6 +64,13 @@ class FakeKeeper:
     def recover_abandoned(self, *, prefix: str, keep: str) -> int:
         self.recovered.append((prefix, keep))
         return 0
+
+    def check(self) -> bool:
+        self._tick()
+        if self.moved_unseen and len(self.terms) == 1:
+            self.reason = "epoch 7 is no longer current (now 8)"
+            self.stopped.set()
+        return self.stopped.is_set()
 
     def _tick(self) -> None:
         if self.stop_at is not None and self.clock.now >= self.stop_at and len(self.terms) == 1:
@@ -478,3 +488,20 @@ def test_a_task_whose_batch_hung_ends_even_if_it_ignores_sigterm(tmp_path):
         timeout=60,
     )
     assert ignored.returncode == -signal.SIGTERM
+
+
+def test_a_claim_that_waited_out_a_store_failover_is_not_idleness_the_task_follows_the_new_leader(monkeypatch):
+    clock, calls = Clock(), []
+    keeper = FakeKeeper(clock)
+
+    def job(store, owner, job_run_id):
+        calls.append(clock.now)
+        if len(calls) == 2:  # this claim waits 10 s for a connection; meanwhile epoch 8 is elected
+            clock.now += 10.0
+            keeper.moved_unseen = True
+        return Outcome()  # empty: under epoch 7 nothing is claimable any more
+
+    result = loop(job, clock, monkeypatch, linger=5.0, keeper=keeper, next_leader=8)
+    assert keeper.terms == [7, 8] and result["epochs"] == [7, 8], "the run ended instead of following epoch 8"
+    assert result["stale_epoch"] is False
+    assert clock.now >= 10.0 + 5.0  # under epoch 8 it lingered its full 5 s before ending
