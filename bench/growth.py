@@ -468,30 +468,42 @@ def sizes(text: str) -> list[int]:
 def retention_rate(bench: Bench, oldest: int) -> str:
     """Retention as configured by default (archive, then delete; include/housekeeping.py, runs of
     its default size until one finds nothing) with an age that reaches the oldest `oldest`
-    history messages: the figure line. Each batch measures
-    the age from its own now(), so a long run takes somewhat more than `oldest`; the rate is of
-    what it took: all rows deleted, in messages' worth (the events, purged last, reach furthest)."""
-    from include.housekeeping import retention
-
+    history messages: the figure lines, the store's time per statement among them. Each batch
+    measures the age from its own now(), so a long run takes somewhat more than `oldest`; the rate
+    is of what it took: all rows deleted, in messages' worth (the events, purged last, reach
+    furthest)."""
     # the `oldest`-th message's time, and its last row's (3 ms later, before the next message's)
     last = bench.t_end - (bench.n_end - oldest) / RATE + 0.004
+    times = StatementTimes()
     started = time.perf_counter()
-    counts: dict[str, int] = {}
-    while True:  # run after run with the default bounds, as the retention DAG does, until one finds nothing
-        done = retention(bench.store, bench.epoch, time.time() - last)
-        for key, n in done.items():
-            counts[key] = counts.get(key, 0) + n
-        if not any(done.values()):
-            break
+    with times.recording():
+        counts = _retain(bench, time.time() - last)
     took = time.perf_counter() - started
     rows = sum(counts.get(k, 0) for k in ("inbound", "routed", "outbound", "events"))
     rate = rows / ROWS_PER_MESSAGE / took
     day = RATE * 86_400
-    return (
-        f"retention (archive, then delete) reaching the oldest {oldest:,} messages: deleted {counts} in "
-        f"{took:.1f} s = {rows / took:,.0f} rows/s = {rate:,.0f} messages/s at {ROWS_PER_MESSAGE} rows each; "
-        f"a day at {RATE} msg/s ({day / 1e6:.1f} M messages) takes {day / rate / 3600:.1f} h of it"
+    return "\n".join(
+        [
+            f"retention (archive, then delete) reaching the oldest {oldest:,} messages: deleted {counts} in "
+            f"{took:.1f} s = {rows / took:,.0f} rows/s = {rate:,.0f} messages/s at {ROWS_PER_MESSAGE} rows "
+            f"each; a day at {RATE} msg/s ({day / 1e6:.1f} M messages) takes {day / rate / 3600:.1f} h of it",
+            *times.lines(during="retention"),
+        ]
     )
+
+
+def _retain(bench: Bench, age: float) -> dict[str, int]:
+    """Retention of what is older than `age` seconds, run after run as the retention DAG runs it,
+    until a run finds nothing; the rows deleted per key."""
+    from include.housekeeping import retention
+
+    counts: dict[str, int] = {}
+    while True:
+        done = retention(bench.store, bench.epoch, age)
+        for key, n in done.items():
+            counts[key] = counts.get(key, 0) + n
+        if not any(done.values()):
+            return counts
 
 
 def main(argv: list[str] | None = None) -> None:

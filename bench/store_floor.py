@@ -59,10 +59,10 @@ class StatementTimes:
             for name, method in originals.items():
                 setattr(db.Tx, name, method)
 
-    def lines(self, *, top: int = 12) -> list[str]:
+    def lines(self, *, top: int = 12, during: str = "route + transform") -> list[str]:
         total = sum(self.seconds.values())
         out = [
-            f"store statements during route + transform: {total:.2f} s in all",
+            f"store statements during {during}: {total:.2f} s in all",
             f"  {'statement':<30}{'calls':>6}{'rows':>10}{'s':>8}{'us/row':>8}",
         ]
         for name, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])[:top]:
