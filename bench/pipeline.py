@@ -379,10 +379,10 @@ def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any]
     ]
 
 
-def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
+def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any], *, fhir: bool = False) -> None:
     """Route and transform `payloads` into Spark's noop sink twice (no store I/O): a fresh JVM
     interprets Spark's expression code until its JIT has compiled it, which the first large batch
-    otherwise pays for (--warm-messages)."""
+    otherwise pays for (--warm-messages); with `fhir`, each message to FHIR R4 as well."""
     inbound = spark.createDataFrame([(i, "bench", p, None, None) for i, p in enumerate(payloads)], ROUTE.schema)
     routed = inbound.transform(routed_rows, parse_routes(ROUTES), run_id="warm")
     claimed = (
@@ -399,11 +399,19 @@ def warm_jit(spark: Any, payloads: list[str], dests: dict[str, Any]) -> None:
         "'C' AS control_id",
         "connection",
     )
+    # --fhir: every message to the FHIR destination too (its mapping is other expression code).
+    to_fhir = claimed.dropDuplicates(["id"]).selectExpr(
+        "id", "source_id", "'fhir' AS destination", "payload", "message_id", "control_id", "connection"
+    )
     for _ in range(2):
         routed.write.format("noop").mode("overwrite").save()
         claimed.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id="warm").write.format("noop").mode(
             "overwrite"
         ).save()
+        if fhir:
+            to_fhir.transform(transform_job.outbound_rows, FHIR_SPECS, {}, dests, run_id="warm").write.format(
+                "noop"
+            ).mode("overwrite").save()
 
 
 def bench_database(server: PostgresServer) -> StoreConfig:
@@ -538,7 +546,7 @@ def main() -> None:
 
         if args.warm_messages:
             started = time.perf_counter()
-            warm_jit(spark, corpus(args.warm_messages, seed=2), dests)
+            warm_jit(spark, corpus(args.warm_messages, seed=2), dests, fhir=bool(args.fhir))
             print(
                 f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
             )

@@ -38,7 +38,7 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 
 from include.fhir_options import FhirOptions
-from spark_jobs.hl7_fields import decode_escapes, let
+from spark_jobs.hl7_fields import let
 
 __all__ = ["ENTRY_PARTS", "fhir_bundle", "fhir_context", "fhir_entries"]
 
@@ -92,7 +92,7 @@ def fhir_context(units: Column, seed: Column) -> Column:
     protobuf limit, and the whole mapping in one expression is deeper than that.
     """
     messages = F.filter(units, lambda u: u["message"])
-    single = let(F.element_at(messages, 1), lambda u: let(_trees(u), lambda t: _context(t, seed)))
+    single = let(F.element_at(messages, 1), lambda u: let(_split_unit(u), lambda t: _context(t, seed)))
     several = F.lit(
         "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
     )
@@ -101,18 +101,15 @@ def fhir_context(units: Column, seed: Column) -> Column:
 
 def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, Column]:
     """Step 2: the Bundle's entries under one destination's ``options``, named as :data:`ENTRY_PARTS`."""
-    maps = _Maps(options)
+    m, maps = ctx, _Maps(options, ctx["sp"])
     kind, event, pid = ctx["kind"], ctx["event"], ctx["pid"]
     adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
-    subject = F.when(pid.isNotNull(), F.struct(_uuid(seed, F.lit("Patient")).alias("reference")))
-    m = ctx
+    subject = F.when(m["patient"].isNotNull(), F.struct(m["patient"].alias("reference")))
     return {
-        "patient": F.when(pid.isNotNull(), _patient_entry(pid, _uuid(seed, F.lit("Patient")), maps)),
+        "patient": F.when(pid.isNotNull(), _patient_entry(pid, m["patient"], maps)),
         "encounter": F.when(adt & m["pv1"].isNotNull(), _encounter_entry(m, seed, subject, maps)),
         "reports": F.when(oru, F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, subject, maps))),
-        "observations": F.when(
-            oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, seed, subject, maps))
-        ),
+        "observations": F.when(oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, subject, maps))),
         "orders": F.when(orm, F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, subject, maps))),
     }
 
@@ -130,7 +127,8 @@ def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
 class _Maps:
     """The option maps as ``map<string,string>`` literals (one JSON literal each, folded at optimization)."""
 
-    def __init__(self, options: FhirOptions) -> None:
+    def __init__(self, options: FhirOptions, sp: Column) -> None:
+        self.sp = sp  # how the message's fields are split and its leaves decoded (the context's sp)
         self.identifier_systems = _literal(options.identifier_systems)
         self.code_systems = _literal(options.code_systems)
         self.gender = _literal(options.gender)
@@ -145,65 +143,137 @@ def _literal(table: Mapping[str, str]) -> Column:
 def _lookup(table: Column | Mapping[str, str], key: Column) -> Column:
     """``table[key]``, NULL for a NULL key or a miss."""
     literal = _literal(table) if isinstance(table, Mapping) else table
-    return F.when(key.isNotNull(), F.try_element_at(literal, key))
+    return F.try_element_at(literal, key)
 
 
-# --- the segment trees -------------------------------------------------------------------------
+# --- reading the segments ----------------------------------------------------------------------
+#
+# A used segment is kept split into its fields only (``array<string>``, element 1 its id); a field
+# is split into repetitions, components and subcomponents where the mapping reads it, and only the
+# leaves it reads are decoded. Separator escapes are resolved once per segment, before any split:
+# each ``\F\ \S\ \R\ \T\ \E\`` becomes a placeholder character that no split cuts, and a leaf turns
+# placeholders back into separators with one ``translate``.
+
+# Placeholders for the escaped field, component, repetition, subcomponent and escape characters, and
+# the two marks an escape sequence is bracketed with while they are chosen: Unicode noncharacters
+# (reserved for a program's internal use, never meant to be interchanged). A message holding one
+# anyway is read with no escape decoded, rather than misread.
+_PLACEHOLDERS = "\ufdd2\ufdd3\ufdd4\ufdd5\ufdd6"
+_ESCAPED = ("fs", "cs", "rs", "ss", "esc")
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_RESERVED = "[\ufdd0-\ufdd6]"
+_ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
 
-def _trees(unit: Column) -> Column:
-    """The unit's used segments, each ``array<array<array<array<string>>>>`` (fields, repetitions,
-    components, subcomponents; element 1 of a segment is its id), leaves decoded, empty and HL7's
-    ``""`` as NULL. Order is kept (OBX and OBR are grouped by position)."""
+def _split_unit(unit: Column) -> Column:
+    """The unit's used segments split into fields, escapes marked, and how to read them.
+
+    ``struct<segs: array<array<string>>, sp: struct<rs_re, cs_re, ss_re, to>>``; ``to`` is what
+    the placeholders translate to, NULL when no leaf needs it (no escape, or a message that must
+    not be decoded).
+    """
     seps = unit["seps"]
-
-    def leaf(x: Column) -> Column:
-        decoded = F.when((seps["esc"] != "") & x.contains(seps["esc"]), decode_escapes(x, seps)).otherwise(x)
-        return F.when((x != "") & (x != '""'), decoded)
-
-    def split(text: Column, sep_re: str, inner: Callable[[Column], Column]) -> Column:
-        return F.transform(F.split(text, seps[sep_re], -1), inner)
-
     used = F.filter(unit["segments"], lambda s: F.substring(s, 1, 3).isin(*_USED))
-    return F.transform(
+    return let(
         used,
-        lambda s: split(
-            s, "fs_re", lambda f: split(f, "rs_re", lambda r: split(r, "cs_re", lambda c: split(c, "ss_re", leaf)))
-        ),
+        lambda u: let((seps["esc"] != "") & ~F.array_join(u, "").rlike(_RESERVED), lambda d: _marked(u, d, seps)),
     )
 
 
-def _at(array: Column, *positions: int | Column) -> Column:
-    """``array[p1][p2]...`` (1-based), NULL when any level is missing."""
-    out = array
-    for p in positions:
-        out = F.try_element_at(out, p if isinstance(p, Column) else F.lit(p))
-    return out
+def _marked(used: Column, decode: Column, seps: Column) -> Column:
+    marked = F.transform(used, lambda s: F.when(decode & s.contains(seps["esc"]), _mark_escapes(s, seps)).otherwise(s))
+    restored = F.concat(*(F.when(seps[n] != "", seps[n]).otherwise(F.lit(p)) for n, p in zip(_ESCAPED, _PLACEHOLDERS)))
+
+    def split(ms: Column) -> Column:
+        escaped = decode & F.array_join(ms, "").rlike(f"[{_PLACEHOLDERS}]")
+        sp = F.struct(
+            seps["rs_re"].alias("rs_re"),
+            seps["cs_re"].alias("cs_re"),
+            seps["ss_re"].alias("ss_re"),
+            F.when(escaped, restored).alias("to"),
+        )
+        return F.struct(F.transform(ms, lambda s: F.split(s, seps["fs_re"], -1)).alias("segs"), sp.alias("sp"))
+
+    return let(marked, split)
 
 
-def _field(seg: Column, segment: str, n: int) -> Column:
-    """The repetitions of field ``n`` (HL7 numbering: for MSH, element n is MSH-n)."""
-    return _at(seg, n if segment == "MSH" else n + 1)
+def _mark_escapes(segment: Column, seps: Column) -> Column:
+    """The segment with each separator escape replaced by its placeholder, other escapes kept.
+
+    An escape is the escape character, text without a separator, the escape character, paired
+    left to right — exactly the pairs ``hl7_fields.decode_escapes`` finds leaf by leaf (a leaf is
+    the text between separators, so a pair never spans one). A code whose separator the message
+    does not define stays verbatim, as there.
+    """
+
+    def in_class(sep: Column) -> Column:  # one character of a regex character class
+        return F.when(F.lit(_ALPHANUMERIC).contains(sep), sep).otherwise(F.concat(F.lit("\\"), sep))
+
+    members = F.concat(*(F.when(seps[n] != "", in_class(seps[n])).otherwise(F.lit("")) for n in _ESCAPED))
+    pattern = F.concat(seps["esc_re"], F.lit("([^"), members, F.lit("]*)"), seps["esc_re"])
+    out = F.regexp_replace(segment, pattern, F.lit(_OPEN + "$1" + _CLOSE))
+    for code, name, placeholder in zip("FSRTE", _ESCAPED, _PLACEHOLDERS):
+        marked = F.lit(_OPEN + code + _CLOSE)
+        out = F.replace(out, marked, F.when(seps[name] != "", F.lit(placeholder)).otherwise(marked))
+    return F.replace(F.replace(out, F.lit(_OPEN), seps["esc"]), F.lit(_CLOSE), seps["esc"])
 
 
-def _value(seg: Column, segment: str, n: int, component: int = 1, sub: int = 1, rep: int = 1) -> Column:
-    return _at(_field(seg, segment, n), rep, component, sub)
+def _nth(array: Column, n: int | Column) -> Column:
+    """Element ``n`` (1-based), NULL when missing."""
+    return F.try_element_at(array, n if isinstance(n, Column) else F.lit(n))
 
 
-def _c(rep: Column, component: int, sub: int = 1) -> Column:
-    """Component (and subcomponent) of one repetition."""
-    return _at(rep, component, sub)
+def _leaf(x: Column, sp: Column) -> Column:
+    """A leaf's raw text as its value: NULL when empty or HL7's ``""``, escaped separators restored.
+
+    ``x`` is read twice: keep it cheap (a lambda variable, an element of a bound array). Spark's
+    ``nullif`` would not help — inside a lambda it repeats its argument too.
+    """
+    # translate gives NULL when there is nothing to translate to (sp.to NULL), which costs nothing.
+    return F.when(~x.isin("", '""'), F.coalesce(F.call_function("translate", x, F.lit(_PLACEHOLDERS), sp["to"]), x))
 
 
-def _is(seg: Column, name: str) -> Column:
-    return _at(seg, 1, 1, 1, 1) == F.lit(name)
+def _reps(seg: Column, segment: str, n: int, sp: Column) -> Column:
+    """The raw repetitions of field ``n`` (HL7 numbering: for MSH, element n is MSH-n); NULL when absent."""
+    return F.split(_nth(seg, n if segment == "MSH" else n + 1), sp["rs_re"], -1)
 
 
-def _text(rep: Column) -> Column:
+def _rep(seg: Column, segment: str, n: int, sp: Column, rep: int = 1) -> Column:
+    return _nth(_reps(seg, segment, n, sp), rep)
+
+
+def _value(seg: Column, segment: str, n: int, sp: Column, component: int = 1, sub: int = 1, rep: int = 1) -> Column:
+    """One leaf, decoded: for a value read once, split down to it without splitting the rest."""
+    raw = _nth(F.split(_rep(seg, segment, n, sp, rep), sp["cs_re"], -1), component)
+    return _nth(F.transform(F.split(raw, sp["ss_re"], -1), lambda x: _leaf(x, sp)), sub)
+
+
+def _split_rep(raw: Column, sp: Column) -> Column:
+    """A raw repetition as ``array<array<string>>`` (components, subcomponents; leaves still raw)."""
+    return F.transform(F.split(raw, sp["cs_re"], -1), lambda c: F.split(c, sp["ss_re"], -1))
+
+
+def _with_rep(raw: Column, sp: Column, body: Callable[[Column], Column]) -> Column:
+    """``body`` of a repetition read several times: split once and bound (see :func:`_c`)."""
+    return let(_split_rep(raw, sp), body)
+
+
+def _c(rep: Column, sp: Column, component: int, sub: int = 1) -> Column:
+    """Component (and subcomponent) of a :func:`_split_rep` repetition, decoded."""
+    return _leaf(_nth(_nth(rep, component), sub), sp)
+
+
+def _text(rep: Column, sp: Column) -> Column:
     """A repetition as text again: components joined with ``^``, subcomponents with ``&`` (for
     string values whose text held unescaped separators), trailing empty ones dropped."""
     joined = F.array_join(
-        F.transform(rep, lambda c: F.array_join(F.transform(c, lambda x: F.coalesce(x, F.lit(""))), "&")), "^"
+        F.transform(
+            F.split(rep, sp["cs_re"], -1),
+            lambda c: F.array_join(
+                F.transform(F.split(c, sp["ss_re"], -1), lambda x: F.coalesce(_leaf(x, sp), F.lit(""))), "&"
+            ),
+        ),
+        "^",
     )
     return F.nullif(F.regexp_replace(joined, r"[\^&]+$", ""), F.lit(""))
 
@@ -223,17 +293,19 @@ def _is_orm(kind: Column, event: Column) -> Column:
     return (kind == "ORM") & (event == "O01")
 
 
-_TREE = "array<array<array<array<string>>>>"
-_PLACED = f"array<struct<seg:{_TREE},pos:int>>"
+_SEGMENT = "array<string>"
+_PLACED = f"array<struct<seg:{_SEGMENT},pos:int>>"
 _CONTEXT_FIELDS = (
     ("kind", "string"),
     ("event", "string"),
-    ("pid", _TREE),
-    ("pv1", _TREE),
+    ("pid", _SEGMENT),
+    ("pv1", _SEGMENT),
     ("obr", _PLACED),
-    ("obx", f"array<struct<seg:{_TREE},pos:int,report:int>>"),
+    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string>>"),
     ("orc", _PLACED),
     ("sender", "string"),
+    ("patient", "string"),
+    ("sp", "struct<rs_re:string,cs_re:string,ss_re:string,to:string>"),
     ("error", "string"),
 )
 _CONTEXT = "struct<" + ",".join(f"{name}:{kind}" for name, kind in _CONTEXT_FIELDS) + ">"
@@ -247,19 +319,30 @@ def _refused(reason: Column) -> Column:
     )
 
 
-def _context(t: Column, seed: Column) -> Column:
-    """The trees ``t`` of one message grouped for the mapping (see :func:`fhir_context`).
+def _context(u: Column, seed: Column) -> Column:
+    """The split segments ``u`` of one message grouped for the mapping (see :func:`fhir_context`).
 
     Each OBX gets the number of its OBR here, once: its cost is OBX × OBR, so a message with more
     than :data:`MAX_GROUP_SEGMENTS` of either (or of ORC) is refused before any of that work.
     """
-    positioned = F.transform(t, lambda s, i: F.struct(s.alias("seg"), i.alias("pos")))
-    groups = F.struct(*(_placed(positioned, name).alias(name) for name in _GROUPS))
-    return let(groups, lambda g: _grouped(t, g, seed))
+    sp = u["sp"]
+    # A segment's id is its first leaf, read as any other.
+    positioned = F.transform(
+        u["segs"],
+        lambda s, i: F.struct(s.alias("seg"), i.alias("pos"), _value(s, "MSH", 1, sp).alias("id")),
+    )
+
+    def groups(ps: Column) -> Column:
+        return F.struct(*(_placed(ps, name).alias(name) for name in _USED))
+
+    return let(positioned, lambda ps: let(groups(ps), lambda g: _grouped(g, sp, seed)))
 
 
 def _placed(positioned: Column, name: str) -> Column:
-    return F.filter(positioned, lambda p: _is(p["seg"], name))
+    return F.transform(
+        F.filter(positioned, lambda p: p["id"] == F.lit(name)),
+        lambda p: F.struct(p["seg"].alias("seg"), p["pos"].alias("pos")),
+    )
 
 
 MAX_GROUP_SEGMENTS = 1000
@@ -268,11 +351,25 @@ OBX × OBR, and no server takes a Bundle of that many entries)."""
 _GROUPS = ("OBR", "OBX", "ORC")
 
 
-def _grouped(t: Column, g: Column, seed: Column) -> Column:
-    msh = F.try_element_at(F.filter(t, lambda s: _is(s, "MSH")), F.lit(1))
-    kind, event = _value(msh, "MSH", 9, 1), _value(msh, "MSH", 9, 2)
-    pid = F.try_element_at(F.filter(t, lambda s: _is(s, "PID")), F.lit(1))
-    pv1 = F.try_element_at(F.filter(t, lambda s: _is(s, "PV1")), F.lit(1))
+def _grouped(g: Column, sp: Column, seed: Column) -> Column:
+    msh = _nth(g["MSH"], 1)["seg"]
+    header = F.struct(
+        _value(msh, "MSH", 9, sp, 1).alias("kind"),
+        _value(msh, "MSH", 9, sp, 2).alias("event"),
+        # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
+        F.concat_ws(
+            "|",
+            F.coalesce(_value(msh, "MSH", 3, sp), F.lit("")),
+            F.coalesce(_value(msh, "MSH", 4, sp), F.lit("")),
+            F.coalesce(_value(msh, "MSH", 10, sp), seed),
+        ).alias("sender"),
+    )
+    return let(header, lambda h: _typed(g, h, sp, seed))
+
+
+def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
+    pid, pv1 = (_nth(g[name], 1)["seg"] for name in ("PID", "PV1"))
+    kind, event = h["kind"], h["event"]
     obr = g["OBR"]
     adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
     message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
@@ -290,12 +387,18 @@ def _grouped(t: Column, g: Column, seed: Column) -> Column:
         .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
         .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
     )
-    # The number of the OBR each OBX follows (0: none), counted only for a message within bounds.
+    # The number of the OBR each OBX follows (0: none), counted only for a message within bounds,
+    # and the OBX's fullUrl, which its report's results refer to too.
     obx = F.when(
         ~too_many,
         F.transform(
             g["OBX"],
-            lambda x: x.withField("report", F.size(F.filter(obr, lambda r: r["pos"] < x["pos"]))),
+            lambda x, j: F.struct(
+                x["seg"].alias("seg"),
+                x["pos"].alias("pos"),
+                F.size(F.filter(obr, lambda r: r["pos"] < x["pos"])).alias("report"),
+                _uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("url"),
+            ),
         ),
     )
     return F.struct(
@@ -306,13 +409,9 @@ def _grouped(t: Column, g: Column, seed: Column) -> Column:
         F.when(~too_many, obr).alias("obr"),
         obx.alias("obx"),
         F.when(~too_many, g["ORC"]).alias("orc"),
-        # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
-        F.concat_ws(
-            "|",
-            F.coalesce(_value(msh, "MSH", 3), F.lit("")),
-            F.coalesce(_value(msh, "MSH", 4), F.lit("")),
-            F.coalesce(_value(msh, "MSH", 10), seed),
-        ).alias("sender"),
+        h["sender"].alias("sender"),
+        F.when(pid.isNotNull(), _uuid(seed, F.lit("Patient"))).alias("patient"),
+        sp.alias("sp"),
         error.alias("error"),
     ).cast(_CONTEXT)
 
@@ -417,37 +516,43 @@ def _resource(name: str, *fields: Column) -> Column:
 
 
 def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
-    identifiers = F.transform(_field(pid, "PID", 3), lambda r: _identifier(r, maps))
+    sp = maps.sp
+    identifiers = F.transform(_reps(pid, "PID", 3, sp), lambda r: _identifier(r, maps))
     return _keyed_entry(
         url,
         "Patient",
         _nonempty(identifiers),
-        _nonempty(F.transform(_field(pid, "PID", 5), _human_name)).alias("name"),
+        _nonempty(F.transform(_reps(pid, "PID", 5, sp), lambda r: _human_name(r, sp))).alias("name"),
         _nonempty(
             F.flatten(  # a missing PID-14 is NULL, which concat would spread to the whole list
                 F.array_compact(
                     F.array(
-                        F.transform(_field(pid, "PID", 13), lambda r: _contact(r, "home")),
-                        F.transform(_field(pid, "PID", 14), lambda r: _contact(r, "work")),
+                        F.transform(_reps(pid, "PID", 13, sp), lambda r: _contact(r, sp, "home")),
+                        F.transform(_reps(pid, "PID", 14, sp), lambda r: _contact(r, sp, "work")),
                     )
                 )
             )
         ).alias("telecom"),
-        _lookup(maps.gender, _value(pid, "PID", 8)).alias("gender"),
-        _date(_value(pid, "PID", 7)).alias("birthDate"),
-        _datetime(_value(pid, "PID", 29), maps).alias("deceasedDateTime"),
-        F.when(_value(pid, "PID", 29).isNull(), _yes_no(_value(pid, "PID", 30))).alias("deceasedBoolean"),
-        _nonempty(F.transform(_field(pid, "PID", 11), _address)).alias("address"),
+        _lookup(maps.gender, _value(pid, "PID", 8, sp)).alias("gender"),
+        _date(_value(pid, "PID", 7, sp)).alias("birthDate"),
+        _datetime(_value(pid, "PID", 29, sp), maps).alias("deceasedDateTime"),
+        F.when(_value(pid, "PID", 29, sp).isNull(), _yes_no(_value(pid, "PID", 30, sp))).alias("deceasedBoolean"),
+        _nonempty(F.transform(_reps(pid, "PID", 11, sp), lambda r: _address(r, sp))).alias("address"),
     )
 
 
 _IDENTIFIERS = f"array<struct<type:{_IDENTIFIER_TYPE},system:string,value:string>>"
 
 
-def _identifier(r: Column, maps: _Maps) -> Column:
+def _identifier(raw: Column, maps: _Maps) -> Column:
     """CX → Identifier; the system from CX-4 (namespace, else universal id), ``urn:oid:`` for an
     ISO universal id nobody configured. NULL without CX-1."""
-    namespace, universal, universal_type = _c(r, 4, 1), _c(r, 4, 2), _c(r, 4, 3)
+    return _with_rep(raw, maps.sp, lambda r: _identifier_of_rep(r, maps))
+
+
+def _identifier_of_rep(r: Column, maps: _Maps) -> Column:
+    sp = maps.sp
+    namespace, universal, universal_type = _c(r, sp, 4, 1), _c(r, sp, 4, 2), _c(r, sp, 4, 3)
     system = F.coalesce(
         _lookup(maps.identifier_systems, namespace),
         _lookup(maps.identifier_systems, universal),
@@ -456,46 +561,58 @@ def _identifier(r: Column, maps: _Maps) -> Column:
             F.concat(F.lit("urn:oid:"), universal),
         ),
     )
-    return F.when(_c(r, 1).isNotNull(), _identifier_of(_c(r, 5), system, _c(r, 1)))
+    return F.when(_c(r, sp, 1).isNotNull(), _identifier_of(_c(r, sp, 5), system, _c(r, sp, 1)))
 
 
-def _human_name(r: Column) -> Column:
+def _human_name(raw: Column, sp: Column) -> Column:
     """XPN → HumanName: family, given (XPN-2, XPN-3), suffix, prefix, use (XPN-7)."""
-    family, given = _c(r, 1), _nonempty(F.array(_c(r, 2), _c(r, 3)))
+    return _with_rep(raw, sp, lambda r: _human_name_of_rep(r, sp))
+
+
+def _human_name_of_rep(r: Column, sp: Column) -> Column:
+    family, given = _c(r, sp, 1), _nonempty(F.array(_c(r, sp, 2), _c(r, sp, 3)))
     return F.when(
         family.isNotNull() | given.isNotNull(),
         F.struct(
-            _lookup(_NAME_USE, _c(r, 7)).alias("use"),
+            _lookup(_NAME_USE, _c(r, sp, 7)).alias("use"),
             family.alias("family"),
             given.alias("given"),
-            _nonempty(F.array(_c(r, 5))).alias("prefix"),
-            _nonempty(F.array(_c(r, 4))).alias("suffix"),
+            _nonempty(F.array(_c(r, sp, 5))).alias("prefix"),
+            _nonempty(F.array(_c(r, sp, 4))).alias("suffix"),
         ),
     )
 
 
-def _address(r: Column) -> Column:
+def _address(raw: Column, sp: Column) -> Column:
     """XAD → Address: line (XAD-1, XAD-2), city, state, postalCode, country, use (XAD-7)."""
+    return _with_rep(raw, sp, lambda r: _address_of_rep(r, sp))
+
+
+def _address_of_rep(r: Column, sp: Column) -> Column:
     fields = [
-        _lookup(_ADDRESS_USE, _c(r, 7)).alias("use"),
-        _nonempty(F.array(_c(r, 1), _c(r, 2))).alias("line"),
-        _c(r, 3).alias("city"),
-        _c(r, 4).alias("state"),
-        _c(r, 5).alias("postalCode"),
-        _c(r, 6).alias("country"),
+        _lookup(_ADDRESS_USE, _c(r, sp, 7)).alias("use"),
+        _nonempty(F.array(_c(r, sp, 1), _c(r, sp, 2))).alias("line"),
+        _c(r, sp, 3).alias("city"),
+        _c(r, sp, 4).alias("state"),
+        _c(r, sp, 5).alias("postalCode"),
+        _c(r, sp, 6).alias("country"),
     ]
-    present = F.coalesce(_c(r, 1), _c(r, 2), _c(r, 3), _c(r, 4), _c(r, 5), _c(r, 6))
+    present = F.coalesce(*(_c(r, sp, n) for n in range(1, 7)))
     return F.when(present.isNotNull(), F.struct(*fields))
 
 
-def _contact(r: Column, use: str) -> Column:
+def _contact(raw: Column, sp: Column, use: str) -> Column:
     """XTN → ContactPoint: e-mail (XTN-2 NET or XTN-3 Internet) from XTN-4, else a phone number
     (XTN-1, else XTN-6 area code + XTN-7)."""
-    email = (_c(r, 2) == "NET") | (_c(r, 3) == "Internet")
-    number = F.coalesce(_c(r, 1), F.when(_c(r, 7).isNotNull(), F.concat_ws(" ", _c(r, 6), _c(r, 7))))
-    value = F.when(email, F.coalesce(_c(r, 4), _c(r, 1))).otherwise(number)
-    system = F.when(email, F.lit("email")).when(_c(r, 3) == "FX", F.lit("fax")).otherwise(F.lit("phone"))
-    use_code = F.when(_c(r, 3) == "CP", F.lit("mobile")).otherwise(F.lit(use))
+    return _with_rep(raw, sp, lambda r: _contact_of_rep(r, sp, use))
+
+
+def _contact_of_rep(r: Column, sp: Column, use: str) -> Column:
+    email = (_c(r, sp, 2) == "NET") | (_c(r, sp, 3) == "Internet")
+    number = F.coalesce(_c(r, sp, 1), F.when(_c(r, sp, 7).isNotNull(), F.concat_ws(" ", _c(r, sp, 6), _c(r, sp, 7))))
+    value = F.when(email, F.coalesce(_c(r, sp, 4), _c(r, sp, 1))).otherwise(number)
+    system = F.when(email, F.lit("email")).when(_c(r, sp, 3) == "FX", F.lit("fax")).otherwise(F.lit("phone"))
+    use_code = F.when(_c(r, sp, 3) == "CP", F.lit("mobile")).otherwise(F.lit(use))
     return F.when(value.isNotNull(), F.struct(system.alias("system"), value.alias("value"), use_code.alias("use")))
 
 
@@ -504,26 +621,30 @@ def _yes_no(v: Column) -> Column:
 
 
 def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
-    pv1 = m["pv1"]
-    patient_class = _value(pv1, "PV1", 2)
+    pv1, sp = m["pv1"], maps.sp
+    patient_class = _value(pv1, "PV1", 2, sp)
     mapped = _lookup(maps.patient_class, patient_class)
     klass = (
         F.when(mapped.isNotNull(), F.struct(F.lit(_ACT_CODE).alias("system"), mapped.alias("code")))
         .when(patient_class.isNotNull(), F.struct(F.lit(_V2_0004).alias("system"), patient_class.alias("code")))
         .otherwise(F.struct(F.lit(_NULL_FLAVOR).alias("system"), F.lit("UNK").alias("code")))
     )
-    start, end = _datetime(_value(pv1, "PV1", 44), maps), _datetime(_value(pv1, "PV1", 45), maps)
-    identifiers = F.array_compact(
-        F.array(_identifier(F.try_element_at(_field(pv1, "PV1", 19), F.lit(1)), maps), _stageline_identifier(m, "PV1"))
+    period = F.struct(
+        _datetime(_value(pv1, "PV1", 44, sp), maps).alias("start"),
+        _datetime(_value(pv1, "PV1", 45, sp), maps).alias("end"),
     )
-    return _keyed_entry(
-        _uuid(seed, F.lit("Encounter")),
-        "Encounter",
-        identifiers,
-        F.when(end.isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
-        klass.alias("class"),
-        subject.alias("subject"),
-        F.when(start.isNotNull() | end.isNotNull(), F.struct(start.alias("start"), end.alias("end"))).alias("period"),
+    identifiers = F.array_compact(F.array(_identifier(_rep(pv1, "PV1", 19, sp), maps), _stageline_identifier(m, "PV1")))
+    return let(
+        period,
+        lambda p: _keyed_entry(
+            _uuid(seed, F.lit("Encounter")),
+            "Encounter",
+            identifiers,
+            F.when(p["end"].isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
+            klass.alias("class"),
+            subject.alias("subject"),
+            F.when(p["start"].isNotNull() | p["end"].isNotNull(), p).alias("period"),
+        ),
     )
 
 
@@ -532,27 +653,21 @@ def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> C
 
 def _order_identifier(seg: Column, segment: str, n: int, code: str, maps: _Maps) -> Column:
     """EI (placer / filler number) → Identifier typed PLAC / FILL, the system from EI-2 (or EI-3)."""
-    value = _value(seg, segment, n, 1)
+    sp = maps.sp
+    value = _value(seg, segment, n, sp, 1)
     system = F.coalesce(
-        _lookup(maps.identifier_systems, _value(seg, segment, n, 2)),
-        _lookup(maps.identifier_systems, _value(seg, segment, n, 3)),
+        _lookup(maps.identifier_systems, _value(seg, segment, n, sp, 2)),
+        _lookup(maps.identifier_systems, _value(seg, segment, n, sp, 3)),
     )
     return F.when(value.isNotNull(), _identifier_of(F.lit(code), system, value))
 
 
 def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
-    obr = o["seg"]
+    obr, sp = o["seg"], maps.sp
     number = k + 1
     # This OBR's OBX: those after it and before the next OBR.
-    results = F.filter(
-        F.transform(
-            m["obx"],
-            lambda x, j: F.when(
-                x["report"] == number,
-                F.struct(_uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("reference")),
-            ),
-        ),
-        lambda r: r.isNotNull(),
+    results = F.transform(
+        F.filter(m["obx"], lambda x: x["report"] == number), lambda x: F.struct(x["url"].alias("reference"))
     )
     identifiers = F.array_compact(
         F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(m, "OBR", number))
@@ -561,39 +676,41 @@ def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column
         _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
         "DiagnosticReport",
         identifiers,
-        F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25)), F.lit("unknown")).alias("status"),
-        _required(_codeable(_field(obr, "OBR", 4), maps)).alias("code"),
+        F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25, sp)), F.lit("unknown")).alias("status"),
+        _required(_codeable(_rep(obr, "OBR", 4, sp), maps)).alias("code"),
         subject.alias("subject"),
-        _datetime(_value(obr, "OBR", 7), maps).alias("effectiveDateTime"),
+        _datetime(_value(obr, "OBR", 7, sp), maps).alias("effectiveDateTime"),
         F.when(F.size(results) > 0, results).alias("result"),
     )
 
 
-def _observation_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
-    obx = o["seg"]
-    number = k + 1
-    identifiers = F.array(_stageline_identifier(m, "OBX", number))
-    base = _resource(
-        "Observation",
-        identifiers.alias("identifier"),
-        F.coalesce(_lookup(_OBSERVATION_STATUS, _value(obx, "OBX", 11)), F.lit("unknown")).alias("status"),
-        _required(_codeable(_field(obx, "OBX", 3), maps)).alias("code"),
-        subject.alias("subject"),
-        _datetime(_value(obx, "OBX", 14), maps).alias("effectiveDateTime"),
-        _nonempty(F.array(_codeable(_field(obx, "OBX", 8), maps, default_system=_V2_0078))).alias("interpretation"),
-        F.when(_value(obx, "OBX", 7).isNotNull(), F.array(F.struct(_value(obx, "OBX", 7).alias("text")))).alias(
-            "referenceRange"
-        ),
-    )
-    resource = let(
-        _observation_value(obx, maps),
-        lambda v: F.when(v.isNull(), base).otherwise(
-            F.concat(F.substr(base, F.lit(1), F.length(base) - 1), F.lit(","), v, F.lit("}"))
-        ),
-    )
-    return _entry(
-        _uuid(seed, F.concat(F.lit("OBX/"), number.cast("string"))), resource, _conditional("Observation", identifiers)
-    )
+def _observation_entry(o: Column, k: Column, m: Column, subject: Column, maps: _Maps) -> Column:
+    obx, sp = o["seg"], maps.sp
+
+    def entry(identifiers: Column) -> Column:
+        base = _resource(
+            "Observation",
+            identifiers.alias("identifier"),
+            F.coalesce(_lookup(_OBSERVATION_STATUS, _value(obx, "OBX", 11, sp)), F.lit("unknown")).alias("status"),
+            _required(_codeable(_rep(obx, "OBX", 3, sp), maps)).alias("code"),
+            subject.alias("subject"),
+            _datetime(_value(obx, "OBX", 14, sp), maps).alias("effectiveDateTime"),
+            _nonempty(F.array(_codeable(_rep(obx, "OBX", 8, sp), maps, default_system=_V2_0078))).alias(
+                "interpretation"
+            ),
+            let(_value(obx, "OBX", 7, sp), lambda r: F.when(r.isNotNull(), F.array(F.struct(r.alias("text"))))).alias(
+                "referenceRange"
+            ),
+        )
+        resource = let(
+            _observation_value(obx, maps),
+            lambda v: F.when(v.isNull(), base).otherwise(
+                F.concat(F.substr(base, F.lit(1), F.length(base) - 1), F.lit(","), v, F.lit("}"))
+            ),
+        )
+        return _entry(o["url"], resource, _conditional("Observation", identifiers))
+
+    return let(F.array(_stageline_identifier(m, "OBX", k + 1)), entry)
 
 
 def _observation_value(obx: Column, maps: _Maps) -> Column:
@@ -602,16 +719,31 @@ def _observation_value(obx: Column, maps: _Maps) -> Column:
     Numbers are written as their text (``7.20`` stays ``7.20``; FHIR decimals keep their precision),
     so the quantity is assembled as text rather than ``to_json`` of a double.
     """
-    kind = _value(obx, "OBX", 2)
-    reps = _field(obx, "OBX", 5)
-    first = F.try_element_at(reps, F.lit(1))
-    units = _field(obx, "OBX", 6)
-    unit = F.try_element_at(units, F.lit(1))
-    unit_system = _lookup(maps.code_systems, _c(unit, 3))
+    sp = maps.sp
+    reps = _reps(obx, "OBX", 5, sp)
+    strings = F.array_join(F.filter(F.transform(reps, lambda r: _text(r, sp)), lambda x: x.isNotNull()), "\n")
+    value = F.struct(
+        _value(obx, "OBX", 2, sp).alias("kind"),
+        _split_rep(_nth(reps, 1), sp).alias("first"),
+        _split_rep(_rep(obx, "OBX", 6, sp), sp).alias("unit"),
+        _member("valueString", F.nullif(strings, F.lit(""))).alias("string"),
+    )
+    return let(value, lambda v: _typed_value(v["kind"], v["first"], v["unit"], v["string"], maps))
+
+
+def _member(name: str, value: Column) -> Column:
+    """``"name":value`` as JSON text (no braces), NULL for a NULL value."""
+    text = F.to_json(F.struct(value.alias(name)))
+    return F.when(value.isNotNull(), F.substr(text, F.lit(2), F.length(text) - 2))
+
+
+def _typed_value(kind: Column, first: Column, unit: Column, as_string: Column, maps: _Maps) -> Column:
+    sp = maps.sp
+    unit_system = _lookup(maps.code_systems, _c(unit, sp, 3))
     unit_fields = [
-        F.coalesce(_c(unit, 2), _c(unit, 1)).alias("unit"),
+        F.coalesce(_c(unit, sp, 2), _c(unit, sp, 1)).alias("unit"),
         unit_system.alias("system"),
-        F.when(unit_system.isNotNull(), _c(unit, 1)).alias("code"),
+        F.when(unit_system.isNotNull(), _c(unit, sp, 1)).alias("code"),
     ]
 
     def quantity(number: Column, comparator: Column) -> Column:
@@ -621,35 +753,28 @@ def _observation_value(obx: Column, maps: _Maps) -> Column:
         )
         return F.concat(F.lit('"valueQuantity":{"value":'), _json_number(number), tail, F.lit("}"))
 
-    def member(name: str, value: Column) -> Column:
-        text = F.to_json(F.struct(value.alias(name)))
-        return F.when(value.isNotNull(), F.substr(text, F.lit(2), F.length(text) - 2))
-
-    nm = _c(first, 1)
-    sn_comparator, sn_number = _c(first, 1), _c(first, 2)
-
-    def typed(as_string: Column) -> Column:
-        return (
-            F.when(first.isNull(), F.lit(None).cast("string"))
-            .when((kind == "NM") & nm.rlike(_NUMBER), quantity(nm, F.lit(None).cast("string")))
-            .when(
-                (kind == "SN")
-                & sn_number.rlike(_NUMBER)
-                & _c(first, 3).isNull()
-                & (sn_comparator.isNull() | sn_comparator.isin(*_COMPARATORS, "=")),
-                quantity(sn_number, F.when(sn_comparator != "=", sn_comparator)),
-            )
-            .when(
-                kind.isin(*_CODED_TYPES), F.coalesce(member("valueCodeableConcept", _codeable(reps, maps)), as_string)
-            )
-            .when(
-                kind.isin(*_DATE_TYPES), F.coalesce(member("valueDateTime", _datetime(_c(first, 1), maps)), as_string)
-            )
-            .otherwise(as_string)
+    nm = _c(first, sp, 1)
+    sn_comparator, sn_number = _c(first, sp, 1), _c(first, sp, 2)
+    return (
+        F.when(first.isNull(), F.lit(None).cast("string"))
+        .when((kind == "NM") & nm.rlike(_NUMBER), quantity(nm, F.lit(None).cast("string")))
+        .when(
+            (kind == "SN")
+            & sn_number.rlike(_NUMBER)
+            & _c(first, sp, 3).isNull()
+            & (sn_comparator.isNull() | sn_comparator.isin(*_COMPARATORS, "=")),
+            quantity(sn_number, F.when(sn_comparator != "=", sn_comparator)),
         )
-
-    strings = F.array_join(F.filter(F.transform(reps, _text), lambda x: x.isNotNull()), "\n")
-    return let(member("valueString", F.nullif(strings, F.lit(""))), typed)
+        .when(
+            kind.isin(*_CODED_TYPES),
+            F.coalesce(_member("valueCodeableConcept", _codeable_of_rep(first, maps, None)), as_string),
+        )
+        .when(
+            kind.isin(*_DATE_TYPES),
+            F.coalesce(_member("valueDateTime", _datetime(_c(first, sp, 1), maps)), as_string),
+        )
+        .otherwise(as_string)
+    )
 
 
 def _json_number(text: Column) -> Column:
@@ -661,17 +786,19 @@ def _json_number(text: Column) -> Column:
 
 
 def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
-    obr = o["seg"]
+    obr, sp = o["seg"], maps.sp
     number = k + 1
     # The ORC before this OBR (ORM^O01 pairs them in order), else the first ORC.
     before = F.filter(m["orc"], lambda c: c["pos"] < o["pos"])
     orc = F.coalesce(F.try_element_at(before, F.lit(-1)), F.try_element_at(m["orc"], F.lit(1)))["seg"]
     status = F.coalesce(
-        _lookup(_ORDER_STATUS, _value(orc, "ORC", 5)), _lookup(_ORDER_CONTROL, _value(orc, "ORC", 1)), F.lit("unknown")
+        _lookup(_ORDER_STATUS, _value(orc, "ORC", 5, sp)),
+        _lookup(_ORDER_CONTROL, _value(orc, "ORC", 1, sp)),
+        F.lit("unknown"),
     )
     placer = F.coalesce(_order_identifier(obr, "OBR", 2, "PLAC", maps), _order_identifier(orc, "ORC", 2, "PLAC", maps))
     filler = F.coalesce(_order_identifier(obr, "OBR", 3, "FILL", maps), _order_identifier(orc, "ORC", 3, "FILL", maps))
-    priority = F.coalesce(_value(orc, "ORC", 7, 6), _value(obr, "OBR", 27, 6))
+    priority = F.coalesce(_value(orc, "ORC", 7, sp, 6), _value(obr, "OBR", 27, sp, 6))
     identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(m, "ORD", number)))
     return _keyed_entry(
         _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
@@ -680,32 +807,39 @@ def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column,
         status.alias("status"),
         F.lit("order").alias("intent"),
         _lookup(_PRIORITY, priority).alias("priority"),
-        _codeable(_field(obr, "OBR", 4), maps).alias("code"),
+        _codeable(_rep(obr, "OBR", 4, sp), maps).alias("code"),
         subject.alias("subject"),
-        F.coalesce(_datetime(_value(orc, "ORC", 9), maps), _datetime(_value(obr, "OBR", 6), maps)).alias("authoredOn"),
+        F.coalesce(_datetime(_value(orc, "ORC", 9, sp), maps), _datetime(_value(obr, "OBR", 6, sp), maps)).alias(
+            "authoredOn"
+        ),
     )
 
 
 # --- data types --------------------------------------------------------------------------------
 
 
-def _codeable(reps: Column, maps: _Maps, *, default_system: str | None = None) -> Column:
-    """CWE/CE (first repetition) → CodeableConcept: a coding per triplet (1-3 and 4-6), the
-    systems from ``code_systems``; text from CWE-9, else the display of a code nobody coded."""
-    r = F.try_element_at(reps, F.lit(1))
+def _codeable(raw: Column, maps: _Maps, *, default_system: str | None = None) -> Column:
+    """CWE/CE (one raw repetition: the field's first) → CodeableConcept: a coding per triplet (1-3
+    and 4-6), the systems from ``code_systems``; text from CWE-9, else the display of a code nobody
+    coded."""
+    return _with_rep(raw, maps.sp, lambda r: _codeable_of_rep(r, maps, default_system))
+
+
+def _codeable_of_rep(r: Column, maps: _Maps, default_system: str | None) -> Column:
+    sp = maps.sp
 
     def coding(code: int) -> Column:
-        name = _c(r, code + 2)
+        name = _c(r, sp, code + 2)
         system = _lookup(maps.code_systems, name)
         if default_system is not None:
             system = F.coalesce(system, F.when(name.isNull(), F.lit(default_system)))
         return F.when(
-            _c(r, code).isNotNull(),
-            F.struct(system.alias("system"), _c(r, code).alias("code"), _c(r, code + 1).alias("display")),
+            _c(r, sp, code).isNotNull(),
+            F.struct(system.alias("system"), _c(r, sp, code).alias("code"), _c(r, sp, code + 1).alias("display")),
         )
 
     codings = _nonempty(F.array(coding(1), coding(4)))
-    text = F.coalesce(_c(r, 9), F.when(_c(r, 1).isNull(), _c(r, 2)))
+    text = F.coalesce(_c(r, sp, 9), F.when(_c(r, sp, 1).isNull(), _c(r, sp, 2)))
     return let(
         codings, lambda cs: F.when(cs.isNotNull() | text.isNotNull(), F.struct(cs.alias("coding"), text.alias("text")))
     )
@@ -725,14 +859,16 @@ def _required(concept: Column) -> Column:
 
 def _date(v: Column) -> Column:
     """TS/DT → FHIR date (YYYY, YYYY-MM or YYYY-MM-DD; a time part is dropped). NULL if not a date."""
-    return let(_dtm_digits(v), lambda d: F.when(d.isNotNull(), _date_part(d, F.least(F.length(d), F.lit(8)))))
+    return let(
+        v, lambda v: let(_dtm_digits(v), lambda d: F.when(d.isNotNull(), _date_part(d, F.least(F.length(d), F.lit(8)))))
+    )
 
 
 def _datetime(v: Column, maps: _Maps) -> Column:
     """TS/DTM → FHIR dateTime; a time gets seconds and an offset (the value's, else ``timezone``).
     NULL if the text is not a valid DTM."""
 
-    def build(d: Column) -> Column:
+    def build(v: Column, d: Column) -> Column:
         n = F.length(d)
         offset = F.regexp_extract(v, r"([+-]\d{4})$", 1)
         zone = F.when(
@@ -753,7 +889,7 @@ def _datetime(v: Column, maps: _Maps) -> Column:
             d.isNotNull(), F.concat(_date_part(d, F.least(n, F.lit(8))), F.when(n >= 10, time).otherwise(F.lit("")))
         )
 
-    return let(_dtm_digits(v), build)
+    return let(v, lambda v: let(_dtm_digits(v), lambda d: build(v, d)))
 
 
 def _dtm_digits(v: Column) -> Column:
