@@ -22,11 +22,13 @@ the sender, MSH-10 and the segment's position) besides their own, and are PUT on
 ``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
 Bundle and a re-run of the transform builds the same bytes.
 
-How it runs: the transform engine's parsed payload (its units, after the destination's rules) is
-cut into a tree per segment — fields, repetitions, components, subcomponents, each leaf with the
-separator escapes decoded — once per message, and the resources are ``to_json`` of structs built
-from it. No Python runs per row. A message the mapping cannot take (another message type, a batch
-of several messages, an order without a patient) comes out with a NULL Bundle and the reason.
+How it runs: each used segment of the transform engine's parsed payload (its units, after the
+destination's rules) is split into its fields once per message, with the separator escapes resolved
+before the split (:func:`_split_unit`); a field is split into repetitions, components and
+subcomponents only where the mapping reads it, and only the leaves it reads are decoded. The
+resources are ``to_json`` of structs built from them. No Python runs per row. A message the
+mapping cannot take (another message type, a batch of several messages, an order without a
+patient) comes out with a NULL Bundle and the reason.
 """
 
 from __future__ import annotations
@@ -82,9 +84,11 @@ ENTRY_PARTS = ("patient", "encounter", "reports", "observations", "orders")
 
 
 def fhir_context(units: Column, seed: Column) -> Column:
-    """Step 1: the message's segment trees grouped for the mapping, and why it cannot be mapped.
+    """Step 1: the message's segments grouped for the mapping, and why it cannot be mapped.
 
-    ``struct<kind, event, pid, pv1, obr, obx, orc, sender, error>``; ``units`` is the transform
+    ``struct<kind, event, pid, pv1, obr, obx, orc, sender, patient, sp, error>`` (each segment its
+    fields, the OBX with their report's number and fullUrl, ``patient`` the Patient's fullUrl,
+    ``sp`` how to split and decode a field); ``units`` is the transform
     engine's parsed payload (:mod:`spark_jobs.transform_rules`), ``seed`` a string unique per
     message and destination. NULL ``units`` (not HL7) give NULL. The mapping runs as three
     projections — this context, the entries (:func:`fhir_entries`), the Bundle
@@ -326,7 +330,7 @@ def _context(u: Column, seed: Column) -> Column:
     than :data:`MAX_GROUP_SEGMENTS` of either (or of ORC) is refused before any of that work.
     """
     sp = u["sp"]
-    # A segment's id is its first leaf, read as any other.
+    # A segment's id is the first leaf of its element 1 (for MSH, "MSH-1" is that element).
     positioned = F.transform(
         u["segs"],
         lambda s, i: F.struct(s.alias("seg"), i.alias("pos"), _value(s, "MSH", 1, sp).alias("id")),

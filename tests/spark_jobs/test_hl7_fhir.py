@@ -105,6 +105,21 @@ REFUSED = {
 }
 
 
+_H = "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240102083000||"
+ESCAPES = {
+    "known": _H + "ADT^A01|E1|P|2.5.1\rPID|1||X1^^^HOSP^MR||O\\T\\BRIEN^A\\S\\B\\E\\F\\E\\^\\H\\hi\\N\\^JR\\F\\^DR\r",
+    "unterminated": _H + "ADT^A01|E2|P|2.5.1\rPID|1||X2\\^^^HOSP^MR||SMITH\\^JOHN\\X|A\\B|C\\D||NAME\\F\\|M\r",
+    "text": _H + "ORU^R01|E3|P|2.5.1\rPID|1||X3^^^HOSP^MR||P^Q\rOBR|1|P1|F1|C^D^LN\r"
+    "OBX|1|TX|N^N^L||a\\R\\b~c\\S\\d^e\\T\\f^^&^||||||F\rOBX|2|ST|N^N^L||\\E\\\\E\\x\\||||||F\r"
+    'OBX|3|ST|N^N^L||""||||||F\rOBX|4|FT|N^N^L||ab\\|cd\\\\ef||||||F\r',
+    "other separators": "MSH#*@!%#A!S!PP#FAC#R#F#20240101120000##ADT*A01#E7#P#2.5\r"
+    "PID#1##Z1***HOSP*MR##L!S!AST*F!F!IRST\r",
+    "order": _H + "ORM^O01|E8|P|2.5.1\rPID|1||X8^^^HOSP^MR||N\\F\\^G\rORC|NW|P\\S\\1^HOSP|F1^HOSP||CM\r"
+    "OBR|1|P\\S\\1^HOSP|F1|C\\T\\X^D\\R\\Y^LN\r",
+    "noncharacter": _H + "ADT^A04|E6|P|2.5.1\rPID|1||X7^^^HOSP^MR||NON\ufdd2CHAR\\S\\^G\r",
+}
+
+
 SEEDS: dict[tuple[str, Any], str] = {}
 
 
@@ -117,6 +132,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("again", "first", ORU_R01), ("again", "other", ORU_R01)]
     rows += [("refused", k, p) for k, p in REFUSED.items()]
     rows += [("ruled", "a04", NO_SUBCOMPONENT)]
+    rows += [("escapes", k, p) for k, p in ESCAPES.items()]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
     SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
     frame = spark.createDataFrame(
@@ -223,6 +239,30 @@ def test_data_types_follow_the_v2_to_fhir_mapping(out: dict[Any, Any]) -> None:
     assert obs[4]["valueString"] == "line one\nline two"
     assert obs[5]["valueString"] == "not a number" and obs[5]["status"] == "unknown"
     assert obs[6]["valueString"] == "second panel"
+
+
+def test_separator_escapes_are_decoded_in_the_leaves_the_mapping_reads(out: dict[Any, Any]) -> None:
+    """Escapes pair left to right within a leaf; unknown codes and an unterminated one stay verbatim."""
+
+    def resources(key: str) -> list[dict[str, Any]]:
+        return [e["resource"] for e in check_bundle(out[("escapes", key)][1])["entry"]]
+
+    known = resources("known")[0]
+    assert known["name"] == [
+        {"family": "O&BRIEN", "given": ["A^B\\F\\", "\\H\\hi\\N\\"], "prefix": ["DR"], "suffix": ["JR|"]}
+    ]
+    unterminated = resources("unterminated")[0]
+    assert unterminated["identifier"][0]["value"] == "X2\\"
+    assert unterminated["name"] == [{"family": "SMITH\\", "given": ["JOHN\\X"]}]
+    texts = [r.get("valueString") for r in resources("text") if r["resourceType"] == "Observation"]
+    assert texts == ["a~b\nc^d^e&f", "\\\\x\\", None, "ab\\"]
+    assert resources("other separators")[0]["name"] == [{"family": "L*AST", "given": ["F#IRST"]}]
+    patient, order = resources("order")
+    assert patient["name"] == [{"family": "N|", "given": ["G"]}]
+    assert order["identifier"][0]["value"] == "P^1"
+    assert order["code"]["coding"][0] == {"system": "http://loinc.org", "code": "C&X", "display": "D~Y"}
+    # U+FDD0-FDD6 are what the mapping resolves escapes with: a message holding one is read undecoded.
+    assert resources("noncharacter")[0]["name"] == [{"family": "NON\ufdd2CHAR\\S\\", "given": ["G"]}]
 
 
 def test_a_redelivery_is_the_same_bundle_with_conditional_writes(spark: SparkSession, out: dict[Any, Any]) -> None:
