@@ -757,8 +757,31 @@ def _typed_value(kind: Column, first: Column, unit: Column, as_string: Column, m
         )
         return F.concat(F.lit('"valueQuantity":{"value":'), _json_number(number), tail, F.lit("}"))
 
+    def pair(member: str, low: str, high: str, first_number: Column, second_number: Column, units: bool) -> Column:
+        """``"valueRange":{"low":{...},"high":{...}}`` or a Ratio's numerator and denominator."""
+        rest = F.to_json(F.struct(*unit_fields)) if units else F.lit("{}")
+        tail = F.when(rest != "{}", F.concat(F.lit(","), F.substr(rest, F.lit(2), F.length(rest) - 2))).otherwise(
+            F.lit("")
+        )
+        return F.concat(
+            F.lit(f'"{member}":{{"{low}":{{"value":'),
+            _json_number(first_number),
+            tail,
+            F.lit(f'}},"{high}":{{"value":'),
+            _json_number(second_number),
+            tail,
+            F.lit("}}"),
+        )
+
     nm = _c(first, sp, 1)
-    sn_comparator, sn_number = _c(first, sp, 1), _c(first, sp, 2)
+    sn_comparator, sn_number, sn_separator, sn_second = (
+        _c(first, sp, 1),
+        _c(first, sp, 2),
+        _c(first, sp, 3),
+        _c(first, sp, 4),
+    )
+    # SN-1 empty, SN-2 and SN-4 numbers: "-" a range (in OBX-6's unit), ":" or "/" a ratio.
+    sn_pair = (kind == "SN") & sn_comparator.isNull() & sn_number.rlike(_NUMBER) & sn_second.rlike(_NUMBER)
     return (
         F.when(first.isNull(), F.lit(None).cast("string"))
         .when((kind == "NM") & nm.rlike(_NUMBER), quantity(nm, F.lit(None).cast("string")))
@@ -768,6 +791,11 @@ def _typed_value(kind: Column, first: Column, unit: Column, as_string: Column, m
             & _c(first, sp, 3).isNull()
             & (sn_comparator.isNull() | sn_comparator.isin(*_COMPARATORS, "=")),
             quantity(sn_number, F.when(sn_comparator != "=", sn_comparator)),
+        )
+        .when(sn_pair & (sn_separator == "-"), pair("valueRange", "low", "high", sn_number, sn_second, True))
+        .when(
+            sn_pair & sn_separator.isin(":", "/"),
+            pair("valueRatio", "numerator", "denominator", sn_number, sn_second, False),
         )
         .when(
             kind.isin(*_CODED_TYPES),

@@ -120,6 +120,20 @@ ESCAPES = {
 }
 
 
+STRUCTURED_NUMBERS = (
+    "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240102083000||ORU^R01|C9|P|2.5.1\r"
+    "PID|1||555^^^LAB^MR||PATIENT^PAT\r"
+    "OBR|1|P1^LAB|F1^LAB|24331-1^Lipid panel^LN\r"
+    "OBX|1|SN|X^Range^L||^10^-^20.50|mg/dL^^UCUM\r"
+    "OBX|2|SN|X^Ratio^L||^1^:^128\r"
+    "OBX|3|SN|X^Ratio^L||^1^/^+04|mL\r"
+    "OBX|4|SN|X^Compared^L||>=^5\r"
+    "OBX|5|SN|X^Not a range^L||<^1^-^2\r"
+    "OBX|6|SN|X^Not a number^L||^1^-^x\r"
+    "OBX|7|SN|X^Categorical^L||^2^+\r"
+)
+
+
 SEEDS: dict[tuple[str, Any], str] = {}
 
 
@@ -133,6 +147,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("refused", k, p) for k, p in REFUSED.items()]
     rows += [("ruled", "a04", NO_SUBCOMPONENT)]
     rows += [("escapes", k, p) for k, p in ESCAPES.items()]
+    rows += [("types", "sn", STRUCTURED_NUMBERS)]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
     SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
     frame = spark.createDataFrame(
@@ -263,6 +278,27 @@ def test_separator_escapes_are_decoded_in_the_leaves_the_mapping_reads(out: dict
     assert order["code"]["coding"][0] == {"system": "http://loinc.org", "code": "C&X", "display": "D~Y"}
     # U+FDD0-FDD6 are what the mapping resolves escapes with: a message holding one is read undecoded.
     assert resources("noncharacter")[0]["name"] == [{"family": "NON\ufdd2CHAR\\S\\", "given": ["G"]}]
+
+
+def test_structured_numbers_become_quantities_ranges_and_ratios(out: dict[Any, Any]) -> None:
+    """SN per the V2-to-FHIR IG: a comparator and a number → valueQuantity, ``-`` → valueRange (in
+    OBX-6's unit), ``:`` or ``/`` → valueRatio; anything else stays its text."""
+    values = [
+        {k: v for k, v in e["resource"].items() if k.startswith("value")}
+        for e in check_bundle(out[("types", "sn")][1])["entry"]
+        if e["resource"]["resourceType"] == "Observation"
+    ]
+    ucum = {"unit": "mg/dL", "system": "http://unitsofmeasure.org", "code": "mg/dL"}
+    assert values == [
+        {"valueRange": {"low": {"value": 10, **ucum}, "high": {"value": 20.5, **ucum}}},
+        {"valueRatio": {"numerator": {"value": 1}, "denominator": {"value": 128}}},
+        {"valueRatio": {"numerator": {"value": 1}, "denominator": {"value": 4}}},
+        {"valueQuantity": {"value": 5, "comparator": ">="}},
+        {"valueString": "<^1^-^2"},
+        {"valueString": "^1^-^x"},
+        {"valueString": "^2^+"},
+    ]
+    assert '"high":{"value":20.50,' in out[("types", "sn")][1]  # the number's own text
 
 
 def test_a_redelivery_is_the_same_bundle_with_conditional_writes(spark: SparkSession, out: dict[Any, Any]) -> None:
