@@ -55,6 +55,9 @@ class StoreConfig:
     busy_retry_seconds: float = 40.0
     read_timeout_seconds: float = 60.0
     """How long a read by a `stageline` command may run before the store stops it (`Store.read_timeout`)."""
+    sync_standbys_expected: int = 0
+    """Synchronous standbys the store should have streaming (listenerd exports it beside the count
+    it reads, for the alert StagelineStoreOnOneServer); 0: none expected."""
     allow_unsafe_durability: bool = False
     """Start even on a server that may lose acknowledged commits (PostgreSQL `fsync = off`, SQL
     Server `DELAYED_DURABILITY = FORCED`); never for production."""

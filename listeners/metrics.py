@@ -122,7 +122,14 @@ class Metrics:
             "stageline_store_sync_standbys",
             "Synchronous standbys streaming from the store's PostgreSQL (include/store/replication.py): "
             ">= 1 while a commit (and so an AA) is on two servers; 0 when standbys are named but none "
-            "is in sync, or none is named; NaN where there is no replication to read (SQLite, SQL Server)",
+            "is in sync, or none is named; NaN where there is no replication to read (SQLite, SQL Server) "
+            "or when no read has succeeded for two rechecks (the posture is unknown)",
+            registry=r,
+        )
+        self.store_sync_standbys_expected = Gauge(
+            "stageline_store_sync_standbys_expected",
+            "Synchronous standbys the operator expects ([store] sync_standbys_expected): the alert "
+            "StagelineStoreOnOneServer fires while stageline_store_sync_standbys is below it (or NaN)",
             registry=r,
         )
         self.store_errors = Counter(

@@ -108,7 +108,9 @@ class ListenerNode(SequentialMultiService):
             metrics=self.metrics,
             reactor=reactor,
         )
-        self.replication = PostureService(lambda: self.stores.store, self.metrics, reactor=reactor)
+        self.replication = PostureService(
+            lambda: self.stores.store, self.metrics, expected=config.store.sync_standbys_expected, reactor=reactor
+        )
         self.heartbeat = HeartbeatService(
             self.stores,
             self.lease,

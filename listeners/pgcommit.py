@@ -21,7 +21,9 @@ exception class, so `Dialect.is_refusal` reads it as it reads the store's.
 Durability as the store's own sessions (`include.store.durability`, docs/store.md): the connection
 is opened with `synchronous_commit` pinned on (this is the session whose commit an `AA` follows) and
 refused on a server with `fsync = off` unless allowed; and while the store's periodic recheck finds
-the server unsafe (`Store.durability_refusal`), every batch fails (`AE`) without being sent.
+the server unsafe (`Store.durability_refusal`), every batch fails (`AE`) without being sent. A
+statement whose commit's wait for the synchronous standby was cancelled (its server's warning) fails
+with `CommitUnconfirmed` as the store's own commits do (`include.store.unconfirmed`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from include.store import Store
 from include.store.dialects import PostgresDialect
 from include.store.durability import UnsafeDurability, postgres_refusal, postgres_synchronous_commit
 from include.store.rowlease import ONE_STATEMENT_STAGING, Staged, Statement, staging
+from include.store.unconfirmed import CommitUnconfirmed, unconfirming
 
 __all__ = ["PgStager", "numbered"]
 
@@ -262,6 +265,8 @@ class _Connection:
         # The reactor watches a duplicate of libpq's socket: libpq closes its own when it finds
         # the connection broken, and the reactor must still be able to unregister ours.
         self._fd = os.dup(pgconn.socket)
+        self._unconfirmed: str | None = None  # the statement's commit wait for the standby ended early
+        pgconn.notice_handler = self._notice
         self._pending: Deferred[Any] | None = None
         self._results: list[Any] = []
         self._writing = False
@@ -281,6 +286,7 @@ class _Connection:
         d: Deferred[Any] = Deferred()
         self._pending = d
         self._results = []
+        self._unconfirmed = None
         try:
             self.pgconn.send_query_prepared(query.name, query.values(params))
             self._flush()
@@ -321,11 +327,22 @@ class _Connection:
     def connectionLost(self, reason: Failure) -> None:
         self._broken(ConnectionError("the staging connection was lost"))
 
+    def _notice(self, result: Any) -> None:
+        """libpq's notice receiver: remember a warning that the autocommitted statement's wait for
+        the synchronous standby ended early (`include.store.unconfirmed`)."""
+        field = self._pq.DiagnosticField
+        severity = result.error_field(field.SEVERITY_NONLOCALIZED)
+        sqlstate = result.error_field(field.SQLSTATE)
+        if unconfirming(severity and severity.decode(), sqlstate and sqlstate.decode()):
+            primary = result.error_field(field.MESSAGE_PRIMARY) or b""
+            self._unconfirmed = f"{sqlstate.decode()} {primary.decode('utf-8', 'replace')}"
+
     def _finished(self) -> None:
         from psycopg import errors
 
         d, self._pending = self._pending, None
         results, self._results = self._results, []
+        unconfirmed, self._unconfirmed = self._unconfirmed, None
         assert d is not None
         failed = [r for r in results if r.status not in (self._pq.ExecStatus.TUPLES_OK, self._pq.ExecStatus.COMMAND_OK)]
         if failed:
@@ -336,6 +353,9 @@ class _Connection:
             if not self._keep_after(error):
                 self.close()
             d.errback(Failure(error))
+            return
+        if unconfirmed is not None:  # committed here, maybe not on the standby: never AA'd
+            d.errback(Failure(CommitUnconfirmed(unconfirmed)))
             return
         d.callback(results[-1])
 
@@ -354,6 +374,7 @@ class _Connection:
             self._writing = False
             self._reactor.removeWriter(self)
         os.close(self._fd)
+        self.pgconn.notice_handler = None
         self.pgconn.finish()
         d, self._pending = self._pending, None
         if d is not None:

@@ -52,6 +52,13 @@ class StoreModel(Strict):
         description="how long a read by a stageline command (messages find, stages, ...) may run before "
         "the store stops it; --timeout overrides it per command",
     )
+    sync_standbys_expected: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="postgres: how many synchronous standbys the store should have streaming (1 on a "
+        "replicated store under Patroni); fewer for two minutes raises StagelineStoreOnOneServer",
+    )
     allow_unsafe_durability: bool = Field(
         False,
         description="start even on a server that may lose acknowledged "
@@ -62,6 +69,20 @@ class StoreModel(Strict):
         "password",
         "unknown setting: the store password is read from $STAGELINE_STORE_PASSWORD, never from the file",
     )
+
+    @model_validator(mode="after")
+    def _standbys_need_postgres(self) -> StoreModel:
+        if self.sync_standbys_expected > 0 and self.backend != "postgres":
+            Rules.raise_if(
+                [
+                    (
+                        "sync_standbys_expected",
+                        f"sync_standbys_expected = {self.sync_standbys_expected} needs backend = "
+                        f'"postgres" (a replicated PostgreSQL); {self.backend} has no standbys to count',
+                    )
+                ]
+            )
+        return self
 
     @model_validator(mode="after")
     def _answer_in_time(self) -> StoreModel:

@@ -22,6 +22,8 @@ also repeated every DURABILITY_RECHECK_SECONDS on a pooled connection as a trans
 off the reactor thread, and at least with each heartbeat): a server whose `fsync` was turned off at
 run time is noticed within that time, logged as an error at every recheck, shown by
 `durability_problem`, and every transaction fails (listenerd answers `AE`) until it is back on.
+On PostgreSQL a commit whose wait for the synchronous standby was cancelled raises
+`CommitUnconfirmed` (`include.store.unconfirmed`) although the server kept it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from include.config import StoreConfig
 from include.store import queries
 from include.store.dialects import DIALECTS, Dialect, PostgresDialect
 from include.store.durability import UnsafeDurability, check_connection
+from include.store.unconfirmed import watching
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +449,11 @@ class Store:
                 if write:
                     self._note_write(tx, time.perf_counter() - started)
                 raise
-            conn.commit()
+            if self._pool is not None:  # PostgreSQL: a commit its standby did not confirm raises
+                with watching(conn):
+                    conn.commit()
+            else:
+                conn.commit()
             if write:  # the commit (its fsync) is part of the hold
                 self._note_write(tx, time.perf_counter() - started)
 
@@ -497,7 +504,8 @@ class Store:
         with self._connection() as conn:
             conn.autocommit = True
             try:
-                yield Tx(self, conn)
+                with watching(conn):  # its statement is its commit
+                    yield Tx(self, conn)
             finally:
                 conn.autocommit = False
 

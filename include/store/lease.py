@@ -153,6 +153,7 @@ class LeaderElector:
                 Outcome.STANDING_ASIDE, state.epoch, state.owner if state.live else None, state.expires_at
             )
         params = {"owner": self.node_id, "ttl": self.ttl}
+        held: tuple[int, float] | None = None  # (epoch, start) this step holds once its commit is confirmed
         try:
             with self.store.transaction() as tx:
                 # The fence runs from here: a connection in hand, before the statement that starts
@@ -164,6 +165,7 @@ class LeaderElector:
                 tx.one("step_timeout", {"ms": int(self.fence_timeout * 1000)})
                 cur = tx.row("lease_read_locked")
                 owner, epoch, live = cur["owner"], int(cur["epoch"]), bool(cur["live"])
+                result: ElectionResult | None = None
                 if self._epoch is not None:
                     if owner != self.node_id or epoch != self._epoch:
                         self._drop()
@@ -171,23 +173,30 @@ class LeaderElector:
                     if live:
                         row = tx.one("lease_renew", {**params, "epoch": epoch})
                         if row is not None:
-                            self._renewed_at = started
-                            return ElectionResult(Outcome.ALREADY_LEADER, epoch, self.node_id, row["expires_at"])
-                        # expired between the read and the renewal (a per-statement clock): acquire anew
+                            held = (epoch, started)
+                            result = ElectionResult(Outcome.ALREADY_LEADER, epoch, self.node_id, row["expires_at"])
+                        # else expired between the read and the renewal (a per-statement clock): acquire anew
                     # our lease ran out and nobody took it: fall through and acquire a new epoch
                 elif live:
                     return ElectionResult(Outcome.OTHER_LEADER, epoch, owner, cur["expires_at"])
-                tx.execute("fence_exclusive")  # waits out writers that checked the old epoch
-                row = tx.one("lease_acquire", {**params, "prev_epoch": epoch})
-                if row is None:
-                    self._drop()
-                    return ElectionResult(Outcome.CONFLICT, None, None, None)
-                self._epoch, self._renewed_at = int(row["epoch"]), started
-                return ElectionResult(Outcome.ELECTED, self._epoch, self.node_id, row["expires_at"])
+                if result is None:
+                    tx.execute("fence_exclusive")  # waits out writers that checked the old epoch
+                    row = tx.one("lease_acquire", {**params, "prev_epoch": epoch})
+                    if row is None:
+                        self._drop()
+                        return ElectionResult(Outcome.CONFLICT, None, None, None)
+                    held = (int(row["epoch"]), started)
+                    result = ElectionResult(Outcome.ELECTED, held[0], self.node_id, row["expires_at"])
         except Exception as exc:
             if self.store.dialect.is_conflict(exc):
                 return ElectionResult(Outcome.CONFLICT, None, None, None)
             raise
+        # Only a confirmed commit counts (include.store.unconfirmed): one that raised — its wait for
+        # the synchronous standby cancelled — may be gone after a promotion, and its epoch with it,
+        # to be granted again to another node (issue 28).
+        assert held is not None and result is not None  # every path without them returned above
+        self._epoch, self._renewed_at = held
+        return result
 
     def release(self) -> bool:
         """Clean stop: expire our lease now so a standby acquires on its next step."""

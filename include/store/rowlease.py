@@ -259,9 +259,10 @@ Staged = dict[str, int] | None
 """What staging gave: {message_id: row id} for the rows written, or None when the epoch was stale."""
 
 
-ONE_STATEMENT_STAGING = ("stage_inbound", "stage_inbound_one", "epoch_current")
+ONE_STATEMENT_STAGING = ("stage_inbound", "stage_inbound_one", "epoch_current", "stage_inbound_resent")
 """The only statements `staging` runs where the dialect's staging is self-contained
-(`Dialect.atomic_staging`): the staging statement itself, and the epoch check after it."""
+(`Dialect.atomic_staging`): the staging statement itself, and the epoch check after it (the
+re-send's, `stage_inbound_resent`, where the dialect has one)."""
 
 
 class Statement(NamedTuple):
@@ -302,7 +303,8 @@ def staging(
     cursors give them); returns `Staged`. Both writers drive it: `stage_inbound` in one
     transaction, and on PostgreSQL `listeners.pgcommit` on its own connection, one statement at a
     time in autocommit — which is sound only because there the staging statement is
-    self-contained (`Dialect.atomic_staging`) and the epoch check after it only reads.
+    self-contained (`Dialect.atomic_staging`) and the epoch check after it only reads (or, after
+    a re-send that wrote nothing, writes a marker so that its commit waits for the standby).
 
     `messages`: dicts with message_id, control_id, connection, lane_key, charset, payload (and
     optionally findings, format); a
@@ -328,7 +330,10 @@ def staging(
         batch = json.dumps(messages)
         rows = yield Statement("stage_inbound", {"messages": batch, "epoch": epoch, "node_id": node_id})
     if not rows:  # stale epoch, or every message was a re-delivery of one already staged
-        return {} if (yield Statement("epoch_current", {"epoch": epoch})) else None
+        # PostgreSQL: a check whose commit waits for the synchronous standby, as the first copy's
+        # may not have (`stage_inbound_resent`); an AA for a re-send must mean two servers too.
+        check = "stage_inbound_resent" if store.has_query("stage_inbound_resent") else "epoch_current"
+        return {} if (yield Statement(check, {"epoch": epoch})) else None
     ids = store.dialect.id_list([r["id"] for r in rows])
     if not rows[0]["bodies_written"]:
         yield Statement("stage_inbound_bodies", {"messages": batch, "ids": ids}, reads=False)

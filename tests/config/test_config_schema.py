@@ -431,3 +431,26 @@ def test_every_runtime_setting_has_its_key_in_the_schema_and_back():
     for runtime, model, not_in_file in pairs:
         keys = {info.alias or name for name, info in model.model_fields.items()}
         assert {f.name for f in fields(runtime)} - not_in_file == keys, runtime.__name__
+
+
+@pytest.mark.parametrize("value", ['"1"', "true", "-1", "1.0", "17"])
+def test_sync_standbys_expected_is_a_small_whole_number_and_config_check_names_it(tmp_path, value):
+    conf = conf_dir(tmp_path, "")
+    service = tmp_path / "stageline.toml"
+    service.write_text(f'[store]\nbackend = "postgres"\nsync_standbys_expected = {value}\n')
+    done = check(conf, "--service-config", str(service))
+    assert done.returncode == 2
+    assert {line.split(": ")[1] for line in lines(done) if line.startswith(str(service))} == {
+        "store.sync_standbys_expected"
+    }, done.stdout
+
+
+def test_sync_standbys_expected_needs_a_postgres_store():
+    from include.config import ConfigError, parse
+
+    assert parse({"store": {"backend": "postgres", "sync_standbys_expected": 1}}).store.sync_standbys_expected == 1
+    assert parse({"store": {"backend": "postgres"}}).store.sync_standbys_expected == 0
+    with pytest.raises(ConfigError) as refused:
+        parse({"store": {"backend": "sqlite", "sync_standbys_expected": 1}})
+    assert [p.key for p in refused.value.problems] == ["store.sync_standbys_expected"]
+    assert "needs backend" in str(refused.value)

@@ -667,12 +667,12 @@ def test_every_statement_file_is_read(dialect: str) -> None:
 
 PG_ONLY = frozenset(
     {"audited", "stage_inbound_one", "content_find_indexed", "content_index_last", "content_index_fill"}
-    | {"replication_posture"}
+    | {"replication_posture", "stage_inbound_resent"}
     | CONTENT_INDEX_DDL
 )
 """Statements SQL Server does without: PostgreSQL's one-statement forms, the content index
-(PostgreSQL's and SQLite's; SQL Server has none) with the search through it, and the replication
-posture (pg_stat_replication)."""
+(PostgreSQL's and SQLite's; SQL Server has none) with the search through it, the replication
+posture (pg_stat_replication) and the re-send's wait for the synchronous standby."""
 
 
 def test_sqlserver_defines_every_statement_planned_elsewhere() -> None:

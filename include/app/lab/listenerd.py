@@ -36,6 +36,7 @@ def store_toml(store: StoreConfig) -> str:
         f'[store]\nbackend = "{store.backend}"\nserver = "{store.server}"\nport = {store.port}\n'
         f'database = "{store.database}"\nusername = "{store.username}"\npool_size = {store.pool_size}\n'
         + ("allow_unsafe_durability = true\n" if store.allow_unsafe_durability else "")
+        + (f"sync_standbys_expected = {store.sync_standbys_expected}\n" if store.sync_standbys_expected else "")
     )
 
 

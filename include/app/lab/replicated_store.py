@@ -54,6 +54,11 @@ def http_status(url: str) -> int:
         return 0
 
 
+MAXIMUM_LAG_ON_FAILOVER = 1 << 40
+"""Patroni's `maximum_lag_on_failover` in bytes (1 TiB): larger than any WAL a cut replication link
+can leave unsent (pg_wal's disk fills first), so it never keeps the synchronous standby from promotion."""
+
+
 @dataclass(frozen=True)
 class PatroniTimings:
     """Patroni's DCS timings (`loop_wait + 2 * retry_timeout <= ttl`, Patroni's rule): a dead
@@ -425,7 +430,12 @@ class ReplicatedStore:
                     "retry_timeout": t.retry_timeout,
                     "synchronous_mode": True,
                     "synchronous_mode_strict": self.strict,
-                    "maximum_lag_on_failover": 1048576,
+                    # Patroni 3.0 applies this to the synchronous standby too: WAL piled up behind a
+                    # cut link (commits waiting, none acknowledged) kept it from promotion, and the
+                    # cluster stayed without a primary. In synchronous mode only a standby the sync
+                    # key names may be promoted, and it has every acknowledged commit: no lag bound
+                    # is needed, so this one is never reached (docs/deployment.md).
+                    "maximum_lag_on_failover": MAXIMUM_LAG_ON_FAILOVER,
                     "postgresql": {
                         "use_pg_rewind": True,
                         "parameters": {

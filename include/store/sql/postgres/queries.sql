@@ -211,6 +211,16 @@ RETURNING id, message_id, control_id, attempts, status, {dest} AS destination, l
 -- name: epoch_current
 SELECT epoch FROM leader_lease WHERE id = 1 AND epoch = :epoch
 
+-- name: stage_inbound_resent
+-- epoch_current for a staging statement that wrote nothing (every message was staged before: a
+-- re-send). Its commit must still wait for the synchronous standby, as the first copy's may not
+-- have (a wait an operator cancelled, a session terminated): a transactional logical message is
+-- WAL with a commit record, which waits like any write and whose flush covers everything before
+-- it. pg_current_xact_id() alone would not: a transaction that wrote no WAL commits without
+-- waiting. Logical decoding consumers see it as prefix 'stageline', content 'resent'.
+SELECT epoch, pg_logical_emit_message(true, 'stageline', 'resent') AS lsn
+FROM leader_lease WHERE id = 1 AND epoch = :epoch
+
 -- name: stage_inbound
 -- One statement, one round trip: the epoch check, the state rows, their bodies and the 'received'
 -- events. A file re-read after a crash carries the same message_id: ON CONFLICT makes it a no-op
