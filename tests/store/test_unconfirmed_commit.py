@@ -102,6 +102,20 @@ def in_thread(work) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def cancelled(srv: PostgresServer, work) -> BaseException | None:
+    """Run `work` while the standby is gone, cancel its wait as a DBA would; what it raised."""
+    with standby_gone(srv):
+        thread, out = in_thread(work)
+        cancel_waiters(srv)
+        thread.join(10)
+    assert not thread.is_alive()
+    return out.get("error")
+
+
+def free_lease(srv: PostgresServer) -> None:
+    admin(srv, "UPDATE leader_lease SET owner = NULL, expires_at = now() - interval '1 second' WHERE id = 1")
+
+
 def test_only_a_warning_of_a_cancelled_or_terminated_wait_counts():
     assert unconfirming("WARNING", "01000") and unconfirming("WARNING", "57P01")
     assert not unconfirming("NOTICE", "01000")  # a NOTICE (e.g. "relation already exists, skipping")
@@ -118,12 +132,8 @@ def test_a_commit_whose_standby_wait_is_cancelled_raises_though_the_server_kept_
             with getattr(store, how)() as tx:
                 tx.script(f"INSERT INTO probe VALUES ('{marker}')")
 
-        with standby_gone(server):
-            thread, out = in_thread(commit)
-            cancel_waiters(server)
-            thread.join(10)
-        assert isinstance(out.get("error"), CommitUnconfirmed), out
-        assert "57014" not in str(out["error"]) and "01000" in str(out["error"])
+        error = cancelled(server, commit)
+        assert isinstance(error, CommitUnconfirmed) and "01000" in str(error), error
         # committed locally (the reason it must not be acknowledged: only this server has it)
         assert admin(server, f"SELECT count(*) FROM probe WHERE marker = '{marker}'") == [(1,)]
         with store.transaction() as tx:  # the connection goes on serving
@@ -135,14 +145,10 @@ def test_a_commit_whose_standby_wait_is_cancelled_raises_though_the_server_kept_
 def test_an_election_whose_commit_is_cancelled_holds_no_epoch(server):
     store = Store(config_of(server))
     try:
-        admin(server, "UPDATE leader_lease SET owner = NULL, expires_at = now() - interval '1 second' WHERE id = 1")
+        free_lease(server)
         before = admin(server, "SELECT epoch FROM leader_lease WHERE id = 1")[0][0]
         b = LeaderElector(store, node_id="b", ttl_seconds=3.0, fence_timeout_seconds=2.0)
-        with standby_gone(server):
-            thread, out = in_thread(b.step)
-            cancel_waiters(server)
-            thread.join(10)
-        assert isinstance(out.get("error"), CommitUnconfirmed), out
+        assert isinstance(cancelled(server, b.step), CommitUnconfirmed)
         # the primary granted epoch before+1, which a promotion may lose and grant again: not acted on
         assert admin(server, "SELECT epoch, owner FROM leader_lease WHERE id = 1") == [(before + 1, "b")]
         assert (b.is_leader, b.epoch, b.fence_deadline) == (False, None, None)
@@ -153,15 +159,11 @@ def test_an_election_whose_commit_is_cancelled_holds_no_epoch(server):
 def test_a_renewal_whose_commit_is_cancelled_does_not_move_the_fence(server):
     store = Store(config_of(server))
     try:
-        admin(server, "UPDATE leader_lease SET owner = NULL, expires_at = now() - interval '1 second' WHERE id = 1")
+        free_lease(server)
         a = LeaderElector(store, node_id="a", ttl_seconds=20.0, fence_timeout_seconds=15.0)
         assert a.step().is_leader
         deadline = a.fence_deadline
-        with standby_gone(server):
-            thread, out = in_thread(a.step)
-            cancel_waiters(server)
-            thread.join(10)
-        assert isinstance(out.get("error"), CommitUnconfirmed), out
+        assert isinstance(cancelled(server, a.step), CommitUnconfirmed)
         assert a.fence_deadline == deadline  # the unconfirmed renewal bought no time
     finally:
         store.close()
