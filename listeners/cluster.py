@@ -14,7 +14,9 @@ docs/invariants.md); these services only give it a lifetime and a clock.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -185,6 +187,9 @@ class Beat:
     result: ElectionResult | None
     config_version: int
     leader_config_hash: str | None
+    clock_offset: float | None = None
+    """The database's clock minus this node's (wall clocks, seconds): what the lease's skew bound
+    is about (docs/store.md, "Across a database failover")."""
 
 
 class HeartbeatService(TimerService):
@@ -216,6 +221,7 @@ class HeartbeatService(TimerService):
         self._config_hash = config_hash
         self._on_beat = on_beat
         self._config_version = config_version
+        metrics.store_clock_offset.set(math.nan)  # until a heartbeat measured it
 
     def _beat(self) -> Deferred[None]:
         return threads.deferToThread(self._beat_blocking).addCallbacks(self._after_beat, self._beat_failed)
@@ -234,6 +240,9 @@ class HeartbeatService(TimerService):
         with store.transaction(write=False) as tx:
             version = int(tx.row("identity_get")["config_version"])
             row = tx.one("leader_config_hash")
+            sent = time.time()
+            db_now = float(tx.row("db_now")["db_now"])
+            offset = db_now - (sent + time.time()) / 2  # the reading taken halfway through the round trip
         if result is not None and result.outcome is Outcome.ELECTED and result.epoch is not None:
             with store.transaction() as tx:
                 recovered = rowlease.recover_on_promotion(tx, owner=self._node.node_id, epoch=result.epoch)
@@ -242,9 +251,11 @@ class HeartbeatService(TimerService):
                 epoch=result.epoch,
                 n=recovered or 0,
             )
-        return Beat(result, version, row["config_hash"] if row else None)
+        return Beat(result, version, row["config_hash"] if row else None, offset)
 
     def _after_beat(self, beat: Beat) -> None:
+        if beat.clock_offset is not None:
+            self._metrics.store_clock_offset.set(beat.clock_offset)
         result = beat.result
         if result is not None:
             self._metrics.elections.labels(result.outcome.value).inc()

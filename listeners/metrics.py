@@ -132,6 +132,19 @@ class Metrics:
             "StagelineStoreOnOneServer fires while stageline_store_sync_standbys is below it (or NaN)",
             registry=r,
         )
+        self.store_clock_offset = Gauge(
+            "stageline_store_clock_offset_seconds",
+            "The store server's clock minus this node's, measured at each heartbeat (the database's "
+            "time against the midpoint of the query's round trip); after a promotion, another host's clock",
+            registry=r,
+        )
+        self.lease_skew_bound = Gauge(
+            "stageline_lease_skew_bound_seconds",
+            "How far a promoted database's clock may run ahead of the old primary's before a fenced "
+            "leader could overlap the next (leader_lease_ttl_seconds - leader_fence_timeout_seconds); "
+            "NaN on a single node",
+            registry=r,
+        )
         self.store_errors = Counter(
             "stageline_store_errors_total", "Store operations that failed", ["operation"], registry=r
         )

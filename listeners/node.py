@@ -16,6 +16,7 @@ dir: loading it, SIGHUP reloads, and following the cluster's shared config versi
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -110,6 +111,10 @@ class ListenerNode(SequentialMultiService):
         )
         self.replication = PostureService(
             lambda: self.stores.store, self.metrics, expected=config.store.sync_standbys_expected, reactor=reactor
+        )
+        cluster = config.cluster
+        self.metrics.lease_skew_bound.set(
+            cluster.leader_lease_ttl_seconds - cluster.leader_fence_timeout_seconds if cluster.enabled else math.nan
         )
         self.heartbeat = HeartbeatService(
             self.stores,
