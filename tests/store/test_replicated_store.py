@@ -9,9 +9,11 @@ Each test starts its own `ReplicatedStore` (etcd, two PostgreSQL under Patroni, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psycopg
@@ -292,6 +294,59 @@ def test_a_frozen_primary_that_wakes_after_the_promotion_does_not_take_the_leade
         replicated.resume_node(primary)
         time.sleep(replicated.timings.ttl)  # the woken Patroni runs its loops
         assert replicated.wait_primary(timeout=30) is standby
+        assert rows_on(replicated, standby, "SELECT n FROM acked") == [(1,)]
+    finally:
+        store.close()
+
+
+def test_the_synchronous_standby_is_promoted_though_megabytes_of_unacknowledged_wal_waited_behind_a_cut_link(
+    replicated,
+):
+    """Patroni 3.0.2 applies `maximum_lag_on_failover` to the synchronous standby as well, counted
+    from what the primary wrote, not what it acknowledged. Behind a cut link, commits that wait (none
+    acknowledged) write megabytes of WAL; with the bound at 1 MB the standby refused to take over
+    when the primary died, and the cluster had no primary (issue 28's red team). The lab's bound is
+    never reached: the standby is promoted, with every acknowledged commit."""
+    store = store_of(replicated)
+    try:
+        primary, standby = replicated.wait_synchronous()
+        with store.transaction() as tx:
+            tx.script("CREATE TABLE acked (n int PRIMARY KEY)")
+            tx.script("CREATE TABLE bulk (b text)")
+        with store.transaction() as tx:
+            tx.script("INSERT INTO acked VALUES (1)")
+        primary.link.cut()
+
+        def bulk() -> None:  # waits for the standby, then dies with the primary
+            with contextlib.suppress(psycopg.Error):
+                with psycopg.connect(replicated.conninfo("stageline"), autocommit=True) as conn:
+                    conn.execute("INSERT INTO bulk SELECT repeat(md5(g::text), 30) FROM generate_series(1, 4000) g")
+
+        writer = threading.Thread(target=bulk, daemon=True)
+        writer.start()
+        behind = (
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), flush_lsn) FROM pg_stat_replication"
+            " WHERE application_name = %s"
+        )
+
+        def lag() -> float:
+            with psycopg.connect(replicated.node_conninfo(primary, "stageline"), autocommit=True) as conn:
+                row = conn.execute(behind, (standby.name,)).fetchone()
+            return float(row[0]) if row and row[0] is not None else 0.0
+
+        def lag_patroni_sees() -> float:
+            """The standby's lag as Patroni counts it for a failover: from the WAL position the
+            primary last published to the DCS (once a loop)."""
+            with urllib.request.urlopen(f"http://127.0.0.1:{standby.rest_port}/cluster", timeout=5) as resp:
+                members = json.loads(resp.read())["members"]
+            lag = next(m.get("lag") for m in members if m["name"] == standby.name)
+            return float(lag) if isinstance(lag, int | float) else 0.0
+
+        wait_for(lambda: lag() > 3 * 1024 * 1024, timeout=30, what="WAL piling up behind the cut link")
+        wait_for(lambda: lag_patroni_sees() > 2 * 1024 * 1024, timeout=5, what="Patroni to see the lag")
+        replicated.kill_node(primary)
+        promoted = replicated.wait_primary(other_than=primary, timeout=replicated.timings.outage_seconds + 30)
+        assert promoted is standby
         assert rows_on(replicated, standby, "SELECT n FROM acked") == [(1,)]
     finally:
         store.close()
