@@ -136,17 +136,20 @@ def retention(
     )
     for key, purge in steps:
         for age, scope in _passes(key, ages, overrides):
+
+            def delete(purge: str = purge, age: float = age, scope: Mapping[str, Any] | None = scope) -> int:
+                return _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive, scope=scope)
+
             if archive:
-                copied[key] = copied.get(key, 0) + _batches(
-                    lambda: _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch, scope=scope),
-                    limit=batch,
-                    max_batches=max_batches,
-                )
-            counts[key] = counts.get(key, 0) + _batches(
-                lambda: _purge(store, purge, epoch=epoch, age=age, limit=batch, archived=archive, scope=scope),
-                limit=batch,
-                max_batches=max_batches,
-            )
+
+                def copy(key: str = key, age: float = age, scope: Mapping[str, Any] | None = scope) -> int:
+                    return _purge(store, ARCHIVE_QUERIES[key], epoch=epoch, age=age, limit=batch, scope=scope)
+
+                n_copied, n_deleted = _copy_then_delete(copy, delete, limit=batch, max_batches=max_batches)
+                copied[key] = copied.get(key, 0) + n_copied
+            else:
+                n_deleted = _batches(delete, limit=batch, max_batches=max_batches)
+            counts[key] = counts.get(key, 0) + n_deleted
     if not archive and "inbound" in ages:  # archived messages keep their keys, wherever they go next
         youngest = min([ages["inbound"], *(per["inbound"] for per in overrides.values() if "inbound" in per)])
         purged = purge_keys(store, epoch, older_than_seconds=youngest, limit=batch, max_batches=max_batches)
@@ -204,6 +207,28 @@ def _batches(step: Callable[[], int], *, limit: int, max_batches: int) -> int:
         if done < limit:
             break
     return total
+
+
+def _copy_then_delete(
+    copy: Callable[[], int], delete: Callable[[], int], *, limit: int, max_batches: int
+) -> tuple[int, int]:
+    """Archive batches, each followed by a purge batch, until both come back short or the cap.
+
+    Purging as it goes keeps each copy's scan short: a copy finds its next rows as the oldest hot
+    ones not yet archived, so with every purge left to the end, batch n walked past the n - 1
+    batches this run had already copied (bench/growth.py --retention: the events' copy went from
+    35 ms for the first batch to 1,145 ms for the 120th). Each step is still its own transaction
+    and a purge still deletes only what the archive holds, so a run killed between the two has
+    copied rows it did not purge, which the next run purges without copying them again."""
+    copied = deleted = 0
+    for _ in range(max_batches):
+        c = copy()
+        d = delete()
+        copied += c
+        deleted += d
+        if c < limit and d < limit:
+            break
+    return copied, deleted
 
 
 def _sweep(store: Store, table: StagedTable, *, epoch: int, owner: str, limit: int) -> int:

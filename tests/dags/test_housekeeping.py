@@ -129,6 +129,34 @@ def test_retention_deletes_at_most_batch_times_max_batches_per_run(store):
     assert status_of(store) == {}
 
 
+def test_retention_purges_each_archived_batch_before_copying_the_next(store, monkeypatch):
+    """Copy, purge, copy, purge ...: with every purge left to the end, each copy batch walked past
+    all the rows and events the run had already copied (they stay hot until purged)."""
+    import include.housekeeping as hk
+
+    epoch = acquire_permanent(store, node_id="solo:1:aa")
+    ids = seed_inbound(store, 7)
+    _finish(store, ids, "done", epoch=epoch)
+    age(store, "stage_inbound", "updated_at", "1 = 1", 2 * DAY)
+    age(store, "message_events", "at", "1 = 1", 2 * DAY)
+    events = rows(store, "SELECT count(*) AS n FROM message_events")[0]["n"]
+    calls: list[str] = []
+    real = hk._purge
+    monkeypatch.setattr(hk, "_purge", lambda s, query, **kw: calls.append(query) or real(s, query, **kw))
+
+    archived: dict[str, int] = {}
+    deleted = retention(store, epoch, {"inbound": DAY, "events": DAY}, batch=3, archived=archived)
+
+    assert deleted == {"inbound": 7, "inbound_batches": 0, "events": events}
+    assert archived["inbound"] == 7 and archived["events"] == events
+    inbound_calls = [q for q in calls if q in ("archive_finished_inbound", "purge_finished_inbound")]
+    assert inbound_calls == ["archive_finished_inbound", "purge_finished_inbound"] * 3  # 3 + 3 + 1 rows
+    event_calls = [q for q in calls if q in ("archive_events", "purge_events")]
+    assert event_calls == ["archive_events", "purge_events"] * (events // 3 + 1)
+    assert status_of(store) == {}
+    assert rows(store, "SELECT count(*) AS n FROM message_events")[0]["n"] == 0
+
+
 def test_retention_keeps_an_inbound_body_its_open_routed_rows_read_and_deletes_bodies_with_rows(store):
     epoch = acquire_permanent(store, node_id="solo:1:aa")
     old, other = seed_inbound(store, 2)
