@@ -104,7 +104,7 @@ def retention(
     the inbound rows: a batch once none of its messages' inbound rows is left in the hot tables (its
     archived messages keep `batch_id` and `batch_seq`, so each still names its batch in the archive).
 
-    With `archive` (the default) each key is two steps, each in bounded, fenced batches: copy the
+    With `archive` (the default) each key is two steps, batch by batch, each batch fenced: copy the
     rows (bodies included) and events into the `archive_*` tables, then delete from the hot tables
     only what the archive holds as it is now (same id, same `updated_at`). The steps are separate
     transactions: a run killed between them has archived rows it did not purge, and the next run
