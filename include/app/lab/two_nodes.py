@@ -676,6 +676,7 @@ class Lab:
             database="stageline",
             username=self.store_config.username,
             pool_size=5,
+            sync_standbys_expected=1 if self.replicated_store else 0,  # the alert's and status's baseline
         )
         return Daemon(
             self.dir / f"node-{name}",
