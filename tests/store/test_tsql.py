@@ -35,7 +35,8 @@ TSQL = queries.load("sqlserver")
 # `audited` wraps a transition and its audit events in one statement where the dialect can
 # (PostgreSQL's data-modifying CTE); elsewhere Tx.transition runs the two statements.
 # `stage_inbound_one` is PostgreSQL's stage_inbound for a lone message, without the JSON.
-# `replication_posture` reads pg_stat_replication: only PostgreSQL is run replicated (issue 28).
+# `replication_posture` reads pg_stat_replication: only PostgreSQL is run replicated (issue 28);
+# `stage_inbound_resent` makes a re-send's commit wait for the synchronous standby, likewise.
 CONTENT_INDEX = frozenset(
     name
     for dialect in ("sqlite", "postgres")
@@ -44,9 +45,10 @@ CONTENT_INDEX = frozenset(
 )
 """The content index's statements (`stageline messages content-index`), each dialect's own; SQL Server has none."""
 ONE_STATEMENT_ONLY = (
-    frozenset({"audited", "stage_inbound_one", "content_find_indexed", "replication_posture"}) | CONTENT_INDEX
+    frozenset({"audited", "stage_inbound_one", "content_find_indexed", "replication_posture", "stage_inbound_resent"})
+    | CONTENT_INDEX
 )
-"""Statements not every dialect has: PostgreSQL's one-statement forms and replication posture, and
+"""Statements not every dialect has: PostgreSQL's one-statement forms, replication posture and re-send wait, and
 the content index with the search through it (PostgreSQL's trigram index, SQLite's FTS5)."""
 PG = {name: sql for name, sql in queries.load("postgres").items() if name not in ONE_STATEMENT_ONLY}
 
