@@ -112,6 +112,14 @@ def cancelled(srv: PostgresServer, work) -> BaseException | None:
     return out.get("error")
 
 
+@pytest.fixture
+def store(server: PostgresServer) -> Iterator[Store]:
+    """A store of its own on the server (its pool, its connections), closed after the test."""
+    s = Store(config_of(server))
+    yield s
+    s.close()
+
+
 def free_lease(srv: PostgresServer) -> None:
     admin(srv, "UPDATE leader_lease SET owner = NULL, expires_at = now() - interval '1 second' WHERE id = 1")
 
@@ -123,50 +131,38 @@ def test_only_a_warning_of_a_cancelled_or_terminated_wait_counts():
 
 
 @pytest.mark.parametrize("how", ["transaction", "single_statement"])
-def test_a_commit_whose_standby_wait_is_cancelled_raises_though_the_server_kept_it(server, how):
-    store = Store(config_of(server))
+def test_a_commit_whose_standby_wait_is_cancelled_raises_though_the_server_kept_it(server, store, how):
     marker = f"cancelled-{how}"
-    try:
 
-        def commit() -> None:
-            with getattr(store, how)() as tx:
-                tx.script(f"INSERT INTO probe VALUES ('{marker}')")
+    def commit() -> None:
+        with getattr(store, how)() as tx:
+            tx.script(f"INSERT INTO probe VALUES ('{marker}')")
 
-        error = cancelled(server, commit)
-        assert isinstance(error, CommitUnconfirmed) and "01000" in str(error), error
-        # committed locally (the reason it must not be acknowledged: only this server has it)
-        assert admin(server, f"SELECT count(*) FROM probe WHERE marker = '{marker}'") == [(1,)]
-        with store.transaction() as tx:  # the connection goes on serving
-            assert tx.row("db_now")["db_now"] > 0
-    finally:
-        store.close()
+    error = cancelled(server, commit)
+    assert isinstance(error, CommitUnconfirmed) and "01000" in str(error), error
+    # committed locally (the reason it must not be acknowledged: only this server has it)
+    assert admin(server, f"SELECT count(*) FROM probe WHERE marker = '{marker}'") == [(1,)]
+    with store.transaction() as tx:  # the connection goes on serving
+        assert tx.row("db_now")["db_now"] > 0
 
 
-def test_an_election_whose_commit_is_cancelled_holds_no_epoch(server):
-    store = Store(config_of(server))
-    try:
-        free_lease(server)
-        before = admin(server, "SELECT epoch FROM leader_lease WHERE id = 1")[0][0]
-        b = LeaderElector(store, node_id="b", ttl_seconds=3.0, fence_timeout_seconds=2.0)
-        assert isinstance(cancelled(server, b.step), CommitUnconfirmed)
-        # the primary granted epoch before+1, which a promotion may lose and grant again: not acted on
-        assert admin(server, "SELECT epoch, owner FROM leader_lease WHERE id = 1") == [(before + 1, "b")]
-        assert (b.is_leader, b.epoch, b.fence_deadline) == (False, None, None)
-    finally:
-        store.close()
+def test_an_election_whose_commit_is_cancelled_holds_no_epoch(server, store):
+    free_lease(server)
+    before = admin(server, "SELECT epoch FROM leader_lease WHERE id = 1")[0][0]
+    b = LeaderElector(store, node_id="b", ttl_seconds=3.0, fence_timeout_seconds=2.0)
+    assert isinstance(cancelled(server, b.step), CommitUnconfirmed)
+    # the primary granted epoch before+1, which a promotion may lose and grant again: not acted on
+    assert admin(server, "SELECT epoch, owner FROM leader_lease WHERE id = 1") == [(before + 1, "b")]
+    assert (b.is_leader, b.epoch, b.fence_deadline) == (False, None, None)
 
 
-def test_a_renewal_whose_commit_is_cancelled_does_not_move_the_fence(server):
-    store = Store(config_of(server))
-    try:
-        free_lease(server)
-        a = LeaderElector(store, node_id="a", ttl_seconds=20.0, fence_timeout_seconds=15.0)
-        assert a.step().is_leader
-        deadline = a.fence_deadline
-        assert isinstance(cancelled(server, a.step), CommitUnconfirmed)
-        assert a.fence_deadline == deadline  # the unconfirmed renewal bought no time
-    finally:
-        store.close()
+def test_a_renewal_whose_commit_is_cancelled_does_not_move_the_fence(server, store):
+    free_lease(server)
+    a = LeaderElector(store, node_id="a", ttl_seconds=20.0, fence_timeout_seconds=15.0)
+    assert a.step().is_leader
+    deadline = a.fence_deadline
+    assert isinstance(cancelled(server, a.step), CommitUnconfirmed)
+    assert a.fence_deadline == deadline  # the unconfirmed renewal bought no time
 
 
 def mllp(port: int, control_id: str, *, timeout: float = 30) -> str:
