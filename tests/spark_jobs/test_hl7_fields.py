@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import hl7
 import pytest
@@ -186,6 +187,20 @@ def test_lf_and_crlf_segment_endings_give_the_same_values(spark: SparkSession) -
         [(1, *adt), (3, "MSG00003", None, None, None, "O", None), (11, *adt), (12, *adt), (13, *adt)],
     )
     assertDataFrameEqual(actual, expected)
+
+
+def test_a_field_of_many_escapes_decodes_in_time_linear_in_its_length(spark: SparkSession) -> None:
+    # A sender controls how many escapes a field holds: decoding re-split the whole field once per
+    # escape, so 16,000 of them held the stage's task 37 s and this field's 40,000 several minutes.
+    # Linear, it takes about a second; the bound is 30x that for a loaded machine.
+    count = 40_000
+    payload = "MSH|^~\\&|A|B|C|D|20240101||ADT^A01|1|P|2.5.1\rPID|1||" + "x\\F\\" * count + "\\E\\\r"
+    started = time.monotonic()
+    (decoded,) = (
+        spark.createDataFrame([(payload,)], "payload string").select(field("payload", "PID-3", unescape=True)).first()
+    )
+    assert decoded == "x|" * count + "\\"
+    assert time.monotonic() - started < 30
 
 
 def test_escape_sequences_are_never_split_on_and_decode_on_request(spark: SparkSession) -> None:
