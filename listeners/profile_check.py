@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from include.profiles.check import Finding, findings, findings_json
+from include.profiles.check import Finding, findings_json, survey
 from include.profiles.load import Profile, ProfileError, read_profiles
 from listeners.hl7errors import Condition, Location
 
@@ -23,10 +23,13 @@ __all__ = ["Conformance", "ProfileRefused", "conditions_of", "profile_paths", "r
 class ProfileRefused(ValueError):
     """A message with findings on a ``reject`` connection: ``findings`` are its ERRs."""
 
-    def __init__(self, found: Sequence[Finding]) -> None:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    def __init__(self, found: Sequence[Finding], total: int = 0) -> None:
+        total = max(total, len(found))
+        unlisted = f": {total - len(found)} not listed" if total > len(found) else ""
+        more = f" (and {total - 1} more{unlisted})" if total > 1 else ""
         super().__init__(f"profile: {found[0].text}{more}")
         self.findings = tuple(found)
+        self.total = total  # every finding, the ones past the ERRs' cap too
 
 
 class Conformance:
@@ -40,11 +43,11 @@ class Conformance:
     def check(self, text: str) -> str | None:
         """None when `text` conforms; the findings' JSON to stage with it when flagging; raises
         `ProfileRefused` when rejecting."""
-        found = findings(text, self.profiles)
+        found, total = survey(text, self.profiles)
         if not found:
             return None
         if self.mode == "reject":
-            raise ProfileRefused(found)
+            raise ProfileRefused(found, total)
         return findings_json(found)
 
 

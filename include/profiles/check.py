@@ -4,8 +4,9 @@ A finding carries an HL7 table 0357 code — 100 segment sequence, 101 required 
 or component) missing, 102 data type (a malformed value, a repetition the field does not allow, a
 value longer than its length), 103 table value not found, 200 a message type no profile is for —
 and its place as an ERL (segment, its occurrence, field, repetition, component). Texts name the
-rule, never the value (no PHI in an ACK's ERR-8 or a log). At most `MAX_FINDINGS` are reported:
-after that, more says nothing the sender can use, and the work stays bounded.
+rule, never the value (no PHI in an ACK's ERR-8 or a log). At most `MAX_FINDINGS` are kept (an
+ACK's ERRs, the stored list): more says nothing a sender can use. All of them are counted, so the
+summary and a route's `findings > n` see the true number; the work stays linear in the message.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from include.profiles.datatypes import FORMATTED, bad_primitive
 from include.profiles.field_rule import FieldRule
 from include.profiles.load import Profile
 
-__all__ = ["MAX_FINDINGS", "Finding", "findings", "findings_json"]
+__all__ = ["MAX_FINDINGS", "Finding", "findings", "findings_json", "survey"]
 
 MAX_FINDINGS = 20
 MAX_TEXT = 200
 """Characters of one finding's text the store keeps (a long rule name is cut, not a row grown)."""
 _MESSAGE_TYPE = re.compile(r"[A-Z0-9]{1,3}(?:\^[A-Z0-9]{1,3})?")
 _SEGMENT_ID = re.compile(r"[A-Z][A-Z0-9]{2}")
+_NOT_AN_ID = "#"
+"""What the structure sees for a segment whose id is not three characters: no structure names it,
+and a long id (a stray line break can make a field's text one) is neither kept nor remembered."""
 
 SEGMENT_SEQUENCE = "100"
 REQUIRED_MISSING = "101"
@@ -67,12 +71,30 @@ def findings_json(found: Sequence[Finding]) -> str:
 
 
 def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> list[Finding]:
-    """What is wrong with HL7 message `text` (decoded, starting with its MSH) for `profiles`.
-    ``quick``: let a segment its `fast` pattern accepts skip the rule loop (False: the loop for
-    every segment; the answer is the same, the tests compare the two)."""
+    """What is wrong with HL7 message `text` (decoded, starting with its MSH) for `profiles`: the
+    first `MAX_FINDINGS`. ``quick``: let a segment its `fast` pattern accepts skip the rule loop
+    (False: the loop for every segment; the answer is the same, the tests compare the two)."""
+    return survey(text, profiles, quick=quick)[0]
+
+
+class _Kept(list[Finding]):
+    """The first `MAX_FINDINGS` findings, and how many there were (`total`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def append(self, finding: Finding) -> None:
+        self.total += 1
+        if len(self) < MAX_FINDINGS:
+            super().append(finding)
+
+
+def survey(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> tuple[list[Finding], int]:
+    """`findings`, and how many findings the message has in all (at least as many as listed)."""
     fs = text[3:4]
     if len(text) < 8 or not text.startswith("MSH") or fs.isalnum() or not fs:
-        return [Finding(SEGMENT_SEQUENCE, "MSH", text="the message does not start with an MSH segment")]
+        return [Finding(SEGMENT_SEQUENCE, "MSH", text="the message does not start with an MSH segment")], 1
     cs, rs, ss = text[4], text[5], (text[7] if text[7] != fs else "\x00")
     segments = [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
     msh = segments[0].split(fs)
@@ -81,18 +103,21 @@ def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> l
     profile = next((p for p in profiles if kind in p.message_types), None)
     if profile is None:
         types = ", ".join(sorted(t for p in profiles for t in p.message_types))
-        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"{_type_named(kind)} is not one of {types}")]
-    found: list[Finding] = []
+        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"{_type_named(kind)} is not one of {types}")], 1
+    found = _Kept()
     ids: list[str] = []
     counted: dict[str, int] = {}
     keep: list[tuple[str, int, str]] = []  # (id, its occurrence, the segment) for the structure
     for segment in segments:
         sid = segment[:3]
+        if len(segment) > 3 and segment[3] != fs:  # the id runs on: not a segment id
+            end = segment.find(fs)
+            sid = segment if end < 0 else segment[:end]
         counted[sid] = n = counted.get(sid, 0) + 1
-        if sid.startswith("Z") and profile.allow_z:
+        if sid.startswith("Z") and len(sid) == 3 and profile.allow_z:
             continue
         keep.append((sid, n, segment))
-        ids.append(sid)
+        ids.append(sid if len(sid) == 3 else _NOT_AN_ID)
     departure = profile.matcher(ids)
     if departure is not None:
         found.append(_departure_finding(departure.index, departure.missing, keep, departure.costly))
@@ -104,23 +129,32 @@ def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> l
             if accepts is not None and accepts.fullmatch(segment):
                 continue  # nothing to find: the rules' own loop would say the same, slower
             _check_segment(segment, sid, n, rules, (fs, cs, rs, ss), found)
-        if len(found) >= MAX_FINDINGS:
-            break
-    return found[:MAX_FINDINGS]
+    return list(found), found.total
 
 
 def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, int, str]], costly: bool) -> Finding:
     if costly:  # the work budget ran out: where it got to, and no more structure checking
         sid, n, _ = keep[min(index, len(keep) - 1)]
-        return Finding(SEGMENT_SEQUENCE, sid, n, text="the structure is too costly to locate this departure in")
-    if missing is not None:
-        after = f" after {keep[index - 1][0]}" if index > 0 else ""
-        return Finding(REQUIRED_MISSING, missing, 1, text=f"required segment {missing} missing{after}")
-    if index >= len(keep):
+        return Finding(SEGMENT_SEQUENCE, sid[:3], n, text="the structure is too costly to locate this departure in")
+    if missing is not None:  # at the occurrence it would have: OBR^2 when one OBR came before
+        n = next((m for sid, m, _ in reversed(keep[:index]) if sid == missing), 0) + 1
+        before = keep[index - 1][0] if index > 0 else "MSH"
+        after = before if _SEGMENT_ID.fullmatch(before) else _named(before)
+        return Finding(REQUIRED_MISSING, missing, n, text=f"required segment {missing} missing after {after}")
+    if index >= len(keep):  # the structure names nothing to put in (`depart` names one if it can)
         return Finding(REQUIRED_MISSING, keep[-1][0], keep[-1][1], text="the message ends before its required segments")
     sid, n, _ = keep[index]
-    named = f"segment {sid}" if _SEGMENT_ID.fullmatch(sid) else "a segment with an invalid id"
-    return Finding(SEGMENT_SEQUENCE, sid, n, text=f"{named} is not expected here")
+    return Finding(SEGMENT_SEQUENCE, sid[:3], n, text=f"{_named(sid)} is not expected here")
+
+
+def _named(sid: str) -> str:
+    """A segment named by its id only when that is a segment id: anything else a sender put there
+    may be PHI (a stray line break makes a field's text a "segment")."""
+    if _SEGMENT_ID.fullmatch(sid):
+        return f"segment {sid}"
+    if len(sid) == 3:
+        return "a segment with an invalid id"
+    return f"a segment with an invalid id ({len(sid)} characters, not 3)"
 
 
 def _type_named(kind: str) -> str:

@@ -7,8 +7,9 @@ any number, and ``<A|B>`` one of the alternatives — each of them a sequence. A
 left to right against the structure as an automaton whose states are the structure's segments:
 a set of states per message segment, the step for a (set, id) pair remembered. When it does not
 fit, a segment put in where the reading stops is the answer (101, required segment missing) when
-the rest of the message then fits; else the furthest segment any reading reached is out of place
-(100). A work budget bounds all of it, so a structure built to be costly costs one finding.
+the rest of the message then fits, or when the message ends there (the first segment of the
+shortest way to the structure's end); else the furthest segment any reading reached is out of
+place (100). A work budget bounds all of it, so a structure built to be costly costs one finding.
 """
 
 from __future__ import annotations
@@ -243,7 +244,28 @@ def _depart(auto: _Automaton, ids: list[str]) -> Departure | None:
         if stop == len(ids) and after & auto.accept:
             return Departure(at, name)
         furthest = max(furthest, stop)
+    if at == len(ids):  # it ends too soon: the first segment of the shortest way to its end is missing
+        return Departure(at, _next_required(auto, states))
     return Departure(furthest, None)
+
+
+def _next_required(auto: _Automaton, states: frozenset[int]) -> str | None:
+    """The first segment id on the shortest way from `states` to an accepting state (breadth first
+    over the structure's segments, each in the structure's order: at most its steps, once)."""
+    frontier = sorted(states)
+    first: dict[int, str] = dict.fromkeys(frontier, "")
+    while frontier:
+        reached = []
+        for state in frontier:
+            for t in sorted(auto.first if state == auto.start else auto.follow[state]):
+                if t in first:
+                    continue
+                first[t] = first[state] or auto.names[t]
+                if t in auto.accept:
+                    return first[t]
+                reached.append(t)
+        frontier = reached
+    return None
 
 
 def _run(

@@ -67,6 +67,26 @@ def test_reject_answers_ar_with_one_err_a_finding_and_stages_nothing(daemon, sto
     assert staged_ids(store_config) == ["OK1", "OK2"]
 
 
+def test_many_findings_are_counted_and_a_long_segment_id_is_named_invalid(daemon, store_config):
+    """5,000 findings: 20 ERRs, and MSA-3 gives the true count of the rest and of those not listed.
+    A 5,000-character segment id (here with a separator in it) is not a segment id: the ERR says so,
+    names at most its first three characters, escaped, and stays short."""
+    oru = "MSH|^~\\&|LAB|HOSP|SL|SL|20240101120000||ORU^R01|MANY|P|2.5.1\rPID|1||P1^^^HOSP^MR||DOE\rOBR|1|O1||GLU\r"
+    many = oru + "OBX|1|NM|2345-7^Glucose^LN||95|mg/dL|70-99|NOPE|||F\r" * 5000
+    long_id = GOOD.format(cid="LONG") + "Q^" + "Q" * 4998 + "|x\r"
+    acks = exchange(daemon.mllp_port, [mllp(many), mllp(long_id)], expect=2, timeout=30)
+    assert [str(a.segment("MSA")[1]) for a in acks] == ["AR", "AR"]
+    assert errs(acks[0]) == [(f"OBX^{n}^8", E103, "E") for n in range(1, 21)]
+    assert str(acks[0].segment("MSA")[3]) == (
+        "profile: OBX-8 (Abnormal Flags) is not in HL7 table 0078 (and 4999 more: 4980 not listed)"
+    )
+    (err_segment,) = acks[1].segments("ERR")
+    assert errs(acks[1]) == [("Q\\S\\Q^1", err("100", "Segment sequence error"), "E")]
+    assert str(err_segment[8]) == "a segment with an invalid id (5000 characters, not 3) is not expected here"
+    assert len(str(err_segment)) < 200
+    assert staged_ids(store_config) == []
+
+
 def test_a_batch_with_one_bad_message_is_refused_with_its_findings_located_in_the_batch(daemon, store_config):
     bad = GOOD.format(cid="B2").replace("PID|1||P1^^^HOSP^MR", "PID|1||")
     batch = f"BHS|^~\\&|HIS|HOSP|SL|SL|||||BATCH1\r{GOOD.format(cid='B1')}{bad}BTS|2\r"

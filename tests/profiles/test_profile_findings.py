@@ -10,7 +10,7 @@ import pytest
 
 from bench.hl7_corpus import messages
 from include.app.demo import TEMPLATES
-from include.profiles.check import MAX_FINDINGS, findings, findings_json
+from include.profiles.check import MAX_FINDINGS, findings, findings_json, survey
 from include.profiles.load import read_profiles
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,23 @@ CRAFTED = [
     ("no OBX-11", ORU + PID + OBR + OBX.replace("|||F\r", "|||\r"), [("101", "OBX^1^11", "OBX-11")]),
     ("OBX before OBR", ORU + PID + OBX + OBR, [("101", "OBR^1", "required segment OBR missing after PID")]),
     ("PV2 after OBX", ORU + PID + OBR + OBX + "PV2|1\r", [("100", "PV2^1", "PV2 is not expected")]),
-    ("ends too soon", A01.split("\r")[0] + "\r", [("101", "MSH^1", "ends before its required segments")]),
+    ("ends too soon", A01.split("\r")[0] + "\r", [("101", "EVN^1", "required segment EVN missing after MSH")]),
+    ("ORU ends after PID", ORU + PID, [("101", "OBR^1", "required segment OBR missing after PID")]),
+    (  # the missing OBR is the second one: OBR^1 is there, and valid
+        "second OBR missing",
+        ORU + PID + OBR + "SPM|1\r" + OBX + "NTE|1\r",
+        [("101", "OBR^2", "required segment OBR missing after OBX")],
+    ),
+    (
+        "segment id 5,000 characters long",
+        A01 + PID + PV1 + "Q" * 5000 + "|x\r",
+        [("100", "QQQ^1", "a segment with an invalid id (5000 characters, not 3) is not expected")],
+    ),
+    (  # a four-character id is not PID: not checked as one, out of place as what it is
+        "PIDX is not PID",
+        A01 + "PIDX|1||||DOE\r" + PID + PV1,
+        [("100", "PID^1", "a segment with an invalid id (4 characters, not 3)")],
+    ),
     ("second OBX bad flag", ORU + PID + OBR + OBX + OBX.replace("|N|", "|NOPE|"), [("103", "OBX^2^8", "table 0078")]),
     (
         "ORM without ORC",
@@ -117,10 +133,15 @@ def test_texts_never_quote_the_value(shipped):
     assert all("SECRET" not in f.text for f in got)
 
 
-def test_findings_are_capped(shipped):
+def test_findings_are_capped_and_all_counted(shipped):
     bad_obx = OBX.replace("|NM|", "|ZZ|").replace("|F\r", "|Q\r")
     got = findings(ORU + PID + OBR + bad_obx * 50, shipped)
     assert len(got) == MAX_FINDINGS
+    listed, total = survey(ORU + PID + OBR + bad_obx * 50, shipped)
+    assert (listed, total) == (got, 100)  # two a segment: OBX-2 and OBX-11 outside their tables
+    listed, total = survey(ORU + PID + OBR + OBX.replace("|N|", "|NOPE|") * 5000, shipped)
+    assert (len(listed), total) == (MAX_FINDINGS, 5000)
+    assert survey(A01 + PID + PV1, shipped) == ([], 0)
 
 
 def test_findings_json_is_what_the_store_keeps(shipped):
