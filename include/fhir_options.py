@@ -24,6 +24,7 @@ __all__ = [
     "GENDER",
     "PATIENT_CLASS",
     "FhirOptions",
+    "check_code",
     "check_offset",
     "check_uri",
 ]
@@ -66,7 +67,8 @@ PATIENT_CLASS: Mapping[str, str] = {
     "N": "AMB",
 }
 
-_OFFSET = re.compile(r"Z|[+-](0\d|1[0-4]):[0-5]\d")
+_OFFSET = re.compile(r"Z|[+-]((0\d|1[0-3]):[0-5]\d|14:00)")  # FHIR's offsets reach 14:00
+_CODE = re.compile(r"[^\s]+( [^\s]+)*")  # FHIR's code grammar
 _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:\S+")
 
 
@@ -74,6 +76,13 @@ def check_offset(value: str) -> str:
     """``Z`` or ``+HH:MM``/``-HH:MM``: what FHIR appends to a time that came without an offset."""
     if not _OFFSET.fullmatch(value):
         raise ValueError(f"must be 'Z' or an offset such as '+01:00', got {value!r}")
+    return value
+
+
+def check_code(value: str) -> str:
+    """A FHIR ``code``: no whitespace around it, single spaces inside (``IMP``, not `` IMP``)."""
+    if not _CODE.fullmatch(value):
+        raise ValueError(f"must be a code: no leading, trailing or repeated whitespace, got {value!r}")
     return value
 
 

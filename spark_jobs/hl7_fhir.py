@@ -73,10 +73,16 @@ _COMPARATORS = ("<", "<=", ">", ">=")
 _CODED_TYPES = ("CWE", "CE", "CNE", "CF")
 _DATE_TYPES = ("DT", "DTM", "TS")
 
-# A decimal as HL7 NM writes it (sign, digits, point); JSON wants no '+', no bare '.', no leading 0s.
-_NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)$"
-# TS/DTM: digits (4 to 14, even), optional fraction of a second, optional offset.
-_DTM = r"^(\d{4}|\d{6}|\d{8}|\d{10}|\d{12}|\d{14})(\.\d{1,4})?([+-](?:0\d|1[0-4])[0-5]\d)?$"
+# A decimal as HL7 NM writes it (sign, digits, point) with at most 18 digits, what FHIR asks every
+# reader to hold (a longer one is text: JSON readers turn 800 digits into infinity); JSON wants no
+# '+', no bare '.', no leading 0s.
+_NUMBER = r"^[+-]?(?!(?:\.?\d){19})(\d+\.?\d*|\.\d+)$"
+# TS/DTM: digits (4 to 14, even; no year 0000, which FHIR has not), optional fraction of a second,
+# optional offset (at most 14 hours, as FHIR's).
+_DTM = r"^(?!0000)(\d{4}|\d{6}|\d{8}|\d{10}|\d{12}|\d{14})(\.\d{1,4})?([+-](?:(?:0\d|1[0-3])[0-5]\d|1400))?$"
+# Whitespace as FHIR's code grammar means it ([^\s]+( [^\s]+)*): around a code it is trimmed, inside
+# one a run of it becomes one space.
+_SPACE = r"[ \t\n\x0B\f\r]"
 
 
 ENTRY_PARTS = ("patient", "encounter", "reports", "observations", "orders")
@@ -119,13 +125,23 @@ def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, C
 
 
 def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
-    """Step 3: (the Bundle's JSON, NULL when refused; the refusal's reason, NULL when mapped)."""
-    bundle = F.concat(
-        F.lit('{"resourceType":"Bundle","type":"transaction","entry":['),
-        F.concat_ws(",", *entries),
-        F.lit("]}"),
-    )
-    return F.when(ctx.isNotNull() & ctx["error"].isNull(), bundle), ctx["error"]
+    """Step 3: (the Bundle's JSON, NULL when refused; the refusal's reason, NULL when mapped).
+
+    Two entries written on the same conditional URL (two OBR with one filler number, two orders
+    with one placer number) refuse the message: FHIR fails such a transaction as a whole.
+    """
+    body = F.concat_ws(",", *entries)
+    urls = F.regexp_extract_all(body, F.lit(r'"request":\{"method":"PUT","url":"([^"]*)"'), 1)
+    twice = F.when(F.size(F.array_distinct(urls)) < F.size(urls), F.lit(_SAME_URL))
+    error = F.coalesce(ctx["error"], F.when(ctx.isNotNull(), twice))
+    bundle = F.concat(F.lit('{"resourceType":"Bundle","type":"transaction","entry":['), body, F.lit("]}"))
+    return F.when(ctx.isNotNull() & error.isNull(), bundle), error
+
+
+_SAME_URL = (
+    "fhir-r4: two entries would be written on one identifier (a filler or placer number repeated in the "
+    "message), a transaction FHIR fails: give each order its own number or send them as separate messages"
+)
 
 
 class _Maps:
@@ -353,6 +369,10 @@ MAX_GROUP_SEGMENTS = 1000
 """OBR, OBX or ORC segments one message may have for FHIR output (refused above: grouping them costs
 OBX × OBR, and no server takes a Bundle of that many entries)."""
 _GROUPS = ("OBR", "OBX", "ORC")
+_SEVERAL_PATIENTS = (
+    "fhir-r4: more than one PID (several patients in one message): a Bundle maps one patient's; "
+    "split the message per patient before this destination"
+)
 
 
 def _grouped(g: Column, sp: Column, seed: Column) -> Column:
@@ -360,15 +380,23 @@ def _grouped(g: Column, sp: Column, seed: Column) -> Column:
     header = F.struct(
         _value(msh, "MSH", 9, sp, 1).alias("kind"),
         _value(msh, "MSH", 9, sp, 2).alias("event"),
-        # Who sent it and its control id: the Stageline identifiers of its resources derive from them.
-        F.concat_ws(
-            "|",
-            F.coalesce(_value(msh, "MSH", 3, sp), F.lit("")),
-            F.coalesce(_value(msh, "MSH", 4, sp), F.lit("")),
-            F.coalesce(_value(msh, "MSH", 10, sp), seed),
-        ).alias("sender"),
+        # The message's identity, which the Stageline identifiers of its resources derive from.
+        _identity(msh, _nth(g["PID"], 1)["seg"], sp, seed).alias("sender"),
     )
     return let(header, lambda h: _typed(g, h, sp, seed))
+
+
+def _identity(msh: Column, pid: Column, sp: Column, seed: Column) -> Column:
+    """Who sent the message, when, its control id and whose it is: the whole of MSH-3, MSH-4, MSH-7
+    and PID-3 as sent, and MSH-10 (the message id when there is none).
+
+    The same message sent again keeps its identity, so a re-delivery updates what it wrote; a sender
+    whose counter wrapped reuses MSH-10 but not MSH-7 and the patient, so another message does not
+    overwrite its results. Each part is prefixed with its length: no two lists of parts read alike.
+    """
+    parts = [F.coalesce(x, F.lit("")) for x in (_nth(msh, 3), _nth(msh, 4), _nth(msh, 7))]
+    parts += [F.coalesce(_value(msh, "MSH", 10, sp), seed), F.coalesce(_nth(pid, 4), F.lit(""))]
+    return F.concat_ws("|", *(F.concat(F.length(x).cast("string"), F.lit(":"), x) for x in parts))
 
 
 def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
@@ -387,9 +415,13 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
             too_many,
             F.lit(f"fhir-r4: more than {MAX_GROUP_SEGMENTS} OBR, OBX or ORC segments: too many for one Bundle"),
         )
+        # One Bundle is one patient's: a second PID (ORU's repeating PATIENT_RESULT) would have
+        # its results filed under the first patient.
+        .when(F.size(g["PID"]) > 1, F.lit(_SEVERAL_PATIENTS))
         .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
         .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
-        .when(pid.isNull() & ~oru, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
+        .when(oru & pid.isNull(), F.lit("fhir-r4: ORU^R01 without a PID: results need a subject"))
+        .when(pid.isNull(), F.lit("fhir-r4: ADT without a PID: no Patient to write"))
     )
     # The number of the OBR each OBX follows (0: none), counted only for a message within bounds,
     # and the OBX's fullUrl, which its report's results refer to too.
@@ -557,15 +589,16 @@ def _identifier(raw: Column, maps: _Maps) -> Column:
 def _identifier_of_rep(r: Column, maps: _Maps) -> Column:
     sp = maps.sp
     namespace, universal, universal_type = _c(r, sp, 4, 1), _c(r, sp, 4, 2), _c(r, sp, 4, 3)
+    # The universal id first: two authorities may share a local namespace name, never an OID.
     system = F.coalesce(
-        _lookup(maps.identifier_systems, namespace),
         _lookup(maps.identifier_systems, universal),
         F.when(
             (universal_type == "ISO") & universal.rlike(r"^[0-2](\.(0|[1-9]\d*))+$"),
             F.concat(F.lit("urn:oid:"), universal),
         ),
+        _lookup(maps.identifier_systems, namespace),
     )
-    return F.when(_c(r, sp, 1).isNotNull(), _identifier_of(_c(r, sp, 5), system, _c(r, sp, 1)))
+    return let(_trimmed(_c(r, sp, 1)), lambda v: F.when(v.isNotNull(), _identifier_of(_code(_c(r, sp, 5)), system, v)))
 
 
 def _human_name(raw: Column, sp: Column) -> Column:
@@ -626,7 +659,7 @@ def _yes_no(v: Column) -> Column:
 
 def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
     pv1, sp = m["pv1"], maps.sp
-    patient_class = _value(pv1, "PV1", 2, sp)
+    patient_class = _code(_value(pv1, "PV1", 2, sp))
     mapped = _lookup(maps.patient_class, patient_class)
     klass = (
         F.when(mapped.isNotNull(), F.struct(F.lit(_ACT_CODE).alias("system"), mapped.alias("code")))
@@ -658,7 +691,7 @@ def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> C
 def _order_identifier(seg: Column, segment: str, n: int, code: str, maps: _Maps) -> Column:
     """EI (placer / filler number) → Identifier typed PLAC / FILL, the system from EI-2 (or EI-3)."""
     sp = maps.sp
-    value = _value(seg, segment, n, sp, 1)
+    value = _trimmed(_value(seg, segment, n, sp, 1))
     system = F.coalesce(
         _lookup(maps.identifier_systems, _value(seg, segment, n, sp, 2)),
         _lookup(maps.identifier_systems, _value(seg, segment, n, sp, 3)),
@@ -747,7 +780,7 @@ def _typed_value(kind: Column, first: Column, unit: Column, as_string: Column, m
     unit_fields = [
         F.coalesce(_c(unit, sp, 2), _c(unit, sp, 1)).alias("unit"),
         unit_system.alias("system"),
-        F.when(unit_system.isNotNull(), _c(unit, sp, 1)).alias("code"),
+        F.when(unit_system.isNotNull(), _code(_c(unit, sp, 1))).alias("code"),
     ]
 
     def quantity(number: Column, comparator: Column) -> Column:
@@ -865,16 +898,29 @@ def _codeable_of_rep(r: Column, maps: _Maps, default_system: str | None) -> Colu
         system = _lookup(maps.code_systems, name)
         if default_system is not None:
             system = F.coalesce(system, F.when(name.isNull(), F.lit(default_system)))
+        value = _code(_c(r, sp, code))
         return F.when(
-            _c(r, sp, code).isNotNull(),
-            F.struct(system.alias("system"), _c(r, sp, code).alias("code"), _c(r, sp, code + 1).alias("display")),
+            value.isNotNull(),
+            F.struct(system.alias("system"), value.alias("code"), _c(r, sp, code + 1).alias("display")),
         )
 
     codings = _nonempty(F.array(coding(1), coding(4)))
-    text = F.coalesce(_c(r, sp, 9), F.when(_c(r, sp, 1).isNull(), _c(r, sp, 2)))
+    text = F.coalesce(_c(r, sp, 9), F.when(_code(_c(r, sp, 1)).isNull(), _c(r, sp, 2)))
     return let(
         codings, lambda cs: F.when(cs.isNotNull() | text.isNotNull(), F.struct(cs.alias("coding"), text.alias("text")))
     )
+
+
+def _trimmed(x: Column) -> Column:
+    """An identifier's value without the whitespace around it; NULL when nothing else is left."""
+    out = F.regexp_replace(x, f"^{_SPACE}+|{_SPACE}+$", "")
+    return F.when(out != "", out)
+
+
+def _code(x: Column) -> Column:
+    """A FHIR ``code`` from v2 text: trimmed, each inner run of whitespace one space; NULL when blank."""
+    out = F.regexp_replace(F.regexp_replace(x, f"^{_SPACE}+|{_SPACE}+$", ""), f"{_SPACE}+", " ")
+    return F.when(out != "", out)
 
 
 def _required(concept: Column) -> Column:

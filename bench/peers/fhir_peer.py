@@ -29,6 +29,7 @@ __all__ = ["bundle", "run"]
 
 _DTM = re.compile(spec._DTM)
 _NUMBER = re.compile(spec._NUMBER)
+_SPACE = spec._SPACE
 _ADT = ("A01", "A04", "A08")
 
 
@@ -51,10 +52,12 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
     msh = segs[0][1]
     kind, event = _v(msh, 9, 1), _v(msh, 9, 2)
     adt, oru, orm = kind == "ADT" and event in _ADT, kind == "ORU" and event == "R01", kind == "ORM" and event == "O01"
-    pid = next((s for n, s in segs if n == "PID"), None)
-    if not (adt or oru or orm) or (pid is None and not oru):
+    pids = [s for n, s in segs if n == "PID"]
+    pid = pids[0] if pids else None
+    if not (adt or oru or orm) or pid is None or len(pids) > 1:
         return None
-    sender = "|".join([_v(msh, 3) or "", _v(msh, 4) or "", _v(msh, 10) or seed])
+    parts = [_raw(msh, 3), _raw(msh, 4), _raw(msh, 7), _v(msh, 10) or seed, _raw(pid, 3)]
+    sender = "|".join(f"{len(x)}:{x}" for x in parts)
     patient_url = _uuid(seed, "Patient")
     subject = {"reference": patient_url} if pid is not None else None
     out: list[dict[str, Any]] = []
@@ -80,6 +83,9 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
             before = [s for p, s in orcs if p < pos]
             orc = before[-1] if before else (orcs[0][1] if orcs else None)
             out.append(_order(obr, orc, k, seed, sender, subject, options))
+    puts = [e["request"]["url"] for e in out if e["request"]["method"] == "PUT"]
+    if len(set(puts)) < len(puts):
+        return None  # two entries on one conditional URL: refused, as a server would fail it
     return {"resourceType": "Bundle", "type": "transaction", "entry": out}
 
 
@@ -95,6 +101,23 @@ def _v(seg: Any, field: int, component: int = 1, sub: int = 1, rep: int = 1) -> 
     except IndexError:
         return None
     return _c(r, component, sub)
+
+
+def _raw(seg: Any, field: int) -> str:
+    """The field's text as sent (every repetition and component), "" when missing."""
+    try:
+        return str(seg[field])
+    except IndexError:
+        return ""
+
+
+def _trimmed(x: str | None) -> str | None:
+    out = re.sub(f"^{_SPACE}+|{_SPACE}+$", "", x or "")
+    return out or None
+
+
+def _code(x: str | None) -> str | None:
+    return re.sub(f"{_SPACE}+", " ", _trimmed(x) or "") or None
 
 
 def _reps(seg: Any, field: int) -> list[Any]:
@@ -172,7 +195,7 @@ def _codeable(rep: Any, options: FhirOptions, default_system: str | None = None)
         return None
     codings = []
     for at in (1, 4):
-        code = _c(rep, at)
+        code = _code(_c(rep, at))
         if code is None:
             continue
         name = _c(rep, at + 2)
@@ -180,25 +203,25 @@ def _codeable(rep: Any, options: FhirOptions, default_system: str | None = None)
         if system is None and default_system is not None and name is None:
             system = default_system
         codings.append(_drop_none({"system": system, "code": code, "display": _c(rep, at + 1)}))
-    text = _c(rep, 9) or (_c(rep, 2) if _c(rep, 1) is None else None)
+    text = _c(rep, 9) or (_c(rep, 2) if _code(_c(rep, 1)) is None else None)
     return _drop_none({"coding": codings, "text": text})
 
 
 def _identifier(rep: Any, options: FhirOptions) -> dict[str, Any] | None:
-    value = _c(rep, 1)
+    value = _trimmed(_c(rep, 1))
     if value is None:
         return None
     namespace, universal, universal_type = _c(rep, 4, 1), _c(rep, 4, 2), _c(rep, 4, 3)
     system = (
-        (options.identifier_systems.get(namespace) if namespace else None)
-        or (options.identifier_systems.get(universal) if universal else None)
+        (options.identifier_systems.get(universal) if universal else None)
         or (
             f"urn:oid:{universal}"
             if universal_type == "ISO" and universal and re.fullmatch(r"[0-2](\.(0|[1-9]\d*))+", universal)
             else None
         )
+        or (options.identifier_systems.get(namespace) if namespace else None)
     )
-    code = _c(rep, 5)
+    code = _code(_c(rep, 5))
     kind = {"coding": [{"system": spec._V2_0203, "code": code}]} if code else None
     return _drop_none({"type": kind, "system": system, "value": value})
 
@@ -288,7 +311,7 @@ def _contact(r: Any, use: str) -> dict[str, Any] | None:
 
 
 def _encounter(pv1: Any, seed: str, sender: str, subject: Any, options: FhirOptions) -> dict[str, Any]:
-    klass_code = _v(pv1, 2)
+    klass_code = _code(_v(pv1, 2))
     mapped = options.patient_class.get(klass_code or "")
     klass = (
         {"system": spec._ACT_CODE, "code": mapped}
@@ -315,7 +338,7 @@ def _encounter(pv1: Any, seed: str, sender: str, subject: Any, options: FhirOpti
 
 
 def _order_identifier(seg: Any, n: int, code: str, options: FhirOptions) -> dict[str, Any] | None:
-    if seg is None or (value := _v(seg, n)) is None:
+    if seg is None or (value := _trimmed(_v(seg, n))) is None:
         return None
     system = options.identifier_systems.get(_v(seg, n, 2) or "") or options.identifier_systems.get(_v(seg, n, 3) or "")
     return _drop_none({"type": {"coding": [{"system": spec._V2_0203, "code": code}]}, "system": system, "value": value})
@@ -371,7 +394,7 @@ def _observation(obx: Any, j: int, seed: str, sender: str, subject: Any, options
                 "value": json.loads(_json_number(value)),
                 "unit": (_c(unit, 2) or _c(unit, 1)) if unit is not None else None,
             }
-            quantity.update({"system": system, "code": _c(unit, 1) if system else None})
+            quantity.update({"system": system, "code": _code(_c(unit, 1)) if system else None})
             resource["valueQuantity"] = _drop_none(quantity)
         elif kind in ("CWE", "CE", "CNE", "CF") and (cc := _codeable(_first(obx, 5), options)):
             resource["valueCodeableConcept"] = cc

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from include.conditions import ConditionError, check_java_regex, parse_condition
-from include.fhir_options import check_offset, check_uri
+from include.fhir_options import check_code, check_offset, check_uri
 from include.hl7path import FieldPath, FieldPathError, parse_path
 from include.schema import Strict, Text
 
@@ -396,6 +396,7 @@ else:
 
 
 _Uri = Annotated[str, AfterValidator(check_uri)]
+_Code = Annotated[str, AfterValidator(check_code)]
 _Codes = Annotated[dict[Text, _Uri], Field(max_length=MAX_FHIR_MAP_ENTRIES)]
 
 
@@ -407,7 +408,8 @@ class FhirModel(Strict):
     gender: Annotated[
         dict[Text, Literal["male", "female", "other", "unknown"]], Field(max_length=MAX_FHIR_MAP_ENTRIES)
     ] = {}
-    patient_class: Annotated[dict[Text, Text], Field(max_length=MAX_FHIR_MAP_ENTRIES)] = {}
+    # PV1-2 is read as a code (trimmed, inner spaces single), so a key or value with more never fits.
+    patient_class: Annotated[dict[_Code, _Code], Field(max_length=MAX_FHIR_MAP_ENTRIES)] = {}
     timezone: Annotated[str, AfterValidator(check_offset)] = "Z"
 
 

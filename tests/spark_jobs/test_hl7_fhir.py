@@ -24,7 +24,7 @@ from bench.hl7_corpus import messages
 from bench.peers import fhir_peer
 from include.fhir_options import FHIR_CONTENT_TYPE
 from include.transforms_config import TransformConfigError, parse_transforms
-from spark_jobs.hl7_fhir import MAX_GROUP_SEGMENTS
+from spark_jobs.hl7_fhir import _SAME_URL, _SEVERAL_PATIENTS, MAX_GROUP_SEGMENTS
 from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import ADT_A01, CORPUS, NO_SUBCOMPONENT, ORM_O01, ORU_R01
 
@@ -63,6 +63,9 @@ def check_bundle(text: str) -> dict[str, Any]:
     walk(doc, "Bundle")
     urls = [e["fullUrl"] for e in doc["entry"]]
     assert len(set(urls)) == len(urls)
+    # Two entries on one conditional URL: a FHIR server fails the whole transaction.
+    puts = [e["request"]["url"] for e in doc["entry"] if e["request"]["method"] == "PUT"]
+    assert len(set(puts)) == len(puts), puts
     for ref in re.findall(r'"reference":"([^"]*)"', text):
         assert ref in urls, f"reference {ref} does not resolve inside the Bundle"
     for e in doc["entry"]:
@@ -134,6 +137,60 @@ STRUCTURED_NUMBERS = (
 )
 
 
+# The red team's findings against this mapping (issue 27): each row either maps right or is refused.
+_R = "MSH|^~\\&|LAB|LABFAC|EHR|CITY|{ts}||ORU^R01|{cid}|P|2.5.1\rPID|1||{pid}||PAT^P\r"
+
+
+def _red_oru(cid: str, body: str, pid: str = "555^^^LAB^MR", ts: str = "20240102083000") -> str:
+    return _R.format(cid=cid, pid=pid, ts=ts) + body
+
+
+_ADT = "MSH|^~\\&|ADT1|HOSP|EHR|CITY|20240101120000||ADT^A01|{cid}|P|2.5.1\rPID|1||{pid}||DOE^J||{birth}\r"
+_NO_FILLER = "OBR|1|P1|\rOBX|1|NM|2093-3^Chol^LN||1|mg/dL|||||F\r"  # reports and results keyed on Stageline's id
+RED = {
+    # H1: a second patient's results would have been filed under the first: refused.
+    "two patients": _red_oru(
+        "A1", "OBR|1|O1|F1|X^Y^LN\rOBX|1|NM|A^B^LN||1|mg\rPID|2||VICTIM^^^LAB^MR||ROE^R\rOBR|1|O2|F2|X^Y^LN\r"
+    ),
+    "adt two pids": _ADT.format(cid="A2", pid="Q1^^^HOSP^MR", birth="") + "PID|2||Q2^^^HOSP^MR||ROE^R\r",
+    "oru without pid": "MSH|^~\\&|A|B|C|D|2024||ORU^R01|A3|P|2.5.1\rOBR|1|O1|F1|X^Y^LN\rOBX|1|NM|A^B^LN||1\r",
+    "msh only": "MSH|^~\\&|A|B|C|D|2024||ORU^R01|A4|P|2.5.1\r",
+    # M3: one conditional URL twice in a transaction: refused.
+    "same filler": _red_oru("D1", "OBR|1|P1|F1^LAB|X^Y^LN\rOBX|1|NM|A^B^LN||1\rOBR|2|P2|F1^LAB|Z^W^LN\r"),
+    "same placer": "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240103||ORM^O01|D2|P|2.3\rPID|1||P1^^^LAB^MR||A^A\r"
+    "ORC|NW|ORD1^LAB\rOBR|1|ORD1^LAB||X^Y^L\rORC|NW|ORD1^LAB\rOBR|2|ORD1^LAB||Z^W^L\r",
+    # M1: a sender's wrapped counter reuses MSH-10 (other time, other patient); an identical re-send.
+    "first": _red_oru("C", _NO_FILLER),
+    "resent": _red_oru("C", _NO_FILLER),
+    "wrapped": _red_oru("C", _NO_FILLER, pid="VICTIM^^^LAB^MR", ts="20250102083000"),
+    "other patient": _red_oru("C", _NO_FILLER, pid="VICTIM^^^LAB^MR"),
+    "other msh-3": _red_oru("C", _NO_FILLER).replace("|LAB|", "|LAB^1.2.3^ISO|", 1),
+    # M2: blank and padded identifiers; an OID beside a namespace another authority shares.
+    "blank mrn": _ADT.format(cid="B1", pid=" ^^^HOSP^MR", birth=""),
+    "padded mrn": _ADT.format(cid="B2", pid=" X1 ^^^HOSP^MR ~ ^^^HOSP^MR", birth=""),
+    "oid": _ADT.format(cid="B3", pid="123^^^HOSP&1.2.840.114350.1&ISO^MR", birth=""),
+    # M4: padded codes; M5: impossible offsets and years.
+    "codes": _red_oru(
+        "E1",
+        "OBR|1|O1|F1|   ^Lipid^LN|||20240101120000+1430\r"
+        "OBX|1|NM|2093-3  ^Chol^LN||1|mg  /dL^mg^UCUM||H \rOBX|2|CWE|A^B^LN|| a \t b ^AB^L\r"
+        "OBX|3|DTM|A^B^LN||0000\rOBX|4|DTM|A^B^LN||20240101120000-1400\r",
+        pid="555^^^LAB^MR \t",
+    ),
+    "adt codes": _ADT.format(cid="E2", pid="Q^^^HOSP^ MR", birth="00000101")
+    + "PV1|1| I "
+    + "|" * 41
+    + "|00000101|20240101+1430\r",
+    # Low: FHIR decimals beyond 18 digits are text, not a number JSON readers make infinite.
+    "decimals": _red_oru(
+        "F1",
+        "OBR|1|O1|F1|X^Y^LN\r"
+        f"OBX|1|NM|A^B^LN||{'9' * 18}\rOBX|2|NM|A^B^LN||{'9' * 19}\rOBX|3|SN|A^B^LN||^-{'9' * 400}^-^1\r"
+        f"OBX|4|NM|A^B^LN||0.{'0' * 400}1\r",
+    ),
+}
+
+
 SEEDS: dict[tuple[str, Any], str] = {}
 
 
@@ -148,6 +205,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("ruled", "a04", NO_SUBCOMPONENT)]
     rows += [("escapes", k, p) for k, p in ESCAPES.items()]
     rows += [("types", "sn", STRUCTURED_NUMBERS)]
+    rows += [("red", k, p) for k, p in RED.items()]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
     SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
     frame = spark.createDataFrame(
@@ -345,6 +403,14 @@ def test_rules_run_before_the_mapping(out: dict[Any, Any]) -> None:
             "transform[0].fhir.timezone: must be 'Z' or an offset such as '+01:00', got 'CET'",
         ),
         (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"timezone": "+14:30"}},  # FHIR's offsets end at 14:00
+            "transform[0].fhir.timezone: must be 'Z' or an offset such as '+01:00', got '+14:30'",
+        ),
+        (
+            {"destination": "x", "output": "fhir-r4", "fhir": {"patient_class": {"R": " IMP"}}},
+            "transform[0].fhir.patient_class.R: must be a code: no leading, trailing or repeated",
+        ),
+        (
             {"destination": "x", "output": "fhir-r4", "fhir": {"code_systems": {"LN": "loinc"}}},
             "transform[0].fhir.code_systems.LN: must be an absolute URI",
         ),
@@ -363,3 +429,65 @@ def test_fhir_settings_are_checked_at_config_load(spec: dict[str, Any], error: s
     with pytest.raises(TransformConfigError) as caught:
         parse_transforms([spec])
     assert error in str(caught.value)
+
+
+def test_red_team_findings_are_mapped_right_or_refused(out: dict[Any, Any]) -> None:
+    """Issue 27's red team: nothing filed under the wrong patient, nothing a server must reject."""
+    red = {k: out[("red", k)] for k in RED}
+    for key in ("two patients", "adt two pids"):
+        assert red[key] == (_SEVERAL_PATIENTS, None), key
+    assert red["oru without pid"] == ("fhir-r4: ORU^R01 without a PID: results need a subject", None)
+    assert red["msh only"] == red["oru without pid"]
+    assert red["same filler"] == (_SAME_URL, None) and red["same placer"] == (_SAME_URL, None)
+
+    def entries(key: str) -> list[dict[str, Any]]:
+        assert red[key][0] == FHIR_CONTENT_TYPE, red[key]
+        return check_bundle(red[key][1])["entry"]
+
+    # M1: the same message again keeps its identifiers; another one (a wrapped MSH-10 with another
+    # time or patient, another MSH-3) writes its own.
+    def keyed(key: str) -> list[str]:
+        return [e["request"]["url"] for e in entries(key)[1:]]
+
+    assert keyed("first") == keyed("resent") and len(keyed("first")) == 2
+    others = [keyed(k) for k in ("first", "wrapped", "other patient", "other msh-3")]
+    assert len({u for urls in others for u in urls}) == 8
+
+    # M2: a blank MRN is no identifier (no conditional write on it); a padded one is trimmed; the
+    # OID names the authority, not a namespace another hospital may use too.
+    assert "identifier" not in entries("blank mrn")[0]["resource"]
+    assert entries("blank mrn")[0]["request"] == {"method": "POST", "url": "Patient"}
+    padded = entries("padded mrn")[0]
+    assert [i["value"] for i in padded["resource"]["identifier"]] == ["X1"]
+    assert padded["request"]["url"] == "Patient?identifier=urn%3Aoid%3A2.16.840.1.113883.19.7|X1"
+    assert entries("oid")[0]["resource"]["identifier"][0]["system"] == "urn:oid:1.2.840.114350.1"
+
+    # M4: codes trimmed, inner whitespace one space, a blank one absent; M5: no +14:30, no year 0000.
+    patient, report, *obs = (e["resource"] for e in entries("codes"))
+    assert patient["identifier"][0]["value"] == "555"
+    assert report["code"] == {"text": "Lipid"} and "effectiveDateTime" not in report
+    assert obs[0]["code"]["coding"][0]["code"] == "2093-3"
+    assert obs[0]["valueQuantity"]["code"] == "mg /dL"
+    assert obs[0]["interpretation"][0]["coding"][0]["code"] == "H"
+    assert obs[1]["valueCodeableConcept"]["coding"][0]["code"] == "a b"
+    assert obs[2]["valueString"] == "0000" and "valueDateTime" not in obs[2]
+    assert obs[3]["valueDateTime"] == "2024-01-01T12:00:00-14:00"
+    patient, encounter = (e["resource"] for e in entries("adt codes"))
+    assert patient["identifier"][0]["type"]["coding"][0]["code"] == "MR" and "birthDate" not in patient
+    assert encounter["class"]["code"] == "IMP" and "period" not in encounter
+
+    # Low: at most 18 digits make a FHIR decimal; more stay the text sent.
+    values = [{k: v for k, v in e["resource"].items() if k.startswith("value")} for e in entries("decimals")[2:]]
+    assert values[0] == {"valueQuantity": {"value": int("9" * 18)}}
+    assert values[1] == {"valueString": "9" * 19}
+    assert list(values[2]) == ["valueString"] and list(values[3]) == ["valueString"]
+
+
+def test_the_python_peer_agrees_on_the_red_team_rows(out: dict[Any, Any]) -> None:
+    options = parse_transforms([SPEC])[0].fhir
+    assert options is not None
+    for key, payload in RED.items():
+        if key == "decimals":
+            continue  # SN ranges: the peer's scope leaves SN out (bench/peers/fhir_peer.py)
+        text = out[("red", key)][1]
+        assert fhir_peer.bundle(payload, SEEDS[("red", key)], options) == (json.loads(text) if text else None), key
