@@ -43,11 +43,11 @@ class Conformance:
     def check(self, text: str) -> str | None:
         """None when `text` conforms; the findings' JSON to stage with it when flagging; raises
         `ProfileRefused` when rejecting."""
-        found, total = survey(text, self.profiles)
+        found = survey(text, self.profiles)
         if not found:
             return None
         if self.mode == "reject":
-            raise ProfileRefused(found, total)
+            raise ProfileRefused(found, found.total)
         return findings_json(found)
 
 

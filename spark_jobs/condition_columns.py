@@ -75,16 +75,25 @@ def compile_condition(
     return combined
 
 
-FINDINGS_TYPE = "array<struct<code:string,where:string,text:string>>"
-"""The stored findings' JSON (`include.profiles.check.findings_json`) as Spark reads it."""
+FINDINGS_TYPE = "array<struct<code:string,where:string,text:string,total:int,codes:array<string>>>"
+"""The stored findings' JSON (`include.profiles.check.findings_json`) as Spark reads it: the first
+of more than the stored ones carries ``total`` and ``codes``, which say what all of them were."""
 
 
 def _findings(cond: Findings, stored: Column) -> Column:
-    """Count or codes of the findings JSON, natively (`from_json`); NULL (none found) is empty."""
+    """Count or codes of the findings JSON, natively (`from_json`); NULL (none found) is empty.
+    The count is the stored ``total`` when there is one (more than were kept), else the list's size;
+    a code is found in a kept finding or in the ``codes`` of all of them."""
     found = F.coalesce(F.from_json(stored, FINDINGS_TYPE), F.array().cast(FINDINGS_TYPE))
     if cond.codes:
-        return F.coalesce(F.exists(found, lambda f: f["code"].isin(list(cond.codes))), F.lit(False))
-    n, k = F.size(found), F.lit(cond.count)
+        wanted = F.array(*(F.lit(c) for c in cond.codes))
+
+        def has(f: Column) -> Column:
+            return f["code"].isin(list(cond.codes)) | F.coalesce(F.arrays_overlap(f["codes"], wanted), F.lit(False))
+
+        return F.coalesce(F.exists(found, has), F.lit(False))
+    total = F.array_max(F.transform(found, lambda f: f["total"]))
+    n, k = F.greatest(F.size(found), F.coalesce(total, F.lit(0))), F.lit(cond.count)
     test = {"eq": n == k, "ne": n != k, "gt": n > k, "ge": n >= k, "lt": n < k, "le": n <= k}[cond.op]
     return F.coalesce(test, F.lit(False))
 

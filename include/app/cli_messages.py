@@ -16,6 +16,7 @@ import click
 
 from include.app.cli_common import InputError, _load, _open_checked
 from include.app.cli_output import Column, answer, echo_json, json_option, table, when_ms
+from include.profiles.check import stored_count
 from include.store import keys, saved_searches, search, stats
 from include.store import operator as ops
 from include.store.db import ReadTimedOut
@@ -668,5 +669,5 @@ def _findings_lines(stored: str | None) -> list[str]:
         found = json.loads(stored) if stored else []
     except ValueError:
         return ["  profile findings: (unreadable)"]
-    lines = [f"  profile findings: {len(found)}"] if found else []
+    lines = [f"  profile findings: {stored_count(found)}"] if found else []
     return lines + [f"    {f.get('code')} {f.get('where')}  {f.get('text')}" for f in found if isinstance(f, dict)]

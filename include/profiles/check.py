@@ -20,7 +20,7 @@ from include.profiles.datatypes import FORMATTED, bad_primitive
 from include.profiles.field_rule import FieldRule
 from include.profiles.load import Profile
 
-__all__ = ["MAX_FINDINGS", "Finding", "findings", "findings_json", "survey"]
+__all__ = ["MAX_FINDINGS", "Finding", "Survey", "findings", "findings_json", "stored_count", "survey"]
 
 MAX_FINDINGS = 20
 MAX_TEXT = 200
@@ -65,36 +65,58 @@ class Finding:
 
 
 def findings_json(found: Sequence[Finding]) -> str:
-    """The findings as the store keeps them: a JSON array of {code, where, text}."""
-    kept = [{"code": f.code, "where": f.where(), "text": f.text[:MAX_TEXT]} for f in found[:MAX_FINDINGS]]
+    """The findings as the store keeps them: a JSON array of {code, where, text}. When there were
+    more than it lists (a `Survey` past `MAX_FINDINGS`), the first also carries ``total`` (how many)
+    and ``codes`` (the table 0357 codes of all of them), so a route's `findings > 20` and `finding =
+    "103"` answer for the whole message; readers that know only code, where and text are unchanged."""
+    kept: list[dict[str, object]] = [
+        {"code": f.code, "where": f.where(), "text": f.text[:MAX_TEXT]} for f in found[:MAX_FINDINGS]
+    ]
+    if isinstance(found, Survey) and found.total > len(kept):
+        kept[0] |= {"total": found.total, "codes": sorted(found.codes)}
     return json.dumps(kept, separators=(",", ":"))
+
+
+def stored_count(stored: list[object]) -> str:
+    """How many findings a stored list (`findings_json`, parsed) stands for, as `messages show` and
+    the view say it: its ``total`` and how many it lists when it kept only the first ones."""
+    first = stored[0] if isinstance(stored, list) and stored else None
+    total = first.get("total") if isinstance(first, dict) else None
+    if isinstance(total, int) and total > len(stored):
+        return f"{total}, the first {len(stored)} listed"
+    return str(len(stored))
 
 
 def findings(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> list[Finding]:
     """What is wrong with HL7 message `text` (decoded, starting with its MSH) for `profiles`: the
     first `MAX_FINDINGS`. ``quick``: let a segment its `fast` pattern accepts skip the rule loop
     (False: the loop for every segment; the answer is the same, the tests compare the two)."""
-    return survey(text, profiles, quick=quick)[0]
+    return list(survey(text, profiles, quick=quick))
 
 
-class _Kept(list[Finding]):
-    """The first `MAX_FINDINGS` findings, and how many there were (`total`)."""
+class Survey(list[Finding]):
+    """A message's first `MAX_FINDINGS` findings, and what all of them were: ``total`` (how many)
+    and ``codes`` (their table 0357 codes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: Sequence[Finding] = ()) -> None:
         super().__init__()
         self.total = 0
+        self.codes: set[str] = set()
+        for finding in first:
+            self.append(finding)
 
     def append(self, finding: Finding) -> None:
         self.total += 1
+        self.codes.add(finding.code)
         if len(self) < MAX_FINDINGS:
             super().append(finding)
 
 
-def survey(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> tuple[list[Finding], int]:
-    """`findings`, and how many findings the message has in all (at least as many as listed)."""
+def survey(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> Survey:
+    """`findings`, counted: the first `MAX_FINDINGS`, with the number and codes of all of them."""
     fs = text[3:4]
     if len(text) < 8 or not text.startswith("MSH") or fs.isalnum() or not fs:
-        return [Finding(SEGMENT_SEQUENCE, "MSH", text="the message does not start with an MSH segment")], 1
+        return Survey([Finding(SEGMENT_SEQUENCE, "MSH", text="the message does not start with an MSH segment")])
     cs, rs, ss = text[4], text[5], (text[7] if text[7] != fs else "\x00")
     segments = [s for s in text.replace("\r\n", "\r").replace("\n", "\r").split("\r") if s]
     msh = segments[0].split(fs)
@@ -103,8 +125,8 @@ def survey(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> tup
     profile = next((p for p in profiles if kind in p.message_types), None)
     if profile is None:
         types = ", ".join(sorted(t for p in profiles for t in p.message_types))
-        return [Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"{_type_named(kind)} is not one of {types}")], 1
-    found = _Kept()
+        return Survey([Finding(UNSUPPORTED_TYPE, "MSH", 1, 9, text=f"{_type_named(kind)} is not one of {types}")])
+    found = Survey()
     ids: list[str] = []
     counted: dict[str, int] = {}
     keep: list[tuple[str, int, str]] = []  # (id, its occurrence, the segment) for the structure
@@ -129,7 +151,7 @@ def survey(text: str, profiles: Sequence[Profile], *, quick: bool = True) -> tup
             if accepts is not None and accepts.fullmatch(segment):
                 continue  # nothing to find: the rules' own loop would say the same, slower
             _check_segment(segment, sid, n, rules, (fs, cs, rs, ss), found)
-    return list(found), found.total
+    return found
 
 
 def _departure_finding(index: int, missing: str | None, keep: list[tuple[str, int, str]], costly: bool) -> Finding:

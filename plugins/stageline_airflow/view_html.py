@@ -16,6 +16,7 @@ from html import escape
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from include.profiles.check import stored_count
 from include.store.operator import STATUSES, Filters, Story
 
 
@@ -367,7 +368,7 @@ def findings_part(stored: str | None) -> str:
     if not rows:
         return ""
     return (
-        f'<h3>Profile findings ({len(found)})</h3><table id="findings"><thead><tr><th>code</th><th>where</th>'
+        f'<h3>Profile findings ({stored_count(found)})</h3><table id="findings"><thead><tr><th>code</th><th>where</th>'
         f"<th>rule</th></tr></thead><tbody>{rows}</tbody></table>"
     )
 

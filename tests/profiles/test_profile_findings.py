@@ -3,6 +3,7 @@ finding as hand-checked: code, ERL, and what the text names), plus each rule typ
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -137,11 +138,29 @@ def test_findings_are_capped_and_all_counted(shipped):
     bad_obx = OBX.replace("|NM|", "|ZZ|").replace("|F\r", "|Q\r")
     got = findings(ORU + PID + OBR + bad_obx * 50, shipped)
     assert len(got) == MAX_FINDINGS
-    listed, total = survey(ORU + PID + OBR + bad_obx * 50, shipped)
-    assert (listed, total) == (got, 100)  # two a segment: OBX-2 and OBX-11 outside their tables
-    listed, total = survey(ORU + PID + OBR + OBX.replace("|N|", "|NOPE|") * 5000, shipped)
-    assert (len(listed), total) == (MAX_FINDINGS, 5000)
-    assert survey(A01 + PID + PV1, shipped) == ([], 0)
+    listed = survey(ORU + PID + OBR + bad_obx * 50, shipped)
+    assert (listed, listed.total, listed.codes) == (got, 100, {"103"})  # OBX-2 and OBX-11 outside their tables
+    listed = survey(ORU + PID + OBR + OBX + "PV2|1\r" + OBX.replace("|N|", "|NOPE|") * 5000, shipped)
+    assert (len(listed), listed.total, listed.codes) == (MAX_FINDINGS, 5001, {"100", "103"})
+    clean = survey(A01 + PID + PV1, shipped)
+    assert (clean, clean.total) == ([], 0)
+
+
+def test_the_stored_findings_carry_the_total_and_codes_past_the_cap(shipped):
+    """20 findings are stored; the first carries how many there were and all their codes (a 102
+    past the cap still routes on `finding = "102"`); 20 or fewer are stored as before."""
+    bad_obx = OBX.replace("|N|", "|NOPE|")
+    stored = json.loads(findings_json(survey(ORU + PID + OBR + bad_obx * 30 + OBX.replace("|F\r", "|F~F\r"), shipped)))
+    assert len(stored) == MAX_FINDINGS
+    assert stored[0] == {
+        "code": "103",
+        "where": "OBX^1^8",
+        "text": "OBX-8 (Abnormal Flags) is not in HL7 table 0078",
+        "total": 31,
+        "codes": ["102", "103"],
+    }
+    assert all(set(f) == {"code", "where", "text"} for f in stored[1:])
+    assert "total" not in findings_json(survey(ORU + PID + OBR + bad_obx * 20, shipped))
 
 
 def test_findings_json_is_what_the_store_keeps(shipped):
