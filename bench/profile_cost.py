@@ -1,7 +1,10 @@
 """CPU per message of a conformance profile at ingest: `build_inbound` (what every transport runs on
 a message before it is submitted) over the synthetic corpus, without a profile and with the shipped
 v2.5.1 profiles in ``flag`` mode (every corpus message conforms, so this is the check's cost on good
-traffic), and the ``reject`` path: a message with three findings, refused with its ERRs' conditions.
+traffic), and the ``reject`` path: a message with three findings, refused with its ERRs' conditions;
+and the worst a message checked on the reactor can be: an ORU of 500 OBX (under the 512 segments
+that go to a thread), each with a finding — every one counted, 20 of them listed — beside the same
+message conforming.
 Process CPU time, the best of `--repeat` runs; no store, no sockets.
 
     uv run python bench/profile_cost.py [--messages 20000] [--repeat 7]
@@ -23,6 +26,9 @@ BAD = (
     "MSH|^~\\&|HIS|HOSP|SL|SL|20240101120000||ADT^A01^ADT_A01|C1|P|2.5.1\r"
     "EVN|A01|20240101120000\rPID|1||P1^^^HOSP^MR||DOE^JANE||19801301|X\rPV1|1|Q\r"
 )
+
+ORU = "MSH|^~\\&|LAB|HOSP|SL|SL|20240101120000||ORU^R01|C2|P|2.5.1\rPID|1||P1^^^HOSP^MR||DOE\rOBR|1|O1||GLU\r"
+OBX = "OBX|{n}|NM|2345-7^Glucose^LN||95|mg/dL|70-99|{flag}|||F\r"
 
 
 def per_message_us(payloads: list[bytes], mode: str | None, repeat: int) -> float:
@@ -53,6 +59,11 @@ def main() -> None:
     print(f"  corpus, shipped profiles (flag)  {flagged:7.2f}  (+{flagged - plain:.2f})")
     print(f"  3 findings, reject (refused)     {per_message_us(bad, 'reject', args.repeat):7.2f}")
     print(f"  3 findings, flag (staged)        {per_message_us(bad, 'flag', args.repeat):7.2f}")
+    few = max(args.messages // 100, 1)
+    oru = [(ORU + "".join(OBX.format(n=n, flag="N") for n in range(1, 501))).encode()] * few
+    worst = [(ORU + "".join(OBX.format(n=n, flag="NOPE") for n in range(1, 501))).encode()] * few
+    print(f"  500 OBX, conforming (flag)       {per_message_us(oru, 'flag', args.repeat):7.2f}")
+    print(f"  500 OBX, 500 findings (reject)   {per_message_us(worst, 'reject', args.repeat):7.2f}")
 
 
 if __name__ == "__main__":
