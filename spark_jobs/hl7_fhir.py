@@ -18,7 +18,8 @@ the Bundle updates what the first one created instead of adding to it: ``PUT
 Patient?identifier=system|value`` on the first PID-3 whose authority has a system (a patient
 without one is a plain POST, and a re-delivery duplicates it — configure the systems). Encounters,
 reports, observations and orders carry a Stageline identifier (``urn:ietf:rfc:3986``, a UUID from
-the sender, MSH-10 and the segment's position) besides their own, and are PUT on it. Each entry's
+the message's identity — MSH-3, MSH-4, MSH-7, MSH-10, PID-3 — and the segment's position) besides
+their own, and are PUT on it. Each entry's
 ``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
 Bundle and a re-run of the transform builds the same bytes.
 
@@ -27,8 +28,9 @@ destination's rules) is split into its fields once per message, with the separat
 before the split (:func:`_split_unit`); a field is split into repetitions, components and
 subcomponents only where the mapping reads it, and only the leaves it reads are decoded. The
 resources are ``to_json`` of structs built from them. No Python runs per row. A message the
-mapping cannot take (another message type, a batch of several messages, an order without a
-patient) comes out with a NULL Bundle and the reason.
+mapping cannot take (another message type, a batch of several messages, several patients, results
+or an order without a patient, two entries on one identifier) comes out with a NULL Bundle and the
+reason.
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
     with one placer number) refuse the message: FHIR fails such a transaction as a whole.
     """
     body = F.concat_ws(",", *entries)
-    urls = F.regexp_extract_all(body, F.lit(r'"request":\{"method":"PUT","url":"([^"]*)"'), 1)
+    # Only reports and orders can collide: one Patient, one Encounter, Observations keyed on their position.
+    keyed = F.concat_ws(",", *(e for name, e in zip(ENTRY_PARTS, entries) if name in ("reports", "orders")))
+    urls = F.regexp_extract_all(keyed, F.lit(r'"request":\{"method":"PUT","url":"([^"]*)"'), 1)
     twice = F.when(F.size(F.array_distinct(urls)) < F.size(urls), F.lit(_SAME_URL))
     error = F.coalesce(ctx["error"], F.when(ctx.isNotNull(), twice))
     bundle = F.concat(F.lit('{"resourceType":"Bundle","type":"transaction","entry":['), body, F.lit("]}"))
