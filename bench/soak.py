@@ -473,7 +473,7 @@ def process_group(argv: Sequence[str]) -> str:
         return "dag-processor"
     if "scheduler" in text:
         return "scheduler"
-    if "demo receive" in text:
+    if "demo receive" in text or "include.app.demo" in text:
         return "demo-receiver"
     if any(Path(a).name == "stageline" for a in argv[:2]) and "up" in argv[1:3]:
         return "stageline up"

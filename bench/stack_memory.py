@@ -5,9 +5,12 @@ dag-processor / api-server / triggerer, the demo receiver, listenerd) in a tempo
 `--count` demo messages of each kind and waits until every one is delivered (so Spark has run each
 stage's job and Airflow has run task processes), lets it settle for `--settle` seconds, then sums the
 proportional set size (PSS, `/proc/<pid>/smaps_rollup`) over the whole process tree of `stageline up`
-and prints it per component. The figure docs/performance.md states; the target is ≤ 1 GiB.
+and prints it per component. With `--idle`, it then waits that long without traffic, measures
+again, and sends one more message of each kind. For each send it prints how long the last message
+took from being staged to being delivered (on the store's clock): the first delivery after start,
+and the first after the idle wait. The figures docs/performance.md states; the target is ≤ 1 GiB.
 
-    uv run python bench/stack_memory.py [--count 4] [--settle 20] [--samples 5]
+    uv run python bench/stack_memory.py [--count 4] [--settle 20] [--samples 5] [--idle 150]
 """
 
 from __future__ import annotations
@@ -54,31 +57,54 @@ def main() -> None:
     try:
         stack.start()
         print(f"stack up in {stack.up_seconds:.0f} s", flush=True)
-        sent = subprocess.run(
-            [str(STAGELINE), "demo", "send", "--count", str(args.count)],
-            cwd=ROOT,
-            env=stack.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert sent.returncode == 0, sent.stdout + sent.stderr
-
-        def done() -> int:
-            with sqlite3.connect(stack.var / "stageline.db") as conn:
-                return conn.execute("SELECT count(*) FROM stage_outbound WHERE status = 'done'").fetchone()[0]
-
-        wait_for(lambda: done() >= 4 * args.count, timeout=600, interval=1, what="the demo messages to be delivered")
-        print(f"{done()} deliveries done; settling {args.settle:.0f} s", flush=True)
+        send(stack, args.count)
+        db = stack.var / "stageline.db"
+        seconds = delivered_within(db, 4 * args.count)
+        print(f"first deliveries after start: {4 * args.count} done, the last {seconds:.1f} s after staging")
+        print(f"settling {args.settle:.0f} s", flush=True)
         time.sleep(args.settle)
         measure(stack.pid, args.samples, "with its stage tasks running")
         if args.idle:
             print(f"\nidle for {args.idle:.0f} s ...", flush=True)
             time.sleep(args.idle)
             measure(stack.pid, args.samples, f"after {args.idle:.0f} s without traffic")
+            send(stack, 1)
+            seconds = delivered_within(db, 4 * args.count + 4)
+            print(f"\nafter {args.idle:.0f} s idle: 4 deliveries, the last {seconds:.1f} s after staging")
     finally:
         stack.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def send(stack: EmbeddedStack, count: int) -> None:
+    """`stageline demo send --count COUNT` to the stack (every message ACKed, or the bench ends)."""
+    sent = subprocess.run(
+        [str(STAGELINE), "demo", "send", "--count", str(count)],
+        cwd=ROOT,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sent.returncode == 0, sent.stdout + sent.stderr
+
+
+def delivered_within(db: Path, deliveries: int) -> float:
+    """Wait until `deliveries` rows of stage_outbound are done; the seconds from the newest inbound
+    row's staging to the newest delivery's completion, both on the store's clock (ms columns)."""
+
+    def query(sql: str) -> int:
+        with sqlite3.connect(db) as conn:
+            return conn.execute(sql).fetchone()[0] or 0
+
+    wait_for(
+        lambda: query("SELECT count(*) FROM stage_outbound WHERE status = 'done'") >= deliveries,
+        timeout=600,
+        interval=0.2,
+        what=f"{deliveries} deliveries",
+    )
+    staged = query("SELECT max(created_at) FROM stage_inbound")
+    return (query("SELECT max(updated_at) FROM stage_outbound WHERE status = 'done'") - staged) / 1000.0
 
 
 def measure(pid: int, samples: int, when: str) -> None:

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 # Spark's Python workers (UDFs, mapInPandas) must run this interpreter — the project's venv with
@@ -34,9 +34,10 @@ from urllib.parse import quote
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 
-from pyspark.sql import SparkSession
-
 from include.config import StoreConfig
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 _log = logging.getLogger(__name__)
 
@@ -64,10 +65,15 @@ SMALL_BATCH_CONF: dict[str, str] = {
 
 
 def spark_home() -> Path:
-    """The pyspark package directory: it carries `bin/spark-submit` and the jars (a full SPARK_HOME)."""
-    import pyspark
+    """The pyspark package directory: it carries `bin/spark-submit` and the jars (a full SPARK_HOME).
+    Found without importing pyspark, which would cost a process that only starts the server (the
+    embedded stack's supervisor) the memory of pyspark.sql for its whole life."""
+    import importlib.util
 
-    return Path(pyspark.__file__).resolve().parent
+    spec = importlib.util.find_spec("pyspark")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("pyspark is not installed")
+    return Path(spec.origin).resolve().parent
 
 
 def driver_jars(backends: Iterable[str] | None = None) -> list[str]:
@@ -127,6 +133,8 @@ def spark_session(
     """
     if master is not None and remote is not None:
         raise ValueError("give master or remote, not both")
+    from pyspark.sql import SparkSession
+
     settings = {**SMALL_BATCH_CONF, **(conf or {})}
     if remote is not None:
         session = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
@@ -457,6 +465,8 @@ class StageSession:
             time.sleep(poll)
 
     def _open(self, remote: str) -> SparkSession:
+        from pyspark.sql import SparkSession
+
         url = with_session_id(remote, self._session_id) if self._session_id else remote
         fresh = SparkSession.builder.remote(url).create()
         bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else CONNECT_RETRY_SECONDS)
@@ -488,6 +498,8 @@ class StageSession:
         return thread
 
     def _warm(self, remotes: Sequence[str], session_id: str) -> None:
+        from pyspark.sql import SparkSession
+
         def identity(batches: Iterator[Any]) -> Iterator[Any]:
             yield from batches
 

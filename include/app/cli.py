@@ -537,6 +537,7 @@ def up(
             config_dir=config_dir,
             echo=click.echo,
             show_secrets=show_secrets,
+            handover=True,
         )
     )
 

@@ -24,6 +24,7 @@ import asyncio
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -197,3 +198,25 @@ async def serve_receiver(
 
 def run_receiver(host: str, port: int, out_dir: Path, *, echo: Callable[[str], None] = print) -> None:
     asyncio.run(serve_receiver(host, port, out_dir, echo=echo))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m include.app.demo --host H --port P --out DIR`: the demo receiver alone, without the
+    CLI's imports (the embedded stack runs it this way: a process it keeps for its whole life)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the demo MLLP receiver (`stageline demo receive`)")
+    parser.add_argument("--host", default=RECEIVER_HOST)
+    parser.add_argument("--port", type=int, default=RECEIVER_PORT)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        run_receiver(args.host, args.port, args.out)
+    except OSError as exc:
+        print(f"demo receiver on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,10 @@
 """`stageline up`: the whole single-node stack on the embedded defaults, one command.
 
 SQLite store (migrated by the CLI first; `config/lookups/*.csv` imported as lookup tables) → Spark
-Connect on local[*] → Airflow (scheduler, dag-processor, api-server as separate processes on a SQLite
+Connect on local[*] → Airflow (scheduler, dag-processor, api-server as processes of their own on a SQLite
 metadata DB, DAGs unpaused) → the demo MLLP receiver standing in for the EHR
-(`stageline demo receive`, writing `var/out/ehr/received.hl7`) → listenerd with `config/`.
+(`python -m include.app.demo`, as `stageline demo receive`, writing `var/out/ehr/received.hl7`) →
+listenerd with `config/`.
 Progress is shown while starting; Ctrl-C stops everything in reverse order. State and the demo's
 deliveries live under `var/` (`$STAGELINE_VAR`).
 
@@ -11,9 +12,14 @@ Sized for a small machine (`bench/stack_memory.py` measures it; docs/performance
 Airflow runs at most `EMBEDDED_PARALLELISM` tasks at once — what the Stageline DAGs need, not
 Airflow's default of 32, whose LocalExecutor keeps a forked worker per slot — with one api-server
 worker and one DAG-parsing process; no triggerer, since no Stageline task defers (start
-`airflow triggerer` beside it if your own DAGs do); a Spark driver with a 512 MiB heap and the serial
-collector (micro-batches of a few thousand rows need no more); and glibc limited to two malloc arenas
-per process, which keeps threaded processes from holding memory they have freed.
+`airflow triggerer` beside it if your own DAGs do). Airflow's three components are forked from one
+process that has imported what they and their task processes share (`include.app.airflow_fork`),
+so those pages are held once. Deliveries are sent from the deliver task itself
+(`$STAGELINE_DELIVER_IN_PROCESS`): no Spark Python workers, no Spark session for that task. A Spark
+driver with a 512 MiB heap, the serial collector and a status history sized for micro-batches;
+glibc limited to two malloc arenas per process, which keeps threaded processes from holding memory
+they have freed. Once everything is up, `stageline up` hands over to the slim supervisor
+(`supervisor.Stack.handover`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from include.schema.connections import DEFAULT_API_PORT
 from include.store.stages import STAGES
 
 AIRFLOW_PORT = 8080
+DELIVER_IN_PROCESS_ENV = "STAGELINE_DELIVER_IN_PROCESS"
 SPARK_CONNECT_PORT = 15002
 
 
@@ -114,18 +121,47 @@ def _write_private(path: Path, text: str) -> None:
     _publish(path, text, replace=True)
 
 
-EMBEDDED_PARALLELISM = 5
+EMBEDDED_PARALLELISM = 4
 """Airflow task slots: the three stage DAGs hold one each while they run (a sensor or the job), the
-two maintenance DAGs one each for seconds a minute (a manual run waits for one of those)."""
+two maintenance DAGs share the fourth for seconds a minute (one waits while the other runs; so
+does a manual run). Each slot is a forked worker process that stays for the scheduler's life."""
 SPARK_DRIVER_MEMORY = "512m"
 SPARK_DRIVER_JAVA_OPTIONS = (
     "-XX:+UseSerialGC -Xms64m -XX:MinHeapFreeRatio=10 -XX:MaxHeapFreeRatio=30 "
-    "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=48m -Xss512k"
+    "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=48m -Xss512k -Xmn16m "
+    "-Dio.netty.allocator.type=unpooled"
 )
 """The driver's heap starts small and is given back after a collection (the serial collector does;
-the default G1 sizes itself to 1/64 of the machine's memory at start); C1 alone compiles the small
-jobs' code with a fraction of C2's memory."""
-SMALL_MACHINE_ENV = {"MALLOC_ARENA_MAX": "2"}
+the default G1 sizes itself to 1/64 of the machine's memory at start), with a young generation of
+16 MiB (micro-batches make little garbage at a time); C1 alone compiles the small jobs' code with a
+fraction of C2's memory; netty (gRPC's and Spark's) allocates each buffer as needed instead of
+keeping pooled arenas of direct memory."""
+SPARK_SMALL_CONF = {
+    "spark.network.io.preferDirectBufs": "false",
+    "spark.shuffle.io.preferDirectBufs": "false",
+    "spark.ui.retainedJobs": "100",
+    "spark.ui.retainedStages": "100",
+    "spark.ui.retainedTasks": "2000",
+    "spark.sql.ui.retainedExecutions": "50",
+    "spark.connect.ui.retainedSessions": "20",
+    "spark.connect.ui.retainedStatements": "50",
+}
+"""Spark's netty buffers on the heap (which the driver gives back) rather than in pooled direct
+memory (which it keeps), and a status history sized for micro-batches: the driver records every job,
+stage, task and SQL execution (plan text included) for its UI even with the UI off, a thousand of
+each by default, and a stage task runs several jobs per batch for hours."""
+SMALL_MACHINE_ENV = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "OPENBLAS_NUM_THREADS": "1",
+    "ARROW_DEFAULT_MEMORY_POOL": "system",
+}
+"""For every process of the stack: two malloc arenas; freed memory above 128 KiB given back to the
+system at once rather than kept for reuse; OpenBLAS (loaded with numpy by the Spark Connect client)
+without its thread pool — the scheduler imports numpy before forking, and nothing here does linear
+algebra; pyarrow on the system allocator rather than jemalloc's retained arenas."""
+AIRFLOW_COMPONENTS = ("api-server", "scheduler", "dag-processor")
 
 
 @dataclass(frozen=True)
@@ -170,6 +206,7 @@ def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = Non
         "AIRFLOW__API__WORKERS": "1",
         "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
         **SMALL_MACHINE_ENV,
+        DELIVER_IN_PROCESS_ENV: "1",
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -265,11 +302,19 @@ def _prepare_pipeline(cfg: ServiceConfig, var: Path, echo, pipeline_dir: Path) -
 
 
 def up(
-    cfg: ServiceConfig, service_config: Path, *, config_dir: Path | None = None, echo=print, show_secrets: bool = False
+    cfg: ServiceConfig,
+    service_config: Path,
+    *,
+    config_dir: Path | None = None,
+    echo=print,
+    show_secrets: bool = False,
+    handover: bool = False,
 ) -> int:
     """The stack on `config_dir` (listenerd's connections and the pipeline: routes, transforms,
     destinations, lookups; default the checkout's `config/`). The banner names the files holding the
-    admin password and the API token; it prints them only with `show_secrets`."""
+    admin password and the API token; it prints them only with `show_secrets`. With `handover`
+    (the `stageline up` program), this process then becomes the slim supervisor
+    (`supervisor.Stack.handover`) and never returns."""
     config_dir = (config_dir or demo.PIPELINE_DIR).resolve()
     ends = endpoints_of(config_dir)
     var = private_var_dir()  # 0700: the store, the API token, Airflow's secrets
@@ -301,28 +346,32 @@ def up(
             log_dir=var / "log" / "spark-connect",
             driver_memory=SPARK_DRIVER_MEMORY,
             env=SMALL_MACHINE_ENV,
-            conf={"spark.driver.extraJavaOptions": SPARK_DRIVER_JAVA_OPTIONS},
+            conf={"spark.driver.extraJavaOptions": SPARK_DRIVER_JAVA_OPTIONS, **SPARK_SMALL_CONF},
         )
         stack.procs.append(Proc("spark-connect", [], popen=spark.process))
         echo("  spark-connect             ready")
-        for name, argv in (
-            ("airflow-api-server", _airflow("api-server")),
-            ("airflow-scheduler", _airflow("scheduler", "--skip-serve-logs")),
-            ("airflow-dag-processor", _airflow("dag-processor")),
-        ):
-            ready = (
-                (lambda: _http_ok(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health"))
-                if name == "airflow-api-server"
-                else (lambda: True)
+        health = f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health"
+        stack.start(
+            Proc(
+                "airflow",
+                python_module(
+                    "include.app.airflow_fork",
+                    "--log-dir",
+                    str(var / "log"),
+                    "--ready-url",
+                    health,
+                    *AIRFLOW_COMPONENTS,
+                ),
+                ready=lambda: _http_ok(health),
+                env=env,
+                ready_timeout=180,
             )
-            stack.start(Proc(name, argv, ready=ready, env=env, ready_timeout=180))
+        )
         stack.start(
             Proc(
                 "demo-receiver",
                 python_module(
-                    "include.app.cli",
-                    "demo",
-                    "receive",
+                    "include.app.demo",
                     "--host",
                     demo.RECEIVER_HOST,
                     "--port",
@@ -374,6 +423,8 @@ def up(
             show_secrets=show_secrets,
         )
     )
+    if handover:
+        stack.handover()
     return stack.wait()
 
 

@@ -1,9 +1,16 @@
 """A small supervisor for the embedded single-node stack: start named processes in order, wait for
 each to be ready, show progress, and stop everything (in reverse order, by PID) on Ctrl-C, SIGTERM
-or when any process dies."""
+or when any process dies.
+
+Once everything is started, `Stack.handover` replaces the starting program (the `stageline` CLI,
+which has imported the config schema, the store and the rest to set things up) with this module
+alone, run as `python -m include.app.supervisor`: the same PID, so the same children and the same
+terminal, holding only what waiting and stopping need, for the stack's whole life.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 
 @dataclass
@@ -22,7 +30,44 @@ class Proc:
     ready: Callable[[], bool] = lambda: True
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 120.0
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | Adopted | None = None
+
+
+class Adopted:
+    """A child this process had before an exec (a `subprocess.Popen` does not survive one): what is
+    asked of a Popen here — its pid, `poll()`, `wait()` and signals."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not (or no longer) ours to wait for: gone
+                done, status = self.pid, 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.05)
+        return code
 
 
 class Stack:
@@ -54,6 +99,21 @@ class Stack:
             time.sleep(0.25)
         self.echo(f"  {proc.name:<25} ready in {time.monotonic() - started:.1f}s")
 
+    def handover(self) -> NoReturn:
+        """Become `python -m include.app.supervisor` (module docstring), which waits on the same
+        processes as `wait` does and exits with its status. Ctrl-C and SIGTERM are blocked across
+        the exec (the mask and a pending signal survive it) until the new program's handlers are
+        set, so a stop in that moment is acted on, not lost."""
+        plan = {"log_dir": str(self.log_dir), "procs": [[p.name, p.popen.pid] for p in self.procs if p.popen]}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            os.execv(sys.executable, [sys.executable, "-m", "include.app.supervisor", json.dumps(plan)])  # noqa: S606  fixed argv
+        finally:  # exec failed: carry on supervising here
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        sys.exit(self.wait())
+
     def wait(self) -> int:
         """Block until Ctrl-C/SIGTERM or until a process exits; then stop everything."""
         stop = {"why": ""}
@@ -63,6 +123,7 @@ class Stack:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across a handover
         while not stop["why"]:
             for p in self.procs:
                 if p.popen and p.popen.poll() is not None:
@@ -93,6 +154,9 @@ class Stack:
             p.popen.wait(5)
             _end(_session(p.popen.pid), timeout)
             self.echo(f"  stopped {p.name}")
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _session(sid: int) -> list:
@@ -137,3 +201,16 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The program `Stack.handover` becomes: argv[0] is its plan, `{"log_dir": …, "procs": [[name, pid], …]}`
+    (the stack's processes in the order they were started)."""
+    plan = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    stack = Stack(Path(plan["log_dir"]), cwd=Path.cwd(), echo=lambda line: print(line, flush=True))
+    stack.procs = [Proc(str(name), [], popen=Adopted(int(pid))) for name, pid in plan["procs"]]
+    return stack.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -101,7 +101,12 @@ def stage_dag(stage: Stage) -> DAG:
 
         @task(task_id=stage.name, retries=JOB_RETRIES, retry_delay=JOB_RETRY_DELAY, execution_timeout=JOB_TIMEOUT)
         def run_job(leader: dict, ti=None) -> dict:
-            """Run the stage job under the leader's epoch, on the stage's Spark session."""
+            """Run the stage job under the leader's epoch, on the stage's Spark session (none when
+            the stage runs without Spark: deliveries sent from the task process)."""
+            if not tasks.needs_spark(stage):
+                return tasks.run_stage(
+                    stage, int(leader["epoch"]), ti.run_id, spark=None, dag_id=ti.dag_id, try_number=ti.try_number
+                )
             with StagelineSparkHook(tasks.SPARK_CONN_ID).stage_session(
                 name=ti.dag_id, conf=tasks.SPARK_TASK_CONF
             ) as session:

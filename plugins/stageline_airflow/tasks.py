@@ -159,6 +159,13 @@ def archive_parquet_step(leader: Leader, *, spark: Any = None, batch: int = 5000
             return run(session.spark)
 
 
+def needs_spark(stage: Stage) -> bool:
+    """Whether `stage`'s job task opens a Spark session: all but deliver with
+    `$STAGELINE_DELIVER_IN_PROCESS` set, which sends from the task process (so the task holds no
+    Spark Connect client: no gRPC channel, no session on the server)."""
+    return not (stage is DELIVER and os.environ.get(DELIVER_IN_PROCESS_ENV))
+
+
 def run_stage(stage: Stage, epoch: int, run_id: str, **kwargs: Any) -> dict[str, Any]:
     """The job task of `stage`'s DAG (`stage_dag`): deliver's own loop, or any batch stage's."""
     if stage is DELIVER:

@@ -218,6 +218,9 @@ def test_trend_and_growth_need_enough_points() -> None:
             ["/work/main/.venv/bin/python", "-m", "include.app.cli", "demo", "receive", "--port", "2576"],
             "demo-receiver",
         ),
+        (["/work/main/.venv/bin/python", "-m", "include.app.demo", "--port", "2576", "--out", "x"], "demo-receiver"),
+        (["airflow scheduler"], "scheduler"),
+        (["airflow dag-processor"], "dag-processor"),
         (
             ["/work/main/.venv/bin/python", "/work/main/.venv/bin/stageline", "up", "--service-config", "x"],
             "stageline up",
