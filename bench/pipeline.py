@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
+from bench.ingest import cpu_seconds  # noqa: E402
 from bench.peers import all_cores, durable_pipeline, fhir_peer, python_pipeline  # noqa: E402
 from bench.store_floor import StatementTimes, bare_floor  # noqa: E402
 from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
@@ -163,21 +164,29 @@ def stage_backlog(store: Store, payloads: list[str], epoch: int) -> None:
 
 
 class Phases:
-    """Seconds per phase, summed over batches."""
+    """Seconds per phase, summed over batches; with `server` (the Spark Connect server's PID), also
+    the server's CPU seconds during the Spark phase, which moves far less than wall time when other
+    work loads the machine."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: int | None = None) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.batches = 0
+        self.server = server
+        self.server_cpu = 0.0
 
     def time(self, name: str, fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()
+        cpu = cpu_seconds(self.server) if self.server and name == "spark" else None
         try:
             return fn()
         finally:
             self.seconds[name] += time.perf_counter() - started
+            if cpu is not None and self.server:
+                self.server_cpu += cpu_seconds(self.server) - cpu
 
     def line(self) -> str:
-        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+        cpu = f" (server CPU {self.server_cpu:.1f} s)" if self.server else ""
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()) + cpu
 
 
 def drain(
@@ -563,7 +572,7 @@ def main() -> None:
         times = StatementTimes()
         recording = times.recording() if args.statements else nullcontext(times)
         with recording:  # --statements: the store's time per statement
-            phases = Phases()
+            phases = Phases(connect.pid)
             routed_before = count(store, "SELECT count(*) FROM stage_routed")
             started = time.perf_counter()
             passthrough = passthrough_destinations(SPECS, dests)
@@ -586,7 +595,7 @@ def main() -> None:
                 f"{routed_msgs / route_s:,.0f} msg/s ({phases.batches} batches: {phases.line()})"
             )
 
-            tphases = Phases()
+            tphases = Phases(connect.pid)
             started = time.perf_counter()
             transformed = drain(
                 store,
@@ -691,6 +700,10 @@ def main() -> None:
             f"| 1 process: {cell(peer_rate)} | 1 process: {cell(durable_rate)} |"
         )
         print(f"| the peers on all {workers} cores | | {cell(wide_rate)} | {cell(wide_durable_rate)} |")
+        print(
+            f"| Spark server CPU per 10,000 messages | route {phases.server_cpu * 1e4 / routed_msgs:.2f} s, "
+            f"transform {tphases.server_cpu * 1e4 / routed_msgs:.2f} s | | |"
+        )
         print(
             f"| micro-batch overhead (1 message, warm) | median {statistics.median(overheads):.2f} s "
             f"(runs: {', '.join(f'{o:.2f}' for o in overheads)}) | | |"
