@@ -431,6 +431,18 @@ def bench_database(server: PostgresServer) -> StoreConfig:
     )
 
 
+def bench_store(cfg: StoreConfig, *, node: str = "bench") -> tuple[Store, int]:
+    """The store at `cfg` migrated, its leader lease held for good by `node`, the lookup tables in
+    place; the store and the lease's epoch."""
+    store = Store(cfg)
+    migrate(store, cluster_name=node)
+    epoch = acquire_permanent(store, node_id=node)
+    with store.transaction() as tx:
+        for name, table in LOOKUPS.items():
+            lookups.replace_table(tx, name, table)
+    return store, epoch
+
+
 def count(store: Store, sql: str) -> int:
     with store.transaction(write=False) as tx:
         cur = tx.conn.cursor()
@@ -493,12 +505,7 @@ def main() -> None:
     connect = None
     spark = None
     try:
-        store = Store(cfg)
-        migrate(store, cluster_name="bench")
-        epoch = acquire_permanent(store, node_id="bench")
-        with store.transaction() as tx:
-            for name, table in LOOKUPS.items():
-                lookups.replace_table(tx, name, table)
+        store, epoch = bench_store(cfg)
 
         port = free_port()
         started = time.perf_counter()

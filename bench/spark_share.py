@@ -35,14 +35,21 @@ sys.path.insert(0, str(ROOT))
 
 from bench.hl7_corpus import messages as corpus  # noqa: E402
 from bench.ingest import cpu_seconds  # noqa: E402
-from bench.pipeline import LOOKUPS, ROUTES, SPECS, bench_database, destinations, stage_backlog, warm_jit  # noqa: E402
+from bench.pipeline import (  # noqa: E402
+    LOOKUPS,
+    ROUTES,
+    SPECS,
+    bench_database,
+    bench_store,
+    destinations,
+    stage_backlog,
+    warm_jit,
+)
 from include.app.lab.postgres_server import PostgresServer, free_port  # noqa: E402
 from include.routes_config import parse_routes  # noqa: E402
 from include.spark import close_session, spark_session, start_connect_server, stop_connect_server  # noqa: E402
 from include.stage_config import passthrough_destinations  # noqa: E402
-from include.store import Store, lookups  # noqa: E402
-from include.store.lease import acquire_permanent  # noqa: E402
-from include.store.migrate import migrate  # noqa: E402
+from include.store import Store  # noqa: E402
 from include.store.stages import ROUTE, TRANSFORM, Stage  # noqa: E402
 from spark_jobs import stage_job, transform_job  # noqa: E402
 from spark_jobs.route_job import routed_rows  # noqa: E402
@@ -119,12 +126,7 @@ def main() -> None:
     server = PostgresServer().start()
     connect = spark = None
     try:
-        store = Store(bench_database(server))
-        migrate(store, cluster_name="bench")
-        epoch = acquire_permanent(store, node_id="bench")
-        with store.transaction() as tx:
-            for name, table in LOOKUPS.items():
-                lookups.replace_table(tx, name, table)
+        store, epoch = bench_store(bench_database(server))
         port = free_port()
         connect = start_connect_server(port, log_dir=work / "log")
         spark = spark_session(remote=f"sc://127.0.0.1:{port}")
