@@ -104,7 +104,7 @@ def fhir_context(units: Column, seed: Column) -> Column:
     protobuf limit, and the whole mapping in one expression is deeper than that.
     """
     messages = F.filter(units, lambda u: u["message"])
-    single = let(F.element_at(messages, 1), lambda u: let(_split_unit(u), lambda t: _context(t, seed)))
+    single = let(F.element_at(messages, 1), lambda u: let(_split_unit(u), lambda t: _context(t, seed, u["seps"])))
     several = F.lit(
         "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
     )
@@ -113,16 +113,42 @@ def fhir_context(units: Column, seed: Column) -> Column:
 
 def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, Column]:
     """Step 2: the Bundle's entries under one destination's ``options``, named as :data:`ENTRY_PARTS`."""
-    m, maps = ctx, _Maps(options, ctx["sp"])
-    kind, event, pid = ctx["kind"], ctx["event"], ctx["pid"]
-    adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
-    subject = F.when(m["patient"].isNotNull(), F.struct(m["patient"].alias("reference")))
+    # The context arrives as Spark's binary row (the previous projection's output), where every
+    # field read inside a lambda looks its type's accessor up afresh (a configuration lookup each,
+    # Spark 4.2); the mapping reads ``sp`` at every leaf, so each part reads an in-memory copy.
+    sp = F.struct(*(ctx["sp"][name].alias(name) for name in _SP_FIELDS))
+    generic = F.struct(*(sp.alias(n) if n == "sp" else ctx[n].alias(n) for n, _ in _CONTEXT_FIELDS))
+
+    def part(body: Callable[[Column, Column, _Maps], Column]) -> Column:
+        def bound(m: Column) -> Column:
+            subject = F.when(m["patient"].isNotNull(), F.struct(m["patient"].alias("reference")))
+            return body(m, subject, _Maps(options, m["sp"]))
+
+        return let(generic, bound)
+
+    def kind(test: Callable[[Column, Column], Column], m: Column) -> Column:
+        return test(m["kind"], m["event"])
+
     return {
-        "patient": F.when(pid.isNotNull(), _patient_entry(pid, m["patient"], maps)),
-        "encounter": F.when(adt & m["pv1"].isNotNull(), _encounter_entry(m, seed, subject, maps)),
-        "reports": F.when(oru, F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, subject, maps))),
-        "observations": F.when(oru, F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, subject, maps))),
-        "orders": F.when(orm, F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, subject, maps))),
+        "patient": part(lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["patient"], maps))),
+        "encounter": part(
+            lambda m, s, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, s, maps))
+        ),
+        "reports": part(
+            lambda m, s, maps: F.when(
+                kind(_is_oru, m), F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, s, maps))
+            )
+        ),
+        "observations": part(
+            lambda m, s, maps: F.when(
+                kind(_is_oru, m), F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, s, maps))
+            )
+        ),
+        "orders": part(
+            lambda m, s, maps: F.when(
+                kind(_is_orm, m), F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, s, maps))
+            )
+        ),
     }
 
 
@@ -318,6 +344,7 @@ def _is_orm(kind: Column, event: Column) -> Column:
 
 
 _SEGMENT = "array<string>"
+_SP_FIELDS = ("rs_re", "cs_re", "ss_re", "to")
 _PLACED = f"array<struct<seg:{_SEGMENT},pos:int>>"
 _CONTEXT_FIELDS = (
     ("kind", "string"),
@@ -329,7 +356,7 @@ _CONTEXT_FIELDS = (
     ("orc", _PLACED),
     ("sender", "string"),
     ("patient", "string"),
-    ("sp", "struct<rs_re:string,cs_re:string,ss_re:string,to:string>"),
+    ("sp", "struct<" + ",".join(f"{name}:string" for name in _SP_FIELDS) + ">"),
     ("error", "string"),
 )
 _CONTEXT = "struct<" + ",".join(f"{name}:{kind}" for name, kind in _CONTEXT_FIELDS) + ">"
@@ -343,23 +370,35 @@ def _refused(reason: Column) -> Column:
     )
 
 
-def _context(u: Column, seed: Column) -> Column:
+def _context(u: Column, seed: Column, seps: Column) -> Column:
     """The split segments ``u`` of one message grouped for the mapping (see :func:`fhir_context`).
 
     Each OBX gets the number of its OBR here, once: its cost is OBX × OBR, so a message with more
     than :data:`MAX_GROUP_SEGMENTS` of either (or of ORC) is refused before any of that work.
     """
     sp = u["sp"]
-    # A segment's id is the first leaf of its element 1 (for MSH, "MSH-1" is that element).
     positioned = F.transform(
-        u["segs"],
-        lambda s, i: F.struct(s.alias("seg"), i.alias("pos"), _value(s, "MSH", 1, sp).alias("id")),
+        u["segs"], lambda s, i: F.struct(s.alias("seg"), i.alias("pos"), _segment_id(_nth(s, 1), seps).alias("id"))
     )
 
     def groups(ps: Column) -> Column:
         return F.struct(*(_placed(ps, name).alias(name) for name in _USED))
 
     return let(positioned, lambda ps: let(groups(ps), lambda g: _grouped(g, sp, seed)))
+
+
+def _segment_id(first: Column, seps: Column) -> Column:
+    """The id of a used segment: the first leaf of its element 1 (for MSH, "MSH-1" is that element).
+
+    Every used segment starts with its three-letter name (the filter of :func:`_split_unit`), so the
+    leaf is that name exactly when the element is the name alone or goes on with a repetition,
+    component or subcomponent separator; otherwise the leaf holds more (a placeholder among them,
+    which no name holds) and is no used id — unless a separator is a letter of the name itself (the
+    leaf ends sooner). No split and no decoding for it.
+    """
+    name, inner = F.substring(first, 1, 3), F.concat(seps["rs"], seps["cs"], seps["ss"])
+    ends = (F.length(first) == 3) | F.substring(first, 4, 1).isin(seps["rs"], seps["cs"], seps["ss"])
+    return F.when(ends & (F.call_function("translate", name, inner, F.lit("")) == name), name)
 
 
 def _placed(positioned: Column, name: str) -> Column:
