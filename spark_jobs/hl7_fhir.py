@@ -115,39 +115,45 @@ def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, C
     """Step 2: the Bundle's entries under one destination's ``options``, named as :data:`ENTRY_PARTS`."""
     # The context arrives as Spark's binary row (the previous projection's output), where every
     # field read inside a lambda looks its type's accessor up afresh (a configuration lookup each,
-    # Spark 4.2); the mapping reads ``sp`` at every leaf, so each part reads an in-memory copy.
+    # Spark 4.2); the mapping reads ``sp`` at every leaf, so each part reads an in-memory copy of
+    # the fields it needs.
     sp = F.struct(*(ctx["sp"][name].alias(name) for name in _SP_FIELDS))
-    generic = F.struct(*(sp.alias(n) if n == "sp" else ctx[n].alias(n) for n, _ in _CONTEXT_FIELDS))
 
-    def part(body: Callable[[Column, Column, _Maps], Column]) -> Column:
+    def part(names: str, body: Callable[[Column, Column, _Maps], Column]) -> Column:
         def bound(m: Column) -> Column:
             subject = F.when(m["patient"].isNotNull(), F.struct(m["patient"].alias("reference")))
             return body(m, subject, _Maps(options, m["sp"]))
 
-        return let(generic, bound)
+        return let(F.struct(sp.alias("sp"), *(ctx[n].alias(n) for n in ("patient", *names.split()))), bound)
 
     def kind(test: Callable[[Column, Column], Column], m: Column) -> Column:
         return test(m["kind"], m["event"])
 
     return {
-        "patient": part(lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["patient"], maps))),
+        "patient": part(
+            "pid", lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["patient"], maps))
+        ),
         "encounter": part(
-            lambda m, s, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, s, maps))
+            "kind event pv1 sender",
+            lambda m, s, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, s, maps)),
         ),
         "reports": part(
+            "kind event obr obx sender",
             lambda m, s, maps: F.when(
                 kind(_is_oru, m), F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, s, maps))
-            )
+            ),
         ),
         "observations": part(
+            "kind event obx sender",
             lambda m, s, maps: F.when(
                 kind(_is_oru, m), F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, s, maps))
-            )
+            ),
         ),
         "orders": part(
+            "kind event obr orc sender",
             lambda m, s, maps: F.when(
                 kind(_is_orm, m), F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, s, maps))
-            )
+            ),
         ),
     }
 
