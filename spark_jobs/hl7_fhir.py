@@ -138,7 +138,7 @@ def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, C
             lambda m, s, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, s, maps)),
         ),
         "reports": part(
-            "kind event obr obx sender",
+            "kind event obr sender",
             lambda m, s, maps: F.when(
                 kind(_is_oru, m), F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, s, maps))
             ),
@@ -357,7 +357,7 @@ _CONTEXT_FIELDS = (
     ("event", "string"),
     ("pid", _SEGMENT),
     ("pv1", _SEGMENT),
-    ("obr", _PLACED),
+    ("obr", f"array<struct<seg:{_SEGMENT},pos:int,results:array<struct<reference:string>>>>"),
     ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string>>"),
     ("orc", _PLACED),
     ("sender", "string"),
@@ -486,19 +486,38 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
             ),
         ),
     )
-    return F.struct(
-        kind.alias("kind"),
-        event.alias("event"),
-        pid.alias("pid"),
-        pv1.alias("pv1"),
-        F.when(~too_many, obr).alias("obr"),
-        obx.alias("obx"),
-        F.when(~too_many, g["ORC"]).alias("orc"),
-        h["sender"].alias("sender"),
-        F.when(pid.isNotNull(), _uuid(seed, F.lit("Patient"))).alias("patient"),
-        sp.alias("sp"),
-        error.alias("error"),
-    ).cast(_CONTEXT)
+
+    def context(obx: Column) -> Column:  # obx bound: the OBR's results read it too
+        return F.struct(
+            kind.alias("kind"),
+            event.alias("event"),
+            pid.alias("pid"),
+            pv1.alias("pv1"),
+            F.when(obx.isNotNull(), _reported(obr, obx)).alias("obr"),  # NULL OBX: too many segments
+            obx.alias("obx"),
+            F.when(obx.isNotNull(), g["ORC"]).alias("orc"),
+            h["sender"].alias("sender"),
+            F.when(pid.isNotNull(), _uuid(seed, F.lit("Patient"))).alias("patient"),
+            sp.alias("sp"),
+            error.alias("error"),
+        ).cast(_CONTEXT)
+
+    return let(obx, context)
+
+
+def _reported(obr: Column, obx: Column) -> Column:
+    """Each OBR with its results, the fullUrls of the OBX that follow it (gathered here, where the
+    OBX are in memory, rather than by each report from the context row)."""
+    return F.transform(
+        obr,
+        lambda r, k: F.struct(
+            r["seg"].alias("seg"),
+            r["pos"].alias("pos"),
+            F.transform(
+                F.filter(obx, lambda x: x["report"] == k + 1), lambda x: F.struct(x["url"].alias("reference"))
+            ).alias("results"),
+        ),
+    )
 
 
 def _entry(full_url: Column, resource_json: Column, request: Column) -> Column:
@@ -751,10 +770,7 @@ def _order_identifier(seg: Column, segment: str, n: int, code: str, maps: _Maps)
 def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
     obr, sp = o["seg"], maps.sp
     number = k + 1
-    # This OBR's OBX: those after it and before the next OBR.
-    results = F.transform(
-        F.filter(m["obx"], lambda x: x["report"] == number), lambda x: F.struct(x["url"].alias("reference"))
-    )
+    results = o["results"]  # this OBR's OBX: those after it and before the next OBR
     identifiers = F.array_compact(
         F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(m, "OBR", number))
     )
