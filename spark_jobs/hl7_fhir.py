@@ -358,7 +358,7 @@ _CONTEXT_FIELDS = (
     ("pid", _SEGMENT),
     ("pv1", _SEGMENT),
     ("obr", f"array<struct<seg:{_SEGMENT},pos:int,results:array<struct<reference:string>>>>"),
-    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string>>"),
+    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string,key:string>>"),
     ("orc", _PLACED),
     ("sender", "string"),
     ("patient", "string"),
@@ -473,7 +473,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
         .when(pid.isNull(), F.lit("fhir-r4: ADT without a PID: no Patient to write"))
     )
     # The number of the OBR each OBX follows (0: none), counted only for a message within bounds,
-    # and the OBX's fullUrl, which its report's results refer to too.
+    # the OBX's fullUrl, which its report's results refer to too, and its Stageline identifier.
     obx = F.when(
         ~too_many,
         F.transform(
@@ -483,6 +483,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
                 x["pos"].alias("pos"),
                 F.size(F.filter(obr, lambda r: r["pos"] < x["pos"])).alias("report"),
                 _uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("url"),
+                _uuid(h["sender"], F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("key"),
             ),
         ),
     )
@@ -812,7 +813,9 @@ def _observation_entry(o: Column, k: Column, m: Column, subject: Column, maps: _
         )
         return _entry(o["url"], resource, _conditional("Observation", identifiers))
 
-    return let(F.array(_stageline_identifier(m, "OBX", k + 1)), entry)
+    # Its Stageline identifier's value comes from the context (beside its fullUrl): no binding here,
+    # where Spark Connect's nesting limit is nearest.
+    return entry(F.array(_identifier_of(None, F.lit(_STAGELINE_SYSTEM), o["key"])))
 
 
 def _observation_value(obx: Column, maps: _Maps) -> Column:
