@@ -17,7 +17,8 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     statements (--statements) the store's seconds per named statement during route + transform, and
               the same server's floor for that many row changes (bench/store_floor.py)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
-    warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first
+    warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first, then N more
+              through the route and transform stages, untimed
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
@@ -198,6 +199,7 @@ def drain(
     stage: Stage,
     transform: Callable[[Any, str], Any],
     most: int | None = None,
+    prefix: str = "",
     **finalize_args: Any,
 ) -> int:
     """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed (or `most` rows
@@ -205,7 +207,7 @@ def drain(
     stage's pure transform."""
     done = 0
     while most is None or done < most:
-        run = f"{stage.name}_job-{phases.batches}"
+        run = f"{prefix}{stage.name}_job-{phases.batches}"
         owner = f"bench/{run}"
         size = batch if most is None else min(batch, most - done)
         ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=size))
@@ -233,6 +235,16 @@ def drain(
         done += len(ids)
         phases.batches += 1
     return done
+
+
+def route_frame(frame: Any, run: str) -> Any:
+    """The route stage's transform under the bench's routes."""
+    return frame.transform(routed_rows, parse_routes(ROUTES), run_id=run)
+
+
+def transform_frame(frame: Any, run: str, *, dests: dict[str, Any]) -> Any:
+    """The transform stage's transform under the bench's specs, lookups and `dests`."""
+    return frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run)
 
 
 def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: int) -> str:
@@ -469,8 +481,9 @@ def main() -> None:
         type=int,
         default=0,
         metavar="N",
-        help="before timing, route and transform N other messages into Spark's noop sink, so the "
-        "server's JIT has compiled the hot paths, as on a server that has been running (0: skip)",
+        help="before timing, route and transform N other messages into Spark's noop sink, then N more "
+        "through the stages themselves (untimed; delivery, if timed, sends them too), so the server's "
+        "JIT has compiled the hot paths, as on a server that has been running (0: skip)",
     )
     parser.add_argument(
         "--statements",
@@ -563,6 +576,22 @@ def main() -> None:
         if args.warm_messages:
             started = time.perf_counter()
             warm_jit(spark, corpus(args.warm_messages, seed=2), dests, fhir=bool(args.fhir))
+            # ...and the stages' own path (JDBC read, land, finalize) over other messages, untimed: a
+            # server that has been running has compiled that code too, and a cold JIT's compiler
+            # threads would otherwise bill the measured batches (docs/stages.md, "Per micro-batch").
+            stage_backlog(store, corpus(args.warm_messages, seed=3), epoch)
+            for stage, fn in ((ROUTE, route_frame), (TRANSFORM, partial(transform_frame, dests=dests))):
+                drain(
+                    store,
+                    spark,
+                    epoch,
+                    args.batch,
+                    Phases(),
+                    stage,
+                    fn,
+                    prefix="warm-",
+                    passthrough=passthrough_destinations(SPECS, dests),
+                )
             print(
                 f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
             )
@@ -590,7 +619,7 @@ def main() -> None:
                 args.batch,
                 phases,
                 ROUTE,
-                lambda frame, run: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run),
+                route_frame,
                 passthrough=passthrough,
             )
             route_s = time.perf_counter() - started
@@ -611,7 +640,7 @@ def main() -> None:
                 args.batch,
                 tphases,
                 TRANSFORM,
-                lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run),
+                partial(transform_frame, dests=dests),
                 passthrough=passthrough,
             )
             transform_s = time.perf_counter() - started
