@@ -2,9 +2,10 @@
 
 Which resources a message becomes (the mapping tables per message type: docs/rules.md):
 
-* ADT^A01 / A04 / A08 → Patient (PID), and an Encounter (PV1) when the message has a PV1;
+* ADT^A01 / A04 / A08 → Patient (PID; each NK1 one of its contacts), and an Encounter (PV1) when
+  the message has a PV1;
 * ORU^R01 → Patient, one DiagnosticReport per OBR, one Observation per OBX (each OBX reports to the
-  OBR before it), every resource referring to the Patient;
+  OBR before it; the NTE right after it are its notes), every resource referring to the Patient;
 * ORM^O01 → Patient, one ServiceRequest per OBR (with the ORC before it).
 
 Data types follow HL7's *V2 to FHIR* IG: XPN → HumanName, CX → Identifier (its system from the
@@ -47,7 +48,7 @@ from spark_jobs.hl7_fields import let
 __all__ = ["ENTRY_PARTS", "fhir_bundle", "fhir_context", "fhir_entries"]
 
 # Segments the mapping reads; the others are not cut into trees.
-_USED = ("MSH", "PID", "PV1", "ORC", "OBR", "OBX")
+_USED = ("MSH", "PID", "PV1", "NK1", "ORC", "OBR", "OBX", "NTE")
 _ADT_EVENTS = ("A01", "A04", "A08")
 _STAGELINE_SYSTEM = "urn:ietf:rfc:3986"
 _V2_0203 = "http://terminology.hl7.org/CodeSystem/v2-0203"
@@ -131,7 +132,8 @@ def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, C
 
     return {
         "patient": part(
-            "pid", lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["patient"], maps))
+            "pid nk1",
+            lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["nk1"], m["patient"], maps)),
         ),
         "encounter": part(
             "kind event pv1 sender",
@@ -229,7 +231,8 @@ def _split_unit(unit: Column) -> Column:
     not be decoded).
     """
     seps = unit["seps"]
-    used = F.filter(unit["segments"], lambda s: F.substring(s, 1, 3).isin(*_USED))
+    # The others are kept as empty strings: their places tell which segment an NTE follows.
+    used = F.transform(unit["segments"], lambda s: F.when(F.substring(s, 1, 3).isin(*_USED), s).otherwise(F.lit("")))
     return let(
         used,
         lambda u: let((seps["esc"] != "") & ~F.array_join(u, "").rlike(_RESERVED), lambda d: _marked(u, d, seps)),
@@ -357,8 +360,9 @@ _CONTEXT_FIELDS = (
     ("event", "string"),
     ("pid", _SEGMENT),
     ("pv1", _SEGMENT),
+    ("nk1", f"array<{_SEGMENT}>"),
     ("obr", f"array<struct<seg:{_SEGMENT},pos:int,results:array<struct<reference:string>>>>"),
-    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string,key:string>>"),
+    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string,key:string,notes:array<string>>>"),
     ("orc", _PLACED),
     ("sender", "string"),
     ("patient", "string"),
@@ -388,7 +392,10 @@ def _context(u: Column, seed: Column, seps: Column) -> Column:
     )
 
     def groups(ps: Column) -> Column:
-        return F.struct(*(_placed(ps, name).alias(name) for name in _USED))
+        # One character a segment, N for an NTE: the NTE right after a segment are its notes.
+        kinds = F.array_join(F.transform(ps, lambda p: F.when(p["id"] == "NTE", "N").otherwise("x")), "")
+        placed = (_placed(ps, name).alias(name) for name in _USED if name != "NTE")
+        return F.struct(*placed, kinds.alias("kinds"), u["segs"].alias("segs"))
 
     return let(positioned, lambda ps: let(groups(ps), lambda g: _grouped(g, sp, seed)))
 
@@ -484,6 +491,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
                 F.size(F.filter(obr, lambda r: r["pos"] < x["pos"])).alias("report"),
                 _uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("url"),
                 _uuid(h["sender"], F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("key"),
+                _notes(x["pos"], g, sp).alias("notes"),
             ),
         ),
     )
@@ -494,6 +502,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
             event.alias("event"),
             pid.alias("pid"),
             pv1.alias("pv1"),
+            F.transform(g["NK1"], lambda k: k["seg"]).alias("nk1"),
             F.when(obx.isNotNull(), _reported(obr, obx)).alias("obr"),  # NULL OBX: too many segments
             obx.alias("obx"),
             F.when(obx.isNotNull(), g["ORC"]).alias("orc"),
@@ -504,6 +513,19 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
         ).cast(_CONTEXT)
 
     return let(obx, context)
+
+
+def _notes(pos: Column, g: Column, sp: Column) -> Column:
+    """The texts of the NTE right after the segment at ``pos`` (NTE-3, repetitions joined with a
+    line break, as a string value's): that segment's notes."""
+    count = F.length(F.regexp_extract(F.substring(g["kinds"], pos + 2, 1 << 30), "^N*", 0))
+    texts = F.transform(
+        F.slice(g["segs"], pos + 2, count),
+        lambda n: F.array_join(
+            F.filter(F.transform(_reps(n, "NTE", 3, sp), lambda r: _text(r, sp)), lambda x: x.isNotNull()), "\n"
+        ),
+    )
+    return F.filter(texts, lambda t: t != "")
 
 
 def _reported(obr: Column, obx: Column) -> Column:
@@ -620,7 +642,7 @@ def _resource(name: str, *fields: Column) -> Column:
 # --- Patient, Encounter ------------------------------------------------------------------------
 
 
-def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
+def _patient_entry(pid: Column, nk1: Column, url: Column, maps: _Maps) -> Column:
     sp = maps.sp
     identifiers = F.transform(_reps(pid, "PID", 3, sp), lambda r: _identifier(r, maps))
     return _keyed_entry(
@@ -643,6 +665,39 @@ def _patient_entry(pid: Column, url: Column, maps: _Maps) -> Column:
         _datetime(_value(pid, "PID", 29, sp), maps).alias("deceasedDateTime"),
         F.when(_value(pid, "PID", 29, sp).isNull(), _yes_no(_value(pid, "PID", 30, sp))).alias("deceasedBoolean"),
         _nonempty(F.transform(_reps(pid, "PID", 11, sp), lambda r: _address(r, sp))).alias("address"),
+        _nonempty(F.transform(nk1, lambda k: _next_of_kin(k, maps))).alias("contact"),
+    )
+
+
+def _no_contacts() -> Column:
+    return F.array().cast("array<struct<system:string,value:string,use:string>>")
+
+
+def _next_of_kin(nk1: Column, maps: _Maps) -> Column:
+    """NK1 → Patient.contact (the IG's NK1 map): relationship NK1-3 (CWE), name NK1-2 (XPN, the
+    first), telecom NK1-5 (home) and NK1-6 (work) (XTN), address NK1-4 (XAD, the first). A contact
+    needs a name, a telecom or an address (FHIR's pat-1): an NK1 with none of them is left out."""
+    sp = maps.sp
+    name, address = _human_name(_rep(nk1, "NK1", 2, sp), sp), _address(_rep(nk1, "NK1", 4, sp), sp)
+    relationship = _codeable(_rep(nk1, "NK1", 3, sp), maps)
+    # No _nonempty here or for the relationship: its binding would take the Patient past Spark
+    # Connect's nesting limit.
+    phones = F.filter(
+        F.concat(
+            F.coalesce(F.transform(_reps(nk1, "NK1", 5, sp), lambda r: _contact(r, sp, "home")), _no_contacts()),
+            F.coalesce(F.transform(_reps(nk1, "NK1", 6, sp), lambda r: _contact(r, sp, "work")), _no_contacts()),
+        ),
+        lambda c: c.isNotNull(),
+    )
+    telecom = F.when(F.size(phones) > 0, phones)
+    return F.when(
+        name.isNotNull() | telecom.isNotNull() | address.isNotNull(),
+        F.struct(
+            F.when(relationship.isNotNull(), F.array(relationship)).alias("relationship"),
+            name.alias("name"),
+            telecom.alias("telecom"),
+            address.alias("address"),
+        ),
     )
 
 
@@ -801,6 +856,7 @@ def _observation_entry(o: Column, k: Column, m: Column, subject: Column, maps: _
             _nonempty(F.array(_codeable(_rep(obx, "OBX", 8, sp), maps, default_system=_V2_0078))).alias(
                 "interpretation"
             ),
+            F.when(F.size(o["notes"]) > 0, F.transform(o["notes"], lambda t: F.struct(t.alias("text")))).alias("note"),
             let(_value(obx, "OBX", 7, sp), lambda r: F.when(r.isNotNull(), F.array(F.struct(r.alias("text"))))).alias(
                 "referenceRange"
             ),

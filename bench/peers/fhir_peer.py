@@ -7,8 +7,9 @@ built from python-hl7's tree, ``json.dumps``. It builds the same resources with 
 --fhir` compares equal work (`tests/spark_jobs/test_hl7_fhir.py` checks that both give the same
 resources for the benchmark's corpus). Routing is the message-type test of the one FHIR route.
 
-Scope: the benchmark's corpus (default separators, no escape sequences in the mapped fields); it
-does not reproduce the Spark mapping's corner cases (custom separators, SN ratios, batches).
+Scope: the benchmark's corpus (default separators; escape sequences decoded in notes only, the one
+mapped field where the corpus has them); it does not reproduce the Spark mapping's corner cases
+(custom separators, SN ratios, batches).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
     subject = {"reference": patient_url} if pid is not None else None
     out: list[dict[str, Any]] = []
     if pid is not None:
-        out.append(_patient(pid, patient_url, options))
+        out.append(_patient(pid, [s for n, s in segs if n == "NK1"], patient_url, options))
     pv1 = next((s for n, s in segs if n == "PV1"), None)
     if adt and pv1 is not None:
         out.append(_encounter(pv1, seed, sender, subject, options))
@@ -76,7 +77,10 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
                 if sum(q < p for q, _ in obrs) == k
             ]
             out.append(_report(obr, k, seed, sender, subject, results, options))
-        out.extend(_observation(obx, j, seed, sender, subject, options) for j, (_, obx) in enumerate(obxs, 1))
+        out.extend(
+            _observation(obx, j, seed, sender, subject, _notes(segs, pos), options)
+            for j, (pos, obx) in enumerate(obxs, 1)
+        )
     if orm:
         orcs = [(i, s) for i, (n, s) in enumerate(segs) if n == "ORC"]
         for k, (pos, obr) in enumerate(obrs, 1):
@@ -248,39 +252,53 @@ def _stageline_identifier(sender: str, key: str) -> dict[str, str]:
 # --- resources ------------------------------------------------------------------------------------
 
 
-def _patient(pid: Any, url: str, options: FhirOptions) -> dict[str, Any]:
-    names = []
-    for r in _reps(pid, 5):
-        family, given = _c(r, 1), [x for x in (_c(r, 2), _c(r, 3)) if x]
-        if family or given:
-            use = spec._NAME_USE.get(_c(r, 7) or "")
-            names.append(
-                _drop_none(
-                    {
-                        "use": use,
-                        "family": family,
-                        "given": given,
-                        "prefix": [x for x in [_c(r, 5)] if x],
-                        "suffix": [x for x in [_c(r, 4)] if x],
-                    }
-                )
-            )
-    addresses = []
-    for r in _reps(pid, 11):
-        parts = [_c(r, i) for i in range(1, 7)]
-        if any(parts):
-            addresses.append(
-                _drop_none(
-                    {
-                        "use": spec._ADDRESS_USE.get(_c(r, 7) or ""),
-                        "line": [x for x in parts[:2] if x],
-                        "city": parts[2],
-                        "state": parts[3],
-                        "postalCode": parts[4],
-                        "country": parts[5],
-                    }
-                )
-            )
+def _name(r: Any) -> dict[str, Any] | None:
+    family, given = _c(r, 1), [x for x in (_c(r, 2), _c(r, 3)) if x]
+    if not (family or given):
+        return None
+    return _drop_none(
+        {
+            "use": spec._NAME_USE.get(_c(r, 7) or ""),
+            "family": family,
+            "given": given,
+            "prefix": [x for x in [_c(r, 5)] if x],
+            "suffix": [x for x in [_c(r, 4)] if x],
+        }
+    )
+
+
+def _address(r: Any) -> dict[str, Any] | None:
+    parts = [_c(r, i) for i in range(1, 7)]
+    if not any(parts):
+        return None
+    return _drop_none(
+        {
+            "use": spec._ADDRESS_USE.get(_c(r, 7) or ""),
+            "line": [x for x in parts[:2] if x],
+            "city": parts[2],
+            "state": parts[3],
+            "postalCode": parts[4],
+            "country": parts[5],
+        }
+    )
+
+
+def _next_of_kin(nk1: Any, options: FhirOptions) -> dict[str, Any] | None:
+    names, addresses = _reps(nk1, 2), _reps(nk1, 4)
+    name = _name(names[0]) if names else None
+    address = _address(addresses[0]) if addresses else None
+    telecom = [t for use, n in (("home", 5), ("work", 6)) for r in _reps(nk1, n) if (t := _contact(r, use))]
+    if not (name or telecom or address):
+        return None
+    relationship = _codeable(_first(nk1, 3), options)
+    return _drop_none(
+        {"relationship": [relationship] if relationship else None, "name": name, "telecom": telecom, "address": address}
+    )
+
+
+def _patient(pid: Any, nk1s: list[Any], url: str, options: FhirOptions) -> dict[str, Any]:
+    names = [n for r in _reps(pid, 5) if (n := _name(r))]
+    addresses = [a for r in _reps(pid, 11) if (a := _address(r))]
     telecom = [t for use, n in (("home", 13), ("work", 14)) for r in _reps(pid, n) if (t := _contact(r, use))]
     deceased = _datetime(_v(pid, 29), options)
     resource = _drop_none(
@@ -294,6 +312,7 @@ def _patient(pid: Any, url: str, options: FhirOptions) -> dict[str, Any]:
             "deceasedDateTime": deceased,
             "deceasedBoolean": {"Y": True, "N": False}.get(_v(pid, 30) or "") if _v(pid, 29) is None else None,
             "address": addresses,
+            "contact": [c for nk1 in nk1s if (c := _next_of_kin(nk1, options))],
         }
     )
     assert resource is not None
@@ -369,7 +388,28 @@ def _first(seg: Any, n: int) -> Any:
     return reps[0] if reps and str(reps[0]) else None
 
 
-def _observation(obx: Any, j: int, seed: str, sender: str, subject: Any, options: FhirOptions) -> dict[str, Any]:
+def _notes(segs: list[tuple[str, Any]], pos: int) -> list[dict[str, str]]:
+    """The NTE right after segment ``pos``: each an Annotation of NTE-3 (repetitions, line by line)."""
+    out = []
+    for name, seg in segs[pos + 1 :]:
+        if name != "NTE":
+            break
+        if text := "\n".join(_unescaped(str(r)) for r in _reps(seg, 3) if str(r)):
+            out.append({"text": text})
+    return out
+
+
+_ESCAPES = {"F": "|", "S": "^", "T": "&", "R": "~", "E": "\\"}
+
+
+def _unescaped(text: str) -> str:
+    """HL7's separator escapes resolved (default separators), others such as ``\\H\\`` kept as sent."""
+    return re.sub(r"\\([^\\|^~&]*)\\", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text)
+
+
+def _observation(
+    obx: Any, j: int, seed: str, sender: str, subject: Any, notes: list[dict[str, str]], options: FhirOptions
+) -> dict[str, Any]:
     resource: dict[str, Any] = (
         _drop_none(
             {
@@ -380,6 +420,7 @@ def _observation(obx: Any, j: int, seed: str, sender: str, subject: Any, options
                 "subject": subject,
                 "effectiveDateTime": _datetime(_v(obx, 14), options),
                 "interpretation": [x for x in [_codeable(_first(obx, 8), options, spec._V2_0078)] if x],
+                "note": notes,
                 "referenceRange": [{"text": _v(obx, 7)}] if _v(obx, 7) else None,
             }
         )

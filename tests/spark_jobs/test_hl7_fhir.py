@@ -191,6 +191,23 @@ RED = {
 }
 
 
+NEXT_OF_KIN = (
+    "MSH|^~\\&|ADT1|HOSP|EHR|CITY|20240101120000||ADT^A01|C7|P|2.5.1\r"
+    "PID|1||X1^^^HOSP^MR||DOE^JANE\r"
+    "NK1|1|DOE^JOHN^Q|SPO^Spouse^HL70063|1 MAIN ST^^TOWN^ST^12345^^H|^PRN^PH^^^555^1234567|^WPN^FX^^^555^7654321\r"
+    "NK1|2||FTH^Father^HL70063\r"
+    "NK1|3|ROE\\S\\X^RICHARD|||^NET^Internet^r@example.org\r"
+)
+NOTES = (
+    "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240102083000||ORU^R01|C8|P|2.5.1\r"
+    "PID|1||555^^^LAB^MR||P^Q\r"
+    "OBR|1|P1|F1|C^D^LN\rNTE|1||about the order\r"
+    "OBX|1|ST|X^Y^L||v1\rNTE|1||first \\T\\ note\rNTE|2||second~line\rNTE|3||\r"
+    "OBX|2|ST|X^Y^L||v2\rZXX|1\rNTE|1||after a Z segment\r"
+    "OBX|3|ST|X^Y^L||v3\rNTE|1||third\r"
+)
+
+
 SEEDS: dict[tuple[str, Any], str] = {}
 
 
@@ -204,7 +221,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("refused", k, p) for k, p in REFUSED.items()]
     rows += [("ruled", "a04", NO_SUBCOMPONENT)]
     rows += [("escapes", k, p) for k, p in ESCAPES.items()]
-    rows += [("types", "sn", STRUCTURED_NUMBERS)]
+    rows += [("types", "sn", STRUCTURED_NUMBERS), ("ig", "nk1", NEXT_OF_KIN), ("ig", "nte", NOTES)]
     rows += [("red", k, p) for k, p in RED.items()]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
     SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
@@ -357,6 +374,35 @@ def test_structured_numbers_become_quantities_ranges_and_ratios(out: dict[Any, A
         {"valueString": "^2^+"},
     ]
     assert '"high":{"value":20.50,' in out[("types", "sn")][1]  # the number's own text
+
+
+def test_next_of_kin_become_contacts_and_notes_follow_their_observation(out: dict[Any, Any]) -> None:
+    """Per the V2-to-FHIR IG: NK1 → Patient.contact (an NK1 with no name, telecom or address is no
+    contact: FHIR's pat-1), an NTE right after an OBX → that Observation's note; an NTE after the OBR
+    or after another segment is no Observation's."""
+    patient = check_bundle(out[("ig", "nk1")][1])["entry"][0]["resource"]
+    spouse = {"system": "http://terminology.hl7.org/CodeSystem/v2-0063", "code": "SPO", "display": "Spouse"}
+    assert patient["contact"] == [
+        {
+            "relationship": [{"coding": [spouse]}],
+            "name": {"family": "DOE", "given": ["JOHN", "Q"]},
+            "telecom": [
+                {"system": "phone", "value": "555 1234567", "use": "home"},
+                {"system": "fax", "value": "555 7654321", "use": "work"},
+            ],
+            "address": {"use": "home", "line": ["1 MAIN ST"], "city": "TOWN", "state": "ST", "postalCode": "12345"},
+        },
+        {
+            "name": {"family": "ROE^X", "given": ["RICHARD"]},
+            "telecom": [{"system": "email", "value": "r@example.org", "use": "home"}],
+        },
+    ]
+    notes = [
+        e["resource"].get("note")
+        for e in check_bundle(out[("ig", "nte")][1])["entry"]
+        if e["resource"]["resourceType"] == "Observation"
+    ]
+    assert notes == [[{"text": "first & note"}, {"text": "second\nline"}], None, [{"text": "third"}]]
 
 
 def test_a_redelivery_is_the_same_bundle_with_conditional_writes(spark: SparkSession, out: dict[Any, Any]) -> None:
