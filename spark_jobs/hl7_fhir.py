@@ -525,7 +525,8 @@ def _notes(pos: Column, g: Column, sp: Column) -> Column:
             F.filter(F.transform(_reps(n, "NTE", 3, sp), lambda r: _text(r, sp)), lambda x: x.isNotNull()), "\n"
         ),
     )
-    return F.filter(texts, lambda t: t != "")
+    # Most segments have none: the next kind alone says so, before any slice or split.
+    return F.when(F.substring(g["kinds"], pos + 2, 1) == "N", F.filter(texts, lambda t: t != ""))
 
 
 def _reported(obr: Column, obx: Column) -> Column:
