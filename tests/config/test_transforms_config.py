@@ -107,3 +107,27 @@ def test_a_map_rule_needs_its_table_once_lookups_are_given() -> None:
     assert parse_transforms(specs)  # config lint without the store: table names unchecked
     with pytest.raises(TransformConfigError, match=r"unknown lookup table 'patient_class' \(known: none\)"):
         parse_transforms(specs, lookups={})
+
+
+@pytest.mark.parametrize(
+    ("fhir", "error"),
+    [
+        ({"timezone": 5}, "transform[0].fhir.timezone: Input should be a valid string"),
+        ({"timezone": True}, "transform[0].fhir.timezone: Input should be a valid string"),
+        ({"timezone": ["Z"]}, "transform[0].fhir.timezone: Input should be a valid string"),
+        ({"timezone": ""}, "transform[0].fhir.timezone: must be 'Z' or an offset"),
+        ({"patient_class": "IMP"}, "transform[0].fhir.patient_class: Input should be a valid dictionary"),
+        ({"patient_class": {"I": 5}}, "transform[0].fhir.patient_class.I: Input should be a valid string"),
+        ({"patient_class": {"I": ["IMP"]}}, "transform[0].fhir.patient_class.I: Input should be a valid string"),
+        (
+            {"identifier_systems": {"MRN": 7}},
+            "transform[0].fhir.identifier_systems.MRN: Input should be a valid string",
+        ),
+        ({"code_systems": True}, "transform[0].fhir.code_systems: Input should be a valid dictionary"),
+    ],
+)
+def test_fhir_settings_of_the_wrong_type_are_refused_not_coerced(fhir: dict[str, Any], error: str) -> None:
+    """A careless TOML value (a number, a boolean, a list) must not become a string the mapping then uses."""
+    with pytest.raises(TransformConfigError) as caught:
+        parse_transforms([{"destination": "x", "output": "fhir-r4", "fhir": fhir}])
+    assert error in str(caught.value)
