@@ -41,6 +41,15 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
+
+def _builder() -> SparkSession.Builder:
+    """pyspark's session builder, imported here and not at the top: the supervisor imports this
+    module and must not hold pyspark (the embedded stack's memory, docs/performance.md)."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.builder
+
+
 # Debian: libpostgresql-jdbc-java, libxerial-sqlite-jdbc-java, libjtds-java.
 DRIVER_JARS: dict[str, str] = {
     "postgres": "/usr/share/java/postgresql.jar",
@@ -133,16 +142,14 @@ def spark_session(
     """
     if master is not None and remote is not None:
         raise ValueError("give master or remote, not both")
-    from pyspark.sql import SparkSession
-
     settings = {**SMALL_BATCH_CONF, **(conf or {})}
     if remote is not None:
-        session = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        session = _builder().remote(remote).appName(app_name).getOrCreate()
         for key, value in settings.items():
             if key.startswith("spark.sql."):
                 session.conf.set(key, value)
         return session
-    builder = SparkSession.builder.master(master or "local[*]").appName(app_name)
+    builder = _builder().master(master or "local[*]").appName(app_name)
     jar_list = list(jars) if jars is not None else driver_jars()
     if jar_list:
         builder = builder.config("spark.jars", ",".join(jar_list))
@@ -465,10 +472,8 @@ class StageSession:
             time.sleep(poll)
 
     def _open(self, remote: str) -> SparkSession:
-        from pyspark.sql import SparkSession
-
         url = with_session_id(remote, self._session_id) if self._session_id else remote
-        fresh = SparkSession.builder.remote(url).create()
+        fresh = _builder().remote(url).create()
         bound_connect_retries(fresh, seconds=STANDBY_RETRY_SECONDS if len(self.remotes) > 1 else CONNECT_RETRY_SECONDS)
         try:
             if self._session_id:
@@ -498,8 +503,6 @@ class StageSession:
         return thread
 
     def _warm(self, remotes: Sequence[str], session_id: str) -> None:
-        from pyspark.sql import SparkSession
-
         def identity(batches: Iterator[Any]) -> Iterator[Any]:
             yield from batches
 
@@ -508,7 +511,7 @@ class StageSession:
                 continue
             spark = None
             try:
-                spark = SparkSession.builder.remote(with_session_id(remote, session_id)).create()
+                spark = _builder().remote(with_session_id(remote, session_id)).create()
                 bound_connect_retries(spark, seconds=STANDBY_RETRY_SECONDS)
                 spark.range(64).repartition(2).mapInPandas(identity, "id long").collect()
             except Exception as exc:  # warming is best effort
