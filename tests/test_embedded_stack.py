@@ -26,7 +26,7 @@ from tests.support.memory import summary, tree_memory
 from tests.support.user_env import user_env
 
 ROOT = Path(__file__).resolve().parents[1]
-MEMORY_BUDGET_MIB = 1300  # while the stage tasks run (measured 1167-1208 MiB: docs/performance.md, bench/stack_memory.py)
+MEMORY_BUDGET_MIB = 1300  # while the stage tasks run (measured 1167-1208 MiB: docs/performance.md)
 IDLE_MEMORY_BUDGET_MIB = 1300  # once they have ended for want of work (measured 1148-1156 MiB)
 AFTER_IDLE_MINUTE_SECONDS = 3.0  # the bound: the first delivery after an idle minute (the 11-20 s of
 # full-suite runs came from tests/dags/conftest.py's settings reaching the stack: tests/support/user_env.py)
