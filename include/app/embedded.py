@@ -211,6 +211,9 @@ def airflow_env(var: Path, service_config: Path, pipeline_dir: Path | None = Non
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        # never Airflow's unit-test mode, even when the caller's environment says so (a test run's
+        # does): it loads unit_tests.cfg and its scheduler loops without sleeping, a core's worth of CPU
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{AIRFLOW_PORT}/execution/",
         "AIRFLOW__API__HOST": "127.0.0.1",
