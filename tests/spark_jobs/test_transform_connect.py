@@ -20,7 +20,15 @@ from pyspark.sql import SparkSession
 
 from include.app.lab.postgres_server import free_port
 from spark_jobs.transform_rules import transform
-from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
+from tests.spark_jobs.hl7_samples import (
+    ADT_A01,
+    CUSTOM_HASH,
+    NOT_HL7,
+    ORM_O01,
+    ORM_O01_TWO_PATIENTS,
+    ORU_R01,
+    ORU_R01_TWO_PATIENTS,
+)
 from tests.spark_jobs.test_transform_rules import BATCH, EHR_RULES, LOOKUPS, ROUTED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +48,9 @@ SPECS = [
 ]
 ROWS = [
     (i, destination, payload)
-    for i, payload in enumerate((ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7), start=1)
+    for i, payload in enumerate(
+        (ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7, ORU_R01_TWO_PATIENTS, ORM_O01_TWO_PATIENTS), start=1
+    )
     for destination in ("ehr", "deep", "lake", "fhir", "archive")
 ]
 
@@ -67,6 +77,8 @@ def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkS
     assert any(p is None for i, d, _, p in classic if d == "deep" and i != 6)  # a miss dead-lettered
     assert any(p is not None and d == "lake" and p.startswith("{") for _, d, _, p in classic)
     assert any(p is not None and d == "fhir" and p.startswith('{"resourceType":"Bundle"') for _, d, _, p in classic)
+    # Two patients' results and orders (rows 7, 8): a Bundle each, with a Patient per PID.
+    assert [p.count('"resourceType":"Patient"') for i, d, _, p in classic if d == "fhir" and i > 6] == [2, 2]
     server = start_connect_server(
         free_port(),
         log_dir=tmp_path,
