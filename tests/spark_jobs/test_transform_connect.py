@@ -11,6 +11,7 @@ output must equal the classic session's, byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -96,3 +97,47 @@ def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkS
         stop_connect_server(server)
     assert child.returncode == 0, child.stderr[-4000:]
     assert json.loads(child.stdout.strip().splitlines()[-1]) == classic
+
+
+# The mapping's projections as a Spark Connect client sends them (is_remote(): pyspark's functions
+# build protobuf expressions), measured in protobuf message levels without a server.
+DEPTHS = textwrap.dedent("""
+    import json
+    from google.protobuf.message import Message
+    from pyspark.sql import functions as F
+    from include.transforms_config import parse_transforms
+    from spark_jobs import hl7_fhir
+
+    def depth(m):
+        inner = [
+            x
+            for fd, v in m.ListFields()
+            if fd.message_type is not None
+            for x in (v if not isinstance(v, Message) and hasattr(v, "__len__") else [v])
+            if isinstance(x, Message)
+        ]
+        return 1 + max((depth(x) for x in inner), default=0)
+
+    options = parse_transforms([{"destination": "fhir", "output": "fhir-r4"}])[0].fhir
+    ctx = F.col("ctx")
+    parts = {"context": hl7_fhir.fhir_context(F.col("units"), F.col("seed"))}
+    parts.update(hl7_fhir.fhir_entries(ctx, F.col("seed"), options))
+    parts["bundle"] = hl7_fhir.fhir_bundle(ctx, [F.col(n) for n in hl7_fhir.ENTRY_PARTS])[0]
+    print(json.dumps({name: depth(c._expr.to_plan(None)) for name, c in parts.items()}))
+""")
+CONNECT_DEPTH = 96
+"""The deepest expression main's mapping sent (the Observation's, 2026-11-28) and the test above took;
+a few levels more and the plan, with the relations above it, passes protobuf's limit of 100."""
+
+
+def test_no_fhir_projection_nests_deeper_than_spark_connect_took() -> None:
+    """Fast and precise where the test above is slow and whole: the depth of each FHIR projection."""
+    env = {**os.environ, "SPARK_CONNECT_MODE_ENABLED": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", DEPTHS], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    depths = json.loads(child.stdout.strip().splitlines()[-1])
+    assert set(depths) == {"context", "bundle", "patients", "encounter", "reports", "observations", "orders"}
+    assert max(depths.values()) <= CONNECT_DEPTH, depths
+    assert min(depths.values()) > 10, depths  # measured, not an empty plan
