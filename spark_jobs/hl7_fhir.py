@@ -4,9 +4,14 @@ Which resources a message becomes (the mapping tables per message type: docs/rul
 
 * ADT^A01 / A04 / A08 → Patient (PID; each NK1 one of its contacts), and an Encounter (PV1) when
   the message has a PV1;
-* ORU^R01 → Patient, one DiagnosticReport per OBR, one Observation per OBX (each OBX reports to the
-  OBR before it; the NTE right after it are its notes), every resource referring to the Patient;
-* ORM^O01 → Patient, one ServiceRequest per OBR (with the ORC before it).
+* ORU^R01 → a Patient per PID (each PATIENT_RESULT group), one DiagnosticReport per OBR, one
+  Observation per OBX (each OBX reports to the OBR before it in its group; the NTE right after it
+  are its notes), every resource referring to its group's Patient;
+* ORM^O01 → a Patient per PID, one ServiceRequest per OBR (with the ORC before it in its group;
+  the NTE right after the OBR are its notes), each referring to its group's Patient.
+
+A segment's patient group is the PID before it (what precedes the first PID is the first
+patient's, unless there are several: then the message is refused).
 
 Data types follow HL7's *V2 to FHIR* IG: XPN → HumanName, CX → Identifier (its system from the
 assigning authority, ``[transform.fhir] identifier_systems``), XAD → Address, XTN → ContactPoint,
@@ -19,7 +24,8 @@ the Bundle updates what the first one created instead of adding to it: ``PUT
 Patient?identifier=system|value`` on the first PID-3 whose authority has a system (a patient
 without one is a plain POST, and a re-delivery duplicates it — configure the systems). Encounters,
 reports, observations and orders carry a Stageline identifier (``urn:ietf:rfc:3986``, a UUID from
-the message's identity — MSH-3, MSH-4, MSH-7, MSH-10, PID-3 — and the segment's position) besides
+the identity of their patient group — MSH-3, MSH-4, MSH-7, MSH-10, that group's PID-3 — and the
+segment's position in the message) besides
 their own, and are PUT on it. Each entry's
 ``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
 Bundle and a re-run of the transform builds the same bytes.
@@ -29,9 +35,9 @@ destination's rules) is split into its fields once per message, with the separat
 before the split (:func:`_split_unit`); a field is split into repetitions, components and
 subcomponents only where the mapping reads it, and only the leaves it reads are decoded. The
 resources are ``to_json`` of structs built from them. No Python runs per row. A message the
-mapping cannot take (another message type, a batch of several messages, several patients, results
-or an order without a patient, two entries on one identifier) comes out with a NULL Bundle and the
-reason.
+mapping cannot take (another message type, a batch of several messages, an ADT with several PIDs,
+results or an order without a patient or before the first of several, two entries on one
+identifier) comes out with a NULL Bundle and the reason.
 """
 
 from __future__ import annotations
@@ -88,24 +94,27 @@ _DTM = r"^(?!0000)(\d{4}|\d{6}|\d{8}|\d{10}|\d{12}|\d{14})(\.\d{1,4})?([+-](?:(?
 _SPACE = r"[ \t\n\x0B\f\r]"
 
 
-ENTRY_PARTS = ("patient", "encounter", "reports", "observations", "orders")
+ENTRY_PARTS = ("patients", "encounter", "reports", "observations", "orders")
 """The columns of step 2, in Bundle order (each an entry's JSON, or an array of them)."""
 
 
 def fhir_context(units: Column, seed: Column) -> Column:
     """Step 1: the message's segments grouped for the mapping, and why it cannot be mapped.
 
-    ``struct<kind, event, pid, pv1, obr, obx, orc, sender, patient, sp, error>`` (each segment its
-    fields, the OBX with their report's number and fullUrl, ``patient`` the Patient's fullUrl,
-    ``sp`` how to split and decode a field); ``units`` is the transform
-    engine's parsed payload (:mod:`spark_jobs.transform_rules`), ``seed`` a string unique per
-    message and destination. NULL ``units`` (not HL7) give NULL. The mapping runs as three
-    projections — this context, the entries (:func:`fhir_entries`), the Bundle
-    (:func:`fhir_bundle`) — because Spark Connect refuses an expression nested deeper than its
-    protobuf limit, and the whole mapping in one expression is deeper than that.
+    ``struct<kind, event, patients, pv1, obr, obx, orc, sp, error>`` (each segment its fields; a
+    patient its PID, fullUrl, identity and NK1; each OBR, OBX and ORC the number of its patient's
+    group, the OBR and OBX that patient's fullUrl; the OBX their report's number and fullUrl, ``sp``
+    how to split and decode a field); ``units`` is the transform engine's parsed payload
+    (:mod:`spark_jobs.transform_rules`), ``seed`` a string unique per message and destination. NULL
+    ``units`` (not HL7) give NULL. The mapping runs as three projections — this context, the
+    entries (:func:`fhir_entries`), the Bundle (:func:`fhir_bundle`) — because Spark Connect refuses
+    an expression nested deeper than its protobuf limit, and the whole mapping in one expression is
+    deeper than that.
     """
     messages = F.filter(units, lambda u: u["message"])
-    single = let(F.element_at(messages, 1), lambda u: let(_split_unit(u), lambda t: _context(t, seed, u["seps"])))
+    # The unit is bound inside _split_unit's argument, not around the rest: each binding a lambda
+    # deeper, and the deepest path (an OBR's notes) is at Spark Connect's limit.
+    single = let(_split_unit(F.element_at(messages, 1)), lambda t: _context(t, seed, t["seps"]))
     several = F.lit(
         "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
     )
@@ -120,41 +129,42 @@ def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, C
     # the fields it needs.
     sp = F.struct(*(ctx["sp"][name].alias(name) for name in _SP_FIELDS))
 
-    def part(names: str, body: Callable[[Column, Column, _Maps], Column]) -> Column:
-        def bound(m: Column) -> Column:
-            subject = F.when(m["patient"].isNotNull(), F.struct(m["patient"].alias("reference")))
-            return body(m, subject, _Maps(options, m["sp"]))
-
-        return let(F.struct(sp.alias("sp"), *(ctx[n].alias(n) for n in ("patient", *names.split()))), bound)
+    def part(names: str, body: Callable[[Column, _Maps], Column]) -> Column:
+        return let(
+            F.struct(sp.alias("sp"), *(ctx[n].alias(n) for n in names.split())),
+            lambda m: body(m, _Maps(options, m["sp"])),
+        )
 
     def kind(test: Callable[[Column, Column], Column], m: Column) -> Column:
         return test(m["kind"], m["event"])
 
+    # A Patient per PID (patient group), each read from an in-memory copy as the parts are.
+    patients = F.transform(
+        ctx["patients"],
+        lambda p: F.struct(sp.alias("sp"), *(p[n].alias(n) for n in ("seg", "nk1", "url"))),
+    )
     return {
-        "patient": part(
-            "pid nk1",
-            lambda m, _s, maps: F.when(m["pid"].isNotNull(), _patient_entry(m["pid"], m["nk1"], m["patient"], maps)),
+        "patients": F.transform(
+            patients, lambda p: _patient_entry(p["seg"], p["nk1"], p["url"], _Maps(options, p["sp"]))
         ),
         "encounter": part(
-            "kind event pv1 sender",
-            lambda m, s, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, s, maps)),
+            "kind event pv1 patients",
+            lambda m, maps: F.when(kind(_is_adt, m) & m["pv1"].isNotNull(), _encounter_entry(m, seed, maps)),
         ),
         "reports": part(
-            "kind event obr sender",
-            lambda m, s, maps: F.when(
-                kind(_is_oru, m), F.transform(m["obr"], lambda o, k: _report_entry(o, k, m, seed, s, maps))
+            "kind event obr",
+            lambda m, maps: F.when(
+                kind(_is_oru, m), F.transform(m["obr"], lambda o, k: _report_entry(o, k, seed, maps))
             ),
         ),
         "observations": part(
-            "kind event obx sender",
-            lambda m, s, maps: F.when(
-                kind(_is_oru, m), F.transform(m["obx"], lambda o, k: _observation_entry(o, k, m, s, maps))
-            ),
+            "kind event obx",
+            lambda m, maps: F.when(kind(_is_oru, m), F.transform(m["obx"], lambda o: _observation_entry(o, maps))),
         ),
         "orders": part(
-            "kind event obr orc sender",
-            lambda m, s, maps: F.when(
-                kind(_is_orm, m), F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, s, maps))
+            "kind event obr orc",
+            lambda m, maps: F.when(
+                kind(_is_orm, m), F.transform(m["obr"], lambda o, k: _order_entry(o, k, m, seed, maps))
             ),
         ),
     }
@@ -164,11 +174,12 @@ def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
     """Step 3: (the Bundle's JSON, NULL when refused; the refusal's reason, NULL when mapped).
 
     Two entries written on the same conditional URL (two OBR with one filler number, two orders
-    with one placer number) refuse the message: FHIR fails such a transaction as a whole.
+    with one placer number, one patient in two groups) refuse the message: FHIR fails such a
+    transaction as a whole.
     """
     body = F.concat_ws(",", *entries)
-    # Only reports and orders can collide: one Patient, one Encounter, Observations keyed on their position.
-    keyed = F.concat_ws(",", *(e for name, e in zip(ENTRY_PARTS, entries) if name in ("reports", "orders")))
+    # Patients, reports and orders can collide; an Encounter is alone, Observations keyed on their position.
+    keyed = F.concat_ws(",", *(e for name, e in zip(ENTRY_PARTS, entries) if name in ("patients", "reports", "orders")))
     urls = F.regexp_extract_all(keyed, F.lit(r'"request":\{"method":"PUT","url":"([^"]*)"'), 1)
     twice = F.when(F.size(F.array_distinct(urls)) < F.size(urls), F.lit(_SAME_URL))
     error = F.coalesce(ctx["error"], F.when(ctx.isNotNull(), twice))
@@ -178,7 +189,8 @@ def fhir_bundle(ctx: Column, entries: list[Column]) -> tuple[Column, Column]:
 
 _SAME_URL = (
     "fhir-r4: two entries would be written on one identifier (a filler or placer number repeated in the "
-    "message), a transaction FHIR fails: give each order its own number or send them as separate messages"
+    "message, or one patient in two of its groups), a transaction FHIR fails: give each order its own number, "
+    "send a patient's results in one group, or send them as separate messages"
 )
 
 
@@ -226,10 +238,14 @@ _ALPHANUMERIC = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 def _split_unit(unit: Column) -> Column:
     """The unit's used segments split into fields, escapes marked, and how to read them.
 
-    ``struct<segs: array<array<string>>, sp: struct<rs_re, cs_re, ss_re, to>>``; ``to`` is what
-    the placeholders translate to, NULL when no leaf needs it (no escape, or a message that must
-    not be decoded).
+    ``struct<segs: array<array<string>>, sp: struct<rs_re, cs_re, ss_re, to>, seps>``; ``to`` is
+    what the placeholders translate to, NULL when no leaf needs it (no escape, or a message that
+    must not be decoded); ``seps`` the unit's separators.
     """
+    return let(unit, _split_bound)
+
+
+def _split_bound(unit: Column) -> Column:
     seps = unit["seps"]
     # The others are kept as empty strings: their places tell which segment an NTE follows.
     used = F.transform(unit["segments"], lambda s: F.when(F.substring(s, 1, 3).isin(*_USED), s).otherwise(F.lit("")))
@@ -251,7 +267,9 @@ def _marked(used: Column, decode: Column, seps: Column) -> Column:
             seps["ss_re"].alias("ss_re"),
             F.when(escaped, restored).alias("to"),
         )
-        return F.struct(F.transform(ms, lambda s: F.split(s, seps["fs_re"], -1)).alias("segs"), sp.alias("sp"))
+        return F.struct(
+            F.transform(ms, lambda s: F.split(s, seps["fs_re"], -1)).alias("segs"), sp.alias("sp"), seps.alias("seps")
+        )
 
     return let(marked, split)
 
@@ -354,18 +372,22 @@ def _is_orm(kind: Column, event: Column) -> Column:
 
 _SEGMENT = "array<string>"
 _SP_FIELDS = ("rs_re", "cs_re", "ss_re", "to")
-_PLACED = f"array<struct<seg:{_SEGMENT},pos:int>>"
 _CONTEXT_FIELDS = (
     ("kind", "string"),
     ("event", "string"),
-    ("pid", _SEGMENT),
+    # One a PID (a patient group): its fullUrl, the identity its results' identifiers derive from, its NK1.
+    ("patients", f"array<struct<seg:{_SEGMENT},pos:int,url:string,sender:string,nk1:array<{_SEGMENT}>>>"),
     ("pv1", _SEGMENT),
-    ("nk1", f"array<{_SEGMENT}>"),
-    ("obr", f"array<struct<seg:{_SEGMENT},pos:int,results:array<struct<reference:string>>>>"),
-    ("obx", f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string,key:string,notes:array<string>>>"),
-    ("orc", _PLACED),
-    ("sender", "string"),
-    ("patient", "string"),
+    (
+        "obr",
+        f"array<struct<seg:{_SEGMENT},pos:int,grp:int,patient:string,sender:string,"
+        "results:array<struct<reference:string>>,notes:array<string>>>",
+    ),
+    (
+        "obx",
+        f"array<struct<seg:{_SEGMENT},pos:int,report:int,url:string,key:string,patient:string,notes:array<string>>>",
+    ),
+    ("orc", f"array<struct<seg:{_SEGMENT},pos:int,grp:int>>"),
     ("sp", "struct<" + ",".join(f"{name}:string" for name in _SP_FIELDS) + ">"),
     ("error", "string"),
 )
@@ -383,8 +405,9 @@ def _refused(reason: Column) -> Column:
 def _context(u: Column, seed: Column, seps: Column) -> Column:
     """The split segments ``u`` of one message grouped for the mapping (see :func:`fhir_context`).
 
-    Each OBX gets the number of its OBR here, once: its cost is OBX × OBR, so a message with more
-    than :data:`MAX_GROUP_SEGMENTS` of either (or of ORC) is refused before any of that work.
+    Each OBX gets the number of its OBR here, once, and each segment a patient the number of its
+    PID: their cost is OBX × OBR and segments × PID, so a message with more than
+    :data:`MAX_GROUP_SEGMENTS` of any of them is refused before any of that work.
     """
     sp = u["sp"]
     positioned = F.transform(
@@ -422,75 +445,136 @@ def _placed(positioned: Column, name: str) -> Column:
 
 
 MAX_GROUP_SEGMENTS = 1000
-"""OBR, OBX or ORC segments one message may have for FHIR output (refused above: grouping them costs
-OBX × OBR, and no server takes a Bundle of that many entries)."""
-_GROUPS = ("OBR", "OBX", "ORC")
+"""OBR, OBX, ORC, PID or NK1 segments one message may have for FHIR output (refused above: grouping
+them costs OBX × OBR and segments × PID, and no server takes a Bundle of that many entries)."""
+_GROUPS = ("OBR", "OBX", "ORC", "PID", "NK1")
 _SEVERAL_PATIENTS = (
-    "fhir-r4: more than one PID (several patients in one message): a Bundle maps one patient's; "
-    "split the message per patient before this destination"
+    "fhir-r4: an ADT message with more than one PID: an ADT is one patient's (the V2-to-FHIR IG maps "
+    "its one PID); split the message per patient before this destination"
 )
+_BEFORE_FIRST_PID = (
+    "fhir-r4: an OBR, OBX, ORC or NK1 before the first of several PIDs: which patient it belongs to is "
+    "not said; send each patient's group after its PID"
+)
+# The message types whose patient groups repeat: ORU^R01's PATIENT_RESULT (the IG maps each to its
+# own Patient); ORM^O01's PATIENT is 0..1 in v2, but orders after a second PID are read as its own.
+_GROUPED = ("ORU", "ORM")
 
 
 def _grouped(g: Column, sp: Column, seed: Column) -> Column:
     msh = _nth(g["MSH"], 1)["seg"]
+    too_many = F.greatest(*(F.size(g[name]) for name in _GROUPS)) > MAX_GROUP_SEGMENTS
     header = F.struct(
         _value(msh, "MSH", 9, sp, 1).alias("kind"),
         _value(msh, "MSH", 9, sp, 2).alias("event"),
-        # The message's identity, which the Stageline identifiers of its resources derive from.
-        _identity(msh, _nth(g["PID"], 1)["seg"], sp, seed).alias("sender"),
+        too_many.alias("too_many"),
+        # Counted only for a message within bounds.
+        F.when(~too_many, _patients(g, _identity(msh, sp, seed), seed)).alias("patients"),
     )
     return let(header, lambda h: _typed(g, h, sp, seed))
 
 
-def _identity(msh: Column, pid: Column, sp: Column, seed: Column) -> Column:
-    """Who sent the message, when, its control id and whose it is: the whole of MSH-3, MSH-4, MSH-7
-    and PID-3 as sent, and MSH-10 (the message id when there is none).
+def _identity(msh: Column, sp: Column, seed: Column) -> Column:
+    """Who sent the message, when and its control id: the whole of MSH-3, MSH-4 and MSH-7 as sent,
+    and MSH-10 (the message id when there is none); :func:`_patients` adds each patient's PID-3.
 
     The same message sent again keeps its identity, so a re-delivery updates what it wrote; a sender
     whose counter wrapped reuses MSH-10 but not MSH-7 and the patient, so another message does not
     overwrite its results. Each part is prefixed with its length: no two lists of parts read alike.
     """
     parts = [F.coalesce(x, F.lit("")) for x in (_nth(msh, 3), _nth(msh, 4), _nth(msh, 7))]
-    parts += [F.coalesce(_value(msh, "MSH", 10, sp), seed), F.coalesce(_nth(pid, 4), F.lit(""))]
-    return F.concat_ws("|", *(F.concat(F.length(x).cast("string"), F.lit(":"), x) for x in parts))
+    parts += [F.coalesce(_value(msh, "MSH", 10, sp), seed)]
+    return F.concat_ws("|", *(_counted(x) for x in parts))
+
+
+def _counted(x: Column) -> Column:
+    return F.concat(F.length(x).cast("string"), F.lit(":"), x)
+
+
+def _patients(g: Column, identity: Column, seed: Column) -> Column:
+    """Each PID with what its group's resources read: the Patient's fullUrl (the first one's as when a
+    message had one patient), the identity of the group (the message's and this PID-3 as sent: a
+    re-send keeps it, and two groups' positions never meet) and its NK1 (those before the next PID;
+    the first also those before it)."""
+    return F.transform(
+        g["PID"],
+        lambda p, i: F.struct(
+            p["seg"].alias("seg"),
+            p["pos"].alias("pos"),
+            _uuid(
+                seed, F.when(i == 0, F.lit("Patient")).otherwise(F.concat(F.lit("Patient/"), (i + 1).cast("string")))
+            ).alias("url"),
+            F.concat(identity, F.lit("|"), _counted(F.coalesce(_nth(p["seg"], 4), F.lit("")))).alias("sender"),
+            F.transform(
+                F.filter(
+                    g["NK1"],
+                    lambda k: (
+                        ((i == 0) | (k["pos"] > p["pos"]))
+                        & F.coalesce(k["pos"] < _nth(g["PID"], i + 2)["pos"], F.lit(True))
+                    ),
+                ),
+                lambda k: k["seg"],
+            ).alias("nk1"),
+        ),
+    )
+
+
+def _owner(pids: Column, pos: Column) -> Column:
+    """The number of the patient group the segment at ``pos`` belongs to: the PID before it (what
+    comes before the first PID is the first patient's, as when a message had one)."""
+    # Most messages have one PID: no lambda for them.
+    return F.when(F.size(pids) < 2, F.lit(1)).otherwise(
+        F.greatest(F.size(F.filter(pids, lambda p: p["pos"] < pos)), F.lit(1))
+    )
 
 
 def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
-    pid, pv1 = (_nth(g[name], 1)["seg"] for name in ("PID", "PV1"))
-    kind, event = h["kind"], h["event"]
-    obr = g["OBR"]
+    pv1 = _nth(g["PV1"], 1)["seg"]
+    kind, event, patients = h["kind"], h["event"], h["patients"]
+    obr, pids = g["OBR"], g["PID"]
     adt, oru, orm = _is_adt(kind, event), _is_oru(kind, event), _is_orm(kind, event)
     message_type = F.substring(F.concat_ws("^", kind, event), 1, 20)
-    too_many = F.greatest(*(F.size(g[name]) for name in _GROUPS)) > MAX_GROUP_SEGMENTS
+    first_pid = _nth(pids, 1)["pos"]
+    before_first = F.exists(F.concat(obr, g["OBX"], g["ORC"], g["NK1"]), lambda x: x["pos"] < first_pid)
     error = (
         F.when(
             ~F.coalesce(adt | oru | orm, F.lit(False)),
             F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
         )
         .when(
-            too_many,
-            F.lit(f"fhir-r4: more than {MAX_GROUP_SEGMENTS} OBR, OBX or ORC segments: too many for one Bundle"),
+            h["too_many"],
+            F.lit(
+                f"fhir-r4: more than {MAX_GROUP_SEGMENTS} OBR, OBX, ORC, PID or NK1 segments: too many for one Bundle"
+            ),
         )
-        # One Bundle is one patient's: a second PID (ORU's repeating PATIENT_RESULT) would have
-        # its results filed under the first patient.
-        .when(F.size(g["PID"]) > 1, F.lit(_SEVERAL_PATIENTS))
-        .when(orm & pid.isNull(), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
+        .when(adt & (F.size(pids) > 1), F.lit(_SEVERAL_PATIENTS))
+        # Several patients: whatever comes before the first PID is nobody's for sure.
+        .when((F.size(pids) > 1) & before_first, F.lit(_BEFORE_FIRST_PID))
+        .when(orm & (F.size(pids) == 0), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
         .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
-        .when(oru & pid.isNull(), F.lit("fhir-r4: ORU^R01 without a PID: results need a subject"))
-        .when(pid.isNull(), F.lit("fhir-r4: ADT without a PID: no Patient to write"))
+        .when(oru & (F.size(pids) == 0), F.lit("fhir-r4: ORU^R01 without a PID: results need a subject"))
+        .when(F.size(pids) == 0, F.lit("fhir-r4: ADT without a PID: no Patient to write"))
     )
-    # The number of the OBR each OBX follows (0: none), counted only for a message within bounds,
-    # the OBX's fullUrl, which its report's results refer to too, and its Stageline identifier.
+
+    def of(grp: Column) -> Column:  # the patient of group ``grp``
+        return _nth(patients, grp)
+
+    # The number of the OBR each OBX follows in its patient's group (0: none), counted only for a
+    # message within bounds, the OBX's fullUrl, which its report's results refer to too, its
+    # Stageline identifier and its patient's fullUrl.
     obx = F.when(
-        ~too_many,
+        ~h["too_many"],
         F.transform(
             g["OBX"],
             lambda x, j: F.struct(
                 x["seg"].alias("seg"),
                 x["pos"].alias("pos"),
-                F.size(F.filter(obr, lambda r: r["pos"] < x["pos"])).alias("report"),
+                _report_number(obr, pids, x["pos"]).alias("report"),
                 _uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("url"),
-                _uuid(h["sender"], F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("key"),
+                _uuid(of(_owner(pids, x["pos"]))["sender"], F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias(
+                    "key"
+                ),
+                of(_owner(pids, x["pos"]))["url"].alias("patient"),
                 _notes(x["pos"], g, sp).alias("notes"),
             ),
         ),
@@ -500,19 +584,31 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
         return F.struct(
             kind.alias("kind"),
             event.alias("event"),
-            pid.alias("pid"),
+            patients.alias("patients"),
             pv1.alias("pv1"),
-            F.transform(g["NK1"], lambda k: k["seg"]).alias("nk1"),
-            F.when(obx.isNotNull(), _reported(obr, obx)).alias("obr"),  # NULL OBX: too many segments
+            F.when(obx.isNotNull(), _reported(obr, obx, patients, g, sp)).alias("obr"),  # NULL OBX: too many
             obx.alias("obx"),
-            F.when(obx.isNotNull(), g["ORC"]).alias("orc"),
-            h["sender"].alias("sender"),
-            F.when(pid.isNotNull(), _uuid(seed, F.lit("Patient"))).alias("patient"),
+            F.when(
+                obx.isNotNull(),
+                F.transform(
+                    g["ORC"],
+                    lambda c: F.struct(
+                        c["seg"].alias("seg"), c["pos"].alias("pos"), _owner(pids, c["pos"]).alias("grp")
+                    ),
+                ),
+            ).alias("orc"),
             sp.alias("sp"),
             error.alias("error"),
         ).cast(_CONTEXT)
 
     return let(obx, context)
+
+
+def _report_number(obr: Column, pids: Column, pos: Column) -> Column:
+    """The number of the OBR before ``pos`` when it is in the same patient's group, else 0."""
+    k = F.size(F.filter(obr, lambda r: r["pos"] < pos))
+    last = _nth(obr, F.greatest(k, F.lit(1)))["pos"]
+    return F.when((k > 0) & (_owner(pids, last) == _owner(pids, pos)), k).otherwise(F.lit(0))
 
 
 def _notes(pos: Column, g: Column, sp: Column) -> Column:
@@ -529,17 +625,23 @@ def _notes(pos: Column, g: Column, sp: Column) -> Column:
     return F.when(F.substring(g["kinds"], pos + 2, 1) == "N", F.filter(texts, lambda t: t != ""))
 
 
-def _reported(obr: Column, obx: Column) -> Column:
-    """Each OBR with its results, the fullUrls of the OBX that follow it (gathered here, where the
-    OBX are in memory, rather than by each report from the context row)."""
+def _reported(obr: Column, obx: Column, patients: Column, g: Column, sp: Column) -> Column:
+    """Each OBR with its patient's group, fullUrl and identity, its results (the fullUrls of the OBX
+    that follow it, gathered here, where the OBX are in memory, rather than by each report from the
+    context row) and its notes (the NTE right after it: an order's, ServiceRequest.note)."""
+    pids = g["PID"]
     return F.transform(
         obr,
         lambda r, k: F.struct(
             r["seg"].alias("seg"),
             r["pos"].alias("pos"),
+            _owner(pids, r["pos"]).alias("grp"),
+            _nth(patients, _owner(pids, r["pos"]))["url"].alias("patient"),
+            _nth(patients, _owner(pids, r["pos"]))["sender"].alias("sender"),
             F.transform(
                 F.filter(obx, lambda x: x["report"] == k + 1), lambda x: F.struct(x["url"].alias("reference"))
             ).alias("results"),
+            _notes(r["pos"], g, sp).alias("notes"),
         ),
     )
 
@@ -586,10 +688,16 @@ def _uuid(seed: Column, key: Column) -> Column:
     )
 
 
-def _stageline_identifier(m: Column, key: str, k: Column | None = None) -> Column:
-    """The resource's own Stageline identifier: from the sender, its control id and the position."""
+def _stageline_identifier(sender: Column, key: str, k: Column | None = None) -> Column:
+    """The resource's own Stageline identifier: from its patient group's identity (the sender, its
+    control id, the patient) and the position."""
     name = F.lit(key) if k is None else F.concat(F.lit(key + "/"), k.cast("string"))
-    return _identifier_of(None, F.lit(_STAGELINE_SYSTEM), _uuid(m["sender"], name))
+    return _identifier_of(None, F.lit(_STAGELINE_SYSTEM), _uuid(sender, name))
+
+
+def _subject(url: Column) -> Column:
+    """The reference to a patient's entry (its fullUrl)."""
+    return F.when(url.isNotNull(), F.struct(url.alias("reference")))
 
 
 _IDENTIFIER_TYPE = "struct<coding:array<struct<system:string,code:string>>>"
@@ -782,8 +890,9 @@ def _yes_no(v: Column) -> Column:
     return F.when(v == "Y", F.lit(True)).when(v == "N", F.lit(False))
 
 
-def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+def _encounter_entry(m: Column, seed: Column, maps: _Maps) -> Column:
     pv1, sp = m["pv1"], maps.sp
+    patient = _nth(m["patients"], 1)  # an ADT has one
     patient_class = _code(_value(pv1, "PV1", 2, sp))
     mapped = _lookup(maps.patient_class, patient_class)
     klass = (
@@ -795,7 +904,9 @@ def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> C
         _datetime(_value(pv1, "PV1", 44, sp), maps).alias("start"),
         _datetime(_value(pv1, "PV1", 45, sp), maps).alias("end"),
     )
-    identifiers = F.array_compact(F.array(_identifier(_rep(pv1, "PV1", 19, sp), maps), _stageline_identifier(m, "PV1")))
+    identifiers = F.array_compact(
+        F.array(_identifier(_rep(pv1, "PV1", 19, sp), maps), _stageline_identifier(patient["sender"], "PV1"))
+    )
     return let(
         period,
         lambda p: _keyed_entry(
@@ -804,7 +915,7 @@ def _encounter_entry(m: Column, seed: Column, subject: Column, maps: _Maps) -> C
             identifiers,
             F.when(p["end"].isNotNull(), F.lit("finished")).otherwise(F.lit("in-progress")).alias("status"),
             klass.alias("class"),
-            subject.alias("subject"),
+            _subject(patient["url"]).alias("subject"),
             F.when(p["start"].isNotNull() | p["end"].isNotNull(), p).alias("period"),
         ),
     )
@@ -824,12 +935,12 @@ def _order_identifier(seg: Column, segment: str, n: int, code: str, maps: _Maps)
     return F.when(value.isNotNull(), _identifier_of(F.lit(code), system, value))
 
 
-def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+def _report_entry(o: Column, k: Column, seed: Column, maps: _Maps) -> Column:
     obr, sp = o["seg"], maps.sp
     number = k + 1
     results = o["results"]  # this OBR's OBX: those after it and before the next OBR
     identifiers = F.array_compact(
-        F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(m, "OBR", number))
+        F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(o["sender"], "OBR", number))
     )
     return _keyed_entry(
         _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
@@ -837,13 +948,13 @@ def _report_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column
         identifiers,
         F.coalesce(_lookup(_REPORT_STATUS, _value(obr, "OBR", 25, sp)), F.lit("unknown")).alias("status"),
         _required(_codeable(_rep(obr, "OBR", 4, sp), maps)).alias("code"),
-        subject.alias("subject"),
+        _subject(o["patient"]).alias("subject"),
         _datetime(_value(obr, "OBR", 7, sp), maps).alias("effectiveDateTime"),
         F.when(F.size(results) > 0, results).alias("result"),
     )
 
 
-def _observation_entry(o: Column, k: Column, m: Column, subject: Column, maps: _Maps) -> Column:
+def _observation_entry(o: Column, maps: _Maps) -> Column:
     obx, sp = o["seg"], maps.sp
 
     def entry(identifiers: Column) -> Column:
@@ -852,12 +963,12 @@ def _observation_entry(o: Column, k: Column, m: Column, subject: Column, maps: _
             identifiers.alias("identifier"),
             F.coalesce(_lookup(_OBSERVATION_STATUS, _value(obx, "OBX", 11, sp)), F.lit("unknown")).alias("status"),
             _required(_codeable(_rep(obx, "OBX", 3, sp), maps)).alias("code"),
-            subject.alias("subject"),
+            _subject(o["patient"]).alias("subject"),
             _datetime(_value(obx, "OBX", 14, sp), maps).alias("effectiveDateTime"),
             _nonempty(F.array(_codeable(_rep(obx, "OBX", 8, sp), maps, default_system=_V2_0078))).alias(
                 "interpretation"
             ),
-            F.when(F.size(o["notes"]) > 0, F.transform(o["notes"], lambda t: F.struct(t.alias("text")))).alias("note"),
+            _annotations(o["notes"]).alias("note"),
             let(_value(obx, "OBX", 7, sp), lambda r: F.when(r.isNotNull(), F.array(F.struct(r.alias("text"))))).alias(
                 "referenceRange"
             ),
@@ -975,12 +1086,13 @@ def _json_number(text: Column) -> Column:
     return F.regexp_replace(out, r"^(-?)0+(\d)", "$1$2")
 
 
-def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column, maps: _Maps) -> Column:
+def _order_entry(o: Column, k: Column, m: Column, seed: Column, maps: _Maps) -> Column:
     obr, sp = o["seg"], maps.sp
     number = k + 1
-    # The ORC before this OBR (ORM^O01 pairs them in order), else the first ORC.
-    before = F.filter(m["orc"], lambda c: c["pos"] < o["pos"])
-    orc = F.coalesce(F.try_element_at(before, F.lit(-1)), F.try_element_at(m["orc"], F.lit(1)))["seg"]
+    # The ORC before this OBR in its patient's group (ORM^O01 pairs them in order), else the group's first.
+    mine = F.filter(m["orc"], lambda c: c["grp"] == o["grp"])
+    before = F.filter(mine, lambda c: c["pos"] < o["pos"])
+    orc = F.coalesce(F.try_element_at(before, F.lit(-1)), F.try_element_at(mine, F.lit(1)))["seg"]
     status = F.coalesce(
         _lookup(_ORDER_STATUS, _value(orc, "ORC", 5, sp)),
         _lookup(_ORDER_CONTROL, _value(orc, "ORC", 1, sp)),
@@ -989,7 +1101,7 @@ def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column,
     placer = F.coalesce(_order_identifier(obr, "OBR", 2, "PLAC", maps), _order_identifier(orc, "ORC", 2, "PLAC", maps))
     filler = F.coalesce(_order_identifier(obr, "OBR", 3, "FILL", maps), _order_identifier(orc, "ORC", 3, "FILL", maps))
     priority = F.coalesce(_value(orc, "ORC", 7, sp, 6), _value(obr, "OBR", 27, sp, 6))
-    identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(m, "ORD", number)))
+    identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(o["sender"], "ORD", number)))
     return _keyed_entry(
         _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
         "ServiceRequest",
@@ -998,11 +1110,18 @@ def _order_entry(o: Column, k: Column, m: Column, seed: Column, subject: Column,
         F.lit("order").alias("intent"),
         _lookup(_PRIORITY, priority).alias("priority"),
         _codeable(_rep(obr, "OBR", 4, sp), maps).alias("code"),
-        subject.alias("subject"),
+        _subject(o["patient"]).alias("subject"),
         F.coalesce(_datetime(_value(orc, "ORC", 9, sp), maps), _datetime(_value(obr, "OBR", 6, sp), maps)).alias(
             "authoredOn"
         ),
+        # The IG's ORDER_DETAIL NTE: the NTE right after the OBR (NTE-3 → note.text).
+        _annotations(o["notes"]).alias("note"),
     )
+
+
+def _annotations(notes: Column) -> Column:
+    """NTE-3 texts as Annotations (``note``), NULL for none."""
+    return F.when(F.size(notes) > 0, F.transform(notes, lambda t: F.struct(t.alias("text"))))
 
 
 # --- data types --------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ built from python-hl7's tree, ``json.dumps``. It builds the same resources with 
 resources for the benchmark's corpus). Routing is the message-type test of the one FHIR route.
 
 Scope: the benchmark's corpus (default separators; escape sequences decoded in notes only, the one
-mapped field where the corpus has them); it does not reproduce the Spark mapping's corner cases
-(custom separators, SN ratios, batches).
+mapped field where the corpus has them) and messages with several patient groups; it does not
+reproduce the Spark mapping's corner cases (custom separators, SN ratios, batches, the segment
+bounds).
 """
 
 from __future__ import annotations
@@ -53,40 +54,53 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
     msh = segs[0][1]
     kind, event = _v(msh, 9, 1), _v(msh, 9, 2)
     adt, oru, orm = kind == "ADT" and event in _ADT, kind == "ORU" and event == "R01", kind == "ORM" and event == "O01"
-    pids = [s for n, s in segs if n == "PID"]
-    pid = pids[0] if pids else None
-    if not (adt or oru or orm) or pid is None or len(pids) > 1:
+    pids = [(i, s) for i, (n, s) in enumerate(segs) if n == "PID"]
+    if not (adt or oru or orm) or not pids or (adt and len(pids) > 1):
         return None
-    parts = [_raw(msh, 3), _raw(msh, 4), _raw(msh, 7), _v(msh, 10) or seed, _raw(pid, 3)]
-    sender = "|".join(f"{len(x)}:{x}" for x in parts)
-    patient_url = _uuid(seed, "Patient")
-    subject = {"reference": patient_url} if pid is not None else None
+    grouped = [i for i, (n, _) in enumerate(segs) if n in ("OBR", "OBX", "ORC", "NK1")]
+    if len(pids) > 1 and any(i < pids[0][0] for i in grouped):
+        return None  # before the first of several patients: nobody's for sure
+
+    def owner(pos: int) -> int:
+        """The patient group of the segment at ``pos`` (before the first PID: the first's)."""
+        return max(1, sum(p < pos for p, _ in pids))
+
+    identity = "|".join(f"{len(x)}:{x}" for x in (_raw(msh, 3), _raw(msh, 4), _raw(msh, 7), _v(msh, 10) or seed))
+    urls = {g: _uuid(seed, "Patient" if g == 1 else f"Patient/{g}") for g in range(1, len(pids) + 1)}
+    senders = {g: f"{identity}|{len(_raw(pid, 3))}:{_raw(pid, 3)}" for g, (_, pid) in enumerate(pids, 1)}
+    subjects = {g: {"reference": url} for g, url in urls.items()}
     out: list[dict[str, Any]] = []
-    if pid is not None:
-        out.append(_patient(pid, [s for n, s in segs if n == "NK1"], patient_url, options))
+    for g, (_, pid) in enumerate(pids, 1):
+        kin = [s for i, (n, s) in enumerate(segs) if n == "NK1" and owner(i) == g]
+        out.append(_patient(pid, kin, urls[g], options))
     pv1 = next((s for n, s in segs if n == "PV1"), None)
     if adt and pv1 is not None:
-        out.append(_encounter(pv1, seed, sender, subject, options))
+        out.append(_encounter(pv1, seed, senders[1], subjects[1], options))
     obrs = [(i, s) for i, (n, s) in enumerate(segs) if n == "OBR"]
     obxs = [(i, s) for i, (n, s) in enumerate(segs) if n == "OBX"]
     if oru:
-        for k, (_pos, obr) in enumerate(obrs, 1):
-            results = [
-                {"reference": _uuid(seed, f"OBX/{j}")}
-                for j, (p, _) in enumerate(obxs, 1)
-                if sum(q < p for q, _ in obrs) == k
-            ]
-            out.append(_report(obr, k, seed, sender, subject, results, options))
+
+        def report(p: int) -> int:
+            """The number of the OBR before ``p`` in its patient's group, else 0."""
+            k = sum(q < p for q, _ in obrs)
+            return k if k and owner(obrs[k - 1][0]) == owner(p) else 0
+
+        for k, (pos, obr) in enumerate(obrs, 1):
+            results = [{"reference": _uuid(seed, f"OBX/{j}")} for j, (p, _) in enumerate(obxs, 1) if report(p) == k]
+            g = owner(pos)
+            out.append(_report(obr, k, seed, senders[g], subjects[g], results, options))
         out.extend(
-            _observation(obx, j, seed, sender, subject, _notes(segs, pos), options)
+            _observation(obx, j, seed, senders[owner(pos)], subjects[owner(pos)], _notes(segs, pos), options)
             for j, (pos, obx) in enumerate(obxs, 1)
         )
     if orm:
         orcs = [(i, s) for i, (n, s) in enumerate(segs) if n == "ORC"]
         for k, (pos, obr) in enumerate(obrs, 1):
-            before = [s for p, s in orcs if p < pos]
-            orc = before[-1] if before else (orcs[0][1] if orcs else None)
-            out.append(_order(obr, orc, k, seed, sender, subject, options))
+            g = owner(pos)
+            mine = [(p, s) for p, s in orcs if owner(p) == g]
+            before = [s for p, s in mine if p < pos]
+            orc = before[-1] if before else (mine[0][1] if mine else None)
+            out.append(_order(obr, orc, k, seed, senders[g], subjects[g], _notes(segs, pos), options))
     puts = [e["request"]["url"] for e in out if e["request"]["method"] == "PUT"]
     if len(set(puts)) < len(puts):
         return None  # two entries on one conditional URL: refused, as a server would fail it
@@ -453,7 +467,9 @@ def _json_number(text: str) -> str:
     return re.sub(r"^(-?)0+(\d)", r"\1\2", out)
 
 
-def _order(obr: Any, orc: Any, k: int, seed: str, sender: str, subject: Any, options: FhirOptions) -> dict[str, Any]:
+def _order(
+    obr: Any, orc: Any, k: int, seed: str, sender: str, subject: Any, notes: list[dict[str, str]], options: FhirOptions
+) -> dict[str, Any]:
     placer = _order_identifier(obr, 2, "PLAC", options) or _order_identifier(orc, 2, "PLAC", options)
     filler = _order_identifier(obr, 3, "FILL", options) or _order_identifier(orc, 3, "FILL", options)
     status = (
@@ -473,6 +489,7 @@ def _order(obr: Any, orc: Any, k: int, seed: str, sender: str, subject: Any, opt
             "code": _codeable(_first(obr, 4), options),
             "subject": subject,
             "authoredOn": authored,
+            "note": notes,
         }
     )
     assert resource is not None

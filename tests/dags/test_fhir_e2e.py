@@ -42,14 +42,23 @@ ORM = (
 # An authority nobody configured: the Patient is a plain create, which this server refuses.
 UNKEYED = ADT.replace("P1^^^HOSP^MR", "P3^^^ELSEWHERE^MR").replace("|ADT1|", "|ADT2|")
 SIU = ADT.replace("ADT^A01^ADT_A01", "SIU^S12").replace("|ADT1|", "|SIU1|")
-SENT = [ADT, ORU, ORM, UNKEYED, SIU, ORU]  # the ORU twice: a re-send must not duplicate
+# Two patients' results in one message (ORU^R01's PATIENT_RESULT repeats): each under its own Patient.
+TWO = (
+    "MSH|^~\\&|LAB|LABFAC|STAGELINE|SL|20240101120000||ORU^R01^ORU_R01|ORU2|P|2.5.1\r"
+    "PID|1||P4^^^HOSP^MR||ALPHA^ANN\rOBR|1|ORD4|FIL4|24331-1^Lipid panel^LN\r"
+    "OBX|1|NM|2093-3^Cholesterol^LN||180|mg/dL\r"
+    "PID|2||P5^^^HOSP^MR||BETA^BEN\rOBR|1|ORD5|FIL5|58410-2^CBC panel^LN\r"
+    "OBX|1|NM|718-7^Hemoglobin^LN||9.1|g/dL\r"
+)
+SENT = [ADT, ORU, ORM, UNKEYED, SIU, ORU, TWO]  # the ORU twice: a re-send must not duplicate
 
 
 @dataclass
 class FhirStandIn:
     """A FHIR server's transaction endpoint on a real socket (`HttpReceiver`): validates each Bundle,
-    applies conditional PUTs by their search URL (create or replace), refuses a plain POST of a
-    Patient with a 422 OperationOutcome."""
+    applies conditional PUTs by their search URL (create or replace; references to another entry's
+    fullUrl rewritten to that entry's search URL, as a server rewrites them to the ids it assigns),
+    refuses a plain POST of a Patient with a 422 OperationOutcome."""
 
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -78,8 +87,12 @@ class FhirStandIn:
                 "issue": [{"severity": "error", "code": "business-rule", "diagnostics": REFUSAL}],
             }
             return 422, outcome
+        where = {e["fullUrl"]: e["request"]["url"] for e in entries}
         for e in entries:
-            self.resources[e["request"]["url"]] = e["resource"]
+            text = json.dumps(e["resource"])
+            for full_url, url in where.items():
+                text = text.replace(f'"{full_url}"', json.dumps(url))
+            self.resources[e["request"]["url"]] = json.loads(text)
         return 200, {
             "resourceType": "Bundle",
             "type": "transaction-response",
@@ -137,21 +150,21 @@ def test_bundles_are_posted_as_fhir_json_and_re_sends_do_not_duplicate(outcome: 
     assert {ct for ct, _ in posts} == {"application/fhir+json"}
     accepted = [doc for _, doc in posts if not any(e["request"]["method"] == "POST" for e in doc["entry"])]
     types = sorted(e["resource"]["resourceType"] for doc in accepted for e in doc["entry"])
-    # ADT: Patient + Encounter; ORU twice: Patient + report + 2 observations each; ORM: Patient + order.
+    # ADT: Patient + Encounter; ORU twice: Patient + report + 2 observations each; ORM: Patient + order;
+    # the two-patient ORU: a Patient, a report and an observation each.
     assert types == sorted(
         ["Patient", "Encounter"]
         + 2 * ["Patient", "DiagnosticReport", "Observation", "Observation"]
         + ["Patient", "ServiceRequest"]
+        + 2 * ["Patient", "DiagnosticReport", "Observation"]
     )
     kinds = sorted(url.split("?")[0] for url in outcome.server.resources)
     # The second ORU updated what the first created: one set of its resources on the server.
     assert kinds == [
-        "DiagnosticReport",
+        *(["DiagnosticReport"] * 3),
         "Encounter",
-        "Observation",
-        "Observation",
-        "Patient",
-        "Patient",
+        *(["Observation"] * 4),
+        *(["Patient"] * 4),
         "ServiceRequest",
     ]
     patient_p1 = outcome.server.resources["Patient?identifier=urn%3Aoid%3A2.16.840.1.113883.19.5|P1"]
@@ -160,7 +173,25 @@ def test_bundles_are_posted_as_fhir_json_and_re_sends_do_not_duplicate(outcome: 
         "ADT1": ["done"],
         "ORU1": ["done", "done"],
         "ORM1": ["done"],
+        "ORU2": ["done"],
     }
+
+
+def test_each_patients_results_land_under_that_patient_on_the_server(outcome: Outcome) -> None:
+    """The two-patient ORU on the server: each report and observation refers to its own Patient."""
+    patient = "Patient?identifier=urn%3Aoid%3A2.16.840.1.113883.19.5|{}".format
+    subjects = {
+        (r["resourceType"], r["code"]["coding"][0]["code"]): r["subject"]["reference"]
+        for r in outcome.server.resources.values()
+        if r["resourceType"] in ("DiagnosticReport", "Observation") and r["subject"]["reference"] != patient("P1")
+    }
+    assert subjects == {
+        ("DiagnosticReport", "24331-1"): patient("P4"),
+        ("Observation", "2093-3"): patient("P4"),
+        ("DiagnosticReport", "58410-2"): patient("P5"),
+        ("Observation", "718-7"): patient("P5"),  # B's hemoglobin is under B
+    }
+    assert outcome.server.resources[patient("P5")]["name"] == [{"family": "BETA", "given": ["BEN"]}]
 
 
 def test_a_refused_bundle_is_dead_with_the_servers_operation_outcome(outcome: Outcome) -> None:

@@ -36,6 +36,35 @@ ORM_O01 = (
     "OBR|1|ORD777||71020^CHEST XRAY 2V^CPT\n"
 )
 
+# Two patients' results in one message (ORU^R01's PATIENT_RESULT repeats): the second with a next
+# of kin, an NTE after its OBR (the IG maps none) and its hemoglobin.
+ORU_R01_TWO_PATIENTS = (
+    "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240105090000||ORU^R01^ORU_R01|MSG00010|P|2.5.1\r"
+    "PID|1||555^^^LAB^MR||PATIENT^PAT\r"
+    "OBR|1|ORD1|FIL1|24331-1^Lipid panel^LN|||20240105080000\r"
+    "OBX|1|NM|2093-3^Cholesterol^LN||196|mg/dL^^UCUM|<200|N|||F\r"
+    "NTE|1||fasting 12h\r"
+    "PID|2||556^^^LAB^MR||OTHER^BETTY||19800202|F\r"
+    "NK1|1|OTHER^BOB|SPO^Spouse^HL70063||^PRN^PH^^^555^7654321\r"
+    "OBR|1|ORD2|FIL2|58410-2^CBC panel^LN|||20240105081500\r"
+    "NTE|1||hemolyzed sample, redrawn\r"
+    "OBX|1|NM|718-7^Hemoglobin^LN||9.1|g/dL^^UCUM|12.0-16.0|L|||F\r"
+    "OBX|2|NM|6690-2^Leukocytes^LN||7.5|10*3/uL^^UCUM|4.5-11.0|N|||F\r"
+)
+
+# Two patients' orders (a PID before each ORDER group), the first with two order notes (NTE after its OBR).
+ORM_O01_TWO_PATIENTS = (
+    "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240106101500||ORM^O01|MSG00011|P|2.3\r"
+    "PID|1||777^^^HOSP^MR||ROE^RICHARD\r"
+    "ORC|NW|ORD777^HOSP|||SC||^^^^^R||20240106101000\r"
+    "OBR|1|ORD777^HOSP||71020^CHEST XRAY 2V^CPT\r"
+    "NTE|1||patient on oxygen\r"
+    "NTE|2||portable \\T\\ bedside if possible\r"
+    "PID|2||778^^^HOSP^MR||DOE^JANE\r"
+    "ORC|NW|ORD778^HOSP|||||^^^^^S\r"
+    "OBR|1|ORD778^HOSP||74150^CT ABDOMEN^CPT\r"
+)
+
 # The next three share one PID layout under different separators (CRLF endings on the first):
 # PID-3 = two repetitions, component 3 has two subcomponents; PID-5 has a default separator as
 # plain text; PID-6 holds field and component separator escapes.

@@ -24,9 +24,17 @@ from bench.hl7_corpus import messages
 from bench.peers import fhir_peer
 from include.fhir_options import FHIR_CONTENT_TYPE
 from include.transforms_config import TransformConfigError, parse_transforms
-from spark_jobs.hl7_fhir import _SAME_URL, _SEVERAL_PATIENTS, MAX_GROUP_SEGMENTS
+from spark_jobs.hl7_fhir import _BEFORE_FIRST_PID, _SAME_URL, _SEVERAL_PATIENTS, MAX_GROUP_SEGMENTS
 from spark_jobs.transform_rules import transform
-from tests.spark_jobs.hl7_samples import ADT_A01, CORPUS, NO_SUBCOMPONENT, ORM_O01, ORU_R01
+from tests.spark_jobs.hl7_samples import (
+    ADT_A01,
+    CORPUS,
+    NO_SUBCOMPONENT,
+    ORM_O01,
+    ORM_O01_TWO_PATIENTS,
+    ORU_R01,
+    ORU_R01_TWO_PATIENTS,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 SYSTEMS = {"GOOD HEALTH HOSPITAL": "urn:oid:2.16.840.1.113883.19.5", "LAB": "urn:oid:2.16.840.1.113883.19.6"}
@@ -75,7 +83,13 @@ def check_bundle(text: str) -> dict[str, Any]:
     return doc
 
 
-GOLDEN_SAMPLES = {"adt_a01": ADT_A01, "oru_r01": ORU_R01, "orm_o01": ORM_O01}
+GOLDEN_SAMPLES = {
+    "adt_a01": ADT_A01,
+    "oru_r01": ORU_R01,
+    "orm_o01": ORM_O01,
+    "oru_r01_two_patients": ORU_R01_TWO_PATIENTS,
+    "orm_o01_two_patients": ORM_O01_TWO_PATIENTS,
+}
 CORPUS_ROWS = {i: p for i, p in CORPUS.items() if p and p.startswith("MSH")}
 CORPUS_ROWS.update({100 + i: p for i, p in enumerate(messages(600, seed=27))})
 DATATYPES_ADT = (
@@ -137,6 +151,34 @@ STRUCTURED_NUMBERS = (
 )
 
 
+# Several patients in one message (issue 27): each PATIENT_RESULT (ORU) or patient's orders (ORM) under its own PID.
+_M = "MSH|^~\\&|LAB|LABFAC|EHR|CITY|20240105090000||ORU^R01|{cid}|P|2.5.1\r"
+
+
+def _group(mrn: str, value: str, *, filler: str = "") -> str:
+    """One patient's group: PID (MRN under LAB, none when blank), a CBC report with its hemoglobin."""
+    pid = f"{mrn}^^^LAB^MR" if mrn else ""
+    return f"PID|1||{pid}||P{mrn}^X\rOBR|1||{filler}|58410-2^CBC^LN\rOBX|1|NM|718-7^Hemoglobin^LN||{value}|g/dL\r"
+
+
+MULTI = {
+    "resent": ORU_R01_TWO_PATIENTS,  # the golden message again under another Stageline message id
+    "first only": ORU_R01_TWO_PATIENTS[: ORU_R01_TWO_PATIENTS.index("PID|2")],
+    "no identifiers": _M.format(cid="G1") + _group("A1", "13.1") + _group("", "9.2"),
+    "fifty": _M.format(cid="G2") + "".join(_group(f"N{i}", f"{i}.5") for i in range(1, 51)),
+    # A PATIENT_RESULT without results (ORU^R01 requires one; the Patient alone is written).
+    "empty group": _M.format(cid="G3") + "PID|1||E1^^^LAB^MR||EMPTY^E\r" + _group("E2", "11.0"),
+    # A patient's own OBX (PATIENT_OBSERVATION) before its first OBR: not the previous patient's report's.
+    "patient observation": _M.format(cid="G4")
+    + _group("O1", "12.0")
+    + "PID|2||O2^^^LAB^MR||P^O\rOBX|1|NM|29463-7^Weight^LN||70|kg\rOBR|1|||58410-2^CBC^LN\r",
+    "same patient": _M.format(cid="G5") + _group("S1", "12.0", filler="F1") + _group("S1", "12.5", filler="F2"),
+    "before the first": _M.format(cid="G6") + "OBR|1|||X^Y^LN\r" + _group("B1", "1") + _group("B2", "2"),
+    "orm orders before": "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240103||ORM^O01|G7|P|2.3\rORC|NW|O1\r"
+    "PID|1||Q1^^^HOSP^MR||A^A\rOBR|1|O1||X^Y^L\rPID|2||Q2^^^HOSP^MR||B^B\rORC|NW|O2\rOBR|1|O2||Z^W^L\r",
+}
+
+
 # The red team's findings against this mapping (issue 27): each row either maps right or is refused.
 _R = "MSH|^~\\&|LAB|LABFAC|EHR|CITY|{ts}||ORU^R01|{cid}|P|2.5.1\rPID|1||{pid}||PAT^P\r"
 
@@ -148,7 +190,7 @@ def _red_oru(cid: str, body: str, pid: str = "555^^^LAB^MR", ts: str = "20240102
 _ADT = "MSH|^~\\&|ADT1|HOSP|EHR|CITY|20240101120000||ADT^A01|{cid}|P|2.5.1\rPID|1||{pid}||DOE^J||{birth}\r"
 _NO_FILLER = "OBR|1|P1|\rOBX|1|NM|2093-3^Chol^LN||1|mg/dL|||||F\r"  # reports and results keyed on Stageline's id
 RED = {
-    # H1: a second patient's results would have been filed under the first: refused.
+    # H1: a second patient's results would have been filed under the first: now each under its own.
     "two patients": _red_oru(
         "A1", "OBR|1|O1|F1|X^Y^LN\rOBX|1|NM|A^B^LN||1|mg\rPID|2||VICTIM^^^LAB^MR||ROE^R\rOBR|1|O2|F2|X^Y^LN\r"
     ),
@@ -223,6 +265,7 @@ def out(spark: SparkSession) -> dict[tuple[str, Any], tuple[str, str | None]]:
     rows += [("escapes", k, p) for k, p in ESCAPES.items()]
     rows += [("types", "sn", STRUCTURED_NUMBERS), ("ig", "nk1", NEXT_OF_KIN), ("ig", "nte", NOTES)]
     rows += [("red", k, p) for k, p in RED.items()]
+    rows += [("multi", k, p) for k, p in MULTI.items()]
     keys = {n: (group, key) for n, (group, key, _p) in enumerate(rows)}
     SEEDS.update({(group, key): f"m{n}|fhir" for n, (group, key, _p) in enumerate(rows)})
     frame = spark.createDataFrame(
@@ -429,7 +472,10 @@ def test_what_the_mapping_cannot_take_is_refused_with_its_reason(out: dict[Any, 
     assert refused[2] == ("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject", None)
     assert refused[3][1] is None and refused[3][0].startswith("fhir-r4: a batch of several messages")
     assert refused[4][1] is None  # not HL7: the finalize dead-letters it like any unreadable payload
-    assert refused[6] == ("fhir-r4: more than 1000 OBR, OBX or ORC segments: too many for one Bundle", None)
+    assert refused[6] == (
+        "fhir-r4: more than 1000 OBR, OBX, ORC, PID or NK1 segments: too many for one Bundle",
+        None,
+    )
     assert refused[5] == ("fhir-r4: no FHIR mapping for message type ADT^A03", None)
 
 
@@ -480,15 +526,23 @@ def test_fhir_settings_are_checked_at_config_load(spec: dict[str, Any], error: s
 def test_red_team_findings_are_mapped_right_or_refused(out: dict[Any, Any]) -> None:
     """Issue 27's red team: nothing filed under the wrong patient, nothing a server must reject."""
     red = {k: out[("red", k)] for k in RED}
-    for key in ("two patients", "adt two pids"):
-        assert red[key] == (_SEVERAL_PATIENTS, None), key
-    assert red["oru without pid"] == ("fhir-r4: ORU^R01 without a PID: results need a subject", None)
-    assert red["msh only"] == red["oru without pid"]
-    assert red["same filler"] == (_SAME_URL, None) and red["same placer"] == (_SAME_URL, None)
 
     def entries(key: str) -> list[dict[str, Any]]:
         assert red[key][0] == FHIR_CONTENT_TYPE, red[key]
         return check_bundle(red[key][1])["entry"]
+
+    assert red["adt two pids"] == (_SEVERAL_PATIENTS, None)  # an ADT is one patient's
+    patients = {e["fullUrl"]: e["resource"]["identifier"][0]["value"] for e in entries("two patients")[:2]}
+    assert list(patients.values()) == ["555", "VICTIM"]
+    filed = {
+        r["resource"]["identifier"][0]["value"]: patients[r["resource"]["subject"]["reference"]]
+        for r in entries("two patients")
+        if r["resource"]["resourceType"] == "DiagnosticReport"
+    }
+    assert filed == {"F1": "555", "F2": "VICTIM"}
+    assert red["oru without pid"] == ("fhir-r4: ORU^R01 without a PID: results need a subject", None)
+    assert red["msh only"] == red["oru without pid"]
+    assert red["same filler"] == (_SAME_URL, None) and red["same placer"] == (_SAME_URL, None)
 
     # M1: the same message again keeps its identifiers; another one (a wrapped MSH-10 with another
     # time or patient, another MSH-3) writes its own.
@@ -537,3 +591,134 @@ def test_the_python_peer_agrees_on_the_red_team_rows(out: dict[Any, Any]) -> Non
             continue  # SN ranges: the peer's scope leaves SN out (bench/peers/fhir_peer.py)
         text = out[("red", key)][1]
         assert fhir_peer.bundle(payload, SEEDS[("red", key)], options) == (json.loads(text) if text else None), key
+
+
+def _multi(out: dict[Any, Any], group: str, key: str) -> list[dict[str, Any]]:
+    content_type, text = out[(group, key)]
+    assert content_type == FHIR_CONTENT_TYPE, (key, content_type)
+    return check_bundle(text)["entry"]
+
+
+def _by_patient(entries: list[dict[str, Any]]) -> dict[str, list[tuple[str, str]]]:
+    """What each Patient (its MRN, else "-") has filed under it: (resource type, code or value)."""
+    names = {
+        e["fullUrl"]: next((i["value"] for i in e["resource"].get("identifier", [])), "-")
+        for e in entries
+        if e["resource"]["resourceType"] == "Patient"
+    }
+    filed: dict[str, list[tuple[str, str]]] = {name: [] for name in names.values()}
+    for e in entries:
+        r = e["resource"]
+        if "subject" in r:
+            value = r.get("valueQuantity", {}).get("value", r["code"].get("coding", [{}])[0].get("code"))
+            filed[names[r["subject"]["reference"]]].append((r["resourceType"], str(value)))
+    return filed
+
+
+def test_each_patient_group_of_an_oru_is_its_own_patient_with_its_own_results(out: dict[Any, Any]) -> None:
+    """The IG's ORU_R01 map: each PATIENT_RESULT's PID its own Patient, its ORDER_OBSERVATION groups'
+    reports and observations referring to it; the NTE after an OBR is mapped nowhere (the IG maps
+    none, and R4's DiagnosticReport has no note)."""
+    entries = _multi(out, "golden", "oru_r01_two_patients")
+    by_url = {e["fullUrl"]: e["resource"] for e in entries}
+    patients = {r["identifier"][0]["value"]: url for url, r in by_url.items() if r["resourceType"] == "Patient"}
+    assert list(patients) == ["555", "556"]
+    hemoglobin = next(
+        (url, r)
+        for url, r in by_url.items()
+        if r["resourceType"] == "Observation" and r["code"]["coding"][0]["code"] == "718-7"
+    )
+    assert hemoglobin[1]["subject"] == {"reference": patients["556"]}  # B's hemoglobin is under B
+    assert hemoglobin[1]["valueQuantity"]["value"] == 9.1
+    reports = {r["identifier"][0]["value"]: r for r in by_url.values() if r["resourceType"] == "DiagnosticReport"}
+    assert reports["FIL2"]["subject"] == {"reference": patients["556"]}
+    assert hemoglobin[0] in [x["reference"] for x in reports["FIL2"]["result"]]
+    assert [by_url[x["reference"]]["subject"] for x in reports["FIL1"]["result"]] == [{"reference": patients["555"]}]
+    assert _by_patient(entries) == {
+        "555": [("DiagnosticReport", "24331-1"), ("Observation", "196")],
+        "556": [("DiagnosticReport", "58410-2"), ("Observation", "9.1"), ("Observation", "7.5")],
+    }
+    assert "contact" not in by_url[patients["555"]]  # the NK1 is the second patient's
+    assert by_url[patients["556"]]["contact"][0]["name"] == {"family": "OTHER", "given": ["BOB"]}
+    assert "hemolyzed" not in out[("golden", "oru_r01_two_patients")][1]
+
+
+def test_each_patient_of_an_orm_gets_its_orders_and_an_order_gets_its_notes(out: dict[Any, Any]) -> None:
+    """ORM^O01: the orders after a PID are that patient's; the NTE right after an OBR (the IG's
+    ORDER_DETAIL NTE) → ServiceRequest.note, NTE-3 its text."""
+    entries = _multi(out, "golden", "orm_o01_two_patients")
+    assert _by_patient(entries) == {"777": [("ServiceRequest", "71020")], "778": [("ServiceRequest", "74150")]}
+    first, second = (e["resource"] for e in entries if e["resource"]["resourceType"] == "ServiceRequest")
+    assert first["note"] == [{"text": "patient on oxygen"}, {"text": "portable & bedside if possible"}]
+    assert first["priority"] == "routine" and first["status"] == "active"
+    assert "note" not in second and second["priority"] == "stat"
+
+
+def test_patient_groups_keep_their_identifiers_when_resent_and_never_share_one(out: dict[Any, Any]) -> None:
+    """Each group's Stageline identifiers derive from the message's identity and that group's PID-3:
+    a re-send writes on the same URLs; the first group's are those the message had with that patient
+    alone (what main wrote before several patients were mapped); no two groups meet."""
+    golden = _multi(out, "golden", "oru_r01_two_patients")
+    resent = _multi(out, "multi", "resent")
+    assert [e["request"] for e in resent] == [e["request"] for e in golden]
+    assert [e["resource"] for e in resent] != [e["resource"] for e in golden]  # other fullUrls in the references
+    assert [e["fullUrl"] for e in resent] != [e["fullUrl"] for e in golden]
+    alone = _multi(out, "multi", "first only")
+    mine = {"reference": golden[0]["fullUrl"]}  # the first patient's entry
+    first_group = [e for e in golden if e is golden[0] or e["resource"].get("subject") == mine]
+    assert [e["request"] for e in alone] == [e["request"] for e in first_group]
+    assert len(first_group) == 3
+    keys = [i["value"] for e in golden for i in e["resource"]["identifier"] if i.get("system") == "urn:ietf:rfc:3986"]
+    assert len(keys) == len(set(keys)) == 5
+
+
+def test_hostile_patient_groups_are_mapped_under_the_right_patient_or_refused(out: dict[Any, Any]) -> None:
+    fifty = _multi(out, "multi", "fifty")
+    assert _by_patient(fifty) == {
+        f"N{i}": [("DiagnosticReport", "58410-2"), ("Observation", f"{i}.5")] for i in range(1, 51)
+    }
+    reports = [e["resource"] for e in fifty if e["resource"]["resourceType"] == "DiagnosticReport"]
+    observations = {e["fullUrl"]: e["resource"] for e in fifty if e["resource"]["resourceType"] == "Observation"}
+    for report in reports:
+        (result,) = report["result"]
+        assert observations[result["reference"]]["subject"] == report["subject"]
+
+    # A second patient with no identifier: a plain POST, its hemoglobin under it by fullUrl.
+    anonymous = _multi(out, "multi", "no identifiers")
+    assert _by_patient(anonymous) == {
+        "A1": [("DiagnosticReport", "58410-2"), ("Observation", "13.1")],
+        "-": [("DiagnosticReport", "58410-2"), ("Observation", "9.2")],
+    }
+    assert anonymous[1]["request"] == {"method": "POST", "url": "Patient"}
+
+    # A group with no results: its Patient alone; the next group's results are the next patient's.
+    assert _by_patient(_multi(out, "multi", "empty group")) == {
+        "E1": [],
+        "E2": [("DiagnosticReport", "58410-2"), ("Observation", "11.0")],
+    }
+
+    # A patient's own OBX before its first OBR is its own, in no report of the patient before.
+    observed = _multi(out, "multi", "patient observation")
+    assert _by_patient(observed) == {
+        "O1": [("DiagnosticReport", "58410-2"), ("Observation", "12.0")],
+        "O2": [("DiagnosticReport", "58410-2"), ("Observation", "70")],
+    }
+    reports = [e["resource"] for e in observed if e["resource"]["resourceType"] == "DiagnosticReport"]
+    assert [len(r.get("result", [])) for r in reports] == [1, 0]  # O2's report: its OBX came before it
+
+    # One patient in two groups: two entries on one conditional URL, which a server fails whole.
+    assert out[("multi", "same patient")] == (_SAME_URL, None)
+    # Results or orders before the first of several PIDs: whose they are is not said.
+    assert out[("multi", "before the first")] == (_BEFORE_FIRST_PID, None)
+    assert out[("multi", "orm orders before")] == (_BEFORE_FIRST_PID, None)
+
+
+def test_the_python_peer_agrees_on_several_patients(out: dict[Any, Any]) -> None:
+    options = parse_transforms([SPEC])[0].fhir
+    assert options is not None
+    rows = [("multi", k, p) for k, p in MULTI.items()]
+    rows += [("golden", k, GOLDEN_SAMPLES[k]) for k in ("oru_r01_two_patients", "orm_o01_two_patients")]
+    for group, key, payload in rows:
+        text = out[(group, key)][1]
+        got = fhir_peer.bundle(payload, SEEDS[(group, key)], options)
+        assert got == (json.loads(text) if text else None), key

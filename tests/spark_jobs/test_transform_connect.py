@@ -11,6 +11,7 @@ output must equal the classic session's, byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,15 @@ from pyspark.sql import SparkSession
 
 from include.app.lab.postgres_server import free_port
 from spark_jobs.transform_rules import transform
-from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01, ORU_R01
+from tests.spark_jobs.hl7_samples import (
+    ADT_A01,
+    CUSTOM_HASH,
+    NOT_HL7,
+    ORM_O01,
+    ORM_O01_TWO_PATIENTS,
+    ORU_R01,
+    ORU_R01_TWO_PATIENTS,
+)
 from tests.spark_jobs.test_transform_rules import BATCH, EHR_RULES, LOOKUPS, ROUTED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +49,9 @@ SPECS = [
 ]
 ROWS = [
     (i, destination, payload)
-    for i, payload in enumerate((ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7), start=1)
+    for i, payload in enumerate(
+        (ADT_A01, ORU_R01, ORM_O01, CUSTOM_HASH, BATCH, NOT_HL7, ORU_R01_TWO_PATIENTS, ORM_O01_TWO_PATIENTS), start=1
+    )
     for destination in ("ehr", "deep", "lake", "fhir", "archive")
 ]
 
@@ -67,6 +78,8 @@ def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkS
     assert any(p is None for i, d, _, p in classic if d == "deep" and i != 6)  # a miss dead-lettered
     assert any(p is not None and d == "lake" and p.startswith("{") for _, d, _, p in classic)
     assert any(p is not None and d == "fhir" and p.startswith('{"resourceType":"Bundle"') for _, d, _, p in classic)
+    # Two patients' results and orders (rows 7, 8): a Bundle each, with a Patient per PID.
+    assert [p.count('"resourceType":"Patient"') for i, d, _, p in classic if d == "fhir" and i > 6] == [2, 2]
     server = start_connect_server(
         free_port(),
         log_dir=tmp_path,
@@ -84,3 +97,47 @@ def test_the_deepest_rules_give_the_same_output_over_spark_connect(spark: SparkS
         stop_connect_server(server)
     assert child.returncode == 0, child.stderr[-4000:]
     assert json.loads(child.stdout.strip().splitlines()[-1]) == classic
+
+
+# The mapping's projections as a Spark Connect client sends them (is_remote(): pyspark's functions
+# build protobuf expressions), measured in protobuf message levels without a server.
+DEPTHS = textwrap.dedent("""
+    import json
+    from google.protobuf.message import Message
+    from pyspark.sql import functions as F
+    from include.transforms_config import parse_transforms
+    from spark_jobs import hl7_fhir
+
+    def depth(m):
+        inner = [
+            x
+            for fd, v in m.ListFields()
+            if fd.message_type is not None
+            for x in (v if not isinstance(v, Message) and hasattr(v, "__len__") else [v])
+            if isinstance(x, Message)
+        ]
+        return 1 + max((depth(x) for x in inner), default=0)
+
+    options = parse_transforms([{"destination": "fhir", "output": "fhir-r4"}])[0].fhir
+    ctx = F.col("ctx")
+    parts = {"context": hl7_fhir.fhir_context(F.col("units"), F.col("seed"))}
+    parts.update(hl7_fhir.fhir_entries(ctx, F.col("seed"), options))
+    parts["bundle"] = hl7_fhir.fhir_bundle(ctx, [F.col(n) for n in hl7_fhir.ENTRY_PARTS])[0]
+    print(json.dumps({name: depth(c._expr.to_plan(None)) for name, c in parts.items()}))
+""")
+CONNECT_DEPTH = 96
+"""The deepest expression main's mapping sent (the Observation's, 2026-11-28) and the test above took;
+a few levels more and the plan, with the relations above it, passes protobuf's limit of 100."""
+
+
+def test_no_fhir_projection_nests_deeper_than_spark_connect_took() -> None:
+    """Fast and precise where the test above is slow and whole: the depth of each FHIR projection."""
+    env = {**os.environ, "SPARK_CONNECT_MODE_ENABLED": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", DEPTHS], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    depths = json.loads(child.stdout.strip().splitlines()[-1])
+    assert set(depths) == {"context", "bundle", "patients", "encounter", "reports", "observations", "orders"}
+    assert max(depths.values()) <= CONNECT_DEPTH, depths
+    assert min(depths.values()) > 10, depths  # measured, not an empty plan
