@@ -197,15 +197,18 @@ def drain(
     batch: int,
     phases: Phases,
     stage: Stage,
-    transform: Callable[[Any, str], Any],
+    transform: stage_job.Transform,
     most: int | None = None,
     prefix: str = "",
+    kept: bool = True,
     **finalize_args: Any,
 ) -> int:
     """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed (or `most` rows
-    were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the
-    stage's pure transform."""
+    were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id=…)` is the
+    stage's pure transform. `kept`: the batches share one plan, as a stage task's do
+    (`stage_job.KeptPlans`); else each builds its own."""
     done = 0
+    plans = stage_job.KeptPlans(f"bench/{prefix}{stage.name}_job-") if kept else None
     while most is None or done < most:
         run = f"{prefix}{stage.name}_job-{phases.batches}"
         owner = f"bench/{run}"
@@ -213,16 +216,15 @@ def drain(
         ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=size))
         if not ids:
             return done
-        small = stage_job.is_small(ids)
         phases.time(
             "spark",
             lambda: stage_job.land(
                 store,
-                transform(
-                    stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run
+                stage_job.landing_frame(
+                    store, spark, stage, transform, owner=owner, epoch=epoch, run_id=run, ids=ids, plans=plans
                 ),
                 stage.landing,
-                small=small,
+                small=stage_job.is_small(ids),
             ),
         )
         out = phases.time(
@@ -237,14 +239,14 @@ def drain(
     return done
 
 
-def route_frame(frame: Any, run: str) -> Any:
+def route_frame(frame: Any, *, run_id: str) -> Any:
     """The route stage's transform under the bench's routes."""
-    return frame.transform(routed_rows, parse_routes(ROUTES), run_id=run)
+    return frame.transform(routed_rows, parse_routes(ROUTES), run_id=run_id)
 
 
-def transform_frame(frame: Any, run: str, *, dests: dict[str, Any]) -> Any:
+def transform_frame(frame: Any, *, run_id: str, dests: dict[str, Any]) -> Any:
     """The transform stage's transform under the bench's specs, lookups and `dests`."""
-    return frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run)
+    return frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run_id)
 
 
 def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: int) -> str:
@@ -354,27 +356,33 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
     ]
 
 
-def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any], n: int, batch: int) -> list[str]:
+def fhir_versus_peer(
+    store: Store,
+    spark: Any,
+    epoch: int,
+    dests: dict[str, Any],
+    n: int,
+    batch: int,
+    *,
+    kept: bool = True,
+    server: int | None = None,
+) -> list[str]:
     """Route + transform of `n` messages to FHIR Bundles through the store, and the peers (module
-    docstring); the figure lines."""
+    docstring; `server`: the Spark Connect server's PID, for its CPU seconds); the figure lines."""
     from include.transforms_config import parse_transforms
 
     payloads = corpus(n, seed=27)
     before = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'")
     stage_backlog(store, payloads, epoch)
-    phases, tphases = Phases(), Phases()
+    phases, tphases = Phases(server), Phases(server)
     seconds = []
-    stages = (
-        (phases, ROUTE, lambda frame, run: frame.transform(routed_rows, parse_routes(FHIR_ROUTES), run_id=run)),
-        (
-            tphases,
-            TRANSFORM,
-            lambda frame, run: frame.transform(transform_job.outbound_rows, FHIR_SPECS, {}, dests, run_id=run),
-        ),
+    stages: tuple[tuple[Phases, Stage, stage_job.Transform], ...] = (
+        (phases, ROUTE, partial(routed_rows, routes=parse_routes(FHIR_ROUTES))),
+        (tphases, TRANSFORM, partial(transform_job.outbound_rows, specs=FHIR_SPECS, lookups={}, destinations=dests)),
     )
     for stage_phases, stage, job in stages:
         started = time.perf_counter()
-        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set())
+        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set(), kept=kept)
         seconds.append(time.perf_counter() - started)
     route_s, transform_s = seconds
     bundles = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'") - before
@@ -390,8 +398,9 @@ def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any]
     assert wide_counts == peer_counts, (wide_counts, peer_counts)
     wide_rate = n / wide_s
     return [
-        f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.line()}) and transformed to FHIR R4 "
-        f"Bundles in {transform_s:.1f} s ({tphases.line()}); peer: {peer_counts}",
+        f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.batches} batches: {phases.line()}) and "
+        f"transformed to FHIR R4 Bundles in {transform_s:.1f} s ({tphases.batches} batches: {tphases.line()}); "
+        f"plans {'kept' if kept else 'built per batch'}; peer: {peer_counts}",
         "| route + transform to FHIR R4 | msg/s | Stageline ÷ it |",
         "|---|---|---|",
         f"| Stageline (Spark Connect, local[*], through the store) | {rate:,.0f} | |",
@@ -506,6 +515,11 @@ def main() -> None:
         help="also route + transform N messages to FHIR R4 Bundles beside the python peer (0: skip)",
     )
     parser.add_argument("--fhir-only", action="store_true", help="with --fhir: skip the main pipeline run")
+    parser.add_argument(
+        "--per-batch-plans",
+        action="store_true",
+        help="every batch builds (and the server analyses) its own plan, as before stage_job.KeptPlans",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -590,6 +604,7 @@ def main() -> None:
                     stage,
                     fn,
                     prefix="warm-",
+                    kept=not args.per_batch_plans,
                     passthrough=passthrough_destinations(SPECS, dests),
                 )
             print(
@@ -597,7 +612,10 @@ def main() -> None:
             )
 
         if args.fhir_only:
-            print("\n".join(fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch)))
+            fhir = fhir_versus_peer(
+                store, spark, epoch, dests, args.fhir, args.batch, kept=not args.per_batch_plans, server=connect.pid
+            )
+            print("\n".join(fhir))
             store.close()
             return
         payloads = corpus(args.messages, seed=1)
@@ -620,6 +638,7 @@ def main() -> None:
                 phases,
                 ROUTE,
                 route_frame,
+                kept=not args.per_batch_plans,
                 passthrough=passthrough,
             )
             route_s = time.perf_counter() - started
@@ -641,6 +660,7 @@ def main() -> None:
                 tphases,
                 TRANSFORM,
                 partial(transform_frame, dests=dests),
+                kept=not args.per_batch_plans,
                 passthrough=passthrough,
             )
             transform_s = time.perf_counter() - started
@@ -671,7 +691,13 @@ def main() -> None:
         if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
         hook_lines = code_hook_versus_native(spark, payloads, dests, args.code_hook) if args.code_hook else []
-        fhir_lines = fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch) if args.fhir else []
+        fhir_lines = (
+            fhir_versus_peer(
+                store, spark, epoch, dests, args.fhir, args.batch, kept=not args.per_batch_plans, server=connect.pid
+            )
+            if args.fhir
+            else []
+        )
 
         started = time.perf_counter()
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)
