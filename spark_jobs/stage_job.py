@@ -24,7 +24,7 @@ a read of the batch's rows — and the server analyses it every time: most of a 
 (docs/performance.md, "Spark's share"). With `plans` (`KeptPlans`, one per task) a large batch
 instead runs the landing frame its task built once, over a read whose text is the same every
 batch (the rows in flight under the task's owner prefix, `Stage.read_task_query`; one partition
-per residue of the id, `id % n`, as many as `id_ranges` would cut): the Spark Connect server
+per residue of the id, `id % READ_PARTITIONS`, for any batch size): the Spark Connect server
 finds that frame's analysed plan in its session's plan cache (keyed on the frame's protobuf plan,
 `spark.connect.session.planCache.*`), and only the run id on top is new. A changed transform (new
 lookups), epoch or session builds a new one.
@@ -231,7 +231,7 @@ def landing_frame(
     task's kept plan when `plans` has one for it (module docstring), else built for this batch."""
     small = is_small(ids)
     if plans is not None and not small:
-        kept = plans.frame(store, spark, stage, transform, owner=owner, epoch=epoch, ids=ids)
+        kept = plans.frame(store, spark, stage, transform, owner=owner, epoch=epoch)
         if kept is not None:
             return kept.withColumn("run_id", F.lit(run_id))
     claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids)
@@ -248,8 +248,9 @@ class KeptPlans:
 
     `prefix`: what every batch owner of the task starts with (`include.stage_loop.claim_owner` of
     `<run>#<try>.`); its batches run one at a time, so the rows in flight under it are the batch's.
-    A frame is kept per stage, session, epoch and partition count, for the transform it was built
-    with: a batch whose transform differs (the lookups changed) builds and keeps a new one.
+    A frame is kept per stage, session and epoch, for the transform it was built with: a batch whose
+    transform differs (the lookups changed) builds and keeps a new one. Its read has READ_PARTITIONS
+    partitions whatever the batch's size (one plan for every size, so every batch finds it).
     """
 
     def __init__(self, prefix: str) -> None:
@@ -268,23 +269,21 @@ class KeptPlans:
         *,
         owner: str,
         epoch: int,
-        ids: Sequence[int],
     ) -> DataFrame | None:
         """The kept landing frame for this batch (built and analysed now if there is none yet), or
         None when the batch cannot use one: the stage has no task read, or `owner` is not the task's."""
         if not stage.read_task_query or stage.landing is None or not owner.startswith(self.prefix):
             return None
-        parts = len(id_ranges(ids, rows=READ_PARTITION_ROWS, most=READ_PARTITIONS))
-        key = (stage.name, id(spark), int(epoch), parts)
+        key = (stage.name, id(spark), int(epoch))
         made = _made_of(transform)
         found = self._kept.get(key)
         if found is not None and found[0] == made:
             return found[1]
-        claimed = read_task(store, spark, stage, prefix=self.prefix, epoch=epoch, parts=parts)
+        claimed = read_task(store, spark, stage, prefix=self.prefix, epoch=epoch, parts=READ_PARTITIONS)
         frame = transform(claimed, run_id=KEPT_RUN_ID).select(*stage.landing.columns)
         frame.schema  # noqa: B018  one AnalyzePlan: the server caches the analysed plan under this frame
         # the stage's frames under an older epoch or a lost session go
-        self._kept = {k: v for k, v in self._kept.items() if k[0] != key[0] or k[:3] == key[:3]}
+        self._kept = {k: v for k, v in self._kept.items() if k[0] != key[0]}
         self._kept[key] = (made, frame)
         self.built += 1
         return frame
