@@ -18,7 +18,9 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
               the same server's floor for that many row changes (bench/store_floor.py)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
     warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first, then N more
-              through the route and transform stages, untimed
+              through the route and transform stages (with --fhir-only, FHIR's), untimed
+    plans     each stage's batches, the warm-up's and the measured ones, share one plan as a stage
+              task's do (spark_jobs.stage_job.KeptPlans); --per-batch-plans: each batch builds its own
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
@@ -200,15 +202,14 @@ def drain(
     transform: stage_job.Transform,
     most: int | None = None,
     prefix: str = "",
-    kept: bool = True,
+    plans: stage_job.KeptPlans | None = None,
     **finalize_args: Any,
 ) -> int:
     """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed (or `most` rows
     were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id=…)` is the
-    stage's pure transform. `kept`: the batches share one plan, as a stage task's do
-    (`stage_job.KeptPlans`); else each builds its own."""
+    stage's pure transform. `plans` (prefix `bench/`): the batches share one plan per stage, as a
+    stage task's do, with the warm-up's; None: each builds its own."""
     done = 0
-    plans = stage_job.KeptPlans(f"bench/{prefix}{stage.name}_job-") if kept else None
     while most is None or done < most:
         run = f"{prefix}{stage.name}_job-{phases.batches}"
         owner = f"bench/{run}"
@@ -237,6 +238,14 @@ def drain(
         done += len(ids)
         phases.batches += 1
     return done
+
+
+def fhir_stages(dests: dict[str, Any]) -> tuple[tuple[Stage, stage_job.Transform], ...]:
+    """The route and transform stages with their transforms for FHIR output (FHIR_ROUTES, FHIR_SPECS)."""
+    return (
+        (ROUTE, partial(routed_rows, routes=parse_routes(FHIR_ROUTES))),
+        (TRANSFORM, partial(transform_job.outbound_rows, specs=FHIR_SPECS, lookups={}, destinations=dests)),
+    )
 
 
 def route_frame(frame: Any, *, run_id: str) -> Any:
@@ -364,7 +373,7 @@ def fhir_versus_peer(
     n: int,
     batch: int,
     *,
-    kept: bool = True,
+    plans: stage_job.KeptPlans | None = None,
     server: int | None = None,
 ) -> list[str]:
     """Route + transform of `n` messages to FHIR Bundles through the store, and the peers (module
@@ -376,13 +385,9 @@ def fhir_versus_peer(
     stage_backlog(store, payloads, epoch)
     phases, tphases = Phases(server), Phases(server)
     seconds = []
-    stages: tuple[tuple[Phases, Stage, stage_job.Transform], ...] = (
-        (phases, ROUTE, partial(routed_rows, routes=parse_routes(FHIR_ROUTES))),
-        (tphases, TRANSFORM, partial(transform_job.outbound_rows, specs=FHIR_SPECS, lookups={}, destinations=dests)),
-    )
-    for stage_phases, stage, job in stages:
+    for stage_phases, (stage, job) in zip((phases, tphases), fhir_stages(dests)):
         started = time.perf_counter()
-        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set(), kept=kept)
+        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set(), plans=plans)
         seconds.append(time.perf_counter() - started)
     route_s, transform_s = seconds
     bundles = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'") - before
@@ -400,7 +405,7 @@ def fhir_versus_peer(
     return [
         f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.batches} batches: {phases.line()}) and "
         f"transformed to FHIR R4 Bundles in {transform_s:.1f} s ({tphases.batches} batches: {tphases.line()}); "
-        f"plans {'kept' if kept else 'built per batch'}; peer: {peer_counts}",
+        f"plans {f'kept ({plans.built} built in all)' if plans else 'built per batch'}; peer: {peer_counts}",
         "| route + transform to FHIR R4 | msg/s | Stageline ÷ it |",
         "|---|---|---|",
         f"| Stageline (Spark Connect, local[*], through the store) | {rate:,.0f} | |",
@@ -587,14 +592,23 @@ def main() -> None:
         )
         deliver_job.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
 
+        # One stage task per stage, as in the DAGs: its batches (the warm-up's and the measured ones)
+        # share one plan (stage_job.KeptPlans), built by its first batch.
+        plans = None if args.per_batch_plans else stage_job.KeptPlans("bench/")
         if args.warm_messages:
             started = time.perf_counter()
             warm_jit(spark, corpus(args.warm_messages, seed=2), dests, fhir=bool(args.fhir))
             # ...and the stages' own path (JDBC read, land, finalize) over other messages, untimed: a
             # server that has been running has compiled that code too, and a cold JIT's compiler
             # threads would otherwise bill the measured batches (docs/stages.md, "Per micro-batch").
+            # With --fhir-only, the stages that are measured: FHIR's route and transform.
             stage_backlog(store, corpus(args.warm_messages, seed=3), epoch)
-            for stage, fn in ((ROUTE, route_frame), (TRANSFORM, partial(transform_frame, dests=dests))):
+            warm_stages = (
+                fhir_stages(dests)
+                if args.fhir_only
+                else ((ROUTE, route_frame), (TRANSFORM, partial(transform_frame, dests=dests)))
+            )
+            for stage, fn in warm_stages:
                 drain(
                     store,
                     spark,
@@ -604,17 +618,15 @@ def main() -> None:
                     stage,
                     fn,
                     prefix="warm-",
-                    kept=not args.per_batch_plans,
-                    passthrough=passthrough_destinations(SPECS, dests),
+                    plans=plans,
+                    passthrough=set() if args.fhir_only else passthrough_destinations(SPECS, dests),
                 )
             print(
                 f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
             )
 
         if args.fhir_only:
-            fhir = fhir_versus_peer(
-                store, spark, epoch, dests, args.fhir, args.batch, kept=not args.per_batch_plans, server=connect.pid
-            )
+            fhir = fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch, plans=plans, server=connect.pid)
             print("\n".join(fhir))
             store.close()
             return
@@ -638,7 +650,7 @@ def main() -> None:
                 phases,
                 ROUTE,
                 route_frame,
-                kept=not args.per_batch_plans,
+                plans=plans,
                 passthrough=passthrough,
             )
             route_s = time.perf_counter() - started
@@ -660,7 +672,7 @@ def main() -> None:
                 tphases,
                 TRANSFORM,
                 partial(transform_frame, dests=dests),
-                kept=not args.per_batch_plans,
+                plans=plans,
                 passthrough=passthrough,
             )
             transform_s = time.perf_counter() - started
@@ -692,9 +704,7 @@ def main() -> None:
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
         hook_lines = code_hook_versus_native(spark, payloads, dests, args.code_hook) if args.code_hook else []
         fhir_lines = (
-            fhir_versus_peer(
-                store, spark, epoch, dests, args.fhir, args.batch, kept=not args.per_batch_plans, server=connect.pid
-            )
+            fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch, plans=plans, server=connect.pid)
             if args.fhir
             else []
         )
