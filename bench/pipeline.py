@@ -20,7 +20,8 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
     warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first, then N more
               through the route and transform stages (with --fhir-only, FHIR's), untimed
     plans     each stage's batches, the warm-up's and the measured ones, share one plan as a stage
-              task's do (spark_jobs.stage_job.KeptPlans); --per-batch-plans: each batch builds its own
+              task's do (spark_jobs.stage_job.KeptPlans); --per-batch-plans: each batch builds its own;
+              --all-optimizer-rules: the session runs the optimizer rules include.spark skips too
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
@@ -525,6 +526,11 @@ def main() -> None:
         action="store_true",
         help="every batch builds (and the server analyses) its own plan, as before stage_job.KeptPlans",
     )
+    parser.add_argument(
+        "--all-optimizer-rules",
+        action="store_true",
+        help="the session runs every optimizer rule (include.spark.SKIPPED_OPTIMIZER_RULES too)",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -542,7 +548,8 @@ def main() -> None:
         port = free_port()
         started = time.perf_counter()
         connect = start_connect_server(port, log_dir=work / "log")
-        spark = spark_session(remote=f"sc://127.0.0.1:{port}")
+        every_rule = {"spark.sql.optimizer.excludedRules": ""} if args.all_optimizer_rules else {}
+        spark = spark_session(remote=f"sc://127.0.0.1:{port}", conf=every_rule)
         print(f"Spark Connect server up in {time.perf_counter() - started:.1f} s")
         dests = destinations(work / "out")
 

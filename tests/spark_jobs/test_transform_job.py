@@ -307,3 +307,36 @@ def test_batches_on_a_kept_plan_land_byte_for_byte_what_a_plan_per_batch_lands(
         got[(s, "fhir")].startswith('{"resourceType":"Bundle"') for s, d in got if d == "fhir"
     )
     assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
+
+
+def test_the_optimizer_rules_stage_sessions_skip_change_no_outbound_byte(spark: SparkSession) -> None:
+    """`include.spark.SMALL_BATCH_CONF` leaves out optimizer rules that cost the FHIR plan most:
+    every outbound row of corpus messages — FHIR R4, HL7 rules, JSON — is the same without them."""
+    from bench.hl7_corpus import messages as corpus
+    from include.spark import SMALL_BATCH_CONF
+
+    specs = [*SPECS, {"destination": "fhir", "output": "fhir-r4"}]
+    dests = {**DESTINATIONS, **parse_destinations([{"name": "fhir", "kind": "file", "directory": "/tmp/fhir"}])}
+    claimed = spark.createDataFrame(
+        [
+            (4 * i + k, i, d, p, f"m{i}", f"C{i}", "mllp-in")
+            for i, p in enumerate(corpus(300, seed=29))
+            for k, d in enumerate(("fhir", "ehr", "api", "archive"))
+        ],
+        TRANSFORM.schema,
+    )
+
+    def landed() -> dict[int, tuple[Any, ...]]:
+        out = claimed.transform(transform_job.outbound_rows, specs, {"patient_class": PATIENT_CLASS}, dests, run_id="r")
+        return {r.routed_id: tuple(r) for r in out.collect()}
+
+    key = "spark.sql.optimizer.excludedRules"
+    assert spark.conf.get(key, None) in (None, "")
+    every_rule = landed()
+    spark.conf.set(key, SMALL_BATCH_CONF[key])
+    try:
+        assert landed() == every_rule
+    finally:
+        spark.conf.unset(key)
+    bundles = [row for row in every_rule.values() if row[3] == "fhir"]
+    assert len(bundles) == 300 and all(str(row[6]).startswith('{"resourceType":"Bundle"') for row in bundles)
