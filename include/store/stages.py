@@ -123,7 +123,7 @@ class Stage:
     def read_task_sql(self, store: Store, *, prefix: str, epoch: int) -> str:
         """`read_task_query` for Spark's JDBC `query`: the rows in flight under `epoch` whose owner
         starts with `prefix` (a task's batches, one at a time: the batch's own)."""
-        return inline_query(store, self.read_task_query, {"prefix": prefix, "chars": len(prefix), "epoch": int(epoch)})
+        return inline_query(store, self.read_task_query, {"prefix": prefix, "epoch": int(epoch)})
 
 
 ROUTE = Stage(

@@ -512,7 +512,7 @@ SELECT s.id, s.connection, b.payload, s.findings, s.format
 -- hand back is read again, and ignored: the finalize takes only the batch's claimed ids.
 SELECT s.id, s.connection, b.payload, s.findings, s.format
   FROM stage_inbound AS s JOIN inbound_bodies AS b ON b.id = s.id
- WHERE SUBSTRING(s.lease_owner, 1, :chars) = :prefix AND s.claim_epoch = :epoch AND s.status = 'in_flight'
+ WHERE LEFT(s.lease_owner, LEN(:prefix)) = :prefix AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
 -- name: route_pending_ids
 SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
@@ -605,7 +605,7 @@ SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, 
 SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, i.connection
   FROM stage_routed AS r JOIN inbound_bodies AS b ON b.id = r.source_id
   LEFT JOIN stage_inbound AS i ON i.id = r.source_id
- WHERE SUBSTRING(r.lease_owner, 1, :chars) = :prefix AND r.claim_epoch = :epoch AND r.status = 'in_flight'
+ WHERE LEFT(r.lease_owner, LEN(:prefix)) = :prefix AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed (or a
