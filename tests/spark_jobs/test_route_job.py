@@ -500,9 +500,21 @@ CONNECT_CHILD = textwrap.dedent("""
     start = time.perf_counter()
     second = route_run(store, spark, owner="connect/run-2", epoch=epoch, run_id="run-2")
     t3 = time.perf_counter() - start
+    # a stage task's batches on one kept plan (stage_job.KeptPlans), over Connect's plan cache
+    from spark_jobs import stage_job
+    stage_job.SMALL_BATCH_ROWS = 0
+    stage_messages(store, epoch, range(2 * N_MESSAGES, 3 * N_MESSAGES))
+    plans, kept = stage_job.KeptPlans("connect/task#1."), []
+    for n in range(20):
+        o = route_run(store, spark, owner=f"connect/task#1.{n}", epoch=epoch, run_id=f"task-{n}", batch_size=8,
+                      plans=plans)
+        if not o.claimed:
+            break
+        kept.append(len(o.routed))
     spark.stop()
     print(json.dumps({"first": len(first.routed), "second": len(second.routed), "imports": t1 - t0,
-                      "first_job": t2 - t1, "overhead": overhead, "second_job": t3}))
+                      "first_job": t2 - t1, "overhead": overhead, "second_job": t3, "kept": kept,
+                      "built": plans.built}))
 """)
 
 
@@ -537,10 +549,13 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
         stop_connect_server(server)
     assert server.process.poll() is not None
     everything = ids_by_number(store)
-    more = {n: i for n, i in everything.items() if n not in ids}
-    assert len(more) == N_MESSAGES
+    more = {n: i for n, i in everything.items() if N_MESSAGES <= n < 2 * N_MESSAGES}
+    last = {n: i for n, i in everything.items() if n >= 2 * N_MESSAGES}
+    assert len(more) == len(last) == N_MESSAGES
     assert routed_triples(store) == expected_triples(everything)
     assert (figures["first"], figures["second"]) == (len(expected_triples(ids)), len(expected_triples(more)))
+    assert len(figures["kept"]) >= 2 and figures["built"] == 1  # the last 30 in batches, on one plan
+    assert sum(figures["kept"]) == len(expected_triples(last))
     assert landing_count(store) == 0
     store.close()
     print(
