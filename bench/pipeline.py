@@ -18,7 +18,10 @@ to files, beside the plain-Python peer (python-hl7, same rules) in the same invo
               the same server's floor for that many row changes (bench/store_floor.py)
     overhead  one route run of a single message on the warm server (the per-micro-batch floor)
     warm-up   (--warm-messages N) N other messages routed and transformed into Spark's noop sink first, then N more
-              through the route and transform stages, untimed
+              through the route and transform stages (with --fhir-only, FHIR's), untimed
+    plans     each stage's batches, the warm-up's and the measured ones, share one plan as a stage
+              task's do (spark_jobs.stage_job.KeptPlans); --per-batch-plans: each batch builds its own;
+              --all-optimizer-rules: the session runs the optimizer rules include.spark skips too
     code hook (--code-hook N) the `lab` destination's rules as native Spark SQL vs the same rules as a
               python-hl7 code hook (bench/code/bench_hooks.py, run through mapInArrow), and a hook
               that only parses and renders: N ORU rows through `transform_job.outbound_rows` into
@@ -197,14 +200,16 @@ def drain(
     batch: int,
     phases: Phases,
     stage: Stage,
-    transform: Callable[[Any, str], Any],
+    transform: stage_job.Transform,
     most: int | None = None,
     prefix: str = "",
+    plans: stage_job.KeptPlans | None = None,
     **finalize_args: Any,
 ) -> int:
     """Run `stage` (ROUTE or TRANSFORM) batch after batch until nothing is claimed (or `most` rows
-    were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id)` is the
-    stage's pure transform."""
+    were), timing the steps of `stage_job.run_stage_job`; `transform(claimed_frame, run_id=…)` is the
+    stage's pure transform. `plans` (prefix `bench/`): the batches share one plan per stage, as a
+    stage task's do, with the warm-up's; None: each builds its own."""
     done = 0
     while most is None or done < most:
         run = f"{prefix}{stage.name}_job-{phases.batches}"
@@ -213,16 +218,15 @@ def drain(
         ids = phases.time("claim", lambda: stage_job.claim(store, stage, owner=owner, epoch=epoch, batch_size=size))
         if not ids:
             return done
-        small = stage_job.is_small(ids)
         phases.time(
             "spark",
             lambda: stage_job.land(
                 store,
-                transform(
-                    stage_job.read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids), run
+                stage_job.landing_frame(
+                    store, spark, stage, transform, owner=owner, epoch=epoch, run_id=run, ids=ids, plans=plans
                 ),
                 stage.landing,
-                small=small,
+                small=stage_job.is_small(ids),
             ),
         )
         out = phases.time(
@@ -237,14 +241,22 @@ def drain(
     return done
 
 
-def route_frame(frame: Any, run: str) -> Any:
+def fhir_stages(dests: dict[str, Any]) -> tuple[tuple[Stage, stage_job.Transform], ...]:
+    """The route and transform stages with their transforms for FHIR output (FHIR_ROUTES, FHIR_SPECS)."""
+    return (
+        (ROUTE, partial(routed_rows, routes=parse_routes(FHIR_ROUTES))),
+        (TRANSFORM, partial(transform_job.outbound_rows, specs=FHIR_SPECS, lookups={}, destinations=dests)),
+    )
+
+
+def route_frame(frame: Any, *, run_id: str) -> Any:
     """The route stage's transform under the bench's routes."""
-    return frame.transform(routed_rows, parse_routes(ROUTES), run_id=run)
+    return frame.transform(routed_rows, parse_routes(ROUTES), run_id=run_id)
 
 
-def transform_frame(frame: Any, run: str, *, dests: dict[str, Any]) -> Any:
+def transform_frame(frame: Any, *, run_id: str, dests: dict[str, Any]) -> Any:
     """The transform stage's transform under the bench's specs, lookups and `dests`."""
-    return frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run)
+    return frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run_id)
 
 
 def mllp_delivery(store: Store, spark: Any, epoch: int, payloads: list[str], n: int) -> str:
@@ -354,27 +366,29 @@ def code_hook_versus_native(spark: Any, payloads: list[str], dests: dict[str, An
     ]
 
 
-def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any], n: int, batch: int) -> list[str]:
+def fhir_versus_peer(
+    store: Store,
+    spark: Any,
+    epoch: int,
+    dests: dict[str, Any],
+    n: int,
+    batch: int,
+    *,
+    plans: stage_job.KeptPlans | None = None,
+    server: int | None = None,
+) -> list[str]:
     """Route + transform of `n` messages to FHIR Bundles through the store, and the peers (module
-    docstring); the figure lines."""
+    docstring; `server`: the Spark Connect server's PID, for its CPU seconds); the figure lines."""
     from include.transforms_config import parse_transforms
 
     payloads = corpus(n, seed=27)
     before = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'")
     stage_backlog(store, payloads, epoch)
-    phases, tphases = Phases(), Phases()
+    phases, tphases = Phases(server), Phases(server)
     seconds = []
-    stages = (
-        (phases, ROUTE, lambda frame, run: frame.transform(routed_rows, parse_routes(FHIR_ROUTES), run_id=run)),
-        (
-            tphases,
-            TRANSFORM,
-            lambda frame, run: frame.transform(transform_job.outbound_rows, FHIR_SPECS, {}, dests, run_id=run),
-        ),
-    )
-    for stage_phases, stage, job in stages:
+    for stage_phases, (stage, job) in zip((phases, tphases), fhir_stages(dests)):
         started = time.perf_counter()
-        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set())
+        drain(store, spark, epoch, batch, stage_phases, stage, job, passthrough=set(), plans=plans)
         seconds.append(time.perf_counter() - started)
     route_s, transform_s = seconds
     bundles = count(store, "SELECT count(*) FROM stage_outbound WHERE destination = 'fhir'") - before
@@ -390,8 +404,9 @@ def fhir_versus_peer(store: Store, spark: Any, epoch: int, dests: dict[str, Any]
     assert wide_counts == peer_counts, (wide_counts, peer_counts)
     wide_rate = n / wide_s
     return [
-        f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.line()}) and transformed to FHIR R4 "
-        f"Bundles in {transform_s:.1f} s ({tphases.line()}); peer: {peer_counts}",
+        f"fhir:      {n:,} messages routed in {route_s:.1f} s ({phases.batches} batches: {phases.line()}) and "
+        f"transformed to FHIR R4 Bundles in {transform_s:.1f} s ({tphases.batches} batches: {tphases.line()}); "
+        f"plans {f'kept ({plans.built} built in all)' if plans else 'built per batch'}; peer: {peer_counts}",
         "| route + transform to FHIR R4 | msg/s | Stageline ÷ it |",
         "|---|---|---|",
         f"| Stageline (Spark Connect, local[*], through the store) | {rate:,.0f} | |",
@@ -506,6 +521,16 @@ def main() -> None:
         help="also route + transform N messages to FHIR R4 Bundles beside the python peer (0: skip)",
     )
     parser.add_argument("--fhir-only", action="store_true", help="with --fhir: skip the main pipeline run")
+    parser.add_argument(
+        "--per-batch-plans",
+        action="store_true",
+        help="every batch builds (and the server analyses) its own plan, as before stage_job.KeptPlans",
+    )
+    parser.add_argument(
+        "--all-optimizer-rules",
+        action="store_true",
+        help="the session runs every optimizer rule (include.spark.SKIPPED_OPTIMIZER_RULES too)",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="stageline-bench-"))
@@ -523,7 +548,8 @@ def main() -> None:
         port = free_port()
         started = time.perf_counter()
         connect = start_connect_server(port, log_dir=work / "log")
-        spark = spark_session(remote=f"sc://127.0.0.1:{port}")
+        every_rule = {"spark.sql.optimizer.excludedRules": ""} if args.all_optimizer_rules else {}
+        spark = spark_session(remote=f"sc://127.0.0.1:{port}", conf=every_rule)
         print(f"Spark Connect server up in {time.perf_counter() - started:.1f} s")
         dests = destinations(work / "out")
 
@@ -573,14 +599,23 @@ def main() -> None:
         )
         deliver_job.run(store, spark, destinations=dests, owner="bench/warm-d", epoch=epoch)
 
+        # One stage task per stage, as in the DAGs: its batches (the warm-up's and the measured ones)
+        # share one plan (stage_job.KeptPlans), built by its first batch.
+        plans = None if args.per_batch_plans else stage_job.KeptPlans("bench/")
         if args.warm_messages:
             started = time.perf_counter()
             warm_jit(spark, corpus(args.warm_messages, seed=2), dests, fhir=bool(args.fhir))
             # ...and the stages' own path (JDBC read, land, finalize) over other messages, untimed: a
             # server that has been running has compiled that code too, and a cold JIT's compiler
             # threads would otherwise bill the measured batches (docs/stages.md, "Per micro-batch").
+            # With --fhir-only, the stages that are measured: FHIR's route and transform.
             stage_backlog(store, corpus(args.warm_messages, seed=3), epoch)
-            for stage, fn in ((ROUTE, route_frame), (TRANSFORM, partial(transform_frame, dests=dests))):
+            warm_stages = (
+                fhir_stages(dests)
+                if args.fhir_only
+                else ((ROUTE, route_frame), (TRANSFORM, partial(transform_frame, dests=dests)))
+            )
+            for stage, fn in warm_stages:
                 drain(
                     store,
                     spark,
@@ -590,14 +625,16 @@ def main() -> None:
                     stage,
                     fn,
                     prefix="warm-",
-                    passthrough=passthrough_destinations(SPECS, dests),
+                    plans=plans,
+                    passthrough=set() if args.fhir_only else passthrough_destinations(SPECS, dests),
                 )
             print(
                 f"warmed the server's JIT with {args.warm_messages:,} messages in {time.perf_counter() - started:.1f} s"
             )
 
         if args.fhir_only:
-            print("\n".join(fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch)))
+            fhir = fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch, plans=plans, server=connect.pid)
+            print("\n".join(fhir))
             store.close()
             return
         payloads = corpus(args.messages, seed=1)
@@ -620,6 +657,7 @@ def main() -> None:
                 phases,
                 ROUTE,
                 route_frame,
+                plans=plans,
                 passthrough=passthrough,
             )
             route_s = time.perf_counter() - started
@@ -641,6 +679,7 @@ def main() -> None:
                 tphases,
                 TRANSFORM,
                 partial(transform_frame, dests=dests),
+                plans=plans,
                 passthrough=passthrough,
             )
             transform_s = time.perf_counter() - started
@@ -671,7 +710,11 @@ def main() -> None:
         if args.mllp_rows and server is not None:  # generate_series: PostgreSQL
             print(mllp_delivery(store, spark, epoch, payloads, args.mllp_rows))
         hook_lines = code_hook_versus_native(spark, payloads, dests, args.code_hook) if args.code_hook else []
-        fhir_lines = fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch) if args.fhir else []
+        fhir_lines = (
+            fhir_versus_peer(store, spark, epoch, dests, args.fhir, args.batch, plans=plans, server=connect.pid)
+            if args.fhir
+            else []
+        )
 
         started = time.perf_counter()
         peer_counts = python_pipeline.run(payloads, ROUTES, SPECS, LOOKUPS)

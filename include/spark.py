@@ -64,12 +64,22 @@ DRIVER_CLASSES: dict[str, str] = {
 }
 CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_CONNECT_PORT = 15002
+# Optimizer rules left out of the stages' plans: on the FHIR R4 mapping's plan they took half of
+# the optimizer's time, every micro-batch, for a plan that executes no slower without them
+# (docs/performance.md, "FHIR R4 output"). Every optimizer rule keeps a query's result; these only
+# fold CASE/IF branches and JSON round trips the stages' expressions do not have.
+SKIPPED_OPTIMIZER_RULES = (
+    "org.apache.spark.sql.catalyst.optimizer.SimplifyConditionals",
+    "org.apache.spark.sql.catalyst.optimizer.PushFoldableIntoBranches",
+    "org.apache.spark.sql.catalyst.optimizer.OptimizeCsvJsonExprs",
+)
 # Settings that suit micro-batches of thousands of rows: no UI, few shuffle partitions, UTC.
 SMALL_BATCH_CONF: dict[str, str] = {
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "4",
     "spark.sql.session.timeZone": "UTC",
+    "spark.sql.optimizer.excludedRules": ",".join(SKIPPED_OPTIMIZER_RULES),
 }
 
 

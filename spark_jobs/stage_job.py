@@ -19,6 +19,16 @@ claimed rows handed back at once (`release_quietly`); a run whose process dies l
 flight until the next task of the stage DAG recovers them (`ClaimKeeper.recover_abandoned`) or,
 unrenewed, their short row lease expires.
 
+A stage task's batches build the same plan again and again — the stage's whole expression tree over
+a read of the batch's rows — and the server analyses it every time: most of a batch's fixed cost
+(docs/performance.md, "Spark's share"). With `plans` (`KeptPlans`, one per task) a large batch
+instead runs the landing frame its task built once, over a read whose text is the same every
+batch (the rows in flight under the task's owner prefix, `Stage.read_task_query`; one partition
+per residue of the id, `id % READ_PARTITIONS`, for any batch size): the Spark Connect server
+finds that frame's analysed plan in its session's plan cache (keyed on the frame's protobuf plan,
+`spark.connect.session.planCache.*`), and only the run id on top is new. A changed transform (new
+lookups), epoch or session builds a new one.
+
 Small batches (at most SMALL_BATCH_ROWS claimed rows — the steady trickle of a live feed) take a
 shorter path with the same result: the claimed rows are read with the store's own connection and
 handed to Spark as a local frame, and the landing rows are collected and inserted in one
@@ -35,9 +45,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 from include.spark import jdbc_options
 from include.stage_config import PipelineConfig
@@ -94,6 +106,7 @@ def run_stage_job(
     batch_size: int = 10_000,
     lease_seconds: float | None = None,
     alongside: Callable[[list[int]], Future[Any]] | None = None,
+    plans: KeptPlans | None = None,
     **finalize_args: Any,
 ) -> Any:
     """One run of `stage`: claim up to `batch_size` due rows, read them, `transform` them, land the
@@ -103,8 +116,9 @@ def run_stage_job(
     indexer, `include.store.keys.index_alongside`); the finalize waits for it, and so does a failed
     run before it hands its claim back.
 
-    `owner` must be unique per run: the read selects the claimed rows by it. `finalize_args` go to
-    the stage's finalize (e.g. `passthrough`). A StaleEpoch propagates untouched: the finalize
+    `owner` must be unique per run: the read selects the claimed rows by it (or, with `plans`, by
+    the task's owner prefix it starts with). `finalize_args` go to the stage's finalize (e.g.
+    `passthrough`). A StaleEpoch propagates untouched: the finalize
     already dropped the landing rows, and the claim belongs to the new leader's recovery.
     """
     if stage.landing is None:
@@ -116,8 +130,14 @@ def run_stage_job(
     side: Future[Any] | None = None
     try:
         side = alongside(claimed_ids) if alongside is not None else None
-        claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=claimed_ids)
-        land(store, transform(claimed, run_id=run_id), stage.landing, small=small)
+        land(
+            store,
+            landing_frame(
+                store, spark, stage, transform, owner=owner, epoch=epoch, run_id=run_id, ids=claimed_ids, plans=plans
+            ),
+            stage.landing,
+            small=small,
+        )
         if side is not None:
             side.result()
         outcome = finalize(
@@ -192,6 +212,103 @@ def read_claimed(
         f"({query}) claimed",
         predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
         properties={**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"},
+    )
+
+
+def landing_frame(
+    store: Store,
+    spark: SparkSession,
+    stage: Stage,
+    transform: Transform,
+    *,
+    owner: str,
+    epoch: int,
+    run_id: str,
+    ids: Sequence[int],
+    plans: KeptPlans | None = None,
+) -> DataFrame:
+    """The landing rows of the batch `owner` claimed (`ids`): `transform` over its rows, from the
+    task's kept plan when `plans` has one for it (module docstring), else built for this batch."""
+    small = is_small(ids)
+    if plans is not None and not small:
+        kept = plans.frame(store, spark, stage, transform, owner=owner, epoch=epoch)
+        if kept is not None:
+            return kept.withColumn("run_id", F.lit(run_id))
+    claimed = read_claimed(store, spark, stage, owner=owner, epoch=epoch, small=small, ids=ids)
+    return transform(claimed, run_id=run_id)
+
+
+KEPT_RUN_ID = "kept-plan"
+"""The run id a kept landing frame is built with; each batch puts its own on top (`landing_frame`)."""
+
+
+class KeptPlans:
+    """A stage task's landing frames, kept across its micro-batches so the Spark Connect server
+    analyses each plan once per task instead of once per batch (module docstring).
+
+    `prefix`: what every batch owner of the task starts with (`include.stage_loop.claim_owner` of
+    `<run>#<try>.`); its batches run one at a time, so the rows in flight under it are the batch's.
+    A frame is kept per stage, session and epoch, for the transform it was built with: a batch whose
+    transform differs (the lookups changed) builds and keeps a new one. Its read has READ_PARTITIONS
+    partitions whatever the batch's size (one plan for every size, so every batch finds it).
+    """
+
+    def __init__(self, prefix: str) -> None:
+        if not prefix:
+            raise ValueError("a kept plan needs the task's owner prefix")
+        self.prefix = prefix
+        self._kept: dict[tuple[Any, ...], tuple[Any, DataFrame]] = {}
+        self.built = 0
+
+    def frame(
+        self,
+        store: Store,
+        spark: SparkSession,
+        stage: Stage,
+        transform: Transform,
+        *,
+        owner: str,
+        epoch: int,
+    ) -> DataFrame | None:
+        """The kept landing frame for this batch (built and analysed now if there is none yet), or
+        None when the batch cannot use one: the stage has no task read, or `owner` is not the task's."""
+        if not stage.read_task_query or stage.landing is None or not owner.startswith(self.prefix):
+            return None
+        key = (stage.name, id(spark), int(epoch))
+        made = _made_of(transform)
+        found = self._kept.get(key)
+        if found is not None and found[0] == made:
+            return found[1]
+        claimed = read_task(store, spark, stage, prefix=self.prefix, epoch=epoch, parts=READ_PARTITIONS)
+        frame = transform(claimed, run_id=KEPT_RUN_ID).select(*stage.landing.columns)
+        frame.schema  # noqa: B018  one AnalyzePlan: the server caches the analysed plan under this frame
+        # the stage's frames under an older epoch or a lost session go
+        self._kept = {k: v for k, v in self._kept.items() if k[0] != key[0]}
+        self._kept[key] = (made, frame)
+        self.built += 1
+        return frame
+
+
+def _made_of(transform: Transform) -> Any:
+    """What a transform is built from, to compare two of them (a `functools.partial` made afresh
+    for every batch by the stage's `bind` is equal when its function and arguments are)."""
+    if isinstance(transform, partial):
+        return (transform.func, transform.args, sorted(transform.keywords.items()))
+    return transform
+
+
+def read_task(store: Store, spark: SparkSession, stage: Stage, *, prefix: str, epoch: int, parts: int) -> DataFrame:
+    """The rows in flight under `epoch` whose owner starts with `prefix`, over JDBC as `stage.schema`,
+    in `parts` partitions by `id % parts`: a read whose plan is the same for every batch of a task."""
+    query = stage.read_task_sql(store, prefix=prefix, epoch=epoch)
+    options = {**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"}
+    if parts < 2:
+        return spark.read.format("jdbc").options(**options).option("query", query).load()
+    return spark.read.jdbc(
+        options["url"],
+        f"({query}) claimed",
+        predicates=[f"id % {parts} = {k}" for k in range(parts)],
+        properties=options,
     )
 
 

@@ -95,6 +95,10 @@ class Stage:
     instead, from its own job."""
     outcome: Callable[..., Any] = BatchOutcome
     """What a run returns; `outcome(run_id=…)` is a run that claimed nothing."""
+    read_task_query: str = ""
+    """`read_query` selecting by the stage task's owner prefix instead of one batch's owner: the
+    same text for every batch of a task, so the plan on it is kept (`spark_jobs.stage_job.KeptPlans`).
+    Empty: every batch builds its plan."""
 
     @property
     def dag_id(self) -> str:
@@ -116,6 +120,11 @@ class Stage:
         """`read_query` for Spark's JDBC `query`, the run's owner and epoch written in (`inline_query`)."""
         return inline_query(store, self.read_query, {"owner": owner, "epoch": int(epoch)})
 
+    def read_task_sql(self, store: Store, *, prefix: str, epoch: int) -> str:
+        """`read_task_query` for Spark's JDBC `query`: the rows in flight under `epoch` whose owner
+        starts with `prefix` (a task's batches, one at a time: the batch's own)."""
+        return inline_query(store, self.read_task_query, {"prefix": prefix, "epoch": int(epoch)})
+
 
 ROUTE = Stage(
     "route",
@@ -130,6 +139,7 @@ ROUTE = Stage(
     job="spark_jobs.route_job:bind",
     finalize=finalize_route,
     outcome=RouteOutcome,
+    read_task_query="route_read_task",
 )
 TRANSFORM = Stage(
     "transform",
@@ -158,6 +168,7 @@ TRANSFORM = Stage(
     event="transformed",
     job="spark_jobs.transform_job:bind",
     finalize=finalize_transform,
+    read_task_query="transform_read_task",
 )
 DELIVER = Stage(
     "deliver",

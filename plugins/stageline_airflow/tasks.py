@@ -191,8 +191,11 @@ def run_batch_stage(
     under the old epoch lands nothing and the task carries on under the new leader's epoch (or
     ends, reporting it, when no leader is live in time).
     """
-    from spark_jobs.stage_job import StageContext, run_stage_job, stage_job
+    from spark_jobs.stage_job import KeptPlans, StageContext, run_stage_job, stage_job
 
+    dag_id = dag_id or stage.dag_id
+    # every batch of this task claims as this prefix + its number: one plan for all of them
+    plans = KeptPlans(claim_owner(dag_id, f"{run_id}#{try_number}."))
     loaded = stage_config.fingerprint()  # before the load: an edit meanwhile ends the run
     config = stage_config.load()
     job, lookups = stage_job(stage), LookupCache()
@@ -217,9 +220,9 @@ def run_batch_stage(
             batch_size=b.limit or batch_size,
             passthrough=config.passthrough,
             alongside=(lambda ids: indexer.submit(index_keys, b.store, keys, ids)) if indexer else None,
+            plans=plans,
         )
 
-    dag_id = dag_id or stage.dag_id
     try:
         return _micro_batches(stage, dag_id, run_id, try_number, epoch, spark, batch, loaded=loaded, most=batch_size)
     finally:

@@ -32,21 +32,20 @@ from tests.spark_jobs.hl7_samples import ADT_A01, CUSTOM_HASH, NOT_HL7, ORM_O01,
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "node-a"
-ROUTES = parse_routes(
-    [
-        {"name": "adt", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
-        {
-            "name": "results",
-            "destinations": ["ehr", "lab"],
-            "when": {"field": "MSH-9.1", "op": "in", "value": ["ORU", "ORM"]},
-        },
-        {
-            "name": "inpatient",
-            "destinations": ["bedboard", "archive"],
-            "when": {"field": "PV1-2", "op": "eq", "value": "I"},
-        },
-    ]
-)
+ROUTES_SPEC: list[dict[str, Any]] = [
+    {"name": "adt", "destinations": ["ehr", "archive"], "when": {"field": "MSH-9.1", "op": "eq", "value": "ADT"}},
+    {
+        "name": "results",
+        "destinations": ["ehr", "lab"],
+        "when": {"field": "MSH-9.1", "op": "in", "value": ["ORU", "ORM"]},
+    },
+    {
+        "name": "inpatient",
+        "destinations": ["bedboard", "archive"],
+        "when": {"field": "PV1-2", "op": "eq", "value": "I"},
+    },
+]
+ROUTES = parse_routes(ROUTES_SPEC)
 
 
 def siu(patient_class: str) -> str:
@@ -501,9 +500,21 @@ CONNECT_CHILD = textwrap.dedent("""
     start = time.perf_counter()
     second = route_run(store, spark, owner="connect/run-2", epoch=epoch, run_id="run-2")
     t3 = time.perf_counter() - start
+    # a stage task's batches on one kept plan (stage_job.KeptPlans), over Connect's plan cache
+    from spark_jobs import stage_job
+    stage_job.SMALL_BATCH_ROWS = 0
+    stage_messages(store, epoch, range(2 * N_MESSAGES, 3 * N_MESSAGES))
+    plans, kept = stage_job.KeptPlans("connect/task#1."), []
+    for n in range(20):
+        o = route_run(store, spark, owner=f"connect/task#1.{n}", epoch=epoch, run_id=f"task-{n}", batch_size=8,
+                      plans=plans)
+        if not o.claimed:
+            break
+        kept.append(len(o.routed))
     spark.stop()
     print(json.dumps({"first": len(first.routed), "second": len(second.routed), "imports": t1 - t0,
-                      "first_job": t2 - t1, "overhead": overhead, "second_job": t3}))
+                      "first_job": t2 - t1, "overhead": overhead, "second_job": t3, "kept": kept,
+                      "built": plans.built}))
 """)
 
 
@@ -538,10 +549,13 @@ def test_a_route_run_through_spark_connect(sqlite_config_fresh: StoreConfig, tmp
         stop_connect_server(server)
     assert server.process.poll() is not None
     everything = ids_by_number(store)
-    more = {n: i for n, i in everything.items() if n not in ids}
-    assert len(more) == N_MESSAGES
+    more = {n: i for n, i in everything.items() if N_MESSAGES <= n < 2 * N_MESSAGES}
+    last = {n: i for n, i in everything.items() if n >= 2 * N_MESSAGES}
+    assert len(more) == len(last) == N_MESSAGES
     assert routed_triples(store) == expected_triples(everything)
     assert (figures["first"], figures["second"]) == (len(expected_triples(ids)), len(expected_triples(more)))
+    assert len(figures["kept"]) >= 2 and figures["built"] == 1  # the last 30 in batches, on one plan
+    assert sum(figures["kept"]) == len(expected_triples(last))
     assert landing_count(store) == 0
     store.close()
     print(
@@ -803,3 +817,115 @@ def test_a_failed_run_hands_its_claimed_rows_back_at_once_and_the_next_run_route
     outcome = run_once(store, spark, epoch, "run-2")  # due again at once, no waiting for the sweep
     assert outcome.claimed == tuple(sorted(ids.values()))
     assert routed_triples(store) == expected_triples(ids)
+
+
+# --- plans kept across a task's batches (stage_job.KeptPlans) ----------------------------------
+
+
+@pytest.fixture
+def every_batch_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of these few rows take the large-batch path (JDBC read, kept plan); a kept plan reads
+    in two partitions."""
+    monkeypatch.setattr(stage_job, "SMALL_BATCH_ROWS", 0)
+    monkeypatch.setattr(stage_job, "READ_PARTITION_ROWS", 1)
+    monkeypatch.setattr(stage_job, "READ_PARTITIONS", 2)
+
+
+def claimed_by(store: Store, owner: str) -> set[int]:
+    return {r["id"] for r in rows(store, f"SELECT id FROM stage_inbound WHERE lease_owner = '{owner}'")}
+
+
+def test_a_tasks_batches_share_one_kept_plan_and_route_exactly_their_own_rows(
+    store: Store, spark: SparkSession, every_batch_large: None
+) -> None:
+    """One plan for the task (its read selects by the task's owner prefix): each batch still lands
+    and finalizes exactly its claim, whatever else is in flight (another claimer's rows, inside
+    the same id range)."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    plans = stage_job.KeptPlans(f"{NODE}/task#1.")
+    other = set(stage_job.claim(store, ROUTE, owner=f"{NODE}/other#1.0", epoch=epoch, batch_size=3))
+    outcomes = []
+    for n in range(10):
+        outcome = route_run(
+            store, spark, owner=f"{NODE}/task#1.{n}", epoch=epoch, run_id=f"task-{n}", batch_size=7, plans=plans
+        )
+        if not outcome.claimed:
+            break
+        outcomes.append(outcome)
+    assert len(outcomes) >= 2
+    assert plans.built == 1  # every batch on one plan (one analysis)
+    assert all(o.not_finished == () for o in outcomes)
+    routed = {i for o in outcomes for i in o.claimed}
+    assert routed and not routed & other
+    assert routed_triples(store) == expected_triples({n: i for n, i in ids.items() if i in routed})
+    assert claimed_by(store, f"{NODE}/other#1.0") == other  # untouched, still in flight
+    assert landing_count(store) == 0
+
+
+def test_a_kept_plan_is_rebuilt_when_the_transform_changes_and_only_then(
+    store: Store, spark: SparkSession, every_batch_large: None
+) -> None:
+    """The stage's `bind` makes a new transform every batch: an equal one reuses the plan, one built
+    from other routes (or lookups) builds a new one; a batch of another size uses the same."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    stage_messages(store, epoch)
+    plans = stage_job.KeptPlans(f"{NODE}/task#1.")
+    archive = parse_routes([{"name": "all", "destinations": ["archive"], "when": {"field": "MSH-9.1", "op": "exists"}}])
+
+    def run(n: int, routes: Any, rows: int) -> RouteOutcome:
+        return stage_job.run_stage_job(
+            ROUTE,
+            store,
+            spark,
+            transform=partial(routed_rows, routes=routes),
+            owner=f"{NODE}/task#1.{n}",
+            epoch=epoch,
+            run_id=f"task-{n}",
+            batch_size=rows,
+            plans=plans,
+        )
+
+    run(0, ROUTES, 4)
+    assert plans.built == 1
+    run(1, parse_routes(ROUTES_SPEC), 4)  # equal routes, parsed afresh
+    assert plans.built == 1
+    to_archive = run(2, archive, 4)
+    assert plans.built == 2
+    archived = rows(store, "SELECT source_id, destination FROM stage_routed WHERE route_name = 'all'")
+    assert sorted(r["source_id"] for r in archived) == sorted(to_archive.claimed)
+    assert {r["destination"] for r in archived} == {"archive"}
+    single = run(3, archive, 1)
+    assert plans.built == 2 and len(single.claimed) == 1 and single.not_finished == ()
+
+
+def test_a_batch_whose_owner_is_not_the_tasks_builds_its_own_plan(
+    store: Store, spark: SparkSession, every_batch_large: None
+) -> None:
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    plans = stage_job.KeptPlans(f"{NODE}/task#1.")
+    outcome = route_run(store, spark, owner=f"{NODE}/elsewhere", epoch=epoch, run_id="x", batch_size=100, plans=plans)
+    assert plans.built == 0
+    assert len(outcome.claimed) == len(ids)
+    assert routed_triples(store) == expected_triples(ids)
+
+
+def test_rows_an_earlier_batch_of_the_task_still_holds_are_read_again_but_never_land(
+    store: Store, spark: SparkSession, every_batch_large: None
+) -> None:
+    """A batch that failed and could not hand its rows back leaves them in flight under the task's
+    prefix: the next batch's read sees them too, and its finalize takes only its own claim (the
+    run's landing rows all go)."""
+    epoch = acquire_permanent(store, node_id=NODE)
+    ids = stage_messages(store, epoch)
+    plans = stage_job.KeptPlans(f"{NODE}/task#1.")
+    stranded = set(stage_job.claim(store, ROUTE, owner=f"{NODE}/task#1.0", epoch=epoch, batch_size=4))
+    outcome = route_run(
+        store, spark, owner=f"{NODE}/task#1.1", epoch=epoch, run_id="task-1", batch_size=100, plans=plans
+    )
+    assert plans.built == 1 and len(outcome.claimed) >= 2
+    assert not set(outcome.claimed) & stranded and outcome.not_finished == ()
+    assert routed_triples(store) == expected_triples({n: i for n, i in ids.items() if i in outcome.claimed})
+    assert claimed_by(store, f"{NODE}/task#1.0") == stranded
+    assert landing_count(store) == 0

@@ -260,3 +260,83 @@ def test_a_stranded_routed_row_holds_its_lane_until_it_is_recovered(store: Store
         rowlease.recover_on_promotion(tx, owner=NODE, epoch=restarted)
     second = run_once(store, spark, restarted, "run-2")
     assert second.claimed == (ids[(1, "ehr")], ids[(1, "archive")])
+
+
+def test_batches_on_a_kept_plan_land_byte_for_byte_what_a_plan_per_batch_lands(
+    store: Store, spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage task's batches share one plan (`stage_job.KeptPlans`: a read by the task's owner
+    prefix, the run id swapped on top); every outbound row — HL7, JSON and FHIR R4 Bundles — is
+    what the same rows transformed on their own give."""
+    monkeypatch.setattr(stage_job, "SMALL_BATCH_ROWS", 0)  # these few rows take the JDBC path
+    monkeypatch.setattr(stage_job, "READ_PARTITION_ROWS", 1)
+    monkeypatch.setattr(stage_job, "READ_PARTITIONS", 2)
+    specs = [*SPECS, {"destination": "fhir", "output": "fhir-r4"}]
+    dests = {**DESTINATIONS, **parse_destinations([{"name": "fhir", "kind": "file", "directory": "/tmp/fhir"}])}
+    routed = [*ROUTED_ROWS, *((s, m, "fhir", p) for s, m, d, p in ROUTED_ROWS if d in ("ehr", "api") and s != 3)]
+    epoch = acquire_permanent(store, node_id=NODE)
+    load_lookups(store)
+    ids = insert_routed(store, routed)
+    plans = stage_job.KeptPlans(f"{NODE}/task#1.")
+    batches = []
+    for n in range(20):
+        outcome = stage_job.run_stage_job(
+            TRANSFORM,
+            store,
+            spark,
+            transform=bound(store, specs, dests),  # made afresh per batch, as the stage task does
+            owner=f"{NODE}/task#1.{n}",
+            epoch=epoch,
+            run_id=f"task-{n}",
+            batch_size=3,
+            plans=plans,
+            passthrough=passthrough_destinations(specs, dests),
+        )
+        if not outcome.claimed:
+            break
+        batches.append(outcome)
+    assert len(batches) >= 2 and sum(len(b.claimed) for b in batches) == len(ids)
+    assert plans.built == 1
+    alone = spark.createDataFrame(
+        [(ids[(s, d)], s, d, p, m, f"CTL-{m}", None) for s, m, d, p in routed], TRANSFORM.schema
+    ).transform(transform_job.outbound_rows, specs, {"patient_class": PATIENT_CLASS}, dests, run_id="alone")
+    expected = {(r.source_id, r.destination): r.payload for r in alone.collect() if r.payload is not None}
+    got = {(r["source_id"], r["destination"]): r["payload"] for r in outbound(store) if r["destination"] != "archive"}
+    assert got == expected
+    assert sum(1 for (_, d) in got if d == "fhir") == 3 and all(
+        got[(s, "fhir")].startswith('{"resourceType":"Bundle"') for s, d in got if d == "fhir"
+    )
+    assert rows(store, "SELECT count(*) AS n FROM landing_outbound") == [{"n": 0}]
+
+
+def test_the_optimizer_rules_stage_sessions_skip_change_no_outbound_byte(spark: SparkSession) -> None:
+    """`include.spark.SMALL_BATCH_CONF` leaves out optimizer rules that cost the FHIR plan most:
+    every outbound row of corpus messages — FHIR R4, HL7 rules, JSON — is the same without them."""
+    from bench.hl7_corpus import messages as corpus
+    from include.spark import SMALL_BATCH_CONF
+
+    specs = [*SPECS, {"destination": "fhir", "output": "fhir-r4"}]
+    dests = {**DESTINATIONS, **parse_destinations([{"name": "fhir", "kind": "file", "directory": "/tmp/fhir"}])}
+    claimed = spark.createDataFrame(
+        [
+            (4 * i + k, i, d, p, f"m{i}", f"C{i}", "mllp-in")
+            for i, p in enumerate(corpus(300, seed=29))
+            for k, d in enumerate(("fhir", "ehr", "api", "archive"))
+        ],
+        TRANSFORM.schema,
+    )
+
+    def landed() -> dict[int, tuple[Any, ...]]:
+        out = claimed.transform(transform_job.outbound_rows, specs, {"patient_class": PATIENT_CLASS}, dests, run_id="r")
+        return {r.routed_id: tuple(r) for r in out.collect()}
+
+    key = "spark.sql.optimizer.excludedRules"
+    assert spark.conf.get(key, None) in (None, "")
+    every_rule = landed()
+    spark.conf.set(key, SMALL_BATCH_CONF[key])
+    try:
+        assert landed() == every_rule
+    finally:
+        spark.conf.unset(key)
+    bundles = [row for row in every_rule.values() if row[3] == "fhir"]
+    assert len(bundles) == 300 and all(str(row[6]).startswith('{"resourceType":"Bundle"') for row in bundles)

@@ -326,6 +326,8 @@ def params_for(dialect: str, name: str, table: StagedTable | None, transition: s
         "ev_epoch": fill.EPOCH,
         "ev_node": fill.OWNERS.get(ids_table.name),
     }
+    if name.endswith("_read_task"):  # a stage task's read by its owner prefix (stage_job.KeptPlans)
+        values["prefix"] = str(values["owner"]).rpartition(".")[0] + "."
     if name == "messages_find":  # `stageline messages find --control-id …`: the other filters open
         values.update(message_id=None, destination=None, status=None, connection=None)
     if name.startswith("stats_"):  # the health figures (include/store/stats.py): the last hour

@@ -422,6 +422,15 @@ SELECT s.id, s.connection, b.payload, s.findings, s.format
   FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
  WHERE s.lease_owner = :owner AND s.claim_epoch = :epoch AND s.status = 'in_flight'
 
+-- name: route_read_task
+-- The same rows as route_read_claimed, selected by the stage task's owner prefix (each of its batches
+-- claims as <prefix><n>, one batch at a time): the same text every batch, so Spark keeps
+-- the plan built on it (spark_jobs.stage_job.KeptPlans). A row an earlier batch could not
+-- hand back is read again, and ignored: the finalize takes only the batch's claimed ids.
+SELECT s.id, s.connection, b.payload, s.findings, s.format
+  FROM stage_inbound s JOIN inbound_bodies b ON b.id = s.id
+ WHERE left(s.lease_owner, length(:prefix)) = :prefix AND s.claim_epoch = :epoch AND s.status = 'in_flight'
+
 -- name: route_pending_ids
 SELECT DISTINCT source_id FROM landing_routed WHERE run_id = :run_id AND status = 'pending'
 
@@ -492,6 +501,16 @@ SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, 
   FROM stage_routed r JOIN inbound_bodies b ON b.id = r.source_id
   LEFT JOIN stage_inbound i ON i.id = r.source_id
  WHERE r.lease_owner = :owner AND r.claim_epoch = :epoch AND r.status = 'in_flight'
+
+-- name: transform_read_task
+-- The same rows as transform_read_claimed, selected by the stage task's owner prefix (each of its batches
+-- claims as <prefix><n>, one batch at a time): the same text every batch, so Spark keeps
+-- the plan built on it (spark_jobs.stage_job.KeptPlans). A row an earlier batch could not
+-- hand back is read again, and ignored: the finalize takes only the batch's claimed ids.
+SELECT r.id, r.source_id, r.destination, b.payload, r.message_id, r.control_id, i.connection
+  FROM stage_routed r JOIN inbound_bodies b ON b.id = r.source_id
+  LEFT JOIN stage_inbound i ON i.id = r.source_id
+ WHERE left(r.lease_owner, length(:prefix)) = :prefix AND r.claim_epoch = :epoch AND r.status = 'in_flight'
 
 -- name: transform_landed
 -- One line per routed row this run landed; ok = 0 when the message could not be transformed (or a
