@@ -48,11 +48,9 @@ def test_the_stack_is_started_without_the_suites_airflow_settings(tmp_path):
         "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
         "AIRFLOW_HOME": "/elsewhere",
-        "STAGELINE_DEV_ROOT": "/the/checkout",
     }
     assert user_env({"STAGELINE_VAR": "v"}, base=suite) == {
         "PATH": "/usr/bin",
-        "STAGELINE_DEV_ROOT": "/the/checkout",
         "STAGELINE_VAR": "v",
     }
     # and the stack itself never runs in unit-test mode, whatever its caller's environment says

@@ -16,14 +16,9 @@ from collections.abc import Mapping
 
 SUITE_PREFIXES = ("AIRFLOW_", "STAGELINE_")
 """Settings the suite may have put in `os.environ`, none of which a user's shell is assumed to have."""
-KEPT = frozenset({"STAGELINE_DEV_ROOT"})
-"""Where the checkout is (set by the dev environment's `.pth` file, or by whoever runs a clone on a
-shared virtualenv): the program must run this checkout's code."""
 
 
 def user_env(extra: Mapping[str, str] | None = None, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (default `os.environ`) without Airflow's and Stageline's settings, plus `extra`."""
-    env = {
-        k: v for k, v in (os.environ if base is None else base).items() if k in KEPT or not k.startswith(SUITE_PREFIXES)
-    }
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SUITE_PREFIXES)}
     return {**env, **(extra or {})}
