@@ -25,7 +25,7 @@ Patient?identifier=system|value`` on the first PID-3 whose authority has a syste
 without one is a plain POST, and a re-delivery duplicates it — configure the systems). Encounters,
 reports, observations and orders carry a Stageline identifier (``urn:ietf:rfc:3986``, a UUID from
 the identity of their patient group — MSH-3, MSH-4, MSH-7, MSH-10, that group's PID-3 — and the
-segment's position in the message) besides
+segment's number among its kind within that group) besides
 their own, and are PUT on it. Each entry's
 ``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
 Bundle and a re-run of the transform builds the same bytes.
@@ -36,8 +36,9 @@ before the split (:func:`_split_unit`); a field is split into repetitions, compo
 subcomponents only where the mapping reads it, and only the leaves it reads are decoded. The
 resources are ``to_json`` of structs built from them. No Python runs per row. A message the
 mapping cannot take (another message type, a batch of several messages, an ADT with several PIDs,
-results or an order without a patient or before the first of several, two entries on one
-identifier) comes out with a NULL Bundle and the reason.
+results or an order without a patient or before the first of several, two groups with one PID-3 or
+sharing an identifier, more than :data:`MAX_PATIENTS` groups, a segment id that is a mapped one only
+once trimmed or upper-cased, two entries on one identifier) comes out with a NULL Bundle and the reason.
 """
 
 from __future__ import annotations
