@@ -25,7 +25,7 @@ Patient?identifier=system|value`` on the first PID-3 whose authority has a syste
 without one is a plain POST, and a re-delivery duplicates it — configure the systems). Encounters,
 reports, observations and orders carry a Stageline identifier (``urn:ietf:rfc:3986``, a UUID from
 the identity of their patient group — MSH-3, MSH-4, MSH-7, MSH-10, that group's PID-3 — and the
-segment's position in the message) besides
+segment's number among its kind within that group) besides
 their own, and are PUT on it. Each entry's
 ``fullUrl`` is a UUID derived from the message id and the entry, so references resolve inside the
 Bundle and a re-run of the transform builds the same bytes.
@@ -36,8 +36,9 @@ before the split (:func:`_split_unit`); a field is split into repetitions, compo
 subcomponents only where the mapping reads it, and only the leaves it reads are decoded. The
 resources are ``to_json`` of structs built from them. No Python runs per row. A message the
 mapping cannot take (another message type, a batch of several messages, an ADT with several PIDs,
-results or an order without a patient or before the first of several, two entries on one
-identifier) comes out with a NULL Bundle and the reason.
+results or an order without a patient or before the first of several, two groups with one PID-3 or
+sharing an identifier, more than :data:`MAX_PATIENTS` groups, a segment id that is a mapped one only
+once trimmed or upper-cased, two entries on one identifier) comes out with a NULL Bundle and the reason.
 """
 
 from __future__ import annotations
@@ -118,7 +119,24 @@ def fhir_context(units: Column, seed: Column) -> Column:
     several = F.lit(
         "fhir-r4: a batch of several messages cannot be one Bundle; split the batch before this destination"
     )
-    return F.when(units.isNotNull(), F.when(F.size(messages) == 1, single).otherwise(_refused(several)))
+    misnamed = F.exists(
+        F.element_at(messages, 1)["segments"],
+        lambda s: ~F.substring(s, 1, 3).isin(*_USED) & F.upper(F.regexp_extract(s, _LOOSE_ID, 1)).isin(*_USED),
+    )
+    return F.when(
+        units.isNotNull(),
+        F.when(F.size(messages) != 1, _refused(several)).when(misnamed, _refused(F.lit(_MISNAMED))).otherwise(single),
+    )
+
+
+# A segment id after whitespace or a byte-order mark, in any case: written so, a PID (or OBX...) is no
+# segment of the mapping's, and guessing that it is one would file results under the wrong patient.
+_LOOSE_ID = r"^[\s\x{FEFF}]*([A-Za-z0-9]{3})(?:[^A-Za-z0-9]|$)"
+_MISNAMED = (
+    "fhir-r4: a segment whose id is a mapped segment's (PID, OBR, OBX, ORC, NK1, PV1, NTE, MSH) only once "
+    "trimmed of whitespace or upper-cased: fix the sender's segment ids (no space, tab or byte-order mark "
+    "before them, upper case)"
+)
 
 
 def fhir_entries(ctx: Column, seed: Column, options: FhirOptions) -> dict[str, Column]:
@@ -376,11 +394,14 @@ _CONTEXT_FIELDS = (
     ("kind", "string"),
     ("event", "string"),
     # One a PID (a patient group): its fullUrl, the identity its results' identifiers derive from, its NK1.
-    ("patients", f"array<struct<seg:{_SEGMENT},pos:int,url:string,sender:string,nk1:array<{_SEGMENT}>>>"),
+    (
+        "patients",
+        f"array<struct<seg:{_SEGMENT},pos:int,url:string,sender:string,obr0:int,obx0:int,nk1:array<{_SEGMENT}>>>",
+    ),
     ("pv1", _SEGMENT),
     (
         "obr",
-        f"array<struct<seg:{_SEGMENT},pos:int,grp:int,patient:string,sender:string,"
+        f"array<struct<seg:{_SEGMENT},pos:int,grp:int,num:int,patient:string,sender:string,"
         "results:array<struct<reference:string>>,notes:array<string>>>",
     ),
     (
@@ -448,6 +469,18 @@ MAX_GROUP_SEGMENTS = 1000
 """OBR, OBX, ORC, PID or NK1 segments one message may have for FHIR output (refused above: grouping
 them costs OBX × OBR and segments × PID, and no server takes a Bundle of that many entries)."""
 _GROUPS = ("OBR", "OBX", "ORC", "PID", "NK1")
+MAX_PATIENTS = 100
+"""PID segments (patient groups) one message may have for FHIR output: grouping costs segments × PID,
+and at 1,000 of each a message took ~100 s to transform (docs/rules.md has the figures)."""
+_TOO_MANY_PATIENTS = (
+    f"fhir-r4: more than {MAX_PATIENTS} PID segments (patient groups) in one message: split it per patient "
+    "before this destination"
+)
+_SAME_PATIENT = (
+    "fhir-r4: two patient groups with the same PID-3 (or both without one), or sharing an identifier "
+    "(the same value from the same assigning authority): one patient in two groups, or two whose results "
+    "could not be told apart on a re-send; send a patient's results in one group, each group with its own PID-3"
+)
 _SEVERAL_PATIENTS = (
     "fhir-r4: an ADT message with more than one PID: an ADT is one patient's (the V2-to-FHIR IG maps "
     "its one PID); split the message per patient before this destination"
@@ -463,11 +496,15 @@ _GROUPED = ("ORU", "ORM")
 
 def _grouped(g: Column, sp: Column, seed: Column) -> Column:
     msh = _nth(g["MSH"], 1)["seg"]
-    too_many = F.greatest(*(F.size(g[name]) for name in _GROUPS)) > MAX_GROUP_SEGMENTS
+    too_many = (F.greatest(*(F.size(g[name]) for name in _GROUPS)) > MAX_GROUP_SEGMENTS) | (
+        F.size(g["PID"]) > MAX_PATIENTS
+    )
     header = F.struct(
         _value(msh, "MSH", 9, sp, 1).alias("kind"),
         _value(msh, "MSH", 9, sp, 2).alias("event"),
         too_many.alias("too_many"),
+        # Here, where the expression is shallower than in the errors (Spark Connect's nesting limit).
+        ((F.size(g["PID"]) > 1) & ~too_many & _shared_identity(g["PID"], sp)).alias("shared"),
         # Counted only for a message within bounds.
         F.when(~too_many, _patients(g, _identity(msh, sp, seed), seed)).alias("patients"),
     )
@@ -505,6 +542,8 @@ def _patients(g: Column, identity: Column, seed: Column) -> Column:
                 seed, F.when(i == 0, F.lit("Patient")).otherwise(F.concat(F.lit("Patient/"), (i + 1).cast("string")))
             ).alias("url"),
             F.concat(identity, F.lit("|"), _counted(F.coalesce(_nth(p["seg"], 4), F.lit("")))).alias("sender"),
+            _before(g["OBR"], p["pos"], i).alias("obr0"),
+            _before(g["OBX"], p["pos"], i).alias("obx0"),
             F.transform(
                 F.filter(
                     g["NK1"],
@@ -517,6 +556,13 @@ def _patients(g: Column, identity: Column, seed: Column) -> Column:
             ).alias("nk1"),
         ),
     )
+
+
+def _before(segments: Column, pos: Column, i: Column) -> Column:
+    """How many of ``segments`` come before the PID at ``pos`` (number ``i`` from 0; the first
+    PID's group also has what precedes it): a group's resources are numbered from there, so their
+    identifiers do not move when another group gains or loses a segment or the groups change order."""
+    return F.when(i == 0, F.lit(0)).otherwise(F.size(F.filter(segments, lambda s: s["pos"] < pos)))
 
 
 def _owner(pids: Column, pos: Column) -> Column:
@@ -541,6 +587,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
             ~F.coalesce(adt | oru | orm, F.lit(False)),
             F.concat(F.lit("fhir-r4: no FHIR mapping for message type "), F.coalesce(message_type, F.lit("(none)"))),
         )
+        .when(F.size(pids) > MAX_PATIENTS, F.lit(_TOO_MANY_PATIENTS))
         .when(
             h["too_many"],
             F.lit(
@@ -550,6 +597,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
         .when(adt & (F.size(pids) > 1), F.lit(_SEVERAL_PATIENTS))
         # Several patients: whatever comes before the first PID is nobody's for sure.
         .when((F.size(pids) > 1) & before_first, F.lit(_BEFORE_FIRST_PID))
+        .when(h["shared"], F.lit(_SAME_PATIENT))
         .when(orm & (F.size(pids) == 0), F.lit("fhir-r4: ORM^O01 without a PID: a ServiceRequest needs a subject"))
         .when(orm & (F.size(obr) == 0), F.lit("fhir-r4: ORM^O01 without an OBR: nothing to order"))
         .when(oru & (F.size(pids) == 0), F.lit("fhir-r4: ORU^R01 without a PID: results need a subject"))
@@ -571,9 +619,7 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
                 x["pos"].alias("pos"),
                 _report_number(obr, pids, x["pos"]).alias("report"),
                 _uuid(seed, F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias("url"),
-                _uuid(of(_owner(pids, x["pos"]))["sender"], F.concat(F.lit("OBX/"), (j + 1).cast("string"))).alias(
-                    "key"
-                ),
+                _key(of(_owner(pids, x["pos"])), "OBX", "obx0", j).alias("key"),
                 of(_owner(pids, x["pos"]))["url"].alias("patient"),
                 _notes(x["pos"], g, sp).alias("notes"),
             ),
@@ -602,6 +648,43 @@ def _typed(g: Column, h: Column, sp: Column, seed: Column) -> Column:
         ).cast(_CONTEXT)
 
     return let(obx, context)
+
+
+def _key(patient: Column, name: str, first: str, j: Column) -> Column:
+    """The Stageline identifier of the ``j``-th (from 0) ``name`` of the message: its group's
+    identity and its number within the group (``_uuid(sender, name/n)``, one expression less deep)."""
+    number = F.lit(1) + j - patient[first]
+    return _uuid_of(F.format_string(f"%s|{name}/%d", patient["sender"], number))
+
+
+def _shared_identity(pids: Column, sp: Column) -> Column:
+    """Whether two patient groups have the same PID-3 as sent (two without one among them: their
+    results' identifiers would be the same), or share an identifier — any repetition of PID-3 with
+    the same value and assigning authority (namespace or universal id), what every system the
+    options may give it is keyed on."""
+    raw = F.transform(pids, lambda p: F.coalesce(_nth(p["seg"], 4), F.lit("")))
+    keys = F.flatten(F.transform(pids, lambda p: F.array_distinct(_identifier_keys(p["seg"], sp))))
+    return (F.size(F.array_distinct(raw)) < F.size(raw)) | (F.size(F.array_distinct(keys)) < F.size(keys))
+
+
+def _identifier_keys(pid: Column, sp: Column) -> Column:
+    """Each PID-3 repetition's value with its namespace, and with its universal id (``N|ns|value``,
+    ``U|uid|value``), where both are there."""
+
+    def keys(r: Column) -> Column:
+        value = _trimmed(_c(r, sp, 1))
+        return F.array(
+            *(
+                F.when(
+                    value.isNotNull() & _c(r, sp, 4, sub).isNotNull(),
+                    F.concat_ws("|", F.lit(tag), _c(r, sp, 4, sub), value),
+                )
+                for tag, sub in (("N", 1), ("U", 2))
+            )
+        )
+
+    reps = F.transform(_reps(pid, "PID", 3, sp), lambda raw: _with_rep(raw, sp, keys))
+    return F.filter(F.flatten(reps), lambda k: k.isNotNull())
 
 
 def _report_number(obr: Column, pids: Column, pos: Column) -> Column:
@@ -636,6 +719,7 @@ def _reported(obr: Column, obx: Column, patients: Column, g: Column, sp: Column)
             r["seg"].alias("seg"),
             r["pos"].alias("pos"),
             _owner(pids, r["pos"]).alias("grp"),
+            (F.lit(1) + k - _nth(patients, _owner(pids, r["pos"]))["obr0"]).alias("num"),
             _nth(patients, _owner(pids, r["pos"]))["url"].alias("patient"),
             _nth(patients, _owner(pids, r["pos"]))["sender"].alias("sender"),
             F.transform(
@@ -673,7 +757,11 @@ def _keyed_entry(url: Column, resource_type: str, identifiers: Column, *fields: 
 
 def _uuid(seed: Column, key: Column) -> Column:
     """``urn:uuid:`` + a name-based UUID (version 5 layout) of seed and key: the same on every run."""
-    h = F.sha2(F.concat_ws("|", seed, key), 256)
+    return _uuid_of(F.concat_ws("|", seed, key))
+
+
+def _uuid_of(name: Column) -> Column:
+    h = F.sha2(name, 256)
     return F.concat(
         F.lit("urn:uuid:"),
         F.substring(h, 1, 8),
@@ -940,7 +1028,7 @@ def _report_entry(o: Column, k: Column, seed: Column, maps: _Maps) -> Column:
     number = k + 1
     results = o["results"]  # this OBR's OBX: those after it and before the next OBR
     identifiers = F.array_compact(
-        F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(o["sender"], "OBR", number))
+        F.array(_order_identifier(obr, "OBR", 3, "FILL", maps), _stageline_identifier(o["sender"], "OBR", o["num"]))
     )
     return _keyed_entry(
         _uuid(seed, F.concat(F.lit("OBR/"), number.cast("string"))),
@@ -1089,10 +1177,9 @@ def _json_number(text: Column) -> Column:
 def _order_entry(o: Column, k: Column, m: Column, seed: Column, maps: _Maps) -> Column:
     obr, sp = o["seg"], maps.sp
     number = k + 1
-    # The ORC before this OBR in its patient's group (ORM^O01 pairs them in order), else the group's first.
-    mine = F.filter(m["orc"], lambda c: c["grp"] == o["grp"])
-    before = F.filter(mine, lambda c: c["pos"] < o["pos"])
-    orc = F.coalesce(F.try_element_at(before, F.lit(-1)), F.try_element_at(mine, F.lit(1)))["seg"]
+    # The ORC before this OBR in its patient's group (ORM^O01 pairs them in order); none: no ORC fields.
+    before = F.filter(m["orc"], lambda c: (c["grp"] == o["grp"]) & (c["pos"] < o["pos"]))
+    orc = F.try_element_at(before, F.lit(-1))["seg"]
     status = F.coalesce(
         _lookup(_ORDER_STATUS, _value(orc, "ORC", 5, sp)),
         _lookup(_ORDER_CONTROL, _value(orc, "ORC", 1, sp)),
@@ -1101,7 +1188,7 @@ def _order_entry(o: Column, k: Column, m: Column, seed: Column, maps: _Maps) -> 
     placer = F.coalesce(_order_identifier(obr, "OBR", 2, "PLAC", maps), _order_identifier(orc, "ORC", 2, "PLAC", maps))
     filler = F.coalesce(_order_identifier(obr, "OBR", 3, "FILL", maps), _order_identifier(orc, "ORC", 3, "FILL", maps))
     priority = F.coalesce(_value(orc, "ORC", 7, sp, 6), _value(obr, "OBR", 27, sp, 6))
-    identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(o["sender"], "ORD", number)))
+    identifiers = F.array_compact(F.array(placer, filler, _stageline_identifier(o["sender"], "ORD", o["num"])))
     return _keyed_entry(
         _uuid(seed, F.concat(F.lit("ORD/"), number.cast("string"))),
         "ServiceRequest",

@@ -49,14 +49,19 @@ def run(payloads: Iterable[str], options: FhirOptions) -> dict[str, int]:
 
 def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | None:
     """The transaction Bundle of one message, None for one the mapping does not take."""
-    msg = hl7.parse(payload.replace("\r\n", "\r").replace("\n", "\r"))
+    text = payload.replace("\r\n", "\r").replace("\n", "\r")
+    if any(_misnamed(line) for line in text.split("\r")):
+        return None  # a segment id that is a mapped one only once trimmed or upper-cased
+    msg = hl7.parse(text)
     segs = [(str(s[0]), s) for s in msg]
     msh = segs[0][1]
     kind, event = _v(msh, 9, 1), _v(msh, 9, 2)
     adt, oru, orm = kind == "ADT" and event in _ADT, kind == "ORU" and event == "R01", kind == "ORM" and event == "O01"
     pids = [(i, s) for i, (n, s) in enumerate(segs) if n == "PID"]
-    if not (adt or oru or orm) or not pids or (adt and len(pids) > 1):
+    if not (adt or oru or orm) or not pids or (adt and len(pids) > 1) or len(pids) > spec.MAX_PATIENTS:
         return None
+    if len(pids) > 1 and _shared_identity([pid for _, pid in pids]):
+        return None  # one patient in two groups, or two groups with the same PID-3
     grouped = [i for i, (n, _) in enumerate(segs) if n in ("OBR", "OBX", "ORC", "NK1")]
     if len(pids) > 1 and any(i < pids[0][0] for i in grouped):
         return None  # before the first of several patients: nobody's for sure
@@ -69,6 +74,12 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
     urls = {g: _uuid(seed, "Patient" if g == 1 else f"Patient/{g}") for g in range(1, len(pids) + 1)}
     senders = {g: f"{identity}|{len(_raw(pid, 3))}:{_raw(pid, 3)}" for g, (_, pid) in enumerate(pids, 1)}
     subjects = {g: {"reference": url} for g, url in urls.items()}
+
+    def within(rows: list[tuple[int, Any]], k: int) -> int:
+        """The number of the ``k``-th of ``rows`` within its patient's group (the first group from 1)."""
+        g = owner(rows[k - 1][0])
+        return k - (0 if g == 1 else sum(p < pids[g - 1][0] for p, _ in rows))
+
     out: list[dict[str, Any]] = []
     for g, (_, pid) in enumerate(pids, 1):
         kin = [s for i, (n, s) in enumerate(segs) if n == "NK1" and owner(i) == g]
@@ -88,19 +99,20 @@ def bundle(payload: str, seed: str, options: FhirOptions) -> dict[str, Any] | No
         for k, (pos, obr) in enumerate(obrs, 1):
             results = [{"reference": _uuid(seed, f"OBX/{j}")} for j, (p, _) in enumerate(obxs, 1) if report(p) == k]
             g = owner(pos)
-            out.append(_report(obr, k, seed, senders[g], subjects[g], results, options))
+            out.append(_report(obr, k, within(obrs, k), seed, senders[g], subjects[g], results, options))
         out.extend(
-            _observation(obx, j, seed, senders[owner(pos)], subjects[owner(pos)], _notes(segs, pos), options)
+            _observation(
+                obx, j, within(obxs, j), seed, senders[owner(pos)], subjects[owner(pos)], _notes(segs, pos), options
+            )
             for j, (pos, obx) in enumerate(obxs, 1)
         )
     if orm:
         orcs = [(i, s) for i, (n, s) in enumerate(segs) if n == "ORC"]
         for k, (pos, obr) in enumerate(obrs, 1):
             g = owner(pos)
-            mine = [(p, s) for p, s in orcs if owner(p) == g]
-            before = [s for p, s in mine if p < pos]
-            orc = before[-1] if before else (mine[0][1] if mine else None)
-            out.append(_order(obr, orc, k, seed, senders[g], subjects[g], _notes(segs, pos), options))
+            before = [s for p, s in orcs if owner(p) == g and p < pos]
+            orc = before[-1] if before else None  # none before it in its group: no ORC fields
+            out.append(_order(obr, orc, k, within(obrs, k), seed, senders[g], subjects[g], _notes(segs, pos), options))
     puts = [e["request"]["url"] for e in out if e["request"]["method"] == "PUT"]
     if len(set(puts)) < len(puts):
         return None  # two entries on one conditional URL: refused, as a server would fail it
@@ -119,6 +131,30 @@ def _v(seg: Any, field: int, component: int = 1, sub: int = 1, rep: int = 1) -> 
     except IndexError:
         return None
     return _c(r, component, sub)
+
+
+_LOOSE_ID = re.compile(r"^[\s\ufeff]*([A-Za-z0-9]{3})(?:[^A-Za-z0-9]|$)")
+_USED = spec._USED
+
+
+def _misnamed(line: str) -> bool:
+    m = _LOOSE_ID.match(line)
+    return line[:3] not in _USED and m is not None and m.group(1).upper() in _USED
+
+
+def _shared_identity(pids: list[Any]) -> bool:
+    """Two PID-3 alike as sent, or one value from one assigning authority (namespace or universal id) in two."""
+    raw = [_raw(pid, 3) for pid in pids]
+    keys: list[str] = []
+    for pid in pids:
+        mine = set()
+        for r in _reps(pid, 3):
+            value = _trimmed(_c(r, 1))
+            mine |= {
+                f"{tag}|{auth}|{value}" for tag, auth in (("N", _c(r, 4, 1)), ("U", _c(r, 4, 2))) if value and auth
+            }
+        keys += mine
+    return len(set(raw)) < len(raw) or len(set(keys)) < len(keys)
 
 
 def _raw(seg: Any, field: int) -> str:
@@ -378,9 +414,9 @@ def _order_identifier(seg: Any, n: int, code: str, options: FhirOptions) -> dict
 
 
 def _report(
-    obr: Any, k: int, seed: str, sender: str, subject: Any, results: list[Any], options: FhirOptions
+    obr: Any, k: int, n: int, seed: str, sender: str, subject: Any, results: list[Any], options: FhirOptions
 ) -> dict[str, Any]:
-    ids = [i for i in (_order_identifier(obr, 3, "FILL", options), _stageline_identifier(sender, f"OBR/{k}")) if i]
+    ids = [i for i in (_order_identifier(obr, 3, "FILL", options), _stageline_identifier(sender, f"OBR/{n}")) if i]
     code = _codeable(_first(obr, 4), options) or {"text": "unknown"}
     resource = _drop_none(
         {
@@ -422,13 +458,20 @@ def _unescaped(text: str) -> str:
 
 
 def _observation(
-    obx: Any, j: int, seed: str, sender: str, subject: Any, notes: list[dict[str, str]], options: FhirOptions
+    obx: Any,
+    j: int,
+    n: int,
+    seed: str,
+    sender: str,
+    subject: Any,
+    notes: list[dict[str, str]],
+    options: FhirOptions,
 ) -> dict[str, Any]:
     resource: dict[str, Any] = (
         _drop_none(
             {
                 "resourceType": "Observation",
-                "identifier": [_stageline_identifier(sender, f"OBX/{j}")],
+                "identifier": [_stageline_identifier(sender, f"OBX/{n}")],
                 "status": spec._OBSERVATION_STATUS.get(_v(obx, 11) or "", "unknown"),
                 "code": _codeable(_first(obx, 3), options) or {"text": "unknown"},
                 "subject": subject,
@@ -468,7 +511,15 @@ def _json_number(text: str) -> str:
 
 
 def _order(
-    obr: Any, orc: Any, k: int, seed: str, sender: str, subject: Any, notes: list[dict[str, str]], options: FhirOptions
+    obr: Any,
+    orc: Any,
+    k: int,
+    n: int,
+    seed: str,
+    sender: str,
+    subject: Any,
+    notes: list[dict[str, str]],
+    options: FhirOptions,
 ) -> dict[str, Any]:
     placer = _order_identifier(obr, 2, "PLAC", options) or _order_identifier(orc, 2, "PLAC", options)
     filler = _order_identifier(obr, 3, "FILL", options) or _order_identifier(orc, 3, "FILL", options)
@@ -482,7 +533,7 @@ def _order(
     resource = _drop_none(
         {
             "resourceType": "ServiceRequest",
-            "identifier": [i for i in (placer, filler, _stageline_identifier(sender, f"ORD/{k}")) if i],
+            "identifier": [i for i in (placer, filler, _stageline_identifier(sender, f"ORD/{n}")) if i],
             "status": status,
             "intent": "order",
             "priority": spec._PRIORITY.get(priority or ""),

@@ -24,7 +24,16 @@ from bench.hl7_corpus import messages
 from bench.peers import fhir_peer
 from include.fhir_options import FHIR_CONTENT_TYPE
 from include.transforms_config import TransformConfigError, parse_transforms
-from spark_jobs.hl7_fhir import _BEFORE_FIRST_PID, _SAME_URL, _SEVERAL_PATIENTS, MAX_GROUP_SEGMENTS
+from spark_jobs.hl7_fhir import (
+    _BEFORE_FIRST_PID,
+    _MISNAMED,
+    _SAME_PATIENT,
+    _SAME_URL,
+    _SEVERAL_PATIENTS,
+    _TOO_MANY_PATIENTS,
+    MAX_GROUP_SEGMENTS,
+    MAX_PATIENTS,
+)
 from spark_jobs.transform_rules import transform
 from tests.spark_jobs.hl7_samples import (
     ADT_A01,
@@ -177,6 +186,39 @@ MULTI = {
     "orm orders before": "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240103||ORM^O01|G7|P|2.3\rORC|NW|O1\r"
     "PID|1||Q1^^^HOSP^MR||A^A\rOBR|1|O1||X^Y^L\rPID|2||Q2^^^HOSP^MR||B^B\rORC|NW|O2\rOBR|1|O2||Z^W^L\r",
 }
+
+
+def _panel(mrn: str, values: list[str]) -> str:
+    """One patient's group: a panel report with one result per value (codes T1, T2, ...)."""
+    pid = f"{mrn}^^^LAB^MR" if mrn else ""
+    obx = "".join(f"OBX|{n}|NM|T{n}^T{n}^LN||{v}\r" for n, v in enumerate(values, 1))
+    return f"PID|1||{pid}||P{mrn}^X\rOBR|1|||24331-1^Panel^LN\r{obx}"
+
+
+# The red team's findings on several patients (issue 27): the same message re-sent with its groups
+# in another order or a result fewer, patient identities that overlap, segment ids that are a PID
+# only once trimmed, an order with its ORC after it, more patient groups than the bound.
+_A, _B = _panel("RA", ["5.1", "140", "4.1", "101", "2.3", "0.9"]), _panel("RB", ["9.1", "7.5"])
+MULTI.update(
+    {
+        "groups AB": _M.format(cid="R1") + _A + _B,
+        "groups BA": _M.format(cid="R1") + _B + _A,
+        "groups A-1 B": _M.format(cid="R1") + _panel("RA", ["5.1", "140", "4.1", "101", "2.3"]) + _B,
+        "two anonymous": _M.format(cid="R2") + _panel("", ["13.0", "6.0"]) + _panel("", ["2.2", "150", "6.3"]),
+        "shared identifier": _M.format(cid="R3")
+        + _group("1", "1.0").replace("1^^^LAB^MR", "1^^^LAB^MR~999^^^HOSP")
+        + _group("", "2.0").replace("PID|1||", "PID|1||999^^^HOSP"),
+        "space before PID": _M.format(cid="R4") + _group("W1", "1") + " " + _group("W2", "2"),
+        "tab before PID": _M.format(cid="R5") + _group("W1", "1") + "\t" + _group("W2", "2"),
+        "BOM before PID": _M.format(cid="R6") + _group("W1", "1") + "\ufeff" + _group("W2", "2"),
+        "lowercase pid": _M.format(cid="R7") + _group("W1", "1") + _group("W2", "2").replace("PID|", "pid|"),
+        "adt space before PID": "MSH|^~\\&|A|B|C|D|2024||ADT^A01|R8|P|2.5.1\rPID|1||1^^^LAB^MR||ONE\r"
+        " PID|2||2^^^LAB^MR||TWO\r",
+        "orc after obr": "MSH|^~\\&|CPOE|HOSP|RIS|HOSP|20240103||ORM^O01|R9|P|2.3\rPID|1||Q1^^^HOSP^MR||A^A\r"
+        "ORC|NW|O1\rOBR|1|O1||X^Y^L\rPID|2||Q2^^^HOSP^MR||B^B\rOBR|1|O2||Z^W^L\rORC|CA|O3||||CA\r",
+        "too many patients": _M.format(cid="R10") + "".join(_group(f"N{i}", "1") for i in range(MAX_PATIENTS + 1)),
+    }
+)
 
 
 # The red team's findings against this mapping (issue 27): each row either maps right or is refused.
@@ -706,8 +748,8 @@ def test_hostile_patient_groups_are_mapped_under_the_right_patient_or_refused(ou
     reports = [e["resource"] for e in observed if e["resource"]["resourceType"] == "DiagnosticReport"]
     assert [len(r.get("result", [])) for r in reports] == [1, 0]  # O2's report: its OBX came before it
 
-    # One patient in two groups: two entries on one conditional URL, which a server fails whole.
-    assert out[("multi", "same patient")] == (_SAME_URL, None)
+    # One patient in two groups: refused (a server would fail its two entries on one conditional URL).
+    assert out[("multi", "same patient")] == (_SAME_PATIENT, None)
     # Results or orders before the first of several PIDs: whose they are is not said.
     assert out[("multi", "before the first")] == (_BEFORE_FIRST_PID, None)
     assert out[("multi", "orm orders before")] == (_BEFORE_FIRST_PID, None)
@@ -722,3 +764,60 @@ def test_the_python_peer_agrees_on_several_patients(out: dict[Any, Any]) -> None
         text = out[(group, key)][1]
         got = fhir_peer.bundle(payload, SEEDS[(group, key)], options)
         assert got == (json.loads(text) if text else None), key
+
+
+def _observed(out: dict[Any, Any], key: str) -> dict[str, tuple[str, str, float]]:
+    """Each Observation's conditional URL → (its patient's MRN, its code, its value)."""
+    entries = _multi(out, "multi", key)
+    mrn = {
+        e["fullUrl"]: e["resource"]["identifier"][0]["value"]
+        for e in entries
+        if e["resource"]["resourceType"] == "Patient"
+    }
+    return {
+        e["request"]["url"]: (
+            mrn[r["subject"]["reference"]],
+            r["code"]["coding"][0]["code"],
+            r["valueQuantity"]["value"],
+        )
+        for e in entries
+        if (r := e["resource"])["resourceType"] == "Observation"
+    }
+
+
+def test_a_resent_message_writes_each_result_on_its_own_url_whatever_the_other_groups(out: dict[Any, Any]) -> None:
+    """Re-sent with its groups in another order, or a result fewer in the first, a message's results
+    keep their conditional URLs: each is numbered within its patient's group (red team H, issue 27)."""
+    first = _observed(out, "groups AB")
+    assert len(first) == 8 and len(set(first.values())) == 8
+    assert _observed(out, "groups BA") == first
+    fewer = _observed(out, "groups A-1 B")
+    assert len(fewer) == 7 and all(first[url] == result for url, result in fewer.items())
+
+    # Reports too: each group's panel keeps its URL.
+    def reports(key: str) -> dict[str, str]:
+        entries = _multi(out, "multi", key)
+        return {
+            e["request"]["url"]: e["resource"]["subject"]["reference"]
+            for e in entries
+            if e["resource"]["resourceType"] == "DiagnosticReport"
+        }
+
+    assert set(reports("groups AB")) == set(reports("groups BA"))
+    # Two groups without a PID-3 could not be told apart on a re-send: refused.
+    assert out[("multi", "two anonymous")] == (_SAME_PATIENT, None)
+
+
+def test_hostile_patient_identities_and_segment_ids_are_refused(out: dict[Any, Any]) -> None:
+    # The same identifier (HOSP|999) in two groups, as the second of one's and the first of the other's.
+    assert out[("multi", "shared identifier")] == (_SAME_PATIENT, None)
+    for key in ("space before PID", "tab before PID", "BOM before PID", "lowercase pid", "adt space before PID"):
+        assert out[("multi", key)] == (_MISNAMED, None), key
+    assert out[("multi", "too many patients")] == (_TOO_MANY_PATIENTS, None)
+
+
+def test_an_order_without_an_orc_before_it_takes_none_after_it(out: dict[Any, Any]) -> None:
+    entries = _multi(out, "multi", "orc after obr")
+    orders = [e["resource"] for e in entries if e["resource"]["resourceType"] == "ServiceRequest"]
+    assert [o["status"] for o in orders] == ["active", "unknown"]  # not the CA after patient 2's OBR
+    assert next(i.get("value") for i in orders[1]["identifier"]) == "O2"
