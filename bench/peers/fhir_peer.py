@@ -9,8 +9,8 @@ resources for the benchmark's corpus). Routing is the message-type test of the o
 
 Scope: the benchmark's corpus (default separators; escape sequences decoded in notes only, the one
 mapped field where the corpus has them) and messages with several patient groups; it does not
-reproduce the Spark mapping's corner cases (custom separators, SN ratios, batches, the segment
-bounds).
+reproduce the Spark mapping's corner cases (custom separators, SN ratios, batches, the per-type
+segment bounds; it does apply the 100-PID bound).
 """
 
 from __future__ import annotations
