@@ -409,7 +409,7 @@ def route_and_transform(
             batch,
             Phases(),
             ROUTE,
-            lambda frame, run: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run),
+            lambda frame, run_id: frame.transform(routed_rows, parse_routes(ROUTES), run_id=run_id),
             most=messages,
             passthrough=passthrough,
         )
@@ -422,7 +422,7 @@ def route_and_transform(
             batch,
             Phases(),
             TRANSFORM,
-            lambda frame, run: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run),
+            lambda frame, run_id: frame.transform(transform_job.outbound_rows, SPECS, LOOKUPS, dests, run_id=run_id),
             passthrough=passthrough,
         )
         transform_s = time.perf_counter() - started
