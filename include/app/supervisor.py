@@ -151,7 +151,15 @@ class Stack:
             except psutil.NoSuchProcess:
                 continue
             _end(list({proc.pid: proc for proc in tree + _session(p.popen.pid)}.values()), timeout)
-            p.popen.wait(5)
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:  # seen once in a suite run (the lab's scheduler): kill it by its Popen
+                p.popen.kill()
+                try:
+                    p.popen.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.echo(f"  {p.name} (pid {p.popen.pid}) did not exit after SIGKILL")
+                    continue
             _end(_session(p.popen.pid), timeout)
             self.echo(f"  stopped {p.name}")
 
