@@ -194,25 +194,19 @@ def read_claimed(
         with store.transaction(write=False) as tx:
             found = tx.all(stage.read_query, {"owner": owner, "epoch": int(epoch)})
         return spark.createDataFrame([tuple(r[c] for c in stage.columns) for r in found], stage.schema)
-    query = stage.read_sql(store, owner=owner, epoch=epoch)
     ranges = id_ranges(ids, rows=rows_per_partition, most=max_partitions) if ids else []
-    if len(ranges) < 2:
-        return (
-            spark.read.format("jdbc")
-            .options(**jdbc_options(store.config))
-            .option("query", query)
-            .option("customSchema", stage.schema)
-            .option("fetchsize", "1000")
-            .load()
-        )
-    # One partition (own connection, own query) per id range: the transform and the landing write
-    # then run on as many cores as there are ranges, not on one.
-    return spark.read.jdbc(
-        jdbc_options(store.config)["url"],
-        f"({query}) claimed",
-        predicates=[f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges],
-        properties={**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"},
-    )
+    query = stage.read_sql(store, owner=owner, epoch=epoch)
+    return _jdbc_read(store, spark, stage, query, [f"id BETWEEN {lo} AND {hi}" for lo, hi in ranges])
+
+
+def _jdbc_read(store: Store, spark: SparkSession, stage: Stage, query: str, predicates: list[str]) -> DataFrame:
+    """`query` over JDBC as `stage.schema`: one partition (own connection, own query) per predicate,
+    so the transform and the landing write run on as many cores as there are predicates; with fewer
+    than two, one plain read."""
+    options = {**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"}
+    if len(predicates) < 2:
+        return spark.read.format("jdbc").options(**options).option("query", query).load()
+    return spark.read.jdbc(options["url"], f"({query}) claimed", predicates=predicates, properties=options)
 
 
 def landing_frame(
@@ -301,15 +295,7 @@ def read_task(store: Store, spark: SparkSession, stage: Stage, *, prefix: str, e
     """The rows in flight under `epoch` whose owner starts with `prefix`, over JDBC as `stage.schema`,
     in `parts` partitions by `id % parts`: a read whose plan is the same for every batch of a task."""
     query = stage.read_task_sql(store, prefix=prefix, epoch=epoch)
-    options = {**jdbc_options(store.config), "customSchema": stage.schema, "fetchsize": "1000"}
-    if parts < 2:
-        return spark.read.format("jdbc").options(**options).option("query", query).load()
-    return spark.read.jdbc(
-        options["url"],
-        f"({query}) claimed",
-        predicates=[f"id % {parts} = {k}" for k in range(parts)],
-        properties=options,
-    )
+    return _jdbc_read(store, spark, stage, query, [f"id % {parts} = {k}" for k in range(parts)])
 
 
 def id_ranges(
